@@ -1,0 +1,34 @@
+# Two commands for a fresh machine:
+#   make train   creates .venv, installs paxcli, trains the built-in default experiment
+#   make test    creates .venv, installs paxcli with test extras, runs the default test suite
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.paxcli-installed
+
+.PHONY: install train test test-slow bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+train: $(STAMP)
+	$(BIN)/pax train $(ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q $(ARGS)
+
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -q -m slow $(ARGS)
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/train_step.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info

@@ -1,0 +1,27 @@
+"""Errors that are the user's to fix: the CLI prints them as one clear message, no traceback."""
+
+from __future__ import annotations
+
+import difflib
+from typing import Iterable
+
+
+class UserError(Exception):
+  """A mistake in the user's input (experiment name, override, mesh, file).
+
+  The CLI catches it, prints the message in red and exits non-zero.
+  """
+
+  exit_code = 2
+
+
+def did_you_mean(name: str, candidates: Iterable[str], n: int = 3) -> str:
+  """Returns ' Did you mean X or Y?' for the closest candidates, or ''."""
+  candidates = list(candidates)
+  close = difflib.get_close_matches(name, candidates, n=n, cutoff=0.6)
+  if not close:
+    lowered = {c.lower(): c for c in candidates}
+    close = [lowered[c] for c in difflib.get_close_matches(name.lower(), list(lowered), n=n, cutoff=0.5)]
+  if not close:
+    return ''
+  return ' Did you mean ' + ' or '.join(repr(c) for c in close) + '?'

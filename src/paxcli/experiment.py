@@ -1,0 +1,237 @@
+"""Experiments: Pax-style classes with UPPERCASE knobs, a registry and lookup.
+
+An experiment declares knobs as annotated UPPERCASE class attributes and builds two
+fiddle configs from them: `task()` (model and training settings) and `datasets()`
+(input configs). Unlike Pax, an UPPERCASE attribute that no class in the hierarchy
+declares is an error, so `PER_CORE_BATCH_SIZE = 8` cannot pass silently.
+
+This module imports no jax, flax or tensorflow: `pax experiments` stays quick.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import os
+import pkgutil
+import re
+import sys
+import typing
+from typing import Any, Literal, Optional
+
+from paxcli import types as ptypes
+from paxcli.errors import UserError, did_you_mean
+
+_KNOB_RE = re.compile(r'^[A-Z][A-Z0-9_]*$')
+_REGISTRY: dict[str, type['Experiment']] = {}
+RECIPES_PACKAGE = 'paxcli.recipes'
+DEFAULT_EXPERIMENT = 'default.StdlibDocsLm'
+
+ActivationName = Literal['gelu', 'relu', 'silu', 'swish']
+NormName = Literal['layernorm', 'rmsnorm']
+PositionName = Literal['learned', 'rotary', 'none']
+DTypeName = Literal['float32', 'bfloat16', 'float16']
+CheckpointPolicyName = Literal['none', 'save_nothing', 'save_dot_only', 'save_dot_with_no_batch_dim',
+                               'save_qkv_out_proj', 'save_everything']
+OptimizerName = Literal['adam', 'adamw', 'adafactor', 'sgd']
+ScheduleName = Literal['constant', 'linear_rampup_cosine_decay', 'linear_rampup_exponential_decay']
+
+
+class Experiment:
+  """Base of all experiments. Subclasses set knobs and override `task()`/`datasets()`."""
+
+  # Mesh: axes ('replica', 'data', 'mdl'). None means every device on `data`.
+  ICI_MESH_SHAPE: Optional[list[int]] = None
+  DCN_MESH_SHAPE: Optional[list[int]] = None
+  # Examples per device per step; below 1 means fewer infeed hosts than processes.
+  PERCORE_BATCH_SIZE: float = 4
+  RANDOM_SEED: int = 1234
+  # Environment variables set before jax starts, per platform ('cpu', 'gpu', 'tpu'),
+  # e.g. {'tpu': {'LIBTPU_INIT_ARGS': '...'}, 'gpu': {'XLA_FLAGS': '...'}}.
+  PLATFORM_ENV: dict[str, dict[str, str]] = {}
+  # Features the source of this experiment needs that paxcli cannot honour (name ->
+  # why), e.g. from a MaxText import. `pax train` refuses to run while any is listed,
+  # rather than silently training a different model; `--set UNSUPPORTED_FEATURES={}`
+  # accepts the difference.
+  UNSUPPORTED_FEATURES: dict[str, str] = {}
+
+  def task(self):
+    """Returns a fiddle config of `paxcli.tasks.Task`."""
+    raise NotImplementedError(f'{type(self).__name__} must define task().')
+
+  def datasets(self) -> list:
+    """Returns fiddle configs of inputs; exactly one has is_training=True."""
+    raise NotImplementedError(f'{type(self).__name__} must define datasets().')
+
+  # ---- knob machinery -------------------------------------------------------------
+
+  @classmethod
+  def knob_types(cls) -> dict[str, Any]:
+    """Declared knobs (annotated UPPERCASE names over the whole hierarchy) and types."""
+    types: dict[str, Any] = {}
+    for klass in reversed(cls.__mro__):
+      if klass is object:
+        continue
+      module = sys.modules.get(klass.__module__)
+      hints = typing.get_type_hints(klass, globalns=vars(module) if module else None,
+                                    localns=dict(vars(ptypes)) | {'Literal': Literal, 'Optional': Optional})
+      own = klass.__dict__.get('__annotations__', {})
+      for name in own:
+        if _KNOB_RE.match(name):
+          types[name] = hints.get(name, Any)
+    return types
+
+  @classmethod
+  def check_knobs(cls) -> None:
+    """Raises UserError for an UPPERCASE assignment that no class declares."""
+    declared = cls.knob_types()
+    for klass in cls.__mro__:
+      if klass is object:
+        continue
+      for name, value in klass.__dict__.items():
+        if not _KNOB_RE.match(name) or name in declared or callable(value):
+          continue
+        raise UserError(
+            f'{klass.__name__}.{name} is not a declared knob.{did_you_mean(name, declared)} '
+            f'(Declare a new knob with a type annotation, e.g. `{name}: int = ...`.)')
+
+  def knobs(self) -> dict[str, Any]:
+    """Current knob values (class defaults with instance overrides)."""
+    return {name: getattr(self, name) for name in sorted(self.knob_types())}
+
+  def set_knob(self, name: str, raw: Any) -> None:
+    """Sets one knob from a raw value (a string from the command line, or a value)."""
+    types = self.knob_types()
+    if name not in types:
+      raise UserError(f'Unknown knob {name!r} for experiment {type(self).__name__}.'
+                      f'{did_you_mean(name, types)}')
+    value = ptypes.parse_value(raw) if isinstance(raw, str) else raw
+    setattr(self, name, ptypes.coerce(value, types[name], name))
+
+  @classmethod
+  def registered_name(cls) -> str:
+    return getattr(cls, '_registered_name', f'{cls.__module__}.{cls.__qualname__}')
+
+
+def register(cls: type[Experiment]) -> type[Experiment]:
+  """Class decorator: makes an experiment available by `<module>.<Class>` and `<Class>`."""
+  module = cls.__module__
+  if module.startswith(RECIPES_PACKAGE + '.'):
+    module = module[len(RECIPES_PACKAGE) + 1:]
+  name = f'{module}.{cls.__name__}'
+  cls._registered_name = name
+  _REGISTRY[name] = cls
+  return cls
+
+
+def import_all_recipes() -> dict[str, type[Experiment]]:
+  """Imports every module of `paxcli.recipes` and returns the registry."""
+  package = importlib.import_module(RECIPES_PACKAGE)
+  for info in pkgutil.iter_modules(package.__path__):
+    if not info.name.startswith('_'):
+      importlib.import_module(f'{RECIPES_PACKAGE}.{info.name}')
+  return dict(_REGISTRY)
+
+
+def _load_file(path: str, class_name: str) -> type[Experiment]:
+  if not os.path.isfile(path):
+    raise UserError(f'Experiment file {path!r} does not exist.')
+  module_name = '_paxcli_user_' + re.sub(r'\W', '_', os.path.abspath(path))
+  if module_name not in sys.modules:
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    directory = os.path.dirname(os.path.abspath(path))
+    if directory not in sys.path:
+      sys.path.insert(0, directory)  # so the file can import its neighbours
+    try:
+      spec.loader.exec_module(module)
+    except UserError:
+      del sys.modules[module_name]
+      raise
+    except SyntaxError as e:
+      del sys.modules[module_name]
+      raise UserError(f'{path}, line {e.lineno}: syntax error: {e.msg}') from None
+  module = sys.modules[module_name]
+  return _class_from_module(module, class_name, path)
+
+
+def _class_from_module(module, class_name: str, where: str) -> type[Experiment]:
+  cls = getattr(module, class_name, None)
+  if cls is None:
+    names = [n for n, v in vars(module).items() if inspect.isclass(v) and issubclass(v, Experiment)]
+    raise UserError(f'No experiment class {class_name!r} in {where}.{did_you_mean(class_name, names)}')
+  if not (inspect.isclass(cls) and issubclass(cls, Experiment)):
+    raise UserError(f'{where}:{class_name} is not a subclass of paxcli.experiment.Experiment.')
+  return cls
+
+
+def _try_import(module_name: str):
+  try:
+    return importlib.import_module(module_name)
+  except ModuleNotFoundError as e:
+    if e.name and (module_name == e.name or module_name.startswith(e.name + '.')):
+      return None
+    raise
+
+
+def lookup(name: Optional[str]) -> type[Experiment]:
+  """Finds an experiment class by registered name, `module.Class` or `file.py:Class`."""
+  name = name or DEFAULT_EXPERIMENT
+  if ':' in name:
+    path, class_name = name.rsplit(':', 1)
+    cls = _load_file(path, class_name)
+  else:
+    registry = import_all_recipes()
+    if name in registry:
+      cls = registry[name]
+    else:
+      by_class = {}
+      for key, value in registry.items():
+        by_class.setdefault(key.rsplit('.', 1)[1], []).append(value)
+      if '.' not in name and len(by_class.get(name, [])) == 1:
+        cls = by_class[name][0]
+      elif '.' in name:
+        module_name, class_name = name.rsplit('.', 1)
+        if os.getcwd() not in sys.path:
+          sys.path.insert(0, os.getcwd())
+        module = _try_import(f'{RECIPES_PACKAGE}.{module_name}') or _try_import(module_name)
+        if module is None:
+          raise UserError(f'Unknown experiment {name!r}: no module {module_name!r}.'
+                          f'{did_you_mean(name, registry)} (`pax experiments` lists them.)')
+        cls = _class_from_module(module, class_name, module_name)
+      else:
+        raise UserError(f'Unknown experiment {name!r}.'
+                        f'{did_you_mean(name, list(registry) + list(by_class))} '
+                        '(`pax experiments` lists them.)')
+  cls.check_knobs()
+  return cls
+
+
+def instantiate(name: Optional[str], overrides: list[str] = ()) -> tuple[Experiment, list[tuple[str, Any]]]:
+  """Looks up and instantiates an experiment, applying UPPERCASE knob overrides.
+
+  Returns the experiment and the remaining dotted-path overrides (key, raw value),
+  which apply to the configs built by `task()` and `datasets()`.
+  """
+  cls = lookup(name)
+  exp = cls()
+  rest = []
+  for item in overrides:
+    key, raw = split_override(item)
+    if _KNOB_RE.match(key):
+      exp.set_knob(key, raw)
+    else:
+      rest.append((key, raw))
+  return exp, rest
+
+
+def split_override(item: str) -> tuple[str, str]:
+  if '=' not in item:
+    raise UserError(f'Override {item!r} is not KEY=VALUE (e.g. --set NUM_LAYERS=2).')
+  key, raw = item.split('=', 1)
+  key = key.strip()
+  if not key:
+    raise UserError(f'Override {item!r} has an empty key.')
+  return key, raw

@@ -1,0 +1,106 @@
+"""LmExperiment: the base for decoder-only Transformer language-model experiments."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import fiddle as fdl
+
+from paxcli.experiment import (ActivationName, CheckpointPolicyName, DTypeName, Experiment, NormName,
+                               OptimizerName, PositionName, ScheduleName)
+
+
+class LmExperiment(Experiment):
+  """A decoder-only Transformer LM; knobs as in Pax's LmCloud and MaxText models.
+
+  Subclasses set knobs and, where they need more, override `task()` (call super and
+  edit the config, e.g. `task.train.num_train_steps = 300`) or `datasets()`.
+  """
+
+  NUM_LAYERS: int = 2
+  MODEL_DIMS: int = 64
+  HIDDEN_DIMS: int = 256
+  NUM_HEADS: int = 4
+  NUM_KV_HEADS: Optional[int] = None      # None: same as NUM_HEADS; fewer: grouped-query attention
+  DIMS_PER_HEAD: Optional[int] = None     # None: MODEL_DIMS // NUM_HEADS
+  VOCAB_SIZE: int = 256
+  MAX_SEQ_LEN: int = 64
+  ACTIVATION: ActivationName = 'gelu'
+  USE_GATED_ACTIVATION: bool = False
+  NORM_TYPE: NormName = 'layernorm'
+  USE_BIAS: bool = True
+  POSITION_EMBEDDING: PositionName = 'learned'
+  ROTARY_MAX_TIMESCALE: float = 10000.0
+  SEPARATE_EMBEDDING: bool = False        # False: output logits use the token embedding (tied)
+  DROPOUT_PROB: float = 0.0
+  FPROP_DTYPE: DTypeName = 'float32'      # activations; weights stay float32
+  USE_REPEATED_LAYER: bool = False        # nn.scan over layers
+  CHECKPOINT_POLICY: CheckpointPolicyName = 'save_nothing'
+
+  OPTIMIZER: OptimizerName = 'adamw'
+  LEARNING_RATE: float = 1e-3
+  ADAM_BETA1: float = 0.9
+  ADAM_BETA2: float = 0.99
+  ADAM_EPSILON: float = 1e-8
+  WEIGHT_DECAY: float = 0.0
+  CLIP_GRADIENT_NORM_TO_VALUE: float = 1.0
+  LR_SCHEDULE: ScheduleName = 'constant'
+  LR_WARMUP_STEPS: int = 0
+  LR_DECAY_START: int = 0
+  LR_DECAY_END: int = 0
+  LR_MIN_RATIO: float = 0.1
+
+  NUM_TRAIN_STEPS: int = 100
+  SAVE_INTERVAL_STEPS: int = 100
+  SUMMARY_INTERVAL_STEPS: int = 10
+
+  def model(self) -> fdl.Config:
+    from paxcli.models import TransformerLm  # flax: imported only when configs are built
+    return fdl.Config(
+        TransformerLm,
+        vocab_size=self.VOCAB_SIZE,
+        num_layers=self.NUM_LAYERS,
+        model_dims=self.MODEL_DIMS,
+        hidden_dims=self.HIDDEN_DIMS,
+        num_heads=self.NUM_HEADS,
+        num_kv_heads=self.NUM_KV_HEADS or self.NUM_HEADS,
+        dims_per_head=self.DIMS_PER_HEAD or self.MODEL_DIMS // self.NUM_HEADS,
+        max_seq_len=self.MAX_SEQ_LEN,
+        activation=self.ACTIVATION,
+        use_gated_activation=self.USE_GATED_ACTIVATION,
+        norm_type=self.NORM_TYPE,
+        use_bias=self.USE_BIAS,
+        position_embedding=self.POSITION_EMBEDDING,
+        rotary_max_timescale=self.ROTARY_MAX_TIMESCALE,
+        separate_embedding=self.SEPARATE_EMBEDDING,
+        dropout_prob=self.DROPOUT_PROB,
+        fprop_dtype=self.FPROP_DTYPE,
+        scan_layers=self.USE_REPEATED_LAYER,
+        checkpoint_policy=self.CHECKPOINT_POLICY,
+    )
+
+  def task(self) -> fdl.Config:
+    from paxcli.tasks import OptimizerConfig, ScheduleConfig, Task, TrainConfig
+    train = fdl.Config(
+        TrainConfig,
+        num_train_steps=self.NUM_TRAIN_STEPS,
+        save_interval_steps=self.SAVE_INTERVAL_STEPS,
+        summary_interval_steps=self.SUMMARY_INTERVAL_STEPS,
+        learning_rate=self.LEARNING_RATE,
+        clip_gradient_norm_to_value=self.CLIP_GRADIENT_NORM_TO_VALUE,
+        optimizer=fdl.Config(OptimizerConfig, name=self.OPTIMIZER, beta1=self.ADAM_BETA1,
+                             beta2=self.ADAM_BETA2, epsilon=self.ADAM_EPSILON,
+                             weight_decay=self.WEIGHT_DECAY),
+        lr_schedule=fdl.Config(ScheduleConfig, kind=self.LR_SCHEDULE, warmup_steps=self.LR_WARMUP_STEPS,
+                               decay_start=self.LR_DECAY_START, decay_end=self.LR_DECAY_END,
+                               min_ratio=self.LR_MIN_RATIO),
+    )
+    return fdl.Config(Task, model=self.model(), train=train)
+
+  def datasets(self) -> list:
+    """Synthetic LM data; override for real inputs (see recipes/default.py)."""
+    from paxcli.inputs.synthetic import SyntheticLmInput
+    return [
+        fdl.Config(SyntheticLmInput, name='train', is_training=True, seq_len=self.MAX_SEQ_LEN,
+                   vocab_size=self.VOCAB_SIZE, seed=self.RANDOM_SEED),
+    ]

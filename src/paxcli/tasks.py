@@ -1,0 +1,58 @@
+"""The task: the model plus how to train it. Plain dataclasses, configured with fiddle."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal, Optional
+
+
+@dataclasses.dataclass
+class OptimizerConfig:
+  """An optax optimizer. `weight_decay` is decoupled (AdamW-style) for adamw/adafactor."""
+  name: Literal['adam', 'adamw', 'adafactor', 'sgd'] = 'adamw'
+  beta1: float = 0.9
+  beta2: float = 0.99
+  epsilon: float = 1e-8
+  weight_decay: float = 0.0
+  momentum: float = 0.9  # sgd only
+
+
+@dataclasses.dataclass
+class ScheduleConfig:
+  """Learning-rate multiplier over steps (the peak rate is TrainConfig.learning_rate).
+
+  kind:
+    constant: 1 after `warmup_steps` of linear ramp from 0.
+    linear_rampup_cosine_decay: ramp to 1 over `warmup_steps`, cosine from
+      `decay_start` to `decay_end` down to `min_ratio`, then constant.
+    linear_rampup_exponential_decay: ramp to 1, exponential from `decay_start` to
+      `decay_end` down to `min_ratio` (Pax's linear_rampup_exponential_decay).
+  """
+  kind: Literal['constant', 'linear_rampup_cosine_decay', 'linear_rampup_exponential_decay'] = 'constant'
+  warmup_steps: int = 0
+  decay_start: int = 0
+  decay_end: int = 0
+  min_ratio: float = 0.1
+
+
+@dataclasses.dataclass
+class TrainConfig:
+  """Pax's task.train knobs, with the learner (optimizer, schedule, clipping) beside them."""
+  num_train_steps: int = 100
+  save_interval_steps: int = 100
+  save_max_to_keep: int = 3
+  summary_interval_steps: int = 10
+  eval_interval_steps: int = 0  # 0: no eval during training
+  learning_rate: float = 1e-3
+  clip_gradient_norm_to_value: float = 1.0  # 0: no clipping
+  optimizer: Any = dataclasses.field(default_factory=OptimizerConfig)
+  lr_schedule: Any = dataclasses.field(default_factory=ScheduleConfig)
+
+
+@dataclasses.dataclass
+class Task:
+  """What to train: a flax model (built from its fiddle config) and TrainConfig."""
+  model: Any
+  train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+  # Logical axis name -> mesh axes, overriding entries of paxcli.sharding.DEFAULT_RULES.
+  sharding_rules: Optional[dict] = None

@@ -1,0 +1,123 @@
+"""Parsing command-line values and checking them against declared types."""
+
+from __future__ import annotations
+
+import ast
+import types
+import typing
+from typing import Any, Literal, Union
+
+from paxcli.errors import UserError, did_you_mean
+
+_NONE = type(None)
+
+
+def parse_value(raw: str) -> Any:
+  """A Python literal if `raw` is one (2, 3e-4, [1, 4, 1], None, True), else the string."""
+  text = raw.strip()
+  try:
+    return ast.literal_eval(text)
+  except (ValueError, SyntaxError, MemoryError, RecursionError):
+    return text
+
+
+def type_name(tp: Any) -> str:
+  origin = typing.get_origin(tp)
+  if origin is Literal:
+    return ' | '.join(repr(a) for a in typing.get_args(tp))
+  if origin in (Union, types.UnionType):
+    return ' | '.join(type_name(a) for a in typing.get_args(tp))
+  if tp is _NONE:
+    return 'None'
+  if origin is not None:
+    args = ', '.join(type_name(a) for a in typing.get_args(tp))
+    return f'{getattr(origin, "__name__", str(origin))}[{args}]'
+  return getattr(tp, '__name__', str(tp))
+
+
+class _Mismatch(Exception):
+  pass
+
+
+def _coerce(value: Any, tp: Any) -> Any:
+  if tp is Any or tp is object:
+    return value
+  origin = typing.get_origin(tp)
+  args = typing.get_args(tp)
+  if origin is Literal:
+    if value in args:
+      return value
+    if isinstance(value, str):
+      lowered = value.lower()
+      for arg in args:
+        if isinstance(arg, str) and arg.lower() == lowered:
+          return arg
+    raise _Mismatch()
+  if origin in (Union, types.UnionType):
+    if value is None and _NONE in args:
+      return None
+    for arg in args:
+      if arg is _NONE:
+        continue
+      try:
+        return _coerce(value, arg)
+      except _Mismatch:
+        continue
+    raise _Mismatch()
+  if tp is _NONE:
+    if value is None:
+      return None
+    raise _Mismatch()
+  if origin in (list, tuple, typing.Sequence) or tp in (list, tuple):
+    if not isinstance(value, (list, tuple)):
+      raise _Mismatch()
+    if origin is tuple and args and not (len(args) == 2 and args[1] is Ellipsis):
+      if len(args) != len(value):
+        raise _Mismatch()
+      items = [_coerce(v, a) for v, a in zip(value, args)]
+    else:
+      inner = args[0] if args else Any
+      items = [_coerce(v, inner) for v in value]
+    return tuple(items) if (origin is tuple or tp is tuple) else list(items)
+  if origin is dict or tp is dict:
+    if not isinstance(value, dict):
+      raise _Mismatch()
+    if args:
+      return {_coerce(k, args[0]): _coerce(v, args[1]) for k, v in value.items()}
+    return dict(value)
+  if tp is bool:
+    if isinstance(value, bool):
+      return value
+    if isinstance(value, str) and value.lower() in ('true', 'false', 'yes', 'no', 'on', 'off'):
+      return value.lower() in ('true', 'yes', 'on')
+    raise _Mismatch()
+  if tp is int:
+    if isinstance(value, int) and not isinstance(value, bool):
+      return value
+    if isinstance(value, float) and value.is_integer():
+      return int(value)
+    raise _Mismatch()
+  if tp is float:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+      return float(value)
+    raise _Mismatch()
+  if tp is str:
+    if isinstance(value, str):
+      return value
+    raise _Mismatch()
+  if isinstance(tp, type):
+    if isinstance(value, tp):
+      return value
+    raise _Mismatch()
+  return value  # an annotation we cannot check (a forward reference, a protocol)
+
+
+def coerce(value: Any, tp: Any, name: str) -> Any:
+  """Returns `value` converted to `tp` (int -> float, 'true' -> True, ...) or raises UserError."""
+  try:
+    return _coerce(value, tp)
+  except _Mismatch:
+    hint = ''
+    if typing.get_origin(tp) is Literal and isinstance(value, str):
+      hint = did_you_mean(value, [a for a in typing.get_args(tp) if isinstance(a, str)])
+    raise UserError(f'{name} must be {type_name(tp)}, got {value!r}.{hint}') from None
