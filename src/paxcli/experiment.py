@@ -69,15 +69,13 @@ class Experiment:
   @classmethod
   def knob_types(cls) -> dict[str, Any]:
     """Declared knobs (annotated UPPERCASE names over the whole hierarchy) and types."""
+    try:
+      hints = typing.get_type_hints(cls)
+    except Exception:  # an unresolvable annotation in a user's class: check that knob loosely
+      hints = {}
     types: dict[str, Any] = {}
     for klass in reversed(cls.__mro__):
-      if klass is object:
-        continue
-      module = sys.modules.get(klass.__module__)
-      hints = typing.get_type_hints(klass, globalns=vars(module) if module else None,
-                                    localns=dict(vars(ptypes)) | {'Literal': Literal, 'Optional': Optional})
-      own = klass.__dict__.get('__annotations__', {})
-      for name in own:
+      for name in klass.__dict__.get('__annotations__', {}):
         if _KNOB_RE.match(name):
           types[name] = hints.get(name, Any)
     return types

@@ -6,7 +6,6 @@ import os
 import sys
 from typing import Optional
 
-import click
 import typer
 
 from paxcli.errors import UserError
@@ -53,23 +52,15 @@ def error(message: str) -> None:
 
 
 def run_app(app: typer.Typer, argv: list[str]) -> None:
+  """Runs the app; a UserError becomes one red line and its exit code, never a traceback."""
   try:
-    app(args=argv, prog_name='pax', standalone_mode=False)
+    app(args=argv, prog_name='pax')  # standalone: usage errors print and exit 2 themselves
   except UserError as e:
     error(_escape(str(e)))
     sys.exit(e.exit_code)
-  except click.exceptions.Exit as e:
-    sys.exit(e.exit_code)
-  except click.ClickException as e:
-    e.show()
-    sys.exit(e.exit_code)
-  except click.exceptions.Abort:
-    error('aborted.')
-    sys.exit(1)
   except KeyboardInterrupt:
     error('interrupted.')
     sys.exit(130)
-  sys.exit(0)
 
 
 def _escape(text: str) -> str:

@@ -1,0 +1,48 @@
+"""The built-in default: a small LM on the docstrings of Python's standard library.
+
+Run it with `pax train` (or `make train` on a fresh machine). It needs no download: the
+text is read from the standard-library sources of the Python running paxcli, and a
+2048-piece sentencepiece model is trained on it at first use (a few seconds, cached
+under ~/.cache/paxcli). On 2 CPU cores expect about 1 step/s: the loss falls from
+about 7.6 (ln 2048) to about 5 by step 100 and keeps falling through step 200
+(about 3-4 minutes in all); on a GPU it takes seconds.
+"""
+
+import fiddle as fdl
+
+from paxcli.experiment import register
+from paxcli.lm import LmExperiment
+
+
+@register
+class StdlibDocsLm(LmExperiment):
+  """A 4-layer, 256-wide LM on stdlib docstrings (no download); loss falls within ~3 min on CPU."""
+
+  NUM_LAYERS = 4
+  MODEL_DIMS = 256
+  HIDDEN_DIMS = 1024
+  NUM_HEADS = 4
+  VOCAB_SIZE = 2048
+  MAX_SEQ_LEN = 128
+  POSITION_EMBEDDING = 'rotary'
+  NORM_TYPE = 'rmsnorm'
+  USE_BIAS = False
+  PERCORE_BATCH_SIZE = 16
+  CHECKPOINT_POLICY = 'none'
+  LEARNING_RATE = 3e-3
+  LR_SCHEDULE = 'linear_rampup_cosine_decay'
+  LR_WARMUP_STEPS = 20
+  LR_MIN_RATIO = 0.1
+  WEIGHT_DECAY = 0.01
+  NUM_TRAIN_STEPS = 200
+  SAVE_INTERVAL_STEPS = 50
+  SUMMARY_INTERVAL_STEPS = 10
+
+  def datasets(self) -> list:
+    from paxcli.inputs.corpus import StdlibDocsInput
+    common = dict(seq_len=self.MAX_SEQ_LEN, vocab_size=self.VOCAB_SIZE, seed=self.RANDOM_SEED)
+    return [
+        fdl.Config(StdlibDocsInput, name='train', split='train', is_training=True, **common),
+        fdl.Config(StdlibDocsInput, name='eval', split='eval', is_training=False, repeat=False,
+                   reset_for_eval=True, **common),
+    ]

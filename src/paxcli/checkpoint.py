@@ -1,0 +1,107 @@
+"""Checkpoints with orbax: save every N steps and at the end, keep K, resume from the latest.
+
+A checkpoint step holds two items: `state` (params, optimizer state, step; sharded
+arrays written by every process) and `meta` (JSON written by process 0: the global
+count of input batches consumed, and the config the run was started with).
+
+A save interrupted by a kill leaves either orbax's temporary directory (ignored by
+orbax) or, on file systems without atomic rename, a step directory without orbax's
+commit marker. Such an unfinished step is moved aside to `checkpoints_unfinished/`
+(never deleted) and resume uses the last complete one.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from typing import Any, Optional
+
+import jax
+
+from paxcli.errors import UserError
+
+_MARKERS = ('commit_success.txt', '_CHECKPOINT_METADATA')
+ITEMS = ('state', 'meta')
+
+
+def _is_complete(step_dir: str) -> bool:
+  import orbax.checkpoint as ocp
+  if not all(os.path.exists(os.path.join(step_dir, m)) for m in _MARKERS):
+    return False
+  if not all(os.path.isdir(os.path.join(step_dir, item)) for item in ITEMS):
+    return False
+  return ocp.step.is_path_finalized(step_dir) if hasattr(ocp.step, 'is_path_finalized') else True
+
+
+def step_dirs(directory: str) -> dict[int, str]:
+  """Step number -> directory for every numeric entry (complete or not)."""
+  if not os.path.isdir(directory):
+    return {}
+  return {int(name): os.path.join(directory, name) for name in os.listdir(directory) if name.isdigit()}
+
+
+def complete_steps(directory: str) -> list[int]:
+  return sorted(s for s, d in step_dirs(directory).items() if _is_complete(d))
+
+
+def set_aside_unfinished(directory: str, log=print) -> list[int]:
+  """Moves unfinished step directories out of `directory` (process 0 only); returns their steps."""
+  moved = []
+  if jax.process_index() != 0:
+    return moved
+  aside = os.path.join(os.path.dirname(os.path.abspath(directory)), 'checkpoints_unfinished')
+  for step, path in sorted(step_dirs(directory).items()):
+    if _is_complete(path):
+      continue
+    os.makedirs(aside, exist_ok=True)
+    target = os.path.join(aside, f'{step}-{int(time.time())}')
+    shutil.move(path, target)
+    log(f'Checkpoint at step {step} is unfinished (a save was interrupted); moved it to {target} '
+        'and resuming from the last complete one.')
+    moved.append(step)
+  return moved
+
+
+class Checkpointer:
+  """A thin wrapper over orbax's CheckpointManager with our items and completeness rules."""
+
+  def __init__(self, directory: str, max_to_keep: int, async_save: bool = True):
+    import orbax.checkpoint as ocp
+    self.directory = os.path.abspath(directory)
+    self._ocp = ocp
+    options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep or None, create=True,
+                                           enable_async_checkpointing=async_save)
+    self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
+
+  def latest_step(self) -> Optional[int]:
+    steps = complete_steps(self.directory)
+    return steps[-1] if steps else None
+
+  def save(self, step: int, state: Any, meta: dict) -> None:
+    ocp = self._ocp
+    self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                     meta=ocp.args.JsonSave(meta)), force=True)
+
+  def read_meta(self, step: int) -> dict:
+    ocp = self._ocp
+    restored = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+    return dict(restored.meta)
+
+  def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
+    """Restores `state` onto the shardings in `abstract_state` (resharding as needed)."""
+    ocp = self._ocp
+    try:
+      restored = self._manager.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
+    except (ValueError, KeyError) as e:
+      raise UserError(f'Cannot restore the checkpoint at step {step} in {self.directory} into this '
+                      f'model: {e}') from None
+    return restored.state, dict(restored.meta)
+
+  def wait(self) -> None:
+    self._manager.wait_until_finished()
+
+  def close(self) -> None:
+    self._manager.wait_until_finished()
+    self._manager.close()

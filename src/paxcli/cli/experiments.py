@@ -1,0 +1,33 @@
+"""`pax experiments`: list registered experiments."""
+
+from __future__ import annotations
+
+import typer
+
+
+def experiments(json_out: bool = typer.Option(False, '--json', help='Print as JSON.')) -> None:
+  """List registered experiments (recipes shipped with paxcli)."""
+  import json
+
+  from rich.console import Console
+  from rich.table import Table
+
+  from paxcli.experiment import import_all_recipes
+  registry = import_all_recipes()
+  rows = []
+  for name, cls in sorted(registry.items()):
+    doc = (cls.__doc__ or '').strip().split('\n')[0]
+    rows.append({'name': name, 'summary': doc})
+  if json_out:
+    typer.echo(json.dumps(rows, indent=1))
+    return
+  table = Table(title='Experiments')
+  table.add_column('name', style='bold')
+  table.add_column('summary')
+  for row in rows:
+    table.add_row(row['name'], row['summary'])
+  Console().print(table)
+
+
+def register(app: typer.Typer) -> None:
+  app.command('experiments')(experiments)

@@ -1,0 +1,58 @@
+"""`pax train` and `pax describe`."""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import typer
+
+from paxcli.cli import common
+
+
+def train(
+    exp: Optional[str] = common.exp_option(),
+    overrides: List[str] = common.set_option(),
+    job_log_dir: Optional[str] = common.job_dir_option(),
+    verbose: bool = typer.Option(False, '--verbose', '-v', help='Also print a table of weights with shapes and shardings.'),
+) -> None:
+  """Train an experiment (default: the built-in stdlib-docstrings LM). Resumes from the job directory."""
+  from rich.console import Console
+
+  from paxcli import config
+  from paxcli.train import train as run_train
+  resolved = config.resolve(exp, overrides)
+  job_dir = job_log_dir or common.default_job_dir(resolved.experiment.registered_name())
+  run_train(resolved, job_dir, Console(), verbose=verbose)
+
+
+def describe(
+    exp: Optional[str] = common.exp_option(),
+    overrides: List[str] = common.set_option(),
+    json_out: bool = typer.Option(False, '--json', help='Print the resolved config as JSON.'),
+) -> None:
+  """Print an experiment's fully resolved config (knobs, task, datasets) after overrides."""
+  import json
+
+  from paxcli import config
+  resolved = config.resolve(exp, overrides)
+  if json_out:
+    typer.echo(json.dumps({k: _jsonable(v) for k, v in resolved.flat().items()}, indent=1))
+  else:
+    typer.echo(resolved.as_text(), nl=False)
+
+
+def _jsonable(v):
+  if isinstance(v, (int, float, str, bool)) or v is None:
+    return v
+  if isinstance(v, (list, tuple)):
+    return [_jsonable(x) for x in v]
+  if isinstance(v, dict):
+    return {str(k): _jsonable(x) for k, x in v.items()}
+  if isinstance(v, type) or callable(v):
+    return f'{getattr(v, "__module__", "")}.{getattr(v, "__qualname__", repr(v))}'
+  return repr(v)
+
+
+def register(app: typer.Typer) -> None:
+  app.command('train')(train)
+  app.command('describe')(describe)

@@ -1,0 +1,166 @@
+"""Resolving an experiment into configs: dotted overrides, checks, and printing.
+
+The resolved config of a run is the experiment's knobs, its task config and its
+dataset configs, flattened to `path = value` lines (`task.train.num_train_steps = 20`,
+`datasets.train.batch_size = None`). It is what `pax describe` prints and what a run
+saves in its job directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import typing
+from typing import Any, Optional
+
+import fiddle as fdl
+
+from paxcli import types as ptypes
+from paxcli.errors import UserError, did_you_mean
+from paxcli.experiment import Experiment, instantiate
+
+
+@dataclasses.dataclass
+class Resolved:
+  """An experiment with every override applied, ready to build."""
+  name: str
+  experiment: Experiment
+  task: fdl.Config
+  datasets: dict[str, fdl.Config]  # by name
+
+  def flat(self) -> dict[str, Any]:
+    out = {f'knobs.{k}': v for k, v in self.experiment.knobs().items()}
+    out.update(flatten(self.task, 'task'))
+    for name, cfg in self.datasets.items():
+      out.update(flatten(cfg, f'datasets.{name}'))
+    return out
+
+  def as_text(self) -> str:
+    lines = [f'# experiment: {self.name}']
+    lines += [f'{k} = {_show(v)}' for k, v in self.flat().items()]
+    return '\n'.join(lines) + '\n'
+
+  def train_dataset(self) -> fdl.Config:
+    training = [c for c in self.datasets.values() if c.is_training]
+    if len(training) != 1:
+      raise UserError(f'{self.name}.datasets() must return exactly one input with is_training=True, '
+                      f'found {len(training)}.')
+    return training[0]
+
+  def eval_datasets(self) -> list[fdl.Config]:
+    return [c for c in self.datasets.values() if not c.is_training]
+
+
+def _show(v: Any) -> str:
+  if isinstance(v, type) or callable(v) and not isinstance(v, fdl.Buildable):
+    return f'{getattr(v, "__module__", "")}.{getattr(v, "__qualname__", repr(v))}'
+  return repr(v)
+
+
+def _params(cfg: fdl.Buildable) -> dict[str, inspect.Parameter]:
+  fn = fdl.get_callable(cfg)
+  return {name: p for name, p in inspect.signature(fn).parameters.items()
+          if name not in ('self', 'parent', 'name') or name == 'name' and not _is_flax(fn)}
+
+
+def _is_flax(fn) -> bool:
+  return any(c.__module__.startswith('flax.') for c in getattr(fn, '__mro__', ()))
+
+
+def _field_types(cfg: fdl.Buildable) -> dict[str, Any]:
+  fn = fdl.get_callable(cfg)
+  try:
+    return typing.get_type_hints(fn)
+  except Exception:  # an annotation we cannot resolve: skip type checks, keep name checks
+    return {}
+
+
+def _value(cfg: fdl.Buildable, name: str) -> Any:
+  if name in cfg.__arguments__:
+    return cfg.__arguments__[name]
+  p = _params(cfg).get(name)
+  if p is not None and p.default is not inspect.Parameter.empty:
+    return p.default
+  fn = fdl.get_callable(cfg)
+  if dataclasses.is_dataclass(fn):
+    for f in dataclasses.fields(fn):
+      if f.name == name and f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+  return None
+
+
+def flatten(cfg: Any, prefix: str) -> dict[str, Any]:
+  """`prefix.field = value` for every parameter, nested configs expanded."""
+  out: dict[str, Any] = {}
+  if isinstance(cfg, fdl.Buildable):
+    out[f'{prefix}.__fn_or_cls__'] = fdl.get_callable(cfg)
+    for name in _params(cfg):
+      out.update(flatten(_value(cfg, name), f'{prefix}.{name}'))
+  elif dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
+    for f in dataclasses.fields(cfg):
+      out.update(flatten(getattr(cfg, f.name), f'{prefix}.{f.name}'))
+  else:
+    out[prefix] = cfg
+  return out
+
+
+def set_path(root: dict[str, Any], key: str, raw: Any) -> None:
+  """Applies one dotted override (`task.train.learning_rate`) or raises UserError."""
+  parts = key.split('.')
+  if parts[0] not in root:
+    raise UserError(f'Unknown override {key!r}: paths start with {" or ".join(sorted(root))}, '
+                    f'and knobs are UPPERCASE.{did_you_mean(parts[0], root)}')
+  node, path = root[parts[0]], parts[0]
+  if isinstance(node, dict):  # datasets.<name>
+    if len(parts) < 2 or parts[1] not in node:
+      name = parts[1] if len(parts) > 1 else ''
+      raise UserError(f'Unknown dataset {name!r} in override {key!r}; datasets are '
+                      f'{", ".join(sorted(node))}.{did_you_mean(name, node)}')
+    node, path, parts = node[parts[1]], f'{path}.{parts[1]}', parts[1:]
+  for i, part in enumerate(parts[1:], start=1):
+    if not isinstance(node, fdl.Buildable):
+      raise UserError(f'Unknown override {key!r}: {path} is a value ({node!r}), not a config.')
+    params = _params(node)
+    if part not in params:
+      raise UserError(f'Unknown config field {path}.{part} in override {key!r} '
+                      f'({fdl.get_callable(node).__name__} has no field {part!r}).'
+                      f'{did_you_mean(part, params)}')
+    if i == len(parts) - 1:
+      value = ptypes.parse_value(raw) if isinstance(raw, str) else raw
+      tp = _field_types(node).get(part, Any)
+      current = _value(node, part)
+      if isinstance(current, fdl.Buildable):
+        raise UserError(f'{path}.{part} is a nested config; set its fields, e.g. {path}.{part}.<field>=...')
+      setattr(node, part, ptypes.coerce(value, tp, f'{path}.{part}'))
+      return
+    child = _value(node, part)
+    if not isinstance(child, fdl.Buildable) and dataclasses.is_dataclass(child):
+      child = fdl.Config(type(child), **{f.name: getattr(child, f.name) for f in dataclasses.fields(child)})
+      setattr(node, part, child)
+    node, path = child, f'{path}.{part}'
+  raise UserError(f'Override {key!r} names a config, not a field.')
+
+
+def resolve(name: Optional[str], overrides: list[str] = ()) -> Resolved:
+  """Experiment lookup, knob overrides, configs built, dotted overrides applied."""
+  from paxcli.experiment import DEFAULT_EXPERIMENT
+  exp, rest = instantiate(name, overrides)
+  try:
+    task = exp.task()
+    datasets = exp.datasets()
+  except UserError:
+    raise
+  except (TypeError, AttributeError, ValueError) as e:
+    raise UserError(f'{type(exp).__name__}: building its configs failed: {e}') from e
+  by_name = {}
+  for cfg in datasets:
+    ds_name = getattr(cfg, 'name', None) or ('train' if cfg.is_training else 'eval')
+    if ds_name in by_name:
+      raise UserError(f'{type(exp).__name__}.datasets() has two inputs named {ds_name!r}.')
+    by_name[ds_name] = cfg
+  root = {'task': task, 'datasets': by_name}
+  for key, raw in rest:
+    set_path(root, key, raw)
+  resolved = Resolved(type(exp).registered_name() if name is None else name or DEFAULT_EXPERIMENT,
+                      exp, task, by_name)
+  return resolved

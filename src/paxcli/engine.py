@@ -1,0 +1,251 @@
+"""Pieces shared by train, eval and benchmarks: runtime start-up, model and state, inputs.
+
+The train state is a dict {'step', 'params', 'opt_state'}. Its shardings are derived
+from shapes: `jax.eval_shape(init)` gives the abstract state with logical axis names
+on params; one table (sharding.py) turns names and shapes into NamedShardings; `init`
+is then jitted with those out_shardings, so no array ever exists unsharded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Optional
+
+from paxcli.errors import UserError
+
+
+def apply_platform_env(knob_env: dict[str, dict[str, str]], log=print) -> None:
+  """Sets PLATFORM_ENV variables for the platform jax will use, before jax starts.
+
+  The platform is read without starting a backend: JAX_PLATFORMS if set, else the
+  installed plugins (libtpu, CUDA). Flags for another platform are never applied:
+  TPU flags in XLA_FLAGS abort jax on CPU.
+  """
+  if not knob_env:
+    return
+  platform = detect_platform()
+  for key, value in (knob_env.get(platform) or {}).items():
+    if key == 'XLA_FLAGS' and os.environ.get('XLA_FLAGS'):
+      value = os.environ['XLA_FLAGS'] + ' ' + value
+    os.environ[key] = value
+    log(f'Set {key} for platform {platform}.')
+
+
+def detect_platform() -> str:
+  import importlib.util
+  explicit = os.environ.get('JAX_PLATFORMS', '').split(',')[0].strip().lower()
+  if explicit:
+    return 'gpu' if explicit in ('cuda', 'rocm', 'gpu') else explicit
+  if importlib.util.find_spec('libtpu') is not None:
+    return 'tpu'
+  for plugin in ('jax_cuda13_plugin', 'jax_cuda12_plugin', 'jax_plugins.xla_cuda12'):
+    try:
+      if importlib.util.find_spec(plugin) is not None:
+        return 'gpu'
+    except ModuleNotFoundError:
+      continue
+  return 'cpu'
+
+
+def check_supported(experiment) -> None:
+  unsupported = getattr(experiment, 'UNSUPPORTED_FEATURES', None) or {}
+  if unsupported:
+    items = '; '.join(f'{k}: {v}' for k, v in unsupported.items())
+    raise UserError(f'{type(experiment).__name__} needs features paxcli cannot honour ({items}). '
+                    'Training it would train a different model. To accept that, run with '
+                    '--set UNSUPPORTED_FEATURES={}.')
+
+
+@dataclasses.dataclass
+class Setup:
+  """Everything a loop needs, built from a Resolved config on the current devices."""
+  mesh: Any
+  model: Any
+  train: Any
+  tx: Any
+  rules: dict
+  abstract_state: Any       # ShapeDtypeStructs with shardings
+  state_shardings: Any
+  logical: Any              # logical axis names of params (tuples or None)
+  seq_len: int
+  global_batch: int
+  process_batch: int
+
+
+def global_batch_size(percore: float, num_devices: int) -> int:
+  value = percore * num_devices
+  if value < 1 or abs(value - round(value)) > 1e-9:
+    raise UserError(f'PERCORE_BATCH_SIZE {percore} x {num_devices} devices = {value:g} is not a whole '
+                    'number of examples per step; choose a PERCORE_BATCH_SIZE that makes it one.')
+  return int(round(value))
+
+
+def build(resolved, mesh=None) -> Setup:
+  """Mesh, model, optimizer and abstract sharded state for a resolved experiment."""
+  import fiddle as fdl
+  import jax
+  import numpy as np
+
+  from paxcli import optim, sharding
+  exp = resolved.experiment
+  mesh = mesh or sharding.make_mesh(exp.ICI_MESH_SHAPE, exp.DCN_MESH_SHAPE)
+  task = fdl.build(resolved.task)
+  model, train = task.model, task.train
+  validate_model(model)
+  gbs = global_batch_size(exp.PERCORE_BATCH_SIZE, mesh.size)
+  dp = sharding.data_parallel_size(mesh)
+  if gbs % dp:
+    raise UserError(f'The global batch of {gbs} examples does not divide over the {dp}-way data '
+                    f'parallelism of the mesh ({sharding.describe_mesh(mesh)}); change '
+                    'PERCORE_BATCH_SIZE or ICI_MESH_SHAPE.')
+  tx = optim.make_optimizer(train)
+  seq_len = resolved.train_dataset().seq_len if hasattr(fdl.get_callable(resolved.train_dataset()), 'seq_len') else model.max_seq_len
+  rules = dict(task.sharding_rules or {})
+  init = make_init(model, tx, seq_len)
+  boxed = jax.eval_shape(init, jax.random.key(0))
+  logical = jax.tree.map(lambda b: tuple(b.names), boxed['params'],
+                         is_leaf=lambda x: hasattr(x, 'names') and hasattr(x, 'unbox'))
+  abstract_unboxed = jax.eval_shape(lambda r: unbox(init(r)), jax.random.key(0))
+  param_shardings = sharding.logical_to_sharding(logical, abstract_unboxed['params'], mesh, rules)
+  opt_shardings = _opt_state_shardings(abstract_unboxed['opt_state'], abstract_unboxed['params'],
+                                       param_shardings, mesh)
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  state_shardings = {'step': replicated, 'params': param_shardings, 'opt_state': opt_shardings}
+  abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                          abstract_unboxed, state_shardings)
+  process_batch = gbs * len(mesh.local_devices) // mesh.size
+  del np
+  return Setup(mesh, model, train, tx, rules, abstract, state_shardings, logical, seq_len, gbs,
+               process_batch)
+
+
+def validate_model(model) -> None:
+  from paxcli.layers.transformer import _ACTIVATIONS
+  from paxcli.models import REMAT_POLICIES
+  checks = [
+      ('activation', model.activation, list(_ACTIVATIONS)),
+      ('norm_type', model.norm_type, ['layernorm', 'rmsnorm']),
+      ('position_embedding', model.position_embedding, ['learned', 'rotary', 'none']),
+      ('fprop_dtype', model.fprop_dtype, ['float32', 'bfloat16', 'float16']),
+      ('checkpoint_policy', model.checkpoint_policy, ['none'] + list(REMAT_POLICIES)),
+  ]
+  for field, value, allowed in checks:
+    if value not in allowed:
+      raise UserError(f'task.model.{field} = {value!r} is not one of {allowed}.')
+  if model.num_heads % model.num_kv_heads:
+    raise UserError(f'NUM_HEADS {model.num_heads} must be a multiple of NUM_KV_HEADS {model.num_kv_heads}.')
+  if model.position_embedding == 'rotary' and model.dims_per_head % 2:
+    raise UserError(f'Rotary positions need an even DIMS_PER_HEAD, got {model.dims_per_head}.')
+
+
+def unbox(tree):
+  import flax.linen as nn
+  return nn.meta.unbox(tree)
+
+
+def make_init(model, tx, seq_len: int):
+  """rng -> boxed train state (params carry logical names)."""
+  import jax
+  import jax.numpy as jnp
+
+  def init(rng):
+    ids = jnp.zeros((1, seq_len), jnp.int32)
+    params = model.init({'params': rng, 'dropout': rng}, ids)['params']
+    opt_state = tx.init(unbox(params))
+    return {'step': jnp.zeros([], jnp.int32), 'params': params, 'opt_state': opt_state}
+
+  return init
+
+
+def _opt_state_shardings(opt_abstract, params_abstract, param_shardings, mesh):
+  """Optimizer leaves shaped like a param (Adam's mu, nu) share its sharding; others replicate.
+
+  A leaf matches the param whose key path ends its own key path (optax nests param-
+  shaped trees inside its state tuples), and must have the same shape.
+  """
+  import jax
+  from jax.sharding import NamedSharding, PartitionSpec
+
+  by_path = {}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params_abstract)[0]:
+    by_path[_keys(path)] = leaf.shape
+  shard_by_path = {_keys(p): s for p, s in jax.tree_util.tree_flatten_with_path(param_shardings)[0]}
+  replicated = NamedSharding(mesh, PartitionSpec())
+
+  def one(path, leaf):
+    keys = _keys(path)
+    for start in range(len(keys)):
+      suffix = keys[start:]
+      if suffix in by_path and by_path[suffix] == leaf.shape:
+        return shard_by_path[suffix]
+    return replicated
+
+  return jax.tree_util.tree_map_with_path(one, opt_abstract)
+
+
+def _keys(path) -> tuple:
+  out = []
+  for k in path:
+    for attr in ('key', 'name', 'idx'):
+      if hasattr(k, attr):
+        out.append(getattr(k, attr))
+        break
+  return tuple(out)
+
+
+def init_state(setup: Setup, seed: int):
+  import jax
+  init = make_init(setup.model, setup.tx, setup.seq_len)
+  fn = jax.jit(lambda r: unbox(init(r)), out_shardings=setup.state_shardings)
+  return fn(jax.random.key(seed))
+
+
+def param_count(abstract_state) -> int:
+  import jax
+  import numpy as np
+  return int(sum(np.prod(x.shape) for x in jax.tree.leaves(abstract_state['params'])))
+
+
+def shape_signature(abstract_state) -> dict[str, list[int]]:
+  """'path' -> shape for every leaf of the state: what a checkpoint must match."""
+  import jax
+  out = {}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_state)[0]:
+    out['/'.join(str(k) for k in _keys(path))] = list(leaf.shape)
+  return out
+
+
+def weights_table(setup: Setup) -> list[tuple[str, str, str, str, str]]:
+  """(path, shape, dtype, logical axes, mesh sharding) for every weight."""
+  import jax
+  rows = []
+  flat_logical = {(_keys(p)): v for p, v in jax.tree_util.tree_flatten_with_path(
+      setup.logical, is_leaf=lambda x: isinstance(x, tuple))[0]}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(setup.abstract_state['params'])[0]:
+    keys = _keys(path)
+    rows.append(('/'.join(map(str, keys)), str(tuple(leaf.shape)), str(leaf.dtype),
+                 str(flat_logical.get(keys, '')), str(tuple(leaf.sharding.spec))))
+  return rows
+
+
+def build_input(cfg, setup: Optional[Setup] = None, process_batch: Optional[int] = None,
+                num_hosts: Optional[int] = None, host_index: Optional[int] = None):
+  """Builds an input from its fiddle config, filling batch size and host fields Pax-style."""
+  import copy
+
+  import fiddle as fdl
+  import jax
+  cfg = copy.deepcopy(cfg)
+  if getattr(cfg, 'batch_size', None) is None:
+    cfg.batch_size = process_batch if process_batch is not None else setup.process_batch
+  if getattr(cfg, 'num_infeed_hosts', None) is None:
+    cfg.num_infeed_hosts = num_hosts if num_hosts is not None else jax.process_count()
+  if getattr(cfg, 'infeed_host_index', None) is None:
+    cfg.infeed_host_index = host_index if host_index is not None else jax.process_index()
+  try:
+    return fdl.build(cfg)
+  except UserError:
+    raise
+  except (FileNotFoundError, ValueError, TypeError) as e:
+    raise UserError(f'Building input {getattr(cfg, "name", "?")!r} failed: {e}') from e

@@ -1,0 +1,80 @@
+"""The input contract, as Pax users know it.
+
+An input yields per-process batches: dicts of numpy arrays whose leading dimension is
+`batch_size` (examples this process feeds per step). With several processes, process i
+builds its input with `infeed_host_index=i` and `num_infeed_hosts=n`; the engine joins
+the pieces into one global array. LM batches carry `ids`, `labels`, `weights` (0 for
+padding) and optionally `segment_ids` and `positions` (packing).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import numpy as np
+
+
+class EndOfInput(Exception):
+  """Raised by get_next() when a finite input is exhausted (Pax: tf.errors.OutOfRangeError)."""
+
+
+@dataclasses.dataclass
+class BaseInput:
+  """Subclass and implement `_next_batch()`; override `get_next()` to post-process.
+
+  Fields the engine fills in when left None: batch_size (PERCORE_BATCH_SIZE x local
+  devices), num_infeed_hosts and infeed_host_index (from jax.process_count/index).
+  """
+  name: str = 'train'
+  is_training: bool = False
+  batch_size: Optional[int] = None
+  num_infeed_hosts: Optional[int] = None
+  infeed_host_index: Optional[int] = None
+  seed: int = 1234
+  repeat: bool = True
+  reset_for_eval: bool = False
+  eval_loop_num_batches: Optional[int] = None
+
+  def __post_init__(self):
+    self._batches_read = 0
+
+  # ---- the contract -----------------------------------------------------------------
+
+  def get_next(self) -> dict[str, np.ndarray]:
+    """The next per-process batch. Raises EndOfInput at the end of a finite input."""
+    batch = self._next_batch(self._batches_read)
+    self._batches_read += 1
+    return batch
+
+  def reset(self) -> None:
+    """Back to the first batch (used by eval runs with reset_for_eval=True)."""
+    self._batches_read = 0
+
+  def skip(self, num_batches: int) -> None:
+    """Moves the position forward by `num_batches` (used on resume)."""
+    self._batches_read += num_batches
+
+  @property
+  def batches_read(self) -> int:
+    return self._batches_read
+
+  def ids_to_strings(self, ids: np.ndarray, lengths: Optional[np.ndarray] = None) -> list[str]:
+    """Decodes token ids to text; inputs without a vocabulary show the ids."""
+    rows = np.asarray(ids)
+    lengths = lengths if lengths is not None else [rows.shape[-1]] * rows.shape[0]
+    return [' '.join(str(t) for t in row[:n]) for row, n in zip(rows, lengths)]
+
+  # ---- for subclasses ---------------------------------------------------------------
+
+  def _next_batch(self, index: int) -> dict[str, np.ndarray]:
+    raise NotImplementedError
+
+  @property
+  def global_batch_size(self) -> int:
+    return self.batch_size * self.num_infeed_hosts
+
+  def host_rows(self) -> slice:
+    """This host's rows of a global batch (host i of n gets the i-th block)."""
+    start = self.infeed_host_index * self.batch_size
+    return slice(start, start + self.batch_size)

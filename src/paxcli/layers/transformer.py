@@ -1,0 +1,170 @@
+"""Transformer layers on flax.linen; every weight carries logical axis names.
+
+Logical axes: vocab, embed, mlp, heads, kv_heads, head_dim, layers (see sharding.py
+for how they map onto the mesh). Shapes in names: B batch, L length, S source length,
+D model dims, H heads, K kv heads, G query heads per kv head, E dims per head, F hidden.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+_ACTIVATIONS: dict[str, Callable] = {
+    'gelu': nn.gelu,
+    'relu': nn.relu,
+    'silu': nn.silu,
+    'swish': nn.silu,
+}
+
+
+def dtype_of(name: str):
+  return {'float32': jnp.float32, 'bfloat16': jnp.bfloat16, 'float16': jnp.float16}[name]
+
+
+def _init(names):
+  """Fan-in scaled truncated normal with logical axis names (DenseGeneral passes the
+  kernel flattened to 2-D, so fan-in is the product of the input axes)."""
+  return nn.with_logical_partitioning(
+      nn.initializers.variance_scaling(1.0, 'fan_in', 'truncated_normal'), names)
+
+
+class Norm(nn.Module):
+  """LayerNorm or RMSNorm computed in float32, returned in `dtype`."""
+  kind: str = 'layernorm'
+  use_bias: bool = True
+  dtype: jnp.dtype = jnp.float32
+  epsilon: float = 1e-6
+
+  @nn.compact
+  def __call__(self, x_BxLxD):
+    x = x_BxLxD.astype(jnp.float32)
+    dims = x.shape[-1]
+    scale = self.param('scale', nn.with_logical_partitioning(nn.initializers.ones, ('norm',)), (dims,))
+    if self.kind == 'rmsnorm':
+      y = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.epsilon)
+    else:
+      mean = jnp.mean(x, axis=-1, keepdims=True)
+      var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
+      y = (x - mean) * jax.lax.rsqrt(var + self.epsilon)
+    y = y * scale
+    if self.kind == 'layernorm' and self.use_bias:
+      y = y + self.param('bias', nn.with_logical_partitioning(nn.initializers.zeros, ('norm',)), (dims,))
+    return y.astype(self.dtype)
+
+
+def rotary(x_BxLxHxE, positions_BxL, max_timescale: float):
+  """Rotary position embedding (split-half form) applied to queries or keys."""
+  dims = x_BxLxHxE.shape[-1]
+  half = dims // 2
+  fraction = jnp.arange(half, dtype=jnp.float32) * 2.0 / dims
+  timescale = max_timescale ** fraction
+  angles_BxLx1xE2 = (positions_BxL[:, :, None, None].astype(jnp.float32) / timescale)
+  sin, cos = jnp.sin(angles_BxLx1xE2), jnp.cos(angles_BxLx1xE2)
+  x = x_BxLxHxE.astype(jnp.float32)
+  x1, x2 = x[..., :half], x[..., half:]
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x_BxLxHxE.dtype)
+
+
+class Attention(nn.Module):
+  """Causal multi-head attention with grouped-query support (num_kv_heads <= num_heads)."""
+  num_heads: int
+  num_kv_heads: int
+  dims_per_head: int
+  use_bias: bool = True
+  rotary: bool = False
+  rotary_max_timescale: float = 10000.0
+  dtype: jnp.dtype = jnp.float32
+
+  def _proj(self, x, heads, head_axis, name):
+    y = nn.DenseGeneral(
+        features=(heads, self.dims_per_head), axis=-1, use_bias=self.use_bias, dtype=self.dtype,
+        kernel_init=_init(('embed', head_axis, 'head_dim')),
+        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, (head_axis, 'head_dim')),
+        name=name)(x)
+    return checkpoint_name(y, f'{name}_proj')
+
+  @nn.compact
+  def __call__(self, x_BxLxD, segment_ids_BxL, positions_BxL):
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(f'num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}')
+    q_BxLxHxE = self._proj(x_BxLxD, self.num_heads, 'heads', 'query')
+    k_BxSxKxE = self._proj(x_BxLxD, self.num_kv_heads, 'kv_heads', 'key')
+    v_BxSxKxE = self._proj(x_BxLxD, self.num_kv_heads, 'kv_heads', 'value')
+    if self.rotary:
+      q_BxLxHxE = rotary(q_BxLxHxE, positions_BxL, self.rotary_max_timescale)
+      k_BxSxKxE = rotary(k_BxSxKxE, positions_BxL, self.rotary_max_timescale)
+    b, l, _, e = q_BxLxHxE.shape
+    groups = self.num_heads // self.num_kv_heads
+    q_BxLxKxGxE = q_BxLxHxE.reshape(b, l, self.num_kv_heads, groups, e) * (e ** -0.5)
+    logits_BxKxGxLxS = jnp.einsum('blkge,bske->bkgls', q_BxLxKxGxE, k_BxSxKxE).astype(jnp.float32)
+    causal_LxS = jnp.tril(jnp.ones((l, l), dtype=bool))
+    same_segment_BxLxS = segment_ids_BxL[:, :, None] == segment_ids_BxL[:, None, :]
+    mask_Bx1x1xLxS = (causal_LxS[None] & same_segment_BxLxS)[:, None, None]
+    logits_BxKxGxLxS = jnp.where(mask_Bx1x1xLxS, logits_BxKxGxLxS, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(logits_BxKxGxLxS, axis=-1).astype(self.dtype)
+    out_BxLxKxGxE = jnp.einsum('bkgls,bske->blkge', probs, v_BxSxKxE)
+    out_BxLxHxE = out_BxLxKxGxE.reshape(b, l, self.num_heads, e)
+    out = nn.DenseGeneral(
+        features=x_BxLxD.shape[-1], axis=(-2, -1), use_bias=self.use_bias, dtype=self.dtype,
+        kernel_init=_init(('heads', 'head_dim', 'embed')),
+        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ('embed',)),
+        name='out')(out_BxLxHxE)
+    return checkpoint_name(out, 'out_proj')
+
+
+class Mlp(nn.Module):
+  """Feed-forward: act(x W1) W2, or gated act(x W1_gate) * (x W1) W2."""
+  hidden_dims: int
+  activation: str = 'gelu'
+  gated: bool = False
+  use_bias: bool = True
+  dtype: jnp.dtype = jnp.float32
+
+  def _dense(self, features, names, name):
+    return nn.Dense(features, use_bias=self.use_bias, dtype=self.dtype, kernel_init=_init(names),
+                    bias_init=nn.with_logical_partitioning(nn.initializers.zeros, names[-1:]),
+                    name=name)
+
+  @nn.compact
+  def __call__(self, x_BxLxD):
+    act = _ACTIVATIONS[self.activation]
+    h_BxLxF = act(self._dense(self.hidden_dims, ('embed', 'mlp'), 'wi_0')(x_BxLxD))
+    if self.gated:
+      h_BxLxF = h_BxLxF * self._dense(self.hidden_dims, ('embed', 'mlp'), 'wi_1')(x_BxLxD)
+    return self._dense(x_BxLxD.shape[-1], ('mlp', 'embed'), 'wo')(h_BxLxF)
+
+
+class Block(nn.Module):
+  """Pre-norm Transformer block. Returns (x, None) so that nn.scan can stack it."""
+  num_heads: int
+  num_kv_heads: int
+  dims_per_head: int
+  hidden_dims: int
+  activation: str = 'gelu'
+  gated: bool = False
+  norm_type: str = 'layernorm'
+  use_bias: bool = True
+  rotary: bool = False
+  rotary_max_timescale: float = 10000.0
+  dropout_prob: float = 0.0
+  deterministic: bool = True
+  dtype: jnp.dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x_BxLxD, segment_ids_BxL, positions_BxL):
+    norm = lambda name: Norm(self.norm_type, self.use_bias, self.dtype, name=name)
+    dropout = nn.Dropout(self.dropout_prob, deterministic=self.deterministic)
+    h = norm('attention_norm')(x_BxLxD)
+    h = Attention(self.num_heads, self.num_kv_heads, self.dims_per_head, self.use_bias, self.rotary,
+                  self.rotary_max_timescale, self.dtype, name='attention')(h, segment_ids_BxL, positions_BxL)
+    x_BxLxD = x_BxLxD + dropout(h)
+    h = norm('mlp_norm')(x_BxLxD)
+    h = Mlp(self.hidden_dims, self.activation, self.gated, self.use_bias, self.dtype, name='mlp')(h)
+    x_BxLxD = x_BxLxD + dropout(h)
+    return x_BxLxD, None

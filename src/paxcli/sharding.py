@@ -1,0 +1,142 @@
+"""The device mesh and the one table that maps logical axes onto it.
+
+Mesh axes are Pax's: `replica` (pure data parallelism), `data` (data parallelism that
+also shards weights, FSDP style) and `mdl` (tensor parallelism over heads, mlp, vocab).
+ICI_MESH_SHAPE gives the mesh within a slice; DCN_MESH_SHAPE, when set, is an outer
+factor across slices (processes or groups of processes), so the global mesh is their
+element-wise product.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from paxcli.errors import UserError
+
+MESH_AXES = ('replica', 'data', 'mdl')
+BATCH_AXES = ('replica', 'data')
+
+# logical axis -> mesh axes, tried in order. A mesh axis is used only if it divides
+# the dimension and no earlier dimension of the same array took it.
+DEFAULT_RULES: dict[str, tuple[str, ...]] = {
+    'batch': ('replica', 'data'),
+    'vocab': ('mdl',),
+    'embed': ('data',),
+    'mlp': ('mdl',),
+    'heads': ('mdl',),
+    'kv_heads': ('mdl',),
+    'head_dim': (),
+    'layers': (),
+    'norm': (),
+}
+
+
+def mesh_shape(ici: Optional[Sequence[int]], dcn: Optional[Sequence[int]], num_devices: int) -> tuple[list[int], list[int]]:
+  """Resolves ICI/DCN shapes (None: all devices on `data`; one -1: fill) or raises UserError."""
+  dcn = list(dcn) if dcn is not None else [1, 1, 1]
+  ici = list(ici) if ici is not None else [1, -1, 1]
+  for name, shape in (('ICI_MESH_SHAPE', ici), ('DCN_MESH_SHAPE', dcn)):
+    if len(shape) != 3:
+      raise UserError(f'{name} must have 3 entries for the axes {MESH_AXES}, got {shape}.')
+    if any(s == 0 or s < -1 for s in shape) or shape.count(-1) > 1:
+      raise UserError(f'{name} {shape}: entries must be positive, with at most one -1 (fill).')
+  if -1 in dcn:
+    raise UserError('DCN_MESH_SHAPE may not contain -1.')
+  known = math.prod(s for s in ici if s != -1) * math.prod(dcn)
+  if -1 in ici:
+    if num_devices % known:
+      raise UserError(f'Cannot fill ICI_MESH_SHAPE {ici} x DCN_MESH_SHAPE {dcn}: {num_devices} '
+                      f'devices are not a multiple of {known}.')
+    ici[ici.index(-1)] = num_devices // known
+  total = math.prod(ici) * math.prod(dcn)
+  if total != num_devices:
+    raise UserError(f'The mesh ICI_MESH_SHAPE {ici} x DCN_MESH_SHAPE {dcn} needs {total} devices, '
+                    f'but there are {num_devices} ({jax.default_backend()}). Set ICI_MESH_SHAPE so '
+                    f'that the product of all entries is {num_devices}.')
+  return ici, dcn
+
+
+def make_mesh(ici: Optional[Sequence[int]], dcn: Optional[Sequence[int]] = None, devices=None) -> Mesh:
+  """Builds the global Mesh over all devices (of every process)."""
+  devices = list(devices if devices is not None else jax.devices())
+  ici, dcn = mesh_shape(ici, dcn, len(devices))
+  if math.prod(dcn) == 1:
+    from jax.experimental import mesh_utils
+    try:
+      array = mesh_utils.create_device_mesh(ici, devices=devices, allow_split_physical_axes=True)
+    except (ValueError, NotImplementedError, AssertionError):
+      array = np.array(devices).reshape(ici)
+  else:
+    array = _hybrid_mesh(ici, dcn, devices)
+  return Mesh(array, MESH_AXES)
+
+
+def _hybrid_mesh(ici: list[int], dcn: list[int], devices) -> np.ndarray:
+  """ICI x DCN device array: slices come from device slice info, else one per process group."""
+  from jax.experimental import mesh_utils
+  num_slices = math.prod(dcn)
+  has_slices = all(getattr(d, 'slice_index', None) is not None for d in devices)
+  if has_slices and len({d.slice_index for d in devices}) == num_slices:
+    return mesh_utils.create_hybrid_device_mesh(ici, dcn, devices=devices)
+  num_processes = len({d.process_index for d in devices})
+  if num_processes > 1:
+    if num_processes % num_slices:
+      raise UserError(f'DCN_MESH_SHAPE {dcn} has {num_slices} slices, which do not divide the '
+                      f'{num_processes} processes.')
+    if num_processes == num_slices:
+      return mesh_utils.create_hybrid_device_mesh(ici, dcn, devices=devices, process_is_granule=True)
+  # Group devices (ordered by process, then id) into num_slices equal granules.
+  ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
+  per_slice = len(ordered) // num_slices
+  granules = [np.array(ordered[i * per_slice:(i + 1) * per_slice]).reshape(ici) for i in range(num_slices)]
+  # Place granule g at DCN coordinate g; the result is ICI x DCN element-wise.
+  stacked = np.array(granules).reshape(tuple(dcn) + tuple(ici))
+  axes = [a for pair in zip(range(3), range(3, 6)) for a in pair]
+  return stacked.transpose(axes).reshape([d * i for d, i in zip(dcn, ici)])
+
+
+def _mesh_axes_for(names: Sequence[Optional[str]], shape: Sequence[int], mesh: Mesh,
+                   rules: dict[str, tuple[str, ...]]) -> P:
+  used: set[str] = set()
+  spec: list[Any] = []
+  for name, dim in zip(names, shape):
+    chosen = []
+    size = 1
+    for axis in rules.get(name, ()) if name else ():
+      axis_size = mesh.shape[axis]
+      if axis in used or axis_size == 1 or dim % (size * axis_size):
+        continue
+      chosen.append(axis)
+      size *= axis_size
+    used.update(chosen)
+    spec.append(tuple(chosen) if len(chosen) > 1 else (chosen[0] if chosen else None))
+  return P(*spec)
+
+
+def logical_to_sharding(logical_tree, abstract_tree, mesh: Mesh, rules: Optional[dict] = None):
+  """NamedShardings for a tree of arrays from their logical axis names and shapes."""
+  rules = {**DEFAULT_RULES, **(rules or {})}
+
+  def one(names, leaf):
+    names = tuple(names) if names is not None else (None,) * len(leaf.shape)
+    return NamedSharding(mesh, _mesh_axes_for(names, leaf.shape, mesh, rules))
+
+  return jax.tree.map(one, logical_tree, abstract_tree, is_leaf=lambda x: isinstance(x, (tuple, P)) or x is None)
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+  """Batch dimension over (replica, data); the rest replicated."""
+  return NamedSharding(mesh, P(BATCH_AXES))
+
+
+def data_parallel_size(mesh: Mesh) -> int:
+  return mesh.shape['replica'] * mesh.shape['data']
+
+
+def describe_mesh(mesh: Mesh) -> str:
+  return ' x '.join(f'{name}={size}' for name, size in mesh.shape.items())

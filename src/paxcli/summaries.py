@@ -1,0 +1,76 @@
+"""TensorBoard event files and a JSONL log.
+
+Events are written with tensorboard's record writer and protos directly: its
+EventFileWriter would import all of tensorflow (seconds, and memory) to open a file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import time
+from typing import Mapping
+
+
+class _EventFile:
+  """One `events.out.tfevents.*` file: TFRecord-framed Event protos."""
+
+  def __init__(self, logdir: str):
+    from tensorboard.compat.proto import event_pb2
+    from tensorboard.summary.writer.record_writer import RecordWriter
+    self.path = os.path.join(logdir, f'events.out.tfevents.{time.time():.6f}.{socket.gethostname()}.{os.getpid()}')
+    self._file = open(self.path, 'wb')
+    self._records = RecordWriter(self._file)
+    self.add_event(event_pb2.Event(wall_time=time.time(), file_version='brain.Event:2'))
+
+  def add_event(self, event) -> None:
+    self._records.write(event.SerializeToString())
+
+  def flush(self) -> None:
+    self._file.flush()
+
+  def close(self) -> None:
+    self._file.close()
+
+
+class SummaryWriter:
+  """Scalars to `<job>/summaries/<name>` event files and, optionally, a JSON-lines file."""
+
+  def __init__(self, logdir: str, jsonl_path: str | None = None):
+    os.makedirs(logdir, exist_ok=True)
+    self._writer = _EventFile(logdir)
+    self._jsonl = open(jsonl_path, 'a', encoding='utf-8') if jsonl_path else None
+
+  def scalars(self, step: int, values: Mapping[str, float]) -> None:
+    from tensorboard.compat.proto import event_pb2, summary_pb2
+    summary = summary_pb2.Summary(value=[
+        summary_pb2.Summary.Value(tag=tag, simple_value=float(v)) for tag, v in values.items()])
+    self._writer.add_event(event_pb2.Event(wall_time=time.time(), step=int(step), summary=summary))
+    if self._jsonl:
+      record = {'step': int(step), **{k: _jsonable(v) for k, v in values.items()}}
+      self._jsonl.write(json.dumps(record) + '\n')
+      self._jsonl.flush()
+    self._writer.flush()
+
+  def text(self, step: int, tag: str, text: str) -> None:
+    from tensorboard.compat.proto import event_pb2, summary_pb2, tensor_pb2, tensor_shape_pb2
+    tensor = tensor_pb2.TensorProto(dtype=7, string_val=[text.encode()],  # 7 = DT_STRING
+                                    tensor_shape=tensor_shape_pb2.TensorShapeProto())
+    meta = summary_pb2.SummaryMetadata(plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name='text'))
+    summary = summary_pb2.Summary(value=[summary_pb2.Summary.Value(tag=tag, tensor=tensor, metadata=meta)])
+    self._writer.add_event(event_pb2.Event(wall_time=time.time(), step=int(step), summary=summary))
+
+  def flush(self) -> None:
+    self._writer.flush()
+
+  def close(self) -> None:
+    self._writer.close()
+    if self._jsonl:
+      self._jsonl.close()
+
+
+def _jsonable(v):
+  v = float(v)
+  return v if math.isfinite(v) else str(v)

@@ -1,0 +1,271 @@
+"""The train loop: one function to read top to bottom, helpers for the step and reporting.
+
+Job directory layout:
+  config.txt             the resolved config of the latest invocation
+  checkpoints/<step>/    orbax checkpoints (state + meta)
+  summaries/train/       TensorBoard events
+  train_metrics.jsonl    the same numbers, one JSON object per summary step
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from typing import Any, Optional
+
+from paxcli.errors import UserError
+
+
+class TrainingDiverged(UserError):
+  exit_code = 3
+
+
+def make_train_step(setup, batch_sharding, dropout_seed: int):
+  """The jitted step: (state, batch) -> (state, metrics); state is donated."""
+  import jax
+  import jax.numpy as jnp
+  import optax
+
+  from paxcli import optim
+  from paxcli.models import lm_loss
+  model, tx = setup.model, setup.tx
+  lr_fn = optim.learning_rate_fn(setup.train)
+  deterministic = model.dropout_prob == 0
+
+  def step_fn(state, batch):
+    rng = jax.random.fold_in(jax.random.key(dropout_seed), state['step'])
+
+    def loss_fn(params):
+      logits = model.apply({'params': params}, batch['ids'], batch.get('segment_ids'),
+                           batch.get('positions'), deterministic=deterministic, rngs={'dropout': rng})
+      return lm_loss(logits, batch['labels'], batch['weights'])
+
+    (loss, sums), grads = jax.value_and_grad(loss_fn, has_aux=True)(state['params'])
+    updates, opt_state = tx.update(grads, state['opt_state'], state['params'])
+    params = optax.apply_updates(state['params'], updates)
+    metrics = {
+        'loss': loss,
+        'accuracy': sums['correct_sum'] / jnp.maximum(sums['weight_sum'], 1e-8),
+        'grad_norm': optax.global_norm(grads),
+        'learning_rate': lr_fn(state['step']),
+        'tokens': sums['weight_sum'],
+    }
+    return {'step': state['step'] + 1, 'params': params, 'opt_state': opt_state}, metrics
+
+  replicated = jax.sharding.NamedSharding(setup.mesh, jax.sharding.PartitionSpec())
+  return jax.jit(step_fn, in_shardings=(setup.state_shardings, batch_sharding),
+                 out_shardings=(setup.state_shardings, replicated), donate_argnums=(0,))
+
+
+def to_global(batch: dict, sharding, global_batch: int) -> dict:
+  """Per-process numpy batch -> global jax arrays sharded over (replica, data)."""
+  import jax
+  return {k: jax.make_array_from_process_local_data(sharding, v, (global_batch,) + v.shape[1:])
+          for k, v in batch.items()}
+
+
+def _config_differences(saved: dict, current: dict, prefixes=('knobs.', 'task.model.', 'task.train.optimizer.')) -> list[str]:
+  keys = sorted(k for k in set(saved) | set(current) if k.startswith(prefixes))
+  return [f'{k}: checkpoint {saved.get(k, "<absent>")} -> now {current.get(k, "<absent>")}'
+          for k in keys if saved.get(k) != current.get(k)]
+
+
+def check_resume_compatible(meta: dict, shapes_now: dict, flat_now: dict, step: int) -> None:
+  saved_shapes = meta.get('state_shapes') or {}
+  if saved_shapes == shapes_now:
+    return
+  diffs = _config_differences(meta.get('config') or {}, flat_now)
+  shape_diffs = [f'{k}: {saved_shapes.get(k)} -> {shapes_now.get(k)}'
+                 for k in sorted(set(saved_shapes) | set(shapes_now)) if saved_shapes.get(k) != shapes_now.get(k)]
+  lines = '\n  '.join((diffs or ['(no knob or model field differs; the code may have changed)'])[:20])
+  shapes = '\n  '.join(shape_diffs[:8] + ([f'... {len(shape_diffs) - 8} more'] if len(shape_diffs) > 8 else []))
+  raise UserError(f'Cannot resume from the checkpoint at step {step}: this configuration changes the '
+                  f'shapes of the train state.\nConfig differences:\n  {lines}\nState shapes:\n  {shapes}\n'
+                  'Use another --job-log-dir for a new run, or drop the overrides that change shapes.')
+
+
+class Reporter:
+  """A rich progress bar on a terminal; plain log lines otherwise (CI, files, pipes)."""
+
+  def __init__(self, console, total: int, start: int, enabled: bool = True):
+    self.console = console
+    self.enabled = enabled
+    self.interactive = enabled and console.is_terminal
+    self._progress = None
+    if self.interactive:
+      from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                                 TimeRemainingColumn)
+      self._progress = Progress(
+          TextColumn('[bold]train'), BarColumn(), MofNCompleteColumn(),
+          TextColumn('loss {task.fields[loss]}'), TextColumn('{task.fields[tps]} tok/s'),
+          TimeElapsedColumn(), TextColumn('eta'), TimeRemainingColumn(), console=console, transient=False)
+      self._task = self._progress.add_task('train', total=total, completed=start, loss='-', tps='-')
+      self._progress.start()
+
+  def step(self, step: int, loss: Optional[float], tokens_per_sec: Optional[float]) -> None:
+    if self._progress is not None:
+      fields = {}
+      if loss is not None:
+        fields['loss'] = f'{loss:.4f}'
+      if tokens_per_sec is not None:
+        fields['tps'] = f'{tokens_per_sec:,.0f}'
+      self._progress.update(self._task, completed=step, **fields)
+
+  def log(self, message: str) -> None:
+    if self.enabled:
+      self.console.print(message, highlight=False, markup=False, soft_wrap=True)
+
+  def summary(self, record: dict) -> None:
+    if self.enabled and not self.interactive:
+      self.log(f"step {record['step']}: loss {record['loss']:.4f}  accuracy {record['accuracy']:.4f}  "
+               f"lr {record['learning_rate']:.3g}  grad_norm {record['grad_norm']:.3f}  "
+               f"{record['steps_per_sec']:.2f} steps/s  {record['tokens_per_sec']:,.0f} tokens/s")
+
+  def close(self) -> None:
+    if self._progress is not None:
+      self._progress.stop()
+
+
+def train(resolved, job_dir: str, console, verbose: bool = False) -> dict:
+  """Trains (or resumes) the resolved experiment in job_dir. Returns the last summary."""
+  from paxcli import engine
+  engine.check_supported(resolved.experiment)
+  engine.apply_platform_env(resolved.experiment.PLATFORM_ENV, log=lambda m: console.print(m))
+  import jax
+  import numpy as np
+
+  from paxcli import checkpoint as ckpt
+  from paxcli import sharding
+  from paxcli.summaries import SummaryWriter
+  is_main = jax.process_index() == 0
+  reporter_log = (lambda m: console.print(m, highlight=False, markup=False, soft_wrap=True)) if is_main else (lambda m: None)
+
+  # ---- Mesh, model, state shapes ------------------------------------------------------
+  setup = engine.build(resolved)
+  train_cfg = setup.train
+  flat = {k: repr(v) for k, v in resolved.flat().items()}
+  shapes_now = engine.shape_signature(setup.abstract_state)
+  devices = jax.devices()
+  reporter_log(f'Experiment {resolved.name} -> {os.path.abspath(job_dir)}')
+  reporter_log(f'Devices: {len(devices)} x {devices[0].device_kind} ({jax.default_backend()}), '
+               f'{jax.process_count()} process(es); mesh {sharding.describe_mesh(setup.mesh)}')
+  reporter_log(f'Parameters: {engine.param_count(setup.abstract_state):,}; global batch '
+               f'{setup.global_batch} x {setup.seq_len} tokens')
+  if verbose and is_main:
+    _print_weights(console, setup)
+
+  # ---- Checkpoint: resume or start -------------------------------------------------------
+  ckpt_dir = os.path.join(job_dir, 'checkpoints')
+  os.makedirs(job_dir, exist_ok=True)
+  ckpt.set_aside_unfinished(ckpt_dir, log=reporter_log)
+  checkpointer = ckpt.Checkpointer(ckpt_dir, train_cfg.save_max_to_keep)
+  latest = checkpointer.latest_step()
+  batches_consumed = 0
+  if latest is not None:
+    meta = checkpointer.read_meta(latest)
+    check_resume_compatible(meta, shapes_now, flat, latest)
+    if latest >= train_cfg.num_train_steps:
+      reporter_log(f'Run already finished: checkpoint at step {latest} >= num_train_steps '
+                   f'{train_cfg.num_train_steps}. Nothing to do.')
+      checkpointer.close()
+      return {'step': latest, 'finished': True}
+    state, meta = checkpointer.restore(latest, setup.abstract_state)
+    batches_consumed = int(meta.get('batches_consumed', latest))
+    if int(meta.get('global_batch', setup.global_batch)) != setup.global_batch:
+      reporter_log(f'Note: the global batch changed ({meta.get("global_batch")} -> {setup.global_batch}); '
+                   'the data order from here differs from an uninterrupted run.')
+    reporter_log(f'Resumed from step {latest} ({batches_consumed} batches consumed).')
+  else:
+    state = engine.init_state(setup, resolved.experiment.RANDOM_SEED)
+  if is_main:
+    with open(os.path.join(job_dir, 'config.txt'), 'w', encoding='utf-8') as f:
+      f.write(resolved.as_text())
+
+  # ---- Input -------------------------------------------------------------------------------
+  train_input = engine.build_input(resolved.train_dataset(), setup)
+  train_input.skip(batches_consumed)
+  batch_sharding = sharding.batch_sharding(setup.mesh)
+  train_step = make_train_step(setup, batch_sharding, resolved.experiment.RANDOM_SEED + 1)
+
+  # ---- Loop ------------------------------------------------------------------------------------
+  writer = SummaryWriter(os.path.join(job_dir, 'summaries', 'train'),
+                         os.path.join(job_dir, 'train_metrics.jsonl')) if is_main else None
+  start_step = int(latest or 0)
+  reporter = Reporter(console, train_cfg.num_train_steps, start_step, enabled=is_main)
+  window: list[dict] = []
+  last = {'step': start_step}
+  t_window = time.perf_counter()
+  steps_in_window = 0
+  pending = None  # metrics of the previous step, checked one step late to keep dispatch async
+  try:
+    for step in range(start_step + 1, train_cfg.num_train_steps + 1):
+      batch = to_global(train_input.get_next(), batch_sharding, setup.global_batch)
+      state, metrics = train_step(state, batch)
+      batches_consumed += 1
+      steps_in_window += 1
+      if pending is not None:
+        window.append(_check_finite(*pending))
+      pending = (step, metrics)
+      if step % train_cfg.summary_interval_steps == 0 or step % train_cfg.save_interval_steps == 0 \
+          or step == train_cfg.num_train_steps:
+        window.append(_check_finite(*pending))
+        pending = None
+        now = time.perf_counter()
+        elapsed = max(now - t_window, 1e-9)
+        if step % train_cfg.summary_interval_steps == 0 or step == train_cfg.num_train_steps:
+          last = _summarize(step, window, steps_in_window, elapsed)
+          if writer:
+            writer.scalars(step, {k: v for k, v in last.items() if k != 'step'})
+          reporter.summary(last)
+          window, steps_in_window, t_window = [], 0, now
+        if step % train_cfg.save_interval_steps == 0 or step == train_cfg.num_train_steps:
+          checkpointer.save(step, state, {'batches_consumed': batches_consumed, 'step': step,
+                                          'global_batch': setup.global_batch, 'state_shapes': shapes_now,
+                                          'config': flat})
+      reporter.step(step, last.get('loss'), last.get('tokens_per_sec'))
+  finally:
+    reporter.close()
+    checkpointer.close()
+    if writer:
+      writer.close()
+  reporter_log(f"Done: step {last['step']}, loss {last.get('loss', float('nan')):.4f}. "
+               f"Checkpoints in {ckpt_dir}.")
+  return last
+
+
+def _check_finite(step: int, metrics) -> dict:
+  values = {k: float(v) for k, v in metrics.items()}
+  if not math.isfinite(values['loss']):
+    raise TrainingDiverged(f'The loss became {values["loss"]} at step {step}; stopping. No checkpoint of '
+                           'this state was written. Lower the learning rate or check the input.')
+  values['step'] = step
+  return values
+
+
+def _summarize(step: int, window: list[dict], steps: int, elapsed: float) -> dict:
+  n = max(len(window), 1)
+  mean = lambda k: sum(w[k] for w in window) / n
+  tokens = sum(w['tokens'] for w in window)
+  return {
+      'step': step,
+      'loss': mean('loss'),
+      'accuracy': mean('accuracy'),
+      'learning_rate': window[-1]['learning_rate'],
+      'grad_norm': mean('grad_norm'),
+      'steps_per_sec': steps / elapsed,
+      'tokens_per_sec': tokens / elapsed,
+  }
+
+
+def _print_weights(console, setup) -> None:
+  from rich.table import Table
+
+  from paxcli import engine
+  table = Table(title='Weights', show_lines=False)
+  for col in ('weight', 'shape', 'dtype', 'logical axes', 'sharding'):
+    table.add_column(col)
+  for row in engine.weights_table(setup):
+    table.add_row(*row)
+  console.print(table)
