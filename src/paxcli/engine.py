@@ -249,3 +249,19 @@ def build_input(cfg, setup: Optional[Setup] = None, process_batch: Optional[int]
     raise
   except (FileNotFoundError, ValueError, TypeError) as e:
     raise UserError(f'Building input {getattr(cfg, "name", "?")!r} failed: {e}') from e
+
+
+def abstract_params(resolved):
+  """Parameter shapes of a resolved experiment via jax.eval_shape: no devices, no memory.
+
+  This is how large recipes are checked on a small machine.
+  """
+  import fiddle as fdl
+  import jax
+  import jax.numpy as jnp
+  model = fdl.build(resolved.task.model)
+  validate_model(model)
+  ids = jax.ShapeDtypeStruct((1, model.max_seq_len), jnp.int32)
+  boxed = jax.eval_shape(lambda r, x: model.init({'params': r, 'dropout': r}, x)['params'],
+                         jax.random.key(0), ids)
+  return unbox(boxed)

@@ -48,7 +48,7 @@ def make_train_step(setup, batch_sharding, dropout_seed: int):
     metrics = {
         'loss': loss,
         'accuracy': sums['correct_sum'] / jnp.maximum(sums['weight_sum'], 1e-8),
-        'grad_norm': optax.global_norm(grads),
+        'grad_norm': optax.tree.norm(grads) if hasattr(optax, 'tree') else optax.global_norm(grads),
         'learning_rate': lr_fn(state['step']),
         'tokens': sums['weight_sum'],
     }

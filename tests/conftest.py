@@ -1,0 +1,42 @@
+"""Test set-up: 8 fake CPU devices, set before anything imports jax."""
+
+import os
+
+os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=8').strip()
+os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope='session', autouse=True)
+def _paxcli_cache(tmp_path_factory):
+  """Corpus and tokenizer caches in a temp directory, shared by the whole session."""
+  os.environ['PAXCLI_CACHE'] = str(tmp_path_factory.mktemp('paxcli_cache'))
+  yield
+
+
+def run_pax(*args, env=None, cwd=None, timeout=600):
+  """Runs `pax` in a fresh process (a new user's shell); returns CompletedProcess."""
+  full_env = dict(os.environ)
+  full_env.update(env or {})
+  return subprocess.run([sys.executable, '-m', 'paxcli.cli.app', *args], capture_output=True, text=True,
+                        env=full_env, cwd=cwd, timeout=timeout)
+
+
+def pax_main(argv, capsys):
+  """Runs `pax` in this process; returns (exit code, stdout, stderr)."""
+  from paxcli.cli.app import main
+  code = 0
+  try:
+    main(list(argv))
+  except SystemExit as e:
+    code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+  out = capsys.readouterr()
+  return code, out.out, out.err
