@@ -159,7 +159,7 @@ def _class_from_module(module, class_name: str, where: str) -> type[Experiment]:
   cls = getattr(module, class_name, None)
   if cls is None:
     names = [n for n, v in vars(module).items() if inspect.isclass(v) and issubclass(v, Experiment)]
-    raise UserError(f'No experiment class {class_name!r} in {where}.{did_you_mean(class_name, names)}')
+    raise UserError(f'Unknown experiment: no class {class_name!r} in {where}.{did_you_mean(class_name, names)}')
   if not (inspect.isclass(cls) and issubclass(cls, Experiment)):
     raise UserError(f'{where}:{class_name} is not a subclass of paxcli.experiment.Experiment.')
   return cls

@@ -1,7 +1,130 @@
-"""`pax import-maxtext`: placeholder until the MaxText importer lands."""
+"""`pax import-maxtext`: turn a MaxText run script into a paxcli experiment recipe.
+
+Reads the script as text (never runs it), translates the trainer's `key=value` overrides
+over MaxText's dated defaults, prints the translation table and writes a recipe file.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import List, Optional
 
 import typer
 
+_ERA_HELP = ('MaxText scaling era: scale (until 2023-07-21), jul2023, aug2023 (to 2023-09-07) '
+             'or current. Default: read from the script.')
+
 
 def register(app: typer.Typer) -> None:
-  del app
+  app.command('import-maxtext')(import_maxtext)
+
+
+def import_maxtext(
+    script: str = typer.Argument(..., help='The MaxText run script (.sh); it is read, never run.'),
+    args: Optional[List[str]] = typer.Argument(
+        None, help='KEY=VALUE arguments as the script itself would take them (RUN_NAME=x ...).'),
+    output: Optional[str] = typer.Option(
+        None, '--output', '-o', help='Recipe file to write. Default: ./maxtext_<script stem>.py.'),
+    class_name: Optional[str] = typer.Option(
+        None, '--class-name', help='Experiment class name. Default: MaxText<ScriptStem>.'),
+    force: bool = typer.Option(False, '--force', help='Overwrite an existing recipe file.'),
+    as_json: bool = typer.Option(False, '--json', help='Print the translation as JSON.'),
+    dry_run: bool = typer.Option(False, '--dry-run', help='Print only; write no recipe.'),
+    strict: bool = typer.Option(
+        False, '--strict', help='Fail (exit 2, no recipe) on unknown keys and on mesh axes '
+        'paxcli does not have.'),
+    era: Optional[str] = typer.Option(None, '--maxtext-era', help=_ERA_HELP),
+    date: Optional[str] = typer.Option(
+        None, '--maxtext-date', help='Date of the MaxText the script ran with (YYYY-MM-DD): picks '
+        'the era and the base.yml defaults of that day.'),
+    base_config: Optional[str] = typer.Option(
+        None, '--base-config', help="Defaults from this MaxText base.yml instead of paxcli's "
+        'dated copies.'),
+    model_config: Optional[str] = typer.Option(
+        None, '--model-config', help='A MaxText model config (configs/models/X.yml) for a '
+        'model_name paxcli does not ship.'),
+    num_devices: Optional[int] = typer.Option(
+        None, '--num-devices', help='Devices of the whole run (all slices), to resolve -1 '
+        'parallelism.'),
+    topology: Optional[str] = typer.Option(
+        None, '--topology', help='TPU type of one slice, e.g. v4-128 (v2-v4 and v5p count '
+        'TensorCores; v5e/v6e count chips).'),
+    num_slices: Optional[int] = typer.Option(None, '--num-slices', help='Number of slices.'),
+) -> None:
+  """Translate a MaxText run script into a Pax-style experiment recipe.
+
+  Prints MaxText key -> Pax knob, with values after MaxText's size scaling, lists the keys
+  not translated with reasons, and writes a recipe that `pax train` runs.
+  """
+  from paxcli.errors import UserError
+  from paxcli.maxtext import recipe
+  from paxcli.maxtext.shell import read_script
+  from paxcli.maxtext.translate import Options, translate
+
+  info = read_script(script, list(args or []))
+  options = Options(era=era, date=date, base_config=base_config, model_config=model_config,
+                    num_devices=num_devices, topology=topology, num_slices=num_slices)
+  result = translate(info, options)
+  name = recipe.check_class_name(class_name or recipe.default_class_name(script))
+  path = output or recipe.default_output(script)
+  write = not dry_run and not (strict and result.strict_warnings)
+  if write:
+    recipe.write(result, name, path, force)
+  if as_json:
+    data = result.to_json()
+    data.update(output=path if write else None, class_name=name)
+    typer.echo(json.dumps(data, indent=2, default=str))
+  else:
+    _print(result, path if write else None, name)
+  if strict and result.strict_warnings:
+    raise UserError(f'--strict: {len(result.strict_warnings)} warning(s); no recipe written. '
+                    f'First: {result.strict_warnings[0]}')
+
+
+def _print(result, path: Optional[str], class_name: str) -> None:
+  from rich.console import Console
+  from rich.markup import escape
+  from rich.table import Table
+
+  from paxcli.maxtext import defaults as mt
+
+  console = Console(highlight=False, soft_wrap=True)
+  info = result.script
+  console.print(f'[bold]{escape(info.path)}[/]: line {info.line}: {escape(info.entry)} '
+                f'{escape(info.config_path or "")}')
+  console.print(f'era [bold]{result.era}[/]: {escape(mt.ERAS[result.era].rule)}')
+  console.print(f'  because {escape(result.era_reason)}', style='dim')
+  console.print(f'defaults: {escape(result.defaults)}', style='dim')
+  if result.preset:
+    console.print(f'model preset: [bold]{escape(result.preset)}[/]')
+  table = Table(title='MaxText -> Pax', title_justify='left')
+  for column in ('Pax knob', 'value', 'MaxText key', 'raw value', 'after scale'):
+    table.add_column(column, overflow='fold')
+  for row in result.rows:
+    style = None if row.source == 'script' else 'dim'
+    table.add_row(row.knob, escape(_short(row.value)), escape(row.key), escape(row.raw),
+                  escape(row.after), style=style)
+  console.print(table)
+  if result.untranslated:
+    rest = Table(title='Not translated', title_justify='left')
+    for column in ('MaxText key', 'value', 'reason'):
+      rest.add_column(column, overflow='fold')
+    for u in result.untranslated:
+      rest.add_row(escape(u.key), escape(u.value), escape(u.reason),
+                   style='yellow' if u.kind == 'unknown' else None)
+    console.print(rest)
+  for warning in result.warnings:
+    console.print(f'[bold yellow]WARNING[/] {escape(warning)}')
+  for note in result.notes:
+    console.print(f'note: {escape(note)}', style='dim')
+  if info.skipped:
+    console.print(f'note: {len(info.skipped)} other command(s) in the script were skipped, '
+                  'not run.', style='dim')
+  if path:
+    console.print(f'wrote [bold]{escape(path)}[/] (class {class_name}); run: '
+                  f'pax train --exp {escape(path)}:{class_name}')
+
+
+def _short(value) -> str:
+  text = str(value)
+  return text if len(text) <= 60 else text[:57] + '...'

@@ -1,0 +1,127 @@
+"""Writes a translation as a Python recipe: an LmExperiment subclass with the knobs set."""
+
+from __future__ import annotations
+
+import keyword
+import os
+import re
+from typing import Any
+
+from paxcli.errors import UserError
+from paxcli.maxtext import defaults as mt
+from paxcli.maxtext.translate import Translation
+
+_INDENT = '  '
+
+
+def default_stem(script_path: str) -> str:
+  """`2xv4-128.sh` -> `2xv4_128`: the script's name as a Python module name part."""
+  stem = os.path.splitext(os.path.basename(script_path))[0]
+  return re.sub(r'[^0-9A-Za-z]+', '_', stem).strip('_').lower() or 'script'
+
+
+def default_output(script_path: str) -> str:
+  return f'maxtext_{default_stem(script_path)}.py'
+
+
+def default_class_name(script_path: str) -> str:
+  """`2xv4-128.sh` -> `MaxText2xv4_128`; digits on both sides of a break keep a `_`."""
+  stem = os.path.splitext(os.path.basename(script_path))[0]
+  name = 'MaxText'
+  for part in [p for p in re.split(r'[^0-9A-Za-z]+', stem) if p]:
+    if name[-1].isdigit() and part[0].isdigit():
+      name += '_'
+    name += part[0].upper() + part[1:]
+  return name
+
+
+def check_class_name(name: str) -> str:
+  if not name.isidentifier() or keyword.iskeyword(name):
+    raise UserError(f'--class-name {name!r} is not a valid Python class name.')
+  return name
+
+
+def _literal(value: Any, depth: int) -> str:
+  """A Python literal; dicts of dicts one entry per line (env strings are long)."""
+  if isinstance(value, dict) and value:
+    pad = _INDENT * (depth + 2)
+    items = [f'{pad}{k!r}: {_literal(v, depth + 2)},' for k, v in value.items()]
+    return '{\n' + '\n'.join(items) + '\n' + _INDENT * (depth + 1) + '}'
+  if isinstance(value, float) and value.is_integer() and abs(value) < 1e15:
+    return repr(value)
+  return repr(value)
+
+
+def _comment(text: str) -> str:
+  return ' '.join(str(text).split())
+
+
+def render(t: Translation, class_name: str, output_path: str) -> str:
+  """The recipe source for a translation."""
+  era = mt.ERAS[t.era]
+  script = os.path.abspath(t.script.path)
+  exp = f'{output_path}:{class_name}'
+  lines = [
+      f'"""MaxText run `{os.path.basename(t.script.path)}` as a paxcli experiment (pax import-maxtext).',
+      '',
+      f'Source script: {script}',
+      f'  line {t.script.line}: {t.script.entry} {t.script.config_path or ""}'.rstrip(),
+      f'MaxText era: {t.era} ({era.rule}).',
+      f'  Assumed because {t.era_reason}.',
+      f'Defaults: {t.defaults}; {t.defaults_reason}.',
+  ]
+  if t.preset:
+    lines.append(f'Model preset: {t.preset} (applied before the script\'s own keys).')
+  lines += [
+      '',
+      'Run:',
+      f'  pax describe --exp {exp}',
+      f'  pax train --exp {exp}',
+      'A tiny check on CPU:',
+      f'  pax train --exp {exp} --set NUM_LAYERS=2 MODEL_DIMS=64 HIDDEN_DIMS=128 \\',
+      '    NUM_HEADS=4 NUM_KV_HEADS=None DIMS_PER_HEAD=16 VOCAB_SIZE=256 MAX_SEQ_LEN=32 \\',
+      '    PERCORE_BATCH_SIZE=1 ICI_MESH_SHAPE=None DCN_MESH_SHAPE=None NUM_TRAIN_STEPS=2',
+  ]
+  if t.unsupported:
+    lines += ['', 'UNSUPPORTED_FEATURES lists what paxcli cannot reproduce; `pax train` refuses',
+              'to run until you accept the difference with --set UNSUPPORTED_FEATURES={}.']
+  lines += ['"""', '', 'from paxcli.lm import LmExperiment', '', '',
+            f'class {class_name}(LmExperiment):',
+            f'{_INDENT}"""{os.path.basename(t.script.path)} (MaxText era {t.era})."""', '']
+  by_knob = {row.knob: row for row in t.rows}
+  for knob, value in t.knobs.items():
+    row = by_knob.get(knob)
+    text = f'{_INDENT}{knob} = {_literal(value, 0)}'
+    if row is not None and row.key and '\n' not in text:
+      note = f'{row.key}={row.raw}' if row.raw else row.key
+      if row.after:
+        note += f' -> {row.after}'
+      text += f'  # {_comment(note)}'
+    lines.append(text)
+  if t.untranslated:
+    lines += ['', f'{_INDENT}# MaxText settings not translated (key = value: reason):']
+    for u in t.untranslated:
+      lines.append(f'{_INDENT}#   {u.key} = {_comment(u.value)}: {_comment(u.reason)}')
+  if t.warnings:
+    lines += ['', f'{_INDENT}# Warnings from the import:']
+    lines += [f'{_INDENT}#   {_comment(w)}' for w in t.warnings]
+  if t.notes:
+    lines += ['', f'{_INDENT}# Notes from the import:']
+    lines += [f'{_INDENT}#   {_comment(n)}' for n in t.notes]
+  return '\n'.join(lines) + '\n'
+
+
+def write(t: Translation, class_name: str, output_path: str, force: bool) -> str:
+  """Writes the recipe; never replaces an existing file unless `force`."""
+  if os.path.exists(output_path) and not force:
+    raise UserError(f'{output_path} exists; pass --force to overwrite it or -o for another path.')
+  source = render(t, class_name, output_path)
+  compile(source, output_path, 'exec')  # a bug here must not leave a broken recipe behind
+  directory = os.path.dirname(os.path.abspath(output_path))
+  try:
+    os.makedirs(directory, exist_ok=True)
+    with open(output_path, 'w', encoding='utf-8') as f:
+      f.write(source)
+  except OSError as e:
+    raise UserError(f'Cannot write {output_path}: {e.strerror}.') from None
+  return source
