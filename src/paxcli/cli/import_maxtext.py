@@ -89,6 +89,8 @@ def _print(result, path: Optional[str], class_name: str) -> None:
   from paxcli.maxtext import defaults as mt
 
   console = Console(highlight=False, soft_wrap=True)
+  if not console.is_terminal:
+    console = Console(highlight=False, soft_wrap=True, width=150)  # logs and pipes: keep rows whole
   info = result.script
   console.print(f'[bold]{escape(info.path)}[/]: line {info.line}: {escape(info.entry)} '
                 f'{escape(info.config_path or "")}')

@@ -12,6 +12,10 @@ from paxcli.maxtext import defaults as mt
 from paxcli.maxtext.translate import Translation
 
 _INDENT = '  '
+# Overrides that shrink any imported model to a few seconds of CPU training.
+TINY = ('NUM_LAYERS=2', 'MODEL_DIMS=64', 'HIDDEN_DIMS=128', 'NUM_HEADS=4', 'NUM_KV_HEADS=None',
+        'DIMS_PER_HEAD=16', 'VOCAB_SIZE=256', 'MAX_SEQ_LEN=32', 'PERCORE_BATCH_SIZE=1',
+        'ICI_MESH_SHAPE=None', 'DCN_MESH_SHAPE=None', 'NUM_TRAIN_STEPS=2')
 
 
 def default_stem(script_path: str) -> str:
@@ -41,14 +45,12 @@ def check_class_name(name: str) -> str:
   return name
 
 
-def _literal(value: Any, depth: int) -> str:
-  """A Python literal; dicts of dicts one entry per line (env strings are long)."""
+def _literal(value: Any, indent: int) -> str:
+  """A Python literal; a non-empty dict one entry per line (env strings are long)."""
   if isinstance(value, dict) and value:
-    pad = _INDENT * (depth + 2)
-    items = [f'{pad}{k!r}: {_literal(v, depth + 2)},' for k, v in value.items()]
-    return '{\n' + '\n'.join(items) + '\n' + _INDENT * (depth + 1) + '}'
-  if isinstance(value, float) and value.is_integer() and abs(value) < 1e15:
-    return repr(value)
+    pad = ' ' * (indent + 4)
+    items = [f'{pad}{k!r}: {_literal(v, indent + 4)},' for k, v in value.items()]
+    return '{\n' + '\n'.join(items) + '\n' + ' ' * indent + '}'
   return repr(value)
 
 
@@ -78,9 +80,10 @@ def render(t: Translation, class_name: str, output_path: str) -> str:
       f'  pax describe --exp {exp}',
       f'  pax train --exp {exp}',
       'A tiny check on CPU:',
-      f'  pax train --exp {exp} --set NUM_LAYERS=2 MODEL_DIMS=64 HIDDEN_DIMS=128 \\',
-      '    NUM_HEADS=4 NUM_KV_HEADS=None DIMS_PER_HEAD=16 VOCAB_SIZE=256 MAX_SEQ_LEN=32 \\',
-      '    PERCORE_BATCH_SIZE=1 ICI_MESH_SHAPE=None DCN_MESH_SHAPE=None NUM_TRAIN_STEPS=2',
+      f'  pax train --exp {exp} \\',
+      '    ' + ' '.join(f'--set {s}' for s in TINY[:5]) + ' \\',
+      '    ' + ' '.join(f'--set {s}' for s in TINY[5:10]) + ' \\',
+      '    ' + ' '.join(f'--set {s}' for s in TINY[10:]),
   ]
   if t.unsupported:
     lines += ['', 'UNSUPPORTED_FEATURES lists what paxcli cannot reproduce; `pax train` refuses',
@@ -91,9 +94,10 @@ def render(t: Translation, class_name: str, output_path: str) -> str:
   by_knob = {row.knob: row for row in t.rows}
   for knob, value in t.knobs.items():
     row = by_knob.get(knob)
-    text = f'{_INDENT}{knob} = {_literal(value, 0)}'
+    text = f'{_INDENT}{knob} = {_literal(value, len(_INDENT))}'
     if row is not None and row.key and '\n' not in text:
-      note = f'{row.key}={row.raw}' if row.raw else row.key
+      joiner = ' = ' if ',' in row.key else '='
+      note = f'{row.key}{joiner}{row.raw}' if row.raw else row.key
       if row.after:
         note += f' -> {row.after}'
       text += f'  # {_comment(note)}'

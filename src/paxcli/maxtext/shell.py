@@ -285,7 +285,8 @@ class _Shell:
       c = text[j]
       if c == '\\' and in_dq and j + 1 < len(text):
         nxt = text[j + 1]
-        out.append(nxt if nxt in '$`"\\\n' else c + nxt)
+        # \<newline> continues the line; \$ \` \" \\ are escapes; others keep the backslash.
+        out.append('' if nxt == '\n' else nxt if nxt in '$`"\\' else c + nxt)
         j += 2
       elif c == '$' and text.startswith('${', j):
         depth, k = 0, j + 1
@@ -394,7 +395,7 @@ class _Shell:
       cmd = commands[i]
       words = _strip_reserved(cmd.words)
       head = _plain(words[0]) if words else None
-      if head is None:
+      if not words:
         i += 1
       elif head in _LOOP_HEADS:
         i = self._loop(commands, i, words)

@@ -376,7 +376,7 @@ class _Builder:
       return self.overrides[key]
     if key in self.config:
       return f'{show(self.config[key])} ({self.source[key]})'
-    return '(not in this MaxText)'
+    return '(unset)'
 
   def src(self, key: str) -> str:
     return self.source.get(key, 'paxcli')
