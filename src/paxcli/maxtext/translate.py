@@ -316,6 +316,7 @@ class _Builder:
     self.unsupported: dict[str, str] = {}
     self.preset_name: Optional[str] = None
     self.preset_keys: dict[str, Any] = {}
+    self.base_keys: set[str] = set()
 
   # -- config --
 
@@ -330,6 +331,7 @@ class _Builder:
     snap, snap_reason = choose_snapshot(era, script_keys | set(base), self.options)
     self._layer(snap.values, f'base.yml {snap.name}')
     defaults_name = f'{snap.name} (from {snap.start}): {snap.description}'
+    self.base_keys = set(base)
     if base:
       self._layer(base, 'your base.yml')
       defaults_name = f'{self.options.base_config} (keys it lacks from base.yml {snap.name})'
@@ -413,7 +415,7 @@ def translate(script: ScriptInfo, options: Options) -> Translation:
                      strict_warnings=b.strict, notes=b.notes, unsupported=b.unsupported)
 
 
-def _scaled(b: _Builder, knob: str, key: str, factor: tuple[Any, str]) -> int:
+def _scaled(b: _Builder, knob: str, key: str, factor: tuple[Any, str], scale_key: str) -> int:
   base = b.get(key)
   if not isinstance(base, (int, float)) or isinstance(base, bool):
     raise UserError(f'{key}={base!r} must be a number.')
@@ -423,7 +425,8 @@ def _scaled(b: _Builder, knob: str, key: str, factor: tuple[Any, str]) -> int:
     raise UserError(f'{key}={show(base)} times {desc} is {value}, not a whole number.')
   value = int(value)
   after = f'{value} (= {desc} x {show(base)})' if mult != 1 else ''
-  b.put(knob, value, key, after=after)
+  scaled_by = f', {scale_key}' if mult != 1 or scale_key in b.overrides else ''
+  b.put(knob, value, key + scaled_by, after=after)
   return value
 
 
@@ -435,14 +438,14 @@ def _model(b: _Builder, era: str) -> None:
                       f'({show(b.config.get(scale_key, 1))}).')
   factors = scale_factors(era, b.get(scale_key, 1))
   b.consumed.add(other)
-  layers = _scaled(b, 'NUM_LAYERS', 'base_num_decoder_layers', factors['layers'])
-  _scaled(b, 'MODEL_DIMS', 'base_emb_dim', factors['emb'])
-  _scaled(b, 'HIDDEN_DIMS', 'base_mlp_dim', factors['mlp'])
+  layers = _scaled(b, 'NUM_LAYERS', 'base_num_decoder_layers', factors['layers'], scale_key)
+  _scaled(b, 'MODEL_DIMS', 'base_emb_dim', factors['emb'], scale_key)
+  _scaled(b, 'HIDDEN_DIMS', 'base_mlp_dim', factors['mlp'], scale_key)
   query_key = _head_key(b)
-  heads = _scaled(b, 'NUM_HEADS', query_key, factors['heads'])
+  heads = _scaled(b, 'NUM_HEADS', query_key, factors['heads'], scale_key)
   if query_key == 'base_num_query_heads':
     kv_key = 'base_num_kv_heads' if 'base_num_kv_heads' in b.config else query_key
-    kv = _scaled(b, 'NUM_KV_HEADS', kv_key, factors['heads'])
+    kv = _scaled(b, 'NUM_KV_HEADS', kv_key, factors['heads'], scale_key)
     if heads % kv:
       raise UserError(f'{heads} query heads are not a multiple of {kv} kv heads.')
   b.consumed.update({'base_num_heads', 'base_num_query_heads', 'base_num_kv_heads'})
@@ -772,8 +775,7 @@ def _platform_env(b: _Builder) -> None:
 
 def _untranslated(b: _Builder) -> list[Untranslated]:
   every = set(KNOWN_KEYS) | {k for s in mt.SNAPSHOTS for k in s.values} | set(b.preset_keys)
-  if b.options.base_config:
-    every |= {k for k, src in b.source.items() if src == 'your base.yml'}
+  every |= b.base_keys
   out = []
   keys = [(k, 'script') for k in b.overrides] + [(k, f'model {b.preset_name}') for k in b.preset_keys
                                                   if k not in b.overrides]
