@@ -208,6 +208,16 @@ def test_mesh_that_cannot_be_built(options, message):
     run('2xv4-128.sh', **options)
 
 
+def test_compile_topology_of_an_aot_script(tmp_path):
+  path = tmp_path / 'aot.sh'
+  path.write_text('python3 MaxText/train_compile.py MaxText/configs/base.yml compile_topology=v5e-256 '
+                  'compile_topology_num_slices=2 ici_fsdp_parallelism=-1 ici_tensor_parallelism=8 '
+                  'global_parameter_scale=8\n')
+  k = translate(read_script(str(path)), Options()).knobs
+  # v5e counts chips: 256 devices per slice / tensor 8 = 32; dcn_data -1 fills 2 slices.
+  assert (k['ICI_MESH_SHAPE'], k['DCN_MESH_SHAPE']) == ([1, 32, 8], [2, 1, 1])
+
+
 def test_two_fill_axes_are_an_error(tmp_path):
   path = tmp_path / 'two.sh'
   path.write_text('python3 MaxText/train.py base.yml ici_fsdp_parallelism=-1 ici_data_parallelism=-1\n')

@@ -630,14 +630,22 @@ def _schedule_and_loop(b: _Builder) -> None:
 def _devices(b: _Builder, dcn_fixed: int, dcn_fill: bool) -> tuple[Optional[int], int, str]:
   """(devices per slice or None, number of slices, how they were known)."""
   o = b.options
-  per_slice, how = None, ''
-  if o.topology:
-    per_slice = mt.topology_devices(o.topology)
+  topology, slices, per_slice, how = o.topology, o.num_slices, None, ''
+  compiled = str(b.get('compile_topology', '') or '')
+  if not topology and compiled:
+    # A train_compile.py script names its target: use it unless the user gave a topology.
+    if mt.topology_devices(compiled) is not None:
+      topology = compiled
+      if slices is None and int(b.get('compile_topology_num_slices', -1) or -1) > 0:
+        slices = int(b.get('compile_topology_num_slices'))
+    else:
+      b.notes.append(f'compile_topology={compiled} is not a TPU type paxcli knows; give --num-devices.')
+  if topology:
+    per_slice = mt.topology_devices(topology)
     if per_slice is None:
-      raise UserError(f'--topology {o.topology!r} is not a TPU type paxcli knows (e.g. '
+      raise UserError(f'--topology {topology!r} is not a TPU type paxcli knows (e.g. '
                       f'{", ".join(mt.topology_examples())}); give --num-devices instead.')
-    how = f'--topology {o.topology}: {per_slice} devices per slice'
-  slices = o.num_slices
+    how = f'{"--topology " if o.topology else "compile_topology="}{topology}: {per_slice} devices per slice'
   if slices is None:
     # The script's own DCN sizes say how many slices it ran on; a -1 axis counts as 1.
     slices = dcn_fixed
@@ -650,7 +658,7 @@ def _devices(b: _Builder, dcn_fixed: int, dcn_fill: bool) -> tuple[Optional[int]
     if o.num_devices < 1:
       raise UserError(f'--num-devices {o.num_devices} must be at least 1.')
     if per_slice is not None and o.num_devices != per_slice * slices:
-      raise UserError(f'--num-devices {o.num_devices} does not match --topology {o.topology} x '
+      raise UserError(f'--num-devices {o.num_devices} does not match {topology} x '
                       f'{slices} slices = {per_slice * slices} devices.')
     if o.num_devices % slices:
       raise UserError(f'--num-devices {o.num_devices} is not a multiple of {slices} slices.')
