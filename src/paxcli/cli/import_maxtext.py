@@ -53,8 +53,7 @@ def import_maxtext(
 ) -> None:
   """Translate a MaxText run script into a Pax-style experiment recipe.
 
-  Prints MaxText key -> Pax knob, with values after MaxText's size scaling, lists the keys
-  not translated with reasons, and writes a recipe that `pax train` runs.
+  Prints each knob with its MaxText key and scaled value, the keys not translated, and writes a recipe.
   """
   from paxcli.errors import UserError
   from paxcli.maxtext import recipe

@@ -530,10 +530,10 @@ def _mentions_trainer(text: str) -> bool:
 def _trainer_start(argv: list[str]) -> Optional[int]:
   """Index of the trainer word (script path or module name) in argv, or None."""
   for j, arg in enumerate(argv):
-    if os.path.basename(arg) in _TRAINER_FILES and j + 1 < len(argv) + 1:
-      if j == 0 or 'python' in os.path.basename(argv[0]) or 'maxtext' in arg.lower() or any(
-          a.endswith(('.yml', '.yaml')) for a in argv[j + 1:j + 2]):
-        return j
+    if os.path.basename(arg) in _TRAINER_FILES and (
+        j == 0 or 'python' in os.path.basename(argv[0]) or 'maxtext' in arg.lower()
+        or argv[j + 1:j + 2] and argv[j + 1].endswith(('.yml', '.yaml'))):
+      return j
     if arg == '-m' and j + 1 < len(argv):
       module = argv[j + 1]
       if module in _TRAINER_MODULES or (module.lower().startswith('maxtext') and

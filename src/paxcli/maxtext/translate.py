@@ -60,7 +60,6 @@ _REASONS = {
                                    'batch',
     'adam_eps_root': 'no Pax knob (paxcli uses 0)',
     'enable_dropout': 'read into DROPOUT_PROB',
-    'dataset_type': 'the recipe trains on synthetic data; override datasets() for real data',
     'enable_checkpointing': 'paxcli always checkpoints; SAVE_INTERVAL_STEPS is set to the '
                             'number of steps instead',
 }
@@ -424,8 +423,9 @@ def _scaled(b: _Builder, knob: str, key: str, factor: tuple[Any, str], scale_key
   if not float(value).is_integer():
     raise UserError(f'{key}={show(base)} times {desc} is {value}, not a whole number.')
   value = int(value)
-  after = f'{value} (= {desc} x {show(base)})' if mult != 1 else ''
-  scaled_by = f', {scale_key}' if mult != 1 or scale_key in b.overrides else ''
+  shown = mult != 1 or scale_key in b.overrides  # the seed table shows every scaled value
+  after = f'{value} (= {desc} x {show(base)})' if shown else ''
+  scaled_by = f', {scale_key}' if shown else ''
   b.put(knob, value, key + scaled_by, after=after)
   return value
 
@@ -797,6 +797,9 @@ def _untranslated(b: _Builder) -> list[Untranslated]:
       b.warnings.append(message)
       b.strict.append(message)
       out.append(Untranslated(key, value, 'unknown key: MaxText has no such key.' + hint, 'unknown', source))
+    elif key == 'dataset_type' and str(b.config.get(key)) == 'synthetic':
+      out.append(Untranslated(key, value, 'nothing to translate: the recipe trains on synthetic '
+                              "data (LmExperiment's default datasets())", 'ignored', source))
     elif key in _REASONS:
       out.append(Untranslated(key, value, _REASONS[key], 'no_equivalent', source))
     elif key in IGNORED_KEYS or key.startswith(('sa_', 'dump_', 'profile')):
