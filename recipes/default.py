@@ -37,6 +37,7 @@ class StdlibDocsLm(LmExperiment):
   NUM_TRAIN_STEPS = 200
   SAVE_INTERVAL_STEPS = 50
   SUMMARY_INTERVAL_STEPS = 10
+  EVAL_INTERVAL_STEPS = 100
 
   def datasets(self) -> list:
     from paxcli.inputs.corpus import StdlibDocsInput

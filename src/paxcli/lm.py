@@ -53,6 +53,7 @@ class LmExperiment(Experiment):
   NUM_TRAIN_STEPS: int = 100
   SAVE_INTERVAL_STEPS: int = 100
   SUMMARY_INTERVAL_STEPS: int = 10
+  EVAL_INTERVAL_STEPS: int = 0  # 0: no eval during training
 
   def model(self) -> fdl.Config:
     from paxcli.models import TransformerLm  # flax: imported only when configs are built
@@ -86,6 +87,7 @@ class LmExperiment(Experiment):
         num_train_steps=self.NUM_TRAIN_STEPS,
         save_interval_steps=self.SAVE_INTERVAL_STEPS,
         summary_interval_steps=self.SUMMARY_INTERVAL_STEPS,
+        eval_interval_steps=self.EVAL_INTERVAL_STEPS,
         learning_rate=self.LEARNING_RATE,
         clip_gradient_norm_to_value=self.CLIP_GRADIENT_NORM_TO_VALUE,
         optimizer=fdl.Config(OptimizerConfig, name=self.OPTIMIZER, beta1=self.ADAM_BETA1,
@@ -103,4 +105,7 @@ class LmExperiment(Experiment):
     return [
         fdl.Config(SyntheticLmInput, name='train', is_training=True, seq_len=self.MAX_SEQ_LEN,
                    vocab_size=self.VOCAB_SIZE, seed=self.RANDOM_SEED),
+        fdl.Config(SyntheticLmInput, name='eval', is_training=False, seq_len=self.MAX_SEQ_LEN,
+                   vocab_size=self.VOCAB_SIZE, seed=self.RANDOM_SEED + 1, num_batches=2, repeat=False,
+                   reset_for_eval=True),
     ]

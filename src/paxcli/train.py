@@ -188,6 +188,10 @@ def train(resolved, job_dir: str, console, verbose: bool = False) -> dict:
   train_input.skip(batches_consumed)
   batch_sharding = sharding.batch_sharding(setup.mesh)
   train_step = make_train_step(setup, batch_sharding, resolved.experiment.RANDOM_SEED + 1)
+  evaluator = None
+  if train_cfg.eval_interval_steps and resolved.eval_datasets():
+    from paxcli.evaluate import Evaluator
+    evaluator = Evaluator(resolved, setup, job_dir)
 
   # ---- Loop ------------------------------------------------------------------------------------
   writer = SummaryWriter(os.path.join(job_dir, 'summaries', 'train'),
@@ -224,10 +228,16 @@ def train(resolved, job_dir: str, console, verbose: bool = False) -> dict:
           checkpointer.save(step, state, {'batches_consumed': batches_consumed, 'step': step,
                                           'global_batch': setup.global_batch, 'state_shapes': shapes_now,
                                           'config': flat})
+      if evaluator and step % train_cfg.eval_interval_steps == 0:
+        for name, m in evaluator.run(step, state['params']).items():
+          reporter.log(f"step {step}: eval {name}: loss {m['loss']:.4f}  accuracy {m['accuracy']:.4f}  "
+                       f"({m['num_examples']:.0f} examples)")
       reporter.step(step, last.get('loss'), last.get('tokens_per_sec'))
   finally:
     reporter.close()
     checkpointer.close()
+    if evaluator:
+      evaluator.close()
     if writer:
       writer.close()
   reporter_log(f"Done: step {last['step']}, loss {last.get('loss', float('nan')):.4f}. "

@@ -158,3 +158,53 @@ class StdlibDocsInput(BaseInput):
     rows = np.asarray(ids)
     lengths = lengths if lengths is not None else [rows.shape[-1]] * rows.shape[0]
     return [self._sp.decode([int(t) for t in row[:n]]) for row, n in zip(rows, lengths)]
+
+
+def write_tfrecords(vocab_size: int) -> dict[str, str]:
+  """The corpus as TFRecord files of tf.train.Example {'text': bytes}, one per document.
+
+  Returns {'train': path, 'eval': path, 'spm': path}; built once, in the corpus cache.
+  """
+  from paxcli.inputs.tfrecord import import_tf
+  directory = build_corpus(vocab_size)
+  paths = {split: os.path.join(directory, f'{split}.tfrecord') for split in ('train', 'eval')}
+  paths['spm'] = os.path.join(directory, 'spm.model')
+  if all(os.path.exists(p) for p in paths.values()):
+    return paths
+  tf = import_tf()
+  docs = stdlib_docstrings()
+  for split in ('train', 'eval'):
+    tmp = paths[split] + f'.tmp-{os.getpid()}'
+    with tf.io.TFRecordWriter(tmp) as writer:
+      for rel, text in docs:
+        if _is_eval(rel) == (split == 'eval'):
+          feature = {'text': tf.train.Feature(bytes_list=tf.train.BytesList(value=[text.encode()]))}
+          writer.write(tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString())
+    os.replace(tmp, paths[split])
+  return paths
+
+
+def register_seqio_task(vocab_size: int, name: str = 'stdlib_docs') -> str:
+  """Registers a seqio task over the local corpus files and our own sentencepiece model."""
+  import functools
+
+  import seqio
+
+  from paxcli.inputs.tfrecord import import_tf
+  if name in seqio.TaskRegistry.names():
+    return name
+  paths = write_tfrecords(vocab_size)
+  tf = import_tf()
+  vocab = seqio.SentencePieceVocabulary(paths['spm'])
+  seqio.TaskRegistry.add(
+      name,
+      source=seqio.TFExampleDataSource(
+          split_to_filepattern={'train': paths['train'], 'validation': paths['eval']},
+          feature_description={'text': tf.io.FixedLenFeature([], tf.string)}),
+      preprocessors=[
+          functools.partial(seqio.preprocessors.rekey, key_map={'targets': 'text'}),
+          seqio.preprocessors.tokenize,
+          seqio.preprocessors.append_eos_after_trim,
+      ],
+      output_features={'targets': seqio.Feature(vocab, add_eos=True)})
+  return name

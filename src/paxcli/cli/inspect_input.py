@@ -1,0 +1,140 @@
+"""`pax inspect-input`: look at real batches, or at a raw TFRecord file."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import List, Optional
+
+import typer
+
+from paxcli.cli import common
+
+
+def inspect_input(
+    path: Optional[str] = typer.Argument(None, help='A TFRecord file (or glob) of tf.train.Example to inspect '
+                                                    'without an experiment.'),
+    exp: Optional[str] = common.exp_option(),
+    overrides: List[str] = common.set_option(),
+    split: str = typer.Option('train', '--split', help='train, eval, or an input name.'),
+    num_batches: int = typer.Option(3, '--num-batches', '-n', min=1, help='Batches to read.'),
+    num_examples: int = typer.Option(2, '--num-examples', min=0, help='Examples of each batch to decode.'),
+    host_index: int = typer.Option(0, '--host-index', help='Which host to impersonate.'),
+    num_hosts: int = typer.Option(1, '--num-hosts', min=1, help='How many hosts feed the run.'),
+    check_sharding: bool = typer.Option(False, '--check-sharding',
+                                        help='Build every host\'s input and check that they never overlap.'),
+    json_out: bool = typer.Option(False, '--json', help='JSON lines instead of tables.'),
+) -> None:
+  """Show batches of an experiment's input: shapes, dtypes, padding, decoded text, throughput."""
+  from rich.console import Console
+
+  from paxcli import inspect_input as ii
+  console = Console()
+  if path is not None:
+    report = ii.inspect_file(path, max(num_examples, 1))
+    _emit_file(console, report, json_out)
+    return
+  from paxcli import config
+  resolved = config.resolve(exp, overrides)
+  cfg = ii.select_dataset(resolved, split)
+  batch_size = ii.host_batch_size(resolved)
+  if check_sharding:
+    report = ii.check_sharding(cfg, batch_size, num_hosts, num_batches)
+    _emit_sharding(console, report, json_out)
+    if not report['ok']:
+      raise typer.Exit(1)
+    return
+  inp = ii.build(cfg, batch_size, num_hosts, host_index)
+  total_time = 0.0
+  count = rows = 0
+  for i, batch, seconds in ii.read_batches(inp, num_batches):
+    total_time += seconds
+    count += 1
+    rows += len(next(iter(batch.values())))
+    stats, shown = ii.feature_stats(batch), ii.examples(inp, batch, num_examples)
+    if json_out:
+      typer.echo(json.dumps({'batch': i, 'host': host_index, 'num_hosts': num_hosts, 'features': stats,
+                             'examples': shown}))
+    else:
+      _print_batch(console, cfg.name, i, host_index, num_hosts, stats, shown)
+  rate = {'batches': count, 'batches_per_sec': count / max(total_time, 1e-9),
+          'examples_per_sec': rows / max(total_time, 1e-9)}
+  if json_out:
+    typer.echo(json.dumps({'throughput': rate}))
+  else:
+    console.print(f"Read {count} batches: {rate['batches_per_sec']:.1f} batches/s, "
+                  f"{rate['examples_per_sec']:.1f} examples/s.")
+
+
+def _print_batch(console, name, index, host, hosts, stats, shown) -> None:
+  from rich.table import Table
+  table = Table(title=f'{name}: batch {index} (host {host} of {hosts})')
+  for col in ('feature', 'shape', 'dtype', 'min', 'max', 'padding'):
+    table.add_column(col, justify='left' if col in ('feature', 'dtype') else 'right')
+  for s in stats:
+    table.add_row(s['feature'], str(tuple(s['shape'])), s['dtype'], str(s['min']), str(s['max']),
+                  f"{100 * s['padding']:.1f}%")
+  console.print(table)
+  for ex in shown:
+    if 'text' in ex:
+      console.print(f"[bold]row {ex['row']}[/] ({ex['length']} tokens): {_escape(ex['text'])!s}")
+      console.print(f"  ids: {ex['ids'][:48]}{' ...' if len(ex['ids']) > 48 else ''}", highlight=False)
+    else:
+      console.print(ex, highlight=False)
+
+
+def _escape(text: str) -> str:
+  from rich.markup import escape
+  return escape(text)
+
+
+def _emit_sharding(console, report, json_out) -> None:
+  if json_out:
+    typer.echo(json.dumps(report))
+    return
+  from rich.table import Table
+  table = Table(title=f"{report['kind']} input over {report['num_hosts']} hosts")
+  for col in ('host', 'batches', 'examples'):
+    table.add_column(col, justify='right')
+  for h in report['hosts']:
+    table.add_row(str(h['host']), str(h['batches']), str(h['examples']))
+  console.print(table)
+  if report['kind'] == 'eval':
+    console.print(f"The eval loop runs {report['eval_steps']} steps on every host; hosts with fewer batches "
+                  'feed zero-weight padding.')
+  if report['num_duplicates']:
+    console.print(f"[bold red]Problem:[/] {report['num_duplicates']} examples are emitted by more than one host, "
+                  'e.g.:')
+    for d in report['duplicates'][:5]:
+      console.print(f"  example {d['example']}: host {d['first'][0]} batch {d['first'][1]} row {d['first'][2]}"
+                    f" and host {d['again'][0]} batch {d['again'][1]} row {d['again'][2]}", highlight=False)
+  elif report['ok']:
+    console.print('[green]OK:[/] no example is emitted by two hosts.')
+  else:
+    console.print('[bold red]Problem:[/] some host emitted no examples.')
+
+
+def _emit_file(console, report, json_out) -> None:
+  if json_out:
+    typer.echo(json.dumps(report, default=str))
+    return
+  from rich.table import Table
+  files = report['files']
+  console.print(f"{len(files)} file(s): {', '.join(os.path.basename(f) for f in files[:5])}"
+                f"{' ...' if len(files) > 5 else ''}; {report['records_scanned']} records scanned "
+                f"({report['records_per_sec']:.0f} records/s)", highlight=False)
+  table = Table(title='Features')
+  for col in ('feature', 'kind', 'lengths seen'):
+    table.add_column(col)
+  for f in report['features']:
+    span = str(f['min_length']) if f['min_length'] == f['max_length'] else f"{f['min_length']}-{f['max_length']}"
+    table.add_row(f['feature'], f['kind'], span)
+  console.print(table)
+  for i, record in enumerate(report['first_records']):
+    console.print(f'[bold]record {i}[/]')
+    for name, value in record.items():
+      console.print(f'  {name}: {value}', highlight=False, markup=False)
+
+
+def register(app: typer.Typer) -> None:
+  app.command('inspect-input')(inspect_input)

@@ -1,0 +1,200 @@
+"""TFRecord files of tf.train.Example on tf.data, sharded by host.
+
+Host sharding: with at least as many files as hosts, each host reads whole files
+(files[i::n]); otherwise every host reads every file and keeps records i, i+n, ...
+Either way hosts never overlap and together read everything.
+
+For LM training set `lm_feature` to an int feature of token ids: each record becomes
+ids = tokens[:-1], labels = tokens[1:], truncated or padded to seq_len, weights 0 on
+padding. Without it, batches hold the parsed features themselves (varlen features
+padded to seq_len, or to the longest in the batch when seq_len is 0).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+import random
+from typing import Iterator, Optional
+
+import numpy as np
+
+from paxcli.errors import UserError
+from paxcli.inputs.base import BaseInput, EndOfInput
+
+KINDS = ('int64', 'float', 'bytes')
+
+
+def import_tf():
+  """tensorflow, for tf.data only: never allowed to take a GPU from jax."""
+  os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')  # TF's start-up chatter (no GPU, oneDNN)
+  import tensorflow as tf
+  try:
+    tf.config.set_visible_devices([], 'GPU')
+  except RuntimeError:  # already initialised: devices were hidden before
+    pass
+  return tf
+
+
+def expand_files(pattern: str) -> list[str]:
+  files = sorted(glob.glob(os.path.expanduser(pattern)))
+  if not files:
+    raise UserError(f'No file matches {pattern!r}.')
+  return files
+
+
+def read_examples(path: str, limit: Optional[int] = None) -> Iterator[dict[str, tuple[str, list]]]:
+  """Parsed tf.train.Examples of one file: {feature: (kind, values)}; UserError if not TFRecord."""
+  tf = import_tf()
+  if not os.path.isfile(path):
+    raise UserError(f'{path}: no such file.')
+  dataset = tf.data.TFRecordDataset(path)
+  if limit is not None:
+    dataset = dataset.take(limit)
+  try:
+    for i, record in enumerate(dataset.as_numpy_iterator()):
+      example = tf.train.Example()
+      try:
+        example.ParseFromString(record)
+      except Exception:
+        raise UserError(f'{path}: record {i} is not a tf.train.Example.') from None
+      yield {name: _kind_values(feature) for name, feature in example.features.feature.items()}
+  except tf.errors.DataLossError:
+    raise UserError(f'{path} is not a TFRecord file (or is corrupted).') from None
+
+
+def _kind_values(feature) -> tuple[str, list]:
+  kind = feature.WhichOneof('kind')
+  if kind == 'int64_list':
+    return 'int64', list(feature.int64_list.value)
+  if kind == 'float_list':
+    return 'float', list(feature.float_list.value)
+  return 'bytes', list(feature.bytes_list.value)
+
+
+def infer_features(path: str) -> dict[str, str]:
+  for first in read_examples(path, limit=1):
+    return {name: kind for name, (kind, _) in sorted(first.items())}
+  raise UserError(f'{path} holds no records.')
+
+
+@dataclasses.dataclass
+class TFRecordInput(BaseInput):
+  file_pattern: str = ''
+  features: Optional[dict[str, str]] = None  # name -> 'int64' | 'float' | 'bytes'; None: inferred
+  seq_len: int = 0
+  lm_feature: Optional[str] = None
+  shuffle: bool = True
+  shuffle_buffer_size: int = 10_000
+  prefetch: int = 2
+  spm_model: Optional[str] = None  # sentencepiece model for ids_to_strings
+
+  def __post_init__(self):
+    super().__post_init__()
+    if not self.file_pattern:
+      raise UserError(f'Input {self.name!r}: file_pattern is empty.')
+    self.files = expand_files(self.file_pattern)
+    self.features = dict(self.features or infer_features(self.files[0]))
+    for name, kind in self.features.items():
+      if kind not in KINDS:
+        raise UserError(f'Input {self.name!r}: feature {name!r} has kind {kind!r}; use one of {KINDS}.')
+    if self.lm_feature and self.features.get(self.lm_feature) != 'int64':
+      raise UserError(f'Input {self.name!r}: lm_feature {self.lm_feature!r} must be an int64 feature; '
+                      f'the records have {self.features}.')
+    if self.lm_feature and not self.seq_len:
+      raise UserError(f'Input {self.name!r}: lm_feature needs seq_len.')
+    self._iterator = None
+    self._sp = None
+
+  def host_files(self) -> tuple[list[str], bool]:
+    """(files this host reads, whether records must be sharded within them)."""
+    n, i = self.num_infeed_hosts or 1, self.infeed_host_index or 0
+    files = list(self.files)
+    if self.shuffle:
+      random.Random(self.seed).shuffle(files)
+    if len(files) >= n:
+      return files[i::n], False
+    return files, n > 1
+
+  def dataset(self, skip_batches: int = 0):
+    tf = import_tf()
+    files, shard_records = self.host_files()
+    ds = tf.data.TFRecordDataset(files)
+    if shard_records:
+      ds = ds.shard(self.num_infeed_hosts, self.infeed_host_index)
+    if self.shuffle:
+      ds = ds.shuffle(self.shuffle_buffer_size, seed=self.seed, reshuffle_each_iteration=True)
+    if self.repeat:
+      ds = ds.repeat()
+    spec = {name: tf.io.VarLenFeature({'int64': tf.int64, 'float': tf.float32, 'bytes': tf.string}[kind])
+            for name, kind in self.features.items()}
+    ds = ds.map(lambda r: self._to_features(tf, tf.io.parse_single_example(r, spec)),
+                num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    ds = ds.padded_batch(self.batch_size, drop_remainder=False)
+    if skip_batches:
+      ds = ds.skip(skip_batches)
+    return ds.prefetch(self.prefetch)
+
+  def _to_features(self, tf, parsed):
+    dense = {}
+    for name, kind in self.features.items():
+      default = b'' if kind == 'bytes' else 0
+      dense[name] = tf.sparse.to_dense(parsed[name], default_value=default)
+    if not self.lm_feature:
+      if self.seq_len:
+        dense = {k: _fit(tf, v, self.seq_len) for k, v in dense.items()}
+      return dense
+    tokens = tf.cast(dense[self.lm_feature][:self.seq_len + 1], tf.int32)
+    n = tf.maximum(tf.shape(tokens)[0] - 1, 0)
+    ids, labels = _fit(tf, tokens[:-1], self.seq_len), _fit(tf, tokens[1:], self.seq_len)
+    weights = tf.cast(tf.range(self.seq_len) < n, tf.float32)
+    return {'ids': ids, 'labels': labels, 'weights': weights}
+
+  # ---- the contract: a stream, so position = batches read ----------------------------------
+
+  def get_next(self) -> dict[str, np.ndarray]:
+    if self._iterator is None:
+      self._iterator = self.dataset(self._batches_read).as_numpy_iterator()
+    try:
+      batch = next(self._iterator)
+    except StopIteration:
+      raise EndOfInput(self.name) from None
+    self._batches_read += 1
+    return _pad_rows(batch, self.batch_size)
+
+  def reset(self) -> None:
+    super().reset()
+    self._iterator = None
+
+  def skip(self, num_batches: int) -> None:
+    super().skip(num_batches)
+    self._iterator = None
+
+  def ids_to_strings(self, ids, lengths=None) -> list[str]:
+    if not self.spm_model:
+      return super().ids_to_strings(ids, lengths)
+    if self._sp is None:
+      import sentencepiece as spm
+      self._sp = spm.SentencePieceProcessor(model_file=self.spm_model)
+    rows = np.asarray(ids)
+    lengths = lengths if lengths is not None else [rows.shape[-1]] * rows.shape[0]
+    return [self._sp.decode([int(t) for t in row[:n]]) for row, n in zip(rows, lengths)]
+
+
+def _fit(tf, x, length: int):
+  x = x[:length]
+  return tf.pad(x, [[0, length - tf.shape(x)[0]]])
+
+
+def _pad_rows(batch: dict, rows: int) -> dict:
+  """Pads a short final batch to `rows` with zero rows (zero weight: counted nowhere)."""
+  out = {}
+  for k, v in batch.items():
+    if v.shape[0] < rows:
+      pad = np.zeros((rows - v.shape[0],) + v.shape[1:], v.dtype)
+      if v.dtype == object:
+        pad[...] = b''
+      v = np.concatenate([v, pad])
+    out[k] = v
+  return out
