@@ -100,8 +100,15 @@ def test_side_effects_never_happen(tmp_path):
 
 
 def test_no_trainer_is_an_error():
-  with pytest.raises(UserError, match='no MaxText trainer invocation'):
+  with pytest.raises(UserError, match='no MaxText trainer invocation.*It runs setup.sh'):
     read_script(str(FIXTURES / 'no-trainer.sh'))
+
+
+def test_branches_are_read_in_order(tmp_path):
+  path = _script(tmp_path, 'if [ -z "$STEPS" ]; then\n  STEPS=5\nelse\n  STEPS=9\nfi\n'
+                           'python3 MaxText/train.py base.yml steps=$STEPS\n')
+  info = read_script(path)
+  assert _overrides(info) == {'steps': '9'} and any('not evaluated' in n for n in info.notes)
 
 
 def test_unreadable_and_badly_quoted_scripts(tmp_path):

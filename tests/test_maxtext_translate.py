@@ -218,6 +218,14 @@ def test_compile_topology_of_an_aot_script(tmp_path):
   assert (k['ICI_MESH_SHAPE'], k['DCN_MESH_SHAPE']) == ([1, 32, 8], [2, 1, 1])
 
 
+@pytest.mark.parametrize('setting', ['steps=many', 'per_device_batch_size=[1]', 'head_dim=12.5'])
+def test_values_that_are_not_numbers(tmp_path, setting):
+  path = tmp_path / 'bad.sh'
+  path.write_text(f'python3 MaxText/train.py base.yml {setting}\n')
+  with pytest.raises(UserError, match='must be a'):
+    translate(read_script(str(path)), Options())
+
+
 def test_two_fill_axes_are_an_error(tmp_path):
   path = tmp_path / 'two.sh'
   path.write_text('python3 MaxText/train.py base.yml ici_fsdp_parallelism=-1 ici_data_parallelism=-1\n')

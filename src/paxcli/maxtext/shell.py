@@ -261,6 +261,7 @@ class _Shell:
     self.unset_seen: set[str] = set()
     self.invocations: list[tuple[list[str], dict[str, str], int]] = []
     self.skipped: list[str] = []
+    self.branch_noted = False
 
   # -- variables --
 
@@ -400,6 +401,10 @@ class _Shell:
       elif head in _LOOP_HEADS:
         i = self._loop(commands, i, words)
       elif head in ('if', 'elif', 'case', 'done'):
+        if head != 'done' and not self.branch_noted:
+          self.branch_noted = True
+          self.notes.append(f'line {cmd.line}: `{head}` conditions are not evaluated; every '
+                            'branch is read in order.')
         i += 1
       else:
         self._simple(words, cmd)
@@ -572,9 +577,11 @@ def read_script(path: str, args: list[str] = ()) -> ScriptInfo:
         shell.exported.add(var)
   shell.run(commands)
   if not shell.invocations:
+    others = sorted({w for s in shell.skipped for w in s.split() if w.endswith('.sh')})
+    hint = f' It runs {", ".join(others)}: import the script that calls the trainer.' if others else ''
     raise UserError(f'{path}: no MaxText trainer invocation found (expected `python3 '
                     'MaxText/train.py <base.yml> key=value ...` or `python3 -m '
-                    'maxtext.trainers.pre_train.train <base.yml> key=value ...`).')
+                    f'maxtext.trainers.pre_train.train <base.yml> key=value ...`).{hint}')
   if len(shell.invocations) > 1:
     lines = ', '.join(str(line) for _, _, line in shell.invocations)
     notes.append(f'{len(shell.invocations)} trainer invocations (lines {lines}); using the last.')

@@ -372,6 +372,21 @@ class _Builder:
     self.consumed.add(key)
     return self.config.get(key, fallback)
 
+  def whole(self, key: str, fallback: Any = None) -> int:
+    return int(self._number(key, fallback, whole=True))
+
+  def real(self, key: str, fallback: Any = None) -> float:
+    return float(self._number(key, fallback, whole=False))
+
+  def _number(self, key: str, fallback: Any, whole: bool) -> Any:
+    value = self.get(key, fallback)
+    if value is None or value == '':
+      value = fallback  # MaxText's null / empty means "the default"
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+        or whole and not float(value).is_integer()):
+      raise UserError(f'{key}={show(value)} must be a {"whole " if whole else ""}number.')
+    return value
+
   def raw(self, key: str) -> str:
     if key in self.overrides:
       return self.overrides[key]
@@ -436,7 +451,8 @@ def _model(b: _Builder, era: str) -> None:
   if other in b.overrides:
     b.warnings.append(f'`{other}` is not a key of era {era}; the size comes from `{scale_key}` '
                       f'({show(b.config.get(scale_key, 1))}).')
-  factors = scale_factors(era, b.get(scale_key, 1))
+  factors = scale_factors(era, b.config.get(scale_key, 1))
+  b.consumed.add(scale_key)
   b.consumed.add(other)
   layers = _scaled(b, 'NUM_LAYERS', 'base_num_decoder_layers', factors['layers'], scale_key)
   _scaled(b, 'MODEL_DIMS', 'base_emb_dim', factors['emb'], scale_key)
@@ -449,10 +465,10 @@ def _model(b: _Builder, era: str) -> None:
     if heads % kv:
       raise UserError(f'{heads} query heads are not a multiple of {kv} kv heads.')
   b.consumed.update({'base_num_heads', 'base_num_query_heads', 'base_num_kv_heads'})
-  b.put('DIMS_PER_HEAD', int(b.get('head_dim')), 'head_dim')
-  b.put('VOCAB_SIZE', int(b.get('vocab_size')), 'vocab_size')
-  b.put('MAX_SEQ_LEN', int(b.get('max_target_length')), 'max_target_length')
-  b.put('PERCORE_BATCH_SIZE', _integral(b.get('per_device_batch_size')), 'per_device_batch_size')
+  b.put('DIMS_PER_HEAD', b.whole('head_dim'), 'head_dim')
+  b.put('VOCAB_SIZE', b.whole('vocab_size'), 'vocab_size')
+  b.put('MAX_SEQ_LEN', b.whole('max_target_length'), 'max_target_length')
+  b.put('PERCORE_BATCH_SIZE', _integral(b.real('per_device_batch_size')), 'per_device_batch_size')
   if b.config.get('decoder_block') == 'gemma2':
     b.knobs['NUM_LAYERS'] = 2 * layers
     b.rows[0].value = 2 * layers
@@ -485,16 +501,16 @@ def _activation_and_block(b: _Builder) -> None:
   elif block.unsupported:
     b.feature(f'decoder_block_{name}', block.unsupported)
   position = block.position
-  if int(b.get('trainable_position_size', -1) or -1) > 0:
+  if b.whole('trainable_position_size', -1) > 0:
     position = 'learned'
   b.put('NORM_TYPE', block.norm, 'decoder_block')
   b.put('USE_BIAS', block.use_bias, 'decoder_block')
   b.put('POSITION_EMBEDDING', position, 'decoder_block, trainable_position_size')
   if position == 'rotary':
-    b.put('ROTARY_MAX_TIMESCALE', float(b.get('rope_max_timescale', 10000)), 'rope_max_timescale',
+    b.put('ROTARY_MAX_TIMESCALE', b.real('rope_max_timescale', 10000), 'rope_max_timescale',
           raw=b.raw('rope_max_timescale') if 'rope_max_timescale' in b.config else '10000 (MaxText)')
   b.put('SEPARATE_EMBEDDING', not bool(b.get('logits_via_embedding')), 'logits_via_embedding')
-  dropout = float(b.get('dropout_rate', 0) or 0)
+  dropout = b.real('dropout_rate', 0)
   if b.get('enable_dropout', True) is False:
     dropout = 0.0
   b.put('DROPOUT_PROB', dropout, 'dropout_rate, enable_dropout')
@@ -567,27 +583,27 @@ def _optimizer(b: _Builder) -> None:
     opt = 'adamw'
   raw = b.raw('opt_type') if 'opt_type' in b.config else 'adam (2023 MaxText: optax.adam)'
   b.put('OPTIMIZER', opt, 'opt_type', raw=raw)
-  b.put('LEARNING_RATE', float(b.get('learning_rate')), 'learning_rate')
-  b.put('ADAM_BETA1', float(b.get('adam_b1', 0.9)), 'adam_b1')
-  b.put('ADAM_BETA2', float(b.get('adam_b2', 0.95)), 'adam_b2')
-  b.put('ADAM_EPSILON', float(b.get('adam_eps', 1e-8)), 'adam_eps')
-  decay = float(b.get('adam_weight_decay', 0.0) or 0.0) if opt == 'adamw' else 0.0
+  b.put('LEARNING_RATE', b.real('learning_rate'), 'learning_rate')
+  b.put('ADAM_BETA1', b.real('adam_b1', 0.9), 'adam_b1')
+  b.put('ADAM_BETA2', b.real('adam_b2', 0.95), 'adam_b2')
+  b.put('ADAM_EPSILON', b.real('adam_eps', 1e-8), 'adam_eps')
+  decay = b.real('adam_weight_decay', 0.0) if opt == 'adamw' else 0.0
   b.put('WEIGHT_DECAY', decay, 'adam_weight_decay',
         raw=b.raw('adam_weight_decay') if 'adam_weight_decay' in b.config else '(none in this MaxText)')
   clip = b.config.get('gradient_clipping_threshold')
-  b.put('CLIP_GRADIENT_NORM_TO_VALUE', float(b.get('gradient_clipping_threshold', 0.0) or 0.0),
+  b.put('CLIP_GRADIENT_NORM_TO_VALUE', b.real('gradient_clipping_threshold', 0.0),
         'gradient_clipping_threshold',
         raw=None if clip is not None else '(none: 2023 MaxText did not clip)')
 
 
 def _schedule_and_loop(b: _Builder) -> None:
-  steps = int(b.get('steps'))
-  sched_steps = int(b.get('learning_rate_schedule_steps', -1) or -1)
+  steps = b.whole('steps')
+  sched_steps = b.whole('learning_rate_schedule_steps', -1)
   if steps < 0:
     steps = sched_steps
   if 'warmup_steps_fraction' in b.config:
     total = sched_steps if sched_steps > 0 else steps
-    warmup = int(total * float(b.get('warmup_steps_fraction')))
+    warmup = int(total * b.real('warmup_steps_fraction'))
     final = b.config.get('learning_rate_final_fraction',
                          b.config.get('cosine_learning_rate_final_fraction', 0.1))
     b.consumed.update({'learning_rate_final_fraction', 'cosine_learning_rate_final_fraction'})
@@ -605,23 +621,23 @@ def _schedule_and_loop(b: _Builder) -> None:
       b.notes.append(f'MaxText sets the learning rate to 0 after step {total}; Pax keeps it at '
                      f'the final ratio.')
   else:
-    warmup = int(b.get('warmup_steps', 0) or 0)
+    warmup = b.whole('warmup_steps', 0)
     b.put('LR_SCHEDULE', 'constant', 'warmup_steps', raw=b.raw('warmup_steps'))
     b.put('LR_WARMUP_STEPS', warmup, 'warmup_steps')
     b.notes.append('2023 MaxText decays the learning rate as 1/sqrt(step) after the warm-up; '
                    'Pax has no such schedule, so it stays constant after the warm-up.')
   b.put('NUM_TRAIN_STEPS', steps, 'steps')
   period_key = 'checkpoint_period' if 'checkpoint_period' in b.config else 'save_period'
-  period = int(b.get(period_key, steps) or steps)
+  period = b.whole(period_key, steps)
   b.consumed.update({'checkpoint_period', 'save_period'})
   if b.get('enable_checkpointing', True) is False:
     period = max(steps, 1)
     b.notes.append('enable_checkpointing=false: paxcli always checkpoints; SAVE_INTERVAL_STEPS is '
                    'the number of steps.')
   b.put('SAVE_INTERVAL_STEPS', period, f'{period_key}, enable_checkpointing')
-  b.put('SUMMARY_INTERVAL_STEPS', int(b.get('log_period', 100)), 'log_period')
+  b.put('SUMMARY_INTERVAL_STEPS', b.whole('log_period', 100), 'log_period')
   if 'init_weights_seed' in b.config:
-    b.put('RANDOM_SEED', int(b.get('init_weights_seed')), 'init_weights_seed')
+    b.put('RANDOM_SEED', b.whole('init_weights_seed'), 'init_weights_seed')
 
 
 # ---- mesh -----------------------------------------------------------------------
@@ -636,8 +652,8 @@ def _devices(b: _Builder, dcn_fixed: int, dcn_fill: bool) -> tuple[Optional[int]
     # A train_compile.py script names its target: use it unless the user gave a topology.
     if mt.topology_devices(compiled) is not None:
       topology = compiled
-      if slices is None and int(b.get('compile_topology_num_slices', -1) or -1) > 0:
-        slices = int(b.get('compile_topology_num_slices'))
+      if slices is None and b.whole('compile_topology_num_slices', -1) > 0:
+        slices = b.whole('compile_topology_num_slices')
     else:
       b.notes.append(f'compile_topology={compiled} is not a TPU type paxcli knows; give --num-devices.')
   if topology:
@@ -696,7 +712,7 @@ def _mesh(b: _Builder) -> None:
   for key in sorted(b.config):
     m = _PARALLELISM_RE.match(key)
     if m and m.group(2) in _AXIS_FOLD:
-      nets[m.group(1)][m.group(2)] = int(b.get(key))
+      nets[m.group(1)][m.group(2)] = b.whole(key)
   for net in nets:
     for axis in ('data', 'fsdp', 'tensor'):
       nets[net].setdefault(axis, 1)
