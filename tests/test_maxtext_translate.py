@@ -329,6 +329,19 @@ def test_platform_env_for_gpu_scripts():
   assert reasons['attention'] == 'ignored' and reasons['use_iota_embed'] == 'ignored'
 
 
+@pytest.mark.parametrize('hardware, flags, expected', [
+    ('tpu', '--xla_dump_to=/d --xla_tpu_x=1 --xla_gpu_y=2',
+     {'tpu': '--xla_dump_to=/d --xla_tpu_x=1', 'gpu': '--xla_gpu_y=2'}),
+    ('gpu', '--xla_dump_to=/d --xla_gpu_y=2', {'gpu': '--xla_dump_to=/d --xla_gpu_y=2'}),
+    ('tpu', '--xla_dump_to=/d', {'tpu': '--xla_dump_to=/d'}),
+])
+def test_xla_flags_go_to_their_platform(tmp_path, hardware, flags, expected):
+  path = tmp_path / 'flags.sh'
+  path.write_text(f'export XLA_FLAGS="{flags}"\npython3 MaxText/train.py base.yml hardware={hardware}\n')
+  env = translate(read_script(str(path)), Options()).knobs['PLATFORM_ENV']
+  assert {p: d['XLA_FLAGS'] for p, d in env.items()} == expected
+
+
 def test_nothing_the_script_sets_goes_missing():
   for name in ('2xv4-128.sh', 'gqa-current.sh', 'gpu-a3.sh', 'unsupported-axes.sh', 'llama2-7b-v5p.sh'):
     t = run(name)

@@ -771,7 +771,20 @@ _TPU_FLAG = re.compile(r'xla_(tpu|jf|sc)_|megacore|TPU_', re.I)
 _GPU_FLAG = re.compile(r'xla_gpu_|cuda|nccl', re.I)
 
 
+def _split_xla_flags(value: str, hardware: str) -> dict[str, list[str]]:
+  """XLA flags per platform: TPU flags abort jax elsewhere; plain flags go where the run ran."""
+  flags = value.split()
+  tpu = [f for f in flags if _TPU_FLAG.search(f)]
+  gpu = [f for f in flags if _GPU_FLAG.search(f) and f not in tpu]
+  plain = [f for f in flags if f not in tpu and f not in gpu]
+  split = {'tpu': tpu, 'gpu': gpu}
+  split[hardware] = [f for f in flags if f in split[hardware] or f in plain]
+  return {platform: chosen for platform, chosen in split.items() if chosen}
+
+
 def _platform_env(b: _Builder) -> None:
+  # MaxText's `hardware` says where the script ran (tpu unless gpu/gpu_multiprocess).
+  hardware = 'gpu' if str(b.config.get('hardware', 'tpu')).startswith('gpu') else 'tpu'
   env: dict[str, dict[str, str]] = {}
   for name, value in sorted(b.script.env.items()):
     if name.startswith('M_'):
@@ -779,14 +792,8 @@ def _platform_env(b: _Builder) -> None:
     if name == 'LIBTPU_INIT_ARGS' or name.startswith('TPU_') or (name.startswith('JAX_') and 'TPU' in name):
       env.setdefault('tpu', {})[name] = value
     elif name == 'XLA_FLAGS':
-      flags = value.split()
-      tpu = [f for f in flags if not _GPU_FLAG.search(f)]
-      gpu = [f for f in flags if not _TPU_FLAG.search(f)]
-      for platform, chosen in (('tpu', tpu), ('gpu', gpu)):
-        if chosen and (platform == 'tpu' and any(_TPU_FLAG.search(f) for f in flags)
-                       or platform == 'gpu' and any(_GPU_FLAG.search(f) for f in flags)
-                       or not any(_TPU_FLAG.search(f) or _GPU_FLAG.search(f) for f in flags)):
-          env.setdefault(platform, {})[name] = ' '.join(chosen)
+      for platform, flags in _split_xla_flags(value, hardware).items():
+        env.setdefault(platform, {})[name] = ' '.join(flags)
     elif name.startswith(('NCCL_', 'NVTE_', 'CUDA_', 'XLA_PYTHON_CLIENT_', 'TF_GPU')):
       env.setdefault('gpu', {})[name] = value
   if env:
