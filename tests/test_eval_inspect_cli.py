@@ -173,3 +173,16 @@ def test_input_errors_are_one_clear_line(tmp_path, capsys):
                              task_feature_lengths={'targets': 16})]
   '''))
   fails(['inspect-input', '--exp', f'{unregistered}:NoTask'], "No seqio task or mixture is registered as 'no_such_task'")
+
+
+def test_seqio_recipe_trains_and_evaluates(tmp_path, capsys):
+  code, out, err = pax_main(['train', '--exp', 'seqio_stdlib.StdlibDocsSeqIOLm', '--job-log-dir', str(tmp_path / 's'),
+                             '--set', 'NUM_LAYERS=1', '--set', 'MODEL_DIMS=32', '--set', 'HIDDEN_DIMS=64',
+                             '--set', 'PERCORE_BATCH_SIZE=1', '--set', 'MAX_SEQ_LEN=32',
+                             '--set', 'task.train.num_train_steps=4', '--set', 'EVAL_INTERVAL_STEPS=4',
+                             '--set', 'task.train.summary_interval_steps=2'], capsys)
+  assert code == 0, err
+  records = [json.loads(line) for line in open(tmp_path / 's' / 'train_metrics.jsonl')]
+  assert [r['step'] for r in records] == [2, 4] and all(5 < r['loss'] < 9 for r in records)
+  evals = [json.loads(line) for line in open(tmp_path / 's' / 'eval_eval_metrics.jsonl')]
+  assert evals[0]['step'] == 4 and evals[0]['num_examples'] > 100  # the whole validation split

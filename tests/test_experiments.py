@@ -169,7 +169,8 @@ def test_wheel_ships_the_recipes(tmp_path):
   wheel = next(tmp_path.glob('paxcli-*.whl'))
   names = zipfile.ZipFile(wheel).namelist()
   assert 'paxcli/recipes/lm_cloud.py' in names and 'paxcli/recipes/default.py' in names
-  assert 'paxcli/cli/app.py' in names
+  for init in (REPO / 'src').rglob('__init__.py'):  # every sub-package of the source tree
+    assert str(init.relative_to(REPO / 'src')) in names, init
 
 
 def test_user_error_type():
