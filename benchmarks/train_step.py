@@ -1,0 +1,72 @@
+"""Train-step speed of the default experiment under model variants, measured in one run.
+
+  .venv/bin/python benchmarks/train_step.py [--steps 20] [--exp default.StdlibDocsLm] [--set K=V ...]
+
+Prints a table: compile seconds, steps/s, tokens/s and the ratio to the first row.
+Machines are shared and noisy: compare the ratios within one run, not absolute numbers
+across runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+VARIANTS = [
+    ('baseline (loop, no remat, float32)', []),
+    ('scan layers', ['USE_REPEATED_LAYER=True']),
+    ('remat save_nothing', ['CHECKPOINT_POLICY=save_nothing']),
+    ('remat save_dot_only', ['CHECKPOINT_POLICY=save_dot_only']),
+    ('bfloat16 activations', ['FPROP_DTYPE=bfloat16']),
+]
+
+
+def measure(exp: str, overrides: list[str], steps: int) -> dict:
+  import jax
+
+  from paxcli import config, engine, sharding
+  from paxcli.inputs.synthetic import SyntheticLmInput  # noqa: F401  (synthetic data: input cost out of the way)
+  from paxcli.train import make_train_step, to_global
+  resolved = config.resolve(exp, overrides)
+  setup = engine.build(resolved)
+  state = engine.init_state(setup, 0)
+  batch_sharding = sharding.batch_sharding(setup.mesh)
+  step = make_train_step(setup, batch_sharding, 0)
+  data = engine.build_input(resolved.train_dataset(), setup)
+  batch = to_global(data.get_next(), batch_sharding, setup.global_batch)
+  start = time.perf_counter()
+  state, metrics = step(state, batch)
+  jax.block_until_ready(metrics)
+  compile_s = time.perf_counter() - start
+  start = time.perf_counter()
+  for _ in range(steps):
+    state, metrics = step(state, batch)
+  jax.block_until_ready(metrics)
+  elapsed = time.perf_counter() - start
+  return {'compile_s': compile_s, 'steps_per_sec': steps / elapsed,
+          'tokens_per_sec': steps * setup.global_batch * setup.seq_len / elapsed}
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument('--exp', default='default.StdlibDocsLm')
+  parser.add_argument('--steps', type=int, default=20)
+  parser.add_argument('--set', action='append', default=[], dest='overrides')
+  args = parser.parse_args()
+  from rich.console import Console
+  from rich.table import Table
+  import jax
+  table = Table(title=f'{args.exp}: train step on {len(jax.devices())} x {jax.devices()[0].device_kind}')
+  for col in ('variant', 'compile s', 'steps/s', 'tokens/s', 'vs baseline'):
+    table.add_column(col, justify='left' if col == 'variant' else 'right')
+  base = None
+  for name, extra in VARIANTS:
+    r = measure(args.exp, args.overrides + extra, args.steps)
+    base = base or r['steps_per_sec']
+    table.add_row(name, f"{r['compile_s']:.1f}", f"{r['steps_per_sec']:.2f}", f"{r['tokens_per_sec']:,.0f}",
+                  f"{r['steps_per_sec'] / base:.2f}x")
+  Console().print(table)
+
+
+if __name__ == '__main__':
+  main()
