@@ -84,6 +84,8 @@ def build_corpus(vocab_size: int, directory: Optional[str] = None) -> str:
     return directory
   import sentencepiece as spm
   os.makedirs(directory, exist_ok=True)
+  print(f'Building the stdlib-docstrings corpus and a {vocab_size}-piece sentencepiece model '
+        f'(first use only; cached in {directory}).', file=sys.stderr)
   docs = stdlib_docstrings()
   train_text = [t for p, t in docs if not _is_eval(p)]
   lines = [line for text in train_text for line in text.split('\n') if line.strip()]

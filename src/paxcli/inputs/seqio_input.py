@@ -25,6 +25,7 @@ _DECODER_KEYS = {'decoder_input_tokens': 'ids', 'decoder_target_tokens': 'labels
 
 
 def get_mixture_or_task(name: str):
+  import_tf()  # first: hides GPUs from tensorflow and quiets its start-up logs
   import seqio
   try:
     return seqio.get_mixture_or_task(name)
