@@ -55,9 +55,16 @@ def mesh_shape(ici: Optional[Sequence[int]], dcn: Optional[Sequence[int]], num_d
     ici[ici.index(-1)] = num_devices // known
   total = math.prod(ici) * math.prod(dcn)
   if total != num_devices:
+    slices = math.prod(dcn)
+    if slices == 1:
+      hint = f'Set ICI_MESH_SHAPE so that the product of all entries is {num_devices}.'
+    elif num_devices % slices == 0:
+      hint = (f'ICI_MESH_SHAPE is the mesh inside one of the {slices} DCN slices, so its entries must '
+              f'multiply to {num_devices // slices}.')
+    else:
+      hint = f'The product of DCN_MESH_SHAPE ({slices}) must divide the {num_devices} devices.'
     raise UserError(f'The mesh ICI_MESH_SHAPE {ici} x DCN_MESH_SHAPE {dcn} needs {total} devices, '
-                    f'but there are {num_devices} ({jax.default_backend()}). Set ICI_MESH_SHAPE so '
-                    f'that the product of all entries is {num_devices}.')
+                    f'but there are {num_devices} ({jax.default_backend()}). {hint}')
   return ici, dcn
 
 
@@ -77,20 +84,30 @@ def make_mesh(ici: Optional[Sequence[int]], dcn: Optional[Sequence[int]] = None,
 
 
 def _hybrid_mesh(ici: list[int], dcn: list[int], devices) -> np.ndarray:
-  """ICI x DCN device array: slices come from device slice info, else one per process group."""
+  """ICI x DCN device array; each DCN coordinate gets one slice (granule) of devices.
+
+  Granules, in order of preference: the slices devices report (multi-slice TPU);
+  the processes, when there are as many as DCN_MESH_SHAPE asks for (one process per
+  host, as on CPU and most GPU clusters, via `process_is_granule=True`); equal groups
+  of whole processes, or equal parts of each process, otherwise.
+  """
   from jax.experimental import mesh_utils
   num_slices = math.prod(dcn)
-  has_slices = all(getattr(d, 'slice_index', None) is not None for d in devices)
-  if has_slices and len({d.slice_index for d in devices}) == num_slices:
-    return mesh_utils.create_hybrid_device_mesh(ici, dcn, devices=devices)
-  num_processes = len({d.process_index for d in devices})
-  if num_processes > 1:
-    if num_processes % num_slices:
-      raise UserError(f'DCN_MESH_SHAPE {dcn} has {num_slices} slices, which do not divide the '
-                      f'{num_processes} processes.')
-    if num_processes == num_slices:
-      return mesh_utils.create_hybrid_device_mesh(ici, dcn, devices=devices, process_is_granule=True)
-  # Group devices (ordered by process, then id) into num_slices equal granules.
+  slices = {getattr(d, 'slice_index', None) for d in devices}
+  processes = sorted({d.process_index for d in devices})
+  if None not in slices and len(slices) > 1:
+    if len(slices) != num_slices:
+      raise UserError(f'DCN_MESH_SHAPE {dcn} asks for {num_slices} slices, but the devices form '
+                      f'{len(slices)} slices; make the product of DCN_MESH_SHAPE {len(slices)}.')
+    return _checked_hybrid(mesh_utils, ici, dcn, devices, process_is_granule=False)
+  if len(processes) > 1 and len(processes) == num_slices:
+    return _checked_hybrid(mesh_utils, ici, dcn, devices, process_is_granule=True)
+  if len(processes) % num_slices and num_slices % len(processes):
+    raise UserError(f'DCN_MESH_SHAPE {dcn} has {num_slices} slices, which cannot be made of whole '
+                    f'processes, or whole parts of one, with {len(processes)} processes; make the '
+                    f'product of DCN_MESH_SHAPE divide {len(processes)} or a multiple of it.')
+  # Devices ordered by process, then id: consecutive equal groups never split a
+  # process across slices unless there are more slices than processes.
   ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
   per_slice = len(ordered) // num_slices
   granules = [np.array(ordered[i * per_slice:(i + 1) * per_slice]).reshape(ici) for i in range(num_slices)]
@@ -98,6 +115,16 @@ def _hybrid_mesh(ici: list[int], dcn: list[int], devices) -> np.ndarray:
   stacked = np.array(granules).reshape(tuple(dcn) + tuple(ici))
   axes = [a for pair in zip(range(3), range(3, 6)) for a in pair]
   return stacked.transpose(axes).reshape([d * i for d, i in zip(dcn, ici)])
+
+
+def _checked_hybrid(mesh_utils, ici, dcn, devices, process_is_granule: bool) -> np.ndarray:
+  try:
+    return mesh_utils.create_hybrid_device_mesh(ici, dcn, devices=devices, process_is_granule=process_is_granule,
+                                                allow_split_physical_axes=True)
+  except (ValueError, AssertionError, NotImplementedError) as e:
+    unit = 'process' if process_is_granule else 'slice'
+    raise UserError(f'Cannot lay ICI_MESH_SHAPE {ici} over each {unit} for DCN_MESH_SHAPE {dcn}: '
+                    f'{e}') from None
 
 
 def _mesh_axes_for(names: Sequence[Optional[str]], shape: Sequence[int], mesh: Mesh,

@@ -141,6 +141,8 @@ def train(resolved, job_dir: str, console, verbose: bool = False) -> dict:
   from paxcli.summaries import SummaryWriter
   is_main = jax.process_index() == 0
   reporter_log = (lambda m: console.print(m, highlight=False, markup=False, soft_wrap=True)) if is_main else (lambda m: None)
+  from paxcli import distributed
+  distributed.log_topology(lambda m: console.print(m, highlight=False, markup=False, soft_wrap=True))
 
   # ---- Mesh, model, state shapes ------------------------------------------------------
   setup = engine.build(resolved)
@@ -152,7 +154,7 @@ def train(resolved, job_dir: str, console, verbose: bool = False) -> dict:
   reporter_log(f'Devices: {len(devices)} x {devices[0].device_kind} ({jax.default_backend()}), '
                f'{jax.process_count()} process(es); mesh {sharding.describe_mesh(setup.mesh)}')
   reporter_log(f'Parameters: {engine.param_count(setup.abstract_state):,}; global batch '
-               f'{setup.global_batch} x {setup.seq_len} tokens')
+               f'{setup.infeed.describe()} x {setup.seq_len} tokens')
   if verbose and is_main:
     _print_weights(console, setup)
 
@@ -160,9 +162,11 @@ def train(resolved, job_dir: str, console, verbose: bool = False) -> dict:
   ckpt_dir = os.path.join(job_dir, 'checkpoints')
   os.makedirs(job_dir, exist_ok=True)
   ckpt.set_aside_unfinished(ckpt_dir, log=reporter_log)
+  distributed.barrier('paxcli:unfinished-checkpoints-set-aside')  # all processes then see the same steps
   checkpointer = ckpt.Checkpointer(ckpt_dir, train_cfg.save_max_to_keep)
   latest = checkpointer.latest_step()
   batches_consumed = 0
+  layout = engine.input_layout(resolved, setup)
   if latest is not None:
     meta = checkpointer.read_meta(latest)
     check_resume_compatible(meta, shapes_now, flat, latest)
@@ -176,6 +180,9 @@ def train(resolved, job_dir: str, console, verbose: bool = False) -> dict:
     if int(meta.get('global_batch', setup.global_batch)) != setup.global_batch:
       reporter_log(f'Note: the global batch changed ({meta.get("global_batch")} -> {setup.global_batch}); '
                    'the data order from here differs from an uninterrupted run.')
+    layout_note = engine.layout_change_note(meta.get('input_layout'), layout)
+    if layout_note:
+      reporter_log(layout_note)
     reporter_log(f'Resumed from step {latest} ({batches_consumed} batches consumed).')
   else:
     state = engine.init_state(setup, resolved.experiment.RANDOM_SEED)
@@ -227,7 +234,7 @@ def train(resolved, job_dir: str, console, verbose: bool = False) -> dict:
         if step % train_cfg.save_interval_steps == 0 or step == train_cfg.num_train_steps:
           checkpointer.save(step, state, {'batches_consumed': batches_consumed, 'step': step,
                                           'global_batch': setup.global_batch, 'state_shapes': shapes_now,
-                                          'config': flat})
+                                          'config': flat, 'input_layout': layout})
       if evaluator and step % train_cfg.eval_interval_steps == 0:
         for name, m in evaluator.run(step, state['params']).items():
           reporter.log(f"step {step}: eval {name}: loss {m['loss']:.4f}  accuracy {m['accuracy']:.4f}  "

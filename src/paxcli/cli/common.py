@@ -15,6 +15,12 @@ EXP_HELP = ('Experiment: a registered name (`pax experiments`), `module.Class`, 
 SET_HELP = ('Override KEY=VALUE, repeatable: a knob (NUM_LAYERS=2) or a config field by dotted '
             'path (task.train.learning_rate=3e-4). Values are Python literals, else strings.')
 JOB_DIR_HELP = 'Job directory (checkpoints, summaries, config). Default: ./runs/<experiment>.'
+COORDINATOR_HELP = ('Several processes (one per host): HOST:PORT of process 0, where JAX\'s coordinator '
+                    'listens; the same on every process. With none of --coordinator, --num-processes, '
+                    '--process-id, JAX detects a cluster (Cloud TPU, SLURM, Open MPI, Kubernetes) or '
+                    'one process runs.')
+NUM_PROCESSES_HELP = 'Several processes: how many in all. 1 means one process, even on a cluster.'
+PROCESS_ID_HELP = 'Several processes: this process\'s index, 0 to N-1 (0 runs the coordinator).'
 
 
 def exp_option():
@@ -27,6 +33,28 @@ def set_option():
 
 def job_dir_option():
   return typer.Option(None, '--job-log-dir', '--job_log_dir', help=JOB_DIR_HELP)
+
+
+def coordinator_option():
+  return typer.Option(None, '--coordinator', envvar='PAX_COORDINATOR', help=COORDINATOR_HELP,
+                      rich_help_panel='Several processes')
+
+
+def num_processes_option():
+  return typer.Option(None, '--num-processes', envvar='PAX_NUM_PROCESSES', help=NUM_PROCESSES_HELP,
+                      min=1, rich_help_panel='Several processes')
+
+
+def process_id_option():
+  return typer.Option(None, '--process-id', envvar='PAX_PROCESS_ID', help=PROCESS_ID_HELP, min=0,
+                      rich_help_panel='Several processes')
+
+
+def start_processes(coordinator: Optional[str], num_processes: Optional[int],
+                    process_id: Optional[int]) -> None:
+  """Joins the other processes of a run (jax.distributed), before any JAX backend starts."""
+  from paxcli import distributed
+  distributed.start(distributed.settings_from(coordinator, num_processes, process_id))
 
 
 def normalize_argv(argv: list[str]) -> list[str]:

@@ -14,12 +14,22 @@ def train(
     overrides: List[str] = common.set_option(),
     job_log_dir: Optional[str] = common.job_dir_option(),
     verbose: bool = typer.Option(False, '--verbose', '-v', help='Also print a table of weights with shapes and shardings.'),
+    coordinator: Optional[str] = common.coordinator_option(),
+    num_processes: Optional[int] = common.num_processes_option(),
+    process_id: Optional[int] = common.process_id_option(),
 ) -> None:
-  """Train an experiment (default: the built-in stdlib-docstrings LM). Resumes from the job directory."""
+  """Train an experiment (default: the built-in stdlib-docstrings LM). Resumes from the job directory.
+
+  With several processes (one per host), run the same command on every host with
+  --coordinator/--num-processes/--process-id, or let JAX detect the cluster; on one
+  machine, `pax launch --processes N -- train ...` starts N local processes.
+  """
   from rich.console import Console
 
   from paxcli import config
   from paxcli.train import train as run_train
+  # Before anything else touches JAX: experiments may ask jax for device counts.
+  common.start_processes(coordinator, num_processes, process_id)
   resolved = config.resolve(exp, overrides)
   job_dir = job_log_dir or common.default_job_dir(resolved.experiment.registered_name())
   run_train(resolved, job_dir, Console(), verbose=verbose)

@@ -1,0 +1,275 @@
+"""`pax launch`: N local processes of one pax command, joined by jax.distributed on 127.0.0.1.
+
+For testing multi-process runs on one machine (and for CPU work): each child gets
+PAX_COORDINATOR / PAX_NUM_PROCESSES / PAX_PROCESS_ID, its own fake CPU devices (or its
+share of the GPUs), and no proxy variables. Children's lines are streamed with a
+`[pN]` prefix. When a child fails, the others are stopped (SIGTERM, then SIGKILL after
+--grace seconds) instead of waiting for JAX's heartbeat timeout (100 s), and the
+launcher exits non-zero naming the process that died first.
+
+Only the standard library is imported here; the children import JAX.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import List, Optional
+
+import typer
+
+from paxcli.errors import UserError
+
+_PREFIX = '[launch]'
+
+
+def launch(
+    processes: int = typer.Option(..., '--processes', '-n', min=1, help='How many local processes to start.'),
+    devices_per_process: Optional[int] = typer.Option(
+        None, '--devices-per-process', min=1,
+        help='Devices per process. CPU: fake devices (--xla_force_host_platform_device_count); '
+             'default: as XLA_FLAGS says (1 unless set). GPU: process i gets GPUs i*K..i*K+K-1; '
+             'default: the GPUs split evenly.'),
+    port: Optional[int] = typer.Option(None, '--port', min=1, max=65535,
+                                       help='Coordinator port on 127.0.0.1. Default: a free port.'),
+    grace: float = typer.Option(5.0, '--grace', min=0.0,
+                                help='Seconds between SIGTERM and SIGKILL when stopping processes.'),
+    exit_wait: float = typer.Option(120.0, '--exit-wait', min=0.0,
+                                    help='Seconds the others may run on after one process finished '
+                                         'cleanly before they are stopped as hung.'),
+    command: Optional[List[str]] = typer.Argument(
+        None, metavar='-- COMMAND...', show_default=False,
+        help='The pax command every process runs, after --: e.g. -- train --exp E --job-log-dir D.'),
+) -> None:
+  """Run one pax command as N local processes (jax.distributed on 127.0.0.1), e.g. to test multi-host runs.
+
+  Example: pax launch --processes 2 --devices-per-process 4 -- train --exp E --job-log-dir /tmp/run
+  """
+  argv = _child_argv(command or [])
+  envs = _child_envs(processes, devices_per_process, port or free_port())
+  code = run_children(argv, envs, grace=grace, exit_wait=exit_wait)
+  if code:
+    raise typer.Exit(code)
+
+
+def _child_argv(command: list[str]) -> list[str]:
+  """`python -m paxcli.cli.app COMMAND...`, after checking that COMMAND runs on several processes."""
+  if command[:1] == ['pax']:
+    command = command[1:]
+  if not command:
+    raise UserError('Give the pax command to run after --, e.g. '
+                    '`pax launch --processes 2 -- train --exp E --job-log-dir /tmp/run`.')
+  runnable = _multiprocess_commands()
+  if command[0] not in runnable:
+    raise UserError(f'`pax {command[0]}` cannot run as several processes; pax launch runs: '
+                    f'{", ".join(sorted(runnable))}.')
+  return [sys.executable, '-m', 'paxcli.cli.app', *command]
+
+
+def _multiprocess_commands() -> set[str]:
+  """Registered subcommands that take --coordinator (so they read PAX_COORDINATOR)."""
+  import inspect
+
+  from paxcli.cli.app import app
+  names = set()
+  for info in app.registered_commands:
+    if info.callback is not None and 'coordinator' in inspect.signature(info.callback).parameters:
+      names.add(info.name or info.callback.__name__.replace('_', '-'))
+  return names
+
+
+def free_port() -> int:
+  """A TCP port free on 127.0.0.1 right now (the coordinator binds it moments later)."""
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    s.bind(('127.0.0.1', 0))
+    return s.getsockname()[1]
+
+
+def _child_envs(n: int, devices_per_process: Optional[int], port: int) -> list[dict[str, str]]:
+  from paxcli import distributed
+  from paxcli.engine import detect_platform
+  platform = detect_platform()
+  cpu_devices, visible = devices_per_process, [None] * n
+  if platform == 'tpu':
+    raise UserError('pax launch starts processes on CPU or GPU. On Cloud TPU run `pax train` once per '
+                    'host (JAX detects the TPU cluster), or set JAX_PLATFORMS=cpu to test on CPU.')
+  if platform == 'gpu':
+    per = devices_per_process or _even_gpu_share(n)
+    cpu_devices, visible = None, [list(range(i * per, (i + 1) * per)) for i in range(n)]
+  coordinator = f'127.0.0.1:{port}'
+  return [distributed.child_environment(os.environ, coordinator, n, i, cpu_devices=cpu_devices,
+                                        visible_devices=visible[i]) for i in range(n)]
+
+
+def _even_gpu_share(n: int) -> int:
+  try:
+    out = subprocess.run(['nvidia-smi', '-L'], capture_output=True, text=True, timeout=30).stdout
+  except (OSError, subprocess.SubprocessError):
+    out = ''
+  count = sum(1 for line in out.splitlines() if line.startswith('GPU '))
+  if count == 0 or count % n:
+    raise UserError(f'Cannot split {count or "an unknown number of"} GPUs evenly over {n} processes; '
+                    'give --devices-per-process.')
+  return count // n
+
+
+# ---- running the children -----------------------------------------------------------------
+
+
+def run_children(argv: list[str], envs: list[dict[str, str]], grace: float = 5.0,
+                 exit_wait: float = 120.0) -> int:
+  """Starts one child per environment, streams output, returns the launcher's exit code."""
+  procs = [_spawn(argv, env) for env in envs]
+  lock = threading.Lock()
+  readers = [threading.Thread(target=_pump, args=(stream, out, f'[p{i}] ', lock), daemon=True)
+             for i, p in enumerate(procs) for stream, out in ((p.stdout, sys.stdout), (p.stderr, sys.stderr))]
+  events: queue.Queue = queue.Queue()
+  waiters = [threading.Thread(target=lambda i=i, p=p: events.put((i, p.wait())), daemon=True)
+             for i, p in enumerate(procs)]
+  for t in readers + waiters:
+    t.start()
+  _say(lock, f'{len(procs)} processes, coordinator {envs[0].get("PAX_COORDINATOR", "?")}: ' +
+       ', '.join(f'p{i} pid {p.pid}' for i, p in enumerate(procs)))
+  previous = signal.signal(signal.SIGTERM, _raise_interrupt) if _main_thread() else None
+  try:
+    failure = _watch(procs, events, lock, exit_wait)
+  except KeyboardInterrupt:
+    _stop(procs, grace, lock)
+    _drain(readers)
+    _say(lock, 'interrupted; stopped all processes.')
+    return 130
+  finally:
+    if previous is not None:
+      signal.signal(signal.SIGTERM, previous)
+  if failure is None:
+    _drain(readers)
+    return 0
+  index, code = failure
+  _stop(procs, grace, lock)
+  _drain(readers)
+  if code is None:
+    _say(lock, f'process p{index} (pid {procs[index].pid}) hung; stopped it and the others.')
+    return 1
+  _say(lock, f'process p{index} (pid {procs[index].pid}) {_describe_exit(code)}; stopped the other processes.')
+  return code if code > 0 else 128 - code
+
+
+def _spawn(argv: list[str], env: dict[str, str]) -> subprocess.Popen:
+  return subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, preexec_fn=_die_with_parent_fn())
+
+
+def _die_with_parent_fn():
+  """A preexec_fn that makes the child get SIGTERM when the launcher dies (Linux), or None.
+
+  prctl is looked up here, in the parent: the child, between fork and exec, only calls it.
+  """
+  try:
+    import ctypes
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+  except (OSError, AttributeError):
+    return None
+  return lambda: prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
+def _pump(stream, out, prefix: str, lock: threading.Lock) -> None:
+  """Copies a child's lines to our stdout/stderr with its prefix."""
+  for raw in iter(stream.readline, b''):
+    line = raw.decode('utf-8', errors='replace').rstrip('\r\n')
+    with lock:
+      try:
+        out.write(prefix + line + '\n')
+        out.flush()
+      except (OSError, ValueError):  # our own output closed: keep draining the child's pipe
+        pass
+  stream.close()
+
+
+def _watch(procs, events: queue.Queue, lock: threading.Lock, exit_wait: float):
+  """Waits for every child; returns (index, code) of the first failure (code None: hung), or None."""
+  running = set(range(len(procs)))
+  first_clean = None
+  while running:
+    try:
+      index, code = events.get(timeout=0.25)
+    except queue.Empty:
+      if first_clean is not None and time.monotonic() - first_clean > exit_wait:
+        hung = ', '.join(f'p{i}' for i in sorted(running))
+        _say(lock, f'{hung} still running {exit_wait:g} s after another process finished; '
+                   'stopping them as hung.')
+        return min(running), None
+      continue
+    running.discard(index)
+    if code != 0:
+      return index, code
+    first_clean = first_clean or time.monotonic()
+  return None
+
+
+def _stop(procs, grace: float, lock: threading.Lock) -> None:
+  """SIGTERM to every running child, SIGKILL to those still running after `grace` seconds."""
+  alive = [p for p in procs if p.poll() is None]
+  for p in alive:
+    _signal(p, signal.SIGTERM)
+  deadline = time.monotonic() + grace
+  for p in alive:
+    try:
+      p.wait(timeout=max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+      pass
+  for p in alive:
+    if p.poll() is None:
+      _signal(p, signal.SIGKILL)
+      _say(lock, f'pid {p.pid} did not stop within {grace:g} s of SIGTERM; killed it.')
+  for p in alive:
+    try:
+      p.wait(timeout=10)
+    except subprocess.TimeoutExpired:  # unkillable (e.g. stuck in the kernel): do not hang on it
+      _say(lock, f'pid {p.pid} survived SIGKILL for 10 s; leaving it.')
+
+
+def _signal(proc: subprocess.Popen, sig: int) -> None:
+  try:
+    proc.send_signal(sig)
+  except ProcessLookupError:
+    pass
+
+
+def _drain(readers, timeout: float = 5.0) -> None:
+  deadline = time.monotonic() + timeout
+  for t in readers:
+    t.join(max(0.0, deadline - time.monotonic()))
+
+
+def _describe_exit(code: int) -> str:
+  if code < 0:
+    try:
+      name = signal.Signals(-code).name
+    except ValueError:
+      name = f'signal {-code}'
+    return f'was killed by {name} (exit code {code})'
+  return f'exited with code {code}'
+
+
+def _say(lock: threading.Lock, message: str) -> None:
+  with lock:
+    sys.stderr.write(f'{_PREFIX} {message}\n')
+    sys.stderr.flush()
+
+
+def _raise_interrupt(signum, frame):
+  raise KeyboardInterrupt
+
+
+def _main_thread() -> bool:
+  return threading.current_thread() is threading.main_thread()
+
+
+def register(app: typer.Typer) -> None:
+  app.command('launch', no_args_is_help=True)(launch)

@@ -1,0 +1,206 @@
+"""Several processes: JAX's own distributed runtime, started from flags, environment or cluster.
+
+Pax runs one process per host (a TPU VM, a GPU node). Every process runs the same
+command; `jax.distributed.initialize` connects them through a coordinator (process 0)
+before any backend starts, after which `jax.devices()` lists the devices of every
+process and one jitted step runs over all of them.
+
+Where the settings come from, first match wins:
+  1. `--coordinator`, `--num-processes`, `--process-id` (or PAX_COORDINATOR,
+     PAX_NUM_PROCESSES, PAX_PROCESS_ID; `pax launch` sets these for its children);
+  2. a cluster JAX recognises (Cloud TPU, SLURM, Open MPI, Kubernetes): JAX detects
+     the three values itself;
+  3. otherwise one process, and nothing is started.
+`--num-processes 1` always means one process, even on a cluster.
+
+On CPU the processes exchange data with gloo collectives; without them a jitted step
+over devices of several CPU processes cannot run.
+
+Inputs and process counts: an input that defines each *global* batch as a function of
+(seed, batch index) and gives host i of n its block of rows (the synthetic input and the
+built-in stdlib-docstrings corpus) feeds a run the same data however many processes feed
+it, so the losses do not depend on the process count. Inputs that split their *sources*
+between hosts (files or shards read by host i of n, as TFRecord and SeqIO inputs do)
+cannot have that property: which examples meet in one step depends on n.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Callable, Mapping, Optional
+
+from paxcli.errors import UserError
+
+ENV_COORDINATOR = 'PAX_COORDINATOR'
+ENV_NUM_PROCESSES = 'PAX_NUM_PROCESSES'
+ENV_PROCESS_ID = 'PAX_PROCESS_ID'
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  """What the user asked for; None where neither a flag nor the environment says."""
+  coordinator: Optional[str] = None
+  num_processes: Optional[int] = None
+  process_id: Optional[int] = None
+
+  @property
+  def given(self) -> bool:
+    return any(v is not None for v in (self.coordinator, self.num_processes, self.process_id))
+
+  @property
+  def single(self) -> bool:
+    """True when the user said one process (which skips cluster detection)."""
+    return self.num_processes == 1 and self.coordinator is None
+
+
+def settings_from(coordinator: Optional[str] = None, num_processes: Optional[int] = None,
+                  process_id: Optional[int] = None,
+                  environ: Optional[Mapping[str, str]] = None) -> Settings:
+  """Flags win over PAX_* environment variables; values are checked here, not deep in JAX."""
+  environ = os.environ if environ is None else environ
+  coordinator = coordinator or environ.get(ENV_COORDINATOR) or None
+  num_processes = _as_int(num_processes, environ.get(ENV_NUM_PROCESSES), '--num-processes', ENV_NUM_PROCESSES)
+  process_id = _as_int(process_id, environ.get(ENV_PROCESS_ID), '--process-id', ENV_PROCESS_ID)
+  if num_processes is not None and num_processes < 1:
+    raise UserError(f'--num-processes must be at least 1, got {num_processes}.')
+  if process_id is not None and process_id < 0:
+    raise UserError(f'--process-id must be 0 or more, got {process_id}.')
+  if None not in (num_processes, process_id) and process_id >= num_processes:
+    raise UserError(f'--process-id {process_id} is out of range for --num-processes {num_processes} '
+                    f'(ids run from 0 to {num_processes - 1}).')
+  if coordinator is not None and (':' not in coordinator or not coordinator.rsplit(':', 1)[1].isdigit()):
+    raise UserError(f'--coordinator {coordinator!r} must be HOST:PORT, e.g. 10.0.0.1:1234 '
+                    '(the address of process 0 and a free port there).')
+  return Settings(coordinator, num_processes, process_id)
+
+
+def _as_int(flag_value, env_value, flag: str, env: str) -> Optional[int]:
+  if flag_value is not None:
+    return int(flag_value)
+  if env_value in (None, ''):
+    return None
+  try:
+    return int(env_value)
+  except ValueError:
+    raise UserError(f'{env}={env_value!r} is not a whole number (it sets {flag}).') from None
+
+
+def detected_cluster() -> Optional[str]:
+  """The name of a cluster environment JAX can configure itself from, or None.
+
+  Uses JAX's own detectors (no network unless on a Cloud TPU VM, where JAX asks the
+  metadata server). The opt-in mpi4py detector is skipped, as JAX itself does.
+  """
+  try:
+    from jax._src.clusters import ClusterEnv  # JAX's detectors; no public list exists
+  except ImportError:
+    return None
+  import warnings
+  for env in ClusterEnv._cluster_types:  # pylint: disable=protected-access
+    if getattr(env, 'opt_in_only_method', False):
+      continue
+    try:
+      with warnings.catch_warnings():  # e.g. 'Kubernetes detected but no kubernetes package'
+        warnings.simplefilter('ignore')
+        if env.is_env_present():
+          return env.__name__
+    except Exception:  # a detector that cannot run here (missing package, no metadata)
+      continue
+  return None
+
+
+def start(settings: Settings, log: Callable[[str], None] = print,
+          platform: Optional[str] = None) -> bool:
+  """Starts jax.distributed when several processes are asked for or a cluster is found.
+
+  Must run before anything starts a JAX backend (jax.devices(), any computation).
+  Returns True when the distributed runtime is (now) running.
+  """
+  import jax
+  if jax.distributed.is_initialized():
+    return True  # e.g. a second command in the same Python process
+  if settings.single:
+    return False
+  cluster = None
+  if not settings.given:
+    cluster = detected_cluster()
+    if cluster is None:
+      return False
+  _check_backend_not_started()
+  if (platform or _platform()) == 'cpu':
+    # Cross-process collectives on CPU need an implementation; gloo ships with jaxlib.
+    jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+  try:
+    jax.distributed.initialize(settings.coordinator, settings.num_processes, settings.process_id)
+  except (ValueError, TypeError) as e:
+    where = f'the {cluster} environment' if cluster else 'the flags/environment given'
+    raise UserError(f'Cannot start {settings.num_processes or "several"} processes from {where}: {e}. '
+                    'Give all three of --coordinator HOST:PORT, --num-processes N and --process-id I '
+                    f'(or {ENV_COORDINATOR}, {ENV_NUM_PROCESSES}, {ENV_PROCESS_ID}), or --num-processes 1 '
+                    'for a single process.') from None
+  except Exception as e:  # XLA's runtime errors (timeouts, refused connections) have no common type
+    raise UserError(f'Connecting to the coordinator {settings.coordinator or "(detected)"} failed: '
+                    f'{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}. '
+                    'Check that every process was started with the same --coordinator and '
+                    '--num-processes, and that process 0 is running.') from None
+  if cluster:
+    log(f'Detected a {cluster} cluster; started JAX distributed.')
+  return True
+
+
+def _check_backend_not_started() -> None:
+  from jax._src import xla_bridge
+  if xla_bridge.backends_are_initialized():
+    raise UserError('JAX already started its backend in this Python process, so it cannot join '
+                    'several processes any more; run the command in a fresh process.')
+
+
+def _platform() -> str:
+  from paxcli.engine import detect_platform
+  return detect_platform()
+
+
+def topology_line() -> str:
+  """'process i of n: L local of G devices (platform)': what each process logs once."""
+  import jax
+  devices = jax.devices()
+  return (f'Process {jax.process_index()} of {jax.process_count()}: {jax.local_device_count()} local '
+          f'of {len(devices)} {jax.default_backend()} devices ({devices[0].device_kind}).')
+
+
+def log_topology(log: Callable[[str], None]) -> None:
+  """Logs the topology line from every process of a multi-process run (one line each)."""
+  import jax
+  if jax.process_count() > 1:
+    log(topology_line())
+
+
+def barrier(name: str) -> None:
+  """Waits until every process gets here (no-op for one process)."""
+  import jax
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+    multihost_utils.sync_global_devices(name)
+
+
+def child_environment(base: Mapping[str, str], coordinator: str, num_processes: int, process_id: int,
+                      cpu_devices: Optional[int] = None,
+                      visible_devices: Optional[list[int]] = None) -> dict[str, str]:
+  """The environment of one local process started by `pax launch`.
+
+  Proxy variables are dropped: processes talk over 127.0.0.1, and a proxy setting can
+  make `jax.distributed.initialize` hang (JAX warns about any *_proxy variable).
+  """
+  env = {k: v for k, v in base.items() if '_proxy' not in k.lower()}
+  env[ENV_COORDINATOR] = coordinator
+  env[ENV_NUM_PROCESSES] = str(num_processes)
+  env[ENV_PROCESS_ID] = str(process_id)
+  env['PYTHONUNBUFFERED'] = '1'  # lines reach the launcher as they are printed
+  if cpu_devices is not None:
+    flags = [f for f in env.get('XLA_FLAGS', '').split()
+             if not f.startswith('--xla_force_host_platform_device_count')]
+    env['XLA_FLAGS'] = ' '.join(flags + [f'--xla_force_host_platform_device_count={cpu_devices}'])
+  if visible_devices is not None:
+    env['JAX_LOCAL_DEVICE_IDS'] = ','.join(str(i) for i in visible_devices)  # read by initialize()
+  return env

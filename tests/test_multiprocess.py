@@ -1,0 +1,278 @@
+"""Several processes: jax.distributed start-up, multihost infeed, `pax launch`, checkpoints.
+
+The tests marked by the `two_processes` fixture spawn real processes (2 x 4 fake CPU
+devices, gloo collectives, real orbax checkpoints); each run is a few tiny steps.
+"""
+
+import json
+import os
+import queue
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from conftest import pax_main, run_pax
+from paxcli import config, distributed, engine, sharding
+from paxcli.errors import UserError
+
+TINY = ['--exp', 'lm_cloud.LmCloudSpmdTest', '--set', 'NUM_LAYERS=2', '--set', 'MODEL_DIMS=32',
+        '--set', 'HIDDEN_DIMS=64', '--set', 'NUM_HEADS=4', '--set', 'DIMS_PER_HEAD=8',
+        '--set', 'MAX_SEQ_LEN=16', '--set', 'VOCAB_SIZE=64', '--set', 'task.train.summary_interval_steps=1',
+        '--set', 'task.train.save_interval_steps=3']
+TWO_SLICES = ['--set', 'ICI_MESH_SHAPE=[1,4,1]', '--set', 'DCN_MESH_SHAPE=[2,1,1]']
+LAUNCH_2x4 = ['launch', '--processes', '2', '--devices-per-process', '4', '--grace', '2', '--']
+# float32 reductions run in another order across processes: agree to 1e-5 relative.
+RTOL = 1e-5
+
+
+def _losses(job_dir) -> dict[int, float]:
+  with open(os.path.join(job_dir, 'train_metrics.jsonl')) as f:
+    records = [json.loads(line) for line in f]
+  steps = [r['step'] for r in records]
+  assert len(steps) == len(set(steps)), f'metrics written more than once: {steps}'
+  return {r['step']: r['loss'] for r in records}
+
+
+def _close(a: dict, b: dict, steps) -> None:
+  np.testing.assert_allclose([a[s] for s in steps], [b[s] for s in steps], rtol=RTOL)
+
+
+@pytest.fixture(scope='module')
+def two_processes(tmp_path_factory):
+  """6 steps on 2 processes x 4 devices, ICI [1,4,1] x DCN [2,1,1]; checkpoints at 3 and 6."""
+  job = tmp_path_factory.mktemp('two') / 'job'
+  result = run_pax(*LAUNCH_2x4, 'train', *TINY, *TWO_SLICES, '--set', 'PERCORE_BATCH_SIZE=1',
+                   '--set', 'task.train.num_train_steps=6', '--job-log-dir', str(job), timeout=300)
+  assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+  return job, result
+
+
+@pytest.fixture(scope='module')
+def one_process(tmp_path_factory):
+  """The same global batches on 1 process x 8 devices, 8 steps."""
+  job = tmp_path_factory.mktemp('one') / 'job'
+  result = run_pax('train', *TINY, '--set', 'ICI_MESH_SHAPE=[1,8,1]', '--set', 'PERCORE_BATCH_SIZE=1',
+                   '--set', 'task.train.num_train_steps=8', '--job-log-dir', str(job), timeout=300)
+  assert result.returncode == 0, result.stderr[-4000:]
+  return job
+
+
+# ---- real processes ---------------------------------------------------------------------
+
+
+def test_two_processes_train_like_one(two_processes, one_process):
+  job, result = two_processes
+  out = result.stdout
+  # Each process logs its place once; only process 0 reports progress and writes summaries.
+  assert out.count('[p0] Process 0 of 2: 4 local of 8 cpu devices') == 1
+  assert out.count('[p1] Process 1 of 2: 4 local of 8 cpu devices') == 1
+  assert '[p0] Devices: 8 x cpu (cpu), 2 process(es); mesh replica=2 x data=4 x mdl=1' in out
+  assert '[p0] step 6: loss' in out and '[p1] step' not in out and '[p1] Experiment' not in out
+  two, one = _losses(job), _losses(one_process)
+  assert sorted(two) == [1, 2, 3, 4, 5, 6]
+  _close(two, one, range(1, 7))
+  assert two[6] < two[1]
+
+
+def test_checkpoint_from_two_processes_resumes_in_one(two_processes, one_process, tmp_path, capsys):
+  job = tmp_path / 'job'
+  shutil.copytree(two_processes[0], job)
+  code, out, err = pax_main(['train', *TINY, '--set', 'ICI_MESH_SHAPE=[1,8,1]', '--set', 'PERCORE_BATCH_SIZE=1',
+                             '--set', 'task.train.num_train_steps=8', '--job-log-dir', str(job)], capsys)
+  assert code == 0, err
+  assert 'Resumed from step 6 (6 batches consumed)' in out
+  assert 'input layout changed' in out and 'num_processes 2 -> 1' in out
+  # The synthetic input is defined per global batch: steps 7-8 see the data of the
+  # uninterrupted 1-process run and land on its losses.
+  _close(_losses(job), _losses(one_process), [7, 8])
+
+
+def test_percore_below_one_lets_one_process_read_and_the_other_pad(tmp_path):
+  # 2 processes x 4 devices, 8-way data parallelism, PERCORE_BATCH_SIZE 0.5: 4 examples a
+  # step, read by process 0 alone; process 1 feeds 4 rows of zero weight (as in Pax).
+  padded = tmp_path / 'padded'
+  result = run_pax(*LAUNCH_2x4, 'train', *TINY, *TWO_SLICES, '--set', 'PERCORE_BATCH_SIZE=0.5',
+                   '--set', 'task.train.num_train_steps=4', '--job-log-dir', str(padded), timeout=300)
+  assert result.returncode == 0, result.stderr[-4000:]
+  assert 'global batch 4 (padded to 8 rows: 1 of 2 processes read data' in result.stdout
+  # The same 4 examples a step on 1 process x 4 devices, no padding.
+  plain = tmp_path / 'plain'
+  result = run_pax('train', *TINY, '--set', 'ICI_MESH_SHAPE=[1,4,1]', '--set', 'PERCORE_BATCH_SIZE=1',
+                   '--set', 'task.train.num_train_steps=4', '--job-log-dir', str(plain),
+                   env={'XLA_FLAGS': '--xla_force_host_platform_device_count=4'}, timeout=300)
+  assert result.returncode == 0, result.stderr[-4000:]
+  _close(_losses(padded), _losses(plain), range(1, 5))
+
+
+@pytest.mark.slow
+def test_checkpoint_from_two_processes_resumes_in_four(two_processes, one_process, tmp_path):
+  """Slow (4 processes on a small machine): orbax reshards the 2-process checkpoint over 4."""
+  job = tmp_path / 'job'
+  shutil.copytree(two_processes[0], job)
+  result = run_pax('launch', '--processes', '4', '--devices-per-process', '2', '--', 'train', *TINY,
+                   '--set', 'ICI_MESH_SHAPE=[1,8,1]', '--set', 'PERCORE_BATCH_SIZE=1',
+                   '--set', 'task.train.num_train_steps=8', '--job-log-dir', str(job), timeout=600)
+  assert result.returncode == 0, result.stderr[-4000:]
+  assert '[p0] Resumed from step 6' in result.stdout and 'num_processes 2 -> 4' in result.stdout
+  _close(_losses(job), _losses(one_process), [7, 8])
+
+
+def test_launcher_stops_the_others_when_one_process_dies(tmp_path):
+  job = tmp_path / 'job'
+  cmd = [sys.executable, '-m', 'paxcli.cli.app', *LAUNCH_2x4, 'train', *TINY, *TWO_SLICES,
+         '--set', 'PERCORE_BATCH_SIZE=1', '--set', 'task.train.num_train_steps=100000',
+         '--set', 'task.train.save_interval_steps=100000', '--job-log-dir', str(job)]
+  launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  lines: queue.Queue = queue.Queue()
+  reader = threading.Thread(target=lambda: [lines.put(line) for line in launcher.stdout], daemon=True)
+  reader.start()
+  seen, pids = [], {}
+  try:
+    deadline = time.monotonic() + 240
+    while '[p0] step 2:' not in ''.join(seen):  # both processes are inside the train loop
+      assert time.monotonic() < deadline and launcher.poll() is None, ''.join(seen)[-3000:]
+      try:
+        seen.append(lines.get(timeout=1))
+      except queue.Empty:
+        continue
+      pids.update({int(i): int(p) for i, p in re.findall(r'p(\d) pid (\d+)', seen[-1])})
+    os.kill(pids[1], signal.SIGKILL)
+    killed_at = time.monotonic()
+    launcher.wait(timeout=60)
+    stopped_after = time.monotonic() - killed_at
+  finally:
+    if launcher.poll() is None:
+      launcher.kill()
+  reader.join(10)
+  while not lines.empty():
+    seen.append(lines.get())
+  text = ''.join(seen)
+  assert launcher.returncode != 0
+  assert f'process p1 (pid {pids[1]}) was killed by SIGKILL' in text, text[-3000:]
+  # Bounded by --grace 2 plus polling, far below JAX's 100 s heartbeat.
+  assert stopped_after < 30, stopped_after
+  with pytest.raises(ProcessLookupError):
+    os.kill(pids[0], 0)
+
+
+def test_launcher_refuses_commands_that_cannot_run_on_several_processes(capsys):
+  code, _, err = pax_main(['launch', '--processes', '2', '--', 'describe'], capsys)
+  assert code == 2 and 'cannot run as several processes' in err and 'train' in err
+  code, _, err = pax_main(['launch', '--processes', '2'], capsys)
+  assert code == 2 and 'Give the pax command' in err
+
+
+@pytest.mark.filterwarnings('ignore:os.fork')  # JAX's warning: this test process imported JAX
+def test_child_failure_is_reported_with_its_exit_code(capsys):
+  from paxcli.cli import launch
+  envs = [dict(os.environ, PAX_PROCESS_ID=str(i)) for i in range(2)]
+  argv = [sys.executable, '-c', 'import os, sys, time\n'
+          'i = int(os.environ["PAX_PROCESS_ID"])\nprint("hello from", i, flush=True)\n'
+          'sys.exit(3) if i == 1 else time.sleep(60)']
+  assert launch.run_children(argv, envs, grace=1) == 3
+  out, err = capsys.readouterr()
+  assert '[p0] hello from 0' in out and '[p1] hello from 1' in out
+  assert re.search(r'process p1 \(pid \d+\) exited with code 3; stopped the other processes', err)
+
+
+# ---- infeed -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize('exp', ['lm_cloud.LmCloudSpmdTest', 'default.StdlibDocsLm'])
+def test_training_inputs_differ_between_hosts(exp):
+  """Pax's check: the same input built for host 0 and host 1 of 2 must never emit the same batch."""
+  resolved = config.resolve(exp, ['MAX_SEQ_LEN=16'])
+  cfg = resolved.train_dataset()
+  hosts = [engine.build_input(cfg, process_batch=4, num_hosts=2, host_index=h) for h in range(2)]
+  whole = engine.build_input(cfg, process_batch=8, num_hosts=1, host_index=0)
+  for _ in range(3):
+    a, b = (h.get_next() for h in hosts)
+    assert a['ids'].shape == (4, 16)
+    assert not {r.tobytes() for r in a['ids']} & {r.tobytes() for r in b['ids']}
+    # ... and together they are the batch one process would read alone.
+    np.testing.assert_array_equal(np.concatenate([a['ids'], b['ids']]), whole.get_next()['ids'])
+
+
+def test_infeed_plan_on_one_process():
+  mesh = sharding.make_mesh([1, 4, 2])
+  plan = engine.plan_infeed(mesh, 8)
+  assert (plan.rows, plan.process_rows, plan.num_hosts, plan.host_index) == (8, 8, 1, 0)
+  with pytest.raises(UserError, match='global batch of 2 examples does not divide over the 4-way'):
+    engine.plan_infeed(mesh, 2)
+
+
+def test_infeed_plan_for_processes_with_padding_hosts():
+  # 4 processes x 2 devices, 8-way data parallelism, PERCORE_BATCH_SIZE 0.5: 4 examples in
+  # an 8-row array of which each process holds 2 rows; processes 0, 1 read, 2, 3 pad.
+  rows = {p: set(range(2 * p, 2 * p + 2)) for p in range(4)}
+  plans = [engine.infeed_from_rows(rows, 4, 8, 8, p) for p in range(4)]
+  assert [p.host_index for p in plans] == [0, 1, None, None]
+  assert {(p.num_hosts, p.process_rows, p.rows) for p in plans} == {(2, 2, 8)}
+  assert 'padded to 8 rows: 2 of 4 processes read data' in plans[0].describe()
+  # Process order need not be row order: the host index follows the rows.
+  swapped = {0: rows[1], 1: rows[0], 2: rows[2], 3: rows[3]}
+  assert engine.infeed_from_rows(swapped, 8, 8, 8, 0).host_index == 1
+  # Model parallelism across processes: two processes hold the same rows, read the same data.
+  shared = {0: {0, 1}, 1: {0, 1}, 2: {2, 3}, 3: {2, 3}}
+  assert [engine.infeed_from_rows(shared, 4, 4, 2, p).host_index for p in range(4)] == [0, 0, 1, 1]
+  with pytest.raises(UserError, match='must be a multiple of 2'):
+    engine.infeed_from_rows(rows, 3, 8, 8, 0)
+  with pytest.raises(UserError, match='uneven or overlapping'):
+    engine.infeed_from_rows({0: {0, 1, 2}, 1: {3}}, 4, 4, 4, 0)
+
+
+def test_padding_host_feeds_zero_weights():
+  resolved = config.resolve('lm_cloud.LmCloudSpmdTest', ['MAX_SEQ_LEN=16'])
+  inp = engine.PaddingInput(engine.build_input(resolved.train_dataset(), process_batch=4, num_hosts=1,
+                                               host_index=0))
+  batch = inp.get_next()
+  assert batch['weights'].shape == (4, 16) and not batch['weights'].any() and not batch['ids'].any()
+  inp.skip(2)
+  assert inp.batches_read == 3
+
+
+# ---- start-up and mesh ---------------------------------------------------------------------
+
+
+def test_settings_flags_win_over_environment_and_are_checked():
+  env = {'PAX_COORDINATOR': '10.0.0.1:1234', 'PAX_NUM_PROCESSES': '4', 'PAX_PROCESS_ID': '3'}
+  assert distributed.settings_from(environ=env) == distributed.Settings('10.0.0.1:1234', 4, 3)
+  assert distributed.settings_from('h:1', 2, 1, environ=env) == distributed.Settings('h:1', 2, 1)
+  assert distributed.settings_from(num_processes=1, environ={}).single
+  assert not distributed.settings_from(environ={}).given
+  with pytest.raises(UserError, match='PAX_NUM_PROCESSES=.two. is not a whole number'):
+    distributed.settings_from(environ={'PAX_NUM_PROCESSES': 'two'})
+  with pytest.raises(UserError, match='--process-id 2 is out of range'):
+    distributed.settings_from('h:1', 2, 2, environ={})
+  with pytest.raises(UserError, match='HOST:PORT'):
+    distributed.settings_from('10.0.0.1', 2, 0, environ={})
+
+
+def test_child_environment_drops_proxies_and_sets_devices():
+  base = {'https_proxy': 'http://proxy:3128', 'HTTP_PROXY': 'x', 'no_proxy': 'y', 'PATH': '/bin',
+          'XLA_FLAGS': '--xla_force_host_platform_device_count=8 --xla_dump_to=/tmp/d'}
+  env = distributed.child_environment(base, '127.0.0.1:5', 2, 1, cpu_devices=4)
+  assert not [k for k in env if 'proxy' in k.lower()]
+  assert env['XLA_FLAGS'] == '--xla_dump_to=/tmp/d --xla_force_host_platform_device_count=4'
+  assert (env['PAX_COORDINATOR'], env['PAX_NUM_PROCESSES'], env['PAX_PROCESS_ID']) == ('127.0.0.1:5', '2', '1')
+  gpu = distributed.child_environment(base, '127.0.0.1:5', 2, 1, visible_devices=[2, 3])
+  assert gpu['JAX_LOCAL_DEVICE_IDS'] == '2,3' and gpu['XLA_FLAGS'] == base['XLA_FLAGS']
+
+
+def test_dcn_mesh_on_one_process_and_its_errors():
+  import jax
+  mesh = sharding.make_mesh([1, 4, 1], [2, 1, 1])
+  assert dict(mesh.shape) == {'replica': 2, 'data': 4, 'mdl': 1}
+  # Slice g (DCN coordinate g) holds the g-th group of devices.
+  assert {d.id for d in mesh.devices[0].flat} == {d.id for d in jax.devices()[:4]}
+  with pytest.raises(UserError, match='inside one of the 2 DCN slices, so its entries must multiply to 4'):
+    sharding.make_mesh([1, 8, 1], [2, 1, 1])
+  with pytest.raises(UserError, match=r'product of DCN_MESH_SHAPE \(3\) must divide the 8 devices'):
+    sharding.make_mesh([1, 1, 1], [3, 1, 1])
