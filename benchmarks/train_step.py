@@ -24,16 +24,10 @@ VARIANTS = [
 def measure(exp: str, overrides: list[str], steps: int) -> dict:
   import jax
 
-  from paxcli import config, engine, sharding
-  from paxcli.inputs.synthetic import SyntheticLmInput  # noqa: F401  (synthetic data: input cost out of the way)
-  from paxcli.train import make_train_step, to_global
-  resolved = config.resolve(exp, overrides)
-  setup = engine.build(resolved)
-  state = engine.init_state(setup, 0)
-  batch_sharding = sharding.batch_sharding(setup.mesh)
-  step = make_train_step(setup, batch_sharding, 0)
-  data = engine.build_input(resolved.train_dataset(), setup)
-  batch = to_global(data.get_next(), batch_sharding, setup.global_batch)
+  from paxcli import config
+  from paxcli.train import ready_step, to_global
+  setup, state, step, batch_sharding, data = ready_step(config.resolve(exp, overrides))
+  batch = to_global(data.get_next(), batch_sharding, setup.global_batch)  # one batch: input cost out of the way
   start = time.perf_counter()
   state, metrics = step(state, batch)
   jax.block_until_ready(metrics)

@@ -2,7 +2,6 @@
 
 import os
 
-import fiddle as fdl
 import numpy as np
 import pytest
 

@@ -1,6 +1,5 @@
 """The Transformer LM: variants, equivalences, causality, loss weights, optimizers."""
 
-import fiddle as fdl
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,7 +7,7 @@ import pytest
 
 from paxcli import config, engine, optim
 from paxcli.models import TransformerLm, lm_loss
-from paxcli.tasks import ScheduleConfig, TrainConfig
+from paxcli.tasks import ScheduleConfig
 
 BASE = dict(vocab_size=50, num_layers=2, model_dims=32, hidden_dims=64, num_heads=4, num_kv_heads=4,
             dims_per_head=8, max_seq_len=12)
@@ -113,18 +112,13 @@ def test_schedules():
 
 @pytest.mark.parametrize('name', ['adam', 'adamw', 'adafactor', 'sgd'])
 def test_each_optimizer_lowers_the_loss_sharded(name):
-  from paxcli import sharding
-  from paxcli.train import make_train_step, to_global
+  from paxcli.train import ready_step, to_global
   lr = {'sgd': 0.5, 'adafactor': 0.01}.get(name, 3e-3)
   resolved = config.resolve('lm_cloud.LmCloudSpmdTest', [
       'ICI_MESH_SHAPE=[1,4,2]', 'MODEL_DIMS=32', 'HIDDEN_DIMS=64', 'NUM_HEADS=4', 'DIMS_PER_HEAD=8',
       'PERCORE_BATCH_SIZE=1', 'MAX_SEQ_LEN=16', 'VOCAB_SIZE=64', f'OPTIMIZER={name}', f'LEARNING_RATE={lr}',
       'WEIGHT_DECAY=0.001'])
-  setup = engine.build(resolved)
-  state = engine.init_state(setup, 0)
-  batch_sharding = sharding.batch_sharding(setup.mesh)
-  step = make_train_step(setup, batch_sharding, 0)
-  data = engine.build_input(resolved.train_dataset(), setup)
+  setup, state, step, batch_sharding, data = ready_step(resolved)
   batch = to_global(data.get_next(), batch_sharding, setup.global_batch)
   losses = []
   for _ in range(8):

@@ -114,7 +114,6 @@ def build(resolved, mesh=None) -> Setup:
   """Mesh, model, optimizer and abstract sharded state for a resolved experiment."""
   import fiddle as fdl
   import jax
-  import numpy as np
 
   from paxcli import optim, sharding
   exp = resolved.experiment
@@ -139,7 +138,6 @@ def build(resolved, mesh=None) -> Setup:
   state_shardings = {'step': replicated, 'params': param_shardings, 'opt_state': opt_shardings}
   abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                           abstract_unboxed, state_shardings)
-  del np
   return Setup(mesh, model, train, tx, rules, abstract, state_shardings, logical, seq_len, infeed.rows,
                infeed.process_rows, infeed)
 
@@ -242,7 +240,6 @@ def unbox(tree):
 
 def make_init(model, tx, seq_len: int):
   """rng -> boxed train state (params carry logical names)."""
-  import jax
   import jax.numpy as jnp
 
   def init(rng):

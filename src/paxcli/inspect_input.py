@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator
 
 import numpy as np
 

@@ -9,11 +9,10 @@ Job directory layout:
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
-from typing import Any, Optional
+from typing import Optional
 
 from paxcli.errors import UserError
 
@@ -57,6 +56,19 @@ def make_train_step(setup, batch_sharding, dropout_seed: int):
   replicated = jax.sharding.NamedSharding(setup.mesh, jax.sharding.PartitionSpec())
   return jax.jit(step_fn, in_shardings=(setup.state_shardings, batch_sharding),
                  out_shardings=(setup.state_shardings, replicated), donate_argnums=(0,))
+
+
+def ready_step(resolved, seed: int = 0):
+  """(setup, initial state, jitted step, batch sharding, train input) without the loop.
+
+  For benchmarks and tests that run steps directly.
+  """
+  from paxcli import engine, sharding
+  setup = engine.build(resolved)
+  state = engine.init_state(setup, seed)
+  batch_sharding = sharding.batch_sharding(setup.mesh)
+  step = make_train_step(setup, batch_sharding, seed)
+  return setup, state, step, batch_sharding, engine.build_input(resolved.train_dataset(), setup)
 
 
 def to_global(batch: dict, sharding, global_batch: int) -> dict:
@@ -134,7 +146,6 @@ def train(resolved, job_dir: str, console, verbose: bool = False) -> dict:
   engine.check_supported(resolved.experiment)
   engine.apply_platform_env(resolved.experiment.PLATFORM_ENV, log=lambda m: console.print(m))
   import jax
-  import numpy as np
 
   from paxcli import checkpoint as ckpt
   from paxcli import sharding

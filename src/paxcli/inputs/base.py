@@ -61,9 +61,7 @@ class BaseInput:
 
   def ids_to_strings(self, ids: np.ndarray, lengths: Optional[np.ndarray] = None) -> list[str]:
     """Decodes token ids to text; inputs without a vocabulary show the ids."""
-    rows = np.asarray(ids)
-    lengths = lengths if lengths is not None else [rows.shape[-1]] * rows.shape[0]
-    return [' '.join(str(t) for t in row[:n]) for row, n in zip(rows, lengths)]
+    return decode_rows(lambda tokens: ' '.join(map(str, tokens)), ids, lengths)
 
   # ---- for subclasses ---------------------------------------------------------------
 
@@ -78,3 +76,10 @@ class BaseInput:
     """This host's rows of a global batch (host i of n gets the i-th block)."""
     start = self.infeed_host_index * self.batch_size
     return slice(start, start + self.batch_size)
+
+
+def decode_rows(decode, ids, lengths=None) -> list[str]:
+  """`decode(list of int)` applied to each row, cut at its length (default: the whole row)."""
+  rows = np.asarray(ids)
+  lengths = lengths if lengths is not None else [rows.shape[-1]] * rows.shape[0]
+  return [decode([int(t) for t in row[:n]]) for row, n in zip(rows, lengths)]

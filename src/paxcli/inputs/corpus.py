@@ -28,7 +28,7 @@ from typing import Optional
 
 import numpy as np
 
-from paxcli.inputs.base import BaseInput, EndOfInput
+from paxcli.inputs.base import BaseInput, EndOfInput, decode_rows
 
 CORPUS_VERSION = 1
 _SKIP_DIRS = {'site-packages', 'dist-packages', 'test', 'tests', 'idlelib', '__pycache__', 'lib2to3',
@@ -157,9 +157,7 @@ class StdlibDocsInput(BaseInput):
     if self._sp is None:
       import sentencepiece as spm
       self._sp = spm.SentencePieceProcessor(model_file=os.path.join(self._dir, 'spm.model'))
-    rows = np.asarray(ids)
-    lengths = lengths if lengths is not None else [rows.shape[-1]] * rows.shape[0]
-    return [self._sp.decode([int(t) for t in row[:n]]) for row, n in zip(rows, lengths)]
+    return decode_rows(self._sp.decode, ids, lengths)
 
 
 def write_tfrecords(vocab_size: int) -> dict[str, str]:

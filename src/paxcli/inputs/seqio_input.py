@@ -16,8 +16,8 @@ from typing import Optional
 import numpy as np
 
 from paxcli.errors import UserError, did_you_mean
-from paxcli.inputs.base import BaseInput, EndOfInput
-from paxcli.inputs.tfrecord import _pad_rows, import_tf
+from paxcli.inputs.base import decode_rows
+from paxcli.inputs.tfrecord import TfDataInput, import_tf
 
 _DECODER_KEYS = {'decoder_input_tokens': 'ids', 'decoder_target_tokens': 'labels',
                  'decoder_loss_weights': 'weights', 'decoder_segment_ids': 'segment_ids',
@@ -35,7 +35,7 @@ def get_mixture_or_task(name: str):
 
 
 @dataclasses.dataclass
-class SeqIOInput(BaseInput):
+class SeqIOInput(TfDataInput):
   mixture_name: Optional[str] = None
   mixture_or_task: Optional[str] = None  # Pax's other spelling; either names the task
   split_name: str = 'train'
@@ -57,7 +57,6 @@ class SeqIOInput(BaseInput):
                       f'{", ".join(splits)}.{did_you_mean(self.split_name, splits)}')
     if not self.task_feature_lengths:
       raise UserError(f'SeqIOInput {self.name!r} needs task_feature_lengths, e.g. {{"targets": 128}}.')
-    self._iterator = None
 
   def _converter(self):
     import seqio
@@ -82,26 +81,12 @@ class SeqIOInput(BaseInput):
       ds = ds.skip(skip_batches)
     return ds.prefetch(2)
 
-  def get_next(self) -> dict[str, np.ndarray]:
-    if self._iterator is None:
-      self._iterator = self.dataset(self._batches_read).as_numpy_iterator()
-    try:
-      raw = next(self._iterator)
-    except StopIteration:
-      raise EndOfInput(self.name) from None
-    self._batches_read += 1
-    if self.feature_converter == 'decoder':
-      raw = {_DECODER_KEYS.get(k, k): v for k, v in raw.items()}
-      raw['weights'] = raw['weights'].astype(np.float32)
-    return _pad_rows(raw, self.batch_size)
-
-  def reset(self) -> None:
-    super().reset()
-    self._iterator = None
-
-  def skip(self, num_batches: int) -> None:
-    super().skip(num_batches)
-    self._iterator = None
+  def convert(self, batch: dict) -> dict:
+    if self.feature_converter != 'decoder':
+      return batch
+    batch = {_DECODER_KEYS.get(k, k): v for k, v in batch.items()}
+    batch['weights'] = batch['weights'].astype(np.float32)
+    return batch
 
   def vocabulary(self):
     features = self.task.output_features
@@ -109,7 +94,4 @@ class SeqIOInput(BaseInput):
     return features[key].vocabulary
 
   def ids_to_strings(self, ids, lengths=None) -> list[str]:
-    vocab = self.vocabulary()
-    rows = np.asarray(ids)
-    lengths = lengths if lengths is not None else [rows.shape[-1]] * rows.shape[0]
-    return [vocab.decode([int(t) for t in row[:n]]) for row, n in zip(rows, lengths)]
+    return decode_rows(self.vocabulary().decode, ids, lengths)

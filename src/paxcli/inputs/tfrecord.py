@@ -21,7 +21,7 @@ from typing import Iterator, Optional
 import numpy as np
 
 from paxcli.errors import UserError
-from paxcli.inputs.base import BaseInput, EndOfInput
+from paxcli.inputs.base import BaseInput, EndOfInput, decode_rows
 
 KINDS = ('int64', 'float', 'bytes')
 
@@ -80,7 +80,44 @@ def infer_features(path: str) -> dict[str, str]:
 
 
 @dataclasses.dataclass
-class TFRecordInput(BaseInput):
+class TfDataInput(BaseInput):
+  """An input backed by a tf.data pipeline: a stream whose position is batches read.
+
+  Subclasses implement `dataset(skip_batches)` (per-process batches, already host-
+  sharded) and may override `convert(batch)`. Resume skips batches in the pipeline.
+  """
+
+  def __post_init__(self):
+    super().__post_init__()
+    self._iterator = None
+
+  def dataset(self, skip_batches: int = 0):
+    raise NotImplementedError
+
+  def convert(self, batch: dict) -> dict:
+    return batch
+
+  def get_next(self) -> dict[str, np.ndarray]:
+    if self._iterator is None:
+      self._iterator = self.dataset(self._batches_read).as_numpy_iterator()
+    try:
+      batch = next(self._iterator)
+    except StopIteration:
+      raise EndOfInput(self.name) from None
+    self._batches_read += 1
+    return _pad_rows(self.convert(batch), self.batch_size)
+
+  def reset(self) -> None:
+    super().reset()
+    self._iterator = None
+
+  def skip(self, num_batches: int) -> None:
+    super().skip(num_batches)
+    self._iterator = None
+
+
+@dataclasses.dataclass
+class TFRecordInput(TfDataInput):
   file_pattern: str = ''
   features: Optional[dict[str, str]] = None  # name -> 'int64' | 'float' | 'bytes'; None: inferred
   seq_len: int = 0
@@ -104,7 +141,6 @@ class TFRecordInput(BaseInput):
                       f'the records have {self.features}.')
     if self.lm_feature and not self.seq_len:
       raise UserError(f'Input {self.name!r}: lm_feature needs seq_len.')
-    self._iterator = None
     self._sp = None
 
   def host_files(self) -> tuple[list[str], bool]:
@@ -151,35 +187,13 @@ class TFRecordInput(BaseInput):
     weights = tf.cast(tf.range(self.seq_len) < n, tf.float32)
     return {'ids': ids, 'labels': labels, 'weights': weights}
 
-  # ---- the contract: a stream, so position = batches read ----------------------------------
-
-  def get_next(self) -> dict[str, np.ndarray]:
-    if self._iterator is None:
-      self._iterator = self.dataset(self._batches_read).as_numpy_iterator()
-    try:
-      batch = next(self._iterator)
-    except StopIteration:
-      raise EndOfInput(self.name) from None
-    self._batches_read += 1
-    return _pad_rows(batch, self.batch_size)
-
-  def reset(self) -> None:
-    super().reset()
-    self._iterator = None
-
-  def skip(self, num_batches: int) -> None:
-    super().skip(num_batches)
-    self._iterator = None
-
   def ids_to_strings(self, ids, lengths=None) -> list[str]:
     if not self.spm_model:
       return super().ids_to_strings(ids, lengths)
     if self._sp is None:
       import sentencepiece as spm
       self._sp = spm.SentencePieceProcessor(model_file=self.spm_model)
-    rows = np.asarray(ids)
-    lengths = lengths if lengths is not None else [rows.shape[-1]] * rows.shape[0]
-    return [self._sp.decode([int(t) for t in row[:n]]) for row, n in zip(rows, lengths)]
+    return decode_rows(self._sp.decode, ids, lengths)
 
 
 def _fit(tf, x, length: int):
