@@ -94,6 +94,23 @@ def test_checkpoint_from_two_processes_resumes_in_one(two_processes, one_process
   _close(_losses(job), _losses(one_process), [7, 8])
 
 
+def test_eval_on_two_processes_equals_one(two_processes, capsys):
+  """`pax eval` under `pax launch`: each host reads its rows, the metrics are global."""
+  job = two_processes[0]
+  result = run_pax(*LAUNCH_2x4, 'eval', *TINY, *TWO_SLICES, '--set', 'PERCORE_BATCH_SIZE=1',
+                   '--job-log-dir', str(job), '--json', timeout=300)
+  assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+  line = next(l for l in result.stdout.splitlines() if l.startswith('[p0] {'))
+  two = json.loads(line[len('[p0] '):])
+  code, out, err = pax_main(['eval', *TINY, '--set', 'ICI_MESH_SHAPE=[1,8,1]', '--set', 'PERCORE_BATCH_SIZE=1',
+                             '--job-log-dir', str(job), '--json'], capsys)
+  assert code == 0, err
+  one = json.loads(out)
+  assert two['step'] == one['step'] == 6
+  assert two['results']['eval']['num_examples'] == one['results']['eval']['num_examples'] == 16
+  np.testing.assert_allclose(two['results']['eval']['loss'], one['results']['eval']['loss'], rtol=RTOL)
+
+
 def test_percore_below_one_lets_one_process_read_and_the_other_pad(tmp_path):
   # 2 processes x 4 devices, 8-way data parallelism, PERCORE_BATCH_SIZE 0.5: 4 examples a
   # step, read by process 0 alone; process 1 feeds 4 rows of zero weight (as in Pax).

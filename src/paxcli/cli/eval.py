@@ -16,12 +16,16 @@ def eval_command(
     job_log_dir: Optional[str] = common.job_dir_option(),
     no_checkpoint: bool = typer.Option(False, '--no-checkpoint', help='Evaluate freshly initialised weights.'),
     json_out: bool = typer.Option(False, '--json', help='Print the metrics as JSON.'),
+    coordinator: Optional[str] = common.coordinator_option(),
+    num_processes: Optional[int] = common.num_processes_option(),
+    process_id: Optional[int] = common.process_id_option(),
 ) -> None:
   """Evaluate an experiment's eval datasets from its latest checkpoint; writes summaries/eval_<name>."""
   from rich.console import Console
 
   from paxcli import config
   from paxcli.evaluate import evaluate, results_table
+  common.start_processes(coordinator, num_processes, process_id)  # before anything starts JAX
   resolved = config.resolve(exp, overrides)
   job_dir = job_log_dir or common.default_job_dir(resolved.experiment.registered_name())
   out = evaluate(resolved, job_dir, Console(stderr=True), use_checkpoint=not no_checkpoint)

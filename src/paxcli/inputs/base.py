@@ -23,8 +23,9 @@ class EndOfInput(Exception):
 class BaseInput:
   """Subclass and implement `_next_batch()`; override `get_next()` to post-process.
 
-  Fields the engine fills in when left None: batch_size (PERCORE_BATCH_SIZE x local
-  devices), num_infeed_hosts and infeed_host_index (from jax.process_count/index).
+  Fields the engine fills in when left None: batch_size (the rows this process feeds),
+  num_infeed_hosts and infeed_host_index (from which rows of the global batch each
+  process's devices hold; see engine.build_input).
   """
   name: str = 'train'
   is_training: bool = False
