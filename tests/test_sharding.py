@@ -25,9 +25,12 @@ def _losses(job_dir):
 def test_eight_devices_match_one_device(tmp_path, capsys):
   # Global batch 16 either way: 2 per device on 8 devices, 16 on 1 device.
   code, out, err = pax_main(['train', *MODEL, '--set', 'ICI_MESH_SHAPE=[1,4,2]', '--set', 'PERCORE_BATCH_SIZE=2',
-                             '--job-log-dir', str(tmp_path / 'eight')], capsys)
+                             '--job-log-dir', str(tmp_path / 'eight'), '--verbose'], capsys)
   assert code == 0, err
   assert 'mesh replica=1 x data=4 x mdl=2' in out
+  # --verbose: every weight with shape, logical axes and mesh axes.
+  row = next(line for line in out.splitlines() if 'layer_0/mlp/wi_0/kernel' in line)
+  assert '32x64' in row and 'embed, mlp' in row and 'data, mdl' in row
   one = run_pax('train', *MODEL, '--set', 'PERCORE_BATCH_SIZE=16', '--job-log-dir', str(tmp_path / 'one'),
                 env={'XLA_FLAGS': '--xla_force_host_platform_device_count=1'})
   assert one.returncode == 0, one.stderr

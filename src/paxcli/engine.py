@@ -317,9 +317,18 @@ def weights_table(setup: Setup) -> list[tuple[str, str, str, str, str]]:
       setup.logical, is_leaf=lambda x: isinstance(x, tuple))[0]}
   for path, leaf in jax.tree_util.tree_flatten_with_path(setup.abstract_state['params'])[0]:
     keys = _keys(path)
-    rows.append(('/'.join(map(str, keys)), str(tuple(leaf.shape)), str(leaf.dtype),
-                 str(flat_logical.get(keys, '')), str(tuple(leaf.sharding.spec))))
+    names = flat_logical.get(keys) or ()
+    spec = tuple(leaf.sharding.spec) + (None,) * (len(leaf.shape) - len(leaf.sharding.spec))
+    rows.append(('/'.join(map(str, keys)), 'x'.join(map(str, leaf.shape)), str(leaf.dtype),
+                 ', '.join(str(n or '-') for n in names),
+                 'replicated' if not any(spec) else ', '.join(_axes(a) for a in spec)))
   return rows
+
+
+def _axes(entry) -> str:
+  if entry is None:
+    return '-'
+  return '+'.join(entry) if isinstance(entry, tuple) else str(entry)
 
 
 def build_input(cfg, setup: Optional[Setup] = None, process_batch: Optional[int] = None,

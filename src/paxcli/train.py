@@ -292,7 +292,8 @@ def _print_weights(console, setup) -> None:
 
   from paxcli import engine
   table = Table(title='Weights', show_lines=False)
-  for col in ('weight', 'shape', 'dtype', 'logical axes', 'sharding'):
+  table.add_column('weight', overflow='fold')
+  for col in ('shape', 'dtype', 'logical axes', 'mesh axes'):
     table.add_column(col)
   for row in engine.weights_table(setup):
     table.add_row(*row)

@@ -73,6 +73,13 @@ def normalize_argv(argv: list[str]) -> list[str]:
   return out
 
 
+def console(stderr: bool = False):
+  """A rich Console; wide when the output is a file or pipe, so tables are not cut."""
+  from rich.console import Console
+  stream = sys.stderr if stderr else sys.stdout
+  return Console(stderr=stderr, width=None if stream.isatty() else 160)
+
+
 def error(message: str) -> None:
   from rich.console import Console
   Console(stderr=True, highlight=False, soft_wrap=True).print(f'[bold red]error:[/] {message}',

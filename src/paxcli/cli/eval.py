@@ -21,21 +21,19 @@ def eval_command(
     process_id: Optional[int] = common.process_id_option(),
 ) -> None:
   """Evaluate an experiment's eval datasets from its latest checkpoint; writes summaries/eval_<name>."""
-  from rich.console import Console
-
   from paxcli import config
   from paxcli.evaluate import evaluate, results_table
   common.start_processes(coordinator, num_processes, process_id)  # before anything starts JAX
   resolved = config.resolve(exp, overrides)
   job_dir = job_log_dir or common.default_job_dir(resolved.experiment.registered_name())
-  out = evaluate(resolved, job_dir, Console(stderr=True), use_checkpoint=not no_checkpoint)
+  out = evaluate(resolved, job_dir, common.console(stderr=True), use_checkpoint=not no_checkpoint)
   import jax
   if jax.process_index() != 0:
     return
   if json_out:
     typer.echo(json.dumps(out))
   else:
-    Console().print(results_table(out['step'], out['results']))
+    common.console().print(results_table(out['step'], out['results']))
 
 
 def register(app: typer.Typer) -> None:

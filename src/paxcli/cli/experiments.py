@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import typer
 
+from paxcli.cli import common
+
 
 def experiments(json_out: bool = typer.Option(False, '--json', help='Print as JSON.')) -> None:
   """List registered experiments (recipes shipped with paxcli)."""
   import json
 
-  from rich.console import Console
   from rich.table import Table
 
   from paxcli.experiment import import_all_recipes
@@ -26,7 +27,7 @@ def experiments(json_out: bool = typer.Option(False, '--json', help='Print as JS
   table.add_column('summary')
   for row in rows:
     table.add_row(row['name'], row['summary'])
-  Console().print(table)
+  common.console().print(table)
 
 
 def register(app: typer.Typer) -> None:

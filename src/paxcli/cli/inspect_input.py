@@ -26,10 +26,8 @@ def inspect_input(
     json_out: bool = typer.Option(False, '--json', help='JSON lines instead of tables.'),
 ) -> None:
   """Show batches of an experiment's input: shapes, dtypes, padding, decoded text, throughput."""
-  from rich.console import Console
-
   from paxcli import inspect_input as ii
-  console = Console()
+  console = common.console()
   if path is not None:
     report = ii.inspect_file(path, max(num_examples, 1))
     _emit_file(console, report, json_out)

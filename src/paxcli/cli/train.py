@@ -24,15 +24,13 @@ def train(
   --coordinator/--num-processes/--process-id, or let JAX detect the cluster; on one
   machine, `pax launch --processes N -- train ...` starts N local processes.
   """
-  from rich.console import Console
-
   from paxcli import config
   from paxcli.train import train as run_train
   # Before anything else touches JAX: experiments may ask jax for device counts.
   common.start_processes(coordinator, num_processes, process_id)
   resolved = config.resolve(exp, overrides)
   job_dir = job_log_dir or common.default_job_dir(resolved.experiment.registered_name())
-  run_train(resolved, job_dir, Console(), verbose=verbose)
+  run_train(resolved, job_dir, common.console(), verbose=verbose)
 
 
 def describe(
