@@ -5,6 +5,8 @@ import os
 os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=8').strip()
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+# Implicit rank promotion hides shape bugs in model code: make it an error in tests.
+os.environ.setdefault('JAX_NUMPY_RANK_PROMOTION', 'raise')
 
 import pathlib
 import subprocess

@@ -51,9 +51,11 @@ class Norm(nn.Module):
       mean = jnp.mean(x, axis=-1, keepdims=True)
       var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
       y = (x - mean) * jax.lax.rsqrt(var + self.epsilon)
-    y = y * scale
+    expand = (1,) * (x.ndim - 1) + (dims,)  # explicit broadcasting (tests forbid rank promotion)
+    y = y * scale.reshape(expand)
     if self.kind == 'layernorm' and self.use_bias:
-      y = y + self.param('bias', nn.with_logical_partitioning(nn.initializers.zeros, ('norm',)), (dims,))
+      bias = self.param('bias', nn.with_logical_partitioning(nn.initializers.zeros, ('norm',)), (dims,))
+      y = y + bias.reshape(expand)
     return y.astype(self.dtype)
 
 
@@ -63,7 +65,7 @@ def rotary(x_BxLxHxE, positions_BxL, max_timescale: float):
   half = dims // 2
   fraction = jnp.arange(half, dtype=jnp.float32) * 2.0 / dims
   timescale = max_timescale ** fraction
-  angles_BxLx1xE2 = (positions_BxL[:, :, None, None].astype(jnp.float32) / timescale)
+  angles_BxLx1xE2 = positions_BxL[:, :, None, None].astype(jnp.float32) / timescale[None, None, None, :]
   sin, cos = jnp.sin(angles_BxLx1xE2), jnp.cos(angles_BxLx1xE2)
   x = x_BxLxHxE.astype(jnp.float32)
   x1, x2 = x[..., :half], x[..., half:]
