@@ -1,7 +1,6 @@
 """MaxText -> Pax translation: the seed table, the four scaling eras, defaults, presets, mesh."""
 
 import math
-import pathlib
 
 import pytest
 
@@ -10,15 +9,7 @@ from paxcli.maxtext import defaults as mt
 from paxcli.maxtext.shell import read_script
 from paxcli.maxtext.translate import Options, parse_value, translate
 
-FIXTURES = pathlib.Path(__file__).parent / 'fixtures' / 'maxtext'
-
-# Pax's README table "MaxText to Pax" for C4Spmd22BAdam2xv4_128, copied as it stands.
-SEED_2XV4_128 = {
-    'NUM_LAYERS': 48, 'MODEL_DIMS': 6144, 'HIDDEN_DIMS': 24576, 'NUM_HEADS': 24,
-    'DIMS_PER_HEAD': 256, 'PERCORE_BATCH_SIZE': 16, 'MAX_SEQ_LEN': 1024, 'VOCAB_SIZE': 32768,
-    'FPROP_DTYPE': 'bfloat16', 'USE_REPEATED_LAYER': True, 'SUMMARY_INTERVAL_STEPS': 10,
-    'ICI_MESH_SHAPE': [1, 64, 1], 'DCN_MESH_SHAPE': [2, 1, 1],
-}
+from maxtext_common import FIXTURES, SEED_2XV4_128
 
 
 def run(name, args=(), **options):
