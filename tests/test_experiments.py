@@ -1,5 +1,7 @@
 """Experiments: lookup, knobs, overrides, recipes, and every user error through the CLI."""
 
+import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -171,6 +173,19 @@ def test_wheel_ships_the_recipes(tmp_path):
   assert 'paxcli/recipes/lm_cloud.py' in names and 'paxcli/recipes/default.py' in names
   for init in (REPO / 'src').rglob('__init__.py'):  # every sub-package of the source tree
     assert str(init.relative_to(REPO / 'src')) in names, init
+  # Installed (not editable) into a directory ahead of everything else on the path, the
+  # package finds its recipes by name from anywhere.
+  target = tmp_path / 'site'
+  subprocess.run([sys.executable, '-m', 'pip', 'install', '--no-deps', '-q', '--target', str(target), str(wheel)],
+                 check=True, capture_output=True)
+  code = ('import paxcli, json; from paxcli.experiment import lookup, import_all_recipes; '
+          'print(json.dumps([paxcli.__file__, lookup("lm_cloud.LmCloudSpmdTest").__name__, '
+          'sorted(import_all_recipes())]))')
+  out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, check=True, cwd=tmp_path,
+                       env={**os.environ, 'PYTHONPATH': str(target)}).stdout
+  where, found, registry = json.loads(out)
+  assert where.startswith(str(target)) and found == 'LmCloudSpmdTest'
+  assert 'default.StdlibDocsLm' in registry and 'seqio_stdlib.StdlibDocsSeqIOLm' in registry
 
 
 def test_user_error_type():
