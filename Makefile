@@ -29,6 +29,7 @@ test-slow: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/train_step.py
+	$(BIN)/python benchmarks/infeed.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info
