@@ -118,11 +118,35 @@ def test_undeclared_uppercase_knob_is_a_typo(tmp_path, capsys):
          'PERCORE_BATCH_SIZE')
 
 
-def test_bad_experiment_files(tmp_path, capsys):
+def test_knob_values_in_classes_are_type_checked(tmp_path, capsys):
+  path = tmp_path / 'types.py'
+  path.write_text('from paxcli.lm import LmExperiment\n\nclass A(LmExperiment):\n  NUM_LAYERS = 3\n\n'
+                  'class B(A):\n  NUM_LAYERS = "two"\n')
+  _fails(capsys, ['describe', '--exp', f'{path}:B'], "B.NUM_LAYERS must be int, got 'two'")
+  code, out, _ = pax_main(['describe', '--exp', f'{path}:A'], capsys)
+  assert code == 0 and 'knobs.NUM_LAYERS = 3' in out
+
+
+def test_values_that_would_train_nothing_are_refused(capsys, tmp_path):
+  for override, needle in (('NUM_LAYERS=0', 'task.model.num_layers must be at least 1, got 0'),
+                           ('NUM_HEADS=0', 'task.model.num_heads must be at least 1'),
+                           ('MODEL_DIMS=-4', 'task.model.model_dims must be at least 1'),
+                           ('MAX_SEQ_LEN=0', 'task.model.max_seq_len must be at least 1'),
+                           ('task.train.num_train_steps=0', 'num_train_steps must be at least 1'),
+                           ('task.train.save_interval_steps=0', 'save_interval_steps must be at least 1'),
+                           ('task.train.summary_interval_steps=0', 'summary_interval_steps must be at least 1')):
+    _fails(capsys, ['train', '--exp', 'LmCloudSpmdTest', '--set', override, '--job-log-dir', str(tmp_path / 'x')],
+           needle)
+  assert not (tmp_path / 'x' / 'checkpoints').exists()
+
+
+def test_bad_experiment_files(tmp_path, capsys, monkeypatch):
   _fails(capsys, ['describe', '--exp', f'{tmp_path}/missing.py:X'], 'does not exist')
   bad = tmp_path / 'bad.py'
   bad.write_text('from paxcli.lm import LmExperiment\n\nclass Bad(LmExperiment)\n  pass\n')
   _fails(capsys, ['describe', '--exp', f'{bad}:Bad'], 'line 3')
+  monkeypatch.chdir(tmp_path)
+  _fails(capsys, ['describe', '--exp', 'bad.Bad'], 'bad.py, line 3: syntax error')
   good = tmp_path / 'good.py'
   good.write_text('from paxcli.lm import LmExperiment\n\nclass Good(LmExperiment):\n  pass\n')
   _fails(capsys, ['describe', '--exp', f'{good}:Goood'], 'Unknown experiment', "'Good'")

@@ -71,10 +71,11 @@ def test_unfinished_checkpoint_is_set_aside_on_resume(tmp_path, capsys):
   (job / 'checkpoints' / '20.orbax-checkpoint-tmp-1700000000').mkdir()
   code, out, err = pax_main(['train', *TINY, '--job-log-dir', str(job), '--set', 'task.train.num_train_steps=15'], capsys)
   assert code == 0, err
-  assert 'step 15 is unfinished' in out and 'Resumed from step 10' in out
-  aside = os.listdir(job / 'checkpoints_unfinished')
-  assert len(aside) == 1 and aside[0].startswith('15-')  # moved, not deleted
-  assert (job / 'checkpoints_unfinished' / aside[0] / 'state' / 'partial').exists()
+  assert 'step 15 is unfinished' in out and 'step 20 is unfinished' in out and 'Resumed from step 10' in out
+  aside = sorted(os.listdir(job / 'checkpoints_unfinished'))
+  assert len(aside) == 2 and aside[0].startswith('15-') and aside[1].startswith('20.orbax-checkpoint-tmp')
+  assert (job / 'checkpoints_unfinished' / aside[0] / 'state' / 'partial').exists()  # moved, not deleted
+  assert not any('tmp' in name for name in os.listdir(job / 'checkpoints'))
   assert '15' in os.listdir(job / 'checkpoints')  # a fresh, complete step 15
   assert _metrics(str(job))[-1]['step'] == 15
 
@@ -89,3 +90,38 @@ def test_nan_loss_stops_without_checkpoint(tmp_path, capsys):
   step = int(err.split('at step ')[1].split(';')[0])
   saved = [int(s) for s in os.listdir(job / 'checkpoints') if s.isdigit()]
   assert all(s < step for s in saved)
+
+
+def test_sigterm_saves_and_stops_then_resumes(tmp_path):
+  """Preemption: SIGTERM saves a checkpoint at the current step and exits 143; rerun resumes."""
+  import signal
+  import subprocess
+  import sys
+  job = tmp_path / 'preempted'
+  cmd = [sys.executable, '-m', 'paxcli.cli.app', 'train', *TINY, '--job-log-dir', str(job),
+         '--set', 'task.train.num_train_steps=100000', '--set', 'task.train.save_interval_steps=1000']
+  proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  for line in proc.stdout:
+    if line.startswith('step 10:'):
+      proc.send_signal(signal.SIGTERM)
+      break
+  rest = proc.stdout.read()
+  assert proc.wait(timeout=120) == 143, rest
+  assert 'Stopped by SIGTERM after step' in rest and 'Run the same command to resume' in rest
+  step = int(rest.split('saved a checkpoint at step ')[1].split()[0])
+  assert str(step) in os.listdir(job / 'checkpoints') and step >= 10
+  result = subprocess.run(cmd[:-4] + ['--set', f'task.train.num_train_steps={step + 5}'], capture_output=True, text=True)
+  assert result.returncode == 0, result.stderr
+  assert f'Resumed from step {step}' in result.stdout
+
+
+def test_non_finite_parameters_are_never_saved(tmp_path, capsys):
+  # Plain SGD with an infinite rate (1e300 in float32): step 1's loss is finite, its update is not.
+  job = tmp_path / 'blowup'
+  code, _, err = pax_main(['train', *TINY, '--job-log-dir', str(job), '--set', 'OPTIMIZER=sgd',
+                           '--set', 'LEARNING_RATE=1e300', '--set', 'CLIP_GRADIENT_NORM_TO_VALUE=0.0',
+                           '--set', 'task.train.num_train_steps=5', '--set', 'task.train.save_interval_steps=1'],
+                          capsys)
+  assert code == 3 and 'Traceback' not in err
+  assert 'The parameters became non-finite at step 1' in err
+  assert not [s for s in os.listdir(job / 'checkpoints') if s.isdigit()]

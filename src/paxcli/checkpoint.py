@@ -13,6 +13,7 @@ commit marker. Such an unfinished step is moved aside to `checkpoints_unfinished
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import time
 from typing import Any, Optional
@@ -22,6 +23,7 @@ import jax
 from paxcli.errors import UserError
 
 _MARKERS = ('commit_success.txt', '_CHECKPOINT_METADATA')
+_TMP_RE = re.compile(r'^(\d+)\.orbax-checkpoint-tmp')
 ITEMS = ('state', 'meta')
 
 
@@ -45,17 +47,30 @@ def complete_steps(directory: str) -> list[int]:
   return sorted(s for s, d in step_dirs(directory).items() if _is_complete(d))
 
 
+def _unfinished(directory: str) -> list[tuple[int, str]]:
+  """(step, path) of step directories without orbax's markers and of orbax's tmp directories."""
+  found = [(step, path) for step, path in step_dirs(directory).items() if not _is_complete(path)]
+  if os.path.isdir(directory):
+    for name in os.listdir(directory):
+      match = _TMP_RE.match(name)
+      if match:
+        found.append((int(match.group(1)), os.path.join(directory, name)))
+  return sorted(found)
+
+
 def set_aside_unfinished(directory: str, log=print) -> list[int]:
-  """Moves unfinished step directories out of `directory` (process 0 only); returns their steps."""
+  """Moves unfinished saves out of `directory` (process 0 only); returns their steps.
+
+  They go to `checkpoints_unfinished/` beside it, never deleted: orbax itself would
+  delete its temporary directory when it saves that step again.
+  """
   moved = []
   if jax.process_index() != 0:
     return moved
   aside = os.path.join(os.path.dirname(os.path.abspath(directory)), 'checkpoints_unfinished')
-  for step, path in sorted(step_dirs(directory).items()):
-    if _is_complete(path):
-      continue
+  for step, path in _unfinished(directory):
     os.makedirs(aside, exist_ok=True)
-    target = os.path.join(aside, f'{step}-{int(time.time())}')
+    target = os.path.join(aside, f'{os.path.basename(path)}-{int(time.time())}')
     shutil.move(path, target)
     log(f'Checkpoint at step {step} is unfinished (a save was interrupted); moved it to {target} '
         'and resuming from the last complete one.')

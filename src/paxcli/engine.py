@@ -121,6 +121,7 @@ def build(resolved, mesh=None) -> Setup:
   task = fdl.build(resolved.task)
   model, train = task.model, task.train
   validate_model(model)
+  validate_train(train)
   gbs = global_batch_size(exp.PERCORE_BATCH_SIZE, mesh.size)
   infeed = plan_infeed(mesh, gbs)
   tx = optim.make_optimizer(train)
@@ -227,10 +228,31 @@ def validate_model(model) -> None:
   for field, value, allowed in checks:
     if value not in allowed:
       raise UserError(f'task.model.{field} = {value!r} is not one of {allowed}.')
+  _at_least(1, 'task.model', model, 'vocab_size', 'num_layers', 'model_dims', 'hidden_dims', 'num_heads',
+            'num_kv_heads', 'dims_per_head', 'max_seq_len')
+  if not 0 <= model.dropout_prob < 1:
+    raise UserError(f'task.model.dropout_prob must be in [0, 1), got {model.dropout_prob}.')
   if model.num_heads % model.num_kv_heads:
     raise UserError(f'NUM_HEADS {model.num_heads} must be a multiple of NUM_KV_HEADS {model.num_kv_heads}.')
   if model.position_embedding == 'rotary' and model.dims_per_head % 2:
     raise UserError(f'Rotary positions need an even DIMS_PER_HEAD, got {model.dims_per_head}.')
+
+
+def validate_train(train) -> None:
+  """Settings of task.train that would divide by zero or train nothing."""
+  _at_least(1, 'task.train', train, 'num_train_steps', 'save_interval_steps', 'summary_interval_steps')
+  _at_least(0, 'task.train', train, 'eval_interval_steps', 'save_max_to_keep', 'learning_rate',
+            'clip_gradient_norm_to_value')
+  _at_least(0, 'task.train.lr_schedule', train.lr_schedule, 'warmup_steps', 'decay_start', 'decay_end',
+            'min_ratio')
+
+
+def _at_least(low, prefix: str, obj, *fields: str) -> None:
+  for field in fields:
+    value = getattr(obj, field)
+    if value < low:
+      hint = ' (0 turns it off)' if low == 0 and field == 'eval_interval_steps' else ''
+      raise UserError(f'{prefix}.{field} must be at least {low}, got {value}{hint}.')
 
 
 def unbox(tree):

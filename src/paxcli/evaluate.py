@@ -162,20 +162,25 @@ class Evaluator:
     for cfg in resolved.eval_datasets():
       check_semantics(cfg)
       self.inputs[cfg.name] = engine.build_input(cfg, setup)
+    self.job_dir = job_dir if jax.process_index() == 0 else None
     self.writers = {}
-    if job_dir and jax.process_index() == 0:
+
+  def _writer(self, name: str):
+    """Process 0's summary writer for one eval input, made at its first eval (no empty files)."""
+    if self.job_dir and name not in self.writers:
       from paxcli.summaries import SummaryWriter
-      for name in self.inputs:
-        self.writers[name] = SummaryWriter(os.path.join(job_dir, 'summaries', f'eval_{name}'),
-                                           os.path.join(job_dir, f'eval_{name}_metrics.jsonl'))
+      self.writers[name] = SummaryWriter(os.path.join(self.job_dir, 'summaries', f'eval_{name}'),
+                                         os.path.join(self.job_dir, f'eval_{name}_metrics.jsonl'))
+    return self.writers.get(name)
 
   def run(self, step: int, params) -> dict[str, dict[str, Any]]:
     results = {}
     for name, inp in self.inputs.items():
       metrics = run_eval(self.setup, params, inp, self.step, self.batch_sharding)
       results[name] = metrics
-      if name in self.writers:
-        self.writers[name].scalars(step, metrics)
+      writer = self._writer(name)
+      if writer:
+        writer.scalars(step, metrics)
     return results
 
   def close(self) -> None:

@@ -93,6 +93,11 @@ class Experiment:
         raise UserError(
             f'{klass.__name__}.{name} is not a declared knob.{did_you_mean(name, declared)} '
             f'(Declare a new knob with a type annotation, e.g. `{name}: int = ...`.)')
+    for name, tp in declared.items():  # values set in classes must fit the declared types
+      if hasattr(cls, name):
+        owner = next(k for k in cls.__mro__ if name in k.__dict__) if any(
+            name in k.__dict__ for k in cls.__mro__) else cls
+        ptypes.coerce(getattr(cls, name), tp, f'{owner.__name__}.{name}')
 
   def knobs(self) -> dict[str, Any]:
     """Current knob values (class defaults with instance overrides)."""
@@ -168,6 +173,8 @@ def _class_from_module(module, class_name: str, where: str) -> type[Experiment]:
 def _try_import(module_name: str):
   try:
     return importlib.import_module(module_name)
+  except SyntaxError as e:
+    raise UserError(f'{e.filename}, line {e.lineno}: syntax error: {e.msg}') from None
   except ModuleNotFoundError as e:
     if e.name and (module_name == e.name or module_name.startswith(e.name + '.')):
       return None

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import math
 import os
+import signal
+import threading
 import time
 from typing import Optional
 
@@ -98,6 +100,49 @@ def check_resume_compatible(meta: dict, shapes_now: dict, flat_now: dict, step: 
                   'Use another --job-log-dir for a new run, or drop the overrides that change shapes.')
 
 
+class GracefulStop:
+  """SIGTERM (preemption) or a first Ctrl-C asks the loop to save and stop after the step.
+
+  Only with one process: several processes must agree on the step to save at, which a
+  signal to one of them cannot give. A second Ctrl-C interrupts at once.
+  """
+
+  SIGNALS = {'SIGTERM': 143, 'SIGINT': 130}
+
+  def __init__(self, enabled: bool):
+    self.enabled = enabled and threading.current_thread() is threading.main_thread()
+    self.signal_name: Optional[str] = None
+    self._previous = {}
+
+  def __enter__(self):
+    if self.enabled:
+      for name in self.SIGNALS:
+        signum = getattr(signal, name)
+        self._previous[signum] = signal.signal(signum, self._handle)
+    return self
+
+  def _handle(self, signum, frame):
+    del frame
+    self.signal_name = signal.Signals(signum).name
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C stops at once
+
+  def __exit__(self, *exc):
+    for signum, handler in self._previous.items():
+      signal.signal(signum, handler)
+    return False
+
+  @property
+  def requested(self) -> bool:
+    return self.signal_name is not None
+
+
+def params_finite(params) -> bool:
+  import jax
+  import jax.numpy as jnp
+  leaves = jax.tree.leaves(params)
+  return bool(jax.jit(lambda ls: jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in ls])))(leaves))
+
+
 class Reporter:
   """A rich progress bar on a terminal; plain log lines otherwise (CI, files, pipes)."""
 
@@ -138,6 +183,7 @@ class Reporter:
   def close(self) -> None:
     if self._progress is not None:
       self._progress.stop()
+      self._progress = None
 
 
 def train(resolved, job_dir: str, console, verbose: bool = False) -> dict:
@@ -221,7 +267,18 @@ def train(resolved, job_dir: str, console, verbose: bool = False) -> dict:
   t_window = time.perf_counter()
   steps_in_window = 0
   pending = None  # metrics of the previous step, checked one step late to keep dispatch async
+  stop = GracefulStop(enabled=jax.process_count() == 1)
+
+  def save(step: int) -> None:
+    if not params_finite(state['params']):
+      raise TrainingDiverged(f'The parameters became non-finite at step {step} (the loss was still finite); '
+                             'stopping without saving them. Lower the learning rate or clip gradients.')
+    checkpointer.save(step, state, {'batches_consumed': batches_consumed, 'step': step,
+                                    'global_batch': setup.global_batch, 'state_shapes': shapes_now,
+                                    'config': flat, 'input_layout': layout})
+
   try:
+    stop.__enter__()
     for step in range(start_step + 1, train_cfg.num_train_steps + 1):
       batch = to_global(train_input.get_next(), batch_sharding, setup.global_batch)
       state, metrics = train_step(state, batch)
@@ -243,15 +300,23 @@ def train(resolved, job_dir: str, console, verbose: bool = False) -> dict:
           reporter.summary(last)
           window, steps_in_window, t_window = [], 0, now
         if step % train_cfg.save_interval_steps == 0 or step == train_cfg.num_train_steps:
-          checkpointer.save(step, state, {'batches_consumed': batches_consumed, 'step': step,
-                                          'global_batch': setup.global_batch, 'state_shapes': shapes_now,
-                                          'config': flat, 'input_layout': layout})
+          save(step)
       if evaluator and step % train_cfg.eval_interval_steps == 0:
         for name, m in evaluator.run(step, state['params']).items():
           reporter.log(f"step {step}: eval {name}: loss {m['loss']:.4f}  accuracy {m['accuracy']:.4f}  "
                        f"({m['num_examples']:.0f} examples)")
       reporter.step(step, last.get('loss'), last.get('tokens_per_sec'))
+      if stop.requested:
+        if pending is not None:  # this step was not checked or saved yet
+          _check_finite(*pending)
+          save(step)
+        checkpointer.wait()
+        reporter.close()
+        reporter_log(f'Stopped by {stop.signal_name} after step {step}; saved a checkpoint at step {step} in '
+                     f'{ckpt_dir}. Run the same command to resume.')
+        raise SystemExit(GracefulStop.SIGNALS[stop.signal_name])
   finally:
+    stop.__exit__(None, None, None)
     reporter.close()
     checkpointer.close()
     if evaluator:

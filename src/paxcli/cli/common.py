@@ -91,7 +91,8 @@ def run_app(app: typer.Typer, argv: list[str]) -> None:
   try:
     app(args=argv, prog_name='pax')  # standalone: usage errors print and exit 2 themselves
   except UserError as e:
-    error(_escape(str(e)))
+    # fiddle appends its build context to errors raised while building a config.
+    error(_escape(str(e).split('\n\nFiddle context:')[0]))
     sys.exit(e.exit_code)
   except KeyboardInterrupt:
     error('interrupted.')

@@ -198,6 +198,8 @@ def load_yaml(path: str, what: str) -> dict[str, Any]:
       data = yaml.safe_load(f)
   except OSError as e:
     raise UserError(f'Cannot read {what} {path!r}: {e.strerror}.') from None
+  except UnicodeDecodeError:
+    raise UserError(f'{what} {path!r} is not a text (UTF-8) file.') from None
   except yaml.YAMLError as e:
     raise UserError(f'{what} {path!r} is not valid YAML: {str(e).splitlines()[0]}') from None
   if data is None:
