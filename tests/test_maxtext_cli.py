@@ -133,3 +133,12 @@ def test_generated_recipes_train_two_steps_on_cpu(tmp_path, capsys):
   code, out, err = pax_main(args + ['--set', 'UNSUPPORTED_FEATURES={}'], capsys)
   assert code == 0, err
   assert 'Done: step 2' in out
+
+
+def test_unset_variable_in_a_number_is_one_clear_line(tmp_path, capsys):
+  script = tmp_path / 'unset.sh'
+  script.write_text('python3 MaxText/train.py MaxText/configs/base.yml steps=${STEPS} run_name=x\n')
+  code, _, err = pax_main(['import-maxtext', str(script), '--dry-run'], capsys)
+  assert code == 2 and 'steps= is empty in the script' in err and 'NAME=VALUE' in err
+  code, out, err = pax_main(['import-maxtext', str(script), 'STEPS=7', '--dry-run', '--json'], capsys)
+  assert code == 0 and json.loads(out)['knobs']['NUM_TRAIN_STEPS'] == 7

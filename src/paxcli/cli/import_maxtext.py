@@ -76,8 +76,8 @@ def import_maxtext(
   else:
     _print(result, path if write else None, name)
   if strict and result.strict_warnings:
-    raise UserError(f'--strict: {len(result.strict_warnings)} warning(s); no recipe written. '
-                    f'First: {result.strict_warnings[0]}')
+    raise UserError(f'--strict: {len(result.strict_warnings)} problem(s) that --strict refuses (unknown keys, '
+                    f'mesh axes paxcli lacks); no recipe written. First: {result.strict_warnings[0]}')
 
 
 def _print(result, path: Optional[str], class_name: str) -> None:

@@ -383,6 +383,9 @@ class _Builder:
   def _number(self, key: str, fallback: Any, whole: bool) -> Any:
     value = self.get(key, fallback)
     if value is None or value == '':
+      if self.overrides.get(key) == '' and fallback is None:
+        raise UserError(f'{key}= is empty in the script: a variable it uses is not set. Give it after the '
+                        f'script, e.g. `pax import-maxtext run.sh NAME=VALUE`.')
       value = fallback  # MaxText's null / empty means "the default"
     if (isinstance(value, bool) or not isinstance(value, (int, float))
         or whole and not float(value).is_integer()):
