@@ -272,4 +272,6 @@ def _main_thread() -> bool:
 
 
 def register(app: typer.Typer) -> None:
-  app.command('launch', no_args_is_help=True)(launch)
+  # Unknown options after the command name belong to it: `launch -n 2 train --exp E` works without `--`.
+  app.command('launch', no_args_is_help=True,
+              context_settings={'allow_interspersed_args': False, 'ignore_unknown_options': True})(launch)
