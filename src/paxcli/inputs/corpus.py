@@ -188,13 +188,12 @@ def register_seqio_task(vocab_size: int, name: str = 'stdlib_docs') -> str:
   """Registers a seqio task over the local corpus files and our own sentencepiece model."""
   import functools
 
-  import seqio
-
   from paxcli.inputs.tfrecord import import_tf
+  tf = import_tf()  # before seqio, which imports tensorflow itself
+  import seqio
   if name in seqio.TaskRegistry.names():
     return name
   paths = write_tfrecords(vocab_size)
-  tf = import_tf()
   vocab = seqio.SentencePieceVocabulary(paths['spm'])
   seqio.TaskRegistry.add(
       name,

@@ -12,10 +12,13 @@ padded to seq_len, or to the longest in the batch when seq_len is 0).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 import os
 import random
+import sys
+import tempfile
 from typing import Iterator, Optional
 
 import numpy as np
@@ -24,17 +27,45 @@ from paxcli.errors import UserError
 from paxcli.inputs.base import BaseInput, EndOfInput, decode_rows
 
 KINDS = ('int64', 'float', 'bytes')
+_TF = None  # tensorflow, once imported quietly
 
 
 def import_tf():
-  """tensorflow, for tf.data only: never allowed to take a GPU from jax."""
-  os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')  # TF's start-up chatter (no GPU, oneDNN)
-  import tensorflow as tf
-  try:
-    tf.config.set_visible_devices([], 'GPU')
-  except RuntimeError:  # already initialised: devices were hidden before
-    pass
-  return tf
+  """tensorflow, for tf.data only: never allowed to take a GPU from jax.
+
+  TensorFlow's C++ start-up logs (oneDNN, "no CUDA drivers", cuInit) go to stderr before
+  any log level applies; they are held back during the import and shown only if the
+  import fails.
+  """
+  global _TF
+  if _TF is None:
+    os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
+    with _quiet_stderr() as captured:
+      try:
+        import tensorflow as tf
+        try:
+          tf.config.set_visible_devices([], 'GPU')
+        except RuntimeError:  # tensorflow already started its devices elsewhere
+          pass
+      except BaseException:
+        sys.stderr.write(captured())
+        raise
+    _TF = tf
+  return _TF
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+  """Sends file descriptor 2 to a temporary file; yields a function returning its text."""
+  sys.stderr.flush()
+  saved = os.dup(2)
+  with tempfile.TemporaryFile(mode='w+b') as tmp:
+    os.dup2(tmp.fileno(), 2)
+    try:
+      yield lambda: (tmp.seek(0), tmp.read().decode('utf-8', 'replace'))[1]
+    finally:
+      os.dup2(saved, 2)
+      os.close(saved)
 
 
 def expand_files(pattern: str) -> list[str]:
