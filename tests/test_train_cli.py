@@ -98,8 +98,10 @@ def test_sigterm_saves_and_stops_then_resumes(tmp_path):
   import subprocess
   import sys
   job = tmp_path / 'preempted'
+  # Every step is a summary step and none a save step: the stop must save by itself.
   cmd = [sys.executable, '-m', 'paxcli.cli.app', 'train', *TINY, '--job-log-dir', str(job),
-         '--set', 'task.train.num_train_steps=100000', '--set', 'task.train.save_interval_steps=1000']
+         '--set', 'task.train.summary_interval_steps=1', '--set', 'task.train.save_interval_steps=1000',
+         '--set', 'task.train.num_train_steps=100000']
   proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   for line in proc.stdout:
     if line.startswith('step 10:'):

@@ -125,13 +125,12 @@ def build(resolved, mesh=None) -> Setup:
   gbs = global_batch_size(exp.PERCORE_BATCH_SIZE, mesh.size)
   infeed = plan_infeed(mesh, gbs)
   tx = optim.make_optimizer(train)
-  seq_len = resolved.train_dataset().seq_len if hasattr(fdl.get_callable(resolved.train_dataset()), 'seq_len') else model.max_seq_len
+  seq_len = getattr(resolved.train_dataset(), 'seq_len', None) or model.max_seq_len
   rules = dict(task.sharding_rules or {})
-  init = make_init(model, tx, seq_len)
-  boxed = jax.eval_shape(init, jax.random.key(0))
+  boxed = jax.eval_shape(make_init(model, tx, seq_len), jax.random.key(0))
   logical = jax.tree.map(lambda b: tuple(b.names), boxed['params'],
                          is_leaf=lambda x: hasattr(x, 'names') and hasattr(x, 'unbox'))
-  abstract_unboxed = jax.eval_shape(lambda r: unbox(init(r)), jax.random.key(0))
+  abstract_unboxed = unbox(boxed)  # the same shapes without the logical-name boxes
   param_shardings = sharding.logical_to_sharding(logical, abstract_unboxed['params'], mesh, rules)
   opt_shardings = _opt_state_shardings(abstract_unboxed['opt_state'], abstract_unboxed['params'],
                                        param_shardings, mesh)

@@ -287,29 +287,28 @@ def train(resolved, job_dir: str, console, verbose: bool = False) -> dict:
       if pending is not None:
         window.append(_check_finite(*pending))
       pending = (step, metrics)
-      if step % train_cfg.summary_interval_steps == 0 or step % train_cfg.save_interval_steps == 0 \
-          or step == train_cfg.num_train_steps:
+      stopping = stop.requested  # read once: a signal may land at any moment
+      is_last = step == train_cfg.num_train_steps
+      summarize = is_last or step % train_cfg.summary_interval_steps == 0
+      save_now = is_last or stopping or step % train_cfg.save_interval_steps == 0
+      if summarize or save_now:
         window.append(_check_finite(*pending))
         pending = None
+      if summarize:
         now = time.perf_counter()
-        elapsed = max(now - t_window, 1e-9)
-        if step % train_cfg.summary_interval_steps == 0 or step == train_cfg.num_train_steps:
-          last = _summarize(step, window, steps_in_window, elapsed)
-          if writer:
-            writer.scalars(step, {k: v for k, v in last.items() if k != 'step'})
-          reporter.summary(last)
-          window, steps_in_window, t_window = [], 0, now
-        if step % train_cfg.save_interval_steps == 0 or step == train_cfg.num_train_steps:
-          save(step)
+        last = _summarize(step, window, steps_in_window, max(now - t_window, 1e-9))
+        if writer:
+          writer.scalars(step, {k: v for k, v in last.items() if k != 'step'})
+        reporter.summary(last)
+        window, steps_in_window, t_window = [], 0, now
+      if save_now:
+        save(step)
       if evaluator and step % train_cfg.eval_interval_steps == 0:
         for name, m in evaluator.run(step, state['params']).items():
           reporter.log(f"step {step}: eval {name}: loss {m['loss']:.4f}  accuracy {m['accuracy']:.4f}  "
                        f"({m['num_examples']:.0f} examples)")
       reporter.step(step, last.get('loss'), last.get('tokens_per_sec'))
-      if stop.requested:
-        if pending is not None:  # this step was not checked or saved yet
-          _check_finite(*pending)
-          save(step)
+      if stopping:
         checkpointer.wait()
         reporter.close()
         reporter_log(f'Stopped by {stop.signal_name} after step {step}; saved a checkpoint at step {step} in '
