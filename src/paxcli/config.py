@@ -143,13 +143,10 @@ def set_path(root: dict[str, Any], key: str, raw: Any) -> None:
 
 def resolve(name: Optional[str], overrides: list[str] = ()) -> Resolved:
   """Experiment lookup, knob overrides, configs built, dotted overrides applied."""
-  from paxcli.experiment import DEFAULT_EXPERIMENT
   exp, rest = instantiate(name, overrides)
   try:
     task = exp.task()
     datasets = exp.datasets()
-  except UserError:
-    raise
   except (TypeError, AttributeError, ValueError) as e:
     raise UserError(f'{type(exp).__name__}: building its configs failed: {e}') from e
   by_name = {}
@@ -161,6 +158,4 @@ def resolve(name: Optional[str], overrides: list[str] = ()) -> Resolved:
   root = {'task': task, 'datasets': by_name}
   for key, raw in rest:
     set_path(root, key, raw)
-  resolved = Resolved(type(exp).registered_name() if name is None else name or DEFAULT_EXPERIMENT,
-                      exp, task, by_name)
-  return resolved
+  return Resolved(name or type(exp).registered_name(), exp, task, by_name)
