@@ -372,8 +372,6 @@ def build_input(cfg, setup: Optional[Setup] = None, process_batch: Optional[int]
       setattr(cfg, field, value)
   try:
     built = fdl.build(cfg)
-  except UserError:
-    raise
   except (FileNotFoundError, ValueError, TypeError) as e:
     raise UserError(f'Building input {getattr(cfg, "name", "?")!r} failed: {e}') from e
   return PaddingInput(built) if infeed is not None and infeed.padding else built
@@ -391,8 +389,8 @@ class PaddingInput:
     self.inner = inner
 
   def get_next(self):
-    import numpy as np
-    return {k: np.zeros_like(v) for k, v in self.inner.get_next().items()}
+    from paxcli.inputs.base import padding_like
+    return padding_like(self.inner.get_next())
 
   def __getattr__(self, name):
     return getattr(self.inner, name)

@@ -22,7 +22,7 @@ from typing import Any, Optional
 import numpy as np
 
 from paxcli.errors import UserError
-from paxcli.inputs.base import EndOfInput
+from paxcli.inputs.base import EndOfInput, padding_like
 
 SEMANTICS_TABLE = (
     'Eval semantics (reset_for_eval, eval_loop_num_batches): (True, None) = one epoch of a finite input '
@@ -56,11 +56,6 @@ def any_host_has_data(has_data: bool) -> bool:
   from jax.experimental import multihost_utils
   flags = multihost_utils.process_allgather(np.array([1 if has_data else 0], np.int32))
   return bool(np.asarray(flags).sum() > 0)
-
-
-def padding_like(batch: dict) -> dict:
-  """A batch of the same shapes with zero weight (it counts for nothing)."""
-  return {k: np.zeros_like(v) for k, v in batch.items()}
 
 
 class EvalReader:

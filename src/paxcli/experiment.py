@@ -95,8 +95,7 @@ class Experiment:
             f'(Declare a new knob with a type annotation, e.g. `{name}: int = ...`.)')
     for name, tp in declared.items():  # values set in classes must fit the declared types
       if hasattr(cls, name):
-        owner = next(k for k in cls.__mro__ if name in k.__dict__) if any(
-            name in k.__dict__ for k in cls.__mro__) else cls
+        owner = next((k for k in cls.__mro__ if name in k.__dict__), cls)
         ptypes.coerce(getattr(cls, name), tp, f'{owner.__name__}.{name}')
 
   def knobs(self) -> dict[str, Any]:

@@ -9,6 +9,7 @@ Job directory layout:
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import signal
@@ -138,9 +139,15 @@ class GracefulStop:
 
 def params_finite(params) -> bool:
   import jax
+  return bool(_all_finite()(jax.tree.leaves(params)))
+
+
+@functools.cache
+def _all_finite():
+  """One jitted check, so each save reuses its compilation instead of tracing a new one."""
+  import jax
   import jax.numpy as jnp
-  leaves = jax.tree.leaves(params)
-  return bool(jax.jit(lambda ls: jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in ls])))(leaves))
+  return jax.jit(lambda leaves: jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])))
 
 
 class Reporter:

@@ -84,3 +84,8 @@ def decode_rows(decode, ids, lengths=None) -> list[str]:
   rows = np.asarray(ids)
   lengths = lengths if lengths is not None else [rows.shape[-1]] * rows.shape[0]
   return [decode([int(t) for t in row[:n]]) for row, n in zip(rows, lengths)]
+
+
+def padding_like(batch: dict) -> dict:
+  """A batch of the same shapes and dtypes, all zeros: zero weight, so it counts for nothing."""
+  return {k: np.zeros_like(v) for k, v in batch.items()}
