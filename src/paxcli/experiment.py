@@ -28,14 +28,8 @@ _REGISTRY: dict[str, type['Experiment']] = {}
 RECIPES_PACKAGE = 'paxcli.recipes'
 DEFAULT_EXPERIMENT = 'default.StdlibDocsLm'
 
-ActivationName = Literal['gelu', 'relu', 'silu', 'swish']
-NormName = Literal['layernorm', 'rmsnorm']
-PositionName = Literal['learned', 'rotary', 'none']
-DTypeName = Literal['float32', 'bfloat16', 'float16']
-CheckpointPolicyName = Literal['none', 'save_nothing', 'save_dot_only', 'save_dot_with_no_batch_dim',
-                               'save_qkv_out_proj', 'save_everything']
-OptimizerName = Literal['adam', 'adamw', 'adafactor', 'sgd']
-ScheduleName = Literal['constant', 'linear_rampup_cosine_decay', 'linear_rampup_exponential_decay']
+from paxcli.options import (ActivationName, CheckpointPolicyName, DTypeName, NormName,  # noqa: F401 (re-exported)
+                            OptimizerName, PositionName, ScheduleName)
 
 
 class Experiment:

@@ -25,40 +25,76 @@ class TrainingDiverged(UserError):
 
 
 def make_train_step(setup, batch_sharding, dropout_seed: int):
-  """The jitted step: (state, batch) -> (state, metrics); state is donated."""
+  """The jitted step: (state, batch) -> (state, metrics); state is donated.
+
+  The model's fprop gives (loss, metrics); aux losses its layers add join the loss;
+  non-trainable variables come back updated (the optimizer never sees them); layer
+  summaries come back in the metrics under 'summary/<layer path>/<name>'.
+  """
   import jax
   import jax.numpy as jnp
   import optax
 
   from paxcli import optim
-  from paxcli.models import lm_loss
+  from paxcli.layers.base import AUX_LOSS, NON_TRAINABLE, RANDOM, SUMMARIES, flatten_collection
   model, tx = setup.model, setup.tx
   lr_fn = optim.learning_rate_fn(setup.train)
-  deterministic = model.dropout_prob == 0
+  deterministic = getattr(model, 'dropout_prob', 0) == 0
+  has_non_trainable = 'non_trainable' in setup.state_shardings
 
   def step_fn(state, batch):
     rng = jax.random.fold_in(jax.random.key(dropout_seed), state['step'])
+    rngs = {'dropout': rng, RANDOM: jax.random.fold_in(rng, 1)}
 
     def loss_fn(params):
-      logits = model.apply({'params': params}, batch['ids'], batch.get('segment_ids'),
-                           batch.get('positions'), deterministic=deterministic, rngs={'dropout': rng})
-      return lm_loss(logits, batch['labels'], batch['weights'])
+      variables = {'params': params}
+      if has_non_trainable:
+        variables[NON_TRAINABLE] = state['non_trainable']
+      (loss, model_metrics), updates = model.apply(
+          variables, batch, deterministic=deterministic, method='fprop', rngs=rngs,
+          mutable=[NON_TRAINABLE, SUMMARIES, AUX_LOSS])
+      aux = flatten_collection(updates.get(AUX_LOSS, {}))
+      total = loss + sum(jnp.sum(v) for v in aux.values()) if aux else loss
+      return total, (loss, model_metrics, aux, updates)
 
-    (loss, sums), grads = jax.value_and_grad(loss_fn, has_aux=True)(state['params'])
-    updates, opt_state = tx.update(grads, state['opt_state'], state['params'])
-    params = optax.apply_updates(state['params'], updates)
-    metrics = {
-        'loss': loss,
-        'accuracy': sums['correct_sum'] / jnp.maximum(sums['weight_sum'], 1e-8),
+    (total, (loss, model_metrics, aux, updates)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+        state['params'])
+    param_updates, opt_state = tx.update(grads, state['opt_state'], state['params'])
+    params = optax.apply_updates(state['params'], param_updates)
+    metrics = {k: v for k, (v, _) in model_metrics.items()}
+    metrics.update({
+        'loss': total,
         'grad_norm': optax.tree.norm(grads) if hasattr(optax, 'tree') else optax.global_norm(grads),
         'learning_rate': lr_fn(state['step']),
-        'tokens': sums['weight_sum'],
-    }
-    return {'step': state['step'] + 1, 'params': params, 'opt_state': opt_state}, metrics
+        'tokens': model.count_in(model_metrics),
+    })
+    if aux:
+      metrics['model_loss'] = loss
+      metrics.update({f'aux_loss/{k}': jnp.sum(v) for k, v in aux.items()})
+    for name, value in flatten_collection(updates.get(SUMMARIES, {})).items():
+      metrics[f'summary/{name}'] = jnp.mean(value)  # scanned layers: the mean over layers
+    new_state = {'step': state['step'] + 1, 'params': params, 'opt_state': opt_state}
+    if has_non_trainable:
+      new_state['non_trainable'] = sync_non_trainable(updates[NON_TRAINABLE], setup)
+    return new_state, metrics
 
   replicated = jax.sharding.NamedSharding(setup.mesh, jax.sharding.PartitionSpec())
   return jax.jit(step_fn, in_shardings=(setup.state_shardings, batch_sharding),
                  out_shardings=(setup.state_shardings, replicated), donate_argnums=(0,))
+
+
+def sync_non_trainable(new_vars, setup):
+  """Non-trainable variables after a step, laid out as the state holds them.
+
+  Under jit the layers compute their updates from the global batch, so each variable
+  already holds the mean over data-parallel replicas (Pax's REQUIRES_MEAN_SYNC, which
+  with pmap averaged per-replica values); the sharding constraint keeps every replica's
+  copy the same array.
+  """
+  import jax
+
+  from paxcli.engine import unbox
+  return jax.tree.map(jax.lax.with_sharding_constraint, unbox(new_vars), setup.state_shardings['non_trainable'])
 
 
 def ready_step(resolved, seed: int = 0):
@@ -183,7 +219,9 @@ class Reporter:
 
   def summary(self, record: dict) -> None:
     if self.enabled and not self.interactive:
-      self.log(f"step {record['step']}: loss {record['loss']:.4f}  accuracy {record['accuracy']:.4f}  "
+      accuracy = f"  accuracy {record['accuracy']:.4f}" if 'accuracy' in record else ''
+      aux = ''.join(f"  {k} {v:.4g}" for k, v in record.items() if k.startswith('aux_loss/'))
+      self.log(f"step {record['step']}: loss {record['loss']:.4f}{accuracy}{aux}  "
                f"lr {record['learning_rate']:.3g}  grad_norm {record['grad_norm']:.3f}  "
                f"{record['steps_per_sec']:.2f} steps/s  {record['tokens_per_sec']:,.0f} tokens/s")
 
@@ -311,8 +349,9 @@ def train(resolved, job_dir: str, console, verbose: bool = False) -> dict:
       if save_now:
         save(step)
       if evaluator and step % train_cfg.eval_interval_steps == 0:
-        for name, m in evaluator.run(step, state['params']).items():
-          reporter.log(f"step {step}: eval {name}: loss {m['loss']:.4f}  accuracy {m['accuracy']:.4f}  "
+        for name, m in evaluator.run(step, state).items():
+          accuracy = f"  accuracy {m['accuracy']:.4f}" if 'accuracy' in m else ''
+          reporter.log(f"step {step}: eval {name}: loss {m['loss']:.4f}{accuracy}  "
                        f"({m['num_examples']:.0f} examples)")
       reporter.step(step, last.get('loss'), last.get('tokens_per_sec'))
       if stopping:
@@ -344,18 +383,18 @@ def _check_finite(step: int, metrics) -> dict:
 
 
 def _summarize(step: int, window: list[dict], steps: int, elapsed: float) -> dict:
+  """Means over the steps since the last summary; layer summaries are the latest step's."""
   n = max(len(window), 1)
   mean = lambda k: sum(w[k] for w in window) / n
   tokens = sum(w['tokens'] for w in window)
-  return {
-      'step': step,
-      'loss': mean('loss'),
-      'accuracy': mean('accuracy'),
-      'learning_rate': window[-1]['learning_rate'],
-      'grad_norm': mean('grad_norm'),
-      'steps_per_sec': steps / elapsed,
-      'tokens_per_sec': tokens / elapsed,
-  }
+  out = {'step': step}
+  for key in window[-1]:
+    if key in ('step', 'tokens'):
+      continue
+    out[key] = window[-1][key] if key == 'learning_rate' or key.startswith('summary/') else mean(key)
+  out['steps_per_sec'] = steps / elapsed
+  out['tokens_per_sec'] = tokens / elapsed
+  return out
 
 
 def _print_weights(console, setup) -> None:

@@ -14,6 +14,7 @@ import math
 import re
 from typing import Any, Optional
 
+from paxcli import options
 from paxcli.errors import UserError, did_you_mean
 from paxcli.maxtext import defaults as mt
 from paxcli.maxtext.keys import DATA_KEYS, IGNORED_KEYS, KNOWN_KEYS
@@ -44,8 +45,8 @@ _KEYS_2023 = {'save_period', 'warmup_steps', 'use_int8_training', 'max_eval_targ
 _KEYS_LATER = {'base_num_query_heads', 'base_num_kv_heads', 'model_name', 'decoder_block',
                'weight_dtype', 'opt_type'}
 
-_ACTIVATIONS = {'relu', 'gelu', 'silu', 'swish'}
-_DTYPES = {'float32', 'bfloat16', 'float16'}
+_ACTIVATIONS = set(options.ACTIVATIONS)  # paxcli.options declares every allowed value once
+_DTYPES = set(options.DTYPES)
 
 # Specific reasons for keys that are read but have no Pax knob.
 _REASONS = {
