@@ -189,7 +189,7 @@ class Evaluator:
 
   def run(self, step: int, state) -> dict[str, dict[str, Any]]:
     """Metrics of every eval input for a train state (or a bare params tree)."""
-    variables = eval_variables(state) if 'opt_state' in state else {'params': state}
+    variables = eval_variables(state) if {'step', 'params'} <= set(state) else {'params': state}
     results = {}
     for name, inp in self.inputs.items():
       metrics = run_eval(self.setup, variables, inp, self.step, self.batch_sharding)
