@@ -44,8 +44,7 @@ def make_train_step(setup, batch_sharding, dropout_seed: int):
   has_non_trainable = 'non_trainable' in setup.state_shardings
 
   def step_fn(state, batch):
-    rng = jax.random.fold_in(jax.random.key(dropout_seed), state['step'])
-    rngs = {'dropout': rng, RANDOM: jax.random.fold_in(rng, 1)}
+    rngs = step_rngs(dropout_seed, state['step'])
 
     def loss_fn(params):
       variables = {'params': params}
@@ -82,6 +81,16 @@ def make_train_step(setup, batch_sharding, dropout_seed: int):
   replicated = jax.sharding.NamedSharding(setup.mesh, jax.sharding.PartitionSpec())
   return jax.jit(step_fn, in_shardings=(setup.state_shardings, batch_sharding),
                  out_shardings=(setup.state_shardings, replicated), donate_argnums=(0,))
+
+
+def step_rngs(seed: int, step) -> dict:
+  """The random streams of one train step: a function of the seed and the step alone, so a
+  resumed run draws what an uninterrupted one would. Flax folds in each call on top."""
+  import jax
+
+  from paxcli.layers.base import RANDOM
+  rng = jax.random.fold_in(jax.random.key(seed), step)
+  return {'dropout': rng, RANDOM: jax.random.fold_in(rng, 1)}
 
 
 def sync_non_trainable(new_vars, setup):
