@@ -25,6 +25,38 @@ class TrainingDiverged(UserError):
   exit_code = 3
 
 
+class LossGuard:
+  """Stops a run whose finite loss jumps far above its recent median, as a NaN does.
+
+  `recent` holds the last `window` step losses; it is saved in each checkpoint's meta, so a
+  resumed run (say, with a learning rate a thousand times too big) is checked from its first step.
+  The check starts once 10 losses are known. factor 0 turns it off.
+  """
+
+  MIN_HISTORY = 10
+
+  def __init__(self, factor: float, window: int, history=()):
+    import collections
+    self.factor = factor
+    self.recent = collections.deque((float(x) for x in history or () if math.isfinite(float(x))), maxlen=window)
+
+  def median(self) -> Optional[float]:
+    import statistics
+    return statistics.median(self.recent) if self.recent else None
+
+  def check(self, step: int, loss: float, last_checkpoint: Optional[int]) -> None:
+    median = self.median()
+    if self.factor and len(self.recent) >= min(self.MIN_HISTORY, self.recent.maxlen) and median > 0 \
+        and loss > self.factor * median:
+      kept = f'step {last_checkpoint}' if last_checkpoint is not None else 'none yet'
+      raise TrainingDiverged(
+          f'The loss jumped to {loss:.4g} at step {step}, {loss / median:,.0f}x its median {median:.4g} over the '
+          f'last {len(self.recent)} steps (task.train.loss_spike_factor={self.factor:g}); stopping. No checkpoint '
+          f'of this state was written; the last checkpoint is {kept}. Lower the learning rate, or set '
+          'task.train.loss_spike_factor=0 to turn this check off.')
+    self.recent.append(loss)
+
+
 def make_train_step(setup, batch_sharding, dropout_seed: int):
   """The jitted step: (state, batch) -> (state, metrics); state is donated.
 
@@ -220,10 +252,27 @@ class Reporter:
 
 
 def train(resolved, job_dir: str, console, verbose: bool = False) -> dict:
-  """Trains (or resumes) the resolved experiment in job_dir. Returns the last summary."""
-  from paxcli import engine
+  """Trains (or resumes) the resolved experiment in job_dir. Returns the last summary.
+
+  The job directory is checked first and locked for the run (`paxcli/jobdir.py`): a
+  second trainer on it is refused.
+  """
+  from paxcli import engine, jobdir
+  jobdir.check_writable(job_dir)
   engine.check_supported(resolved.experiment)
   engine.apply_platform_env(resolved.experiment.PLATFORM_ENV, log=lambda m: console.print(m))
+  import jax  # after PLATFORM_ENV: it may set XLA_FLAGS
+  log = (lambda m: console.print(m, highlight=False, markup=False, soft_wrap=True))
+  lock = jobdir.lock_run(job_dir, log if jax.process_index() == 0 else (lambda m: None))
+  try:
+    return _train(resolved, job_dir, console, verbose)
+  finally:
+    if lock is not None:
+      lock.release()
+
+
+def _train(resolved, job_dir: str, console, verbose: bool = False) -> dict:
+  from paxcli import engine
   import jax
 
   from paxcli import checkpoint as ckpt
@@ -281,6 +330,7 @@ def train(resolved, job_dir: str, console, verbose: bool = False) -> dict:
   if is_main:
     with open(os.path.join(job_dir, 'config.txt'), 'w', encoding='utf-8') as f:
       f.write(resolved.as_text())
+    _trim_replayed_metrics(job_dir, int(latest or 0), reporter_log)
 
   # ---- Input -------------------------------------------------------------------------------
   train_input = engine.build_input(resolved.train_dataset(), setup)
@@ -301,6 +351,8 @@ def train(resolved, job_dir: str, console, verbose: bool = False) -> dict:
   start_step = int(latest or 0)
   reporter = Reporter(console, train_cfg.num_train_steps, start_step, enabled=is_main)
   window: list[dict] = []
+  guard = LossGuard(train_cfg.loss_spike_factor, train_cfg.loss_spike_window,
+                    meta.get('recent_losses') if latest is not None else ())
   last = {'step': start_step}
   t_window = time.perf_counter()
   steps_in_window = 0
@@ -313,7 +365,8 @@ def train(resolved, job_dir: str, console, verbose: bool = False) -> dict:
                              'stopping without saving them. Lower the learning rate or clip gradients.')
     checkpointer.save(step, state, {'batches_consumed': batches_consumed, 'step': step,
                                     'global_batch': setup.global_batch, 'state_shapes': shapes_now,
-                                    'config': flat, 'input_layout': layout})
+                                    'config': flat, 'input_layout': layout,
+                                    'recent_losses': list(guard.recent), 'loss': guard.median()})
 
   try:
     stop.__enter__()
@@ -323,14 +376,14 @@ def train(resolved, job_dir: str, console, verbose: bool = False) -> dict:
       batches_consumed += 1
       steps_in_window += 1
       if pending is not None:
-        window.append(_check_finite(*pending))
+        window.append(_check_finite(*pending, guard=guard, saved=checkpointer.latest_saved))
       pending = (step, metrics)
       stopping = stop.requested  # read once: a signal may land at any moment
       is_last = step == train_cfg.num_train_steps
       summarize = is_last or step % train_cfg.summary_interval_steps == 0
       save_now = is_last or stopping or step % train_cfg.save_interval_steps == 0
       if summarize or save_now:
-        window.append(_check_finite(*pending))
+        window.append(_check_finite(*pending, guard=guard, saved=checkpointer.latest_saved))
         pending = None
       if summarize:
         now = time.perf_counter()
@@ -366,11 +419,22 @@ def train(resolved, job_dir: str, console, verbose: bool = False) -> dict:
   return last
 
 
-def _check_finite(step: int, metrics) -> dict:
+def _trim_replayed_metrics(job_dir: str, step: int, log) -> None:
+  """Drops metric rows past the step we resume from: the steps run again write them anew."""
+  from paxcli import jobdir
+  dropped = jobdir.trim_metrics(job_dir, step)
+  if dropped:
+    log(f'Dropped {dropped} metric row(s) past step {step} from the *_metrics.jsonl files (steps after the '
+        'last checkpoint, which this run repeats).')
+
+
+def _check_finite(step: int, metrics, guard: Optional[LossGuard] = None, saved: Optional[int] = None) -> dict:
   values = {k: float(v) for k, v in metrics.items()}
   if not math.isfinite(values['loss']):
     raise TrainingDiverged(f'The loss became {values["loss"]} at step {step}; stopping. No checkpoint of '
                            'this state was written. Lower the learning rate or check the input.')
+  if guard is not None:
+    guard.check(step, values['loss'], saved)
   values['step'] = step
   return values
 
