@@ -2,6 +2,7 @@
 
 Job directory layout:
   config.txt             the resolved config of the latest invocation
+  invocations.txt        one line per invocation: UTC time, paxcli version, command line
   checkpoints/<step>/    orbax checkpoints (state + meta)
   summaries/train/       TensorBoard events
   train_metrics.jsonl    the same numbers, one JSON object per summary step
@@ -248,11 +249,17 @@ def train(resolved, job_dir: str, console, verbose: bool = False) -> dict:
     if layout_note:
       reporter_log(layout_note)
     reporter_log(f'Resumed from step {latest} ({batches_consumed} batches consumed).')
+    changed = _config_differences(meta.get('config') or {}, flat, prefixes=('',))
+    if changed:
+      reporter_log(f'Note: {len(changed)} setting(s) differ from the checkpoint\'s config (the run goes on '
+                   'with the new ones):\n  ' + '\n  '.join(changed))
   else:
     state = engine.init_state(setup, resolved.experiment.RANDOM_SEED)
   if is_main:
     with open(os.path.join(job_dir, 'config.txt'), 'w', encoding='utf-8') as f:
       f.write(resolved.as_text())
+    from paxcli import invocation
+    invocation.record(job_dir)
 
   # ---- Input -------------------------------------------------------------------------------
   train_input = engine.build_input(resolved.train_dataset(), setup)

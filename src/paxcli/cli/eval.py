@@ -21,10 +21,9 @@ def eval_command(
     process_id: Optional[int] = common.process_id_option(),
 ) -> None:
   """Evaluate an experiment's eval datasets from its latest checkpoint; writes summaries/eval_<name>."""
-  from paxcli import config
   from paxcli.evaluate import evaluate, results_table
   common.start_processes(coordinator, num_processes, process_id)  # before anything starts JAX
-  resolved = config.resolve(exp, overrides)
+  resolved = common.resolve(exp, overrides)
   job_dir = job_log_dir or common.default_job_dir(resolved.experiment.registered_name())
   out = evaluate(resolved, job_dir, common.console(stderr=True), use_checkpoint=not no_checkpoint)
   import jax
@@ -37,4 +36,4 @@ def eval_command(
 
 
 def register(app: typer.Typer) -> None:
-  app.command('eval')(eval_command)
+  app.command('eval', short_help='Evaluate checkpoints on the eval inputs.')(eval_command)
