@@ -25,6 +25,11 @@ class TrainingDiverged(UserError):
   exit_code = 3
 
 
+# A run whose first this-many steps (of one invocation) all have zero total weight stops:
+# every target token is masked, so the loss is 0 and nothing trains.
+ZERO_WEIGHT_STEPS_TO_STOP = 10
+
+
 def make_train_step(setup, batch_sharding, dropout_seed: int):
   """The jitted step: (state, batch) -> (state, metrics); state is donated."""
   import jax
@@ -226,6 +231,9 @@ def train(resolved, job_dir: str, console, verbose: bool = False) -> dict:
   # ---- Checkpoint: resume or start -------------------------------------------------------
   ckpt_dir = os.path.join(job_dir, 'checkpoints')
   os.makedirs(job_dir, exist_ok=True)
+  if is_main:
+    from paxcli import invocation
+    invocation.record(job_dir)
   ckpt.set_aside_unfinished(ckpt_dir, log=reporter_log)
   distributed.barrier('paxcli:unfinished-checkpoints-set-aside')  # all processes then see the same steps
   checkpointer = ckpt.Checkpointer(ckpt_dir, train_cfg.save_max_to_keep)
@@ -258,8 +266,6 @@ def train(resolved, job_dir: str, console, verbose: bool = False) -> dict:
   if is_main:
     with open(os.path.join(job_dir, 'config.txt'), 'w', encoding='utf-8') as f:
       f.write(resolved.as_text())
-    from paxcli import invocation
-    invocation.record(job_dir)
 
   # ---- Input -------------------------------------------------------------------------------
   train_input = engine.build_input(resolved.train_dataset(), setup)
@@ -291,6 +297,19 @@ def train(resolved, job_dir: str, console, verbose: bool = False) -> dict:
                                     'global_batch': setup.global_batch, 'state_shapes': shapes_now,
                                     'config': flat, 'input_layout': layout})
 
+  zero_weight = {'steps': 0, 'seen': 0}
+
+  def take(step: int, metrics) -> dict:
+    """One step's metrics as floats, after the finite-loss and zero-weight checks."""
+    values = _check_finite(step, metrics)
+    zero_weight['seen'] += 1
+    zero_weight['steps'] += values['tokens'] == 0
+    if zero_weight['seen'] == zero_weight['steps'] == min(ZERO_WEIGHT_STEPS_TO_STOP, train_cfg.num_train_steps - start_step):
+      raise UserError(f'Steps {start_step + 1}-{step} all had zero total weight: every target token of every '
+                      'batch is masked (weights 0), so the loss is 0 and nothing trains. Stopping. Check the '
+                      "input's weights or paddings (`pax inspect-input` shows padding per feature).")
+    return values
+
   try:
     stop.__enter__()
     for step in range(start_step + 1, train_cfg.num_train_steps + 1):
@@ -299,17 +318,20 @@ def train(resolved, job_dir: str, console, verbose: bool = False) -> dict:
       batches_consumed += 1
       steps_in_window += 1
       if pending is not None:
-        window.append(_check_finite(*pending))
+        window.append(take(*pending))
       pending = (step, metrics)
       stopping = stop.requested  # read once: a signal may land at any moment
       is_last = step == train_cfg.num_train_steps
       summarize = is_last or step % train_cfg.summary_interval_steps == 0
       save_now = is_last or stopping or step % train_cfg.save_interval_steps == 0
       if summarize or save_now:
-        window.append(_check_finite(*pending))
+        window.append(take(*pending))
         pending = None
       if summarize:
         now = time.perf_counter()
+        if window and not any(w['tokens'] for w in window):
+          reporter.log(f"warning: steps {window[0]['step']}-{window[-1]['step']} had zero total weight (every "
+                       'target token masked): their loss 0 means nothing was trained.')
         last = _summarize(step, window, steps_in_window, max(now - t_window, 1e-9))
         if writer:
           writer.scalars(step, {k: v for k, v in last.items() if k != 'step'})

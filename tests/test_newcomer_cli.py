@@ -1,0 +1,159 @@
+"""What a newcomer trips on (issue 13), through the CLI: ignored knobs, resume notes and
+history, data that trains nothing, help text and versions, names of eval files."""
+
+import json
+import os
+import re
+import textwrap
+
+import pytest
+
+from conftest import pax_main, run_pax
+
+TINY = ['--exp', 'lm_cloud.LmCloudSpmdTest', '--set', 'NUM_LAYERS=2', '--set', 'MODEL_DIMS=32',
+        '--set', 'HIDDEN_DIMS=64', '--set', 'NUM_HEADS=4', '--set', 'PERCORE_BATCH_SIZE=1',
+        '--set', 'MAX_SEQ_LEN=16', '--set', 'VOCAB_SIZE=64', '--set', 'ICI_MESH_SHAPE=[1,8,1]',
+        '--set', 'task.train.summary_interval_steps=5', '--set', 'task.train.save_interval_steps=5']
+
+README_EXPERIMENT = '''
+from paxcli.lm import LmExperiment
+
+class MyLm(LmExperiment):
+  NUM_LAYERS = 2
+  MODEL_DIMS = 32
+
+  def task(self):
+    task = super().task()
+    task.train.num_train_steps = 300
+    return task
+'''
+
+
+def test_knob_that_task_overrides_warns_with_field_and_both_values(tmp_path, capsys):
+  (tmp_path / 'my_experiments.py').write_text(README_EXPERIMENT)
+  exp = str(tmp_path / 'my_experiments.py') + ':MyLm'
+  code, out, err = pax_main(['describe', '--exp', exp, '--set', 'NUM_TRAIN_STEPS=2'], capsys)
+  assert code == 0, err
+  assert 'task.train.num_train_steps = 300' in out
+  warning = ' '.join(err.split())
+  assert 'warning:' in warning and 'NUM_TRAIN_STEPS=2 does not reach task.train.num_train_steps' in warning
+  assert 'MyLm.task() sets it to 300' in warning and 'would make it 2' in warning
+  # A knob that reaches its field, or the field set directly, warns of nothing.
+  for extra in (['--set', 'NUM_LAYERS=3'], ['--set', 'NUM_TRAIN_STEPS=2', '--set', 'task.train.num_train_steps=2']):
+    code, out, err = pax_main(['describe', '--exp', exp, *extra], capsys)
+    assert code == 0 and 'warning' not in err, err
+  # The default recipe's knobs all reach their fields.
+  code, _, err = pax_main(['describe', '--set', 'NUM_TRAIN_STEPS=7', '--set', 'MAX_SEQ_LEN=32',
+                           '--set', 'LEARNING_RATE=0.01'], capsys)
+  assert code == 0 and 'warning' not in err, err
+
+
+def test_resume_notes_changed_settings_and_keeps_invocation_history(tmp_path, capsys):
+  job = str(tmp_path / 'job')
+  code, out, err = pax_main(['train', *TINY, '--job-log-dir', job, '--set', 'NUM_TRAIN_STEPS=2'], capsys)
+  assert code == 0, err
+  code, out, err = pax_main(['train', *TINY, '--job_log_dir', job, '--set', 'NUM_TRAIN_STEPS=4',
+                             '--set', 'LEARNING_RATE=0.0003'], capsys)
+  assert code == 0, err
+  assert 'Resumed from step 2' in out
+  note = out[out.index('setting(s) differ'):]
+  assert 'knobs.LEARNING_RATE: checkpoint 0.001 -> now 0.0003' in note
+  assert 'task.train.learning_rate: checkpoint 0.001 -> now 0.0003' in note
+  assert 'task.train.num_train_steps: checkpoint 2 -> now 4' in note
+  assert 'MODEL_DIMS' not in note  # only what changed
+  lines = open(os.path.join(job, 'invocations.txt')).read().splitlines()
+  assert len(lines) == 2  # appended, not overwritten
+  from paxcli import __version__
+  for line, steps in zip(lines, ('NUM_TRAIN_STEPS=2', 'NUM_TRAIN_STEPS=4')):
+    assert re.match(r'^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ  paxcli ' + re.escape(__version__) + '  pax train ', line)
+    assert steps in line
+  assert '--job_log_dir' in lines[1]  # as the user typed it
+  assert 'LEARNING_RATE=0.0003' in lines[1]
+
+
+ZERO_WEIGHT_EXPERIMENT = '''
+import dataclasses
+import fiddle as fdl
+from paxcli.inputs.synthetic import SyntheticLmInput
+from paxcli.lm import LmExperiment
+
+
+@dataclasses.dataclass
+class MaskedInput(SyntheticLmInput):
+  """A user's input subclass: post-processes each batch (here it masks every token)."""
+
+  def get_next(self):
+    batch = super().get_next()
+    batch['weights'] = 0 * batch['weights']
+    return batch
+
+
+class MaskedLm(LmExperiment):
+  NUM_LAYERS = 2
+  MODEL_DIMS = 32
+  HIDDEN_DIMS = 64
+  MAX_SEQ_LEN = 16
+  VOCAB_SIZE = 64
+  PERCORE_BATCH_SIZE = 1
+  NUM_TRAIN_STEPS = 30
+  SUMMARY_INTERVAL_STEPS = 5
+  SAVE_INTERVAL_STEPS = 100
+
+  def datasets(self):
+    return [fdl.Config(MaskedInput, name='train', is_training=True, seq_len=self.MAX_SEQ_LEN,
+                       vocab_size=self.VOCAB_SIZE)]
+'''
+
+
+def test_data_with_every_token_masked_stops_with_a_clear_line(tmp_path):
+  (tmp_path / 'masked.py').write_text(ZERO_WEIGHT_EXPERIMENT)
+  r = run_pax('train', '--exp', 'masked.py:MaskedLm', cwd=tmp_path)
+  assert r.returncode != 0
+  err = ' '.join(r.stderr.split())
+  assert 'Steps 1-10 all had zero total weight' in err and 'Traceback' not in r.stderr
+  assert 'zero total weight' in r.stdout  # the summary windows before the stop warned too
+  # An experiment from a file gets a readable job directory name.
+  assert os.listdir(tmp_path / 'runs') == ['masked.MaskedLm']
+  assert not os.path.isdir(tmp_path / 'runs' / 'masked.MaskedLm' / 'checkpoints' / '10')
+
+
+def _subcommands():
+  from paxcli.cli.app import app
+  import typer.main
+  group = typer.main.get_command(app)
+  return {name: cmd for name, cmd in group.commands.items()}
+
+
+@pytest.mark.parametrize('name', ['', *sorted(_subcommands())])
+def test_help_at_80_columns_shows_every_option_name_in_full(name):
+  r = run_pax(*([name] if name else []), '--help', env={'COLUMNS': '80'})
+  assert r.returncode == 0, r.stderr
+  lines = r.stdout.splitlines()
+  assert all(len(line) <= 80 for line in lines), [line for line in lines if len(line) > 80]
+  assert '…' not in r.stdout
+  if not name:
+    for command in _subcommands():
+      assert re.search(rf'^  {re.escape(command)} ', r.stdout, re.M), command
+    return
+  for param in _subcommands()[name].params:
+    for opt in param.opts + param.secondary_opts:
+      if opt.startswith('-'):
+        assert re.search(rf'(^|[ ,]){re.escape(opt)}([ ,=]|$)', r.stdout, re.M), f'{name}: {opt} not in full'
+  if any('--set' in p.opts for p in _subcommands()[name].params):
+    assert '--set KEY=VALUE' in r.stdout
+
+
+def test_version_flag_and_command():
+  from paxcli import __version__
+  r = run_pax('--version')
+  assert r.returncode == 0 and r.stdout.strip() == f'paxcli {__version__}'
+  r = run_pax('version', '--json')
+  assert r.returncode == 0, r.stderr
+  info = json.loads(r.stdout)
+  import jax
+  import flax
+  assert info['versions']['jax'] == jax.__version__ and info['versions']['flax'] == flax.__version__
+  assert info['versions']['jaxlib'] and info['versions']['orbax-checkpoint']
+  assert len(info['devices']) == 8 and info['backend'] == 'cpu'
+  r = run_pax('version')
+  assert 'orbax-checkpoint' in r.stdout and re.search(r'devices +8 x cpu', r.stdout)
