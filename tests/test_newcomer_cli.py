@@ -157,3 +157,30 @@ def test_version_flag_and_command():
   assert len(info['devices']) == 8 and info['backend'] == 'cpu'
   r = run_pax('version')
   assert 'orbax-checkpoint' in r.stdout and re.search(r'devices +8 x cpu', r.stdout)
+
+
+TYPO_SCRIPT = '''#!/bin/bash
+python3 MaxText/train.py MaxText/configs/base.yml run_name=typo steps=10 per_devcie_batch_size=2 \\
+  base_emb_dim=256 base_num_heads=4 base_mlp_dim=1024 base_num_decoder_layers=2
+'''
+
+
+def test_maxtext_key_unknown_to_the_eras_base_yml_is_refused_unless_lenient(tmp_path, capsys):
+  script = tmp_path / 'typo.sh'
+  script.write_text(TYPO_SCRIPT)
+  out_file = tmp_path / 'r.py'
+  code, out, err = pax_main(['import-maxtext', str(script), '-o', str(out_file)], capsys)
+  assert code == 2 and not out_file.exists()
+  err = ' '.join(err.split())
+  assert "`per_devcie_batch_size`=2: MaxText has no such key. Did you mean 'per_device_batch_size'?" in err
+  assert '--lenient' in err and 'Traceback' not in err
+  code, out, err = pax_main(['import-maxtext', str(script), '-o', str(out_file), '--lenient'], capsys)
+  assert code == 0, err
+  assert out.startswith(f'Read {script} as text (not run); its trainer call, on line 2: MaxText/train.py')
+  assert 'per_devcie_batch_size' in out and 'WARNING' in out and out_file.exists()
+  # A real MaxText key that the script's era did not have yet is refused too, naming the era.
+  script.write_text(TYPO_SCRIPT.replace('per_devcie_batch_size=2', 'adam_weight_decay=0.1'))
+  code, _, err = pax_main(['import-maxtext', str(script), '--dry-run', '--maxtext-era', 'scale'], capsys)
+  assert code == 2 and "not a key of MaxText's base.yml in the scale era" in ' '.join(err.split())
+  code, _, err = pax_main(['import-maxtext', str(script), '--dry-run', '--maxtext-era', 'current'], capsys)
+  assert code == 0, err

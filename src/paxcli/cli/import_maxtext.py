@@ -30,6 +30,9 @@ def import_maxtext(
     force: bool = typer.Option(False, '--force', help='Overwrite an existing recipe file.'),
     as_json: bool = typer.Option(False, '--json', help='Print the translation as JSON.'),
     dry_run: bool = typer.Option(False, '--dry-run', help='Print only; write no recipe.'),
+    lenient: bool = typer.Option(
+        False, '--lenient', help='Translate even with keys MaxText\'s base.yml (of the script\'s era) '
+        'does not define: warn and ignore them instead of refusing, as MaxText would.'),
     strict: bool = typer.Option(
         False, '--strict', help='Fail (exit 2, no recipe) on unknown keys and on mesh axes '
         'paxcli does not have.'),
@@ -64,6 +67,11 @@ def import_maxtext(
   options = Options(era=era, date=date, base_config=base_config, model_config=model_config,
                     num_devices=num_devices, topology=topology, num_slices=num_slices)
   result = translate(info, options)
+  if result.unknown_keys and not lenient and not strict:  # --strict refuses them below, after the table
+    era_name = f"the {result.era} era's" if result.era != 'current' else "today's"
+    raise UserError(f"{len(result.unknown_keys)} key(s) that {era_name} MaxText base.yml does not define, so MaxText "
+                    f"would refuse the script: {'; '.join(result.unknown_keys)} No recipe written; fix the "
+                    'key, or pass --lenient to translate without it.')
   name = recipe.check_class_name(class_name or recipe.default_class_name(script))
   path = output or recipe.default_output(script)
   write = not dry_run and not (strict and result.strict_warnings)
@@ -91,8 +99,8 @@ def _print(result, path: Optional[str], class_name: str) -> None:
   if not console.is_terminal:
     console = Console(highlight=False, soft_wrap=True, width=150)  # logs and pipes: keep rows whole
   info = result.script
-  console.print(f'[bold]{escape(info.path)}[/]: line {info.line}: {escape(info.entry)} '
-                f'{escape(info.config_path or "")}')
+  console.print(f'Read [bold]{escape(info.path)}[/] as text (not run); its trainer call, on line {info.line}: '
+                f'{escape(info.entry)} {escape(info.config_path or "")}')
   console.print(f'era [bold]{result.era}[/]: {escape(mt.ERAS[result.era].rule)}')
   console.print(f'  because {escape(result.era_reason)}', style='dim')
   console.print(f'defaults: {escape(result.defaults)}', style='dim')
