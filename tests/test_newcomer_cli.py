@@ -172,7 +172,7 @@ def test_maxtext_key_unknown_to_the_eras_base_yml_is_refused_unless_lenient(tmp_
   code, out, err = pax_main(['import-maxtext', str(script), '-o', str(out_file)], capsys)
   assert code == 2 and not out_file.exists()
   err = ' '.join(err.split())
-  assert "`per_devcie_batch_size`=2: MaxText has no such key. Did you mean 'per_device_batch_size'?" in err
+  assert "`per_devcie_batch_size`=2: MaxText has no such key. Did you mean 'per_device_batch_size'" in err
   assert '--lenient' in err and 'Traceback' not in err
   code, out, err = pax_main(['import-maxtext', str(script), '-o', str(out_file), '--lenient'], capsys)
   assert code == 0, err
