@@ -834,25 +834,31 @@ def _untranslated(b: _Builder) -> list[Untranslated]:
   every = set(era_keys(b.era)) | {k for s in mt.SNAPSHOTS if s.era == b.era for k in s.values}
   every |= set(b.preset_keys) | b.base_keys
   out = []
+  why_unknown = {}
+  for key, source in [(k, 'script') for k in b.overrides] + [(k, 'preset') for k in b.preset_keys]:
+    if key in every or key in why_unknown:
+      continue
+    hint = did_you_mean(key, sorted(every))
+    if key in KNOWN_KEYS or any(key in keys for keys in _era_key_lists().values()):
+      why = (f"not a key of MaxText's base.yml in the {b.era} era (other MaxText versions have it; "
+             '--maxtext-era or --maxtext-date pick another era).')
+    else:
+      why = 'MaxText has no such key.'
+    why_unknown[key] = why + hint
+    value = b.overrides.get(key, show(b.config.get(key)))
+    message = f'unknown MaxText key `{key}`={value}: {why}{hint}'
+    b.warnings.append(message)
+    b.strict.append(message)
+    if source == 'script':  # even when translated: MaxText itself would refuse the script
+      b.unknown.append(f'`{key}`={value}: {why}{hint}')
   keys = [(k, 'script') for k in b.overrides] + [(k, f'model {b.preset_name}') for k in b.preset_keys
                                                   if k not in b.overrides]
   for key, source in keys:
     if key in b.consumed or _PARALLELISM_RE.match(key) and _PARALLELISM_RE.match(key).group(2) in _AXIS_FOLD:
       continue
     value = b.overrides.get(key, show(b.config.get(key)))
-    if key not in every:
-      hint = did_you_mean(key, sorted(every))
-      if key in KNOWN_KEYS or any(key in keys for keys in _era_key_lists().values()):
-        why = (f"not a key of MaxText's base.yml in the {b.era} era (other MaxText versions have it; "
-               '--maxtext-era or --maxtext-date pick another era).')
-      else:
-        why = 'MaxText has no such key.'
-      message = f'unknown MaxText key `{key}`={value}: {why}{hint}'
-      b.warnings.append(message)
-      b.strict.append(message)
-      if source == 'script':
-        b.unknown.append(f'`{key}`={value}: {why}{hint}')
-      out.append(Untranslated(key, value, f'unknown key: {why}{hint}', 'unknown', source))
+    if key in why_unknown:
+      out.append(Untranslated(key, value, f'unknown key: {why_unknown[key]}', 'unknown', source))
     elif key == 'dataset_type' and str(b.config.get(key)) == 'synthetic':
       out.append(Untranslated(key, value, 'nothing to translate: the recipe trains on synthetic '
                               "data (LmExperiment's default datasets())", 'ignored', source))
