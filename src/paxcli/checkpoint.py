@@ -98,22 +98,6 @@ class Checkpointer:
     self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                      meta=ocp.args.JsonSave(meta)), force=True)
 
-  def read_meta(self, step: int) -> dict:
-    ocp = self._ocp
-    restored = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-    return dict(restored.meta)
-
-  def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
-    """Restores `state` onto the shardings in `abstract_state` (resharding as needed)."""
-    ocp = self._ocp
-    try:
-      restored = self._manager.restore(step, args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
-    except (ValueError, KeyError) as e:
-      raise UserError(f'Cannot restore the checkpoint at step {step} in {self.directory} into this '
-                      f'model: {e}') from None
-    return restored.state, dict(restored.meta)
-
   def wait(self) -> None:
     self._manager.wait_until_finished()
 

@@ -185,26 +185,16 @@ class Evaluator:
 
 def evaluate(resolved, job_dir: str, console, use_checkpoint: bool = True) -> dict:
   """`pax eval`: metrics of every eval dataset from the latest checkpoint (or fresh weights)."""
-  from paxcli import checkpoint as ckpt
   from paxcli import engine
   setup = engine.build(resolved)
   if not resolved.eval_datasets():
     raise UserError(f'{resolved.name} has no eval datasets (inputs with is_training=False).')
   step = 0
   if use_checkpoint:
-    directory = os.path.join(job_dir, 'checkpoints')
-    steps = ckpt.complete_steps(directory)
-    if not steps:
-      raise UserError(f'No complete checkpoint in {directory}. Train first, pass --job-log-dir, or use '
-                      '--no-checkpoint to evaluate fresh weights.')
-    checkpointer = ckpt.Checkpointer(directory, max_to_keep=0)
-    step = steps[-1]
-    meta = checkpointer.read_meta(step)
-    from paxcli.train import check_resume_compatible
-    check_resume_compatible(meta, engine.shape_signature(setup.abstract_state),
-                            {k: repr(v) for k, v in resolved.flat().items()}, step)
-    state, _ = checkpointer.restore(step, setup.abstract_state)
-    checkpointer.close()
+    from paxcli import restore
+    step = restore.choose_step(job_dir, purpose='evaluate')
+    flat = {k: repr(v) for k, v in resolved.flat().items()}
+    state = restore.restore(setup, job_dir, step, params_only=True, flat_now=flat, action='evaluate').state
   else:
     state = engine.init_state(setup, resolved.experiment.RANDOM_SEED)
   evaluator = Evaluator(resolved, setup, job_dir)

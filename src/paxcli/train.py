@@ -3,6 +3,7 @@
 Job directory layout:
   config.txt             the resolved config of the latest invocation
   invocations.txt        one line per invocation: UTC time, paxcli version, command line
+  tokenizer/spm.model    the train input's sentencepiece model (decode and conversion read it)
   checkpoints/<step>/    orbax checkpoints (state + meta)
   summaries/train/       TensorBoard events
   train_metrics.jsonl    the same numbers, one JSON object per summary step
@@ -87,24 +88,11 @@ def to_global(batch: dict, sharding, global_batch: int) -> dict:
           for k, v in batch.items()}
 
 
-def _config_differences(saved: dict, current: dict, prefixes=('knobs.', 'task.model.', 'task.train.optimizer.')) -> list[str]:
+def config_differences(saved: dict, current: dict,
+                       prefixes=('knobs.', 'task.model.', 'task.train.optimizer.')) -> list[str]:
   keys = sorted(k for k in set(saved) | set(current) if k.startswith(prefixes))
   return [f'{k}: checkpoint {saved.get(k, "<absent>")} -> now {current.get(k, "<absent>")}'
           for k in keys if saved.get(k) != current.get(k)]
-
-
-def check_resume_compatible(meta: dict, shapes_now: dict, flat_now: dict, step: int) -> None:
-  saved_shapes = meta.get('state_shapes') or {}
-  if saved_shapes == shapes_now:
-    return
-  diffs = _config_differences(meta.get('config') or {}, flat_now)
-  shape_diffs = [f'{k}: {saved_shapes.get(k)} -> {shapes_now.get(k)}'
-                 for k in sorted(set(saved_shapes) | set(shapes_now)) if saved_shapes.get(k) != shapes_now.get(k)]
-  lines = '\n  '.join((diffs or ['(no knob or model field differs; the code may have changed)'])[:20])
-  shapes = '\n  '.join(shape_diffs[:8] + ([f'... {len(shape_diffs) - 8} more'] if len(shape_diffs) > 8 else []))
-  raise UserError(f'Cannot resume from the checkpoint at step {step}: this configuration changes the '
-                  f'shapes of the train state.\nConfig differences:\n  {lines}\nState shapes:\n  {shapes}\n'
-                  'Use another --job-log-dir for a new run, or drop the overrides that change shapes.')
 
 
 class GracefulStop:
@@ -207,7 +195,7 @@ def train(resolved, job_dir: str, console, verbose: bool = False) -> dict:
   import jax
 
   from paxcli import checkpoint as ckpt
-  from paxcli import sharding
+  from paxcli import restore, sharding
   from paxcli.summaries import SummaryWriter
   is_main = jax.process_index() == 0
   reporter_log = (lambda m: console.print(m, highlight=False, markup=False, soft_wrap=True)) if is_main else (lambda m: None)
@@ -241,14 +229,16 @@ def train(resolved, job_dir: str, console, verbose: bool = False) -> dict:
   batches_consumed = 0
   layout = engine.input_layout(resolved, setup)
   if latest is not None:
-    meta = checkpointer.read_meta(latest)
-    check_resume_compatible(meta, shapes_now, flat, latest)
     if latest >= train_cfg.num_train_steps:
+      restore.check_shapes(restore.read_meta(job_dir, latest), shapes_now, flat, latest, False, 'resume from')
       reporter_log(f'Run already finished: checkpoint at step {latest} >= num_train_steps '
                    f'{train_cfg.num_train_steps}. Nothing to do.')
       checkpointer.close()
       return {'step': latest, 'finished': True}
-    state, meta = checkpointer.restore(latest, setup.abstract_state)
+    restored = restore.restore(setup, job_dir, latest, flat_now=flat, action='resume from')
+    state, meta = restored.state, restored.meta
+    if restored.params_only_checkpoint:
+      reporter_log(f'The checkpoint at step {latest} holds parameters only: the optimizer state starts fresh.')
     batches_consumed = int(meta.get('batches_consumed', latest))
     if int(meta.get('global_batch', setup.global_batch)) != setup.global_batch:
       reporter_log(f'Note: the global batch changed ({meta.get("global_batch")} -> {setup.global_batch}); '
@@ -257,7 +247,7 @@ def train(resolved, job_dir: str, console, verbose: bool = False) -> dict:
     if layout_note:
       reporter_log(layout_note)
     reporter_log(f'Resumed from step {latest} ({batches_consumed} batches consumed).')
-    changed = _config_differences(meta.get('config') or {}, flat, prefixes=('',))
+    changed = config_differences(meta.get('config') or {}, flat, prefixes=('',))
     if changed:
       reporter_log(f'Note: {len(changed)} setting(s) differ from the checkpoint\'s config (the run goes on '
                    'with the new ones):\n  ' + '\n  '.join(changed))
@@ -269,6 +259,9 @@ def train(resolved, job_dir: str, console, verbose: bool = False) -> dict:
 
   # ---- Input -------------------------------------------------------------------------------
   train_input = engine.build_input(resolved.train_dataset(), setup)
+  if is_main:
+    from paxcli import tokenizer
+    tokenizer.save_to_job_dir(train_input, job_dir)
   train_input.skip(batches_consumed)
   batch_sharding = sharding.batch_sharding(setup.mesh)
   train_step = make_train_step(setup, batch_sharding, resolved.experiment.RANDOM_SEED + 1)

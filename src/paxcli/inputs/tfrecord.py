@@ -218,6 +218,9 @@ class TFRecordInput(TfDataInput):
     weights = tf.cast(tf.range(self.seq_len) < n, tf.float32)
     return {'ids': ids, 'labels': labels, 'weights': weights}
 
+  def tokenizer_file(self) -> Optional[str]:
+    return self.spm_model or None
+
   def ids_to_strings(self, ids, lengths=None) -> list[str]:
     if not self.spm_model:
       return super().ids_to_strings(ids, lengths)
