@@ -184,3 +184,38 @@ def test_maxtext_key_unknown_to_the_eras_base_yml_is_refused_unless_lenient(tmp_
   assert code == 2 and "not a key of MaxText's base.yml in the scale era" in ' '.join(err.split())
   code, _, err = pax_main(['import-maxtext', str(script), '--dry-run', '--maxtext-era', 'current'], capsys)
   assert code == 0, err
+
+
+def test_eval_follow_beside_a_trainer_evaluates_each_checkpoint_once_and_stops(tmp_path, capsys):
+  import subprocess
+  import sys
+  job = str(tmp_path / 'job')
+  tiny = TINY
+  env = dict(os.environ)
+  follow = subprocess.Popen([sys.executable, '-m', 'paxcli.cli.app', 'eval', *tiny, '--job-log-dir', job,
+                             '--follow', '--poll', '0.2', '--timeout', '400', '--json'],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+  try:
+    r = run_pax('train', *tiny, '--job-log-dir', job, '--set', 'NUM_TRAIN_STEPS=15')
+    assert r.returncode == 0, r.stderr
+    out, err = follow.communicate(timeout=400)
+  finally:
+    follow.kill()
+  assert follow.returncode == 0, err
+  lines = [json.loads(line) for line in out.splitlines()]
+  assert [x['step'] for x in lines] == [5, 10, 15]  # each checkpoint once, in order, then it stopped
+  assert all(x['results']['eval']['num_examples'] == 16 for x in lines)
+  done = [json.loads(line)['step'] for line in open(os.path.join(job, 'eval_done.jsonl'))]
+  assert done == [5, 10, 15]
+  metrics = [json.loads(line)['step'] for line in open(os.path.join(job, 'eval_metrics.jsonl'))]
+  assert metrics == [5, 10, 15]
+  # Started again, it skips what was evaluated and stops at once; --step N evaluates one chosen checkpoint.
+  code, out, err = pax_main(['eval', *tiny, '--job-log-dir', job, '--follow', '--poll', '0.2'], capsys)
+  assert code == 0, err
+  assert '3 already evaluated' in out and 'Evaluated 0 checkpoint(s)' in out
+  code, out, err = pax_main(['eval', *tiny, '--job-log-dir', job, '--step', '10', '--json'], capsys)
+  assert code == 0, err
+  assert json.loads(out)['results']['eval']['loss'] == pytest.approx(lines[1]['results']['eval']['loss'], rel=1e-5)
+  code, out, err = pax_main(['eval', *tiny, '--job-log-dir', job, '--step', '7'], capsys)
+  assert code == 2 and 'No complete checkpoint at step 7' in err and '5, 10, 15' in err
+  assert len(open(os.path.join(job, 'invocations.txt')).read().splitlines()) == 5  # train and every eval

@@ -267,7 +267,7 @@ def train(resolved, job_dir: str, console, verbose: bool = False) -> dict:
   train_step = make_train_step(setup, batch_sharding, resolved.experiment.RANDOM_SEED + 1)
   evaluator = None
   if train_cfg.eval_interval_steps and resolved.eval_datasets():
-    from paxcli.evaluate import Evaluator
+    from paxcli.evaluate import Evaluator, metrics_line
     evaluator = Evaluator(resolved, setup, job_dir)
 
   # ---- Loop ------------------------------------------------------------------------------------
@@ -334,8 +334,7 @@ def train(resolved, job_dir: str, console, verbose: bool = False) -> dict:
         save(step)
       if evaluator and step % train_cfg.eval_interval_steps == 0:
         for name, m in evaluator.run(step, state['params']).items():
-          reporter.log(f"step {step}: eval {name}: loss {m['loss']:.4f}  accuracy {m['accuracy']:.4f}  "
-                       f"({m['num_examples']:.0f} examples)")
+          reporter.log(metrics_line(step, name, m))
       reporter.step(step, last.get('loss'), last.get('tokens_per_sec'))
       if stopping:
         checkpointer.wait()
