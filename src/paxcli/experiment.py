@@ -107,7 +107,8 @@ class Experiment:
 
   @classmethod
   def registered_name(cls) -> str:
-    return getattr(cls, '_registered_name', f'{cls.__module__}.{cls.__qualname__}')
+    # From the class itself, never inherited: an unregistered subclass is not its parent.
+    return cls.__dict__.get('_registered_name', f'{cls.__module__}.{cls.__qualname__}')
 
 
 def register(cls: type[Experiment]) -> type[Experiment]:
@@ -156,7 +157,10 @@ def _load_file(path: str, class_name: str) -> type[Experiment]:
       del sys.modules[module_name]
       raise UserError(import_failure(path, e)) from None
   module = sys.modules[module_name]
-  return _class_from_module(module, class_name, path)
+  cls = _class_from_module(module, class_name, path)
+  if cls.__module__ == module_name:  # `runs/my_experiments.MyLm`, not the internal module name
+    cls._registered_name = f'{os.path.splitext(os.path.basename(path))[0]}.{cls.__qualname__}'
+  return cls
 
 
 def _class_from_module(module, class_name: str, where: str) -> type[Experiment]:

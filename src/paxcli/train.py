@@ -2,6 +2,7 @@
 
 Job directory layout:
   config.txt             the resolved config of the latest invocation
+  invocations.txt        one line per invocation: UTC time, paxcli version, command line
   tokenizer/spm.model    the train input's sentencepiece model (decode and conversion read it)
   checkpoints/<step>/    orbax checkpoints (state + meta)
   summaries/train/       TensorBoard events
@@ -23,6 +24,11 @@ from paxcli.errors import UserError
 
 class TrainingDiverged(UserError):
   exit_code = 3
+
+
+# A run whose first this-many steps (of one invocation) all have zero total weight stops:
+# every target token is masked, so the loss is 0 and nothing trains.
+ZERO_WEIGHT_STEPS_TO_STOP = 10
 
 
 class LossGuard:
@@ -300,6 +306,9 @@ def _train(resolved, job_dir: str, console, verbose: bool = False) -> dict:
   # ---- Checkpoint: resume or start -------------------------------------------------------
   ckpt_dir = os.path.join(job_dir, 'checkpoints')
   os.makedirs(job_dir, exist_ok=True)
+  if is_main:
+    from paxcli import invocation
+    invocation.record(job_dir)
   ckpt.set_aside_unfinished(ckpt_dir, log=reporter_log)
   distributed.barrier('paxcli:unfinished-checkpoints-set-aside')  # all processes then see the same steps
   checkpointer = ckpt.Checkpointer(ckpt_dir, train_cfg.save_max_to_keep)
@@ -325,6 +334,10 @@ def _train(resolved, job_dir: str, console, verbose: bool = False) -> dict:
     if layout_note:
       reporter_log(layout_note)
     reporter_log(f'Resumed from step {latest} ({batches_consumed} batches consumed).')
+    changed = config_differences(meta.get('config') or {}, flat, prefixes=('',))
+    if changed:
+      reporter_log(f'Note: {len(changed)} setting(s) differ from the checkpoint\'s config (the run goes on '
+                   'with the new ones):\n  ' + '\n  '.join(changed))
   else:
     state = engine.init_state(setup, resolved.experiment.RANDOM_SEED)
   if is_main:
@@ -342,7 +355,7 @@ def _train(resolved, job_dir: str, console, verbose: bool = False) -> dict:
   train_step = make_train_step(setup, batch_sharding, resolved.experiment.RANDOM_SEED + 1)
   evaluator = None
   if train_cfg.eval_interval_steps and resolved.eval_datasets():
-    from paxcli.evaluate import Evaluator
+    from paxcli.evaluate import Evaluator, metrics_line
     evaluator = Evaluator(resolved, setup, job_dir)
 
   # ---- Loop ------------------------------------------------------------------------------------
@@ -368,6 +381,19 @@ def _train(resolved, job_dir: str, console, verbose: bool = False) -> dict:
                                     'config': flat, 'input_layout': layout,
                                     'recent_losses': list(guard.recent), 'loss': guard.median()})
 
+  zero_weight = {'steps': 0, 'seen': 0}
+
+  def take(step: int, metrics) -> dict:
+    """One step's metrics as floats, after the finite-loss and zero-weight checks."""
+    values = _check_finite(step, metrics, guard=guard, saved=checkpointer.latest_saved)
+    zero_weight['seen'] += 1
+    zero_weight['steps'] += values['tokens'] == 0
+    if zero_weight['seen'] == zero_weight['steps'] == min(ZERO_WEIGHT_STEPS_TO_STOP, train_cfg.num_train_steps - start_step):
+      raise UserError(f'Steps {start_step + 1}-{step} all had zero total weight: every target token of every '
+                      'batch is masked (weights 0), so the loss is 0 and nothing trains. Stopping. Check the '
+                      "input's weights or paddings (`pax inspect-input` shows padding per feature).")
+    return values
+
   try:
     stop.__enter__()
     for step in range(start_step + 1, train_cfg.num_train_steps + 1):
@@ -376,17 +402,20 @@ def _train(resolved, job_dir: str, console, verbose: bool = False) -> dict:
       batches_consumed += 1
       steps_in_window += 1
       if pending is not None:
-        window.append(_check_finite(*pending, guard=guard, saved=checkpointer.latest_saved))
+        window.append(take(*pending))
       pending = (step, metrics)
       stopping = stop.requested  # read once: a signal may land at any moment
       is_last = step == train_cfg.num_train_steps
       summarize = is_last or step % train_cfg.summary_interval_steps == 0
       save_now = is_last or stopping or step % train_cfg.save_interval_steps == 0
       if summarize or save_now:
-        window.append(_check_finite(*pending, guard=guard, saved=checkpointer.latest_saved))
+        window.append(take(*pending))
         pending = None
       if summarize:
         now = time.perf_counter()
+        if window and not any(w['tokens'] for w in window):
+          reporter.log(f"warning: steps {window[0]['step']}-{window[-1]['step']} had zero total weight (every "
+                       'target token masked): their loss 0 means nothing was trained.')
         last = _summarize(step, window, steps_in_window, max(now - t_window, 1e-9))
         if writer:
           writer.scalars(step, {k: v for k, v in last.items() if k != 'step'})
@@ -396,9 +425,7 @@ def _train(resolved, job_dir: str, console, verbose: bool = False) -> dict:
         save(step)
       if evaluator and step % train_cfg.eval_interval_steps == 0:
         for name, m in evaluator.run(step, state).items():
-          accuracy = f"  accuracy {m['accuracy']:.4f}" if 'accuracy' in m else ''
-          reporter.log(f"step {step}: eval {name}: loss {m['loss']:.4f}{accuracy}  "
-                       f"({m['num_examples']:.0f} examples)")
+          reporter.log(metrics_line(step, name, m))
       reporter.step(step, last.get('loss'), last.get('tokens_per_sec'))
       if stopping:
         checkpointer.wait()
