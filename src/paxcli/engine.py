@@ -286,7 +286,8 @@ def validate_train(train) -> None:
   """Settings of task.train that would divide by zero or train nothing."""
   at_least(1, 'task.train', train, 'num_train_steps', 'save_interval_steps', 'summary_interval_steps')
   at_least(0, 'task.train', train, 'eval_interval_steps', 'save_max_to_keep', 'learning_rate',
-            'clip_gradient_norm_to_value')
+           'clip_gradient_norm_to_value', 'loss_spike_factor')
+  at_least(1, 'task.train', train, 'loss_spike_window')
   at_least(0, 'task.train.lr_schedule', train.lr_schedule, 'warmup_steps', 'decay_start', 'decay_end',
             'min_ratio')
 

@@ -162,6 +162,30 @@ def run_eval(setup, variables, inp, eval_step, batch_sharding) -> dict[str, floa
   return results
 
 
+def eval_paths(job_dir: str, name: str) -> tuple[str, str]:
+  """(TensorBoard directory, metrics .jsonl) of one eval input in a job directory.
+
+  The usual single eval input, named `eval`, writes `summaries/eval/` and
+  `eval_metrics.jsonl`; another name N writes `summaries/eval_N/` and
+  `eval_N_metrics.jsonl`. A job directory that already holds the older
+  `eval_eval...` files keeps writing them, so its history stays in one place.
+  """
+  legacy = (os.path.join(job_dir, 'summaries', f'eval_{name}'), os.path.join(job_dir, f'eval_{name}_metrics.jsonl'))
+  if name != 'eval' or os.path.exists(legacy[1]) or os.path.isdir(legacy[0]):
+    return legacy
+  return os.path.join(job_dir, 'summaries', 'eval'), os.path.join(job_dir, 'eval_metrics.jsonl')
+
+
+def eval_label(name: str) -> str:
+  """How a log line names an eval input: `eval` for the usual one, else `eval on N`."""
+  return 'eval' if name == 'eval' else f'eval on {name}'
+
+
+def metrics_line(step: int, name: str, m: dict) -> str:
+  accuracy = f"  accuracy {m['accuracy']:.4f}" if 'accuracy' in m else ''
+  return f"step {step}: {eval_label(name)}: loss {m['loss']:.4f}{accuracy}  ({m['num_examples']:.0f} examples)"
+
+
 class Evaluator:
   """Eval inputs of an experiment, built once, run at any step (train's hook and `pax eval`)."""
 
@@ -183,8 +207,7 @@ class Evaluator:
     """Process 0's summary writer for one eval input, made at its first eval (no empty files)."""
     if self.job_dir and name not in self.writers:
       from paxcli.summaries import SummaryWriter
-      self.writers[name] = SummaryWriter(os.path.join(self.job_dir, 'summaries', f'eval_{name}'),
-                                         os.path.join(self.job_dir, f'eval_{name}_metrics.jsonl'))
+      self.writers[name] = SummaryWriter(*eval_paths(self.job_dir, name))
     return self.writers.get(name)
 
   def run(self, step: int, state) -> dict[str, dict[str, Any]]:
@@ -204,26 +227,149 @@ class Evaluator:
       writer.close()
 
 
-def evaluate(resolved, job_dir: str, console, use_checkpoint: bool = True) -> dict:
-  """`pax eval`: metrics of every eval dataset from the latest checkpoint (or fresh weights)."""
+def evaluate(resolved, job_dir: str, console, use_checkpoint: bool = True, step: Optional[int] = None) -> dict:
+  """`pax eval`: metrics of every eval dataset from the latest checkpoint, checkpoint `step`, or fresh weights."""
   from paxcli import engine
   setup = engine.build(resolved)
   if not resolved.eval_datasets():
     raise UserError(f'{resolved.name} has no eval datasets (inputs with is_training=False).')
-  step = 0
-  if use_checkpoint:
-    from paxcli import restore
-    step = restore.choose_step(job_dir, purpose='evaluate')
-    flat = {k: repr(v) for k, v in resolved.flat().items()}
-    state = restore.restore(setup, job_dir, step, params_only=True, flat_now=flat, action='evaluate').state
-  else:
-    state = engine.init_state(setup, resolved.experiment.RANDOM_SEED)
   evaluator = Evaluator(resolved, setup, job_dir)
   try:
-    results = evaluator.run(step, state)
+    if use_checkpoint:
+      from paxcli import restore
+      step = restore.choose_step(job_dir, step=step, purpose='evaluate')
+      results = _evaluate_step(resolved, setup, evaluator, job_dir, step)
+    else:
+      step = 0
+      results = evaluator.run(step, engine.init_state(setup, resolved.experiment.RANDOM_SEED))
   finally:
     evaluator.close()
   return {'step': step, 'results': results}
+
+
+FOLLOW_RECORD = 'eval_done.jsonl'
+
+
+def _evaluate_step(resolved, setup, evaluator, job_dir: str, step: int) -> dict:
+  """Restores checkpoint `step` (parameters only), evaluates it and records it in eval_done.jsonl."""
+  import jax
+
+  from paxcli import restore
+  flat = {k: repr(v) for k, v in resolved.flat().items()}
+  state = restore.restore(setup, job_dir, step, params_only=True, flat_now=flat, action='evaluate').state
+  results = evaluator.run(step, state)
+  if jax.process_index() == 0:
+    import json
+    import time
+    with open(os.path.join(job_dir, FOLLOW_RECORD), 'a', encoding='utf-8') as f:
+      f.write(json.dumps({'step': step, 'datasets': sorted(results), 'time': time.time()}) + '\n')
+  return results
+
+
+def evaluated_steps(job_dir: str, names) -> set[int]:
+  """Checkpoint steps whose every eval input in `names` was evaluated (eval_done.jsonl)."""
+  import json
+  done: dict[int, set[str]] = {}
+  path = os.path.join(job_dir, FOLLOW_RECORD)
+  if os.path.exists(path):
+    with open(path, encoding='utf-8') as f:
+      for line in f:
+        try:
+          record = json.loads(line)
+        except ValueError:  # a line cut by a kill: that step is evaluated again
+          continue
+        done.setdefault(int(record['step']), set()).update(record.get('datasets', []))
+  return {step for step, got in done.items() if set(names) <= got}
+
+
+def _agree(value: int) -> int:
+  """Process 0's value on every process (the checkpoint listing may differ for a moment)."""
+  import jax
+  if jax.process_count() == 1:
+    return value
+  from jax.experimental import multihost_utils
+  return int(multihost_utils.broadcast_one_to_all(np.asarray(value, np.int64)))
+
+
+def _last_step(job_dir: str, step: int, fallback: int) -> int:
+  """num_train_steps of the run that wrote checkpoint `step` (its saved config), else fallback."""
+  from paxcli import restore
+  try:
+    saved = restore.read_meta(job_dir, step).get('config', {}).get('task.train.num_train_steps')
+    return int(saved) if saved is not None else fallback
+  except (UserError, ValueError):
+    return fallback
+
+
+def follow(resolved, job_dir: str, console, timeout: Optional[float] = None, poll_seconds: float = 10.0,
+           on_result=None) -> list[dict]:
+  """`pax eval --follow`: evaluate each new checkpoint of job_dir once, beside a running trainer.
+
+  Steps already in job_dir/eval_done.jsonl (for every current eval input) are skipped,
+  also after a restart. Stops once the trainer's last step (num_train_steps of the
+  checkpoint's own config) is evaluated, or when `timeout` seconds pass without that.
+  """
+  import time
+
+  from paxcli import checkpoint as ckpt
+  from paxcli import engine, restore
+  setup = engine.build(resolved)
+  if not resolved.eval_datasets():
+    raise UserError(f'{resolved.name} has no eval datasets (inputs with is_training=False).')
+  names = [cfg.name for cfg in resolved.eval_datasets()]
+  directory = restore.checkpoints_dir(job_dir)
+  last_step = int(resolved.task.train.num_train_steps)
+  log = lambda m: console.print(m, highlight=False, markup=False, soft_wrap=True)
+  done = evaluated_steps(job_dir, names)
+  log(f'Following {os.path.abspath(directory)}: evaluating each new checkpoint on {", ".join(names)}'
+      + (f'; {len(done)} already evaluated (in {FOLLOW_RECORD})' if done else '')
+      + ('' if timeout is None else f'; giving up after {timeout:g} s') + '.')
+  evaluator = Evaluator(resolved, setup, job_dir)
+  deadline = None if timeout is None else time.monotonic() + timeout
+  out = []
+  STOP, WAIT = -1, -2
+  try:
+    while True:
+      steps = ckpt.complete_steps(directory)
+      todo = [s for s in steps if s not in done]
+      if steps and not todo:  # the trainer's own num_train_steps, from its latest checkpoint
+        last_step = _last_step(job_dir, steps[-1], last_step)
+      if todo:
+        action = todo[0]
+      elif done and max(done) >= last_step:
+        action = STOP
+      elif deadline is not None and time.monotonic() >= deadline:
+        action = STOP
+        log(f'Stopping after --timeout {timeout:g} s: the trainer has not written step {last_step} yet.')
+      else:
+        action = WAIT
+      action = _agree(action)
+      if action == STOP:
+        break
+      if action == WAIT:
+        time.sleep(poll_seconds)
+        continue
+      step = action
+      try:
+        last_step = _last_step(job_dir, step, last_step)
+        results = _evaluate_step(resolved, setup, evaluator, job_dir, step)
+      except (UserError, FileNotFoundError):
+        if os.path.isdir(os.path.join(directory, str(step))):
+          raise
+        log(f'The checkpoint at step {step} was deleted before it could be evaluated (the trainer keeps '
+            'only the latest save_max_to_keep); skipping it.')
+        done.add(step)
+        continue
+      done.add(step)
+      for name, m in results.items():
+        log(metrics_line(step, name, m))
+      record = {'step': step, 'results': results}
+      out.append(record)
+      if on_result:
+        on_result(record)
+  finally:
+    evaluator.close()
+  return out
 
 
 def results_table(step: int, results: dict):
