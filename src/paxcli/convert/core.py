@@ -57,7 +57,7 @@ def resolve_pair(src, exp: Optional[str], overrides: list[str]):
 @dataclasses.dataclass
 class Model:
   resolved: object
-  module: object             # the flax TransformerLm
+  module: object             # models.flat_view of the LanguageModel: flat settings and apply
   abstract: dict             # name -> ShapeDtypeStruct of the full train state
   placeholders: list         # names of empty optimizer states (kept as placeholders in orbax)
 
@@ -71,11 +71,10 @@ class Model:
 
 def build_model(resolved) -> Model:
   """The model and the abstract train state of an experiment, without a mesh."""
-  import fiddle as fdl
   import jax
 
-  from paxcli import engine, optim
-  task = fdl.build(resolved.task)
+  from paxcli import engine, models, optim
+  task = engine.build_task(resolved.task)
   engine.validate_model(task.model)
   tx = optim.make_optimizer(task.train)
   seq_len = getattr(resolved.train_dataset(), 'seq_len', None) or task.model.max_seq_len
@@ -86,7 +85,7 @@ def build_model(resolved) -> Model:
       abstract, is_leaf=lambda x: isinstance(x, tuple) and not x and x is not None)[0]:
     if isinstance(node, tuple) and not node:
       empty.append(formats.join(path))
-  return Model(resolved, task.model, flat, empty)
+  return Model(resolved, models.flat_view(task.model), flat, empty)
 
 
 # ---- plan -------------------------------------------------------------------------------------
