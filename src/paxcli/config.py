@@ -16,7 +16,7 @@ from typing import Any, Optional
 import fiddle as fdl
 
 from paxcli import types as ptypes
-from paxcli.errors import UserError, did_you_mean
+from paxcli.errors import UserError, did_you_mean, shorten
 from paxcli.experiment import Experiment, instantiate
 
 
@@ -111,21 +111,21 @@ def set_path(root: dict[str, Any], key: str, raw: Any) -> None:
   """Applies one dotted override (`task.train.learning_rate`) or raises UserError."""
   parts = key.split('.')
   if parts[0] not in root:
-    raise UserError(f'Unknown override {key!r}: paths start with {" or ".join(sorted(root))}, '
+    raise UserError(f'Unknown override {shorten(repr(key))}: paths start with {" or ".join(sorted(root))}, '
                     f'and knobs are UPPERCASE.{did_you_mean(parts[0], root)}')
   node, path = root[parts[0]], parts[0]
   if isinstance(node, dict):  # datasets.<name>
     if len(parts) < 2 or parts[1] not in node:
       name = parts[1] if len(parts) > 1 else ''
-      raise UserError(f'Unknown dataset {name!r} in override {key!r}; datasets are '
+      raise UserError(f'Unknown dataset {shorten(repr(name))} in override {shorten(repr(key))}; datasets are '
                       f'{", ".join(sorted(node))}.{did_you_mean(name, node)}')
     node, path, parts = node[parts[1]], f'{path}.{parts[1]}', parts[1:]
   for i, part in enumerate(parts[1:], start=1):
     if not isinstance(node, fdl.Buildable):
-      raise UserError(f'Unknown override {key!r}: {path} is a value ({node!r}), not a config.')
+      raise UserError(f'Unknown override {shorten(repr(key))}: {path} is a value ({shorten(repr(node))}), not a config.')
     params = _params(node)
     if part not in params:
-      raise UserError(f'Unknown config field {path}.{part} in override {key!r} '
+      raise UserError(f'Unknown config field {path}.{part} in override {shorten(repr(key))} '
                       f'({fdl.get_callable(node).__name__} has no field {part!r}).'
                       f'{did_you_mean(part, params)}')
     if i == len(parts) - 1:
@@ -141,7 +141,7 @@ def set_path(root: dict[str, Any], key: str, raw: Any) -> None:
       child = fdl.Config(type(child), **{f.name: getattr(child, f.name) for f in dataclasses.fields(child)})
       setattr(node, part, child)
     node, path = child, f'{path}.{part}'
-  raise UserError(f'Override {key!r} names a config, not a field.')
+  raise UserError(f'Override {shorten(repr(key))} names a config, not a field.')
 
 
 def _by_name(exp: Experiment, datasets: list) -> dict[str, fdl.Config]:

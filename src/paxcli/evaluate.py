@@ -103,44 +103,63 @@ class EvalReader:
 
 
 def make_eval_step(setup, batch_sharding):
-  """(params, batch) -> replicated sums: loss, correct, weight, examples."""
+  """(variables, batch) -> replicated sums: value x weight and weight of each metric, examples."""
   import jax
   import jax.numpy as jnp
 
-  from paxcli.models import lm_loss
   model = setup.model
 
-  def step(params, batch):
-    logits = model.apply({'params': params}, batch['ids'], batch.get('segment_ids'), batch.get('positions'))
-    _, sums = lm_loss(logits, batch['labels'], batch['weights'])
-    sums['examples'] = jnp.sum(jnp.any(batch['weights'] > 0, axis=-1))
+  def step(variables, batch):
+    _, metrics = model.apply(variables, batch, method='fprop')
+    sums = {}
+    for name, (value, weight) in metrics.items():
+      weight = jnp.asarray(weight, jnp.float32)
+      sums[f'{name}/sum'] = jnp.asarray(value, jnp.float32) * weight
+      sums[f'{name}/weight'] = weight
+    sums['examples'] = model.examples_in(batch)
     return sums
 
   replicated = jax.sharding.NamedSharding(setup.mesh, jax.sharding.PartitionSpec())
-  return jax.jit(step, in_shardings=(setup.state_shardings['params'], batch_sharding), out_shardings=replicated)
+  return jax.jit(step, in_shardings=(eval_variable_shardings(setup), batch_sharding), out_shardings=replicated)
+
+
+def eval_variable_shardings(setup) -> dict:
+  out = {'params': setup.state_shardings['params']}
+  if 'non_trainable' in setup.state_shardings:
+    out['non_trainable'] = setup.state_shardings['non_trainable']
+  return out
+
+
+def eval_variables(state) -> dict:
+  """The model variables of a train state ({'params', 'non_trainable'?})."""
+  out = {'params': state['params']}
+  if 'non_trainable' in state:
+    out['non_trainable'] = state['non_trainable']
+  return out
 
 
 def lm_template(setup) -> dict:
-  rows, length = setup.process_batch, setup.seq_len
-  return {'ids': np.zeros((rows, length), np.int32), 'labels': np.zeros((rows, length), np.int32),
-          'weights': np.zeros((rows, length), np.float32)}
+  """Zero batch of this process's shape: what a host with no eval data at all feeds."""
+  return setup.model.dummy_batch(setup.process_batch, setup.seq_len)
 
 
-def run_eval(setup, params, inp, eval_step, batch_sharding) -> dict[str, float]:
+def run_eval(setup, variables, inp, eval_step, batch_sharding) -> dict[str, float]:
   """One eval run over `inp`; metrics are exact weighted means over all hosts."""
   from paxcli.train import to_global
-  totals = {'loss_sum': 0.0, 'correct_sum': 0.0, 'weight_sum': 0.0, 'examples': 0.0}
+  totals: dict[str, float] = {}
   num_batches = 0
   for batch in EvalReader(inp, lm_template(setup)).batches():
-    sums = eval_step(params, to_global(batch, batch_sharding, setup.global_batch))
-    for k in totals:
-      totals[k] += float(sums[k])
+    sums = eval_step(variables, to_global(batch, batch_sharding, setup.global_batch))
+    for k, v in sums.items():
+      totals[k] = totals.get(k, 0.0) + float(v)
     num_batches += 1
-  weight = max(totals['weight_sum'], 1e-12)
-  loss = totals['loss_sum'] / weight
-  return {'loss': loss, 'accuracy': totals['correct_sum'] / weight,
-          'log_pplx': loss, 'perplexity': math.exp(min(loss, 50.0)),
-          'num_examples': totals['examples'], 'num_tokens': totals['weight_sum'], 'num_batches': num_batches}
+  names = [k[:-len('/sum')] for k in totals if k.endswith('/sum')]
+  weights = {n: totals[f'{n}/weight'] for n in names}
+  means = {n: totals[f'{n}/sum'] / max(weights[n], 1e-12) for n in names}
+  results = setup.model.eval_summary(means, weights)
+  results['num_examples'] = totals.get('examples', 0.0)
+  results['num_batches'] = num_batches
+  return results
 
 
 def eval_paths(job_dir: str, name: str) -> tuple[str, str]:
@@ -163,8 +182,8 @@ def eval_label(name: str) -> str:
 
 
 def metrics_line(step: int, name: str, m: dict) -> str:
-  return (f"step {step}: {eval_label(name)}: loss {m['loss']:.4f}  accuracy {m['accuracy']:.4f}  "
-          f"({m['num_examples']:.0f} examples)")
+  accuracy = f"  accuracy {m['accuracy']:.4f}" if 'accuracy' in m else ''
+  return f"step {step}: {eval_label(name)}: loss {m['loss']:.4f}{accuracy}  ({m['num_examples']:.0f} examples)"
 
 
 class Evaluator:
@@ -191,10 +210,12 @@ class Evaluator:
       self.writers[name] = SummaryWriter(*eval_paths(self.job_dir, name))
     return self.writers.get(name)
 
-  def run(self, step: int, params) -> dict[str, dict[str, Any]]:
+  def run(self, step: int, state) -> dict[str, dict[str, Any]]:
+    """Metrics of every eval input for a train state (or a bare params tree)."""
+    variables = eval_variables(state) if {'step', 'params'} <= set(state) else {'params': state}
     results = {}
     for name, inp in self.inputs.items():
-      metrics = run_eval(self.setup, params, inp, self.step, self.batch_sharding)
+      metrics = run_eval(self.setup, variables, inp, self.step, self.batch_sharding)
       results[name] = metrics
       writer = self._writer(name)
       if writer:
@@ -220,7 +241,7 @@ def evaluate(resolved, job_dir: str, console, use_checkpoint: bool = True, step:
       results = _evaluate_step(resolved, setup, evaluator, job_dir, step)
     else:
       step = 0
-      results = evaluator.run(step, engine.init_state(setup, resolved.experiment.RANDOM_SEED)['params'])
+      results = evaluator.run(step, engine.init_state(setup, resolved.experiment.RANDOM_SEED))
   finally:
     evaluator.close()
   return {'step': step, 'results': results}
@@ -236,7 +257,7 @@ def _evaluate_step(resolved, setup, evaluator, job_dir: str, step: int) -> dict:
   from paxcli import restore
   flat = {k: repr(v) for k, v in resolved.flat().items()}
   state = restore.restore(setup, job_dir, step, params_only=True, flat_now=flat, action='evaluate').state
-  results = evaluator.run(step, state['params'])
+  results = evaluator.run(step, state)
   if jax.process_index() == 0:
     import json
     import time
@@ -354,9 +375,13 @@ def follow(resolved, job_dir: str, console, timeout: Optional[float] = None, pol
 def results_table(step: int, results: dict):
   from rich.table import Table
   table = Table(title=f'Eval at step {step}')
-  for col in ('dataset', 'loss', 'accuracy', 'perplexity', 'examples', 'tokens', 'batches'):
+  first = next(iter(results.values()), {})
+  counts = [('num_examples', 'examples'), ('num_tokens', 'tokens'), ('num_batches', 'batches')]
+  metrics = [k for k in first if k not in dict(counts) and k != 'log_pplx']
+  columns = ['dataset'] + metrics + [label for key, label in counts if key in first]
+  for col in columns:
     table.add_column(col, justify='left' if col == 'dataset' else 'right')
   for name, m in results.items():
-    table.add_row(name, f"{m['loss']:.4f}", f"{m['accuracy']:.4f}", f"{m['perplexity']:.2f}",
-                  f"{m['num_examples']:.0f}", f"{m['num_tokens']:.0f}", f"{m['num_batches']}")
+    cells = [f'{m[k]:.2f}' if k == 'perplexity' else f'{m[k]:.4f}' for k in metrics]
+    table.add_row(name, *cells, *(f'{m[key]:.0f}' for key, _ in counts if key in m))
   return table

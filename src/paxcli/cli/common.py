@@ -107,11 +107,17 @@ def run_app(app: typer.Typer, argv: list[str]) -> None:
     app(args=argv, prog_name='pax')  # standalone: usage errors print and exit 2 themselves
   except UserError as e:
     # fiddle appends its build context to errors raised while building a config.
-    error(_escape(str(e).split('\n\nFiddle context:')[0]))
+    error(_escape(_cap_lines(str(e).split('\n\nFiddle context:')[0])))
     sys.exit(e.exit_code)
   except KeyboardInterrupt:
     error('interrupted.')
     sys.exit(130)
+
+
+def _cap_lines(text: str, limit: int = 500) -> str:
+  """No line of an error longer than about `limit` characters (values the user typed are echoed)."""
+  from paxcli.errors import shorten
+  return '\n'.join(shorten(line, limit) for line in text.split('\n'))
 
 
 def _escape(text: str) -> str:

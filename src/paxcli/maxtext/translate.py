@@ -16,12 +16,14 @@ import math
 import re
 from typing import Any, Optional
 
+from paxcli import options
 from paxcli.errors import UserError, did_you_mean
 from paxcli.maxtext import defaults as mt
 from paxcli.maxtext.keys import DATA_KEYS, IGNORED_KEYS, KNOWN_KEYS
 from paxcli.maxtext.shell import ScriptInfo
 
 ERA_CHOICES = mt.ERA_ORDER
+MAX_CONFIG_BYTES = 16 << 20  # MaxText's base.yml is ~30 KB
 
 # MaxText mesh axes (the middle of `<net>_<axis>_parallelism`) -> Pax axis index
 # (0 replica, 1 data, 2 mdl). Axes Pax lacks are folded into the closest Pax axis so the
@@ -46,8 +48,8 @@ _KEYS_2023 = {'save_period', 'warmup_steps', 'use_int8_training', 'max_eval_targ
 _KEYS_LATER = {'base_num_query_heads', 'base_num_kv_heads', 'model_name', 'decoder_block',
                'weight_dtype', 'opt_type'}
 
-_ACTIVATIONS = {'relu', 'gelu', 'silu', 'swish'}
-_DTYPES = {'float32', 'bfloat16', 'float16'}
+_ACTIVATIONS = set(options.ACTIVATIONS)  # paxcli.options declares every allowed value once
+_DTYPES = set(options.DTYPES)
 
 # Specific reasons for keys that are read but have no Pax knob.
 _REASONS = {
@@ -196,13 +198,11 @@ def _integral(value: Any) -> Any:
 
 def load_yaml(path: str, what: str) -> dict[str, Any]:
   import yaml
+
+  from paxcli.files import read_text
+  text = read_text(path, what, MAX_CONFIG_BYTES)
   try:
-    with open(path, encoding='utf-8') as f:
-      data = yaml.safe_load(f)
-  except OSError as e:
-    raise UserError(f'Cannot read {what} {path!r}: {e.strerror}.') from None
-  except UnicodeDecodeError:
-    raise UserError(f'{what} {path!r} is not a text (UTF-8) file.') from None
+    data = yaml.safe_load(text)
   except yaml.YAMLError as e:
     raise UserError(f'{what} {path!r} is not valid YAML: {str(e).splitlines()[0]}') from None
   if data is None:
