@@ -6,7 +6,7 @@ text is read from the standard-library sources of the Python running paxcli, and
 under ~/.cache/paxcli). On 2 CPU cores it runs at 1-2 steps/s (the first summary
 window is slower: it includes compilation); the loss falls from about 7.6 (ln 2048)
 to about 5.9 by step 50 and about 4.9 at step 200, in about 2-3 minutes (as the README
-says); on a GPU it takes seconds. It keeps the latest 3 checkpoints (every 50 steps).
+says); on a GPU it takes seconds. It keeps the latest 3 checkpoints (every 50 steps) and the one of lowest loss.
 """
 
 import fiddle as fdl

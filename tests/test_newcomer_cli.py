@@ -94,7 +94,7 @@ def test_resume_notes_changed_settings_and_keeps_invocation_history(tmp_path, ca
   assert '--job_log_dir' in lines[1]  # as the user typed it
   assert 'LEARNING_RATE=0.0003' in lines[1]
   # The run ends with where to look.
-  assert f"tensorboard --logdir {os.path.join(job, 'summaries')}" in out and 'the latest 3 kept' in out
+  assert f"tensorboard --logdir {os.path.join(job, 'summaries')}" in out and 'the latest 3 kept, and the one of lowest loss' in out
 
 
 ZERO_WEIGHT_EXPERIMENT = '''

@@ -450,7 +450,7 @@ def _train(resolved, job_dir: str, console, verbose: bool = False) -> dict:
     if writer:
       writer.close()
   keep = train_cfg.save_max_to_keep
-  kept = f'the latest {keep} kept' if keep else 'all kept'
+  kept = f'the latest {keep} kept, and the one of lowest loss' if keep else 'all kept'
   reporter_log(f"Done: step {last['step']}, loss {last.get('loss', float('nan')):.4f}.\n"
                f"  checkpoints: {ckpt_dir} ({kept}; task.train.save_max_to_keep)\n"
                f"  metrics:     {os.path.join(job_dir, 'train_metrics.jsonl')}\n"
