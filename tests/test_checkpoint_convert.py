@@ -272,3 +272,28 @@ def test_model_that_is_no_llama_is_refused_in_a_fresh_shell(tmp_path, capsys):
   assert r.returncode == 2 and 'Traceback' not in r.stderr
   assert "norm_type is 'layernorm'" in r.stderr and 'biases' in r.stderr and "positions are 'learned'" in r.stderr
   assert not (tmp_path / 'hf').exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('extra', [['--set', 'USE_REPEATED_LAYER=False'], ['--to', 'safetensors'],
+                                   ['--params-only', '--dtype', 'bfloat16']])
+def test_peak_memory_of_a_200m_conversion_stays_under_the_bound(tmp_path_factory, extra):
+  """Peak RSS of the converting process (max RSS from wait4) minus that of a process that only reads
+  the metadata stays under 1.5x the largest array plus 256 MiB, far below the model's 0.8 GB."""
+  import importlib.util
+  spec = importlib.util.spec_from_file_location('bench_convert', os.path.join(os.path.dirname(__file__), '..',
+                                                                              'benchmarks', 'convert.py'))
+  bench = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(bench)
+  base = tmp_path_factory.getbasetemp() / 'convert_200m'
+  src = str(base / 'src')
+  if not os.path.exists(src):
+    made = bench.make_checkpoint(src, bench.knobs(14, 1024, 4096))
+    (base / 'made.json').write_text(json.dumps(made))
+  made = json.loads((base / 'made.json').read_text())
+  assert made['parameters'] > 190e6
+  _, base_rss = bench.run_measured(['checkpoint', 'inspect', src, '--json'])
+  out = str(base / ('out' + '_'.join(extra).replace('=', '').replace('-', '')))
+  _, rss = bench.run_measured(['checkpoint', 'convert', src, out, '--no-verify', *extra])
+  assert rss - base_rss < 1.5 * made['largest'] + (256 << 20), (rss, base_rss, made)
+  assert rss - base_rss < 0.6 * made['bytes']
