@@ -121,6 +121,9 @@ def plan(src_arrays: list, target: Model, params_only: bool, dtype: Optional[str
     out_dtype = np.dtype(target.abstract[name].dtype).name
     if dtype and name.startswith('params/') and np.issubdtype(formats.np_dtype(out_dtype), np.floating):
       out_dtype = dtype
+    if name == 'step' and name not in have:   # formats without a step array keep it in their metadata
+      items.append(Item(name, want, out_dtype, name))
+      continue
     if name in have:
       got = tuple(have[name].shape)
       if got != want:
