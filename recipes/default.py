@@ -39,6 +39,9 @@ class StdlibDocsLm(LmExperiment):
   SAVE_INTERVAL_STEPS = 50
   SUMMARY_INTERVAL_STEPS = 10
   EVAL_INTERVAL_STEPS = 100
+  DECODE_INTERVAL_STEPS = 200  # at the end: greedy continuations of stdlib-style prompts
+  DECODE_PROMPTS = ['Return the number of', 'Create a new', 'If the optional argument', 'Raise ValueError if']
+  DECODE_MAX_STEPS = 24
 
   def datasets(self) -> list:
     from paxcli.inputs.corpus import StdlibDocsInput

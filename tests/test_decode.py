@@ -207,3 +207,45 @@ def test_cli_prompt_file_errors(tmp_path, capsys, content, message):
   code, out, err = pax_main(CLI + ['--no-checkpoint', '--prompts-file', str(path)], capsys)
   assert code != 0
   assert message in ' '.join(err.split()), err
+
+
+def test_training_decodes_its_prompts_at_the_interval(tmp_path, capsys):
+  job = tmp_path / 'job'
+  sets = [a for s in TINY + ['NUM_TRAIN_STEPS=4', 'DECODE_INTERVAL_STEPS=2', 'DECODE_PROMPTS=[[1, 2, 3], [9]]',
+                             'DECODE_MAX_STEPS=5', 'SAVE_INTERVAL_STEPS=4'] for a in ('--set', s)]
+  code, out, err = pax_main(['train', '--exp', 'paxcli.lm.LmExperiment', *sets, '--job-log-dir', str(job)], capsys)
+  assert code == 0, err
+  assert 'decode step 4:' in out + err
+  for step in (2, 4):
+    lines = (job / 'decoder_out' / 'prompts' / f'decode_step{step}.jsonl').read_text().splitlines()
+    assert [json.loads(x)['prompt_ids'] for x in lines] == [[1, 2, 3], [9]]
+  assert any(p.name.startswith('events') for p in (job / 'summaries' / 'decode').iterdir())
+  # and `pax decode` reads that checkpoint and gives the same greedy tokens
+  code, out, err = pax_main(CLI + ['--job-log-dir', str(job), '--prompt-ids', '1,2,3', '--max-decode-steps', '5',
+                                   '--json'], capsys)
+  assert code == 0, err
+  trained = json.loads((job / 'decoder_out' / 'prompts' / 'decode_step4.jsonl').read_text().splitlines()[0])
+  assert json.loads(out.splitlines()[0])['decoded_ids'] == trained['decoded_ids']
+
+
+@pytest.mark.slow
+def test_two_processes_write_the_file_of_one(tmp_path):
+  args = CLI + ['--no-checkpoint', '--prompt-ids', '3,4,5,6', '--max-decode-steps', '6', '--num-samples', '3',
+                '--temperature', '1.0', '--set', 'NUM_KV_HEADS=2']
+  one = run_pax(*args, '--output', str(tmp_path / 'one.jsonl'))
+  assert one.returncode == 0, one.stderr[-2000:]
+  two = run_pax('launch', '--processes', '2', '--devices-per-process', '4', '--grace', '2', '--', *args,
+                '--output', str(tmp_path / 'two.jsonl'), timeout=300)
+  assert two.returncode == 0, two.stdout[-2000:] + two.stderr[-2000:]
+  assert (tmp_path / 'one.jsonl').read_text() == (tmp_path / 'two.jsonl').read_text()
+
+
+def test_dataset_rows_are_prompts(tmp_path, capsys):
+  code, out, err = pax_main(CLI + ['--no-checkpoint', '--job-log-dir', str(tmp_path / 'job'), '--dataset', 'eval',
+                                   '--num-prompts', '3', '--max-decode-steps', '2', '--json'], capsys)
+  assert code == 0, err
+  lines = [json.loads(x) for x in out.splitlines()]
+  assert len(lines) == 3 and all(len(r['prompt_ids']) == 30 and r['num_decoded_tokens'] == 2 for r in lines)
+  assert (tmp_path / 'job' / 'decoder_out' / 'eval' / 'decode_step0.jsonl').exists()
+  code, out, err = pax_main(CLI + ['--no-checkpoint', '--dataset', 'evl'], capsys)
+  assert code != 0 and "Did you mean 'eval'" in err

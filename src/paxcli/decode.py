@@ -161,11 +161,12 @@ def read_prompts_file(path: str, tokenizer) -> list[Prompt]:
   return prompts
 
 
-def prompts_from_dataset(resolved, setup, name: str, tokenizer, max_prompts: int) -> list[Prompt]:
-  """Rows of the experiment's input `name` as prompts: its `prefix`, else `ids` without padding."""
+def prompts_from_dataset(resolved, setup, name: str, tokenizer, max_prompts: int, max_len: int) -> list[Prompt]:
+  """Rows of the experiment's input `name` as prompts: its `prefix`, else `ids` without padding,
+  cut to their first `max_len` tokens (full-length LM rows would leave no room to decode)."""
   from paxcli import engine
   from paxcli.inputs.base import EndOfInput
-  cfgs = {c.name: c for c in resolved.datasets()} if hasattr(resolved, 'datasets') else {}
+  cfgs = dict(resolved.datasets)
   if name not in cfgs:
     from difflib import get_close_matches
     close = get_close_matches(name, list(cfgs), n=1)
@@ -187,7 +188,7 @@ def prompts_from_dataset(resolved, setup, name: str, tokenizer, max_prompts: int
     else:
       keep = batch.get('weights', np.ones_like(rows)) > 0
     for row, k in zip(np.asarray(rows), np.asarray(keep) > 0):
-      ids = [int(t) for t in row[k]]
+      ids = [int(t) for t in row[k]][:max_len]
       if ids and len(prompts) < max_prompts:
         prompts.append(Prompt(ids, tokenizer.decode(ids) if tokenizer else None))
   if not prompts:
@@ -397,7 +398,6 @@ class Decoder:
 
   def _sample_batch(self, prompts, indices, rows, opts, tokenizer, stats):
     import jax
-    import jax.numpy as jnp
     ns = opts.num_samples
     row_prompt = [p for p in range(len(prompts)) for _ in range(ns)]
     row_sample = [s for _ in range(len(prompts)) for s in range(ns)]
@@ -408,8 +408,8 @@ class Decoder:
     keys = np.stack([np.asarray(jax.random.fold_in(jax.random.fold_in(base, indices[row_prompt[r]]),
                                                    row_sample[r])) if r < len(row_prompt) else np.zeros(2, np.uint32)
                      for r in range(rows)]).astype(np.uint32)
-    temperature = jnp.float32(opts.temperature if opts.temperature is not None else 1.0)
-    top_p = jnp.float32(opts.top_p if opts.top_p is not None else 1.0)
+    temperature = np.float32(opts.temperature if opts.temperature is not None else 1.0)
+    top_p = np.float32(opts.top_p if opts.top_p is not None else 1.0)
     from paxcli import sharding
     batch_sh = sharding.batch_sharding(self.mesh)
     t0 = time.perf_counter()
@@ -437,17 +437,17 @@ class Decoder:
       if all(reason):
         break
       t += 1
-      (tok, lp), cache = fns['step'](self.params, cache, jnp.asarray(tok), jnp.asarray(lengths + t - 1, jnp.int32),
-                                     keys, jnp.int32(t), temperature, top_p)
+      ts = time.perf_counter()
+      (tok, lp), cache = fns['step'](self.params, cache, np.asarray(tok), np.asarray(lengths + t - 1, np.int32),
+                                     keys, np.int32(t), temperature, top_p)
       tok, lp = _host(tok), _host(lp)
+      stats.setdefault('step_s', []).append(time.perf_counter() - ts)
     stats['decode_tokens'] += sum(len(x) for x in out_ids)
     stats['decode_s'] += time.perf_counter() - t1
     return [_record(prompts[row_prompt[r]], indices[row_prompt[r]], row_sample[r], out_ids[r], out_lp[r], reason[r],
                     tokenizer, opts) for r in range(n)]
 
   def _beam_batch(self, prompts, indices, rows, opts, tokenizer, stats):
-    import jax.numpy as jnp
-
     from paxcli import sharding
     k = opts.beam_size
     row_prompt = [p for p in range(len(prompts)) for _ in range(k)]
@@ -455,7 +455,7 @@ class Decoder:
     steps = int(budget[:len(row_prompt)].max())
     fns = self._compiled(rows, plen, plen + steps, opts)
     batch_sh = sharding.batch_sharding(self.mesh)
-    dummy = (np.zeros((rows, 2), np.uint32), jnp.float32(1), jnp.float32(1))
+    dummy = (np.zeros((rows, 2), np.uint32), np.float32(1), np.float32(1))
     t0 = time.perf_counter()
     cache = fns['zeros']()
     (vals, toks), cache = fns['prefill'](self.params, cache, self._global(ids, batch_sh),
@@ -512,9 +512,9 @@ class Decoder:
       if all(finished):
         break
       t += 1
-      cache = fns['reorder'](cache, jnp.asarray(parents, jnp.int32))
-      (vals, toks), cache = fns['step'](self.params, cache, jnp.asarray(new_tok), jnp.asarray(lengths + t - 1, jnp.int32),
-                                        *dummy[:1], jnp.int32(t), *dummy[1:])
+      cache = fns['reorder'](cache, np.asarray(parents, np.int32))
+      (vals, toks), cache = fns['step'](self.params, cache, np.asarray(new_tok), np.asarray(lengths + t - 1, np.int32),
+                                        *dummy[:1], np.int32(t), *dummy[1:])
       vals, toks = _host(vals), _host(toks)
     stats['decode_tokens'] += decoded
     stats['decode_s'] += time.perf_counter() - t1
@@ -625,7 +625,8 @@ def decode_command(resolved, job_dir: str, opts: DecodeOptions, texts=(), prompt
   tokenizer = tok_lib.load(job_dir, resolved.train_dataset())
   vocab = decoder_check.vocab_size
   if dataset:
-    prompts = prompts_from_dataset(resolved, setup, dataset, tokenizer, num_prompts)
+    room = max(1, decoder_check.max_seq_len - opts.max_decode_steps)
+    prompts = prompts_from_dataset(resolved, setup, dataset, tokenizer, num_prompts, room)
   else:
     prompts = prompts_from_args(texts, prompts_file, prompt_ids, tokenizer, vocab)
   check_lengths(prompts, decoder_check.max_seq_len)
@@ -691,3 +692,57 @@ def results_table(records: Sequence[dict], step: int, has_text: bool):
     cont = r['decoded'] if has_text else ' '.join(map(str, r['decoded_ids']))
     table.add_row(tag, Text(prompt), Text(cont, style='bold'), f"{r['logprob']:.2f}", r['stop_reason'])
   return table
+
+
+# ---- decoding while training --------------------------------------------------------------------------
+
+
+class TrainDecoder:
+  """task.train.decode_interval_steps: greedy continuations of decode_prompts at those steps,
+  into TensorBoard text summaries (summaries/decode) and decoder_out/prompts/decode_step<k>.jsonl."""
+
+  def __init__(self, resolved, setup, job_dir: str, train_cfg):
+    import jax
+
+    from paxcli import tokenizer as tok_lib
+    self.setup, self.job_dir = setup, job_dir
+    self.tokenizer = tok_lib.load(job_dir, resolved.train_dataset())
+    self.decoder = Decoder(setup, None)
+    prompts = []
+    for n, p in enumerate(train_cfg.decode_prompts):
+      if isinstance(p, str):
+        prompts.append(_text_prompt(p, self.tokenizer, f'DECODE_PROMPTS[{n}]'))
+      else:
+        prompts.append(Prompt([int(i) for i in p]))
+    check_lengths(prompts, self.decoder.max_seq_len)
+    for n, p in enumerate(prompts):
+      if not p.ids or not all(0 <= i < self.decoder.vocab_size for i in p.ids):
+        raise UserError(f'DECODE_PROMPTS[{n}] is empty or has ids outside the vocabulary.')
+    self.prompts = prompts
+    eos = (self.tokenizer.eos_id,) if self.tokenizer is not None and self.tokenizer.eos_id is not None else ()
+    self.opts = DecodeOptions(max_decode_steps=train_cfg.decode_max_steps, eos_ids=eos)
+    self.writer = None
+    self.lead = jax.process_index() == 0
+
+  def run(self, step: int, params) -> list[str]:
+    import os
+    self.decoder.params = params
+    records, _ = self.decoder.run(self.prompts, self.opts, self.tokenizer)
+    if not self.lead:
+      return []
+    write_jsonl(output_path(self.job_dir, None, step), records)
+    if self.writer is None:
+      from paxcli.summaries import SummaryWriter
+      self.writer = SummaryWriter(os.path.join(self.job_dir, 'summaries', 'decode'))
+    lines = []
+    for r in records:
+      prompt = r['prompt'] if r['prompt'] is not None else ' '.join(map(str, r['prompt_ids']))
+      cont = r['decoded'] if r['decoded'] is not None else ' '.join(map(str, r['decoded_ids']))
+      self.writer.text(step, f"decode/prompt_{r['prompt_index']}", f'**{prompt}** {cont}')
+      lines.append(f'decode step {step}: {prompt!r} -> {cont!r}')
+    self.writer.flush()
+    return lines
+
+  def close(self) -> None:
+    if self.writer:
+      self.writer.close()

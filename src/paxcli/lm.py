@@ -54,6 +54,9 @@ class LmExperiment(Experiment):
   SAVE_INTERVAL_STEPS: int = 100
   SUMMARY_INTERVAL_STEPS: int = 10
   EVAL_INTERVAL_STEPS: int = 0  # 0: no eval during training
+  DECODE_INTERVAL_STEPS: int = 0  # 0: no decoding during training; else greedy on DECODE_PROMPTS
+  DECODE_PROMPTS: list = []       # texts, or lists of token ids for models without a tokenizer
+  DECODE_MAX_STEPS: int = 32
 
   def model(self) -> fdl.Config:
     """LanguageModel built from templates the knobs fill; edit a template to swap a layer:
@@ -93,6 +96,9 @@ class LmExperiment(Experiment):
         save_interval_steps=self.SAVE_INTERVAL_STEPS,
         summary_interval_steps=self.SUMMARY_INTERVAL_STEPS,
         eval_interval_steps=self.EVAL_INTERVAL_STEPS,
+        decode_interval_steps=self.DECODE_INTERVAL_STEPS,
+        decode_prompts=list(self.DECODE_PROMPTS),
+        decode_max_steps=self.DECODE_MAX_STEPS,
         learning_rate=self.LEARNING_RATE,
         clip_gradient_norm_to_value=self.CLIP_GRADIENT_NORM_TO_VALUE,
         optimizer=fdl.Config(OptimizerConfig, name=self.OPTIMIZER, beta1=self.ADAM_BETA1,

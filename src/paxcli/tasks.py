@@ -43,6 +43,9 @@ class TrainConfig:
   save_max_to_keep: int = 3
   summary_interval_steps: int = 10
   eval_interval_steps: int = 0  # 0: no eval during training
+  decode_interval_steps: int = 0  # 0: no decoding during training (else greedy on decode_prompts)
+  decode_prompts: Any = ()        # texts (or lists of ids for models without a tokenizer)
+  decode_max_steps: int = 32
   learning_rate: float = 1e-3
   clip_gradient_norm_to_value: float = 1.0  # 0: no clipping
   # A finite loss above loss_spike_factor x the median of the last loss_spike_window step losses

@@ -374,6 +374,10 @@ def _train(resolved, job_dir: str, console, verbose: bool = False) -> dict:
   if train_cfg.eval_interval_steps and resolved.eval_datasets():
     from paxcli.evaluate import Evaluator, metrics_line
     evaluator = Evaluator(resolved, setup, job_dir)
+  train_decoder = None
+  if getattr(train_cfg, 'decode_interval_steps', 0) and train_cfg.decode_prompts:
+    from paxcli.decode import TrainDecoder
+    train_decoder = TrainDecoder(resolved, setup, job_dir, train_cfg)
 
   # ---- Loop ------------------------------------------------------------------------------------
   writer = SummaryWriter(os.path.join(job_dir, 'summaries', 'train'),
@@ -443,6 +447,9 @@ def _train(resolved, job_dir: str, console, verbose: bool = False) -> dict:
       if evaluator and step % train_cfg.eval_interval_steps == 0:
         for name, m in evaluator.run(step, state).items():
           reporter.log(metrics_line(step, name, m))
+      if train_decoder and (step % train_cfg.decode_interval_steps == 0 or is_last):
+        for line in train_decoder.run(step, state['params']):
+          reporter.log(line)
       reporter.step(step, last.get('loss'), last.get('tokens_per_sec'))
       if stopping:
         checkpointer.wait()
@@ -456,6 +463,8 @@ def _train(resolved, job_dir: str, console, verbose: bool = False) -> dict:
     checkpointer.close()
     if evaluator:
       evaluator.close()
+    if train_decoder:
+      train_decoder.close()
     if writer:
       writer.close()
   keep = train_cfg.save_max_to_keep
