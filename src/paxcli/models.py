@@ -17,13 +17,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import fiddle as fdl
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paxcli.layers.base import BaseLayer, LayerTpl, instantiate, template_field  # noqa: F401
-from paxcli.layers.transformer import Block, Norm, dtype_of, fill_template
+from paxcli.layers.base import (AUX_LOSS, NON_TRAINABLE, RANDOM, SUMMARIES, BaseLayer, LayerTpl,
+                                build_arguments, instantiate, template_field)  # noqa: F401
+from paxcli.layers.transformer import Attention, Block, Mlp, Norm, dtype_of, fill_template
 
 REMAT_POLICIES = {
     'save_nothing': lambda: jax.checkpoint_policies.nothing_saveable,
@@ -89,12 +91,11 @@ class TransformerLm(BaseLayer):
   final_norm_tpl: LayerTpl = template_field(Norm)
 
   def _block_kwargs(self, dtype, deterministic: bool) -> tuple[type, dict]:
-    from paxcli.layers import base
+    """The block class (remat-wrapped per checkpoint_policy) and its arguments from block_tpl."""
     tpl = fill_template(self.block_tpl, dtype, model_dims=self.model_dims, dropout_prob=self.dropout_prob,
                         deterministic=deterministic)
-    import fiddle as fdl
     cls = fdl.get_callable(tpl)
-    kwargs = base.build_arguments(tpl, self)
+    kwargs = build_arguments(tpl, self)
     if self.checkpoint_policy != 'none':
       cls = nn.remat(cls, policy=REMAT_POLICIES[self.checkpoint_policy](), prevent_cse=not self.scan_layers)
     return cls, kwargs
@@ -122,7 +123,6 @@ class TransformerLm(BaseLayer):
 
     block, block_kwargs = self._block_kwargs(dtype, deterministic)
     if self.scan_layers:
-      from paxcli.layers.base import AUX_LOSS, NON_TRAINABLE, RANDOM, SUMMARIES
       stack = nn.scan(block, variable_axes={'params': 0, NON_TRAINABLE: 0, SUMMARIES: 0, AUX_LOSS: 0},
                       split_rngs={'params': True, 'dropout': True, RANDOM: True},
                       in_axes=(nn.broadcast, nn.broadcast), length=self.num_layers,
@@ -133,9 +133,7 @@ class TransformerLm(BaseLayer):
         x_BxLxD, _ = block(**block_kwargs, name=f'layer_{i}')(x_BxLxD, segment_ids_BxL, positions_BxL)
 
     final_norm = fill_template(self.final_norm_tpl, dtype)
-    from paxcli.layers import base
-    import fiddle as fdl
-    x_BxLxD = fdl.get_callable(final_norm)(**base.build_arguments(final_norm, self), name='final_norm')(x_BxLxD)
+    x_BxLxD = fdl.get_callable(final_norm)(**build_arguments(final_norm, self), name='final_norm')(x_BxLxD)
     if self.separate_embedding:
       logits = nn.Dense(self.vocab_size, use_bias=False, dtype=dtype,
                         kernel_init=nn.with_logical_partitioning(
@@ -175,9 +173,6 @@ def lm_config(vocab_size: int = 256, num_layers: int = 2, model_dims: int = 64, 
   `lm_tpl.block_tpl.attention_tpl`, hidden dims and activation in `...ffn_tpl`, the norm
   kind in `...norm_tpl` and `lm_tpl.final_norm_tpl`, the rest on `lm_tpl`.
   """
-  import fiddle as fdl
-
-  from paxcli.layers.transformer import Attention, Mlp
   norm = lambda: fdl.Config(Norm, kind=norm_type, use_bias=use_bias)
   attention = fdl.Config(Attention, num_heads=num_heads, num_kv_heads=num_kv_heads, dims_per_head=dims_per_head,
                          use_bias=use_bias, rotary=position_embedding == 'rotary',
@@ -273,8 +268,6 @@ def validate_lm(lm) -> None:
   if not 0 <= lm.dropout_prob < 1:
     raise UserError(f'task.model.lm_tpl.dropout_prob must be in [0, 1), got {lm.dropout_prob}.')
   attention = getattr(getattr(lm, 'block_tpl', None), 'attention_tpl', None)
-  from paxcli.layers.transformer import Attention
-  import fiddle as fdl
   if attention is None or fdl.get_callable(attention) is not Attention:
     return
   where = 'task.model.lm_tpl.block_tpl.attention_tpl'
@@ -285,7 +278,6 @@ def validate_lm(lm) -> None:
   if attention.rotary and attention.dims_per_head % 2:
     raise UserError(f'Rotary positions need an even DIMS_PER_HEAD, got {attention.dims_per_head}.')
   ffn = lm.block_tpl.ffn_tpl
-  from paxcli.layers.transformer import Mlp
   if fdl.get_callable(ffn) is Mlp:
     at_least(1, 'task.model.lm_tpl.block_tpl.ffn_tpl', ffn, 'hidden_dims')
 
@@ -306,7 +298,7 @@ class ClassificationModel(BaseModel):
   norm_tpl: LayerTpl = template_field(Norm)
 
   def setup(self):
-    from paxcli.layers.base import WeightHParams, WeightInit
+    from paxcli.layers.base import WeightHParams, WeightInit  # noqa: F811
     d = self.model_dims
     self.create_variable('embedding', WeightHParams(shape=[self.vocab_size, d], init=WeightInit.Gaussian(d ** -0.5),
                                                     tensor_split_dims_mapping=('vocab', 'embed')))
