@@ -215,7 +215,7 @@ def test_hf_export_matches_numpy_llama_and_imports_back(job, tmp_path, capsys):
   model = core.build_model(config.resolve(EXP, _sets(LLAMA)))
   params = core.load_params(__import__('paxcli.convert.formats', fromlist=['x']).open_source(job),
                             [n for n in model.abstract if n.startswith('params/')])
-  ids = np.random.default_rng(1).integers(0, 64, (2, 16))
+  ids = np.random.default_rng(1).integers(0, 64, (2, 16)).astype(np.int32)
   ours = core.logits(model.module, params, ids)
   theirs = _llama_logits(weights, cfg, ids)
   np.testing.assert_allclose(ours, theirs, atol=2e-4, rtol=1e-4)

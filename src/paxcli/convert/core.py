@@ -62,8 +62,18 @@ class Model:
   placeholders: list         # names of empty optimizer states (kept as placeholders in orbax)
 
   @property
-  def scanned(self) -> bool:
-    return bool(self.module.scan_layers)
+  def spec(self):
+    """The model's sizes and choices in TransformerLm's field names, from the experiment's knobs."""
+    from types import SimpleNamespace
+    e = self.resolved.experiment
+    return SimpleNamespace(
+        vocab_size=e.VOCAB_SIZE, num_layers=e.NUM_LAYERS, model_dims=e.MODEL_DIMS, hidden_dims=e.HIDDEN_DIMS,
+        num_heads=e.NUM_HEADS, num_kv_heads=e.NUM_KV_HEADS or e.NUM_HEADS,
+        dims_per_head=e.DIMS_PER_HEAD or e.MODEL_DIMS // e.NUM_HEADS, max_seq_len=e.MAX_SEQ_LEN,
+        activation=e.ACTIVATION, use_gated_activation=e.USE_GATED_ACTIVATION, norm_type=e.NORM_TYPE,
+        use_bias=e.USE_BIAS, position_embedding=e.POSITION_EMBEDDING,
+        rotary_max_timescale=e.ROTARY_MAX_TIMESCALE, separate_embedding=e.SEPARATE_EMBEDDING,
+        scan_layers=e.USE_REPEATED_LAYER)
 
   def names(self, params_only: bool) -> list[str]:
     return [n for n in self.abstract if not params_only or n == 'step' or n.startswith('params/')]
@@ -75,7 +85,7 @@ def build_model(resolved) -> Model:
   import jax
 
   from paxcli import engine, optim
-  task = fdl.build(resolved.task)
+  task = engine.build_task(resolved.task)
   engine.validate_model(task.model)
   tx = optim.make_optimizer(task.train)
   seq_len = getattr(resolved.train_dataset(), 'seq_len', None) or task.model.max_seq_len
@@ -265,8 +275,9 @@ def random_ids(vocab: int, seq: int, seed: int = 0) -> np.ndarray:
   return np.random.default_rng(seed).integers(0, vocab, (2, min(seq, 32)), dtype=np.int32)
 
 
-def verify(src_module, src_params: dict, tgt_module, tgt_params: dict, kl_tolerance: float) -> dict:
-  ids = random_ids(src_module.vocab_size, min(src_module.max_seq_len, tgt_module.max_seq_len))
+def verify(src_module, src_params: dict, tgt_module, tgt_params: dict, kl_tolerance: float,
+           vocab_size: int, seq_len: int) -> dict:
+  ids = random_ids(vocab_size, seq_len)
   out = compare(logits(src_module, src_params, ids), logits(tgt_module, tgt_params, ids))
   out['kl_tolerance'] = kl_tolerance
   out['ok'] = bool(np.isfinite(out['kl']) and out['kl'] <= kl_tolerance)
