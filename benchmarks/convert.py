@@ -41,7 +41,7 @@ def make_checkpoint(job_dir: str, overrides: list[str], exp: str = EXP) -> dict:
   resolved = config.resolve(exp, overrides)
   model = core.build_model(resolved)
   from paxcli import engine
-  init = jax.jit(lambda r: engine.unbox(engine.init_variables(model.module, r, 8)['params']))
+  init = jax.jit(lambda r: engine.unbox(engine.init_variables(model.module.model, r, 8)['params']))
   params = init(jax.random.key(0))
   shapes = {n: list(x.shape) for n, x in model.abstract.items() if n == 'step' or n.startswith('params/')}
   meta = {'step': 0, 'batches_consumed': 0, 'state_shapes': shapes, 'experiment': resolved.name,

@@ -262,14 +262,10 @@ def test_errors_are_one_line(job, tmp_path, capsys):
   assert not (tmp_path / 'o2').exists() and not (tmp_path / 'o4').exists()
 
 
-def test_model_that_is_no_llama_is_refused_in_a_fresh_shell(tmp_path, capsys):
-  job = str(tmp_path / 'ln')
-  _ok(['train', '--exp', EXP, '--set', 'MODEL_DIMS=32', '--set', 'HIDDEN_DIMS=64', '--set', 'NUM_LAYERS=1',
-              '--set', 'VOCAB_SIZE=64', '--set', 'MAX_SEQ_LEN=16', '--set', 'PERCORE_BATCH_SIZE=1',
-              '--set', 'NUM_HEADS=4', '--set', 'DIMS_PER_HEAD=8', '--set', 'task.train.num_train_steps=1',
-              '--job-log-dir', job], capsys)
-  r = run_pax('checkpoint', 'convert', job, str(tmp_path / 'hf'), '--to', 'hf')
-  assert r.returncode == 2 and 'Traceback' not in r.stderr
+def test_model_that_is_no_llama_is_refused_in_a_fresh_shell(job, tmp_path):
+  r = run_pax('checkpoint', 'convert', job, str(tmp_path / 'hf'), '--to', 'hf', '--set', "NORM_TYPE='layernorm'",
+              '--set', 'USE_BIAS=True', '--set', "POSITION_EMBEDDING='learned'")
+  assert r.returncode == 2 and 'Traceback' not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
   assert "norm_type is 'layernorm'" in r.stderr and 'biases' in r.stderr and "positions are 'learned'" in r.stderr
   assert not (tmp_path / 'hf').exists()
 

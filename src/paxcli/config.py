@@ -148,9 +148,11 @@ def _by_name(exp: Experiment, datasets: list) -> dict[str, fdl.Config]:
   by_name = {}
   for cfg in datasets:
     if not isinstance(cfg, fdl.Buildable):
-      raise UserError(f'{type(exp).__name__}.datasets() returned {cfg!r}: return fiddle configs of inputs, '
-                      'e.g. fdl.Config(SyntheticLmInput, name="train", is_training=True, ...), not built '
-                      'objects (see "Inputs in an experiment" in the README).')
+      kind = type(cfg).__name__
+      raise UserError(f'{type(exp).__name__}.datasets() returned a {kind} object; return fiddle configs of '
+                      f'inputs instead, e.g. fdl.Config({kind}, name="train", is_training=True, ...): paxcli '
+                      'builds them per process with its batch size and host index (see "Inputs in an '
+                      'experiment" in the README).')
     ds_name = getattr(cfg, 'name', None) or ('train' if cfg.is_training else 'eval')
     if ds_name in by_name:
       raise UserError(f'{type(exp).__name__}.datasets() has two inputs named {ds_name!r}.')

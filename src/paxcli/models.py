@@ -245,6 +245,26 @@ class LanguageModel(BaseModel):
     validate_lm(self.lm_tpl)
 
 
+def flat_view(model):
+  """The LM's settings under the flat names of `lm_config` (num_heads, norm_type, ...), with
+  `apply` of the model: for code that reads an LM's shape (conversion, export).
+  A field of a swapped-in layer that has no such setting reads None."""
+  import types
+  lm = model.lm_tpl
+  block = lm.block_tpl
+  attention, ffn, norm = block.attention_tpl, block.ffn_tpl, block.norm_tpl
+  get = lambda cfg, name: getattr(cfg, name, None)
+  return types.SimpleNamespace(
+      apply=model.apply, model=model,
+      **{name: get(lm, name) for name in ('vocab_size', 'num_layers', 'model_dims', 'max_seq_len',
+                                          'position_embedding', 'separate_embedding', 'dropout_prob',
+                                          'fprop_dtype', 'scan_layers', 'checkpoint_policy')},
+      **{name: get(attention, name) for name in ('num_heads', 'num_kv_heads', 'dims_per_head',
+                                                 'rotary_max_timescale', 'use_bias')},
+      hidden_dims=get(ffn, 'hidden_dims'), activation=get(ffn, 'activation'),
+      use_gated_activation=get(ffn, 'gated'), norm_type=get(norm, 'kind'))
+
+
 def validate_lm(lm) -> None:
   """Checks of a TransformerLm config that one layer alone cannot make."""
   from paxcli.errors import UserError

@@ -57,23 +57,18 @@ def resolve_pair(src, exp: Optional[str], overrides: list[str]):
 @dataclasses.dataclass
 class Model:
   resolved: object
-  module: object             # the flax TransformerLm
+  module: object             # models.flat_view of the LanguageModel: flat settings and apply
   abstract: dict             # name -> ShapeDtypeStruct of the full train state
   placeholders: list         # names of empty optimizer states (kept as placeholders in orbax)
 
   @property
   def spec(self):
-    """The model's sizes and choices in TransformerLm's field names, from the experiment's knobs."""
-    from types import SimpleNamespace
-    e = self.resolved.experiment
-    return SimpleNamespace(
-        vocab_size=e.VOCAB_SIZE, num_layers=e.NUM_LAYERS, model_dims=e.MODEL_DIMS, hidden_dims=e.HIDDEN_DIMS,
-        num_heads=e.NUM_HEADS, num_kv_heads=e.NUM_KV_HEADS or e.NUM_HEADS,
-        dims_per_head=e.DIMS_PER_HEAD or e.MODEL_DIMS // e.NUM_HEADS, max_seq_len=e.MAX_SEQ_LEN,
-        activation=e.ACTIVATION, use_gated_activation=e.USE_GATED_ACTIVATION, norm_type=e.NORM_TYPE,
-        use_bias=e.USE_BIAS, position_embedding=e.POSITION_EMBEDDING,
-        rotary_max_timescale=e.ROTARY_MAX_TIMESCALE, separate_embedding=e.SEPARATE_EMBEDDING,
-        scan_layers=e.USE_REPEATED_LAYER)
+    """The LM's settings under TransformerLm's flat field names (models.flat_view)."""
+    return self.module
+
+  @property
+  def scanned(self) -> bool:
+    return bool(self.module.scan_layers)
 
   def names(self, params_only: bool) -> list[str]:
     return [n for n in self.abstract if not params_only or n == 'step' or n.startswith('params/')]
@@ -81,10 +76,9 @@ class Model:
 
 def build_model(resolved) -> Model:
   """The model and the abstract train state of an experiment, without a mesh."""
-  import fiddle as fdl
   import jax
 
-  from paxcli import engine, optim
+  from paxcli import engine, models, optim
   task = engine.build_task(resolved.task)
   engine.validate_model(task.model)
   tx = optim.make_optimizer(task.train)
@@ -96,7 +90,7 @@ def build_model(resolved) -> Model:
       abstract, is_leaf=lambda x: isinstance(x, tuple) and not x and x is not None)[0]:
     if isinstance(node, tuple) and not node:
       empty.append(formats.join(path))
-  return Model(resolved, task.model, flat, empty)
+  return Model(resolved, models.flat_view(task.model), flat, empty)
 
 
 # ---- plan -------------------------------------------------------------------------------------

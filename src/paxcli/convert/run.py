@@ -62,6 +62,11 @@ def convert(source: str, output: str, *, fmt: Optional[str] = None, to: str = 'o
   if source_res is None:
     source_res = target_res
   target = core.build_model(target_res)
+  if to == 'hf':
+    from paxcli.convert import hf
+    reasons = hf.misfit(target.spec)
+    if reasons:
+      raise UserError('This model does not fit the Hugging Face Llama layout: ' + '; '.join(reasons) + '.')
   source_model = core.build_model(source_res)
   src_arrays = src.arrays()
   has_opt = any(a.name.startswith('opt_state/') for a in src_arrays)
