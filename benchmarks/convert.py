@@ -40,9 +40,8 @@ def make_checkpoint(job_dir: str, overrides: list[str], exp: str = EXP) -> dict:
   from paxcli.convert import core
   resolved = config.resolve(exp, overrides)
   model = core.build_model(resolved)
-  init = jax.jit(lambda r: jax.tree.map(lambda x: x.unbox() if hasattr(x, 'unbox') else x,
-                                        model.module.init(r, np.zeros((1, 8), np.int32))['params'],
-                                        is_leaf=lambda x: hasattr(x, 'unbox')))
+  from paxcli import engine
+  init = jax.jit(lambda r: engine.unbox(engine.init_variables(model.module.model, r, 8)['params']))
   params = init(jax.random.key(0))
   shapes = {n: list(x.shape) for n, x in model.abstract.items() if n == 'step' or n.startswith('params/')}
   meta = {'step': 0, 'batches_consumed': 0, 'state_shapes': shapes, 'experiment': resolved.name,

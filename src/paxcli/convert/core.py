@@ -62,6 +62,11 @@ class Model:
   placeholders: list         # names of empty optimizer states (kept as placeholders in orbax)
 
   @property
+  def spec(self):
+    """The LM's settings under TransformerLm's flat field names (models.flat_view)."""
+    return self.module
+
+  @property
   def scanned(self) -> bool:
     return bool(self.module.scan_layers)
 
@@ -264,8 +269,9 @@ def random_ids(vocab: int, seq: int, seed: int = 0) -> np.ndarray:
   return np.random.default_rng(seed).integers(0, vocab, (2, min(seq, 32)), dtype=np.int32)
 
 
-def verify(src_module, src_params: dict, tgt_module, tgt_params: dict, kl_tolerance: float) -> dict:
-  ids = random_ids(src_module.vocab_size, min(src_module.max_seq_len, tgt_module.max_seq_len))
+def verify(src_module, src_params: dict, tgt_module, tgt_params: dict, kl_tolerance: float,
+           vocab_size: int, seq_len: int) -> dict:
+  ids = random_ids(vocab_size, seq_len)
   out = compare(logits(src_module, src_params, ids), logits(tgt_module, tgt_params, ids))
   out['kl_tolerance'] = kl_tolerance
   out['ok'] = bool(np.isfinite(out['kl']) and out['kl'] <= kl_tolerance)
