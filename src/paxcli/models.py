@@ -90,13 +90,13 @@ class TransformerLm(BaseLayer):
   block_tpl: LayerTpl = template_field(Block)
   final_norm_tpl: LayerTpl = template_field(Norm)
 
-  def _block_kwargs(self, dtype, deterministic: bool) -> tuple[type, dict]:
+  def _block_kwargs(self, dtype, deterministic: bool, remat: bool = True) -> tuple[type, dict]:
     """The block class (remat-wrapped per checkpoint_policy) and its arguments from block_tpl."""
     tpl = fill_template(self.block_tpl, dtype, model_dims=self.model_dims, dropout_prob=self.dropout_prob,
                         deterministic=deterministic)
     cls = fdl.get_callable(tpl)
     kwargs = build_arguments(tpl, self)
-    if self.checkpoint_policy != 'none':
+    if remat and self.checkpoint_policy != 'none':
       cls = nn.remat(cls, policy=REMAT_POLICIES[self.checkpoint_policy](), prevent_cse=not self.scan_layers)
     return cls, kwargs
 
@@ -121,9 +121,10 @@ class TransformerLm(BaseLayer):
       x_BxLxD = x_BxLxD + jnp.take(pos, positions_BxL, axis=0).astype(dtype)
     x_BxLxD = nn.Dropout(self.dropout_prob, deterministic=deterministic)(x_BxLxD)
 
-    block, block_kwargs = self._block_kwargs(dtype, deterministic)
+    decoding = self.is_mutable_collection('cache') and not self.is_initializing()  # KV cache: no remat
+    block, block_kwargs = self._block_kwargs(dtype, deterministic, remat=not decoding)
     if self.scan_layers:
-      stack = nn.scan(block, variable_axes={'params': 0, NON_TRAINABLE: 0, SUMMARIES: 0, AUX_LOSS: 0},
+      stack = nn.scan(block, variable_axes={'params': 0, NON_TRAINABLE: 0, SUMMARIES: 0, AUX_LOSS: 0, 'cache': 0},
                       split_rngs={'params': True, 'dropout': True, RANDOM: True},
                       in_axes=(nn.broadcast, nn.broadcast), length=self.num_layers,
                       metadata_params={nn.PARTITION_NAME: 'layers'})

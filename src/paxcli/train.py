@@ -15,6 +15,7 @@ import functools
 import math
 import os
 import signal
+import sys
 import threading
 import time
 from typing import Optional
@@ -176,7 +177,9 @@ class GracefulStop:
   """SIGTERM (preemption) or a first Ctrl-C asks the loop to save and stop after the step.
 
   Only with one process: several processes must agree on the step to save at, which a
-  signal to one of them cannot give. A second Ctrl-C interrupts at once.
+  signal to one of them cannot give. A second signal (Ctrl-C again) exits at once, in
+  one line, without waiting for a save in flight: orbax's temporary directory is left
+  behind and set aside (never used) at the next start.
   """
 
   SIGNALS = {'SIGTERM': 143, 'SIGINT': 130}
@@ -195,8 +198,13 @@ class GracefulStop:
 
   def _handle(self, signum, frame):
     del frame
+    if self.signal_name is not None:  # the second one: no traceback from orbax's threads over the bar
+      sys.stderr.write(f'\nerror: {signal.Signals(signum).name} again: stopping without waiting for the save. '
+                       'An unfinished checkpoint is set aside at the next start; run the same command to resume '
+                       'from the last complete one.\n')
+      sys.stderr.flush()
+      os._exit(self.SIGNALS.get(signal.Signals(signum).name, 130))
     self.signal_name = signal.Signals(signum).name
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C stops at once
 
   def __exit__(self, *exc):
     for signum, handler in self._previous.items():
@@ -450,8 +458,12 @@ def _train(resolved, job_dir: str, console, verbose: bool = False) -> dict:
       evaluator.close()
     if writer:
       writer.close()
-  reporter_log(f"Done: step {last['step']}, loss {last.get('loss', float('nan')):.4f}. "
-               f"Checkpoints in {ckpt_dir}.")
+  keep = train_cfg.save_max_to_keep
+  kept = f'the latest {keep} kept, and the one of lowest loss' if keep else 'all kept'
+  reporter_log(f"Done: step {last['step']}, loss {last.get('loss', float('nan')):.4f}.\n"
+               f"  checkpoints: {ckpt_dir} ({kept}; task.train.save_max_to_keep)\n"
+               f"  metrics:     {os.path.join(job_dir, 'train_metrics.jsonl')}\n"
+               f"  TensorBoard: tensorboard --logdir {os.path.join(job_dir, 'summaries')}")
   return last
 
 
