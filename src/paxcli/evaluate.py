@@ -194,7 +194,9 @@ def evaluate(resolved, job_dir: str, console, use_checkpoint: bool = True) -> di
     from paxcli import restore
     step = restore.choose_step(job_dir, purpose='evaluate')
     flat = {k: repr(v) for k, v in resolved.flat().items()}
-    state = restore.restore(setup, job_dir, step, params_only=True, flat_now=flat, action='evaluate').state
+    restored = restore.restore(setup, job_dir, step, params_only=True, flat_now=flat, action='evaluate',
+                               fallback=True, log=lambda m: console.print(m, highlight=False, markup=False))
+    state, step = restored.state, restored.step  # an older step if the latest is damaged
   else:
     state = engine.init_state(setup, resolved.experiment.RANDOM_SEED)
   evaluator = Evaluator(resolved, setup, job_dir)
