@@ -28,14 +28,8 @@ _REGISTRY: dict[str, type['Experiment']] = {}
 RECIPES_PACKAGE = 'paxcli.recipes'
 DEFAULT_EXPERIMENT = 'default.StdlibDocsLm'
 
-ActivationName = Literal['gelu', 'relu', 'silu', 'swish']
-NormName = Literal['layernorm', 'rmsnorm']
-PositionName = Literal['learned', 'rotary', 'none']
-DTypeName = Literal['float32', 'bfloat16', 'float16']
-CheckpointPolicyName = Literal['none', 'save_nothing', 'save_dot_only', 'save_dot_with_no_batch_dim',
-                               'save_qkv_out_proj', 'save_everything']
-OptimizerName = Literal['adam', 'adamw', 'adafactor', 'sgd']
-ScheduleName = Literal['constant', 'linear_rampup_cosine_decay', 'linear_rampup_exponential_decay']
+from paxcli.options import (ActivationName, CheckpointPolicyName, DTypeName, NormName,  # noqa: F401 (re-exported)
+                            OptimizerName, PositionName, ScheduleName)
 
 
 class Experiment:
@@ -113,7 +107,8 @@ class Experiment:
 
   @classmethod
   def registered_name(cls) -> str:
-    return getattr(cls, '_registered_name', f'{cls.__module__}.{cls.__qualname__}')
+    # From the class itself, never inherited: an unregistered subclass is not its parent.
+    return cls.__dict__.get('_registered_name', f'{cls.__module__}.{cls.__qualname__}')
 
 
 def register(cls: type[Experiment]) -> type[Experiment]:
@@ -162,7 +157,10 @@ def _load_file(path: str, class_name: str) -> type[Experiment]:
       del sys.modules[module_name]
       raise UserError(import_failure(path, e)) from None
   module = sys.modules[module_name]
-  return _class_from_module(module, class_name, path)
+  cls = _class_from_module(module, class_name, path)
+  if cls.__module__ == module_name:  # `runs/my_experiments.MyLm`, not the internal module name
+    cls._registered_name = f'{os.path.splitext(os.path.basename(path))[0]}.{cls.__qualname__}'
+  return cls
 
 
 def _class_from_module(module, class_name: str, where: str) -> type[Experiment]:

@@ -2,6 +2,7 @@
 
 Job directory layout:
   config.txt             the resolved config of the latest invocation
+  invocations.txt        one line per invocation: UTC time, paxcli version, command line
   tokenizer/spm.model    the train input's sentencepiece model (decode and conversion read it)
   checkpoints/<step>/    orbax checkpoints (state + meta)
   summaries/train/       TensorBoard events
@@ -14,6 +15,7 @@ import functools
 import math
 import os
 import signal
+import sys
 import threading
 import time
 from typing import Optional
@@ -23,6 +25,11 @@ from paxcli.errors import UserError
 
 class TrainingDiverged(UserError):
   exit_code = 3
+
+
+# A run whose first this-many steps (of one invocation) all have zero total weight stops:
+# every target token is masked, so the loss is 0 and nothing trains.
+ZERO_WEIGHT_STEPS_TO_STOP = 10
 
 
 class LossGuard:
@@ -58,40 +65,85 @@ class LossGuard:
 
 
 def make_train_step(setup, batch_sharding, dropout_seed: int):
-  """The jitted step: (state, batch) -> (state, metrics); state is donated."""
+  """The jitted step: (state, batch) -> (state, metrics); state is donated.
+
+  The model's fprop gives (loss, metrics); aux losses its layers add join the loss;
+  non-trainable variables come back updated (the optimizer never sees them); layer
+  summaries come back in the metrics under 'summary/<layer path>/<name>'.
+  """
   import jax
   import jax.numpy as jnp
   import optax
 
   from paxcli import optim
-  from paxcli.models import lm_loss
+  from paxcli.layers.base import AUX_LOSS, NON_TRAINABLE, RANDOM, SUMMARIES, flatten_collection
   model, tx = setup.model, setup.tx
   lr_fn = optim.learning_rate_fn(setup.train)
-  deterministic = model.dropout_prob == 0
+  deterministic = getattr(model, 'dropout_prob', 0) == 0
+  has_non_trainable = 'non_trainable' in setup.state_shardings
 
   def step_fn(state, batch):
-    rng = jax.random.fold_in(jax.random.key(dropout_seed), state['step'])
+    rngs = step_rngs(dropout_seed, state['step'])
 
     def loss_fn(params):
-      logits = model.apply({'params': params}, batch['ids'], batch.get('segment_ids'),
-                           batch.get('positions'), deterministic=deterministic, rngs={'dropout': rng})
-      return lm_loss(logits, batch['labels'], batch['weights'])
+      variables = {'params': params}
+      if has_non_trainable:
+        variables[NON_TRAINABLE] = state['non_trainable']
+      (loss, model_metrics), updates = model.apply(
+          variables, batch, deterministic=deterministic, method='fprop', rngs=rngs,
+          mutable=[NON_TRAINABLE, SUMMARIES, AUX_LOSS])
+      aux = flatten_collection(updates.get(AUX_LOSS, {}))
+      total = loss + sum(jnp.sum(v) for v in aux.values()) if aux else loss
+      return total, (loss, model_metrics, aux, updates)
 
-    (loss, sums), grads = jax.value_and_grad(loss_fn, has_aux=True)(state['params'])
-    updates, opt_state = tx.update(grads, state['opt_state'], state['params'])
-    params = optax.apply_updates(state['params'], updates)
-    metrics = {
-        'loss': loss,
-        'accuracy': sums['correct_sum'] / jnp.maximum(sums['weight_sum'], 1e-8),
+    (total, (loss, model_metrics, aux, updates)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+        state['params'])
+    param_updates, opt_state = tx.update(grads, state['opt_state'], state['params'])
+    params = optax.apply_updates(state['params'], param_updates)
+    metrics = {k: v for k, (v, _) in model_metrics.items()}
+    metrics.update({
+        'loss': total,
         'grad_norm': optax.tree.norm(grads) if hasattr(optax, 'tree') else optax.global_norm(grads),
         'learning_rate': lr_fn(state['step']),
-        'tokens': sums['weight_sum'],
-    }
-    return {'step': state['step'] + 1, 'params': params, 'opt_state': opt_state}, metrics
+        'tokens': model.count_in(model_metrics),
+    })
+    if aux:
+      metrics['model_loss'] = loss
+      metrics.update({f'aux_loss/{k}': jnp.sum(v) for k, v in aux.items()})
+    for name, value in flatten_collection(updates.get(SUMMARIES, {})).items():
+      metrics[f'summary/{name}'] = jnp.mean(value)  # scanned layers: the mean over layers
+    new_state = {'step': state['step'] + 1, 'params': params, 'opt_state': opt_state}
+    if has_non_trainable:
+      new_state['non_trainable'] = sync_non_trainable(updates[NON_TRAINABLE], setup)
+    return new_state, metrics
 
   replicated = jax.sharding.NamedSharding(setup.mesh, jax.sharding.PartitionSpec())
   return jax.jit(step_fn, in_shardings=(setup.state_shardings, batch_sharding),
                  out_shardings=(setup.state_shardings, replicated), donate_argnums=(0,))
+
+
+def step_rngs(seed: int, step) -> dict:
+  """The random streams of one train step: a function of the seed and the step alone, so a
+  resumed run draws what an uninterrupted one would. Flax folds in each call on top."""
+  import jax
+
+  from paxcli.layers.base import RANDOM
+  rng = jax.random.fold_in(jax.random.key(seed), step)
+  return {'dropout': rng, RANDOM: jax.random.fold_in(rng, 1)}
+
+
+def sync_non_trainable(new_vars, setup):
+  """Non-trainable variables after a step, laid out as the state holds them.
+
+  Under jit the layers compute their updates from the global batch, so each variable
+  already holds the mean over data-parallel replicas (Pax's REQUIRES_MEAN_SYNC, which
+  with pmap averaged per-replica values); the sharding constraint keeps every replica's
+  copy the same array.
+  """
+  import jax
+
+  from paxcli.engine import unbox
+  return jax.tree.map(jax.lax.with_sharding_constraint, unbox(new_vars), setup.state_shardings['non_trainable'])
 
 
 def ready_step(resolved, seed: int = 0):
@@ -125,7 +177,9 @@ class GracefulStop:
   """SIGTERM (preemption) or a first Ctrl-C asks the loop to save and stop after the step.
 
   Only with one process: several processes must agree on the step to save at, which a
-  signal to one of them cannot give. A second Ctrl-C interrupts at once.
+  signal to one of them cannot give. A second signal (Ctrl-C again) exits at once, in
+  one line, without waiting for a save in flight: orbax's temporary directory is left
+  behind and set aside (never used) at the next start.
   """
 
   SIGNALS = {'SIGTERM': 143, 'SIGINT': 130}
@@ -144,8 +198,13 @@ class GracefulStop:
 
   def _handle(self, signum, frame):
     del frame
+    if self.signal_name is not None:  # the second one: no traceback from orbax's threads over the bar
+      sys.stderr.write(f'\nerror: {signal.Signals(signum).name} again: stopping without waiting for the save. '
+                       'An unfinished checkpoint is set aside at the next start; run the same command to resume '
+                       'from the last complete one.\n')
+      sys.stderr.flush()
+      os._exit(self.SIGNALS.get(signal.Signals(signum).name, 130))
     self.signal_name = signal.Signals(signum).name
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C stops at once
 
   def __exit__(self, *exc):
     for signum, handler in self._previous.items():
@@ -203,7 +262,9 @@ class Reporter:
 
   def summary(self, record: dict) -> None:
     if self.enabled and not self.interactive:
-      self.log(f"step {record['step']}: loss {record['loss']:.4f}  accuracy {record['accuracy']:.4f}  "
+      accuracy = f"  accuracy {record['accuracy']:.4f}" if 'accuracy' in record else ''
+      aux = ''.join(f"  {k} {v:.4g}" for k, v in record.items() if k.startswith('aux_loss/'))
+      self.log(f"step {record['step']}: loss {record['loss']:.4f}{accuracy}{aux}  "
                f"lr {record['learning_rate']:.3g}  grad_norm {record['grad_norm']:.3f}  "
                f"{record['steps_per_sec']:.2f} steps/s  {record['tokens_per_sec']:,.0f} tokens/s")
 
@@ -262,6 +323,9 @@ def _train(resolved, job_dir: str, console, verbose: bool = False) -> dict:
   # ---- Checkpoint: resume or start -------------------------------------------------------
   ckpt_dir = os.path.join(job_dir, 'checkpoints')
   os.makedirs(job_dir, exist_ok=True)
+  if is_main:
+    from paxcli import invocation
+    invocation.record(job_dir)
   ckpt.set_aside_unfinished(ckpt_dir, log=reporter_log)
   distributed.barrier('paxcli:unfinished-checkpoints-set-aside')  # all processes then see the same steps
   checkpointer = ckpt.Checkpointer(ckpt_dir, train_cfg.save_max_to_keep)
@@ -291,6 +355,10 @@ def _train(resolved, job_dir: str, console, verbose: bool = False) -> dict:
     if layout_note:
       reporter_log(layout_note)
     reporter_log(f'Resumed from step {latest} ({batches_consumed} batches consumed).')
+    changed = config_differences(meta.get('config') or {}, flat, prefixes=('',))
+    if changed:
+      reporter_log(f'Note: {len(changed)} setting(s) differ from the checkpoint\'s config (the run goes on '
+                   'with the new ones):\n  ' + '\n  '.join(changed))
   else:
     state = engine.init_state(setup, resolved.experiment.RANDOM_SEED)
   if is_main:
@@ -308,7 +376,7 @@ def _train(resolved, job_dir: str, console, verbose: bool = False) -> dict:
   train_step = make_train_step(setup, batch_sharding, resolved.experiment.RANDOM_SEED + 1)
   evaluator = None
   if train_cfg.eval_interval_steps and resolved.eval_datasets():
-    from paxcli.evaluate import Evaluator
+    from paxcli.evaluate import Evaluator, metrics_line
     evaluator = Evaluator(resolved, setup, job_dir)
 
   # ---- Loop ------------------------------------------------------------------------------------
@@ -335,6 +403,19 @@ def _train(resolved, job_dir: str, console, verbose: bool = False) -> dict:
                                     'recent_losses': list(guard.recent), 'loss': guard.median(),
                                     'checksums': restore.checksums(state)})
 
+  zero_weight = {'steps': 0, 'seen': 0}
+
+  def take(step: int, metrics) -> dict:
+    """One step's metrics as floats, after the finite-loss and zero-weight checks."""
+    values = _check_finite(step, metrics, guard=guard, saved=checkpointer.latest_saved)
+    zero_weight['seen'] += 1
+    zero_weight['steps'] += values['tokens'] == 0
+    if zero_weight['seen'] == zero_weight['steps'] == min(ZERO_WEIGHT_STEPS_TO_STOP, train_cfg.num_train_steps - start_step):
+      raise UserError(f'Steps {start_step + 1}-{step} all had zero total weight: every target token of every '
+                      'batch is masked (weights 0), so the loss is 0 and nothing trains. Stopping. Check the '
+                      "input's weights or paddings (`pax inspect-input` shows padding per feature).")
+    return values
+
   try:
     stop.__enter__()
     for step in range(start_step + 1, train_cfg.num_train_steps + 1):
@@ -343,17 +424,20 @@ def _train(resolved, job_dir: str, console, verbose: bool = False) -> dict:
       batches_consumed += 1
       steps_in_window += 1
       if pending is not None:
-        window.append(_check_finite(*pending, guard=guard, saved=checkpointer.latest_saved))
+        window.append(take(*pending))
       pending = (step, metrics)
       stopping = stop.requested  # read once: a signal may land at any moment
       is_last = step == train_cfg.num_train_steps
       summarize = is_last or step % train_cfg.summary_interval_steps == 0
       save_now = is_last or stopping or step % train_cfg.save_interval_steps == 0
       if summarize or save_now:
-        window.append(_check_finite(*pending, guard=guard, saved=checkpointer.latest_saved))
+        window.append(take(*pending))
         pending = None
       if summarize:
         now = time.perf_counter()
+        if window and not any(w['tokens'] for w in window):
+          reporter.log(f"warning: steps {window[0]['step']}-{window[-1]['step']} had zero total weight (every "
+                       'target token masked): their loss 0 means nothing was trained.')
         last = _summarize(step, window, steps_in_window, max(now - t_window, 1e-9))
         if writer:
           writer.scalars(step, {k: v for k, v in last.items() if k != 'step'})
@@ -362,9 +446,8 @@ def _train(resolved, job_dir: str, console, verbose: bool = False) -> dict:
       if save_now:
         save(step)
       if evaluator and step % train_cfg.eval_interval_steps == 0:
-        for name, m in evaluator.run(step, state['params']).items():
-          reporter.log(f"step {step}: eval {name}: loss {m['loss']:.4f}  accuracy {m['accuracy']:.4f}  "
-                       f"({m['num_examples']:.0f} examples)")
+        for name, m in evaluator.run(step, state).items():
+          reporter.log(metrics_line(step, name, m))
       reporter.step(step, last.get('loss'), last.get('tokens_per_sec'))
       if stopping:
         checkpointer.wait()
@@ -380,8 +463,12 @@ def _train(resolved, job_dir: str, console, verbose: bool = False) -> dict:
       evaluator.close()
     if writer:
       writer.close()
-  reporter_log(f"Done: step {last['step']}, loss {last.get('loss', float('nan')):.4f}. "
-               f"Checkpoints in {ckpt_dir}.")
+  keep = train_cfg.save_max_to_keep
+  kept = f'the latest {keep} kept, and the one of lowest loss' if keep else 'all kept'
+  reporter_log(f"Done: step {last['step']}, loss {last.get('loss', float('nan')):.4f}.\n"
+               f"  checkpoints: {ckpt_dir} ({kept}; task.train.save_max_to_keep)\n"
+               f"  metrics:     {os.path.join(job_dir, 'train_metrics.jsonl')}\n"
+               f"  TensorBoard: tensorboard --logdir {os.path.join(job_dir, 'summaries')}")
   return last
 
 
@@ -406,18 +493,18 @@ def _check_finite(step: int, metrics, guard: Optional[LossGuard] = None, saved: 
 
 
 def _summarize(step: int, window: list[dict], steps: int, elapsed: float) -> dict:
+  """Means over the steps since the last summary; layer summaries are the latest step's."""
   n = max(len(window), 1)
   mean = lambda k: sum(w[k] for w in window) / n
   tokens = sum(w['tokens'] for w in window)
-  return {
-      'step': step,
-      'loss': mean('loss'),
-      'accuracy': mean('accuracy'),
-      'learning_rate': window[-1]['learning_rate'],
-      'grad_norm': mean('grad_norm'),
-      'steps_per_sec': steps / elapsed,
-      'tokens_per_sec': tokens / elapsed,
-  }
+  out = {'step': step}
+  for key in window[-1]:
+    if key in ('step', 'tokens'):
+      continue
+    out[key] = window[-1][key] if key == 'learning_rate' or key.startswith('summary/') else mean(key)
+  out['steps_per_sec'] = steps / elapsed
+  out['tokens_per_sec'] = tokens / elapsed
+  return out
 
 
 def _print_weights(console, setup) -> None:

@@ -14,16 +14,21 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from paxcli.layers.base import BaseLayer, LayerTpl, template_field
+from paxcli.options import ACTIVATIONS
+
 _ACTIVATIONS: dict[str, Callable] = {
     'gelu': nn.gelu,
     'relu': nn.relu,
     'silu': nn.silu,
     'swish': nn.silu,
 }
+assert set(_ACTIVATIONS) == set(ACTIVATIONS), 'paxcli.options.ActivationName and _ACTIVATIONS disagree'
 
 
 def dtype_of(name: str):
   return {'float32': jnp.float32, 'bfloat16': jnp.bfloat16, 'float16': jnp.float16}[name]
+
 
 
 def _init(names):
@@ -104,10 +109,15 @@ class Attention(nn.Module):
     b, l, _, e = q_BxLxHxE.shape
     groups = self.num_heads // self.num_kv_heads
     q_BxLxKxGxE = q_BxLxHxE.reshape(b, l, self.num_kv_heads, groups, e) * (e ** -0.5)
+    if self.is_mutable_collection('cache') and not self.is_initializing():
+      # Decoding: keys/values go into the KV cache; queries attend over all of it.
+      k_BxSxKxE, v_BxSxKxE, mask_BxLxS = self._decode_cache(k_BxSxKxE, v_BxSxKxE, segment_ids_BxL)
+    else:
+      causal_LxS = jnp.tril(jnp.ones((l, l), dtype=bool))
+      same_segment_BxLxS = segment_ids_BxL[:, :, None] == segment_ids_BxL[:, None, :]
+      mask_BxLxS = causal_LxS[None] & same_segment_BxLxS
     logits_BxKxGxLxS = jnp.einsum('blkge,bske->bkgls', q_BxLxKxGxE, k_BxSxKxE).astype(jnp.float32)
-    causal_LxS = jnp.tril(jnp.ones((l, l), dtype=bool))
-    same_segment_BxLxS = segment_ids_BxL[:, :, None] == segment_ids_BxL[:, None, :]
-    mask_Bx1x1xLxS = (causal_LxS[None] & same_segment_BxLxS)[:, None, None]
+    mask_Bx1x1xLxS = mask_BxLxS[:, None, None]
     logits_BxKxGxLxS = jnp.where(mask_Bx1x1xLxS, logits_BxKxGxLxS, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(logits_BxKxGxLxS, axis=-1).astype(self.dtype)
     out_BxLxKxGxE = jnp.einsum('bkgls,bske->blkge', probs, v_BxSxKxE)
@@ -118,6 +128,33 @@ class Attention(nn.Module):
         bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ('embed',)),
         name='out')(out_BxLxHxE)
     return checkpoint_name(out, 'out_proj')
+
+  def _decode_cache(self, k_BxLxKxE, v_BxLxKxE, segment_ids_BxL):
+    """KV cache for decoding (flax collection 'cache', used when it is mutable).
+
+    The first call (paxcli.decode's cache layout) only sizes the cache from its input: [B, S] ids
+    give S slots. Every later call writes its L new keys/values at slot `index` (the same
+    for all rows: prompts are left-padded), marks which slots hold real tokens (segment id
+    != 0) and returns the whole cache with the mask of what each new query may see: real
+    slots up to its own. Prefill is one call with the prompts; a decode step one with L=1.
+    """
+    initialized = self.has_variable('cache', 'cached_key')
+    key = self.variable('cache', 'cached_key', jnp.zeros, k_BxLxKxE.shape, k_BxLxKxE.dtype)
+    value = self.variable('cache', 'cached_value', jnp.zeros, v_BxLxKxE.shape, v_BxLxKxE.dtype)
+    valid = self.variable('cache', 'cached_valid', jnp.zeros, segment_ids_BxL.shape, jnp.bool_)
+    index = self.variable('cache', 'cache_index', lambda: jnp.zeros([], jnp.int32))
+    b, l = segment_ids_BxL.shape
+    if not initialized:
+      causal_LxS = jnp.tril(jnp.ones((l, l), dtype=bool))
+      return k_BxLxKxE, v_BxLxKxE, jnp.broadcast_to(causal_LxS[None], (b, l, l))
+    i = index.value
+    key.value = jax.lax.dynamic_update_slice(key.value, k_BxLxKxE.astype(key.value.dtype), (0, i, 0, 0))
+    value.value = jax.lax.dynamic_update_slice(value.value, v_BxLxKxE.astype(value.value.dtype), (0, i, 0, 0))
+    valid.value = jax.lax.dynamic_update_slice(valid.value, segment_ids_BxL != 0, (0, i))
+    index.value = i + l
+    s = key.value.shape[1]
+    visible_LxS = jnp.arange(s)[None, :] <= (i + jnp.arange(l))[:, None]
+    return key.value, value.value, visible_LxS[None] & valid.value[:, None, :]
 
 
 class Mlp(nn.Module):
@@ -142,31 +179,50 @@ class Mlp(nn.Module):
     return self._dense(x_BxLxD.shape[-1], ('mlp', 'embed'), 'wo')(h_BxLxF)
 
 
-class Block(nn.Module):
-  """Pre-norm Transformer block. Returns (x, None) so that nn.scan can stack it."""
-  num_heads: int
-  num_kv_heads: int
-  dims_per_head: int
-  hidden_dims: int
-  activation: str = 'gelu'
-  gated: bool = False
-  norm_type: str = 'layernorm'
-  use_bias: bool = True
-  rotary: bool = False
-  rotary_max_timescale: float = 10000.0
+class Block(BaseLayer):
+  """Pre-norm Transformer block built from templates. Returns (x, None) so that nn.scan can stack it.
+
+  Children (names fixed: checkpoints depend on them): attention_norm and mlp_norm from
+  `norm_tpl`, attention from `attention_tpl`, mlp from `ffn_tpl`. The block fills the
+  compute dtype into each template (field `dtype` of a plain flax module, `fprop_dtype`
+  of a BaseLayer) and model_dims into a feed-forward template's input_dims/output_dims,
+  unless the template sets them itself.
+  """
+  model_dims: int = 0
   dropout_prob: float = 0.0
   deterministic: bool = True
-  dtype: jnp.dtype = jnp.float32
+  attention_tpl: LayerTpl = template_field(Attention)
+  ffn_tpl: LayerTpl = template_field(Mlp)
+  norm_tpl: LayerTpl = template_field(Norm)
 
-  @nn.compact
+  def setup(self):
+    compute = self.fprop_dtype or jnp.float32
+    self.create_child('attention_norm', fill_template(self.norm_tpl, compute))
+    self.create_child('attention', fill_template(self.attention_tpl, compute))
+    self.create_child('mlp_norm', fill_template(self.norm_tpl, compute))
+    self.create_child('mlp', fill_template(self.ffn_tpl, compute, input_dims=self.model_dims,
+                                           output_dims=self.model_dims))
+    self.dropout = nn.Dropout(self.dropout_prob, deterministic=self.deterministic)
+
   def __call__(self, x_BxLxD, segment_ids_BxL, positions_BxL):
-    norm = lambda name: Norm(self.norm_type, self.use_bias, self.dtype, name=name)
-    dropout = nn.Dropout(self.dropout_prob, deterministic=self.deterministic)
-    h = norm('attention_norm')(x_BxLxD)
-    h = Attention(self.num_heads, self.num_kv_heads, self.dims_per_head, self.use_bias, self.rotary,
-                  self.rotary_max_timescale, self.dtype, name='attention')(h, segment_ids_BxL, positions_BxL)
-    x_BxLxD = x_BxLxD + dropout(h)
-    h = norm('mlp_norm')(x_BxLxD)
-    h = Mlp(self.hidden_dims, self.activation, self.gated, self.use_bias, self.dtype, name='mlp')(h)
-    x_BxLxD = x_BxLxD + dropout(h)
+    h = self.attention(self.attention_norm(x_BxLxD), segment_ids_BxL, positions_BxL)
+    x_BxLxD = x_BxLxD + self.dropout(h)
+    h = self.mlp(self.mlp_norm(x_BxLxD))
+    x_BxLxD = x_BxLxD + self.dropout(h)
     return x_BxLxD, None
+
+
+def fill_template(tpl, compute_dtype, **fields):
+  """A copy of `tpl` with the compute dtype and `fields` set where its class has them and
+  the template leaves them unset (what a template sets itself wins)."""
+  import dataclasses
+
+  import fiddle as fdl
+  out = tpl.clone() if hasattr(tpl, 'clone') else __import__('copy').deepcopy(tpl)
+  fn = fdl.get_callable(out)
+  names = {f.name for f in dataclasses.fields(fn)} if dataclasses.is_dataclass(fn) else set()
+  dtype_field = 'fprop_dtype' if isinstance(fn, type) and issubclass(fn, BaseLayer) else 'dtype'
+  for name, value in {dtype_field: compute_dtype, **fields}.items():
+    if name in names and name not in out.__arguments__:
+      setattr(out, name, value)
+  return out
