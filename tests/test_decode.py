@@ -209,6 +209,7 @@ def test_cli_prompt_file_errors(tmp_path, capsys, content, message):
   assert message in ' '.join(err.split()), err
 
 
+@pytest.mark.slow  # a train run with checkpoints, then a CLI decode
 def test_training_decodes_its_prompts_at_the_interval(tmp_path, capsys):
   job = tmp_path / 'job'
   sets = [a for s in TINY + ['NUM_TRAIN_STEPS=4', 'DECODE_INTERVAL_STEPS=2', 'DECODE_PROMPTS=[[1, 2, 3], [9]]',
