@@ -302,6 +302,7 @@ def test_disk_full_is_one_line_and_leaves_no_half_written_checkpoint(tmp_path):
 # ---- 4: the launcher dies, its children too ---------------------------------------------------------
 
 
+@pytest.mark.slow  # two processes joined by jax.distributed: about 20 s on a quiet machine
 def test_kill_9_of_the_launcher_leaves_no_process_behind(tmp_path):
   job = str(tmp_path / 'job')
   launcher = subprocess.Popen([sys.executable, '-m', 'paxcli.cli.app', 'launch', '--processes', '2',
