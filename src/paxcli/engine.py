@@ -215,6 +215,7 @@ def layout_change_note(saved: Optional[dict], now: dict) -> Optional[str]:
 
 
 def validate_model(model) -> None:
+  from paxcli.layers.attention_ops import IMPLEMENTATIONS
   from paxcli.layers.transformer import _ACTIVATIONS
   from paxcli.models import REMAT_POLICIES
   checks = [
@@ -223,6 +224,7 @@ def validate_model(model) -> None:
       ('position_embedding', model.position_embedding, ['learned', 'rotary', 'none']),
       ('fprop_dtype', model.fprop_dtype, ['float32', 'bfloat16', 'float16']),
       ('checkpoint_policy', model.checkpoint_policy, ['none'] + list(REMAT_POLICIES)),
+      ('attention_impl', model.attention_impl, list(IMPLEMENTATIONS)),
   ]
   for field, value, allowed in checks:
     if value not in allowed:

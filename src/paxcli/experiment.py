@@ -34,6 +34,7 @@ PositionName = Literal['learned', 'rotary', 'none']
 DTypeName = Literal['float32', 'bfloat16', 'float16']
 CheckpointPolicyName = Literal['none', 'save_nothing', 'save_dot_only', 'save_dot_with_no_batch_dim',
                                'save_qkv_out_proj', 'save_everything']
+AttentionImplName = Literal['auto', 'dot_product', 'einsum']
 OptimizerName = Literal['adam', 'adamw', 'adafactor', 'sgd']
 ScheduleName = Literal['constant', 'linear_rampup_cosine_decay', 'linear_rampup_exponential_decay']
 

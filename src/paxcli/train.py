@@ -24,14 +24,17 @@ class TrainingDiverged(UserError):
   exit_code = 3
 
 
-def make_train_step(setup, batch_sharding, dropout_seed: int):
-  """The jitted step: (state, batch) -> (state, metrics); state is donated."""
+def make_train_step(setup, batch_sharding, dropout_seed: int, compiler_options: Optional[dict] = None):
+  """The jitted step: (state, batch) -> (state, metrics); state is donated.
+
+  `compiler_options`: XLA options for this program only (a PGLE profile, for one).
+  """
   import jax
   import jax.numpy as jnp
   import optax
 
   from paxcli import optim
-  from paxcli.models import lm_loss
+  from paxcli.models import fused_lm_loss
   model, tx = setup.model, setup.tx
   lr_fn = optim.learning_rate_fn(setup.train)
   deterministic = model.dropout_prob == 0
@@ -42,7 +45,7 @@ def make_train_step(setup, batch_sharding, dropout_seed: int):
     def loss_fn(params):
       logits = model.apply({'params': params}, batch['ids'], batch.get('segment_ids'),
                            batch.get('positions'), deterministic=deterministic, rngs={'dropout': rng})
-      return lm_loss(logits, batch['labels'], batch['weights'])
+      return fused_lm_loss(logits, batch['labels'], batch['weights'])
 
     (loss, sums), grads = jax.value_and_grad(loss_fn, has_aux=True)(state['params'])
     updates, opt_state = tx.update(grads, state['opt_state'], state['params'])
@@ -58,7 +61,8 @@ def make_train_step(setup, batch_sharding, dropout_seed: int):
 
   replicated = jax.sharding.NamedSharding(setup.mesh, jax.sharding.PartitionSpec())
   return jax.jit(step_fn, in_shardings=(setup.state_shardings, batch_sharding),
-                 out_shardings=(setup.state_shardings, replicated), donate_argnums=(0,))
+                 out_shardings=(setup.state_shardings, replicated), donate_argnums=(0,),
+                 compiler_options=compiler_options or None)
 
 
 def ready_step(resolved, seed: int = 0):
@@ -185,7 +189,9 @@ class Reporter:
     if self.enabled and not self.interactive:
       self.log(f"step {record['step']}: loss {record['loss']:.4f}  accuracy {record['accuracy']:.4f}  "
                f"lr {record['learning_rate']:.3g}  grad_norm {record['grad_norm']:.3f}  "
-               f"{record['steps_per_sec']:.2f} steps/s  {record['tokens_per_sec']:,.0f} tokens/s")
+               f"{record['steps_per_sec']:.2f} steps/s  {record['tokens_per_sec']:,.0f} tokens/s  "
+               f"{record['model_tflops_per_device']:.3g} TFLOP/s/device  MFU {record['mfu']:.1%}"
+               f"{window_note(record)}")
 
   def close(self) -> None:
     if self._progress is not None:
@@ -193,16 +199,22 @@ class Reporter:
       self._progress = None
 
 
-def train(resolved, job_dir: str, console, verbose: bool = False) -> dict:
-  """Trains (or resumes) the resolved experiment in job_dir. Returns the last summary."""
+def train(resolved, job_dir: str, console, verbose: bool = False, profile_steps=None, pgle: Optional[str] = None,
+          pgle_profile: Optional[str] = None) -> dict:
+  """Trains (or resumes) the resolved experiment in job_dir. Returns the last summary.
+
+  profile_steps: (A, B) to trace steps A..B with jax.profiler; pgle/pgle_profile: see
+  paxcli.profiling.
+  """
   from paxcli import engine
   engine.check_supported(resolved.experiment)
   engine.apply_platform_env(resolved.experiment.PLATFORM_ENV, log=lambda m: console.print(m))
   import jax
 
   from paxcli import checkpoint as ckpt
-  from paxcli import sharding
+  from paxcli import flops, profiling, sharding
   from paxcli.summaries import SummaryWriter
+  profiling.check_pgle(pgle, pgle_profile)
   is_main = jax.process_index() == 0
   reporter_log = (lambda m: console.print(m, highlight=False, markup=False, soft_wrap=True)) if is_main else (lambda m: None)
   from paxcli import distributed
@@ -258,7 +270,16 @@ def train(resolved, job_dir: str, console, verbose: bool = False) -> dict:
   train_input = engine.build_input(resolved.train_dataset(), setup)
   train_input.skip(batches_consumed)
   batch_sharding = sharding.batch_sharding(setup.mesh)
-  train_step = make_train_step(setup, batch_sharding, resolved.experiment.RANDOM_SEED + 1)
+  profiler = profiling.StepProfiler(job_dir, reporter_log, profile_steps, pgle_profile, int(latest or 0))
+  train_step = make_train_step(setup, batch_sharding, resolved.experiment.RANDOM_SEED + 1, profiler.pgle_options)
+  if profiler.pgle_options:
+    reporter_log(f'PGLE: compiling the train step with the profile {pgle_profile}.')
+  # MFU: model FLOPs per step (paxcli.flops) over the device's peak.
+  step_flops = flops.lm_flops(setup.model, setup.seq_len).per_step(setup.global_batch * setup.seq_len)
+  peak = flops.device_peak(devices[0], setup.model.fprop_dtype, measure_size=512)
+  mfu_of = functools.partial(mfu_fields, step_flops=step_flops, num_devices=len(devices), peak=peak.tflops)
+  reporter_log(f'MFU: {step_flops / 1e12:.4g} model TFLOP per step over {len(devices)} device(s); '
+               f'peak {peak.source}.')
   evaluator = None
   if train_cfg.eval_interval_steps and resolved.eval_datasets():
     from paxcli.evaluate import Evaluator
@@ -275,6 +296,8 @@ def train(resolved, job_dir: str, console, verbose: bool = False) -> dict:
   steps_in_window = 0
   pending = None  # metrics of the previous step, checked one step late to keep dispatch async
   stop = GracefulStop(enabled=jax.process_count() == 1)
+  compile_timer = flops.CompileTimer()  # compilation and evals are timed apart from steps
+  eval_seconds = 0.0
 
   def save(step: int) -> None:
     if not params_finite(state['params']):
@@ -286,9 +309,14 @@ def train(resolved, job_dir: str, console, verbose: bool = False) -> dict:
 
   try:
     stop.__enter__()
+    compile_timer.__enter__()
     for step in range(start_step + 1, train_cfg.num_train_steps + 1):
       batch = to_global(train_input.get_next(), batch_sharding, setup.global_batch)
+      profiler.before(step)
       state, metrics = train_step(state, batch)
+      recompile_with = profiler.after(step, metrics)
+      if recompile_with:
+        train_step = make_train_step(setup, batch_sharding, resolved.experiment.RANDOM_SEED + 1, recompile_with)
       batches_consumed += 1
       steps_in_window += 1
       if pending is not None:
@@ -303,7 +331,9 @@ def train(resolved, job_dir: str, console, verbose: bool = False) -> dict:
         pending = None
       if summarize:
         now = time.perf_counter()
-        last = _summarize(step, window, steps_in_window, max(now - t_window, 1e-9))
+        last = _summarize(step, window, steps_in_window, max(now - t_window, 1e-9),
+                          compile_timer.take(), eval_seconds, mfu_of)
+        eval_seconds = 0.0
         if writer:
           writer.scalars(step, {k: v for k, v in last.items() if k != 'step'})
         reporter.summary(last)
@@ -311,9 +341,12 @@ def train(resolved, job_dir: str, console, verbose: bool = False) -> dict:
       if save_now:
         save(step)
       if evaluator and step % train_cfg.eval_interval_steps == 0:
+        t_eval, compile_timer.ignoring = time.perf_counter(), True
         for name, m in evaluator.run(step, state['params']).items():
           reporter.log(f"step {step}: eval {name}: loss {m['loss']:.4f}  accuracy {m['accuracy']:.4f}  "
                        f"({m['num_examples']:.0f} examples)")
+        compile_timer.ignoring = False
+        eval_seconds += time.perf_counter() - t_eval
       reporter.step(step, last.get('loss'), last.get('tokens_per_sec'))
       if stopping:
         checkpointer.wait()
@@ -323,6 +356,8 @@ def train(resolved, job_dir: str, console, verbose: bool = False) -> dict:
         raise SystemExit(GracefulStop.SIGNALS[stop.signal_name])
   finally:
     stop.__exit__(None, None, None)
+    compile_timer.__exit__(None, None, None)
+    profiler.close()
     reporter.close()
     checkpointer.close()
     if evaluator:
@@ -343,19 +378,40 @@ def _check_finite(step: int, metrics) -> dict:
   return values
 
 
-def _summarize(step: int, window: list[dict], steps: int, elapsed: float) -> dict:
+def _summarize(step: int, window: list[dict], steps: int, elapsed: float, compile_seconds: float = 0.0,
+               eval_seconds: float = 0.0, mfu_of=None) -> dict:
+  """Means over the window; rates over its time less compilation and evals (reported apart)."""
   n = max(len(window), 1)
   mean = lambda k: sum(w[k] for w in window) / n
   tokens = sum(w['tokens'] for w in window)
-  return {
+  steady = max(elapsed - compile_seconds - eval_seconds, 1e-6)
+  record = {
       'step': step,
       'loss': mean('loss'),
       'accuracy': mean('accuracy'),
       'learning_rate': window[-1]['learning_rate'],
       'grad_norm': mean('grad_norm'),
-      'steps_per_sec': steps / elapsed,
-      'tokens_per_sec': tokens / elapsed,
+      'steps_per_sec': steps / steady,
+      'tokens_per_sec': tokens / steady,
+      'compile_seconds': compile_seconds,
+      'eval_seconds': eval_seconds,
   }
+  if mfu_of:
+    record.update(mfu_of(steps / steady))
+  return record
+
+
+def mfu_fields(steps_per_sec: float, step_flops: float, num_devices: int, peak: float) -> dict:
+  """Model TFLOP/s per device and MFU (a fraction of `peak` TFLOP/s per device)."""
+  tflops = step_flops * steps_per_sec / num_devices / 1e12
+  return {'model_tflops_per_device': tflops, 'mfu': tflops / peak if peak else float('nan')}
+
+
+def window_note(record: dict) -> str:
+  """'' for a steady window; else which time was left out of its rates."""
+  parts = [f'{record[k]:.1f} s {name}' for k, name in (('compile_seconds', 'compilation'),
+                                                        ('eval_seconds', 'eval')) if record.get(k, 0) >= 0.05]
+  return f'  (window had {" and ".join(parts)}, left out of the rates)' if parts else ''
 
 
 def _print_weights(console, setup) -> None:

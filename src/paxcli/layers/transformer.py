@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from paxcli.layers import attention_ops
+
 _ACTIVATIONS: dict[str, Callable] = {
     'gelu': nn.gelu,
     'relu': nn.relu,
@@ -74,7 +76,11 @@ def rotary(x_BxLxHxE, positions_BxL, max_timescale: float):
 
 
 class Attention(nn.Module):
-  """Causal multi-head attention with grouped-query support (num_kv_heads <= num_heads)."""
+  """Causal multi-head attention with grouped-query support (num_kv_heads <= num_heads).
+
+  `segment_ids_BxL` None: one segment per row (no packing). The kernel is
+  `attention_ops.attention` (attention_impl: auto, dot_product or einsum).
+  """
   num_heads: int
   num_kv_heads: int
   dims_per_head: int
@@ -82,6 +88,7 @@ class Attention(nn.Module):
   rotary: bool = False
   rotary_max_timescale: float = 10000.0
   dtype: jnp.dtype = jnp.float32
+  attention_impl: str = 'auto'
 
   def _proj(self, x, heads, head_axis, name):
     y = nn.DenseGeneral(
@@ -101,17 +108,8 @@ class Attention(nn.Module):
     if self.rotary:
       q_BxLxHxE = rotary(q_BxLxHxE, positions_BxL, self.rotary_max_timescale)
       k_BxSxKxE = rotary(k_BxSxKxE, positions_BxL, self.rotary_max_timescale)
-    b, l, _, e = q_BxLxHxE.shape
-    groups = self.num_heads // self.num_kv_heads
-    q_BxLxKxGxE = q_BxLxHxE.reshape(b, l, self.num_kv_heads, groups, e) * (e ** -0.5)
-    logits_BxKxGxLxS = jnp.einsum('blkge,bske->bkgls', q_BxLxKxGxE, k_BxSxKxE).astype(jnp.float32)
-    causal_LxS = jnp.tril(jnp.ones((l, l), dtype=bool))
-    same_segment_BxLxS = segment_ids_BxL[:, :, None] == segment_ids_BxL[:, None, :]
-    mask_Bx1x1xLxS = (causal_LxS[None] & same_segment_BxLxS)[:, None, None]
-    logits_BxKxGxLxS = jnp.where(mask_Bx1x1xLxS, logits_BxKxGxLxS, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(logits_BxKxGxLxS, axis=-1).astype(self.dtype)
-    out_BxLxKxGxE = jnp.einsum('bkgls,bske->blkge', probs, v_BxSxKxE)
-    out_BxLxHxE = out_BxLxKxGxE.reshape(b, l, self.num_heads, e)
+    out_BxLxHxE = attention_ops.attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL,
+                                          self.attention_impl)
     out = nn.DenseGeneral(
         features=x_BxLxD.shape[-1], axis=(-2, -1), use_bias=self.use_bias, dtype=self.dtype,
         kernel_init=_init(('heads', 'head_dim', 'embed')),
@@ -157,6 +155,7 @@ class Block(nn.Module):
   dropout_prob: float = 0.0
   deterministic: bool = True
   dtype: jnp.dtype = jnp.float32
+  attention_impl: str = 'auto'
 
   @nn.compact
   def __call__(self, x_BxLxD, segment_ids_BxL, positions_BxL):
@@ -164,7 +163,7 @@ class Block(nn.Module):
     dropout = nn.Dropout(self.dropout_prob, deterministic=self.deterministic)
     h = norm('attention_norm')(x_BxLxD)
     h = Attention(self.num_heads, self.num_kv_heads, self.dims_per_head, self.use_bias, self.rotary,
-                  self.rotary_max_timescale, self.dtype, name='attention')(h, segment_ids_BxL, positions_BxL)
+                  self.rotary_max_timescale, self.dtype, self.attention_impl, name='attention')(h, segment_ids_BxL, positions_BxL)
     x_BxLxD = x_BxLxD + dropout(h)
     h = norm('mlp_norm')(x_BxLxD)
     h = Mlp(self.hidden_dims, self.activation, self.gated, self.use_bias, self.dtype, name='mlp')(h)
