@@ -23,13 +23,15 @@ app = typer.Typer(
 
 
 def _register_all() -> None:
+  from paxcli.cli import bench as bench_cmd
   from paxcli.cli import eval as eval_cmd
   from paxcli.cli import experiments as experiments_cmd
   from paxcli.cli import inspect_input as inspect_input_cmd
   from paxcli.cli import import_maxtext as import_maxtext_cmd
   from paxcli.cli import launch as launch_cmd
   from paxcli.cli import train as train_cmd
-  for module in (train_cmd, eval_cmd, inspect_input_cmd, launch_cmd, experiments_cmd, import_maxtext_cmd):
+  for module in (train_cmd, eval_cmd, inspect_input_cmd, launch_cmd, experiments_cmd, import_maxtext_cmd,
+                 bench_cmd):
     module.register(app)
 
 
