@@ -228,7 +228,9 @@ def test_bench_sweep_writes_table_json_and_png(tmp_path, capsys):
 
 
 def test_compile_only_on_64_fake_devices_memory_shrinks_with_fsdp():
-  result = run_pax('bench', 'mfu', *TINY_BENCH, '--set', 'PERCORE_BATCH_SIZE=1', '--compile-only',
+  # MODEL_DIMS 64: the `embed` axis of every weight divides over the 64-way `data` axis.
+  result = run_pax('bench', 'mfu', *TINY_BENCH, '--set', 'MODEL_DIMS=64', '--set', 'NUM_HEADS=4',
+                   '--set', 'PERCORE_BATCH_SIZE=1', '--compile-only',
                    '--num-devices', '64', '--sweep', 'ICI_MESH_SHAPE=[64,1,1],[1,64,1]', '--json')
   assert result.returncode == 0, result.stderr
   rows = json.loads(result.stdout)
