@@ -42,7 +42,7 @@ def test_flops_model_matches_xla_cost_analysis(shape):
            for k, dt in (('ids', jnp.int32), ('labels', jnp.int32), ('weights', jnp.float32))}
   compiled = make_train_step(setup, batch_sharding, 0).lower(setup.abstract_state, batch).compile()
   xla = flops.xla_flops(compiled)
-  model = flops.lm_flops(setup.model, 64)
+  model = flops.for_model(setup.model, 64)
   tokens = 8 * 64
   assert xla == pytest.approx(model.palm_per_token * tokens, rel=0.06)
   assert model.per_step(tokens) < xla  # the causal figure leaves out the masked half of attention
@@ -51,11 +51,9 @@ def test_flops_model_matches_xla_cost_analysis(shape):
 
 def test_flops_model_of_the_llama_1b_recipe():
   """5.74 GFLOP per token, which makes the issue's 289 ms step (8 x 2048 tokens) 33% of 989."""
-  import fiddle as fdl
-
-  from paxcli import config, flops
-  model = fdl.build(config.resolve('bench.Llama1B').task.model)
-  f = flops.lm_flops(model, 2048)
+  from paxcli import config, engine, flops
+  model = engine.build_task(config.resolve('bench.Llama1B').task).model
+  f = flops.for_model(model, 2048)
   assert f.per_token == pytest.approx(5.738e9, rel=1e-3)
   assert f.per_step(8 * 2048) / 0.289 / 1e12 / 989 == pytest.approx(0.33, abs=0.005)
 
@@ -107,15 +105,16 @@ def test_dot_product_attention_equals_the_einsum_reference_with_segments():
 
 
 def test_model_with_dot_product_attention_equals_einsum_model():
-  from paxcli.models import TransformerLm, lm_loss
+  from paxcli.layers.base import instantiate
+  from paxcli.models import lm_config, lm_loss
   common = dict(vocab_size=64, num_layers=2, model_dims=32, hidden_dims=64, num_heads=4, num_kv_heads=2,
                 dims_per_head=8, max_seq_len=16, position_embedding='rotary', checkpoint_policy='none')
   ids = jax.random.randint(jax.random.key(1), (2, 16), 0, 64)
   segments = jnp.array([[1] * 9 + [2] * 7, [1] * 16], jnp.int32)
-  params = TransformerLm(**common).init(jax.random.key(0), ids)['params']
+  params = instantiate(lm_config(**common)).init(jax.random.key(0), ids)['params']
 
   def loss(impl):
-    model = TransformerLm(**common, attention_impl=impl)
+    model = instantiate(lm_config(**common, attention_impl=impl))
     return lambda p: lm_loss(model.apply({'params': p}, ids, segments), jnp.roll(ids, -1, 1), jnp.ones(ids.shape))[0]
   l_ref, g_ref = jax.jit(jax.value_and_grad(loss('einsum')))(params)
   l_new, g_new = jax.jit(jax.value_and_grad(loss('dot_product')))(params)

@@ -74,8 +74,10 @@ def measure(resolved, steps: int = 10, warmup: int = 2, compile_only: bool = Fal
   setup = engine.build(resolved)
   devices = jax.devices()
   tokens = setup.global_batch * setup.seq_len
-  model_flops = flops.lm_flops(setup.model, setup.seq_len)
-  peak = flops.device_peak(devices[0], setup.model.fprop_dtype, peak_tflops)
+  model_flops = flops.for_model(setup.model, setup.seq_len)
+  if model_flops is None:
+    raise UserError(f'{resolved.name}: paxcli.flops has no FLOPs model for this model, so MFU is unknown.')
+  peak = flops.device_peak(devices[0], flops.compute_dtype(setup.model), peak_tflops)
   device_bytes, device_bytes_source = flops.device_memory_bytes(devices[0])
   row = {
       'status': 'ok', 'devices': len(devices), 'device_kind': devices[0].device_kind,

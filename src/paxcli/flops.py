@@ -71,8 +71,35 @@ class ModelFlops:
     return self.per_token * tokens
 
 
+def for_model(model, seq_len: int) -> Optional[ModelFlops]:
+  """The FLOPs model of an engine model, or None for a model it does not describe.
+
+  A LanguageModel is read through `models.flat_view` (its settings under the flat LM
+  names); a swapped-in layer that lacks one of them leaves the figure unknown.
+  """
+  view = model
+  if hasattr(model, 'lm_tpl'):
+    from paxcli.models import flat_view
+    view = flat_view(model)
+  needed = ('model_dims', 'num_layers', 'num_heads', 'num_kv_heads', 'dims_per_head', 'hidden_dims',
+            'use_gated_activation', 'vocab_size')
+  if any(getattr(view, name, None) is None for name in needed):
+    return None
+  return lm_flops(view, seq_len)
+
+
+def compute_dtype(model) -> str:
+  """The activation dtype of a model, by name ('float32' when it does not say)."""
+  view = model
+  if hasattr(model, 'lm_tpl'):
+    from paxcli.models import flat_view
+    view = flat_view(model)
+  dtype = getattr(view, 'fprop_dtype', None) or 'float32'
+  return dtype if isinstance(dtype, str) else getattr(dtype, '__name__', str(dtype))
+
+
 def lm_flops(model, seq_len: int, causal: bool = True) -> ModelFlops:
-  """The FLOPs model for a TransformerLm (or anything with its fields)."""
+  """The FLOPs model for a decoder-only LM given its flat settings (models.flat_view names)."""
   d, layers = model.model_dims, model.num_layers
   heads, kv_heads, e = model.num_heads, model.num_kv_heads, model.dims_per_head
   qkv = d * e * (heads + 2 * kv_heads)

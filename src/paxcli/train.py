@@ -2,6 +2,8 @@
 
 Job directory layout:
   config.txt             the resolved config of the latest invocation
+  invocations.txt        one line per invocation: UTC time, paxcli version, command line
+  tokenizer/spm.model    the train input's sentencepiece model (decode and conversion read it)
   checkpoints/<step>/    orbax checkpoints (state + meta)
   summaries/train/       TensorBoard events
   train_metrics.jsonl    the same numbers, one JSON object per summary step
@@ -13,6 +15,7 @@ import functools
 import math
 import os
 import signal
+import sys
 import threading
 import time
 from typing import Optional
@@ -24,9 +27,49 @@ class TrainingDiverged(UserError):
   exit_code = 3
 
 
+# A run whose first this-many steps (of one invocation) all have zero total weight stops:
+# every target token is masked, so the loss is 0 and nothing trains.
+ZERO_WEIGHT_STEPS_TO_STOP = 10
+
+
+class LossGuard:
+  """Stops a run whose finite loss jumps far above its recent median, as a NaN does.
+
+  `recent` holds the last `window` step losses; it is saved in each checkpoint's meta, so a
+  resumed run (say, with a learning rate a thousand times too big) is checked from its first step.
+  The check starts once 10 losses are known. factor 0 turns it off.
+  """
+
+  MIN_HISTORY = 10
+
+  def __init__(self, factor: float, window: int, history=()):
+    import collections
+    self.factor = factor
+    self.recent = collections.deque((float(x) for x in history or () if math.isfinite(float(x))), maxlen=window)
+
+  def median(self) -> Optional[float]:
+    import statistics
+    return statistics.median(self.recent) if self.recent else None
+
+  def check(self, step: int, loss: float, last_checkpoint: Optional[int]) -> None:
+    median = self.median()
+    if self.factor and len(self.recent) >= min(self.MIN_HISTORY, self.recent.maxlen) and median > 0 \
+        and loss > self.factor * median:
+      kept = f'step {last_checkpoint}' if last_checkpoint is not None else 'none yet'
+      raise TrainingDiverged(
+          f'The loss jumped to {loss:.4g} at step {step}, {loss / median:,.0f}x its median {median:.4g} over the '
+          f'last {len(self.recent)} steps (task.train.loss_spike_factor={self.factor:g}); stopping. No checkpoint '
+          f'of this state was written; the last checkpoint is {kept}. Lower the learning rate, or set '
+          'task.train.loss_spike_factor=0 to turn this check off.')
+    self.recent.append(loss)
+
+
 def make_train_step(setup, batch_sharding, dropout_seed: int, compiler_options: Optional[dict] = None):
   """The jitted step: (state, batch) -> (state, metrics); state is donated.
 
+  The model's fprop gives (loss, metrics); aux losses its layers add join the loss;
+  non-trainable variables come back updated (the optimizer never sees them); layer
+  summaries come back in the metrics under 'summary/<layer path>/<name>'.
   `compiler_options`: XLA options for this program only (a PGLE profile, for one).
   """
   import jax
@@ -34,35 +77,75 @@ def make_train_step(setup, batch_sharding, dropout_seed: int, compiler_options: 
   import optax
 
   from paxcli import optim
-  from paxcli.models import fused_lm_loss
+  from paxcli.layers.base import AUX_LOSS, NON_TRAINABLE, RANDOM, SUMMARIES, flatten_collection
   model, tx = setup.model, setup.tx
   lr_fn = optim.learning_rate_fn(setup.train)
-  deterministic = model.dropout_prob == 0
+  deterministic = getattr(model, 'dropout_prob', 0) == 0
+  has_non_trainable = 'non_trainable' in setup.state_shardings
 
   def step_fn(state, batch):
-    rng = jax.random.fold_in(jax.random.key(dropout_seed), state['step'])
+    rngs = step_rngs(dropout_seed, state['step'])
 
     def loss_fn(params):
-      logits = model.apply({'params': params}, batch['ids'], batch.get('segment_ids'),
-                           batch.get('positions'), deterministic=deterministic, rngs={'dropout': rng})
-      return fused_lm_loss(logits, batch['labels'], batch['weights'])
+      variables = {'params': params}
+      if has_non_trainable:
+        variables[NON_TRAINABLE] = state['non_trainable']
+      (loss, model_metrics), updates = model.apply(
+          variables, batch, deterministic=deterministic, method='fprop', rngs=rngs,
+          mutable=[NON_TRAINABLE, SUMMARIES, AUX_LOSS])
+      aux = flatten_collection(updates.get(AUX_LOSS, {}))
+      total = loss + sum(jnp.sum(v) for v in aux.values()) if aux else loss
+      return total, (loss, model_metrics, aux, updates)
 
-    (loss, sums), grads = jax.value_and_grad(loss_fn, has_aux=True)(state['params'])
-    updates, opt_state = tx.update(grads, state['opt_state'], state['params'])
-    params = optax.apply_updates(state['params'], updates)
-    metrics = {
-        'loss': loss,
-        'accuracy': sums['correct_sum'] / jnp.maximum(sums['weight_sum'], 1e-8),
+    (total, (loss, model_metrics, aux, updates)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+        state['params'])
+    param_updates, opt_state = tx.update(grads, state['opt_state'], state['params'])
+    params = optax.apply_updates(state['params'], param_updates)
+    metrics = {k: v for k, (v, _) in model_metrics.items()}
+    metrics.update({
+        'loss': total,
         'grad_norm': optax.tree.norm(grads) if hasattr(optax, 'tree') else optax.global_norm(grads),
         'learning_rate': lr_fn(state['step']),
-        'tokens': sums['weight_sum'],
-    }
-    return {'step': state['step'] + 1, 'params': params, 'opt_state': opt_state}, metrics
+        'tokens': model.count_in(model_metrics),
+    })
+    if aux:
+      metrics['model_loss'] = loss
+      metrics.update({f'aux_loss/{k}': jnp.sum(v) for k, v in aux.items()})
+    for name, value in flatten_collection(updates.get(SUMMARIES, {})).items():
+      metrics[f'summary/{name}'] = jnp.mean(value)  # scanned layers: the mean over layers
+    new_state = {'step': state['step'] + 1, 'params': params, 'opt_state': opt_state}
+    if has_non_trainable:
+      new_state['non_trainable'] = sync_non_trainable(updates[NON_TRAINABLE], setup)
+    return new_state, metrics
 
   replicated = jax.sharding.NamedSharding(setup.mesh, jax.sharding.PartitionSpec())
   return jax.jit(step_fn, in_shardings=(setup.state_shardings, batch_sharding),
                  out_shardings=(setup.state_shardings, replicated), donate_argnums=(0,),
                  compiler_options=compiler_options or None)
+
+
+def step_rngs(seed: int, step) -> dict:
+  """The random streams of one train step: a function of the seed and the step alone, so a
+  resumed run draws what an uninterrupted one would. Flax folds in each call on top."""
+  import jax
+
+  from paxcli.layers.base import RANDOM
+  rng = jax.random.fold_in(jax.random.key(seed), step)
+  return {'dropout': rng, RANDOM: jax.random.fold_in(rng, 1)}
+
+
+def sync_non_trainable(new_vars, setup):
+  """Non-trainable variables after a step, laid out as the state holds them.
+
+  Under jit the layers compute their updates from the global batch, so each variable
+  already holds the mean over data-parallel replicas (Pax's REQUIRES_MEAN_SYNC, which
+  with pmap averaged per-replica values); the sharding constraint keeps every replica's
+  copy the same array.
+  """
+  import jax
+
+  from paxcli.engine import unbox
+  return jax.tree.map(jax.lax.with_sharding_constraint, unbox(new_vars), setup.state_shardings['non_trainable'])
 
 
 def ready_step(resolved, seed: int = 0):
@@ -85,31 +168,20 @@ def to_global(batch: dict, sharding, global_batch: int) -> dict:
           for k, v in batch.items()}
 
 
-def _config_differences(saved: dict, current: dict, prefixes=('knobs.', 'task.model.', 'task.train.optimizer.')) -> list[str]:
+def config_differences(saved: dict, current: dict,
+                       prefixes=('knobs.', 'task.model.', 'task.train.optimizer.')) -> list[str]:
   keys = sorted(k for k in set(saved) | set(current) if k.startswith(prefixes))
   return [f'{k}: checkpoint {saved.get(k, "<absent>")} -> now {current.get(k, "<absent>")}'
           for k in keys if saved.get(k) != current.get(k)]
-
-
-def check_resume_compatible(meta: dict, shapes_now: dict, flat_now: dict, step: int) -> None:
-  saved_shapes = meta.get('state_shapes') or {}
-  if saved_shapes == shapes_now:
-    return
-  diffs = _config_differences(meta.get('config') or {}, flat_now)
-  shape_diffs = [f'{k}: {saved_shapes.get(k)} -> {shapes_now.get(k)}'
-                 for k in sorted(set(saved_shapes) | set(shapes_now)) if saved_shapes.get(k) != shapes_now.get(k)]
-  lines = '\n  '.join((diffs or ['(no knob or model field differs; the code may have changed)'])[:20])
-  shapes = '\n  '.join(shape_diffs[:8] + ([f'... {len(shape_diffs) - 8} more'] if len(shape_diffs) > 8 else []))
-  raise UserError(f'Cannot resume from the checkpoint at step {step}: this configuration changes the '
-                  f'shapes of the train state.\nConfig differences:\n  {lines}\nState shapes:\n  {shapes}\n'
-                  'Use another --job-log-dir for a new run, or drop the overrides that change shapes.')
 
 
 class GracefulStop:
   """SIGTERM (preemption) or a first Ctrl-C asks the loop to save and stop after the step.
 
   Only with one process: several processes must agree on the step to save at, which a
-  signal to one of them cannot give. A second Ctrl-C interrupts at once.
+  signal to one of them cannot give. A second signal (Ctrl-C again) exits at once, in
+  one line, without waiting for a save in flight: orbax's temporary directory is left
+  behind and set aside (never used) at the next start.
   """
 
   SIGNALS = {'SIGTERM': 143, 'SIGINT': 130}
@@ -128,8 +200,13 @@ class GracefulStop:
 
   def _handle(self, signum, frame):
     del frame
+    if self.signal_name is not None:  # the second one: no traceback from orbax's threads over the bar
+      sys.stderr.write(f'\nerror: {signal.Signals(signum).name} again: stopping without waiting for the save. '
+                       'An unfinished checkpoint is set aside at the next start; run the same command to resume '
+                       'from the last complete one.\n')
+      sys.stderr.flush()
+      os._exit(self.SIGNALS.get(signal.Signals(signum).name, 130))
     self.signal_name = signal.Signals(signum).name
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C stops at once
 
   def __exit__(self, *exc):
     for signum, handler in self._previous.items():
@@ -187,11 +264,12 @@ class Reporter:
 
   def summary(self, record: dict) -> None:
     if self.enabled and not self.interactive:
-      self.log(f"step {record['step']}: loss {record['loss']:.4f}  accuracy {record['accuracy']:.4f}  "
+      accuracy = f"  accuracy {record['accuracy']:.4f}" if 'accuracy' in record else ''
+      aux = ''.join(f"  {k} {v:.4g}" for k, v in record.items() if k.startswith('aux_loss/'))
+      self.log(f"step {record['step']}: loss {record['loss']:.4f}{accuracy}{aux}  "
                f"lr {record['learning_rate']:.3g}  grad_norm {record['grad_norm']:.3f}  "
-               f"{record['steps_per_sec']:.2f} steps/s  {record['tokens_per_sec']:,.0f} tokens/s  "
-               f"{record['model_tflops_per_device']:.3g} TFLOP/s/device  MFU {record['mfu']:.1%}"
-               f"{window_note(record)}")
+               f"{record['steps_per_sec']:.2f} steps/s  {record['tokens_per_sec']:,.0f} tokens/s"
+               f"{mfu_note(record)}{window_note(record)}")
 
   def close(self) -> None:
     if self._progress is not None:
@@ -203,18 +281,35 @@ def train(resolved, job_dir: str, console, verbose: bool = False, profile_steps=
           pgle_profile: Optional[str] = None) -> dict:
   """Trains (or resumes) the resolved experiment in job_dir. Returns the last summary.
 
-  profile_steps: (A, B) to trace steps A..B with jax.profiler; pgle/pgle_profile: see
-  paxcli.profiling.
+  The job directory is checked first and locked for the run (`paxcli/jobdir.py`): a
+  second trainer on it is refused. profile_steps: (A, B) to trace steps A..B with
+  jax.profiler; pgle/pgle_profile: see paxcli.profiling.
   """
-  from paxcli import engine
+  from paxcli import engine, jobdir
+  jobdir.check_writable(job_dir)
   engine.check_supported(resolved.experiment)
   engine.apply_platform_env(resolved.experiment.PLATFORM_ENV, log=lambda m: console.print(m))
+  import jax  # after PLATFORM_ENV: it may set XLA_FLAGS
+
+  from paxcli import profiling
+  profiling.check_pgle(pgle, pgle_profile)
+  log = (lambda m: console.print(m, highlight=False, markup=False, soft_wrap=True))
+  lock = jobdir.lock_run(job_dir, log if jax.process_index() == 0 else (lambda m: None))
+  try:
+    return _train(resolved, job_dir, console, verbose, profile_steps, pgle_profile)
+  finally:
+    if lock is not None:
+      lock.release()
+
+
+def _train(resolved, job_dir: str, console, verbose: bool = False, profile_steps=None,
+           pgle_profile: Optional[str] = None) -> dict:
+  from paxcli import engine
   import jax
 
   from paxcli import checkpoint as ckpt
-  from paxcli import flops, profiling, sharding
+  from paxcli import flops, profiling, restore, sharding
   from paxcli.summaries import SummaryWriter
-  profiling.check_pgle(pgle, pgle_profile)
   is_main = jax.process_index() == 0
   reporter_log = (lambda m: console.print(m, highlight=False, markup=False, soft_wrap=True)) if is_main else (lambda m: None)
   from paxcli import distributed
@@ -237,6 +332,9 @@ def train(resolved, job_dir: str, console, verbose: bool = False, profile_steps=
   # ---- Checkpoint: resume or start -------------------------------------------------------
   ckpt_dir = os.path.join(job_dir, 'checkpoints')
   os.makedirs(job_dir, exist_ok=True)
+  if is_main:
+    from paxcli import invocation
+    invocation.record(job_dir)
   ckpt.set_aside_unfinished(ckpt_dir, log=reporter_log)
   distributed.barrier('paxcli:unfinished-checkpoints-set-aside')  # all processes then see the same steps
   checkpointer = ckpt.Checkpointer(ckpt_dir, train_cfg.save_max_to_keep)
@@ -244,14 +342,16 @@ def train(resolved, job_dir: str, console, verbose: bool = False, profile_steps=
   batches_consumed = 0
   layout = engine.input_layout(resolved, setup)
   if latest is not None:
-    meta = checkpointer.read_meta(latest)
-    check_resume_compatible(meta, shapes_now, flat, latest)
     if latest >= train_cfg.num_train_steps:
+      restore.check_shapes(restore.read_meta(job_dir, latest), shapes_now, flat, latest, False, 'resume from')
       reporter_log(f'Run already finished: checkpoint at step {latest} >= num_train_steps '
                    f'{train_cfg.num_train_steps}. Nothing to do.')
       checkpointer.close()
       return {'step': latest, 'finished': True}
-    state, meta = checkpointer.restore(latest, setup.abstract_state)
+    restored = restore.restore(setup, job_dir, latest, flat_now=flat, action='resume from')
+    state, meta = restored.state, restored.meta
+    if restored.params_only_checkpoint:
+      reporter_log(f'The checkpoint at step {latest} holds parameters only: the optimizer state starts fresh.')
     batches_consumed = int(meta.get('batches_consumed', latest))
     if int(meta.get('global_batch', setup.global_batch)) != setup.global_batch:
       reporter_log(f'Note: the global batch changed ({meta.get("global_batch")} -> {setup.global_batch}); '
@@ -260,14 +360,22 @@ def train(resolved, job_dir: str, console, verbose: bool = False, profile_steps=
     if layout_note:
       reporter_log(layout_note)
     reporter_log(f'Resumed from step {latest} ({batches_consumed} batches consumed).')
+    changed = config_differences(meta.get('config') or {}, flat, prefixes=('',))
+    if changed:
+      reporter_log(f'Note: {len(changed)} setting(s) differ from the checkpoint\'s config (the run goes on '
+                   'with the new ones):\n  ' + '\n  '.join(changed))
   else:
     state = engine.init_state(setup, resolved.experiment.RANDOM_SEED)
   if is_main:
     with open(os.path.join(job_dir, 'config.txt'), 'w', encoding='utf-8') as f:
       f.write(resolved.as_text())
+    _trim_replayed_metrics(job_dir, int(latest or 0), reporter_log)
 
   # ---- Input -------------------------------------------------------------------------------
   train_input = engine.build_input(resolved.train_dataset(), setup)
+  if is_main:
+    from paxcli import tokenizer
+    tokenizer.save_to_job_dir(train_input, job_dir)
   train_input.skip(batches_consumed)
   batch_sharding = sharding.batch_sharding(setup.mesh)
   profiler = profiling.StepProfiler(job_dir, reporter_log, profile_steps, pgle_profile, int(latest or 0))
@@ -275,14 +383,19 @@ def train(resolved, job_dir: str, console, verbose: bool = False, profile_steps=
   if profiler.pgle_options:
     reporter_log(f'PGLE: compiling the train step with the profile {pgle_profile}.')
   # MFU: model FLOPs per step (paxcli.flops) over the device's peak.
-  step_flops = flops.lm_flops(setup.model, setup.seq_len).per_step(setup.global_batch * setup.seq_len)
-  peak = flops.device_peak(devices[0], setup.model.fprop_dtype, measure_size=512)
-  mfu_of = functools.partial(mfu_fields, step_flops=step_flops, num_devices=len(devices), peak=peak.tflops)
-  reporter_log(f'MFU: {step_flops / 1e12:.4g} model TFLOP per step over {len(devices)} device(s); '
-               f'peak {peak.source}.')
+  model_flops = flops.for_model(setup.model, setup.seq_len)
+  mfu_of = None
+  if model_flops is None:
+    reporter_log('MFU: not reported; paxcli.flops has no FLOPs model for this model.')
+  else:
+    step_flops = model_flops.per_step(setup.global_batch * setup.seq_len)
+    peak = flops.device_peak(devices[0], flops.compute_dtype(setup.model), measure_size=512)
+    mfu_of = functools.partial(mfu_fields, step_flops=step_flops, num_devices=len(devices), peak=peak.tflops)
+    reporter_log(f'MFU: {step_flops / 1e12:.4g} model TFLOP per step over {len(devices)} device(s); '
+                 f'peak {peak.source}.')
   evaluator = None
   if train_cfg.eval_interval_steps and resolved.eval_datasets():
-    from paxcli.evaluate import Evaluator
+    from paxcli.evaluate import Evaluator, metrics_line
     evaluator = Evaluator(resolved, setup, job_dir)
 
   # ---- Loop ------------------------------------------------------------------------------------
@@ -291,6 +404,8 @@ def train(resolved, job_dir: str, console, verbose: bool = False, profile_steps=
   start_step = int(latest or 0)
   reporter = Reporter(console, train_cfg.num_train_steps, start_step, enabled=is_main)
   window: list[dict] = []
+  guard = LossGuard(train_cfg.loss_spike_factor, train_cfg.loss_spike_window,
+                    meta.get('recent_losses') if latest is not None else ())
   last = {'step': start_step}
   t_window = time.perf_counter()
   steps_in_window = 0
@@ -305,7 +420,21 @@ def train(resolved, job_dir: str, console, verbose: bool = False, profile_steps=
                              'stopping without saving them. Lower the learning rate or clip gradients.')
     checkpointer.save(step, state, {'batches_consumed': batches_consumed, 'step': step,
                                     'global_batch': setup.global_batch, 'state_shapes': shapes_now,
-                                    'config': flat, 'input_layout': layout})
+                                    'config': flat, 'input_layout': layout,
+                                    'recent_losses': list(guard.recent), 'loss': guard.median()})
+
+  zero_weight = {'steps': 0, 'seen': 0}
+
+  def take(step: int, metrics) -> dict:
+    """One step's metrics as floats, after the finite-loss and zero-weight checks."""
+    values = _check_finite(step, metrics, guard=guard, saved=checkpointer.latest_saved)
+    zero_weight['seen'] += 1
+    zero_weight['steps'] += values['tokens'] == 0
+    if zero_weight['seen'] == zero_weight['steps'] == min(ZERO_WEIGHT_STEPS_TO_STOP, train_cfg.num_train_steps - start_step):
+      raise UserError(f'Steps {start_step + 1}-{step} all had zero total weight: every target token of every '
+                      'batch is masked (weights 0), so the loss is 0 and nothing trains. Stopping. Check the '
+                      "input's weights or paddings (`pax inspect-input` shows padding per feature).")
+    return values
 
   try:
     stop.__enter__()
@@ -320,17 +449,20 @@ def train(resolved, job_dir: str, console, verbose: bool = False, profile_steps=
       batches_consumed += 1
       steps_in_window += 1
       if pending is not None:
-        window.append(_check_finite(*pending))
+        window.append(take(*pending))
       pending = (step, metrics)
       stopping = stop.requested  # read once: a signal may land at any moment
       is_last = step == train_cfg.num_train_steps
       summarize = is_last or step % train_cfg.summary_interval_steps == 0
       save_now = is_last or stopping or step % train_cfg.save_interval_steps == 0
       if summarize or save_now:
-        window.append(_check_finite(*pending))
+        window.append(take(*pending))
         pending = None
       if summarize:
         now = time.perf_counter()
+        if window and not any(w['tokens'] for w in window):
+          reporter.log(f"warning: steps {window[0]['step']}-{window[-1]['step']} had zero total weight (every "
+                       'target token masked): their loss 0 means nothing was trained.')
         last = _summarize(step, window, steps_in_window, max(now - t_window, 1e-9),
                           compile_timer.take(), eval_seconds, mfu_of)
         eval_seconds = 0.0
@@ -342,9 +474,8 @@ def train(resolved, job_dir: str, console, verbose: bool = False, profile_steps=
         save(step)
       if evaluator and step % train_cfg.eval_interval_steps == 0:
         t_eval, compile_timer.ignoring = time.perf_counter(), True
-        for name, m in evaluator.run(step, state['params']).items():
-          reporter.log(f"step {step}: eval {name}: loss {m['loss']:.4f}  accuracy {m['accuracy']:.4f}  "
-                       f"({m['num_examples']:.0f} examples)")
+        for name, m in evaluator.run(step, state).items():
+          reporter.log(metrics_line(step, name, m))
         compile_timer.ignoring = False
         eval_seconds += time.perf_counter() - t_eval
       reporter.step(step, last.get('loss'), last.get('tokens_per_sec'))
@@ -364,47 +495,67 @@ def train(resolved, job_dir: str, console, verbose: bool = False, profile_steps=
       evaluator.close()
     if writer:
       writer.close()
-  reporter_log(f"Done: step {last['step']}, loss {last.get('loss', float('nan')):.4f}. "
-               f"Checkpoints in {ckpt_dir}.")
+  keep = train_cfg.save_max_to_keep
+  kept = f'the latest {keep} kept, and the one of lowest loss' if keep else 'all kept'
+  reporter_log(f"Done: step {last['step']}, loss {last.get('loss', float('nan')):.4f}.\n"
+               f"  checkpoints: {ckpt_dir} ({kept}; task.train.save_max_to_keep)\n"
+               f"  metrics:     {os.path.join(job_dir, 'train_metrics.jsonl')}\n"
+               f"  TensorBoard: tensorboard --logdir {os.path.join(job_dir, 'summaries')}")
   return last
 
 
-def _check_finite(step: int, metrics) -> dict:
+def _trim_replayed_metrics(job_dir: str, step: int, log) -> None:
+  """Drops metric rows past the step we resume from: the steps run again write them anew."""
+  from paxcli import jobdir
+  dropped = jobdir.trim_metrics(job_dir, step)
+  if dropped:
+    log(f'Dropped {dropped} metric row(s) past step {step} from the *_metrics.jsonl files (steps after the '
+        'last checkpoint, which this run repeats).')
+
+
+def _check_finite(step: int, metrics, guard: Optional[LossGuard] = None, saved: Optional[int] = None) -> dict:
   values = {k: float(v) for k, v in metrics.items()}
   if not math.isfinite(values['loss']):
     raise TrainingDiverged(f'The loss became {values["loss"]} at step {step}; stopping. No checkpoint of '
                            'this state was written. Lower the learning rate or check the input.')
+  if guard is not None:
+    guard.check(step, values['loss'], saved)
   values['step'] = step
   return values
 
 
 def _summarize(step: int, window: list[dict], steps: int, elapsed: float, compile_seconds: float = 0.0,
                eval_seconds: float = 0.0, mfu_of=None) -> dict:
-  """Means over the window; rates over its time less compilation and evals (reported apart)."""
+  """Means over the steps since the last summary; layer summaries are the latest step's. Rates
+  are over the window's time less compilation and evals (whose seconds are reported apart)."""
   n = max(len(window), 1)
   mean = lambda k: sum(w[k] for w in window) / n
   tokens = sum(w['tokens'] for w in window)
   steady = max(elapsed - compile_seconds - eval_seconds, 1e-6)
-  record = {
-      'step': step,
-      'loss': mean('loss'),
-      'accuracy': mean('accuracy'),
-      'learning_rate': window[-1]['learning_rate'],
-      'grad_norm': mean('grad_norm'),
-      'steps_per_sec': steps / steady,
-      'tokens_per_sec': tokens / steady,
-      'compile_seconds': compile_seconds,
-      'eval_seconds': eval_seconds,
-  }
+  out = {'step': step}
+  for key in window[-1]:
+    if key in ('step', 'tokens'):
+      continue
+    out[key] = window[-1][key] if key == 'learning_rate' or key.startswith('summary/') else mean(key)
+  out['steps_per_sec'] = steps / steady
+  out['tokens_per_sec'] = tokens / steady
+  out['compile_seconds'] = compile_seconds
+  out['eval_seconds'] = eval_seconds
   if mfu_of:
-    record.update(mfu_of(steps / steady))
-  return record
+    out.update(mfu_of(steps / steady))
+  return out
 
 
 def mfu_fields(steps_per_sec: float, step_flops: float, num_devices: int, peak: float) -> dict:
   """Model TFLOP/s per device and MFU (a fraction of `peak` TFLOP/s per device)."""
   tflops = step_flops * steps_per_sec / num_devices / 1e12
   return {'model_tflops_per_device': tflops, 'mfu': tflops / peak if peak else float('nan')}
+
+
+def mfu_note(record: dict) -> str:
+  if 'mfu' not in record:
+    return ''
+  return f"  {record['model_tflops_per_device']:.3g} TFLOP/s/device  MFU {record['mfu']:.1%}"
 
 
 def window_note(record: dict) -> str:

@@ -64,6 +64,13 @@ class BaseInput:
     """Decodes token ids to text; inputs without a vocabulary show the ids."""
     return decode_rows(lambda tokens: ' '.join(map(str, tokens)), ids, lengths)
 
+  def tokenizer_file(self) -> Optional[str]:
+    """Path of the sentencepiece model this input's ids come from, or None (no tokenizer).
+
+    `pax train` copies it into the job directory, where decode and conversion find it.
+    """
+    return None
+
   # ---- for subclasses ---------------------------------------------------------------
 
   def _next_batch(self, index: int) -> dict[str, np.ndarray]:

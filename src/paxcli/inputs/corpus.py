@@ -153,6 +153,9 @@ class StdlibDocsInput(BaseInput):
     weights = np.broadcast_to(valid[:, None], (len(rows), self.seq_len)).astype(np.float32)
     return {'ids': tokens[:, :-1], 'labels': tokens[:, 1:], 'weights': weights}
 
+  def tokenizer_file(self) -> Optional[str]:
+    return os.path.join(self._dir, 'spm.model')
+
   def ids_to_strings(self, ids, lengths=None) -> list[str]:
     if self._sp is None:
       import sentencepiece as spm

@@ -93,5 +93,8 @@ class SeqIOInput(TfDataInput):
     key = 'targets' if 'targets' in features else next(iter(features))
     return features[key].vocabulary
 
+  def tokenizer_file(self) -> Optional[str]:
+    return getattr(self.vocabulary(), 'sentencepiece_model_file', None)
+
   def ids_to_strings(self, ids, lengths=None) -> list[str]:
     return decode_rows(self.vocabulary().decode, ids, lengths)

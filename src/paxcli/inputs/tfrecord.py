@@ -77,9 +77,9 @@ def expand_files(pattern: str) -> list[str]:
 
 def read_examples(path: str, limit: Optional[int] = None) -> Iterator[dict[str, tuple[str, list]]]:
   """Parsed tf.train.Examples of one file: {feature: (kind, values)}; UserError if not TFRecord."""
+  from paxcli.files import check_regular_file
+  check_regular_file(path, 'TFRecord file')  # before tensorflow: a FIFO or /dev/zero is refused at once
   tf = import_tf()
-  if not os.path.isfile(path):
-    raise UserError(f'{path}: no such file.')
   dataset = tf.data.TFRecordDataset(path)
   if limit is not None:
     dataset = dataset.take(limit)
@@ -217,6 +217,9 @@ class TFRecordInput(TfDataInput):
     ids, labels = _fit(tf, tokens[:-1], self.seq_len), _fit(tf, tokens[1:], self.seq_len)
     weights = tf.cast(tf.range(self.seq_len) < n, tf.float32)
     return {'ids': ids, 'labels': labels, 'weights': weights}
+
+  def tokenizer_file(self) -> Optional[str]:
+    return self.spm_model or None
 
   def ids_to_strings(self, ids, lengths=None) -> list[str]:
     if not self.spm_model:
