@@ -18,23 +18,24 @@ bench_app = typer.Typer(help='Benchmarks: `pax bench mfu` times the train step (
 def mfu(
     exp: Optional[str] = common.exp_option(),
     overrides: List[str] = common.set_option(),
-    sweep: List[str] = typer.Option([], '--sweep', help='KNOB=a,b,c: one row per value; repeat the option '
+    sweep: List[str] = typer.Option([], '--sweep', metavar='KNOB=a,b,c', help='KNOB=a,b,c: one row per value; repeat the option '
                                     'for every combination (e.g. --sweep PERCORE_BATCH_SIZE=4,8,16).'),
     steps: int = typer.Option(10, '--steps', min=1, help='Timed steps after warm-up.'),
     warmup: int = typer.Option(2, '--warmup', min=0, help='Untimed steps after compilation.'),
     compile_only: bool = typer.Option(False, '--compile-only', help='Compile and report per-device memory '
                                       'against the device\'s memory; run no step.'),
-    num_devices: Optional[int] = typer.Option(None, '--num-devices', min=1, help='Make N fake CPU devices '
+    num_devices: Optional[int] = typer.Option(None, '--num-devices', min=1, metavar='N', help='Make N fake CPU devices '
                                               '(to check a large mesh plan on a laptop; with --compile-only).'),
     peak_tflops: Optional[float] = typer.Option(None, '--peak-tflops', help='Peak TFLOP/s per device to '
                                                 'divide by (default: the table by device kind, or measured).'),
-    plot: Optional[str] = typer.Option(None, '--plot', help='Write a PNG of MFU and tokens/s against the sweep.'),
+    plot: Optional[str] = typer.Option(None, '--plot', metavar='FILE.png', help='Write a PNG of MFU and tokens/s against the sweep.'),
     json_out: bool = typer.Option(False, '--json', help='Print every row as JSON instead of the table.'),
     pgle: Optional[str] = common.pgle_option(),
     pgle_profile: Optional[str] = common.pgle_profile_option(),
 ) -> None:
   """Compile the train step, time it and print step time, tokens/s, TFLOP/s per device, MFU, HFU, memory.
 
+  \b
   Examples:
     pax bench mfu --exp bench.Llama1B
     pax bench mfu --exp E --sweep PERCORE_BATCH_SIZE=4,8,16 --sweep CHECKPOINT_POLICY=none,save_dot_only --plot mfu.png

@@ -165,12 +165,12 @@ PGLE_PROFILE_HELP = ('GPU only: a PGLE profile file. If PATH exists it is used; 
 
 
 def profile_steps_option():
-  return typer.Option(None, '--profile-steps', help=PROFILE_STEPS_HELP, rich_help_panel='Performance')
+  return typer.Option(None, '--profile-steps', metavar='A-B', help=PROFILE_STEPS_HELP, rich_help_panel='Performance')
 
 
 def pgle_option():
-  return typer.Option(None, '--pgle', help=PGLE_HELP, rich_help_panel='Performance')
+  return typer.Option(None, '--pgle', metavar='auto', help=PGLE_HELP, rich_help_panel='Performance')
 
 
 def pgle_profile_option():
-  return typer.Option(None, '--pgle-profile', help=PGLE_PROFILE_HELP, rich_help_panel='Performance')
+  return typer.Option(None, '--pgle-profile', metavar='PATH', help=PGLE_PROFILE_HELP, rich_help_panel='Performance')

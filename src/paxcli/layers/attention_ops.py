@@ -15,13 +15,12 @@ G = H // K query heads per kv head, E dims per head.
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
 
-AttentionImpl = Literal['auto', 'dot_product', 'einsum']
-IMPLEMENTATIONS = ('auto', 'dot_product', 'einsum')
+from paxcli.options import ATTENTION_IMPLS as IMPLEMENTATIONS
 
 # cuDNN flash attention: half-precision inputs, head dims a multiple of 8 up to 256.
 _CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
