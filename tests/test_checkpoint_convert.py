@@ -215,21 +215,22 @@ def test_hf_export_matches_numpy_llama_and_imports_back(job, tmp_path, capsys):
   model = core.build_model(config.resolve(EXP, _sets(LLAMA)))
   params = core.load_params(__import__('paxcli.convert.formats', fromlist=['x']).open_source(job),
                             [n for n in model.abstract if n.startswith('params/')])
-  ids = np.random.default_rng(1).integers(0, 64, (2, 16))
+  ids = np.random.default_rng(1).integers(0, 64, (2, 16)).astype(np.int32)
   ours = core.logits(model.module, params, ids)
   theirs = _llama_logits(weights, cfg, ids)
   np.testing.assert_allclose(ours, theirs, atol=2e-4, rtol=1e-4)
   # and back: the same weights under paxcli's names, a recipe with the matching knobs
   recipe = str(tmp_path / 'llama_recipe.py')
-  out, err = _ok(['checkpoint', 'convert', hf_dir, back, '--from', 'hf', '--exp', EXP, '--set',
-                  'ICI_MESH_SHAPE=[1,8,1]', '--recipe', recipe, '--json'], capsys)
-  assert json.loads(out)['verify']['ok']
+  out, err = _ok(['checkpoint', 'convert', hf_dir, back, '--from', 'hf', '--recipe', recipe, '--json'], capsys)
+  assert json.loads(out)['verify']['ok'] and json.loads(out)['experiment'] == f'{recipe}:HfLlama'
   orig, b = _arrays(job), _arrays(back)
   for k in orig:
     if k.startswith('params/'):
       np.testing.assert_array_equal(b[k], orig[k], err_msg=k)
   text = open(recipe).read()
   assert 'NUM_KV_HEADS = 2' in text and "NORM_TYPE = 'rmsnorm'" in text and 'SEPARATE_EMBEDDING = False' in text
+  out, _ = _ok(['eval', '--exp', f'{recipe}:HfLlama', '--job-log-dir', back, '--json'], capsys)
+  assert json.loads(out)['step'] == 2
 
 
 # ---- errors, through the CLI ---------------------------------------------------------------------
@@ -262,14 +263,10 @@ def test_errors_are_one_line(job, tmp_path, capsys):
   assert not (tmp_path / 'o2').exists() and not (tmp_path / 'o4').exists()
 
 
-def test_model_that_is_no_llama_is_refused_in_a_fresh_shell(tmp_path, capsys):
-  job = str(tmp_path / 'ln')
-  _ok(['train', '--exp', EXP, '--set', 'MODEL_DIMS=32', '--set', 'HIDDEN_DIMS=64', '--set', 'NUM_LAYERS=1',
-              '--set', 'VOCAB_SIZE=64', '--set', 'MAX_SEQ_LEN=16', '--set', 'PERCORE_BATCH_SIZE=1',
-              '--set', 'NUM_HEADS=4', '--set', 'DIMS_PER_HEAD=8', '--set', 'task.train.num_train_steps=1',
-              '--job-log-dir', job], capsys)
-  r = run_pax('checkpoint', 'convert', job, str(tmp_path / 'hf'), '--to', 'hf')
-  assert r.returncode == 2 and 'Traceback' not in r.stderr
+def test_model_that_is_no_llama_is_refused_in_a_fresh_shell(job, tmp_path):
+  r = run_pax('checkpoint', 'convert', job, str(tmp_path / 'hf'), '--to', 'hf', '--set', "NORM_TYPE='layernorm'",
+              '--set', 'USE_BIAS=True', '--set', "POSITION_EMBEDDING='learned'")
+  assert r.returncode == 2 and 'Traceback' not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
   assert "norm_type is 'layernorm'" in r.stderr and 'biases' in r.stderr and "positions are 'learned'" in r.stderr
   assert not (tmp_path / 'hf').exists()
 

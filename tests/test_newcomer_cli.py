@@ -48,6 +48,13 @@ def test_knob_that_task_overrides_warns_with_field_and_both_values(tmp_path, cap
   assert code == 0 and 'warning' not in err, err
 
 
+def test_mesh_bigger_than_the_machine_says_how_to_run_it_on_fake_devices(tmp_path):
+  (tmp_path / 'my_experiments.py').write_text(README_EXPERIMENT.replace('MODEL_DIMS = 32', 'ICI_MESH_SHAPE = [1, 4, 2]'))
+  r = run_pax('train', '--exp', 'my_experiments.py:MyLm', cwd=tmp_path, env={'XLA_FLAGS': ''})
+  assert r.returncode == 2 and 'Traceback' not in r.stderr
+  assert 'XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu' in ' '.join(r.stderr.split())
+
+
 def test_datasets_returning_built_objects_says_what_to_return(tmp_path, capsys):
   (tmp_path / 'plain.py').write_text(textwrap.dedent('''
       from paxcli.inputs.synthetic import SyntheticLmInput

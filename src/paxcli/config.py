@@ -202,14 +202,17 @@ def unreached_knobs(exp: Experiment, cli_knobs: dict[str, Any], dotted: set[str]
     owner = next((k for k in reversed(cls.__mro__) if name in k.__dict__.get('__annotations__', {})), cls)
     at_default = copy.copy(exp)
     setattr(at_default, name, default)
-    ref_default = _flat_configs(at_default, owner.task, owner.datasets)
-    if ref_default is None:
+    try:
+      ref_default = _flat_configs(at_default, owner.task, owner.datasets)
+      if ref_default is None:
+        continue
+      ref_value = _flat_configs(exp, owner.task, owner.datasets) or {}
+      fed = [k for k in ref_value if k in ref_default and ref_value[k] != ref_default[k]]
+      if not fed:
+        continue
+      act_default, act_value = _flat_configs(at_default), _flat_configs(exp)
+    except Exception:  # noqa: BLE001 - e.g. the default no longer fits the other knobs: no verdict
       continue
-    ref_value = _flat_configs(exp, owner.task, owner.datasets) or {}
-    fed = [k for k in ref_value if k in ref_default and ref_value[k] != ref_default[k]]
-    if not fed:
-      continue
-    act_default, act_value = _flat_configs(at_default), _flat_configs(exp)
     for field in fed:
       if field in dotted or field not in act_value or act_value[field] != act_default.get(field):
         continue  # reached, absent in this experiment's inputs, or set by a dotted override

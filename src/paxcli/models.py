@@ -17,13 +17,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import fiddle as fdl
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paxcli.layers.base import BaseLayer, LayerTpl, instantiate, template_field  # noqa: F401
-from paxcli.layers.transformer import Block, Norm, dtype_of, fill_template
+from paxcli.layers.base import (AUX_LOSS, NON_TRAINABLE, RANDOM, SUMMARIES, BaseLayer, LayerTpl,
+                                build_arguments, instantiate, template_field)  # noqa: F401
+from paxcli.layers.transformer import Attention, Block, Mlp, Norm, dtype_of, fill_template
 
 REMAT_POLICIES = {
     'save_nothing': lambda: jax.checkpoint_policies.nothing_saveable,
@@ -88,14 +90,13 @@ class TransformerLm(BaseLayer):
   block_tpl: LayerTpl = template_field(Block)
   final_norm_tpl: LayerTpl = template_field(Norm)
 
-  def _block_kwargs(self, dtype, deterministic: bool) -> tuple[type, dict]:
-    from paxcli.layers import base
+  def _block_kwargs(self, dtype, deterministic: bool, remat: bool = True) -> tuple[type, dict]:
+    """The block class (remat-wrapped per checkpoint_policy) and its arguments from block_tpl."""
     tpl = fill_template(self.block_tpl, dtype, model_dims=self.model_dims, dropout_prob=self.dropout_prob,
                         deterministic=deterministic)
-    import fiddle as fdl
     cls = fdl.get_callable(tpl)
-    kwargs = base.build_arguments(tpl, self)
-    if self.checkpoint_policy != 'none':
+    kwargs = build_arguments(tpl, self)
+    if remat and self.checkpoint_policy != 'none':
       cls = nn.remat(cls, policy=REMAT_POLICIES[self.checkpoint_policy](), prevent_cse=not self.scan_layers)
     return cls, kwargs
 
@@ -118,10 +119,10 @@ class TransformerLm(BaseLayer):
       x_BxLxD = x_BxLxD + jnp.take(pos, positions_BxL, axis=0).astype(dtype)
     x_BxLxD = nn.Dropout(self.dropout_prob, deterministic=deterministic)(x_BxLxD)
 
-    block, block_kwargs = self._block_kwargs(dtype, deterministic)
+    decoding = self.is_mutable_collection('cache') and not self.is_initializing()  # KV cache: no remat
+    block, block_kwargs = self._block_kwargs(dtype, deterministic, remat=not decoding)
     if self.scan_layers:
-      from paxcli.layers.base import AUX_LOSS, NON_TRAINABLE, RANDOM, SUMMARIES
-      stack = nn.scan(block, variable_axes={'params': 0, NON_TRAINABLE: 0, SUMMARIES: 0, AUX_LOSS: 0},
+      stack = nn.scan(block, variable_axes={'params': 0, NON_TRAINABLE: 0, SUMMARIES: 0, AUX_LOSS: 0, 'cache': 0},
                       split_rngs={'params': True, 'dropout': True, RANDOM: True},
                       in_axes=(nn.broadcast, nn.broadcast), length=self.num_layers,
                       metadata_params={nn.PARTITION_NAME: 'layers'})
@@ -131,9 +132,7 @@ class TransformerLm(BaseLayer):
         x_BxLxD, _ = block(**block_kwargs, name=f'layer_{i}')(x_BxLxD, segment_ids_BxL, positions_BxL)
 
     final_norm = fill_template(self.final_norm_tpl, dtype)
-    from paxcli.layers import base
-    import fiddle as fdl
-    x_BxLxD = fdl.get_callable(final_norm)(**base.build_arguments(final_norm, self), name='final_norm')(x_BxLxD)
+    x_BxLxD = fdl.get_callable(final_norm)(**build_arguments(final_norm, self), name='final_norm')(x_BxLxD)
     if self.separate_embedding:
       logits = nn.Dense(self.vocab_size, use_bias=False, dtype=dtype,
                         kernel_init=nn.with_logical_partitioning(
@@ -223,9 +222,6 @@ def lm_config(vocab_size: int = 256, num_layers: int = 2, model_dims: int = 64, 
   `lm_tpl.block_tpl.attention_tpl`, hidden dims and activation in `...ffn_tpl`, the norm
   kind in `...norm_tpl` and `lm_tpl.final_norm_tpl`, the rest on `lm_tpl`.
   """
-  import fiddle as fdl
-
-  from paxcli.layers.transformer import Attention, Mlp
   norm = lambda: fdl.Config(Norm, kind=norm_type, use_bias=use_bias)
   attention = fdl.Config(Attention, num_heads=num_heads, num_kv_heads=num_kv_heads, dims_per_head=dims_per_head,
                          use_bias=use_bias, rotary=position_embedding == 'rotary',
@@ -321,8 +317,6 @@ def validate_lm(lm) -> None:
   if not 0 <= lm.dropout_prob < 1:
     raise UserError(f'task.model.lm_tpl.dropout_prob must be in [0, 1), got {lm.dropout_prob}.')
   attention = getattr(getattr(lm, 'block_tpl', None), 'attention_tpl', None)
-  from paxcli.layers.transformer import Attention
-  import fiddle as fdl
   if attention is None or fdl.get_callable(attention) is not Attention:
     return
   where = 'task.model.lm_tpl.block_tpl.attention_tpl'
@@ -333,6 +327,69 @@ def validate_lm(lm) -> None:
   if attention.rotary and attention.dims_per_head % 2:
     raise UserError(f'Rotary positions need an even DIMS_PER_HEAD, got {attention.dims_per_head}.')
   ffn = lm.block_tpl.ffn_tpl
-  from paxcli.layers.transformer import Mlp
   if fdl.get_callable(ffn) is Mlp:
     at_least(1, 'task.model.lm_tpl.block_tpl.ffn_tpl', ffn, 'hidden_dims')
+
+
+class ClassificationModel(BaseModel):
+  """A sequence classifier: token + position embeddings, blocks from `block_tpl`, a masked
+  mean over the sequence, and a softmax over `num_classes`. Written with the BaseLayer
+  verbs only; the engine trains it like the LM, with no change.
+
+  Batch: ids [B, L], mask [B, L] (1 on real tokens), labels [B], weights [B].
+  """
+  vocab_size: int = 2048
+  num_classes: int = 8
+  model_dims: int = 64
+  num_layers: int = 2
+  max_seq_len: int = 64
+  block_tpl: LayerTpl = template_field(Block)
+  norm_tpl: LayerTpl = template_field(Norm)
+
+  def setup(self):
+    from paxcli.layers.base import WeightHParams, WeightInit  # noqa: F811
+    d = self.model_dims
+    self.create_variable('embedding', WeightHParams(shape=[self.vocab_size, d], init=WeightInit.Gaussian(d ** -0.5),
+                                                    tensor_split_dims_mapping=('vocab', 'embed')))
+    self.create_variable('position', WeightHParams(shape=[self.max_seq_len, d], init=WeightInit.Gaussian(0.02),
+                                                   tensor_split_dims_mapping=(None, 'embed')))
+    self.create_variable('head', WeightHParams(shape=[d, self.num_classes], init=WeightInit.Xavier(),
+                                               tensor_split_dims_mapping=('embed', None)))
+    self.create_variable('head_bias', WeightHParams(shape=[self.num_classes], init=WeightInit.Constant(0.0)))
+    compute = self.fprop_dtype or jnp.float32
+    block = fill_template(self.block_tpl, compute, model_dims=d)
+    self.create_children('blocks', [block] * self.num_layers)
+    self.create_child('final_norm', fill_template(self.norm_tpl, compute))
+
+  def compute_predictions(self, input_batch: dict, deterministic: bool = True):
+    ids_BxL, mask_BxL = input_batch['ids'], input_batch['mask']
+    b, l = ids_BxL.shape
+    x_BxLxD = jnp.take(self.theta.embedding, ids_BxL, axis=0) + self.theta.position[None, :l]
+    segment_ids_BxL = mask_BxL.astype(jnp.int32)  # padding attends to padding only
+    positions_BxL = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32)[None], (b, l))
+    for block in self.blocks:
+      x_BxLxD, _ = block(x_BxLxD, segment_ids_BxL, positions_BxL)
+    x_BxLxD = self.final_norm(x_BxLxD).astype(jnp.float32)
+    count_B = jnp.maximum(jnp.sum(mask_BxL, axis=1), 1.0)
+    pooled_BxD = jnp.einsum('bld,bl->bd', x_BxLxD, mask_BxL) / count_B[:, None]
+    return pooled_BxD @ self.theta.head + self.theta.head_bias[None, :]
+
+  def compute_loss(self, predictions, input_batch: dict):
+    logits_BxC = predictions
+    labels_B, weights_B = input_batch['labels'], input_batch['weights'].astype(jnp.float32)
+    nll_B = -jnp.take_along_axis(jax.nn.log_softmax(logits_BxC, axis=-1), labels_B[:, None], axis=-1)[:, 0]
+    total = jnp.maximum(jnp.sum(weights_B), 1e-8)
+    loss = jnp.sum(nll_B * weights_B) / total
+    accuracy = jnp.sum((jnp.argmax(logits_BxC, axis=-1) == labels_B) * weights_B) / total
+    return loss, {'loss': (loss, jnp.sum(weights_B)), 'accuracy': (accuracy, jnp.sum(weights_B))}
+
+  def dummy_batch(self, batch_size: int, seq_len: int) -> dict:
+    return {'ids': np.zeros((batch_size, seq_len), np.int32), 'mask': np.zeros((batch_size, seq_len), np.float32),
+            'labels': np.zeros((batch_size,), np.int32), 'weights': np.zeros((batch_size,), np.float32)}
+
+  def examples_in(self, input_batch: dict):
+    return jnp.sum(input_batch['weights'] > 0)
+
+  def validate(self) -> None:
+    from paxcli.engine import at_least
+    at_least(1, 'task.model', self, 'vocab_size', 'num_classes', 'model_dims', 'num_layers', 'max_seq_len')

@@ -62,6 +62,11 @@ class Model:
   placeholders: list         # names of empty optimizer states (kept as placeholders in orbax)
 
   @property
+  def spec(self):
+    """The LM's settings under TransformerLm's flat field names (models.flat_view)."""
+    return self.module
+
+  @property
   def scanned(self) -> bool:
     return bool(self.module.scan_layers)
 
@@ -196,7 +201,12 @@ class Output:
     self.tmp = self.path + f'.converting-{os.getpid()}'
 
   def __enter__(self) -> str:
+    import glob
     import shutil
+    for stale in glob.glob(glob.escape(self.path) + '.converting-*'):   # left by a killed conversion
+      pid = stale.rsplit('-', 1)[-1]
+      if pid.isdigit() and not _alive(int(pid)):
+        shutil.rmtree(stale, ignore_errors=True)
     if os.path.exists(self.tmp):
       shutil.rmtree(self.tmp)
     os.makedirs(self.tmp)
@@ -215,6 +225,16 @@ class Output:
     else:
       os.rename(self.tmp, self.path)
     return False
+
+
+def _alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    return True
+  return True
 
 
 def progress(total_bytes: int, description: str):
@@ -264,8 +284,9 @@ def random_ids(vocab: int, seq: int, seed: int = 0) -> np.ndarray:
   return np.random.default_rng(seed).integers(0, vocab, (2, min(seq, 32)), dtype=np.int32)
 
 
-def verify(src_module, src_params: dict, tgt_module, tgt_params: dict, kl_tolerance: float) -> dict:
-  ids = random_ids(src_module.vocab_size, min(src_module.max_seq_len, tgt_module.max_seq_len))
+def verify(src_module, src_params: dict, tgt_module, tgt_params: dict, kl_tolerance: float,
+           vocab_size: int, seq_len: int) -> dict:
+  ids = random_ids(vocab_size, seq_len)
   out = compare(logits(src_module, src_params, ids), logits(tgt_module, tgt_params, ids))
   out['kl_tolerance'] = kl_tolerance
   out['ok'] = bool(np.isfinite(out['kl']) and out['kl'] <= kl_tolerance)

@@ -52,16 +52,38 @@ def convert(source: str, output: str, *, fmt: Optional[str] = None, to: str = 'o
   overrides = list(overrides)
   if to == 'hf':
     overrides.append('USE_REPEATED_LAYER=False')   # HF layers are unrolled
+  recipe_path = None
+  if src.kind == 'hf' and not src.config:
+    # The imported model's experiment is the recipe written for it (as pax import-maxtext does),
+    # unless --exp names one; the converted job then resumes with --exp <recipe>:HfLlama.
+    recipe_path = _write_recipe(src, recipe, output, force, log)
+    exp = exp or f'{recipe_path}:HfLlama'
+  try:
+    return _convert(src, out, source, output, fmt, to, exp, overrides, params_only, dtype, step, verify,
+                    kl_tolerance, max_shard_bytes, log, t0, recipe_path)
+  except BaseException:
+    if recipe_path and not recipe:
+      os.remove(recipe_path)   # a failed import leaves nothing behind
+    raise
+
+
+def _convert(src, out, source, output, fmt, to, exp, overrides, params_only, dtype, step, verify, kl_tolerance,
+             max_shard_bytes, log, t0, recipe_path):
   source_res, target_res = core.resolve_pair(src, exp, overrides)
   if not src.paxcli_names:
     if hasattr(src, 'paxcli_view'):
       source_res = source_res or _from_knobs(src, exp)
-      src = src.paxcli_view(core.build_model(source_res).module)
+      src = src.paxcli_view(core.build_model(source_res).spec)
     else:
       src = formats.open_source(source, src.kind, step, target=target_res)
   if source_res is None:
     source_res = target_res
   target = core.build_model(target_res)
+  if to == 'hf':
+    from paxcli.convert import hf
+    reasons = hf.misfit(target.spec)
+    if reasons:
+      raise UserError('This model does not fit the Hugging Face Llama layout: ' + '; '.join(reasons) + '.')
   source_model = core.build_model(source_res)
   src_arrays = src.arrays()
   has_opt = any(a.name.startswith('opt_state/') for a in src_arrays)
@@ -93,14 +115,21 @@ def convert(source: str, output: str, *, fmt: Optional[str] = None, to: str = 'o
       _write_safetensors(tmp, src, items, target_res, read, advance, max_shard_bytes)
     else:
       from paxcli.convert import hf
-      hf.export(tmp, src, {i.name: i for i in items}, target.module, read, dtype or 'float32',
+      hf.export(tmp, src, {i.name: i for i in items}, target.spec, read, dtype or 'float32',
                 max_shard_bytes, advance)
     _carry_files(src, tmp, to)
   stats['seconds'] = time.perf_counter() - t0
   result = {'source': os.path.abspath(source), 'output': out.path, 'format': to, 'step': src.step,
             'params_only': params_only, 'dtype': dtype, 'experiment': target_res.name, **stats}
-  if src.kind == 'hf':
-    result['recipe'] = _write_recipe(src, recipe, output, force, log)
+  if recipe_path:
+    result['recipe'] = recipe_path
+  param_bytes = sum(int(np.prod(x.shape, dtype=np.int64)) * 4 for n, x in target.abstract.items()
+                    if n.startswith('params/'))
+  memory = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
+  if verify and 3 * param_bytes > memory:
+    log(f'Not verifying: running both models needs about {3 * param_bytes / 2**30:.0f} GiB of host memory '
+        f'({memory / 2**30:.0f} GiB here); the conversion itself streamed.')
+    verify = False
   if verify:
     result['verify'] = _verify(src, source_model, target, out.path, to,
                                kl_tolerance if kl_tolerance is not None else core.default_tolerance(dtype))
@@ -189,8 +218,9 @@ def _write_recipe(src, recipe: Optional[str], output: str, force: bool, log) -> 
     raise UserError(f'The recipe {path} exists; pass --force to replace it or --recipe PATH.')
   knobs = dict(src.knobs())
   with open(path, 'w', encoding='utf-8') as f:
-    f.write(hf.recipe_text('HfLlama', knobs, src.path, getattr(src.hf, 'notes', [])))
-  log(f'Wrote the recipe {path}: pax train --exp {path}:HfLlama --job-log-dir {output}')
+    f.write(hf.recipe_text('HfLlama', knobs, src.path, getattr(getattr(src, 'hf', src), 'notes', [])))
+  log(f'Wrote the recipe {path}; the converted job resumes with: pax train --exp {path}:HfLlama '
+      f'--job-log-dir {output}')
   return path
 
 
@@ -200,6 +230,7 @@ def _verify(src, source_model, target, out_path: str, to: str, tolerance: float)
   fmt = {'orbax': 'orbax', 'safetensors': 'safetensors', 'hf': 'hf'}[to]
   got = formats.open_source(out_path, fmt)
   if not got.paxcli_names:
-    got = got.paxcli_view(target.module)
+    got = got.paxcli_view(target.spec)
   tgt_params = core.load_params(got, [a.name for a in got.arrays()])
-  return core.verify(source_model.module, src_params, target.module, tgt_params, tolerance)
+  return core.verify(source_model.module, src_params, target.module, tgt_params, tolerance,
+                     source_model.spec.vocab_size, min(source_model.spec.max_seq_len, target.spec.max_seq_len))

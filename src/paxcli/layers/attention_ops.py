@@ -58,15 +58,22 @@ def dot_product_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL=None,
 
 
 def einsum_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL=None):
-  """The reference: explicit float32 logits, masked, softmaxed, applied to values."""
-  b, l, h, e = q_BxLxHxE.shape
-  s, kv_heads = k_BxSxKxE.shape[1], k_BxSxKxE.shape[2]
-  groups = h // kv_heads
-  q_BxLxKxGxE = q_BxLxHxE.reshape(b, l, kv_heads, groups, e) * (e ** -0.5)
-  logits_BxKxGxLxS = jnp.einsum('blkge,bske->bkgls', q_BxLxKxGxE, k_BxSxKxE).astype(jnp.float32)
+  """The reference: explicit float32 logits, masked (causal, same segment), softmaxed, applied to values."""
+  b, l = q_BxLxHxE.shape[:2]
+  s = k_BxSxKxE.shape[1]
   mask_BxLxS = jnp.broadcast_to(jnp.tril(jnp.ones((l, s), dtype=bool))[None], (b, l, s))
   if segment_ids_BxL is not None:
     mask_BxLxS = mask_BxLxS & (segment_ids_BxL[:, :, None] == segment_ids_BxL[:, None, :])
+  return masked_einsum_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, mask_BxLxS)
+
+
+def masked_einsum_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, mask_BxLxS):
+  """Attention under any boolean mask (True: may attend); decoding uses it with its KV cache."""
+  b, l, h, e = q_BxLxHxE.shape
+  kv_heads = k_BxSxKxE.shape[2]
+  groups = h // kv_heads
+  q_BxLxKxGxE = q_BxLxHxE.reshape(b, l, kv_heads, groups, e) * (e ** -0.5)
+  logits_BxKxGxLxS = jnp.einsum('blkge,bske->bkgls', q_BxLxKxGxE, k_BxSxKxE).astype(jnp.float32)
   logits_BxKxGxLxS = jnp.where(mask_BxLxS[:, None, None], logits_BxKxGxLxS, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(logits_BxKxGxLxS, axis=-1).astype(q_BxLxHxE.dtype)
   out_BxLxKxGxE = jnp.einsum('bkgls,bske->blkge', probs, v_BxSxKxE)
