@@ -132,6 +132,10 @@ def test_bfloat16_params_only_evaluates(job, tmp_path, capsys):
   out, _ = _ok(['eval', '--exp', EXP, *LLAMA, '--job-log-dir', out_dir, '--json'], capsys)
   metrics = json.loads(out)
   assert metrics['step'] == 2 and all(np.isfinite(r['loss']) for r in metrics['results'].values())
+  out, _ = _ok(['decode', '--exp', EXP, *LLAMA, '--job-log-dir', out_dir, '--prompt-ids', '1,2,3',
+                '--max-decode-steps', '4', '--json'], capsys)
+  rows = [json.loads(line) for line in out.splitlines() if line.startswith('{')]
+  assert len(rows) == 1, out
 
 
 # ---- Hugging Face Llama, checked against a NumPy forward pass written from HF's conventions ----
