@@ -159,6 +159,9 @@ def plan(src_arrays: list, target: Model, params_only: bool, dtype: Optional[str
                                                                    or not params_only)]
   extra = [n for n in extra if n != 'step']
   problems += [f'{n}: checkpoint {list(have[n].shape)} -> not in the experiment' for n in extra]
+  # The layers of one stacked source one after another: a reader that reads the whole stacked array
+  # (orbax) reads it once, not once per layer.
+  items.sort(key=lambda it: (it.source if isinstance(it.source, str) else it.name, it.index or 0))
   if problems:
     shown = problems[:30] + ([f'... {len(problems) - 30} more'] if len(problems) > 30 else [])
     raise UserError('The checkpoint does not fit the target experiment (other than a change of layer '
@@ -201,7 +204,12 @@ class Output:
     self.tmp = self.path + f'.converting-{os.getpid()}'
 
   def __enter__(self) -> str:
+    import glob
     import shutil
+    for stale in glob.glob(glob.escape(self.path) + '.converting-*'):   # left by a killed conversion
+      pid = stale.rsplit('-', 1)[-1]
+      if pid.isdigit() and not _alive(int(pid)):
+        shutil.rmtree(stale, ignore_errors=True)
     if os.path.exists(self.tmp):
       shutil.rmtree(self.tmp)
     os.makedirs(self.tmp)
@@ -220,6 +228,16 @@ class Output:
     else:
       os.rename(self.tmp, self.path)
     return False
+
+
+def _alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    return True
+  return True
 
 
 def progress(total_bytes: int, description: str):

@@ -52,6 +52,23 @@ def convert(source: str, output: str, *, fmt: Optional[str] = None, to: str = 'o
   overrides = list(overrides)
   if to == 'hf':
     overrides.append('USE_REPEATED_LAYER=False')   # HF layers are unrolled
+  recipe_path = None
+  if src.kind == 'hf' and not src.config:
+    # The imported model's experiment is the recipe written for it (as pax import-maxtext does),
+    # unless --exp names one; the converted job then resumes with --exp <recipe>:HfLlama.
+    recipe_path = _write_recipe(src, recipe, output, force, log)
+    exp = exp or f'{recipe_path}:HfLlama'
+  try:
+    return _convert(src, out, source, output, fmt, to, exp, overrides, params_only, dtype, step, verify,
+                    kl_tolerance, max_shard_bytes, log, t0, recipe_path)
+  except BaseException:
+    if recipe_path and not recipe:
+      os.remove(recipe_path)   # a failed import leaves nothing behind
+    raise
+
+
+def _convert(src, out, source, output, fmt, to, exp, overrides, params_only, dtype, step, verify, kl_tolerance,
+             max_shard_bytes, log, t0, recipe_path):
   source_res, target_res = core.resolve_pair(src, exp, overrides)
   if not src.paxcli_names:
     if hasattr(src, 'paxcli_view'):
@@ -104,8 +121,15 @@ def convert(source: str, output: str, *, fmt: Optional[str] = None, to: str = 'o
   stats['seconds'] = time.perf_counter() - t0
   result = {'source': os.path.abspath(source), 'output': out.path, 'format': to, 'step': src.step,
             'params_only': params_only, 'dtype': dtype, 'experiment': target_res.name, **stats}
-  if src.kind == 'hf':
-    result['recipe'] = _write_recipe(src, recipe, output, force, log)
+  if recipe_path:
+    result['recipe'] = recipe_path
+  param_bytes = sum(int(np.prod(x.shape, dtype=np.int64)) * 4 for n, x in target.abstract.items()
+                    if n.startswith('params/'))
+  memory = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
+  if verify and 3 * param_bytes > memory:
+    log(f'Not verifying: running both models needs about {3 * param_bytes / 2**30:.0f} GiB of host memory '
+        f'({memory / 2**30:.0f} GiB here); the conversion itself streamed.')
+    verify = False
   if verify:
     result['verify'] = _verify(src, source_model, target, out.path, to,
                                kl_tolerance if kl_tolerance is not None else core.default_tolerance(dtype))
@@ -194,8 +218,9 @@ def _write_recipe(src, recipe: Optional[str], output: str, force: bool, log) -> 
     raise UserError(f'The recipe {path} exists; pass --force to replace it or --recipe PATH.')
   knobs = dict(src.knobs())
   with open(path, 'w', encoding='utf-8') as f:
-    f.write(hf.recipe_text('HfLlama', knobs, src.path, getattr(src.hf, 'notes', [])))
-  log(f'Wrote the recipe {path}: pax train --exp {path}:HfLlama --job-log-dir {output}')
+    f.write(hf.recipe_text('HfLlama', knobs, src.path, getattr(getattr(src, 'hf', src), 'notes', [])))
+  log(f'Wrote the recipe {path}; the converted job resumes with: pax train --exp {path}:HfLlama '
+      f'--job-log-dir {output}')
   return path
 
 
