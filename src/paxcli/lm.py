@@ -6,7 +6,7 @@ from typing import Optional
 
 import fiddle as fdl
 
-from paxcli.experiment import (ActivationName, CheckpointPolicyName, DTypeName, Experiment, NormName,
+from paxcli.experiment import (ActivationName, AttentionImplName, CheckpointPolicyName, DTypeName, Experiment, NormName,
                                OptimizerName, PositionName, ScheduleName)
 
 
@@ -36,6 +36,9 @@ class LmExperiment(Experiment):
   FPROP_DTYPE: DTypeName = 'float32'      # activations; weights stay float32
   USE_REPEATED_LAYER: bool = False        # nn.scan over layers
   CHECKPOINT_POLICY: CheckpointPolicyName = 'save_nothing'
+  # auto: jax.nn.dot_product_attention (cuDNN flash attention on GPUs in bf16/fp16, XLA
+  # elsewhere); einsum: the plain reference with explicit float32 logits.
+  ATTENTION_IMPL: AttentionImplName = 'auto'
 
   OPTIMIZER: OptimizerName = 'adamw'
   LEARNING_RATE: float = 1e-3
@@ -83,6 +86,7 @@ class LmExperiment(Experiment):
         fprop_dtype=self.FPROP_DTYPE,
         scan_layers=self.USE_REPEATED_LAYER,
         checkpoint_policy=self.CHECKPOINT_POLICY,
+        attention_impl=self.ATTENTION_IMPL,
     )
 
   def task(self) -> fdl.Config:

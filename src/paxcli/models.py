@@ -17,13 +17,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import fiddle as fdl
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paxcli.layers.base import BaseLayer, LayerTpl, instantiate, template_field  # noqa: F401
-from paxcli.layers.transformer import Block, Norm, dtype_of, fill_template
+from paxcli.layers.base import (AUX_LOSS, NON_TRAINABLE, RANDOM, SUMMARIES, BaseLayer, LayerTpl,
+                                build_arguments, instantiate, template_field)  # noqa: F401
+from paxcli.layers.transformer import Attention, Block, Mlp, Norm, dtype_of, fill_template
 
 REMAT_POLICIES = {
     'save_nothing': lambda: jax.checkpoint_policies.nothing_saveable,
@@ -89,12 +91,11 @@ class TransformerLm(BaseLayer):
   final_norm_tpl: LayerTpl = template_field(Norm)
 
   def _block_kwargs(self, dtype, deterministic: bool, remat: bool = True) -> tuple[type, dict]:
-    from paxcli.layers import base
+    """The block class (remat-wrapped per checkpoint_policy) and its arguments from block_tpl."""
     tpl = fill_template(self.block_tpl, dtype, model_dims=self.model_dims, dropout_prob=self.dropout_prob,
                         deterministic=deterministic)
-    import fiddle as fdl
     cls = fdl.get_callable(tpl)
-    kwargs = base.build_arguments(tpl, self)
+    kwargs = build_arguments(tpl, self)
     if remat and self.checkpoint_policy != 'none':
       cls = nn.remat(cls, policy=REMAT_POLICIES[self.checkpoint_policy](), prevent_cse=not self.scan_layers)
     return cls, kwargs
@@ -103,8 +104,6 @@ class TransformerLm(BaseLayer):
   def __call__(self, ids_BxL, segment_ids_BxL=None, positions_BxL=None, deterministic: bool = True):
     dtype = dtype_of(self.fprop_dtype) if isinstance(self.fprop_dtype, str) else self.fprop_dtype
     b, l = ids_BxL.shape
-    if segment_ids_BxL is None:
-      segment_ids_BxL = jnp.ones((b, l), jnp.int32)
     if positions_BxL is None:
       positions_BxL = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32)[None], (b, l))
     embed = nn.Embed(
@@ -123,7 +122,6 @@ class TransformerLm(BaseLayer):
     decoding = self.is_mutable_collection('cache') and not self.is_initializing()  # KV cache: no remat
     block, block_kwargs = self._block_kwargs(dtype, deterministic, remat=not decoding)
     if self.scan_layers:
-      from paxcli.layers.base import AUX_LOSS, NON_TRAINABLE, RANDOM, SUMMARIES
       stack = nn.scan(block, variable_axes={'params': 0, NON_TRAINABLE: 0, SUMMARIES: 0, AUX_LOSS: 0, 'cache': 0},
                       split_rngs={'params': True, 'dropout': True, RANDOM: True},
                       in_axes=(nn.broadcast, nn.broadcast), length=self.num_layers,
@@ -134,9 +132,7 @@ class TransformerLm(BaseLayer):
         x_BxLxD, _ = block(**block_kwargs, name=f'layer_{i}')(x_BxLxD, segment_ids_BxL, positions_BxL)
 
     final_norm = fill_template(self.final_norm_tpl, dtype)
-    from paxcli.layers import base
-    import fiddle as fdl
-    x_BxLxD = fdl.get_callable(final_norm)(**base.build_arguments(final_norm, self), name='final_norm')(x_BxLxD)
+    x_BxLxD = fdl.get_callable(final_norm)(**build_arguments(final_norm, self), name='final_norm')(x_BxLxD)
     if self.separate_embedding:
       logits = nn.Dense(self.vocab_size, use_bias=False, dtype=dtype,
                         kernel_init=nn.with_logical_partitioning(
@@ -164,25 +160,72 @@ def lm_loss(logits_BxLxV, labels_BxL, weights_BxL):
   return loss, {'loss_sum': loss_sum, 'correct_sum': correct, 'weight_sum': total_weight}
 
 
+def fused_lm_loss(logits_BxLxV, labels_BxL, weights_BxL):
+  """`lm_loss` without a second float32 [B, L, V] array: same value, gradient and metrics.
+
+  The plain loss keeps log-softmax [B, L, V] in float32 for its backward pass (and its
+  gradient builds more of the same size). Here the forward pass keeps only the
+  log-sum-exp per token ([B, L]) and the backward pass recomputes softmax - onehot
+  from the logits in one elementwise pass, producing the logits' gradient directly.
+  Logits may be bfloat16: they are read in float32 inside the fused reductions.
+  """
+  weights = weights_BxL.astype(jnp.float32)
+  nll_BxL = _token_nll(logits_BxLxV, labels_BxL)
+  total_weight = jnp.sum(weights)
+  loss_sum = jnp.sum(nll_BxL * weights)
+  correct = jnp.sum((jnp.argmax(logits_BxLxV, axis=-1) == labels_BxL) * weights)
+  loss = loss_sum / jnp.maximum(total_weight, 1e-8)
+  return loss, {'loss_sum': loss_sum, 'correct_sum': correct, 'weight_sum': total_weight}
+
+
+def _logsumexp_BxL(logits_BxLxV):
+  x = logits_BxLxV.astype(jnp.float32)
+  m_BxL = jax.lax.stop_gradient(jnp.max(x, axis=-1))
+  return m_BxL + jnp.log(jnp.sum(jnp.exp(x - m_BxL[..., None]), axis=-1))
+
+
+def _label_logit_BxL(logits_BxLxV, labels_BxL):
+  return jnp.take_along_axis(logits_BxLxV, labels_BxL[..., None], axis=-1)[..., 0].astype(jnp.float32)
+
+
+@jax.custom_vjp
+def _token_nll(logits_BxLxV, labels_BxL):
+  return _logsumexp_BxL(logits_BxLxV) - _label_logit_BxL(logits_BxLxV, labels_BxL)
+
+
+def _token_nll_fwd(logits_BxLxV, labels_BxL):
+  lse_BxL = _logsumexp_BxL(logits_BxLxV)
+  return lse_BxL - _label_logit_BxL(logits_BxLxV, labels_BxL), (logits_BxLxV, labels_BxL, lse_BxL)
+
+
+def _token_nll_bwd(residuals, g_BxL):
+  logits_BxLxV, labels_BxL, lse_BxL = residuals
+  vocab = logits_BxLxV.shape[-1]
+  probs = jnp.exp(logits_BxLxV.astype(jnp.float32) - lse_BxL[..., None])
+  onehot = labels_BxL[..., None] == jax.lax.broadcasted_iota(labels_BxL.dtype, (1, 1, vocab), 2)
+  grad_BxLxV = (probs - onehot.astype(jnp.float32)) * g_BxL[..., None]
+  return grad_BxLxV.astype(logits_BxLxV.dtype), None
+
+
+_token_nll.defvjp(_token_nll_fwd, _token_nll_bwd)
+
+
 def lm_config(vocab_size: int = 256, num_layers: int = 2, model_dims: int = 64, hidden_dims: int = 256,
               num_heads: int = 4, num_kv_heads: int = 4, dims_per_head: int = 16, max_seq_len: int = 64,
               activation: str = 'gelu', use_gated_activation: bool = False, norm_type: str = 'layernorm',
               use_bias: bool = True, position_embedding: str = 'learned', rotary_max_timescale: float = 10000.0,
               separate_embedding: bool = False, dropout_prob: float = 0.0, fprop_dtype: str = 'float32',
-              scan_layers: bool = False, checkpoint_policy: str = 'save_nothing'):
+              scan_layers: bool = False, checkpoint_policy: str = 'save_nothing', attention_impl: str = 'auto'):
   """The LanguageModel config with its templates filled from flat settings (the LM knobs).
 
   Each setting lands in the one template that uses it: attention heads in
   `lm_tpl.block_tpl.attention_tpl`, hidden dims and activation in `...ffn_tpl`, the norm
   kind in `...norm_tpl` and `lm_tpl.final_norm_tpl`, the rest on `lm_tpl`.
   """
-  import fiddle as fdl
-
-  from paxcli.layers.transformer import Attention, Mlp
   norm = lambda: fdl.Config(Norm, kind=norm_type, use_bias=use_bias)
   attention = fdl.Config(Attention, num_heads=num_heads, num_kv_heads=num_kv_heads, dims_per_head=dims_per_head,
                          use_bias=use_bias, rotary=position_embedding == 'rotary',
-                         rotary_max_timescale=rotary_max_timescale)
+                         rotary_max_timescale=rotary_max_timescale, attention_impl=attention_impl)
   ffn = fdl.Config(Mlp, hidden_dims=hidden_dims, activation=activation, gated=use_gated_activation,
                    use_bias=use_bias)
   block = fdl.Config(Block, attention_tpl=attention, ffn_tpl=ffn, norm_tpl=norm())
@@ -215,7 +258,7 @@ class LanguageModel(BaseModel):
                 deterministic=deterministic)
 
   def compute_loss(self, predictions, input_batch: dict):
-    loss, sums = lm_loss(predictions, input_batch['labels'], input_batch['weights'])
+    loss, sums = fused_lm_loss(predictions, input_batch['labels'], input_batch['weights'])
     weight = sums['weight_sum']
     accuracy = sums['correct_sum'] / jnp.maximum(weight, 1e-8)
     return loss, {'loss': (loss, weight), 'accuracy': (accuracy, weight)}
@@ -261,7 +304,7 @@ def flat_view(model):
                                           'position_embedding', 'separate_embedding', 'dropout_prob',
                                           'fprop_dtype', 'scan_layers', 'checkpoint_policy')},
       **{name: get(attention, name) for name in ('num_heads', 'num_kv_heads', 'dims_per_head',
-                                                 'rotary_max_timescale', 'use_bias')},
+                                                 'rotary_max_timescale', 'use_bias', 'attention_impl')},
       hidden_dims=get(ffn, 'hidden_dims'), activation=get(ffn, 'activation'),
       use_gated_activation=get(ffn, 'gated'), norm_type=get(norm, 'kind'))
 
@@ -274,8 +317,6 @@ def validate_lm(lm) -> None:
   if not 0 <= lm.dropout_prob < 1:
     raise UserError(f'task.model.lm_tpl.dropout_prob must be in [0, 1), got {lm.dropout_prob}.')
   attention = getattr(getattr(lm, 'block_tpl', None), 'attention_tpl', None)
-  from paxcli.layers.transformer import Attention
-  import fiddle as fdl
   if attention is None or fdl.get_callable(attention) is not Attention:
     return
   where = 'task.model.lm_tpl.block_tpl.attention_tpl'
@@ -286,7 +327,6 @@ def validate_lm(lm) -> None:
   if attention.rotary and attention.dims_per_head % 2:
     raise UserError(f'Rotary positions need an even DIMS_PER_HEAD, got {attention.dims_per_head}.')
   ffn = lm.block_tpl.ffn_tpl
-  from paxcli.layers.transformer import Mlp
   if fdl.get_callable(ffn) is Mlp:
     at_least(1, 'task.model.lm_tpl.block_tpl.ffn_tpl', ffn, 'hidden_dims')
 
@@ -307,7 +347,7 @@ class ClassificationModel(BaseModel):
   norm_tpl: LayerTpl = template_field(Norm)
 
   def setup(self):
-    from paxcli.layers.base import WeightHParams, WeightInit
+    from paxcli.layers.base import WeightHParams, WeightInit  # noqa: F811
     d = self.model_dims
     self.create_variable('embedding', WeightHParams(shape=[self.vocab_size, d], init=WeightInit.Gaussian(d ** -0.5),
                                                     tensor_split_dims_mapping=('vocab', 'embed')))

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from paxcli.layers import attention_ops
 from paxcli.layers.base import BaseLayer, LayerTpl, template_field
 from paxcli.options import ACTIVATIONS
 
@@ -79,7 +80,12 @@ def rotary(x_BxLxHxE, positions_BxL, max_timescale: float):
 
 
 class Attention(nn.Module):
-  """Causal multi-head attention with grouped-query support (num_kv_heads <= num_heads)."""
+  """Causal multi-head attention with grouped-query support (num_kv_heads <= num_heads).
+
+  `segment_ids_BxL` None: one segment per row (no packing). The kernel is
+  `attention_ops.attention`; attention_impl: auto (cuDNN flash attention on GPUs), dot_product
+  (jax.nn.dot_product_attention) or einsum (the reference).
+  """
   num_heads: int
   num_kv_heads: int
   dims_per_head: int
@@ -87,6 +93,7 @@ class Attention(nn.Module):
   rotary: bool = False
   rotary_max_timescale: float = 10000.0
   dtype: jnp.dtype = jnp.float32
+  attention_impl: str = 'auto'
 
   def _proj(self, x, heads, head_axis, name):
     y = nn.DenseGeneral(
@@ -106,22 +113,15 @@ class Attention(nn.Module):
     if self.rotary:
       q_BxLxHxE = rotary(q_BxLxHxE, positions_BxL, self.rotary_max_timescale)
       k_BxSxKxE = rotary(k_BxSxKxE, positions_BxL, self.rotary_max_timescale)
-    b, l, _, e = q_BxLxHxE.shape
-    groups = self.num_heads // self.num_kv_heads
-    q_BxLxKxGxE = q_BxLxHxE.reshape(b, l, self.num_kv_heads, groups, e) * (e ** -0.5)
     if self.is_mutable_collection('cache') and not self.is_initializing():
       # Decoding: keys/values go into the KV cache; queries attend over all of it.
+      if segment_ids_BxL is None:
+        segment_ids_BxL = jnp.ones(x_BxLxD.shape[:2], jnp.int32)
       k_BxSxKxE, v_BxSxKxE, mask_BxLxS = self._decode_cache(k_BxSxKxE, v_BxSxKxE, segment_ids_BxL)
+      out_BxLxHxE = attention_ops.masked_einsum_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, mask_BxLxS)
     else:
-      causal_LxS = jnp.tril(jnp.ones((l, l), dtype=bool))
-      same_segment_BxLxS = segment_ids_BxL[:, :, None] == segment_ids_BxL[:, None, :]
-      mask_BxLxS = causal_LxS[None] & same_segment_BxLxS
-    logits_BxKxGxLxS = jnp.einsum('blkge,bske->bkgls', q_BxLxKxGxE, k_BxSxKxE).astype(jnp.float32)
-    mask_Bx1x1xLxS = mask_BxLxS[:, None, None]
-    logits_BxKxGxLxS = jnp.where(mask_Bx1x1xLxS, logits_BxKxGxLxS, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(logits_BxKxGxLxS, axis=-1).astype(self.dtype)
-    out_BxLxKxGxE = jnp.einsum('bkgls,bske->blkge', probs, v_BxSxKxE)
-    out_BxLxHxE = out_BxLxKxGxE.reshape(b, l, self.num_heads, e)
+      out_BxLxHxE = attention_ops.attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL,
+                                            self.attention_impl)
     out = nn.DenseGeneral(
         features=x_BxLxD.shape[-1], axis=(-2, -1), use_bias=self.use_bias, dtype=self.dtype,
         kernel_init=_init(('heads', 'head_dim', 'embed')),
