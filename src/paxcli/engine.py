@@ -220,7 +220,7 @@ def validate_model(model) -> None:
   checks = [
       ('activation', model.activation, list(_ACTIVATIONS)),
       ('norm_type', model.norm_type, ['layernorm', 'rmsnorm']),
-      ('position_embedding', model.position_embedding, ['learned', 'rotary', 'none']),
+      ('position_embedding', model.position_embedding, ['learned', 'rotary', 'sinusoidal', 'none']),
       ('fprop_dtype', model.fprop_dtype, ['float32', 'bfloat16', 'float16']),
       ('checkpoint_policy', model.checkpoint_policy, ['none'] + list(REMAT_POLICIES)),
   ]
@@ -233,6 +233,11 @@ def validate_model(model) -> None:
     raise UserError(f'task.model.dropout_prob must be in [0, 1), got {model.dropout_prob}.')
   if model.num_heads % model.num_kv_heads:
     raise UserError(f'NUM_HEADS {model.num_heads} must be a multiple of NUM_KV_HEADS {model.num_kv_heads}.')
+  for field in ('softmax_cap_logits', 'atten_logit_cap'):
+    if getattr(model, field, 0.0) < 0:
+      raise UserError(f'task.model.{field} must be 0 (off) or positive, got {getattr(model, field)}.')
+  if getattr(model, 'norm_epsilon', 1e-6) <= 0:
+    raise UserError(f'task.model.norm_epsilon must be positive, got {model.norm_epsilon}.')
   if model.position_embedding == 'rotary' and model.dims_per_head % 2:
     raise UserError(f'Rotary positions need an even DIMS_PER_HEAD, got {model.dims_per_head}.')
 

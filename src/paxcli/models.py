@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from paxcli.layers.transformer import Block, Norm, dtype_of
+from paxcli.layers.transformer import Block, Norm, dtype_of, sinusoidal, soft_cap
 
 REMAT_POLICIES = {
     'save_nothing': lambda: jax.checkpoint_policies.nothing_saveable,
@@ -19,7 +21,13 @@ REMAT_POLICIES = {
 
 
 class TransformerLm(nn.Module):
-  """Token embedding, optional learned positions, a stack of blocks, final norm, logits.
+  """Token embedding, optional learned or sinusoidal positions, a stack of blocks, final norm, logits.
+
+  Options Pax's lm_cloud models use, all off by default: token embeddings scaled by
+  sqrt(model_dims) (`scale_embedding_sqrt_depth`), a bias on the output logits
+  (`softmax_bias`), output logits soft-capped by tanh (`softmax_cap_logits`), attention
+  logits soft-capped (`atten_logit_cap`), learned per-dimension query scales
+  (`per_dim_scale`), attention biases set apart from the others (`attention_use_bias`).
 
   `__call__(ids, segment_ids=None, positions=None)` returns float32 logits [B, L, V].
   """
@@ -42,6 +50,13 @@ class TransformerLm(nn.Module):
   fprop_dtype: str = 'float32'
   scan_layers: bool = False
   checkpoint_policy: str = 'save_nothing'
+  scale_embedding_sqrt_depth: bool = False
+  softmax_bias: bool = False
+  softmax_cap_logits: float = 0.0
+  atten_logit_cap: float = 0.0
+  per_dim_scale: bool = False
+  attention_use_bias: Optional[bool] = None  # None: use_bias
+  norm_epsilon: float = 1e-6
 
   def _block_class(self):
     block = Block
@@ -64,6 +79,10 @@ class TransformerLm(nn.Module):
             nn.initializers.normal(self.model_dims ** -0.5), ('vocab', 'embed')),
         name='embedding')
     x_BxLxD = embed(ids_BxL)
+    if self.scale_embedding_sqrt_depth:
+      x_BxLxD = x_BxLxD * jnp.asarray(self.model_dims ** 0.5, dtype)
+    if self.position_embedding == 'sinusoidal':
+      x_BxLxD = x_BxLxD + sinusoidal(positions_BxL, self.model_dims).astype(dtype)
     if self.position_embedding == 'learned':
       pos = self.param('position_embedding',
                        nn.with_logical_partitioning(nn.initializers.normal(0.02), (None, 'embed')),
@@ -76,7 +95,8 @@ class TransformerLm(nn.Module):
         hidden_dims=self.hidden_dims, activation=self.activation, gated=self.use_gated_activation,
         norm_type=self.norm_type, use_bias=self.use_bias, rotary=self.position_embedding == 'rotary',
         rotary_max_timescale=self.rotary_max_timescale, dropout_prob=self.dropout_prob,
-        deterministic=deterministic, dtype=dtype)
+        deterministic=deterministic, dtype=dtype, attention_use_bias=self.attention_use_bias,
+        per_dim_scale=self.per_dim_scale, atten_logit_cap=self.atten_logit_cap, norm_epsilon=self.norm_epsilon)
     block = self._block_class()
     if self.scan_layers:
       stack = nn.scan(block, variable_axes={'params': 0}, split_rngs={'params': True, 'dropout': True},
@@ -87,16 +107,21 @@ class TransformerLm(nn.Module):
       for i in range(self.num_layers):
         x_BxLxD, _ = block(**block_kwargs, name=f'layer_{i}')(x_BxLxD, segment_ids_BxL, positions_BxL)
 
-    x_BxLxD = Norm(self.norm_type, self.use_bias, dtype, name='final_norm')(x_BxLxD)
+    x_BxLxD = Norm(self.norm_type, self.use_bias, dtype, self.norm_epsilon, name='final_norm')(x_BxLxD)
     if self.separate_embedding:
-      logits = nn.Dense(self.vocab_size, use_bias=False, dtype=dtype,
+      logits = nn.Dense(self.vocab_size, use_bias=self.softmax_bias, dtype=dtype,
                         kernel_init=nn.with_logical_partitioning(
                             nn.initializers.variance_scaling(1.0, 'fan_in', 'truncated_normal'),
                             ('embed', 'vocab')),
+                        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ('vocab',)),
                         name='logits')(x_BxLxD)
     else:
       logits = embed.attend(x_BxLxD)
-    return logits.astype(jnp.float32)
+      if self.softmax_bias:
+        bias = self.param('logits_bias', nn.with_logical_partitioning(nn.initializers.zeros, ('vocab',)),
+                          (self.vocab_size,))
+        logits = logits + bias.astype(logits.dtype).reshape(1, 1, -1)
+    return soft_cap(logits.astype(jnp.float32), self.softmax_cap_logits)
 
 
 def lm_loss(logits_BxLxV, labels_BxL, weights_BxL):

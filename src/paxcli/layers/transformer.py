@@ -7,7 +7,8 @@ D model dims, H heads, K kv heads, G query heads per kv head, E dims per head, F
 
 from __future__ import annotations
 
-from typing import Callable
+import math
+from typing import Callable, Optional
 
 import flax.linen as nn
 import jax
@@ -73,8 +74,29 @@ def rotary(x_BxLxHxE, positions_BxL, max_timescale: float):
   return out.astype(x_BxLxHxE.dtype)
 
 
+def sinusoidal(positions_BxL, dims: int, min_timescale: float = 1.0, max_timescale: float = 10000.0):
+  """Fixed sinusoidal position embedding, Pax's PositionalEmbedding: [sin | cos] halves with
+  timescales geometric from min to max (zero-padded when dims is odd). Returns float32 [B, L, D]."""
+  half = dims // 2
+  log_increment = math.log(max_timescale / min_timescale) / max(half - 1, 1)
+  inv_timescale = min_timescale * jnp.exp(jnp.arange(half, dtype=jnp.float32) * -log_increment)
+  angles_BxLxD2 = positions_BxL[:, :, None].astype(jnp.float32) * inv_timescale[None, None, :]
+  signal = jnp.concatenate([jnp.sin(angles_BxLxD2), jnp.cos(angles_BxLxD2)], axis=-1)
+  return jnp.pad(signal, [(0, 0), (0, 0), (0, dims % 2)])
+
+
+def soft_cap(logits, cap: float):
+  """cap * tanh(logits / cap): bounds |logits| below cap smoothly; cap 0 leaves them as they are."""
+  return cap * jnp.tanh(logits / cap) if cap else logits
+
+
 class Attention(nn.Module):
-  """Causal multi-head attention with grouped-query support (num_kv_heads <= num_heads)."""
+  """Causal multi-head attention with grouped-query support (num_kv_heads <= num_heads).
+
+  Queries are scaled by 1/sqrt(E), or with `per_dim_scale` by Pax's learned PerDimScale
+  (1/sqrt(E) x softplus(w) / softplus(0) per dimension, w starting at 0). `atten_logit_cap`
+  > 0 soft-caps the logits with tanh before the mask, as Pax's atten_logit_cap does.
+  """
   num_heads: int
   num_kv_heads: int
   dims_per_head: int
@@ -82,6 +104,8 @@ class Attention(nn.Module):
   rotary: bool = False
   rotary_max_timescale: float = 10000.0
   dtype: jnp.dtype = jnp.float32
+  per_dim_scale: bool = False
+  atten_logit_cap: float = 0.0
 
   def _proj(self, x, heads, head_axis, name):
     y = nn.DenseGeneral(
@@ -90,6 +114,13 @@ class Attention(nn.Module):
         bias_init=nn.with_logical_partitioning(nn.initializers.zeros, (head_axis, 'head_dim')),
         name=name)(x)
     return checkpoint_name(y, f'{name}_proj')
+
+  def _query_scale(self, e: int):
+    """[1, 1, 1, E] factors the queries are multiplied by."""
+    if not self.per_dim_scale:
+      return jnp.full((1, 1, 1, e), e ** -0.5, jnp.float32)
+    w = self.param('per_dim_scale', nn.with_logical_partitioning(nn.initializers.zeros, ('head_dim',)), (e,))
+    return (e ** -0.5 / math.log(2.0) * jax.nn.softplus(w)).reshape(1, 1, 1, e)  # softplus(0) = ln 2
 
   @nn.compact
   def __call__(self, x_BxLxD, segment_ids_BxL, positions_BxL):
@@ -103,8 +134,10 @@ class Attention(nn.Module):
       k_BxSxKxE = rotary(k_BxSxKxE, positions_BxL, self.rotary_max_timescale)
     b, l, _, e = q_BxLxHxE.shape
     groups = self.num_heads // self.num_kv_heads
-    q_BxLxKxGxE = q_BxLxHxE.reshape(b, l, self.num_kv_heads, groups, e) * (e ** -0.5)
+    q_BxLxHxE = q_BxLxHxE * self._query_scale(e).astype(q_BxLxHxE.dtype)
+    q_BxLxKxGxE = q_BxLxHxE.reshape(b, l, self.num_kv_heads, groups, e)
     logits_BxKxGxLxS = jnp.einsum('blkge,bske->bkgls', q_BxLxKxGxE, k_BxSxKxE).astype(jnp.float32)
+    logits_BxKxGxLxS = soft_cap(logits_BxKxGxLxS, self.atten_logit_cap)
     causal_LxS = jnp.tril(jnp.ones((l, l), dtype=bool))
     same_segment_BxLxS = segment_ids_BxL[:, :, None] == segment_ids_BxL[:, None, :]
     mask_Bx1x1xLxS = (causal_LxS[None] & same_segment_BxLxS)[:, None, None]
@@ -157,14 +190,20 @@ class Block(nn.Module):
   dropout_prob: float = 0.0
   deterministic: bool = True
   dtype: jnp.dtype = jnp.float32
+  attention_use_bias: Optional[bool] = None  # None: use_bias
+  per_dim_scale: bool = False
+  atten_logit_cap: float = 0.0
+  norm_epsilon: float = 1e-6
 
   @nn.compact
   def __call__(self, x_BxLxD, segment_ids_BxL, positions_BxL):
-    norm = lambda name: Norm(self.norm_type, self.use_bias, self.dtype, name=name)
+    norm = lambda name: Norm(self.norm_type, self.use_bias, self.dtype, self.norm_epsilon, name=name)
     dropout = nn.Dropout(self.dropout_prob, deterministic=self.deterministic)
     h = norm('attention_norm')(x_BxLxD)
-    h = Attention(self.num_heads, self.num_kv_heads, self.dims_per_head, self.use_bias, self.rotary,
-                  self.rotary_max_timescale, self.dtype, name='attention')(h, segment_ids_BxL, positions_BxL)
+    attention_bias = self.use_bias if self.attention_use_bias is None else self.attention_use_bias
+    h = Attention(self.num_heads, self.num_kv_heads, self.dims_per_head, attention_bias, self.rotary,
+                  self.rotary_max_timescale, self.dtype, self.per_dim_scale, self.atten_logit_cap,
+                  name='attention')(h, segment_ids_BxL, positions_BxL)
     x_BxLxD = x_BxLxD + dropout(h)
     h = norm('mlp_norm')(x_BxLxD)
     h = Mlp(self.hidden_dims, self.activation, self.gated, self.use_bias, self.dtype, name='mlp')(h)
