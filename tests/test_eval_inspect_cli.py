@@ -17,12 +17,12 @@ def test_train_runs_eval_and_pax_eval_reads_the_checkpoint(tmp_path, capsys):
   code, out, err = pax_main(['train', *TINY, '--job-log-dir', job, '--set', 'task.train.num_train_steps=10',
                              '--set', 'EVAL_INTERVAL_STEPS=5', '--set', 'task.train.save_interval_steps=10'], capsys)
   assert code == 0, err
-  assert 'step 5: eval eval: loss' in out and 'step 10: eval eval: loss' in out
-  with open(os.path.join(job, 'eval_eval_metrics.jsonl')) as f:
+  assert 'step 5: eval: loss' in out and 'step 10: eval: loss' in out
+  with open(os.path.join(job, 'eval_metrics.jsonl')) as f:
     during = [json.loads(line) for line in f]
   assert [r['step'] for r in during] == [5, 10]
   assert all(r['num_examples'] == 16 for r in during)  # 2 batches x global batch 8
-  assert os.listdir(os.path.join(job, 'summaries', 'eval_eval'))
+  assert os.listdir(os.path.join(job, 'summaries', 'eval'))
 
   code, out, err = pax_main(['eval', *TINY, '--job-log-dir', job, '--json'], capsys)
   assert code == 0, err
@@ -184,5 +184,5 @@ def test_seqio_recipe_trains_and_evaluates(tmp_path, capsys):
   assert code == 0, err
   records = [json.loads(line) for line in open(tmp_path / 's' / 'train_metrics.jsonl')]
   assert [r['step'] for r in records] == [2, 4] and all(5 < r['loss'] < 9 for r in records)
-  evals = [json.loads(line) for line in open(tmp_path / 's' / 'eval_eval_metrics.jsonl')]
+  evals = [json.loads(line) for line in open(tmp_path / 's' / 'eval_metrics.jsonl')]
   assert evals[0]['step'] == 4 and evals[0]['num_examples'] > 100  # the whole validation split

@@ -13,11 +13,16 @@ import numpy as np
 import pytest
 
 from paxcli import engine
+from paxcli.layers.base import instantiate
 from paxcli.layers.transformer import Attention, sinusoidal
-from paxcli.models import TransformerLm
+from paxcli.models import lm_config
 
 BASE = dict(vocab_size=50, num_layers=2, model_dims=32, hidden_dims=64, num_heads=4, num_kv_heads=4,
             dims_per_head=8, max_seq_len=12, checkpoint_policy='none')
+
+
+def TransformerLm(**settings):  # noqa: N802: the LM from flat settings, as the LM knobs build it
+  return instantiate(lm_config(**settings))
 
 
 def _ids(b=2, l=12, seed=0):

@@ -12,6 +12,8 @@ commit marker. Such an unfinished step is moved aside to `checkpoints_unfinished
 
 from __future__ import annotations
 
+import contextlib
+import math
 import os
 import re
 import shutil
@@ -58,36 +60,103 @@ def _unfinished(directory: str) -> list[tuple[int, str]]:
   return sorted(found)
 
 
+KEEP_SET_ASIDE = 3  # unfinished saves kept in checkpoints_unfinished/ (the most recent ones)
+
+
 def set_aside_unfinished(directory: str, log=print) -> list[int]:
   """Moves unfinished saves out of `directory` (process 0 only); returns their steps.
 
-  They go to `checkpoints_unfinished/` beside it, never deleted: orbax itself would
-  delete its temporary directory when it saves that step again.
+  They go to `checkpoints_unfinished/` beside it: orbax itself would delete its temporary
+  directory when it saves that step again. A step below the newest complete one is the
+  leftover of an interrupted deletion (orbax removing an old checkpoint to keep the last
+  K), not of a save: the line says which. Only the KEEP_SET_ASIDE most recent set-asides
+  are kept there; older ones are removed.
   """
   moved = []
   if jax.process_index() != 0:
     return moved
   aside = os.path.join(os.path.dirname(os.path.abspath(directory)), 'checkpoints_unfinished')
+  complete = complete_steps(directory)
   for step, path in _unfinished(directory):
     os.makedirs(aside, exist_ok=True)
     target = os.path.join(aside, f'{os.path.basename(path)}-{int(time.time())}')
-    shutil.move(path, target)
-    log(f'Checkpoint at step {step} is unfinished (a save was interrupted); moved it to {target} '
-        'and resuming from the last complete one.')
+    try:
+      shutil.move(path, target)
+    except FileNotFoundError:  # gone meanwhile (orbax finished or removed it)
+      continue
+    if complete and step < complete[-1]:
+      log(f'Checkpoint at step {step} is the leftover of an interrupted deletion (an old checkpoint being '
+          f'removed to keep the last ones); moved it to {target}. The newest complete one is step {complete[-1]}.')
+    else:
+      log(f'Checkpoint at step {step} is unfinished (a save was interrupted); moved it to {target} '
+          'and resuming from the last complete one.')
     moved.append(step)
+  if moved:
+    _prune_set_aside(aside, log)
   return moved
 
 
+def _prune_set_aside(aside: str, log) -> None:
+  entries = sorted((os.path.getmtime(os.path.join(aside, n)), n) for n in os.listdir(aside))
+  for _, name in entries[:-KEEP_SET_ASIDE]:
+    shutil.rmtree(os.path.join(aside, name), ignore_errors=True)
+    log(f'Removed {os.path.join(aside, name)}: only the {KEEP_SET_ASIDE} most recent unfinished checkpoints '
+        'are kept.')
+
+
+class CheckpointWriteError(UserError):
+  """A save that could not be written (the disk is full): one line, the complete ones intact."""
+  exit_code = 1
+
+
+def _no_space(e: BaseException) -> bool:
+  """True when e (or what caused it) is 'no space left on device', however the layer below wraps it."""
+  import errno
+  seen = set()
+  while e is not None and id(e) not in seen:
+    seen.add(id(e))
+    if getattr(e, 'errno', None) == errno.ENOSPC or 'No space left on device' in str(e):
+      return True
+    e = e.__cause__ or e.__context__
+  return False
+
+
+def _device_of(path: str) -> str:
+  """The mount point holding `path` (and its source from /proc/mounts when known)."""
+  path = os.path.abspath(path)
+  while not os.path.exists(path):
+    path = os.path.dirname(path)
+  mount = path
+  while not os.path.ismount(mount):
+    mount = os.path.dirname(mount)
+  try:
+    with open('/proc/mounts', encoding='utf-8', errors='replace') as f:
+      sources = {fields[1]: fields[0] for fields in (line.split() for line in f) if len(fields) > 1}
+  except OSError:
+    sources = {}
+  return f'{mount} ({sources[mount]})' if mount in sources else mount
+
+
 class Checkpointer:
-  """A thin wrapper over orbax's CheckpointManager with our items and completeness rules."""
+  """orbax's CheckpointManager with our items, completeness rules and retention.
+
+  Retention (max_to_keep=K): the K newest complete checkpoints, and also the one saved
+  with the lowest loss (meta 'loss'), so that a run whose loss ran away keeps the last
+  checkpoint from before it. Old ones are removed after the next save has finished.
+  """
 
   def __init__(self, directory: str, max_to_keep: int, async_save: bool = True):
     import orbax.checkpoint as ocp
     self.directory = os.path.abspath(directory)
     self._ocp = ocp
-    options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep or None, create=True,
+    self.max_to_keep = max_to_keep or None
+    options = ocp.CheckpointManagerOptions(max_to_keep=None, create=True,
                                            enable_async_checkpointing=async_save)
     self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
+    self._losses: dict[int, Optional[float]] = {}
+    self._in_flight: Optional[int] = None
+    self._failed = False
+    self.latest_saved = self.latest_step()  # the newest step saved (complete, or being written)
 
   def latest_step(self) -> Optional[int]:
     steps = complete_steps(self.directory)
@@ -95,12 +164,71 @@ class Checkpointer:
 
   def save(self, step: int, state: Any, meta: dict) -> None:
     ocp = self._ocp
-    self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                     meta=ocp.args.JsonSave(meta)), force=True)
+    self._finish()  # the previous save: its errors surface here
+    self._rotate()
+    self._in_flight = self.latest_saved = step
+    with self._write_faults(step):
+      self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                       meta=ocp.args.JsonSave(meta)), force=True)
+    loss = meta.get('loss')
+    self._losses[step] = float(loss) if isinstance(loss, (int, float)) and math.isfinite(loss) else None
+
+  def _finish(self) -> None:
+    with self._write_faults(self._in_flight):
+      self._manager.wait_until_finished()
+    self._in_flight = None
+
+  @contextlib.contextmanager
+  def _write_faults(self, step: Optional[int]):
+    """A full disk while saving `step` becomes one line; the unfinished save is set aside."""
+    try:
+      yield
+    except Exception as e:
+      if not _no_space(e):
+        raise
+      self._failed = True
+      complete = complete_steps(self.directory)
+      set_aside_unfinished(self.directory, log=lambda m: None)
+      last = f'step {complete[-1]}' if complete else 'none (no checkpoint was completed)'
+      raise CheckpointWriteError(
+          f'No space left on {_device_of(self.directory)} while saving step {step}; the last complete '
+          f'checkpoint is {last}. Free space and run the same command to resume.') from None
+
+  def _loss_of(self, step: int) -> Optional[float]:
+    if step not in self._losses:
+      try:
+        loss = self.read_meta(step).get('loss')
+      except Exception:  # an unreadable meta: no loss known, the step is just not "best"
+        loss = None
+      self._losses[step] = float(loss) if isinstance(loss, (int, float)) and math.isfinite(loss) else None
+    return self._losses[step]
+
+  def _rotate(self) -> None:
+    """Removes complete checkpoints beyond the newest max_to_keep, except the best by loss."""
+    if not self.max_to_keep:
+      return
+    steps = complete_steps(self.directory)
+    old = steps[:-self.max_to_keep]
+    if not old:
+      return
+    losses = {s: self._loss_of(s) for s in steps}
+    known = [s for s in steps if losses[s] is not None]
+    best = min(known, key=lambda s: (losses[s], -s)) if known else None
+    for s in old:
+      if s != best:
+        self._manager.delete(s)
+        self._losses.pop(s, None)
 
   def wait(self) -> None:
-    self._manager.wait_until_finished()
+    self._finish()
 
   def close(self) -> None:
-    self._manager.wait_until_finished()
+    if self._failed:  # a write already failed: do not raise (or wait on) it again while unwinding
+      try:
+        self._manager.close()
+      except Exception:
+        pass
+      return
+    self._finish()
+    self._rotate()
     self._manager.close()

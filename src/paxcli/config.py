@@ -16,7 +16,7 @@ from typing import Any, Optional
 import fiddle as fdl
 
 from paxcli import types as ptypes
-from paxcli.errors import UserError, did_you_mean
+from paxcli.errors import UserError, did_you_mean, shorten
 from paxcli.experiment import Experiment, instantiate
 
 
@@ -27,6 +27,9 @@ class Resolved:
   experiment: Experiment
   task: fdl.Config
   datasets: dict[str, fdl.Config]  # by name
+  # Things the user should hear about (e.g. a knob given on the command line that the
+  # experiment's own code overrides); the CLI prints them as warnings.
+  warnings: list[str] = dataclasses.field(default_factory=list)
 
   def flat(self) -> dict[str, Any]:
     out = {f'knobs.{k}': v for k, v in self.experiment.knobs().items()}
@@ -108,21 +111,21 @@ def set_path(root: dict[str, Any], key: str, raw: Any) -> None:
   """Applies one dotted override (`task.train.learning_rate`) or raises UserError."""
   parts = key.split('.')
   if parts[0] not in root:
-    raise UserError(f'Unknown override {key!r}: paths start with {" or ".join(sorted(root))}, '
+    raise UserError(f'Unknown override {shorten(repr(key))}: paths start with {" or ".join(sorted(root))}, '
                     f'and knobs are UPPERCASE.{did_you_mean(parts[0], root)}')
   node, path = root[parts[0]], parts[0]
   if isinstance(node, dict):  # datasets.<name>
     if len(parts) < 2 or parts[1] not in node:
       name = parts[1] if len(parts) > 1 else ''
-      raise UserError(f'Unknown dataset {name!r} in override {key!r}; datasets are '
+      raise UserError(f'Unknown dataset {shorten(repr(name))} in override {shorten(repr(key))}; datasets are '
                       f'{", ".join(sorted(node))}.{did_you_mean(name, node)}')
     node, path, parts = node[parts[1]], f'{path}.{parts[1]}', parts[1:]
   for i, part in enumerate(parts[1:], start=1):
     if not isinstance(node, fdl.Buildable):
-      raise UserError(f'Unknown override {key!r}: {path} is a value ({node!r}), not a config.')
+      raise UserError(f'Unknown override {shorten(repr(key))}: {path} is a value ({shorten(repr(node))}), not a config.')
     params = _params(node)
     if part not in params:
-      raise UserError(f'Unknown config field {path}.{part} in override {key!r} '
+      raise UserError(f'Unknown config field {path}.{part} in override {shorten(repr(key))} '
                       f'({fdl.get_callable(node).__name__} has no field {part!r}).'
                       f'{did_you_mean(part, params)}')
     if i == len(parts) - 1:
@@ -138,24 +141,93 @@ def set_path(root: dict[str, Any], key: str, raw: Any) -> None:
       child = fdl.Config(type(child), **{f.name: getattr(child, f.name) for f in dataclasses.fields(child)})
       setattr(node, part, child)
     node, path = child, f'{path}.{part}'
-  raise UserError(f'Override {key!r} names a config, not a field.')
+  raise UserError(f'Override {shorten(repr(key))} names a config, not a field.')
+
+
+def _by_name(exp: Experiment, datasets: list) -> dict[str, fdl.Config]:
+  by_name = {}
+  for cfg in datasets:
+    if not isinstance(cfg, fdl.Buildable):
+      raise UserError(f'{type(exp).__name__}.datasets() returned {cfg!r}: return fiddle configs of inputs, '
+                      'e.g. fdl.Config(SyntheticLmInput, name="train", is_training=True, ...), not built '
+                      'objects (see "Inputs in an experiment" in the README).')
+    ds_name = getattr(cfg, 'name', None) or ('train' if cfg.is_training else 'eval')
+    if ds_name in by_name:
+      raise UserError(f'{type(exp).__name__}.datasets() has two inputs named {ds_name!r}.')
+    by_name[ds_name] = cfg
+  return by_name
+
+
+def _build(exp: Experiment, task_fn=None, datasets_fn=None) -> tuple[fdl.Config, dict[str, fdl.Config]]:
+  """(task, datasets by name) from the experiment, or from the given unbound methods."""
+  try:
+    task = task_fn(exp) if task_fn else exp.task()
+    datasets = datasets_fn(exp) if datasets_fn else exp.datasets()
+  except (TypeError, AttributeError, ValueError) as e:
+    raise UserError(f'{type(exp).__name__}: building its configs failed: {e}') from e
+  return task, _by_name(exp, datasets)
+
+
+def _flat_configs(exp: Experiment, task_fn=None, datasets_fn=None) -> Optional[dict[str, str]]:
+  try:
+    task, datasets = _build(exp, task_fn, datasets_fn)
+  except NotImplementedError:  # an abstract base (Experiment itself) builds nothing
+    return None
+  out = flatten(task, 'task')
+  for name, cfg in datasets.items():
+    out.update(flatten(cfg, f'datasets.{name}'))
+  return {k: repr(v) for k, v in out.items()}
+
+
+def unreached_knobs(exp: Experiment, cli_knobs: dict[str, Any], dotted: set[str]) -> list[str]:
+  """Warnings for knobs given on the command line that do not reach the fields they feed.
+
+  A knob feeds the fields that change with it in the `task()`/`datasets()` of the class
+  that declares it (e.g. NUM_TRAIN_STEPS -> task.train.num_train_steps in LmExperiment).
+  When the experiment's own methods leave such a field unchanged (a subclass's `task()`
+  sets `task.train.num_train_steps = 300`), the knob is silently ignored: say so. Knobs
+  of the base class (mesh, batch size, seed) are read by the engine directly and feed no
+  field here. Each comparison resolves the experiment twice, with the knob at its class
+  default and at the given value, everything else equal.
+  """
+  import copy
+  cls = type(exp)
+  warnings = []
+  for name, value in cli_knobs.items():
+    default = getattr(cls, name, None)
+    if repr(value) == repr(default):
+      continue
+    owner = next((k for k in reversed(cls.__mro__) if name in k.__dict__.get('__annotations__', {})), cls)
+    at_default = copy.copy(exp)
+    setattr(at_default, name, default)
+    ref_default = _flat_configs(at_default, owner.task, owner.datasets)
+    if ref_default is None:
+      continue
+    ref_value = _flat_configs(exp, owner.task, owner.datasets) or {}
+    fed = [k for k in ref_value if k in ref_default and ref_value[k] != ref_default[k]]
+    if not fed:
+      continue
+    act_default, act_value = _flat_configs(at_default), _flat_configs(exp)
+    for field in fed:
+      if field in dotted or field not in act_value or act_value[field] != act_default.get(field):
+        continue  # reached, absent in this experiment's inputs, or set by a dotted override
+      if act_value[field] == ref_value[field]:
+        continue  # the experiment gives the field the knob's value anyway
+      method = 'task' if field.startswith('task.') else 'datasets'
+      where = next((k for k in cls.__mro__ if method in k.__dict__), cls).__name__
+      warnings.append(f'--set {name}={value!r} does not reach {field}: {where}.{method}() sets it to '
+                      f'{act_value[field]} (the knob would make it {ref_value[field]}). Set {name} as a class '
+                      f'attribute instead of in {method}(), or override the field: --set {field}=...')
+  return warnings
 
 
 def resolve(name: Optional[str], overrides: list[str] = ()) -> Resolved:
   """Experiment lookup, knob overrides, configs built, dotted overrides applied."""
   exp, rest = instantiate(name, overrides)
-  try:
-    task = exp.task()
-    datasets = exp.datasets()
-  except (TypeError, AttributeError, ValueError) as e:
-    raise UserError(f'{type(exp).__name__}: building its configs failed: {e}') from e
-  by_name = {}
-  for cfg in datasets:
-    ds_name = getattr(cfg, 'name', None) or ('train' if cfg.is_training else 'eval')
-    if ds_name in by_name:
-      raise UserError(f'{type(exp).__name__}.datasets() has two inputs named {ds_name!r}.')
-    by_name[ds_name] = cfg
+  task, by_name = _build(exp)
+  cli_knobs = {k: getattr(exp, k) for k in exp.knob_types() if k in vars(exp)}
+  warnings = unreached_knobs(exp, cli_knobs, {key for key, _ in rest}) if cli_knobs else []
   root = {'task': task, 'datasets': by_name}
   for key, raw in rest:
     set_path(root, key, raw)
-  return Resolved(name or type(exp).registered_name(), exp, task, by_name)
+  return Resolved(name or type(exp).registered_name(), exp, task, by_name, warnings)

@@ -1,6 +1,10 @@
 """Pieces shared by train, eval and benchmarks: runtime start-up, model and state, inputs.
 
-The train state is a dict {'step', 'params', 'opt_state'}. Its shardings are derived
+The engine knows models only through paxcli.models.BaseModel's methods (fprop,
+dummy_batch, validate, ...); it never names a model family or its loss.
+
+The train state is a dict {'step', 'params', 'opt_state'}, plus 'non_trainable' when the
+model declares non-trainable variables. Its shardings are derived
 from shapes: `jax.eval_shape(init)` gives the abstract state with logical axis names
 on params; one table (sharding.py) turns names and shapes into NamedShardings; `init`
 is then jitted with those out_shardings, so no array ever exists unsharded.
@@ -72,6 +76,7 @@ class Setup:
   global_batch: int         # rows of the global batch array (padding rows included)
   process_batch: int        # rows this process feeds into it
   infeed: Any = None        # Infeed: who reads which rows (Pax's multihost infeed)
+  mean_sync: Any = None     # per non-trainable variable: tagged REQUIRES_MEAN_SYNC (None: none)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,28 +123,35 @@ def build(resolved, mesh=None) -> Setup:
   from paxcli import optim, sharding
   exp = resolved.experiment
   mesh = mesh or sharding.make_mesh(exp.ICI_MESH_SHAPE, exp.DCN_MESH_SHAPE)
-  task = fdl.build(resolved.task)
+  task = build_task(resolved.task)
   model, train = task.model, task.train
   validate_model(model)
   validate_train(train)
   gbs = global_batch_size(exp.PERCORE_BATCH_SIZE, mesh.size)
   infeed = plan_infeed(mesh, gbs)
   tx = optim.make_optimizer(train)
-  seq_len = getattr(resolved.train_dataset(), 'seq_len', None) or model.max_seq_len
+  seq_len = getattr(resolved.train_dataset(), 'seq_len', None) or getattr(model, 'max_seq_len', None)
   rules = dict(task.sharding_rules or {})
   boxed = jax.eval_shape(make_init(model, tx, seq_len), jax.random.key(0))
-  logical = jax.tree.map(lambda b: tuple(b.names), boxed['params'],
-                         is_leaf=lambda x: hasattr(x, 'names') and hasattr(x, 'unbox'))
+  is_box = lambda x: hasattr(x, 'names') and hasattr(x, 'unbox')
+  logical = jax.tree.map(lambda b: tuple(b.names), boxed['params'], is_leaf=is_box)
   abstract_unboxed = unbox(boxed)  # the same shapes without the logical-name boxes
   param_shardings = sharding.logical_to_sharding(logical, abstract_unboxed['params'], mesh, rules)
   opt_shardings = _opt_state_shardings(abstract_unboxed['opt_state'], abstract_unboxed['params'],
                                        param_shardings, mesh)
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   state_shardings = {'step': replicated, 'params': param_shardings, 'opt_state': opt_shardings}
+  mean_sync = None
+  if 'non_trainable' in boxed:
+    from paxcli.layers.base import mean_sync_mask
+    nt_logical = jax.tree.map(lambda b: tuple(b.names), boxed['non_trainable'], is_leaf=is_box)
+    state_shardings['non_trainable'] = sharding.logical_to_sharding(
+        nt_logical, abstract_unboxed['non_trainable'], mesh, rules)
+    mean_sync = mean_sync_mask(boxed['non_trainable'])
   abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                           abstract_unboxed, state_shardings)
   return Setup(mesh, model, train, tx, rules, abstract, state_shardings, logical, seq_len, infeed.rows,
-               infeed.process_rows, infeed)
+               infeed.process_rows, infeed, mean_sync)
 
 
 def plan_infeed(mesh, examples: int, process_index: Optional[int] = None) -> Infeed:
@@ -214,44 +226,73 @@ def layout_change_note(saved: Optional[dict], now: dict) -> Optional[str]:
           'batch (the synthetic input, the built-in corpus) while the global batch stays the same.')
 
 
+def build_task(task_cfg):
+  """Builds the Task config; the model is built with layers.base.instantiate (templates stay configs)."""
+  import copy
+
+  import fiddle as fdl
+
+  from paxcli.layers.base import instantiate
+  task_cfg = copy.copy(task_cfg)
+  model_cfg = task_cfg.model
+  task_cfg.model = None
+  task = fdl.build(task_cfg)
+  try:
+    task.model = instantiate(model_cfg)
+  except TypeError as e:
+    raise UserError(f'Building task.model failed: {e}') from None
+  return task
+
+
 def validate_model(model) -> None:
-  from paxcli.layers.transformer import _ACTIVATIONS
-  from paxcli.models import REMAT_POLICIES
-  checks = [
-      ('activation', model.activation, list(_ACTIVATIONS)),
-      ('norm_type', model.norm_type, ['layernorm', 'rmsnorm']),
-      ('position_embedding', model.position_embedding, ['learned', 'rotary', 'sinusoidal', 'none']),
-      ('fprop_dtype', model.fprop_dtype, ['float32', 'bfloat16', 'float16']),
-      ('checkpoint_policy', model.checkpoint_policy, ['none'] + list(REMAT_POLICIES)),
-  ]
-  for field, value, allowed in checks:
-    if value not in allowed:
-      raise UserError(f'task.model.{field} = {value!r} is not one of {allowed}.')
-  _at_least(1, 'task.model', model, 'vocab_size', 'num_layers', 'model_dims', 'hidden_dims', 'num_heads',
-            'num_kv_heads', 'dims_per_head', 'max_seq_len')
-  if not 0 <= model.dropout_prob < 1:
-    raise UserError(f'task.model.dropout_prob must be in [0, 1), got {model.dropout_prob}.')
-  if model.num_heads % model.num_kv_heads:
-    raise UserError(f'NUM_HEADS {model.num_heads} must be a multiple of NUM_KV_HEADS {model.num_kv_heads}.')
-  for field in ('softmax_cap_logits', 'atten_logit_cap'):
-    if getattr(model, field, 0.0) < 0:
-      raise UserError(f'task.model.{field} must be 0 (off) or positive, got {getattr(model, field)}.')
-  if getattr(model, 'norm_epsilon', 1e-6) <= 0:
-    raise UserError(f'task.model.norm_epsilon must be positive, got {model.norm_epsilon}.')
-  if model.position_embedding == 'rotary' and model.dims_per_head % 2:
-    raise UserError(f'Rotary positions need an even DIMS_PER_HEAD, got {model.dims_per_head}.')
+  """Allowed values (paxcli.options) on every layer config of the model, then its own checks."""
+  from paxcli import options
+  for where, cfg in _layer_configs(model):
+    for field, allowed in options.MODEL_FIELDS.items():
+      value = getattr(cfg, field, None)
+      if value is None or (field == 'fprop_dtype' and not isinstance(value, str)):
+        continue
+      options.check(field, value, allowed, where)
+  if hasattr(model, 'validate'):
+    model.validate()
+
+
+def _layer_configs(model):
+  """('task.model...', config or layer) for the model and every config reachable from its fields."""
+  import dataclasses
+
+  import fiddle as fdl
+  out, seen = [], set()
+
+  def walk(where, obj):
+    if id(obj) in seen:
+      return
+    seen.add(id(obj))
+    if isinstance(obj, fdl.Buildable):
+      out.append((where, obj))
+      for name, value in obj.__arguments__.items():
+        walk(f'{where}.{name}', value)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+      out.append((where, obj))
+      for f in dataclasses.fields(obj):
+        if f.name not in ('parent', 'name'):
+          walk(f'{where}.{f.name}', getattr(obj, f.name, None))
+
+  walk('task.model', model)
+  return out
 
 
 def validate_train(train) -> None:
   """Settings of task.train that would divide by zero or train nothing."""
-  _at_least(1, 'task.train', train, 'num_train_steps', 'save_interval_steps', 'summary_interval_steps')
-  _at_least(0, 'task.train', train, 'eval_interval_steps', 'save_max_to_keep', 'learning_rate',
-            'clip_gradient_norm_to_value')
-  _at_least(0, 'task.train.lr_schedule', train.lr_schedule, 'warmup_steps', 'decay_start', 'decay_end',
+  at_least(1, 'task.train', train, 'num_train_steps', 'save_interval_steps', 'summary_interval_steps')
+  at_least(0, 'task.train', train, 'eval_interval_steps', 'save_max_to_keep', 'learning_rate',
+           'clip_gradient_norm_to_value', 'loss_spike_factor')
+  at_least(1, 'task.train', train, 'loss_spike_window')
+  at_least(0, 'task.train.lr_schedule', train.lr_schedule, 'warmup_steps', 'decay_start', 'decay_end',
             'min_ratio')
 
 
-def _at_least(low, prefix: str, obj, *fields: str) -> None:
+def at_least(low, prefix: str, obj, *fields: str) -> None:
   for field in fields:
     value = getattr(obj, field)
     if value < low:
@@ -269,12 +310,25 @@ def make_init(model, tx, seq_len: int):
   import jax.numpy as jnp
 
   def init(rng):
-    ids = jnp.zeros((1, seq_len), jnp.int32)
-    params = model.init({'params': rng, 'dropout': rng}, ids)['params']
-    opt_state = tx.init(unbox(params))
-    return {'step': jnp.zeros([], jnp.int32), 'params': params, 'opt_state': opt_state}
+    variables = init_variables(model, rng, seq_len)
+    state = {'step': jnp.zeros([], jnp.int32), 'params': variables['params'],
+             'opt_state': tx.init(unbox(variables['params']))}
+    if variables.get('non_trainable'):
+      state['non_trainable'] = variables['non_trainable']
+    return state
 
   return init
+
+
+def init_variables(model, rng, seq_len: int) -> dict:
+  """The model's variables from one fprop of its dummy batch: params and non_trainable only."""
+  import jax
+  import jax.numpy as jnp
+
+  from paxcli.layers.base import NON_TRAINABLE, RANDOM
+  batch = jax.tree.map(jnp.asarray, model.dummy_batch(1, seq_len))
+  variables = model.init({'params': rng, 'dropout': rng, RANDOM: rng}, batch, method='fprop')
+  return {k: v for k, v in variables.items() if k in ('params', NON_TRAINABLE)}
 
 
 def _opt_state_shardings(opt_abstract, params_abstract, param_shardings, mesh):
@@ -406,12 +460,9 @@ def abstract_params(resolved):
 
   This is how large recipes are checked on a small machine.
   """
-  import fiddle as fdl
   import jax
-  import jax.numpy as jnp
-  model = fdl.build(resolved.task.model)
+  model = build_task(resolved.task).model
   validate_model(model)
-  ids = jax.ShapeDtypeStruct((1, model.max_seq_len), jnp.int32)
-  boxed = jax.eval_shape(lambda r, x: model.init({'params': r, 'dropout': r}, x)['params'],
-                         jax.random.key(0), ids)
+  seq_len = getattr(model, 'max_seq_len', None) or 1
+  boxed = jax.eval_shape(lambda r: init_variables(model, r, seq_len)['params'], jax.random.key(0))
   return unbox(boxed)

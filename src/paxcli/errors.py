@@ -18,6 +18,8 @@ class UserError(Exception):
 def did_you_mean(name: str, candidates: Iterable[str], n: int = 3) -> str:
   """Returns ' Did you mean X or Y?' for the closest candidates, or ''."""
   candidates = list(candidates)
+  if len(name) > 200:  # nothing that long is a typo of a name; difflib would take seconds
+    return ''
   close = difflib.get_close_matches(name, candidates, n=n, cutoff=0.6)
   if not close:
     lowered = {c.lower(): c for c in candidates}
@@ -25,3 +27,15 @@ def did_you_mean(name: str, candidates: Iterable[str], n: int = 3) -> str:
   if not close:
     return ''
   return ' Did you mean ' + ' or '.join(repr(c) for c in close) + '?'
+
+
+def shorten(text: object, limit: int = 120) -> str:
+  """`text` as a string of at most about `limit` characters: long values are cut in the middle.
+
+  For error messages that echo what the user typed: a 100 KB --set value must not fill the screen.
+  """
+  text = str(text)
+  if len(text) <= limit:
+    return text
+  keep = max(limit // 2 - 10, 8)
+  return f'{text[:keep]}...({len(text) - 2 * keep:,} more characters)...{text[-keep:]}'

@@ -103,44 +103,87 @@ class EvalReader:
 
 
 def make_eval_step(setup, batch_sharding):
-  """(params, batch) -> replicated sums: loss, correct, weight, examples."""
+  """(variables, batch) -> replicated sums: value x weight and weight of each metric, examples."""
   import jax
   import jax.numpy as jnp
 
-  from paxcli.models import lm_loss
   model = setup.model
 
-  def step(params, batch):
-    logits = model.apply({'params': params}, batch['ids'], batch.get('segment_ids'), batch.get('positions'))
-    _, sums = lm_loss(logits, batch['labels'], batch['weights'])
-    sums['examples'] = jnp.sum(jnp.any(batch['weights'] > 0, axis=-1))
+  def step(variables, batch):
+    _, metrics = model.apply(variables, batch, method='fprop')
+    sums = {}
+    for name, (value, weight) in metrics.items():
+      weight = jnp.asarray(weight, jnp.float32)
+      sums[f'{name}/sum'] = jnp.asarray(value, jnp.float32) * weight
+      sums[f'{name}/weight'] = weight
+    sums['examples'] = model.examples_in(batch)
     return sums
 
   replicated = jax.sharding.NamedSharding(setup.mesh, jax.sharding.PartitionSpec())
-  return jax.jit(step, in_shardings=(setup.state_shardings['params'], batch_sharding), out_shardings=replicated)
+  return jax.jit(step, in_shardings=(eval_variable_shardings(setup), batch_sharding), out_shardings=replicated)
+
+
+def eval_variable_shardings(setup) -> dict:
+  out = {'params': setup.state_shardings['params']}
+  if 'non_trainable' in setup.state_shardings:
+    out['non_trainable'] = setup.state_shardings['non_trainable']
+  return out
+
+
+def eval_variables(state) -> dict:
+  """The model variables of a train state ({'params', 'non_trainable'?})."""
+  out = {'params': state['params']}
+  if 'non_trainable' in state:
+    out['non_trainable'] = state['non_trainable']
+  return out
 
 
 def lm_template(setup) -> dict:
-  rows, length = setup.process_batch, setup.seq_len
-  return {'ids': np.zeros((rows, length), np.int32), 'labels': np.zeros((rows, length), np.int32),
-          'weights': np.zeros((rows, length), np.float32)}
+  """Zero batch of this process's shape: what a host with no eval data at all feeds."""
+  return setup.model.dummy_batch(setup.process_batch, setup.seq_len)
 
 
-def run_eval(setup, params, inp, eval_step, batch_sharding) -> dict[str, float]:
+def run_eval(setup, variables, inp, eval_step, batch_sharding) -> dict[str, float]:
   """One eval run over `inp`; metrics are exact weighted means over all hosts."""
   from paxcli.train import to_global
-  totals = {'loss_sum': 0.0, 'correct_sum': 0.0, 'weight_sum': 0.0, 'examples': 0.0}
+  totals: dict[str, float] = {}
   num_batches = 0
   for batch in EvalReader(inp, lm_template(setup)).batches():
-    sums = eval_step(params, to_global(batch, batch_sharding, setup.global_batch))
-    for k in totals:
-      totals[k] += float(sums[k])
+    sums = eval_step(variables, to_global(batch, batch_sharding, setup.global_batch))
+    for k, v in sums.items():
+      totals[k] = totals.get(k, 0.0) + float(v)
     num_batches += 1
-  weight = max(totals['weight_sum'], 1e-12)
-  loss = totals['loss_sum'] / weight
-  return {'loss': loss, 'accuracy': totals['correct_sum'] / weight,
-          'log_pplx': loss, 'perplexity': math.exp(min(loss, 50.0)),
-          'num_examples': totals['examples'], 'num_tokens': totals['weight_sum'], 'num_batches': num_batches}
+  names = [k[:-len('/sum')] for k in totals if k.endswith('/sum')]
+  weights = {n: totals[f'{n}/weight'] for n in names}
+  means = {n: totals[f'{n}/sum'] / max(weights[n], 1e-12) for n in names}
+  results = setup.model.eval_summary(means, weights)
+  results['num_examples'] = totals.get('examples', 0.0)
+  results['num_batches'] = num_batches
+  return results
+
+
+def eval_paths(job_dir: str, name: str) -> tuple[str, str]:
+  """(TensorBoard directory, metrics .jsonl) of one eval input in a job directory.
+
+  The usual single eval input, named `eval`, writes `summaries/eval/` and
+  `eval_metrics.jsonl`; another name N writes `summaries/eval_N/` and
+  `eval_N_metrics.jsonl`. A job directory that already holds the older
+  `eval_eval...` files keeps writing them, so its history stays in one place.
+  """
+  legacy = (os.path.join(job_dir, 'summaries', f'eval_{name}'), os.path.join(job_dir, f'eval_{name}_metrics.jsonl'))
+  if name != 'eval' or os.path.exists(legacy[1]) or os.path.isdir(legacy[0]):
+    return legacy
+  return os.path.join(job_dir, 'summaries', 'eval'), os.path.join(job_dir, 'eval_metrics.jsonl')
+
+
+def eval_label(name: str) -> str:
+  """How a log line names an eval input: `eval` for the usual one, else `eval on N`."""
+  return 'eval' if name == 'eval' else f'eval on {name}'
+
+
+def metrics_line(step: int, name: str, m: dict) -> str:
+  accuracy = f"  accuracy {m['accuracy']:.4f}" if 'accuracy' in m else ''
+  return f"step {step}: {eval_label(name)}: loss {m['loss']:.4f}{accuracy}  ({m['num_examples']:.0f} examples)"
 
 
 class Evaluator:
@@ -164,14 +207,15 @@ class Evaluator:
     """Process 0's summary writer for one eval input, made at its first eval (no empty files)."""
     if self.job_dir and name not in self.writers:
       from paxcli.summaries import SummaryWriter
-      self.writers[name] = SummaryWriter(os.path.join(self.job_dir, 'summaries', f'eval_{name}'),
-                                         os.path.join(self.job_dir, f'eval_{name}_metrics.jsonl'))
+      self.writers[name] = SummaryWriter(*eval_paths(self.job_dir, name))
     return self.writers.get(name)
 
-  def run(self, step: int, params) -> dict[str, dict[str, Any]]:
+  def run(self, step: int, state) -> dict[str, dict[str, Any]]:
+    """Metrics of every eval input for a train state (or a bare params tree)."""
+    variables = eval_variables(state) if {'step', 'params'} <= set(state) else {'params': state}
     results = {}
     for name, inp in self.inputs.items():
-      metrics = run_eval(self.setup, params, inp, self.step, self.batch_sharding)
+      metrics = run_eval(self.setup, variables, inp, self.step, self.batch_sharding)
       results[name] = metrics
       writer = self._writer(name)
       if writer:
@@ -183,34 +227,161 @@ class Evaluator:
       writer.close()
 
 
-def evaluate(resolved, job_dir: str, console, use_checkpoint: bool = True) -> dict:
-  """`pax eval`: metrics of every eval dataset from the latest checkpoint (or fresh weights)."""
+def evaluate(resolved, job_dir: str, console, use_checkpoint: bool = True, step: Optional[int] = None) -> dict:
+  """`pax eval`: metrics of every eval dataset from the latest checkpoint, checkpoint `step`, or fresh weights."""
   from paxcli import engine
   setup = engine.build(resolved)
   if not resolved.eval_datasets():
     raise UserError(f'{resolved.name} has no eval datasets (inputs with is_training=False).')
-  step = 0
-  if use_checkpoint:
-    from paxcli import restore
-    step = restore.choose_step(job_dir, purpose='evaluate')
-    flat = {k: repr(v) for k, v in resolved.flat().items()}
-    state = restore.restore(setup, job_dir, step, params_only=True, flat_now=flat, action='evaluate').state
-  else:
-    state = engine.init_state(setup, resolved.experiment.RANDOM_SEED)
   evaluator = Evaluator(resolved, setup, job_dir)
   try:
-    results = evaluator.run(step, state['params'])
+    if use_checkpoint:
+      from paxcli import restore
+      step = restore.choose_step(job_dir, step=step, purpose='evaluate')
+      results = _evaluate_step(resolved, setup, evaluator, job_dir, step)
+    else:
+      step = 0
+      results = evaluator.run(step, engine.init_state(setup, resolved.experiment.RANDOM_SEED))
   finally:
     evaluator.close()
   return {'step': step, 'results': results}
 
 
+FOLLOW_RECORD = 'eval_done.jsonl'
+
+
+def _evaluate_step(resolved, setup, evaluator, job_dir: str, step: int) -> dict:
+  """Restores checkpoint `step` (parameters only), evaluates it and records it in eval_done.jsonl."""
+  import jax
+
+  from paxcli import restore
+  flat = {k: repr(v) for k, v in resolved.flat().items()}
+  state = restore.restore(setup, job_dir, step, params_only=True, flat_now=flat, action='evaluate').state
+  results = evaluator.run(step, state)
+  if jax.process_index() == 0:
+    import json
+    import time
+    with open(os.path.join(job_dir, FOLLOW_RECORD), 'a', encoding='utf-8') as f:
+      f.write(json.dumps({'step': step, 'datasets': sorted(results), 'time': time.time()}) + '\n')
+  return results
+
+
+def evaluated_steps(job_dir: str, names) -> set[int]:
+  """Checkpoint steps whose every eval input in `names` was evaluated (eval_done.jsonl)."""
+  import json
+  done: dict[int, set[str]] = {}
+  path = os.path.join(job_dir, FOLLOW_RECORD)
+  if os.path.exists(path):
+    with open(path, encoding='utf-8') as f:
+      for line in f:
+        try:
+          record = json.loads(line)
+        except ValueError:  # a line cut by a kill: that step is evaluated again
+          continue
+        done.setdefault(int(record['step']), set()).update(record.get('datasets', []))
+  return {step for step, got in done.items() if set(names) <= got}
+
+
+def _agree(value: int) -> int:
+  """Process 0's value on every process (the checkpoint listing may differ for a moment)."""
+  import jax
+  if jax.process_count() == 1:
+    return value
+  from jax.experimental import multihost_utils
+  return int(multihost_utils.broadcast_one_to_all(np.asarray(value, np.int64)))
+
+
+def _last_step(job_dir: str, step: int, fallback: int) -> int:
+  """num_train_steps of the run that wrote checkpoint `step` (its saved config), else fallback."""
+  from paxcli import restore
+  try:
+    saved = restore.read_meta(job_dir, step).get('config', {}).get('task.train.num_train_steps')
+    return int(saved) if saved is not None else fallback
+  except (UserError, ValueError):
+    return fallback
+
+
+def follow(resolved, job_dir: str, console, timeout: Optional[float] = None, poll_seconds: float = 10.0,
+           on_result=None) -> list[dict]:
+  """`pax eval --follow`: evaluate each new checkpoint of job_dir once, beside a running trainer.
+
+  Steps already in job_dir/eval_done.jsonl (for every current eval input) are skipped,
+  also after a restart. Stops once the trainer's last step (num_train_steps of the
+  checkpoint's own config) is evaluated, or when `timeout` seconds pass without that.
+  """
+  import time
+
+  from paxcli import checkpoint as ckpt
+  from paxcli import engine, restore
+  setup = engine.build(resolved)
+  if not resolved.eval_datasets():
+    raise UserError(f'{resolved.name} has no eval datasets (inputs with is_training=False).')
+  names = [cfg.name for cfg in resolved.eval_datasets()]
+  directory = restore.checkpoints_dir(job_dir)
+  last_step = int(resolved.task.train.num_train_steps)
+  log = lambda m: console.print(m, highlight=False, markup=False, soft_wrap=True)
+  done = evaluated_steps(job_dir, names)
+  log(f'Following {os.path.abspath(directory)}: evaluating each new checkpoint on {", ".join(names)}'
+      + (f'; {len(done)} already evaluated (in {FOLLOW_RECORD})' if done else '')
+      + ('' if timeout is None else f'; giving up after {timeout:g} s') + '.')
+  evaluator = Evaluator(resolved, setup, job_dir)
+  deadline = None if timeout is None else time.monotonic() + timeout
+  out = []
+  STOP, WAIT = -1, -2
+  try:
+    while True:
+      steps = ckpt.complete_steps(directory)
+      todo = [s for s in steps if s not in done]
+      if steps and not todo:  # the trainer's own num_train_steps, from its latest checkpoint
+        last_step = _last_step(job_dir, steps[-1], last_step)
+      if todo:
+        action = todo[0]
+      elif done and max(done) >= last_step:
+        action = STOP
+      elif deadline is not None and time.monotonic() >= deadline:
+        action = STOP
+        log(f'Stopping after --timeout {timeout:g} s: the trainer has not written step {last_step} yet.')
+      else:
+        action = WAIT
+      action = _agree(action)
+      if action == STOP:
+        break
+      if action == WAIT:
+        time.sleep(poll_seconds)
+        continue
+      step = action
+      try:
+        last_step = _last_step(job_dir, step, last_step)
+        results = _evaluate_step(resolved, setup, evaluator, job_dir, step)
+      except (UserError, FileNotFoundError):
+        if os.path.isdir(os.path.join(directory, str(step))):
+          raise
+        log(f'The checkpoint at step {step} was deleted before it could be evaluated (the trainer keeps '
+            'only the latest save_max_to_keep); skipping it.')
+        done.add(step)
+        continue
+      done.add(step)
+      for name, m in results.items():
+        log(metrics_line(step, name, m))
+      record = {'step': step, 'results': results}
+      out.append(record)
+      if on_result:
+        on_result(record)
+  finally:
+    evaluator.close()
+  return out
+
+
 def results_table(step: int, results: dict):
   from rich.table import Table
   table = Table(title=f'Eval at step {step}')
-  for col in ('dataset', 'loss', 'accuracy', 'perplexity', 'examples', 'tokens', 'batches'):
+  first = next(iter(results.values()), {})
+  counts = [('num_examples', 'examples'), ('num_tokens', 'tokens'), ('num_batches', 'batches')]
+  metrics = [k for k in first if k not in dict(counts) and k != 'log_pplx']
+  columns = ['dataset'] + metrics + [label for key, label in counts if key in first]
+  for col in columns:
     table.add_column(col, justify='left' if col == 'dataset' else 'right')
   for name, m in results.items():
-    table.add_row(name, f"{m['loss']:.4f}", f"{m['accuracy']:.4f}", f"{m['perplexity']:.2f}",
-                  f"{m['num_examples']:.0f}", f"{m['num_tokens']:.0f}", f"{m['num_batches']}")
+    cells = [f'{m[k]:.2f}' if k == 'perplexity' else f'{m[k]:.4f}' for k in metrics]
+    table.add_row(name, *cells, *(f'{m[key]:.0f}' for key, _ in counts if key in m))
   return table

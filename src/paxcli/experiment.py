@@ -21,21 +21,15 @@ import typing
 from typing import Any, Literal, Optional
 
 from paxcli import types as ptypes
-from paxcli.errors import UserError, did_you_mean
+from paxcli.errors import UserError, did_you_mean, shorten
 
 _KNOB_RE = re.compile(r'^[A-Z][A-Z0-9_]*$')
 _REGISTRY: dict[str, type['Experiment']] = {}
 RECIPES_PACKAGE = 'paxcli.recipes'
 DEFAULT_EXPERIMENT = 'default.StdlibDocsLm'
 
-ActivationName = Literal['gelu', 'relu', 'silu', 'swish']
-NormName = Literal['layernorm', 'rmsnorm']
-PositionName = Literal['learned', 'rotary', 'sinusoidal', 'none']
-DTypeName = Literal['float32', 'bfloat16', 'float16']
-CheckpointPolicyName = Literal['none', 'save_nothing', 'save_dot_only', 'save_dot_with_no_batch_dim',
-                               'save_qkv_out_proj', 'save_everything']
-OptimizerName = Literal['adam', 'adamw', 'adafactor', 'sgd']
-ScheduleName = Literal['constant', 'linear_rampup_cosine_decay', 'linear_rampup_exponential_decay']
+from paxcli.options import (ActivationName, CheckpointPolicyName, DTypeName, NormName,  # noqa: F401 (re-exported)
+                            OptimizerName, PositionName, ScheduleName)
 
 
 class Experiment:
@@ -106,14 +100,15 @@ class Experiment:
     """Sets one knob from a raw value (a string from the command line, or a value)."""
     types = self.knob_types()
     if name not in types:
-      raise UserError(f'Unknown knob {name!r} for experiment {type(self).__name__}.'
+      raise UserError(f'Unknown knob {shorten(repr(name))} for experiment {type(self).__name__}.'
                       f'{did_you_mean(name, types)}')
     value = ptypes.parse_value(raw) if isinstance(raw, str) else raw
     setattr(self, name, ptypes.coerce(value, types[name], name))
 
   @classmethod
   def registered_name(cls) -> str:
-    return getattr(cls, '_registered_name', f'{cls.__module__}.{cls.__qualname__}')
+    # From the class itself, never inherited: an unregistered subclass is not its parent.
+    return cls.__dict__.get('_registered_name', f'{cls.__module__}.{cls.__qualname__}')
 
 
 def register(cls: type[Experiment]) -> type[Experiment]:
@@ -138,10 +133,13 @@ def import_all_recipes() -> dict[str, type[Experiment]]:
 
 def _load_file(path: str, class_name: str) -> type[Experiment]:
   if not os.path.isfile(path):
-    raise UserError(f'Experiment file {path!r} does not exist.')
+    raise UserError(f'Experiment file {shorten(repr(path))} does not exist.')
   module_name = '_paxcli_user_' + re.sub(r'\W', '_', os.path.abspath(path))
   if module_name not in sys.modules:
     spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:
+      raise UserError(f'Experiment file {path!r} is not a Python file: give a .py file, as in '
+                      'path/file.py:Class.')
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module
     directory = os.path.dirname(os.path.abspath(path))
@@ -155,15 +153,21 @@ def _load_file(path: str, class_name: str) -> type[Experiment]:
     except SyntaxError as e:
       del sys.modules[module_name]
       raise UserError(f'{path}, line {e.lineno}: syntax error: {e.msg}') from None
+    except Exception as e:  # the user's code raised while being imported
+      del sys.modules[module_name]
+      raise UserError(import_failure(path, e)) from None
   module = sys.modules[module_name]
-  return _class_from_module(module, class_name, path)
+  cls = _class_from_module(module, class_name, path)
+  if cls.__module__ == module_name:  # `runs/my_experiments.MyLm`, not the internal module name
+    cls._registered_name = f'{os.path.splitext(os.path.basename(path))[0]}.{cls.__qualname__}'
+  return cls
 
 
 def _class_from_module(module, class_name: str, where: str) -> type[Experiment]:
   cls = getattr(module, class_name, None)
   if cls is None:
     names = [n for n, v in vars(module).items() if inspect.isclass(v) and issubclass(v, Experiment)]
-    raise UserError(f'Unknown experiment: no class {class_name!r} in {where}.{did_you_mean(class_name, names)}')
+    raise UserError(f'Unknown experiment: no class {shorten(repr(class_name))} in {shorten(where)}.{did_you_mean(class_name, names)}')
   if not (inspect.isclass(cls) and issubclass(cls, Experiment)):
     raise UserError(f'{where}:{class_name} is not a subclass of paxcli.experiment.Experiment.')
   return cls
@@ -177,7 +181,26 @@ def _try_import(module_name: str):
   except ModuleNotFoundError as e:
     if e.name and (module_name == e.name or module_name.startswith(e.name + '.')):
       return None
+    raise UserError(import_failure(module_name, e)) from None
+  except UserError:
     raise
+  except Exception as e:  # the user's module raised while being imported
+    raise UserError(import_failure(module_name, e)) from None
+
+
+def import_failure(what: str, e: BaseException) -> str:
+  """'Importing X failed: Type: message (raised at file, line N)', naming the user's frame.
+
+  The frame is the innermost one outside Python's import machinery, paxcli and installed
+  packages: the user's line that raised (or the last frame at all, if none qualifies).
+  """
+  import traceback
+  frames = traceback.extract_tb(e.__traceback__)
+  skip = ('<frozen ', os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.__file__))
+  own = [f for f in frames if not f.filename.startswith(skip) and 'site-packages' not in f.filename]
+  where = (own or frames)[-1:]
+  at = f' (raised at {where[0].filename}, line {where[0].lineno})' if where else ''
+  return f'Importing {what} failed: {type(e).__name__}: {shorten(str(e))}{at}'
 
 
 def lookup(name: Optional[str]) -> type[Experiment]:
@@ -202,11 +225,11 @@ def lookup(name: Optional[str]) -> type[Experiment]:
           sys.path.insert(0, os.getcwd())
         module = _try_import(f'{RECIPES_PACKAGE}.{module_name}') or _try_import(module_name)
         if module is None:
-          raise UserError(f'Unknown experiment {name!r}: no module {module_name!r}.'
+          raise UserError(f'Unknown experiment {shorten(repr(name))}: no module {shorten(repr(module_name))}.'
                           f'{did_you_mean(name, registry)} (`pax experiments` lists them.)')
         cls = _class_from_module(module, class_name, module_name)
       else:
-        raise UserError(f'Unknown experiment {name!r}.'
+        raise UserError(f'Unknown experiment {shorten(repr(name))}.'
                         f'{did_you_mean(name, list(registry) + list(by_class))} '
                         '(`pax experiments` lists them.)')
   cls.check_knobs()
@@ -233,9 +256,9 @@ def instantiate(name: Optional[str], overrides: list[str] = ()) -> tuple[Experim
 
 def split_override(item: str) -> tuple[str, str]:
   if '=' not in item:
-    raise UserError(f'Override {item!r} is not KEY=VALUE (e.g. --set NUM_LAYERS=2).')
+    raise UserError(f'Override {shorten(repr(item))} is not KEY=VALUE (e.g. --set NUM_LAYERS=2).')
   key, raw = item.split('=', 1)
   key = key.strip()
   if not key:
-    raise UserError(f'Override {item!r} has an empty key.')
+    raise UserError(f'Override {shorten(repr(item))} has an empty key.')
   return key, raw

@@ -65,9 +65,14 @@ class LmExperiment(Experiment):
   EVAL_INTERVAL_STEPS: int = 0  # 0: no eval during training
 
   def model(self) -> fdl.Config:
-    from paxcli.models import TransformerLm  # flax: imported only when configs are built
-    return fdl.Config(
-        TransformerLm,
+    """LanguageModel built from templates the knobs fill; edit a template to swap a layer:
+
+      task.model.lm_tpl.block_tpl.ffn_tpl = fdl.Config(MyFeedForward, ...)
+      task.model.lm_tpl.block_tpl.attention_tpl.use_bias = False
+      task.model.lm_tpl.block_tpl.norm_tpl = fdl.Config(MyNorm)
+    """
+    from paxcli.models import lm_config  # flax: imported only when configs are built
+    return lm_config(
         vocab_size=self.VOCAB_SIZE,
         num_layers=self.NUM_LAYERS,
         model_dims=self.MODEL_DIMS,

@@ -1,14 +1,29 @@
-"""TransformerLm: the decoder-only language model, and its loss and metrics."""
+"""Models: what the engine trains. BaseModel, LanguageModel (the Transformer LM) and its loss.
+
+A model is a BaseLayer with three methods the engine calls, and nothing else:
+
+  compute_predictions(batch, deterministic) -> predictions
+  compute_loss(predictions, batch) -> (loss, metrics)   metrics: name -> (value, weight)
+  dummy_batch(batch_size, seq_len) -> numpy batch        shapes for init and eval padding
+
+`fprop(batch, deterministic)` chains the first two; train, eval and init call it through
+`model.apply(..., method='fprop')`. Eval reports each metric as the weighted mean over
+the whole eval set (sum of value x weight over sum of weight, across batches and hosts),
+then `eval_summary` may add derived numbers (the LM adds perplexity). A model may define
+`validate()` (UserError for impossible settings) and `max_seq_len`.
+"""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from paxcli.layers.transformer import Block, Norm, dtype_of, sinusoidal, soft_cap
+from paxcli.layers.base import BaseLayer, LayerTpl, instantiate, template_field  # noqa: F401
+from paxcli.layers.transformer import Block, Norm, dtype_of, fill_template, sinusoidal, soft_cap
 
 REMAT_POLICIES = {
     'save_nothing': lambda: jax.checkpoint_policies.nothing_saveable,
@@ -20,54 +35,80 @@ REMAT_POLICIES = {
 }
 
 
-class TransformerLm(nn.Module):
+class BaseModel(BaseLayer):
+  """A model the engine can train, evaluate and initialise (see the module docstring)."""
+
+  def compute_predictions(self, input_batch: dict, deterministic: bool = True) -> Any:
+    raise NotImplementedError(f'{type(self).__name__} must define compute_predictions().')
+
+  def compute_loss(self, predictions: Any, input_batch: dict) -> tuple[Any, dict]:
+    raise NotImplementedError(f'{type(self).__name__} must define compute_loss().')
+
+  def fprop(self, input_batch: dict, deterministic: bool = True):
+    """(loss, metrics) for one batch: the method train, eval and init apply."""
+    return self.compute_loss(self.compute_predictions(input_batch, deterministic), input_batch)
+
+  def dummy_batch(self, batch_size: int, seq_len: int) -> dict:
+    raise NotImplementedError(f'{type(self).__name__} must define dummy_batch().')
+
+  def validate(self) -> None:
+    """Raises paxcli.errors.UserError for settings that cannot work."""
+
+  def eval_summary(self, means: dict, weights: dict) -> dict:
+    """Eval results from weighted means of the metrics (and their total weights)."""
+    return dict(means)
+
+  def examples_in(self, input_batch: dict):
+    """How many real (non-padding) examples a batch holds."""
+    weights = input_batch['weights']
+    return jnp.sum(jnp.any(weights.reshape(weights.shape[0], -1) > 0, axis=-1))
+
+  def count_in(self, metrics: dict):
+    """Tokens (or examples) a step trained on, for tokens_per_sec: the loss's weight."""
+    return metrics['loss'][1]
+
+
+class TransformerLm(BaseLayer):
   """Token embedding, optional learned or sinusoidal positions, a stack of blocks, final norm, logits.
 
-  Options Pax's lm_cloud models use, all off by default: token embeddings scaled by
+  Options Pax's lm_cloud models use, off by default: token embeddings scaled by
   sqrt(model_dims) (`scale_embedding_sqrt_depth`), a bias on the output logits
-  (`softmax_bias`), output logits soft-capped by tanh (`softmax_cap_logits`), attention
-  logits soft-capped (`atten_logit_cap`), learned per-dimension query scales
-  (`per_dim_scale`), attention biases set apart from the others (`attention_use_bias`).
+  (`softmax_bias`), output logits soft-capped by tanh (`softmax_cap_logits`).
 
-  `__call__(ids, segment_ids=None, positions=None)` returns float32 logits [B, L, V].
+  The blocks come from `block_tpl` (attention, feed-forward and norm templates inside it)
+  and the final norm from `final_norm_tpl`; the LM fills model_dims, dropout and the compute
+  dtype into them. `__call__(ids, segment_ids=None, positions=None)` returns float32 logits.
   """
   vocab_size: int = 256
   num_layers: int = 2
   model_dims: int = 64
-  hidden_dims: int = 256
-  num_heads: int = 4
-  num_kv_heads: int = 4
-  dims_per_head: int = 16
   max_seq_len: int = 64
-  activation: str = 'gelu'
-  use_gated_activation: bool = False
-  norm_type: str = 'layernorm'
-  use_bias: bool = True
   position_embedding: str = 'learned'
-  rotary_max_timescale: float = 10000.0
   separate_embedding: bool = False
   dropout_prob: float = 0.0
-  fprop_dtype: str = 'float32'
+  fprop_dtype: Any = 'float32'
   scan_layers: bool = False
   checkpoint_policy: str = 'save_nothing'
   scale_embedding_sqrt_depth: bool = False
   softmax_bias: bool = False
   softmax_cap_logits: float = 0.0
-  atten_logit_cap: float = 0.0
-  per_dim_scale: bool = False
-  attention_use_bias: Optional[bool] = None  # None: use_bias
-  norm_epsilon: float = 1e-6
+  block_tpl: LayerTpl = template_field(Block)
+  final_norm_tpl: LayerTpl = template_field(Norm)
 
-  def _block_class(self):
-    block = Block
+  def _block_kwargs(self, dtype, deterministic: bool) -> tuple[type, dict]:
+    from paxcli.layers import base
+    tpl = fill_template(self.block_tpl, dtype, model_dims=self.model_dims, dropout_prob=self.dropout_prob,
+                        deterministic=deterministic)
+    import fiddle as fdl
+    cls = fdl.get_callable(tpl)
+    kwargs = base.build_arguments(tpl, self)
     if self.checkpoint_policy != 'none':
-      block = nn.remat(Block, policy=REMAT_POLICIES[self.checkpoint_policy](),
-                       prevent_cse=not self.scan_layers)
-    return block
+      cls = nn.remat(cls, policy=REMAT_POLICIES[self.checkpoint_policy](), prevent_cse=not self.scan_layers)
+    return cls, kwargs
 
   @nn.compact
   def __call__(self, ids_BxL, segment_ids_BxL=None, positions_BxL=None, deterministic: bool = True):
-    dtype = dtype_of(self.fprop_dtype)
+    dtype = dtype_of(self.fprop_dtype) if isinstance(self.fprop_dtype, str) else self.fprop_dtype
     b, l = ids_BxL.shape
     if segment_ids_BxL is None:
       segment_ids_BxL = jnp.ones((b, l), jnp.int32)
@@ -90,16 +131,11 @@ class TransformerLm(nn.Module):
       x_BxLxD = x_BxLxD + jnp.take(pos, positions_BxL, axis=0).astype(dtype)
     x_BxLxD = nn.Dropout(self.dropout_prob, deterministic=deterministic)(x_BxLxD)
 
-    block_kwargs = dict(
-        num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, dims_per_head=self.dims_per_head,
-        hidden_dims=self.hidden_dims, activation=self.activation, gated=self.use_gated_activation,
-        norm_type=self.norm_type, use_bias=self.use_bias, rotary=self.position_embedding == 'rotary',
-        rotary_max_timescale=self.rotary_max_timescale, dropout_prob=self.dropout_prob,
-        deterministic=deterministic, dtype=dtype, attention_use_bias=self.attention_use_bias,
-        per_dim_scale=self.per_dim_scale, atten_logit_cap=self.atten_logit_cap, norm_epsilon=self.norm_epsilon)
-    block = self._block_class()
+    block, block_kwargs = self._block_kwargs(dtype, deterministic)
     if self.scan_layers:
-      stack = nn.scan(block, variable_axes={'params': 0}, split_rngs={'params': True, 'dropout': True},
+      from paxcli.layers.base import AUX_LOSS, NON_TRAINABLE, RANDOM, SUMMARIES
+      stack = nn.scan(block, variable_axes={'params': 0, NON_TRAINABLE: 0, SUMMARIES: 0, AUX_LOSS: 0},
+                      split_rngs={'params': True, 'dropout': True, RANDOM: True},
                       in_axes=(nn.broadcast, nn.broadcast), length=self.num_layers,
                       metadata_params={nn.PARTITION_NAME: 'layers'})
       x_BxLxD, _ = stack(**block_kwargs, name='layers')(x_BxLxD, segment_ids_BxL, positions_BxL)
@@ -107,7 +143,10 @@ class TransformerLm(nn.Module):
       for i in range(self.num_layers):
         x_BxLxD, _ = block(**block_kwargs, name=f'layer_{i}')(x_BxLxD, segment_ids_BxL, positions_BxL)
 
-    x_BxLxD = Norm(self.norm_type, self.use_bias, dtype, self.norm_epsilon, name='final_norm')(x_BxLxD)
+    final_norm = fill_template(self.final_norm_tpl, dtype)
+    from paxcli.layers import base
+    import fiddle as fdl
+    x_BxLxD = fdl.get_callable(final_norm)(**base.build_arguments(final_norm, self), name='final_norm')(x_BxLxD)
     if self.separate_embedding:
       logits = nn.Dense(self.vocab_size, use_bias=self.softmax_bias, dtype=dtype,
                         kernel_init=nn.with_logical_partitioning(
@@ -138,3 +177,121 @@ def lm_loss(logits_BxLxV, labels_BxL, weights_BxL):
   correct = jnp.sum((jnp.argmax(logits_BxLxV, axis=-1) == labels_BxL) * weights)
   loss = loss_sum / jnp.maximum(total_weight, 1e-8)
   return loss, {'loss_sum': loss_sum, 'correct_sum': correct, 'weight_sum': total_weight}
+
+
+def lm_config(vocab_size: int = 256, num_layers: int = 2, model_dims: int = 64, hidden_dims: int = 256,
+              num_heads: int = 4, num_kv_heads: int = 4, dims_per_head: int = 16, max_seq_len: int = 64,
+              activation: str = 'gelu', use_gated_activation: bool = False, norm_type: str = 'layernorm',
+              use_bias: bool = True, position_embedding: str = 'learned', rotary_max_timescale: float = 10000.0,
+              separate_embedding: bool = False, dropout_prob: float = 0.0, fprop_dtype: str = 'float32',
+              scan_layers: bool = False, checkpoint_policy: str = 'save_nothing',
+              scale_embedding_sqrt_depth: bool = False, softmax_bias: bool = False,
+              softmax_cap_logits: float = 0.0, atten_logit_cap: float = 0.0, per_dim_scale: bool = False,
+              attention_use_bias: Optional[bool] = None, norm_epsilon: float = 1e-6):
+  """The LanguageModel config with its templates filled from flat settings (the LM knobs).
+
+  Each setting lands in the one template that uses it: attention heads in
+  `lm_tpl.block_tpl.attention_tpl`, hidden dims and activation in `...ffn_tpl`, the norm
+  kind in `...norm_tpl` and `lm_tpl.final_norm_tpl`, the rest on `lm_tpl`.
+  """
+  import fiddle as fdl
+
+  from paxcli.layers.transformer import Attention, Mlp
+  norm = lambda: fdl.Config(Norm, kind=norm_type, use_bias=use_bias, epsilon=norm_epsilon)
+  attention = fdl.Config(Attention, num_heads=num_heads, num_kv_heads=num_kv_heads, dims_per_head=dims_per_head,
+                         use_bias=use_bias if attention_use_bias is None else attention_use_bias,
+                         rotary=position_embedding == 'rotary', rotary_max_timescale=rotary_max_timescale,
+                         per_dim_scale=per_dim_scale, atten_logit_cap=atten_logit_cap)
+  ffn = fdl.Config(Mlp, hidden_dims=hidden_dims, activation=activation, gated=use_gated_activation,
+                   use_bias=use_bias)
+  block = fdl.Config(Block, attention_tpl=attention, ffn_tpl=ffn, norm_tpl=norm())
+  lm = fdl.Config(TransformerLm, vocab_size=vocab_size, num_layers=num_layers, model_dims=model_dims,
+                  max_seq_len=max_seq_len, position_embedding=position_embedding,
+                  separate_embedding=separate_embedding, dropout_prob=dropout_prob, fprop_dtype=fprop_dtype,
+                  scan_layers=scan_layers, checkpoint_policy=checkpoint_policy, block_tpl=block,
+                  final_norm_tpl=norm(), scale_embedding_sqrt_depth=scale_embedding_sqrt_depth,
+                  softmax_bias=softmax_bias, softmax_cap_logits=softmax_cap_logits)
+  return fdl.Config(LanguageModel, lm_tpl=lm)
+
+
+class LanguageModel(BaseModel):
+  """A decoder-only LM: the network from `lm_tpl` (a TransformerLm by default) and lm_loss.
+
+  The network shares this model's scope, so its weights keep the names they had before
+  models became pluggable (embedding, layer_0/attention/query/kernel, ...), and
+  `LanguageModel(...)(ids)` returns logits like the network itself.
+  """
+  lm_tpl: LayerTpl = template_field(TransformerLm)
+
+  def setup(self):
+    self.create_child('lm', self.lm_tpl)
+    nn.share_scope(self, self.lm)
+
+  def __call__(self, ids_BxL, segment_ids_BxL=None, positions_BxL=None, deterministic: bool = True):
+    return self.lm(ids_BxL, segment_ids_BxL, positions_BxL, deterministic=deterministic)
+
+  def compute_predictions(self, input_batch: dict, deterministic: bool = True):
+    return self(input_batch['ids'], input_batch.get('segment_ids'), input_batch.get('positions'),
+                deterministic=deterministic)
+
+  def compute_loss(self, predictions, input_batch: dict):
+    loss, sums = lm_loss(predictions, input_batch['labels'], input_batch['weights'])
+    weight = sums['weight_sum']
+    accuracy = sums['correct_sum'] / jnp.maximum(weight, 1e-8)
+    return loss, {'loss': (loss, weight), 'accuracy': (accuracy, weight)}
+
+  def dummy_batch(self, batch_size: int, seq_len: int) -> dict:
+    shape = (batch_size, seq_len)
+    return {'ids': np.zeros(shape, np.int32), 'labels': np.zeros(shape, np.int32),
+            'weights': np.zeros(shape, np.float32)}
+
+  def eval_summary(self, means: dict, weights: dict) -> dict:
+    import math
+    out = dict(means)
+    out['log_pplx'] = means['loss']
+    out['perplexity'] = math.exp(min(means['loss'], 50.0))
+    out['num_tokens'] = weights['loss']
+    return out
+
+  # The network's settings, read by the engine where it needs them.
+  @property
+  def max_seq_len(self) -> int:
+    return self.lm_tpl.max_seq_len
+
+  @property
+  def dropout_prob(self) -> float:
+    return self.lm_tpl.dropout_prob
+
+  def validate(self) -> None:
+    validate_lm(self.lm_tpl)
+
+
+def validate_lm(lm) -> None:
+  """Checks of a TransformerLm config that one layer alone cannot make."""
+  from paxcli.errors import UserError
+  from paxcli.engine import at_least
+  at_least(1, 'task.model.lm_tpl', lm, 'vocab_size', 'num_layers', 'model_dims', 'max_seq_len')
+  if not 0 <= lm.dropout_prob < 1:
+    raise UserError(f'task.model.lm_tpl.dropout_prob must be in [0, 1), got {lm.dropout_prob}.')
+  if getattr(getattr(lm, 'final_norm_tpl', None), 'epsilon', 1.0) <= 0:
+    raise UserError(f'NORM_EPSILON must be positive, got {lm.final_norm_tpl.epsilon}.')
+  if getattr(lm, 'softmax_cap_logits', 0.0) < 0:
+    raise UserError(f'SOFTMAX_CAP_LOGITS must be 0 (off) or positive, got {lm.softmax_cap_logits}.')
+  attention = getattr(getattr(lm, 'block_tpl', None), 'attention_tpl', None)
+  from paxcli.layers.transformer import Attention
+  import fiddle as fdl
+  if attention is None or fdl.get_callable(attention) is not Attention:
+    return
+  where = 'task.model.lm_tpl.block_tpl.attention_tpl'
+  at_least(1, where, attention, 'num_heads', 'num_kv_heads', 'dims_per_head')
+  if attention.num_heads % attention.num_kv_heads:
+    raise UserError(f'NUM_HEADS {attention.num_heads} must be a multiple of NUM_KV_HEADS '
+                    f'{attention.num_kv_heads}.')
+  if attention.atten_logit_cap < 0:
+    raise UserError(f'ATTEN_LOGIT_CAP must be 0 (off) or positive, got {attention.atten_logit_cap}.')
+  if attention.rotary and attention.dims_per_head % 2:
+    raise UserError(f'Rotary positions need an even DIMS_PER_HEAD, got {attention.dims_per_head}.')
+  ffn = lm.block_tpl.ffn_tpl
+  from paxcli.layers.transformer import Mlp
+  if fdl.get_callable(ffn) is Mlp:
+    at_least(1, 'task.model.lm_tpl.block_tpl.ffn_tpl', ffn, 'hidden_dims')

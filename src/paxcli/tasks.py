@@ -45,6 +45,10 @@ class TrainConfig:
   eval_interval_steps: int = 0  # 0: no eval during training
   learning_rate: float = 1e-3
   clip_gradient_norm_to_value: float = 1.0  # 0: no clipping
+  # A finite loss above loss_spike_factor x the median of the last loss_spike_window step losses
+  # stops the run like a NaN (exit 3, no checkpoint of that state). 0: off.
+  loss_spike_factor: float = 10.0
+  loss_spike_window: int = 50
   optimizer: Any = dataclasses.field(default_factory=OptimizerConfig)
   lr_schedule: Any = dataclasses.field(default_factory=ScheduleConfig)
 

@@ -2,6 +2,7 @@
 
 Job directory layout:
   config.txt             the resolved config of the latest invocation
+  invocations.txt        one line per invocation: UTC time, paxcli version, command line
   tokenizer/spm.model    the train input's sentencepiece model (decode and conversion read it)
   checkpoints/<step>/    orbax checkpoints (state + meta)
   summaries/train/       TensorBoard events
@@ -25,41 +26,114 @@ class TrainingDiverged(UserError):
   exit_code = 3
 
 
+# A run whose first this-many steps (of one invocation) all have zero total weight stops:
+# every target token is masked, so the loss is 0 and nothing trains.
+ZERO_WEIGHT_STEPS_TO_STOP = 10
+
+
+class LossGuard:
+  """Stops a run whose finite loss jumps far above its recent median, as a NaN does.
+
+  `recent` holds the last `window` step losses; it is saved in each checkpoint's meta, so a
+  resumed run (say, with a learning rate a thousand times too big) is checked from its first step.
+  The check starts once 10 losses are known. factor 0 turns it off.
+  """
+
+  MIN_HISTORY = 10
+
+  def __init__(self, factor: float, window: int, history=()):
+    import collections
+    self.factor = factor
+    self.recent = collections.deque((float(x) for x in history or () if math.isfinite(float(x))), maxlen=window)
+
+  def median(self) -> Optional[float]:
+    import statistics
+    return statistics.median(self.recent) if self.recent else None
+
+  def check(self, step: int, loss: float, last_checkpoint: Optional[int]) -> None:
+    median = self.median()
+    if self.factor and len(self.recent) >= min(self.MIN_HISTORY, self.recent.maxlen) and median > 0 \
+        and loss > self.factor * median:
+      kept = f'step {last_checkpoint}' if last_checkpoint is not None else 'none yet'
+      raise TrainingDiverged(
+          f'The loss jumped to {loss:.4g} at step {step}, {loss / median:,.0f}x its median {median:.4g} over the '
+          f'last {len(self.recent)} steps (task.train.loss_spike_factor={self.factor:g}); stopping. No checkpoint '
+          f'of this state was written; the last checkpoint is {kept}. Lower the learning rate, or set '
+          'task.train.loss_spike_factor=0 to turn this check off.')
+    self.recent.append(loss)
+
+
 def make_train_step(setup, batch_sharding, dropout_seed: int):
-  """The jitted step: (state, batch) -> (state, metrics); state is donated."""
+  """The jitted step: (state, batch) -> (state, metrics); state is donated.
+
+  The model's fprop gives (loss, metrics); aux losses its layers add join the loss;
+  non-trainable variables come back updated (the optimizer never sees them); layer
+  summaries come back in the metrics under 'summary/<layer path>/<name>'.
+  """
   import jax
   import jax.numpy as jnp
   import optax
 
   from paxcli import optim
-  from paxcli.models import lm_loss
+  from paxcli.layers.base import AUX_LOSS, NON_TRAINABLE, RANDOM, SUMMARIES, flatten_collection
   model, tx = setup.model, setup.tx
   lr_fn = optim.learning_rate_fn(setup.train)
-  deterministic = model.dropout_prob == 0
+  deterministic = getattr(model, 'dropout_prob', 0) == 0
+  has_non_trainable = 'non_trainable' in setup.state_shardings
 
   def step_fn(state, batch):
     rng = jax.random.fold_in(jax.random.key(dropout_seed), state['step'])
+    rngs = {'dropout': rng, RANDOM: jax.random.fold_in(rng, 1)}
 
     def loss_fn(params):
-      logits = model.apply({'params': params}, batch['ids'], batch.get('segment_ids'),
-                           batch.get('positions'), deterministic=deterministic, rngs={'dropout': rng})
-      return lm_loss(logits, batch['labels'], batch['weights'])
+      variables = {'params': params}
+      if has_non_trainable:
+        variables[NON_TRAINABLE] = state['non_trainable']
+      (loss, model_metrics), updates = model.apply(
+          variables, batch, deterministic=deterministic, method='fprop', rngs=rngs,
+          mutable=[NON_TRAINABLE, SUMMARIES, AUX_LOSS])
+      aux = flatten_collection(updates.get(AUX_LOSS, {}))
+      total = loss + sum(jnp.sum(v) for v in aux.values()) if aux else loss
+      return total, (loss, model_metrics, aux, updates)
 
-    (loss, sums), grads = jax.value_and_grad(loss_fn, has_aux=True)(state['params'])
-    updates, opt_state = tx.update(grads, state['opt_state'], state['params'])
-    params = optax.apply_updates(state['params'], updates)
-    metrics = {
-        'loss': loss,
-        'accuracy': sums['correct_sum'] / jnp.maximum(sums['weight_sum'], 1e-8),
+    (total, (loss, model_metrics, aux, updates)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+        state['params'])
+    param_updates, opt_state = tx.update(grads, state['opt_state'], state['params'])
+    params = optax.apply_updates(state['params'], param_updates)
+    metrics = {k: v for k, (v, _) in model_metrics.items()}
+    metrics.update({
+        'loss': total,
         'grad_norm': optax.tree.norm(grads) if hasattr(optax, 'tree') else optax.global_norm(grads),
         'learning_rate': lr_fn(state['step']),
-        'tokens': sums['weight_sum'],
-    }
-    return {'step': state['step'] + 1, 'params': params, 'opt_state': opt_state}, metrics
+        'tokens': model.count_in(model_metrics),
+    })
+    if aux:
+      metrics['model_loss'] = loss
+      metrics.update({f'aux_loss/{k}': jnp.sum(v) for k, v in aux.items()})
+    for name, value in flatten_collection(updates.get(SUMMARIES, {})).items():
+      metrics[f'summary/{name}'] = jnp.mean(value)  # scanned layers: the mean over layers
+    new_state = {'step': state['step'] + 1, 'params': params, 'opt_state': opt_state}
+    if has_non_trainable:
+      new_state['non_trainable'] = sync_non_trainable(updates[NON_TRAINABLE], setup)
+    return new_state, metrics
 
   replicated = jax.sharding.NamedSharding(setup.mesh, jax.sharding.PartitionSpec())
   return jax.jit(step_fn, in_shardings=(setup.state_shardings, batch_sharding),
                  out_shardings=(setup.state_shardings, replicated), donate_argnums=(0,))
+
+
+def sync_non_trainable(new_vars, setup):
+  """Non-trainable variables after a step, laid out as the state holds them.
+
+  Under jit the layers compute their updates from the global batch, so each variable
+  already holds the mean over data-parallel replicas (Pax's REQUIRES_MEAN_SYNC, which
+  with pmap averaged per-replica values); the sharding constraint keeps every replica's
+  copy the same array.
+  """
+  import jax
+
+  from paxcli.engine import unbox
+  return jax.tree.map(jax.lax.with_sharding_constraint, unbox(new_vars), setup.state_shardings['non_trainable'])
 
 
 def ready_step(resolved, seed: int = 0):
@@ -171,7 +245,9 @@ class Reporter:
 
   def summary(self, record: dict) -> None:
     if self.enabled and not self.interactive:
-      self.log(f"step {record['step']}: loss {record['loss']:.4f}  accuracy {record['accuracy']:.4f}  "
+      accuracy = f"  accuracy {record['accuracy']:.4f}" if 'accuracy' in record else ''
+      aux = ''.join(f"  {k} {v:.4g}" for k, v in record.items() if k.startswith('aux_loss/'))
+      self.log(f"step {record['step']}: loss {record['loss']:.4f}{accuracy}{aux}  "
                f"lr {record['learning_rate']:.3g}  grad_norm {record['grad_norm']:.3f}  "
                f"{record['steps_per_sec']:.2f} steps/s  {record['tokens_per_sec']:,.0f} tokens/s")
 
@@ -182,10 +258,27 @@ class Reporter:
 
 
 def train(resolved, job_dir: str, console, verbose: bool = False) -> dict:
-  """Trains (or resumes) the resolved experiment in job_dir. Returns the last summary."""
-  from paxcli import engine
+  """Trains (or resumes) the resolved experiment in job_dir. Returns the last summary.
+
+  The job directory is checked first and locked for the run (`paxcli/jobdir.py`): a
+  second trainer on it is refused.
+  """
+  from paxcli import engine, jobdir
+  jobdir.check_writable(job_dir)
   engine.check_supported(resolved.experiment)
   engine.apply_platform_env(resolved.experiment.PLATFORM_ENV, log=lambda m: console.print(m))
+  import jax  # after PLATFORM_ENV: it may set XLA_FLAGS
+  log = (lambda m: console.print(m, highlight=False, markup=False, soft_wrap=True))
+  lock = jobdir.lock_run(job_dir, log if jax.process_index() == 0 else (lambda m: None))
+  try:
+    return _train(resolved, job_dir, console, verbose)
+  finally:
+    if lock is not None:
+      lock.release()
+
+
+def _train(resolved, job_dir: str, console, verbose: bool = False) -> dict:
+  from paxcli import engine
   import jax
 
   from paxcli import checkpoint as ckpt
@@ -213,6 +306,9 @@ def train(resolved, job_dir: str, console, verbose: bool = False) -> dict:
   # ---- Checkpoint: resume or start -------------------------------------------------------
   ckpt_dir = os.path.join(job_dir, 'checkpoints')
   os.makedirs(job_dir, exist_ok=True)
+  if is_main:
+    from paxcli import invocation
+    invocation.record(job_dir)
   ckpt.set_aside_unfinished(ckpt_dir, log=reporter_log)
   distributed.barrier('paxcli:unfinished-checkpoints-set-aside')  # all processes then see the same steps
   checkpointer = ckpt.Checkpointer(ckpt_dir, train_cfg.save_max_to_keep)
@@ -238,11 +334,16 @@ def train(resolved, job_dir: str, console, verbose: bool = False) -> dict:
     if layout_note:
       reporter_log(layout_note)
     reporter_log(f'Resumed from step {latest} ({batches_consumed} batches consumed).')
+    changed = config_differences(meta.get('config') or {}, flat, prefixes=('',))
+    if changed:
+      reporter_log(f'Note: {len(changed)} setting(s) differ from the checkpoint\'s config (the run goes on '
+                   'with the new ones):\n  ' + '\n  '.join(changed))
   else:
     state = engine.init_state(setup, resolved.experiment.RANDOM_SEED)
   if is_main:
     with open(os.path.join(job_dir, 'config.txt'), 'w', encoding='utf-8') as f:
       f.write(resolved.as_text())
+    _trim_replayed_metrics(job_dir, int(latest or 0), reporter_log)
 
   # ---- Input -------------------------------------------------------------------------------
   train_input = engine.build_input(resolved.train_dataset(), setup)
@@ -254,7 +355,7 @@ def train(resolved, job_dir: str, console, verbose: bool = False) -> dict:
   train_step = make_train_step(setup, batch_sharding, resolved.experiment.RANDOM_SEED + 1)
   evaluator = None
   if train_cfg.eval_interval_steps and resolved.eval_datasets():
-    from paxcli.evaluate import Evaluator
+    from paxcli.evaluate import Evaluator, metrics_line
     evaluator = Evaluator(resolved, setup, job_dir)
 
   # ---- Loop ------------------------------------------------------------------------------------
@@ -263,6 +364,8 @@ def train(resolved, job_dir: str, console, verbose: bool = False) -> dict:
   start_step = int(latest or 0)
   reporter = Reporter(console, train_cfg.num_train_steps, start_step, enabled=is_main)
   window: list[dict] = []
+  guard = LossGuard(train_cfg.loss_spike_factor, train_cfg.loss_spike_window,
+                    meta.get('recent_losses') if latest is not None else ())
   last = {'step': start_step}
   t_window = time.perf_counter()
   steps_in_window = 0
@@ -275,7 +378,21 @@ def train(resolved, job_dir: str, console, verbose: bool = False) -> dict:
                              'stopping without saving them. Lower the learning rate or clip gradients.')
     checkpointer.save(step, state, {'batches_consumed': batches_consumed, 'step': step,
                                     'global_batch': setup.global_batch, 'state_shapes': shapes_now,
-                                    'config': flat, 'input_layout': layout})
+                                    'config': flat, 'input_layout': layout,
+                                    'recent_losses': list(guard.recent), 'loss': guard.median()})
+
+  zero_weight = {'steps': 0, 'seen': 0}
+
+  def take(step: int, metrics) -> dict:
+    """One step's metrics as floats, after the finite-loss and zero-weight checks."""
+    values = _check_finite(step, metrics, guard=guard, saved=checkpointer.latest_saved)
+    zero_weight['seen'] += 1
+    zero_weight['steps'] += values['tokens'] == 0
+    if zero_weight['seen'] == zero_weight['steps'] == min(ZERO_WEIGHT_STEPS_TO_STOP, train_cfg.num_train_steps - start_step):
+      raise UserError(f'Steps {start_step + 1}-{step} all had zero total weight: every target token of every '
+                      'batch is masked (weights 0), so the loss is 0 and nothing trains. Stopping. Check the '
+                      "input's weights or paddings (`pax inspect-input` shows padding per feature).")
+    return values
 
   try:
     stop.__enter__()
@@ -285,17 +402,20 @@ def train(resolved, job_dir: str, console, verbose: bool = False) -> dict:
       batches_consumed += 1
       steps_in_window += 1
       if pending is not None:
-        window.append(_check_finite(*pending))
+        window.append(take(*pending))
       pending = (step, metrics)
       stopping = stop.requested  # read once: a signal may land at any moment
       is_last = step == train_cfg.num_train_steps
       summarize = is_last or step % train_cfg.summary_interval_steps == 0
       save_now = is_last or stopping or step % train_cfg.save_interval_steps == 0
       if summarize or save_now:
-        window.append(_check_finite(*pending))
+        window.append(take(*pending))
         pending = None
       if summarize:
         now = time.perf_counter()
+        if window and not any(w['tokens'] for w in window):
+          reporter.log(f"warning: steps {window[0]['step']}-{window[-1]['step']} had zero total weight (every "
+                       'target token masked): their loss 0 means nothing was trained.')
         last = _summarize(step, window, steps_in_window, max(now - t_window, 1e-9))
         if writer:
           writer.scalars(step, {k: v for k, v in last.items() if k != 'step'})
@@ -304,9 +424,8 @@ def train(resolved, job_dir: str, console, verbose: bool = False) -> dict:
       if save_now:
         save(step)
       if evaluator and step % train_cfg.eval_interval_steps == 0:
-        for name, m in evaluator.run(step, state['params']).items():
-          reporter.log(f"step {step}: eval {name}: loss {m['loss']:.4f}  accuracy {m['accuracy']:.4f}  "
-                       f"({m['num_examples']:.0f} examples)")
+        for name, m in evaluator.run(step, state).items():
+          reporter.log(metrics_line(step, name, m))
       reporter.step(step, last.get('loss'), last.get('tokens_per_sec'))
       if stopping:
         checkpointer.wait()
@@ -327,28 +446,39 @@ def train(resolved, job_dir: str, console, verbose: bool = False) -> dict:
   return last
 
 
-def _check_finite(step: int, metrics) -> dict:
+def _trim_replayed_metrics(job_dir: str, step: int, log) -> None:
+  """Drops metric rows past the step we resume from: the steps run again write them anew."""
+  from paxcli import jobdir
+  dropped = jobdir.trim_metrics(job_dir, step)
+  if dropped:
+    log(f'Dropped {dropped} metric row(s) past step {step} from the *_metrics.jsonl files (steps after the '
+        'last checkpoint, which this run repeats).')
+
+
+def _check_finite(step: int, metrics, guard: Optional[LossGuard] = None, saved: Optional[int] = None) -> dict:
   values = {k: float(v) for k, v in metrics.items()}
   if not math.isfinite(values['loss']):
     raise TrainingDiverged(f'The loss became {values["loss"]} at step {step}; stopping. No checkpoint of '
                            'this state was written. Lower the learning rate or check the input.')
+  if guard is not None:
+    guard.check(step, values['loss'], saved)
   values['step'] = step
   return values
 
 
 def _summarize(step: int, window: list[dict], steps: int, elapsed: float) -> dict:
+  """Means over the steps since the last summary; layer summaries are the latest step's."""
   n = max(len(window), 1)
   mean = lambda k: sum(w[k] for w in window) / n
   tokens = sum(w['tokens'] for w in window)
-  return {
-      'step': step,
-      'loss': mean('loss'),
-      'accuracy': mean('accuracy'),
-      'learning_rate': window[-1]['learning_rate'],
-      'grad_norm': mean('grad_norm'),
-      'steps_per_sec': steps / elapsed,
-      'tokens_per_sec': tokens / elapsed,
-  }
+  out = {'step': step}
+  for key in window[-1]:
+    if key in ('step', 'tokens'):
+      continue
+    out[key] = window[-1][key] if key == 'learning_rate' or key.startswith('summary/') else mean(key)
+  out['steps_per_sec'] = steps / elapsed
+  out['tokens_per_sec'] = tokens / elapsed
+  return out
 
 
 def _print_weights(console, setup) -> None:

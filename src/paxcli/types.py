@@ -7,7 +7,7 @@ import types
 import typing
 from typing import Any, Literal, Union
 
-from paxcli.errors import UserError, did_you_mean
+from paxcli.errors import UserError, did_you_mean, shorten
 
 _NONE = type(None)
 
@@ -120,4 +120,4 @@ def coerce(value: Any, tp: Any, name: str) -> Any:
     hint = ''
     if typing.get_origin(tp) is Literal and isinstance(value, str):
       hint = did_you_mean(value, [a for a in typing.get_args(tp) if isinstance(a, str)])
-    raise UserError(f'{name} must be {type_name(tp)}, got {value!r}.{hint}') from None
+    raise UserError(f'{name} must be {type_name(tp)}, got {shorten(repr(value))}.{hint}') from None

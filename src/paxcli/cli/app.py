@@ -18,19 +18,36 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # Click's plain help: option names are never cut, whatever the terminal width
+    # (rich's help tables cut them at 80 columns), and metavars read the same everywhere.
+    rich_markup_mode=None,
     context_settings={'help_option_names': ['-h', '--help']},
 )
 
 
 def _register_all() -> None:
+  from paxcli.cli import checkpoint as checkpoint_cmd
   from paxcli.cli import eval as eval_cmd
   from paxcli.cli import experiments as experiments_cmd
   from paxcli.cli import inspect_input as inspect_input_cmd
   from paxcli.cli import import_maxtext as import_maxtext_cmd
   from paxcli.cli import launch as launch_cmd
   from paxcli.cli import train as train_cmd
-  for module in (train_cmd, eval_cmd, inspect_input_cmd, launch_cmd, experiments_cmd, import_maxtext_cmd):
+  from paxcli.cli import version as version_cmd
+  for module in (train_cmd, eval_cmd, inspect_input_cmd, launch_cmd, experiments_cmd, import_maxtext_cmd,
+                 checkpoint_cmd, version_cmd):
     module.register(app)
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, '--version', is_eager=True, help='Print paxcli\'s version and exit.',
+                                       callback=lambda v: _version_callback(v))) -> None:
+  """Pax-style experiments on JAX: train, eval, inspect inputs, import MaxText scripts."""
+
+
+def _version_callback(value: bool) -> None:
+  from paxcli.cli.version import version_callback
+  version_callback(value)
 
 
 _register_all()
@@ -38,7 +55,10 @@ _register_all()
 
 def main(argv: list[str] | None = None) -> None:
   """Console entry point: runs the app, turning UserError into one red line and exit 2."""
-  argv = common.normalize_argv(list(sys.argv[1:] if argv is None else argv))
+  argv = list(sys.argv[1:] if argv is None else argv)
+  from paxcli import invocation
+  invocation.set_argv(argv)  # as the user typed it, for the job directory's invocations.txt
+  argv = common.normalize_argv(argv)
   common.run_app(app, argv)
 
 

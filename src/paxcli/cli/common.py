@@ -24,29 +24,29 @@ PROCESS_ID_HELP = 'Several processes: this process\'s index, 0 to N-1 (0 runs th
 
 
 def exp_option():
-  return typer.Option(None, '--exp', '-e', help=EXP_HELP)
+  return typer.Option(None, '--exp', '-e', metavar='NAME', help=EXP_HELP)
 
 
 def set_option():
-  return typer.Option([], '--set', '-s', help=SET_HELP)
+  return typer.Option([], '--set', '-s', metavar='KEY=VALUE', help=SET_HELP)
 
 
 def job_dir_option():
-  return typer.Option(None, '--job-log-dir', '--job_log_dir', help=JOB_DIR_HELP)
+  return typer.Option(None, '--job-log-dir', metavar='DIR', help=JOB_DIR_HELP)  # --job_log_dir: normalize_argv
 
 
 def coordinator_option():
-  return typer.Option(None, '--coordinator', envvar='PAX_COORDINATOR', help=COORDINATOR_HELP,
+  return typer.Option(None, '--coordinator', metavar='HOST:PORT', envvar='PAX_COORDINATOR', help=COORDINATOR_HELP,
                       rich_help_panel='Several processes')
 
 
 def num_processes_option():
-  return typer.Option(None, '--num-processes', envvar='PAX_NUM_PROCESSES', help=NUM_PROCESSES_HELP,
+  return typer.Option(None, '--num-processes', metavar='N', envvar='PAX_NUM_PROCESSES', help=NUM_PROCESSES_HELP,
                       min=1, rich_help_panel='Several processes')
 
 
 def process_id_option():
-  return typer.Option(None, '--process-id', envvar='PAX_PROCESS_ID', help=PROCESS_ID_HELP, min=0,
+  return typer.Option(None, '--process-id', metavar='I', envvar='PAX_PROCESS_ID', help=PROCESS_ID_HELP, min=0,
                       rich_help_panel='Several processes')
 
 
@@ -86,17 +86,38 @@ def error(message: str) -> None:
                                                               markup=True)
 
 
+def warn(message: str) -> None:
+  from rich.console import Console
+  Console(stderr=True, highlight=False, soft_wrap=True).print(f'[bold yellow]warning:[/] {_escape(message)}',
+                                                              markup=True)
+
+
+def resolve(exp: Optional[str], overrides: list[str]):
+  """config.resolve, printing its warnings (e.g. a knob the experiment's code overrides)."""
+  from paxcli import config
+  resolved = config.resolve(exp, overrides)
+  for message in resolved.warnings:
+    warn(message)
+  return resolved
+
+
 def run_app(app: typer.Typer, argv: list[str]) -> None:
   """Runs the app; a UserError becomes one red line and its exit code, never a traceback."""
   try:
     app(args=argv, prog_name='pax')  # standalone: usage errors print and exit 2 themselves
   except UserError as e:
     # fiddle appends its build context to errors raised while building a config.
-    error(_escape(str(e).split('\n\nFiddle context:')[0]))
+    error(_escape(_cap_lines(str(e).split('\n\nFiddle context:')[0])))
     sys.exit(e.exit_code)
   except KeyboardInterrupt:
     error('interrupted.')
     sys.exit(130)
+
+
+def _cap_lines(text: str, limit: int = 500) -> str:
+  """No line of an error longer than about `limit` characters (values the user typed are echoed)."""
+  from paxcli.errors import shorten
+  return '\n'.join(shorten(line, limit) for line in text.split('\n'))
 
 
 def _escape(text: str) -> str:

@@ -1,4 +1,4 @@
-"""`pax eval`: metrics of each eval dataset from the latest checkpoint."""
+"""`pax eval`: metrics of each eval dataset from a checkpoint, or of each new checkpoint (--follow)."""
 
 from __future__ import annotations
 
@@ -14,21 +14,55 @@ def eval_command(
     exp: Optional[str] = common.exp_option(),
     overrides: List[str] = common.set_option(),
     job_log_dir: Optional[str] = common.job_dir_option(),
+    step: Optional[int] = typer.Option(None, '--step', metavar='N', min=0,
+                                       help='Evaluate the checkpoint at step N. Default: the latest.'),
+    follow: bool = typer.Option(
+        False, '--follow', help='Beside a running trainer: wait for new checkpoints in the job directory and '
+        'evaluate each once (steps already evaluated, listed in eval_done.jsonl, are skipped, also after a '
+        "restart); stop after the trainer's last step."),
+    timeout: Optional[float] = typer.Option(
+        None, '--timeout', metavar='SECONDS', min=0.0,
+        help="With --follow: stop after this long even if the trainer's last step has not come. Default: wait."),
+    poll: float = typer.Option(10.0, '--poll', metavar='SECONDS', min=0.01,
+                               help='With --follow: seconds between looks for new checkpoints.'),
     no_checkpoint: bool = typer.Option(False, '--no-checkpoint', help='Evaluate freshly initialised weights.'),
-    json_out: bool = typer.Option(False, '--json', help='Print the metrics as JSON.'),
+    json_out: bool = typer.Option(False, '--json', help='Print the metrics as JSON (with --follow: one line per '
+                                                       'checkpoint).'),
     coordinator: Optional[str] = common.coordinator_option(),
     num_processes: Optional[int] = common.num_processes_option(),
     process_id: Optional[int] = common.process_id_option(),
 ) -> None:
-  """Evaluate an experiment's eval datasets from its latest checkpoint; writes summaries/eval_<name>."""
-  from paxcli import config
-  from paxcli.evaluate import evaluate, results_table
+  """Evaluate the eval datasets from the latest checkpoint (or --step N, or each new one with --follow).
+
+  Writes summaries/eval (TensorBoard) and eval_metrics.jsonl in the job directory
+  (summaries/eval_N and eval_N_metrics.jsonl for an eval input named N).
+  """
+  from paxcli.errors import UserError
+  if follow and (step is not None or no_checkpoint):
+    raise UserError('--follow evaluates every new checkpoint; it does not go with --step or --no-checkpoint.')
+  if timeout is not None and not follow:
+    raise UserError('--timeout goes with --follow.')
+  if step is not None and no_checkpoint:
+    raise UserError('--step N picks a checkpoint; --no-checkpoint evaluates fresh weights. Give one of them.')
+  from paxcli import invocation
+  from paxcli.evaluate import evaluate, follow as follow_run, results_table
   common.start_processes(coordinator, num_processes, process_id)  # before anything starts JAX
-  resolved = config.resolve(exp, overrides)
+  resolved = common.resolve(exp, overrides)
   job_dir = job_log_dir or common.default_job_dir(resolved.experiment.registered_name())
-  out = evaluate(resolved, job_dir, common.console(stderr=True), use_checkpoint=not no_checkpoint)
   import jax
-  if jax.process_index() != 0:
+  main = jax.process_index() == 0
+  if main and not no_checkpoint:
+    invocation.record(job_dir)
+  if follow:
+    emit = (lambda r: typer.echo(json.dumps(r))) if json_out and main else None
+    out = follow_run(resolved, job_dir, common.console(stderr=json_out), timeout=timeout, poll_seconds=poll,
+                     on_result=emit)
+    if main and not json_out:
+      common.console().print(f'Evaluated {len(out)} checkpoint(s): steps {", ".join(str(r["step"]) for r in out) or "none"}.',
+                             highlight=False)
+    return
+  out = evaluate(resolved, job_dir, common.console(stderr=True), use_checkpoint=not no_checkpoint, step=step)
+  if not main:
     return
   if json_out:
     typer.echo(json.dumps(out))
@@ -37,4 +71,4 @@ def eval_command(
 
 
 def register(app: typer.Typer) -> None:
-  app.command('eval')(eval_command)
+  app.command('eval', short_help='Evaluate checkpoints on the eval inputs.')(eval_command)

@@ -31,4 +31,4 @@ def experiments(json_out: bool = typer.Option(False, '--json', help='Print as JS
 
 
 def register(app: typer.Typer) -> None:
-  app.command('experiments')(experiments)
+  app.command('experiments', short_help='List registered experiments.')(experiments)

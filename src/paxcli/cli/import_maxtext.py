@@ -16,40 +16,43 @@ _ERA_HELP = ('MaxText scaling era: scale (until 2023-07-21), jul2023, aug2023 (t
 
 
 def register(app: typer.Typer) -> None:
-  app.command('import-maxtext')(import_maxtext)
+  app.command('import-maxtext', short_help='Turn a MaxText run script into a recipe.')(import_maxtext)
 
 
 def import_maxtext(
-    script: str = typer.Argument(..., help='The MaxText run script (.sh); it is read, never run.'),
+    script: str = typer.Argument(..., metavar='SCRIPT', show_default=False, help='The MaxText run script (.sh); it is read, never run.'),
     args: Optional[List[str]] = typer.Argument(
-        None, help='KEY=VALUE arguments as the script itself would take them (RUN_NAME=x ...).'),
+        None, metavar='KEY=VALUE', show_default=False, help='KEY=VALUE arguments as the script itself would take them (RUN_NAME=x ...).'),
     output: Optional[str] = typer.Option(
-        None, '--output', '-o', help='Recipe file to write. Default: ./maxtext_<script stem>.py.'),
+        None, '--output', '-o', metavar='FILE', help='Recipe file to write. Default: ./maxtext_<script stem>.py.'),
     class_name: Optional[str] = typer.Option(
-        None, '--class-name', help='Experiment class name. Default: MaxText<ScriptStem>.'),
+        None, '--class-name', metavar='NAME', help='Experiment class name. Default: MaxText<ScriptStem>.'),
     force: bool = typer.Option(False, '--force', help='Overwrite an existing recipe file.'),
     as_json: bool = typer.Option(False, '--json', help='Print the translation as JSON.'),
     dry_run: bool = typer.Option(False, '--dry-run', help='Print only; write no recipe.'),
+    lenient: bool = typer.Option(
+        False, '--lenient', help='Translate even with keys MaxText\'s base.yml (of the script\'s era) '
+        'does not define: warn and ignore them instead of refusing, as MaxText would.'),
     strict: bool = typer.Option(
         False, '--strict', help='Fail (exit 2, no recipe) on unknown keys and on mesh axes '
         'paxcli does not have.'),
-    era: Optional[str] = typer.Option(None, '--maxtext-era', help=_ERA_HELP),
+    era: Optional[str] = typer.Option(None, '--maxtext-era', metavar='ERA', help=_ERA_HELP),
     date: Optional[str] = typer.Option(
-        None, '--maxtext-date', help='Date of the MaxText the script ran with (YYYY-MM-DD): picks '
+        None, '--maxtext-date', metavar='YYYY-MM-DD', help='Date of the MaxText the script ran with (YYYY-MM-DD): picks '
         'the era and the base.yml defaults of that day.'),
     base_config: Optional[str] = typer.Option(
-        None, '--base-config', help="Defaults from this MaxText base.yml instead of paxcli's "
+        None, '--base-config', metavar='FILE', help="Defaults from this MaxText base.yml instead of paxcli's "
         'dated copies.'),
     model_config: Optional[str] = typer.Option(
-        None, '--model-config', help='A MaxText model config (configs/models/X.yml) for a '
+        None, '--model-config', metavar='FILE', help='A MaxText model config (configs/models/X.yml) for a '
         'model_name paxcli does not ship.'),
     num_devices: Optional[int] = typer.Option(
-        None, '--num-devices', help='Devices of the whole run (all slices), to resolve -1 '
+        None, '--num-devices', metavar='N', help='Devices of the whole run (all slices), to resolve -1 '
         'parallelism.'),
     topology: Optional[str] = typer.Option(
-        None, '--topology', help='TPU type of one slice, e.g. v4-128 (v2-v4 and v5p count '
+        None, '--topology', metavar='TYPE', help='TPU type of one slice, e.g. v4-128 (v2-v4 and v5p count '
         'TensorCores; v5e/v6e count chips).'),
-    num_slices: Optional[int] = typer.Option(None, '--num-slices', help='Number of slices.'),
+    num_slices: Optional[int] = typer.Option(None, '--num-slices', metavar='N', help='Number of slices.'),
 ) -> None:
   """Translate a MaxText run script into a Pax-style experiment recipe.
 
@@ -64,6 +67,11 @@ def import_maxtext(
   options = Options(era=era, date=date, base_config=base_config, model_config=model_config,
                     num_devices=num_devices, topology=topology, num_slices=num_slices)
   result = translate(info, options)
+  if result.unknown_keys and not lenient and not strict:  # --strict refuses them below, after the table
+    era_name = f"the {result.era} era's" if result.era != 'current' else "today's"
+    raise UserError(f"{len(result.unknown_keys)} key(s) that {era_name} MaxText base.yml does not define, so MaxText "
+                    f"would refuse the script: {'; '.join(result.unknown_keys)} No recipe written; fix the "
+                    'key, or pass --lenient to translate without it.')
   name = recipe.check_class_name(class_name or recipe.default_class_name(script))
   path = output or recipe.default_output(script)
   write = not dry_run and not (strict and result.strict_warnings)
@@ -91,8 +99,8 @@ def _print(result, path: Optional[str], class_name: str) -> None:
   if not console.is_terminal:
     console = Console(highlight=False, soft_wrap=True, width=150)  # logs and pipes: keep rows whole
   info = result.script
-  console.print(f'[bold]{escape(info.path)}[/]: line {info.line}: {escape(info.entry)} '
-                f'{escape(info.config_path or "")}')
+  console.print(f'Read [bold]{escape(info.path)}[/] as text (not run); its trainer call, on line {info.line}: '
+                f'{escape(info.entry)} {escape(info.config_path or "")}')
   console.print(f'era [bold]{result.era}[/]: {escape(mt.ERAS[result.era].rule)}')
   console.print(f'  because {escape(result.era_reason)}', style='dim')
   console.print(f'defaults: {escape(result.defaults)}', style='dim')

@@ -12,15 +12,15 @@ from paxcli.cli import common
 
 
 def inspect_input(
-    path: Optional[str] = typer.Argument(None, help='A TFRecord file (or glob) of tf.train.Example to inspect '
+    path: Optional[str] = typer.Argument(None, metavar='FILE', show_default=False, help='A TFRecord file (or glob) of tf.train.Example to inspect '
                                                     'without an experiment.'),
     exp: Optional[str] = common.exp_option(),
     overrides: List[str] = common.set_option(),
-    split: str = typer.Option('train', '--split', help='train, eval, or an input name.'),
-    num_batches: int = typer.Option(3, '--num-batches', '-n', min=1, help='Batches to read.'),
-    num_examples: int = typer.Option(2, '--num-examples', min=0, help='Examples of each batch to decode.'),
-    host_index: int = typer.Option(0, '--host-index', help='Which host to impersonate.'),
-    num_hosts: int = typer.Option(1, '--num-hosts', min=1, help='How many hosts feed the run.'),
+    split: str = typer.Option('train', '--split', metavar='NAME', help='train, eval, or an input name.'),
+    num_batches: int = typer.Option(3, '--num-batches', '-n', metavar='N', min=1, help='Batches to read.'),
+    num_examples: int = typer.Option(2, '--num-examples', metavar='N', min=0, help='Examples of each batch to decode.'),
+    host_index: int = typer.Option(0, '--host-index', metavar='I', help='Which host to impersonate.'),
+    num_hosts: int = typer.Option(1, '--num-hosts', metavar='N', min=1, help='How many hosts feed the run.'),
     check_sharding: bool = typer.Option(False, '--check-sharding',
                                         help='Build every host\'s input and check that they never overlap.'),
     json_out: bool = typer.Option(False, '--json', help='JSON lines instead of tables.'),
@@ -32,8 +32,7 @@ def inspect_input(
     report = ii.inspect_file(path, max(num_examples, 1))
     _emit_file(console, report, json_out)
     return
-  from paxcli import config
-  resolved = config.resolve(exp, overrides)
+  resolved = common.resolve(exp, overrides)
   cfg = ii.select_dataset(resolved, split)
   batch_size = ii.host_batch_size(resolved)
   if check_sharding:
@@ -135,4 +134,4 @@ def _emit_file(console, report, json_out) -> None:
 
 
 def register(app: typer.Typer) -> None:
-  app.command('inspect-input')(inspect_input)
+  app.command('inspect-input', short_help='Show real batches of an input or TFRecord.')(inspect_input)

@@ -30,21 +30,21 @@ _PREFIX = '[launch]'
 
 
 def launch(
-    processes: int = typer.Option(..., '--processes', '-n', min=1, help='How many local processes to start.'),
+    processes: int = typer.Option(..., '--processes', '-n', metavar='N', min=1, help='How many local processes to start.'),
     devices_per_process: Optional[int] = typer.Option(
-        None, '--devices-per-process', min=1,
+        None, '--devices-per-process', metavar='K', min=1,
         help='Devices per process. CPU: fake devices (--xla_force_host_platform_device_count); '
              'default: as XLA_FLAGS says (1 unless set). GPU: process i gets GPUs i*K..i*K+K-1; '
              'default: the GPUs split evenly.'),
-    port: Optional[int] = typer.Option(None, '--port', min=1, max=65535,
+    port: Optional[int] = typer.Option(None, '--port', metavar='PORT', min=1, max=65535,
                                        help='Coordinator port on 127.0.0.1. Default: a free port.'),
-    grace: float = typer.Option(5.0, '--grace', min=0.0,
+    grace: float = typer.Option(5.0, '--grace', metavar='SECONDS', min=0.0,
                                 help='Seconds between SIGTERM and SIGKILL when stopping processes.'),
-    exit_wait: float = typer.Option(120.0, '--exit-wait', min=0.0,
+    exit_wait: float = typer.Option(120.0, '--exit-wait', metavar='SECONDS', min=0.0,
                                     help='Seconds the others may run on after one process finished '
                                          'cleanly before they are stopped as hung.'),
     command: Optional[List[str]] = typer.Argument(
-        None, metavar='-- COMMAND...', show_default=False,
+        None, metavar='-- COMMAND', show_default=False,
         help='The pax command every process runs, after --: e.g. -- train --exp E --job-log-dir D.'),
 ) -> None:
   """Run one pax command as N local processes (jax.distributed on 127.0.0.1), e.g. to test multi-host runs.
@@ -273,5 +273,5 @@ def _main_thread() -> bool:
 
 def register(app: typer.Typer) -> None:
   # Unknown options after the command name belong to it: `launch -n 2 train --exp E` works without `--`.
-  app.command('launch', no_args_is_help=True,
+  app.command('launch', no_args_is_help=True, short_help='Run a pax command as N local processes.',
               context_settings={'allow_interspersed_args': False, 'ignore_unknown_options': True})(launch)

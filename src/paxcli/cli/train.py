@@ -24,11 +24,10 @@ def train(
   --coordinator/--num-processes/--process-id, or let JAX detect the cluster; on one
   machine, `pax launch --processes N -- train ...` starts N local processes.
   """
-  from paxcli import config
   from paxcli.train import train as run_train
   # Before anything else touches JAX: experiments may ask jax for device counts.
   common.start_processes(coordinator, num_processes, process_id)
-  resolved = config.resolve(exp, overrides)
+  resolved = common.resolve(exp, overrides)
   job_dir = job_log_dir or common.default_job_dir(resolved.experiment.registered_name())
   run_train(resolved, job_dir, common.console(), verbose=verbose)
 
@@ -41,8 +40,7 @@ def describe(
   """Print an experiment's fully resolved config (knobs, task, datasets) after overrides."""
   import json
 
-  from paxcli import config
-  resolved = config.resolve(exp, overrides)
+  resolved = common.resolve(exp, overrides)
   if json_out:
     typer.echo(json.dumps({k: _jsonable(v) for k, v in resolved.flat().items()}, indent=1))
   else:
@@ -62,5 +60,5 @@ def _jsonable(v):
 
 
 def register(app: typer.Typer) -> None:
-  app.command('train')(train)
-  app.command('describe')(describe)
+  app.command('train', short_help='Train (or resume) an experiment.')(train)
+  app.command('describe', short_help='Print the resolved config.')(describe)

@@ -77,9 +77,9 @@ def expand_files(pattern: str) -> list[str]:
 
 def read_examples(path: str, limit: Optional[int] = None) -> Iterator[dict[str, tuple[str, list]]]:
   """Parsed tf.train.Examples of one file: {feature: (kind, values)}; UserError if not TFRecord."""
+  from paxcli.files import check_regular_file
+  check_regular_file(path, 'TFRecord file')  # before tensorflow: a FIFO or /dev/zero is refused at once
   tf = import_tf()
-  if not os.path.isfile(path):
-    raise UserError(f'{path}: no such file.')
   dataset = tf.data.TFRecordDataset(path)
   if limit is not None:
     dataset = dataset.take(limit)

@@ -8,12 +8,15 @@ D model dims, H heads, K kv heads, G query heads per kv head, E dims per head, F
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional
+from typing import Callable
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
+
+from paxcli.layers.base import BaseLayer, LayerTpl, template_field
+from paxcli.options import ACTIVATIONS
 
 _ACTIVATIONS: dict[str, Callable] = {
     'gelu': nn.gelu,
@@ -21,10 +24,12 @@ _ACTIVATIONS: dict[str, Callable] = {
     'silu': nn.silu,
     'swish': nn.silu,
 }
+assert set(_ACTIVATIONS) == set(ACTIVATIONS), 'paxcli.options.ActivationName and _ACTIVATIONS disagree'
 
 
 def dtype_of(name: str):
   return {'float32': jnp.float32, 'bfloat16': jnp.bfloat16, 'float16': jnp.float16}[name]
+
 
 
 def _init(names):
@@ -175,37 +180,50 @@ class Mlp(nn.Module):
     return self._dense(x_BxLxD.shape[-1], ('mlp', 'embed'), 'wo')(h_BxLxF)
 
 
-class Block(nn.Module):
-  """Pre-norm Transformer block. Returns (x, None) so that nn.scan can stack it."""
-  num_heads: int
-  num_kv_heads: int
-  dims_per_head: int
-  hidden_dims: int
-  activation: str = 'gelu'
-  gated: bool = False
-  norm_type: str = 'layernorm'
-  use_bias: bool = True
-  rotary: bool = False
-  rotary_max_timescale: float = 10000.0
+class Block(BaseLayer):
+  """Pre-norm Transformer block built from templates. Returns (x, None) so that nn.scan can stack it.
+
+  Children (names fixed: checkpoints depend on them): attention_norm and mlp_norm from
+  `norm_tpl`, attention from `attention_tpl`, mlp from `ffn_tpl`. The block fills the
+  compute dtype into each template (field `dtype` of a plain flax module, `fprop_dtype`
+  of a BaseLayer) and model_dims into a feed-forward template's input_dims/output_dims,
+  unless the template sets them itself.
+  """
+  model_dims: int = 0
   dropout_prob: float = 0.0
   deterministic: bool = True
-  dtype: jnp.dtype = jnp.float32
-  attention_use_bias: Optional[bool] = None  # None: use_bias
-  per_dim_scale: bool = False
-  atten_logit_cap: float = 0.0
-  norm_epsilon: float = 1e-6
+  attention_tpl: LayerTpl = template_field(Attention)
+  ffn_tpl: LayerTpl = template_field(Mlp)
+  norm_tpl: LayerTpl = template_field(Norm)
 
-  @nn.compact
+  def setup(self):
+    compute = self.fprop_dtype or jnp.float32
+    self.create_child('attention_norm', fill_template(self.norm_tpl, compute))
+    self.create_child('attention', fill_template(self.attention_tpl, compute))
+    self.create_child('mlp_norm', fill_template(self.norm_tpl, compute))
+    self.create_child('mlp', fill_template(self.ffn_tpl, compute, input_dims=self.model_dims,
+                                           output_dims=self.model_dims))
+    self.dropout = nn.Dropout(self.dropout_prob, deterministic=self.deterministic)
+
   def __call__(self, x_BxLxD, segment_ids_BxL, positions_BxL):
-    norm = lambda name: Norm(self.norm_type, self.use_bias, self.dtype, self.norm_epsilon, name=name)
-    dropout = nn.Dropout(self.dropout_prob, deterministic=self.deterministic)
-    h = norm('attention_norm')(x_BxLxD)
-    attention_bias = self.use_bias if self.attention_use_bias is None else self.attention_use_bias
-    h = Attention(self.num_heads, self.num_kv_heads, self.dims_per_head, attention_bias, self.rotary,
-                  self.rotary_max_timescale, self.dtype, self.per_dim_scale, self.atten_logit_cap,
-                  name='attention')(h, segment_ids_BxL, positions_BxL)
-    x_BxLxD = x_BxLxD + dropout(h)
-    h = norm('mlp_norm')(x_BxLxD)
-    h = Mlp(self.hidden_dims, self.activation, self.gated, self.use_bias, self.dtype, name='mlp')(h)
-    x_BxLxD = x_BxLxD + dropout(h)
+    h = self.attention(self.attention_norm(x_BxLxD), segment_ids_BxL, positions_BxL)
+    x_BxLxD = x_BxLxD + self.dropout(h)
+    h = self.mlp(self.mlp_norm(x_BxLxD))
+    x_BxLxD = x_BxLxD + self.dropout(h)
     return x_BxLxD, None
+
+
+def fill_template(tpl, compute_dtype, **fields):
+  """A copy of `tpl` with the compute dtype and `fields` set where its class has them and
+  the template leaves them unset (what a template sets itself wins)."""
+  import dataclasses
+
+  import fiddle as fdl
+  out = tpl.clone() if hasattr(tpl, 'clone') else __import__('copy').deepcopy(tpl)
+  fn = fdl.get_callable(out)
+  names = {f.name for f in dataclasses.fields(fn)} if dataclasses.is_dataclass(fn) else set()
+  dtype_field = 'fprop_dtype' if isinstance(fn, type) and issubclass(fn, BaseLayer) else 'dtype'
+  for name, value in {dtype_field: compute_dtype, **fields}.items():
+    if name in names and name not in out.__arguments__:
+      setattr(out, name, value)
+  return out

@@ -26,6 +26,8 @@ _LOOP_HEADS = {'for', 'while', 'until', 'select'}
 _REDIRECT_OPS = ('<<<', '<<-', '<<', '>>', '>&', '<&', '>|', '<>', '>', '<')
 _TRAINER_MODULES = {'MaxText.train', 'maxtext.train', 'MaxText.train_compile',
                     'maxtext.trainers.pre_train.train', 'maxtext.trainers.pre_train.train_compile'}
+MAX_SCRIPT_BYTES = 1 << 20  # a run script is a few KB; more is the wrong file (or /dev/zero)
+MAX_NESTING = 64  # `$(...)` / `${...}` inside each other; real scripts nest two or three deep
 _TRAINER_FILES = {'train.py', 'train_compile.py'}
 
 
@@ -179,6 +181,7 @@ class _Lexer:
         while k < len(text):
           if text[k] == opening:
             depth += 1
+            self._check_depth(depth, opening)
           elif text[k] == {'(': ')', '{': '}'}[opening]:
             depth -= 1
             if depth == 0:
@@ -201,6 +204,7 @@ class _Lexer:
     while j < len(text):
       if text[j] == opening:
         depth += 1
+        self._check_depth(depth, opening)
       elif text[j] == closing:
         depth -= 1
         if depth == 0:
@@ -210,6 +214,11 @@ class _Lexer:
     self.line += chunk.count('\n')
     self.i = j + 1
     return chunk
+
+  def _check_depth(self, depth: int, opening: str) -> None:
+    if depth > MAX_NESTING:
+      raise UserError(f'line {self.line}: `${opening}` nested more than {MAX_NESTING} deep; paxcli reads '
+                      'run scripts as text and does not follow that. Simplify the script.')
 
   def _redirect(self) -> None:
     # A word of digits right before the operator is a file descriptor (2>&1): drop it.
@@ -560,11 +569,8 @@ def read_script(path: str, args: list[str] = ()) -> ScriptInfo:
   Raises:
     UserError: unreadable file, bad quoting, or no trainer invocation.
   """
-  try:
-    with open(path, encoding='utf-8') as f:
-      text = f.read()
-  except (OSError, UnicodeDecodeError) as e:
-    raise UserError(f'Cannot read MaxText script {path!r}: {getattr(e, "strerror", None) or e}.') from None
+  from paxcli.files import read_text
+  text = read_text(path, 'MaxText script', MAX_SCRIPT_BYTES)
   notes: list[str] = []
   commands = lex(text)
   shell = _Shell(list(args), notes)

@@ -10,16 +10,20 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
+import json
 import math
 import re
 from typing import Any, Optional
 
+from paxcli import options
 from paxcli.errors import UserError, did_you_mean
 from paxcli.maxtext import defaults as mt
 from paxcli.maxtext.keys import DATA_KEYS, IGNORED_KEYS, KNOWN_KEYS
 from paxcli.maxtext.shell import ScriptInfo
 
 ERA_CHOICES = mt.ERA_ORDER
+MAX_CONFIG_BYTES = 16 << 20  # MaxText's base.yml is ~30 KB
 
 # MaxText mesh axes (the middle of `<net>_<axis>_parallelism`) -> Pax axis index
 # (0 replica, 1 data, 2 mdl). Axes Pax lacks are folded into the closest Pax axis so the
@@ -44,8 +48,8 @@ _KEYS_2023 = {'save_period', 'warmup_steps', 'use_int8_training', 'max_eval_targ
 _KEYS_LATER = {'base_num_query_heads', 'base_num_kv_heads', 'model_name', 'decoder_block',
                'weight_dtype', 'opt_type'}
 
-_ACTIVATIONS = {'relu', 'gelu', 'silu', 'swish'}
-_DTYPES = {'float32', 'bfloat16', 'float16'}
+_ACTIVATIONS = set(options.ACTIVATIONS)  # paxcli.options declares every allowed value once
+_DTYPES = set(options.DTYPES)
 
 # Specific reasons for keys that are read but have no Pax knob.
 _REASONS = {
@@ -112,6 +116,7 @@ class Translation:
   strict_warnings: list[str]
   notes: list[str]
   unsupported: dict[str, str]
+  unknown_keys: list[str] = dataclasses.field(default_factory=list)  # MaxText would refuse these
 
   def to_json(self) -> dict:
     era = mt.ERAS[self.era]
@@ -193,13 +198,11 @@ def _integral(value: Any) -> Any:
 
 def load_yaml(path: str, what: str) -> dict[str, Any]:
   import yaml
+
+  from paxcli.files import read_text
+  text = read_text(path, what, MAX_CONFIG_BYTES)
   try:
-    with open(path, encoding='utf-8') as f:
-      data = yaml.safe_load(f)
-  except OSError as e:
-    raise UserError(f'Cannot read {what} {path!r}: {e.strerror}.') from None
-  except UnicodeDecodeError:
-    raise UserError(f'{what} {path!r} is not a text (UTF-8) file.') from None
+    data = yaml.safe_load(text)
   except yaml.YAMLError as e:
     raise UserError(f'{what} {path!r} is not valid YAML: {str(e).splitlines()[0]}') from None
   if data is None:
@@ -305,6 +308,8 @@ class _Builder:
     self.notes: list[str] = list(script.notes)
     self.warnings: list[str] = []
     self.strict: list[str] = []
+    self.unknown: list[str] = []
+    self.era = 'current'
     for o in script.overrides:
       if o.key in self.overrides and self.overrides[o.key] != o.value:
         self.notes.append(f'`{o.key}` is set twice; the later value {o.value!r} wins.')
@@ -329,6 +334,7 @@ class _Builder:
     if self.options.date:
       self.options.date = _check_date(self.options.date)
     era, era_reason = detect_era(script_keys, set(base), self.script.entry, self.options)
+    self.era = era
     snap, snap_reason = choose_snapshot(era, script_keys | set(base), self.options)
     self._layer(snap.values, f'base.yml {snap.name}')
     defaults_name = f'{snap.name} (from {snap.start}): {snap.description}'
@@ -431,7 +437,8 @@ def translate(script: ScriptInfo, options: Options) -> Translation:
   return Translation(script=script, era=era, era_reason=era_reason, defaults=defaults_name,
                      defaults_reason=defaults_reason, preset=b.preset_name, knobs=b.knobs,
                      rows=b.rows, untranslated=untranslated, warnings=b.warnings,
-                     strict_warnings=b.strict, notes=b.notes, unsupported=b.unsupported)
+                     strict_warnings=b.strict, notes=b.notes, unsupported=b.unsupported,
+                     unknown_keys=b.unknown)
 
 
 def _scaled(b: _Builder, knob: str, key: str, factor: tuple[Any, str], scale_key: str) -> int:
@@ -809,22 +816,49 @@ def _platform_env(b: _Builder) -> None:
 # ---- what was not translated ----------------------------------------------------
 
 
+@functools.cache
+def _era_key_lists() -> dict[str, frozenset[str]]:
+  """Keys of MaxText's base.yml over each 2023 era (every version within it), from MaxText's history."""
+  from importlib import resources
+  data = json.loads(resources.files('paxcli.data').joinpath('maxtext_era_keys.json').read_text())
+  return {era: frozenset(keys) for era, keys in data.items()}
+
+
+def era_keys(era: str) -> frozenset[str]:
+  """The keys MaxText's base.yml defines in an era ('current': every key since late 2023)."""
+  return _era_key_lists().get(era, KNOWN_KEYS)
+
+
 def _untranslated(b: _Builder) -> list[Untranslated]:
-  every = set(KNOWN_KEYS) | {k for s in mt.SNAPSHOTS for k in s.values} | set(b.preset_keys)
-  every |= b.base_keys
+  # MaxText refuses keys its base.yml does not define: those of the script's era.
+  every = set(era_keys(b.era)) | {k for s in mt.SNAPSHOTS if s.era == b.era for k in s.values}
+  every |= set(b.preset_keys) | b.base_keys
   out = []
+  why_unknown = {}
+  for key, source in [(k, 'script') for k in b.overrides] + [(k, 'preset') for k in b.preset_keys]:
+    if key in every or key in why_unknown:
+      continue
+    hint = did_you_mean(key, sorted(every))
+    if key in KNOWN_KEYS or any(key in keys for keys in _era_key_lists().values()):
+      why = (f"not a key of MaxText's base.yml in the {b.era} era (other MaxText versions have it; "
+             '--maxtext-era or --maxtext-date pick another era).')
+    else:
+      why = 'MaxText has no such key.'
+    why_unknown[key] = why + hint
+    value = b.overrides.get(key, show(b.config.get(key)))
+    message = f'unknown MaxText key `{key}`={value}: {why}{hint}'
+    b.warnings.append(message)
+    b.strict.append(message)
+    if source == 'script':  # even when translated: MaxText itself would refuse the script
+      b.unknown.append(f'`{key}`={value}: {why}{hint}')
   keys = [(k, 'script') for k in b.overrides] + [(k, f'model {b.preset_name}') for k in b.preset_keys
                                                   if k not in b.overrides]
   for key, source in keys:
     if key in b.consumed or _PARALLELISM_RE.match(key) and _PARALLELISM_RE.match(key).group(2) in _AXIS_FOLD:
       continue
     value = b.overrides.get(key, show(b.config.get(key)))
-    if key not in every:
-      hint = did_you_mean(key, sorted(every))
-      message = f'unknown MaxText key `{key}`={value}: MaxText has no such key.{hint}'
-      b.warnings.append(message)
-      b.strict.append(message)
-      out.append(Untranslated(key, value, 'unknown key: MaxText has no such key.' + hint, 'unknown', source))
+    if key in why_unknown:
+      out.append(Untranslated(key, value, f'unknown key: {why_unknown[key]}', 'unknown', source))
     elif key == 'dataset_type' and str(b.config.get(key)) == 'synthetic':
       out.append(Untranslated(key, value, 'nothing to translate: the recipe trains on synthetic '
                               "data (LmExperiment's default datasets())", 'ignored', source))

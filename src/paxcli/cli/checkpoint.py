@@ -1,0 +1,115 @@
+"""`pax checkpoint inspect|convert`: read any checkpoint's metadata; convert between layouts and formats."""
+
+from __future__ import annotations
+
+import json
+from typing import List, Optional
+
+import typer
+
+from paxcli.cli import common
+
+app = typer.Typer(help='Inspect and convert checkpoints (orbax, safetensors, Hugging Face Llama, paxml).',
+                  no_args_is_help=True)
+
+
+@app.command('inspect')
+def inspect_command(
+    path: str = typer.Argument(..., help='Job directory, checkpoint step directory, .safetensors file or '
+                               'directory, Hugging Face directory or paxml checkpoint.'),
+    step: Optional[int] = typer.Option(None, '--step', help='Checkpoint step (default: the latest).'),
+    fmt: Optional[str] = typer.Option(None, '--from', help='Format (default: detected).'),
+    json_out: bool = typer.Option(False, '--json', help='Print JSON.'),
+) -> None:
+  """Metadata of a checkpoint (no array is read): arrays with shape, dtype, bytes, sharding; totals; config."""
+  from paxcli.convert import run
+  info = run.inspect(path, fmt, step)
+  if json_out:
+    typer.echo(json.dumps(info, indent=1))
+    return
+  from rich.table import Table
+  console = common.console()
+  t = Table(title=f'{info["format"]} checkpoint {info["path"]}  step {info["step"]}'
+            + (f'  experiment {info["experiment"]}' if info.get('experiment') else ''))
+  for col, just in (('name', 'left'), ('shape', 'right'), ('dtype', 'left'), ('bytes', 'right'),
+                    ('sharding', 'left')):
+    t.add_column(col, justify=just)
+  for a in info['arrays']:
+    t.add_row(a['name'], 'x'.join(map(str, a['shape'])) or 'scalar', a['dtype'], _size(a['bytes']),
+              a['sharding'] or '')
+  console.print(t)
+  tot = info['totals']
+  console.print(f'{tot["arrays"]} arrays, {_size(tot["bytes"])}; {tot["parameters"]:,} parameters '
+                f'({_size(tot["parameter_bytes"])}); largest array {_size(tot["largest_array_bytes"])}'
+                + ('' if 'has_optimizer_state' not in info else
+                   '; optimizer state: ' + ('yes' if info['has_optimizer_state'] else 'no (params only)')))
+  cfg = info.get('config') or {}
+  shown = {k: v for k, v in cfg.items() if k.startswith(('knobs.', 'unsupported.'))} or cfg
+  if shown:
+    console.print({'hf': 'config.json:', 'paxml': 'The same model in paxcli knobs (from model_params.txt):'}
+                  .get(info['format'], 'Saved config:'))
+    for k, v in shown.items():
+      console.print(f'  {k} = {v}', highlight=False, markup=False)
+
+
+@app.command('convert')
+def convert_command(
+    source: str = typer.Argument(..., help='Checkpoint to read (as for inspect); never modified.'),
+    output: str = typer.Argument(..., help='Where to write: a job directory (orbax), or a directory '
+                                 '(safetensors, hf).'),
+    fmt: Optional[str] = typer.Option(None, '--from', help='Source format: orbax, safetensors, hf, paxml '
+                                      '(default: detected).'),
+    to: str = typer.Option('orbax', '--to', help='Output format: orbax (a paxcli job directory), '
+                           'safetensors, hf (Hugging Face Llama).'),
+    exp: Optional[str] = common.exp_option(),
+    overrides: List[str] = common.set_option(),
+    step: Optional[int] = typer.Option(None, '--step', help='Source step (default: the latest).'),
+    params_only: bool = typer.Option(False, '--params-only', help='Write parameters only (no optimizer '
+                                     'state); for pax eval and decode.'),
+    dtype: Optional[str] = typer.Option(None, '--dtype', help='Cast parameters: float32 or bfloat16.'),
+    force: bool = typer.Option(False, '--force', help='Replace an existing output.'),
+    verify: bool = typer.Option(True, '--verify/--no-verify', help='Run source and converted model on one '
+                                'random batch; fail beyond tolerance.'),
+    kl_tolerance: Optional[float] = typer.Option(None, '--kl-tolerance', help='Largest KL accepted by '
+                                                 '--verify (default 1e-5; 1e-2 with --dtype bfloat16).'),
+    max_shard_size: str = typer.Option('5GB', '--max-shard-size', help='safetensors/hf: split files above '
+                                       'this size.'),
+    recipe: Optional[str] = typer.Option(None, '--recipe', help='--from hf: recipe file to write '
+                                         '(default: beside the output, hf_<output>.py).'),
+    json_out: bool = typer.Option(False, '--json', help='Print the result as JSON.'),
+) -> None:
+  """Convert a checkpoint to another layout (--set USE_REPEATED_LAYER=..., mesh), dtype, experiment or format."""
+  from paxcli.convert import run, safetensors_io
+  console = common.console(stderr=True)
+  result = run.convert(source, output, fmt=fmt, to=to, exp=exp, overrides=overrides, params_only=params_only,
+                       dtype=dtype, step=step, force=force, verify=verify, kl_tolerance=kl_tolerance,
+                       max_shard_bytes=safetensors_io.parse_size(max_shard_size), recipe=recipe,
+                       log=lambda m: console.print(m, highlight=False, markup=False))
+  v = result.get('verify')
+  if json_out:
+    typer.echo(json.dumps(result, indent=1))
+  else:
+    console.print(f'Wrote {result["format"]} {result["output"]} (step {result["step"]}, '
+                  f'{"params only" if result["params_only"] else "full train state"}, '
+                  f'{_size(result["bytes_written"])} in {result["seconds"]:.1f}s).', highlight=False)
+    if v:
+      console.print(f'Verified on a random batch: max |Δ logits| {v["max_abs_diff"]:.3g} '
+                    f'(max |logit| {v["max_abs_logit"]:.3g}), KL {v["kl"]:.3g} '
+                    f'(tolerance {v["kl_tolerance"]:g}): {"ok" if v["ok"] else "FAILED"}', highlight=False)
+  if v and not v['ok']:
+    from paxcli.errors import UserError
+    raise UserError(f'Verification failed: KL {v["kl"]:.3g} > {v["kl_tolerance"]:g} between the source and '
+                    f'the converted model (max |Δ logits| {v["max_abs_diff"]:.3g}). The output at '
+                    f'{result["output"]} is kept for inspection.')
+
+
+def _size(n: int) -> str:
+  for unit in ('B', 'KiB', 'MiB', 'GiB', 'TiB'):
+    if n < 1024 or unit == 'TiB':
+      return f'{n:.0f} {unit}' if unit == 'B' else f'{n:.1f} {unit}'
+    n /= 1024
+  return str(n)
+
+
+def register(parent: typer.Typer) -> None:
+  parent.add_typer(app, name='checkpoint')

@@ -1,0 +1,274 @@
+"""Conversion driven by experiments: plan (names, layouts, shapes), stream, verify.
+
+The source model is the experiment the checkpoint was saved with (its name and knobs
+from the checkpoint's meta); the target is the same experiment with the user's --set
+overrides, or another --exp. A plan maps every target array to where it comes from:
+the same name, one layer of a stacked (scanned) array, or one array per layer stacked.
+Everything else that differs is a mismatch, listed by name and shape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from typing import Callable, Optional
+
+import numpy as np
+
+from paxcli.convert import formats
+from paxcli.errors import UserError
+
+_LAYER_RE = re.compile(r'(^|/)layer_(\d+)(/|$)')
+_LAYERS_RE = re.compile(r'(^|/)layers(/|$)')
+
+
+# ---- experiments ------------------------------------------------------------------------------
+
+
+def saved_overrides(name: str, config: dict) -> list[str]:
+  """--set overrides that rebuild the saved run: its knobs, then dotted model fields it changed."""
+  from paxcli import config as cfg
+  knobs = [f'{k[len("knobs."):]}={v}' for k, v in config.items() if k.startswith('knobs.')]
+  base = {k: repr(v) for k, v in cfg.resolve(name, knobs).flat().items()}
+  extra = [f'{k}={v}' for k, v in config.items()
+           if k.startswith('task.model.') and not k.endswith('__fn_or_cls__') and base.get(k, v) != v]
+  return knobs + extra
+
+
+def resolve_pair(src, exp: Optional[str], overrides: list[str]):
+  """(source Resolved or None, target Resolved) for a source with a paxcli config."""
+  from paxcli import config as cfg
+  name = getattr(src, 'experiment_name', lambda: None)() if src.config else None
+  if src.config and not name and not exp:
+    raise UserError(f'{src.path}: the checkpoint does not name its experiment; pass --exp.')
+  if src.config:
+    saved = saved_overrides(name, src.config)
+    source = cfg.resolve(name, saved)
+    target = cfg.resolve(name, saved + list(overrides)) if not exp or exp == name else cfg.resolve(exp, overrides)
+    return source, target
+  knobs = src.knobs()
+  if knobs is None and not exp:
+    raise UserError(f'{src.path} holds no paxcli config: name the experiment to convert to with --exp.')
+  sets = [f'{k}={v!r}' for k, v in (knobs or {}).items()]
+  return None, cfg.resolve(exp or 'default.StdlibDocsLm', sets + list(overrides))
+
+
+@dataclasses.dataclass
+class Model:
+  resolved: object
+  module: object             # the flax TransformerLm
+  abstract: dict             # name -> ShapeDtypeStruct of the full train state
+  placeholders: list         # names of empty optimizer states (kept as placeholders in orbax)
+
+  @property
+  def scanned(self) -> bool:
+    return bool(self.module.scan_layers)
+
+  def names(self, params_only: bool) -> list[str]:
+    return [n for n in self.abstract if not params_only or n == 'step' or n.startswith('params/')]
+
+
+def build_model(resolved) -> Model:
+  """The model and the abstract train state of an experiment, without a mesh."""
+  import fiddle as fdl
+  import jax
+
+  from paxcli import engine, optim
+  task = fdl.build(resolved.task)
+  engine.validate_model(task.model)
+  tx = optim.make_optimizer(task.train)
+  seq_len = getattr(resolved.train_dataset(), 'seq_len', None) or task.model.max_seq_len
+  abstract = engine.unbox(jax.eval_shape(engine.make_init(task.model, tx, seq_len), jax.random.key(0)))
+  flat = {formats.join(p): x for p, x in jax.tree_util.tree_flatten_with_path(abstract)[0]}
+  empty = []
+  for path, node in jax.tree_util.tree_flatten_with_path(
+      abstract, is_leaf=lambda x: isinstance(x, tuple) and not x and x is not None)[0]:
+    if isinstance(node, tuple) and not node:
+      empty.append(formats.join(path))
+  return Model(resolved, task.model, flat, empty)
+
+
+# ---- plan -------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Item:
+  name: str                  # target name
+  shape: tuple
+  dtype: str                 # dtype written
+  source: str | list         # source name, or one source name per layer (stacking)
+  index: Optional[int] = None  # one layer of a stacked source
+
+
+def _canonical(name: str) -> tuple[str, Optional[int]]:
+  m = _LAYER_RE.search(name)
+  if not m:
+    return name, None
+  return name[:m.start()] + f'{m.group(1)}layers{m.group(3)}' + name[m.end():], int(m.group(2))
+
+
+def plan(src_arrays: list, target: Model, params_only: bool, dtype: Optional[str]) -> list[Item]:
+  """How each target array is made from the source's; a UserError listing every mismatch."""
+  have = {a.name: a for a in src_arrays}
+  by_canon: dict[str, dict[int, str]] = {}
+  for a in src_arrays:
+    c, i = _canonical(a.name)
+    if i is not None:
+      by_canon.setdefault(c, {})[i] = a.name
+  items, problems, used = [], [], set()
+  for name in target.names(params_only):
+    want = tuple(target.abstract[name].shape)
+    out_dtype = np.dtype(target.abstract[name].dtype).name
+    if dtype and name.startswith('params/') and np.issubdtype(formats.np_dtype(out_dtype), np.floating):
+      out_dtype = dtype
+    if name in have:
+      got = tuple(have[name].shape)
+      if got != want:
+        problems.append(f'{name}: checkpoint {list(got)} -> experiment {list(want)}')
+      items.append(Item(name, want, out_dtype, name))
+      used.add(name)
+      continue
+    c, i = _canonical(name)
+    if i is not None and c in have and _LAYERS_RE.search(c):   # unstack: one layer of a scanned array
+      got = tuple(have[c].shape)
+      if got[1:] != want or i >= got[0]:
+        problems.append(f'{name}: checkpoint {c} {list(got)} -> experiment {list(want)}')
+      items.append(Item(name, want, out_dtype, c, index=i))
+      used.add(c)
+      continue
+    if i is None and _LAYERS_RE.search(name) and name in by_canon:   # stack per-layer arrays
+      layers = by_canon[name]
+      srcs = [layers.get(j) for j in range(want[0] if want else 0)]
+      if None in srcs or len(layers) != len(srcs) or any(tuple(have[s].shape) != want[1:] for s in srcs):
+        shapes = sorted({str(list(have[s].shape)) for s in layers.values()})
+        problems.append(f'{name}: checkpoint {len(layers)} layers of {", ".join(shapes)} -> experiment '
+                        f'{list(want)}')
+      items.append(Item(name, want, out_dtype, srcs))
+      used.update(s for s in srcs if s)
+      continue
+    problems.append(f'{name}: missing in the checkpoint -> experiment {list(want)}')
+  extra = [a.name for a in src_arrays if a.name not in used and (a.name == 'step' or a.name.startswith('params/')
+                                                                   or not params_only)]
+  extra = [n for n in extra if n != 'step']
+  problems += [f'{n}: checkpoint {list(have[n].shape)} -> not in the experiment' for n in extra]
+  if problems:
+    shown = problems[:30] + ([f'... {len(problems) - 30} more'] if len(problems) > 30 else [])
+    raise UserError('The checkpoint does not fit the target experiment (other than a change of layer '
+                    'layout, every array must match):\n  ' + '\n  '.join(shown))
+  return items
+
+
+def read_item(src, item: Item, layer: Optional[int] = None) -> np.ndarray:
+  """The item's array (or its `layer`-th slice for stacked items), cast to its dtype."""
+  if isinstance(item.source, list):
+    parts = [item.source[layer]] if layer is not None else item.source
+    x = np.stack([src.read(s) for s in parts]) if layer is None else src.read(parts[0])
+  else:
+    x = src.read(item.source, index=item.index) if layer is None or item.index is not None else \
+        src.read(item.source, index=layer)
+  return np.asarray(x).astype(formats.np_dtype(item.dtype), copy=False)
+
+
+def is_layered(item: Item) -> bool:
+  """Written one layer at a time: stacked from per-layer arrays, or a stacked array copied."""
+  return isinstance(item.source, list) or (item.index is None and bool(_LAYERS_RE.search(item.name))
+                                           and len(item.shape) > 1)
+
+
+# ---- output directory ---------------------------------------------------------------------------
+
+
+class Output:
+  """A temporary directory beside `path`, renamed onto it at the end (never overwriting without force)."""
+
+  def __init__(self, path: str, force: bool, source_path: str):
+    self.path = os.path.abspath(path)
+    src = os.path.abspath(source_path)
+    if self.path == src or src.startswith(self.path + os.sep) or self.path.startswith(src + os.sep):
+      raise UserError(f'The output {path} would be inside or over the source {source_path}; the source '
+                      'is never modified. Choose another output path.')
+    if os.path.exists(self.path) and not force:
+      raise UserError(f'The output {path} exists; pass --force to replace it.')
+    os.makedirs(os.path.dirname(self.path) or '.', exist_ok=True)
+    self.tmp = self.path + f'.converting-{os.getpid()}'
+
+  def __enter__(self) -> str:
+    import shutil
+    if os.path.exists(self.tmp):
+      shutil.rmtree(self.tmp)
+    os.makedirs(self.tmp)
+    return self.tmp
+
+  def __exit__(self, exc_type, exc, tb):
+    import shutil
+    if exc_type is not None:
+      shutil.rmtree(self.tmp, ignore_errors=True)
+      return False
+    if os.path.exists(self.path):
+      old = self.path + f'.replaced-{os.getpid()}'
+      os.rename(self.path, old)
+      os.rename(self.tmp, self.path)
+      shutil.rmtree(old, ignore_errors=True)
+    else:
+      os.rename(self.tmp, self.path)
+    return False
+
+
+def progress(total_bytes: int, description: str):
+  from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
+                             TransferSpeedColumn)
+  from rich.console import Console
+  p = Progress(TextColumn('{task.description}'), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+               TimeRemainingColumn(), console=Console(stderr=True), transient=True)
+  return p, description, total_bytes
+
+
+# ---- verification -------------------------------------------------------------------------------
+
+
+def nest(flat: dict) -> dict:
+  out: dict = {}
+  for name, x in flat.items():
+    node = out
+    keys = name.split('/')
+    for k in keys[:-1]:
+      node = node.setdefault(k, {})
+    node[keys[-1]] = x
+  return out
+
+
+def load_params(src, names: list[str]) -> dict:
+  return nest({n[len('params/'):]: src.read(n) for n in names if n.startswith('params/')})
+
+
+def logits(module, params: dict, ids) -> np.ndarray:
+  import jax
+  import jax.numpy as jnp
+  params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
+  return np.asarray(module.apply({'params': params}, jnp.asarray(ids)), np.float32)
+
+
+def compare(a: np.ndarray, b: np.ndarray) -> dict:
+  def log_softmax(x):
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+  la, lb = log_softmax(a.astype(np.float64)), log_softmax(b.astype(np.float64))
+  kl = float(np.mean(np.sum(np.exp(la) * (la - lb), axis=-1)))
+  return {'max_abs_diff': float(np.max(np.abs(a - b))), 'kl': kl, 'max_abs_logit': float(np.max(np.abs(a)))}
+
+
+def random_ids(vocab: int, seq: int, seed: int = 0) -> np.ndarray:
+  return np.random.default_rng(seed).integers(0, vocab, (2, min(seq, 32)), dtype=np.int32)
+
+
+def verify(src_module, src_params: dict, tgt_module, tgt_params: dict, kl_tolerance: float) -> dict:
+  ids = random_ids(src_module.vocab_size, min(src_module.max_seq_len, tgt_module.max_seq_len))
+  out = compare(logits(src_module, src_params, ids), logits(tgt_module, tgt_params, ids))
+  out['kl_tolerance'] = kl_tolerance
+  out['ok'] = bool(np.isfinite(out['kl']) and out['kl'] <= kl_tolerance)
+  return out
+
+
+def default_tolerance(dtype: Optional[str]) -> float:
+  return 1e-2 if dtype in ('bfloat16', 'float16') else 1e-5

@@ -1,0 +1,241 @@
+"""Hugging Face Llama directories: export (`--to hf`), import (`--from hf`) and inspect.
+
+Mapping (paxcli unrolled names -> `LlamaForCausalLM` keys; HF stores nn.Linear weights
+[out, in], paxcli kernels [in, ...]):
+  params/embedding/embedding [V, D]              model.embed_tokens.weight [V, D]
+  params/layer_i/attention_norm/scale            model.layers.i.input_layernorm.weight
+  params/layer_i/attention/query/kernel [D,H,E]  model.layers.i.self_attn.q_proj.weight [H*E, D]
+  params/layer_i/attention/key|value [D,K,E]     ...self_attn.k_proj|v_proj.weight [K*E, D]
+  params/layer_i/attention/out/kernel [H,E,D]    ...self_attn.o_proj.weight [D, H*E]
+  params/layer_i/mlp_norm/scale                  ...post_attention_layernorm.weight
+  params/layer_i/mlp/wi_0|wi_1|wo/kernel         ...mlp.gate_proj|up_proj|down_proj.weight (transposed)
+  params/final_norm/scale                        model.norm.weight
+  params/logits/kernel [D, V] (untied only)      lm_head.weight [V, D]; tied: tie_word_embeddings
+Rotary: paxcli rotates the two halves of each head (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)
+with timescale theta^(2i/E), which is HF Llama's rotate_half convention: no permutation of
+q/k rows is needed (unlike Meta's interleaved original checkpoints). Gated MLP: paxcli's
+act(x wi_0) * (x wi_1) is HF's act(gate_proj x) * up_proj x.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+import numpy as np
+
+from paxcli.convert import formats, safetensors_io
+from paxcli.convert.formats import ArrayInfo
+from paxcli.errors import UserError
+
+RMS_EPS = 1e-6   # paxcli's Norm epsilon
+
+
+def misfit(model) -> list[str]:
+  """Why a paxcli model cannot be a Llama (empty when it can)."""
+  reasons = []
+  if model.norm_type != 'rmsnorm':
+    reasons.append(f'norm_type is {model.norm_type!r} (Llama uses RMSNorm: NORM_TYPE=\'rmsnorm\')')
+  if model.use_bias:
+    reasons.append('the layers have biases (Llama has none: USE_BIAS=False)')
+  if model.position_embedding != 'rotary':
+    reasons.append(f'positions are {model.position_embedding!r} (Llama uses rotary: POSITION_EMBEDDING=\'rotary\')')
+  if not model.use_gated_activation or model.activation not in ('silu', 'swish'):
+    reasons.append(f'the MLP is {"gated " if model.use_gated_activation else ""}{model.activation} '
+                   '(Llama uses gated SiLU: USE_GATED_ACTIVATION=True, ACTIVATION=\'silu\')')
+  return reasons
+
+
+def config_for(model, dtype: str = 'float32') -> dict:
+  return {
+      'architectures': ['LlamaForCausalLM'], 'model_type': 'llama',
+      'vocab_size': model.vocab_size, 'hidden_size': model.model_dims,
+      'intermediate_size': model.hidden_dims, 'num_hidden_layers': model.num_layers,
+      'num_attention_heads': model.num_heads, 'num_key_value_heads': model.num_kv_heads,
+      'head_dim': model.dims_per_head, 'max_position_embeddings': model.max_seq_len,
+      'hidden_act': 'silu', 'rms_norm_eps': RMS_EPS, 'rope_theta': float(model.rotary_max_timescale),
+      'rope_scaling': None, 'attention_bias': False, 'mlp_bias': False, 'attention_dropout': 0.0,
+      'tie_word_embeddings': not model.separate_embedding, 'initializer_range': 0.02,
+      'torch_dtype': dtype, 'use_cache': True, 'bos_token_id': 1, 'eos_token_id': 2,
+  }
+
+
+def knobs_from_config(config: dict, path: str) -> tuple[dict, list[str]]:
+  """paxcli knobs for a Llama config.json, and notes; a UserError for what paxcli cannot express."""
+  arch = (config.get('architectures') or [''])[0]
+  if config.get('model_type') != 'llama' and arch != 'LlamaForCausalLM':
+    raise UserError(f'{path}: model_type {config.get("model_type")!r} ({arch or "no architectures"}) is not '
+                    'a Llama; paxcli imports LlamaForCausalLM checkpoints only.')
+  problems = []
+  if config.get('hidden_act', 'silu') not in ('silu', 'swish'):
+    problems.append(f'hidden_act {config["hidden_act"]!r} (paxcli\'s gated MLP here is SiLU)')
+  if config.get('rope_scaling'):
+    problems.append(f'rope_scaling {config["rope_scaling"]} (paxcli has plain rotary positions)')
+  if config.get('attention_bias') or config.get('mlp_bias'):
+    problems.append('attention_bias/mlp_bias (paxcli\'s Llama layout has no biases)')
+  if problems:
+    raise UserError(f'{path}: this Llama config cannot be expressed in paxcli: ' + '; '.join(problems) + '.')
+  heads = config['num_attention_heads']
+  knobs = {
+      'VOCAB_SIZE': config['vocab_size'], 'NUM_LAYERS': config['num_hidden_layers'],
+      'MODEL_DIMS': config['hidden_size'], 'HIDDEN_DIMS': config['intermediate_size'],
+      'NUM_HEADS': heads, 'NUM_KV_HEADS': config.get('num_key_value_heads') or heads,
+      'DIMS_PER_HEAD': config.get('head_dim') or config['hidden_size'] // heads,
+      'MAX_SEQ_LEN': config.get('max_position_embeddings', 2048), 'ACTIVATION': 'silu',
+      'USE_GATED_ACTIVATION': True, 'NORM_TYPE': 'rmsnorm', 'USE_BIAS': False,
+      'POSITION_EMBEDDING': 'rotary', 'ROTARY_MAX_TIMESCALE': float(config.get('rope_theta', 10000.0)),
+      'SEPARATE_EMBEDDING': not config.get('tie_word_embeddings', False), 'USE_REPEATED_LAYER': False,
+  }
+  notes = []
+  eps = config.get('rms_norm_eps', RMS_EPS)
+  if abs(eps - RMS_EPS) > 1e-12:
+    notes.append(f'rms_norm_eps {eps:g}: paxcli\'s RMSNorm uses {RMS_EPS:g} (logits differ slightly)')
+  return knobs, notes
+
+
+def _linear(shape_pax_in: int):
+  """kernel [in, *out] <-> weight [prod(out), in]."""
+  return (lambda x: x.reshape(shape_pax_in, -1).T,
+          lambda w, shape: np.ascontiguousarray(w.T).reshape(shape))
+
+
+def _out_proj(d: int):
+  return (lambda x: x.reshape(-1, d).T, lambda w, shape: np.ascontiguousarray(w.T).reshape(shape))
+
+
+_SAME = (lambda x: x, lambda w, shape: w.reshape(shape))
+
+
+def mapping(model) -> list[tuple[str, str, tuple, tuple, tuple]]:
+  """[(hf name, paxcli name, hf shape, paxcli shape, (to_hf, from_hf))] for an unrolled model."""
+  d, f, v = model.model_dims, model.hidden_dims, model.vocab_size
+  h, k, e = model.num_heads, model.num_kv_heads, model.dims_per_head
+  out = [('model.embed_tokens.weight', 'params/embedding/embedding', (v, d), (v, d), _SAME)]
+  for i in range(model.num_layers):
+    hp, pp = f'model.layers.{i}.', f'params/layer_{i}/'
+    out += [
+        (hp + 'input_layernorm.weight', pp + 'attention_norm/scale', (d,), (d,), _SAME),
+        (hp + 'self_attn.q_proj.weight', pp + 'attention/query/kernel', (h * e, d), (d, h, e), _linear(d)),
+        (hp + 'self_attn.k_proj.weight', pp + 'attention/key/kernel', (k * e, d), (d, k, e), _linear(d)),
+        (hp + 'self_attn.v_proj.weight', pp + 'attention/value/kernel', (k * e, d), (d, k, e), _linear(d)),
+        (hp + 'self_attn.o_proj.weight', pp + 'attention/out/kernel', (d, h * e), (h, e, d), _out_proj(d)),
+        (hp + 'post_attention_layernorm.weight', pp + 'mlp_norm/scale', (d,), (d,), _SAME),
+        (hp + 'mlp.gate_proj.weight', pp + 'mlp/wi_0/kernel', (f, d), (d, f), _linear(d)),
+        (hp + 'mlp.up_proj.weight', pp + 'mlp/wi_1/kernel', (f, d), (d, f), _linear(d)),
+        (hp + 'mlp.down_proj.weight', pp + 'mlp/wo/kernel', (d, f), (f, d), _linear(f)),
+    ]
+  out.append(('model.norm.weight', 'params/final_norm/scale', (d,), (d,), _SAME))
+  if model.separate_embedding:
+    out.append(('lm_head.weight', 'params/logits/kernel', (v, d), (d, v), _linear(d)))
+  return out
+
+
+def is_hf(path: str) -> bool:
+  return os.path.isdir(path) and os.path.exists(os.path.join(path, 'config.json')) and (
+      bool(safetensors_io.files_of(path)) or bool([n for n in os.listdir(path) if n.endswith('.bin')]))
+
+
+class HfSource(formats.SourceBase):
+  """A Hugging Face directory; names are HF's. paxcli_view(model) gives paxcli names."""
+  kind = 'hf'
+  paxcli_names = False
+
+  def __init__(self, path: str, step: Optional[int] = None, target=None):
+    self.path = path
+    try:
+      with open(os.path.join(path, 'config.json'), encoding='utf-8') as f:
+        self.native = json.load(f)
+    except (OSError, ValueError) as e:
+      raise UserError(f'{path}/config.json cannot be read: {e}') from None
+    if not safetensors_io.files_of(path):
+      raise UserError(f'{path} has no .safetensors weights (PyTorch .bin files are not read: convert them '
+                      'to safetensors first).')
+    self._st = safetensors_io.SafetensorsSource(path)
+    self.step = int(self._st.metadata.get('step', 0)) if step is None else step
+    self._knobs = None
+
+  def arrays(self):
+    return self._st.arrays()
+
+  def read(self, name, index=None):
+    return self._st.read(name, index)
+
+  def knobs(self) -> dict:
+    if self._knobs is None:
+      self._knobs, self.notes = knobs_from_config(self.native, self.path)
+    return self._knobs
+
+  def extra_files(self) -> dict:
+    path = os.path.join(self.path, 'tokenizer.model')
+    return {'tokenizer': path} if os.path.exists(path) else {}
+
+  def paxcli_view(self, model) -> 'PaxView':
+    return PaxView(self, model)
+
+
+class PaxView(formats.SourceBase):
+  """An HF Llama directory under paxcli's (unrolled) names and shapes."""
+  kind = 'hf'
+
+  def __init__(self, hf: HfSource, model):
+    self.path, self.step, self.hf = hf.path, hf.step, hf
+    self.knobs = hf.knobs
+    self.extra_files = hf.extra_files
+    have = {a.name: a for a in hf.arrays()}
+    self._map, problems = {}, []
+    entries = mapping(model)
+    for hf_name, pax_name, hf_shape, pax_shape, (_, back) in entries:
+      if hf_name not in have:
+        problems.append(f'{hf_name}: missing (expected {list(hf_shape)})')
+      elif tuple(have[hf_name].shape) != hf_shape:
+        problems.append(f'{hf_name}: {list(have[hf_name].shape)}, expected {list(hf_shape)}')
+      else:
+        self._map[pax_name] = (hf_name, pax_shape, back, have[hf_name].dtype)
+    known = {e[0] for e in entries} | {'lm_head.weight'}
+    problems += [f'{n}: not part of a Llama of this config' for n in have if n not in known
+                 and not n.endswith('rotary_emb.inv_freq')]
+    if problems:
+      raise UserError(f'{hf.path}: the weights do not match its config.json:\n  ' + '\n  '.join(problems[:20]))
+
+  def arrays(self):
+    return [ArrayInfo(p, shape, dtype) for p, (_, shape, _, dtype) in self._map.items()]
+
+  def read(self, name, index=None):
+    hf_name, shape, back, _ = self._map[name]
+    x = back(self.hf.read(hf_name), shape)
+    return x[index] if index is not None else x
+
+
+formats.register_reader('hf', lambda path, step=None, target=None: HfSource(path, step), detect=is_hf)
+
+
+def export(directory: str, src, items_by_name: dict, model, read, dtype: str, max_shard_bytes: int,
+           on_bytes) -> None:
+  """Writes model.safetensors (+ shards and index) and config.json into directory."""
+  reasons = misfit(model)
+  if reasons:
+    raise UserError('This model does not fit the Hugging Face Llama layout: ' + '; '.join(reasons) + '.')
+  entries = mapping(model)
+  fns = {hf_name: (pax_name, to_hf) for hf_name, pax_name, _, _, (to_hf, _) in entries}
+  arrays = [(hf_name, hf_shape, items_by_name[pax_name].dtype) for hf_name, pax_name, hf_shape, _, _ in entries]
+
+  def fill(hf_name, put):
+    pax_name, to_hf = fns[hf_name]
+    put(to_hf(read(items_by_name[pax_name])))
+
+  safetensors_io.write(directory, arrays, fill, {'format': 'pt', 'step': src.step}, max_shard_bytes, on_bytes)
+  with open(os.path.join(directory, 'config.json'), 'w', encoding='utf-8') as f:
+    json.dump(config_for(model, dtype), f, indent=2)
+  with open(os.path.join(directory, 'generation_config.json'), 'w', encoding='utf-8') as f:
+    json.dump({'bos_token_id': 1, 'eos_token_id': 2}, f, indent=2)
+
+
+def recipe_text(class_name: str, knobs: dict, source: str, notes: list[str]) -> str:
+  lines = [f'"""Hugging Face Llama `{source}` as a paxcli experiment (pax checkpoint convert --from hf).',
+           '', 'Knobs from its config.json. ' + (' '.join(f'Note: {n}.' for n in notes) if notes else ''),
+           '"""', '', 'from paxcli.experiment import register', 'from paxcli.lm import LmExperiment', '', '',
+           '@register', f'class {class_name}(LmExperiment):',
+           f'  """Llama from {os.path.basename(os.path.abspath(source))}."""', '']
+  lines += [f'  {k} = {v!r}' for k, v in knobs.items()]
+  return '\n'.join(lines) + '\n'

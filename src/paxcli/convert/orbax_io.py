@@ -1,0 +1,260 @@
+"""paxcli orbax checkpoints: a reader (metadata, then one array at a time) and a streaming writer.
+
+Reading uses orbax's own partial restore of one leaf as a numpy array. Writing streams:
+each array goes straight to its own zarr array (orbax's non-OCDBT layout: one directory
+per leaf, `_METADATA` describing the tree), written with tensorstore, a stacked array one
+layer at a time; the step directory's markers come from orbax itself (a save of `step`
+and `meta`), and restore reads the result with orbax like any checkpoint.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+from typing import Optional
+
+import numpy as np
+
+from paxcli.convert import formats
+from paxcli.convert.formats import ArrayInfo
+from paxcli.errors import UserError
+
+
+def split_path(path: str) -> tuple[str, Optional[int]]:
+  """(job_dir, step or None) for a job dir, its checkpoints/ dir or one step directory."""
+  path = os.path.abspath(path)
+  if os.path.isdir(os.path.join(path, 'state')) and os.path.basename(path).isdigit():
+    return os.path.dirname(os.path.dirname(path)), int(os.path.basename(path))
+  if os.path.basename(path) == 'checkpoints' and not os.path.isdir(os.path.join(path, 'checkpoints')):
+    return os.path.dirname(path), None
+  return path, None
+
+
+def is_orbax(path: str) -> bool:
+  from paxcli import checkpoint as ckpt
+  job_dir, step = split_path(path)
+  if step is not None:
+    return True
+  return bool(ckpt.step_dirs(os.path.join(job_dir, 'checkpoints')))
+
+
+def _sharding_words(meta) -> Optional[str]:
+  s = getattr(meta, 'sharding', None)
+  if s is None:
+    return None
+  spec = getattr(s, 'partition_spec', None)
+  if spec is not None:
+    names = getattr(s, 'axis_names', None)
+    shape = getattr(s, 'shape', None)
+    mesh = ','.join(f'{n}={k}' for n, k in zip(names or (), shape if shape is not None else ())) 
+    return f'P{tuple(spec)} on mesh({mesh})'
+  return type(s).__name__.replace('Metadata', '')
+
+
+class OrbaxSource(formats.SourceBase):
+  kind = 'orbax'
+
+  def __init__(self, path: str, step: Optional[int] = None, target=None):
+    from paxcli import restore
+    self.path = path
+    self.job_dir, step_in_path = split_path(path)
+    if step_in_path is not None and step is not None and step != step_in_path:
+      raise UserError(f'{path} is the checkpoint of step {step_in_path}, not --step {step}.')
+    self.step = restore.choose_step(self.job_dir, step if step is not None else step_in_path, purpose='convert')
+    self.state_dir = os.path.join(restore.checkpoints_dir(self.job_dir), str(self.step), 'state')
+    self.meta = restore.read_meta(self.job_dir, self.step)
+    self.config = self.meta.get('config')
+    self._arrays = None
+    self._tree = None
+
+  def experiment_name(self) -> Optional[str]:
+    if self.meta.get('experiment'):
+      return self.meta['experiment']
+    path = os.path.join(self.job_dir, 'config.txt')
+    if os.path.exists(path):
+      with open(path, encoding='utf-8') as f:
+        first = f.readline()
+      if first.startswith('# experiment:'):
+        return first.split(':', 1)[1].strip()
+    return None
+
+  def _metadata(self):
+    if self._tree is None:
+      import orbax.checkpoint as ocp
+      try:
+        m = ocp.PyTreeCheckpointer().metadata(self.state_dir)
+      except (FileNotFoundError, ValueError, OSError) as e:
+        raise UserError(f'The checkpoint at step {self.step} in {self.job_dir} cannot be read '
+                        f'({type(e).__name__}: {str(e)[:200]}).') from None
+      m = getattr(m, 'item_metadata', m)
+      self._tree = getattr(m, 'tree', m)
+    return self._tree
+
+  def arrays(self) -> list[ArrayInfo]:
+    if self._arrays is None:
+      import jax
+      leaves = jax.tree_util.tree_flatten_with_path(self._metadata(), is_leaf=lambda x: hasattr(x, 'shape'))[0]
+      self._arrays = [ArrayInfo(formats.join(p), tuple(m.shape), np.dtype(m.dtype).name, _sharding_words(m))
+                      for p, m in leaves if hasattr(m, 'shape')]
+    return self._arrays
+
+  _cache: tuple = (None, None)
+
+  def read(self, name: str, index: Optional[int] = None) -> np.ndarray:
+    import orbax.checkpoint as ocp
+    if index is not None and self._cache[0] == name:
+      return np.array(self._cache[1][index])
+    self._cache = (None, None)
+    keys = name.split('/')
+    item, args = {}, {}
+    node_i, node_a = item, args
+    meta_node = self._metadata()
+    for k in keys[:-1]:
+      node_i = node_i.setdefault(k, {})
+      node_a = node_a.setdefault(k, {})
+      meta_node = meta_node[k] if isinstance(meta_node, dict) else meta_node[int(k)]
+    node_i[keys[-1]] = 0
+    node_a[keys[-1]] = ocp.RestoreArgs(restore_type=np.ndarray)
+    # sequence nodes (optax's tuples) are addressed by their index as a string key in a dict
+    out = ocp.PyTreeCheckpointer().restore(self.state_dir, args=ocp.args.PyTreeRestore(
+        item=_as_saved(item, self._metadata()), restore_args=_as_saved(args, self._metadata()),
+        partial_restore=True))
+    for k in keys:
+      out = out[k] if isinstance(out, dict) else out[int(k)]
+    out = np.asarray(out)
+    if index is None:
+      return out
+    self._cache = (name, out)   # the layers of a stacked array are asked for one after another
+    return np.array(out[index])
+
+  def extra_files(self) -> dict:
+    from paxcli import tokenizer
+    path = tokenizer.job_dir_file(self.job_dir)
+    return {'tokenizer': path} if path and os.path.exists(path) else {}
+
+
+def _as_saved(tree, like):
+  """Nested dicts shaped like the saved tree: sequences become lists with None elsewhere."""
+  if not isinstance(tree, dict):
+    return tree
+  if isinstance(like, (list, tuple)):
+    out = [None] * len(like)
+    for k, v in tree.items():
+      out[int(k)] = _as_saved(v, like[int(k)])
+    return type(like)(out) if isinstance(like, list) else out
+  return {k: _as_saved(v, like[k]) for k, v in tree.items()}
+
+
+formats.register_reader('orbax', lambda path, step=None, target=None: OrbaxSource(path, step, target),
+                        detect=is_orbax)
+
+
+# ---------------------------------------------------------------------------------------------
+# Writer
+
+
+def _zarr_dtype(dtype: np.dtype) -> str:
+  return 'bfloat16' if dtype.name == 'bfloat16' else dtype.str
+
+
+class StateWriter:
+  """Writes a train state (names 'step', 'params/...', 'opt_state/...') array by array.
+
+      w = StateWriter(state_dir)
+      w.write('params/embedding/embedding', x)              # a whole array
+      w.create('params/layers/mlp/wo/kernel', shape, dtype)  # then one layer at a time
+      w.write_slice('params/layers/mlp/wo/kernel', i, x_i)
+      w.placeholder('opt_state/0')                           # optax's empty states
+      w.finish()                                             # _METADATA and the rest
+  """
+
+  def __init__(self, state_dir: str):
+    import tensorstore as ts
+    self._ts = ts
+    self.dir = state_dir
+    os.makedirs(state_dir, exist_ok=True)
+    self._tree: dict = {}
+    self._array_meta: list = []
+    self._open: dict = {}
+
+  @staticmethod
+  def _param_name(name: str) -> str:
+    return name.replace('/', '.')
+
+  def _entry(self, name: str, value_metadata: dict, key_types=None) -> None:
+    keys = name.split('/')
+    key_types = key_types or [1 if k.isdigit() else 2 for k in keys]
+    self._tree[str(tuple(keys))] = {
+        'key_metadata': [{'key': k, 'key_type': t} for k, t in zip(keys, key_types)],
+        'value_metadata': value_metadata}
+
+  def create(self, name: str, shape, dtype, layered: bool = False):
+    dtype = np.dtype(dtype)
+    shape = [int(s) for s in shape]
+    chunks = list(shape)
+    if shape:   # chunks of at most ~64 MiB along the leading axis (one layer for stacked arrays)
+      row = max(1, int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize)
+      chunks[0] = 1 if layered else max(1, min(shape[0], (64 << 20) // row))
+    spec = {'driver': 'zarr', 'kvstore': {'driver': 'file', 'path': os.path.join(self.dir, self._param_name(name))},
+            'metadata': {'shape': shape, 'chunks': chunks, 'dtype': _zarr_dtype(dtype),
+                         'compressor': {'id': 'zstd', 'level': 1}, 'dimension_separator': '.'}}
+    arr = self._ts.open(spec, create=True, open=False).result()
+    self._open[name] = arr
+    self._entry(name, {'value_type': 'jax.Array', 'skip_deserialize': False, 'write_shape': shape})
+    self._array_meta.append({'array_metadata': {'param_name': self._param_name(name), 'write_shape': shape,
+                                                'chunk_shape': chunks, 'ext_metadata': None}})
+    return arr
+
+  def write(self, name: str, x: np.ndarray) -> None:
+    x = np.asarray(x)
+    arr = self.create(name, x.shape, x.dtype)
+    arr.write(x).result()
+    del self._open[name]
+
+  def write_slice(self, name: str, index: int, x: np.ndarray) -> None:
+    self._open[name][index].write(np.asarray(x)).result()
+
+  def placeholder(self, name: str) -> None:
+    self._entry(name, {'value_type': 'None', 'skip_deserialize': True})
+
+  def finish(self) -> None:
+    self._open.clear()
+    with open(os.path.join(self.dir, '_METADATA'), 'w', encoding='utf-8') as f:
+      json.dump({'tree_metadata': self._tree, 'use_ocdbt': False, 'use_zarr3': False,
+                 'store_array_data_equal_to_fill_value': True, 'custom_metadata': None}, f)
+    os.makedirs(os.path.join(self.dir, 'array_metadatas'), exist_ok=True)
+    with open(os.path.join(self.dir, 'array_metadatas', 'process_0'), 'w', encoding='utf-8') as f:
+      json.dump({'array_metadatas': self._array_meta}, f)
+    with open(os.path.join(self.dir, '_sharding'), 'w', encoding='utf-8') as f:
+      single = json.dumps({'sharding_type': 'SingleDeviceSharding', 'device_str': 'cpu:0'})
+      json.dump({base64.b64encode(m['array_metadata']['param_name'].encode()).decode(): single
+                 for m in self._array_meta}, f)
+    with open(os.path.join(self.dir, 'commit_success.txt'), 'w', encoding='utf-8') as f:
+      f.write('Checkpoint successfully committed.')
+
+
+def placeholder_names(source: OrbaxSource) -> list[str]:
+  """Names of the saved tree's empty leaves (optax's EmptyState), from _METADATA."""
+  path = os.path.join(source.state_dir, '_METADATA')
+  try:
+    with open(path, encoding='utf-8') as f:
+      tree = json.load(f)['tree_metadata']
+  except (OSError, ValueError, KeyError):
+    return []
+  return ['/'.join(k['key'] for k in v['key_metadata']) for v in tree.values()
+          if v['value_metadata'].get('value_type') == 'None']
+
+
+def write_step(job_dir: str, step: int, meta: dict, fill_state) -> str:
+  """Makes job_dir/checkpoints/<step> with orbax's markers; fill_state(state_dir) writes the state."""
+  import shutil
+
+  from paxcli import checkpoint as ckpt
+  checkpointer = ckpt.Checkpointer(os.path.join(job_dir, 'checkpoints'), max_to_keep=0, async_save=False)
+  checkpointer.save(step, {'step': np.int32(step)}, meta)
+  checkpointer.close()
+  state_dir = os.path.join(job_dir, 'checkpoints', str(step), 'state')
+  shutil.rmtree(state_dir)
+  fill_state(state_dir)
+  return state_dir

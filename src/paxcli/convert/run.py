@@ -1,0 +1,215 @@
+"""`pax checkpoint inspect` and `pax checkpoint convert`, on top of formats.py and core.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from typing import Optional
+
+import numpy as np
+
+from paxcli.convert import core, formats
+from paxcli.errors import UserError
+
+TARGETS = ('orbax', 'safetensors', 'hf')
+
+
+def inspect(path: str, fmt: Optional[str] = None, step: Optional[int] = None) -> dict:
+  """Metadata only: step, arrays (name, shape, dtype, bytes, sharding), totals, config."""
+  src = formats.open_source(path, fmt, step)
+  arrays = src.arrays()
+  if src.paxcli_names:
+    params = [a for a in arrays if a.name.startswith('params/')]
+  else:
+    params = [a for a in arrays if getattr(src, 'is_param', lambda n: True)(a.name)]
+  out = {
+      'path': os.path.abspath(path), 'format': src.kind, 'step': src.step,
+      'experiment': getattr(src, 'experiment_name', lambda: None)(),
+      'arrays': [{'name': a.name, 'shape': list(a.shape), 'dtype': a.dtype, 'bytes': a.nbytes,
+                  'sharding': a.sharding} for a in arrays],
+      'totals': {'arrays': len(arrays), 'bytes': sum(a.nbytes for a in arrays),
+                 'parameters': int(sum(a.size for a in params)), 'parameter_bytes': sum(a.nbytes for a in params),
+                 'largest_array_bytes': max((a.nbytes for a in arrays), default=0)},
+      'config': src.inspect_config() if hasattr(src, 'inspect_config') else (src.config or src.native),
+  }
+  if src.paxcli_names:
+    out['has_optimizer_state'] = any(a.name.startswith('opt_state/') for a in arrays)
+  return out
+
+
+def convert(source: str, output: str, *, fmt: Optional[str] = None, to: str = 'orbax', exp: Optional[str] = None,
+            overrides: tuple = (), params_only: bool = False, dtype: Optional[str] = None,
+            step: Optional[int] = None, force: bool = False, verify: bool = True,
+            kl_tolerance: Optional[float] = None, max_shard_bytes: int = 5 << 30,
+            recipe: Optional[str] = None, log=print) -> dict:
+  if to not in TARGETS:
+    raise UserError(f'Unknown output format {to!r}; choose one of {", ".join(TARGETS)}.'
+                    f'{formats.did_you_mean(to, TARGETS)}')
+  if dtype not in (None, 'float32', 'bfloat16'):
+    raise UserError(f'--dtype {dtype!r}: choose float32 or bfloat16.')
+  out = core.Output(output, force, source)    # refuse an existing output before any work
+  t0 = time.perf_counter()
+  src = formats.open_source(source, fmt, step)
+  overrides = list(overrides)
+  if to == 'hf':
+    overrides.append('USE_REPEATED_LAYER=False')   # HF layers are unrolled
+  if exp and hasattr(src, 'check_experiment'):   # paxml: the experiment must compute the Pax model's function
+    from paxcli import config as cfg
+    src.check_experiment(cfg.resolve(exp, list(overrides)).experiment)
+  source_res, target_res = core.resolve_pair(src, exp, overrides)
+  if not src.paxcli_names:
+    if hasattr(src, 'paxcli_view'):
+      source_res = source_res or _from_knobs(src, exp)
+      src = src.paxcli_view(core.build_model(source_res).module)
+    else:
+      src = formats.open_source(source, src.kind, step, target=target_res)
+  if source_res is None:
+    source_res = target_res
+  target = core.build_model(target_res)
+  source_model = core.build_model(source_res)
+  src_arrays = src.arrays()
+  has_opt = any(a.name.startswith('opt_state/') for a in src_arrays)
+  if to != 'orbax':
+    params_only = True
+  elif not has_opt and not params_only:
+    log('The source holds parameters only: writing a params-only checkpoint (pax train starts a fresh '
+        'optimizer state from it).')
+    params_only = True
+  items = core.plan(src_arrays, target, params_only, dtype)
+  total = sum(int(np.prod(i.shape, dtype=np.int64)) * formats.np_dtype(i.dtype).itemsize for i in items)
+  stats = {'bytes_written': total, 'arrays': len(items)}
+
+  def read(item, layer=None):
+    if item.name == 'step' and item.source == 'step' and 'step' not in {a.name for a in src_arrays}:
+      return np.int32(src.step)
+    return core.read_item(src, item, layer)
+
+  from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+  from rich.console import Console
+  bar = Progress(TextColumn('{task.description}'), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                 console=Console(stderr=True), transient=True)
+  with bar, out as tmp:
+    task = bar.add_task(f'converting to {to}', total=total)
+    advance = lambda n: bar.advance(task, n)
+    if to == 'orbax':
+      _write_orbax(tmp, src, items, target, params_only, read, advance)
+    elif to == 'safetensors':
+      _write_safetensors(tmp, src, items, target_res, read, advance, max_shard_bytes)
+    else:
+      from paxcli.convert import hf
+      hf.export(tmp, src, {i.name: i for i in items}, target.module, read, dtype or 'float32',
+                max_shard_bytes, advance)
+    _carry_files(src, tmp, to)
+  stats['seconds'] = time.perf_counter() - t0
+  result = {'source': os.path.abspath(source), 'output': out.path, 'format': to, 'step': src.step,
+            'params_only': params_only, 'dtype': dtype, 'experiment': target_res.name, **stats}
+  if src.kind == 'hf' or (src.kind == 'paxml' and not exp):
+    result['recipe'] = _write_recipe(src, recipe, output, force, log)
+  if verify:
+    result['verify'] = _verify(src, source_model, target, out.path, to,
+                               kl_tolerance if kl_tolerance is not None else core.default_tolerance(dtype))
+  return result
+
+
+def _from_knobs(src, exp):
+  from paxcli import config as cfg
+  return cfg.resolve(exp or 'default.StdlibDocsLm', [f'{k}={v!r}' for k, v in src.knobs().items()])
+
+
+def _meta(src, target, params_only: bool) -> dict:
+  flat = {k: repr(v) for k, v in target.resolved.flat().items()}
+  shapes = {n: list(x.shape) for n, x in target.abstract.items()
+            if not params_only or n == 'step' or n.startswith('params/')}
+  meta = dict(getattr(src, 'meta', None) or {})
+  meta.update({'step': src.step, 'state_shapes': shapes, 'config': flat, 'experiment': target.resolved.name,
+               'converted_from': {'path': os.path.abspath(src.path), 'format': src.kind}})
+  meta.setdefault('batches_consumed', src.step)
+  return meta
+
+
+def _write_orbax(tmp: str, src, items, target, params_only: bool, read, advance) -> None:
+  from paxcli.convert import orbax_io
+
+  def fill(state_dir):
+    w = orbax_io.StateWriter(state_dir)
+    for item in items:
+      if core.is_layered(item):
+        w.create(item.name, item.shape, formats.np_dtype(item.dtype), layered=True)
+        for layer in range(item.shape[0]):
+          x = read(item, layer)
+          w.write_slice(item.name, layer, x)
+          advance(x.nbytes)
+      else:
+        x = np.asarray(read(item))
+        w.write(item.name, x)
+        advance(x.nbytes)
+      del item
+    if not params_only:
+      for name in target.placeholders:
+        w.placeholder(name)
+    w.finish()
+
+  orbax_io.write_step(tmp, src.step, _meta(src, target, params_only), fill)
+  with open(os.path.join(tmp, 'config.txt'), 'w', encoding='utf-8') as f:
+    f.write(target.resolved.as_text())
+
+
+def _write_safetensors(tmp, src, items, target_res, read, advance, max_shard_bytes) -> None:
+  from paxcli.convert import safetensors_io
+  by_name = {i.name: i for i in items if i.name != 'step'}
+  flat = {k: repr(v) for k, v in target_res.flat().items()}
+
+  def fill(name, put):
+    item = by_name[name]
+    if core.is_layered(item):
+      for layer in range(item.shape[0]):
+        put(read(item, layer))
+    else:
+      put(read(item))
+
+  safetensors_io.write(tmp, [(i.name, i.shape, i.dtype) for i in by_name.values()], fill,
+                       {'format': 'paxcli', 'step': src.step, 'experiment': target_res.name,
+                        'paxcli_config': json.dumps(flat)}, max_shard_bytes, advance)
+
+
+def _carry_files(src, tmp: str, to: str) -> None:
+  tok = src.extra_files().get('tokenizer')
+  if not tok:
+    return
+  if to == 'orbax':
+    from paxcli import tokenizer
+    dest = tokenizer.job_dir_file(tmp)
+  else:
+    dest = os.path.join(tmp, 'tokenizer.model')
+  os.makedirs(os.path.dirname(dest), exist_ok=True)
+  shutil.copyfile(tok, dest)
+
+
+def _write_recipe(src, recipe: Optional[str], output: str, force: bool, log) -> str:
+  from paxcli.convert import hf
+  prefix, class_name = ('paxml', 'PaxLm') if src.kind == 'paxml' else ('hf', 'HfLlama')
+  path = recipe or os.path.join(os.path.dirname(os.path.abspath(output)),
+                                f'{prefix}_{os.path.basename(os.path.abspath(output))}.py'.replace('-', '_'))
+  if os.path.exists(path) and not force:
+    raise UserError(f'The recipe {path} exists; pass --force to replace it or --recipe PATH.')
+  if src.kind == 'paxml':
+    text = src.src.recipe_text(class_name)
+  else:
+    text = hf.recipe_text(class_name, dict(src.knobs()), src.path, getattr(src.hf, 'notes', []))
+  with open(path, 'w', encoding='utf-8') as f:
+    f.write(text)
+  log(f'Wrote the recipe {path}: pax train --exp {path}:{class_name} --job-log-dir {output}')
+  return path
+
+
+def _verify(src, source_model, target, out_path: str, to: str, tolerance: float) -> dict:
+  """Source and converted model on one random batch: max |Δ logits| and KL."""
+  src_params = core.load_params(src, [a.name for a in src.arrays()])
+  fmt = {'orbax': 'orbax', 'safetensors': 'safetensors', 'hf': 'hf'}[to]
+  got = formats.open_source(out_path, fmt)
+  if not got.paxcli_names:
+    got = got.paxcli_view(target.module)
+  tgt_params = core.load_params(got, [a.name for a in got.arrays()])
+  return core.verify(source_model.module, src_params, target.module, tgt_params, tolerance)

@@ -1,0 +1,46 @@
+"""Allowed values of every model and training option, declared once.
+
+Knob annotations (paxcli.experiment, paxcli.lm), the validators (engine.validate_model,
+the layers' own checks) and the MaxText importer all read these; adding a value is one
+edit here plus its use in the layer. No jax here: `pax --help` stays quick.
+"""
+
+from __future__ import annotations
+
+import typing
+from typing import Literal
+
+ActivationName = Literal['gelu', 'relu', 'silu', 'swish']
+NormName = Literal['layernorm', 'rmsnorm']
+PositionName = Literal['learned', 'rotary', 'sinusoidal', 'none']
+DTypeName = Literal['float32', 'bfloat16', 'float16']
+CheckpointPolicyName = Literal['none', 'save_nothing', 'save_dot_only', 'save_dot_with_no_batch_dim',
+                               'save_qkv_out_proj', 'save_everything']
+OptimizerName = Literal['adam', 'adamw', 'adafactor', 'sgd']
+ScheduleName = Literal['constant', 'linear_rampup_cosine_decay', 'linear_rampup_exponential_decay']
+
+ACTIVATIONS: tuple[str, ...] = typing.get_args(ActivationName)
+NORMS: tuple[str, ...] = typing.get_args(NormName)
+POSITIONS: tuple[str, ...] = typing.get_args(PositionName)
+DTYPES: tuple[str, ...] = typing.get_args(DTypeName)
+CHECKPOINT_POLICIES: tuple[str, ...] = typing.get_args(CheckpointPolicyName)
+OPTIMIZERS: tuple[str, ...] = typing.get_args(OptimizerName)
+SCHEDULES: tuple[str, ...] = typing.get_args(ScheduleName)
+
+# Config field name (on any layer of a model) -> its allowed values; engine.validate_model
+# checks every layer config of the model against this table.
+MODEL_FIELDS: dict[str, tuple[str, ...]] = {
+    'activation': ACTIVATIONS,
+    'norm_type': NORMS,
+    'kind': NORMS,  # Norm.kind
+    'position_embedding': POSITIONS,
+    'fprop_dtype': DTYPES,
+    'checkpoint_policy': CHECKPOINT_POLICIES,
+}
+
+
+def check(field: str, value, allowed: tuple[str, ...], where: str) -> None:
+  from paxcli.errors import UserError, did_you_mean
+  if value not in allowed:
+    hint = did_you_mean(str(value), allowed) if isinstance(value, str) else ''
+    raise UserError(f'{where}.{field} = {value!r} is not one of {list(allowed)}.{hint}')
