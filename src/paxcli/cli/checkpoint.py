@@ -74,8 +74,9 @@ def convert_command(
                                                  '--verify (default 1e-5; 1e-2 with --dtype bfloat16).'),
     max_shard_size: str = typer.Option('5GB', '--max-shard-size', help='safetensors/hf: split files above '
                                        'this size.'),
-    recipe: Optional[str] = typer.Option(None, '--recipe', help='--from hf: recipe file to write '
-                                         '(default: beside the output, hf_<output>.py).'),
+    recipe: Optional[str] = typer.Option(None, '--recipe', help='--from hf, or paxml without --exp: recipe '
+                                         'file to write (default: beside the output, hf_<output>.py or '
+                                         'paxml_<output>.py).'),
     json_out: bool = typer.Option(False, '--json', help='Print the result as JSON.'),
 ) -> None:
   """Convert a checkpoint to another layout (--set USE_REPEATED_LAYER=..., mesh), dtype, experiment or format."""

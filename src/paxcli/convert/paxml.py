@@ -475,13 +475,14 @@ class PaxmlSource(formats.SourceBase):
   def paxcli_view(self, model) -> 'PaxView':
     return PaxView(self, model)
 
-  def recipe_text(self, class_name: str) -> str:
+  def recipe_text(self, class_name: str, target=None) -> str:
+    """A recipe of the model's knobs; layout and MAX_SEQ_LEN those of `target` (the experiment the
+    checkpoint was written for), FPROP_DTYPE Pax's."""
     pax = self.pax()
     knobs = dict(pax.knobs)
-    knobs['USE_REPEATED_LAYER'] = pax.repeated
+    knobs['USE_REPEATED_LAYER'] = bool(getattr(target, 'USE_REPEATED_LAYER', pax.repeated))
+    knobs['MAX_SEQ_LEN'] = getattr(target, 'MAX_SEQ_LEN', None) or pax.learned_rows or 2048
     knobs['FPROP_DTYPE'] = pax.fprop_dtype
-    if pax.learned_rows:
-      knobs['MAX_SEQ_LEN'] = pax.learned_rows
     knobs['UNSUPPORTED_FEATURES'] = dict(pax.unsupported)
     lines = [f'"""The Pax model of `{self.path}` as a paxcli experiment (pax checkpoint convert --from paxml).',
              '', f'Knobs derived from {self.config_path}. UNSUPPORTED_FEATURES lists what paxcli cannot',

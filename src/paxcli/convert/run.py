@@ -106,7 +106,7 @@ def convert(source: str, output: str, *, fmt: Optional[str] = None, to: str = 'o
   result = {'source': os.path.abspath(source), 'output': out.path, 'format': to, 'step': src.step,
             'params_only': params_only, 'dtype': dtype, 'experiment': target_res.name, **stats}
   if src.kind == 'hf' or (src.kind == 'paxml' and not exp):
-    result['recipe'] = _write_recipe(src, recipe, output, force, log)
+    result['recipe'] = _write_recipe(src, recipe, output, force, log, target_res.experiment)
   if verify:
     result['verify'] = _verify(src, source_model, target, out.path, to,
                                kl_tolerance if kl_tolerance is not None else core.default_tolerance(dtype))
@@ -187,7 +187,7 @@ def _carry_files(src, tmp: str, to: str) -> None:
   shutil.copyfile(tok, dest)
 
 
-def _write_recipe(src, recipe: Optional[str], output: str, force: bool, log) -> str:
+def _write_recipe(src, recipe: Optional[str], output: str, force: bool, log, target=None) -> str:
   from paxcli.convert import hf
   prefix, class_name = ('paxml', 'PaxLm') if src.kind == 'paxml' else ('hf', 'HfLlama')
   path = recipe or os.path.join(os.path.dirname(os.path.abspath(output)),
@@ -195,7 +195,7 @@ def _write_recipe(src, recipe: Optional[str], output: str, force: bool, log) -> 
   if os.path.exists(path) and not force:
     raise UserError(f'The recipe {path} exists; pass --force to replace it or --recipe PATH.')
   if src.kind == 'paxml':
-    text = src.src.recipe_text(class_name)
+    text = src.src.recipe_text(class_name, target)
   else:
     text = hf.recipe_text(class_name, dict(src.knobs()), src.path, getattr(src.hf, 'notes', []))
   with open(path, 'w', encoding='utf-8') as f:
