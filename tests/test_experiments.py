@@ -54,7 +54,7 @@ def test_knob_and_field_overrides_are_typed():
   assert r.experiment.ICI_MESH_SHAPE == [1, 4, 2] and r.experiment.USE_BIAS is False
   assert r.experiment.LEARNING_RATE == 1.0 and isinstance(r.experiment.LEARNING_RATE, float)
   flat = r.flat()
-  assert flat['task.model.num_layers'] == 3 and flat['task.model.fprop_dtype'] == 'bfloat16'
+  assert flat['task.model.lm_tpl.num_layers'] == 3 and flat['task.model.lm_tpl.fprop_dtype'] == 'bfloat16'
   assert flat['task.train.learning_rate'] == 3e-4  # the field override wins over the knob
   assert flat['task.train.optimizer.name'] == 'sgd'
   assert flat['datasets.train.seed'] == 7
@@ -79,10 +79,10 @@ def test_every_recipe_builds_and_has_parameter_shapes():
 def test_describe_prints_resolved_config(capsys):
   code, out, err = pax_main(['describe', '--exp=lm_cloud.LmCloudSpmdTest', '--set', 'NUM_LAYERS=5'], capsys)
   assert code == 0, err
-  assert 'task.model.num_layers = 5' in out and 'knobs.NUM_LAYERS = 5' in out
+  assert 'task.model.lm_tpl.num_layers = 5' in out and 'knobs.NUM_LAYERS = 5' in out
   code, out, _ = pax_main(['describe', '--exp', 'lm_cloud.LmCloudSpmdTest', '--json'], capsys)
   import json
-  assert json.loads(out)['task.model.model_dims'] == 64
+  assert json.loads(out)['task.model.lm_tpl.model_dims'] == 64
 
 
 def test_experiments_lists_recipes(capsys):
@@ -128,10 +128,10 @@ def test_knob_values_in_classes_are_type_checked(tmp_path, capsys):
 
 
 def test_values_that_would_train_nothing_are_refused(capsys, tmp_path):
-  for override, needle in (('NUM_LAYERS=0', 'task.model.num_layers must be at least 1, got 0'),
-                           ('NUM_HEADS=0', 'task.model.num_heads must be at least 1'),
-                           ('MODEL_DIMS=-4', 'task.model.model_dims must be at least 1'),
-                           ('MAX_SEQ_LEN=0', 'task.model.max_seq_len must be at least 1'),
+  for override, needle in (('NUM_LAYERS=0', 'task.model.lm_tpl.num_layers must be at least 1, got 0'),
+                           ('NUM_HEADS=0', 'task.model.lm_tpl.block_tpl.attention_tpl.num_heads must be at least 1'),
+                           ('MODEL_DIMS=-4', 'task.model.lm_tpl.model_dims must be at least 1'),
+                           ('MAX_SEQ_LEN=0', 'task.model.lm_tpl.max_seq_len must be at least 1'),
                            ('task.train.num_train_steps=0', 'num_train_steps must be at least 1'),
                            ('task.train.save_interval_steps=0', 'save_interval_steps must be at least 1'),
                            ('task.train.summary_interval_steps=0', 'summary_interval_steps must be at least 1')):

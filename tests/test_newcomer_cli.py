@@ -48,6 +48,37 @@ def test_knob_that_task_overrides_warns_with_field_and_both_values(tmp_path, cap
   assert code == 0 and 'warning' not in err, err
 
 
+def test_mesh_bigger_than_the_machine_says_how_to_run_it_on_fake_devices(tmp_path):
+  (tmp_path / 'my_experiments.py').write_text(README_EXPERIMENT.replace('MODEL_DIMS = 32', 'ICI_MESH_SHAPE = [1, 4, 2]'))
+  r = run_pax('train', '--exp', 'my_experiments.py:MyLm', cwd=tmp_path, env={'XLA_FLAGS': ''})
+  assert r.returncode == 2 and 'Traceback' not in r.stderr
+  assert 'XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu' in ' '.join(r.stderr.split())
+
+
+def test_datasets_returning_built_objects_says_what_to_return(tmp_path, capsys):
+  (tmp_path / 'plain.py').write_text(textwrap.dedent('''
+      from paxcli.inputs.synthetic import SyntheticLmInput
+      from paxcli.lm import LmExperiment
+
+      class PlainLm(LmExperiment):
+        def datasets(self):
+          return [SyntheticLmInput(name='train', is_training=True)]
+      '''))
+  code, _, err = pax_main(['describe', '--exp', f"{tmp_path / 'plain.py'}:PlainLm"], capsys)
+  assert code == 2 and 'Traceback' not in err
+  assert 'returned a SyntheticLmInput object; return fiddle configs' in ' '.join(err.split())
+
+
+def test_inspect_input_says_when_the_input_ended(capsys):
+  args = ['inspect-input', '--exp', 'lm_cloud.LmCloudSpmdTest', '--set', 'MAX_SEQ_LEN=16', '--set', 'VOCAB_SIZE=64',
+          '--split', 'eval', '--num-examples', '0']
+  code, out, err = pax_main([*args, '-n', '5'], capsys)
+  assert code == 0, err
+  assert 'Read 2 batches' in out and 'The input ended after 2 batches of the 5 asked for' in ' '.join(out.split())
+  code, out, err = pax_main([*args, '-n', '2'], capsys)
+  assert code == 0 and 'Read 2 batches' in out and 'ended' not in out
+
+
 def test_resume_notes_changed_settings_and_keeps_invocation_history(tmp_path, capsys):
   job = str(tmp_path / 'job')
   code, out, err = pax_main(['train', *TINY, '--job-log-dir', job, '--set', 'NUM_TRAIN_STEPS=2'], capsys)
@@ -69,6 +100,8 @@ def test_resume_notes_changed_settings_and_keeps_invocation_history(tmp_path, ca
     assert steps in line
   assert '--job_log_dir' in lines[1]  # as the user typed it
   assert 'LEARNING_RATE=0.0003' in lines[1]
+  # The run ends with where to look.
+  assert f"tensorboard --logdir {os.path.join(job, 'summaries')}" in out and 'the latest 3 kept, and the one of lowest loss' in out
 
 
 ZERO_WEIGHT_EXPERIMENT = '''
@@ -117,29 +150,36 @@ def test_data_with_every_token_masked_stops_with_a_clear_line(tmp_path):
   assert not os.path.isdir(tmp_path / 'runs' / 'masked.MaskedLm' / 'checkpoints' / '10')
 
 
-def _subcommands():
+def _commands():
+  """Every command and subcommand (`checkpoint convert` too), by its words."""
   from paxcli.cli.app import app
   import typer.main
-  group = typer.main.get_command(app)
-  return {name: cmd for name, cmd in group.commands.items()}
+  found = {}
+
+  def walk(cmd, words):
+    found[words] = cmd
+    for name, sub in getattr(cmd, 'commands', {}).items():
+      walk(sub, words + (name,))
+  walk(typer.main.get_command(app), ())
+  return found
 
 
-@pytest.mark.parametrize('name', ['', *sorted(_subcommands())])
-def test_help_at_80_columns_shows_every_option_name_in_full(name):
-  r = run_pax(*([name] if name else []), '--help', env={'COLUMNS': '80'})
+@pytest.mark.parametrize('words', sorted(_commands()), ids=lambda w: ' '.join(w) or 'pax')
+def test_help_at_80_columns_shows_every_option_name_in_full(words):
+  r = run_pax(*words, '--help', env={'COLUMNS': '80'})
   assert r.returncode == 0, r.stderr
   lines = r.stdout.splitlines()
   assert all(len(line) <= 80 for line in lines), [line for line in lines if len(line) > 80]
-  assert '…' not in r.stdout
-  if not name:
-    for command in _subcommands():
-      assert re.search(rf'^  {re.escape(command)} ', r.stdout, re.M), command
-    return
-  for param in _subcommands()[name].params:
+  assert '…' not in r.stdout and not re.search(r'<(str|int|float|bool|list\[str\])>', r.stdout)
+  cmd = _commands()[words]
+  for name in getattr(cmd, 'commands', {}):  # a group lists each subcommand with a whole line of help
+    assert re.search(rf'^  {re.escape(name)} +\S.*[^.]\.$|^  {re.escape(name)} +\S.*\w\.$', r.stdout, re.M), name
+    assert not re.search(rf'^  {re.escape(name)} .*\.\.\.$', r.stdout, re.M), name
+  for param in cmd.params:
     for opt in param.opts + param.secondary_opts:
       if opt.startswith('-'):
-        assert re.search(rf'(^|[ ,]){re.escape(opt)}([ ,=]|$)', r.stdout, re.M), f'{name}: {opt} not in full'
-  if any('--set' in p.opts for p in _subcommands()[name].params):
+        assert re.search(rf'(^|[ ,]){re.escape(opt)}([ ,=]|$)', r.stdout, re.M), f'{words}: {opt} not in full'
+  if any('--set' in p.opts for p in cmd.params):
     assert '--set KEY=VALUE' in r.stdout
 
 
@@ -219,3 +259,30 @@ def test_eval_follow_beside_a_trainer_evaluates_each_checkpoint_once_and_stops(t
   code, out, err = pax_main(['eval', *tiny, '--job-log-dir', job, '--step', '7'], capsys)
   assert code == 2 and 'No complete checkpoint at step 7' in err and '5, 10, 15' in err
   assert len(open(os.path.join(job, 'invocations.txt')).read().splitlines()) == 5  # train and every eval
+
+
+@pytest.mark.slow
+def test_second_ctrl_c_stops_in_one_line_and_the_run_resumes(tmp_path):
+  import signal
+  import subprocess
+  import sys
+  import time
+  job = str(tmp_path / 'job')
+  args = [*TINY, '--job-log-dir', job, '--set', 'NUM_TRAIN_STEPS=100000', '--set', 'task.train.save_interval_steps=1']
+  proc = subprocess.Popen([sys.executable, '-m', 'paxcli.cli.app', 'train', *args], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+  deadline = time.time() + 300
+  while time.time() < deadline and not os.path.isdir(os.path.join(job, 'checkpoints', '2')):
+    time.sleep(0.05)
+  proc.send_signal(signal.SIGINT)
+  time.sleep(0.05)
+  proc.send_signal(signal.SIGINT)
+  out, err = proc.communicate(timeout=120)
+  assert proc.returncode == 130, err
+  assert 'Traceback' not in err, err
+  if 'stopping without waiting for the save' not in err:  # the first stop finished before the second came
+    assert 'Stopped by SIGINT' in out
+  r = run_pax('train', *args[:-4], '--set', 'NUM_TRAIN_STEPS=3', '--set', 'task.train.save_interval_steps=1',
+              '--job-log-dir', job)
+  assert r.returncode == 0, r.stderr
+  assert 'Resumed from step' in r.stdout or 'already finished' in r.stdout

@@ -148,9 +148,11 @@ def _by_name(exp: Experiment, datasets: list) -> dict[str, fdl.Config]:
   by_name = {}
   for cfg in datasets:
     if not isinstance(cfg, fdl.Buildable):
-      raise UserError(f'{type(exp).__name__}.datasets() returned {cfg!r}: return fiddle configs of inputs, '
-                      'e.g. fdl.Config(SyntheticLmInput, name="train", is_training=True, ...), not built '
-                      'objects (see "Inputs in an experiment" in the README).')
+      kind = type(cfg).__name__
+      raise UserError(f'{type(exp).__name__}.datasets() returned a {kind} object; return fiddle configs of '
+                      f'inputs instead, e.g. fdl.Config({kind}, name="train", is_training=True, ...): paxcli '
+                      'builds them per process with its batch size and host index (see "Inputs in an '
+                      'experiment" in the README).')
     ds_name = getattr(cfg, 'name', None) or ('train' if cfg.is_training else 'eval')
     if ds_name in by_name:
       raise UserError(f'{type(exp).__name__}.datasets() has two inputs named {ds_name!r}.')
@@ -200,14 +202,17 @@ def unreached_knobs(exp: Experiment, cli_knobs: dict[str, Any], dotted: set[str]
     owner = next((k for k in reversed(cls.__mro__) if name in k.__dict__.get('__annotations__', {})), cls)
     at_default = copy.copy(exp)
     setattr(at_default, name, default)
-    ref_default = _flat_configs(at_default, owner.task, owner.datasets)
-    if ref_default is None:
+    try:
+      ref_default = _flat_configs(at_default, owner.task, owner.datasets)
+      if ref_default is None:
+        continue
+      ref_value = _flat_configs(exp, owner.task, owner.datasets) or {}
+      fed = [k for k in ref_value if k in ref_default and ref_value[k] != ref_default[k]]
+      if not fed:
+        continue
+      act_default, act_value = _flat_configs(at_default), _flat_configs(exp)
+    except Exception:  # noqa: BLE001 - e.g. the default no longer fits the other knobs: no verdict
       continue
-    ref_value = _flat_configs(exp, owner.task, owner.datasets) or {}
-    fed = [k for k in ref_value if k in ref_default and ref_value[k] != ref_default[k]]
-    if not fed:
-      continue
-    act_default, act_value = _flat_configs(at_default), _flat_configs(exp)
     for field in fed:
       if field in dotted or field not in act_value or act_value[field] != act_default.get(field):
         continue  # reached, absent in this experiment's inputs, or set by a dotted override

@@ -95,14 +95,14 @@ class TransformerLm(BaseLayer):
   block_tpl: LayerTpl = template_field(Block)
   final_norm_tpl: LayerTpl = template_field(Norm)
 
-  def _block_kwargs(self, dtype, deterministic: bool) -> tuple[type, dict]:
+  def _block_kwargs(self, dtype, deterministic: bool, remat: bool = True) -> tuple[type, dict]:
     from paxcli.layers import base
     tpl = fill_template(self.block_tpl, dtype, model_dims=self.model_dims, dropout_prob=self.dropout_prob,
                         deterministic=deterministic)
     import fiddle as fdl
     cls = fdl.get_callable(tpl)
     kwargs = base.build_arguments(tpl, self)
-    if self.checkpoint_policy != 'none':
+    if remat and self.checkpoint_policy != 'none':
       cls = nn.remat(cls, policy=REMAT_POLICIES[self.checkpoint_policy](), prevent_cse=not self.scan_layers)
     return cls, kwargs
 
@@ -131,10 +131,11 @@ class TransformerLm(BaseLayer):
       x_BxLxD = x_BxLxD + jnp.take(pos, positions_BxL, axis=0).astype(dtype)
     x_BxLxD = nn.Dropout(self.dropout_prob, deterministic=deterministic)(x_BxLxD)
 
-    block, block_kwargs = self._block_kwargs(dtype, deterministic)
+    decoding = self.is_mutable_collection('cache') and not self.is_initializing()  # KV cache: no remat
+    block, block_kwargs = self._block_kwargs(dtype, deterministic, remat=not decoding)
     if self.scan_layers:
       from paxcli.layers.base import AUX_LOSS, NON_TRAINABLE, RANDOM, SUMMARIES
-      stack = nn.scan(block, variable_axes={'params': 0, NON_TRAINABLE: 0, SUMMARIES: 0, AUX_LOSS: 0},
+      stack = nn.scan(block, variable_axes={'params': 0, NON_TRAINABLE: 0, SUMMARIES: 0, AUX_LOSS: 0, 'cache': 0},
                       split_rngs={'params': True, 'dropout': True, RANDOM: True},
                       in_axes=(nn.broadcast, nn.broadcast), length=self.num_layers,
                       metadata_params={nn.PARTITION_NAME: 'layers'})
@@ -266,6 +267,26 @@ class LanguageModel(BaseModel):
     validate_lm(self.lm_tpl)
 
 
+def flat_view(model):
+  """The LM's settings under the flat names of `lm_config` (num_heads, norm_type, ...), with
+  `apply` of the model: for code that reads an LM's shape (conversion, export).
+  A field of a swapped-in layer that has no such setting reads None."""
+  import types
+  lm = model.lm_tpl
+  block = lm.block_tpl
+  attention, ffn, norm = block.attention_tpl, block.ffn_tpl, block.norm_tpl
+  get = lambda cfg, name: getattr(cfg, name, None)
+  return types.SimpleNamespace(
+      apply=model.apply, model=model,
+      **{name: get(lm, name) for name in ('vocab_size', 'num_layers', 'model_dims', 'max_seq_len',
+                                          'position_embedding', 'separate_embedding', 'dropout_prob',
+                                          'fprop_dtype', 'scan_layers', 'checkpoint_policy')},
+      **{name: get(attention, name) for name in ('num_heads', 'num_kv_heads', 'dims_per_head',
+                                                 'rotary_max_timescale', 'use_bias')},
+      hidden_dims=get(ffn, 'hidden_dims'), activation=get(ffn, 'activation'),
+      use_gated_activation=get(ffn, 'gated'), norm_type=get(norm, 'kind'))
+
+
 def validate_lm(lm) -> None:
   """Checks of a TransformerLm config that one layer alone cannot make."""
   from paxcli.errors import UserError
@@ -295,3 +316,67 @@ def validate_lm(lm) -> None:
   from paxcli.layers.transformer import Mlp
   if fdl.get_callable(ffn) is Mlp:
     at_least(1, 'task.model.lm_tpl.block_tpl.ffn_tpl', ffn, 'hidden_dims')
+
+
+class ClassificationModel(BaseModel):
+  """A sequence classifier: token + position embeddings, blocks from `block_tpl`, a masked
+  mean over the sequence, and a softmax over `num_classes`. Written with the BaseLayer
+  verbs only; the engine trains it like the LM, with no change.
+
+  Batch: ids [B, L], mask [B, L] (1 on real tokens), labels [B], weights [B].
+  """
+  vocab_size: int = 2048
+  num_classes: int = 8
+  model_dims: int = 64
+  num_layers: int = 2
+  max_seq_len: int = 64
+  block_tpl: LayerTpl = template_field(Block)
+  norm_tpl: LayerTpl = template_field(Norm)
+
+  def setup(self):
+    from paxcli.layers.base import WeightHParams, WeightInit
+    d = self.model_dims
+    self.create_variable('embedding', WeightHParams(shape=[self.vocab_size, d], init=WeightInit.Gaussian(d ** -0.5),
+                                                    tensor_split_dims_mapping=('vocab', 'embed')))
+    self.create_variable('position', WeightHParams(shape=[self.max_seq_len, d], init=WeightInit.Gaussian(0.02),
+                                                   tensor_split_dims_mapping=(None, 'embed')))
+    self.create_variable('head', WeightHParams(shape=[d, self.num_classes], init=WeightInit.Xavier(),
+                                               tensor_split_dims_mapping=('embed', None)))
+    self.create_variable('head_bias', WeightHParams(shape=[self.num_classes], init=WeightInit.Constant(0.0)))
+    compute = self.fprop_dtype or jnp.float32
+    block = fill_template(self.block_tpl, compute, model_dims=d)
+    self.create_children('blocks', [block] * self.num_layers)
+    self.create_child('final_norm', fill_template(self.norm_tpl, compute))
+
+  def compute_predictions(self, input_batch: dict, deterministic: bool = True):
+    ids_BxL, mask_BxL = input_batch['ids'], input_batch['mask']
+    b, l = ids_BxL.shape
+    x_BxLxD = jnp.take(self.theta.embedding, ids_BxL, axis=0) + self.theta.position[None, :l]
+    segment_ids_BxL = mask_BxL.astype(jnp.int32)  # padding attends to padding only
+    positions_BxL = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32)[None], (b, l))
+    for block in self.blocks:
+      x_BxLxD, _ = block(x_BxLxD, segment_ids_BxL, positions_BxL)
+    x_BxLxD = self.final_norm(x_BxLxD).astype(jnp.float32)
+    count_B = jnp.maximum(jnp.sum(mask_BxL, axis=1), 1.0)
+    pooled_BxD = jnp.einsum('bld,bl->bd', x_BxLxD, mask_BxL) / count_B[:, None]
+    return pooled_BxD @ self.theta.head + self.theta.head_bias[None, :]
+
+  def compute_loss(self, predictions, input_batch: dict):
+    logits_BxC = predictions
+    labels_B, weights_B = input_batch['labels'], input_batch['weights'].astype(jnp.float32)
+    nll_B = -jnp.take_along_axis(jax.nn.log_softmax(logits_BxC, axis=-1), labels_B[:, None], axis=-1)[:, 0]
+    total = jnp.maximum(jnp.sum(weights_B), 1e-8)
+    loss = jnp.sum(nll_B * weights_B) / total
+    accuracy = jnp.sum((jnp.argmax(logits_BxC, axis=-1) == labels_B) * weights_B) / total
+    return loss, {'loss': (loss, jnp.sum(weights_B)), 'accuracy': (accuracy, jnp.sum(weights_B))}
+
+  def dummy_batch(self, batch_size: int, seq_len: int) -> dict:
+    return {'ids': np.zeros((batch_size, seq_len), np.int32), 'mask': np.zeros((batch_size, seq_len), np.float32),
+            'labels': np.zeros((batch_size,), np.int32), 'weights': np.zeros((batch_size,), np.float32)}
+
+  def examples_in(self, input_batch: dict):
+    return jnp.sum(input_batch['weights'] > 0)
+
+  def validate(self) -> None:
+    from paxcli.engine import at_least
+    at_least(1, 'task.model', self, 'vocab_size', 'num_classes', 'model_dims', 'num_layers', 'max_seq_len')

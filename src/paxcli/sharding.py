@@ -63,6 +63,9 @@ def mesh_shape(ici: Optional[Sequence[int]], dcn: Optional[Sequence[int]], num_d
               f'multiply to {num_devices // slices}.')
     else:
       hint = f'The product of DCN_MESH_SHAPE ({slices}) must divide the {num_devices} devices.'
+    if jax.default_backend() == 'cpu' and jax.process_count() == 1:
+      hint += (f' To try this mesh on CPU, run with {total} fake devices: '
+               f'XLA_FLAGS=--xla_force_host_platform_device_count={total} JAX_PLATFORMS=cpu pax ...')
     raise UserError(f'The mesh ICI_MESH_SHAPE {ici} x DCN_MESH_SHAPE {dcn} needs {total} devices, '
                     f'but there are {num_devices} ({jax.default_backend()}). {hint}')
   return ici, dcn

@@ -15,6 +15,7 @@ import functools
 import math
 import os
 import signal
+import sys
 import threading
 import time
 from typing import Optional
@@ -82,8 +83,7 @@ def make_train_step(setup, batch_sharding, dropout_seed: int):
   has_non_trainable = 'non_trainable' in setup.state_shardings
 
   def step_fn(state, batch):
-    rng = jax.random.fold_in(jax.random.key(dropout_seed), state['step'])
-    rngs = {'dropout': rng, RANDOM: jax.random.fold_in(rng, 1)}
+    rngs = step_rngs(dropout_seed, state['step'])
 
     def loss_fn(params):
       variables = {'params': params}
@@ -120,6 +120,16 @@ def make_train_step(setup, batch_sharding, dropout_seed: int):
   replicated = jax.sharding.NamedSharding(setup.mesh, jax.sharding.PartitionSpec())
   return jax.jit(step_fn, in_shardings=(setup.state_shardings, batch_sharding),
                  out_shardings=(setup.state_shardings, replicated), donate_argnums=(0,))
+
+
+def step_rngs(seed: int, step) -> dict:
+  """The random streams of one train step: a function of the seed and the step alone, so a
+  resumed run draws what an uninterrupted one would. Flax folds in each call on top."""
+  import jax
+
+  from paxcli.layers.base import RANDOM
+  rng = jax.random.fold_in(jax.random.key(seed), step)
+  return {'dropout': rng, RANDOM: jax.random.fold_in(rng, 1)}
 
 
 def sync_non_trainable(new_vars, setup):
@@ -167,7 +177,9 @@ class GracefulStop:
   """SIGTERM (preemption) or a first Ctrl-C asks the loop to save and stop after the step.
 
   Only with one process: several processes must agree on the step to save at, which a
-  signal to one of them cannot give. A second Ctrl-C interrupts at once.
+  signal to one of them cannot give. A second signal (Ctrl-C again) exits at once, in
+  one line, without waiting for a save in flight: orbax's temporary directory is left
+  behind and set aside (never used) at the next start.
   """
 
   SIGNALS = {'SIGTERM': 143, 'SIGINT': 130}
@@ -186,8 +198,13 @@ class GracefulStop:
 
   def _handle(self, signum, frame):
     del frame
+    if self.signal_name is not None:  # the second one: no traceback from orbax's threads over the bar
+      sys.stderr.write(f'\nerror: {signal.Signals(signum).name} again: stopping without waiting for the save. '
+                       'An unfinished checkpoint is set aside at the next start; run the same command to resume '
+                       'from the last complete one.\n')
+      sys.stderr.flush()
+      os._exit(self.SIGNALS.get(signal.Signals(signum).name, 130))
     self.signal_name = signal.Signals(signum).name
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C stops at once
 
   def __exit__(self, *exc):
     for signum, handler in self._previous.items():
@@ -441,8 +458,12 @@ def _train(resolved, job_dir: str, console, verbose: bool = False) -> dict:
       evaluator.close()
     if writer:
       writer.close()
-  reporter_log(f"Done: step {last['step']}, loss {last.get('loss', float('nan')):.4f}. "
-               f"Checkpoints in {ckpt_dir}.")
+  keep = train_cfg.save_max_to_keep
+  kept = f'the latest {keep} kept, and the one of lowest loss' if keep else 'all kept'
+  reporter_log(f"Done: step {last['step']}, loss {last.get('loss', float('nan')):.4f}.\n"
+               f"  checkpoints: {ckpt_dir} ({kept}; task.train.save_max_to_keep)\n"
+               f"  metrics:     {os.path.join(job_dir, 'train_metrics.jsonl')}\n"
+               f"  TensorBoard: tensorboard --logdir {os.path.join(job_dir, 'summaries')}")
   return last
 
 

@@ -27,6 +27,7 @@ app = typer.Typer(
 
 def _register_all() -> None:
   from paxcli.cli import checkpoint as checkpoint_cmd
+  from paxcli.cli import decode as decode_cmd
   from paxcli.cli import eval as eval_cmd
   from paxcli.cli import experiments as experiments_cmd
   from paxcli.cli import inspect_input as inspect_input_cmd
@@ -34,8 +35,8 @@ def _register_all() -> None:
   from paxcli.cli import launch as launch_cmd
   from paxcli.cli import train as train_cmd
   from paxcli.cli import version as version_cmd
-  for module in (train_cmd, eval_cmd, inspect_input_cmd, launch_cmd, experiments_cmd, import_maxtext_cmd,
-                 checkpoint_cmd, version_cmd):
+  for module in (train_cmd, eval_cmd, decode_cmd, inspect_input_cmd, launch_cmd, experiments_cmd,
+                 import_maxtext_cmd, checkpoint_cmd, version_cmd):
     module.register(app)
 
 

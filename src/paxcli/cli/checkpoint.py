@@ -13,6 +13,12 @@ app = typer.Typer(help='Inspect and convert checkpoints (orbax, safetensors, Hug
                   no_args_is_help=True)
 
 
+def _quiet_absl() -> None:
+  """orbax logs a warning for each step directory without its own metadata file; not the user's concern."""
+  import logging
+  logging.getLogger('absl').setLevel(logging.ERROR)
+
+
 @app.command('inspect')
 def inspect_command(
     path: str = typer.Argument(..., help='Job directory, checkpoint step directory, .safetensors file or '
@@ -23,6 +29,7 @@ def inspect_command(
 ) -> None:
   """Metadata of a checkpoint (no array is read): arrays with shape, dtype, bytes, sharding; totals; config."""
   from paxcli.convert import run
+  _quiet_absl()
   info = run.inspect(path, fmt, step)
   if json_out:
     typer.echo(json.dumps(info, indent=1))
@@ -82,6 +89,7 @@ def convert_command(
   """Convert a checkpoint to another layout (--set USE_REPEATED_LAYER=..., mesh), dtype, experiment or format."""
   from paxcli.convert import run, safetensors_io
   console = common.console(stderr=True)
+  _quiet_absl()
   result = run.convert(source, output, fmt=fmt, to=to, exp=exp, overrides=overrides, params_only=params_only,
                        dtype=dtype, step=step, force=force, verify=verify, kl_tolerance=kl_tolerance,
                        max_shard_bytes=safetensors_io.parse_size(max_shard_size), recipe=recipe,

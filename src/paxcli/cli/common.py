@@ -101,10 +101,33 @@ def resolve(exp: Optional[str], overrides: list[str]):
   return resolved
 
 
+def tidy_help(command) -> None:
+  """One help style for every subcommand, whoever wrote it: an option that names no
+  metavar gets its own name (`--dtype DTYPE`, not typer's `<str>`), and the command list
+  shows whole first sentences, never cut with `...`."""
+  for param in command.params:  # duck-typed: typer vendors its own click in recent versions
+    if getattr(param, 'param_type_name', '') == 'option' and not param.is_flag and param.metavar is None:
+      param.metavar = (param.name or 'value').strip('_').upper()
+    elif getattr(param, 'param_type_name', '') == 'argument':
+      if param.metavar is None:
+        param.metavar = (param.name or 'value').strip('_').upper()
+      if hasattr(param, 'display_type_rich'):  # typer >= 0.20 would add `<str>` after the name
+        param.display_type_rich = lambda ctx=None: None
+  for sub in getattr(command, 'commands', {}).values():
+    if sub.short_help is None and sub.help:
+      first = sub.help.strip().split('\n\n')[0].replace('\n', ' ')
+      first = first.split('. ')[0].split(' (')[0].rstrip('.:')
+      sub.short_help = first + '.'
+    tidy_help(sub)
+
+
 def run_app(app: typer.Typer, argv: list[str]) -> None:
   """Runs the app; a UserError becomes one red line and its exit code, never a traceback."""
   try:
-    app(args=argv, prog_name='pax')  # standalone: usage errors print and exit 2 themselves
+    import typer.main
+    command = typer.main.get_command(app)
+    tidy_help(command)
+    command(args=argv, prog_name='pax')  # standalone: usage errors print and exit 2 themselves
   except UserError as e:
     # fiddle appends its build context to errors raised while building a config.
     error(_escape(_cap_lines(str(e).split('\n\nFiddle context:')[0])))

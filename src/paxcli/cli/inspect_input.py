@@ -54,13 +54,16 @@ def inspect_input(
                              'examples': shown}))
     else:
       _print_batch(console, cfg.name, i, host_index, num_hosts, stats, shown)
+  ended = count < num_batches  # read_batches stops early only at the end of a finite input
   rate = {'batches': count, 'batches_per_sec': count / max(total_time, 1e-9),
-          'examples_per_sec': rows / max(total_time, 1e-9)}
+          'examples_per_sec': rows / max(total_time, 1e-9), 'input_ended': ended}
   if json_out:
     typer.echo(json.dumps({'throughput': rate}))
   else:
-    console.print(f"Read {count} batches: {rate['batches_per_sec']:.1f} batches/s, "
-                  f"{rate['examples_per_sec']:.1f} examples/s.")
+    end = (f" The input ended after {count} batch{'es' if count != 1 else ''} of the {num_batches} asked for "
+           '(a finite input, e.g. an eval epoch with repeat=False).') if ended else ''
+    console.print(f"Read {count} batch{'es' if count != 1 else ''}: {rate['batches_per_sec']:.1f} batches/s, "
+                  f"{rate['examples_per_sec']:.1f} examples/s.{end}", highlight=False)
 
 
 def _print_batch(console, name, index, host, hosts, stats, shown) -> None:

@@ -57,9 +57,14 @@ def resolve_pair(src, exp: Optional[str], overrides: list[str]):
 @dataclasses.dataclass
 class Model:
   resolved: object
-  module: object             # the flax TransformerLm
+  module: object             # models.flat_view of the LanguageModel: flat settings and apply
   abstract: dict             # name -> ShapeDtypeStruct of the full train state
   placeholders: list         # names of empty optimizer states (kept as placeholders in orbax)
+
+  @property
+  def spec(self):
+    """The LM's settings under TransformerLm's flat field names (models.flat_view)."""
+    return self.module
 
   @property
   def scanned(self) -> bool:
@@ -71,11 +76,10 @@ class Model:
 
 def build_model(resolved) -> Model:
   """The model and the abstract train state of an experiment, without a mesh."""
-  import fiddle as fdl
   import jax
 
-  from paxcli import engine, optim
-  task = fdl.build(resolved.task)
+  from paxcli import engine, models, optim
+  task = engine.build_task(resolved.task)
   engine.validate_model(task.model)
   tx = optim.make_optimizer(task.train)
   seq_len = getattr(resolved.train_dataset(), 'seq_len', None) or task.model.max_seq_len
@@ -86,7 +90,7 @@ def build_model(resolved) -> Model:
       abstract, is_leaf=lambda x: isinstance(x, tuple) and not x and x is not None)[0]:
     if isinstance(node, tuple) and not node:
       empty.append(formats.join(path))
-  return Model(resolved, task.model, flat, empty)
+  return Model(resolved, models.flat_view(task.model), flat, empty)
 
 
 # ---- plan -------------------------------------------------------------------------------------
@@ -122,6 +126,9 @@ def plan(src_arrays: list, target: Model, params_only: bool, dtype: Optional[str
     out_dtype = np.dtype(target.abstract[name].dtype).name
     if dtype and name.startswith('params/') and np.issubdtype(formats.np_dtype(out_dtype), np.floating):
       out_dtype = dtype
+    if name == 'step' and name not in have:   # formats without a step array keep it in their metadata
+      items.append(Item(name, want, out_dtype, name))
+      continue
     if name in have:
       got = tuple(have[name].shape)
       if got != want:
@@ -262,8 +269,9 @@ def random_ids(vocab: int, seq: int, seed: int = 0) -> np.ndarray:
   return np.random.default_rng(seed).integers(0, vocab, (2, min(seq, 32)), dtype=np.int32)
 
 
-def verify(src_module, src_params: dict, tgt_module, tgt_params: dict, kl_tolerance: float) -> dict:
-  ids = random_ids(src_module.vocab_size, min(src_module.max_seq_len, tgt_module.max_seq_len))
+def verify(src_module, src_params: dict, tgt_module, tgt_params: dict, kl_tolerance: float,
+           vocab_size: int, seq_len: int) -> dict:
+  ids = random_ids(vocab_size, seq_len)
   out = compare(logits(src_module, src_params, ids), logits(tgt_module, tgt_params, ids))
   out['kl_tolerance'] = kl_tolerance
   out['ok'] = bool(np.isfinite(out['kl']) and out['kl'] <= kl_tolerance)

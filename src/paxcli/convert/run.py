@@ -62,12 +62,17 @@ def convert(source: str, output: str, *, fmt: Optional[str] = None, to: str = 'o
   if not src.paxcli_names:
     if hasattr(src, 'paxcli_view'):
       source_res = source_res or _from_knobs(src, exp)
-      src = src.paxcli_view(core.build_model(source_res).module)
+      src = src.paxcli_view(core.build_model(source_res).spec)
     else:
       src = formats.open_source(source, src.kind, step, target=target_res)
   if source_res is None:
     source_res = target_res
   target = core.build_model(target_res)
+  if to == 'hf':
+    from paxcli.convert import hf
+    reasons = hf.misfit(target.spec)
+    if reasons:
+      raise UserError('This model does not fit the Hugging Face Llama layout: ' + '; '.join(reasons) + '.')
   source_model = core.build_model(source_res)
   src_arrays = src.arrays()
   has_opt = any(a.name.startswith('opt_state/') for a in src_arrays)
@@ -99,7 +104,7 @@ def convert(source: str, output: str, *, fmt: Optional[str] = None, to: str = 'o
       _write_safetensors(tmp, src, items, target_res, read, advance, max_shard_bytes)
     else:
       from paxcli.convert import hf
-      hf.export(tmp, src, {i.name: i for i in items}, target.module, read, dtype or 'float32',
+      hf.export(tmp, src, {i.name: i for i in items}, target.spec, read, dtype or 'float32',
                 max_shard_bytes, advance)
     _carry_files(src, tmp, to)
   stats['seconds'] = time.perf_counter() - t0
@@ -210,6 +215,7 @@ def _verify(src, source_model, target, out_path: str, to: str, tolerance: float)
   fmt = {'orbax': 'orbax', 'safetensors': 'safetensors', 'hf': 'hf'}[to]
   got = formats.open_source(out_path, fmt)
   if not got.paxcli_names:
-    got = got.paxcli_view(target.module)
+    got = got.paxcli_view(target.spec)
   tgt_params = core.load_params(got, [a.name for a in got.arrays()])
-  return core.verify(source_model.module, src_params, target.module, tgt_params, tolerance)
+  return core.verify(source_model.module, src_params, target.module, tgt_params, tolerance,
+                     source_model.spec.vocab_size, min(source_model.spec.max_seq_len, target.spec.max_seq_len))

@@ -141,11 +141,16 @@ class Attention(nn.Module):
     groups = self.num_heads // self.num_kv_heads
     q_BxLxHxE = q_BxLxHxE * self._query_scale(e).astype(q_BxLxHxE.dtype)
     q_BxLxKxGxE = q_BxLxHxE.reshape(b, l, self.num_kv_heads, groups, e)
+    if self.is_mutable_collection('cache') and not self.is_initializing():
+      # Decoding: keys/values go into the KV cache; queries attend over all of it.
+      k_BxSxKxE, v_BxSxKxE, mask_BxLxS = self._decode_cache(k_BxSxKxE, v_BxSxKxE, segment_ids_BxL)
+    else:
+      causal_LxS = jnp.tril(jnp.ones((l, l), dtype=bool))
+      same_segment_BxLxS = segment_ids_BxL[:, :, None] == segment_ids_BxL[:, None, :]
+      mask_BxLxS = causal_LxS[None] & same_segment_BxLxS
     logits_BxKxGxLxS = jnp.einsum('blkge,bske->bkgls', q_BxLxKxGxE, k_BxSxKxE).astype(jnp.float32)
     logits_BxKxGxLxS = soft_cap(logits_BxKxGxLxS, self.atten_logit_cap)
-    causal_LxS = jnp.tril(jnp.ones((l, l), dtype=bool))
-    same_segment_BxLxS = segment_ids_BxL[:, :, None] == segment_ids_BxL[:, None, :]
-    mask_Bx1x1xLxS = (causal_LxS[None] & same_segment_BxLxS)[:, None, None]
+    mask_Bx1x1xLxS = mask_BxLxS[:, None, None]
     logits_BxKxGxLxS = jnp.where(mask_Bx1x1xLxS, logits_BxKxGxLxS, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(logits_BxKxGxLxS, axis=-1).astype(self.dtype)
     out_BxLxKxGxE = jnp.einsum('bkgls,bske->blkge', probs, v_BxSxKxE)
@@ -156,6 +161,33 @@ class Attention(nn.Module):
         bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ('embed',)),
         name='out')(out_BxLxHxE)
     return checkpoint_name(out, 'out_proj')
+
+  def _decode_cache(self, k_BxLxKxE, v_BxLxKxE, segment_ids_BxL):
+    """KV cache for decoding (flax collection 'cache', used when it is mutable).
+
+    The first call (paxcli.decode's cache layout) only sizes the cache from its input: [B, S] ids
+    give S slots. Every later call writes its L new keys/values at slot `index` (the same
+    for all rows: prompts are left-padded), marks which slots hold real tokens (segment id
+    != 0) and returns the whole cache with the mask of what each new query may see: real
+    slots up to its own. Prefill is one call with the prompts; a decode step one with L=1.
+    """
+    initialized = self.has_variable('cache', 'cached_key')
+    key = self.variable('cache', 'cached_key', jnp.zeros, k_BxLxKxE.shape, k_BxLxKxE.dtype)
+    value = self.variable('cache', 'cached_value', jnp.zeros, v_BxLxKxE.shape, v_BxLxKxE.dtype)
+    valid = self.variable('cache', 'cached_valid', jnp.zeros, segment_ids_BxL.shape, jnp.bool_)
+    index = self.variable('cache', 'cache_index', lambda: jnp.zeros([], jnp.int32))
+    b, l = segment_ids_BxL.shape
+    if not initialized:
+      causal_LxS = jnp.tril(jnp.ones((l, l), dtype=bool))
+      return k_BxLxKxE, v_BxLxKxE, jnp.broadcast_to(causal_LxS[None], (b, l, l))
+    i = index.value
+    key.value = jax.lax.dynamic_update_slice(key.value, k_BxLxKxE.astype(key.value.dtype), (0, i, 0, 0))
+    value.value = jax.lax.dynamic_update_slice(value.value, v_BxLxKxE.astype(value.value.dtype), (0, i, 0, 0))
+    valid.value = jax.lax.dynamic_update_slice(valid.value, segment_ids_BxL != 0, (0, i))
+    index.value = i + l
+    s = key.value.shape[1]
+    visible_LxS = jnp.arange(s)[None, :] <= (i + jnp.arange(l))[:, None]
+    return key.value, value.value, visible_LxS[None] & valid.value[:, None, :]
 
 
 class Mlp(nn.Module):
