@@ -40,7 +40,7 @@ def inspect_command(
             + (f'  experiment {info["experiment"]}' if info.get('experiment') else ''))
   for col, just in (('name', 'left'), ('shape', 'right'), ('dtype', 'left'), ('bytes', 'right'),
                     ('sharding', 'left')):
-    t.add_column(col, justify=just)
+    t.add_column(col, justify=just, overflow='fold')   # long names (Pax's) wrap, never cut
   for a in info['arrays']:
     t.add_row(a['name'], 'x'.join(map(str, a['shape'])) or 'scalar', a['dtype'], _size(a['bytes']),
               a['sharding'] or '')

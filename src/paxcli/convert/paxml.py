@@ -380,7 +380,8 @@ class _Arrays:
         name = base64.b64decode(key).decode()
         s = json.loads(value)
         mesh = ','.join(f'{a}={n}' for a, n in zip(s.get('axis_names', []), s.get('shape', [])))
-        out[name] = f'PartitionSpec{tuple(s.get("partition_spec", []))} on mesh {mesh}'
+        spec = ', '.join(repr(p) if not isinstance(p, list) else repr(tuple(p)) for p in s.get('partition_spec', []))
+        out[name] = f'P({spec}) on {mesh}'
     except (OSError, ValueError):
       return {}
     return out
@@ -661,6 +662,7 @@ def _param_shapes(model) -> dict[str, tuple]:
 
   from paxcli import engine
   ids = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+  model = getattr(model, 'model', model)   # models.flat_view(...) carries the module
   boxed = jax.eval_shape(lambda r, x: model.init({'params': r, 'dropout': r}, x)['params'],
                          jax.random.key(0), ids)
   flat = jax.tree_util.tree_flatten_with_path(engine.unbox(boxed))[0]

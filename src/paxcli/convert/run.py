@@ -61,7 +61,8 @@ def convert(source: str, output: str, *, fmt: Optional[str] = None, to: str = 'o
   source_res, target_res = core.resolve_pair(src, exp, overrides)
   if not src.paxcli_names:
     if hasattr(src, 'paxcli_view'):
-      source_res = source_res or _from_knobs(src, exp)
+      # paxml: the view takes any layout and MAX_SEQ_LEN, so it is read as the target model
+      source_res = source_res or (target_res if src.kind == 'paxml' else _from_knobs(src, exp))
       src = src.paxcli_view(core.build_model(source_res).spec)
     else:
       src = formats.open_source(source, src.kind, step, target=target_res)
