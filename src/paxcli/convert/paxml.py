@@ -452,12 +452,19 @@ class PaxmlSource(formats.SourceBase):
     out['UNSUPPORTED_FEATURES'] = dict(pax.unsupported)
     return out
 
-  def check_experiment(self, experiment) -> None:
+  def check_experiment(self, experiment, log=print) -> None:
     """UserError listing each knob of the target experiment that differs from what the checkpoint
     needs, and the features paxcli cannot honour unless the experiment lists them in
-    UNSUPPORTED_FEATURES (accepting the difference)."""
+    UNSUPPORTED_FEATURES (accepting the difference). Without an experiment (the knobs are
+    then taken from the checkpoint) unsupported features are logged; the written config and
+    recipe list them, so `pax train` refuses until they are accepted."""
     need = self.knobs()
     unsupported = need.pop('UNSUPPORTED_FEATURES')
+    if experiment is None:
+      if unsupported:
+        log('Note: paxcli cannot honour these features of the Pax model; the converted model differs '
+            'there and its UNSUPPORTED_FEATURES lists them: ' + '; '.join(f'{f}: {w}' for f, w in unsupported.items()))
+      return
     have = experiment.knobs()
     wrong = [f'{k} = {have.get(k)!r}, the checkpoint needs {v!r}' for k, v in need.items()
              if k in have and not _same(have[k], v, k, have)]

@@ -55,9 +55,9 @@ def convert(source: str, output: str, *, fmt: Optional[str] = None, to: str = 'o
   overrides = list(overrides)
   if to == 'hf':
     overrides.append('USE_REPEATED_LAYER=False')   # HF layers are unrolled
-  if exp and hasattr(src, 'check_experiment'):   # paxml: the experiment must compute the Pax model's function
+  if hasattr(src, 'check_experiment'):   # paxml: the experiment must compute the Pax model's function
     from paxcli import config as cfg
-    src.check_experiment(cfg.resolve(exp, list(overrides)).experiment)
+    src.check_experiment(cfg.resolve(exp, list(overrides)).experiment if exp else None, log)
   source_res, target_res = core.resolve_pair(src, exp, overrides)
   if not src.paxcli_names:
     if hasattr(src, 'paxcli_view'):
