@@ -14,6 +14,7 @@ that only reads the checkpoint's metadata, `pax checkpoint inspect`: the constan
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
@@ -55,17 +56,26 @@ def make_checkpoint(job_dir: str, overrides: list[str], exp: str = EXP) -> dict:
   return {'parameters': sum(sizes) // 4, 'bytes': sum(sizes), 'largest': max(sizes)}
 
 
+# The peak RSS of the pax process itself: VmHWM read at its exit. (getrusage/wait4 would report at
+# least the parent's RSS at fork time, which Linux keeps in the child's high-water mark across exec.)
+_WRAP = ('import atexit, sys\n'
+         'def hwm():\n'
+         '  line = [l for l in open("/proc/self/status") if l.startswith("VmHWM")][0]\n'
+         '  sys.stderr.write("\\nPEAK_RSS_KB " + line.split()[1] + "\\n")\n'
+         'atexit.register(hwm)\n'
+         'from paxcli.cli.app import main\n'
+         'main(sys.argv[1:])\n')
+
+
 def run_measured(argv: list[str]) -> tuple[float, float]:
   """(seconds, peak RSS in bytes) of a fresh `pax` process."""
   t0 = time.perf_counter()
-  proc = subprocess.Popen([sys.executable, '-m', 'paxcli.cli.app', *argv], stdout=subprocess.DEVNULL,
-                          stderr=subprocess.PIPE)
-  err = proc.stderr.read()
-  _, status, usage = os.wait4(proc.pid, 0)
-  proc.returncode = os.waitstatus_to_exitcode(status)
+  proc = subprocess.run([sys.executable, '-c', _WRAP, *argv], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                        text=True)
   if proc.returncode:
-    raise SystemExit(f'pax {" ".join(argv)} failed:\n{err.decode()[-2000:]}')
-  return time.perf_counter() - t0, usage.ru_maxrss * 1024
+    raise SystemExit(f'pax {" ".join(argv)} failed:\n{proc.stderr[-2000:]}')
+  peak = [l for l in proc.stderr.splitlines() if l.startswith('PEAK_RSS_KB ')][-1]
+  return time.perf_counter() - t0, int(peak.split()[1]) * 1024
 
 
 def disk_write_speed(directory: str, nbytes: int = 1 << 30) -> float:
@@ -88,13 +98,21 @@ def main() -> None:
   p.add_argument('--dims', type=int, default=2048)
   p.add_argument('--hidden', type=int, default=8192)
   p.add_argument('--dir', default='/tmp/pax_convert_bench')
+  p.add_argument('--reuse', action='store_true', help='Reuse the checkpoint made by an earlier run in --dir.')
   args = p.parse_args()
-  shutil.rmtree(args.dir, ignore_errors=True)
-  os.makedirs(args.dir)
   src = os.path.join(args.dir, 'src')
   sets = knobs(args.layers, args.dims, args.hidden)
   t0 = time.perf_counter()
-  made = make_checkpoint(src, sets)
+  made_file = os.path.join(args.dir, 'made.json')
+  if args.reuse and os.path.exists(made_file):
+    with open(made_file, encoding='utf-8') as f:
+      made = json.load(f)
+  else:
+    shutil.rmtree(args.dir, ignore_errors=True)
+    os.makedirs(args.dir)
+    made = make_checkpoint(src, sets)
+    with open(made_file, 'w', encoding='utf-8') as f:
+      json.dump(made, f)
   print(f'checkpoint: {made["parameters"] / 1e9:.2f}B float32 params, {made["bytes"] / 2**30:.2f} GiB, largest '
         f'array {made["largest"] / 2**30:.2f} GiB; made in {time.perf_counter() - t0:.0f}s', flush=True)
   disk = disk_write_speed(args.dir)

@@ -221,15 +221,16 @@ def test_hf_export_matches_numpy_llama_and_imports_back(job, tmp_path, capsys):
   np.testing.assert_allclose(ours, theirs, atol=2e-4, rtol=1e-4)
   # and back: the same weights under paxcli's names, a recipe with the matching knobs
   recipe = str(tmp_path / 'llama_recipe.py')
-  out, err = _ok(['checkpoint', 'convert', hf_dir, back, '--from', 'hf', '--exp', EXP, '--set',
-                  'ICI_MESH_SHAPE=[1,8,1]', '--recipe', recipe, '--json'], capsys)
-  assert json.loads(out)['verify']['ok']
+  out, err = _ok(['checkpoint', 'convert', hf_dir, back, '--from', 'hf', '--recipe', recipe, '--json'], capsys)
+  assert json.loads(out)['verify']['ok'] and json.loads(out)['experiment'] == f'{recipe}:HfLlama'
   orig, b = _arrays(job), _arrays(back)
   for k in orig:
     if k.startswith('params/'):
       np.testing.assert_array_equal(b[k], orig[k], err_msg=k)
   text = open(recipe).read()
   assert 'NUM_KV_HEADS = 2' in text and "NORM_TYPE = 'rmsnorm'" in text and 'SEPARATE_EMBEDDING = False' in text
+  out, _ = _ok(['eval', '--exp', f'{recipe}:HfLlama', '--job-log-dir', back, '--json'], capsys)
+  assert json.loads(out)['step'] == 2
 
 
 # ---- errors, through the CLI ---------------------------------------------------------------------

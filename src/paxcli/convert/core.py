@@ -201,7 +201,12 @@ class Output:
     self.tmp = self.path + f'.converting-{os.getpid()}'
 
   def __enter__(self) -> str:
+    import glob
     import shutil
+    for stale in glob.glob(glob.escape(self.path) + '.converting-*'):   # left by a killed conversion
+      pid = stale.rsplit('-', 1)[-1]
+      if pid.isdigit() and not _alive(int(pid)):
+        shutil.rmtree(stale, ignore_errors=True)
     if os.path.exists(self.tmp):
       shutil.rmtree(self.tmp)
     os.makedirs(self.tmp)
@@ -220,6 +225,16 @@ class Output:
     else:
       os.rename(self.tmp, self.path)
     return False
+
+
+def _alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    return True
+  return True
 
 
 def progress(total_bytes: int, description: str):

@@ -238,4 +238,5 @@ def recipe_text(class_name: str, knobs: dict, source: str, notes: list[str]) -> 
            '@register', f'class {class_name}(LmExperiment):',
            f'  """Llama from {os.path.basename(os.path.abspath(source))}."""', '']
   lines += [f'  {k} = {v!r}' for k, v in knobs.items()]
+  lines += ['  PERCORE_BATCH_SIZE = 1', '  ICI_MESH_SHAPE = None  # all devices data-parallel; set a mesh for large models']
   return '\n'.join(lines) + '\n'

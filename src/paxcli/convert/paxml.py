@@ -455,16 +455,10 @@ class PaxmlSource(formats.SourceBase):
   def check_experiment(self, experiment, log=print) -> None:
     """UserError listing each knob of the target experiment that differs from what the checkpoint
     needs, and the features paxcli cannot honour unless the experiment lists them in
-    UNSUPPORTED_FEATURES (accepting the difference). Without an experiment (the knobs are
-    then taken from the checkpoint) unsupported features are logged; the written config and
-    recipe list them, so `pax train` refuses until they are accepted."""
+    UNSUPPORTED_FEATURES (accepting the difference; its config keeps them, so `pax train`
+    refuses until --set UNSUPPORTED_FEATURES={})."""
     need = self.knobs()
     unsupported = need.pop('UNSUPPORTED_FEATURES')
-    if experiment is None:
-      if unsupported:
-        log('Note: paxcli cannot honour these features of the Pax model; the converted model differs '
-            'there and its UNSUPPORTED_FEATURES lists them: ' + '; '.join(f'{f}: {w}' for f, w in unsupported.items()))
-      return
     have = experiment.knobs()
     wrong = [f'{k} = {have.get(k)!r}, the checkpoint needs {v!r}' for k, v in need.items()
              if k in have and not _same(have[k], v, k, have)]
@@ -479,17 +473,21 @@ class PaxmlSource(formats.SourceBase):
                       'converted model would compute another function. To convert anyway, list them in the '
                       'experiment\'s UNSUPPORTED_FEATURES (pax train then refuses until you accept with --set '
                       'UNSUPPORTED_FEATURES={}).')
+    if unsupported:
+      log('Note: the converted model differs from the Pax model where paxcli cannot follow it (listed in '
+          'UNSUPPORTED_FEATURES): ' + '; '.join(f'{f}: {w}' for f, w in unsupported.items()))
 
   def paxcli_view(self, model) -> 'PaxView':
     return PaxView(self, model)
 
-  def recipe_text(self, class_name: str, target=None) -> str:
-    """A recipe of the model's knobs; layout and MAX_SEQ_LEN those of `target` (the experiment the
-    checkpoint was written for), FPROP_DTYPE Pax's."""
+  def recipe_text(self, class_name: str) -> str:
+    """A recipe of the model's knobs, with Pax's layer layout, FPROP_DTYPE and sequence length."""
     pax = self.pax()
     knobs = dict(pax.knobs)
-    knobs['USE_REPEATED_LAYER'] = bool(getattr(target, 'USE_REPEATED_LAYER', pax.repeated))
-    knobs['MAX_SEQ_LEN'] = getattr(target, 'MAX_SEQ_LEN', None) or pax.learned_rows or 2048
+    knobs['USE_REPEATED_LAYER'] = pax.repeated
+    seq = pax.get('input.seq_len') if isinstance(pax.get('input.seq_len'), int) else None
+    lengths = [n for n in (seq, pax.learned_rows) if n]   # the input's, within a learned table
+    knobs['MAX_SEQ_LEN'] = min(lengths) if lengths else 2048
     knobs['FPROP_DTYPE'] = pax.fprop_dtype
     knobs['UNSUPPORTED_FEATURES'] = dict(pax.unsupported)
     lines = [f'"""The Pax model of `{self.path}` as a paxcli experiment (pax checkpoint convert --from paxml).',

@@ -55,9 +55,26 @@ def convert(source: str, output: str, *, fmt: Optional[str] = None, to: str = 'o
   overrides = list(overrides)
   if to == 'hf':
     overrides.append('USE_REPEATED_LAYER=False')   # HF layers are unrolled
+  recipe_path = None
+  if (src.kind == 'hf' and not src.config) or (src.kind == 'paxml' and not exp):
+    # The imported model's experiment is the recipe written for it (as pax import-maxtext does),
+    # unless --exp names one; the converted job then resumes with --exp <recipe>:<class>.
+    recipe_path = _write_recipe(src, recipe, output, force, log)
+    exp = exp or f'{recipe_path}:{_recipe_class(src)}'
+  try:
+    return _convert(src, out, source, output, fmt, to, exp, overrides, params_only, dtype, step, verify,
+                    kl_tolerance, max_shard_bytes, log, t0, recipe_path)
+  except BaseException:
+    if recipe_path and not recipe:
+      os.remove(recipe_path)   # a failed import leaves nothing behind
+    raise
+
+
+def _convert(src, out, source, output, fmt, to, exp, overrides, params_only, dtype, step, verify, kl_tolerance,
+             max_shard_bytes, log, t0, recipe_path):
   if hasattr(src, 'check_experiment'):   # paxml: the experiment must compute the Pax model's function
     from paxcli import config as cfg
-    src.check_experiment(cfg.resolve(exp, list(overrides)).experiment if exp else None, log)
+    src.check_experiment(cfg.resolve(exp, list(overrides)).experiment, log)
   source_res, target_res = core.resolve_pair(src, exp, overrides)
   if not src.paxcli_names:
     if hasattr(src, 'paxcli_view'):
@@ -111,8 +128,15 @@ def convert(source: str, output: str, *, fmt: Optional[str] = None, to: str = 'o
   stats['seconds'] = time.perf_counter() - t0
   result = {'source': os.path.abspath(source), 'output': out.path, 'format': to, 'step': src.step,
             'params_only': params_only, 'dtype': dtype, 'experiment': target_res.name, **stats}
-  if src.kind == 'hf' or (src.kind == 'paxml' and not exp):
-    result['recipe'] = _write_recipe(src, recipe, output, force, log, target_res.experiment)
+  if recipe_path:
+    result['recipe'] = recipe_path
+  param_bytes = sum(int(np.prod(x.shape, dtype=np.int64)) * 4 for n, x in target.abstract.items()
+                    if n.startswith('params/'))
+  memory = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
+  if verify and 3 * param_bytes > memory:
+    log(f'Not verifying: running both models needs about {3 * param_bytes / 2**30:.0f} GiB of host memory '
+        f'({memory / 2**30:.0f} GiB here); the conversion itself streamed.')
+    verify = False
   if verify:
     result['verify'] = _verify(src, source_model, target, out.path, to,
                                kl_tolerance if kl_tolerance is not None else core.default_tolerance(dtype))
@@ -193,20 +217,25 @@ def _carry_files(src, tmp: str, to: str) -> None:
   shutil.copyfile(tok, dest)
 
 
-def _write_recipe(src, recipe: Optional[str], output: str, force: bool, log, target=None) -> str:
+def _recipe_class(src) -> str:
+  return 'PaxLm' if src.kind == 'paxml' else 'HfLlama'
+
+
+def _write_recipe(src, recipe: Optional[str], output: str, force: bool, log) -> str:
   from paxcli.convert import hf
-  prefix, class_name = ('paxml', 'PaxLm') if src.kind == 'paxml' else ('hf', 'HfLlama')
+  prefix, class_name = src.kind, _recipe_class(src)
   path = recipe or os.path.join(os.path.dirname(os.path.abspath(output)),
                                 f'{prefix}_{os.path.basename(os.path.abspath(output))}.py'.replace('-', '_'))
   if os.path.exists(path) and not force:
     raise UserError(f'The recipe {path} exists; pass --force to replace it or --recipe PATH.')
   if src.kind == 'paxml':
-    text = src.src.recipe_text(class_name, target)
+    text = src.recipe_text(class_name)
   else:
-    text = hf.recipe_text(class_name, dict(src.knobs()), src.path, getattr(src.hf, 'notes', []))
+    text = hf.recipe_text(class_name, dict(src.knobs()), src.path, getattr(getattr(src, 'hf', src), 'notes', []))
   with open(path, 'w', encoding='utf-8') as f:
     f.write(text)
-  log(f'Wrote the recipe {path}: pax train --exp {path}:{class_name} --job-log-dir {output}')
+  log(f'Wrote the recipe {path}; the converted job resumes with: pax train --exp {path}:{class_name} '
+      f'--job-log-dir {output}')
   return path
 
 
