@@ -137,6 +137,22 @@ def _device_of(path: str) -> str:
   return f'{mount} ({sources[mount]})' if mount in sources else mount
 
 
+class _NoSpaceFilter:
+  """Drops orbax's own log records (with tracebacks) of a full disk: we report it in one line."""
+
+  @staticmethod
+  def filter(record) -> bool:
+    exc = record.exc_info[1] if record.exc_info else None
+    return not ('No space left on device' in record.getMessage() or (exc is not None and _no_space(exc)))
+
+
+def _quiet_no_space_logs() -> None:
+  import logging
+  logger = logging.getLogger('absl')
+  if not any(isinstance(f, _NoSpaceFilter) for f in logger.filters):
+    logger.addFilter(_NoSpaceFilter())
+
+
 class Checkpointer:
   """orbax's CheckpointManager with our items, completeness rules and retention.
 
@@ -153,6 +169,7 @@ class Checkpointer:
     options = ocp.CheckpointManagerOptions(max_to_keep=None, create=True,
                                            enable_async_checkpointing=async_save)
     self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
+    _quiet_no_space_logs()
     self._losses: dict[int, Optional[float]] = {}
     self._in_flight: Optional[int] = None
     self._failed = False
@@ -197,8 +214,10 @@ class Checkpointer:
   def _loss_of(self, step: int) -> Optional[float]:
     if step not in self._losses:
       try:
-        loss = self.read_meta(step).get('loss')
-      except Exception:  # an unreadable meta: no loss known, the step is just not "best"
+        import json
+        with open(os.path.join(self.directory, str(step), 'meta', 'metadata'), encoding='utf-8') as f:
+          loss = json.load(f).get('loss')
+      except (OSError, ValueError, AttributeError):  # unreadable: no loss known, so never the "best"
         loss = None
       self._losses[step] = float(loss) if isinstance(loss, (int, float)) and math.isfinite(loss) else None
     return self._losses[step]
@@ -221,6 +240,11 @@ class Checkpointer:
 
   def wait(self) -> None:
     self._finish()
+
+  def reload(self) -> None:
+    """Re-reads the steps on disk (after a damaged one was moved aside)."""
+    self._manager.reload()
+    self.latest_saved = self.latest_step()
 
   def close(self) -> None:
     if self._failed:  # a write already failed: do not raise (or wait on) it again while unwinding

@@ -262,6 +262,13 @@ def select_tokens(logits_BxV, keys_Bx2, t, temperature, top_k: int, top_p, sampl
   return tok_B, jnp.take_along_axis(logp_BxV, tok_B[:, None], axis=-1)[:, 0]
 
 
+def check_lengths(prompts: Sequence[Prompt], max_seq_len: int, offset: int = 0) -> None:
+  for n, p in enumerate(prompts):
+    if len(p.ids) >= max_seq_len:
+      raise UserError(f'Prompt {n + offset} has {len(p.ids)} tokens, which leaves no room to decode below '
+                      f'MAX_SEQ_LEN {max_seq_len}; shorten it or raise MAX_SEQ_LEN.')
+
+
 class Decoder:
   """Jitted prefill and step functions of a model on its mesh; `run` decodes prompts."""
 
@@ -350,10 +357,7 @@ class Decoder:
     """Decodes every prompt; returns (records in prompt then sample order, timing stats)."""
     from paxcli import sharding
     opts.check()
-    for n, p in enumerate(prompts):
-      if len(p.ids) >= self.max_seq_len:
-        raise UserError(f'Prompt {n + prompt_offset} has {len(p.ids)} tokens, which leaves no room to decode '
-                        f'below MAX_SEQ_LEN {self.max_seq_len}; shorten it or raise MAX_SEQ_LEN.')
+    check_lengths(prompts, self.max_seq_len, prompt_offset)
     per_prompt = opts.beam_size or opts.num_samples
     dp = sharding.data_parallel_size(self.mesh)
     want = opts.batch_size or 64
@@ -624,6 +628,7 @@ def decode_command(resolved, job_dir: str, opts: DecodeOptions, texts=(), prompt
     prompts = prompts_from_dataset(resolved, setup, dataset, tokenizer, num_prompts)
   else:
     prompts = prompts_from_args(texts, prompts_file, prompt_ids, tokenizer, vocab)
+  check_lengths(prompts, decoder_check.max_seq_len)
   if opts.stop and tokenizer is None:
     raise UserError('--stop needs a tokenizer to turn tokens into text; this model has none (use --eos-id).')
   opts = eos_ids_for(opts, tokenizer)

@@ -237,8 +237,10 @@ def evaluate(resolved, job_dir: str, console, use_checkpoint: bool = True, step:
   try:
     if use_checkpoint:
       from paxcli import restore
+      latest = step is None  # the latest: a damaged one falls back to the newest intact one
       step = restore.choose_step(job_dir, step=step, purpose='evaluate')
-      results = _evaluate_step(resolved, setup, evaluator, job_dir, step)
+      step, results = _evaluate_step(resolved, setup, evaluator, job_dir, step, fallback=latest,
+                                     log=lambda m: console.print(m, highlight=False, markup=False))
     else:
       step = 0
       results = evaluator.run(step, engine.init_state(setup, resolved.experiment.RANDOM_SEED))
@@ -250,20 +252,27 @@ def evaluate(resolved, job_dir: str, console, use_checkpoint: bool = True, step:
 FOLLOW_RECORD = 'eval_done.jsonl'
 
 
-def _evaluate_step(resolved, setup, evaluator, job_dir: str, step: int) -> dict:
-  """Restores checkpoint `step` (parameters only), evaluates it and records it in eval_done.jsonl."""
+def _evaluate_step(resolved, setup, evaluator, job_dir: str, step: int, fallback: bool = False,
+                   log=print) -> tuple[int, dict]:
+  """Restores checkpoint `step` (parameters only), evaluates it and records it in eval_done.jsonl.
+
+  Returns (the step evaluated, metrics): with fallback, an older step when `step` is damaged
+  (named in a WARNING line; nothing is moved: eval only reads).
+  """
   import jax
 
   from paxcli import restore
   flat = {k: repr(v) for k, v in resolved.flat().items()}
-  state = restore.restore(setup, job_dir, step, params_only=True, flat_now=flat, action='evaluate').state
-  results = evaluator.run(step, state)
+  restored = restore.restore(setup, job_dir, step, params_only=True, flat_now=flat, action='evaluate',
+                             fallback=fallback, log=log)
+  step = restored.step
+  results = evaluator.run(step, restored.state)
   if jax.process_index() == 0:
     import json
     import time
     with open(os.path.join(job_dir, FOLLOW_RECORD), 'a', encoding='utf-8') as f:
       f.write(json.dumps({'step': step, 'datasets': sorted(results), 'time': time.time()}) + '\n')
-  return results
+  return step, results
 
 
 def evaluated_steps(job_dir: str, names) -> set[int]:
@@ -352,7 +361,11 @@ def follow(resolved, job_dir: str, console, timeout: Optional[float] = None, pol
       step = action
       try:
         last_step = _last_step(job_dir, step, last_step)
-        results = _evaluate_step(resolved, setup, evaluator, job_dir, step)
+        _, results = _evaluate_step(resolved, setup, evaluator, job_dir, step)
+      except restore.DamagedCheckpoint as e:
+        log(f'WARNING: {e} Skipping it.')
+        done.add(step)
+        continue
       except (UserError, FileNotFoundError):
         if os.path.isdir(os.path.join(directory, str(step))):
           raise

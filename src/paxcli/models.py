@@ -17,13 +17,15 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import fiddle as fdl
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paxcli.layers.base import BaseLayer, LayerTpl, instantiate, template_field  # noqa: F401
-from paxcli.layers.transformer import Block, Norm, dtype_of, fill_template, sinusoidal, soft_cap
+from paxcli.layers.base import (AUX_LOSS, NON_TRAINABLE, RANDOM, SUMMARIES, BaseLayer, LayerTpl,
+                                build_arguments, instantiate, template_field)  # noqa: F401
+from paxcli.layers.transformer import Attention, Block, Mlp, Norm, dtype_of, fill_template, sinusoidal, soft_cap
 
 REMAT_POLICIES = {
     'save_nothing': lambda: jax.checkpoint_policies.nothing_saveable,
@@ -96,12 +98,11 @@ class TransformerLm(BaseLayer):
   final_norm_tpl: LayerTpl = template_field(Norm)
 
   def _block_kwargs(self, dtype, deterministic: bool, remat: bool = True) -> tuple[type, dict]:
-    from paxcli.layers import base
+    """The block class (remat-wrapped per checkpoint_policy) and its arguments from block_tpl."""
     tpl = fill_template(self.block_tpl, dtype, model_dims=self.model_dims, dropout_prob=self.dropout_prob,
                         deterministic=deterministic)
-    import fiddle as fdl
     cls = fdl.get_callable(tpl)
-    kwargs = base.build_arguments(tpl, self)
+    kwargs = build_arguments(tpl, self)
     if remat and self.checkpoint_policy != 'none':
       cls = nn.remat(cls, policy=REMAT_POLICIES[self.checkpoint_policy](), prevent_cse=not self.scan_layers)
     return cls, kwargs
@@ -134,7 +135,6 @@ class TransformerLm(BaseLayer):
     decoding = self.is_mutable_collection('cache') and not self.is_initializing()  # KV cache: no remat
     block, block_kwargs = self._block_kwargs(dtype, deterministic, remat=not decoding)
     if self.scan_layers:
-      from paxcli.layers.base import AUX_LOSS, NON_TRAINABLE, RANDOM, SUMMARIES
       stack = nn.scan(block, variable_axes={'params': 0, NON_TRAINABLE: 0, SUMMARIES: 0, AUX_LOSS: 0, 'cache': 0},
                       split_rngs={'params': True, 'dropout': True, RANDOM: True},
                       in_axes=(nn.broadcast, nn.broadcast), length=self.num_layers,
@@ -145,9 +145,7 @@ class TransformerLm(BaseLayer):
         x_BxLxD, _ = block(**block_kwargs, name=f'layer_{i}')(x_BxLxD, segment_ids_BxL, positions_BxL)
 
     final_norm = fill_template(self.final_norm_tpl, dtype)
-    from paxcli.layers import base
-    import fiddle as fdl
-    x_BxLxD = fdl.get_callable(final_norm)(**base.build_arguments(final_norm, self), name='final_norm')(x_BxLxD)
+    x_BxLxD = fdl.get_callable(final_norm)(**build_arguments(final_norm, self), name='final_norm')(x_BxLxD)
     if self.separate_embedding:
       logits = nn.Dense(self.vocab_size, use_bias=self.softmax_bias, dtype=dtype,
                         kernel_init=nn.with_logical_partitioning(
@@ -195,9 +193,6 @@ def lm_config(vocab_size: int = 256, num_layers: int = 2, model_dims: int = 64, 
   `lm_tpl.block_tpl.attention_tpl`, hidden dims and activation in `...ffn_tpl`, the norm
   kind in `...norm_tpl` and `lm_tpl.final_norm_tpl`, the rest on `lm_tpl`.
   """
-  import fiddle as fdl
-
-  from paxcli.layers.transformer import Attention, Mlp
   norm = lambda: fdl.Config(Norm, kind=norm_type, use_bias=use_bias, epsilon=norm_epsilon)
   attention = fdl.Config(Attention, num_heads=num_heads, num_kv_heads=num_kv_heads, dims_per_head=dims_per_head,
                          use_bias=use_bias if attention_use_bias is None else attention_use_bias,
@@ -280,11 +275,13 @@ def flat_view(model):
       apply=model.apply, model=model,
       **{name: get(lm, name) for name in ('vocab_size', 'num_layers', 'model_dims', 'max_seq_len',
                                           'position_embedding', 'separate_embedding', 'dropout_prob',
-                                          'fprop_dtype', 'scan_layers', 'checkpoint_policy')},
+                                          'fprop_dtype', 'scan_layers', 'checkpoint_policy',
+                                          'scale_embedding_sqrt_depth', 'softmax_bias', 'softmax_cap_logits')},
       **{name: get(attention, name) for name in ('num_heads', 'num_kv_heads', 'dims_per_head',
-                                                 'rotary_max_timescale', 'use_bias')},
+                                                 'rotary_max_timescale', 'per_dim_scale', 'atten_logit_cap')},
+      use_bias=bool(get(attention, 'use_bias') or get(ffn, 'use_bias')),   # any bias in the blocks
       hidden_dims=get(ffn, 'hidden_dims'), activation=get(ffn, 'activation'),
-      use_gated_activation=get(ffn, 'gated'), norm_type=get(norm, 'kind'))
+      use_gated_activation=get(ffn, 'gated'), norm_type=get(norm, 'kind'), norm_epsilon=get(norm, 'epsilon'))
 
 
 def validate_lm(lm) -> None:
@@ -299,8 +296,6 @@ def validate_lm(lm) -> None:
   if getattr(lm, 'softmax_cap_logits', 0.0) < 0:
     raise UserError(f'SOFTMAX_CAP_LOGITS must be 0 (off) or positive, got {lm.softmax_cap_logits}.')
   attention = getattr(getattr(lm, 'block_tpl', None), 'attention_tpl', None)
-  from paxcli.layers.transformer import Attention
-  import fiddle as fdl
   if attention is None or fdl.get_callable(attention) is not Attention:
     return
   where = 'task.model.lm_tpl.block_tpl.attention_tpl'
@@ -313,7 +308,6 @@ def validate_lm(lm) -> None:
   if attention.rotary and attention.dims_per_head % 2:
     raise UserError(f'Rotary positions need an even DIMS_PER_HEAD, got {attention.dims_per_head}.')
   ffn = lm.block_tpl.ffn_tpl
-  from paxcli.layers.transformer import Mlp
   if fdl.get_callable(ffn) is Mlp:
     at_least(1, 'task.model.lm_tpl.block_tpl.ffn_tpl', ffn, 'hidden_dims')
 
@@ -334,7 +328,7 @@ class ClassificationModel(BaseModel):
   norm_tpl: LayerTpl = template_field(Norm)
 
   def setup(self):
-    from paxcli.layers.base import WeightHParams, WeightInit
+    from paxcli.layers.base import WeightHParams, WeightInit  # noqa: F811
     d = self.model_dims
     self.create_variable('embedding', WeightHParams(shape=[self.vocab_size, d], init=WeightInit.Gaussian(d ** -0.5),
                                                     tensor_split_dims_mapping=('vocab', 'embed')))

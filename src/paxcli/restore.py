@@ -96,37 +96,184 @@ def check_shapes(meta: dict, shapes_now: dict, flat_now: dict, step: int, params
                   f'  {shapes}')
 
 
+class DamagedCheckpoint(UserError):
+  """A complete-looking checkpoint whose files cannot be read back as saved."""
+  exit_code = 1
+
+  def __init__(self, step: int, directory: str, reason: str):
+    self.step, self.directory, self.reason = step, directory, reason
+    super().__init__(f'The checkpoint at step {step} in {directory} is damaged: {reason}.')
+
+
 def restore(setup, job_dir: str, step: int, params_only: bool = False, flat_now: Optional[dict] = None,
-            action: str = 'restore') -> Restored:
-  """Restores checkpoint `step` of job_dir onto setup's shardings.
+            action: str = 'restore', fallback: bool = False, set_aside: bool = False,
+            log=print) -> Restored:
+  """Restores checkpoint `step` of job_dir onto setup's shardings, verified against its checksums.
 
   params_only: restore {'step', 'params'} and never read the optimizer state. Otherwise
   the full train state; from a params-only checkpoint the optimizer state is initialised
   fresh (fine-tuning) and `params_only_checkpoint` says so.
+
+  A damaged checkpoint (unreadable metadata or arrays, an array that differs from the
+  checksum saved with it) raises DamagedCheckpoint naming it. With fallback=True the
+  next older complete checkpoints are tried instead, with a loud line for each damaged
+  one; set_aside=True (train) also moves each damaged one to `checkpoints_damaged/`
+  (never deleted), so that the run goes on from the newest intact one.
   """
+  from paxcli import checkpoint as ckpt
+  older = [s for s in ckpt.complete_steps(checkpoints_dir(job_dir)) if s < step]
+  while True:
+    try:
+      return _restore_step(setup, job_dir, step, params_only, flat_now, action)
+    except DamagedCheckpoint as e:
+      if not fallback:
+        raise
+      if not older:  # nothing to fall back to: leave it in place for the user to look at
+        raise DamagedCheckpoint(e.step, e.directory, f'{e.reason}; no older complete checkpoint to fall '
+                                'back to. Move it aside to start afresh, or restore it from a copy') from None
+      moved = _set_aside_damaged(job_dir, step, log) if set_aside else None
+      where = f'moved it to {moved}' if moved else 'left it in place'
+      log(f'WARNING: {e} Falling back to the checkpoint at step {older[-1]}; {where}.')
+      step = older.pop()
+
+
+def _set_aside_damaged(job_dir: str, step: int, log) -> Optional[str]:
+  """Moves a damaged step to checkpoints_damaged/ (process 0), never deleting it; returns the target."""
+  import shutil
+  import time
+
+  import jax
+
+  from paxcli import distributed
+  target = os.path.join(os.path.abspath(job_dir), 'checkpoints_damaged', f'{step}-{int(time.time())}')
+  if jax.process_index() == 0:
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    try:
+      shutil.move(os.path.join(checkpoints_dir(job_dir), str(step)), target)
+    except OSError as e:
+      log(f'Could not move the damaged checkpoint at step {step} aside ({e.strerror}).')
+      target = None
+  distributed.barrier(f'paxcli:damaged-checkpoint-{step}-set-aside')
+  return target
+
+
+def _agree(ok: bool) -> bool:
+  """True when every process says ok (a collective with several processes)."""
+  import jax
+  if jax.process_count() == 1:
+    return ok
+  import numpy as np
+  from jax.experimental import multihost_utils
+  return bool(np.asarray(multihost_utils.process_allgather(np.array([int(ok)], np.int32))).min() > 0)
+
+
+def _restore_step(setup, job_dir: str, step: int, params_only: bool, flat_now: Optional[dict],
+                  action: str) -> Restored:
   import jax
   import orbax.checkpoint as ocp
 
   from paxcli import engine
-  meta = read_meta(job_dir, step)
-  keys = saved_state_keys(job_dir, step)
+  directory = checkpoints_dir(job_dir)
+  damaged = lambda reason: DamagedCheckpoint(step, directory, reason)
+  if not os.path.isfile(os.path.join(directory, str(step), 'state', '_METADATA')):
+    raise damaged("state/_METADATA (orbax's description of the arrays) is missing")
+  try:
+    meta = read_meta(job_dir, step)
+    if not isinstance(meta, dict):
+      raise UserError('not a JSON object')
+  except UserError as e:
+    raise damaged(f'its metadata (meta/metadata) cannot be read: {str(e)[-200:]}') from None
+  try:
+    keys = saved_state_keys(job_dir, step)
+  except UserError as e:
+    raise damaged(str(e)) from None
   has_opt = 'opt_state' in keys
   check_shapes(meta, engine.shape_signature(setup.abstract_state), flat_now or {}, step,
                params_only or not has_opt, action)
   wanted = {k: v for k, v in setup.abstract_state.items() if k != 'opt_state' or (has_opt and not params_only)}
   restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding, global_shape=a.shape,
                                                              dtype=a.dtype), wanted)
-  path = os.path.join(checkpoints_dir(job_dir), str(step), 'state')
+  path = os.path.join(directory, str(step), 'state')
+  state, error = None, ''
   try:
     state = ocp.PyTreeCheckpointer().restore(path, args=ocp.args.PyTreeRestore(
         item=wanted, restore_args=restore_args, partial_restore=set(wanted) != keys))
-  except (ValueError, KeyError) as e:
-    raise UserError(f'Cannot {action} the checkpoint at step {step} in {checkpoints_dir(job_dir)}: '
-                    f'{str(e)[:500]}') from None
+  except Exception as e:  # the shapes matched above: what fails now is the files
+    error = f'its arrays cannot be read ({type(e).__name__}: {_first_line(e)})'
+  if not _agree(not error):  # every process falls back together, or none does
+    raise damaged(error or 'another process could not read its part of the arrays')
   state = dict(state)
+  saved_sums = meta.get('checksums')
+  if saved_sums:
+    now = checksums(state)
+    bad = sorted(k for k, v in now.items() if k in saved_sums and saved_sums[k] != v)
+    if bad:
+      more = f' and {len(bad) - 3} more' if len(bad) > 3 else ''
+      raise damaged(f'{len(bad)} array(s) differ from the checksums saved with it ({", ".join(bad[:3])}{more})')
   if not params_only and not has_opt:
     state['opt_state'] = init_opt_state(setup, state['params'])
   return Restored(step, state, meta, params_only_checkpoint=not has_opt)
+
+
+def _first_line(e: BaseException) -> str:
+  text = str(e).strip().split(' See full TensorStore details')[0]
+  return (text.splitlines()[0] if text else '')[:300]
+
+
+def checksums(state) -> dict[str, str]:
+  """'path' -> checksum of every array of `state`, computed where the arrays live (one jitted pass).
+
+  Each array's bits (as unsigned integers) are summed modulo 2**32 in two lanes, weighted by
+  odd multipliers that depend on the element's position: any single flipped bit changes the
+  sum, and the result does not depend on how the array is sharded (integer addition modulo
+  2**32 is exact in any order), so a checkpoint verifies on another mesh or process count.
+  """
+  import jax
+  import numpy as np
+  flat = jax.tree_util.tree_flatten_with_path(state)[0]
+  names = ['/'.join(str(k) for k in _keys(path)) for path, _ in flat]
+  out = _checksum_fn()([leaf for _, leaf in flat])
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+    out = multihost_utils.process_allgather(out, tiled=True)
+  sums = np.asarray(jax.device_get(out))
+  return {name: f'{int(a):08x}{int(b):08x}' for name, (a, b) in zip(names, sums)}
+
+
+def _keys(path):
+  from paxcli import engine
+  return engine._keys(path)
+
+
+_CHECKSUM_FN = None
+
+
+def _checksum_fn():
+  global _CHECKSUM_FN
+  if _CHECKSUM_FN is None:
+    import jax
+    import jax.numpy as jnp
+
+    def bits(x):
+      x = jnp.asarray(x)
+      if x.dtype == jnp.bool_:
+        return x.astype(jnp.uint32)
+      width = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}.get(x.dtype.itemsize)
+      if width is None:  # 8-byte values: both halves
+        halves = jax.lax.bitcast_convert_type(x, jnp.uint32)
+        return halves.reshape(x.shape + (2,))
+      return jax.lax.bitcast_convert_type(x, width).astype(jnp.uint32)
+
+    def one(x):
+      b = bits(x).reshape(-1)
+      i = jnp.arange(b.shape[0], dtype=jnp.uint32)
+      lane1 = jnp.sum(b * (i * jnp.uint32(2) + jnp.uint32(1)), dtype=jnp.uint32)
+      lane2 = jnp.sum((b ^ (i * jnp.uint32(0x9E3779B9))) * jnp.uint32(0x85EBCA6B), dtype=jnp.uint32)
+      return jnp.stack([lane1, lane2])
+
+    _CHECKSUM_FN = jax.jit(lambda leaves: jnp.stack([one(x) for x in leaves]) if leaves
+                           else jnp.zeros((0, 2), jnp.uint32))
+  return _CHECKSUM_FN
 
 
 def init_opt_state(setup, params) -> Any:

@@ -339,8 +339,12 @@ def _train(resolved, job_dir: str, console, verbose: bool = False) -> dict:
                    f'{train_cfg.num_train_steps}. Nothing to do.')
       checkpointer.close()
       return {'step': latest, 'finished': True}
-    restored = restore.restore(setup, job_dir, latest, flat_now=flat, action='resume from')
+    restored = restore.restore(setup, job_dir, latest, flat_now=flat, action='resume from', fallback=True,
+                               set_aside=True, log=reporter_log)
     state, meta = restored.state, restored.meta
+    if restored.step != latest:  # a damaged checkpoint was set aside
+      latest = restored.step
+      checkpointer.reload()
     if restored.params_only_checkpoint:
       reporter_log(f'The checkpoint at step {latest} holds parameters only: the optimizer state starts fresh.')
     batches_consumed = int(meta.get('batches_consumed', latest))
@@ -396,7 +400,8 @@ def _train(resolved, job_dir: str, console, verbose: bool = False) -> dict:
     checkpointer.save(step, state, {'batches_consumed': batches_consumed, 'step': step,
                                     'global_batch': setup.global_batch, 'state_shapes': shapes_now,
                                     'config': flat, 'input_layout': layout,
-                                    'recent_losses': list(guard.recent), 'loss': guard.median()})
+                                    'recent_losses': list(guard.recent), 'loss': guard.median(),
+                                    'checksums': restore.checksums(state)})
 
   zero_weight = {'steps': 0, 'seen': 0}
 

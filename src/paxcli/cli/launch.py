@@ -166,16 +166,26 @@ def _spawn(argv: list[str], env: dict[str, str]) -> subprocess.Popen:
 
 
 def _die_with_parent_fn():
-  """A preexec_fn that makes the child get SIGTERM when the launcher dies (Linux), or None.
+  """A preexec_fn that kills the child when the launcher dies, however it dies (Linux), or None.
 
-  prctl is looked up here, in the parent: the child, between fork and exec, only calls it.
+  The signal is SIGKILL: a child blocked in a collective never runs a SIGTERM handler, and
+  JAX's distributed runtime installs one (its preemption notifier), so SIGTERM left the
+  children running forever after a `kill -9` of the launcher. prctl is looked up here, in
+  the parent: the child, between fork and exec, only calls it, then checks that the
+  launcher did not die before the call (the signal would never come).
   """
   try:
     import ctypes
     prctl = ctypes.CDLL(None, use_errno=True).prctl
   except (OSError, AttributeError):
     return None
-  return lambda: prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+  launcher = os.getpid()
+
+  def die_with_parent():
+    prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    if os.getppid() != launcher:
+      os._exit(1)
+  return die_with_parent
 
 
 def _pump(stream, out, prefix: str, lock: threading.Lock) -> None:

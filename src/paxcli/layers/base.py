@@ -240,12 +240,13 @@ def _root_memo(module: Optional[nn.Module]) -> dict:
   return _MEMOS.setdefault(scope.root, {})
 
 
-def build_arguments(config, module: Optional[nn.Module] = None) -> dict:
+def build_arguments(config, module: nn.Module) -> dict:
   """The constructor arguments of a layer config, built (template fields stay configs).
 
-  For making a child inline in an `@nn.compact` method: `cls(**build_arguments(tpl), name=...)`.
+  For making a child of `module` inline in an `@nn.compact` method:
+  `cls(**build_arguments(tpl, self), name=...)`.
   """
-  memo = _root_memo(module if module is not None else nn.module._context.module_stack[-1])
+  memo = _root_memo(module)
   templates = _template_names(fdl.get_callable(config))
   return {name: (value if name in templates else instantiate(value, memo))
           for name, value in config.__arguments__.items()}

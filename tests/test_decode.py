@@ -1,0 +1,209 @@
+"""`pax decode`: the KV cache against full recomputation, strategies, stopping, the CLI and its errors.
+
+Models are tiny and float32; each decoder is built once per module (compiles dominate).
+"""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from conftest import pax_main, run_pax
+from paxcli import config, decode, engine
+from paxcli.decode import DecodeOptions, Prompt
+
+TINY = ['VOCAB_SIZE=64', 'MODEL_DIMS=32', 'HIDDEN_DIMS=64', 'NUM_HEADS=4', 'MAX_SEQ_LEN=32',
+        'PERCORE_BATCH_SIZE=1']
+VARIANTS = {
+    'gqa_rotary_rmsnorm_unrolled': ['NUM_KV_HEADS=2', 'POSITION_EMBEDDING="rotary"', 'NORM_TYPE="rmsnorm"',
+                                    'USE_BIAS=False', 'ICI_MESH_SHAPE=[1,4,2]'],
+    'learned_layernorm_scanned_remat': ['USE_REPEATED_LAYER=True', 'CHECKPOINT_POLICY="save_dot_only"'],
+}
+PROMPTS = [Prompt([1, 2, 3, 4, 5]), Prompt([7]), Prompt([9, 8, 7, 6, 5, 4, 3, 2, 1, 3, 40])]
+
+
+def _decoder(sets, seed=0):
+  resolved = config.resolve('paxcli.lm.LmExperiment', TINY + sets)
+  setup = engine.build(resolved)
+  params = engine.init_state(setup, seed)['params']
+  return decode.Decoder(setup, params)
+
+
+@pytest.fixture(scope='module', params=list(VARIANTS))
+def variant(request):
+  return _decoder(VARIANTS[request.param])
+
+
+def test_cached_decoding_equals_full_recomputation(variant):
+  """Greedy with the cache, prompts of 1, 5 and 11 tokens in one batch, token for token equal to
+  re-running the model on the whole prefix; logprob equals the teacher-forced log-likelihood."""
+  records, stats = variant.run(PROMPTS, DecodeOptions(max_decode_steps=10))
+  assert [r['num_decoded_tokens'] for r in records] == [10, 10, 10]
+  assert stats['decode_tokens'] == 30
+  for prompt, r in zip(PROMPTS, records):
+    assert r['decoded_ids'] == decode.full_recompute_greedy(variant.model, variant.params, prompt.ids, 10)
+    assert r['stop_reason'] == 'max_steps'
+    tf = decode.teacher_forced_logprob(variant.model, variant.params, prompt.ids, r['decoded_ids'])
+    assert r['logprob'] == pytest.approx(tf, abs=1e-4)
+    assert r['logprob'] == pytest.approx(sum(r['token_logprobs']))
+
+
+@pytest.fixture(scope='module')
+def plain():
+  return _decoder(['POSITION_EMBEDDING="rotary"', 'NUM_KV_HEADS=2'], seed=1)
+
+
+def test_a_batch_equals_each_prompt_alone_and_budgets_stop_at_max_seq_len(plain):
+  opts = DecodeOptions(max_decode_steps=25)
+  together, _ = plain.run(PROMPTS, opts)
+  for n, prompt in enumerate(PROMPTS):
+    alone, _ = plain.run([prompt], opts)
+    assert alone[0]['decoded_ids'] == together[n]['decoded_ids']
+  # the 11-token prompt has room for 32 - 11 = 21 new tokens only
+  assert [r['num_decoded_tokens'] for r in together] == [25, 25, 21]
+
+
+def test_top_k_1_and_beam_1_equal_greedy_and_beams_beat_greedy(plain):
+  prompts = PROMPTS + [Prompt([20, 21]), Prompt([33, 1, 60])]
+  greedy, _ = plain.run(prompts, DecodeOptions(max_decode_steps=8))
+  top1, _ = plain.run(prompts, DecodeOptions(max_decode_steps=8, top_k=1, seed=5))
+  beam1, _ = plain.run(prompts, DecodeOptions(max_decode_steps=8, beam_size=1))
+  beam4, _ = plain.run(prompts, DecodeOptions(max_decode_steps=8, beam_size=4))
+  ids = lambda rs: [r['decoded_ids'] for r in rs]
+  assert ids(top1) == ids(greedy)
+  assert ids(beam1) == ids(greedy)
+  assert len(beam4) == 4 * len(prompts)
+  for n, g in enumerate(greedy):
+    beams = [r for r in beam4 if r['prompt_index'] == n]
+    assert [r['beam_rank'] for r in beams] == [0, 1, 2, 3]
+    assert beams[0]['logprob'] >= g['logprob'] - 1e-5
+    assert len({tuple(r['decoded_ids']) for r in beams}) == 4
+    tf = decode.teacher_forced_logprob(plain.model, plain.params, prompts[n].ids, beams[0]['decoded_ids'])
+    assert beams[0]['logprob'] == pytest.approx(tf, abs=1e-4)
+
+
+def test_samples_depend_only_on_seed_prompt_and_sample_index(plain):
+  opts = dict(max_decode_steps=8, temperature=1.5, top_k=20, top_p=0.9, num_samples=3)
+  a, _ = plain.run(PROMPTS, DecodeOptions(seed=3, **opts))
+  b, _ = plain.run(PROMPTS, DecodeOptions(seed=3, batch_size=3, **opts))     # one prompt per batch
+  c, _ = plain.run(PROMPTS[1:], DecodeOptions(seed=3, **opts), prompt_offset=1)
+  d, _ = plain.run(PROMPTS, DecodeOptions(seed=4, **opts))
+  ids = lambda rs: [r['decoded_ids'] for r in rs]
+  assert ids(a) == ids(b)
+  assert ids(a)[3:] == ids(c)
+  assert ids(a) != ids(d)
+  assert len({tuple(x) for x in ids(a)}) > 3  # samples differ from one another
+  assert [(r['prompt_index'], r['sample_index']) for r in a][:4] == [(0, 0), (0, 1), (0, 2), (1, 0)]
+
+
+class _CharTokenizer:
+  """Id i is the character chr(ord('a') + i % 26): enough text to test stop strings."""
+  eos_id = None
+
+  def decode(self, ids):
+    return ''.join(chr(ord('a') + i % 26) for i in ids)
+
+
+def test_eos_and_stop_strings_stop_their_row_only(plain):
+  greedy, _ = plain.run(PROMPTS, DecodeOptions(max_decode_steps=8))
+  eos = greedy[0]['decoded_ids'][2]
+  assert eos not in greedy[1]['decoded_ids'][:8] or eos not in greedy[2]['decoded_ids'][:8]
+  stopped, _ = plain.run(PROMPTS, DecodeOptions(max_decode_steps=8, eos_ids=(eos,)))
+  first = stopped[0]
+  assert first['stop_reason'] == 'eos' and first['decoded_ids'] == greedy[0]['decoded_ids'][:3]
+  for r, g in zip(stopped[1:], greedy[1:]):
+    if eos in g['decoded_ids']:
+      assert r['stop_reason'] == 'eos'
+    else:
+      assert r['decoded_ids'] == g['decoded_ids'] and r['stop_reason'] == 'max_steps'
+  tok = _CharTokenizer()
+  text = tok.decode(greedy[1]['decoded_ids'][2:4])
+  by_text, _ = plain.run(PROMPTS, DecodeOptions(max_decode_steps=8, stop=(text,)), tokenizer=tok)
+  assert by_text[1]['stop_reason'] == 'stop_string'
+  assert text not in by_text[1]['decoded'] and len(by_text[1]['decoded_ids']) <= 4
+  others = [r for n, r in enumerate(by_text) if text not in tok.decode(greedy[n]['decoded_ids'])]
+  assert others and all(r['stop_reason'] == 'max_steps' and r['num_decoded_tokens'] == 8 for r in others)
+
+
+def test_a_model_trained_on_counting_continues_a_count(tmp_path):
+  """300 steps of the synthetic counting input, then greedy decoding counts on."""
+  from paxcli import train
+  resolved = config.resolve('paxcli.lm.LmExperiment', ['VOCAB_SIZE=64', 'MODEL_DIMS=32', 'HIDDEN_DIMS=64',
+                                                       'NUM_HEADS=2', 'MAX_SEQ_LEN=16', 'PERCORE_BATCH_SIZE=2',
+                                                       'LEARNING_RATE=1e-2'])
+  setup, state, step, batch_sharding, inp = train.ready_step(resolved)
+  for _ in range(300):
+    state, _ = step(state, train.to_global(inp.get_next(), batch_sharding, setup.global_batch))
+  decoder = decode.Decoder(setup, state['params'])
+  prompts = [Prompt([5, 17, 2, 40, 10, 12, 14, 16]), Prompt([1, 1, 1, 1, 30, 31, 32]),
+             Prompt([9, 3, 60, 2, 50, 53, 56, 59])]
+  records, _ = decoder.run(prompts, DecodeOptions(max_decode_steps=4))
+  assert records[0]['decoded_ids'] == [18, 20, 22, 24]
+  assert records[1]['decoded_ids'] == [33, 34, 35, 36]
+  assert records[2]['decoded_ids'] == [62, 1, 4, 7]  # mod VOCAB_SIZE
+
+
+# ---- the CLI ------------------------------------------------------------------------------------------
+
+CLI = ['decode', '--exp', 'paxcli.lm.LmExperiment'] + [a for s in TINY for a in ('--set', s)]
+
+
+def test_cli_writes_jsonl_and_prints_json(tmp_path, capsys):
+  prompts = tmp_path / 'p.jsonl'
+  prompts.write_text('{"prompt_ids": [1, 2, 3]}\n\n{"prompt_ids": [7]}\n')
+  code, out, err = pax_main(CLI + ['--no-checkpoint', '--job-log-dir', str(tmp_path / 'job'), '--prompts-file',
+                                   str(prompts), '--prompt-ids', '4,5', '--max-decode-steps', '5', '--json'], capsys)
+  assert code == 0, err
+  lines = [json.loads(x) for x in out.splitlines()]
+  assert [r['prompt_ids'] for r in lines] == [[1, 2, 3], [7], [4, 5]]
+  fields = {'prompt', 'prompt_ids', 'decoded', 'decoded_ids', 'logprob', 'token_logprobs', 'num_decoded_tokens',
+            'stop_reason', 'sample_index'}
+  assert all(fields <= set(r) and r['num_decoded_tokens'] == 5 for r in lines)
+  path = tmp_path / 'job' / 'decoder_out' / 'prompts' / 'decode_step0.jsonl'
+  assert [json.loads(x) for x in path.read_text().splitlines()] == lines
+
+
+def test_one_device_gives_the_tokens_of_eight(tmp_path):
+  args = CLI + ['--no-checkpoint', '--prompt-ids', '3,4,5,6', '--max-decode-steps', '6', '--json',
+                '--set', 'NUM_KV_HEADS=2', '--set', 'ICI_MESH_SHAPE=None']
+  one = run_pax(*args, '--output', str(tmp_path / 'one.jsonl'),
+                env={'XLA_FLAGS': '--xla_force_host_platform_device_count=1'})
+  assert one.returncode == 0, one.stderr[-2000:]
+  eight = run_pax(*args, '--output', str(tmp_path / 'eight.jsonl'))
+  assert eight.returncode == 0, eight.stderr[-2000:]
+  ids = lambda p: [json.loads(x)['decoded_ids'] for x in open(p)]
+  assert ids(tmp_path / 'one.jsonl') == ids(tmp_path / 'eight.jsonl')
+
+
+@pytest.mark.parametrize('args, message', [
+    (['--prompt-ids', '1,2'], 'No complete checkpoint'),
+    (['--no-checkpoint', '--prompt', 'hello'], 'no tokenizer'),
+    (['--no-checkpoint', '--prompt-ids', '1,64'], 'id 64 outside the vocabulary'),
+    (['--no-checkpoint', '--prompt-ids', '1', '--top-p', '0'], '--top-p must be in (0, 1]'),
+    (['--no-checkpoint', '--prompt-ids', '1', '--top-p', '1.5'], '--top-p must be in (0, 1]'),
+    (['--no-checkpoint', '--prompt-ids', '1', '--top-k', '-1'], '--top-k must be at least 0'),
+    (['--no-checkpoint', '--prompt-ids', '1', '--temperature', '-1'], '--temperature must be at least 0'),
+    (['--no-checkpoint', '--prompt-ids', '1', '--beam-size', '2', '--top-k', '3'], 'cannot be combined'),
+    (['--no-checkpoint', '--prompt-ids', '1', '--beam-size', '2', '--num-samples', '2'], 'cannot be combined'),
+    (['--no-checkpoint'], 'No prompts'),
+    (['--no-checkpoint', '--prompt-ids', ','.join(['1'] * 32)], 'leaves no room'),
+])
+def test_cli_errors(tmp_path, capsys, args, message):
+  code, out, err = pax_main(CLI + ['--job-log-dir', str(tmp_path / 'job')] + args, capsys)
+  assert code != 0
+  assert message in ' '.join(err.split()), err
+  assert 'Traceback' not in err
+
+
+@pytest.mark.parametrize('content, message', [
+    ('', 'is empty'),
+    ('{"prompt_ids": [1]}\n{"prompt_ids": [1, \n', 'line 2 is not valid JSON'),
+    ('{"text": "x"}\n', 'line 1: expected an object with "prompt" or "prompt_ids"'),
+])
+def test_cli_prompt_file_errors(tmp_path, capsys, content, message):
+  path = tmp_path / 'p.jsonl'
+  path.write_text(content)
+  code, out, err = pax_main(CLI + ['--no-checkpoint', '--prompts-file', str(path)], capsys)
+  assert code != 0
+  assert message in ' '.join(err.split()), err
