@@ -6,16 +6,17 @@ zarr array per train-state leaf, named like
 `mdl_vars.params.lm.transformer.repeat.sub.x_layers_0.self_attention.combined_qkv.w`.
 
 `PaxmlSource` reads that metadata only; `knobs()` derives from model_params.txt the paxcli
-knobs of the same function (praxis semantics checked against praxis 1.4.0's source) and
-`unsupported()` what paxcli's model cannot express; `paxcli_view(model)` shows the model
-parameters under paxcli names and shapes, converted one array (or one layer) at a time:
+knobs of the same function (praxis semantics as in praxis 1.4.0's source), with
+UNSUPPORTED_FEATURES naming what paxcli's model cannot express; `paxcli_view(model)` shows
+the parameters under paxcli names and shapes, in the layout of the paxcli model given,
+each converted on request (one array, or one layer):
 
   combined QKV [3, D, N, H]   -> attention/{query,key,value}/kernel [D, N, H]
   post projection [D, N, H]   -> attention/out/kernel [N, H, D]
   LayerNorm scale s           -> 1 + s (praxis' default parametrisation; direct_scale: s)
   softmax w [D, V]            -> embedding/embedding [V, D] (tied) or logits/kernel
-  StackedTransformerRepeated  -> params/layers/... (a scanned stack), StackedTransformer ->
-                                 params/layer_<i>/...; conversion restacks either way.
+  StackedTransformerRepeated [x_times, ...] and StackedTransformer's x_layers_<i> -> either
+                                 params/layers/... (scanned) or params/layer_<i>/...
 
 Optimizer states are not carried over (praxis' optimizer states are not optax's): the
 result is a params-only checkpoint at the Pax step, from which `pax train` starts a fresh
