@@ -6,7 +6,7 @@ from typing import Optional
 
 import fiddle as fdl
 
-from paxcli.experiment import (ActivationName, CheckpointPolicyName, DTypeName, Experiment, NormName,
+from paxcli.experiment import (ActivationName, AttentionImplName, CheckpointPolicyName, DTypeName, Experiment, NormName,
                                OptimizerName, PositionName, ScheduleName)
 
 
@@ -45,6 +45,9 @@ class LmExperiment(Experiment):
   USE_PER_DIM_SCALE: bool = False         # learned per-dimension query scale (Pax's PerDimScale)
   USE_ATTENTION_BIAS: Optional[bool] = None  # None: USE_BIAS; Pax's USE_BIAS is this one
   NORM_EPSILON: float = 1e-6
+  # auto: jax.nn.dot_product_attention (cuDNN flash attention on GPUs in bf16/fp16, XLA
+  # elsewhere); einsum: the plain reference with explicit float32 logits.
+  ATTENTION_IMPL: AttentionImplName = 'auto'
 
   OPTIMIZER: OptimizerName = 'adamw'
   LEARNING_RATE: float = 1e-3
@@ -99,6 +102,7 @@ class LmExperiment(Experiment):
         per_dim_scale=self.USE_PER_DIM_SCALE,
         attention_use_bias=self.USE_ATTENTION_BIAS,
         norm_epsilon=self.NORM_EPSILON,
+        attention_impl=self.ATTENTION_IMPL,
     )
 
   def task(self) -> fdl.Config:

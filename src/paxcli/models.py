@@ -111,8 +111,6 @@ class TransformerLm(BaseLayer):
   def __call__(self, ids_BxL, segment_ids_BxL=None, positions_BxL=None, deterministic: bool = True):
     dtype = dtype_of(self.fprop_dtype) if isinstance(self.fprop_dtype, str) else self.fprop_dtype
     b, l = ids_BxL.shape
-    if segment_ids_BxL is None:
-      segment_ids_BxL = jnp.ones((b, l), jnp.int32)
     if positions_BxL is None:
       positions_BxL = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32)[None], (b, l))
     embed = nn.Embed(
@@ -178,6 +176,56 @@ def lm_loss(logits_BxLxV, labels_BxL, weights_BxL):
   return loss, {'loss_sum': loss_sum, 'correct_sum': correct, 'weight_sum': total_weight}
 
 
+def fused_lm_loss(logits_BxLxV, labels_BxL, weights_BxL):
+  """`lm_loss` without a second float32 [B, L, V] array: same value, gradient and metrics.
+
+  The plain loss keeps log-softmax [B, L, V] in float32 for its backward pass (and its
+  gradient builds more of the same size). Here the forward pass keeps only the
+  log-sum-exp per token ([B, L]) and the backward pass recomputes softmax - onehot
+  from the logits in one elementwise pass, producing the logits' gradient directly.
+  Logits may be bfloat16: they are read in float32 inside the fused reductions.
+  """
+  weights = weights_BxL.astype(jnp.float32)
+  nll_BxL = _token_nll(logits_BxLxV, labels_BxL)
+  total_weight = jnp.sum(weights)
+  loss_sum = jnp.sum(nll_BxL * weights)
+  correct = jnp.sum((jnp.argmax(logits_BxLxV, axis=-1) == labels_BxL) * weights)
+  loss = loss_sum / jnp.maximum(total_weight, 1e-8)
+  return loss, {'loss_sum': loss_sum, 'correct_sum': correct, 'weight_sum': total_weight}
+
+
+def _logsumexp_BxL(logits_BxLxV):
+  x = logits_BxLxV.astype(jnp.float32)
+  m_BxL = jax.lax.stop_gradient(jnp.max(x, axis=-1))
+  return m_BxL + jnp.log(jnp.sum(jnp.exp(x - m_BxL[..., None]), axis=-1))
+
+
+def _label_logit_BxL(logits_BxLxV, labels_BxL):
+  return jnp.take_along_axis(logits_BxLxV, labels_BxL[..., None], axis=-1)[..., 0].astype(jnp.float32)
+
+
+@jax.custom_vjp
+def _token_nll(logits_BxLxV, labels_BxL):
+  return _logsumexp_BxL(logits_BxLxV) - _label_logit_BxL(logits_BxLxV, labels_BxL)
+
+
+def _token_nll_fwd(logits_BxLxV, labels_BxL):
+  lse_BxL = _logsumexp_BxL(logits_BxLxV)
+  return lse_BxL - _label_logit_BxL(logits_BxLxV, labels_BxL), (logits_BxLxV, labels_BxL, lse_BxL)
+
+
+def _token_nll_bwd(residuals, g_BxL):
+  logits_BxLxV, labels_BxL, lse_BxL = residuals
+  vocab = logits_BxLxV.shape[-1]
+  probs = jnp.exp(logits_BxLxV.astype(jnp.float32) - lse_BxL[..., None])
+  onehot = labels_BxL[..., None] == jax.lax.broadcasted_iota(labels_BxL.dtype, (1, 1, vocab), 2)
+  grad_BxLxV = (probs - onehot.astype(jnp.float32)) * g_BxL[..., None]
+  return grad_BxLxV.astype(logits_BxLxV.dtype), None
+
+
+_token_nll.defvjp(_token_nll_fwd, _token_nll_bwd)
+
+
 def lm_config(vocab_size: int = 256, num_layers: int = 2, model_dims: int = 64, hidden_dims: int = 256,
               num_heads: int = 4, num_kv_heads: int = 4, dims_per_head: int = 16, max_seq_len: int = 64,
               activation: str = 'gelu', use_gated_activation: bool = False, norm_type: str = 'layernorm',
@@ -186,7 +234,8 @@ def lm_config(vocab_size: int = 256, num_layers: int = 2, model_dims: int = 64, 
               scan_layers: bool = False, checkpoint_policy: str = 'save_nothing',
               scale_embedding_sqrt_depth: bool = False, softmax_bias: bool = False,
               softmax_cap_logits: float = 0.0, atten_logit_cap: float = 0.0, per_dim_scale: bool = False,
-              attention_use_bias: Optional[bool] = None, norm_epsilon: float = 1e-6):
+              attention_use_bias: Optional[bool] = None, norm_epsilon: float = 1e-6,
+              attention_impl: str = 'auto'):
   """The LanguageModel config with its templates filled from flat settings (the LM knobs).
 
   Each setting lands in the one template that uses it: attention heads in
@@ -197,7 +246,8 @@ def lm_config(vocab_size: int = 256, num_layers: int = 2, model_dims: int = 64, 
   attention = fdl.Config(Attention, num_heads=num_heads, num_kv_heads=num_kv_heads, dims_per_head=dims_per_head,
                          use_bias=use_bias if attention_use_bias is None else attention_use_bias,
                          rotary=position_embedding == 'rotary', rotary_max_timescale=rotary_max_timescale,
-                         per_dim_scale=per_dim_scale, atten_logit_cap=atten_logit_cap)
+                         per_dim_scale=per_dim_scale, atten_logit_cap=atten_logit_cap,
+                         attention_impl=attention_impl)
   ffn = fdl.Config(Mlp, hidden_dims=hidden_dims, activation=activation, gated=use_gated_activation,
                    use_bias=use_bias)
   block = fdl.Config(Block, attention_tpl=attention, ffn_tpl=ffn, norm_tpl=norm())
@@ -231,7 +281,7 @@ class LanguageModel(BaseModel):
                 deterministic=deterministic)
 
   def compute_loss(self, predictions, input_batch: dict):
-    loss, sums = lm_loss(predictions, input_batch['labels'], input_batch['weights'])
+    loss, sums = fused_lm_loss(predictions, input_batch['labels'], input_batch['weights'])
     weight = sums['weight_sum']
     accuracy = sums['correct_sum'] / jnp.maximum(weight, 1e-8)
     return loss, {'loss': (loss, weight), 'accuracy': (accuracy, weight)}
@@ -278,7 +328,8 @@ def flat_view(model):
                                           'fprop_dtype', 'scan_layers', 'checkpoint_policy',
                                           'scale_embedding_sqrt_depth', 'softmax_bias', 'softmax_cap_logits')},
       **{name: get(attention, name) for name in ('num_heads', 'num_kv_heads', 'dims_per_head',
-                                                 'rotary_max_timescale', 'per_dim_scale', 'atten_logit_cap')},
+                                                 'rotary_max_timescale', 'per_dim_scale', 'atten_logit_cap',
+                                                 'attention_impl')},
       use_bias=bool(get(attention, 'use_bias') or get(ffn, 'use_bias')),   # any bias in the blocks
       hidden_dims=get(ffn, 'hidden_dims'), activation=get(ffn, 'activation'),
       use_gated_activation=get(ffn, 'gated'), norm_type=get(norm, 'kind'), norm_epsilon=get(norm, 'epsilon'))
