@@ -131,8 +131,10 @@ def main() -> None:
   for label, out, extra, written in runs:
     seconds, rss = run_measured(['checkpoint', 'convert', src, os.path.join(args.dir, out), '--no-verify', *extra])
     rate = written / seconds
-    table.add_row(label, f'{written / 2**30:.2f}', f'{seconds:.1f}', f'{rate / 1e9:.2f}', f'{rate / disk:.0%}',
-                  f'{rss / 2**30:.2f}', f'{(rss - base_rss) / made["largest"]:.2f}')
+    row = (label, f'{written / 2**30:.2f}', f'{seconds:.1f}', f'{rate / 1e9:.2f}', f'{rate / disk:.0%}',
+           f'{rss / 2**30:.2f}', f'{(rss - base_rss) / made["largest"]:.2f}')
+    table.add_row(*row)
+    print('  '.join(row), flush=True)
     shutil.rmtree(os.path.join(args.dir, out), ignore_errors=True)
   Console(width=160).print(table)
 

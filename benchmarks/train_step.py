@@ -18,6 +18,7 @@ VARIANTS = [
     ('remat save_nothing', ['CHECKPOINT_POLICY=save_nothing']),
     ('remat save_dot_only', ['CHECKPOINT_POLICY=save_dot_only']),
     ('bfloat16 activations', ['FPROP_DTYPE=bfloat16']),
+    ('einsum attention (reference)', ['ATTENTION_IMPL=einsum']),
 ]
 
 

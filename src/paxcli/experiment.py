@@ -28,8 +28,8 @@ _REGISTRY: dict[str, type['Experiment']] = {}
 RECIPES_PACKAGE = 'paxcli.recipes'
 DEFAULT_EXPERIMENT = 'default.StdlibDocsLm'
 
-from paxcli.options import (ActivationName, CheckpointPolicyName, DTypeName, NormName,  # noqa: F401 (re-exported)
-                            OptimizerName, PositionName, ScheduleName)
+from paxcli.options import (ActivationName, AttentionImplName, CheckpointPolicyName, DTypeName,  # noqa: F401
+                            NormName, OptimizerName, PositionName, ScheduleName)  # (re-exported)
 
 
 class Experiment:

@@ -12,10 +12,11 @@ from typing import Literal
 
 ActivationName = Literal['gelu', 'relu', 'silu', 'swish']
 NormName = Literal['layernorm', 'rmsnorm']
-PositionName = Literal['learned', 'rotary', 'none']
+PositionName = Literal['learned', 'rotary', 'sinusoidal', 'none']
 DTypeName = Literal['float32', 'bfloat16', 'float16']
 CheckpointPolicyName = Literal['none', 'save_nothing', 'save_dot_only', 'save_dot_with_no_batch_dim',
                                'save_qkv_out_proj', 'save_everything']
+AttentionImplName = Literal['auto', 'dot_product', 'einsum']  # paxcli.layers.attention_ops
 OptimizerName = Literal['adam', 'adamw', 'adafactor', 'sgd']
 ScheduleName = Literal['constant', 'linear_rampup_cosine_decay', 'linear_rampup_exponential_decay']
 
@@ -24,6 +25,7 @@ NORMS: tuple[str, ...] = typing.get_args(NormName)
 POSITIONS: tuple[str, ...] = typing.get_args(PositionName)
 DTYPES: tuple[str, ...] = typing.get_args(DTypeName)
 CHECKPOINT_POLICIES: tuple[str, ...] = typing.get_args(CheckpointPolicyName)
+ATTENTION_IMPLS: tuple[str, ...] = typing.get_args(AttentionImplName)
 OPTIMIZERS: tuple[str, ...] = typing.get_args(OptimizerName)
 SCHEDULES: tuple[str, ...] = typing.get_args(ScheduleName)
 
@@ -36,6 +38,7 @@ MODEL_FIELDS: dict[str, tuple[str, ...]] = {
     'position_embedding': POSITIONS,
     'fprop_dtype': DTYPES,
     'checkpoint_policy': CHECKPOINT_POLICIES,
+    'attention_impl': ATTENTION_IMPLS,
 }
 
 

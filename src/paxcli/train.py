@@ -64,12 +64,13 @@ class LossGuard:
     self.recent.append(loss)
 
 
-def make_train_step(setup, batch_sharding, dropout_seed: int):
+def make_train_step(setup, batch_sharding, dropout_seed: int, compiler_options: Optional[dict] = None):
   """The jitted step: (state, batch) -> (state, metrics); state is donated.
 
   The model's fprop gives (loss, metrics); aux losses its layers add join the loss;
   non-trainable variables come back updated (the optimizer never sees them); layer
   summaries come back in the metrics under 'summary/<layer path>/<name>'.
+  `compiler_options`: XLA options for this program only (a PGLE profile, for one).
   """
   import jax
   import jax.numpy as jnp
@@ -119,7 +120,8 @@ def make_train_step(setup, batch_sharding, dropout_seed: int):
 
   replicated = jax.sharding.NamedSharding(setup.mesh, jax.sharding.PartitionSpec())
   return jax.jit(step_fn, in_shardings=(setup.state_shardings, batch_sharding),
-                 out_shardings=(setup.state_shardings, replicated), donate_argnums=(0,))
+                 out_shardings=(setup.state_shardings, replicated), donate_argnums=(0,),
+                 compiler_options=compiler_options or None)
 
 
 def step_rngs(seed: int, step) -> dict:
@@ -266,7 +268,8 @@ class Reporter:
       aux = ''.join(f"  {k} {v:.4g}" for k, v in record.items() if k.startswith('aux_loss/'))
       self.log(f"step {record['step']}: loss {record['loss']:.4f}{accuracy}{aux}  "
                f"lr {record['learning_rate']:.3g}  grad_norm {record['grad_norm']:.3f}  "
-               f"{record['steps_per_sec']:.2f} steps/s  {record['tokens_per_sec']:,.0f} tokens/s")
+               f"{record['steps_per_sec']:.2f} steps/s  {record['tokens_per_sec']:,.0f} tokens/s"
+               f"{mfu_note(record)}{window_note(record)}")
 
   def close(self) -> None:
     if self._progress is not None:
@@ -274,32 +277,38 @@ class Reporter:
       self._progress = None
 
 
-def train(resolved, job_dir: str, console, verbose: bool = False) -> dict:
+def train(resolved, job_dir: str, console, verbose: bool = False, profile_steps=None, pgle: Optional[str] = None,
+          pgle_profile: Optional[str] = None) -> dict:
   """Trains (or resumes) the resolved experiment in job_dir. Returns the last summary.
 
   The job directory is checked first and locked for the run (`paxcli/jobdir.py`): a
-  second trainer on it is refused.
+  second trainer on it is refused. profile_steps: (A, B) to trace steps A..B with
+  jax.profiler; pgle/pgle_profile: see paxcli.profiling.
   """
   from paxcli import engine, jobdir
   jobdir.check_writable(job_dir)
   engine.check_supported(resolved.experiment)
   engine.apply_platform_env(resolved.experiment.PLATFORM_ENV, log=lambda m: console.print(m))
   import jax  # after PLATFORM_ENV: it may set XLA_FLAGS
+
+  from paxcli import profiling
+  profiling.check_pgle(pgle, pgle_profile)
   log = (lambda m: console.print(m, highlight=False, markup=False, soft_wrap=True))
   lock = jobdir.lock_run(job_dir, log if jax.process_index() == 0 else (lambda m: None))
   try:
-    return _train(resolved, job_dir, console, verbose)
+    return _train(resolved, job_dir, console, verbose, profile_steps, pgle_profile)
   finally:
     if lock is not None:
       lock.release()
 
 
-def _train(resolved, job_dir: str, console, verbose: bool = False) -> dict:
+def _train(resolved, job_dir: str, console, verbose: bool = False, profile_steps=None,
+           pgle_profile: Optional[str] = None) -> dict:
   from paxcli import engine
   import jax
 
   from paxcli import checkpoint as ckpt
-  from paxcli import restore, sharding
+  from paxcli import flops, profiling, restore, sharding
   from paxcli.summaries import SummaryWriter
   is_main = jax.process_index() == 0
   reporter_log = (lambda m: console.print(m, highlight=False, markup=False, soft_wrap=True)) if is_main else (lambda m: None)
@@ -373,7 +382,21 @@ def _train(resolved, job_dir: str, console, verbose: bool = False) -> dict:
     tokenizer.save_to_job_dir(train_input, job_dir)
   train_input.skip(batches_consumed)
   batch_sharding = sharding.batch_sharding(setup.mesh)
-  train_step = make_train_step(setup, batch_sharding, resolved.experiment.RANDOM_SEED + 1)
+  profiler = profiling.StepProfiler(job_dir, reporter_log, profile_steps, pgle_profile, int(latest or 0))
+  train_step = make_train_step(setup, batch_sharding, resolved.experiment.RANDOM_SEED + 1, profiler.pgle_options)
+  if profiler.pgle_options:
+    reporter_log(f'PGLE: compiling the train step with the profile {pgle_profile}.')
+  # MFU: model FLOPs per step (paxcli.flops) over the device's peak.
+  model_flops = flops.for_model(setup.model, setup.seq_len)
+  mfu_of = None
+  if model_flops is None:
+    reporter_log('MFU: not reported; paxcli.flops has no FLOPs model for this model.')
+  else:
+    step_flops = model_flops.per_step(setup.global_batch * setup.seq_len)
+    peak = flops.device_peak(devices[0], flops.compute_dtype(setup.model), measure_size=512)
+    mfu_of = functools.partial(mfu_fields, step_flops=step_flops, num_devices=len(devices), peak=peak.tflops)
+    reporter_log(f'MFU: {step_flops / 1e12:.4g} model TFLOP per step over {len(devices)} device(s); '
+                 f'peak {peak.source}.')
   evaluator = None
   if train_cfg.eval_interval_steps and resolved.eval_datasets():
     from paxcli.evaluate import Evaluator, metrics_line
@@ -396,6 +419,8 @@ def _train(resolved, job_dir: str, console, verbose: bool = False) -> dict:
   steps_in_window = 0
   pending = None  # metrics of the previous step, checked one step late to keep dispatch async
   stop = GracefulStop(enabled=jax.process_count() == 1)
+  compile_timer = flops.CompileTimer()  # compilation and evals are timed apart from steps
+  eval_seconds = 0.0
 
   def save(step: int) -> None:
     if not params_finite(state['params']):
@@ -422,9 +447,14 @@ def _train(resolved, job_dir: str, console, verbose: bool = False) -> dict:
 
   try:
     stop.__enter__()
+    compile_timer.__enter__()
     for step in range(start_step + 1, train_cfg.num_train_steps + 1):
       batch = to_global(train_input.get_next(), batch_sharding, setup.global_batch)
+      profiler.before(step)
       state, metrics = train_step(state, batch)
+      recompile_with = profiler.after(step, metrics)
+      if recompile_with:
+        train_step = make_train_step(setup, batch_sharding, resolved.experiment.RANDOM_SEED + 1, recompile_with)
       batches_consumed += 1
       steps_in_window += 1
       if pending is not None:
@@ -442,7 +472,9 @@ def _train(resolved, job_dir: str, console, verbose: bool = False) -> dict:
         if window and not any(w['tokens'] for w in window):
           reporter.log(f"warning: steps {window[0]['step']}-{window[-1]['step']} had zero total weight (every "
                        'target token masked): their loss 0 means nothing was trained.')
-        last = _summarize(step, window, steps_in_window, max(now - t_window, 1e-9))
+        last = _summarize(step, window, steps_in_window, max(now - t_window, 1e-9),
+                          compile_timer.take(), eval_seconds, mfu_of)
+        eval_seconds = 0.0
         if writer:
           writer.scalars(step, {k: v for k, v in last.items() if k != 'step'})
         reporter.summary(last)
@@ -450,11 +482,17 @@ def _train(resolved, job_dir: str, console, verbose: bool = False) -> dict:
       if save_now:
         save(step)
       if evaluator and step % train_cfg.eval_interval_steps == 0:
+        t_eval, compile_timer.ignoring = time.perf_counter(), True
         for name, m in evaluator.run(step, state).items():
           reporter.log(metrics_line(step, name, m))
+        compile_timer.ignoring = False
+        eval_seconds += time.perf_counter() - t_eval
       if train_decoder and (step % train_cfg.decode_interval_steps == 0 or is_last):
+        t_eval, compile_timer.ignoring = time.perf_counter(), True
         for line in train_decoder.run(step, state['params']):
           reporter.log(line)
+        compile_timer.ignoring = False
+        eval_seconds += time.perf_counter() - t_eval
       reporter.step(step, last.get('loss'), last.get('tokens_per_sec'))
       if stopping:
         checkpointer.wait()
@@ -464,6 +502,8 @@ def _train(resolved, job_dir: str, console, verbose: bool = False) -> dict:
         raise SystemExit(GracefulStop.SIGNALS[stop.signal_name])
   finally:
     stop.__exit__(None, None, None)
+    compile_timer.__exit__(None, None, None)
+    profiler.close()
     reporter.close()
     checkpointer.close()
     if evaluator:
@@ -501,19 +541,45 @@ def _check_finite(step: int, metrics, guard: Optional[LossGuard] = None, saved: 
   return values
 
 
-def _summarize(step: int, window: list[dict], steps: int, elapsed: float) -> dict:
-  """Means over the steps since the last summary; layer summaries are the latest step's."""
+def _summarize(step: int, window: list[dict], steps: int, elapsed: float, compile_seconds: float = 0.0,
+               eval_seconds: float = 0.0, mfu_of=None) -> dict:
+  """Means over the steps since the last summary; layer summaries are the latest step's. Rates
+  are over the window's time less compilation and evals (whose seconds are reported apart)."""
   n = max(len(window), 1)
   mean = lambda k: sum(w[k] for w in window) / n
   tokens = sum(w['tokens'] for w in window)
+  steady = max(elapsed - compile_seconds - eval_seconds, 1e-6)
   out = {'step': step}
   for key in window[-1]:
     if key in ('step', 'tokens'):
       continue
     out[key] = window[-1][key] if key == 'learning_rate' or key.startswith('summary/') else mean(key)
-  out['steps_per_sec'] = steps / elapsed
-  out['tokens_per_sec'] = tokens / elapsed
+  out['steps_per_sec'] = steps / steady
+  out['tokens_per_sec'] = tokens / steady
+  out['compile_seconds'] = compile_seconds
+  out['eval_seconds'] = eval_seconds
+  if mfu_of:
+    out.update(mfu_of(steps / steady))
   return out
+
+
+def mfu_fields(steps_per_sec: float, step_flops: float, num_devices: int, peak: float) -> dict:
+  """Model TFLOP/s per device and MFU (a fraction of `peak` TFLOP/s per device)."""
+  tflops = step_flops * steps_per_sec / num_devices / 1e12
+  return {'model_tflops_per_device': tflops, 'mfu': tflops / peak if peak else float('nan')}
+
+
+def mfu_note(record: dict) -> str:
+  if 'mfu' not in record:
+    return ''
+  return f"  {record['model_tflops_per_device']:.3g} TFLOP/s/device  MFU {record['mfu']:.1%}"
+
+
+def window_note(record: dict) -> str:
+  """'' for a steady window; else which time was left out of its rates."""
+  parts = [f'{record[k]:.1f} s {name}' for k, name in (('compile_seconds', 'compilation'),
+                                                        ('eval_seconds', 'eval')) if record.get(k, 0) >= 0.05]
+  return f'  (window had {" and ".join(parts)}, left out of the rates)' if parts else ''
 
 
 def _print_weights(console, setup) -> None:

@@ -26,6 +26,7 @@ app = typer.Typer(
 
 
 def _register_all() -> None:
+  from paxcli.cli import bench as bench_cmd
   from paxcli.cli import checkpoint as checkpoint_cmd
   from paxcli.cli import decode as decode_cmd
   from paxcli.cli import eval as eval_cmd
@@ -36,7 +37,7 @@ def _register_all() -> None:
   from paxcli.cli import train as train_cmd
   from paxcli.cli import version as version_cmd
   for module in (train_cmd, eval_cmd, decode_cmd, inspect_input_cmd, launch_cmd, experiments_cmd,
-                 import_maxtext_cmd, checkpoint_cmd, version_cmd):
+                 import_maxtext_cmd, checkpoint_cmd, version_cmd, bench_cmd):
     module.register(app)
 
 

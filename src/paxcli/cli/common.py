@@ -155,3 +155,22 @@ def default_job_dir(exp_name: str) -> str:
 def resolve_name(exp: Optional[str]) -> str:
   from paxcli.experiment import DEFAULT_EXPERIMENT
   return exp or DEFAULT_EXPERIMENT
+
+
+PROFILE_STEPS_HELP = 'Trace steps A-B (e.g. 10-15) with jax.profiler into <job>/profile (TensorBoard, XProf).'
+PGLE_HELP = ('GPU only: `auto` turns on JAX\'s profile-guided latency estimation (the first steps are '
+             'profiled, then the step is recompiled with the measured latencies).')
+PGLE_PROFILE_HELP = ('GPU only: a PGLE profile file. If PATH exists it is used; else a few steps are profiled, '
+                     'the latencies written to PATH, and the step recompiled with them.')
+
+
+def profile_steps_option():
+  return typer.Option(None, '--profile-steps', metavar='A-B', help=PROFILE_STEPS_HELP, rich_help_panel='Performance')
+
+
+def pgle_option():
+  return typer.Option(None, '--pgle', metavar='auto', help=PGLE_HELP, rich_help_panel='Performance')
+
+
+def pgle_profile_option():
+  return typer.Option(None, '--pgle-profile', metavar='PATH', help=PGLE_PROFILE_HELP, rich_help_panel='Performance')

@@ -56,7 +56,6 @@ def decode_command(
     process_id: Optional[int] = common.process_id_option(),
 ) -> None:
   """Generate continuations of prompts from a checkpoint (KV cache; greedy, sampling or beam search)."""
-  from paxcli import config
   from paxcli.decode import DecodeOptions
   from paxcli.errors import UserError
   opts = DecodeOptions(max_decode_steps=max_decode_steps, temperature=temperature, top_k=top_k, top_p=top_p,
@@ -68,7 +67,7 @@ def decode_command(
   if not (prompt or prompts_file or prompt_ids or dataset):
     raise UserError('No prompts: give --prompt TEXT, --prompts-file FILE, --prompt-ids 1,2,3 or --dataset NAME.')
   common.start_processes(coordinator, num_processes, process_id)  # before anything starts JAX
-  resolved = config.resolve(exp, overrides)
+  resolved = common.resolve(exp, overrides)  # prints warnings (a knob the experiment overrides)
   job_dir = job_log_dir or common.default_job_dir(resolved.experiment.registered_name())
   from paxcli import decode
   decode.decode_command(resolved, job_dir, opts, texts=prompt, prompts_file=prompts_file, prompt_ids=prompt_ids,

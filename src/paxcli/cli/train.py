@@ -17,6 +17,9 @@ def train(
     coordinator: Optional[str] = common.coordinator_option(),
     num_processes: Optional[int] = common.num_processes_option(),
     process_id: Optional[int] = common.process_id_option(),
+    profile_steps: Optional[str] = common.profile_steps_option(),
+    pgle: Optional[str] = common.pgle_option(),
+    pgle_profile: Optional[str] = common.pgle_profile_option(),
 ) -> None:
   """Train an experiment (default: the built-in stdlib-docstrings LM). Resumes from the job directory.
 
@@ -24,12 +27,15 @@ def train(
   --coordinator/--num-processes/--process-id, or let JAX detect the cluster; on one
   machine, `pax launch --processes N -- train ...` starts N local processes.
   """
+  from paxcli import profiling
   from paxcli.train import train as run_train
+  steps = profiling.parse_steps(profile_steps)
   # Before anything else touches JAX: experiments may ask jax for device counts.
   common.start_processes(coordinator, num_processes, process_id)
   resolved = common.resolve(exp, overrides)
   job_dir = job_log_dir or common.default_job_dir(resolved.experiment.registered_name())
-  run_train(resolved, job_dir, common.console(), verbose=verbose)
+  run_train(resolved, job_dir, common.console(), verbose=verbose, profile_steps=steps, pgle=pgle,
+            pgle_profile=pgle_profile)
 
 
 def describe(

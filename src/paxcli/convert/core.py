@@ -159,6 +159,9 @@ def plan(src_arrays: list, target: Model, params_only: bool, dtype: Optional[str
                                                                    or not params_only)]
   extra = [n for n in extra if n != 'step']
   problems += [f'{n}: checkpoint {list(have[n].shape)} -> not in the experiment' for n in extra]
+  # The layers of one stacked source one after another: a reader that reads the whole stacked array
+  # (orbax) reads it once, not once per layer.
+  items.sort(key=lambda it: (it.source if isinstance(it.source, str) else it.name, it.index or 0))
   if problems:
     shown = problems[:30] + ([f'... {len(problems) - 30} more'] if len(problems) > 30 else [])
     raise UserError('The checkpoint does not fit the target experiment (other than a change of layer '

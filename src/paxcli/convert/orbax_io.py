@@ -198,7 +198,7 @@ class StateWriter:
       chunks[0] = 1 if layered else max(1, min(shape[0], (64 << 20) // row))
     spec = {'driver': 'zarr', 'kvstore': {'driver': 'file', 'path': os.path.join(self.dir, self._param_name(name))},
             'metadata': {'shape': shape, 'chunks': chunks, 'dtype': _zarr_dtype(dtype),
-                         'compressor': {'id': 'zstd', 'level': 1}, 'dimension_separator': '.'}}
+                         'compressor': None, 'dimension_separator': '.'}}   # weights barely compress
     arr = self._ts.open(spec, create=True, open=False).result()
     self._open[name] = arr
     self._entry(name, {'value_type': 'jax.Array', 'skip_deserialize': False, 'write_shape': shape})

@@ -1,0 +1,332 @@
+"""`pax bench mfu`: compile and time an experiment's train step; MFU, HFU and memory.
+
+One row per configuration (a sweep gives several): the step is lowered and compiled
+for the current devices (compile seconds, XLA's FLOPs and per-device memory), then,
+unless compile-only, run `warmup` times and timed `steps` times, each step waited for
+(`block_until_ready`), on one fixed batch so the input pipeline is out of the picture.
+A configuration that runs out of memory is a row that says so; the sweep goes on.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import statistics
+import time
+from typing import Callable, Optional
+
+from paxcli.errors import UserError
+
+GIB = 1024 ** 3
+
+
+def split_values(text: str) -> list[str]:
+  """'4,8,16' -> ['4', '8', '16']; commas inside brackets stay: '[1,8,1],[8,1,1]'."""
+  out, depth, current = [], 0, ''
+  for ch in text:
+    if ch in '[({':
+      depth += 1
+    elif ch in '])}':
+      depth -= 1
+    if ch == ',' and depth == 0:
+      out.append(current.strip())
+      current = ''
+    else:
+      current += ch
+  if current.strip():
+    out.append(current.strip())
+  return out
+
+
+def sweep_combinations(sweeps: list[str]) -> list[list[tuple[str, str]]]:
+  """['A=1,2', 'B=x,y'] -> every combination, each a list of (key, value)."""
+  axes = []
+  for item in sweeps:
+    if '=' not in item:
+      raise UserError(f'--sweep {item!r} is not KNOB=a,b,c (e.g. --sweep PERCORE_BATCH_SIZE=4,8,16).')
+    key, values = item.split('=', 1)
+    values = split_values(values)
+    if not key.strip() or not values:
+      raise UserError(f'--sweep {item!r} names no knob or no values.')
+    axes.append([(key.strip(), v) for v in values])
+  return [list(c) for c in itertools.product(*axes)] if axes else [[]]
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+  text = str(error)
+  return any(s in text for s in ('RESOURCE_EXHAUSTED', 'Out of memory', 'out of memory', 'OOM'))
+
+
+def abstract_batch(setup, batch_sharding, example: dict) -> dict:
+  import jax
+  return {k: jax.ShapeDtypeStruct((setup.global_batch,) + v.shape[1:], v.dtype, sharding=batch_sharding)
+          for k, v in example.items()}
+
+
+def measure(resolved, steps: int = 10, warmup: int = 2, compile_only: bool = False,
+            peak_tflops: Optional[float] = None, pgle_profile: Optional[str] = None,
+            on_step: Optional[Callable[[int, int], None]] = None) -> dict:
+  """One configuration: a row of figures (see module doc). Raises on errors other than OOM."""
+  import jax
+
+  from paxcli import engine, flops, sharding
+  from paxcli.train import make_train_step, to_global
+  setup = engine.build(resolved)
+  devices = jax.devices()
+  tokens = setup.global_batch * setup.seq_len
+  model_flops = flops.for_model(setup.model, setup.seq_len)
+  if model_flops is None:
+    raise UserError(f'{resolved.name}: paxcli.flops has no FLOPs model for this model, so MFU is unknown.')
+  peak = flops.device_peak(devices[0], flops.compute_dtype(setup.model), peak_tflops)
+  device_bytes, device_bytes_source = flops.device_memory_bytes(devices[0])
+  row = {
+      'status': 'ok', 'devices': len(devices), 'device_kind': devices[0].device_kind,
+      'platform': jax.default_backend(), 'mesh': sharding.describe_mesh(setup.mesh),
+      'params': engine.param_count(setup.abstract_state), 'global_batch': setup.global_batch,
+      'seq_len': setup.seq_len, 'tokens_per_step': tokens,
+      'model_flops_per_step': model_flops.per_step(tokens),
+      'palm_flops_per_step': model_flops.palm_per_token * tokens,
+      'peak_tflops': peak.tflops, 'peak_source': peak.source, 'peak_measured': peak.measured,
+      'device_memory_bytes': device_bytes, 'device_memory_source': device_bytes_source,
+      'pgle': bool(pgle_profile),
+  }
+  batch_sharding = sharding.batch_sharding(setup.mesh)
+  data = engine.build_input(resolved.train_dataset(), setup)
+  host_batch = data.get_next()
+  step = make_train_step(setup, batch_sharding, resolved.experiment.RANDOM_SEED + 1)
+  start = time.perf_counter()
+  try:
+    lowered = step.lower(setup.abstract_state, abstract_batch(setup, batch_sharding, host_batch))
+    options = None
+    if pgle_profile:
+      from paxcli.profiling import pgle_compiler_options
+      options = pgle_compiler_options(pgle_profile)
+    compiled = lowered.compile(options) if options else lowered.compile()
+  except Exception as e:  # XLA reports memory exhaustion at compile time on some backends
+    if not is_out_of_memory(e):
+      raise
+    return {**row, 'status': 'out of memory (compile)', 'error': _first_line(e)}
+  row['compile_seconds'] = time.perf_counter() - start
+  memory = flops.memory(compiled) or {}
+  row.update({f'memory_{k}_bytes': v for k, v in memory.items()})
+  if memory and device_bytes:
+    row['fits'] = memory['total'] <= device_bytes
+  row['xla_flops_per_step_per_device'] = flops.xla_flops(compiled)
+  if compile_only:
+    row['status'] = 'compiled' if row.get('fits', True) else 'does not fit'
+    return row
+  return _run(row, setup, compiled, to_global(host_batch, batch_sharding, setup.global_batch), steps, warmup,
+              on_step)
+
+
+def _run(row: dict, setup, compiled, batch, steps: int, warmup: int, on_step) -> dict:
+  import jax
+
+  from paxcli import engine, flops
+  state = None
+  try:
+    state = engine.init_state(setup, 0)
+    times = []
+    for i in range(warmup + steps):
+      start = time.perf_counter()
+      state, metrics = compiled(state, batch)
+      jax.block_until_ready(metrics)
+      if i >= warmup:
+        times.append(time.perf_counter() - start)
+      if on_step:
+        on_step(i + 1, warmup + steps)
+  except Exception as e:
+    if not is_out_of_memory(e):
+      raise
+    return {**row, 'status': 'out of memory', 'error': _first_line(e)}
+  finally:
+    del state
+  median = statistics.median(times)
+  devices = row['devices']
+  tflops = row['model_flops_per_step'] / median / devices / 1e12
+  hw = row.get('xla_flops_per_step_per_device')
+  row.update({
+      'step_seconds_median': median, 'step_seconds_min': min(times), 'step_seconds_max': max(times),
+      'tokens_per_sec': row['tokens_per_step'] / median,
+      'tokens_per_sec_per_device': row['tokens_per_step'] / median / devices,
+      'model_tflops_per_device': tflops,
+      'mfu': tflops / row['peak_tflops'],
+      'hfu': (hw / median / 1e12 / row['peak_tflops']) if hw else None,
+      'live_peak_bytes': flops.peak_memory_in_use(),
+  })
+  return row
+
+
+def _first_line(e: BaseException) -> str:
+  text = str(e).strip().splitlines()
+  return text[0][:300] if text else type(e).__name__
+
+
+def run_all(exp: Optional[str], overrides: list[str], sweeps: list[str], *, steps: int, warmup: int,
+            compile_only: bool, peak_tflops: Optional[float], pgle: Optional[str] = None,
+            pgle_profile: Optional[str] = None, progress=None, log: Callable[[str], None] = print) -> list[dict]:
+  """Every sweep combination (and, with PGLE, each without and with it), one row each.
+
+  PGLE here is the explicit workflow for both --pgle auto (into a temporary file) and
+  --pgle-profile PATH: a few steps are profiled, then the step compiled with the profile.
+  """
+  from paxcli import config, engine
+  rows = []
+  combos = sweep_combinations(sweeps)
+  first = config.resolve(exp, list(overrides) + [f'{k}={v}' for k, v in combos[0]])
+  engine.check_supported(first.experiment)
+  engine.apply_platform_env(first.experiment.PLATFORM_ENV, log=log)  # before jax starts a backend
+  from paxcli import profiling
+  profiling.check_pgle(pgle, pgle_profile)
+  if pgle == 'auto':
+    import os
+    import tempfile
+
+    import jax
+    jax.config.update('jax_enable_pgle', False)  # the rows without PGLE must be without it
+    pgle_profile = os.path.join(tempfile.mkdtemp(prefix='paxcli-pgle-'), 'profile.pb')
+  pgle_variants = [None, pgle_profile] if pgle_profile else [None]
+  for combo in combos:
+    sets = [f'{k}={v}' for k, v in combo]
+    resolved = config.resolve(exp, list(overrides) + sets)
+    for pgle in pgle_variants:
+      label = ', '.join(sets) + (' [PGLE]' if pgle else '') or resolved.name
+      total = 1 if compile_only else warmup + steps
+      task = progress.add_task(label, total=total) if progress else None
+      on_step = (lambda done, total, t=task: progress.update(t, completed=done)) if progress else None
+      if pgle and not _exists(pgle):
+        _record_pgle_profile(resolved, pgle, log)
+      row = measure(resolved, steps, warmup, compile_only, peak_tflops, pgle, on_step)
+      row.update({'experiment': resolved.name, 'sweep': dict(combo)})
+      rows.append(row)
+      if progress:
+        progress.update(task, completed=total)
+  return rows
+
+
+def _exists(path: str) -> bool:
+  import os
+  return os.path.exists(path)
+
+
+def _record_pgle_profile(resolved, path: str, log) -> None:
+  """Profiles a few steps with jax.profiler and writes their instruction latencies to `path`."""
+  import jax
+
+  from paxcli import engine, profiling, sharding
+  from paxcli.train import make_train_step, to_global
+  setup = engine.build(resolved)
+  batch_sharding = sharding.batch_sharding(setup.mesh)
+  step = make_train_step(setup, batch_sharding, 0)
+  batch = to_global(engine.build_input(resolved.train_dataset(), setup).get_next(), batch_sharding,
+                    setup.global_batch)
+  state = engine.init_state(setup, 0)
+  first = profiling.PGLE_WARMUP_STEPS + 1
+  profiler = profiling.StepProfiler('', log, None, path, 0)
+  for i in range(1, first + profiling.PGLE_PROFILE_STEPS):
+    profiler.before(i)
+    state, metrics = step(state, batch)
+    profiler.after(i, metrics)
+  jax.block_until_ready(state)
+  profiler.close()
+
+
+# ---- Output ----------------------------------------------------------------------------------
+
+def _bytes(v) -> str:
+  if v is None:
+    return '-'
+  for unit, size in (('GiB', GIB), ('MiB', 1024 ** 2), ('KiB', 1024)):
+    if v >= size:
+      return f'{v / size:.3g} {unit}'
+  return f'{v} B'
+
+
+def _count(n: int) -> str:
+  for unit, size in (('B', 1e9), ('M', 1e6), ('K', 1e3)):
+    if n >= size:
+      return f'{n / size:.3g}{unit}'
+  return str(n)
+
+
+def _pct(v) -> str:
+  return '-' if v is None or (isinstance(v, float) and math.isnan(v)) else f'{v:.1%}'
+
+
+def table(rows: list[dict], compile_only: bool):
+  """A rich Table with one row per configuration."""
+  from rich.table import Table
+  keys = list(dict.fromkeys(k for r in rows for k in r.get('sweep', {})))
+  title = f"{rows[0]['experiment']}: {rows[0]['devices']} x {rows[0]['device_kind']} ({rows[0]['platform']})"
+  t = Table(title=title, caption=_caption(rows, compile_only), caption_justify='left')
+  for k in keys + ['params', 'tokens/step', 'compile s']:
+    t.add_column(k, justify='right')
+  if not compile_only:
+    for k in ('step ms median (min-max)', 'tokens/s', 'tokens/s/device', 'TFLOP/s/device', 'MFU', 'HFU'):
+      t.add_column(k, justify='right')
+  for k in ('memory/device: args, out, temp', 'total', 'of device', 'fits'):
+    t.add_column(k, justify='right')
+  if not compile_only:
+    t.add_column('live peak', justify='right')
+  t.add_column('status')
+  for r in rows:
+    cells = [str(r.get('sweep', {}).get(k, '')) for k in keys]
+    cells += [_count(r['params']), f"{r['tokens_per_step']:,}",
+              f"{r['compile_seconds']:.1f}" if 'compile_seconds' in r else '-']
+    if not compile_only:
+      ok = 'step_seconds_median' in r
+      cells += ([f"{r['step_seconds_median'] * 1e3:.1f} ({r['step_seconds_min'] * 1e3:.1f}-"
+                 f"{r['step_seconds_max'] * 1e3:.1f})", f"{r['tokens_per_sec']:,.0f}",
+                 f"{r['tokens_per_sec_per_device']:,.0f}", f"{r['model_tflops_per_device']:.3g}",
+                 _pct(r['mfu']), _pct(r['hfu'])] if ok else ['-'] * 6)
+    fits = r.get('fits')
+    cells += [', '.join(_bytes(r.get(f'memory_{k}_bytes')) for k in ('argument', 'output', 'temp')),
+              _bytes(r.get('memory_total_bytes')), _bytes(r.get('device_memory_bytes')),
+              '-' if fits is None else ('yes' if fits else 'NO')]
+    if not compile_only:
+      cells.append(_bytes(r.get('live_peak_bytes')))
+    cells.append(r['status'] + (' (PGLE)' if r.get('pgle') else ''))
+    t.add_row(*cells)
+  return t
+
+
+def _caption(rows: list[dict], compile_only: bool) -> str:
+  r = rows[0]
+  lines = [f"mesh {r['mesh']}; device memory: {r['device_memory_source']}"]
+  if not compile_only:
+    lines.append(f"MFU = model FLOPs (paxcli.flops, causal attention halved) / step time / devices / peak; "
+                 f"HFU uses XLA's cost analysis. Peak: {r['peak_source']}")
+  return '\n'.join(lines)
+
+
+def plot(rows: list[dict], path: str) -> None:
+  """MFU and tokens/s against the swept knob(s) (matplotlib, no display needed)."""
+  try:
+    import matplotlib
+  except ImportError:
+    raise UserError('--plot needs matplotlib: pip install matplotlib') from None
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+  keys = list(dict.fromkeys(k for r in rows for k in r.get('sweep', {})))
+  labels = [', '.join(f'{k}={r["sweep"][k]}' for k in keys) if keys else r['experiment'] for r in rows]
+  if len(keys) == 1:
+    labels = [str(r['sweep'][keys[0]]) for r in rows]
+  x = list(range(len(rows)))
+  mfu = [100 * r['mfu'] if r.get('mfu') is not None else float('nan') for r in rows]
+  tps = [r.get('tokens_per_sec', float('nan')) for r in rows]
+  fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(rows)), 4))
+  ax.plot(x, mfu, 'o-', color='tab:blue', label='MFU %')
+  ax.set_ylabel('MFU %', color='tab:blue')
+  ax2 = ax.twinx()
+  ax2.plot(x, tps, 's--', color='tab:orange', label='tokens/s')
+  ax2.set_ylabel('tokens/s', color='tab:orange')
+  for i, r in enumerate(rows):
+    if r['status'] not in ('ok',):
+      ax.annotate(r['status'], (i, 0), rotation=90, fontsize=8, va='bottom')
+  ax.set_xticks(x)
+  ax.set_xticklabels(labels, rotation=30 if len(keys) > 1 else 0, ha='right' if len(keys) > 1 else 'center')
+  ax.set_xlabel(' x '.join(keys) if keys else 'configuration')
+  ax.set_title(f"{rows[0]['experiment']} on {rows[0]['devices']} x {rows[0]['device_kind']}")
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)

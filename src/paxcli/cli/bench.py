@@ -1,0 +1,84 @@
+"""`pax bench mfu`: step time, tokens/s, model TFLOP/s, MFU, HFU and memory of an experiment."""
+
+from __future__ import annotations
+
+import os
+from typing import List, Optional
+
+import typer
+
+from paxcli.cli import common
+from paxcli.errors import UserError
+
+bench_app = typer.Typer(help='Benchmarks: `pax bench mfu` times the train step (MFU, HFU, memory).',
+                        no_args_is_help=True)
+
+
+@bench_app.command('mfu')
+def mfu(
+    exp: Optional[str] = common.exp_option(),
+    overrides: List[str] = common.set_option(),
+    sweep: List[str] = typer.Option([], '--sweep', metavar='KNOB=a,b,c', help='KNOB=a,b,c: one row per value; repeat the option '
+                                    'for every combination (e.g. --sweep PERCORE_BATCH_SIZE=4,8,16).'),
+    steps: int = typer.Option(10, '--steps', min=1, help='Timed steps after warm-up.'),
+    warmup: int = typer.Option(2, '--warmup', min=0, help='Untimed steps after compilation.'),
+    compile_only: bool = typer.Option(False, '--compile-only', help='Compile and report per-device memory '
+                                      'against the device\'s memory; run no step.'),
+    num_devices: Optional[int] = typer.Option(None, '--num-devices', min=1, metavar='N', help='Make N fake CPU devices '
+                                              '(to check a large mesh plan on a laptop; with --compile-only).'),
+    peak_tflops: Optional[float] = typer.Option(None, '--peak-tflops', help='Peak TFLOP/s per device to '
+                                                'divide by (default: the table by device kind, or measured).'),
+    plot: Optional[str] = typer.Option(None, '--plot', metavar='FILE.png', help='Write a PNG of MFU and tokens/s against the sweep.'),
+    json_out: bool = typer.Option(False, '--json', help='Print every row as JSON instead of the table.'),
+    pgle: Optional[str] = common.pgle_option(),
+    pgle_profile: Optional[str] = common.pgle_profile_option(),
+) -> None:
+  """Compile the train step, time it and print step time, tokens/s, TFLOP/s per device, MFU, HFU, memory.
+
+  \b
+  Examples:
+    pax bench mfu --exp bench.Llama1B
+    pax bench mfu --exp E --sweep PERCORE_BATCH_SIZE=4,8,16 --sweep CHECKPOINT_POLICY=none,save_dot_only --plot mfu.png
+    pax bench mfu --exp lm_cloud.LmCloudSpmd2B --compile-only --num-devices 64 --set "ICI_MESH_SHAPE=[1,64,1]"
+  """
+  if num_devices:
+    fake_devices(num_devices)
+  import json
+
+  from paxcli import bench
+  console = common.console()
+  err = common.console(stderr=True)
+  from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+  progress = Progress(TextColumn('[bold]{task.description}'), BarColumn(), MofNCompleteColumn(),
+                      TimeElapsedColumn(), console=err, transient=True, disable=not err.is_terminal)
+  with progress:
+    rows = bench.run_all(exp, overrides, sweep, steps=steps, warmup=warmup, compile_only=compile_only,
+                         peak_tflops=peak_tflops, pgle=pgle, pgle_profile=pgle_profile, progress=progress,
+                         log=lambda m: err.print(m, highlight=False, markup=False))
+  if plot:
+    bench.plot(rows, plot)
+  if json_out:
+    typer.echo(json.dumps(rows, indent=1, default=str))
+  else:
+    console.print(bench.table(rows, compile_only))
+    if plot:
+      console.print(f'Plot written to {plot}.')
+
+
+def fake_devices(n: int) -> None:
+  """N fake CPU devices for this process; must run before jax starts a backend."""
+  import sys
+  if 'jax' in sys.modules:
+    import jax._src.xla_bridge as xb
+    if xb.backends_are_initialized():
+      import jax
+      if len(jax.devices()) == n and jax.default_backend() == 'cpu':
+        return
+      raise UserError(f'--num-devices {n}: jax already started with {len(jax.devices())} devices in this process.')
+  flags = [f for f in os.environ.get('XLA_FLAGS', '').split() if not f.startswith('--xla_force_host_platform_device_count')]
+  os.environ['XLA_FLAGS'] = ' '.join(flags + [f'--xla_force_host_platform_device_count={n}'])
+  os.environ['JAX_PLATFORMS'] = 'cpu'
+
+
+def register(app: typer.Typer) -> None:
+  app.add_typer(bench_app, name='bench')

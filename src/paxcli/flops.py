@@ -1,0 +1,274 @@
+"""Model FLOPs, device peaks and MFU: the one place these numbers come from.
+
+Model FLOPs per token of a training step (forward + backward = 3 x forward, 2 FLOPs per
+multiply-add), as MaxText counts them since mid-2025:
+
+  6 x (per layer: QKV projections (grouped-query K/V heads) + output projection + MLP
+       (two input matrices when gated) ; plus the unembedding D x V)
+  + per layer 12 x H x E x S attention (Q.K^T and probs.V, forward and backward),
+    halved for causal masking.
+
+The token-embedding lookup, norms, softmax, biases and the optimizer are not counted.
+PaLM's figure (appendix B) counts attention in full, without the causal halving; it is
+reported beside ours (`palm_flops_per_token`) and is what XLA counts for the einsum
+attention, which computes every logit.
+
+MFU = model FLOPs per second per device / the device's peak. HFU uses the FLOPs XLA
+reports for the compiled step (`compiled.cost_analysis()`), which include
+rematerialisation and everything else the program computes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Optional
+
+# Dense peak TFLOP/s per device: (bf16, fp8 or None). Matched in order on the lower-cased
+# `device_kind` (so 'tpu v5 lite' is tried before 'tpu v5').
+PEAK_TFLOPS: list[tuple[str, str, float, Optional[float]]] = [
+    # (substring of device_kind, name shown, bf16, fp8)
+    ('tpu v4', 'TPU v4', 275.0, None),
+    ('tpu v5 lite', 'TPU v5e', 197.0, None),
+    ('tpu v5e', 'TPU v5e', 197.0, None),
+    ('tpu v5p', 'TPU v5p', 459.0, None),
+    ('tpu v5', 'TPU v5p', 459.0, None),
+    ('tpu v6 lite', 'TPU v6e', 918.0, None),
+    ('tpu v6e', 'TPU v6e', 918.0, None),
+    ('a100', 'A100', 312.0, None),
+    ('h100 pcie', 'H100 PCIe', 756.0, 1513.0),
+    ('h100', 'H100 SXM', 989.0, 1979.0),
+    ('gh200', 'H200', 989.0, 1979.0),
+    ('h200', 'H200', 989.0, 1979.0),
+    ('b200', 'B200', 2250.0, 4500.0),
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Peak:
+  tflops: float          # per device
+  source: str            # where the figure comes from, for tables and logs
+  measured: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFlops:
+  """Training FLOPs per token of a decoder-only LM."""
+  matmul_params: int          # weights that multiply activations (no embedding lookup, norms, biases)
+  attention_per_token: float  # 12 x layers x H x E x S, halved for causal masking
+  palm_attention_per_token: float  # the same without halving
+
+  @property
+  def per_token(self) -> float:
+    return 6.0 * self.matmul_params + self.attention_per_token
+
+  @property
+  def palm_per_token(self) -> float:
+    return 6.0 * self.matmul_params + self.palm_attention_per_token
+
+  def per_step(self, tokens: int) -> float:
+    return self.per_token * tokens
+
+
+def for_model(model, seq_len: int) -> Optional[ModelFlops]:
+  """The FLOPs model of an engine model, or None for a model it does not describe.
+
+  A LanguageModel is read through `models.flat_view` (its settings under the flat LM
+  names); a swapped-in layer that lacks one of them leaves the figure unknown.
+  """
+  view = model
+  if hasattr(model, 'lm_tpl'):
+    from paxcli.models import flat_view
+    view = flat_view(model)
+  needed = ('model_dims', 'num_layers', 'num_heads', 'num_kv_heads', 'dims_per_head', 'hidden_dims',
+            'use_gated_activation', 'vocab_size')
+  if any(getattr(view, name, None) is None for name in needed):
+    return None
+  return lm_flops(view, seq_len)
+
+
+def compute_dtype(model) -> str:
+  """The activation dtype of a model, by name ('float32' when it does not say)."""
+  view = model
+  if hasattr(model, 'lm_tpl'):
+    from paxcli.models import flat_view
+    view = flat_view(model)
+  dtype = getattr(view, 'fprop_dtype', None) or 'float32'
+  return dtype if isinstance(dtype, str) else getattr(dtype, '__name__', str(dtype))
+
+
+def lm_flops(model, seq_len: int, causal: bool = True) -> ModelFlops:
+  """The FLOPs model for a decoder-only LM given its flat settings (models.flat_view names)."""
+  d, layers = model.model_dims, model.num_layers
+  heads, kv_heads, e = model.num_heads, model.num_kv_heads, model.dims_per_head
+  qkv = d * e * (heads + 2 * kv_heads)
+  out = heads * e * d
+  mlp = d * model.hidden_dims * (3 if model.use_gated_activation else 2)
+  unembed = d * model.vocab_size
+  attention = 12.0 * layers * heads * e * seq_len
+  return ModelFlops(matmul_params=layers * (qkv + out + mlp) + unembed,
+                    attention_per_token=attention / 2 if causal else attention,
+                    palm_attention_per_token=attention)
+
+
+def lookup_peak(device_kind: str, fp8: bool = False) -> Optional[Peak]:
+  """The table's dense peak for a device kind, or None if it is not in the table."""
+  kind = device_kind.lower()
+  for pattern, name, bf16, fp8_peak in PEAK_TFLOPS:
+    if pattern in kind:
+      if fp8 and fp8_peak:
+        return Peak(fp8_peak, f'{name} fp8 dense peak {fp8_peak:g} TFLOP/s (table)')
+      return Peak(bf16, f'{name} bf16 dense peak {bf16:g} TFLOP/s (table)')
+  return None
+
+
+def device_peak(device=None, dtype: str = 'float32', override: Optional[float] = None,
+                measure_size: int = 1024) -> Peak:
+  """--peak-tflops if given, else the table by device_kind, else a measured matmul peak."""
+  import jax
+  device = device or jax.devices()[0]
+  if override:
+    return Peak(float(override), f'{override:g} TFLOP/s (--peak-tflops)')
+  found = lookup_peak(device.device_kind)
+  if found:
+    return found
+  return measured_peak(dtype, len(jax.local_devices()), measure_size)
+
+
+@functools.cache
+def measured_peak(dtype: str = 'float32', shared_by: int = 1, size: int = 1024,
+                  seconds: float = 0.3) -> Peak:
+  """Peak of this host measured with a size x size matmul in `dtype`, per device.
+
+  Fake CPU devices share one host's cores, so the host's figure is divided among them.
+  """
+  import jax
+  import jax.numpy as jnp
+  device = jax.local_devices()[0]
+  a = jax.device_put(jnp.ones((size, size), dtype), device)
+  matmul = jax.jit(lambda x, y: x @ y)
+  jax.block_until_ready(matmul(a, a))
+  count, start = 0, time.perf_counter()
+  while True:
+    out = [matmul(a, a) for _ in range(4)]
+    jax.block_until_ready(out)
+    count += 4
+    elapsed = time.perf_counter() - start
+    if elapsed >= seconds:
+      break
+  host = 2.0 * size ** 3 * count / elapsed / 1e12
+  per_device = host / max(shared_by, 1)
+  where = f'{device.device_kind} ({jax.default_backend()})'
+  share = f', shared by {shared_by} devices' if shared_by > 1 else ''
+  return Peak(per_device, f'measured: {size}x{size} {dtype} matmul on {where}, {host:.3g} TFLOP/s'
+              f'{share} -> {per_device:.3g} per device', measured=True)
+
+
+def xla_flops(compiled) -> Optional[float]:
+  """FLOPs of a compiled program per device, from XLA's cost analysis (None if absent)."""
+  try:
+    cost = compiled.cost_analysis()
+  except Exception:  # some backends do not implement it
+    return None
+  if isinstance(cost, (list, tuple)):
+    cost = cost[0] if cost else None
+  if not cost or 'flops' not in cost:
+    return None
+  return float(cost['flops'])
+
+
+def memory(compiled) -> Optional[dict]:
+  """Per-device bytes of a compiled program: arguments, outputs, temporaries, aliased, total."""
+  try:
+    stats = compiled.memory_analysis()
+  except Exception:
+    return None
+  if stats is None:
+    return None
+  out = {k: int(getattr(stats, f'{k}_size_in_bytes', 0) or 0)
+         for k in ('argument', 'output', 'temp', 'alias', 'generated_code')}
+  # Donated arguments alias outputs: count those bytes once.
+  out['total'] = out['argument'] + out['output'] - out['alias'] + out['temp'] + out['generated_code']
+  return out
+
+
+def device_memory_bytes(device=None) -> tuple[Optional[int], str]:
+  """(bytes a device can hold, where that figure comes from)."""
+  import os
+
+  import jax
+  device = device or jax.devices()[0]
+  try:
+    stats = device.memory_stats() or {}
+  except Exception:
+    stats = {}
+  if stats.get('bytes_limit'):
+    return int(stats['bytes_limit']), 'memory_stats bytes_limit'
+  if device.platform == 'cpu':
+    try:
+      total = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
+    except (ValueError, OSError, AttributeError):
+      return None, 'unknown'
+    n = len(jax.local_devices())
+    return total // n, f'host RAM / {n} devices' if n > 1 else 'host RAM'
+  return None, 'unknown'
+
+
+def peak_memory_in_use(device=None) -> Optional[int]:
+  import jax
+  device = device or jax.devices()[0]
+  try:
+    stats = device.memory_stats() or {}
+  except Exception:
+    return None
+  value = stats.get('peak_bytes_in_use')
+  return int(value) if value is not None else None
+
+
+class CompileTimer:
+  """Wall seconds JAX spends tracing, lowering and compiling, from jax.monitoring spans.
+
+  Nested spans (a jitted function traced inside another) are merged, so each second
+  counts once. Spans that end while `ignoring` is set (an eval, timed on its own) are
+  dropped. `take()` returns the seconds since the last take.
+  """
+
+  EVENTS = ('/jax/core/compile/jaxpr_trace_duration', '/jax/core/compile/jaxpr_to_mlir_module_duration',
+            '/jax/core/compile/backend_compile_duration')
+
+  def __init__(self):
+    self.spans: list[tuple[float, float]] = []
+    self.ignoring = False
+    self._registered = False
+
+  def _on_span(self, event: str, start: float, end: float, **kwargs) -> None:
+    del kwargs
+    if event in self.EVENTS and not self.ignoring:
+      self.spans.append((start, end))
+
+  def __enter__(self):
+    import jax
+    jax.monitoring.register_event_time_span_listener(self._on_span)
+    self._registered = True
+    return self
+
+  def __exit__(self, *exc):
+    import jax
+    if self._registered:
+      try:
+        jax.monitoring.unregister_event_time_span_listener(self._on_span)
+      except (AssertionError, ValueError):
+        pass
+      self._registered = False
+    return False
+
+  def take(self) -> float:
+    spans, self.spans = sorted(self.spans), []
+    total, end = 0.0, float('-inf')
+    for s, e in spans:
+      if e <= end:
+        continue
+      total += e - max(s, end)
+      end = e
+    return total
