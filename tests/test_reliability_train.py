@@ -235,7 +235,7 @@ def test_checksums_catch_one_flipped_bit_and_ignore_the_sharding():
       != sums['params/w']
 
 
-def test_eval_names_a_damaged_checkpoint_and_uses_the_previous_one(base, tmp_path, capsys):
+def test_eval_and_decode_name_a_damaged_checkpoint_and_use_the_previous_one(base, tmp_path, capsys):
   job = _copy(base, tmp_path)
   for path in _data_files(os.path.join(job, 'checkpoints', '20')):
     os.remove(path)
@@ -246,6 +246,15 @@ def test_eval_names_a_damaged_checkpoint_and_uses_the_previous_one(base, tmp_pat
   assert "step 16 in" in err and 'state/_METADATA' in err and 'is missing' in err
   assert json.loads(out)['step'] == 12
   assert _checkpoints(job) == [12, 16, 20]  # eval only reads: nothing moved
+  # pax decode does the same; a damaged --step is refused, naming it.
+  code, out, err = pax_main(['decode', *TINY, '--job-log-dir', job, '--prompt-ids', '1,2', '--max-decode-steps', '2',
+                             '--json'], capsys)
+  assert code == 0, err
+  assert 'The checkpoint at step 20' in err and 'Falling back' in err
+  assert json.loads(out.splitlines()[0])['num_decoded_tokens'] == 2
+  code, _, err = pax_main(['decode', *TINY, '--job-log-dir', job, '--step', '20', '--prompt-ids', '1,2'], capsys)
+  assert code != 0 and 'The checkpoint at step 20' in _error_line(err) and 'is damaged' in _error_line(err)
+  assert _checkpoints(job) == [12, 16, 20]
 
 
 # ---- 9, 7: job directories that cannot hold a run -------------------------------------------------
@@ -302,6 +311,7 @@ def test_disk_full_is_one_line_and_leaves_no_half_written_checkpoint(tmp_path):
 # ---- 4: the launcher dies, its children too ---------------------------------------------------------
 
 
+@pytest.mark.slow  # two processes joined by jax.distributed: about 20 s on a quiet machine
 def test_kill_9_of_the_launcher_leaves_no_process_behind(tmp_path):
   job = str(tmp_path / 'job')
   launcher = subprocess.Popen([sys.executable, '-m', 'paxcli.cli.app', 'launch', '--processes', '2',

@@ -637,8 +637,12 @@ def decode_command(resolved, job_dir: str, opts: DecodeOptions, texts=(), prompt
       raise UserError(f'--eos-id {e} is outside the vocabulary (0 to {vocab - 1}).')
   if use_checkpoint:
     flat = {k: repr(v) for k, v in resolved.flat().items()}
-    params = restore.restore(setup, job_dir, ckpt_step, params_only=True, flat_now=flat,
-                             action='decode').state['params']
+    # The latest checkpoint, if damaged, falls back to the newest intact one (named in a WARNING
+    # line, nothing moved); a --step that is damaged is refused, naming it.
+    restored = restore.restore(setup, job_dir, ckpt_step, params_only=True, flat_now=flat, action='decode',
+                               fallback=step is None,
+                               log=lambda m: common.console(stderr=True).print(m, highlight=False, markup=False))
+    params, ckpt_step = restored.state['params'], restored.step
   else:
     ckpt_step = 0
     params = engine.init_state(setup, resolved.experiment.RANDOM_SEED)['params']

@@ -36,6 +36,15 @@ class LmExperiment(Experiment):
   FPROP_DTYPE: DTypeName = 'float32'      # activations; weights stay float32
   USE_REPEATED_LAYER: bool = False        # nn.scan over layers
   CHECKPOINT_POLICY: CheckpointPolicyName = 'save_nothing'
+  # Options of Pax's lm_cloud/c4 models (what `pax checkpoint convert --from paxml` needs); all off
+  # by default. POSITION_EMBEDDING 'sinusoidal' is Pax's fixed PositionalEmbedding.
+  SCALE_EMBEDDING_SQRT_DEPTH: bool = False  # token embeddings x sqrt(MODEL_DIMS) (Pax scale_sqrt_depth)
+  USE_SOFTMAX_BIAS: bool = False          # a bias on the output logits (Pax's softmax has one)
+  SOFTMAX_CAP_LOGITS: float = 0.0         # > 0: logits = cap * tanh(logits / cap); 0: off
+  ATTEN_LOGIT_CAP: float = 0.0            # the same for attention logits, before the mask
+  USE_PER_DIM_SCALE: bool = False         # learned per-dimension query scale (Pax's PerDimScale)
+  USE_ATTENTION_BIAS: Optional[bool] = None  # None: USE_BIAS; Pax's USE_BIAS is this one
+  NORM_EPSILON: float = 1e-6
   # auto: jax.nn.dot_product_attention (cuDNN flash attention on GPUs in bf16/fp16, XLA
   # elsewhere); einsum: the plain reference with explicit float32 logits.
   ATTENTION_IMPL: AttentionImplName = 'auto'
@@ -86,6 +95,13 @@ class LmExperiment(Experiment):
         fprop_dtype=self.FPROP_DTYPE,
         scan_layers=self.USE_REPEATED_LAYER,
         checkpoint_policy=self.CHECKPOINT_POLICY,
+        scale_embedding_sqrt_depth=self.SCALE_EMBEDDING_SQRT_DEPTH,
+        softmax_bias=self.USE_SOFTMAX_BIAS,
+        softmax_cap_logits=self.SOFTMAX_CAP_LOGITS,
+        atten_logit_cap=self.ATTEN_LOGIT_CAP,
+        per_dim_scale=self.USE_PER_DIM_SCALE,
+        attention_use_bias=self.USE_ATTENTION_BIAS,
+        norm_epsilon=self.NORM_EPSILON,
         attention_impl=self.ATTENTION_IMPL,
     )
 

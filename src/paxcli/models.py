@@ -15,7 +15,7 @@ then `eval_summary` may add derived numbers (the LM adds perplexity). A model ma
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import fiddle as fdl
 import flax.linen as nn
@@ -25,7 +25,7 @@ import numpy as np
 
 from paxcli.layers.base import (AUX_LOSS, NON_TRAINABLE, RANDOM, SUMMARIES, BaseLayer, LayerTpl,
                                 build_arguments, instantiate, template_field)  # noqa: F401
-from paxcli.layers.transformer import Attention, Block, Mlp, Norm, dtype_of, fill_template
+from paxcli.layers.transformer import Attention, Block, Mlp, Norm, dtype_of, fill_template, sinusoidal, soft_cap
 
 REMAT_POLICIES = {
     'save_nothing': lambda: jax.checkpoint_policies.nothing_saveable,
@@ -71,7 +71,11 @@ class BaseModel(BaseLayer):
 
 
 class TransformerLm(BaseLayer):
-  """Token embedding, optional learned positions, a stack of blocks, final norm, logits.
+  """Token embedding, optional learned or sinusoidal positions, a stack of blocks, final norm, logits.
+
+  Options Pax's lm_cloud models use, off by default: token embeddings scaled by
+  sqrt(model_dims) (`scale_embedding_sqrt_depth`), a bias on the output logits
+  (`softmax_bias`), output logits soft-capped by tanh (`softmax_cap_logits`).
 
   The blocks come from `block_tpl` (attention, feed-forward and norm templates inside it)
   and the final norm from `final_norm_tpl`; the LM fills model_dims, dropout and the compute
@@ -87,6 +91,9 @@ class TransformerLm(BaseLayer):
   fprop_dtype: Any = 'float32'
   scan_layers: bool = False
   checkpoint_policy: str = 'save_nothing'
+  scale_embedding_sqrt_depth: bool = False
+  softmax_bias: bool = False
+  softmax_cap_logits: float = 0.0
   block_tpl: LayerTpl = template_field(Block)
   final_norm_tpl: LayerTpl = template_field(Norm)
 
@@ -112,6 +119,10 @@ class TransformerLm(BaseLayer):
             nn.initializers.normal(self.model_dims ** -0.5), ('vocab', 'embed')),
         name='embedding')
     x_BxLxD = embed(ids_BxL)
+    if self.scale_embedding_sqrt_depth:
+      x_BxLxD = x_BxLxD * jnp.asarray(self.model_dims ** 0.5, dtype)
+    if self.position_embedding == 'sinusoidal':
+      x_BxLxD = x_BxLxD + sinusoidal(positions_BxL, self.model_dims).astype(dtype)
     if self.position_embedding == 'learned':
       pos = self.param('position_embedding',
                        nn.with_logical_partitioning(nn.initializers.normal(0.02), (None, 'embed')),
@@ -134,14 +145,19 @@ class TransformerLm(BaseLayer):
     final_norm = fill_template(self.final_norm_tpl, dtype)
     x_BxLxD = fdl.get_callable(final_norm)(**build_arguments(final_norm, self), name='final_norm')(x_BxLxD)
     if self.separate_embedding:
-      logits = nn.Dense(self.vocab_size, use_bias=False, dtype=dtype,
+      logits = nn.Dense(self.vocab_size, use_bias=self.softmax_bias, dtype=dtype,
                         kernel_init=nn.with_logical_partitioning(
                             nn.initializers.variance_scaling(1.0, 'fan_in', 'truncated_normal'),
                             ('embed', 'vocab')),
+                        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ('vocab',)),
                         name='logits')(x_BxLxD)
     else:
       logits = embed.attend(x_BxLxD)
-    return logits.astype(jnp.float32)
+      if self.softmax_bias:
+        bias = self.param('logits_bias', nn.with_logical_partitioning(nn.initializers.zeros, ('vocab',)),
+                          (self.vocab_size,))
+        logits = logits + bias.astype(logits.dtype).reshape(1, 1, -1)
+    return soft_cap(logits.astype(jnp.float32), self.softmax_cap_logits)
 
 
 def lm_loss(logits_BxLxV, labels_BxL, weights_BxL):
@@ -215,17 +231,23 @@ def lm_config(vocab_size: int = 256, num_layers: int = 2, model_dims: int = 64, 
               activation: str = 'gelu', use_gated_activation: bool = False, norm_type: str = 'layernorm',
               use_bias: bool = True, position_embedding: str = 'learned', rotary_max_timescale: float = 10000.0,
               separate_embedding: bool = False, dropout_prob: float = 0.0, fprop_dtype: str = 'float32',
-              scan_layers: bool = False, checkpoint_policy: str = 'save_nothing', attention_impl: str = 'auto'):
+              scan_layers: bool = False, checkpoint_policy: str = 'save_nothing',
+              scale_embedding_sqrt_depth: bool = False, softmax_bias: bool = False,
+              softmax_cap_logits: float = 0.0, atten_logit_cap: float = 0.0, per_dim_scale: bool = False,
+              attention_use_bias: Optional[bool] = None, norm_epsilon: float = 1e-6,
+              attention_impl: str = 'auto'):
   """The LanguageModel config with its templates filled from flat settings (the LM knobs).
 
   Each setting lands in the one template that uses it: attention heads in
   `lm_tpl.block_tpl.attention_tpl`, hidden dims and activation in `...ffn_tpl`, the norm
   kind in `...norm_tpl` and `lm_tpl.final_norm_tpl`, the rest on `lm_tpl`.
   """
-  norm = lambda: fdl.Config(Norm, kind=norm_type, use_bias=use_bias)
+  norm = lambda: fdl.Config(Norm, kind=norm_type, use_bias=use_bias, epsilon=norm_epsilon)
   attention = fdl.Config(Attention, num_heads=num_heads, num_kv_heads=num_kv_heads, dims_per_head=dims_per_head,
-                         use_bias=use_bias, rotary=position_embedding == 'rotary',
-                         rotary_max_timescale=rotary_max_timescale, attention_impl=attention_impl)
+                         use_bias=use_bias if attention_use_bias is None else attention_use_bias,
+                         rotary=position_embedding == 'rotary', rotary_max_timescale=rotary_max_timescale,
+                         per_dim_scale=per_dim_scale, atten_logit_cap=atten_logit_cap,
+                         attention_impl=attention_impl)
   ffn = fdl.Config(Mlp, hidden_dims=hidden_dims, activation=activation, gated=use_gated_activation,
                    use_bias=use_bias)
   block = fdl.Config(Block, attention_tpl=attention, ffn_tpl=ffn, norm_tpl=norm())
@@ -233,7 +255,8 @@ def lm_config(vocab_size: int = 256, num_layers: int = 2, model_dims: int = 64, 
                   max_seq_len=max_seq_len, position_embedding=position_embedding,
                   separate_embedding=separate_embedding, dropout_prob=dropout_prob, fprop_dtype=fprop_dtype,
                   scan_layers=scan_layers, checkpoint_policy=checkpoint_policy, block_tpl=block,
-                  final_norm_tpl=norm())
+                  final_norm_tpl=norm(), scale_embedding_sqrt_depth=scale_embedding_sqrt_depth,
+                  softmax_bias=softmax_bias, softmax_cap_logits=softmax_cap_logits)
   return fdl.Config(LanguageModel, lm_tpl=lm)
 
 
@@ -302,11 +325,14 @@ def flat_view(model):
       apply=model.apply, model=model,
       **{name: get(lm, name) for name in ('vocab_size', 'num_layers', 'model_dims', 'max_seq_len',
                                           'position_embedding', 'separate_embedding', 'dropout_prob',
-                                          'fprop_dtype', 'scan_layers', 'checkpoint_policy')},
+                                          'fprop_dtype', 'scan_layers', 'checkpoint_policy',
+                                          'scale_embedding_sqrt_depth', 'softmax_bias', 'softmax_cap_logits')},
       **{name: get(attention, name) for name in ('num_heads', 'num_kv_heads', 'dims_per_head',
-                                                 'rotary_max_timescale', 'use_bias', 'attention_impl')},
+                                                 'rotary_max_timescale', 'per_dim_scale', 'atten_logit_cap',
+                                                 'attention_impl')},
+      use_bias=bool(get(attention, 'use_bias') or get(ffn, 'use_bias')),   # any bias in the blocks
       hidden_dims=get(ffn, 'hidden_dims'), activation=get(ffn, 'activation'),
-      use_gated_activation=get(ffn, 'gated'), norm_type=get(norm, 'kind'))
+      use_gated_activation=get(ffn, 'gated'), norm_type=get(norm, 'kind'), norm_epsilon=get(norm, 'epsilon'))
 
 
 def validate_lm(lm) -> None:
@@ -316,6 +342,10 @@ def validate_lm(lm) -> None:
   at_least(1, 'task.model.lm_tpl', lm, 'vocab_size', 'num_layers', 'model_dims', 'max_seq_len')
   if not 0 <= lm.dropout_prob < 1:
     raise UserError(f'task.model.lm_tpl.dropout_prob must be in [0, 1), got {lm.dropout_prob}.')
+  if getattr(getattr(lm, 'final_norm_tpl', None), 'epsilon', 1.0) <= 0:
+    raise UserError(f'NORM_EPSILON must be positive, got {lm.final_norm_tpl.epsilon}.')
+  if getattr(lm, 'softmax_cap_logits', 0.0) < 0:
+    raise UserError(f'SOFTMAX_CAP_LOGITS must be 0 (off) or positive, got {lm.softmax_cap_logits}.')
   attention = getattr(getattr(lm, 'block_tpl', None), 'attention_tpl', None)
   if attention is None or fdl.get_callable(attention) is not Attention:
     return
@@ -324,6 +354,8 @@ def validate_lm(lm) -> None:
   if attention.num_heads % attention.num_kv_heads:
     raise UserError(f'NUM_HEADS {attention.num_heads} must be a multiple of NUM_KV_HEADS '
                     f'{attention.num_kv_heads}.')
+  if attention.atten_logit_cap < 0:
+    raise UserError(f'ATTEN_LOGIT_CAP must be 0 (off) or positive, got {attention.atten_logit_cap}.')
   if attention.rotary and attention.dims_per_head % 2:
     raise UserError(f'Rotary positions need an even DIMS_PER_HEAD, got {attention.dims_per_head}.')
   ffn = lm.block_tpl.ffn_tpl

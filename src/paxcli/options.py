@@ -12,7 +12,7 @@ from typing import Literal
 
 ActivationName = Literal['gelu', 'relu', 'silu', 'swish']
 NormName = Literal['layernorm', 'rmsnorm']
-PositionName = Literal['learned', 'rotary', 'none']
+PositionName = Literal['learned', 'rotary', 'sinusoidal', 'none']
 DTypeName = Literal['float32', 'bfloat16', 'float16']
 CheckpointPolicyName = Literal['none', 'save_nothing', 'save_dot_only', 'save_dot_with_no_batch_dim',
                                'save_qkv_out_proj', 'save_everything']

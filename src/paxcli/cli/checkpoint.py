@@ -40,7 +40,7 @@ def inspect_command(
             + (f'  experiment {info["experiment"]}' if info.get('experiment') else ''))
   for col, just in (('name', 'left'), ('shape', 'right'), ('dtype', 'left'), ('bytes', 'right'),
                     ('sharding', 'left')):
-    t.add_column(col, justify=just)
+    t.add_column(col, justify=just, overflow='fold')   # long names (Pax's) wrap, never cut
   for a in info['arrays']:
     t.add_row(a['name'], 'x'.join(map(str, a['shape'])) or 'scalar', a['dtype'], _size(a['bytes']),
               a['sharding'] or '')
@@ -51,9 +51,10 @@ def inspect_command(
                 + ('' if 'has_optimizer_state' not in info else
                    '; optimizer state: ' + ('yes' if info['has_optimizer_state'] else 'no (params only)')))
   cfg = info.get('config') or {}
-  shown = {k: v for k, v in cfg.items() if k.startswith('knobs.')} or cfg
+  shown = {k: v for k, v in cfg.items() if k.startswith(('knobs.', 'unsupported.'))} or cfg
   if shown:
-    console.print('Saved config:' if info['format'] != 'hf' else 'config.json:')
+    console.print({'hf': 'config.json:', 'paxml': 'The same model in paxcli knobs (from model_params.txt):'}
+                  .get(info['format'], 'Saved config:'))
     for k, v in shown.items():
       console.print(f'  {k} = {v}', highlight=False, markup=False)
 
@@ -80,8 +81,9 @@ def convert_command(
                                                  '--verify (default 1e-5; 1e-2 with --dtype bfloat16).'),
     max_shard_size: str = typer.Option('5GB', '--max-shard-size', help='safetensors/hf: split files above '
                                        'this size.'),
-    recipe: Optional[str] = typer.Option(None, '--recipe', help='--from hf: recipe file to write '
-                                         '(default: beside the output, hf_<output>.py).'),
+    recipe: Optional[str] = typer.Option(None, '--recipe', help='--from hf, or paxml without --exp: recipe '
+                                         'file to write (default: beside the output, hf_<output>.py or '
+                                         'paxml_<output>.py).'),
     json_out: bool = typer.Option(False, '--json', help='Print the result as JSON.'),
 ) -> None:
   """Convert a checkpoint to another layout (--set USE_REPEATED_LAYER=..., mesh), dtype, experiment or format."""

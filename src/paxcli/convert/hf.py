@@ -29,7 +29,7 @@ from paxcli.convert import formats, safetensors_io
 from paxcli.convert.formats import ArrayInfo
 from paxcli.errors import UserError
 
-RMS_EPS = 1e-6   # paxcli's Norm epsilon
+RMS_EPS = 1e-6   # paxcli's default NORM_EPSILON (HF's rms_norm_eps maps to NORM_EPSILON)
 
 
 def misfit(model) -> list[str]:
@@ -41,6 +41,12 @@ def misfit(model) -> list[str]:
     reasons.append('the layers have biases (Llama has none: USE_BIAS=False)')
   if model.position_embedding != 'rotary':
     reasons.append(f'positions are {model.position_embedding!r} (Llama uses rotary: POSITION_EMBEDDING=\'rotary\')')
+  pax_options = [('softmax_cap_logits', 'output logits are soft-capped'),
+                 ('atten_logit_cap', 'attention logits are soft-capped'),
+                 ('per_dim_scale', 'queries have learned per-dimension scales'),
+                 ('softmax_bias', 'the output logits have a bias'),
+                 ('scale_embedding_sqrt_depth', 'token embeddings are scaled by sqrt(MODEL_DIMS)')]
+  reasons += [f'{why} (Llama has no {name})' for name, why in pax_options if getattr(model, name, None)]
   if not model.use_gated_activation or model.activation not in ('silu', 'swish'):
     reasons.append(f'the MLP is {"gated " if model.use_gated_activation else ""}{model.activation} '
                    '(Llama uses gated SiLU: USE_GATED_ACTIVATION=True, ACTIVATION=\'silu\')')
@@ -54,7 +60,7 @@ def config_for(model, dtype: str = 'float32') -> dict:
       'intermediate_size': model.hidden_dims, 'num_hidden_layers': model.num_layers,
       'num_attention_heads': model.num_heads, 'num_key_value_heads': model.num_kv_heads,
       'head_dim': model.dims_per_head, 'max_position_embeddings': model.max_seq_len,
-      'hidden_act': 'silu', 'rms_norm_eps': RMS_EPS, 'rope_theta': float(model.rotary_max_timescale),
+      'hidden_act': 'silu', 'rms_norm_eps': float(getattr(model, 'norm_epsilon', None) or RMS_EPS), 'rope_theta': float(model.rotary_max_timescale),
       'rope_scaling': None, 'attention_bias': False, 'mlp_bias': False, 'attention_dropout': 0.0,
       'tie_word_embeddings': not model.separate_embedding, 'initializer_range': 0.02,
       'torch_dtype': dtype, 'use_cache': True, 'bos_token_id': 1, 'eos_token_id': 2,
@@ -87,11 +93,8 @@ def knobs_from_config(config: dict, path: str) -> tuple[dict, list[str]]:
       'POSITION_EMBEDDING': 'rotary', 'ROTARY_MAX_TIMESCALE': float(config.get('rope_theta', 10000.0)),
       'SEPARATE_EMBEDDING': not config.get('tie_word_embeddings', False), 'USE_REPEATED_LAYER': False,
   }
-  notes = []
-  eps = config.get('rms_norm_eps', RMS_EPS)
-  if abs(eps - RMS_EPS) > 1e-12:
-    notes.append(f'rms_norm_eps {eps:g}: paxcli\'s RMSNorm uses {RMS_EPS:g} (logits differ slightly)')
-  return knobs, notes
+  knobs['NORM_EPSILON'] = float(config.get('rms_norm_eps', RMS_EPS))
+  return knobs, []
 
 
 def _linear(shape_pax_in: int):

@@ -20,7 +20,10 @@ def inspect(path: str, fmt: Optional[str] = None, step: Optional[int] = None) ->
   """Metadata only: step, arrays (name, shape, dtype, bytes, sharding), totals, config."""
   src = formats.open_source(path, fmt, step)
   arrays = src.arrays()
-  params = [a for a in arrays if a.name.startswith('params/')] if src.paxcli_names else arrays
+  if src.paxcli_names:
+    params = [a for a in arrays if a.name.startswith('params/')]
+  else:
+    params = [a for a in arrays if getattr(src, 'is_param', lambda n: True)(a.name)]
   out = {
       'path': os.path.abspath(path), 'format': src.kind, 'step': src.step,
       'experiment': getattr(src, 'experiment_name', lambda: None)(),
@@ -29,7 +32,7 @@ def inspect(path: str, fmt: Optional[str] = None, step: Optional[int] = None) ->
       'totals': {'arrays': len(arrays), 'bytes': sum(a.nbytes for a in arrays),
                  'parameters': int(sum(a.size for a in params)), 'parameter_bytes': sum(a.nbytes for a in params),
                  'largest_array_bytes': max((a.nbytes for a in arrays), default=0)},
-      'config': src.config or src.native,
+      'config': src.inspect_config() if hasattr(src, 'inspect_config') else (src.config or src.native),
   }
   if src.paxcli_names:
     out['has_optimizer_state'] = any(a.name.startswith('opt_state/') for a in arrays)
@@ -53,11 +56,11 @@ def convert(source: str, output: str, *, fmt: Optional[str] = None, to: str = 'o
   if to == 'hf':
     overrides.append('USE_REPEATED_LAYER=False')   # HF layers are unrolled
   recipe_path = None
-  if src.kind == 'hf' and not src.config:
+  if (src.kind == 'hf' and not src.config) or (src.kind == 'paxml' and not exp):
     # The imported model's experiment is the recipe written for it (as pax import-maxtext does),
-    # unless --exp names one; the converted job then resumes with --exp <recipe>:HfLlama.
+    # unless --exp names one; the converted job then resumes with --exp <recipe>:<class>.
     recipe_path = _write_recipe(src, recipe, output, force, log)
-    exp = exp or f'{recipe_path}:HfLlama'
+    exp = exp or f'{recipe_path}:{_recipe_class(src)}'
   try:
     return _convert(src, out, source, output, fmt, to, exp, overrides, params_only, dtype, step, verify,
                     kl_tolerance, max_shard_bytes, log, t0, recipe_path)
@@ -69,10 +72,14 @@ def convert(source: str, output: str, *, fmt: Optional[str] = None, to: str = 'o
 
 def _convert(src, out, source, output, fmt, to, exp, overrides, params_only, dtype, step, verify, kl_tolerance,
              max_shard_bytes, log, t0, recipe_path):
+  if hasattr(src, 'check_experiment'):   # paxml: the experiment must compute the Pax model's function
+    from paxcli import config as cfg
+    src.check_experiment(cfg.resolve(exp, list(overrides)).experiment, log)
   source_res, target_res = core.resolve_pair(src, exp, overrides)
   if not src.paxcli_names:
     if hasattr(src, 'paxcli_view'):
-      source_res = source_res or _from_knobs(src, exp)
+      # paxml: the view takes any layout and MAX_SEQ_LEN, so it is read as the target model
+      source_res = source_res or (target_res if src.kind == 'paxml' else _from_knobs(src, exp))
       src = src.paxcli_view(core.build_model(source_res).spec)
     else:
       src = formats.open_source(source, src.kind, step, target=target_res)
@@ -211,16 +218,24 @@ def _carry_files(src, tmp: str, to: str) -> None:
   shutil.copyfile(tok, dest)
 
 
+def _recipe_class(src) -> str:
+  return 'PaxLm' if src.kind == 'paxml' else 'HfLlama'
+
+
 def _write_recipe(src, recipe: Optional[str], output: str, force: bool, log) -> str:
   from paxcli.convert import hf
+  prefix, class_name = src.kind, _recipe_class(src)
   path = recipe or os.path.join(os.path.dirname(os.path.abspath(output)),
-                                f'hf_{os.path.basename(os.path.abspath(output))}.py'.replace('-', '_'))
+                                f'{prefix}_{os.path.basename(os.path.abspath(output))}.py'.replace('-', '_'))
   if os.path.exists(path) and not force:
     raise UserError(f'The recipe {path} exists; pass --force to replace it or --recipe PATH.')
-  knobs = dict(src.knobs())
+  if src.kind == 'paxml':
+    text = src.recipe_text(class_name)
+  else:
+    text = hf.recipe_text(class_name, dict(src.knobs()), src.path, getattr(getattr(src, 'hf', src), 'notes', []))
   with open(path, 'w', encoding='utf-8') as f:
-    f.write(hf.recipe_text('HfLlama', knobs, src.path, getattr(getattr(src, 'hf', src), 'notes', [])))
-  log(f'Wrote the recipe {path}; the converted job resumes with: pax train --exp {path}:HfLlama '
+    f.write(text)
+  log(f'Wrote the recipe {path}; the converted job resumes with: pax train --exp {path}:{class_name} '
       f'--job-log-dir {output}')
   return path
 

@@ -27,13 +27,16 @@ _CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
 def attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL: Optional[jax.Array] = None,
-              impl: str = 'auto'):
+              impl: str = 'auto', logit_cap: float = 0.0):
   """Causal attention; tokens attend only within their segment when segment_ids are given.
+
+  logit_cap > 0 soft-caps the logits (cap * tanh(logits / cap), Pax's atten_logit_cap), which
+  only the einsum kernel can do: it is used then, whatever `impl` says.
 
   Returns [B, L, H, E] in the dtype of q.
   """
-  if impl == 'einsum':
-    return einsum_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL)
+  if impl == 'einsum' or logit_cap:
+    return einsum_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL, logit_cap)
   if impl not in IMPLEMENTATIONS:
     raise ValueError(f'attention impl {impl!r} is not one of {IMPLEMENTATIONS}')
   return dot_product_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL,
@@ -57,23 +60,25 @@ def dot_product_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL=None,
                                       implementation=implementation)
 
 
-def einsum_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL=None):
+def einsum_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL=None, logit_cap: float = 0.0):
   """The reference: explicit float32 logits, masked (causal, same segment), softmaxed, applied to values."""
   b, l = q_BxLxHxE.shape[:2]
   s = k_BxSxKxE.shape[1]
   mask_BxLxS = jnp.broadcast_to(jnp.tril(jnp.ones((l, s), dtype=bool))[None], (b, l, s))
   if segment_ids_BxL is not None:
     mask_BxLxS = mask_BxLxS & (segment_ids_BxL[:, :, None] == segment_ids_BxL[:, None, :])
-  return masked_einsum_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, mask_BxLxS)
+  return masked_einsum_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, mask_BxLxS, logit_cap)
 
 
-def masked_einsum_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, mask_BxLxS):
+def masked_einsum_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, mask_BxLxS, logit_cap: float = 0.0):
   """Attention under any boolean mask (True: may attend); decoding uses it with its KV cache."""
   b, l, h, e = q_BxLxHxE.shape
   kv_heads = k_BxSxKxE.shape[2]
   groups = h // kv_heads
   q_BxLxKxGxE = q_BxLxHxE.reshape(b, l, kv_heads, groups, e) * (e ** -0.5)
   logits_BxKxGxLxS = jnp.einsum('blkge,bske->bkgls', q_BxLxKxGxE, k_BxSxKxE).astype(jnp.float32)
+  if logit_cap:   # before the mask: the cap would lift the masked logits too
+    logits_BxKxGxLxS = logit_cap * jnp.tanh(logits_BxKxGxLxS / logit_cap)
   logits_BxKxGxLxS = jnp.where(mask_BxLxS[:, None, None], logits_BxKxGxLxS, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(logits_BxKxGxLxS, axis=-1).astype(q_BxLxHxE.dtype)
   out_BxLxKxGxE = jnp.einsum('bkgls,bske->blkge', probs, v_BxSxKxE)

@@ -7,6 +7,7 @@ D model dims, H heads, K kv heads, G query heads per kv head, E dims per head, F
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import flax.linen as nn
@@ -79,12 +80,31 @@ def rotary(x_BxLxHxE, positions_BxL, max_timescale: float):
   return out.astype(x_BxLxHxE.dtype)
 
 
+def sinusoidal(positions_BxL, dims: int, min_timescale: float = 1.0, max_timescale: float = 10000.0):
+  """Fixed sinusoidal position embedding, Pax's PositionalEmbedding: [sin | cos] halves with
+  timescales geometric from min to max (zero-padded when dims is odd). Returns float32 [B, L, D]."""
+  half = dims // 2
+  log_increment = math.log(max_timescale / min_timescale) / max(half - 1, 1)
+  inv_timescale = min_timescale * jnp.exp(jnp.arange(half, dtype=jnp.float32) * -log_increment)
+  angles_BxLxD2 = positions_BxL[:, :, None].astype(jnp.float32) * inv_timescale[None, None, :]
+  signal = jnp.concatenate([jnp.sin(angles_BxLxD2), jnp.cos(angles_BxLxD2)], axis=-1)
+  return jnp.pad(signal, [(0, 0), (0, 0), (0, dims % 2)])
+
+
+def soft_cap(logits, cap: float):
+  """cap * tanh(logits / cap): bounds |logits| below cap smoothly; cap 0 leaves them as they are."""
+  return cap * jnp.tanh(logits / cap) if cap else logits
+
+
 class Attention(nn.Module):
   """Causal multi-head attention with grouped-query support (num_kv_heads <= num_heads).
 
   `segment_ids_BxL` None: one segment per row (no packing). The kernel is
   `attention_ops.attention`; attention_impl: auto (cuDNN flash attention on GPUs), dot_product
   (jax.nn.dot_product_attention) or einsum (the reference).
+  Queries: 1/sqrt(E), times Pax's learned PerDimScale with `per_dim_scale` (softplus(w) /
+  softplus(0) per dimension, w starting at 0). `atten_logit_cap` > 0 soft-caps the logits
+  with tanh before the mask, as Pax's atten_logit_cap does (the einsum kernel then).
   """
   num_heads: int
   num_kv_heads: int
@@ -93,6 +113,8 @@ class Attention(nn.Module):
   rotary: bool = False
   rotary_max_timescale: float = 10000.0
   dtype: jnp.dtype = jnp.float32
+  per_dim_scale: bool = False
+  atten_logit_cap: float = 0.0
   attention_impl: str = 'auto'
 
   def _proj(self, x, heads, head_axis, name):
@@ -102,6 +124,11 @@ class Attention(nn.Module):
         bias_init=nn.with_logical_partitioning(nn.initializers.zeros, (head_axis, 'head_dim')),
         name=name)(x)
     return checkpoint_name(y, f'{name}_proj')
+
+  def _per_dim_factor(self, e: int):
+    """[1, 1, 1, E] softplus(w) / softplus(0): Pax's PerDimScale over the kernels' 1/sqrt(E)."""
+    w = self.param('per_dim_scale', nn.with_logical_partitioning(nn.initializers.zeros, ('head_dim',)), (e,))
+    return (jax.nn.softplus(w) / math.log(2.0)).reshape(1, 1, 1, e)  # softplus(0) = ln 2
 
   @nn.compact
   def __call__(self, x_BxLxD, segment_ids_BxL, positions_BxL):
@@ -113,15 +140,18 @@ class Attention(nn.Module):
     if self.rotary:
       q_BxLxHxE = rotary(q_BxLxHxE, positions_BxL, self.rotary_max_timescale)
       k_BxSxKxE = rotary(k_BxSxKxE, positions_BxL, self.rotary_max_timescale)
+    if self.per_dim_scale:
+      q_BxLxHxE = q_BxLxHxE * self._per_dim_factor(q_BxLxHxE.shape[-1]).astype(q_BxLxHxE.dtype)
     if self.is_mutable_collection('cache') and not self.is_initializing():
       # Decoding: keys/values go into the KV cache; queries attend over all of it.
       if segment_ids_BxL is None:
         segment_ids_BxL = jnp.ones(x_BxLxD.shape[:2], jnp.int32)
       k_BxSxKxE, v_BxSxKxE, mask_BxLxS = self._decode_cache(k_BxSxKxE, v_BxSxKxE, segment_ids_BxL)
-      out_BxLxHxE = attention_ops.masked_einsum_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, mask_BxLxS)
+      out_BxLxHxE = attention_ops.masked_einsum_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, mask_BxLxS,
+                                                          self.atten_logit_cap)
     else:
       out_BxLxHxE = attention_ops.attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL,
-                                            self.attention_impl)
+                                            self.attention_impl, self.atten_logit_cap)
     out = nn.DenseGeneral(
         features=x_BxLxD.shape[-1], axis=(-2, -1), use_bias=self.use_bias, dtype=self.dtype,
         kernel_init=_init(('heads', 'head_dim', 'embed')),
