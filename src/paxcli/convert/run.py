@@ -153,6 +153,7 @@ def _meta(src, target, params_only: bool) -> dict:
   shapes = {n: list(x.shape) for n, x in target.abstract.items()
             if not params_only or n == 'step' or n.startswith('params/')}
   meta = dict(getattr(src, 'meta', None) or {})
+  meta.pop('checksums', None)   # of the source's arrays; the converted ones differ in names or dtype
   meta.update({'step': src.step, 'state_shapes': shapes, 'config': flat, 'experiment': target.resolved.name,
                'converted_from': {'path': os.path.abspath(src.path), 'format': src.kind}})
   meta.setdefault('batches_consumed', src.step)
