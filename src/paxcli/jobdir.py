@@ -63,7 +63,8 @@ def _start_time(pid: int) -> Optional[str]:
     return None
 
 
-def _alive(pid: int, start_time: Optional[str]) -> bool:
+def pid_alive(pid: int, start_time: Optional[str] = None) -> bool:
+  """Whether process `pid` runs on this host (and is the one that started at `start_time`, if given)."""
   try:
     os.kill(pid, 0)
   except ProcessLookupError:
@@ -120,7 +121,7 @@ class JobLock:
   def _check_stale(self, owner: dict, fd: int, log) -> None:
     host, pid = owner.get('host'), owner.get('pid')
     if host == socket.gethostname() and isinstance(pid, int):
-      if _alive(pid, owner.get('start_time')) and pid != os.getpid():
+      if pid_alive(pid, owner.get('start_time')) and pid != os.getpid():
         os.close(fd)  # flock not honoured here (some network file systems), but the owner runs
         raise UserError(self._refusal(owner))
       log(f'Note: taking over the lock of a trainer that is gone ({_describe(owner)}); '

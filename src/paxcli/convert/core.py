@@ -16,6 +16,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from paxcli import jobdir
 from paxcli.convert import formats
 from paxcli.errors import UserError
 
@@ -208,7 +209,7 @@ class Output:
     import shutil
     for stale in glob.glob(glob.escape(self.path) + '.converting-*'):   # left by a killed conversion
       pid = stale.rsplit('-', 1)[-1]
-      if pid.isdigit() and not _alive(int(pid)):
+      if pid.isdigit() and not jobdir.pid_alive(int(pid)):
         shutil.rmtree(stale, ignore_errors=True)
     if os.path.exists(self.tmp):
       shutil.rmtree(self.tmp)
@@ -228,16 +229,6 @@ class Output:
     else:
       os.rename(self.tmp, self.path)
     return False
-
-
-def _alive(pid: int) -> bool:
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  except PermissionError:
-    return True
-  return True
 
 
 def progress(total_bytes: int, description: str):
