@@ -146,6 +146,7 @@ def test_eval_padding_gives_exact_metrics_over_four_hosts(tmp_path):
                 repeat=False, reset_for_eval=True, is_training=False)
   readers = [EvalReader(TFRecordInput(batch_size=2, num_infeed_hosts=4, infeed_host_index=h, **common), {})
              for h in range(4)]
+  KEYS = ('loss/sum', 'accuracy/sum', 'loss/weight', 'examples')  # noqa: N806
   totals = np.zeros(4)
   steps = 0
   while True:
@@ -154,15 +155,14 @@ def test_eval_padding_gives_exact_metrics_over_four_hosts(tmp_path):
       break
     steps += 1
     global_batch = {k: np.concatenate([b[k] for b, _ in pieces]) for k in pieces[0][0]}
-    sums = step(params, to_global(global_batch, batch_sharding, 8))
-    totals += [float(sums[k]) for k in ('loss_sum', 'correct_sum', 'weight_sum', 'examples')]
+    sums = step({'params': params}, to_global(global_batch, batch_sharding, 8))
+    totals += [float(sums[k]) for k in KEYS]
   assert steps == 2  # hosts hold 2, 2, 1, 1 batches
   # The reference: all 10 examples in one host's single pass (16 rows, 6 of them padding).
   single = TFRecordInput(batch_size=16, num_infeed_hosts=1, infeed_host_index=0, **common).get_next()
-  ref = step(params, to_global(single, batch_sharding, 16))
+  ref = step({'params': params}, to_global(single, batch_sharding, 16))
   assert totals[3] == 10
-  np.testing.assert_allclose(totals[:3], [float(ref[k]) for k in ('loss_sum', 'correct_sum', 'weight_sum')],
-                             rtol=1e-5)
+  np.testing.assert_allclose(totals[:3], [float(ref[k]) for k in KEYS[:3]], rtol=1e-5)
   assert len(jax.devices()) == 8
 
 
