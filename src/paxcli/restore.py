@@ -54,7 +54,8 @@ def saved_state_keys(job_dir: str, step: int) -> set[str]:
   import orbax.checkpoint as ocp
   path = os.path.join(checkpoints_dir(job_dir), str(step), 'state')
   try:
-    metadata = ocp.PyTreeCheckpointer().metadata(path)
+    with _no_missing_metadata_warning():
+      metadata = ocp.PyTreeCheckpointer().metadata(path)
   except (FileNotFoundError, ValueError, OSError) as e:
     raise UserError(f'The checkpoint at step {step} in {checkpoints_dir(job_dir)} cannot be read '
                     f'({type(e).__name__}: {str(e)[:200]}).') from None
@@ -196,8 +197,9 @@ def _restore_step(setup, job_dir: str, step: int, params_only: bool, flat_now: O
   path = os.path.join(directory, str(step), 'state')
   state, error = None, ''
   try:
-    state = ocp.PyTreeCheckpointer().restore(path, args=ocp.args.PyTreeRestore(
-        item=wanted, restore_args=restore_args, partial_restore=set(wanted) != keys))
+    with _no_missing_metadata_warning():
+      state = ocp.PyTreeCheckpointer().restore(path, args=ocp.args.PyTreeRestore(
+          item=wanted, restore_args=restore_args, partial_restore=set(wanted) != keys))
   except Exception as e:  # the shapes matched above: what fails now is the files
     error = f'its arrays cannot be read ({type(e).__name__}: {_first_line(e)})'
   if not _agree(not error):  # every process falls back together, or none does
@@ -280,3 +282,29 @@ def init_opt_state(setup, params) -> Any:
   """Fresh optimizer state for `params`, created on its shardings."""
   import jax
   return jax.jit(setup.tx.init, out_shardings=setup.state_shardings['opt_state'])(params)
+
+
+class _OnlyOtherRecords:
+  """A logging filter dropping orbax's "Metadata file does not exist" warning.
+
+  A step's `state` item is read on its own, without the step-level metadata file orbax looks
+  for beside it; the warning says nothing wrong and would print at every restore.
+  """
+
+  def filter(self, record) -> bool:
+    return 'Metadata file does not exist' not in record.getMessage()
+
+
+def _no_missing_metadata_warning():
+  import contextlib
+  import logging
+
+  @contextlib.contextmanager
+  def quiet():
+    logger, f = logging.getLogger('absl'), _OnlyOtherRecords()
+    logger.addFilter(f)
+    try:
+      yield
+    finally:
+      logger.removeFilter(f)
+  return quiet()
