@@ -4,6 +4,8 @@ import json
 import os
 import textwrap
 
+import pytest
+
 from conftest import pax_main
 from test_inputs import token_records, write_tfrecord
 
@@ -175,6 +177,7 @@ def test_input_errors_are_one_clear_line(tmp_path, capsys):
   fails(['inspect-input', '--exp', f'{unregistered}:NoTask'], "No seqio task or mixture is registered as 'no_such_task'")
 
 
+@pytest.mark.slow  # ~50 s; run by `make test-slow`
 def test_seqio_recipe_trains_and_evaluates(tmp_path, capsys):
   code, out, err = pax_main(['train', '--exp', 'seqio_stdlib.StdlibDocsSeqIOLm', '--job-log-dir', str(tmp_path / 's'),
                              '--set', 'NUM_LAYERS=1', '--set', 'MODEL_DIMS=32', '--set', 'HIDDEN_DIMS=64',

@@ -3,6 +3,8 @@
 import json
 import os
 
+import pytest
+
 from conftest import pax_main
 
 from paxcli.experiment import lookup
@@ -112,6 +114,7 @@ def _tiny(exp):
   return args
 
 
+@pytest.mark.slow  # ~50 s; run by `make test-slow`
 def test_generated_recipes_train_two_steps_on_cpu(tmp_path, capsys):
   # A current-era script: gated silu, grouped-query attention, rmsnorm, rotary, no biases.
   recipe = tmp_path / 'gqa.py'

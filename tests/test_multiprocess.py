@@ -111,6 +111,7 @@ def test_eval_on_two_processes_equals_one(two_processes, capsys):
   np.testing.assert_allclose(two['results']['eval']['loss'], one['results']['eval']['loss'], rtol=RTOL)
 
 
+@pytest.mark.slow  # ~50 s; run by `make test-slow`
 def test_percore_below_one_lets_one_process_read_and_the_other_pad(tmp_path):
   # 2 processes x 4 devices, 8-way data parallelism, PERCORE_BATCH_SIZE 0.5: 4 examples a
   # step, read by process 0 alone; process 1 feeds 4 rows of zero weight (as in Pax).
