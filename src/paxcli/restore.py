@@ -13,7 +13,10 @@ read the optimizer state from disk.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
+import logging
 import os
 from typing import Any, Optional
 
@@ -77,13 +80,13 @@ def check_shapes(meta: dict, shapes_now: dict, flat_now: dict, step: int, params
                  action: str) -> None:
   """Refuses a checkpoint whose saved shapes differ from this experiment's, listing them."""
   saved = meta.get('state_shapes') or {}
-  keep = (lambda k: k.startswith('params/') or k == 'step') if params_only else (lambda k: True)
+  # Params-only: params and step. Otherwise everything, except that a checkpoint without
+  # optimizer state (params-only) is compared without it.
+  with_opt = not params_only and any(k.startswith('opt_state/') for k in saved)
+  keep = ((lambda k: k == 'step' or k.startswith('params/')) if params_only
+          else (lambda k: with_opt or not k.startswith('opt_state/')))
   saved = {k: v for k, v in saved.items() if keep(k)}
   now = {k: v for k, v in shapes_now.items() if keep(k)}
-  if params_only or 'opt_state/' not in ''.join(saved):
-    # a params-only checkpoint is compared on params alone
-    saved = {k: v for k, v in saved.items() if not k.startswith('opt_state/')}
-    now = {k: v for k, v in now.items() if not k.startswith('opt_state/')}
   if not saved or saved == now:
     return
   from paxcli.train import config_differences
@@ -232,8 +235,10 @@ def checksums(state) -> dict[str, str]:
   """
   import jax
   import numpy as np
+
+  from paxcli import engine
   flat = jax.tree_util.tree_flatten_with_path(state)[0]
-  names = ['/'.join(str(k) for k in _keys(path)) for path, _ in flat]
+  names = ['/'.join(str(k) for k in engine._keys(path)) for path, _ in flat]
   out = _checksum_fn()([leaf for _, leaf in flat])
   if jax.process_count() > 1:
     from jax.experimental import multihost_utils
@@ -242,40 +247,31 @@ def checksums(state) -> dict[str, str]:
   return {name: f'{int(a):08x}{int(b):08x}' for name, (a, b) in zip(names, sums)}
 
 
-def _keys(path):
-  from paxcli import engine
-  return engine._keys(path)
-
-
-_CHECKSUM_FN = None
-
-
+@functools.cache
 def _checksum_fn():
-  global _CHECKSUM_FN
-  if _CHECKSUM_FN is None:
-    import jax
-    import jax.numpy as jnp
+  """One jitted checksum pass, compiled once per set of shapes and reused at every save."""
+  import jax
+  import jax.numpy as jnp
 
-    def bits(x):
-      x = jnp.asarray(x)
-      if x.dtype == jnp.bool_:
-        return x.astype(jnp.uint32)
-      width = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}.get(x.dtype.itemsize)
-      if width is None:  # 8-byte values: both halves
-        halves = jax.lax.bitcast_convert_type(x, jnp.uint32)
-        return halves.reshape(x.shape + (2,))
-      return jax.lax.bitcast_convert_type(x, width).astype(jnp.uint32)
+  def bits(x):
+    x = jnp.asarray(x)
+    if x.dtype == jnp.bool_:
+      return x.astype(jnp.uint32)
+    width = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}.get(x.dtype.itemsize)
+    if width is None:  # 8-byte values: both halves
+      halves = jax.lax.bitcast_convert_type(x, jnp.uint32)
+      return halves.reshape(x.shape + (2,))
+    return jax.lax.bitcast_convert_type(x, width).astype(jnp.uint32)
 
-    def one(x):
-      b = bits(x).reshape(-1)
-      i = jnp.arange(b.shape[0], dtype=jnp.uint32)
-      lane1 = jnp.sum(b * (i * jnp.uint32(2) + jnp.uint32(1)), dtype=jnp.uint32)
-      lane2 = jnp.sum((b ^ (i * jnp.uint32(0x9E3779B9))) * jnp.uint32(0x85EBCA6B), dtype=jnp.uint32)
-      return jnp.stack([lane1, lane2])
+  def one(x):
+    b = bits(x).reshape(-1)
+    i = jnp.arange(b.shape[0], dtype=jnp.uint32)
+    lane1 = jnp.sum(b * (i * jnp.uint32(2) + jnp.uint32(1)), dtype=jnp.uint32)
+    lane2 = jnp.sum((b ^ (i * jnp.uint32(0x9E3779B9))) * jnp.uint32(0x85EBCA6B), dtype=jnp.uint32)
+    return jnp.stack([lane1, lane2])
 
-    _CHECKSUM_FN = jax.jit(lambda leaves: jnp.stack([one(x) for x in leaves]) if leaves
-                           else jnp.zeros((0, 2), jnp.uint32))
-  return _CHECKSUM_FN
+  return jax.jit(lambda leaves: jnp.stack([one(x) for x in leaves]) if leaves
+                 else jnp.zeros((0, 2), jnp.uint32))
 
 
 def init_opt_state(setup, params) -> Any:
@@ -295,16 +291,11 @@ class _OnlyOtherRecords:
     return 'Metadata file does not exist' not in record.getMessage()
 
 
+@contextlib.contextmanager
 def _no_missing_metadata_warning():
-  import contextlib
-  import logging
-
-  @contextlib.contextmanager
-  def quiet():
-    logger, f = logging.getLogger('absl'), _OnlyOtherRecords()
-    logger.addFilter(f)
-    try:
-      yield
-    finally:
-      logger.removeFilter(f)
-  return quiet()
+  logger, quiet = logging.getLogger('absl'), _OnlyOtherRecords()
+  logger.addFilter(quiet)
+  try:
+    yield
+  finally:
+    logger.removeFilter(quiet)
