@@ -267,6 +267,63 @@ def test_errors_are_one_line(job, tmp_path, capsys):
   assert not (tmp_path / 'o2').exists() and not (tmp_path / 'o4').exists()
 
 
+def test_converted_checkpoint_carries_checksums_and_a_flipped_bit_is_caught(job, tmp_path, capsys):
+  """The converter writes the checksums of what it wrote (computed while streaming); a restore
+  verifies them like a trained checkpoint's, bfloat16 params restored as float32 included."""
+  import jax.numpy as jnp
+
+  from paxcli import restore
+  out_dir = str(tmp_path / 'bf16')
+  _ok(['checkpoint', 'convert', job, out_dir, '--params-only', '--dtype', 'bfloat16', '--no-verify'], capsys)
+  meta = restore.read_meta(out_dir, 2)
+  written = _arrays(out_dir)
+  assert set(meta['checksums']) == set(written)
+  assert meta['checksums'] == restore.checksums({k: jnp.asarray(v) for k, v in written.items()})
+  # one flipped bit in one array's data: pax eval refuses the checkpoint and names the array
+  name = 'params.layer_1.mlp.wo.kernel'
+  chunk = os.path.join(out_dir, 'checkpoints', '2', 'state', name, '0.0')
+  with open(chunk, 'r+b') as f:
+    f.seek(100)
+    byte = f.read(1)
+    f.seek(100)
+    f.write(bytes([byte[0] ^ 0x10]))
+  code, _, err = pax_main(['eval', '--exp', EXP, *LLAMA, '--job-log-dir', out_dir], capsys)
+  assert code != 0 and 'is damaged' in err and 'params/layer_1/mlp/wo/kernel' in err, err
+
+
+def test_saves_are_chunked_so_a_layer_is_read_alone(tmp_path):
+  """pax train's saves store arrays in bounded chunks, one layer per chunk for stacked arrays, and
+  the converter reads a layer (or a whole array, chunk by chunk) with the values saved."""
+  import jax.numpy as jnp
+
+  from paxcli import checkpoint as ckpt
+  from paxcli.convert.orbax_io import OrbaxSource
+  rng = np.random.default_rng(0)
+  stacked = rng.standard_normal((3, 16, 8)).astype(np.float32)
+  embedding = rng.standard_normal((4096, 96)).astype(np.float32)   # 1.5 MiB: two chunks of 1 MiB
+  state = {'step': np.int32(5), 'params': {'layers': {'w': jnp.asarray(stacked)}, 'embedding': jnp.asarray(embedding),
+                                           'bias': jnp.ones(7)}}
+  job = str(tmp_path / 'job')
+  old, ckpt.CHUNK_BYTES = ckpt.CHUNK_BYTES, 1 << 20
+  try:
+    w = ckpt.Checkpointer(os.path.join(job, 'checkpoints'), max_to_keep=0, async_save=False)
+    w.save(5, state, {'step': 5})
+    w.close()
+  finally:
+    ckpt.CHUNK_BYTES = old
+  with open(os.path.join(job, 'checkpoints', '5', 'state', 'array_metadatas', 'process_0')) as f:
+    chunks = {m['array_metadata']['param_name']: m['array_metadata']['chunk_shape']
+              for m in json.load(f)['array_metadatas']}
+  assert chunks['params.layers.w'] == [1, 16, 8]
+  assert chunks['params.embedding'][0] < 4096 and chunks['params.embedding'][1:] == [96]
+  assert chunks['params.bias'] == [7]
+  src = OrbaxSource(job)
+  np.testing.assert_array_equal(src.read('params/layers/w', index=2), stacked[2])
+  assert src._cache == (None, None)   # the layer alone was read, not the stacked array
+  np.testing.assert_array_equal(src.read('params/embedding'), embedding)
+  assert int(src.read('step')) == 5
+
+
 def test_model_that_is_no_llama_is_refused_in_a_fresh_shell(job, tmp_path):
   r = run_pax('checkpoint', 'convert', job, str(tmp_path / 'hf'), '--to', 'hf', '--set', "NORM_TYPE='layernorm'",
               '--set', 'USE_BIAS=True', '--set', "POSITION_EMBEDDING='learned'")
@@ -280,9 +337,11 @@ def test_model_that_is_no_llama_is_refused_in_a_fresh_shell(job, tmp_path):
                                    ['--params-only', '--dtype', 'bfloat16']])
 def test_peak_memory_of_a_200m_conversion_stays_under_the_bound(tmp_path_factory, extra):
   """Peak RSS of the converting process (its VmHWM) minus that of a process that only reads the
-  metadata stays near the largest array (235 MB), below the model (0.84 GB). The bound is 2.25x the largest
-  array plus 256 MiB, not the issue's 1.5x: orbax saves each array as one zstd chunk, and reading it
-  holds the compressed bytes and the decoded array at once (tensorstore itself peaks at ~2x)."""
+  metadata stays under 1.5x the largest array (235 MB) plus 96 MiB, and below the model (0.84 GB).
+  The 96 MiB: converting a 2-layer, 128-wide model (largest array 0.25 MiB) measured 70 MiB above
+  the metadata-only process (the model built abstractly, tensorstore, the writers' buffers).
+  Measured at 200M: 1.14x (unrolled), 1.13x (safetensors), 1.33x (bf16) before subtracting it;
+  checkpoints saved as one chunk per array (before checkpoint.save_args) measured 2.1x."""
   import importlib.util
   spec = importlib.util.spec_from_file_location('bench_convert', os.path.join(os.path.dirname(__file__), '..',
                                                                               'benchmarks', 'convert.py'))
@@ -298,5 +357,5 @@ def test_peak_memory_of_a_200m_conversion_stays_under_the_bound(tmp_path_factory
   _, base_rss = bench.run_measured(['checkpoint', 'inspect', src, '--json'])
   out = str(base / ('out' + '_'.join(extra).replace('=', '').replace('-', '')))
   _, rss = bench.run_measured(['checkpoint', 'convert', src, out, '--no-verify', *extra])
-  assert rss - base_rss < 2.25 * made['largest'] + (256 << 20), (rss, base_rss, made)
+  assert rss - base_rss < 1.5 * made['largest'] + (96 << 20), (rss, base_rss, made)
   assert rss - base_rss < made['bytes']   # never the whole model

@@ -153,6 +153,27 @@ def _quiet_no_space_logs() -> None:
     logger.addFilter(_NoSpaceFilter())
 
 
+CHUNK_BYTES = 64 << 20
+
+
+def save_args(state) -> Any:
+  """orbax SaveArgs storing each array in chunks of at most CHUNK_BYTES.
+
+  orbax's default is one chunk per array (per shard): a reader then holds the encoded and the
+  decoded copy of a whole array at once. Bounded chunks, and one layer per chunk for the
+  stacked arrays of a scanned model (a `layers` level in the path), let `pax checkpoint
+  convert` read one layer or one block of rows at a time.
+  """
+  import orbax.checkpoint as ocp
+
+  def one(path, x):
+    if not getattr(x, 'ndim', 0):
+      return ocp.SaveArgs()
+    stacked = x.ndim > 1 and any(getattr(k, 'key', None) == 'layers' for k in path)
+    return ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES, shard_axes=(0,) if stacked else ())
+  return jax.tree_util.tree_map_with_path(one, state)
+
+
 class Checkpointer:
   """orbax's CheckpointManager with our items, completeness rules and retention.
 
@@ -185,8 +206,9 @@ class Checkpointer:
     self._rotate()
     self._in_flight = self.latest_saved = step
     with self._write_faults(step):
-      self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                       meta=ocp.args.JsonSave(meta)), force=True)
+      self._manager.save(step, args=ocp.args.Composite(
+          state=ocp.args.StandardSave(state, save_args=save_args(state)),
+          meta=ocp.args.JsonSave(meta)), force=True)
     loss = meta.get('loss')
     self._losses[step] = float(loss) if isinstance(loss, (int, float)) and math.isfinite(loss) else None
 

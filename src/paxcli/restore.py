@@ -54,6 +54,23 @@ def choose_step(job_dir: str, step: Optional[int] = None, purpose: str = 'evalua
 
 def saved_state_keys(job_dir: str, step: int) -> set[str]:
   """Top-level keys of the saved state ('step', 'params', 'opt_state'), from metadata alone."""
+  tree = saved_metadata(job_dir, step)
+  return set(tree.keys()) if tree is not None else set()
+
+
+def saved_dtypes(tree) -> dict:
+  """'path' -> dtype of every array in a saved state's metadata tree (checksums' names)."""
+  import jax
+  import numpy as np
+
+  from paxcli import engine
+  leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: hasattr(x, 'dtype'))[0]
+  return {'/'.join(str(k) for k in engine._keys(path)): np.dtype(m.dtype)
+          for path, m in leaves if getattr(m, 'dtype', None) is not None}
+
+
+def saved_metadata(job_dir: str, step: int):
+  """The saved state's orbax metadata tree (shapes and dtypes, no arrays read)."""
   import orbax.checkpoint as ocp
   path = os.path.join(checkpoints_dir(job_dir), str(step), 'state')
   try:
@@ -62,8 +79,7 @@ def saved_state_keys(job_dir: str, step: int) -> set[str]:
   except (FileNotFoundError, ValueError, OSError) as e:
     raise UserError(f'The checkpoint at step {step} in {checkpoints_dir(job_dir)} cannot be read '
                     f'({type(e).__name__}: {str(e)[:200]}).') from None
-  tree = getattr(metadata, 'item_metadata', metadata)
-  return set(tree.keys()) if tree is not None else set()
+  return getattr(metadata, 'item_metadata', metadata)
 
 
 def read_meta(job_dir: str, step: int) -> dict:
@@ -188,9 +204,10 @@ def _restore_step(setup, job_dir: str, step: int, params_only: bool, flat_now: O
   except UserError as e:
     raise damaged(f'its metadata (meta/metadata) cannot be read: {str(e)[-200:]}') from None
   try:
-    keys = saved_state_keys(job_dir, step)
+    saved_tree = saved_metadata(job_dir, step)
   except UserError as e:
     raise damaged(str(e)) from None
+  keys = set(saved_tree.keys()) if saved_tree is not None else set()
   has_opt = 'opt_state' in keys
   check_shapes(meta, engine.shape_signature(setup.abstract_state), flat_now or {}, step,
                params_only or not has_opt, action)
@@ -210,7 +227,8 @@ def _restore_step(setup, job_dir: str, step: int, params_only: bool, flat_now: O
   state = dict(state)
   saved_sums = meta.get('checksums')
   if saved_sums:
-    now = checksums(state)
+    saved_sums = dict(saved_sums)
+    now = checksums(_as_saved_dtypes(state, saved_dtypes(saved_tree), saved_sums))
     bad = sorted(k for k, v in now.items() if k in saved_sums and saved_sums[k] != v)
     if bad:
       more = f' and {len(bad) - 3} more' if len(bad) > 3 else ''
@@ -218,6 +236,29 @@ def _restore_step(setup, job_dir: str, step: int, params_only: bool, flat_now: O
   if not params_only and not has_opt:
     state['opt_state'] = init_opt_state(setup, state['params'])
   return Restored(step, state, meta, params_only_checkpoint=not has_opt)
+
+
+def _as_saved_dtypes(state, dtypes: dict, saved_sums: dict):
+  """The restored arrays in the dtypes they were saved in, for comparing checksums.
+
+  A restore casts to the experiment's dtypes (bfloat16 params restored as float32). Casting
+  back to the narrower saved dtype is exact, so those arrays still verify bit for bit; an
+  array saved wider than it is restored cannot be, and is left out of the comparison.
+  """
+  import jax
+
+  from paxcli import engine
+
+  def one(path, x):
+    name = '/'.join(str(k) for k in engine._keys(path))
+    want = dtypes.get(name)
+    if want is None or want == x.dtype:
+      return x
+    if want.itemsize > x.dtype.itemsize:
+      saved_sums.pop(name, None)
+      return x
+    return jax.jit(lambda a: a.astype(want))(x)
+  return jax.tree_util.tree_map_with_path(one, state)
 
 
 def _first_line(e: BaseException) -> str:
@@ -244,7 +285,33 @@ def checksums(state) -> dict[str, str]:
     from jax.experimental import multihost_utils
     out = multihost_utils.process_allgather(out, tiled=True)
   sums = np.asarray(jax.device_get(out))
-  return {name: f'{int(a):08x}{int(b):08x}' for name, (a, b) in zip(names, sums)}
+  return {name: checksum_hex(lanes) for name, lanes in zip(names, sums)}
+
+
+def checksum_part(x, offset: int = 0):
+  """checksums()'s two lanes (uint32) for the elements of x at flat positions offset, offset+1, ...
+
+  The NumPy twin of the jitted pass, for writers that stream an array in pieces (checkpoint
+  conversion): the lanes of the pieces of one array add up (modulo 2**32) to the lanes of the
+  whole, so checksum_hex(sum of parts) equals what checksums() computes for the array.
+  """
+  import numpy as np
+  x = np.ascontiguousarray(x)
+  if x.dtype == np.bool_:
+    b, words = x.reshape(-1).astype(np.uint32), 1
+  elif x.dtype.itemsize == 8:   # both 32-bit halves, as the jitted pass does
+    b, words = x.reshape(-1).view(np.uint32), 2
+  else:
+    width = {1: np.uint8, 2: np.uint16, 4: np.uint32}[x.dtype.itemsize]
+    b, words = x.reshape(-1).view(width).astype(np.uint32), 1
+  i = (np.arange(b.size, dtype=np.uint64) + np.uint64(offset * words)).astype(np.uint32)
+  lane1 = np.sum(b * (i * np.uint32(2) + np.uint32(1)), dtype=np.uint32)
+  lane2 = np.sum((b ^ (i * np.uint32(0x9E3779B9))) * np.uint32(0x85EBCA6B), dtype=np.uint32)
+  return np.array([lane1, lane2], np.uint32)
+
+
+def checksum_hex(lanes) -> str:
+  return f'{int(lanes[0]):08x}{int(lanes[1]):08x}'
 
 
 @functools.cache

@@ -171,14 +171,17 @@ def plan(src_arrays: list, target: Model, params_only: bool, dtype: Optional[str
 
 
 def read_item(src, item: Item, layer: Optional[int] = None) -> np.ndarray:
-  """The item's array (or its `layer`-th slice for stacked items), cast to its dtype."""
+  """The item's array (or its `layer`-th slice for stacked items) in the source's dtype.
+
+  Not cast here: the writers cast block by block (formats.blocks), so a float32 -> bfloat16
+  conversion never holds a whole cast copy beside the array read.
+  """
   if isinstance(item.source, list):
     parts = [item.source[layer]] if layer is not None else item.source
-    x = np.stack([src.read(s) for s in parts]) if layer is None else src.read(parts[0])
-  else:
-    x = src.read(item.source, index=item.index) if layer is None or item.index is not None else \
-        src.read(item.source, index=layer)
-  return np.asarray(x).astype(formats.np_dtype(item.dtype), copy=False)
+    return np.stack([src.read(s) for s in parts]) if layer is None else np.asarray(src.read(parts[0]))
+  if layer is None or item.index is not None:
+    return np.asarray(src.read(item.source, index=item.index))
+  return np.asarray(src.read(item.source, index=layer))
 
 
 def is_layered(item: Item) -> bool:

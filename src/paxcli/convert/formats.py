@@ -175,6 +175,19 @@ def open_source(path: str, fmt: Optional[str] = None, step: Optional[int] = None
   return READERS[fmt].reader(path, step=step, target=target)
 
 
+BLOCK_BYTES = 64 << 20
+
+
+def blocks(x: np.ndarray, max_bytes: int = BLOCK_BYTES):
+  """Consecutive leading-axis slices of x of at most about max_bytes each (views, not copies)."""
+  if x.ndim == 0 or x.nbytes <= max_bytes:
+    yield x
+    return
+  rows = max(1, max_bytes // max(1, x[0].nbytes))
+  for start in range(0, x.shape[0], rows):
+    yield x[start:start + rows]
+
+
 def join(path: Iterable) -> str:
   """'/'-joined name of a pytree key path (dict keys, sequence indices, attributes)."""
   parts = []

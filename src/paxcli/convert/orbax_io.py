@@ -101,19 +101,61 @@ class OrbaxSource(formats.SourceBase):
 
   _cache: tuple = (None, None)
 
-  def read(self, name: str, index: Optional[int] = None) -> np.ndarray:
+  def _store(self, name: str):
+    """The saved array `name` opened with tensorstore (no data read), or None where it cannot be."""
     import orbax.checkpoint as ocp
+    import tensorstore as ts
+    from etils import epath
+    if not hasattr(self, '_layout'):
+      try:
+        with open(os.path.join(self.state_dir, '_METADATA'), encoding='utf-8') as f:
+          saved = json.load(f)
+        self._layout = (bool(saved.get('use_ocdbt')), bool(saved.get('use_zarr3')))
+      except (OSError, ValueError):
+        self._layout = None
+      self._ts_context = ocp.type_handlers.get_ts_context()
+    if self._layout is None:
+      return None
+    use_ocdbt, use_zarr3 = self._layout
+    info = ocp.type_handlers.ParamInfo(name=name.replace('/', '.'), parent_dir=epath.Path(self.state_dir),
+                                       is_ocdbt_checkpoint=use_ocdbt, use_zarr3=use_zarr3,
+                                       ts_context=self._ts_context)
+    try:
+      spec = ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=use_ocdbt)
+      return ts.open(ts.Spec(spec), open=True, read=True, context=self._ts_context).result()
+    except Exception:   # a leaf orbax keeps another way: read it through orbax
+      return None
+
+  def read(self, name: str, index: Optional[int] = None) -> np.ndarray:
+    """One array, or one layer (`index`) of a stacked one, as numpy.
+
+    Read with tensorstore: a whole array chunk by chunk into one buffer, a layer from the
+    chunks holding it. A checkpoint saved with one chunk spanning all layers (before
+    checkpoint.save_args) is read once and its layers served from that copy.
+    """
     if index is not None and self._cache[0] == name:
       return np.array(self._cache[1][index])
     self._cache = (None, None)
+    store = self._store(name)
+    if store is None:
+      out = self._read_with_orbax(name)
+    elif index is not None and store.chunk_layout.read_chunk.shape[0] == 1:
+      return np.asarray(store[index].read().result())
+    else:
+      out = _read_by_chunks(store)
+    if index is None:
+      return out
+    self._cache = (name, out)
+    return np.array(out[index])
+
+  def _read_with_orbax(self, name: str) -> np.ndarray:
+    import orbax.checkpoint as ocp
     keys = name.split('/')
     item, args = {}, {}
     node_i, node_a = item, args
-    meta_node = self._metadata()
     for k in keys[:-1]:
       node_i = node_i.setdefault(k, {})
       node_a = node_a.setdefault(k, {})
-      meta_node = meta_node[k] if isinstance(meta_node, dict) else meta_node[int(k)]
     node_i[keys[-1]] = 0
     node_a[keys[-1]] = ocp.RestoreArgs(restore_type=np.ndarray)
     # sequence nodes (optax's tuples) are addressed by their index as a string key in a dict
@@ -122,16 +164,23 @@ class OrbaxSource(formats.SourceBase):
         partial_restore=True))
     for k in keys:
       out = out[k] if isinstance(out, dict) else out[int(k)]
-    out = np.asarray(out)
-    if index is None:
-      return out
-    self._cache = (name, out)   # the layers of a stacked array are asked for one after another
-    return np.array(out[index])
+    return np.asarray(out)
 
   def extra_files(self) -> dict:
     from paxcli import tokenizer
     path = tokenizer.job_dir_file(self.job_dir)
     return {'tokenizer': path} if path and os.path.exists(path) else {}
+
+
+def _read_by_chunks(store) -> np.ndarray:
+  """The whole array, read one row of chunks at a time into one buffer (transient: one chunk row)."""
+  if not store.ndim:
+    return np.asarray(store.read().result())
+  rows = max(1, int(store.chunk_layout.read_chunk.shape[0] or store.shape[0]))
+  out = np.empty(store.shape, store.dtype.numpy_dtype)
+  for start in range(0, store.shape[0], rows):
+    out[start:start + rows] = store[start:start + rows].read().result()
+  return out
 
 
 def _as_saved(tree, like):
@@ -152,6 +201,9 @@ formats.register_reader('orbax', lambda path, step=None, target=None: OrbaxSourc
 
 # ---------------------------------------------------------------------------------------------
 # Writer
+
+
+CHUNK_BYTES = 32 << 20   # the chunks written (and the blocks cast) at most
 
 
 def _zarr_dtype(dtype: np.dtype) -> str:
@@ -177,6 +229,21 @@ class StateWriter:
     self._tree: dict = {}
     self._array_meta: list = []
     self._open: dict = {}
+    self._sums: dict = {}   # name -> checksum lanes, accumulated as the pieces are written
+
+  def _sum(self, name: str, x: np.ndarray, offset: int) -> None:
+    from paxcli import restore
+    total = self._sums.get(name, np.zeros(2, np.uint32))
+    start = offset
+    for block in formats.blocks(x, 2 << 20):   # the checksum needs ~20 bytes per element: small blocks
+      total = total + restore.checksum_part(block, start)
+      start += block.size
+    self._sums[name] = total
+
+  def checksums(self) -> dict[str, str]:
+    """'name' -> checksum of every array written (restore.checksums' format)."""
+    from paxcli import restore
+    return {name: restore.checksum_hex(lanes) for name, lanes in self._sums.items()}
 
   @staticmethod
   def _param_name(name: str) -> str:
@@ -193,9 +260,9 @@ class StateWriter:
     dtype = np.dtype(dtype)
     shape = [int(s) for s in shape]
     chunks = list(shape)
-    if shape:   # chunks of at most ~64 MiB along the leading axis (one layer for stacked arrays)
+    if shape:   # chunks of at most CHUNK_BYTES along the leading axis (one layer for stacked arrays)
       row = max(1, int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize)
-      chunks[0] = 1 if layered else max(1, min(shape[0], (64 << 20) // row))
+      chunks[0] = 1 if layered else max(1, min(shape[0], CHUNK_BYTES // row))
     spec = {'driver': 'zarr', 'kvstore': {'driver': 'file', 'path': os.path.join(self.dir, self._param_name(name))},
             'metadata': {'shape': shape, 'chunks': chunks, 'dtype': _zarr_dtype(dtype),
                          'compressor': None, 'dimension_separator': '.'}}   # weights barely compress
@@ -206,14 +273,27 @@ class StateWriter:
                                                 'chunk_shape': chunks, 'ext_metadata': None}})
     return arr
 
-  def write(self, name: str, x: np.ndarray) -> None:
+  def write(self, name: str, x: np.ndarray, dtype=None) -> None:
+    """A whole array, cast to `dtype` (default: its own) and written a block of rows at a time."""
     x = np.asarray(x)
-    arr = self.create(name, x.shape, x.dtype)
-    arr.write(x).result()
+    dtype = np.dtype(dtype or x.dtype)
+    arr = self.create(name, x.shape, dtype)
+    if not x.ndim:
+      arr.write(x.astype(dtype)).result()
+      self._sum(name, x.astype(dtype), 0)
+    else:   # whole chunks at a time: tensorstore buffers no partial chunk
+      rows = arr.chunk_layout.write_chunk.shape[0]
+      for start in range(0, x.shape[0], rows):
+        block = x[start:start + rows].astype(dtype, copy=False)
+        arr[start:start + block.shape[0]].write(block).result()
+        self._sum(name, block, start * block[0].size)
     del self._open[name]
 
   def write_slice(self, name: str, index: int, x: np.ndarray) -> None:
-    self._open[name][index].write(np.asarray(x)).result()
+    arr = self._open[name]
+    x = np.asarray(x).astype(arr.dtype.numpy_dtype, copy=False)
+    arr[index].write(x).result()
+    self._sum(name, x, index * x.size)
 
   def placeholder(self, name: str) -> None:
     self._entry(name, {'value_type': 'None', 'skip_deserialize': True})
@@ -247,7 +327,11 @@ def placeholder_names(source: OrbaxSource) -> list[str]:
 
 
 def write_step(job_dir: str, step: int, meta: dict, fill_state) -> str:
-  """Makes job_dir/checkpoints/<step> with orbax's markers; fill_state(state_dir) writes the state."""
+  """Makes job_dir/checkpoints/<step> with orbax's markers; fill_state(state_dir) writes the state.
+
+  fill_state may return the checksums of what it wrote; they go into the step's meta, so
+  that every later restore verifies the converted arrays as it does a trained checkpoint's.
+  """
   import shutil
 
   from paxcli import checkpoint as ckpt
@@ -256,5 +340,12 @@ def write_step(job_dir: str, step: int, meta: dict, fill_state) -> str:
   checkpointer.close()
   state_dir = os.path.join(job_dir, 'checkpoints', str(step), 'state')
   shutil.rmtree(state_dir)
-  fill_state(state_dir)
+  sums = fill_state(state_dir)
+  if sums:
+    meta_file = os.path.join(job_dir, 'checkpoints', str(step), 'meta', 'metadata')
+    with open(meta_file, encoding='utf-8') as f:
+      saved = json.load(f)
+    saved['checksums'] = sums
+    with open(meta_file, 'w', encoding='utf-8') as f:
+      json.dump(saved, f)
   return state_dir

@@ -153,7 +153,7 @@ def _meta(src, target, params_only: bool) -> dict:
   shapes = {n: list(x.shape) for n, x in target.abstract.items()
             if not params_only or n == 'step' or n.startswith('params/')}
   meta = dict(getattr(src, 'meta', None) or {})
-  meta.pop('checksums', None)   # of the source's arrays; the converted ones differ in names or dtype
+  meta.pop('checksums', None)   # the source's; the writer's own go in once the arrays are written
   meta.update({'step': src.step, 'state_shapes': shapes, 'config': flat, 'experiment': target.resolved.name,
                'converted_from': {'path': os.path.abspath(src.path), 'format': src.kind}})
   meta.setdefault('batches_consumed', src.step)
@@ -166,21 +166,23 @@ def _write_orbax(tmp: str, src, items, target, params_only: bool, read, advance)
   def fill(state_dir):
     w = orbax_io.StateWriter(state_dir)
     for item in items:
+      dtype = formats.np_dtype(item.dtype)
       if core.is_layered(item):
-        w.create(item.name, item.shape, formats.np_dtype(item.dtype), layered=True)
+        w.create(item.name, item.shape, dtype, layered=True)
         for layer in range(item.shape[0]):
           x = read(item, layer)
           w.write_slice(item.name, layer, x)
-          advance(x.nbytes)
+          advance(x.size * dtype.itemsize)
       else:
-        x = np.asarray(read(item))
-        w.write(item.name, x)
-        advance(x.nbytes)
-      del item
+        x = read(item)
+        w.write(item.name, x, dtype)
+        advance(x.size * dtype.itemsize)
+      del x
     if not params_only:
       for name in target.placeholders:
         w.placeholder(name)
     w.finish()
+    return w.checksums()
 
   orbax_io.write_step(tmp, src.step, _meta(src, target, params_only), fill)
   with open(os.path.join(tmp, 'config.txt'), 'w', encoding='utf-8') as f:

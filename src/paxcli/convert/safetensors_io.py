@@ -149,10 +149,11 @@ def write(directory: str, arrays: list[tuple[str, tuple, str]], fill, metadata: 
         want = formats.np_dtype(dtype).newbyteorder('<')
 
         def put(x, f=f, want=want, written=written):
-          x = np.ascontiguousarray(np.asarray(x).astype(want, copy=False))
-          f.write(memoryview(x.reshape(-1).view(np.uint8)))
-          written[0] += x.nbytes
-          on_bytes(x.nbytes)
+          for block in formats.blocks(np.asarray(x)):   # cast and made contiguous a block at a time
+            block = np.ascontiguousarray(block.astype(want, copy=False))
+            f.write(memoryview(block.reshape(-1).view(np.uint8)))
+            written[0] += block.nbytes
+            on_bytes(block.nbytes)
         fill(name, put)
         if written[0] != nbytes:
           raise RuntimeError(f'{name}: wrote {written[0]} bytes, expected {nbytes}')
