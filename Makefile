@@ -21,8 +21,10 @@ install: $(STAMP)
 train: $(STAMP)
 	$(BIN)/pax train $(ARGS)
 
+# Two workers, one test file each at a time (module fixtures built once): most of a test is
+# compiling, which leaves a core idle; tests/conftest.py shares one XLA compilation cache.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q $(ARGS)
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile $(ARGS)
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow $(ARGS)

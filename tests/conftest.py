@@ -8,9 +8,25 @@ os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 # Implicit rank promotion hides shape bugs in model code: make it an error in tests.
 os.environ.setdefault('JAX_NUMPY_RANK_PROMOTION', 'raise')
 
+import atexit
 import pathlib
+import shutil
 import subprocess
 import sys
+import tempfile
+
+# One persistent XLA compilation cache for the whole run, shared with the `pax` processes the
+# tests start (they inherit the environment) and with pytest-xdist workers: most tests train the
+# same tiny models, and compiling them again is most of the suite's time. Fresh for each run
+# (made here, removed at exit), so no test depends on what an earlier run compiled.
+if 'JAX_COMPILATION_CACHE_DIR' not in os.environ:
+  _cache = tempfile.mkdtemp(prefix='paxcli-tests-xla-cache-')
+  os.environ['JAX_COMPILATION_CACHE_DIR'] = _cache
+  os.environ['PAXCLI_TESTS_OWN_XLA_CACHE'] = str(os.getpid())
+  atexit.register(lambda: os.environ.get('PAXCLI_TESTS_OWN_XLA_CACHE') == str(os.getpid())
+                  and shutil.rmtree(_cache, ignore_errors=True))
+os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
+os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', '0')
 
 import pytest
 

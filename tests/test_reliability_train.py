@@ -242,8 +242,8 @@ def test_eval_and_decode_name_a_damaged_checkpoint_and_use_the_previous_one(base
   os.remove(os.path.join(job, 'checkpoints', '16', 'state', '_METADATA'))
   code, out, err = pax_main(['eval', *TINY, '--job-log-dir', job, '--json'], capsys)
   assert code == 0, err
-  assert 'The checkpoint at step 20' in err and 'its arrays cannot be read' in err
-  assert "step 16 in" in err and 'state/_METADATA' in err and 'is missing' in err
+  assert 'The checkpoint at step 20' in err and 'its arrays cannot be read' in err, err
+  assert "step 16 in" in err and 'state/_METADATA' in err and 'is missing' in err, err
   assert json.loads(out)['step'] == 12
   assert _checkpoints(job) == [12, 16, 20]  # eval only reads: nothing moved
   # pax decode does the same; a damaged --step is refused, naming it.

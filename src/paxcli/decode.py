@@ -642,7 +642,8 @@ def decode_command(resolved, job_dir: str, opts: DecodeOptions, texts=(), prompt
     # line, nothing moved); a --step that is damaged is refused, naming it.
     restored = restore.restore(setup, job_dir, ckpt_step, params_only=True, flat_now=flat, action='decode',
                                fallback=step is None,
-                               log=lambda m: common.console(stderr=True).print(m, highlight=False, markup=False))
+                               log=lambda m: common.console(stderr=True).print(m, highlight=False, markup=False,
+                                                                                    soft_wrap=True))
     params, ckpt_step = restored.state['params'], restored.step
   else:
     ckpt_step = 0

@@ -240,7 +240,7 @@ def evaluate(resolved, job_dir: str, console, use_checkpoint: bool = True, step:
       latest = step is None  # the latest: a damaged one falls back to the newest intact one
       step = restore.choose_step(job_dir, step=step, purpose='evaluate')
       step, results = _evaluate_step(resolved, setup, evaluator, job_dir, step, fallback=latest,
-                                     log=lambda m: console.print(m, highlight=False, markup=False))
+                                     log=lambda m: console.print(m, highlight=False, markup=False, soft_wrap=True))
     else:
       step = 0
       results = evaluator.run(step, engine.init_state(setup, resolved.experiment.RANDOM_SEED))
