@@ -62,10 +62,10 @@ def run_paxml(python: str, exp: str, steps: int, interval: int, work: str) -> tu
 def paxcli_overrides(job: str) -> list[str]:
   """The paxml run's model as paxcli knobs, with the benchmark's settings."""
   from paxcli.convert.paxml import PaxmlSource
-  knobs = PaxmlSource(os.path.join(job, 'checkpoints')).knobs()
-  sets = [f'{k}={v!r}' for k, v in knobs.items()]
-  return sets + ['PERCORE_BATCH_SIZE=8', 'ICI_MESH_SHAPE=[1,1,1]', "FPROP_DTYPE='float32'",
-                 'USE_REPEATED_LAYER=True', "CHECKPOINT_POLICY='save_nothing'"]
+  knobs = PaxmlSource(os.path.join(job, 'checkpoints')).recipe_knobs()   # what the --from paxml recipe gets
+  assert knobs['FPROP_DTYPE'] == 'float32' and knobs['USE_REPEATED_LAYER'], knobs
+  return [f'{k}={v!r}' for k, v in knobs.items()] + [
+      'PERCORE_BATCH_SIZE=8', 'ICI_MESH_SHAPE=[1,1,1]', "CHECKPOINT_POLICY='save_nothing'"]
 
 
 def main() -> None:
@@ -74,6 +74,8 @@ def main() -> None:
   parser.add_argument('--steps', type=int, default=30)
   parser.add_argument('--interval', type=int, default=10, help="paxml's steps/sec window")
   parser.add_argument('--paxpeer', default='/tmp/paxpeer', help='the venv install.sh made')
+  parser.add_argument('--paxml-log', nargs=2, action='append', default=[], metavar=('JOB_DIR', 'LOG'),
+                      help='Reuse a paxml run of the first --exp: its job directory and its stderr log.')
   args = parser.parse_args()
   python = os.path.join(args.paxpeer, 'bin', 'python')
   if not os.path.exists(python):
@@ -91,7 +93,12 @@ def main() -> None:
   work = tempfile.mkdtemp(prefix='pax-vs-paxml-')
   try:
     for exp in args.exp:
-      pax_rate, job = run_paxml(python, exp, args.steps, args.interval, work)
+      if args.paxml_log:
+        job, log = args.paxml_log.pop(0)
+        with open(log, encoding='utf-8') as f:
+          pax_rate = statistics.median([float(m) for m in re.findall(r'steps/sec: ([0-9.]+)', f.read())][1:])
+      else:
+        pax_rate, job = run_paxml(python, exp, args.steps, args.interval, work)
       print(f'paxml {exp}: {pax_rate:.3f} steps/s', flush=True)
       ours = measure('lm_cloud.LmCloudSpmdTest', paxcli_overrides(job), args.steps)
       print(f'paxcli {exp}: {ours["steps_per_sec"]:.3f} steps/s', flush=True)

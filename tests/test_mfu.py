@@ -226,6 +226,29 @@ def test_bench_sweep_writes_table_json_and_png(tmp_path, capsys):
   assert bench.split_values('[1,8,1],[8,1,1]') == ['[1,8,1]', '[8,1,1]']
 
 
+def test_sweep_row_that_does_not_fit_says_so_with_the_memory_needed_and_the_sweep_goes_on(capsys):
+  """A combination whose compiled program needs more than the device's memory (here set with
+  --device-memory between what two batch sizes need) is a row 'out of memory' that says how much
+  it needed, and is not run; the next combination still runs."""
+  code, out, err = pax_main(['bench', 'mfu', *TINY_BENCH, '--compile-only', '--sweep', 'PERCORE_BATCH_SIZE=1,64',
+                             '--json'], capsys)
+  assert code == 0, err
+  small, large = (r['memory_total_bytes'] for r in json.loads(out))
+  assert small < large
+  limit = (small + large) // 2
+  code, out, err = pax_main(['bench', 'mfu', *TINY_BENCH, '--steps', '1', '--warmup', '0', '--sweep',
+                             'PERCORE_BATCH_SIZE=64,1', '--device-memory', str(limit), '--json'], capsys)
+  assert code == 0, err
+  too_big, ok = json.loads(out)
+  assert too_big['status'] == 'out of memory' and too_big['fits'] is False
+  assert too_big['memory_total_bytes'] == large and too_big['device_memory_bytes'] == limit
+  assert 'needs' in too_big['error'] and '--device-memory' in too_big['error']
+  assert 'step_seconds_median' not in too_big and 'mfu' not in too_big
+  assert ok['status'] == 'ok' and ok['fits'] and ok['step_seconds_median'] > 0
+  code, _, err = pax_main(['bench', 'mfu', *TINY_BENCH, '--device-memory', 'lots'], capsys)
+  assert code == 2 and "--device-memory 'lots'" in err
+
+
 def test_compile_only_on_64_fake_devices_memory_shrinks_with_fsdp():
   # MODEL_DIMS 64: the `embed` axis of every weight divides over the 64-way `data` axis.
   result = run_pax('bench', 'mfu', *TINY_BENCH, '--set', 'MODEL_DIMS=64', '--set', 'NUM_HEADS=4',

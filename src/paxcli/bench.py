@@ -65,7 +65,7 @@ def abstract_batch(setup, batch_sharding, example: dict) -> dict:
 
 def measure(resolved, steps: int = 10, warmup: int = 2, compile_only: bool = False,
             peak_tflops: Optional[float] = None, pgle_profile: Optional[str] = None,
-            on_step: Optional[Callable[[int, int], None]] = None) -> dict:
+            on_step: Optional[Callable[[int, int], None]] = None, device_memory: Optional[int] = None) -> dict:
   """One configuration: a row of figures (see module doc). Raises on errors other than OOM."""
   import jax
 
@@ -78,7 +78,8 @@ def measure(resolved, steps: int = 10, warmup: int = 2, compile_only: bool = Fal
   if model_flops is None:
     raise UserError(f'{resolved.name}: paxcli.flops has no FLOPs model for this model, so MFU is unknown.')
   peak = flops.device_peak(devices[0], flops.compute_dtype(setup.model), peak_tflops)
-  device_bytes, device_bytes_source = flops.device_memory_bytes(devices[0])
+  device_bytes, device_bytes_source = ((device_memory, '--device-memory') if device_memory
+                                       else flops.device_memory_bytes(devices[0]))
   row = {
       'status': 'ok', 'devices': len(devices), 'device_kind': devices[0].device_kind,
       'platform': jax.default_backend(), 'mesh': sharding.describe_mesh(setup.mesh),
@@ -115,6 +116,12 @@ def measure(resolved, steps: int = 10, warmup: int = 2, compile_only: bool = Fal
   if compile_only:
     row['status'] = 'compiled' if row.get('fits', True) else 'does not fit'
     return row
+  if row.get('fits') is False:
+    # Not run: on an accelerator it would fail to allocate; on a CPU the host would swap or the
+    # kernel's OOM killer would end the whole sweep.
+    return {**row, 'status': 'out of memory',
+            'error': f"needs {_bytes(memory['total'])} per device; the device has {_bytes(device_bytes)} "
+                     f'({device_bytes_source})'}
   return _run(row, setup, compiled, to_global(host_batch, batch_sharding, setup.global_batch), steps, warmup,
               on_step)
 
@@ -164,7 +171,8 @@ def _first_line(e: BaseException) -> str:
 
 def run_all(exp: Optional[str], overrides: list[str], sweeps: list[str], *, steps: int, warmup: int,
             compile_only: bool, peak_tflops: Optional[float], pgle: Optional[str] = None,
-            pgle_profile: Optional[str] = None, progress=None, log: Callable[[str], None] = print) -> list[dict]:
+            pgle_profile: Optional[str] = None, progress=None, log: Callable[[str], None] = print,
+            device_memory: Optional[int] = None) -> list[dict]:
   """Every sweep combination (and, with PGLE, each without and with it), one row each.
 
   PGLE here is the explicit workflow for both --pgle auto (into a temporary file) and
@@ -196,7 +204,7 @@ def run_all(exp: Optional[str], overrides: list[str], sweeps: list[str], *, step
       on_step = (lambda done, total, t=task: progress.update(t, completed=done)) if progress else None
       if pgle and not _exists(pgle):
         _record_pgle_profile(resolved, pgle, log)
-      row = measure(resolved, steps, warmup, compile_only, peak_tflops, pgle, on_step)
+      row = measure(resolved, steps, warmup, compile_only, peak_tflops, pgle, on_step, device_memory)
       row.update({'experiment': resolved.name, 'sweep': dict(combo)})
       rows.append(row)
       if progress:

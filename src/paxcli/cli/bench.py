@@ -28,6 +28,9 @@ def mfu(
                                               '(to check a large mesh plan on a laptop; with --compile-only).'),
     peak_tflops: Optional[float] = typer.Option(None, '--peak-tflops', help='Peak TFLOP/s per device to '
                                                 'divide by (default: the table by device kind, or measured).'),
+    device_memory: Optional[str] = typer.Option(None, '--device-memory', metavar='SIZE', help='Memory per device '
+                                                '(e.g. 80GB) to check the compiled program against, instead of '
+                                                'what the device reports: plan for another accelerator.'),
     plot: Optional[str] = typer.Option(None, '--plot', metavar='FILE.png', help='Write a PNG of MFU and tokens/s against the sweep.'),
     json_out: bool = typer.Option(False, '--json', help='Print every row as JSON instead of the table.'),
     pgle: Optional[str] = common.pgle_option(),
@@ -43,6 +46,9 @@ def mfu(
   """
   if num_devices:
     fake_devices(num_devices)
+  if device_memory is not None:
+    from paxcli.convert.safetensors_io import parse_size
+    device_memory = parse_size(device_memory, '--device-memory')
   import json
 
   from paxcli import bench
@@ -54,7 +60,7 @@ def mfu(
   with progress:
     rows = bench.run_all(exp, overrides, sweep, steps=steps, warmup=warmup, compile_only=compile_only,
                          peak_tflops=peak_tflops, pgle=pgle, pgle_profile=pgle_profile, progress=progress,
-                         log=lambda m: err.print(m, highlight=False, markup=False))
+                         log=lambda m: err.print(m, highlight=False, markup=False), device_memory=device_memory)
   if plot:
     bench.plot(rows, plot)
   if json_out:

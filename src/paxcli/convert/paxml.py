@@ -483,6 +483,17 @@ class PaxmlSource(formats.SourceBase):
 
   def recipe_text(self, class_name: str) -> str:
     """A recipe of the model's knobs, with Pax's layer layout, FPROP_DTYPE and sequence length."""
+    knobs = self.recipe_knobs()
+    lines = [f'"""The Pax model of `{self.path}` as a paxcli experiment (pax checkpoint convert --from paxml).',
+             '', f'Knobs derived from {self.config_path}. UNSUPPORTED_FEATURES lists what paxcli cannot',
+             'reproduce; `pax train` refuses to run until you accept it with --set UNSUPPORTED_FEATURES={}.',
+             'Set the data (datasets(), MAX_SEQ_LEN, PERCORE_BATCH_SIZE) and optimizer for your runs.',
+             '"""', '', 'from paxcli.experiment import register', 'from paxcli.lm import LmExperiment', '', '',
+             '@register', f'class {class_name}(LmExperiment):', '  """Converted from a paxml checkpoint."""', '']
+    return '\n'.join(lines + knobs_text(knobs)) + '\n'
+
+  def recipe_knobs(self) -> dict:
+    """The model's knobs plus Pax's layer layout, FPROP_DTYPE, sequence length and UNSUPPORTED_FEATURES."""
     pax = self.pax()
     knobs = dict(pax.knobs)
     knobs['USE_REPEATED_LAYER'] = pax.repeated
@@ -491,13 +502,7 @@ class PaxmlSource(formats.SourceBase):
     knobs['MAX_SEQ_LEN'] = min(lengths) if lengths else 2048
     knobs['FPROP_DTYPE'] = pax.fprop_dtype
     knobs['UNSUPPORTED_FEATURES'] = dict(pax.unsupported)
-    lines = [f'"""The Pax model of `{self.path}` as a paxcli experiment (pax checkpoint convert --from paxml).',
-             '', f'Knobs derived from {self.config_path}. UNSUPPORTED_FEATURES lists what paxcli cannot',
-             'reproduce; `pax train` refuses to run until you accept it with --set UNSUPPORTED_FEATURES={}.',
-             'Set the data (datasets(), MAX_SEQ_LEN, PERCORE_BATCH_SIZE) and optimizer for your runs.',
-             '"""', '', 'from paxcli.experiment import register', 'from paxcli.lm import LmExperiment', '', '',
-             '@register', f'class {class_name}(LmExperiment):', '  """Converted from a paxml checkpoint."""', '']
-    return '\n'.join(lines + knobs_text(knobs)) + '\n'
+    return knobs
 
   def experiment_name(self):
     return None

@@ -163,8 +163,8 @@ def write(directory: str, arrays: list[tuple[str, tuple, str]], fill, metadata: 
   return names
 
 
-def parse_size(text: str) -> int:
-  text = text.strip().upper().replace('IB', 'B')
+def parse_size(text: str, option: str = '--max-shard-size') -> int:
+  given, text = text, text.strip().upper().replace('IB', 'B')
   for unit, mult in (('TB', 1 << 40), ('GB', 1 << 30), ('MB', 1 << 20), ('KB', 1 << 10), ('B', 1)):
     if text.endswith(unit):
       try:
@@ -174,4 +174,4 @@ def parse_size(text: str) -> int:
   try:
     return int(text)
   except ValueError:
-    raise UserError(f'--max-shard-size {text!r}: give a size such as 5GB, 500MB or a number of bytes.') from None
+    raise UserError(f'{option} {given!r}: give a size such as 5GB, 500MB or a number of bytes.') from None
