@@ -148,9 +148,11 @@ class _NoSpaceFilter:
 
 def _quiet_no_space_logs() -> None:
   import logging
-  logger = logging.getLogger('absl')
-  if not any(isinstance(f, _NoSpaceFilter) for f in logger.filters):
-    logger.addFilter(_NoSpaceFilter())
+  # absl: orbax's own records; asyncio: "Task exception was never retrieved" for the other
+  # writes of a save that one write's failure abandoned.
+  for logger in (logging.getLogger('absl'), logging.getLogger('asyncio')):
+    if not any(isinstance(f, _NoSpaceFilter) for f in logger.filters):
+      logger.addFilter(_NoSpaceFilter())
 
 
 CHUNK_BYTES = 64 << 20
