@@ -176,6 +176,30 @@ def save_args(state) -> Any:
   return jax.tree_util.tree_map_with_path(one, state)
 
 
+def _quiet_closed_loop_callbacks() -> None:
+  """Drops tensorstore's late 'Event loop is closed' callback errors (nothing else).
+
+  When one write of a save fails (a full disk), orbax abandons the others and closes its event
+  loop; their tensorstore callbacks then try to post into it and print tracebacks, after our
+  one-line error. Only that error, raised by asyncio's own closed-loop check, is dropped.
+  """
+  import sys
+  previous = sys.excepthook
+  if getattr(previous, '_paxcli_closed_loop', False):
+    return
+
+  def hook(kind, value, tb):
+    frames, t = [], tb
+    while t is not None:
+      frames.append(t.tb_frame.f_code.co_name)
+      t = t.tb_next
+    if kind is RuntimeError and str(value) == 'Event loop is closed' and frames[-1:] == ['_check_closed']:
+      return
+    previous(kind, value, tb)
+  hook._paxcli_closed_loop = True
+  sys.excepthook = hook
+
+
 class Checkpointer:
   """orbax's CheckpointManager with our items, completeness rules and retention.
 
@@ -193,6 +217,7 @@ class Checkpointer:
                                            enable_async_checkpointing=async_save)
     self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
     _quiet_no_space_logs()
+    _quiet_closed_loop_callbacks()
     self._losses: dict[int, Optional[float]] = {}
     self._in_flight: Optional[int] = None
     self._failed = False
