@@ -62,11 +62,15 @@ def saved_dtypes(tree) -> dict:
   """'path' -> dtype of every array in a saved state's metadata tree (checksums' names)."""
   import jax
   import numpy as np
-
-  from paxcli import engine
   leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: hasattr(x, 'dtype'))[0]
-  return {'/'.join(str(k) for k in engine._keys(path)): np.dtype(m.dtype)
+  return {_path_name(path): np.dtype(m.dtype)
           for path, m in leaves if getattr(m, 'dtype', None) is not None}
+
+
+def _path_name(path) -> str:
+  """'params/layers/mlp/wo/kernel' for a pytree key path: the names checksums are kept under."""
+  from paxcli import engine
+  return '/'.join(str(k) for k in engine._keys(path))
 
 
 def saved_metadata(job_dir: str, step: int):
@@ -247,10 +251,8 @@ def _as_saved_dtypes(state, dtypes: dict, saved_sums: dict):
   """
   import jax
 
-  from paxcli import engine
-
   def one(path, x):
-    name = '/'.join(str(k) for k in engine._keys(path))
+    name = _path_name(path)
     want = dtypes.get(name)
     if want is None or want == x.dtype:
       return x
@@ -276,10 +278,8 @@ def checksums(state) -> dict[str, str]:
   """
   import jax
   import numpy as np
-
-  from paxcli import engine
   flat = jax.tree_util.tree_flatten_with_path(state)[0]
-  names = ['/'.join(str(k) for k in engine._keys(path)) for path, _ in flat]
+  names = [_path_name(path) for path, _ in flat]
   out = _checksum_fn()([leaf for _, leaf in flat])
   if jax.process_count() > 1:
     from jax.experimental import multihost_utils

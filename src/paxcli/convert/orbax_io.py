@@ -279,8 +279,9 @@ class StateWriter:
     dtype = np.dtype(dtype or x.dtype)
     arr = self.create(name, x.shape, dtype)
     if not x.ndim:
-      arr.write(x.astype(dtype)).result()
-      self._sum(name, x.astype(dtype), 0)
+      x = x.astype(dtype)
+      arr.write(x).result()
+      self._sum(name, x, 0)
     else:   # whole chunks at a time: tensorstore buffers no partial chunk
       rows = arr.chunk_layout.write_chunk.shape[0]
       for start in range(0, x.shape[0], rows):
