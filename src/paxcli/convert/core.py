@@ -86,8 +86,10 @@ def trusted_experiment(src, name: str, exp: Optional[str]) -> Optional[str]:
     if class_name.isidentifier() and os.path.isfile(copy):
       try:
         recipe_class(name.rsplit(':', 1)[0], class_name, files.read_text(copy, 'recipe', 1 << 20), copy)
-      except UserError:
-        return None
+      except UserError as e:
+        raise UserError(f'{e} The checkpoint names the experiment {shorten(repr(name))}; paxcli reads the recipe '
+                        'a conversion wrote as data and never runs it. If you trust the recipe, pass --exp '
+                        'with it.') from None
       return name
   return None
 
@@ -262,8 +264,6 @@ class Output:
 
   def __init__(self, path: str, force: bool, source_path: str):
     self.path = os.path.abspath(path)
-    if os.path.islink(self.path):
-      raise UserError(f'The output {path} is a symlink (to {os.path.realpath(path)}); give a real path.')
     # Resolved: a symlink to the source (or to a directory above or below it) is the source; the
     # source of a step directory (job/checkpoints/<step>) is its whole job directory.
     out, src = os.path.realpath(path), os.path.realpath(source_path)
@@ -276,6 +276,8 @@ class Output:
     if os.path.commonpath([out, src]) in (out, src):
       raise UserError(f'The output {path} would be inside or over the source {source_path}{resolved}; the '
                       'source is never modified. Choose another output path.')
+    if os.path.islink(self.path):   # --force would replace the link, not what it points to
+      raise UserError(f'The output {path} is a symlink (to {out}); give the real path.')
     if os.path.exists(self.path) and not force:
       raise UserError(f'The output {path} exists; pass --force to replace it.')
     os.makedirs(os.path.dirname(self.path) or '.', exist_ok=True)

@@ -74,9 +74,11 @@ def read_header(path: str) -> tuple[dict, int]:
     if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in ints):
       raise _bad(path, f'{shown} has a shape or data_offsets that are not non-negative integers')
     begin, end = e['data_offsets']
-    if end < begin or end > size - 8 - n:
+    if end < begin:
+      raise _bad(path, f'{shown} has data_offsets [{begin}, {end}] that end before they begin')
+    if end > size - 8 - n:
       raise _bad(path, f'{shown} has data_offsets [{begin}, {end}] beyond its {size - 8 - n:,} bytes of data'
-                 + (' (the file is truncated?)' if end > size - 8 - n else ''))
+                 + ' (the file is truncated?)')
     if e['dtype'] in DTYPES:
       want = int(np.prod(e['shape'], dtype=object)) * formats.np_dtype(DTYPES[e['dtype']]).itemsize
       if end - begin != want:
