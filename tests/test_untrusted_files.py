@@ -185,6 +185,10 @@ def test_the_recipe_a_conversion_wrote_is_read_as_data_from_the_job(hf_job, tmp_
   meta_path.write_text(json.dumps(meta))
   out, _ = _ok(['checkpoint', 'convert', str(job), 'scan', '--set', 'USE_REPEATED_LAYER=True', '--json'], capsys)
   assert json.loads(out)['verify']['ok'] and (tmp_path / 'scan' / 'recipe.py').is_file()
+  # and on through safetensors, which keeps the copy too
+  _ok(['checkpoint', 'convert', 'scan', 'st', '--to', 'safetensors', '--no-verify'], capsys)
+  out, _ = _ok(['checkpoint', 'convert', 'st', 'back', '--no-verify', '--json'], capsys)
+  assert json.loads(out)['experiment'] == f'{beside}:HfLlama' and (tmp_path / 'back' / 'recipe.py').is_file()
   assert not (tmp_path / 'PWNED').exists()
   # A copy that is more than knobs is refused, not run.
   (job / 'recipe.py').write_text((job / 'recipe.py').read_text() + EVIL)

@@ -4,12 +4,14 @@
 sentencepiece model is what transformers does when it finds only `tokenizer.model`, but its
 converters are Llama's (no NFKC, no whitespace clean-up, a `<s>` prepended), so the same text
 becomes other ids ("Create a new": 3 ids in paxcli, 6 in transformers). Written here instead:
-  tokenizer.json           the same model for the `tokenizers` library: Unigram pieces
-                           and scores with byte fallback; sentencepiece's own normalization
-                           (its precompiled NFKC map, whitespace stripped and collapsed); `▁`
-                           for spaces and the dummy prefix; nothing added around the text
-  tokenizer_config.json    PreTrainedTokenizerFast, the special tokens of the model, no BOS/EOS
-                           added (paxcli adds none)
+  tokenizer.json           the same model for the `tokenizers` library (Unigram models, as
+                           paxcli trains them): pieces and scores with byte fallback;
+                           sentencepiece's own normalization (its precompiled NFKC map,
+                           whitespace stripped and collapsed); `▁` for spaces and the dummy
+                           prefix; nothing added around the text
+  tokenizer_config.json    PreTrainedTokenizerFast (LlamaTokenizer for a BPE model, which
+                           transformers converts itself), the special tokens of the model, no
+                           BOS/EOS added (paxcli adds none)
   special_tokens_map.json  the same special tokens
   tokenizer.model          copied as it is, for sentencepiece readers
 Special ids (also in config.json and generation_config.json) come from the model: paxcli's
@@ -98,20 +100,26 @@ def tokenizer_json(proto) -> dict:
 
 
 def tokenizer_config(proto, max_len: int) -> tuple[dict, dict]:
-  """(tokenizer_config.json, special_tokens_map.json) naming the model's special tokens."""
+  """(tokenizer_config.json, special_tokens_map.json) naming the model's special tokens.
+
+  A Unigram model is read from tokenizer.json (PreTrainedTokenizerFast); any other (Llama's own
+  BPE models) by transformers' Llama converter from tokenizer.model (LlamaTokenizer)."""
   ids = special_ids(proto)
   tokens = {f'{k}_token': (proto.pieces[v].piece if v is not None else None) for k, v in ids.items()}
-  config = {'tokenizer_class': 'PreTrainedTokenizerFast', **tokens, 'add_bos_token': False,
+  cls = 'PreTrainedTokenizerFast' if proto.trainer_spec.model_type == _UNIGRAM else 'LlamaTokenizer'
+  config = {'tokenizer_class': cls, **tokens, 'add_bos_token': False,
             'add_eos_token': False, 'clean_up_tokenization_spaces': False, 'model_max_length': max_len,
             'legacy': False, 'split_special_tokens': True}
   return config, {k: v for k, v in tokens.items() if v is not None}
 
 
 def write(directory: str, spm_path: str, max_len: int) -> None:
-  """tokenizer.json, tokenizer_config.json and special_tokens_map.json for `spm_path`."""
+  """tokenizer_config.json, special_tokens_map.json and (Unigram models) tokenizer.json for `spm_path`."""
   proto = load_proto(spm_path)
   config, special = tokenizer_config(proto, max_len)
-  for name, data in (('tokenizer.json', tokenizer_json(proto)), ('tokenizer_config.json', config),
-                     ('special_tokens_map.json', special)):
+  written = [('tokenizer_config.json', config), ('special_tokens_map.json', special)]
+  if proto.trainer_spec.model_type == _UNIGRAM:
+    written.append(('tokenizer.json', tokenizer_json(proto)))
+  for name, data in written:
     with open(os.path.join(directory, name), 'w', encoding='utf-8') as f:
       json.dump(data, f, indent=1 if name != 'tokenizer.json' else None, ensure_ascii=False)
