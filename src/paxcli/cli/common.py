@@ -73,11 +73,12 @@ def normalize_argv(argv: list[str]) -> list[str]:
   return out
 
 
-def console(stderr: bool = False):
-  """A rich Console; wide when the output is a file or pipe, so tables are not cut."""
+def console(stderr: bool = False, wide: bool = False):
+  """A rich Console; wide when the output is a file or pipe, so tables are not cut (160 columns, or
+  with `wide` as wide as a table's rows need: one line per row)."""
   from rich.console import Console
   stream = sys.stderr if stderr else sys.stdout
-  return Console(stderr=stderr, width=None if stream.isatty() else 160)
+  return Console(stderr=stderr, width=None if stream.isatty() else (100_000 if wide else 160))
 
 
 def error(message: str) -> None:
