@@ -286,13 +286,13 @@ def train(resolved, job_dir: str, console, verbose: bool = False, profile_steps=
   jax.profiler; pgle/pgle_profile: see paxcli.profiling.
   """
   from paxcli import engine, jobdir
-  jobdir.check_writable(job_dir)
-  engine.check_supported(resolved.experiment)
+  engine.check_supported(resolved.experiment)  # refusals first: a refused run leaves no job directory
   engine.apply_platform_env(resolved.experiment.PLATFORM_ENV, log=lambda m: console.print(m))
   import jax  # after PLATFORM_ENV: it may set XLA_FLAGS
 
   from paxcli import profiling
   profiling.check_pgle(pgle, pgle_profile)
+  jobdir.check_writable(job_dir)  # makes the directory
   log = (lambda m: console.print(m, highlight=False, markup=False, soft_wrap=True))
   lock = jobdir.lock_run(job_dir, log if jax.process_index() == 0 else (lambda m: None))
   try:
