@@ -21,7 +21,9 @@ CLI = ['decode', '--exp', 'paxcli.lm.LmExperiment'] + [a for s in TINY for a in 
     (['--beam-size', '2', '--length-penalty', 'nan'], '--length-penalty must be a finite number'),
     (['--beam-size', '2', '--length-penalty', '-inf'], '--length-penalty must be a finite number'),
     (['--stop', ''], "--stop '' is empty"),
-    (['--seed', str(10 ** 24)], '--seed must fit in 64 bits'),
+    (['--seed', str(10 ** 24)], '--seed must be between 0 and 4294967295'),
+    (['--seed', str(2 ** 32 + 5)], '--seed must be between 0 and 4294967295'),  # would repeat --seed 5
+    (['--seed', '-1'], '--seed must be between 0 and 4294967295'),
     (['--prompt', 'caf\udce9'], 'is not UTF-8 text (byte 0xe9'),       # argv bytes b'caf\xe9'
     (['--stop', '\udcff'], '--stop'),
     (['--prompts-file', '/dev/zero'], 'is a character device, not a regular file'),

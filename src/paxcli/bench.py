@@ -348,6 +348,18 @@ def _number(text) -> Optional[float]:
   return value if math.isfinite(value) else None
 
 
+def _wrap(label: str, width: int = 16) -> str:
+  """A tick label on lines of about `width` characters, broken after '_' or ',' (never inside a word)."""
+  import re
+  lines, current = [], ''
+  for part in re.findall(r'[^_,]*[_,]?', label):
+    if current and len(current) + len(part) > width:
+      lines.append(current)
+      current = ''
+    current += part
+  return '\n'.join(lines + [current] if current else lines)
+
+
 def plot_axes(rows: list[dict]) -> tuple[Optional[str], list[str]]:
   """(the knob on the x axis, the other swept knobs): the first knob whose values are all numbers
   (else the first knob, as categories); each combination of the others is one line."""
@@ -421,7 +433,7 @@ def plot(rows: list[dict], path: str) -> None:
       bottom.minorticks_off()
   else:
     bottom.set_xticks(range(len(categories)))
-    bottom.set_xticklabels([textwrap.fill(c, 14) for c in categories], fontsize=8)
+    bottom.set_xticklabels([_wrap(c) for c in categories], fontsize=8)
     bottom.set_xlim(-0.5, len(categories) - 0.5)
   bottom.set_xlabel(x_key or 'experiment')
   r0 = rows[0]

@@ -73,8 +73,10 @@ class DecodeOptions:
       raise UserError(f'--temperature must be a finite number at least 0 (0: greedy), got {self.temperature}.')
     if not math.isfinite(self.length_penalty):
       raise UserError(f'--length-penalty must be a finite number, got {self.length_penalty}.')
-    if not -2 ** 63 <= self.seed < 2 ** 63:
-      raise UserError(f'--seed must fit in 64 bits (-2**63 to 2**63 - 1), got {shorten(self.seed, 60)}.')
+    if not 0 <= self.seed < 2 ** 32:
+      # JAX (without x64) keeps a seed's low 32 bits: a larger or negative seed would repeat another one.
+      raise UserError(f'--seed must be between 0 and {2 ** 32 - 1} (32 bits; JAX keeps only those, so a larger '
+                      f'seed would give the samples of a smaller one), got {shorten(self.seed, 60)}.')
     if '' in self.stop:
       raise UserError("--stop '' is empty: every text contains it, so it would stop every row at its first "
                       'token. Give a non-empty string.')
