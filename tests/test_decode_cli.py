@@ -25,7 +25,7 @@ CLI = ['decode', '--exp', 'paxcli.lm.LmExperiment'] + [a for s in TINY for a in 
     (['--seed', str(2 ** 32 + 5)], '--seed must be between 0 and 4294967295'),  # would repeat --seed 5
     (['--seed', '-1'], '--seed must be between 0 and 4294967295'),
     (['--prompt', 'caf\udce9'], 'is not UTF-8 text (byte 0xe9'),       # argv bytes b'caf\xe9'
-    (['--stop', '\udcff'], '--stop'),
+    (['--stop', '\udcff'], "--stop '\\udcff' is not UTF-8 text"),
     (['--prompts-file', '/dev/zero'], 'is a character device, not a regular file'),
     (['--prompts-file', '{tmp}/fifo'], 'is a FIFO (named pipe), not a regular file'),
     (['--top-k', '65'], '--top-k 65 is above the vocabulary size 64'),
