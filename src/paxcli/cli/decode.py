@@ -37,7 +37,7 @@ def decode_command(
     top_p: Optional[float] = typer.Option(None, '--top-p', help='Nucleus sampling: smallest set with mass >= p.',
                                           rich_help_panel=_S),
     num_samples: int = typer.Option(1, '--num-samples', help='Samples per prompt.', rich_help_panel=_S),
-    seed: int = typer.Option(0, '--seed', help='Sampling seed; sample s of prompt i depends on (seed, i, s) only.',
+    seed: int = typer.Option(0, '--seed', help='Sampling seed, 0 to 2**32-1; sample s of prompt i depends on (seed, i, s) only.',
                              rich_help_panel=_S),
     beam_size: int = typer.Option(0, '--beam-size', help='Beam search with this many beams.', rich_help_panel=_B),
     length_penalty: float = typer.Option(0.0, '--length-penalty', help="Pax's length_norm_alpha.",
