@@ -243,14 +243,17 @@ def write(directory: str, arrays: list[tuple[str, tuple, str]], fill, metadata: 
 
 
 def parse_size(text: str, option: str = '--max-shard-size') -> int:
+  """'5GB', '500MiB', '1024' -> bytes (at least 1); UserError for anything else (0, negative, inf, nan)."""
   given, text = text, text.strip().upper().replace('IB', 'B')
-  for unit, mult in (('TB', 1 << 40), ('GB', 1 << 30), ('MB', 1 << 20), ('KB', 1 << 10), ('B', 1)):
+  number, mult = text, 1
+  for unit, size in (('TB', 1 << 40), ('GB', 1 << 30), ('MB', 1 << 20), ('KB', 1 << 10), ('B', 1)):
     if text.endswith(unit):
-      try:
-        return int(float(text[:-len(unit)]) * mult)
-      except ValueError:
-        break
+      number, mult = text[:-len(unit)], size
+      break
   try:
-    return int(text)
+    value = float(number) * mult
   except ValueError:
-    raise UserError(f'{option} {given!r}: give a size such as 5GB, 500MB or a number of bytes.') from None
+    value = float('nan')
+  if not (value >= 1 and value < 1 << 60):  # NaN fails both
+    raise UserError(f'{option} {given!r}: give a positive size such as 5GB, 500MB or a number of bytes.')
+  return int(value)

@@ -87,11 +87,17 @@ def render(t: Translation, class_name: str, output_path: str) -> str:
       'Run:',
       f'  pax describe --exp {exp}',
       f'  pax train --exp {exp}',
-      'A tiny check on CPU:',
+      'A tiny check on CPU' + (' (it accepts UNSUPPORTED_FEATURES: it checks that the recipe builds and'
+                               if t.unsupported else ':'),
+  ]
+  if t.unsupported:
+    lines.append('trains, not that it matches MaxText):')
+  tiny = list(TINY) + (['UNSUPPORTED_FEATURES={}'] if t.unsupported else [])
+  lines += [
       f'  pax train --exp {exp} \\',
-      '    ' + ' '.join(f'--set {s}' for s in TINY[:5]) + ' \\',
-      '    ' + ' '.join(f'--set {s}' for s in TINY[5:10]) + ' \\',
-      '    ' + ' '.join(f'--set {s}' for s in TINY[10:]),
+      '    ' + ' '.join(f'--set {s}' for s in tiny[:5]) + ' \\',
+      '    ' + ' '.join(f'--set {s}' for s in tiny[5:10]) + ' \\',
+      '    ' + ' '.join(f'--set {s}' for s in tiny[10:]),
   ]
   if t.unsupported:
     lines += ['', 'UNSUPPORTED_FEATURES lists what paxcli cannot reproduce; `pax train` refuses',
