@@ -44,6 +44,7 @@ def mfu(
     pax bench mfu --exp E --sweep PERCORE_BATCH_SIZE=4,8,16 --sweep CHECKPOINT_POLICY=none,save_dot_only --plot mfu.png
     pax bench mfu --exp lm_cloud.LmCloudSpmd2B --compile-only --num-devices 64 --set "ICI_MESH_SHAPE=[1,64,1]"
   """
+  plot, pgle_profile = common.path_arg(plot, '--plot'), common.path_arg(pgle_profile, '--pgle-profile')
   if num_devices:
     fake_devices(num_devices)
   if device_memory is not None:
