@@ -22,6 +22,7 @@ import time
 import pytest
 
 from conftest import pax_main, run_pax
+from paxcli.errors import UserError
 
 JOB = os.path.join('runs', 'default.StdlibDocsLm')  # the default job directory, relative
 SMALL = ['--set', 'NUM_LAYERS=1', '--set', 'MODEL_DIMS=64', '--set', 'HIDDEN_DIMS=128', '--set', 'NUM_HEADS=2',
@@ -251,12 +252,13 @@ def test_a_restore_error_that_is_not_damage_moves_nothing(trained, tmp_path, mon
   sets = [v for v in SMALL if v != '--set']
   setup = engine.build(config.resolve('default.StdlibDocsLm', sets))
   notes = []
-  with pytest.raises(restore.CheckpointReadError) as e:
+  with pytest.raises(UserError) as e:
     restore.restore(setup, JOB, 4, fallback=True, set_aside=True, action='resume from', log=notes.append)
+  _untouched(cwd)
+  assert isinstance(e.value, restore.CheckpointReadError), e.value
   assert 'Checkpoint path should be absolute' in str(e.value) and 'damaged' not in str(e.value)
   assert 'left in place' in str(e.value)
   assert notes == []  # no other checkpoint tried
-  _untouched(cwd)
 
 
 def test_read_only_commands_never_make_a_mistyped_job_dir(tmp_path, capsys, monkeypatch):
@@ -271,14 +273,19 @@ def test_read_only_commands_never_make_a_mistyped_job_dir(tmp_path, capsys, monk
 
 
 def test_follow_stops_when_the_trainer_died(trained, tmp_path):
-  """No --timeout, a config that asks for more steps, and a train.lock naming a trainer that died
-  (SIGKILL leaves the file): the follower evaluates what is there and stops, saying why."""
+  """A run started for 8 steps whose trainer died after step 4, its train.lock left behind (as SIGKILL
+  leaves it): without --timeout, the follower evaluates what is there and stops, saying why."""
   cwd = _copy(trained, tmp_path)
+  for step in (2, 4):  # the checkpoints' own config says 8 steps, as that trainer's did
+    path = cwd / JOB / 'checkpoints' / str(step) / 'meta' / 'metadata'
+    meta = json.loads(path.read_text())
+    meta['config'].update({'task.train.num_train_steps': '8', 'knobs.NUM_TRAIN_STEPS': '8'})
+    path.write_text(json.dumps(meta))
   gone = subprocess.run([sys.executable, '-c', 'import os; print(os.getpid())'], capture_output=True, text=True)
   pid = int(gone.stdout)
   with open(cwd / JOB / 'train.lock', 'w') as f:
     json.dump({'host': socket.gethostname(), 'pid': pid, 'started': 'earlier', 'command': 'pax train'}, f)
-  result = run_pax('eval', *SMALL, *steps(8), '--follow', '--poll', '0.2', '--json', cwd=cwd, timeout=240)
+  result = run_pax('eval', *SMALL, *steps(8), '--follow', '--poll', '0.2', '--json', cwd=cwd, timeout=120)
   assert result.returncode == 0, result.stderr[-3000:]
   assert _followed_steps(result.stdout) == [2, 4]
   err = ' '.join(result.stderr.split())

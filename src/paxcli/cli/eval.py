@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from typing import List, Optional
 
 import typer
@@ -53,10 +54,13 @@ def eval_command(
   job_dir = common.job_dir(job_log_dir, resolved)
   import jax
   main = jax.process_index() == 0
-  if not (follow or no_checkpoint):  # a mistyped job directory is refused before any work, and not made
+  record = (lambda: invocation.record(job_dir)) if main and not no_checkpoint else None
+  if record and os.path.isdir(job_dir):  # never made here: a follower records at its first evaluation
+    record()
+    record = None
+  if not (follow or no_checkpoint):  # a mistyped job directory is refused before any work
     from paxcli import restore
     restore.choose_step(job_dir, step=step, purpose='evaluate')
-  record = (lambda: invocation.record(job_dir)) if main and not no_checkpoint else None
   if follow:
     emit = (lambda r: typer.echo(json.dumps(r))) if json_out and main else None
     out = follow_run(resolved, job_dir, common.console(stderr=json_out), timeout=timeout, poll_seconds=poll,
@@ -65,8 +69,6 @@ def eval_command(
       common.console().print(f'Evaluated {len(out)} checkpoint(s): steps {", ".join(str(r["step"]) for r in out) or "none"}.',
                              highlight=False)
     return
-  if record:
-    record()
   out = evaluate(resolved, job_dir, common.console(stderr=True), use_checkpoint=not no_checkpoint, step=step)
   if not main:
     return
