@@ -250,7 +250,7 @@ def evaluate(resolved, job_dir: str, console, use_checkpoint: bool = True, step:
 
 
 FOLLOW_RECORD = 'eval_done.jsonl'
-TRAINER_START_GRACE_S = 120.0  # --follow with no trainer seen yet: how long to wait for one to start
+TRAINER_START_GRACE_S = 120.0  # --follow without --timeout and no trainer seen yet: how long to wait for one
 
 
 def _evaluate_step(resolved, setup, evaluator, job_dir: str, step: int, fallback: bool = False,
@@ -306,14 +306,14 @@ def _agree(value: int) -> int:
 class _Trainer:
   """Whether a trainer may still write checkpoints into the job directory (its train.lock)."""
 
-  def __init__(self, job_dir: str):
+  def __init__(self, job_dir: str, grace: Optional[float]):
     import time
-    self.job_dir, self.seen, self.started = job_dir, False, time.monotonic()
+    self.job_dir, self.grace, self.seen, self.started = job_dir, grace, False, time.monotonic()
     self.why = ''
 
   def gone(self) -> bool:
     """True when no trainer runs and none is expected: the lock names a dead process, or it was
-    released (by a trainer seen here, or none came for TRAINER_START_GRACE_S)."""
+    released (by a trainer seen here, or none came for `grace` seconds; None: wait)."""
     import time
 
     from paxcli import jobdir
@@ -329,8 +329,8 @@ class _Trainer:
     if self.seen:
       self.why = f'the trainer has finished or stopped (it released {lock})'
       return True
-    if time.monotonic() - self.started >= TRAINER_START_GRACE_S:
-      self.why = f'no trainer has held {lock} for {TRAINER_START_GRACE_S:g} s'
+    if self.grace is not None and time.monotonic() - self.started >= self.grace:
+      self.why = f'no trainer has held {lock} for {self.grace:g} s'
       return True
     return False
 
@@ -343,8 +343,8 @@ def follow(resolved, job_dir: str, console, timeout: Optional[float] = None, pol
   after a restart; a step is claimed while it is evaluated (jobdir.StepClaim), so several
   followers share the work. Stops once this config's last step (num_train_steps, with the
   user's --set) is evaluated; when no trainer runs on the job directory any more (train.lock
-  released, or naming a dead process) and every checkpoint is evaluated; or after `timeout`
-  seconds. on_first() is called (process 0) before the first evaluation: the job directory
+  released, or naming a dead process; without `timeout`, also when none has come for
+  TRAINER_START_GRACE_S) and every checkpoint is evaluated; or after `timeout` seconds. on_first() is called (process 0) before the first evaluation: the job directory
   exists by then (a follower never creates it).
   """
   import time
@@ -364,7 +364,7 @@ def follow(resolved, job_dir: str, console, timeout: Optional[float] = None, pol
       + (f'; {len(done)} already evaluated (in {FOLLOW_RECORD})' if done else '')
       + ('' if timeout is None else f'; giving up after {timeout:g} s') + '.')
   evaluator = Evaluator(resolved, setup, job_dir)
-  trainer = _Trainer(job_dir)
+  trainer = _Trainer(job_dir, TRAINER_START_GRACE_S if timeout is None else None)
   deadline = None if timeout is None else time.monotonic() + timeout
   out = []
   try:

@@ -25,7 +25,8 @@ def eval_command(
         'came.'),
     timeout: Optional[float] = typer.Option(
         None, '--timeout', metavar='SECONDS', min=0.0,
-        help="With --follow: stop after this long even if the trainer's last step has not come. Default: wait."),
+        help="With --follow: stop after this long even if the last step has not come. Default: stop once no "
+        'trainer runs on the job (none has come for 120 s, or it finished or died) and no new checkpoint came.'),
     poll: float = typer.Option(10.0, '--poll', metavar='SECONDS', min=0.01,
                                help='With --follow: seconds between looks for new checkpoints.'),
     no_checkpoint: bool = typer.Option(False, '--no-checkpoint', help='Evaluate freshly initialised weights.'),
