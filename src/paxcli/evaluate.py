@@ -250,6 +250,7 @@ def evaluate(resolved, job_dir: str, console, use_checkpoint: bool = True, step:
 
 
 FOLLOW_RECORD = 'eval_done.jsonl'
+STOP, WAIT = -1, -2  # what a follower does next, besides evaluating a step
 TRAINER_START_GRACE_S = 120.0  # --follow without --timeout and no trainer seen yet: how long to wait for one
 
 
@@ -344,8 +345,9 @@ def follow(resolved, job_dir: str, console, timeout: Optional[float] = None, pol
   followers share the work. Stops once this config's last step (num_train_steps, with the
   user's --set) is evaluated; when no trainer runs on the job directory any more (train.lock
   released, or naming a dead process; without `timeout`, also when none has come for
-  TRAINER_START_GRACE_S) and every checkpoint is evaluated; or after `timeout` seconds. on_first() is called (process 0) before the first evaluation: the job directory
-  exists by then (a follower never creates it).
+  TRAINER_START_GRACE_S) and every checkpoint is evaluated; or after `timeout` seconds.
+  on_first() is called (process 0) before the first evaluation: the job directory exists by
+  then (a follower never creates it).
   """
   import time
 
@@ -410,8 +412,6 @@ def follow(resolved, job_dir: str, console, timeout: Optional[float] = None, pol
     evaluator.close()
   return out
 
-
-STOP, WAIT = -1, -2
 
 
 def _next_step(job_dir: str, names, done: set, trainer: _Trainer, last_step: int, log):
