@@ -18,7 +18,7 @@ and after any later change of directory.
 Evaluation (`pax eval`, `--follow`, the trainer's eval) writes one row per step into each
 `*_metrics.jsonl`, in step order (`put_row`, an atomic rewrite under an flock on the job
 directory itself); `pax eval --follow` claims a step by an flock on the step's checkpoint
-directory while it evaluates it, so two followers never evaluate one step twice (`claim`).
+directory while it evaluates it, so two followers never evaluate one step twice (`StepClaim`).
 """
 
 from __future__ import annotations
@@ -213,23 +213,24 @@ def lock_run(job_dir: str, log: Callable[[str], None]) -> Optional[JobLock]:
 def trim_jsonl(path: str, last_step: int) -> int:
   """Drops the rows of a `*_metrics.jsonl` file past `last_step` (steps a resume replays).
 
-  Rewrites the file atomically (a temp file, then rename); returns how many rows were dropped.
+  Rewrites the file atomically (a temp file, then rename), under the flock put_row takes;
+  returns how many rows were dropped.
   """
   if not os.path.isfile(path):
     return 0
-  kept, dropped = [], 0
-  with open(path, encoding='utf-8', errors='replace') as f:
-    for line in f:
-      try:
-        step = json.loads(line).get('step')
-      except (ValueError, AttributeError):
-        step = None
-      if isinstance(step, int) and step > last_step or not line.endswith('\n'):
-        dropped += 1  # a replayed step, or a row cut short by a kill
-      else:
-        kept.append(line)
-  if dropped:
-    with _flock(os.path.dirname(path)):
+  with _flock(os.path.dirname(path)):
+    kept, dropped = [], 0
+    with open(path, encoding='utf-8', errors='replace') as f:
+      for line in f:
+        try:
+          step = json.loads(line).get('step')
+        except (ValueError, AttributeError):
+          step = None
+        if isinstance(step, int) and step > last_step or not line.endswith('\n'):
+          dropped += 1  # a replayed step, or a row cut short by a kill
+        else:
+          kept.append(line)
+    if dropped:
       tmp = f'{path}.tmp-{os.getpid()}'
       with open(tmp, 'w', encoding='utf-8') as f:
         f.writelines(kept)
