@@ -232,8 +232,9 @@ def test_eval_follow_beside_a_trainer_evaluates_each_checkpoint_once_and_stops(t
   job = str(tmp_path / 'job')
   tiny = TINY
   env = dict(os.environ)
+  # The follower's --set is the trainer's: its config says where the run ends (issue 17).
   follow = subprocess.Popen([sys.executable, '-m', 'paxcli.cli.app', 'eval', *tiny, '--job-log-dir', job,
-                             '--follow', '--poll', '0.2', '--timeout', '400', '--json'],
+                             '--set', 'NUM_TRAIN_STEPS=15', '--follow', '--poll', '0.2', '--timeout', '400', '--json'],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
   try:
     r = run_pax('train', *tiny, '--job-log-dir', job, '--set', 'NUM_TRAIN_STEPS=15')
@@ -250,7 +251,8 @@ def test_eval_follow_beside_a_trainer_evaluates_each_checkpoint_once_and_stops(t
   metrics = [json.loads(line)['step'] for line in open(os.path.join(job, 'eval_metrics.jsonl'))]
   assert metrics == [5, 10, 15]
   # Started again, it skips what was evaluated and stops at once; --step N evaluates one chosen checkpoint.
-  code, out, err = pax_main(['eval', *tiny, '--job-log-dir', job, '--follow', '--poll', '0.2'], capsys)
+  code, out, err = pax_main(['eval', *tiny, '--job-log-dir', job, '--set', 'NUM_TRAIN_STEPS=15', '--follow',
+                             '--poll', '0.2'], capsys)
   assert code == 0, err
   assert '3 already evaluated' in out and 'Evaluated 0 checkpoint(s)' in out
   code, out, err = pax_main(['eval', *tiny, '--job-log-dir', job, '--step', '10', '--json'], capsys)

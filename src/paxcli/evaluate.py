@@ -207,7 +207,7 @@ class Evaluator:
     """Process 0's summary writer for one eval input, made at its first eval (no empty files)."""
     if self.job_dir and name not in self.writers:
       from paxcli.summaries import SummaryWriter
-      self.writers[name] = SummaryWriter(*eval_paths(self.job_dir, name))
+      self.writers[name] = SummaryWriter(*eval_paths(self.job_dir, name), one_row_per_step=True)
     return self.writers.get(name)
 
   def run(self, step: int, state) -> dict[str, dict[str, Any]]:
@@ -250,6 +250,8 @@ def evaluate(resolved, job_dir: str, console, use_checkpoint: bool = True, step:
 
 
 FOLLOW_RECORD = 'eval_done.jsonl'
+STOP, WAIT = -1, -2  # what a follower does next, besides evaluating a step
+TRAINER_START_GRACE_S = 120.0  # --follow without --timeout and no trainer seen yet: how long to wait for one
 
 
 def _evaluate_step(resolved, setup, evaluator, job_dir: str, step: int, fallback: bool = False,
@@ -270,8 +272,10 @@ def _evaluate_step(resolved, setup, evaluator, job_dir: str, step: int, fallback
   if jax.process_index() == 0:
     import json
     import time
-    with open(os.path.join(job_dir, FOLLOW_RECORD), 'a', encoding='utf-8') as f:
-      f.write(json.dumps({'step': step, 'datasets': sorted(results), 'time': time.time()}) + '\n')
+
+    from paxcli import jobdir
+    jobdir.append_line(os.path.join(job_dir, FOLLOW_RECORD),
+                       json.dumps({'step': step, 'datasets': sorted(results), 'time': time.time()}))
   return step, results
 
 
@@ -281,13 +285,13 @@ def evaluated_steps(job_dir: str, names) -> set[int]:
   done: dict[int, set[str]] = {}
   path = os.path.join(job_dir, FOLLOW_RECORD)
   if os.path.exists(path):
-    with open(path, encoding='utf-8') as f:
+    with open(path, encoding='utf-8', errors='replace') as f:
       for line in f:
         try:
           record = json.loads(line)
-        except ValueError:  # a line cut by a kill: that step is evaluated again
+          done.setdefault(int(record['step']), set()).update(record.get('datasets', []))
+        except (ValueError, TypeError, KeyError, AttributeError):  # a line cut by a kill: evaluated again
           continue
-        done.setdefault(int(record['step']), set()).update(record.get('datasets', []))
   return {step for step, got in done.items() if set(names) <= got}
 
 
@@ -300,27 +304,55 @@ def _agree(value: int) -> int:
   return int(multihost_utils.broadcast_one_to_all(np.asarray(value, np.int64)))
 
 
-def _last_step(job_dir: str, step: int, fallback: int) -> int:
-  """num_train_steps of the run that wrote checkpoint `step` (its saved config), else fallback."""
-  from paxcli import restore
-  try:
-    saved = restore.read_meta(job_dir, step).get('config', {}).get('task.train.num_train_steps')
-    return int(saved) if saved is not None else fallback
-  except (UserError, ValueError):
-    return fallback
+class _Trainer:
+  """Whether a trainer may still write checkpoints into the job directory (its train.lock)."""
+
+  def __init__(self, job_dir: str, grace: Optional[float]):
+    import time
+    self.job_dir, self.grace, self.seen, self.started = job_dir, grace, False, time.monotonic()
+    self.why = ''
+
+  def gone(self) -> bool:
+    """True when no trainer runs and none is expected: the lock names a dead process, or it was
+    released (by a trainer seen here, or none came for `grace` seconds; None: wait)."""
+    import time
+
+    from paxcli import jobdir
+    owner = jobdir.read_owner(self.job_dir)
+    state = jobdir.trainer_state(owner)
+    lock = os.path.join(self.job_dir, jobdir.LOCK_NAME)
+    if state == 'running':
+      self.seen = True
+      return False
+    if state == 'dead':
+      self.why = f'the trainer named in {lock} (pid {owner.get("pid")}) is no longer running'
+      return True
+    if self.seen:
+      self.why = f'the trainer has finished or stopped (it released {lock})'
+      return True
+    if self.grace is not None and time.monotonic() - self.started >= self.grace:
+      self.why = f'no trainer has held {lock} for {self.grace:g} s'
+      return True
+    return False
 
 
 def follow(resolved, job_dir: str, console, timeout: Optional[float] = None, poll_seconds: float = 10.0,
-           on_result=None) -> list[dict]:
+           on_result=None, on_first=None) -> list[dict]:
   """`pax eval --follow`: evaluate each new checkpoint of job_dir once, beside a running trainer.
 
-  Steps already in job_dir/eval_done.jsonl (for every current eval input) are skipped,
-  also after a restart. Stops once the trainer's last step (num_train_steps of the
-  checkpoint's own config) is evaluated, or when `timeout` seconds pass without that.
+  Steps already in job_dir/eval_done.jsonl (for every current eval input) are skipped, also
+  after a restart; a step is claimed while it is evaluated (jobdir.StepClaim), so several
+  followers share the work. Stops once this config's last step (num_train_steps, with the
+  user's --set) is evaluated; when no trainer runs on the job directory any more (train.lock
+  released, or naming a dead process; without `timeout`, also when none has come for
+  TRAINER_START_GRACE_S) and every checkpoint is evaluated; or after `timeout` seconds.
+  on_first() is called (process 0) before the first evaluation: the job directory exists by
+  then (a follower never creates it).
   """
   import time
 
-  from paxcli import checkpoint as ckpt
+  import jax
+
   from paxcli import engine, restore
   setup = engine.build(resolved)
   if not resolved.eval_datasets():
@@ -330,28 +362,21 @@ def follow(resolved, job_dir: str, console, timeout: Optional[float] = None, pol
   last_step = int(resolved.task.train.num_train_steps)
   log = lambda m: console.print(m, highlight=False, markup=False, soft_wrap=True)
   done = evaluated_steps(job_dir, names)
-  log(f'Following {os.path.abspath(directory)}: evaluating each new checkpoint on {", ".join(names)}'
+  log(f'Following {directory}: evaluating each new checkpoint on {", ".join(names)} up to step {last_step}'
       + (f'; {len(done)} already evaluated (in {FOLLOW_RECORD})' if done else '')
       + ('' if timeout is None else f'; giving up after {timeout:g} s') + '.')
   evaluator = Evaluator(resolved, setup, job_dir)
+  trainer = _Trainer(job_dir, TRAINER_START_GRACE_S if timeout is None else None)
   deadline = None if timeout is None else time.monotonic() + timeout
   out = []
-  STOP, WAIT = -1, -2
   try:
     while True:
-      steps = ckpt.complete_steps(directory)
-      todo = [s for s in steps if s not in done]
-      if steps and not todo:  # the trainer's own num_train_steps, from its latest checkpoint
-        last_step = _last_step(job_dir, steps[-1], last_step)
-      if todo:
-        action = todo[0]
-      elif done and max(done) >= last_step:
-        action = STOP
-      elif deadline is not None and time.monotonic() >= deadline:
-        action = STOP
-        log(f'Stopping after --timeout {timeout:g} s: the trainer has not written step {last_step} yet.')
-      else:
-        action = WAIT
+      claim, action = None, WAIT
+      if jax.process_index() == 0:
+        claim, action = _next_step(job_dir, names, done, trainer, last_step, log)
+        if action == WAIT and deadline is not None and time.monotonic() >= deadline:
+          action = STOP
+          log(f'Stopping after --timeout {timeout:g} s: step {last_step} has not been written yet.')
       action = _agree(action)
       if action == STOP:
         break
@@ -360,19 +385,22 @@ def follow(resolved, job_dir: str, console, timeout: Optional[float] = None, pol
         continue
       step = action
       try:
-        last_step = _last_step(job_dir, step, last_step)
+        if on_first:
+          on_first()
+          on_first = None
         _, results = _evaluate_step(resolved, setup, evaluator, job_dir, step)
+      except restore.CheckpointGone:
+        log(f'Note: the checkpoint at step {step} was deleted before it could be evaluated (the trainer keeps '
+            'only the latest task.train.save_max_to_keep); skipping it.')
+        done.add(step)
+        continue
       except restore.DamagedCheckpoint as e:
         log(f'WARNING: {e} Skipping it.')
         done.add(step)
         continue
-      except (UserError, FileNotFoundError):
-        if os.path.isdir(os.path.join(directory, str(step))):
-          raise
-        log(f'The checkpoint at step {step} was deleted before it could be evaluated (the trainer keeps '
-            'only the latest save_max_to_keep); skipping it.')
-        done.add(step)
-        continue
+      finally:
+        if claim is not None:
+          claim.release()
       done.add(step)
       for name, m in results.items():
         log(metrics_line(step, name, m))
@@ -383,6 +411,36 @@ def follow(resolved, job_dir: str, console, timeout: Optional[float] = None, pol
   finally:
     evaluator.close()
   return out
+
+
+
+def _next_step(job_dir: str, names, done: set, trainer: _Trainer, last_step: int, log):
+  """Process 0 of a follower: (claim, step to evaluate), or (None, STOP or WAIT)."""
+  from paxcli import checkpoint as ckpt
+  from paxcli import jobdir, restore
+  directory = restore.checkpoints_dir(job_dir)
+  gone = trainer.gone()  # before listing: a trainer that is gone has written its last checkpoint
+  done |= evaluated_steps(job_dir, names)  # also other followers' work
+  todo = [s for s in ckpt.complete_steps(directory) if s not in done]
+  for step in todo:
+    claim = jobdir.StepClaim(os.path.join(directory, str(step)))
+    if not claim.acquire():
+      continue  # another follower evaluates it
+    if step in evaluated_steps(job_dir, names):  # another follower finished it meanwhile
+      claim.release()
+      done.add(step)
+      continue
+    return claim, step
+  if todo:
+    return None, WAIT
+  evaluated = max(done, default=None)
+  if evaluated is not None and evaluated >= last_step:
+    return None, STOP
+  if gone:
+    log(f'Stopping: {trainer.why}, and no new checkpoint came; evaluated up to step '
+        f'{"none" if evaluated is None else evaluated} of the {last_step} this config trains to.')
+    return None, STOP
+  return None, WAIT
 
 
 def results_table(step: int, results: dict):

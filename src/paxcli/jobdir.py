@@ -9,10 +9,21 @@ if the file still names a process (it was killed before removing the file):
   - on another host, paxcli cannot tell, and refuses (on file systems where flock spans
     hosts, a live owner is refused by the flock itself); remove the file if that run is gone.
 `pax eval`, `pax decode` and `pax inspect-input` only read, and take no lock.
+
+Every path a command is given (the job directory, --output, prompt files, conversion source
+and output) is made absolute, symlinks resolved, once where the command starts: `absolute`.
+orbax refuses relative paths, and a path resolved once means the same thing in every process
+and after any later change of directory.
+
+Evaluation (`pax eval`, `--follow`, the trainer's eval) writes one row per step into each
+`*_metrics.jsonl`, in step order (`put_row`, an atomic rewrite under an flock on the job
+directory itself); `pax eval --follow` claims a step by an flock on the step's checkpoint
+directory while it evaluates it, so two followers never evaluate one step twice (`StepClaim`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import errno
 import json
@@ -24,6 +35,11 @@ from typing import Callable, Optional
 from paxcli.errors import UserError, shorten
 
 LOCK_NAME = 'train.lock'
+
+
+def absolute(path: str) -> str:
+  """`path` absolute, with symlinks resolved: what every command makes of each path it is given."""
+  return os.path.realpath(path)
 
 
 def check_writable(job_dir: str) -> None:
@@ -197,26 +213,28 @@ def lock_run(job_dir: str, log: Callable[[str], None]) -> Optional[JobLock]:
 def trim_jsonl(path: str, last_step: int) -> int:
   """Drops the rows of a `*_metrics.jsonl` file past `last_step` (steps a resume replays).
 
-  Rewrites the file atomically (a temp file, then rename); returns how many rows were dropped.
+  Rewrites the file atomically (a temp file, then rename), under the flock put_row takes;
+  returns how many rows were dropped.
   """
   if not os.path.isfile(path):
     return 0
-  kept, dropped = [], 0
-  with open(path, encoding='utf-8', errors='replace') as f:
-    for line in f:
-      try:
-        step = json.loads(line).get('step')
-      except (ValueError, AttributeError):
-        step = None
-      if isinstance(step, int) and step > last_step or not line.endswith('\n'):
-        dropped += 1  # a replayed step, or a row cut short by a kill
-      else:
-        kept.append(line)
-  if dropped:
-    tmp = f'{path}.tmp-{os.getpid()}'
-    with open(tmp, 'w', encoding='utf-8') as f:
-      f.writelines(kept)
-    os.replace(tmp, path)
+  with _flock(os.path.dirname(path)):
+    kept, dropped = [], 0
+    with open(path, encoding='utf-8', errors='replace') as f:
+      for line in f:
+        try:
+          step = json.loads(line).get('step')
+        except (ValueError, AttributeError):
+          step = None
+        if isinstance(step, int) and step > last_step or not line.endswith('\n'):
+          dropped += 1  # a replayed step, or a row cut short by a kill
+        else:
+          kept.append(line)
+    if dropped:
+      tmp = f'{path}.tmp-{os.getpid()}'
+      with open(tmp, 'w', encoding='utf-8') as f:
+        f.writelines(kept)
+      os.replace(tmp, path)
   return dropped
 
 
@@ -224,3 +242,128 @@ def trim_metrics(job_dir: str, last_step: int) -> int:
   """trim_jsonl on every `*_metrics.jsonl` of the job directory (train and eval)."""
   names = [n for n in os.listdir(job_dir) if n.endswith('_metrics.jsonl')] if os.path.isdir(job_dir) else []
   return sum(trim_jsonl(os.path.join(job_dir, n), last_step) for n in sorted(names))
+
+
+def read_owner(job_dir: str) -> Optional[dict]:
+  """The trainer named in `<job>/train.lock` ({} if the file is empty or unreadable), or None if there is none."""
+  try:
+    fd = os.open(os.path.join(job_dir, LOCK_NAME), os.O_RDONLY)
+  except FileNotFoundError:
+    return None
+  except OSError:
+    return {}
+  try:
+    return _read(fd)
+  finally:
+    os.close(fd)
+
+
+def trainer_state(owner: Optional[dict]) -> str:
+  """'absent' (no train.lock), 'dead' (it names a process of this host that is gone), else 'running'.
+
+  A lock of another host, or one being written, counts as running: paxcli cannot tell.
+  """
+  if owner is None:
+    return 'absent'
+  pid = owner.get('pid')
+  if owner.get('host') == socket.gethostname() and isinstance(pid, int):
+    return 'running' if pid_alive(pid, owner.get('start_time')) else 'dead'
+  return 'running'
+
+
+@contextlib.contextmanager
+def _flock(path: str, blocking: bool = True):
+  """An flock on an existing file or directory; yields False if `blocking` is off and another holds it.
+
+  A file system without flock (some network ones) yields True: the lock is then advisory only.
+  """
+  import fcntl
+  try:
+    fd = os.open(path, os.O_RDONLY)
+  except OSError:
+    yield True
+    return
+  try:
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+      got = True
+    except OSError as e:
+      if e.errno not in (errno.EAGAIN, errno.EACCES):
+        got = True  # no flock here
+      else:
+        got = False
+    yield got
+  finally:
+    os.close(fd)  # releases the flock
+
+
+class StepClaim:
+  """An flock on a checkpoint's step directory, held by the follower that evaluates that step.
+
+  Another follower is refused it and looks again later (by then the step is in eval_done.jsonl).
+  No file is written for it, and the kernel drops it when its holder dies.
+  """
+
+  def __init__(self, step_dir: str):
+    self.step_dir, self._fd = step_dir, None
+
+  def acquire(self) -> bool:
+    import fcntl
+    try:
+      fd = os.open(self.step_dir, os.O_RDONLY)
+    except OSError:
+      return True  # deleted meanwhile: the restore says so
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+      if e.errno in (errno.EAGAIN, errno.EACCES):
+        os.close(fd)
+        return False
+    self._fd = fd
+    return True
+
+  def release(self) -> None:
+    if self._fd is not None:
+      os.close(self._fd)
+      self._fd = None
+
+
+def put_row(path: str, record: dict) -> None:
+  """Writes `record` ({'step': N, ...}) as the one row of step N in the JSONL file `path`.
+
+  Rows stay one per step (a newer one replaces an older) and in step order; a row cut short by
+  a kill is dropped. The file is rewritten atomically (a temp file, then rename) under an flock
+  on its directory, so writers on one job directory (the trainer, `pax eval`, followers) never
+  lose each other's rows.
+  """
+  step = int(record['step'])
+  directory = os.path.dirname(path)
+  os.makedirs(directory, exist_ok=True)
+  with _flock(directory):
+    rows: dict[int, str] = {}
+    other: list[str] = []
+    if os.path.isfile(path):
+      with open(path, encoding='utf-8', errors='replace') as f:
+        for line in f:
+          if not line.endswith('\n'):
+            continue
+          try:
+            got = json.loads(line).get('step')
+          except (ValueError, AttributeError):
+            got = None
+          if isinstance(got, int):
+            rows[got] = line  # the later of two rows of one step wins
+          else:
+            other.append(line)
+    rows[step] = json.dumps(record) + '\n'
+    tmp = f'{path}.tmp-{os.getpid()}'
+    with open(tmp, 'w', encoding='utf-8') as f:
+      f.writelines(other + [rows[s] for s in sorted(rows)])
+    os.replace(tmp, path)
+
+
+def append_line(path: str, line: str) -> None:
+  """Appends one line to a file of the job directory, under the same flock as put_row."""
+  with _flock(os.path.dirname(path)):
+    with open(path, 'a', encoding='utf-8') as f:
+      f.write(line.rstrip('\n') + '\n')

@@ -75,25 +75,37 @@ def _path_name(path) -> str:
 
 def saved_metadata(job_dir: str, step: int):
   """The saved state's orbax metadata tree (shapes and dtypes, no arrays read)."""
-  import orbax.checkpoint as ocp
-  path = os.path.join(checkpoints_dir(job_dir), str(step), 'state')
   try:
-    with _no_missing_metadata_warning():
-      metadata = ocp.PyTreeCheckpointer().metadata(path)
+    return _saved_tree(job_dir, step)
   except (FileNotFoundError, ValueError, OSError) as e:
     raise UserError(f'The checkpoint at step {step} in {checkpoints_dir(job_dir)} cannot be read '
                     f'({type(e).__name__}: {str(e)[:200]}).') from None
+
+
+def _saved_tree(job_dir: str, step: int):
+  import orbax.checkpoint as ocp
+  path = os.path.join(checkpoints_dir(job_dir), str(step), 'state')
+  with _no_missing_metadata_warning():
+    metadata = ocp.PyTreeCheckpointer().metadata(path)
   return getattr(metadata, 'item_metadata', metadata)
 
 
 def read_meta(job_dir: str, step: int) -> dict:
-  import json
-  path = os.path.join(checkpoints_dir(job_dir), str(step), 'meta', 'metadata')
+  path = _meta_path(job_dir, step)
   try:
-    with open(path, encoding='utf-8') as f:
-      return json.load(f)
+    return _load_meta(path)
   except (OSError, ValueError) as e:
     raise UserError(f'The metadata of the checkpoint at step {step} ({path}) cannot be read: {e}') from None
+
+
+def _meta_path(job_dir: str, step: int) -> str:
+  return os.path.join(checkpoints_dir(job_dir), str(step), 'meta', 'metadata')
+
+
+def _load_meta(path: str) -> dict:
+  import json
+  with open(path, encoding='utf-8') as f:
+    return json.load(f)
 
 
 def check_shapes(meta: dict, shapes_now: dict, flat_now: dict, step: int, params_only: bool,
@@ -121,12 +133,93 @@ def check_shapes(meta: dict, shapes_now: dict, flat_now: dict, step: int, params
 
 
 class DamagedCheckpoint(UserError):
-  """A complete-looking checkpoint whose files cannot be read back as saved."""
+  """A complete-looking checkpoint whose files cannot be read back as saved (see damage_evidence)."""
   exit_code = 1
 
   def __init__(self, step: int, directory: str, reason: str):
     self.step, self.directory, self.reason = step, directory, reason
     super().__init__(f'The checkpoint at step {step} in {directory} is damaged: {reason}.')
+
+
+class CheckpointGone(UserError):
+  """The checkpoint was deleted while it was read (the trainer keeps only the latest save_max_to_keep)."""
+  exit_code = 1
+
+  def __init__(self, step: int, directory: str):
+    self.step, self.directory = step, directory
+    super().__init__(f'The checkpoint at step {step} in {directory} was deleted while it was being read '
+                     '(the trainer keeps only the latest task.train.save_max_to_keep).')
+
+
+class CheckpointReadError(UserError):
+  """A restore that failed for a reason other than damage: paxcli's bug, or a setting or the machine.
+
+  Nothing is moved or skipped for it: every checkpoint would fail the same way.
+  """
+  exit_code = 1
+
+  def __init__(self, step: int, directory: str, action: str, error: str):
+    self.step, self.directory = step, directory
+    super().__init__(f'Could not {action} the checkpoint at step {step} in {directory}: {error}. Its files show no '
+                     'damage, so it was left in place and no other checkpoint was tried: this is a problem of the '
+                     'environment or settings (permissions, memory, paths), or a bug in paxcli; please report it '
+                     'with this line if it is not yours.')
+
+
+# tensorstore reports errors as ValueError('CODE: message'). Which codes are evidence that a file
+# of the checkpoint is missing, cut short or garbled (what truncating, deleting or overwriting a
+# file of a real checkpoint gives), and which need their message to say so too.
+_DAMAGE_CODES = ('NOT_FOUND', 'DATA_LOSS', 'OUT_OF_RANGE')
+_DAMAGE_WORDS = ('truncat', 'decompress', 'decod', 'corrupt', 'checksum', 'unexpected end', 'no such file',
+                 'input/output error')
+
+
+def damage_evidence(error: BaseException) -> Optional[str]:
+  """A short reason if `error` (or what caused it) shows a damaged file, else None.
+
+  Evidence: a missing file or directory (FileNotFoundError, tensorstore NOT_FOUND), a file cut
+  short (OUT_OF_RANGE, a truncated stream), garbled bytes (DATA_LOSS, a failed decompression),
+  undecodable metadata (JSON or UTF-8 errors), an I/O error of the disk. Anything else (a
+  relative path, permission denied, out of memory, a programming error) is not damage.
+  """
+  import errno
+  import json
+  import re
+  seen = set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    text = _first_line(error)
+    if isinstance(error, (FileNotFoundError, NotADirectoryError, IsADirectoryError, EOFError,
+                          json.JSONDecodeError, UnicodeDecodeError)):
+      return f'{type(error).__name__}: {text}'
+    if isinstance(error, OSError) and error.errno == errno.EIO:
+      return f'{type(error).__name__}: {text}'
+    if type(error).__module__.split('.')[0] == 'msgpack':
+      return f'undecodable metadata ({type(error).__name__}: {text})'
+    match = re.match(r'([A-Z_]+): ', str(error).strip())
+    if match and (match.group(1) in _DAMAGE_CODES or
+                  match.group(1) in ('FAILED_PRECONDITION', 'INVALID_ARGUMENT', 'UNKNOWN') and
+                  any(w in str(error).lower() for w in _DAMAGE_WORDS)):
+      return text
+    error = error.__cause__ or error.__context__
+  return None
+
+
+def _gone(directory: str, step: int) -> bool:
+  """True once checkpoint `step` is no longer a complete step of `directory` (deleted, or being deleted)."""
+  from paxcli import checkpoint as ckpt
+  return not os.path.isdir(os.path.join(directory, str(step))) or step not in ckpt.complete_steps(directory)
+
+
+def _failure(error: BaseException, step: int, directory: str, what: str, action: str) -> UserError:
+  """What reading `what` of checkpoint `step` raising `error` means: deleted, damaged, or neither."""
+  if _gone(directory, step):
+    return CheckpointGone(step, directory)
+  reason = damage_evidence(error)
+  if reason:
+    return DamagedCheckpoint(step, directory, f'{what} cannot be read ({reason})')
+  return CheckpointReadError(step, directory, action, f'reading {what} failed ({type(error).__name__}: '
+                             f'{_first_line(error)})')
 
 
 def restore(setup, job_dir: str, step: int, params_only: bool = False, flat_now: Optional[dict] = None,
@@ -138,27 +231,41 @@ def restore(setup, job_dir: str, step: int, params_only: bool = False, flat_now:
   the full train state; from a params-only checkpoint the optimizer state is initialised
   fresh (fine-tuning) and `params_only_checkpoint` says so.
 
-  A damaged checkpoint (unreadable metadata or arrays, an array that differs from the
-  checksum saved with it) raises DamagedCheckpoint naming it. With fallback=True the
-  next older complete checkpoints are tried instead, with a loud line for each damaged
-  one; set_aside=True (train) also moves each damaged one to `checkpoints_damaged/`
-  (never deleted), so that the run goes on from the newest intact one.
+  A damaged checkpoint (evidence in its files: one missing or cut short, undecodable
+  metadata, an array that differs from the checksum saved with it; see damage_evidence)
+  raises DamagedCheckpoint naming it; one deleted while it was read raises CheckpointGone.
+  With fallback=True the next older complete checkpoints are tried instead, with a loud
+  line for each; set_aside=True (train) also moves each damaged one to
+  `checkpoints_damaged/` (never deleted), once an older one has restored, so that the run
+  goes on from the newest intact one. Any other failure raises CheckpointReadError at once:
+  it is not the checkpoint's fault, and nothing is moved or skipped.
   """
   from paxcli import checkpoint as ckpt
   older = [s for s in ckpt.complete_steps(checkpoints_dir(job_dir)) if s < step]
+  damaged = []
   while True:
     try:
-      return _restore_step(setup, job_dir, step, params_only, flat_now, action)
+      restored = _restore_step(setup, job_dir, step, params_only, flat_now, action)
+      break
+    except CheckpointGone as e:
+      if not fallback or not older:
+        raise
+      log(f'Note: {e} Falling back to the checkpoint at step {older[-1]}.')
     except DamagedCheckpoint as e:
       if not fallback:
         raise
       if not older:  # nothing to fall back to: leave it in place for the user to look at
         raise DamagedCheckpoint(e.step, e.directory, f'{e.reason}; no older complete checkpoint to fall '
                                 'back to. Move it aside to start afresh, or restore it from a copy') from None
-      moved = _set_aside_damaged(job_dir, step, log) if set_aside else None
-      where = f'moved it to {moved}' if moved else 'left it in place'
+      where = 'moving it to checkpoints_damaged/ once that one restores' if set_aside else 'left it in place'
       log(f'WARNING: {e} Falling back to the checkpoint at step {older[-1]}; {where}.')
-      step = older.pop()
+      damaged.append(step)
+    step = older.pop()
+  for bad in damaged if set_aside else ():
+    moved = _set_aside_damaged(job_dir, bad, log)
+    if moved:
+      log(f'Moved the damaged checkpoint at step {bad} to {moved}.')
+  return restored
 
 
 def _set_aside_damaged(job_dir: str, step: int, log) -> Optional[str]:
@@ -181,14 +288,24 @@ def _set_aside_damaged(job_dir: str, step: int, log) -> Optional[str]:
   return target
 
 
-def _agree(ok: bool) -> bool:
-  """True when every process says ok (a collective with several processes)."""
+_KINDS = (type(None), DamagedCheckpoint, CheckpointGone, CheckpointReadError)  # worse to the right
+
+
+def _agree(error: Optional[UserError], step: int, directory: str, action: str) -> None:
+  """Raises the worst failure of any process (a collective with several processes), so all go on or stop together."""
   import jax
-  if jax.process_count() == 1:
-    return ok
-  import numpy as np
-  from jax.experimental import multihost_utils
-  return bool(np.asarray(multihost_utils.process_allgather(np.array([int(ok)], np.int32))).min() > 0)
+  kind = _KINDS.index(type(error))
+  if jax.process_count() > 1:
+    import numpy as np
+    from jax.experimental import multihost_utils
+    kind = int(np.asarray(multihost_utils.process_allgather(np.array([kind], np.int32))).max())
+  if kind == 0:
+    return
+  if isinstance(error, _KINDS[kind]):
+    raise error
+  other = 'another process could not read its part of the arrays'
+  raise (DamagedCheckpoint(step, directory, other) if kind == 1 else CheckpointGone(step, directory) if kind == 2
+         else CheckpointReadError(step, directory, action, other))
 
 
 def _restore_step(setup, job_dir: str, step: int, params_only: bool, flat_now: Optional[dict],
@@ -200,17 +317,19 @@ def _restore_step(setup, job_dir: str, step: int, params_only: bool, flat_now: O
   directory = checkpoints_dir(job_dir)
   damaged = lambda reason: DamagedCheckpoint(step, directory, reason)
   if not os.path.isfile(os.path.join(directory, str(step), 'state', '_METADATA')):
+    if _gone(directory, step):
+      raise CheckpointGone(step, directory)
     raise damaged("state/_METADATA (orbax's description of the arrays) is missing")
   try:
-    meta = read_meta(job_dir, step)
-    if not isinstance(meta, dict):
-      raise UserError('not a JSON object')
-  except UserError as e:
-    raise damaged(f'its metadata (meta/metadata) cannot be read: {str(e)[-200:]}') from None
+    meta = _load_meta(_meta_path(job_dir, step))
+  except Exception as e:
+    raise _failure(e, step, directory, 'its metadata (meta/metadata)', action) from None
+  if not isinstance(meta, dict):
+    raise damaged('its metadata (meta/metadata) is not a JSON object')
   try:
-    saved_tree = saved_metadata(job_dir, step)
-  except UserError as e:
-    raise damaged(str(e)) from None
+    saved_tree = _saved_tree(job_dir, step)
+  except Exception as e:
+    raise _failure(e, step, directory, "orbax's description of its arrays", action) from None
   keys = set(saved_tree.keys()) if saved_tree is not None else set()
   has_opt = 'opt_state' in keys
   check_shapes(meta, engine.shape_signature(setup.abstract_state), flat_now or {}, step,
@@ -219,15 +338,14 @@ def _restore_step(setup, job_dir: str, step: int, params_only: bool, flat_now: O
   restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding, global_shape=a.shape,
                                                              dtype=a.dtype), wanted)
   path = os.path.join(directory, str(step), 'state')
-  state, error = None, ''
+  state, error = None, None
   try:
     with _no_missing_metadata_warning():
       state = ocp.PyTreeCheckpointer().restore(path, args=ocp.args.PyTreeRestore(
           item=wanted, restore_args=restore_args, partial_restore=set(wanted) != keys))
-  except Exception as e:  # the shapes matched above: what fails now is the files
-    error = f'its arrays cannot be read ({type(e).__name__}: {_first_line(e)})'
-  if not _agree(not error):  # every process falls back together, or none does
-    raise damaged(error or 'another process could not read its part of the arrays')
+  except Exception as e:
+    error = _failure(e, step, directory, 'its arrays', action)
+  _agree(error, step, directory, action)  # every process goes on, falls back or stops together
   state = dict(state)
   saved_sums = meta.get('checksums')
   if saved_sums:

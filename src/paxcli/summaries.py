@@ -39,22 +39,30 @@ class _EventFile:
 
 
 class SummaryWriter:
-  """Scalars to `<job>/summaries/<name>` event files and, optionally, a JSON-lines file."""
+  """Scalars to `<job>/summaries/<name>` event files and, optionally, a JSON-lines file.
 
-  def __init__(self, logdir: str, jsonl_path: str | None = None):
+  one_row_per_step: the JSON-lines file keeps one row per step, in step order (eval metrics,
+  which several commands may write for one step); else rows are appended (train metrics).
+  """
+
+  def __init__(self, logdir: str, jsonl_path: str | None = None, one_row_per_step: bool = False):
     os.makedirs(logdir, exist_ok=True)
     self._writer = _EventFile(logdir)
-    self._jsonl = open(jsonl_path, 'a', encoding='utf-8') if jsonl_path else None
+    self._rows_path = jsonl_path if one_row_per_step else None
+    self._jsonl = open(jsonl_path, 'a', encoding='utf-8') if jsonl_path and not one_row_per_step else None
 
   def scalars(self, step: int, values: Mapping[str, float]) -> None:
     from tensorboard.compat.proto import event_pb2, summary_pb2
     summary = summary_pb2.Summary(value=[
         summary_pb2.Summary.Value(tag=tag, simple_value=float(v)) for tag, v in values.items()])
     self._writer.add_event(event_pb2.Event(wall_time=time.time(), step=int(step), summary=summary))
+    record = {'step': int(step), **{k: _jsonable(v) for k, v in values.items()}}
     if self._jsonl:
-      record = {'step': int(step), **{k: _jsonable(v) for k, v in values.items()}}
       self._jsonl.write(json.dumps(record) + '\n')
       self._jsonl.flush()
+    elif self._rows_path:
+      from paxcli import jobdir
+      jobdir.put_row(self._rows_path, record)
     self._writer.flush()
 
   def text(self, step: int, tag: str, text: str) -> None:

@@ -45,6 +45,7 @@ def mfu(
     pax bench mfu --exp E --sweep PERCORE_BATCH_SIZE=4,8,16 --sweep CHECKPOINT_POLICY=none,save_dot_only --plot mfu.png
     pax bench mfu --exp lm_cloud.LmCloudSpmd2B --compile-only --num-devices 64 --set "ICI_MESH_SHAPE=[1,64,1]"
   """
+  plot, pgle_profile = common.path_arg(plot, '--plot'), common.path_arg(pgle_profile, '--pgle-profile')
   if device_memory is not None:
     from paxcli.convert.safetensors_io import parse_size
     device_memory = parse_size(device_memory, '--device-memory')

@@ -30,7 +30,7 @@ def inspect_command(
   """Metadata of a checkpoint (no array is read): arrays with shape, dtype, bytes, sharding; totals; config."""
   from paxcli.convert import run
   _quiet_absl()
-  info = run.inspect(path, fmt, step)
+  info = run.inspect(common.path_arg(path, 'PATH'), fmt, step)
   if json_out:
     typer.echo(json.dumps(info, indent=1))
     return
@@ -92,6 +92,8 @@ def convert_command(
     from paxcli.errors import UserError
     raise UserError(f'--kl-tolerance must be a positive finite number (a KL in nats), got {kl_tolerance}.')
   max_shard_bytes = safetensors_io.parse_size(max_shard_size)  # before any work
+  source, output = common.path_arg(source, 'SOURCE'), common.path_arg(output, 'OUTPUT')
+  recipe = common.path_arg(recipe, '--recipe')
   console = common.console(stderr=True)
   _quiet_absl()
   result = run.convert(source, output, fmt=fmt, to=to, exp=exp, overrides=overrides, params_only=params_only,

@@ -220,6 +220,25 @@ def default_job_dir(exp_name: str) -> str:
   return os.path.join('runs', exp_name.replace(':', '_').replace('/', '_'))
 
 
+def job_dir(job_log_dir: Optional[str], resolved) -> str:
+  """The command's job directory (--job-log-dir, else ./runs/<experiment>): absolute, symlinks resolved.
+
+  Every command that takes a job directory gets it here, once, before any work: orbax refuses
+  relative paths, and the rest of paxcli joins names onto this one.
+  """
+  return path_arg(job_log_dir or default_job_dir(resolved.experiment.registered_name()), '--job-log-dir')
+
+
+def path_arg(path: Optional[str], option: str) -> Optional[str]:
+  """A path the user gave (None stays None), made absolute with symlinks resolved; '' is refused."""
+  if path is None:
+    return None
+  if not path:
+    raise UserError(f'{option} is empty; give a path.')
+  from paxcli import jobdir
+  return jobdir.absolute(path)
+
+
 def resolve_name(exp: Optional[str]) -> str:
   from paxcli.experiment import DEFAULT_EXPERIMENT
   return exp or DEFAULT_EXPERIMENT

@@ -78,9 +78,10 @@ def decode_command(
     raise UserError(f'--dtype must be one of float32, bfloat16, float16; got {dtype!r}.')
   if not (prompt or prompts_file or prompt_ids or dataset):
     raise UserError('No prompts: give --prompt TEXT, --prompts-file FILE, --prompt-ids 1,2,3 or --dataset NAME.')
+  prompts_file, output = common.path_arg(prompts_file, '--prompts-file'), common.path_arg(output, '--output')
   common.start_processes(coordinator, num_processes, process_id)  # before anything starts JAX
   resolved = common.resolve(exp, overrides)  # prints warnings (a knob the experiment overrides)
-  job_dir = job_log_dir or common.default_job_dir(resolved.experiment.registered_name())
+  job_dir = common.job_dir(job_log_dir, resolved)
   from paxcli import decode
   decode.decode_command(resolved, job_dir, opts, texts=prompt, prompts_file=prompts_file, prompt_ids=prompt_ids,
                         dataset=dataset, num_prompts=num_prompts, step=step, use_checkpoint=not no_checkpoint,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from typing import List, Optional
 
 import typer
@@ -19,10 +20,13 @@ def eval_command(
     follow: bool = typer.Option(
         False, '--follow', help='Beside a running trainer: wait for new checkpoints in the job directory and '
         'evaluate each once (steps already evaluated, listed in eval_done.jsonl, are skipped, also after a '
-        "restart); stop after the trainer's last step."),
+        'restart; several followers share the work). Stops after the last step of this config '
+        '(num_train_steps, with --set), or once no trainer runs on the job (train.lock) and no new checkpoint '
+        'came.'),
     timeout: Optional[float] = typer.Option(
         None, '--timeout', metavar='SECONDS', min=0.0,
-        help="With --follow: stop after this long even if the trainer's last step has not come. Default: wait."),
+        help="With --follow: stop after this long even if the last step has not come. Default: stop once no "
+        'trainer runs on the job (none has come for 120 s, or it finished or died) and no new checkpoint came.'),
     poll: float = typer.Option(10.0, '--poll', metavar='SECONDS', min=0.01,
                                help='With --follow: seconds between looks for new checkpoints.'),
     no_checkpoint: bool = typer.Option(False, '--no-checkpoint', help='Evaluate freshly initialised weights.'),
@@ -48,15 +52,20 @@ def eval_command(
   from paxcli.evaluate import evaluate, follow as follow_run, results_table
   common.start_processes(coordinator, num_processes, process_id)  # before anything starts JAX
   resolved = common.resolve(exp, overrides)
-  job_dir = job_log_dir or common.default_job_dir(resolved.experiment.registered_name())
+  job_dir = common.job_dir(job_log_dir, resolved)
   import jax
   main = jax.process_index() == 0
-  if main and not no_checkpoint:
-    invocation.record(job_dir)
+  record = (lambda: invocation.record(job_dir)) if main and not no_checkpoint else None
+  if record and os.path.isdir(job_dir):  # never made here: a follower records at its first evaluation
+    record()
+    record = None
+  if not (follow or no_checkpoint):  # a mistyped job directory is refused before any work
+    from paxcli import restore
+    restore.choose_step(job_dir, step=step, purpose='evaluate')
   if follow:
     emit = (lambda r: typer.echo(json.dumps(r))) if json_out and main else None
     out = follow_run(resolved, job_dir, common.console(stderr=json_out), timeout=timeout, poll_seconds=poll,
-                     on_result=emit)
+                     on_result=emit, on_first=record)
     if main and not json_out:
       common.console().print(f'Evaluated {len(out)} checkpoint(s): steps {", ".join(str(r["step"]) for r in out) or "none"}.',
                              highlight=False)

@@ -30,10 +30,11 @@ def train(
   from paxcli import profiling
   from paxcli.train import train as run_train
   steps = profiling.parse_steps(profile_steps)
+  pgle_profile = common.path_arg(pgle_profile, '--pgle-profile')
   # Before anything else touches JAX: experiments may ask jax for device counts.
   common.start_processes(coordinator, num_processes, process_id)
   resolved = common.resolve(exp, overrides)
-  job_dir = job_log_dir or common.default_job_dir(resolved.experiment.registered_name())
+  job_dir = common.job_dir(job_log_dir, resolved)
   run_train(resolved, job_dir, common.console(), verbose=verbose, profile_steps=steps, pgle=pgle,
             pgle_profile=pgle_profile)
 
