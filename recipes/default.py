@@ -1,9 +1,11 @@
-"""The built-in default: a small LM on the docstrings of Python's standard library.
+"""The built-in default: a small Llama-shaped LM on the docstrings of Python's standard library.
 
 Run it with `pax train` (or `make train` on a fresh machine). It needs no download: the
 text is read from the standard-library sources of the Python running paxcli, and a
 2048-piece sentencepiece model is trained on it at first use (a few seconds, cached
-under ~/.cache/paxcli). On 2 CPU cores it runs at 1-2 steps/s (the first summary
+under ~/.cache/paxcli). The model has Llama's shape (RMSNorm, rotary positions, a gated
+SiLU MLP, no biases), so `pax checkpoint convert ... --to hf` exports it for transformers.
+On 2 CPU cores it runs at 1-2 steps/s (the first summary
 window is slower: it includes compilation); the loss falls from about 7.6 (ln 2048)
 to about 5.9 by step 50 and about 4.9 at step 200, in about 2-3 minutes (as the README
 says); on a GPU it takes seconds. It keeps the latest 3 checkpoints (every 50 steps) and the one of lowest loss.
@@ -17,16 +19,23 @@ from paxcli.lm import LmExperiment
 
 @register
 class StdlibDocsLm(LmExperiment):
-  """A 4-layer, 256-wide LM on stdlib docstrings (no download); loss falls within ~3 min on CPU."""
+  """A 4-layer, 256-wide Llama-shaped LM on stdlib docstrings (no download); ~3 min on CPU.
+
+  The gated SiLU MLP's hidden width (704) keeps the parameter count of the earlier 1024-wide
+  GELU MLP (3.74M against 3.67M); measured on the same 200 steps, the training loss at step 200
+  is 4.865 (GELU: 4.906) and the eval loss 4.942 (GELU: 4.978).
+  """
 
   NUM_LAYERS = 4
   MODEL_DIMS = 256
-  HIDDEN_DIMS = 1024
+  HIDDEN_DIMS = 704
   NUM_HEADS = 4
   VOCAB_SIZE = 2048
   MAX_SEQ_LEN = 128
   POSITION_EMBEDDING = 'rotary'
   NORM_TYPE = 'rmsnorm'
+  ACTIVATION = 'silu'
+  USE_GATED_ACTIVATION = True
   USE_BIAS = False
   PERCORE_BATCH_SIZE = 16
   CHECKPOINT_POLICY = 'none'

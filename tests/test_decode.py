@@ -177,16 +177,23 @@ CLI = ['decode', '--exp', 'paxcli.lm.LmExperiment'] + [a for s in TINY for a in 
 def test_cli_writes_jsonl_and_prints_json(tmp_path, capsys):
   prompts = tmp_path / 'p.jsonl'
   prompts.write_text('{"prompt_ids": [1, 2, 3]}\n\n{"prompt_ids": [7]}\n')
+  out_dir = tmp_path / 'job' / 'decoder_out' / 'prompts'
+  out_dir.mkdir(parents=True)
+  (out_dir / 'decode_step0.jsonl').write_text('the trainer\'s\n')      # never replaced by pax decode
+  (out_dir / 'pax_decode_step0_1.jsonl').write_text('an earlier run\n')
   code, out, err = pax_main(CLI + ['--no-checkpoint', '--job-log-dir', str(tmp_path / 'job'), '--prompts-file',
-                                   str(prompts), '--prompt-ids', '4,5', '--max-decode-steps', '5', '--json'], capsys)
+                                   str(prompts), '--prompt-ids', '4,5', '--prompt-ids', '6', '--max-decode-steps',
+                                   '5', '--json'], capsys)
   assert code == 0, err
   lines = [json.loads(x) for x in out.splitlines()]
-  assert [r['prompt_ids'] for r in lines] == [[1, 2, 3], [7], [4, 5]]
+  assert [r['prompt_ids'] for r in lines] == [[1, 2, 3], [7], [4, 5], [6]]  # --prompt-ids repeats
   fields = {'prompt', 'prompt_ids', 'decoded', 'decoded_ids', 'logprob', 'token_logprobs', 'num_decoded_tokens',
             'stop_reason', 'sample_index'}
   assert all(fields <= set(r) and r['num_decoded_tokens'] == 5 for r in lines)
-  path = tmp_path / 'job' / 'decoder_out' / 'prompts' / 'decode_step0.jsonl'
+  path = out_dir / 'pax_decode_step0_2.jsonl'
   assert [json.loads(x) for x in path.read_text().splitlines()] == lines
+  assert (out_dir / 'decode_step0.jsonl').read_text() == 'the trainer\'s\n'
+  assert (out_dir / 'pax_decode_step0_1.jsonl').read_text() == 'an earlier run\n'
 
 
 def test_one_device_gives_the_tokens_of_eight(tmp_path):
@@ -208,7 +215,7 @@ def test_one_device_gives_the_tokens_of_eight(tmp_path):
     (['--no-checkpoint', '--prompt-ids', '1', '--top-p', '0'], '--top-p must be in (0, 1]'),
     (['--no-checkpoint', '--prompt-ids', '1', '--top-p', '1.5'], '--top-p must be in (0, 1]'),
     (['--no-checkpoint', '--prompt-ids', '1', '--top-k', '-1'], '--top-k must be at least 0'),
-    (['--no-checkpoint', '--prompt-ids', '1', '--temperature', '-1'], '--temperature must be at least 0'),
+    (['--no-checkpoint', '--prompt-ids', '1', '--temperature', '-1'], '--temperature must be a finite number at least 0'),
     (['--no-checkpoint', '--prompt-ids', '1', '--beam-size', '2', '--top-k', '3'], 'cannot be combined'),
     (['--no-checkpoint', '--prompt-ids', '1', '--beam-size', '2', '--num-samples', '2'], 'cannot be combined'),
     (['--no-checkpoint'], 'No prompts'),
@@ -276,6 +283,6 @@ def test_dataset_rows_are_prompts(tmp_path, capsys):
   assert code == 0, err
   lines = [json.loads(x) for x in out.splitlines()]
   assert len(lines) == 3 and all(len(r['prompt_ids']) == 30 and r['num_decoded_tokens'] == 2 for r in lines)
-  assert (tmp_path / 'job' / 'decoder_out' / 'eval' / 'decode_step0.jsonl').exists()
+  assert (tmp_path / 'job' / 'decoder_out' / 'eval' / 'pax_decode_step0_1.jsonl').exists()
   code, out, err = pax_main(CLI + ['--no-checkpoint', '--dataset', 'evl'], capsys)
   assert code != 0 and "Did you mean 'eval'" in err

@@ -77,7 +77,10 @@ def measure(resolved, steps: int = 10, warmup: int = 2, compile_only: bool = Fal
   model_flops = flops.for_model(setup.model, setup.seq_len)
   if model_flops is None:
     raise UserError(f'{resolved.name}: paxcli.flops has no FLOPs model for this model, so MFU is unknown.')
-  peak = flops.device_peak(devices[0], flops.compute_dtype(setup.model), peak_tflops)
+  if compile_only and not peak_tflops and not flops.lookup_peak(devices[0].device_kind):
+    peak = flops.Peak(None, 'not measured (--compile-only)')  # no step runs: no MFU to divide
+  else:
+    peak = flops.device_peak(devices[0], flops.compute_dtype(setup.model), peak_tflops)
   device_bytes, device_bytes_source = ((device_memory, '--device-memory') if device_memory
                                        else flops.device_memory_bytes(devices[0]))
   row = {
@@ -182,7 +185,6 @@ def run_all(exp: Optional[str], overrides: list[str], sweeps: list[str], *, step
   rows = []
   combos = sweep_combinations(sweeps)
   first = config.resolve(exp, list(overrides) + [f'{k}={v}' for k, v in combos[0]])
-  engine.check_supported(first.experiment)
   engine.apply_platform_env(first.experiment.PLATFORM_ENV, log=log)  # before jax starts a backend
   from paxcli import profiling
   profiling.check_pgle(pgle, pgle_profile)
@@ -194,9 +196,10 @@ def run_all(exp: Optional[str], overrides: list[str], sweeps: list[str], *, step
     jax.config.update('jax_enable_pgle', False)  # the rows without PGLE must be without it
     pgle_profile = os.path.join(tempfile.mkdtemp(prefix='paxcli-pgle-'), 'profile.pb')
   pgle_variants = [None, pgle_profile] if pgle_profile else [None]
-  for combo in combos:
+  resolved_all = [check_combination(exp, overrides, combo, compile_only, log if i == 0 else (lambda m: None))
+                  for i, combo in enumerate(combos)]  # the first's warnings stand for all
+  for combo, resolved in zip(combos, resolved_all):
     sets = [f'{k}={v}' for k, v in combo]
-    resolved = config.resolve(exp, list(overrides) + sets)
     for pgle in pgle_variants:
       label = ', '.join(sets) + (' [PGLE]' if pgle else '') or resolved.name
       total = 1 if compile_only else warmup + steps
@@ -210,6 +213,36 @@ def run_all(exp: Optional[str], overrides: list[str], sweeps: list[str], *, step
       if progress:
         progress.update(task, completed=total)
   return rows
+
+
+def check_combination(exp: Optional[str], overrides: list[str], combo: list, compile_only: bool, log):
+  """The resolved config of one sweep combination, or a UserError naming it: every combination is
+  checked (knobs, allowed values, model settings, mesh, batch) before the first row runs."""
+  import jax
+
+  from paxcli import config, engine, sharding
+  sets = [f'{k}={v}' for k, v in combo]
+  where = f' (--sweep combination {", ".join(sets)})' if sets else ''
+  try:
+    resolved = config.resolve(exp, list(overrides) + sets)
+    exp_obj = resolved.experiment
+    unsupported = getattr(exp_obj, 'UNSUPPORTED_FEATURES', None) or {}
+    if unsupported and compile_only:
+      # A compile trains nothing: say what differs from the original, and compile paxcli's model.
+      log('WARNING: ' + f'{type(exp_obj).__name__} needs features paxcli cannot honour ('
+          + '; '.join(f'{k}: {v}' for k, v in unsupported.items())
+          + '); compiling paxcli\'s closest model, whose memory and FLOPs differ from the original\'s.')
+    else:
+      engine.check_supported(exp_obj)
+    task = engine.build_task(resolved.task)
+    engine.validate_model(task.model)
+    engine.validate_train(task.train)
+    num_devices = len(jax.devices())
+    sharding.mesh_shape(exp_obj.ICI_MESH_SHAPE, exp_obj.DCN_MESH_SHAPE, num_devices)
+    engine.global_batch_size(exp_obj.PERCORE_BATCH_SIZE, num_devices)
+  except UserError as e:
+    raise UserError(f'{e}{where}') from None
+  return resolved
 
 
 def _exists(path: str) -> bool:
@@ -307,34 +340,108 @@ def _caption(rows: list[dict], compile_only: bool) -> str:
   return '\n'.join(lines)
 
 
+def _number(text) -> Optional[float]:
+  try:
+    value = float(text)
+  except (TypeError, ValueError):
+    return None
+  return value if math.isfinite(value) else None
+
+
+def _wrap(label: str, width: int = 16) -> str:
+  """A tick label on lines of about `width` characters, broken after '_' or ',' (never inside a word)."""
+  import re
+  lines, current = [], ''
+  for part in re.findall(r'[^_,]*[_,]?', label):
+    if current and len(current) + len(part) > width:
+      lines.append(current)
+      current = ''
+    current += part
+  return '\n'.join(lines + [current] if current else lines)
+
+
+def plot_axes(rows: list[dict]) -> tuple[Optional[str], list[str]]:
+  """(the knob on the x axis, the other swept knobs): the first knob whose values are all numbers
+  (else the first knob, as categories); each combination of the others is one line."""
+  keys = list(dict.fromkeys(k for r in rows for k in r.get('sweep', {})))
+  if not keys:
+    return None, []
+  numeric = [k for k in keys if all(_number(r['sweep'].get(k)) is not None for r in rows)]
+  x_key = numeric[0] if numeric else keys[0]
+  return x_key, [k for k in keys if k != x_key]
+
+
 def plot(rows: list[dict], path: str) -> None:
-  """MFU and tokens/s against the swept knob(s) (matplotlib, no display needed)."""
+  """MFU and tokens/s (or, compile-only, memory per device) against the swept knob, one line per
+  combination of the other knobs, in stacked panels (matplotlib, no display needed)."""
+  import textwrap
   try:
     import matplotlib
   except ImportError:
     raise UserError('--plot needs matplotlib: pip install matplotlib') from None
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
-  keys = list(dict.fromkeys(k for r in rows for k in r.get('sweep', {})))
-  labels = [', '.join(f'{k}={r["sweep"][k]}' for k in keys) if keys else r['experiment'] for r in rows]
-  if len(keys) == 1:
-    labels = [str(r['sweep'][keys[0]]) for r in rows]
-  x = list(range(len(rows)))
-  mfu = [100 * r['mfu'] if r.get('mfu') is not None else float('nan') for r in rows]
-  tps = [r.get('tokens_per_sec', float('nan')) for r in rows]
-  fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(rows)), 4))
-  ax.plot(x, mfu, 'o-', color='tab:blue', label='MFU %')
-  ax.set_ylabel('MFU %', color='tab:blue')
-  ax2 = ax.twinx()
-  ax2.plot(x, tps, 's--', color='tab:orange', label='tokens/s')
-  ax2.set_ylabel('tokens/s', color='tab:orange')
-  for i, r in enumerate(rows):
-    if r['status'] not in ('ok',):
-      ax.annotate(r['status'], (i, 0), rotation=90, fontsize=8, va='bottom')
-  ax.set_xticks(x)
-  ax.set_xticklabels(labels, rotation=30 if len(keys) > 1 else 0, ha='right' if len(keys) > 1 else 'center')
-  ax.set_xlabel(' x '.join(keys) if keys else 'configuration')
-  ax.set_title(f"{rows[0]['experiment']} on {rows[0]['devices']} x {rows[0]['device_kind']}")
+  x_key, others = plot_axes(rows)
+  numeric_x = x_key is not None and all(_number(r['sweep'].get(x_key)) is not None for r in rows)
+  if x_key is None:
+    categories = [r['experiment'] for r in rows]
+  else:
+    categories = list(dict.fromkeys(str(r['sweep'].get(x_key)) for r in rows))
+
+  def x_of(r):
+    if numeric_x:
+      return _number(r['sweep'][x_key])
+    return categories.index(str(r['sweep'].get(x_key)) if x_key else r['experiment'])
+
+  timed = any(r.get('mfu') is not None for r in rows)
+  panels = ([('MFU (%)', lambda r: 100 * r['mfu'] if r.get('mfu') is not None else None),
+             ('tokens/s', lambda r: r.get('tokens_per_sec'))] if timed else
+            [('memory per device (GiB)', lambda r: r['memory_total_bytes'] / GIB
+              if r.get('memory_total_bytes') is not None else None)])
+  groups: dict[str, list[dict]] = {}
+  for r in rows:
+    label = (str(r['sweep'].get(others[0])) if len(others) == 1 else  # the legend's title names the knob
+             ', '.join(f'{k}={r["sweep"].get(k)}' for k in others) or None)
+    groups.setdefault(label, []).append(r)
+  fig, axes = plt.subplots(len(panels), 1, sharex=True, figsize=(7, 2.6 * len(panels) + 0.8), squeeze=False)
+  for ax, (name, value) in zip(axes[:, 0], panels):
+    for label, members in groups.items():
+      members = sorted(members, key=x_of)
+      points = [(x_of(r), value(r)) for r in members if value(r) is not None]
+      style = 'o-' if numeric_x else 'o'  # categories are not joined by lines
+      if points:
+        ax.plot([p[0] for p in points], [p[1] for p in points], style, label=label)
+      for r in members:
+        if value(r) is None and r['status'] not in ('ok', 'compiled'):
+          ax.plot([x_of(r)], [0], 'x', color='tab:red')
+          ax.annotate(r['status'], (x_of(r), 0), textcoords='offset points', xytext=(4, 4), fontsize=8,
+                      color='tab:red')
+    ax.set_ylabel(name)
+    ax.set_ylim(bottom=0)
+    ax.grid(True, alpha=0.3)
+  if len(groups) > 1:
+    axes[0, 0].legend(fontsize=8, title=', '.join(others), title_fontsize=8, loc='best')
+  bottom = axes[-1, 0]
+  if numeric_x:
+    xs = sorted({x_of(r) for r in rows})
+    bottom.set_xticks(xs)
+    bottom.set_xticklabels([f'{x:g}' for x in xs])
+    if len(xs) > 2 and xs[0] > 0 and xs[-1] / xs[0] >= 16:
+      bottom.set_xscale('log', base=2)
+      bottom.set_xticks(xs)
+      bottom.set_xticklabels([f'{x:g}' for x in xs])
+      bottom.minorticks_off()
+  else:
+    bottom.set_xticks(range(len(categories)))
+    bottom.set_xticklabels([_wrap(c) for c in categories], fontsize=8)
+    bottom.set_xlim(-0.5, len(categories) - 0.5)
+  bottom.set_xlabel(x_key or 'experiment')
+  r0 = rows[0]
+  fig.suptitle(textwrap.fill(f"{r0['experiment']} on {r0['devices']} x {r0['device_kind']}", 70), fontsize=10)
   fig.tight_layout()
-  fig.savefig(path, dpi=100)
-  plt.close(fig)
+  try:
+    fig.savefig(path, dpi=100)
+  except OSError as e:
+    raise UserError(f'Cannot write the plot {path}: {e.strerror}.') from None
+  finally:
+    plt.close(fig)

@@ -38,7 +38,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from paxcli.errors import UserError
+from paxcli.errors import UserError, shorten
 
 
 @dataclasses.dataclass
@@ -54,6 +54,8 @@ class DecodeOptions:
   eos_ids: tuple = ()
   stop: tuple = ()
   batch_size: int = 0                    # rows per batch; 0: up to 64
+  ignore_eos: bool = False               # EOS ids do not stop a row (they are kept in decoded_ids)
+  min_length: int = 0                    # no row stops (EOS, stop string) before this many new tokens
 
   @property
   def sampling(self) -> bool:
@@ -61,13 +63,25 @@ class DecodeOptions:
       return False
     return self.temperature is not None or self.top_k is not None or self.top_p is not None
 
-  def check(self) -> None:
+  def check(self, vocab_size: Optional[int] = None) -> None:
+    """UserError for options that cannot decode; with `vocab_size`, also those above the vocabulary."""
     if self.top_p is not None and not 0 < self.top_p <= 1:
       raise UserError(f'--top-p must be in (0, 1], got {self.top_p}.')
     if self.top_k is not None and self.top_k < 0:
       raise UserError(f'--top-k must be at least 0 (0: no top-k), got {self.top_k}.')
-    if self.temperature is not None and self.temperature < 0:
-      raise UserError(f'--temperature must be at least 0 (0: greedy), got {self.temperature}.')
+    if self.temperature is not None and not (math.isfinite(self.temperature) and self.temperature >= 0):
+      raise UserError(f'--temperature must be a finite number at least 0 (0: greedy), got {self.temperature}.')
+    if not math.isfinite(self.length_penalty):
+      raise UserError(f'--length-penalty must be a finite number, got {self.length_penalty}.')
+    if not 0 <= self.seed < 2 ** 32:
+      # JAX (without x64) keeps a seed's low 32 bits: a larger or negative seed would repeat another one.
+      raise UserError(f'--seed must be between 0 and {2 ** 32 - 1} (32 bits; JAX keeps only those, so a larger '
+                      f'seed would give the samples of a smaller one), got {shorten(self.seed, 60)}.')
+    if '' in self.stop:
+      raise UserError("--stop '' is empty: every text contains it, so it would stop every row at its first "
+                      'token. Give a non-empty string.')
+    if self.min_length < 0:
+      raise UserError(f'--min-length must be at least 0, got {self.min_length}.')
     if self.max_decode_steps < 1:
       raise UserError(f'--max-decode-steps must be at least 1, got {self.max_decode_steps}.')
     if self.num_samples < 1:
@@ -84,6 +98,16 @@ class DecodeOptions:
                         f'options ({", ".join(used)}).')
     elif self.length_penalty:
       raise UserError('--length-penalty applies to beam search only; add --beam-size.')
+    if vocab_size is not None:
+      if self.top_k and self.top_k > vocab_size:
+        raise UserError(f'--top-k {self.top_k} is above the vocabulary size {vocab_size}; use at most '
+                        f'{vocab_size} (or 0: no top-k).')
+      if self.beam_size > vocab_size:
+        raise UserError(f'--beam-size {self.beam_size} is above the vocabulary size {vocab_size}; a step '
+                        f'cannot keep more beams than there are tokens.')
+
+
+MAX_PROMPTS_FILE_BYTES = 256 << 20  # prompts are decoded in memory; a bigger file is a mistake
 
 
 @dataclasses.dataclass
@@ -95,17 +119,16 @@ class Prompt:
 # ---- prompts ---------------------------------------------------------------------------------------
 
 
-def prompts_from_args(texts: Sequence[str], file: Optional[str], ids: Optional[str], tokenizer,
+def prompts_from_args(texts: Sequence[str], file: Optional[str], ids: Sequence[str], tokenizer,
                       vocab_size: int) -> list[Prompt]:
-  """--prompt (repeatable), --prompts-file (text or JSONL), --prompt-ids -> Prompts."""
+  """--prompt (repeatable), --prompts-file (text or JSONL), --prompt-ids (repeatable) -> Prompts."""
   prompts = [_text_prompt(t, tokenizer, '--prompt') for t in texts]
   if file:
     prompts += read_prompts_file(file, tokenizer)
-  if ids is not None:
-    try:
-      prompts.append(Prompt([int(x) for x in ids.replace(' ', ',').split(',') if x]))
-    except ValueError:
-      raise UserError(f'--prompt-ids takes integers separated by commas, got {ids!r}.') from None
+  if isinstance(ids, str):  # one --prompt-ids value, as callers before it was repeatable gave it
+    ids = [ids]
+  for one in ids or ():
+    prompts.append(Prompt(parse_ids(one)))
   for n, p in enumerate(prompts):
     if not p.ids:
       raise UserError(f'Prompt {n} ({p.text!r}) is empty: it has no tokens.')
@@ -113,6 +136,24 @@ def prompts_from_args(texts: Sequence[str], file: Optional[str], ids: Optional[s
     if bad:
       raise UserError(f'Prompt {n} has id {bad[0]} outside the vocabulary (0 to {vocab_size - 1}).')
   return prompts
+
+
+def parse_ids(text: str) -> list[int]:
+  """'12,15,18' (or spaces) -> [12, 15, 18]; UserError otherwise."""
+  try:
+    return [int(x) for x in text.replace(' ', ',').split(',') if x]
+  except ValueError:
+    raise UserError(f'--prompt-ids takes integers separated by commas, got {shorten(repr(text), 80)}.') from None
+
+
+def check_text(text: str, option: str) -> None:
+  """A command-line string the OS gave us with undecodable bytes (Python keeps them as surrogates)."""
+  try:
+    text.encode('utf-8')
+  except UnicodeEncodeError as e:
+    bad = text[e.start].encode('utf-8', 'surrogateescape')
+    raise UserError(f'{option} {shorten(ascii(text), 80)} is not UTF-8 text (byte 0x{bad.hex()} at character '
+                    f'{e.start}); give UTF-8 text, or token ids with --prompt-ids.') from None
 
 
 def _text_prompt(text: str, tokenizer, where: str) -> Prompt:
@@ -126,13 +167,9 @@ def _text_prompt(text: str, tokenizer, where: str) -> Prompt:
 def read_prompts_file(path: str, tokenizer) -> list[Prompt]:
   """One prompt per line, or JSONL objects with "prompt" (text) or "prompt_ids" (ints)."""
   import json
-  try:
-    with open(path, encoding='utf-8') as f:
-      lines = f.read().splitlines()
-  except OSError as e:
-    raise UserError(f'Cannot read the prompts file {path}: {e.strerror or e}.') from None
-  except UnicodeDecodeError:
-    raise UserError(f'The prompts file {path} is not UTF-8 text.') from None
+
+  from paxcli import files
+  lines = files.read_text(path, 'the prompts file', MAX_PROMPTS_FILE_BYTES).splitlines()
   numbered = [(n, line) for n, line in enumerate(lines, 1) if line.strip()]
   if not numbered:
     raise UserError(f'The prompts file {path} is empty: write one prompt per line, or JSONL objects with '
@@ -293,6 +330,7 @@ class Decoder:
     self.vocab_size = lm.vocab_size
     self.replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
     self._fns = {}
+    self.compile_seconds = 0.0  # all compilations so far (each shape and strategy compiles once)
 
   # -- jitted pieces, one compile per (rows, cache length, strategy) --
   def _cache_layout(self, rows: int, length: int):
@@ -337,14 +375,26 @@ class Decoder:
                                 pos_B[:, None], mutable=['cache'])
       return finish(logits[:, 0], keys, t, temperature, top_p), mut['cache']
 
+    # Compiled ahead of time, so that compilation is timed apart from decoding (compile_s).
+    start = time.perf_counter()
+    sds = jax.ShapeDtypeStruct
+    params_abs = jax.tree.map(lambda x: sds(x.shape, x.dtype), self.params)
+    ids_abs = sds((rows, prompt_len), jnp.int32)
+    row_ints, keys_abs = sds((rows,), jnp.int32), sds((rows, 2), jnp.uint32)
+    f32, i32 = sds((), jnp.float32), sds((), jnp.int32)
     fns = {
-        'zeros': jax.jit(zeros, out_shardings=cache_sh),
+        'zeros': jax.jit(zeros, out_shardings=cache_sh).lower().compile(),
         'prefill': jax.jit(prefill, in_shardings=(params_sh, cache_sh, batch_sh, batch_sh, rep, rep, rep),
-                           out_shardings=(rep, cache_sh), donate_argnums=(1,)),
+                           out_shardings=(rep, cache_sh), donate_argnums=(1,)).lower(
+                               params_abs, abstract, ids_abs, ids_abs, keys_abs, f32, f32).compile(),
         'step': jax.jit(step, in_shardings=(params_sh, cache_sh, rep, rep, rep, rep, rep, rep),
-                        out_shardings=(rep, cache_sh), donate_argnums=(1,)),
-        'reorder': jax.jit(_reorder, in_shardings=(cache_sh, rep), out_shardings=cache_sh, donate_argnums=(0,)),
+                        out_shardings=(rep, cache_sh), donate_argnums=(1,)).lower(
+                            params_abs, abstract, row_ints, row_ints, keys_abs, i32, f32, f32).compile(),
     }
+    if beam:
+      fns['reorder'] = jax.jit(_reorder, in_shardings=(cache_sh, rep), out_shardings=cache_sh,
+                               donate_argnums=(0,)).lower(abstract, row_ints).compile()
+    self.compile_seconds += time.perf_counter() - start
     self._fns[key] = fns
     return fns
 
@@ -357,13 +407,14 @@ class Decoder:
           prompt_offset: int = 0) -> tuple[list[dict], dict]:
     """Decodes every prompt; returns (records in prompt then sample order, timing stats)."""
     from paxcli import sharding
-    opts.check()
+    opts.check(self.vocab_size)
     check_lengths(prompts, self.max_seq_len, prompt_offset)
     per_prompt = opts.beam_size or opts.num_samples
     dp = sharding.data_parallel_size(self.mesh)
     want = opts.batch_size or 64
     prompts_per_batch = max(1, want // per_prompt)
     stats = {'prefill_tokens': 0, 'prefill_s': 0.0, 'decode_tokens': 0, 'decode_s': 0.0}
+    compiled_before = self.compile_seconds
     records = []
     for start in range(0, len(prompts), prompts_per_batch):
       chunk = list(range(start, min(start + prompts_per_batch, len(prompts))))
@@ -373,6 +424,7 @@ class Decoder:
       records += fn([prompts[i] for i in chunk], [i + prompt_offset for i in chunk], rows, opts, tokenizer, stats)
       if progress:
         progress(len(chunk))
+    stats['compile_s'] = self.compile_seconds - compiled_before
     return records, stats
 
   def _prepare(self, prompts, rows_prompt, rows, opts):
@@ -389,11 +441,15 @@ class Decoder:
       budget[r] = min(opts.max_decode_steps, self.max_seq_len - len(p))
     return ids, pos, budget, plen
 
-  def _stop(self, tok: int, ids: list, tokenizer, opts) -> Optional[str]:
-    if tok in opts.eos_ids:
+  def _stop(self, tok: int, ids: list, tokenizer, opts, prompt_ids=()) -> Optional[str]:
+    if len(ids) < opts.min_length:
+      return None
+    if tok in opts.eos_ids and not opts.ignore_eos:
       return 'eos'
-    if opts.stop and tokenizer is not None and any(s in tokenizer.decode(ids) for s in opts.stop):
-      return 'stop_string'
+    if opts.stop and tokenizer is not None:
+      text = continuation_text(tokenizer, prompt_ids, ids)
+      if any(s in text for s in opts.stop):
+        return 'stop_string'
     return None
 
   def _sample_batch(self, prompts, indices, rows, opts, tokenizer, stats):
@@ -431,7 +487,7 @@ class Decoder:
         if reason[r] is None:
           out_ids[r].append(int(tok[r]))
           out_lp[r].append(float(lp[r]))
-          reason[r] = self._stop(int(tok[r]), out_ids[r], tokenizer, opts)
+          reason[r] = self._stop(int(tok[r]), out_ids[r], tokenizer, opts, prompts[row_prompt[r]].ids)
           if reason[r] is None and len(out_ids[r]) >= budget[r]:
             reason[r] = 'max_steps'
       if all(reason):
@@ -489,7 +545,7 @@ class Decoder:
         for slot, (s, parent, tok, lp) in enumerate(chosen):
           ids_ = hist[parent] + [tok]
           lps = hist_lp[parent] + [lp]
-          why = self._stop(tok, ids_, tokenizer, opts)
+          why = self._stop(tok, ids_, tokenizer, opts, prompts[p].ids)
           if why is None and len(ids_) >= budget[base]:
             why = 'max_steps'
           if why:
@@ -538,17 +594,35 @@ def _host(x) -> np.ndarray:
   return np.asarray(x.addressable_data(0))
 
 
+def continuation_text(tokenizer, prompt_ids: Sequence[int], ids: Sequence[int]) -> str:
+  """The text `ids` add after the prompt, so that prompt + continuation reads as the model wrote it.
+
+  Sentencepiece drops the word-boundary space of a text's first piece ('▁the' alone decodes to
+  'the'), so the continuation is decoded together with the prompt and the prompt's text cut off.
+  """
+  if not prompt_ids:
+    return tokenizer.decode(ids)
+  head = tokenizer.decode(list(prompt_ids))
+  whole = tokenizer.decode(list(prompt_ids) + list(ids))
+  return whole[len(head):] if whole.startswith(head) else tokenizer.decode(ids)
+
+
 def _record(prompt: Prompt, index: int, sample: int, ids: list, lps: list, reason: str, tokenizer, opts) -> dict:
   text = None
   if tokenizer is not None:
     shown = ids[:-1] if reason == 'eos' else ids
-    text = tokenizer.decode(shown)
+    text = continuation_text(tokenizer, prompt.ids, shown)
     if reason == 'stop_string':
       cut = min((text.find(s) for s in opts.stop if s in text), default=-1)
       text = text[:cut] if cut >= 0 else text
   return {'prompt_index': index, 'sample_index': sample, 'prompt': prompt.text, 'prompt_ids': list(prompt.ids),
-          'decoded': text, 'decoded_ids': ids, 'logprob': float(sum(lps)), 'token_logprobs': lps,
-          'num_decoded_tokens': len(ids), 'stop_reason': reason}
+          'decoded': text, 'decoded_ids': ids, 'logprob': _finite(float(sum(lps))),
+          'token_logprobs': [_finite(x) for x in lps], 'num_decoded_tokens': len(ids), 'stop_reason': reason}
+
+
+def _finite(x: float) -> Optional[float]:
+  """JSON has no NaN or Infinity: a non-finite figure is written as null."""
+  return x if math.isfinite(x) else None
 
 
 def full_recompute_greedy(model, params, prompt_ids: Sequence[int], steps: int) -> list[int]:
@@ -586,20 +660,55 @@ def teacher_forced_logprob(model, params, prompt_ids: Sequence[int], decoded_ids
 
 
 def output_path(job_dir: str, dataset: Optional[str], step: int) -> str:
+  """Where the trainer writes its decodes at `step` (decode_interval_steps)."""
   import os
   return os.path.join(job_dir, 'decoder_out', dataset or 'prompts', f'decode_step{step}.jsonl')
+
+
+def cli_output_path(job_dir: str, dataset: Optional[str], step: int) -> str:
+  """`pax decode`'s default output: pax_decode_step<k>_<n>.jsonl with the first unused n, beside the
+  trainer's decode_step<k>.jsonl and never replacing it or an earlier `pax decode`."""
+  import os
+  directory = os.path.dirname(output_path(job_dir, dataset, step))
+  n = 1
+  while os.path.lexists(os.path.join(directory, f'pax_decode_step{step}_{n}.jsonl')):
+    n += 1
+  return os.path.join(directory, f'pax_decode_step{step}_{n}.jsonl')
+
+
+def check_output(path: str) -> None:
+  """UserError now, before any decoding, if `path` cannot be written (its directory may be made later)."""
+  import os
+  import tempfile
+  shown = shorten(path, 200)
+  full = os.path.abspath(path)
+  if os.path.isdir(full):
+    raise UserError(f'--output {shown} is a directory; give a file name.')
+  probe = os.path.dirname(full)
+  while not os.path.lexists(probe):  # the nearest existing ancestor: its directories are made at the end
+    probe = os.path.dirname(probe)
+  if not os.path.isdir(probe):
+    raise UserError(f'Cannot write {shown}: {probe} is not a directory.')
+  try:
+    with tempfile.TemporaryFile(dir=probe):
+      pass
+  except OSError as e:
+    raise UserError(f'Cannot write {shown}: {probe} is not writable ({e.strerror}).') from None
 
 
 def write_jsonl(path: str, records: Sequence[dict]) -> None:
   """Process 0 writes the whole file atomically (a reader never sees half of it)."""
   import json
   import os
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  tmp = path + '.tmp'
-  with open(tmp, 'w', encoding='utf-8') as f:
-    for r in records:
-      f.write(json.dumps(r) + '\n')
-  os.replace(tmp, path)
+  try:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + '.tmp'
+    with open(tmp, 'w', encoding='utf-8') as f:
+      for r in records:
+        f.write(json.dumps(r, allow_nan=False) + '\n')
+    os.replace(tmp, path)
+  except OSError as e:
+    raise UserError(f'Cannot write {shorten(path, 200)}: {e.strerror}.') from None
 
 
 def eos_ids_for(opts: DecodeOptions, tokenizer) -> DecodeOptions:
@@ -630,6 +739,10 @@ def decode_command(resolved, job_dir: str, opts: DecodeOptions, texts=(), prompt
   else:
     prompts = prompts_from_args(texts, prompts_file, prompt_ids, tokenizer, vocab)
   check_lengths(prompts, decoder_check.max_seq_len)
+  opts.check(vocab)  # --top-k, --beam-size against the vocabulary
+  lead = jax.process_index() == 0
+  if lead:  # an unwritable output is found before the decoding, not after it
+    check_output(output or cli_output_path(job_dir, dataset, ckpt_step if use_checkpoint else 0))
   if opts.stop and tokenizer is None:
     raise UserError('--stop needs a tokenizer to turn tokens into text; this model has none (use --eos-id).')
   opts = eos_ids_for(opts, tokenizer)
@@ -649,7 +762,6 @@ def decode_command(resolved, job_dir: str, opts: DecodeOptions, texts=(), prompt
     ckpt_step = 0
     params = engine.init_state(setup, resolved.experiment.RANDOM_SEED)['params']
   decoder = Decoder(setup, params, dtype=dtype)
-  lead = jax.process_index() == 0
   err = common.console(stderr=True)
   show = lead and not json_out and sys.stderr.isatty()
   if show:
@@ -662,7 +774,7 @@ def decode_command(resolved, job_dir: str, opts: DecodeOptions, texts=(), prompt
     records, stats = decoder.run(prompts, opts, tokenizer)
   if not lead:
     return records
-  path = output or output_path(job_dir, dataset, ckpt_step)
+  path = output or cli_output_path(job_dir, dataset, ckpt_step)
   write_jsonl(path, records)
   if json_out:
     for r in records:
@@ -675,10 +787,11 @@ def decode_command(resolved, job_dir: str, opts: DecodeOptions, texts=(), prompt
 
 
 def speed_line(stats: dict) -> str:
+  """Steady-state rates (compilation is timed apart: the decoder compiles ahead of time)."""
   pre = stats['prefill_tokens'] / max(stats['prefill_s'], 1e-9)
   dec = stats['decode_tokens'] / max(stats['decode_s'], 1e-9)
   return (f'prefill {stats["prefill_tokens"]} tokens at {pre:,.0f} tokens/s; decode {stats["decode_tokens"]} '
-          f'tokens at {dec:,.0f} tokens/s (compile time included)')
+          f'tokens at {dec:,.0f} tokens/s; compilation {stats.get("compile_s", 0.0):.1f} s, not in the rates')
 
 
 def results_table(records: Sequence[dict], step: int, has_text: bool):
@@ -742,8 +855,9 @@ class TrainDecoder:
     lines = []
     for r in records:
       prompt = r['prompt'] if r['prompt'] is not None else ' '.join(map(str, r['prompt_ids']))
-      cont = r['decoded'] if r['decoded'] is not None else ' '.join(map(str, r['decoded_ids']))
-      self.writer.text(step, f"decode/prompt_{r['prompt_index']}", f'**{prompt}** {cont}')
+      # `decoded` carries its own leading space where the model began a new word
+      cont = r['decoded'] if r['decoded'] is not None else ' ' + ' '.join(map(str, r['decoded_ids']))
+      self.writer.text(step, f"decode/prompt_{r['prompt_index']}", f'**{prompt}**{cont}')
       lines.append(f'decode step {step}: {prompt!r} -> {cont!r}')
     self.writer.flush()
     return lines

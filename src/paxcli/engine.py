@@ -446,6 +446,46 @@ def param_count(abstract_state) -> int:
   return int(sum(np.prod(x.shape) for x in jax.tree.leaves(abstract_state['params'])))
 
 
+def summary(resolved) -> dict:
+  """What a run of the resolved experiment needs, without devices: parameters (from the model's
+  abstract init), training FLOPs per token (paxcli.flops), the global batch and the devices the mesh
+  asks for. A figure that cannot be known is None, with the reason under '<name>_note'."""
+  import math
+
+  import jax
+
+  from paxcli import flops
+  exp = resolved.experiment
+  out: dict = {}
+  ici, dcn = exp.ICI_MESH_SHAPE, exp.DCN_MESH_SHAPE
+  dcn_size = math.prod(dcn) if dcn is not None else 1
+  if ici is None or -1 in list(ici) or (dcn is not None and -1 in list(dcn)):
+    fixed = math.prod(abs(x) for x in list(ici or [1]) + list(dcn or [1]))
+    out['devices'] = None
+    out['devices_note'] = ('any number: the mesh fills its -1 (or, with no ICI_MESH_SHAPE, the data) axis'
+                           if fixed == 1 else f'any multiple of {fixed}: the mesh fills its -1 axis')
+  else:
+    out['devices'] = math.prod(ici) * dcn_size
+  model = build_task(resolved.task).model
+  seq_len = getattr(resolved.train_dataset(), 'seq_len', None) or getattr(model, 'max_seq_len', None)
+  out['seq_len'] = seq_len
+  percore = exp.PERCORE_BATCH_SIZE
+  out['global_batch'] = None
+  if out['devices']:
+    out['global_batch'] = global_batch_size(percore, out['devices'])
+  else:
+    per_device = f' x {seq_len:,} tokens' if seq_len else ''
+    out['global_batch_note'] = (f'{percore:g} sequences{per_device} per device (PERCORE_BATCH_SIZE) x the number '
+                                'of devices')
+  params = jax.eval_shape(lambda rng: init_variables(model, rng, seq_len)['params'], jax.random.key(0))
+  out['parameters'] = param_count({'params': unbox(params)})
+  per_token = flops.for_model(model, seq_len) if seq_len else None
+  out['flops_per_token'] = per_token.per_token if per_token else None
+  if per_token is None:
+    out['flops_per_token_note'] = 'paxcli.flops has no FLOPs model for this model'
+  return out
+
+
 def shape_signature(abstract_state) -> dict[str, list[int]]:
   """'path' -> shape for every leaf of the state: what a checkpoint must match."""
   import jax

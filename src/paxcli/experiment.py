@@ -131,7 +131,20 @@ def import_all_recipes() -> dict[str, type[Experiment]]:
   return dict(_REGISTRY)
 
 
+# Recipe classes read as data, never run (the recipes `pax checkpoint convert` writes, read by
+# paxcli.convert.core.recipe_class), by (absolute path, class name): `lookup` serves these.
+_DATA_CLASSES: dict[tuple[str, str], type[Experiment]] = {}
+
+
+def provide_file_class(path: str, class_name: str, cls: type[Experiment]) -> None:
+  """Makes `path:class_name` resolve to `cls` in this process, without importing the file."""
+  _DATA_CLASSES[(os.path.abspath(path), class_name)] = cls
+
+
 def _load_file(path: str, class_name: str) -> type[Experiment]:
+  known = _DATA_CLASSES.get((os.path.abspath(path), class_name))
+  if known is not None:
+    return known
   if not os.path.isfile(path):
     raise UserError(f'Experiment file {shorten(repr(path))} does not exist.')
   module_name = '_paxcli_user_' + re.sub(r'\W', '_', os.path.abspath(path))

@@ -48,3 +48,37 @@ def read_text(path: str, what: str, max_bytes: int) -> str:
     return data.decode('utf-8')
   except UnicodeDecodeError as e:
     raise UserError(f'Cannot read {what} {shorten(path, 200)}: not UTF-8 text (byte {e.start}).') from None
+
+
+def member(directory: str, name: str, what: str = 'file') -> str:
+  """The resolved path of `name`, a file of the model or checkpoint directory `directory`.
+
+  The files of a directory someone gives you stay in it: an absolute name, a name that climbs
+  out (`../x`) or a symlink that resolves outside the directory (`tokenizer.model ->
+  /etc/shadow`) is a UserError. A symlink to another file inside the directory is fine. The
+  path returned may not exist (the caller checks); it is the resolved one, so that what is
+  opened is what was checked.
+  """
+  base = os.path.realpath(directory)
+  shown = shorten(name, 200)
+  if not name or os.path.isabs(name) or '\0' in name:
+    raise UserError(f'{shorten(directory, 200)}: {what} {shown!r} is not a file name inside the directory.')
+  path = os.path.realpath(os.path.join(base, name))
+  if os.path.commonpath([base, path]) != base or path == base:
+    link = ' (a symlink)' if os.path.islink(os.path.join(base, name)) else ''
+    raise UserError(f'{shorten(directory, 200)}: {what} {shown!r}{link} resolves to {shorten(path, 200)}, outside '
+                    'the directory; paxcli reads only files inside it.')
+  return path
+
+
+def copy_member(path: str, dest: str) -> None:
+  """Copies a regular file (a member, already resolved) to `dest`, atomically, never more open
+  than the source (no execute bits, no group/other bits the source lacks)."""
+  st = os.stat(path)
+  if not stat.S_ISREG(st.st_mode):
+    raise UserError(f'{shorten(path, 200)} is not a regular file; not copied.')
+  import shutil
+  tmp = f'{dest}.tmp-{os.getpid()}'
+  shutil.copyfile(path, tmp)
+  os.chmod(tmp, stat.S_IMODE(st.st_mode) & 0o644)
+  os.replace(tmp, dest)

@@ -109,7 +109,9 @@ class StepProfiler:
     jax.profiler.stop_trace()
     self._active = None
     if purpose == 'trace':
-      self.log(f'Profile of steps {first}-{last} written to {directory} (tensorboard --logdir {directory}).')
+      from paxcli.summaries import tensorboard_command
+      self.log(f'Profile of steps {first}-{last} written to {directory} ({tensorboard_command()} --logdir '
+               f'{directory}).')
       return None
     return self._extract_pgle(directory, first, last)
 

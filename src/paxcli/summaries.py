@@ -9,7 +9,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import shlex
+import shutil
 import socket
+import sys
 import time
 from typing import Mapping
 
@@ -74,3 +77,16 @@ class SummaryWriter:
 def _jsonable(v):
   v = float(v)
   return v if math.isfinite(v) else str(v)
+
+
+def tensorboard_command() -> str:
+  """How to start TensorBoard from this shell: the `tensorboard` installed beside this Python (a
+  virtual environment's bin/ is often not on PATH), by a path relative to here when it is below here."""
+  beside = os.path.join(os.path.dirname(sys.executable), 'tensorboard')
+  if os.path.isfile(beside):
+    on_path = shutil.which('tensorboard')
+    if on_path and os.path.realpath(on_path) == os.path.realpath(beside):
+      return 'tensorboard'
+    relative = os.path.relpath(beside)
+    return shlex.quote(beside if relative.startswith('..') else relative)
+  return f'{shlex.quote(sys.executable)} -m tensorboard.main'

@@ -236,6 +236,7 @@ class Reporter:
 
   def __init__(self, console, total: int, start: int, enabled: bool = True):
     self.console = console
+    self.total = total
     self.enabled = enabled
     self.interactive = enabled and console.is_terminal
     self._progress = None
@@ -269,7 +270,7 @@ class Reporter:
       self.log(f"step {record['step']}: loss {record['loss']:.4f}{accuracy}{aux}  "
                f"lr {record['learning_rate']:.3g}  grad_norm {record['grad_norm']:.3f}  "
                f"{record['steps_per_sec']:.2f} steps/s  {record['tokens_per_sec']:,.0f} tokens/s"
-               f"{mfu_note(record)}{window_note(record)}")
+               f"{mfu_note(record)}{eta_note(record, self.total)}{window_note(record)}")
 
   def close(self) -> None:
     if self._progress is not None:
@@ -286,13 +287,13 @@ def train(resolved, job_dir: str, console, verbose: bool = False, profile_steps=
   jax.profiler; pgle/pgle_profile: see paxcli.profiling.
   """
   from paxcli import engine, jobdir
-  jobdir.check_writable(job_dir)
-  engine.check_supported(resolved.experiment)
+  engine.check_supported(resolved.experiment)  # refusals first: a refused run leaves no job directory
   engine.apply_platform_env(resolved.experiment.PLATFORM_ENV, log=lambda m: console.print(m))
   import jax  # after PLATFORM_ENV: it may set XLA_FLAGS
 
   from paxcli import profiling
   profiling.check_pgle(pgle, pgle_profile)
+  jobdir.check_writable(job_dir)  # makes the directory
   log = (lambda m: console.print(m, highlight=False, markup=False, soft_wrap=True))
   lock = jobdir.lock_run(job_dir, log if jax.process_index() == 0 else (lambda m: None))
   try:
@@ -308,7 +309,7 @@ def _train(resolved, job_dir: str, console, verbose: bool = False, profile_steps
   import jax
 
   from paxcli import checkpoint as ckpt
-  from paxcli import flops, profiling, restore, sharding
+  from paxcli import flops, profiling, restore, sharding, summaries
   from paxcli.summaries import SummaryWriter
   is_main = jax.process_index() == 0
   reporter_log = (lambda m: console.print(m, highlight=False, markup=False, soft_wrap=True)) if is_main else (lambda m: None)
@@ -517,7 +518,7 @@ def _train(resolved, job_dir: str, console, verbose: bool = False, profile_steps
   reporter_log(f"Done: step {last['step']}, loss {last.get('loss', float('nan')):.4f}.\n"
                f"  checkpoints: {ckpt_dir} ({kept}; task.train.save_max_to_keep)\n"
                f"  metrics:     {os.path.join(job_dir, 'train_metrics.jsonl')}\n"
-               f"  TensorBoard: tensorboard --logdir {os.path.join(job_dir, 'summaries')}")
+               f"  TensorBoard: {summaries.tensorboard_command()} --logdir {os.path.join(job_dir, 'summaries')}")
   return last
 
 
@@ -573,6 +574,16 @@ def mfu_note(record: dict) -> str:
   if 'mfu' not in record:
     return ''
   return f"  {record['model_tflops_per_device']:.3g} TFLOP/s/device  MFU {record['mfu']:.1%}"
+
+
+def eta_note(record: dict, total: int) -> str:
+  """'  eta 0:01:23' for the steps left at the window's steady rate (evals and compiles not counted)."""
+  left, rate = total - record['step'], record.get('steps_per_sec') or 0
+  if left <= 0 or not rate > 0:
+    return ''
+  minutes, seconds = divmod(int(round(left / rate)), 60)
+  hours, minutes = divmod(minutes, 60)
+  return f'  eta {hours}:{minutes:02d}:{seconds:02d}'
 
 
 def window_note(record: dict) -> str:

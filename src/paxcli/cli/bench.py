@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from typing import List, Optional
 
@@ -44,15 +45,24 @@ def mfu(
     pax bench mfu --exp E --sweep PERCORE_BATCH_SIZE=4,8,16 --sweep CHECKPOINT_POLICY=none,save_dot_only --plot mfu.png
     pax bench mfu --exp lm_cloud.LmCloudSpmd2B --compile-only --num-devices 64 --set "ICI_MESH_SHAPE=[1,64,1]"
   """
-  if num_devices:
-    fake_devices(num_devices)
   if device_memory is not None:
     from paxcli.convert.safetensors_io import parse_size
     device_memory = parse_size(device_memory, '--device-memory')
+  if peak_tflops is not None and not (math.isfinite(peak_tflops) and peak_tflops > 0):
+    raise UserError(f'--peak-tflops must be a positive number of TFLOP/s per device, got {peak_tflops}.')
+  if plot:
+    check_plot_path(plot)
+  if num_devices:
+    if num_devices > MAX_FAKE_DEVICES:
+      raise UserError(f'--num-devices {num_devices:,} is more than {MAX_FAKE_DEVICES:,}, the most fake CPU devices '
+                      'paxcli makes: XLA\'s CPU backend fails from 4,096 fake devices, and compiling a step for '
+                      f'{MAX_FAKE_DEVICES:,} already takes tens of seconds. Check a smaller mesh of the same shape '
+                      '(memory per device depends on the sharded axes, not on the replica count).')
+    fake_devices(num_devices)
   import json
 
   from paxcli import bench
-  console = common.console()
+  console = common.console(wide=True)  # piped: rows never wrap, whatever their width
   err = common.console(stderr=True)
   from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
   progress = Progress(TextColumn('[bold]{task.description}'), BarColumn(), MofNCompleteColumn(),
@@ -61,14 +71,36 @@ def mfu(
     rows = bench.run_all(exp, overrides, sweep, steps=steps, warmup=warmup, compile_only=compile_only,
                          peak_tflops=peak_tflops, pgle=pgle, pgle_profile=pgle_profile, progress=progress,
                          log=lambda m: err.print(m, highlight=False, markup=False), device_memory=device_memory)
-  if plot:
-    bench.plot(rows, plot)
   if json_out:
     typer.echo(json.dumps(rows, indent=1, default=str))
   else:
     console.print(bench.table(rows, compile_only))
-    if plot:
-      console.print(f'Plot written to {plot}.')
+  if plot:  # after the table: a failing plot never loses the numbers
+    bench.plot(rows, plot)
+    err.print(f'Plot written to {plot}.', highlight=False, markup=False)
+
+
+# Fake CPU devices: XLA's CPU backend refuses to compile for 4,096 of them ("Multiprocess computations
+# aren't implemented on the CPU backend"); 2,048 compile a tiny model in about 16 s on 2 cores.
+MAX_FAKE_DEVICES = 2048
+
+
+def check_plot_path(path: str) -> None:
+  """Before any row runs: matplotlib is there and the PNG can be written (its directory is made)."""
+  import tempfile
+  try:
+    import matplotlib  # noqa: F401
+  except ImportError:
+    raise UserError('--plot needs matplotlib: pip install matplotlib') from None
+  directory = os.path.dirname(os.path.abspath(path))
+  if os.path.isdir(path):
+    raise UserError(f'--plot {path} is a directory; give a file name such as mfu.png.')
+  try:
+    os.makedirs(directory, exist_ok=True)
+    with tempfile.TemporaryFile(dir=directory):
+      pass
+  except OSError as e:
+    raise UserError(f'--plot {path}: cannot write in {directory} ({e.strerror}).') from None
 
 
 def fake_devices(n: int) -> None:

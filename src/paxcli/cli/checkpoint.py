@@ -88,11 +88,15 @@ def convert_command(
 ) -> None:
   """Convert a checkpoint to another layout (--set USE_REPEATED_LAYER=..., mesh), dtype, experiment or format."""
   from paxcli.convert import run, safetensors_io
+  if kl_tolerance is not None and not (kl_tolerance > 0 and kl_tolerance != float('inf')):
+    from paxcli.errors import UserError
+    raise UserError(f'--kl-tolerance must be a positive finite number (a KL in nats), got {kl_tolerance}.')
+  max_shard_bytes = safetensors_io.parse_size(max_shard_size)  # before any work
   console = common.console(stderr=True)
   _quiet_absl()
   result = run.convert(source, output, fmt=fmt, to=to, exp=exp, overrides=overrides, params_only=params_only,
                        dtype=dtype, step=step, force=force, verify=verify, kl_tolerance=kl_tolerance,
-                       max_shard_bytes=safetensors_io.parse_size(max_shard_size), recipe=recipe,
+                       max_shard_bytes=max_shard_bytes, recipe=recipe,
                        log=lambda m: console.print(m, highlight=False, markup=False))
   v = result.get('verify')
   if json_out:

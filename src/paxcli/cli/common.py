@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import re
+import shlex
 import sys
 from typing import Optional
 
 import typer
 
-from paxcli.errors import UserError
+from paxcli.errors import UserError, shorten
 
 EXP_HELP = ('Experiment: a registered name (`pax experiments`), `module.Class`, or '
             '`path/file.py:Class`. Default: the built-in default.StdlibDocsLm.')
@@ -73,11 +75,12 @@ def normalize_argv(argv: list[str]) -> list[str]:
   return out
 
 
-def console(stderr: bool = False):
-  """A rich Console; wide when the output is a file or pipe, so tables are not cut."""
+def console(stderr: bool = False, wide: bool = False):
+  """A rich Console; wide when the output is a file or pipe, so tables are not cut (160 columns, or
+  with `wide` as wide as a table's rows need: one line per row)."""
   from rich.console import Console
   stream = sys.stderr if stderr else sys.stdout
-  return Console(stderr=stderr, width=None if stream.isatty() else 160)
+  return Console(stderr=stderr, width=None if stream.isatty() else (100_000 if wide else 160))
 
 
 def error(message: str) -> None:
@@ -127,6 +130,9 @@ def run_app(app: typer.Typer, argv: list[str]) -> None:
     import typer.main
     command = typer.main.get_command(app)
     tidy_help(command)
+    hint = habit_hint(command, argv)
+    if hint:
+      raise UserError(hint)
     command(args=argv, prog_name='pax')  # standalone: usage errors print and exit 2 themselves
   except UserError as e:
     # fiddle appends its build context to errors raised while building a config.
@@ -135,6 +141,68 @@ def run_app(app: typer.Typer, argv: list[str]) -> None:
   except KeyboardInterrupt:
     error('interrupted.')
     sys.exit(130)
+
+
+_PAXML_MODES = {'train': 'train', 'eval': 'eval', 'decode': 'decode', 'decode_once': 'decode'}
+_KEY_VALUE = re.compile(r'^[A-Za-z_][A-Za-z0-9_.]*=')
+
+
+def habit_hint(command, argv: list[str]) -> Optional[str]:
+  """One line naming paxcli's spelling for a paxml or MaxText habit that would fail anyway:
+  `pax --exp=E --mode=train`, `pax train NUM_LAYERS=2`, `--set NUM_LAYERS 2`. None otherwise."""
+  if not argv:
+    return None
+  if argv[0].startswith('-') and argv[0] not in ('-h', '--help', '--version'):
+    return _paxml_hint(argv)
+  sub, rest = command, list(argv)
+  while hasattr(sub, 'commands') and rest and rest[0] in sub.commands:  # `bench mfu`: the leaf command
+    sub, rest = sub.commands[rest[0]], rest[1:]
+  if hasattr(sub, 'commands') or any(p.param_type_name == 'argument' for p in sub.params):
+    return None  # a group, or a command with arguments of its own (import-maxtext KEY=VALUE, convert SRC DST)
+  takes_value = {name for p in sub.params if p.param_type_name == 'option' and not p.is_flag
+                 for name in p.opts + p.secondary_opts}
+  name = ' '.join(argv[:len(argv) - len(rest)])
+  i = 0
+  while i < len(rest):
+    arg = rest[i]
+    if arg == '--':
+      return None
+    if arg in takes_value:
+      value = rest[i + 1] if i + 1 < len(rest) else None
+      if arg in ('--set', '-s') and value is not None and '=' not in value:
+        after = rest[i + 2] if i + 2 < len(rest) and not rest[i + 2].startswith('-') else 'VALUE'
+        return (f'--set takes KEY=VALUE as one argument (paxcli\'s spelling of MaxText\'s {value}={after}): '
+                f'pax {name} --set {value}={after}')
+      i += 2
+      continue
+    if _KEY_VALUE.match(arg):
+      return (f'{shorten(arg, 80)}: MaxText-style KEY=VALUE arguments are --set overrides in paxcli: '
+              f'pax {name} --set {shorten(arg, 80)}')
+    i += 1
+  return None
+
+
+def _paxml_hint(argv: list[str]) -> Optional[str]:
+  """`pax --exp=E --mode=train ...` (paxml's main.py flags) -> `pax train --exp=E ...`."""
+  mode, rest, skip = None, [], False
+  for i, arg in enumerate(argv):
+    if skip:
+      skip = False
+    elif arg.startswith('--mode='):
+      mode = arg.split('=', 1)[1]
+    elif arg == '--mode' and i + 1 < len(argv):
+      mode, skip = argv[i + 1], True
+    else:
+      rest.append(arg)
+  if mode is None and not any(a == '--exp' or a.startswith('--exp=') for a in argv):
+    return None
+  sub = _PAXML_MODES.get(mode or 'train')
+  if sub is None:
+    return (f"paxml's --mode={mode} has no paxcli command; the commands are train, eval, decode "
+            '(`pax --help`).')
+  shown = ' '.join(shlex.quote(a) for a in rest)
+  return (f"paxml's {'--mode=' + mode if mode else 'flags before a command'}: paxcli spells it as a command "
+          f'first, then its options: pax {sub} {shorten(shown, 200)}')
 
 
 def _cap_lines(text: str, limit: int = 500) -> str:

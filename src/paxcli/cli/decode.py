@@ -22,8 +22,8 @@ def decode_command(
     prompts_file: Optional[str] = typer.Option(
         None, '--prompts-file', help='One prompt per line, or JSONL objects with "prompt" or "prompt_ids".',
         rich_help_panel=_P),
-    prompt_ids: Optional[str] = typer.Option(None, '--prompt-ids', help='A prompt as token ids: 12,15,18.',
-                                             rich_help_panel=_P),
+    prompt_ids: List[str] = typer.Option([], '--prompt-ids', help='A prompt as token ids: 12,15,18 (repeatable).',
+                                         rich_help_panel=_P),
     dataset: Optional[str] = typer.Option(
         None, '--dataset', help="An input of the experiment's datasets() whose rows are the prompts (Pax style).",
         rich_help_panel=_P),
@@ -37,19 +37,25 @@ def decode_command(
     top_p: Optional[float] = typer.Option(None, '--top-p', help='Nucleus sampling: smallest set with mass >= p.',
                                           rich_help_panel=_S),
     num_samples: int = typer.Option(1, '--num-samples', help='Samples per prompt.', rich_help_panel=_S),
-    seed: int = typer.Option(0, '--seed', help='Sampling seed; sample s of prompt i depends on (seed, i, s) only.',
+    seed: int = typer.Option(0, '--seed', help='Sampling seed, 0 to 2**32-1; sample s of prompt i depends on (seed, i, s) only.',
                              rich_help_panel=_S),
     beam_size: int = typer.Option(0, '--beam-size', help='Beam search with this many beams.', rich_help_panel=_B),
     length_penalty: float = typer.Option(0.0, '--length-penalty', help="Pax's length_norm_alpha.",
                                          rich_help_panel=_B),
     eos_id: List[int] = typer.Option([], '--eos-id', help="End-of-sequence id (repeatable); default the tokenizer's."),
-    stop: List[str] = typer.Option([], '--stop', help='Stop a row when its text contains STRING (repeatable).'),
+    ignore_eos: bool = typer.Option(False, '--ignore-eos', help='Do not stop at EOS: decode --max-decode-steps '
+                                    'tokens (EOS ids stay in decoded_ids).'),
+    min_length: int = typer.Option(0, '--min-length', help='No row stops (EOS, --stop) before this many new '
+                                   'tokens.'),
+    stop: List[str] = typer.Option([], '--stop', help='Stop a row when its text contains STRING (repeatable, '
+                                   'not empty).'),
     batch_size: int = typer.Option(0, '--batch-size', min=0, help='Rows decoded together (0: up to 64).'),
     step: Optional[int] = typer.Option(None, '--step', help='Checkpoint step (default: the latest).'),
     no_checkpoint: bool = typer.Option(False, '--no-checkpoint', help='Decode freshly initialised weights.'),
     dtype: Optional[str] = typer.Option(None, '--dtype', help='Activation dtype (default: FPROP_DTYPE).'),
     output: Optional[str] = typer.Option(
-        None, '--output', '-o', help='JSONL output (default <job dir>/decoder_out/<dataset|prompts>/decode_step<k>.jsonl).'),
+        None, '--output', '-o', help='JSONL output (default <job dir>/decoder_out/<dataset|prompts>/'
+        'pax_decode_step<k>_<n>.jsonl, n counting up: never the trainer\'s decode_step<k>.jsonl).'),
     json_out: bool = typer.Option(False, '--json', help='Print the JSON lines to stdout instead of a table.'),
     coordinator: Optional[str] = common.coordinator_option(),
     num_processes: Optional[int] = common.num_processes_option(),
@@ -60,8 +66,14 @@ def decode_command(
   from paxcli.errors import UserError
   opts = DecodeOptions(max_decode_steps=max_decode_steps, temperature=temperature, top_k=top_k, top_p=top_p,
                        num_samples=num_samples, seed=seed, beam_size=beam_size, length_penalty=length_penalty,
-                       eos_ids=tuple(eos_id), stop=tuple(stop), batch_size=batch_size)
+                       eos_ids=tuple(eos_id), stop=tuple(stop), batch_size=batch_size, ignore_eos=ignore_eos,
+                       min_length=min_length)
   opts.check()  # option errors before any start-up
+  from paxcli.decode import check_text
+  for text in prompt:
+    check_text(text, '--prompt')
+  for text in stop:
+    check_text(text, '--stop')
   if dtype is not None and dtype not in ('float32', 'bfloat16', 'float16'):
     raise UserError(f'--dtype must be one of float32, bfloat16, float16; got {dtype!r}.')
   if not (prompt or prompts_file or prompt_ids or dataset):

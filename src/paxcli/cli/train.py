@@ -43,14 +43,43 @@ def describe(
     overrides: List[str] = common.set_option(),
     json_out: bool = typer.Option(False, '--json', help='Print the resolved config as JSON.'),
 ) -> None:
-  """Print an experiment's fully resolved config (knobs, task, datasets) after overrides."""
+  """Print an experiment's fully resolved config (knobs, task, datasets) after overrides, headed by
+  its parameter count, training FLOPs per token, global batch and the devices its mesh needs."""
   import json
 
+  from paxcli import engine
   resolved = common.resolve(exp, overrides)
+  summary = engine.summary(resolved)
   if json_out:
-    typer.echo(json.dumps({k: _jsonable(v) for k, v in resolved.flat().items()}, indent=1))
+    flat = {f'summary.{k}': v for k, v in summary.items()}
+    flat.update({k: _jsonable(v) for k, v in resolved.flat().items()})
+    typer.echo(json.dumps(flat, indent=1))
   else:
-    typer.echo(resolved.as_text(), nl=False)
+    text = resolved.as_text()
+    head, _, rest = text.partition('\n')
+    typer.echo('\n'.join([head] + summary_lines(summary)) + '\n' + rest, nl=False)
+
+
+def summary_lines(s: dict) -> list[str]:
+  """engine.summary as comment lines for the top of `pax describe`."""
+  def count(n: float, unit: str = '') -> str:
+    for suffix, size in (('T', 1e12), ('G', 1e9), ('M', 1e6), ('K', 1e3)):
+      if n >= size:
+        return f'{n / size:.3g} {suffix}{unit}'
+    return f'{n:g} {unit}'.rstrip()
+
+  devices = f"{s['devices']:,}" if s['devices'] else s['devices_note']
+  if s['global_batch']:
+    tokens = f" x {s['seq_len']:,} tokens = {s['global_batch'] * s['seq_len']:,} tokens per step" if s['seq_len'] else ''
+    batch = f"{s['global_batch']:,} sequences{tokens}"
+  else:
+    batch = s['global_batch_note']
+  flops = (f"{count(s['flops_per_token'], 'FLOP')} (training: forward + backward, paxcli.flops)"
+           if s['flops_per_token'] else s['flops_per_token_note'])
+  return [f"# parameters: {count(s['parameters'])} ({s['parameters']:,})",
+          f'# FLOPs per token: {flops}',
+          f'# global batch: {batch}',
+          f'# devices needed: {devices}']
 
 
 def _jsonable(v):

@@ -18,7 +18,7 @@ import numpy as np
 
 from paxcli import jobdir
 from paxcli.convert import formats
-from paxcli.errors import UserError
+from paxcli.errors import UserError, shorten
 
 _LAYER_RE = re.compile(r'(^|/)layer_(\d+)(/|$)')
 _LAYERS_RE = re.compile(r'(^|/)layers(/|$)')
@@ -37,6 +37,63 @@ def saved_overrides(name: str, config: dict) -> list[str]:
   return knobs + extra
 
 
+# The recipe a conversion from hf or paxml wrote, kept in its output too (a job directory or a
+# safetensors directory): what lets a later conversion of that output find the experiment
+# without importing anything (recipe_class).
+RECIPE_COPY = 'recipe.py'
+
+
+def recipe_class(path: str, class_name: str, text: str, where: Optional[str] = None):
+  """The experiment class of a recipe as convert writes it, made from its knobs (the text is
+  parsed, never run) and served for `path:class_name` in this process."""
+  from paxcli import experiment
+  from paxcli import gencode
+  from paxcli.lm import LmExperiment
+  knobs = gencode.knobs_of(text, class_name, where or path)
+  cls = type(class_name, (LmExperiment,), {**knobs, '__module__': '_paxcli_recipe_data',
+                                           '__doc__': f'{class_name} of {path}, read as data.'})
+  cls._registered_name = f'{os.path.splitext(os.path.basename(path))[0]}.{class_name}'
+  experiment.provide_file_class(path, class_name, cls)
+  return cls
+
+
+def source_dir(src) -> str:
+  """The directory a checkpoint's files are in (a job directory, a safetensors directory)."""
+  path = getattr(src, 'job_dir', None) or src.path
+  return os.path.realpath(path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path)))
+
+
+def trusted_experiment(src, name: str, exp: Optional[str]) -> Optional[str]:
+  """`name` (an experiment a checkpoint's metadata names) when it may be resolved, else None.
+
+  Metadata never chooses code to import: it may name a registered experiment (paxcli's
+  recipes, or one registered by a file --exp loaded), the experiment --exp names (the user
+  chose it), or the recipe a conversion wrote, read as data from the copy in the checkpoint's
+  own directory (RECIPE_COPY), never from the path the metadata gives.
+  """
+  import sys
+
+  from paxcli import experiment, files
+  registry = experiment.import_all_recipes()
+  by_class = [key for key in registry if key.rsplit('.', 1)[-1] == name]
+  module = name.rsplit('.', 1)[0] if '.' in name and ':' not in name else None
+  if (name == exp or name in registry or len(by_class) == 1
+      or module and f'{experiment.RECIPES_PACKAGE}.{module}' in sys.modules):   # paxcli's own recipes
+    return name
+  if ':' in name:
+    class_name = name.rsplit(':', 1)[1]
+    copy = files.member(source_dir(src), RECIPE_COPY, 'recipe')
+    if class_name.isidentifier() and os.path.isfile(copy):
+      try:
+        recipe_class(name.rsplit(':', 1)[0], class_name, files.read_text(copy, 'recipe', 1 << 20), copy)
+      except UserError as e:
+        raise UserError(f'{e} The checkpoint names the experiment {shorten(repr(name))}; paxcli reads the recipe '
+                        'a conversion wrote as data and never runs it. If you trust the recipe, pass --exp '
+                        'with it.') from None
+      return name
+  return None
+
+
 def resolve_pair(src, exp: Optional[str], overrides: list[str]):
   """(source Resolved or None, target Resolved) for a source with a paxcli config."""
   from paxcli import config as cfg
@@ -44,9 +101,18 @@ def resolve_pair(src, exp: Optional[str], overrides: list[str]):
   if src.config and not name and not exp:
     raise UserError(f'{src.path}: the checkpoint does not name its experiment; pass --exp.')
   if src.config:
-    saved = saved_overrides(name, src.config)
-    source = cfg.resolve(name, saved)
-    target = cfg.resolve(name, saved + list(overrides)) if not exp or exp == name else cfg.resolve(exp, overrides)
+    named = name
+    name = trusted_experiment(src, name, exp) if name else None
+    if name is None and not exp:
+      raise UserError(f'{src.path}: its metadata names the experiment {shorten(repr(named))}, which is not a '
+                      'registered experiment; paxcli never imports code a checkpoint names. If you trust it, '
+                      'pass --exp with it (or the experiment to convert to).')
+    saved = saved_overrides(name or exp, src.config)
+    source = cfg.resolve(name or exp, saved)
+    if not exp or exp == name:
+      target = cfg.resolve(name, saved + list(overrides))
+    else:
+      target = cfg.resolve(exp, overrides)
     return source, target
   knobs = src.knobs()
   if knobs is None and not exp:
@@ -198,10 +264,20 @@ class Output:
 
   def __init__(self, path: str, force: bool, source_path: str):
     self.path = os.path.abspath(path)
-    src = os.path.abspath(source_path)
-    if self.path == src or src.startswith(self.path + os.sep) or self.path.startswith(src + os.sep):
-      raise UserError(f'The output {path} would be inside or over the source {source_path}; the source '
-                      'is never modified. Choose another output path.')
+    # Resolved: a symlink to the source (or to a directory above or below it) is the source; the
+    # source of a step directory (job/checkpoints/<step>) is its whole job directory.
+    out, src = os.path.realpath(path), os.path.realpath(source_path)
+    resolved = ' (symlinks resolved)' if out != self.path or src != os.path.abspath(source_path) else ''
+    parts = src.split(os.sep)
+    if len(parts) > 2 and parts[-2] == 'checkpoints' and parts[-1].isdigit():
+      src = os.path.dirname(os.path.dirname(src))
+    elif parts[-1] == 'checkpoints':
+      src = os.path.dirname(src)
+    if os.path.commonpath([out, src]) in (out, src):
+      raise UserError(f'The output {path} would be inside or over the source {source_path}{resolved}; the '
+                      'source is never modified. Choose another output path.')
+    if os.path.islink(self.path):   # --force would replace the link, not what it points to
+      raise UserError(f'The output {path} is a symlink (to {out}); give the real path.')
     if os.path.exists(self.path) and not force:
       raise UserError(f'The output {path} exists; pass --force to replace it.')
     os.makedirs(os.path.dirname(self.path) or '.', exist_ok=True)

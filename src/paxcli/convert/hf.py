@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Optional
 
 import numpy as np
 
-from paxcli.convert import formats, safetensors_io
+from paxcli import files, gencode
+from paxcli.convert import formats, hf_tokenizer, safetensors_io
 from paxcli.convert.formats import ArrayInfo
 from paxcli.errors import UserError
 
@@ -53,7 +55,8 @@ def misfit(model) -> list[str]:
   return reasons
 
 
-def config_for(model, dtype: str = 'float32') -> dict:
+def config_for(model, dtype: str = 'float32', token_ids: Optional[dict] = None) -> dict:
+  """config.json of a LlamaForCausalLM; token ids from the tokenizer (hf_tokenizer.token_ids)."""
   return {
       'architectures': ['LlamaForCausalLM'], 'model_type': 'llama',
       'vocab_size': model.vocab_size, 'hidden_size': model.model_dims,
@@ -63,7 +66,8 @@ def config_for(model, dtype: str = 'float32') -> dict:
       'hidden_act': 'silu', 'rms_norm_eps': float(getattr(model, 'norm_epsilon', None) or RMS_EPS), 'rope_theta': float(model.rotary_max_timescale),
       'rope_scaling': None, 'attention_bias': False, 'mlp_bias': False, 'attention_dropout': 0.0,
       'tie_word_embeddings': not model.separate_embedding, 'initializer_range': 0.02,
-      'torch_dtype': dtype, 'use_cache': True, 'bos_token_id': 1, 'eos_token_id': 2,
+      'torch_dtype': dtype, 'use_cache': True,
+      **(token_ids or {'bos_token_id': None, 'eos_token_id': None, 'pad_token_id': None}),
   }
 
 
@@ -82,19 +86,97 @@ def knobs_from_config(config: dict, path: str) -> tuple[dict, list[str]]:
     problems.append('attention_bias/mlp_bias (paxcli\'s Llama layout has no biases)')
   if problems:
     raise UserError(f'{path}: this Llama config cannot be expressed in paxcli: ' + '; '.join(problems) + '.')
-  heads = config['num_attention_heads']
+  get = _Reader(config, path)
+  heads = get.int('num_attention_heads')
+  dims = get.int('hidden_size')
   knobs = {
-      'VOCAB_SIZE': config['vocab_size'], 'NUM_LAYERS': config['num_hidden_layers'],
-      'MODEL_DIMS': config['hidden_size'], 'HIDDEN_DIMS': config['intermediate_size'],
-      'NUM_HEADS': heads, 'NUM_KV_HEADS': config.get('num_key_value_heads') or heads,
-      'DIMS_PER_HEAD': config.get('head_dim') or config['hidden_size'] // heads,
-      'MAX_SEQ_LEN': config.get('max_position_embeddings', 2048), 'ACTIVATION': 'silu',
+      'VOCAB_SIZE': get.int('vocab_size'), 'NUM_LAYERS': get.int('num_hidden_layers'),
+      'MODEL_DIMS': dims, 'HIDDEN_DIMS': get.int('intermediate_size'),
+      'NUM_HEADS': heads, 'NUM_KV_HEADS': get.int('num_key_value_heads', heads),
+      'DIMS_PER_HEAD': get.int('head_dim', dims // heads if dims % heads == 0 else None),
+      'MAX_SEQ_LEN': get.int('max_position_embeddings', 2048), 'ACTIVATION': 'silu',
       'USE_GATED_ACTIVATION': True, 'NORM_TYPE': 'rmsnorm', 'USE_BIAS': False,
-      'POSITION_EMBEDDING': 'rotary', 'ROTARY_MAX_TIMESCALE': float(config.get('rope_theta', 10000.0)),
-      'SEPARATE_EMBEDDING': not config.get('tie_word_embeddings', False), 'USE_REPEATED_LAYER': False,
+      'POSITION_EMBEDDING': 'rotary', 'ROTARY_MAX_TIMESCALE': get.float('rope_theta', 10000.0),
+      'SEPARATE_EMBEDDING': not get.bool('tie_word_embeddings', False), 'USE_REPEATED_LAYER': False,
   }
-  knobs['NORM_EPSILON'] = float(config.get('rms_norm_eps', RMS_EPS))
+  if knobs['DIMS_PER_HEAD'] is None:
+    raise UserError(f'{path}/config.json: hidden_size {dims} is not a multiple of num_attention_heads {heads} '
+                    'and there is no head_dim.')
+  if heads % knobs['NUM_KV_HEADS']:
+    raise UserError(f'{path}/config.json: num_attention_heads {heads} is not a multiple of num_key_value_heads '
+                    f'{knobs["NUM_KV_HEADS"]}.')
+  knobs['NORM_EPSILON'] = get.float('rms_norm_eps', RMS_EPS)
   return knobs, []
+
+
+class _Reader:
+  """Values of a config.json, checked: a missing, wrong-typed or out-of-range one is a UserError."""
+  _REQUIRED = object()
+
+  def __init__(self, config: dict, path: str):
+    self.config, self.where = config, f'{path}/config.json'
+
+  def _get(self, key, default):
+    value = self.config.get(key)
+    if value is None:
+      if default is self._REQUIRED:
+        raise UserError(f'{self.where}: {key} is missing; a Llama config needs it.')
+      return None, default
+    return value, None
+
+  def int(self, key: str, default=_REQUIRED):
+    value, fallback = self._get(key, default)
+    if value is None:
+      return fallback
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+      raise UserError(f'{self.where}: {key} is {str(json.dumps(value))[:60]}; it must be a positive integer.')
+    return value
+
+  def float(self, key: str, default=_REQUIRED):
+    value, fallback = self._get(key, default)
+    if value is None:
+      return fallback
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < float('inf'):
+      raise UserError(f'{self.where}: {key} is {str(json.dumps(value))[:60]}; it must be a positive number.')
+    return float(value)
+
+  def bool(self, key: str, default=_REQUIRED):
+    value, fallback = self._get(key, default)
+    if value is None:
+      return fallback
+    if not isinstance(value, bool):
+      raise UserError(f'{self.where}: {key} is {str(json.dumps(value))[:60]}; it must be true or false.')
+    return value
+
+
+def _model_of(knobs: dict):
+  """The settings mapping() reads, from knobs (no model is built)."""
+  import types
+  return types.SimpleNamespace(
+      model_dims=knobs['MODEL_DIMS'], hidden_dims=knobs['HIDDEN_DIMS'], vocab_size=knobs['VOCAB_SIZE'],
+      num_heads=knobs['NUM_HEADS'], num_kv_heads=knobs['NUM_KV_HEADS'], dims_per_head=knobs['DIMS_PER_HEAD'],
+      num_layers=knobs['NUM_LAYERS'], separate_embedding=knobs['SEPARATE_EMBEDDING'])
+
+
+def shape_problems(have: dict, model) -> list[str]:
+  """What in the weights (name -> ArrayInfo) does not fit a Llama of `model`'s settings."""
+  layers = {int(m.group(1)) for m in map(_LAYER.match, have) if m}
+  if layers and model.num_layers != len(layers):   # before listing 9 names for each of a million layers
+    return [f'config.json says num_hidden_layers {model.num_layers}; the weights hold {len(layers)} layers']
+  problems = []
+  entries = mapping(model)
+  for hf_name, _, hf_shape, _, _ in entries:
+    if hf_name not in have:
+      problems.append(f'{hf_name}: missing (expected {list(hf_shape)})')
+    elif tuple(have[hf_name].shape) != hf_shape:
+      problems.append(f'{hf_name}: {list(have[hf_name].shape)}, expected {list(hf_shape)}')
+  known = {e[0] for e in entries} | {'lm_head.weight'}
+  problems += [f'{n}: not part of a Llama of this config' for n in have if n not in known
+               and not n.endswith('rotary_emb.inv_freq')]
+  return problems
+
+
+_LAYER = re.compile(r'model\.layers\.(\d+)\.')
 
 
 def _linear(shape_pax_in: int):
@@ -146,16 +228,18 @@ class HfSource(formats.SourceBase):
 
   def __init__(self, path: str, step: Optional[int] = None, target=None):
     self.path = path
+    text = files.read_text(files.member(path, 'config.json', 'config'), 'config.json', 16 << 20)
     try:
-      with open(os.path.join(path, 'config.json'), encoding='utf-8') as f:
-        self.native = json.load(f)
-    except (OSError, ValueError) as e:
-      raise UserError(f'{path}/config.json cannot be read: {e}') from None
+      self.native = json.loads(text)
+    except (ValueError, RecursionError) as e:
+      raise UserError(f'{path}/config.json is not valid JSON ({str(e)[:100]}).') from None
+    if not isinstance(self.native, dict):
+      raise UserError(f'{path}/config.json is a JSON {type(self.native).__name__}, not an object.')
     if not safetensors_io.files_of(path):
       raise UserError(f'{path} has no .safetensors weights (PyTorch .bin files are not read: convert them '
                       'to safetensors first).')
     self._st = safetensors_io.SafetensorsSource(path)
-    self.step = int(self._st.metadata.get('step', 0)) if step is None else step
+    self.step = self._st.step if step is None else step
     self._knobs = None
 
   def arrays(self):
@@ -165,13 +249,18 @@ class HfSource(formats.SourceBase):
     return self._st.read(name, index)
 
   def knobs(self) -> dict:
+    """The knobs of config.json, checked against the weights' shapes before any model is built."""
     if self._knobs is None:
-      self._knobs, self.notes = knobs_from_config(self.native, self.path)
+      knobs, self.notes = knobs_from_config(self.native, self.path)
+      problems = shape_problems({a.name: a for a in self.arrays()}, _model_of(knobs))
+      if problems:
+        raise UserError(f'{self.path}: the weights do not match its config.json:\n  ' + '\n  '.join(problems[:20]))
+      self._knobs = knobs
     return self._knobs
 
   def extra_files(self) -> dict:
-    path = os.path.join(self.path, 'tokenizer.model')
-    return {'tokenizer': path} if os.path.exists(path) else {}
+    path = files.member(self.path, 'tokenizer.model', 'tokenizer')
+    return {'tokenizer': path} if os.path.isfile(path) else {}
 
   def paxcli_view(self, model) -> 'PaxView':
     return PaxView(self, model)
@@ -186,18 +275,9 @@ class PaxView(formats.SourceBase):
     self.knobs = hf.knobs
     self.extra_files = hf.extra_files
     have = {a.name: a for a in hf.arrays()}
-    self._map, problems = {}, []
-    entries = mapping(model)
-    for hf_name, pax_name, hf_shape, pax_shape, (_, back) in entries:
-      if hf_name not in have:
-        problems.append(f'{hf_name}: missing (expected {list(hf_shape)})')
-      elif tuple(have[hf_name].shape) != hf_shape:
-        problems.append(f'{hf_name}: {list(have[hf_name].shape)}, expected {list(hf_shape)}')
-      else:
-        self._map[pax_name] = (hf_name, pax_shape, back, have[hf_name].dtype)
-    known = {e[0] for e in entries} | {'lm_head.weight'}
-    problems += [f'{n}: not part of a Llama of this config' for n in have if n not in known
-                 and not n.endswith('rotary_emb.inv_freq')]
+    problems = shape_problems(have, model)
+    self._map = {pax_name: (hf_name, pax_shape, back, have[hf_name].dtype)
+                 for hf_name, pax_name, _, pax_shape, (_, back) in mapping(model) if not problems}
     if problems:
       raise UserError(f'{hf.path}: the weights do not match its config.json:\n  ' + '\n  '.join(problems[:20]))
 
@@ -215,7 +295,8 @@ formats.register_reader('hf', lambda path, step=None, target=None: HfSource(path
 
 def export(directory: str, src, items_by_name: dict, model, read, dtype: str, max_shard_bytes: int,
            on_bytes) -> None:
-  """Writes model.safetensors (+ shards and index) and config.json into directory."""
+  """Writes model.safetensors (+ shards and index), config.json, generation_config.json and, when the
+  run has a tokenizer, the tokenizer files transformers reads (hf_tokenizer) into directory."""
   reasons = misfit(model)
   if reasons:
     raise UserError('This model does not fit the Hugging Face Llama layout: ' + '; '.join(reasons) + '.')
@@ -227,19 +308,27 @@ def export(directory: str, src, items_by_name: dict, model, read, dtype: str, ma
     pax_name, to_hf = fns[hf_name]
     put(to_hf(read(items_by_name[pax_name])))
 
+  tokenizer = src.extra_files().get('tokenizer')
+  ids = hf_tokenizer.token_ids(tokenizer)   # the special ids of the tokenizer the model was trained with
   safetensors_io.write(directory, arrays, fill, {'format': 'pt', 'step': src.step}, max_shard_bytes, on_bytes)
   with open(os.path.join(directory, 'config.json'), 'w', encoding='utf-8') as f:
-    json.dump(config_for(model, dtype), f, indent=2)
+    json.dump(config_for(model, dtype, ids), f, indent=2)
   with open(os.path.join(directory, 'generation_config.json'), 'w', encoding='utf-8') as f:
-    json.dump({'bos_token_id': 1, 'eos_token_id': 2}, f, indent=2)
+    json.dump({k: v for k, v in ids.items() if v is not None}, f, indent=2)
+  if tokenizer:
+    hf_tokenizer.write(directory, tokenizer, model.max_seq_len)
 
 
 def recipe_text(class_name: str, knobs: dict, source: str, notes: list[str]) -> str:
-  lines = [f'"""Hugging Face Llama `{source}` as a paxcli experiment (pax checkpoint convert --from hf).',
-           '', 'Knobs from its config.json. ' + (' '.join(f'Note: {n}.' for n in notes) if notes else ''),
-           '"""', '', 'from paxcli.experiment import register', 'from paxcli.lm import LmExperiment', '', '',
-           '@register', f'class {class_name}(LmExperiment):',
-           f'  """Llama from {os.path.basename(os.path.abspath(source))}."""', '']
-  lines += [f'  {k} = {v!r}' for k, v in knobs.items()]
+  """The recipe of an imported Llama: its knobs; the source path and notes only as literals."""
+  lines = ['"""A Hugging Face Llama as a paxcli experiment (written by pax checkpoint convert --from hf).', '',
+           'SOURCE is the directory it was converted from; the knobs come from its config.json.', '"""', '',
+           'from paxcli.experiment import register', 'from paxcli.lm import LmExperiment', '',
+           f'SOURCE = {gencode.literal(os.path.abspath(source))}']
+  if notes:
+    lines.append(f'NOTES = {gencode.literal(tuple(str(n) for n in notes))}')
+  lines += ['', '', '@register', f'class {class_name}(LmExperiment):',
+            '  """The Llama of SOURCE, with the knobs of its config.json."""', '']
+  lines += [f'  {k} = {gencode.literal(v)}' for k, v in knobs.items()]
   lines += ['  PERCORE_BATCH_SIZE = 1', '  ICI_MESH_SHAPE = None  # all devices data-parallel; set a mesh for large models']
   return '\n'.join(lines) + '\n'

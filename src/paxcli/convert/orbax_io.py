@@ -167,9 +167,10 @@ class OrbaxSource(formats.SourceBase):
     return np.asarray(out)
 
   def extra_files(self) -> dict:
-    from paxcli import tokenizer
-    path = tokenizer.job_dir_file(self.job_dir)
-    return {'tokenizer': path} if path and os.path.exists(path) else {}
+    from paxcli import files, tokenizer
+    name = os.path.relpath(tokenizer.job_dir_file(self.job_dir), self.job_dir)
+    path = files.member(self.job_dir, name, 'tokenizer')
+    return {'tokenizer': path} if os.path.isfile(path) else {}
 
 
 def _read_by_chunks(store) -> np.ndarray:

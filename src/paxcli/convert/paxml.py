@@ -33,6 +33,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
+from paxcli import files, gencode
 from paxcli.convert import formats
 from paxcli.convert.formats import ArrayInfo
 from paxcli.errors import UserError
@@ -346,7 +347,7 @@ class PaxConfig:
 
 
 def knobs_text(knobs: dict) -> list[str]:
-  return [f'  {k} = {v!r}' for k, v in knobs.items()]
+  return [f'  {k} = {gencode.literal(v)}' for k, v in knobs.items()]
 
 
 # ---- reading zarr arrays -----------------------------------------------------------------------
@@ -408,7 +409,7 @@ class PaxmlSource(formats.SourceBase):
     self.path = path
     self.step_dir, self.step, self.job_dir = locate(path, step)
     self.arrays_ = _Arrays(os.path.join(self.step_dir, 'state'))
-    cfg_path = os.path.join(self.job_dir, CONFIG_FILE)
+    cfg_path = files.member(self.job_dir, CONFIG_FILE, 'paxml config')
     self.config_path = cfg_path if os.path.exists(cfg_path) else None
     self.native = None
     if self.config_path:
@@ -484,12 +485,15 @@ class PaxmlSource(formats.SourceBase):
   def recipe_text(self, class_name: str) -> str:
     """A recipe of the model's knobs, with Pax's layer layout, FPROP_DTYPE and sequence length."""
     knobs = self.recipe_knobs()
-    lines = [f'"""The Pax model of `{self.path}` as a paxcli experiment (pax checkpoint convert --from paxml).',
-             '', f'Knobs derived from {self.config_path}. UNSUPPORTED_FEATURES lists what paxcli cannot',
-             'reproduce; `pax train` refuses to run until you accept it with --set UNSUPPORTED_FEATURES={}.',
-             'Set the data (datasets(), MAX_SEQ_LEN, PERCORE_BATCH_SIZE) and optimizer for your runs.',
-             '"""', '', 'from paxcli.experiment import register', 'from paxcli.lm import LmExperiment', '', '',
-             '@register', f'class {class_name}(LmExperiment):', '  """Converted from a paxml checkpoint."""', '']
+    lines = ['"""A Pax model as a paxcli experiment (written by pax checkpoint convert --from paxml).',
+             '', 'SOURCE is the checkpoint it was converted from, CONFIG the paxml config the knobs were',
+             'derived from. UNSUPPORTED_FEATURES lists what paxcli cannot reproduce; `pax train` refuses',
+             'to run until you accept it with --set UNSUPPORTED_FEATURES={}. Set the data (datasets(),',
+             'MAX_SEQ_LEN, PERCORE_BATCH_SIZE) and optimizer for your runs.',
+             '"""', '', 'from paxcli.experiment import register', 'from paxcli.lm import LmExperiment', '',
+             f'SOURCE = {gencode.literal(os.path.abspath(self.path))}',
+             f'CONFIG = {gencode.literal(self.config_path)}', '', '',
+             '@register', f'class {class_name}(LmExperiment):', '  """Converted from the paxml checkpoint SOURCE."""', '']
     return '\n'.join(lines + knobs_text(knobs)) + '\n'
 
   def recipe_knobs(self) -> dict:

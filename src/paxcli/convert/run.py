@@ -55,23 +55,26 @@ def convert(source: str, output: str, *, fmt: Optional[str] = None, to: str = 'o
   overrides = list(overrides)
   if to == 'hf':
     overrides.append('USE_REPEATED_LAYER=False')   # HF layers are unrolled
-  recipe_path = None
+  recipe_path = recipe_text = None
   if (src.kind == 'hf' and not src.config) or (src.kind == 'paxml' and not exp):
     # The imported model's experiment is the recipe written for it (as pax import-maxtext does),
     # unless --exp names one; the converted job then resumes with --exp <recipe>:<class>.
-    recipe_path = _write_recipe(src, recipe, output, force, log)
-    exp = exp or f'{recipe_path}:{_recipe_class(src)}'
+    recipe_path, recipe_text = _write_recipe(src, recipe, output, force, log)
+    if not exp:
+      exp = f'{recipe_path}:{_recipe_class(src)}'
+    else:
+      recipe_text = None   # the job's experiment is --exp's
   try:
     return _convert(src, out, source, output, fmt, to, exp, overrides, params_only, dtype, step, verify,
-                    kl_tolerance, max_shard_bytes, log, t0, recipe_path)
+                    kl_tolerance, max_shard_bytes, log, t0, recipe_path, recipe_text)
   except BaseException:
-    if recipe_path and not recipe:
+    if recipe_path and not recipe and os.path.isfile(recipe_path):
       os.remove(recipe_path)   # a failed import leaves nothing behind
     raise
 
 
 def _convert(src, out, source, output, fmt, to, exp, overrides, params_only, dtype, step, verify, kl_tolerance,
-             max_shard_bytes, log, t0, recipe_path):
+             max_shard_bytes, log, t0, recipe_path, recipe_text):
   if hasattr(src, 'check_experiment'):   # paxml: the experiment must compute the Pax model's function
     from paxcli import config as cfg
     src.check_experiment(cfg.resolve(exp, list(overrides)).experiment, log)
@@ -124,7 +127,7 @@ def _convert(src, out, source, output, fmt, to, exp, overrides, params_only, dty
       from paxcli.convert import hf
       hf.export(tmp, src, {i.name: i for i in items}, target.spec, read, dtype or 'float32',
                 max_shard_bytes, advance)
-    _carry_files(src, tmp, to)
+    _carry_files(src, tmp, to, recipe_text, own_experiment=exp is None)
   stats['seconds'] = time.perf_counter() - t0
   result = {'source': os.path.abspath(source), 'output': out.path, 'format': to, 'step': src.step,
             'params_only': params_only, 'dtype': dtype, 'experiment': target_res.name, **stats}
@@ -207,39 +210,81 @@ def _write_safetensors(tmp, src, items, target_res, read, advance, max_shard_byt
                         'paxcli_config': json.dumps(flat)}, max_shard_bytes, advance)
 
 
-def _carry_files(src, tmp: str, to: str) -> None:
+def _carry_files(src, tmp: str, to: str, recipe_text: Optional[str], own_experiment: bool) -> None:
+  """The tokenizer (a regular file inside the source's directory, files.member) and the recipe
+  the experiment is read from (core.RECIPE_COPY: written by this import, or the source's own
+  when the output keeps the source's experiment)."""
+  from paxcli import files
   tok = src.extra_files().get('tokenizer')
-  if not tok:
+  if tok:
+    if to == 'orbax':
+      from paxcli import tokenizer
+      dest = tokenizer.job_dir_file(tmp)
+    else:
+      dest = os.path.join(tmp, 'tokenizer.model')
+    os.makedirs(os.path.dirname(dest), exist_ok=True)
+    files.copy_member(tok, dest)
+  if to == 'hf':
     return
-  if to == 'orbax':
-    from paxcli import tokenizer
-    dest = tokenizer.job_dir_file(tmp)
-  else:
-    dest = os.path.join(tmp, 'tokenizer.model')
-  os.makedirs(os.path.dirname(dest), exist_ok=True)
-  shutil.copyfile(tok, dest)
+  if recipe_text is None and own_experiment and getattr(src, 'config', None):
+    copy = files.member(core.source_dir(src), core.RECIPE_COPY, 'recipe')
+    if os.path.isfile(copy):
+      recipe_text = files.read_text(copy, 'recipe', 1 << 20)
+  if recipe_text is not None:
+    from paxcli import gencode
+    gencode.check_shape(recipe_text, core.RECIPE_COPY)
+    with open(os.path.join(tmp, core.RECIPE_COPY), 'w', encoding='utf-8') as f:
+      f.write(recipe_text)
 
 
 def _recipe_class(src) -> str:
   return 'PaxLm' if src.kind == 'paxml' else 'HfLlama'
 
 
-def _write_recipe(src, recipe: Optional[str], output: str, force: bool, log) -> str:
+def _write_recipe(src, recipe: Optional[str], output: str, force: bool, log) -> tuple[str, str]:
+  """Writes the recipe of an imported model (atomically); returns (path, text).
+
+  The text holds outside text (paths, config values) only as literals (gencode) and is checked
+  for the generators' shape before it is written; the conversion reads it as data, never runs it.
+  A recipe already there is replaced with --force, or when it is the same text (left by an
+  interrupted run of the same import).
+  """
+  from paxcli import gencode
   from paxcli.convert import hf
   prefix, class_name = src.kind, _recipe_class(src)
-  path = recipe or os.path.join(os.path.dirname(os.path.abspath(output)),
-                                f'{prefix}_{os.path.basename(os.path.abspath(output))}.py'.replace('-', '_'))
-  if os.path.exists(path) and not force:
-    raise UserError(f'The recipe {path} exists; pass --force to replace it or --recipe PATH.')
+  path = os.path.abspath(recipe or os.path.join(os.path.dirname(os.path.abspath(output)),
+                                                f'{prefix}_{os.path.basename(os.path.abspath(output))}.py'.replace('-', '_')))
   if src.kind == 'paxml':
     text = src.recipe_text(class_name)
   else:
     text = hf.recipe_text(class_name, dict(src.knobs()), src.path, getattr(getattr(src, 'hf', src), 'notes', []))
-  with open(path, 'w', encoding='utf-8') as f:
-    f.write(text)
+  gencode.check_shape(text, path)   # a bug of ours, never outside text, could fail this
+  if os.path.lexists(path) and not force:
+    try:
+      same = os.path.isfile(path) and not os.path.islink(path) and files_text(path) == text
+    except (OSError, UnicodeDecodeError):
+      same = False
+    if not same:
+      raise UserError(f'The recipe {path} exists; pass --force to replace it or --recipe PATH.')
+    log(f'Replacing the recipe {path} left by an earlier run of this import (the same text).')
+  core.recipe_class(path, class_name, text)
+  tmp = f'{path}.tmp-{os.getpid()}'
+  try:
+    with open(tmp, 'w', encoding='utf-8') as f:
+      f.write(text)
+    os.replace(tmp, path)
+  except OSError as e:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+    raise UserError(f'Cannot write the recipe {path}: {e.strerror}.') from None
   log(f'Wrote the recipe {path}; the converted job resumes with: pax train --exp {path}:{class_name} '
       f'--job-log-dir {output}')
-  return path
+  return path, text
+
+
+def files_text(path: str) -> str:
+  with open(path, encoding='utf-8') as f:
+    return f.read(1 << 20)
 
 
 def _verify(src, source_model, target, out_path: str, to: str, tolerance: float) -> dict:

@@ -18,6 +18,7 @@ from typing import Iterable, Optional
 
 import numpy as np
 
+from paxcli import files
 from paxcli.convert import formats
 from paxcli.convert.formats import ArrayInfo
 from paxcli.errors import UserError
@@ -28,28 +29,96 @@ CODES = {v: k for k, v in DTYPES.items()}
 INDEX = 'model.safetensors.index.json'
 
 
+MAX_HEADER = 100 * 2**20
+
+
+def _bad(path: str, why: str) -> UserError:
+  return UserError(f'{path} is not a valid safetensors file: {why}.')
+
+
 def read_header(path: str) -> tuple[dict, int]:
-  """(header, offset of the data) of one file."""
+  """(header, offset of the data) of one file, checked: every entry's dtype, shape and
+  data_offsets consistent, inside the file and not overlapping another's; else a UserError."""
+  files.check_regular_file(path, 'safetensors file')
   try:
     with open(path, 'rb') as f:
-      n = struct.unpack('<Q', f.read(8))[0]
-      if n > 100 * 2**20:
-        raise ValueError('header too large')
-      header = json.loads(f.read(n))
-  except (OSError, ValueError, struct.error) as e:
-    raise UserError(f'{path} is not a safetensors file ({e}).') from None
+      size = os.fstat(f.fileno()).st_size
+      head = f.read(8)
+      if len(head) < 8:
+        raise _bad(path, f'{size} bytes, shorter than the 8-byte header length')
+      n = struct.unpack('<Q', head)[0]
+      if n > min(MAX_HEADER, size - 8):
+        raise _bad(path, f'the header length {n:,} is beyond the file ({size:,} bytes)' if n <= MAX_HEADER
+                   else f'the header length {n:,} is over {MAX_HEADER:,} bytes')
+      raw = f.read(n)
+  except OSError as e:
+    raise UserError(f'Cannot read {path}: {e.strerror}.') from None
+  try:
+    header = json.loads(raw)
+  except (ValueError, RecursionError) as e:
+    raise _bad(path, f'the header is not JSON ({str(e)[:100]})') from None
+  if not isinstance(header, dict):
+    raise _bad(path, f'the header is a JSON {type(header).__name__}, not an object')
+  meta = header.get('__metadata__')
+  if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
+    raise _bad(path, '__metadata__ is not an object of strings')
+  spans = []
+  for name, e in header.items():
+    if name == '__metadata__':
+      continue
+    shown = repr(name)[:100]
+    if not (isinstance(e, dict) and isinstance(e.get('dtype'), str) and isinstance(e.get('shape'), list)
+            and isinstance(e.get('data_offsets'), list) and len(e['data_offsets']) == 2):
+      raise _bad(path, f'the entry of {shown} is not {{dtype, shape, data_offsets: [begin, end]}}')
+    ints = e['shape'] + e['data_offsets']
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in ints):
+      raise _bad(path, f'{shown} has a shape or data_offsets that are not non-negative integers')
+    begin, end = e['data_offsets']
+    if end < begin:
+      raise _bad(path, f'{shown} has data_offsets [{begin}, {end}] that end before they begin')
+    if end > size - 8 - n:
+      raise _bad(path, f'{shown} has data_offsets [{begin}, {end}] beyond its {size - 8 - n:,} bytes of data'
+                 + ' (the file is truncated?)')
+    if e['dtype'] in DTYPES:
+      want = int(np.prod(e['shape'], dtype=object)) * formats.np_dtype(DTYPES[e['dtype']]).itemsize
+      if end - begin != want:
+        raise _bad(path, f'{shown} is {e["dtype"]} {e["shape"]} ({want:,} bytes) but its data_offsets span '
+                   f'{end - begin:,} bytes')
+    spans.append((begin, end, name))
+  spans.sort()
+  for (b0, e0, a), (b1, e1, b) in zip(spans, spans[1:]):
+    if b1 < e0:
+      raise _bad(path, f'the data of {repr(a)[:100]} [{b0}, {e0}] and {repr(b)[:100]} [{b1}, {e1}] overlap')
   return header, 8 + n
+
+
+def _index(path: str) -> list[str]:
+  """The shard files an index names, each inside the directory (files.member)."""
+  index = files.member(path, INDEX, 'index')
+  text = files.read_text(index, 'safetensors index', 64 << 20)
+  try:
+    data = json.loads(text)
+  except (ValueError, RecursionError) as e:
+    raise UserError(f'{index} is not valid JSON ({str(e)[:100]}).') from None
+  weight_map = data.get('weight_map') if isinstance(data, dict) else None
+  if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+    raise UserError(f'{index}: no "weight_map" object of tensor name -> file name.')
+  out = []
+  for name in sorted(set(weight_map.values())):
+    shard = files.member(path, name, f'shard (named in {INDEX})')
+    if not os.path.isfile(shard):
+      raise UserError(f'{index} names the shard {name!r}, which is not a file in {path}.')
+    out.append(shard)
+  return out
 
 
 def files_of(path: str) -> list[str]:
   if os.path.isfile(path):
     return [path]
-  index = os.path.join(path, INDEX)
-  if os.path.exists(index):
-    with open(index, encoding='utf-8') as f:
-      names = sorted(set(json.load(f)['weight_map'].values()))
-    return [os.path.join(path, n) for n in names]
-  return sorted(glob.glob(os.path.join(path, '*.safetensors')))
+  if os.path.lexists(os.path.join(path, INDEX)):
+    return _index(path)
+  found = sorted(glob.glob(os.path.join(glob.escape(path), '*.safetensors')))
+  return [files.member(path, os.path.basename(f), 'safetensors file') for f in found]
 
 
 def is_safetensors(path: str) -> bool:
@@ -72,10 +141,20 @@ class SafetensorsSource(formats.SourceBase):
       header, offset = read_header(file)
       metadata.update(header.pop('__metadata__', None) or {})
       for name, entry in header.items():
+        if name in self._where:
+          raise UserError(f'{file} and {self._where[name][0]} both hold {name!r}.')
         self._where[name] = (file, offset, entry)
     self.metadata = metadata
-    self.config = json.loads(metadata['paxcli_config']) if 'paxcli_config' in metadata else None
-    self.step = int(metadata.get('step', 0))
+    try:
+      self.config = json.loads(metadata['paxcli_config']) if 'paxcli_config' in metadata else None
+    except (ValueError, RecursionError):
+      raise UserError(f'{path}: the paxcli_config in its metadata is not JSON.') from None
+    if self.config is not None and not isinstance(self.config, dict):
+      raise UserError(f'{path}: the paxcli_config in its metadata is not a JSON object.')
+    try:
+      self.step = int(metadata.get('step', 0))
+    except ValueError:
+      raise UserError(f'{path}: the step in its metadata, {metadata["step"][:50]!r}, is not a number.') from None
     if step is not None and step != self.step:
       raise UserError(f'{path} holds step {self.step}, not --step {step}.')
     self.paxcli_names = metadata.get('format') == 'paxcli'
@@ -105,9 +184,9 @@ class SafetensorsSource(formats.SourceBase):
     return out
 
   def extra_files(self) -> dict:
-    directory = self.path if os.path.isdir(self.path) else os.path.dirname(self.path)
-    path = os.path.join(directory, 'tokenizer.model')
-    return {'tokenizer': path} if os.path.exists(path) else {}
+    directory = self.path if os.path.isdir(self.path) else os.path.dirname(os.path.abspath(self.path))
+    path = files.member(directory, 'tokenizer.model', 'tokenizer')
+    return {'tokenizer': path} if os.path.isfile(path) else {}
 
 
 formats.register_reader('safetensors', lambda path, step=None, target=None: SafetensorsSource(path, step),
@@ -164,14 +243,17 @@ def write(directory: str, arrays: list[tuple[str, tuple, str]], fill, metadata: 
 
 
 def parse_size(text: str, option: str = '--max-shard-size') -> int:
+  """'5GB', '500MiB', '1024' -> bytes (at least 1); UserError for anything else (0, negative, inf, nan)."""
   given, text = text, text.strip().upper().replace('IB', 'B')
-  for unit, mult in (('TB', 1 << 40), ('GB', 1 << 30), ('MB', 1 << 20), ('KB', 1 << 10), ('B', 1)):
+  number, mult = text, 1
+  for unit, size in (('TB', 1 << 40), ('GB', 1 << 30), ('MB', 1 << 20), ('KB', 1 << 10), ('B', 1)):
     if text.endswith(unit):
-      try:
-        return int(float(text[:-len(unit)]) * mult)
-      except ValueError:
-        break
+      number, mult = text[:-len(unit)], size
+      break
   try:
-    return int(text)
+    value = float(number) * mult
   except ValueError:
-    raise UserError(f'{option} {given!r}: give a size such as 5GB, 500MB or a number of bytes.') from None
+    value = float('nan')
+  if not (value >= 1 and value < 1 << 60):  # NaN fails both
+    raise UserError(f'{option} {given!r}: give a positive size such as 5GB, 500MB or a number of bytes.')
+  return int(value)

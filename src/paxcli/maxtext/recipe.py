@@ -7,6 +7,7 @@ import os
 import re
 from typing import Any
 
+from paxcli import gencode
 from paxcli.errors import UserError
 from paxcli.maxtext import defaults as mt
 from paxcli.maxtext.translate import Translation
@@ -55,42 +56,55 @@ def _literal(value: Any, indent: int) -> str:
 
 
 def _comment(text: str) -> str:
-  return ' '.join(str(text).split())
+  return gencode.comment(text)
 
 
 def render(t: Translation, class_name: str, output_path: str) -> str:
-  """The recipe source for a translation."""
+  """The recipe source for a translation.
+
+  Text of the script, its paths and the command line appears only as repr literals (written
+  for the docstring by gencode.in_docstring) and in one-line comments: a script whose trainer
+  call holds `\"\"\"; import os; ...` stays text.
+  """
   era = mt.ERAS[t.era]
+  q = gencode.in_docstring
   script = os.path.abspath(t.script.path)
-  exp = f'{output_path}:{class_name}'
+  exp = q(f'{output_path}:{class_name}')
+  call = f'{t.script.entry} {t.script.config_path or ""}'.rstrip()
   lines = [
-      f'"""MaxText run `{os.path.basename(t.script.path)}` as a paxcli experiment (pax import-maxtext).',
+      f'"""MaxText run {q(os.path.basename(t.script.path))} as a paxcli experiment (pax import-maxtext).',
       '',
-      f'Source script: {script}',
-      f'  line {t.script.line}: {t.script.entry} {t.script.config_path or ""}'.rstrip(),
+      f'Source script: {q(script)}',
+      f'  line {int(t.script.line)}: {q(call)}',
       f'MaxText era: {t.era} ({era.rule}).',
-      f'  Assumed because {t.era_reason}.',
-      f'Defaults: {t.defaults}; {t.defaults_reason}.',
+      f'  Assumed because {q(t.era_reason)}.',
+      f'Defaults: {q(t.defaults)}; {q(t.defaults_reason)}.',
   ]
   if t.preset:
-    lines.append(f'Model preset: {t.preset} (applied before the script\'s own keys).')
+    lines.append(f'Model preset: {q(t.preset)} (applied before the script\'s own keys).')
   lines += [
       '',
       'Run:',
       f'  pax describe --exp {exp}',
       f'  pax train --exp {exp}',
-      'A tiny check on CPU:',
+      'A tiny check on CPU' + (' (it accepts UNSUPPORTED_FEATURES: it checks that the recipe builds and'
+                               if t.unsupported else ':'),
+  ]
+  if t.unsupported:
+    lines.append('trains, not that it matches MaxText):')
+  tiny = list(TINY) + (['UNSUPPORTED_FEATURES={}'] if t.unsupported else [])
+  lines += [
       f'  pax train --exp {exp} \\',
-      '    ' + ' '.join(f'--set {s}' for s in TINY[:5]) + ' \\',
-      '    ' + ' '.join(f'--set {s}' for s in TINY[5:10]) + ' \\',
-      '    ' + ' '.join(f'--set {s}' for s in TINY[10:]),
+      '    ' + ' '.join(f'--set {s}' for s in tiny[:5]) + ' \\',
+      '    ' + ' '.join(f'--set {s}' for s in tiny[5:10]) + ' \\',
+      '    ' + ' '.join(f'--set {s}' for s in tiny[10:]),
   ]
   if t.unsupported:
     lines += ['', 'UNSUPPORTED_FEATURES lists what paxcli cannot reproduce; `pax train` refuses',
               'to run until you accept the difference with --set UNSUPPORTED_FEATURES={}.']
   lines += ['"""', '', 'from paxcli.lm import LmExperiment', '', '',
             f'class {class_name}(LmExperiment):',
-            f'{_INDENT}"""{os.path.basename(t.script.path)} (MaxText era {t.era})."""', '']
+            f'{_INDENT}"""{q(os.path.basename(t.script.path))} (MaxText era {t.era})."""', '']
   by_knob = {row.knob: row for row in t.rows}
   for knob, value in t.knobs.items():
     row = by_knob.get(knob)
@@ -105,7 +119,7 @@ def render(t: Translation, class_name: str, output_path: str) -> str:
   if t.untranslated:
     lines += ['', f'{_INDENT}# MaxText settings not translated (key = value: reason):']
     for u in t.untranslated:
-      lines.append(f'{_INDENT}#   {u.key} = {_comment(u.value)}: {_comment(u.reason)}')
+      lines.append(f'{_INDENT}#   {_comment(u.key)} = {_comment(u.value)}: {_comment(u.reason)}')
   if t.warnings:
     lines += ['', f'{_INDENT}# Warnings from the import:']
     lines += [f'{_INDENT}#   {_comment(w)}' for w in t.warnings]
@@ -121,6 +135,7 @@ def write(t: Translation, class_name: str, output_path: str, force: bool) -> str
     raise UserError(f'{output_path} exists; pass --force to overwrite it or -o for another path.')
   source = render(t, class_name, output_path)
   compile(source, output_path, 'exec')  # a bug here must not leave a broken recipe behind
+  gencode.check_shape(source, output_path)   # nor one that holds more than knobs
   directory = os.path.dirname(os.path.abspath(output_path))
   try:
     os.makedirs(directory, exist_ok=True)

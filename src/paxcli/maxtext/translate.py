@@ -48,12 +48,13 @@ _KEYS_2023 = {'save_period', 'warmup_steps', 'use_int8_training', 'max_eval_targ
 _KEYS_LATER = {'base_num_query_heads', 'base_num_kv_heads', 'model_name', 'decoder_block',
                'weight_dtype', 'opt_type'}
 
+# The epsilon of MaxText's norms before base.yml had normalization_layer_epsilon (layers' own default).
+_EARLY_NORM_EPSILON = 1e-6
 _ACTIVATIONS = set(options.ACTIVATIONS)  # paxcli.options declares every allowed value once
 _DTYPES = set(options.DTYPES)
 
 # Specific reasons for keys that are read but have no Pax knob.
 _REASONS = {
-    'normalization_layer_epsilon': 'no Pax knob: paxcli norms use their own epsilon',
     'rms_norm_epsilon': 'no Pax knob: paxcli norms use their own epsilon',
     'load_parameters_path': 'paxcli does not load MaxText checkpoints; the recipe starts from '
                             'random weights',
@@ -516,6 +517,11 @@ def _activation_and_block(b: _Builder) -> None:
   if b.whole('trainable_position_size', -1) > 0:
     position = 'learned'
   b.put('NORM_TYPE', block.norm, 'decoder_block')
+  if 'normalization_layer_epsilon' in b.config:  # base.yml since late 2023 (1e-5 in 2024), or a model preset
+    b.put('NORM_EPSILON', b.real('normalization_layer_epsilon'), 'normalization_layer_epsilon')
+  else:
+    b.put('NORM_EPSILON', _EARLY_NORM_EPSILON, 'normalization_layer_epsilon',
+          raw=f'(no such key yet: MaxText\'s norms used {_EARLY_NORM_EPSILON:g})')
   b.put('USE_BIAS', block.use_bias, 'decoder_block')
   b.put('POSITION_EMBEDDING', position, 'decoder_block, trainable_position_size')
   if position == 'rotary':
