@@ -65,6 +65,14 @@ def unstopped(job):
   return _decode(job, *SAMPLED, '--eos-id', '0')
 
 
+def _text(sp, prompt_ids, ids):
+  """The text `ids` add after the prompt: prompt and continuation decoded together, the prompt's text
+  cut off (sentencepiece drops the word-boundary space of a text's first piece when decoded alone)."""
+  head, whole = sp.decode(list(prompt_ids)), sp.decode(list(prompt_ids) + list(ids))
+  assert whole.startswith(head)
+  return whole[len(head):]
+
+
 def _cut(ids, *ends):
   """The ids up to and including the first of `ends`; (ids, None) if none occurs."""
   for i, t in enumerate(ids):
@@ -77,7 +85,7 @@ def test_text_prompts_are_encoded_by_the_jobs_tokenizer(job, sp, unstopped):
   assert len(unstopped) == len(PROMPTS) * 16
   for (i, _), r in unstopped.items():
     assert r['prompt'] == PROMPTS[i] and r['prompt_ids'] == sp.encode(PROMPTS[i])
-    assert r['decoded'] == sp.decode(r['decoded_ids']) and r['stop_reason'] == 'max_steps'
+    assert r['decoded'] == _text(sp, r['prompt_ids'], r['decoded_ids']) and r['stop_reason'] == 'max_steps'
     assert 0 not in r['decoded_ids']  # pad never ends these rows: they are the full 24 tokens
     assert len(r['decoded_ids']) == 24
 
@@ -95,7 +103,7 @@ def test_rows_stop_at_the_tokenizers_eos_without_showing_it(job, sp, unstopped):
       assert r['stop_reason'] == 'max_steps' and r['decoded'] == ref['decoded']
     else:
       ended += 1
-      assert r['stop_reason'] == 'eos' and r['decoded'] == sp.decode(want[:-1]), key
+      assert r['stop_reason'] == 'eos' and r['decoded'] == _text(sp, ref['prompt_ids'], want[:-1]), key
       assert r['num_decoded_tokens'] == len(want)
   assert ended >= 3, 'too few rows sampled the EOS to judge stopping at it'
 
@@ -112,16 +120,16 @@ def test_stop_strings_and_eos_ids_end_rows_where_the_reference_reaches_them(job,
   for key, ref in unstopped.items():
     ids = ref['decoded_ids']
     # the first prefix whose text holds the stop string
-    at_stop = next((j for j in range(1, len(ids) + 1) if stop in sp.decode(ids[:j])), None)
+    at_stop = next((j for j in range(1, len(ids) + 1) if stop in _text(sp, ref['prompt_ids'], ids[:j])), None)
     at_eos = ids.index(end_id) + 1 if end_id in ids else None
     r = got[key]
     if at_eos and (at_stop is None or at_eos <= at_stop):
       by_eos += 1
       assert r['stop_reason'] == 'eos' and r['decoded_ids'] == ids[:at_eos], key
-      assert r['decoded'] == sp.decode(ids[:at_eos - 1])
+      assert r['decoded'] == _text(sp, ref['prompt_ids'], ids[:at_eos - 1])
     elif at_stop:
       by_stop += 1
-      text = sp.decode(ids[:at_stop])
+      text = _text(sp, ref['prompt_ids'], ids[:at_stop])
       assert r['stop_reason'] == 'stop_string' and r['decoded_ids'] == ids[:at_stop], key
       assert r['decoded'] == text[:text.find(stop)] and stop not in r['decoded']
     else:
