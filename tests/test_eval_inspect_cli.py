@@ -150,8 +150,37 @@ def test_post_processing_subclass_trains(tmp_path, capsys):
                              '--set', 'task.train.num_train_steps=2', '--set', 'task.train.summary_interval_steps=1'],
                             capsys)
   assert code == 0, err
-  first = json.loads(open(tmp_path / 'm' / 'train_metrics.jsonl').readline())
-  assert first['tokens_per_sec'] > 0
+  records = [json.loads(line) for line in open(tmp_path / 'm' / 'train_metrics.jsonl')]
+  # What the post-processing did, by value: the batches the experiment's input gives are its parent's
+  # with the first target of each row weighted 0, and nothing else changed.
+  import dataclasses
+
+  import jax
+  import numpy as np
+
+  from paxcli import config, engine
+  from paxcli.inputs.synthetic import SyntheticLmInput
+  resolved = config.resolve(f'{path}:Masked', [])
+  setup = engine.build(resolved)
+  masked = engine.build_input(resolved.train_dataset(), setup)
+  parent = SyntheticLmInput(**{f.name: getattr(masked, f.name) for f in dataclasses.fields(SyntheticLmInput)
+                               if f.init})
+  batch, plain = masked.get_next(), parent.get_next()
+  assert batch['ids'].shape == (8, 16)
+  np.testing.assert_array_equal(batch['ids'], plain['ids'])
+  np.testing.assert_array_equal(batch['labels'], plain['labels'])
+  assert np.all(plain['weights'] == 1) and np.all(batch['weights'][:, 0] == 0) and np.all(batch['weights'][:, 1:] == 1)
+  # ... and training used them: 8 rows x 15 weighted targets a step, and step 1's loss is the
+  # initial model's loss on the masked batch, not on the plain one.
+  assert [r['step'] for r in records] == [1, 2]
+  assert all(r['tokens_per_sec'] / r['steps_per_sec'] == pytest.approx(8 * 15) for r in records)
+  params = jax.device_get(engine.init_state(setup, resolved.experiment.RANDOM_SEED)['params'])
+
+  def loss(b):
+    return float(setup.model.apply({'params': params}, {k: jax.numpy.asarray(v) for k, v in b.items()},
+                                   deterministic=True, method='fprop')[0])
+  assert records[0]['loss'] == pytest.approx(loss(batch), rel=1e-5)
+  assert abs(loss(batch) - loss(plain)) > 1e-3
 
 
 def test_input_errors_are_one_clear_line(tmp_path, capsys):

@@ -333,15 +333,33 @@ def test_xla_flags_go_to_their_platform(tmp_path, hardware, flags, expected):
   assert {p: d['XLA_FLAGS'] for p, d in env.items()} == expected
 
 
+# MaxText mesh axes Pax has as its own: <net>_<axis>_parallelism -> index in <NET>_MESH_SHAPE
+# (replica, data, mdl). The other axes are folded into one of these with a warning naming the key.
+MESH_INDEX = {'data': 0, 'fsdp': 1, 'tensor': 2}
+
+
 def test_nothing_the_script_sets_goes_missing():
+  """Every key a script sets becomes a knob (its row names it), is listed as untranslated, or is a
+  mesh axis found in the mesh it built: a Pax axis with its value in place (or -1, filled), or
+  another axis folded in with a warning naming `key=value`. No key is exempt by its name."""
   for name in ('2xv4-128.sh', 'gqa-current.sh', 'gpu-a3.sh', 'unsupported-axes.sh', 'llama2-7b-v5p.sh'):
     t = run(name)
     used = {key.strip() for r in t.rows for key in r.key.split(',')}
     listed = {u.key for u in t.untranslated}
     for o in t.script.overrides:
-      axis_key = o.key.endswith('_parallelism')
       preset = o.key == 'model_name' and t.preset == o.value
-      assert o.key in listed or axis_key or preset or o.key in used, (name, o.key)
+      if o.key in listed or preset or o.key in used:
+        continue
+      net, _, rest = o.key.partition('_')
+      axis = rest.removesuffix('_parallelism')
+      assert net in ('ici', 'dcn') and rest.endswith('_parallelism'), (name, o.key)
+      shape = t.knobs[f'{net.upper()}_MESH_SHAPE']
+      if axis in MESH_INDEX:
+        assert f'{net}_{axis}' in used, (name, o.key)  # the mesh row names it
+        value = int(o.value)
+        assert shape[MESH_INDEX[axis]] == value or value == -1, (name, o.key, shape)
+      else:
+        assert any(w.startswith(f'{o.key}={o.value}: ') and 'folded into' in w for w in t.warnings), (name, o.key)
 
 
 @pytest.mark.parametrize('raw, like, value', [

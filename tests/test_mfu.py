@@ -5,6 +5,7 @@ import functools
 import io
 import json
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -176,8 +177,27 @@ def test_train_summaries_carry_mfu_and_mark_compile_and_eval_windows(tmp_path, c
   assert code == 0, err
   records = [json.loads(line) for line in open(os.path.join(job, 'train_metrics.jsonl'))]
   assert [r['step'] for r in records] == [2, 4, 6]
+  # MFU recomputed here, not with paxcli.flops: 6 x N matmul weights per token + causal attention,
+  # N counted from the shapes of the checkpoint's parameters. TINY_BENCH: 1 layer, D 32, FFN 64
+  # (gated: 3 matrices), 2 heads x 16 (K/V heads too), vocab 64, untied output, sequence 16.
+  info = json.loads(pax_main(['checkpoint', 'inspect', job, '--json'], capsys)[1])
+  kernels = {a['name']: int(np.prod(a['shape'])) for a in info['arrays']
+             if a['name'].startswith('params/') and a['name'].endswith('/kernel')}
+  n_matmul = sum(kernels.values())  # q, k, v, out, wi_0, wi_1, wo and the output layer; no lookup table
+  assert len(kernels) == 8 and n_matmul == 3 * 32 * 2 * 16 + 2 * 16 * 32 + 3 * 32 * 64 + 32 * 64 == 12288
+  seq, tokens_per_step, devices = 16, 8 * 16, jax.device_count()
+  attention = 12 * 1 * 2 * 16 * seq / 2  # Q.K^T and probs.V, forward and backward, causal half
+  flops_per_step = (6 * n_matmul + attention) * tokens_per_step
+  logged = re.search(r'MFU: (\S+) model TFLOP per step over (\d+) device\(s\); peak measured: .* -> (\S+) per device',
+                     out)
+  assert logged, out
+  assert float(logged.group(1)) == pytest.approx(flops_per_step / 1e12, rel=1e-3) and int(logged.group(2)) == devices
+  peak = float(logged.group(3))  # the measured CPU peak per device, as logged (3 digits)
   for r in records:
-    assert r['model_tflops_per_device'] > 0 and 0 < r['mfu'] < 5
+    assert r['tokens_per_sec'] / r['steps_per_sec'] == pytest.approx(tokens_per_step)
+    tflops = flops_per_step * r['steps_per_sec'] / devices / 1e12
+    assert r['model_tflops_per_device'] == pytest.approx(tflops, rel=1e-6)
+    assert r['mfu'] == pytest.approx(tflops / peak, rel=0.01)  # the logged peak is rounded to 3 digits
   assert records[0]['compile_seconds'] > 0          # the first window compiled the step
   assert records[1]['eval_seconds'] > 0             # the eval after step 2 is timed apart
   assert 'MFU' in out and 'compilation, left out of the rates' in out and 'eval, left out' in out

@@ -130,6 +130,7 @@ def test_percore_below_one_lets_one_process_read_and_the_other_pad(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # 4 jax.distributed processes: starved of CPU by another worker, they miss heartbeats
 def test_checkpoint_from_two_processes_resumes_in_four(two_processes, one_process, tmp_path):
   """Slow (4 processes on a small machine): orbax reshards the 2-process checkpoint over 4."""
   job = tmp_path / 'job'

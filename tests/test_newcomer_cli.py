@@ -263,31 +263,67 @@ def test_eval_follow_beside_a_trainer_evaluates_each_checkpoint_once_and_stops(t
   assert len(open(os.path.join(job, 'invocations.txt')).read().splitlines()) == 5  # train and every eval
 
 
+# The model of test_kill_during_save (its compilation is shared): a save of its ~200 MB state takes
+# long enough to be caught in flight.
+SAVE_SIZED = ['--exp', 'lm_cloud.LmCloudSpmdTest', '--set', 'MODEL_DIMS=512', '--set', 'HIDDEN_DIMS=2048',
+              '--set', 'NUM_LAYERS=4', '--set', 'VOCAB_SIZE=8192', '--set', 'PERCORE_BATCH_SIZE=1',
+              '--set', 'MAX_SEQ_LEN=16', '--set', 'task.train.summary_interval_steps=1',
+              '--set', 'task.train.save_interval_steps=1000']
+
+
 @pytest.mark.slow
 def test_second_ctrl_c_stops_in_one_line_and_the_run_resumes(tmp_path):
+  """The first Ctrl-C asks for a save and a stop; the second, sent while that save is in flight,
+  exits at once in one line. Deterministic: no save is due by the interval, so a new entry in
+  checkpoints/ is the stop's save and proves the first Ctrl-C was handled; the trainer is frozen
+  (SIGSTOP) while that save is seen unfinished, and the second Ctrl-C is queued before it goes on.
+  The rerun resumes from the newest complete checkpoint on disk and sets the unfinished one aside."""
   import signal
   import subprocess
   import sys
   import time
-  job = str(tmp_path / 'job')
-  args = [*TINY, '--job-log-dir', job, '--set', 'NUM_TRAIN_STEPS=100000', '--set', 'task.train.save_interval_steps=1']
-  proc = subprocess.Popen([sys.executable, '-m', 'paxcli.cli.app', 'train', *args], stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True)
+  job = tmp_path / 'job'
+  ckpt = job / 'checkpoints'
+  first = run_pax('train', *SAVE_SIZED, '--set', 'NUM_TRAIN_STEPS=2', '--job-log-dir', str(job))
+  assert first.returncode == 0, first.stderr
+  assert os.listdir(ckpt) == ['2']
+  out_path, err_path = tmp_path / 'out.txt', tmp_path / 'err.txt'
+  with open(out_path, 'w') as out_file, open(err_path, 'w') as err_file:
+    proc = subprocess.Popen([sys.executable, '-m', 'paxcli.cli.app', 'train', *SAVE_SIZED, '--set',
+                             'NUM_TRAIN_STEPS=100000', '--job-log-dir', str(job)], stdout=out_file, stderr=err_file,
+                            env={**os.environ, 'PYTHONUNBUFFERED': '1'})
   deadline = time.time() + 300
-  while time.time() < deadline and not os.path.isdir(os.path.join(job, 'checkpoints', '2')):
+  while not re.search(r'^step \d+:', out_path.read_text(), re.M):  # in the train loop
+    assert proc.poll() is None and time.time() < deadline, out_path.read_text() + err_path.read_text()
     time.sleep(0.05)
   proc.send_signal(signal.SIGINT)
-  time.sleep(0.05)
-  proc.send_signal(signal.SIGINT)
-  out, err = proc.communicate(timeout=120)
-  assert proc.returncode == 130, err
-  assert 'Traceback' not in err, err
-  if 'stopping without waiting for the save' not in err:  # the first stop finished before the second came
-    assert 'Stopped by SIGINT' in out
-  r = run_pax('train', *args[:-4], '--set', 'NUM_TRAIN_STEPS=3', '--set', 'task.train.save_interval_steps=1',
-              '--job-log-dir', job)
+  in_flight = None
+  while in_flight is None:
+    assert proc.poll() is None and time.time() < deadline, out_path.read_text() + err_path.read_text()
+    if set(os.listdir(ckpt)) != {'2'}:
+      proc.send_signal(signal.SIGSTOP)
+      new = set(os.listdir(ckpt)) - {'2'}
+      in_flight = [e for e in new if 'orbax-checkpoint-tmp' in e]
+      assert in_flight, f'the stop save finished before it could be caught in flight: {new}'
+      proc.send_signal(signal.SIGINT)
+      proc.send_signal(signal.SIGCONT)
+    time.sleep(0.002)
+  assert proc.wait(timeout=120) == 130
+  out, err = out_path.read_text(), err_path.read_text()
+  assert 'error: SIGINT again: stopping without waiting for the save.' in err, err
+  assert 'Traceback' not in err and 'Stopped by SIGINT' not in out, err
+  stop_step = int(in_flight[0].split('.')[0])
+  assert stop_step > 2
+  # The save may have completed in the moment before the exit: the rerun takes what the disk holds.
+  complete = sorted(int(e) for e in os.listdir(ckpt) if e.isdigit())
+  unfinished = [e for e in os.listdir(ckpt) if 'orbax-checkpoint-tmp' in e]
+  assert complete[-1] in (2, stop_step) and (complete[-1] == stop_step) == (not unfinished)
+  r = run_pax('train', *SAVE_SIZED, '--set', f'NUM_TRAIN_STEPS={stop_step + 1}', '--job-log-dir', str(job))
   assert r.returncode == 0, r.stderr
-  assert 'Resumed from step' in r.stdout or 'already finished' in r.stdout
+  assert f'Resumed from step {complete[-1]} ' in r.stdout, r.stdout
+  if unfinished:
+    assert f'Checkpoint at step {stop_step} is unfinished (a save was interrupted)' in r.stdout, r.stdout
+  assert max(int(e) for e in os.listdir(ckpt) if e.isdigit()) == stop_step + 1
 
 
 def test_eval_file_names_read_well_and_old_job_dirs_keep_theirs(tmp_path):

@@ -6,11 +6,13 @@ each test works on a copy of its job directory.
 
 import json
 import os
+import pathlib
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -278,14 +280,106 @@ def _mount_tmpfs(path, options):
     pytest.skip(f'cannot mount a tmpfs here: {result.stderr.decode(errors="replace").strip()}')
 
 
-def test_read_only_job_directory_is_refused(tmp_path, capsys):
-  mount = tmp_path / 'ro'
-  _mount_tmpfs(mount, 'size=1m,ro')
-  try:
-    code, _, err = pax_main(['train', *TINY, *steps(4), '--job-log-dir', str(mount / 'job')], capsys)
-  finally:
-    subprocess.run(['umount', str(mount)])
-  assert code == 2 and 'read-only file system' in _error_line(err)
+# Read-only and permission-denied job directories, made with chmod (no mount, no skip). Root ignores
+# file modes through two capabilities; `pax` runs as root without them (dropped from its bounding
+# set before exec, so the modes apply to it as to its owner), or as nobody where that cannot be done.
+# Any other user runs it as itself.
+NOBODY = 65534
+_PR_CAPBSET_DROP, _CAPS = 24, (1, 2, 3)  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH, CAP_FOWNER
+
+
+def _drop_permission_override():
+  import ctypes
+  libc = ctypes.CDLL(None, use_errno=True)
+  for cap in _CAPS:
+    if libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
+      raise OSError(ctypes.get_errno(), 'prctl(PR_CAPBSET_DROP)')
+
+
+def _as_a_user_permissions_apply_to():
+  if os.geteuid() != 0:
+    return {}
+  probe = subprocess.run([sys.executable, '-c', 'pass'], preexec_fn=_drop_permission_override, capture_output=True)
+  if probe.returncode == 0:
+    return {'preexec_fn': _drop_permission_override}
+  return {'user': NOBODY, 'group': NOBODY, 'extra_groups': []}  # needs the venv readable by nobody
+
+
+@pytest.fixture
+def open_tmp():
+  """A temporary directory another user can enter (pytest's own are 0700); writable again at the end."""
+  path = pathlib.Path(tempfile.mkdtemp(prefix='paxcli-permissions-'))
+  os.chmod(path, 0o755)
+  (path / 'home').mkdir(mode=0o777)
+  os.chmod(path / 'home', 0o777)
+  yield path
+  for root, dirs, _ in os.walk(path):
+    for d in dirs:
+      os.chmod(os.path.join(root, d), 0o755)
+  shutil.rmtree(path)
+
+
+def _run_unprivileged(args, tmp):
+  as_user = _as_a_user_permissions_apply_to()
+  env = {k: v for k, v in os.environ.items() if k != 'JAX_COMPILATION_CACHE_DIR'}  # root's, 0700
+  env.update(HOME=str(tmp / 'home'), PAXCLI_CACHE=str(tmp / 'home' / 'cache'))
+  return subprocess.run([sys.executable, '-m', 'paxcli.cli.app', *args], capture_output=True, text=True, env=env,
+                        cwd=str(tmp / 'home'), timeout=600, **as_user)
+
+
+def _chmod_tree(path, dirs, files):
+  for root, ds, fs in os.walk(path):
+    for f in fs:
+      os.chmod(os.path.join(root, f), files)
+    for d in ds:
+      os.chmod(os.path.join(root, d), dirs)
+  os.chmod(path, dirs)
+
+
+def _snapshot(path):
+  """Every entry under `path`: its mode, and for a file its bytes."""
+  out = {}
+  for root, ds, fs in os.walk(path):
+    for name in ds + fs:
+      full = os.path.join(root, name)
+      out[os.path.relpath(full, path)] = (os.stat(full).st_mode,
+                                           open(full, 'rb').read() if os.path.isfile(full) else None)
+  return out
+
+
+def _one_clear_line(result):
+  lines = [l for l in result.stderr.strip().splitlines() if l.strip() and not l.startswith('WARNING:absl')]
+  assert len(lines) == 1 and 'Traceback' not in result.stderr, result.stderr[-3000:]
+  return lines[0]
+
+
+def test_read_only_job_directory_is_refused_in_one_line_and_nothing_is_lost(base, open_tmp):
+  """A finished run whose directory is read-only (chmod a-w) to the user who resumes it."""
+  job = open_tmp / 'job'
+  shutil.copytree(base, job)
+  _chmod_tree(job, dirs=0o555, files=0o444)
+  before = _snapshot(job)
+  result = _run_unprivileged(['train', *TINY, *steps(24), '--job-log-dir', str(job)], open_tmp)
+  assert result.returncode == 2, result.stderr[-3000:]
+  assert _one_clear_line(result) == (f'error: Job directory {job} is not writable (permission denied). '
+                                     'Choose another --job-log-dir.')
+  assert _snapshot(job) == before  # checkpoints, metrics, config: every byte and mode as it was
+  assert _checkpoints(str(job)) == [12, 16, 20]
+
+
+def test_job_directory_under_a_directory_without_write_permission_is_refused(open_tmp):
+  """A new run under a directory the user may read but not write: nothing is created."""
+  runs = open_tmp / 'runs'
+  (runs / 'other').mkdir(parents=True)
+  (runs / 'other' / 'notes.txt').write_text('kept')
+  _chmod_tree(runs, dirs=0o555, files=0o444)
+  before = _snapshot(runs)
+  job = runs / 'new' / 'job'
+  result = _run_unprivileged(['train', *TINY, *steps(4), '--job-log-dir', str(job)], open_tmp)
+  assert result.returncode == 2, result.stderr[-3000:]
+  assert _one_clear_line(result) == (f'error: Job directory {job} is not writable (permission denied). '
+                                     'Choose another --job-log-dir.')
+  assert _snapshot(runs) == before and not (runs / 'new').exists()
 
 
 @pytest.mark.slow

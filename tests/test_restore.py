@@ -16,16 +16,50 @@ def _overrides(args):
   return [args[i + 1] for i, a in enumerate(args) if a == '--set']
 
 
+def _host(tree):
+  import jax
+  return jax.tree.map(lambda x: np.array(jax.device_get(x)), tree)
+
+
 @pytest.fixture(scope='module')
-def trained(tmp_path_factory):
+def saved_by_train(tmp_path_factory):
+  """A run trained 4 steps, saving at 2 and 4; (job dir, {step: the state as the trainer handed it
+  to the checkpointer, copied to the host at that moment}): what every restore is judged against."""
+  from paxcli import checkpoint as ckpt
   job = str(tmp_path_factory.mktemp('restore') / 'job')
+  saved = {}
+  save = ckpt.Checkpointer.save
+
+  def keep_and_save(self, step, state, meta):
+    saved[step] = _host(state)
+    return save(self, step, state, meta)
+
   from paxcli.cli.app import main
-  try:
-    main(['train', *TINY, '--job-log-dir', job, '--set', 'task.train.num_train_steps=4',
-          '--set', 'task.train.save_interval_steps=2'])
-  except SystemExit as e:
-    assert not e.code
-  return job
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(ckpt.Checkpointer, 'save', keep_and_save)
+    try:
+      main(['train', *TINY, '--job-log-dir', job, '--set', 'task.train.num_train_steps=4',
+            '--set', 'task.train.save_interval_steps=2'])
+    except SystemExit as e:
+      assert not e.code
+  assert sorted(saved) == [2, 4]
+  return job, saved
+
+
+@pytest.fixture(scope='module')
+def trained(saved_by_train):
+  return saved_by_train[0]
+
+
+def _assert_trees_equal(got, want):
+  import jax
+  paths_got = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(got)]
+  paths_want = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(want)]
+  assert paths_got == paths_want
+  for name, a, b in zip(paths_want, jax.tree.leaves(got), jax.tree.leaves(want)):
+    a = np.asarray(jax.device_get(a))
+    assert a.dtype == b.dtype, name
+    np.testing.assert_array_equal(a, b, err_msg=name)
 
 
 def _setup(extra=()):
@@ -45,32 +79,37 @@ def test_choose_step_latest_chosen_and_errors(trained, tmp_path):
     restore.choose_step(str(tmp_path / 'none'), purpose='decode')
 
 
-def test_params_only_equals_full_state_and_skips_the_optimizer(trained):
+def test_restore_gives_the_values_saved_and_params_only_skips_the_optimizer(saved_by_train):
+  """Both restores judged against the arrays the trainer saved (kept at save time)."""
+  import jax
+
   from paxcli import restore
+  trained, saved = saved_by_train
   resolved, setup = _setup()
   full = restore.restore(setup, trained, 4)
   params_only = restore.restore(setup, trained, 4, params_only=True)
   assert set(full.state) == {'step', 'params', 'opt_state'} and set(params_only.state) == {'step', 'params'}
-  assert int(full.state['step']) == 4 and full.meta['step'] == 4
-  import jax
-  for a, b in zip(jax.tree.leaves(full.state['params']), jax.tree.leaves(params_only.state['params'])):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert int(full.state['step']) == 4 and full.meta['step'] == 4 and int(saved[4]['step']) == 4
+  _assert_trees_equal(full.state, saved[4])
+  _assert_trees_equal(params_only.state, {'step': saved[4]['step'], 'params': saved[4]['params']})
+  # The two saves differ (training moved the weights), so equality above is no accident.
+  assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(saved[2]['params']),
+                                                       jax.tree.leaves(saved[4]['params'])))
   # Arrays land on the experiment's shardings.
   for leaf, want in zip(jax.tree.leaves(params_only.state['params']),
                         jax.tree.leaves(setup.state_shardings['params'])):
     assert leaf.sharding.is_equivalent_to(want, leaf.ndim)
 
 
-def test_restore_onto_another_mesh_reshards(trained):
+def test_restore_onto_another_mesh_reshards(saved_by_train):
   import jax
 
   from paxcli import restore
-  _, setup = _setup()
+  trained, saved = saved_by_train
   _, other = _setup(['ICI_MESH_SHAPE=[1,2,4]'])
-  a = restore.restore(setup, trained, 2, params_only=True).state['params']
   b = restore.restore(other, trained, 2, params_only=True).state['params']
-  for x, y, s in zip(jax.tree.leaves(a), jax.tree.leaves(b), jax.tree.leaves(other.state_shardings['params'])):
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  _assert_trees_equal(b, saved[2]['params'])
+  for y, s in zip(jax.tree.leaves(b), jax.tree.leaves(other.state_shardings['params'])):
     assert y.sharding.is_equivalent_to(s, y.ndim)
 
 
@@ -83,12 +122,14 @@ def test_other_shapes_are_refused_with_the_differences(trained):
     restore.restore(setup, trained, 4, params_only=True, flat_now=flat, action='evaluate')
 
 
-def test_train_resumes_a_params_only_checkpoint_with_fresh_optimizer(trained, tmp_path, capsys):
-  """A params-only checkpoint (what conversion writes) fine-tunes: params kept, optimizer fresh."""
+def test_train_resumes_a_params_only_checkpoint_with_fresh_optimizer(saved_by_train, tmp_path, capsys, monkeypatch):
+  """A params-only checkpoint (what conversion writes) fine-tunes: the state the trainer resumes with
+  holds the saved params and a fresh optimizer state (every moment and count zero), by value."""
   import jax
 
   from paxcli import checkpoint as ckpt
   from paxcli import restore
+  trained, saved = saved_by_train
   _, setup = _setup()
   got = restore.restore(setup, trained, 4, params_only=True)
   job = str(tmp_path / 'params_only')
@@ -97,12 +138,29 @@ def test_train_resumes_a_params_only_checkpoint_with_fresh_optimizer(trained, tm
                                                           if not k.startswith('opt_state/')}})
   writer.close()
   assert restore.saved_state_keys(job, 4) == {'step', 'params'}
+  resumed_with = []
+  real_restore = restore.restore
+
+  def keep(*args, **kwargs):
+    result = real_restore(*args, **kwargs)
+    resumed_with.append(_host(result.state))
+    return result
+  monkeypatch.setattr(restore, 'restore', keep)
   code, out, err = pax_main(['train', *TINY, '--job-log-dir', job, '--set', 'task.train.num_train_steps=6',
                              '--set', 'task.train.save_interval_steps=2'], capsys)
   assert code == 0, err
   assert 'holds parameters only: the optimizer state starts fresh' in out and 'Resumed from step 4' in out
+  assert len(resumed_with) == 1
+  state = resumed_with[0]
+  assert int(state['step']) == 4
+  _assert_trees_equal(state['params'], saved[4]['params'])
+  fresh = jax.tree.leaves(state['opt_state'])
+  trained_opt = jax.tree.leaves(saved[4]['opt_state'])
+  assert [x.shape for x in fresh] == [x.shape for x in trained_opt] and len(fresh) > 2 * len(
+      jax.tree.leaves(saved[4]['params']))  # Adam's two moments per weight, and counts
+  assert all(not np.any(x) for x in fresh)  # zero moments, zero counts: a fresh init
+  assert any(np.any(x) for x in trained_opt)  # unlike the trained run's
   assert restore.saved_state_keys(job, 6) == {'step', 'params', 'opt_state'}
-  del jax
 
 
 def test_train_keeps_the_tokenizer_in_the_job_dir(tmp_path, capsys):

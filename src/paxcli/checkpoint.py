@@ -181,23 +181,33 @@ def _quiet_closed_loop_callbacks() -> None:
 
   When one write of a save fails (a full disk), orbax abandons the others and closes its event
   loop; their tensorstore callbacks then try to post into it and print tracebacks, after our
-  one-line error. Only that error, raised by asyncio's own closed-loop check, is dropped.
+  one-line error. tensorstore reports them through sys.excepthook (PyErr_Print) or, from other
+  call sites, sys.unraisablehook (PyErr_WriteUnraisable): both are filtered. Only that error,
+  raised by asyncio's own closed-loop check, is dropped.
   """
   import sys
-  previous = sys.excepthook
-  if getattr(previous, '_paxcli_closed_loop', False):
-    return
 
-  def hook(kind, value, tb):
+  def closed_loop(kind, value, tb) -> bool:
     frames, t = [], tb
     while t is not None:
       frames.append(t.tb_frame.f_code.co_name)
       t = t.tb_next
-    if kind is RuntimeError and str(value) == 'Event loop is closed' and frames[-1:] == ['_check_closed']:
-      return
-    previous(kind, value, tb)
-  hook._paxcli_closed_loop = True
-  sys.excepthook = hook
+    return kind is RuntimeError and str(value) == 'Event loop is closed' and frames[-1:] == ['_check_closed']
+
+  previous = sys.excepthook
+  if not getattr(previous, '_paxcli_closed_loop', False):
+    def hook(kind, value, tb):
+      if not closed_loop(kind, value, tb):
+        previous(kind, value, tb)
+    hook._paxcli_closed_loop = True
+    sys.excepthook = hook
+  previous_unraisable = sys.unraisablehook
+  if not getattr(previous_unraisable, '_paxcli_closed_loop', False):
+    def unraisable(info):
+      if not closed_loop(info.exc_type, info.exc_value, info.exc_traceback):
+        previous_unraisable(info)
+    unraisable._paxcli_closed_loop = True
+    sys.unraisablehook = unraisable
 
 
 class Checkpointer:
