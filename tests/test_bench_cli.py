@@ -60,6 +60,7 @@ def test_a_bad_sweep_value_is_found_before_the_first_row(monkeypatch, capsys, sw
   assert 'Traceback' not in err
 
 
+@pytest.mark.slow  # the default suite keeps the main path; CI runs this in make test-slow
 def test_piped_table_keeps_rows_whole_and_plot_makes_its_directory(tmp_path, capsys):
   png = tmp_path / 'new' / 'dir' / 'mfu.png'
   code, out, err = pax_main(['bench', 'mfu', *TINY_BENCH, '--steps', '1', '--warmup', '0', '--sweep',

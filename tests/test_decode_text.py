@@ -27,6 +27,10 @@ def _sets():
   return [a for s in SETS for a in ('--set', s)]
 
 
+# Slow (CI runs it in make test-slow): the default suite's test_main_path decodes text with a
+# trained job's tokenizer and stops at its EOS; this module adds --eos-id, --stop and bfloat16.
+pytestmark = pytest.mark.slow
+
 @pytest.fixture(scope='module')
 def job(tmp_path_factory):
   path = str(tmp_path_factory.mktemp('decode_text') / 'job')

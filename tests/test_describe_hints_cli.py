@@ -29,6 +29,7 @@ def test_describe_shows_parameters_flops_batch_and_devices(capsys):
   assert '4 sequences x 64 tokens per device' in data['summary.global_batch_note']
 
 
+@pytest.mark.slow  # the default suite keeps the main path; CI runs this in make test-slow
 def test_a_piped_train_log_has_an_eta_and_names_the_tensorboard_beside_python(tmp_path, monkeypatch, capsys):
   monkeypatch.chdir(tmp_path)
   monkeypatch.setenv('PATH', '/usr/bin:/bin')  # as in a shell where the virtual environment is not activated

@@ -227,6 +227,7 @@ def test_convert_with_relative_paths_then_eval_the_output(trained, tmp_path, cap
   _untouched(cwd)
 
 
+@pytest.mark.slow  # the default suite keeps the main path; CI runs this in make test-slow
 def test_launch_evaluates_the_relative_default_job_dir(trained, tmp_path):
   cwd = _copy(trained, tmp_path)
   result = run_pax('launch', '--processes', '2', '--devices-per-process', '4', '--', 'eval', *SMALL, '--json',
@@ -272,6 +273,7 @@ def test_read_only_commands_never_make_a_mistyped_job_dir(tmp_path, capsys, monk
 # ---- pax eval --follow ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # the default suite keeps the main path; CI runs this in make test-slow
 def test_follow_stops_when_the_trainer_died(trained, tmp_path):
   """A run started for 8 steps whose trainer died after step 4, its train.lock left behind (as SIGKILL
   leaves it): without --timeout, the follower evaluates what is there and stops, saying why."""
@@ -293,6 +295,7 @@ def test_follow_stops_when_the_trainer_died(trained, tmp_path):
   _untouched(cwd)
 
 
+@pytest.mark.slow  # the default suite keeps the main path; CI runs this in make test-slow
 def test_two_followers_evaluate_each_step_once(trained, tmp_path):
   cwd = _copy(trained, tmp_path)
   followers = [_popen(cwd, 'eval', *SMALL, *steps(4), '--follow', '--poll', '0.1', '--json') for _ in range(2)]
@@ -310,6 +313,7 @@ def test_two_followers_evaluate_each_step_once(trained, tmp_path):
   _untouched(cwd)
 
 
+@pytest.mark.slow  # the default suite keeps the main path; CI runs this in make test-slow
 def test_a_checkpoint_deleted_while_it_is_evaluated_is_skipped_not_damaged(trained, tmp_path):
   """The trainer deletes old checkpoints (save_max_to_keep) whenever it saves. Here the deletion is
   made to land mid-restore: step 6's metadata is a FIFO, so the follower's read of it waits until the

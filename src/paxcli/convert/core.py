@@ -267,14 +267,14 @@ class Output:
     # Resolved: a symlink to the source (or to a directory above or below it) is the source; the
     # source of a step directory (job/checkpoints/<step>) is its whole job directory.
     out, src = os.path.realpath(path), os.path.realpath(source_path)
-    resolved = ' (symlinks resolved)' if out != self.path or src != os.path.abspath(source_path) else ''
     parts = src.split(os.sep)
     if len(parts) > 2 and parts[-2] == 'checkpoints' and parts[-1].isdigit():
       src = os.path.dirname(os.path.dirname(src))
     elif parts[-1] == 'checkpoints':
       src = os.path.dirname(src)
     if os.path.commonpath([out, src]) in (out, src):
-      raise UserError(f'The output {path} would be inside or over the source {source_path}{resolved}; the '
+      raise UserError(f'The output {path} would be inside or over the source {source_path} (compared with symlinks '
+                      'resolved); the '
                       'source is never modified. Choose another output path.')
     if os.path.islink(self.path):   # --force would replace the link, not what it points to
       raise UserError(f'The output {path} is a symlink (to {out}); give the real path.')
