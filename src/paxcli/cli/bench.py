@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 from typing import List, Optional
 
@@ -49,8 +48,7 @@ def mfu(
   if device_memory is not None:
     from paxcli.convert.safetensors_io import parse_size
     device_memory = parse_size(device_memory, '--device-memory')
-  if peak_tflops is not None and not (math.isfinite(peak_tflops) and peak_tflops > 0):
-    raise UserError(f'--peak-tflops must be a positive number of TFLOP/s per device, got {peak_tflops}.')
+  common.positive_finite(peak_tflops, '--peak-tflops', 'TFLOP/s per device')
   if plot:
     check_plot_path(plot)
   if num_devices:

@@ -88,9 +88,7 @@ def convert_command(
 ) -> None:
   """Convert a checkpoint to another layout (--set USE_REPEATED_LAYER=..., mesh), dtype, experiment or format."""
   from paxcli.convert import run, safetensors_io
-  if kl_tolerance is not None and not (kl_tolerance > 0 and kl_tolerance != float('inf')):
-    from paxcli.errors import UserError
-    raise UserError(f'--kl-tolerance must be a positive finite number (a KL in nats), got {kl_tolerance}.')
+  common.positive_finite(kl_tolerance, '--kl-tolerance', 'a KL in nats')
   max_shard_bytes = safetensors_io.parse_size(max_shard_size)  # before any work
   source, output = common.path_arg(source, 'SOURCE'), common.path_arg(output, 'OUTPUT')
   recipe = common.path_arg(recipe, '--recipe')

@@ -59,6 +59,12 @@ def start_processes(coordinator: Optional[str], num_processes: Optional[int],
   distributed.start(distributed.settings_from(coordinator, num_processes, process_id))
 
 
+def positive_finite(value: Optional[float], option: str, unit: str) -> Optional[float]:
+  """`value` of a numeric option, or one line: NaN, infinity, zero and negatives are refused."""
+  if value is not None and not (value > 0 and value != float('inf')):  # NaN fails `> 0`
+    raise UserError(f'{option} must be a positive number ({unit}, finite), got {value}.')
+  return value
+
 def normalize_argv(argv: list[str]) -> list[str]:
   """Accepts Pax spellings: `--job_log_dir=x` becomes `--job-log-dir=x`.
 
