@@ -94,6 +94,13 @@ class Setup:
   process_batch: int        # rows this process feeds into it
   infeed: Any = None        # Infeed: who reads which rows (Pax's multihost infeed)
   mean_sync: Any = None     # per non-trainable variable: tagged REQUIRES_MEAN_SYNC (None: none)
+  activation_rules: Optional[dict] = None  # overrides of layers.activation_sharding.ACTIVATION_RULES
+
+  def activation_sharding(self):
+    """The context to trace a train or eval step in: layers' `constrain` calls apply the
+    activation rules on this mesh (see paxcli.layers.activation_sharding)."""
+    from paxcli.layers import activation_sharding
+    return activation_sharding.rules(self.mesh, self.activation_rules)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,7 +175,7 @@ def build(resolved, mesh=None) -> Setup:
   abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                           abstract_unboxed, state_shardings)
   return Setup(mesh, model, train, tx, rules, abstract, state_shardings, logical, seq_len, infeed.rows,
-               infeed.process_rows, infeed, mean_sync)
+               infeed.process_rows, infeed, mean_sync, dict(task.activation_sharding_rules or {}))
 
 
 def plan_infeed(mesh, examples: int, process_index: Optional[int] = None) -> Infeed:

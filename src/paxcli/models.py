@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from paxcli.layers.activation_sharding import constrain
 from paxcli.layers.base import (AUX_LOSS, NON_TRAINABLE, RANDOM, SUMMARIES, BaseLayer, LayerTpl,
                                 build_arguments, instantiate, template_field)  # noqa: F401
 from paxcli.layers.transformer import Attention, Block, Mlp, Norm, dtype_of, fill_template, sinusoidal, soft_cap
@@ -129,6 +130,7 @@ class TransformerLm(BaseLayer):
                        (self.max_seq_len, self.model_dims))
       x_BxLxD = x_BxLxD + jnp.take(pos, positions_BxL, axis=0).astype(dtype)
     x_BxLxD = nn.Dropout(self.dropout_prob, deterministic=deterministic)(x_BxLxD)
+    x_BxLxD = constrain(x_BxLxD, ('batch', 'length', 'embed'))
 
     decoding = self.is_mutable_collection('cache') and not self.is_initializing()  # KV cache: no remat
     block, block_kwargs = self._block_kwargs(dtype, deterministic, remat=not decoding)
@@ -157,6 +159,7 @@ class TransformerLm(BaseLayer):
         bias = self.param('logits_bias', nn.with_logical_partitioning(nn.initializers.zeros, ('vocab',)),
                           (self.vocab_size,))
         logits = logits + bias.astype(logits.dtype).reshape(1, 1, -1)
+    logits = constrain(logits, ('batch', 'length', 'vocab'))
     return soft_cap(logits.astype(jnp.float32), self.softmax_cap_logits)
 
 

@@ -132,20 +132,8 @@ def _checked_hybrid(mesh_utils, ici, dcn, devices, process_is_granule: bool) -> 
 
 def _mesh_axes_for(names: Sequence[Optional[str]], shape: Sequence[int], mesh: Mesh,
                    rules: dict[str, tuple[str, ...]]) -> P:
-  used: set[str] = set()
-  spec: list[Any] = []
-  for name, dim in zip(names, shape):
-    chosen = []
-    size = 1
-    for axis in rules.get(name, ()) if name else ():
-      axis_size = mesh.shape[axis]
-      if axis in used or axis_size == 1 or dim % (size * axis_size):
-        continue
-      chosen.append(axis)
-      size *= axis_size
-    used.update(chosen)
-    spec.append(tuple(chosen) if len(chosen) > 1 else (chosen[0] if chosen else None))
-  return P(*spec)
+  from paxcli.layers.activation_sharding import spec_for
+  return spec_for(names, shape, dict(mesh.shape), rules)
 
 
 def logical_to_sharding(logical_tree, abstract_tree, mesh: Mesh, rules: Optional[dict] = None):
