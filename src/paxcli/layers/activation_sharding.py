@@ -12,7 +12,7 @@ plain `model.apply` in a notebook) `constrain` returns its input unchanged.
 
 The default table (as MaxText's `logical_axis_rules`, flax's `nn.with_logical_constraint`):
 batch over (replica, data), heads/kv_heads/mlp/vocab over mdl, embed, length and head_dim
-unsharded. A mesh axis is used for a dimension only if it divides it and no earlier
+unsharded, a pipeline's stage dimension over `stage`. A mesh axis is used for a dimension only if it divides it and no earlier
 dimension of the same array took it; otherwise that dimension stays unsharded. An
 experiment overrides entries with `task.activation_sharding_rules` (see tasks.Task).
 """
@@ -35,6 +35,7 @@ ACTIVATION_RULES: dict[str, tuple[str, ...]] = {
     'head_dim': (),
     'mlp': ('mdl',),
     'vocab': ('mdl',),
+    'stage': ('stage',),      # the pipeline's stage dimension (paxcli.layers.pipeline)
 }
 
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar('paxcli_activation_sharding', default=None)
