@@ -211,7 +211,10 @@ def pipeline_note(resolved) -> Optional[str]:
     devices = jax.device_count()
   else:
     devices = math.prod(shape)
-  schedule = model.pipeline_schedule(global_batch_size(exp.PERCORE_BATCH_SIZE, devices))
+  try:
+    schedule = model.pipeline_schedule(global_batch_size(exp.PERCORE_BATCH_SIZE, devices))
+  except UserError as e:
+    return f'pipeline: cannot be planned: {e}'
   return f'pipeline: {schedule.describe()}' if schedule else None
 
 

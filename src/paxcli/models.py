@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from paxcli.layers import pipeline
-from paxcli.layers.activation_sharding import constrain
+from paxcli.layers.activation_sharding import active_axis_size, constrain
 from paxcli.layers.base import (AUX_LOSS, NON_TRAINABLE, RANDOM, SUMMARIES, BaseLayer, LayerTpl,
                                 build_arguments, instantiate, template_field)  # noqa: F401
 from paxcli.layers.transformer import Attention, Block, Mlp, Norm, dtype_of, fill_template, sinusoidal, soft_cap
@@ -169,8 +169,10 @@ class TransformerLm(BaseLayer):
 
     decoding = self.is_mutable_collection('cache') and not self.is_initializing()  # KV cache: no remat
     block, block_kwargs = self._block_kwargs(dtype, deterministic, remat=not decoding)
-    # Init and decoding (KV cache) run the stack unpipelined, on the same [L, ...] weights.
-    if self.scan_layers and not decoding and not self.is_initializing() and pipeline_schedule(self, b):
+    # The pipeline runs in train and eval steps on a mesh with stages; init, decoding (KV cache) and
+    # plain `apply` (conversions, notebooks) run the stack unpipelined, on the same [L, ...] weights.
+    if (self.scan_layers and not decoding and not self.is_initializing()
+        and active_axis_size(pipeline.STAGE_AXIS) > 1 and pipeline_schedule(self, b)):
       x_BxLxD = self._pipelined(x_BxLxD, segment_ids_BxL, positions_BxL, dtype, deterministic)
     elif self.scan_layers:
       stack = nn.scan(block, variable_axes={'params': 0, NON_TRAINABLE: 0, SUMMARIES: 0, AUX_LOSS: 0, 'cache': 0},

@@ -43,14 +43,20 @@ def describe(
     overrides: List[str] = common.set_option(),
     json_out: bool = typer.Option(False, '--json', help='Print the resolved config as JSON.'),
 ) -> None:
-  """Print an experiment's fully resolved config (knobs, task, datasets) after overrides."""
+  """Print an experiment's fully resolved config (knobs, task, datasets) after overrides.
+
+  A pipelined experiment also gets its schedule and bubble, (S-1)/(R*M+S-1).
+  """
   import json
 
+  from paxcli import engine
   resolved = common.resolve(exp, overrides)
+  pipeline = engine.pipeline_note(resolved)
   if json_out:
-    typer.echo(json.dumps({k: _jsonable(v) for k, v in resolved.flat().items()}, indent=1))
+    flat = {k: _jsonable(v) for k, v in resolved.flat().items()}
+    typer.echo(json.dumps({**flat, **({'pipeline': pipeline} if pipeline else {})}, indent=1))
   else:
-    typer.echo(resolved.as_text(), nl=False)
+    typer.echo(resolved.as_text() + (f'# {pipeline}\n' if pipeline else ''), nl=False)
 
 
 def _jsonable(v):

@@ -75,6 +75,12 @@ def rules(mesh, overrides: Optional[dict] = None):
     _ACTIVE.reset(token)
 
 
+def active_axis_size(axis: str) -> int:
+  """The size of `axis` on the mesh of the active `rules` context (1 outside one, or if it has none)."""
+  active = _ACTIVE.get()
+  return dict(active[0].shape).get(axis, 1) if active is not None else 1
+
+
 def constrain(x, names: Sequence[Optional[str]]):
   """`x` constrained to the sharding its logical axis `names` map to; unchanged outside `rules`."""
   active = _ACTIVE.get()
