@@ -7,6 +7,7 @@ weights; every pipelined case reads those weights with its own shardings (layers
 """
 
 import itertools
+import json
 
 import jax
 import numpy as np
@@ -137,3 +138,13 @@ def test_describe_reports_the_bubble(capsys):
       for a in ('--set', k)]], capsys)
   assert code == 0, err
   assert '# pipeline: 4 stages x 8 microbatches x 2 circular repeat(s): bubble (S-1)/(R*M+S-1) = 3/19' in out
+
+
+def test_bench_mfu_reports_the_bubble(capsys):
+  knobs = TINY + ['NUM_STAGES=2', 'NUM_MICROBATCHES=2', 'ICI_MESH_SHAPE=[2,1,2,2]', 'NUM_LAYERS=2']
+  code, out, err = pax_main(['bench', 'mfu', '--exp', EXP, *[a for k in knobs for a in ('--set', k)],
+                             '--compile-only', '--json'], capsys)
+  assert code == 0, err
+  row = json.loads(out)[0]
+  assert row['pipeline_bubble'] == pytest.approx(1 / 3) and 'bubble' in row['pipeline']
+  assert row['mesh'] == 'stage=2 x replica=1 x data=2 x mdl=2' and row['status'] == 'compiled'
