@@ -148,3 +148,14 @@ def test_bench_mfu_reports_the_bubble(capsys):
   row = json.loads(out)[0]
   assert row['pipeline_bubble'] == pytest.approx(1 / 3) and 'bubble' in row['pipeline']
   assert row['mesh'] == 'stage=2 x replica=1 x data=2 x mdl=2' and row['status'] == 'compiled'
+
+
+@pytest.mark.slow
+def test_pipelined_dropout_trains(tmp_path, capsys):
+  knobs = TINY + ['NUM_STAGES=2', 'NUM_MICROBATCHES=4', 'ICI_MESH_SHAPE=[2,1,2,2]', 'DROPOUT_PROB=0.1',
+                  'NUM_TRAIN_STEPS=3', 'SUMMARY_INTERVAL_STEPS=1']
+  code, out, err = pax_main(['train', '--exp', EXP, *[a for k in knobs for a in ('--set', k)], '--job-log-dir',
+                             str(tmp_path / 'job')], capsys)
+  assert code == 0, err
+  losses = [json.loads(line)['loss'] for line in (tmp_path / 'job' / 'train_metrics.jsonl').read_text().splitlines()]
+  assert len(losses) == 3 and all(np.isfinite(losses))
