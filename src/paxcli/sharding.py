@@ -19,6 +19,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from paxcli.errors import UserError
+from paxcli.layers.activation_sharding import spec_for
 
 MESH_AXES = ('replica', 'data', 'mdl')
 STAGE_AXIS = 'stage'
@@ -146,7 +147,6 @@ def _checked_hybrid(mesh_utils, ici, dcn, devices, process_is_granule: bool) -> 
 
 def _mesh_axes_for(names: Sequence[Optional[str]], shape: Sequence[int], mesh: Mesh,
                    rules: dict[str, tuple[str, ...]]) -> P:
-  from paxcli.layers.activation_sharding import spec_for
   return spec_for(names, shape, dict(mesh.shape), rules)
 
 
