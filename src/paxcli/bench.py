@@ -94,6 +94,8 @@ def measure(resolved, steps: int = 10, warmup: int = 2, compile_only: bool = Fal
       'device_memory_bytes': device_bytes, 'device_memory_source': device_bytes_source,
       'pgle': bool(pgle_profile),
   }
+  if setup.pipeline is not None:  # the idle share of a pipelined step, (S-1)/(R*M+S-1)
+    row.update({'pipeline': setup.pipeline.describe(), 'pipeline_bubble': setup.pipeline.bubble})
   batch_sharding = sharding.batch_sharding(setup.mesh)
   data = engine.build_input(resolved.train_dataset(), setup)
   host_batch = data.get_next()
@@ -300,7 +302,8 @@ def table(rows: list[dict], compile_only: bool):
   keys = list(dict.fromkeys(k for r in rows for k in r.get('sweep', {})))
   title = f"{rows[0]['experiment']}: {rows[0]['devices']} x {rows[0]['device_kind']} ({rows[0]['platform']})"
   t = Table(title=title, caption=_caption(rows, compile_only), caption_justify='left')
-  for k in keys + ['params', 'tokens/step', 'compile s']:
+  bubbles = any('pipeline_bubble' in r for r in rows)
+  for k in keys + ['params', 'tokens/step', 'compile s'] + (['bubble'] if bubbles else []):
     t.add_column(k, justify='right')
   if not compile_only:
     for k in ('step ms median (min-max)', 'tokens/s', 'tokens/s/device', 'TFLOP/s/device', 'MFU', 'HFU'):
@@ -314,6 +317,8 @@ def table(rows: list[dict], compile_only: bool):
     cells = [str(r.get('sweep', {}).get(k, '')) for k in keys]
     cells += [_count(r['params']), f"{r['tokens_per_step']:,}",
               f"{r['compile_seconds']:.1f}" if 'compile_seconds' in r else '-']
+    if bubbles:
+      cells.append(_pct(r.get('pipeline_bubble')))
     if not compile_only:
       ok = 'step_seconds_median' in r
       cells += ([f"{r['step_seconds_median'] * 1e3:.1f} ({r['step_seconds_min'] * 1e3:.1f}-"
@@ -334,6 +339,8 @@ def table(rows: list[dict], compile_only: bool):
 def _caption(rows: list[dict], compile_only: bool) -> str:
   r = rows[0]
   lines = [f"mesh {r['mesh']}; device memory: {r['device_memory_source']}"]
+  if r.get('pipeline'):
+    lines.append(f"pipeline: {r['pipeline']} (MFU counts the model's FLOPs only: the bubble is lost time)")
   if not compile_only:
     lines.append(f"MFU = model FLOPs (paxcli.flops, causal attention halved) / step time / devices / peak; "
                  f"HFU uses XLA's cost analysis. Peak: {r['peak_source']}")

@@ -94,6 +94,14 @@ class Setup:
   process_batch: int        # rows this process feeds into it
   infeed: Any = None        # Infeed: who reads which rows (Pax's multihost infeed)
   mean_sync: Any = None     # per non-trainable variable: tagged REQUIRES_MEAN_SYNC (None: none)
+  activation_rules: Optional[dict] = None  # overrides of layers.activation_sharding.ACTIVATION_RULES
+  pipeline: Any = None      # layers.pipeline.Schedule of a pipelined model (None: not pipelined)
+
+  def activation_sharding(self):
+    """The context to trace a train or eval step in: layers' `constrain` calls apply the
+    activation rules on this mesh (see paxcli.layers.activation_sharding)."""
+    from paxcli.layers import activation_sharding
+    return activation_sharding.rules(self.mesh, self.activation_rules)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,6 +154,7 @@ def build(resolved, mesh=None) -> Setup:
   validate_train(train)
   gbs = global_batch_size(exp.PERCORE_BATCH_SIZE, mesh.size)
   infeed = plan_infeed(mesh, gbs)
+  schedule = plan_pipeline(model, mesh, gbs)
   tx = optim.make_optimizer(train)
   seq_len = getattr(resolved.train_dataset(), 'seq_len', None) or getattr(model, 'max_seq_len', None)
   rules = dict(task.sharding_rules or {})
@@ -168,7 +177,45 @@ def build(resolved, mesh=None) -> Setup:
   abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                           abstract_unboxed, state_shardings)
   return Setup(mesh, model, train, tx, rules, abstract, state_shardings, logical, seq_len, infeed.rows,
-               infeed.process_rows, infeed, mean_sync)
+               infeed.process_rows, infeed, mean_sync, dict(task.activation_sharding_rules or {}), schedule)
+
+
+def plan_pipeline(model, mesh, global_batch: int):
+  """The model's pipeline Schedule, checked against the mesh's `stage` axis (None: no pipeline)."""
+  from paxcli import sharding
+  schedule = model.pipeline_schedule(global_batch) if hasattr(model, 'pipeline_schedule') else None
+  stages = schedule.stages if schedule else 1
+  mesh_stages = sharding.num_stages(mesh)
+  if stages != mesh_stages:
+    raise UserError(f'NUM_STAGES is {stages} but the mesh has {mesh_stages} on its stage axis '
+                    f'({sharding.describe_mesh(mesh)}); make the first entry of a four-entry ICI_MESH_SHAPE '
+                    '[stage, replica, data, mdl] (times DCN_MESH_SHAPE\'s) equal NUM_STAGES.')
+  return schedule
+
+
+def pipeline_note(resolved) -> Optional[str]:
+  """'pipeline: S stages x M microbatches ...: bubble ...' for a pipelined experiment, else None.
+
+  For `pax describe`: the global batch is PERCORE_BATCH_SIZE x the mesh's devices (the
+  current devices when the mesh shape has a -1).
+  """
+  import math
+
+  exp = resolved.experiment
+  model = build_task(resolved.task).model
+  if not hasattr(model, 'pipeline_schedule'):
+    return None
+  shape = list(exp.ICI_MESH_SHAPE or [1, -1, 1]) + list(exp.DCN_MESH_SHAPE or [])
+  if -1 in shape:
+    import jax
+    devices = jax.device_count()
+  else:
+    devices = math.prod(shape)
+  try:
+    schedule = model.pipeline_schedule(global_batch_size(exp.PERCORE_BATCH_SIZE, devices))
+  except UserError as e:
+    return f'pipeline: cannot be planned: {e}'
+  return f'pipeline: {schedule.describe()}' if schedule else None
 
 
 def plan_infeed(mesh, examples: int, process_index: Optional[int] = None) -> Infeed:

@@ -110,7 +110,8 @@ def make_eval_step(setup, batch_sharding):
   model = setup.model
 
   def step(variables, batch):
-    _, metrics = model.apply(variables, batch, method='fprop')
+    with setup.activation_sharding():
+      _, metrics = model.apply(variables, batch, method='fprop')
     sums = {}
     for name, (value, weight) in metrics.items():
       weight = jnp.asarray(weight, jnp.float32)

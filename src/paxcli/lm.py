@@ -48,6 +48,13 @@ class LmExperiment(Experiment):
   # auto: jax.nn.dot_product_attention (cuDNN flash attention on GPUs in bf16/fp16, XLA
   # elsewhere); einsum: the plain reference with explicit float32 logits.
   ATTENTION_IMPL: AttentionImplName = 'auto'
+  # Pipeline parallelism (Pax's LayerwiseShardablePipelined; paxcli.layers.pipeline): NUM_STAGES > 1
+  # needs USE_REPEATED_LAYER and a four-entry ICI_MESH_SHAPE [stage, replica, data, mdl] whose stage
+  # entry (times DCN's) equals it. Checkpoints are the same whatever the stage count.
+  NUM_STAGES: int = 1
+  NUM_MICROBATCHES: Optional[int] = None  # None: from MICROBATCH_SIZE, else NUM_STAGES
+  MICROBATCH_SIZE: Optional[int] = None   # rows of the global batch per microbatch
+  PIPELINE_CIRCULAR_REPEAT: int = 1       # R > 1: each stage holds R groups of layers, visited in turn
 
   OPTIMIZER: OptimizerName = 'adamw'
   LEARNING_RATE: float = 1e-3
@@ -106,6 +113,10 @@ class LmExperiment(Experiment):
         attention_use_bias=self.USE_ATTENTION_BIAS,
         norm_epsilon=self.NORM_EPSILON,
         attention_impl=self.ATTENTION_IMPL,
+        num_stages=self.NUM_STAGES,
+        num_microbatches=self.NUM_MICROBATCHES,
+        microbatch_size=self.MICROBATCH_SIZE,
+        pipeline_repeats=self.PIPELINE_CIRCULAR_REPEAT,
     )
 
   def task(self) -> fdl.Config:

@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from paxcli.layers import pipeline
+from paxcli.layers.activation_sharding import active_axis_size, constrain
 from paxcli.layers.base import (AUX_LOSS, NON_TRAINABLE, RANDOM, SUMMARIES, BaseLayer, LayerTpl,
                                 build_arguments, instantiate, template_field)  # noqa: F401
 from paxcli.layers.transformer import Attention, Block, Mlp, Norm, dtype_of, fill_template, sinusoidal, soft_cap
@@ -55,6 +57,10 @@ class BaseModel(BaseLayer):
 
   def validate(self) -> None:
     """Raises paxcli.errors.UserError for settings that cannot work."""
+
+  def pipeline_schedule(self, global_batch: int):
+    """The pipeline's Schedule (paxcli.layers.pipeline) at this global batch; None: not pipelined."""
+    return None
 
   def eval_summary(self, means: dict, weights: dict) -> dict:
     """Eval results from weighted means of the metrics (and their total weights)."""
@@ -94,8 +100,38 @@ class TransformerLm(BaseLayer):
   scale_embedding_sqrt_depth: bool = False
   softmax_bias: bool = False
   softmax_cap_logits: float = 0.0
+  # Pipeline parallelism (paxcli.layers.pipeline; needs scan_layers): the stacked layers run as
+  # num_stages stages over num_microbatches microbatches (or microbatches of microbatch_size
+  # rows; neither: as many as stages), pipeline_repeats times round (circular). 1 stage: off.
+  num_stages: int = 1
+  num_microbatches: Optional[int] = None
+  microbatch_size: Optional[int] = None
+  pipeline_repeats: int = 1
   block_tpl: LayerTpl = template_field(Block)
   final_norm_tpl: LayerTpl = template_field(Norm)
+
+  def _pipelined(self, x_BxLxD, segment_ids_BxL, positions_BxL, dtype, deterministic: bool):
+    """The scanned stack's weights (`layers`, [L, ...]) run by paxcli.layers.pipeline."""
+    from paxcli.errors import UserError
+    schedule = pipeline_schedule(self, x_BxLxD.shape[0])
+    block, kwargs = self._block_kwargs(dtype, deterministic, remat=False)
+    module = block(**kwargs, parent=None)
+    variables = nn.meta.unbox(self.variables)
+    others = sorted(c for c, tree in variables.items() if c != 'params' and 'layers' in tree)
+    if others:
+      raise UserError(f'Pipelined layers may hold trainable weights only; these blocks also have {others}. '
+                      'Set NUM_STAGES=1.')
+    rng = None if deterministic else self.make_rng('dropout')
+
+    def layer_fn(params, x, extras, key):
+      rngs = {} if key is None else {'dropout': key, RANDOM: jax.random.fold_in(key, 1)}
+      return module.apply({'params': params}, x, extras.get('segment_ids'), extras['positions'], rngs=rngs)[0]
+
+    extras = {'positions': positions_BxL}
+    if segment_ids_BxL is not None:
+      extras['segment_ids'] = segment_ids_BxL
+    policy = None if self.checkpoint_policy == 'none' else REMAT_POLICIES[self.checkpoint_policy]()
+    return pipeline.run(layer_fn, variables['params']['layers'], x_BxLxD, extras, schedule, policy, rng)
 
   def _block_kwargs(self, dtype, deterministic: bool, remat: bool = True) -> tuple[type, dict]:
     """The block class (remat-wrapped per checkpoint_policy) and its arguments from block_tpl."""
@@ -129,10 +165,16 @@ class TransformerLm(BaseLayer):
                        (self.max_seq_len, self.model_dims))
       x_BxLxD = x_BxLxD + jnp.take(pos, positions_BxL, axis=0).astype(dtype)
     x_BxLxD = nn.Dropout(self.dropout_prob, deterministic=deterministic)(x_BxLxD)
+    x_BxLxD = constrain(x_BxLxD, ('batch', 'length', 'embed'))
 
     decoding = self.is_mutable_collection('cache') and not self.is_initializing()  # KV cache: no remat
     block, block_kwargs = self._block_kwargs(dtype, deterministic, remat=not decoding)
-    if self.scan_layers:
+    # The pipeline runs in train and eval steps on a mesh with stages; init, decoding (KV cache) and
+    # plain `apply` (conversions, notebooks) run the stack unpipelined, on the same [L, ...] weights.
+    if (self.scan_layers and not decoding and not self.is_initializing()
+        and active_axis_size(pipeline.STAGE_AXIS) > 1 and pipeline_schedule(self, b)):
+      x_BxLxD = self._pipelined(x_BxLxD, segment_ids_BxL, positions_BxL, dtype, deterministic)
+    elif self.scan_layers:
       stack = nn.scan(block, variable_axes={'params': 0, NON_TRAINABLE: 0, SUMMARIES: 0, AUX_LOSS: 0, 'cache': 0},
                       split_rngs={'params': True, 'dropout': True, RANDOM: True},
                       in_axes=(nn.broadcast, nn.broadcast), length=self.num_layers,
@@ -157,7 +199,23 @@ class TransformerLm(BaseLayer):
         bias = self.param('logits_bias', nn.with_logical_partitioning(nn.initializers.zeros, ('vocab',)),
                           (self.vocab_size,))
         logits = logits + bias.astype(logits.dtype).reshape(1, 1, -1)
+    logits = constrain(logits, ('batch', 'length', 'vocab'))
     return soft_cap(logits.astype(jnp.float32), self.softmax_cap_logits)
+
+
+def pipeline_schedule(lm, batch: int):
+  """A TransformerLm's (config or layer) pipeline Schedule for a global batch; None: not pipelined.
+
+  Raises UserError for knobs that cannot work (see paxcli.layers.pipeline.schedule_for).
+  """
+  stages, repeats = getattr(lm, 'num_stages', 1), getattr(lm, 'pipeline_repeats', 1)
+  if stages == 1 and repeats == 1:
+    return None
+  from paxcli.errors import UserError
+  if not lm.scan_layers:
+    raise UserError('Pipeline parallelism (NUM_STAGES > 1) needs USE_REPEATED_LAYER=True: the pipeline keeps '
+                    'the scanned layout [layers, ...], so checkpoints do not depend on the stage count.')
+  return pipeline.schedule_for(lm.num_layers, stages, repeats, batch, lm.num_microbatches, lm.microbatch_size)
 
 
 def lm_loss(logits_BxLxV, labels_BxL, weights_BxL):
@@ -235,7 +293,8 @@ def lm_config(vocab_size: int = 256, num_layers: int = 2, model_dims: int = 64, 
               scale_embedding_sqrt_depth: bool = False, softmax_bias: bool = False,
               softmax_cap_logits: float = 0.0, atten_logit_cap: float = 0.0, per_dim_scale: bool = False,
               attention_use_bias: Optional[bool] = None, norm_epsilon: float = 1e-6,
-              attention_impl: str = 'auto'):
+              attention_impl: str = 'auto', num_stages: int = 1, num_microbatches: Optional[int] = None,
+              microbatch_size: Optional[int] = None, pipeline_repeats: int = 1):
   """The LanguageModel config with its templates filled from flat settings (the LM knobs).
 
   Each setting lands in the one template that uses it: attention heads in
@@ -257,6 +316,8 @@ def lm_config(vocab_size: int = 256, num_layers: int = 2, model_dims: int = 64, 
                   scan_layers=scan_layers, checkpoint_policy=checkpoint_policy, block_tpl=block,
                   final_norm_tpl=norm(), scale_embedding_sqrt_depth=scale_embedding_sqrt_depth,
                   softmax_bias=softmax_bias, softmax_cap_logits=softmax_cap_logits)
+  lm.num_stages, lm.pipeline_repeats = num_stages, pipeline_repeats
+  lm.num_microbatches, lm.microbatch_size = num_microbatches, microbatch_size
   return fdl.Config(LanguageModel, lm_tpl=lm)
 
 
@@ -310,6 +371,9 @@ class LanguageModel(BaseModel):
 
   def validate(self) -> None:
     validate_lm(self.lm_tpl)
+
+  def pipeline_schedule(self, global_batch: int):
+    return pipeline_schedule(self.lm_tpl, global_batch)
 
 
 def flat_view(model):

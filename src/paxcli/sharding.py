@@ -2,9 +2,11 @@
 
 Mesh axes are Pax's: `replica` (pure data parallelism), `data` (data parallelism that
 also shards weights, FSDP style) and `mdl` (tensor parallelism over heads, mlp, vocab).
+A four-entry shape, Pax's pipeline form `[stage, replica, data, mdl]`, adds a leading
+`stage` axis for pipeline parallelism (paxcli.layers.pipeline); three entries have none.
 ICI_MESH_SHAPE gives the mesh within a slice; DCN_MESH_SHAPE, when set, is an outer
 factor across slices (processes or groups of processes), so the global mesh is their
-element-wise product.
+element-wise product (a three-entry shape beside a four-entry one has stage 1).
 """
 
 from __future__ import annotations
@@ -17,8 +19,11 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from paxcli.errors import UserError
+from paxcli.layers.activation_sharding import spec_for
 
 MESH_AXES = ('replica', 'data', 'mdl')
+STAGE_AXIS = 'stage'
+PIPELINE_MESH_AXES = (STAGE_AXIS,) + MESH_AXES
 BATCH_AXES = ('replica', 'data')
 
 # logical axis -> mesh axes, tried in order. A mesh axis is used only if it divides
@@ -31,20 +36,29 @@ DEFAULT_RULES: dict[str, tuple[str, ...]] = {
     'heads': ('mdl',),
     'kv_heads': ('mdl',),
     'head_dim': (),
-    'layers': (),
+    'layers': (STAGE_AXIS,),   # the scanned layer stack: stages hold consecutive layers
     'norm': (),
 }
 
 
 def mesh_shape(ici: Optional[Sequence[int]], dcn: Optional[Sequence[int]], num_devices: int) -> tuple[list[int], list[int]]:
-  """Resolves ICI/DCN shapes (None: all devices on `data`; one -1: fill) or raises UserError."""
-  dcn = list(dcn) if dcn is not None else [1, 1, 1]
+  """Resolves ICI/DCN shapes (None: all devices on `data`; one -1: fill) or raises UserError.
+
+  Both come back with the same number of entries: 3, or 4 when either has a stage entry.
+  """
+  dcn = list(dcn) if dcn is not None else None
   ici = list(ici) if ici is not None else [1, -1, 1]
   for name, shape in (('ICI_MESH_SHAPE', ici), ('DCN_MESH_SHAPE', dcn)):
-    if len(shape) != 3:
-      raise UserError(f'{name} must have 3 entries for the axes {MESH_AXES}, got {shape}.')
+    if shape is None:
+      continue
+    if len(shape) not in (3, 4):
+      raise UserError(f'{name} must have 3 entries for the axes {MESH_AXES}, or 4 for '
+                      f'{PIPELINE_MESH_AXES} (pipeline parallelism), got {shape}.')
     if any(s == 0 or s < -1 for s in shape) or shape.count(-1) > 1:
       raise UserError(f'{name} {shape}: entries must be positive, with at most one -1 (fill).')
+  dcn = dcn if dcn is not None else [1] * len(ici)
+  if len(ici) != len(dcn):  # a three-entry shape beside a four-entry one: no stages there
+    ici, dcn = ([1] + ici, dcn) if len(ici) == 3 else (ici, [1] + dcn)
   if -1 in dcn:
     raise UserError('DCN_MESH_SHAPE may not contain -1.')
   known = math.prod(s for s in ici if s != -1) * math.prod(dcn)
@@ -83,7 +97,7 @@ def make_mesh(ici: Optional[Sequence[int]], dcn: Optional[Sequence[int]] = None,
       array = np.array(devices).reshape(ici)
   else:
     array = _hybrid_mesh(ici, dcn, devices)
-  return Mesh(array, MESH_AXES)
+  return Mesh(array, PIPELINE_MESH_AXES if len(ici) == 4 else MESH_AXES)
 
 
 def _hybrid_mesh(ici: list[int], dcn: list[int], devices) -> np.ndarray:
@@ -116,7 +130,8 @@ def _hybrid_mesh(ici: list[int], dcn: list[int], devices) -> np.ndarray:
   granules = [np.array(ordered[i * per_slice:(i + 1) * per_slice]).reshape(ici) for i in range(num_slices)]
   # Place granule g at DCN coordinate g; the result is ICI x DCN element-wise.
   stacked = np.array(granules).reshape(tuple(dcn) + tuple(ici))
-  axes = [a for pair in zip(range(3), range(3, 6)) for a in pair]
+  k = len(ici)
+  axes = [a for pair in zip(range(k), range(k, 2 * k)) for a in pair]
   return stacked.transpose(axes).reshape([d * i for d, i in zip(dcn, ici)])
 
 
@@ -132,20 +147,7 @@ def _checked_hybrid(mesh_utils, ici, dcn, devices, process_is_granule: bool) -> 
 
 def _mesh_axes_for(names: Sequence[Optional[str]], shape: Sequence[int], mesh: Mesh,
                    rules: dict[str, tuple[str, ...]]) -> P:
-  used: set[str] = set()
-  spec: list[Any] = []
-  for name, dim in zip(names, shape):
-    chosen = []
-    size = 1
-    for axis in rules.get(name, ()) if name else ():
-      axis_size = mesh.shape[axis]
-      if axis in used or axis_size == 1 or dim % (size * axis_size):
-        continue
-      chosen.append(axis)
-      size *= axis_size
-    used.update(chosen)
-    spec.append(tuple(chosen) if len(chosen) > 1 else (chosen[0] if chosen else None))
-  return P(*spec)
+  return spec_for(names, shape, dict(mesh.shape), rules)
 
 
 def logical_to_sharding(logical_tree, abstract_tree, mesh: Mesh, rules: Optional[dict] = None):
@@ -166,6 +168,11 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
 
 def data_parallel_size(mesh: Mesh) -> int:
   return mesh.shape['replica'] * mesh.shape['data']
+
+
+def num_stages(mesh: Mesh) -> int:
+  """The size of the mesh's `stage` axis (1 for a three-axis mesh)."""
+  return dict(mesh.shape).get(STAGE_AXIS, 1)
 
 
 def describe_mesh(mesh: Mesh) -> str:

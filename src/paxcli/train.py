@@ -90,9 +90,10 @@ def make_train_step(setup, batch_sharding, dropout_seed: int, compiler_options: 
       variables = {'params': params}
       if has_non_trainable:
         variables[NON_TRAINABLE] = state['non_trainable']
-      (loss, model_metrics), updates = model.apply(
-          variables, batch, deterministic=deterministic, method='fprop', rngs=rngs,
-          mutable=[NON_TRAINABLE, SUMMARIES, AUX_LOSS])
+      with setup.activation_sharding():
+        (loss, model_metrics), updates = model.apply(
+            variables, batch, deterministic=deterministic, method='fprop', rngs=rngs,
+            mutable=[NON_TRAINABLE, SUMMARIES, AUX_LOSS])
       aux = flatten_collection(updates.get(AUX_LOSS, {}))
       total = loss + sum(jnp.sum(v) for v in aux.values()) if aux else loss
       return total, (loss, model_metrics, aux, updates)

@@ -45,20 +45,27 @@ def describe(
     json_out: bool = typer.Option(False, '--json', help='Print the resolved config as JSON.'),
 ) -> None:
   """Print an experiment's fully resolved config (knobs, task, datasets) after overrides, headed by
-  its parameter count, training FLOPs per token, global batch and the devices its mesh needs."""
+  its parameter count, training FLOPs per token, global batch and the devices its mesh needs.
+
+  A pipelined experiment also gets its schedule and bubble, (S-1)/(R*M+S-1).
+  """
   import json
 
   from paxcli import engine
   resolved = common.resolve(exp, overrides)
   summary = engine.summary(resolved)
+  pipeline = engine.pipeline_note(resolved)
   if json_out:
     flat = {f'summary.{k}': v for k, v in summary.items()}
     flat.update({k: _jsonable(v) for k, v in resolved.flat().items()})
+    if pipeline:
+      flat['pipeline'] = pipeline
     typer.echo(json.dumps(flat, indent=1))
   else:
     text = resolved.as_text()
     head, _, rest = text.partition('\n')
-    typer.echo('\n'.join([head] + summary_lines(summary)) + '\n' + rest, nl=False)
+    lines = [head] + summary_lines(summary) + ([f'# {pipeline}'] if pipeline else [])
+    typer.echo('\n'.join(lines) + '\n' + rest, nl=False)
 
 
 def summary_lines(s: dict) -> list[str]:

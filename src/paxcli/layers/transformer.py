@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from paxcli.layers import attention_ops
+from paxcli.layers.activation_sharding import constrain
 from paxcli.layers.base import BaseLayer, LayerTpl, template_field
 from paxcli.options import ACTIVATIONS
 
@@ -123,6 +124,7 @@ class Attention(nn.Module):
         kernel_init=_init(('embed', head_axis, 'head_dim')),
         bias_init=nn.with_logical_partitioning(nn.initializers.zeros, (head_axis, 'head_dim')),
         name=name)(x)
+    y = constrain(y, ('batch', 'length', head_axis, 'head_dim'))
     return checkpoint_name(y, f'{name}_proj')
 
   def _per_dim_factor(self, e: int):
@@ -152,12 +154,13 @@ class Attention(nn.Module):
     else:
       out_BxLxHxE = attention_ops.attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL,
                                             self.attention_impl, self.atten_logit_cap)
+    out_BxLxHxE = constrain(out_BxLxHxE, ('batch', 'length', 'heads', 'head_dim'))
     out = nn.DenseGeneral(
         features=x_BxLxD.shape[-1], axis=(-2, -1), use_bias=self.use_bias, dtype=self.dtype,
         kernel_init=_init(('heads', 'head_dim', 'embed')),
         bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ('embed',)),
         name='out')(out_BxLxHxE)
-    return checkpoint_name(out, 'out_proj')
+    return checkpoint_name(constrain(out, ('batch', 'length', 'embed')), 'out_proj')
 
   def _decode_cache(self, k_BxLxKxE, v_BxLxKxE, segment_ids_BxL):
     """KV cache for decoding (flax collection 'cache', used when it is mutable).
@@ -203,10 +206,11 @@ class Mlp(nn.Module):
   @nn.compact
   def __call__(self, x_BxLxD):
     act = _ACTIVATIONS[self.activation]
-    h_BxLxF = act(self._dense(self.hidden_dims, ('embed', 'mlp'), 'wi_0')(x_BxLxD))
+    hidden = ('batch', 'length', 'mlp')
+    h_BxLxF = act(constrain(self._dense(self.hidden_dims, ('embed', 'mlp'), 'wi_0')(x_BxLxD), hidden))
     if self.gated:
-      h_BxLxF = h_BxLxF * self._dense(self.hidden_dims, ('embed', 'mlp'), 'wi_1')(x_BxLxD)
-    return self._dense(x_BxLxD.shape[-1], ('mlp', 'embed'), 'wo')(h_BxLxF)
+      h_BxLxF = h_BxLxF * constrain(self._dense(self.hidden_dims, ('embed', 'mlp'), 'wi_1')(x_BxLxD), hidden)
+    return constrain(self._dense(x_BxLxD.shape[-1], ('mlp', 'embed'), 'wo')(h_BxLxF), ('batch', 'length', 'embed'))
 
 
 class Block(BaseLayer):
@@ -239,7 +243,7 @@ class Block(BaseLayer):
     x_BxLxD = x_BxLxD + self.dropout(h)
     h = self.mlp(self.mlp_norm(x_BxLxD))
     x_BxLxD = x_BxLxD + self.dropout(h)
-    return x_BxLxD, None
+    return constrain(x_BxLxD, ('batch', 'length', 'embed')), None
 
 
 def fill_template(tpl, compute_dtype, **fields):

@@ -1,0 +1,93 @@
+"""Activation sharding by logical axes: layers name their activations' axes, one table maps them.
+
+Weights carry logical axis names (`embed`, `mlp`, `heads`, ...) that paxcli.sharding maps
+onto the mesh. Activations need the same, with their own table: without constraints GSPMD
+is free to gather the batch instead of the weights, and under FSDP (Pax's `[1, N, 1]`
+mesh, weights and batch both on `data`) per-device temporaries then grow with N. Layers
+call `constrain(x, ('batch', 'length', 'embed'))` at the natural points (embedding output,
+attention q/k/v and output, MLP hidden, block outputs, logits); the train and eval steps
+trace the model inside `rules(mesh, overrides)`, which turns those calls into
+`jax.lax.with_sharding_constraint`. Outside that context (init, decode, conversions,
+plain `model.apply` in a notebook) `constrain` returns its input unchanged.
+
+The default table (as MaxText's `logical_axis_rules`, flax's `nn.with_logical_constraint`):
+batch over (replica, data), heads/kv_heads/mlp/vocab over mdl, embed, length and head_dim
+unsharded, a pipeline's stage dimension over `stage`. A mesh axis is used for a dimension only if it divides it and no earlier
+dimension of the same array took it; otherwise that dimension stays unsharded. An
+experiment overrides entries with `task.activation_sharding_rules` (see tasks.Task).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Any, Optional, Sequence
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+ACTIVATION_RULES: dict[str, tuple[str, ...]] = {
+    'batch': ('replica', 'data'),
+    'length': (),
+    'embed': (),
+    'heads': ('mdl',),
+    'kv_heads': ('mdl',),
+    'head_dim': (),
+    'mlp': ('mdl',),
+    'vocab': ('mdl',),
+    'stage': ('stage',),      # the pipeline's stage dimension (paxcli.layers.pipeline)
+}
+
+_ACTIVE: contextvars.ContextVar = contextvars.ContextVar('paxcli_activation_sharding', default=None)
+
+
+def spec_for(names: Sequence[Optional[str]], shape: Sequence[int], mesh_shape: dict,
+             rules: dict[str, Sequence[str]]) -> P:
+  """PartitionSpec for one array from its logical axis names, its shape and a rules table.
+
+  Each logical name's mesh axes are tried in order; an axis is taken if the mesh has it
+  (size > 1), it divides the dimension (with the axes already taken for it) and no earlier
+  dimension took it. Shared by weights (paxcli.sharding) and activations.
+  """
+  used: set[str] = set()
+  spec: list[Any] = []
+  for name, dim in zip(names, shape):
+    chosen, size = [], 1
+    for axis in (rules.get(name, ()) if name else ()):
+      axis_size = mesh_shape.get(axis, 1)
+      if axis in used or axis_size == 1 or dim % (size * axis_size):
+        continue
+      chosen.append(axis)
+      size *= axis_size
+    used.update(chosen)
+    spec.append(tuple(chosen) if len(chosen) > 1 else (chosen[0] if chosen else None))
+  return P(*spec)
+
+
+@contextlib.contextmanager
+def rules(mesh, overrides: Optional[dict] = None):
+  """Within this context (while a step is traced), `constrain` applies the rules on `mesh`."""
+  table = {**ACTIVATION_RULES, **{k: tuple(v) if v else () for k, v in (overrides or {}).items()}}
+  token = _ACTIVE.set((mesh, table))
+  try:
+    yield
+  finally:
+    _ACTIVE.reset(token)
+
+
+def active_axis_size(axis: str) -> int:
+  """The size of `axis` on the mesh of the active `rules` context (1 outside one, or if it has none)."""
+  active = _ACTIVE.get()
+  return dict(active[0].shape).get(axis, 1) if active is not None else 1
+
+
+def constrain(x, names: Sequence[Optional[str]]):
+  """`x` constrained to the sharding its logical axis `names` map to; unchanged outside `rules`."""
+  active = _ACTIVE.get()
+  if active is None:
+    return x
+  mesh, table = active
+  if len(names) != x.ndim:
+    raise ValueError(f'constrain: {len(names)} axis names {tuple(names)} for an array of shape {x.shape}.')
+  spec = spec_for(names, x.shape, dict(mesh.shape), table)
+  return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
