@@ -3,7 +3,7 @@
   .venv/bin/python benchmarks/checkpoint_checksums.py [--gib 1.0] [--arrays 16] [--devices 8]
 
 Builds a float32 state of about --gib GiB in --arrays arrays sharded over --devices fake CPU
-devices, then times: the checksum pass (`paxcli.restore.checksums`, what each save and each
+devices, then times: the checksum pass (`paxcli.jobdir.restore.checksums`, what each save and each
 restore adds), an orbax save of that state, and an orbax restore. Prints a table. Machines
 are shared and noisy: compare the ratios within one run.
 """
@@ -32,7 +32,7 @@ def main() -> None:
   from rich.console import Console
   from rich.table import Table
 
-  from paxcli import restore
+  from paxcli.jobdir import restore
   mesh = jax.sharding.Mesh(np.array(jax.devices()), ('data',))
   sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec('data'))
   rows = int(args.gib * (1 << 30) / 4 / args.arrays / 1024) // args.devices * args.devices

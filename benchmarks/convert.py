@@ -36,12 +36,12 @@ def make_checkpoint(job_dir: str, overrides: list[str], exp: str = EXP) -> dict:
   import jax
   import numpy as np
 
-  from paxcli import checkpoint as ckpt
+  from paxcli.jobdir import checkpoint as ckpt
   from paxcli import config
   from paxcli.convert import core
   resolved = config.resolve(exp, overrides)
   model = core.build_model(resolved)
-  from paxcli import engine
+  from paxcli.runtime import engine
   init = jax.jit(lambda r: engine.unbox(engine.init_variables(model.module.model, r, 8)['params']))
   params = init(jax.random.key(0))
   shapes = {n: list(x.shape) for n, x in model.abstract.items() if n == 'step' or n.startswith('params/')}

@@ -4,7 +4,7 @@
                                         [--exp default.StdlibDocsLm] [--set K=V ...]
 
 Greedy decoding of random prompts with fresh weights (speed does not depend on them).
-"cached" is `paxcli.decode.Decoder` (prefill, then one token per step reading the KV cache);
+"cached" is `paxcli.loops.decode.Decoder` (prefill, then one token per step reading the KV cache);
 "recompute" re-runs the model on the whole prefix for every new token (the prefix padded
 up to a multiple of 32 tokens, so that it compiles a few times rather than at every
 length; compiles are excluded from both). MAX_SEQ_LEN is raised to prompt + new tokens.
@@ -21,7 +21,7 @@ import numpy as np
 
 
 def cached(decoder, prompts, new_tokens: int) -> dict:
-  from paxcli.decode import DecodeOptions
+  from paxcli.loops.decode import DecodeOptions
   opts = DecodeOptions(max_decode_steps=new_tokens, batch_size=len(prompts))
   decoder.run(prompts, opts)  # compile
   stats = {}
@@ -68,7 +68,11 @@ def main() -> None:
   from rich.console import Console
   from rich.table import Table
 
-  from paxcli import config, decode, engine
+  from paxcli import config
+
+  from paxcli.loops import decode
+
+  from paxcli.runtime import engine
   resolved = config.resolve(args.exp, args.overrides + [f'MAX_SEQ_LEN={args.prompt_len + args.new_tokens}'])
   setup = engine.build(resolved)
   params = engine.init_state(setup, 0)['params']

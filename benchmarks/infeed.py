@@ -21,7 +21,7 @@ import time
 
 def input_rate(cfg, rows: int, hosts: int, seconds: float) -> float:
   """Batches/s of host 0 of `hosts` reading `rows` rows a batch (after 2 warm-up batches)."""
-  from paxcli import engine
+  from paxcli.runtime import engine
   inp = engine.build_input(cfg, process_batch=rows, num_hosts=hosts, host_index=0)
   for _ in range(2):
     inp.get_next()
@@ -36,8 +36,11 @@ def train_rates(resolved, steps: int) -> dict:
   """Steps/s of the jitted step on a pre-made batch, and fed by the input in the loop."""
   import jax
 
-  from paxcli import engine, sharding
-  from paxcli.train import make_train_step, to_global
+  from paxcli.runtime import engine
+
+  from paxcli.runtime import sharding
+  from paxcli.loops.train import make_train_step
+  from paxcli.runtime.sharding import to_global
   setup = engine.build(resolved)
   state = engine.init_state(setup, 0)
   batch_sharding = sharding.batch_sharding(setup.mesh)

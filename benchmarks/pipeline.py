@@ -31,7 +31,8 @@ CASES = [(2, 2, 1), (2, 4, 1), (2, 8, 1), (4, 4, 1), (4, 8, 1), (2, 4, 2), (4, 4
 
 
 def measure(overrides: list[str], steps: int) -> dict:
-  from paxcli import bench, config
+  from paxcli import config
+  from paxcli.loops import bench
   return bench.measure(config.resolve(EXP, overrides), steps=steps, warmup=1)
 
 
@@ -49,7 +50,7 @@ def main() -> None:
   import jax
   from rich.console import Console
 
-  from paxcli import bench
+  from paxcli.loops import bench
   from rich.table import Table
   model = MODEL + args.overrides
   base = measure(model + ['ICI_MESH_SHAPE=[1,8,1]'], args.steps)

@@ -6,7 +6,7 @@ For each state size, builds a float32 train state of about that many GiB (params
 mu and nu: a third each) on --devices fake CPU devices and runs a loop of jitted steps that
 touch every array (like an optimizer update, donated), saving every --save-every steps exactly
 as `pax train` does: the finite-parameters check, the checksum pass, and
-`paxcli.checkpoint.Checkpointer.save` (orbax, async). Prints, per save, the seconds the loop
+`paxcli.jobdir.checkpoint.Checkpointer.save` (orbax, async). Prints, per save, the seconds the loop
 was held by each part, the wait for the previous save to finish (zero when the disk keeps up),
 and the step time around it. The stall is what the loop loses per save; the write itself runs
 in the background. Machines are shared and noisy: compare within one run.
@@ -39,8 +39,9 @@ def main() -> None:
   from rich.console import Console
   from rich.table import Table
 
-  from paxcli import checkpoint as ckpt
-  from paxcli import restore, train
+  from paxcli.jobdir import checkpoint as ckpt
+  from paxcli.jobdir import restore
+  from paxcli.loops import train
 
   mesh = jax.sharding.Mesh(np.array(jax.devices()), ('data',))
   sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec('data'))

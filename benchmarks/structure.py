@@ -27,7 +27,7 @@ LAYERS = {
     'cli': 4, 'api': 4,
     'loops': 3,
     'jobdir': 2, 'runtime': 2, 'perf': 2, 'convert': 2, 'maxtext': 2,
-    'models': 1, 'layers': 1, 'inputs': 1, 'tokenizer': 1,
+    'models': 1, 'layers': 1, 'inputs': 1, 'families': 1,
 }
 JOBDIR_NAMES = ('checkpoints', 'checkpoints_damaged', 'summaries', 'decoder_out', 'train.lock', 'tokenizer.model',
                 'train_metrics.jsonl', 'eval_metrics.jsonl', 'config.txt', 'profile')

@@ -26,7 +26,8 @@ def measure(exp: str, overrides: list[str], steps: int) -> dict:
   import jax
 
   from paxcli import config
-  from paxcli.train import ready_step, to_global
+  from paxcli.loops.train import ready_step
+  from paxcli.runtime.sharding import to_global
   setup, state, step, batch_sharding, data = ready_step(config.resolve(exp, overrides))
   batch = to_global(data.get_next(), batch_sharding, setup.global_batch)  # one batch: input cost out of the way
   start = time.perf_counter()

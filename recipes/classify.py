@@ -15,7 +15,7 @@ the engine changed for it.
 import fiddle as fdl
 
 from paxcli.experiment import register
-from paxcli.lm import LmExperiment
+from paxcli.families.lm import LmExperiment
 
 
 @register

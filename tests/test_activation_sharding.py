@@ -12,9 +12,15 @@ import jax
 import numpy as np
 import pytest
 
-from paxcli import bench, config, engine, sharding
+from paxcli import config
+
+from paxcli.loops import bench
+
+from paxcli.runtime import engine
+
+from paxcli.runtime import sharding
 from paxcli.layers import activation_sharding
-from paxcli.train import make_train_step
+from paxcli.loops.train import make_train_step
 
 # Wide enough that activations and weights, not fixed overheads, are what the step holds.
 WIDE = ['NUM_LAYERS=1', 'MODEL_DIMS=128', 'HIDDEN_DIMS=512', 'NUM_HEADS=4', 'DIMS_PER_HEAD=32', 'VOCAB_SIZE=256',

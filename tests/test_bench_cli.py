@@ -49,7 +49,7 @@ def test_bad_numbers_are_one_line_before_any_work(tmp_path, monkeypatch, capsys,
     ('CHECKPOINT_POLICY=none,bogus', 'CHECKPOINT_POLICY must be'),
 ])
 def test_a_bad_sweep_value_is_found_before_the_first_row(monkeypatch, capsys, sweep, message):
-  from paxcli import bench
+  from paxcli.loops import bench
 
   def no_row(*args, **kwargs):
     raise AssertionError('a row ran before the sweep was checked')
@@ -83,7 +83,7 @@ def test_plot_draws_mfu_against_the_swept_number_one_line_per_other_combination(
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
 
-  from paxcli import bench
+  from paxcli.loops import bench
   rows = [_row(b, p, 0.1 * b + (p == 'none') * 0.05) for p in ('none', 'save_dot_only') for b in (1, 2, 4)]
   rows.append(_row(8, 'none', None, status='out of memory'))
   assert bench.plot_axes(rows) == ('PERCORE_BATCH_SIZE', ['CHECKPOINT_POLICY'])  # the numeric knob, though second

@@ -295,7 +295,7 @@ def test_converted_checkpoint_carries_checksums_and_a_flipped_bit_is_caught(job,
   verifies them like a trained checkpoint's, bfloat16 params restored as float32 included."""
   import jax.numpy as jnp
 
-  from paxcli import restore
+  from paxcli.jobdir import restore
   out_dir = str(tmp_path / 'bf16')
   _ok(['checkpoint', 'convert', job, out_dir, '--params-only', '--dtype', 'bfloat16', '--no-verify'], capsys)
   meta = restore.read_meta(out_dir, 2)
@@ -319,7 +319,7 @@ def test_saves_are_chunked_so_a_layer_is_read_alone(tmp_path):
   the converter reads a layer (or a whole array, chunk by chunk) with the values saved."""
   import jax.numpy as jnp
 
-  from paxcli import checkpoint as ckpt
+  from paxcli.jobdir import checkpoint as ckpt
   from paxcli.convert.orbax_io import OrbaxSource
   rng = np.random.default_rng(0)
   stacked = rng.standard_normal((3, 16, 8)).astype(np.float32)

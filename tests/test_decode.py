@@ -10,8 +10,10 @@ import numpy as np
 import pytest
 
 from conftest import pax_main, run_pax
-from paxcli import config, decode, engine
-from paxcli.decode import DecodeOptions, Prompt
+from paxcli import config
+from paxcli.loops import decode
+from paxcli.runtime import engine
+from paxcli.loops.decode import DecodeOptions, Prompt
 
 TINY = ['VOCAB_SIZE=64', 'MODEL_DIMS=32', 'HIDDEN_DIMS=64', 'NUM_HEADS=4', 'MAX_SEQ_LEN=32',
         'PERCORE_BATCH_SIZE=1']
@@ -24,7 +26,7 @@ PROMPTS = [Prompt([1, 2, 3, 4, 5]), Prompt([7]), Prompt([9, 8, 7, 6, 5, 4, 3, 2,
 
 
 def _decoder(sets, seed=0):
-  resolved = config.resolve('paxcli.lm.LmExperiment', TINY + sets)
+  resolved = config.resolve('paxcli.families.lm.LmExperiment', TINY + sets)
   setup = engine.build(resolved)
   params = engine.init_state(setup, seed)['params']
   return decode.Decoder(setup, params)
@@ -151,13 +153,14 @@ def test_eos_and_stop_strings_stop_their_row_only(plain):
 
 def test_a_model_trained_on_counting_continues_a_count(tmp_path):
   """300 steps of the synthetic counting input, then greedy decoding counts on."""
-  from paxcli import train
-  resolved = config.resolve('paxcli.lm.LmExperiment', ['VOCAB_SIZE=64', 'MODEL_DIMS=32', 'HIDDEN_DIMS=64',
+  from paxcli.loops import train
+  from paxcli.runtime import sharding
+  resolved = config.resolve('paxcli.families.lm.LmExperiment', ['VOCAB_SIZE=64', 'MODEL_DIMS=32', 'HIDDEN_DIMS=64',
                                                        'NUM_HEADS=2', 'MAX_SEQ_LEN=16', 'PERCORE_BATCH_SIZE=2',
                                                        'LEARNING_RATE=1e-2'])
   setup, state, step, batch_sharding, inp = train.ready_step(resolved)
   for i in range(300):
-    state, metrics = step(state, train.to_global(inp.get_next(), batch_sharding, setup.global_batch))
+    state, metrics = step(state, sharding.to_global(inp.get_next(), batch_sharding, setup.global_batch))
     if i % 50 == 49:
       metrics['loss'].block_until_ready()  # as the train loop does: a bounded queue of dispatched steps
   decoder = decode.Decoder(setup, state['params'])
@@ -171,7 +174,7 @@ def test_a_model_trained_on_counting_continues_a_count(tmp_path):
 
 # ---- the CLI ------------------------------------------------------------------------------------------
 
-CLI = ['decode', '--exp', 'paxcli.lm.LmExperiment'] + [a for s in TINY for a in ('--set', s)]
+CLI = ['decode', '--exp', 'paxcli.families.lm.LmExperiment'] + [a for s in TINY for a in ('--set', s)]
 
 
 def test_cli_writes_jsonl_and_prints_json(tmp_path, capsys):
@@ -246,7 +249,7 @@ def test_training_decodes_its_prompts_at_the_interval(tmp_path, capsys):
   job = tmp_path / 'job'
   sets = [a for s in TINY + ['NUM_TRAIN_STEPS=4', 'DECODE_INTERVAL_STEPS=2', 'DECODE_PROMPTS=[[1, 2, 3], [9]]',
                              'DECODE_MAX_STEPS=5', 'SAVE_INTERVAL_STEPS=4'] for a in ('--set', s)]
-  code, out, err = pax_main(['train', '--exp', 'paxcli.lm.LmExperiment', *sets, '--job-log-dir', str(job)], capsys)
+  code, out, err = pax_main(['train', '--exp', 'paxcli.families.lm.LmExperiment', *sets, '--job-log-dir', str(job)], capsys)
   assert code == 0, err
   assert 'decode step 4:' in out + err
   for step in (2, 4):

@@ -83,7 +83,7 @@ BROKEN = '''
 import dataclasses
 import fiddle as fdl
 from paxcli.inputs.synthetic import SyntheticLmInput
-from paxcli.lm import LmExperiment
+from paxcli.families.lm import LmExperiment
 
 
 @dataclasses.dataclass
@@ -158,7 +158,9 @@ def test_post_processing_subclass_trains(tmp_path, capsys):
   import jax
   import numpy as np
 
-  from paxcli import config, engine
+  from paxcli import config
+
+  from paxcli.runtime import engine
   from paxcli.inputs.synthetic import SyntheticLmInput
   resolved = config.resolve(f'{path}:Masked', [])
   setup = engine.build(resolved)
@@ -197,7 +199,7 @@ def test_input_errors_are_one_clear_line(tmp_path, capsys):
   unregistered.write_text(textwrap.dedent('''
       import fiddle as fdl
       from paxcli.inputs.seqio_input import SeqIOInput
-      from paxcli.lm import LmExperiment
+      from paxcli.families.lm import LmExperiment
       class NoTask(LmExperiment):
         def datasets(self):
           return [fdl.Config(SeqIOInput, name='train', is_training=True, mixture_name='no_such_task',

@@ -50,7 +50,7 @@ def _json(path):
 
 
 def test_special_ids_and_tokens_come_from_the_tokenizer(exported):
-  from paxcli.tokenizer import Tokenizer
+  from paxcli.jobdir.tokenizer import Tokenizer
   out = exported / 'out'
   tok = Tokenizer(str(exported / 'job' / 'tokenizer' / 'spm.model'))
   assert (tok.eos_id, tok.pad_id, tok.bos_id) == (1, 0, None)
@@ -72,7 +72,7 @@ def test_special_ids_and_tokens_come_from_the_tokenizer(exported):
 
 def test_tokenizers_reads_the_same_ids_as_paxcli(exported):
   tokenizers = pytest.importorskip('tokenizers')
-  from paxcli.tokenizer import Tokenizer
+  from paxcli.jobdir.tokenizer import Tokenizer
   ours = Tokenizer(str(exported / 'job' / 'tokenizer' / 'spm.model'))
   theirs = tokenizers.Tokenizer.from_file(str(exported / 'out' / 'tokenizer.json'))
   theirs.encode_special_tokens = True   # what tokenizer_config's split_special_tokens sets
@@ -82,7 +82,7 @@ def test_tokenizers_reads_the_same_ids_as_paxcli(exported):
 
 def test_transformers_autotokenizer_gives_paxcli_ids(exported):
   transformers = pytest.importorskip('transformers')
-  from paxcli.tokenizer import Tokenizer
+  from paxcli.jobdir.tokenizer import Tokenizer
   ours = Tokenizer(str(exported / 'job' / 'tokenizer' / 'spm.model'))
   theirs = transformers.AutoTokenizer.from_pretrained(str(exported / 'out'))
   assert len(ours.encode('Create a new')) == len(theirs('Create a new')['input_ids'])

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from paxcli.errors import UserError
-from paxcli.evaluate import EvalReader, check_semantics
+from paxcli.loops.evaluate import EvalReader, check_semantics
 from paxcli.inputs.base import EndOfInput
 from paxcli.inputs.synthetic import SyntheticLmInput
 from paxcli.inputs.tfrecord import TFRecordInput
@@ -132,9 +132,13 @@ def test_eval_padding_gives_exact_metrics_over_four_hosts(tmp_path):
   """10 examples over 4 hosts (3, 3, 2, 2 records): short hosts pad; metrics equal one pass."""
   import jax
 
-  from paxcli import config, engine, sharding
-  from paxcli.evaluate import make_eval_step
-  from paxcli.train import to_global
+  from paxcli import config
+
+  from paxcli.runtime import engine
+
+  from paxcli.runtime import sharding
+  from paxcli.loops.evaluate import make_eval_step
+  from paxcli.runtime.sharding import to_global
   write_tfrecord(tmp_path / 'eval.tfrecord', token_records(10, seed=1))
   resolved = config.resolve('lm_cloud.LmCloudSpmdTest', ['MODEL_DIMS=32', 'HIDDEN_DIMS=64', 'NUM_HEADS=4',
                                                          'PERCORE_BATCH_SIZE=1', 'MAX_SEQ_LEN=8', 'VOCAB_SIZE=64'])

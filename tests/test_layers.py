@@ -8,7 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from paxcli import config, engine
+from paxcli import config
+
+from paxcli.runtime import engine
 from paxcli.errors import UserError
 from paxcli.experiment import register
 from paxcli.layers import base
@@ -92,7 +94,7 @@ class Noisy(BaseLayer):
 
 
 def test_next_prng_key_differs_per_call_and_per_step():
-  from paxcli.train import step_rngs
+  from paxcli.loops.train import step_rngs
   layer, x = Noisy(), jnp.zeros(3)
   a1, a2 = layer.apply({}, x, rngs=step_rngs(7, jnp.int32(1)))
   b1, _ = layer.apply({}, x, rngs=step_rngs(7, jnp.int32(2)))
@@ -194,7 +196,8 @@ def test_template_swaps_change_the_model():
 
 
 def _one_step(aux_weight):
-  from paxcli.train import ready_step, to_global
+  from paxcli.loops.train import ready_step
+  from paxcli.runtime.sharding import to_global
   resolved = config.resolve('test_layers.TinyFfnLm', [f'task.model.lm_tpl.block_tpl.ffn_tpl.aux_weight={aux_weight}'])
   setup, state, step, sharding, data = ready_step(resolved)
   w_before = np.asarray(state['params']['layer_0']['mlp']['proj']['w'])

@@ -247,7 +247,9 @@ def test_launch_evaluates_the_relative_default_job_dir(trained, tmp_path):
 def test_a_restore_error_that_is_not_damage_moves_nothing(trained, tmp_path, monkeypatch):
   """A real orbax error that is not the checkpoint's fault (the relative path the CLI used to pass):
   one line saying so, every checkpoint left in place, no older one tried."""
-  from paxcli import config, engine, restore
+  from paxcli import config
+  from paxcli.runtime import engine
+  from paxcli.jobdir import restore
   cwd = _copy(trained, tmp_path)
   monkeypatch.chdir(cwd)
   sets = [v for v in SMALL if v != '--set']

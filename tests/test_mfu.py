@@ -20,7 +20,9 @@ TINY_BENCH = ['--exp', 'bench.LlamaTiny', '--set', 'NUM_LAYERS=1', '--set', 'MOD
 
 
 def _one_device_setup(overrides):
-  from paxcli import config, engine, sharding
+  from paxcli import config
+  from paxcli.runtime import engine
+  from paxcli.runtime import sharding
   resolved = config.resolve('lm_cloud.LmCloudSpmdTest', overrides)
   mesh = sharding.make_mesh(None, None, devices=jax.devices()[:1])
   return engine.build(resolved, mesh=mesh)
@@ -33,8 +35,9 @@ def _one_device_setup(overrides):
 def test_flops_model_matches_xla_cost_analysis(shape):
   """Without remat, XLA counts what the model computes: the FLOPs model (PaLM's full attention,
   as the einsum kernel computes every logit) is within a few percent of it."""
-  from paxcli import flops, sharding
-  from paxcli.train import make_train_step
+  from paxcli.perf import flops
+  from paxcli.runtime import sharding
+  from paxcli.loops.train import make_train_step
   setup = _one_device_setup(['NUM_LAYERS=2', 'MODEL_DIMS=128', 'HIDDEN_DIMS=512', 'NUM_HEADS=4',
                              'DIMS_PER_HEAD=32', 'VOCAB_SIZE=512', 'MAX_SEQ_LEN=64', 'PERCORE_BATCH_SIZE=8',
                              'USE_BIAS=False', 'CHECKPOINT_POLICY=none', 'ATTENTION_IMPL=einsum', *shape])
@@ -52,7 +55,9 @@ def test_flops_model_matches_xla_cost_analysis(shape):
 
 def test_flops_model_of_the_llama_1b_recipe():
   """5.74 GFLOP per token, which makes the issue's 289 ms step (8 x 2048 tokens) 33% of 989."""
-  from paxcli import config, engine, flops
+  from paxcli import config
+  from paxcli.runtime import engine
+  from paxcli.perf import flops
   model = engine.build_task(config.resolve('bench.Llama1B').task).model
   f = flops.for_model(model, 2048)
   assert f.per_token == pytest.approx(5.738e9, rel=1e-3)
@@ -60,7 +65,7 @@ def test_flops_model_of_the_llama_1b_recipe():
 
 
 def test_peak_table_and_measured_cpu_peak():
-  from paxcli import flops
+  from paxcli.perf import flops
   assert flops.lookup_peak('NVIDIA H100 80GB HBM3').tflops == 989
   assert flops.lookup_peak('NVIDIA H100 PCIe').tflops == 756
   assert flops.lookup_peak('NVIDIA H200').tflops == 989
@@ -155,7 +160,8 @@ def test_fused_loss_equals_plain_loss_and_holds_no_second_logits_copy():
 
 
 def test_unrolled_model_initialises_through_its_scanned_twin():
-  from paxcli import config, engine
+  from paxcli import config
+  from paxcli.runtime import engine
   resolved = config.resolve('lm_cloud.LmCloudSpmdTest', ['NUM_LAYERS=3', 'MODEL_DIMS=32', 'HIDDEN_DIMS=64',
                                                          'NUM_HEADS=4', 'DIMS_PER_HEAD=8', 'VOCAB_SIZE=64',
                                                          'MAX_SEQ_LEN=16', 'PERCORE_BATCH_SIZE=1'])
@@ -177,7 +183,7 @@ def test_train_summaries_carry_mfu_and_mark_compile_and_eval_windows(tmp_path, c
   assert code == 0, err
   records = [json.loads(line) for line in open(os.path.join(job, 'train_metrics.jsonl'))]
   assert [r['step'] for r in records] == [2, 4, 6]
-  # MFU recomputed here, not with paxcli.flops: 6 x N matmul weights per token + causal attention,
+  # MFU recomputed here, not with paxcli.perf.flops: 6 x N matmul weights per token + causal attention,
   # N counted from the shapes of the checkpoint's parameters. TINY_BENCH: 1 layer, D 32, FFN 64
   # (gated: 3 matrices), 2 heads x 16 (K/V heads too), vocab 64, untied output, sequence 16.
   info = json.loads(pax_main(['checkpoint', 'inspect', job, '--json'], capsys)[1])
@@ -238,7 +244,7 @@ def test_bench_sweep_writes_table_json_and_png(tmp_path, capsys):
 
   from rich.console import Console
 
-  from paxcli import bench
+  from paxcli.loops import bench
   console = Console(width=400, record=True, file=io.StringIO())
   console.print(bench.table(rows, compile_only=False))
   text = console.export_text()

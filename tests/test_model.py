@@ -5,7 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from paxcli import config, engine, optim
+from paxcli import config, optim
+
+from paxcli.runtime import engine
 from paxcli.layers.base import instantiate
 from paxcli.models import lm_config, lm_loss
 from paxcli.tasks import ScheduleConfig
@@ -117,7 +119,8 @@ def test_schedules():
 
 @pytest.mark.parametrize('name', ['adam', 'adamw', 'adafactor', 'sgd'])
 def test_each_optimizer_lowers_the_loss_sharded(name):
-  from paxcli.train import ready_step, to_global
+  from paxcli.loops.train import ready_step
+  from paxcli.runtime.sharding import to_global
   lr = {'sgd': 0.5, 'adafactor': 0.01}.get(name, 3e-3)
   resolved = config.resolve('lm_cloud.LmCloudSpmdTest', [
       'ICI_MESH_SHAPE=[1,4,2]', 'MODEL_DIMS=32', 'HIDDEN_DIMS=64', 'NUM_HEADS=4', 'DIMS_PER_HEAD=8',

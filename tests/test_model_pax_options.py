@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from paxcli import engine
+from paxcli.runtime import engine
 from paxcli.layers.base import instantiate
 from paxcli.layers.transformer import Attention, sinusoidal
 from paxcli.models import lm_config

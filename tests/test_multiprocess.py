@@ -19,7 +19,10 @@ import numpy as np
 import pytest
 
 from conftest import pax_main, run_pax
-from paxcli import config, distributed, engine, sharding
+from paxcli import config
+from paxcli.runtime import distributed
+from paxcli.runtime import engine
+from paxcli.runtime import sharding
 from paxcli.errors import UserError
 
 TINY = ['--exp', 'lm_cloud.LmCloudSpmdTest', '--set', 'NUM_LAYERS=2', '--set', 'MODEL_DIMS=32',

@@ -16,7 +16,7 @@ TINY = ['--exp', 'lm_cloud.LmCloudSpmdTest', '--set', 'NUM_LAYERS=2', '--set', '
         '--set', 'task.train.summary_interval_steps=5', '--set', 'task.train.save_interval_steps=5']
 
 README_EXPERIMENT = '''
-from paxcli.lm import LmExperiment
+from paxcli.families.lm import LmExperiment
 
 class MyLm(LmExperiment):
   NUM_LAYERS = 2
@@ -58,7 +58,7 @@ def test_mesh_bigger_than_the_machine_says_how_to_run_it_on_fake_devices(tmp_pat
 def test_datasets_returning_built_objects_says_what_to_return(tmp_path, capsys):
   (tmp_path / 'plain.py').write_text(textwrap.dedent('''
       from paxcli.inputs.synthetic import SyntheticLmInput
-      from paxcli.lm import LmExperiment
+      from paxcli.families.lm import LmExperiment
 
       class PlainLm(LmExperiment):
         def datasets(self):
@@ -108,7 +108,7 @@ ZERO_WEIGHT_EXPERIMENT = '''
 import dataclasses
 import fiddle as fdl
 from paxcli.inputs.synthetic import SyntheticLmInput
-from paxcli.lm import LmExperiment
+from paxcli.families.lm import LmExperiment
 
 
 @dataclasses.dataclass
@@ -327,7 +327,7 @@ def test_second_ctrl_c_stops_in_one_line_and_the_run_resumes(tmp_path):
 
 
 def test_eval_file_names_read_well_and_old_job_dirs_keep_theirs(tmp_path):
-  from paxcli.evaluate import eval_label, eval_paths
+  from paxcli.loops.evaluate import eval_label, eval_paths
   new, old = tmp_path / 'new', tmp_path / 'old'
   assert eval_paths(str(new), 'eval') == (str(new / 'summaries' / 'eval'), str(new / 'eval_metrics.jsonl'))
   assert eval_paths(str(new), 'c4') == (str(new / 'summaries' / 'eval_c4'), str(new / 'eval_c4_metrics.jsonl'))

@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 
 from conftest import pax_main
-from paxcli import config, engine, sharding
+from paxcli import config
+from paxcli.runtime import engine
+from paxcli.runtime import sharding
 from paxcli.errors import UserError
 from paxcli.layers import pipeline
 

@@ -74,7 +74,9 @@ def _records(job):
 
 
 def _restored_state(work, job, argv, step):
-  from paxcli import config, engine, restore
+  from paxcli import config
+  from paxcli.runtime import engine
+  from paxcli.jobdir import restore
   sets = [argv[i + 1] for i, a in enumerate(argv) if a == '--set']
   cwd = os.getcwd()
   os.chdir(work)

@@ -213,7 +213,7 @@ def test_checksums_catch_one_flipped_bit_and_ignore_the_sharding():
   import jax.numpy as jnp
   import numpy as np
 
-  from paxcli import restore
+  from paxcli.jobdir import restore
   mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 2), ('data', 'mdl'))
   named = lambda *spec: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
   w = np.random.default_rng(0).normal(size=(64, 32)).astype(np.float32)

@@ -25,7 +25,7 @@ def _host(tree):
 def saved_by_train(tmp_path_factory):
   """A run trained 4 steps, saving at 2 and 4; (job dir, {step: the state as the trainer handed it
   to the checkpointer, copied to the host at that moment}): what every restore is judged against."""
-  from paxcli import checkpoint as ckpt
+  from paxcli.jobdir import checkpoint as ckpt
   job = str(tmp_path_factory.mktemp('restore') / 'job')
   saved = {}
   save = ckpt.Checkpointer.save
@@ -63,13 +63,14 @@ def _assert_trees_equal(got, want):
 
 
 def _setup(extra=()):
-  from paxcli import config, engine
+  from paxcli import config
+  from paxcli.runtime import engine
   resolved = config.resolve('lm_cloud.LmCloudSpmdTest', _overrides(TINY) + list(extra))
   return resolved, engine.build(resolved)
 
 
 def test_choose_step_latest_chosen_and_errors(trained, tmp_path):
-  from paxcli import restore
+  from paxcli.jobdir import restore
   from paxcli.errors import UserError
   assert restore.choose_step(trained) == 4
   assert restore.choose_step(trained, 2) == 2
@@ -83,7 +84,7 @@ def test_restore_gives_the_values_saved_and_params_only_skips_the_optimizer(save
   """Both restores judged against the arrays the trainer saved (kept at save time)."""
   import jax
 
-  from paxcli import restore
+  from paxcli.jobdir import restore
   trained, saved = saved_by_train
   resolved, setup = _setup()
   full = restore.restore(setup, trained, 4)
@@ -104,7 +105,7 @@ def test_restore_gives_the_values_saved_and_params_only_skips_the_optimizer(save
 def test_restore_onto_another_mesh_reshards(saved_by_train):
   import jax
 
-  from paxcli import restore
+  from paxcli.jobdir import restore
   trained, saved = saved_by_train
   _, other = _setup(['ICI_MESH_SHAPE=[1,2,4]'])
   b = restore.restore(other, trained, 2, params_only=True).state['params']
@@ -114,7 +115,7 @@ def test_restore_onto_another_mesh_reshards(saved_by_train):
 
 
 def test_other_shapes_are_refused_with_the_differences(trained):
-  from paxcli import restore
+  from paxcli.jobdir import restore
   from paxcli.errors import UserError
   resolved, setup = _setup(['MODEL_DIMS=64'])
   flat = {k: repr(v) for k, v in resolved.flat().items()}
@@ -127,8 +128,8 @@ def test_train_resumes_a_params_only_checkpoint_with_fresh_optimizer(saved_by_tr
   holds the saved params and a fresh optimizer state (every moment and count zero), by value."""
   import jax
 
-  from paxcli import checkpoint as ckpt
-  from paxcli import restore
+  from paxcli.jobdir import checkpoint as ckpt
+  from paxcli.jobdir import restore
   trained, saved = saved_by_train
   _, setup = _setup()
   got = restore.restore(setup, trained, 4, params_only=True)
@@ -164,7 +165,7 @@ def test_train_resumes_a_params_only_checkpoint_with_fresh_optimizer(saved_by_tr
 
 
 def test_train_keeps_the_tokenizer_in_the_job_dir(tmp_path, capsys):
-  from paxcli import tokenizer
+  from paxcli.jobdir import tokenizer
   job = str(tmp_path / 'default')
   code, out, err = pax_main(['train', '--job-log-dir', job, '--set', 'NUM_LAYERS=1', '--set', 'MODEL_DIMS=32',
                              '--set', 'HIDDEN_DIMS=64', '--set', 'MAX_SEQ_LEN=16', '--set', 'PERCORE_BATCH_SIZE=1',

@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 
 from conftest import pax_main, run_pax
-from paxcli import config, engine, sharding
+from paxcli import config
+from paxcli.runtime import engine
+from paxcli.runtime import sharding
 from paxcli.errors import UserError
 
 MODEL = ['--exp', 'lm_cloud.LmCloudSpmdTest', '--set', 'NUM_LAYERS=2', '--set', 'MODEL_DIMS=32',

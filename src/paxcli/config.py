@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import fiddle as fdl
 
-from paxcli import types as ptypes
+from paxcli import values as ptypes
 from paxcli.errors import UserError, did_you_mean, shorten
 from paxcli.experiment import Experiment, instantiate
 
@@ -236,3 +236,10 @@ def resolve(name: Optional[str], overrides: list[str] = ()) -> Resolved:
   for key, raw in rest:
     set_path(root, key, raw)
   return Resolved(name or type(exp).registered_name(), exp, task, by_name, warnings)
+
+
+def config_differences(saved: dict, current: dict,
+                       prefixes=('knobs.', 'task.model.', 'task.train.optimizer.')) -> list[str]:
+  keys = sorted(k for k in set(saved) | set(current) if k.startswith(prefixes))
+  return [f'{k}: checkpoint {saved.get(k, "<absent>")} -> now {current.get(k, "<absent>")}'
+          for k in keys if saved.get(k) != current.get(k)]

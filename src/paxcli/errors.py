@@ -39,3 +39,11 @@ def shorten(text: object, limit: int = 120) -> str:
     return text
   keep = max(limit // 2 - 10, 8)
   return f'{text[:keep]}...({len(text) - 2 * keep:,} more characters)...{text[-keep:]}'
+
+
+def at_least(low, prefix: str, obj, *fields: str) -> None:
+  for field in fields:
+    value = getattr(obj, field)
+    if value < low:
+      hint = ' (0 turns it off)' if low == 0 and field == 'eval_interval_steps' else ''
+      raise UserError(f'{prefix}.{field} must be at least {low}, got {value}{hint}.')

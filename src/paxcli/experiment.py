@@ -20,7 +20,7 @@ import sys
 import typing
 from typing import Any, Literal, Optional
 
-from paxcli import types as ptypes
+from paxcli import values as ptypes
 from paxcli.errors import UserError, did_you_mean, shorten
 
 _KNOB_RE = re.compile(r'^[A-Z][A-Z0-9_]*$')

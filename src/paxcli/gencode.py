@@ -19,7 +19,7 @@ from typing import Any
 
 from paxcli.errors import UserError
 
-IMPORTS = {('paxcli.experiment', 'register'), ('paxcli.lm', 'LmExperiment')}
+IMPORTS = {('paxcli.experiment', 'register'), ('paxcli.families.lm', 'LmExperiment')}
 BASES = ('LmExperiment',)
 
 

@@ -402,7 +402,7 @@ def flat_view(model):
 def validate_lm(lm) -> None:
   """Checks of a TransformerLm config that one layer alone cannot make."""
   from paxcli.errors import UserError
-  from paxcli.engine import at_least
+  from paxcli.errors import at_least
   at_least(1, 'task.model.lm_tpl', lm, 'vocab_size', 'num_layers', 'model_dims', 'max_seq_len')
   if not 0 <= lm.dropout_prob < 1:
     raise UserError(f'task.model.lm_tpl.dropout_prob must be in [0, 1), got {lm.dropout_prob}.')
@@ -487,5 +487,5 @@ class ClassificationModel(BaseModel):
     return jnp.sum(input_batch['weights'] > 0)
 
   def validate(self) -> None:
-    from paxcli.engine import at_least
+    from paxcli.errors import at_least
     at_least(1, 'task.model', self, 'vocab_size', 'num_classes', 'model_dims', 'num_layers', 'max_seq_len')

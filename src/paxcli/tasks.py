@@ -61,7 +61,7 @@ class Task:
   """What to train: a flax model (built from its fiddle config) and TrainConfig."""
   model: Any
   train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
-  # Logical axis name -> mesh axes, overriding entries of paxcli.sharding.DEFAULT_RULES (weights).
+  # Logical axis name -> mesh axes, overriding entries of paxcli.runtime.sharding.DEFAULT_RULES (weights).
   sharding_rules: Optional[dict] = None
   # The same for activations, overriding paxcli.layers.activation_sharding.ACTIVATION_RULES,
   # e.g. {'embed': ('mdl',)} (sequence-parallel style) or {'batch': ('replica',)}.

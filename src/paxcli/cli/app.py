@@ -58,7 +58,7 @@ _register_all()
 def main(argv: list[str] | None = None) -> None:
   """Console entry point: runs the app, turning UserError into one red line and exit 2."""
   argv = list(sys.argv[1:] if argv is None else argv)
-  from paxcli import invocation
+  from paxcli.jobdir import invocation
   invocation.set_argv(argv)  # as the user typed it, for the job directory's invocations.txt
   argv = common.normalize_argv(argv)
   common.run_app(app, argv)

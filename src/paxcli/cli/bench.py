@@ -60,7 +60,7 @@ def mfu(
     fake_devices(num_devices)
   import json
 
-  from paxcli import bench
+  from paxcli.loops import bench
   console = common.console(wide=True)  # piped: rows never wrap, whatever their width
   err = common.console(stderr=True)
   from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn

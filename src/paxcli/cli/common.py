@@ -55,7 +55,7 @@ def process_id_option():
 def start_processes(coordinator: Optional[str], num_processes: Optional[int],
                     process_id: Optional[int]) -> None:
   """Joins the other processes of a run (jax.distributed), before any JAX backend starts."""
-  from paxcli import distributed
+  from paxcli.runtime import distributed
   distributed.start(distributed.settings_from(coordinator, num_processes, process_id))
 
 
@@ -241,8 +241,8 @@ def path_arg(path: Optional[str], option: str) -> Optional[str]:
     return None
   if not path:
     raise UserError(f'{option} is empty; give a path.')
-  from paxcli import jobdir
-  return jobdir.absolute(path)
+  from paxcli.jobdir import lock as joblock
+  return joblock.absolute(path)
 
 
 def resolve_name(exp: Optional[str]) -> str:

@@ -62,14 +62,14 @@ def decode_command(
     process_id: Optional[int] = common.process_id_option(),
 ) -> None:
   """Generate continuations of prompts from a checkpoint (KV cache; greedy, sampling or beam search)."""
-  from paxcli.decode import DecodeOptions
+  from paxcli.loops.decode import DecodeOptions
   from paxcli.errors import UserError
   opts = DecodeOptions(max_decode_steps=max_decode_steps, temperature=temperature, top_k=top_k, top_p=top_p,
                        num_samples=num_samples, seed=seed, beam_size=beam_size, length_penalty=length_penalty,
                        eos_ids=tuple(eos_id), stop=tuple(stop), batch_size=batch_size, ignore_eos=ignore_eos,
                        min_length=min_length)
   opts.check()  # option errors before any start-up
-  from paxcli.decode import check_text
+  from paxcli.loops.decode import check_text
   for text in prompt:
     check_text(text, '--prompt')
   for text in stop:
@@ -82,7 +82,7 @@ def decode_command(
   common.start_processes(coordinator, num_processes, process_id)  # before anything starts JAX
   resolved = common.resolve(exp, overrides)  # prints warnings (a knob the experiment overrides)
   job_dir = common.job_dir(job_log_dir, resolved)
-  from paxcli import decode
+  from paxcli.loops import decode
   decode.decode_command(resolved, job_dir, opts, texts=prompt, prompts_file=prompts_file, prompt_ids=prompt_ids,
                         dataset=dataset, num_prompts=num_prompts, step=step, use_checkpoint=not no_checkpoint,
                         dtype=dtype, output=output, json_out=json_out)

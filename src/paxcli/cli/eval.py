@@ -48,8 +48,8 @@ def eval_command(
     raise UserError('--timeout goes with --follow.')
   if step is not None and no_checkpoint:
     raise UserError('--step N picks a checkpoint; --no-checkpoint evaluates fresh weights. Give one of them.')
-  from paxcli import invocation
-  from paxcli.evaluate import evaluate, follow as follow_run, results_table
+  from paxcli.jobdir import invocation
+  from paxcli.loops.evaluate import evaluate, follow as follow_run, results_table
   common.start_processes(coordinator, num_processes, process_id)  # before anything starts JAX
   resolved = common.resolve(exp, overrides)
   job_dir = common.job_dir(job_log_dir, resolved)
@@ -60,7 +60,7 @@ def eval_command(
     record()
     record = None
   if not (follow or no_checkpoint):  # a mistyped job directory is refused before any work
-    from paxcli import restore
+    from paxcli.jobdir import restore
     restore.choose_step(job_dir, step=step, purpose='evaluate')
   if follow:
     emit = (lambda r: typer.echo(json.dumps(r))) if json_out and main else None

@@ -26,7 +26,7 @@ def inspect_input(
     json_out: bool = typer.Option(False, '--json', help='JSON lines instead of tables.'),
 ) -> None:
   """Show batches of an experiment's input: shapes, dtypes, padding, decoded text, throughput."""
-  from paxcli import inspect_input as ii
+  from paxcli.loops import inspect_input as ii
   console = common.console()
   if path is not None:
     report = ii.inspect_file(path, max(num_examples, 1))

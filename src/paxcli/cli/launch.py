@@ -92,8 +92,8 @@ def free_port() -> int:
 
 
 def _child_envs(n: int, devices_per_process: Optional[int], port: int) -> list[dict[str, str]]:
-  from paxcli import distributed
-  from paxcli.engine import detect_platform
+  from paxcli.runtime import distributed
+  from paxcli.runtime.engine import detect_platform
   platform = detect_platform()
   cpu_devices, visible = devices_per_process, [None] * n
   if platform == 'tpu':

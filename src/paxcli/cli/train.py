@@ -27,8 +27,8 @@ def train(
   --coordinator/--num-processes/--process-id, or let JAX detect the cluster; on one
   machine, `pax launch --processes N -- train ...` starts N local processes.
   """
-  from paxcli import profiling
-  from paxcli.train import train as run_train
+  from paxcli.perf import profiling
+  from paxcli.loops.train import train as run_train
   steps = profiling.parse_steps(profile_steps)
   pgle_profile = common.path_arg(pgle_profile, '--pgle-profile')
   # Before anything else touches JAX: experiments may ask jax for device counts.
@@ -51,7 +51,7 @@ def describe(
   """
   import json
 
-  from paxcli import engine
+  from paxcli.runtime import engine
   resolved = common.resolve(exp, overrides)
   summary = engine.summary(resolved)
   pipeline = engine.pipeline_note(resolved)
@@ -82,7 +82,7 @@ def summary_lines(s: dict) -> list[str]:
     batch = f"{s['global_batch']:,} sequences{tokens}"
   else:
     batch = s['global_batch_note']
-  flops = (f"{count(s['flops_per_token'], 'FLOP')} (training: forward + backward, paxcli.flops)"
+  flops = (f"{count(s['flops_per_token'], 'FLOP')} (training: forward + backward, paxcli.perf.flops)"
            if s['flops_per_token'] else s['flops_per_token_note'])
   return [f"# parameters: {count(s['parameters'])} ({s['parameters']:,})",
           f'# FLOPs per token: {flops}',

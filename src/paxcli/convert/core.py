@@ -16,7 +16,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from paxcli import jobdir
+from paxcli.jobdir import lock as joblock
 from paxcli.convert import formats
 from paxcli.errors import UserError, shorten
 
@@ -48,7 +48,7 @@ def recipe_class(path: str, class_name: str, text: str, where: Optional[str] = N
   parsed, never run) and served for `path:class_name` in this process."""
   from paxcli import experiment
   from paxcli import gencode
-  from paxcli.lm import LmExperiment
+  from paxcli.families.lm import LmExperiment
   knobs = gencode.knobs_of(text, class_name, where or path)
   cls = type(class_name, (LmExperiment,), {**knobs, '__module__': '_paxcli_recipe_data',
                                            '__doc__': f'{class_name} of {path}, read as data.'})
@@ -145,7 +145,9 @@ def build_model(resolved) -> Model:
   """The model and the abstract train state of an experiment, without a mesh."""
   import jax
 
-  from paxcli import engine, models, optim
+  from paxcli import models, optim
+
+  from paxcli.runtime import engine
   task = engine.build_task(resolved.task)
   engine.validate_model(task.model)
   tx = optim.make_optimizer(task.train)
@@ -288,7 +290,7 @@ class Output:
     import shutil
     for stale in glob.glob(glob.escape(self.path) + '.converting-*'):   # left by a killed conversion
       pid = stale.rsplit('-', 1)[-1]
-      if pid.isdigit() and not jobdir.pid_alive(int(pid)):
+      if pid.isdigit() and not joblock.pid_alive(int(pid)):
         shutil.rmtree(stale, ignore_errors=True)
     if os.path.exists(self.tmp):
       shutil.rmtree(self.tmp)

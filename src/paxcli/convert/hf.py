@@ -323,7 +323,7 @@ def recipe_text(class_name: str, knobs: dict, source: str, notes: list[str]) -> 
   """The recipe of an imported Llama: its knobs; the source path and notes only as literals."""
   lines = ['"""A Hugging Face Llama as a paxcli experiment (written by pax checkpoint convert --from hf).', '',
            'SOURCE is the directory it was converted from; the knobs come from its config.json.', '"""', '',
-           'from paxcli.experiment import register', 'from paxcli.lm import LmExperiment', '',
+           'from paxcli.experiment import register', 'from paxcli.families.lm import LmExperiment', '',
            f'SOURCE = {gencode.literal(os.path.abspath(source))}']
   if notes:
     lines.append(f'NOTES = {gencode.literal(tuple(str(n) for n in notes))}')

@@ -32,7 +32,7 @@ def split_path(path: str) -> tuple[str, Optional[int]]:
 
 
 def is_orbax(path: str) -> bool:
-  from paxcli import checkpoint as ckpt
+  from paxcli.jobdir import checkpoint as ckpt
   job_dir, step = split_path(path)
   if step is not None:
     return True
@@ -56,7 +56,7 @@ class OrbaxSource(formats.SourceBase):
   kind = 'orbax'
 
   def __init__(self, path: str, step: Optional[int] = None, target=None):
-    from paxcli import restore
+    from paxcli.jobdir import restore
     self.path = path
     self.job_dir, step_in_path = split_path(path)
     if step_in_path is not None and step is not None and step != step_in_path:
@@ -167,7 +167,8 @@ class OrbaxSource(formats.SourceBase):
     return np.asarray(out)
 
   def extra_files(self) -> dict:
-    from paxcli import files, tokenizer
+    from paxcli import files
+    from paxcli.jobdir import tokenizer
     name = os.path.relpath(tokenizer.job_dir_file(self.job_dir), self.job_dir)
     path = files.member(self.job_dir, name, 'tokenizer')
     return {'tokenizer': path} if os.path.isfile(path) else {}
@@ -233,7 +234,7 @@ class StateWriter:
     self._sums: dict = {}   # name -> checksum lanes, accumulated as the pieces are written
 
   def _sum(self, name: str, x: np.ndarray, offset: int) -> None:
-    from paxcli import restore
+    from paxcli.jobdir import restore
     total = self._sums.get(name, np.zeros(2, np.uint32))
     start = offset
     for block in formats.blocks(x, 2 << 20):   # the checksum needs ~20 bytes per element: small blocks
@@ -243,7 +244,7 @@ class StateWriter:
 
   def checksums(self) -> dict[str, str]:
     """'name' -> checksum of every array written (restore.checksums' format)."""
-    from paxcli import restore
+    from paxcli.jobdir import restore
     return {name: restore.checksum_hex(lanes) for name, lanes in self._sums.items()}
 
   @staticmethod
@@ -336,7 +337,7 @@ def write_step(job_dir: str, step: int, meta: dict, fill_state) -> str:
   """
   import shutil
 
-  from paxcli import checkpoint as ckpt
+  from paxcli.jobdir import checkpoint as ckpt
   checkpointer = ckpt.Checkpointer(os.path.join(job_dir, 'checkpoints'), max_to_keep=0, async_save=False)
   checkpointer.save(step, {'step': np.int32(step)}, meta)
   checkpointer.close()

@@ -490,7 +490,7 @@ class PaxmlSource(formats.SourceBase):
              'derived from. UNSUPPORTED_FEATURES lists what paxcli cannot reproduce; `pax train` refuses',
              'to run until you accept it with --set UNSUPPORTED_FEATURES={}. Set the data (datasets(),',
              'MAX_SEQ_LEN, PERCORE_BATCH_SIZE) and optimizer for your runs.',
-             '"""', '', 'from paxcli.experiment import register', 'from paxcli.lm import LmExperiment', '',
+             '"""', '', 'from paxcli.experiment import register', 'from paxcli.families.lm import LmExperiment', '',
              f'SOURCE = {gencode.literal(os.path.abspath(self.path))}',
              f'CONFIG = {gencode.literal(self.config_path)}', '', '',
              '@register', f'class {class_name}(LmExperiment):', '  """Converted from the paxml checkpoint SOURCE."""', '']
@@ -675,7 +675,7 @@ def _param_shapes(model) -> dict[str, tuple]:
   import jax
   import jax.numpy as jnp
 
-  from paxcli import engine
+  from paxcli.runtime import engine
   ids = jax.ShapeDtypeStruct((1, 1), jnp.int32)
   model = getattr(model, 'model', model)   # models.flat_view(...) carries the module
   boxed = jax.eval_shape(lambda r, x: model.init({'params': r, 'dropout': r}, x)['params'],

@@ -218,7 +218,7 @@ def _carry_files(src, tmp: str, to: str, recipe_text: Optional[str], own_experim
   tok = src.extra_files().get('tokenizer')
   if tok:
     if to == 'orbax':
-      from paxcli import tokenizer
+      from paxcli.jobdir import tokenizer
       dest = tokenizer.job_dir_file(tmp)
     else:
       dest = os.path.join(tmp, 'tokenizer.model')

@@ -1,6 +1,6 @@
 """Activation sharding by logical axes: layers name their activations' axes, one table maps them.
 
-Weights carry logical axis names (`embed`, `mlp`, `heads`, ...) that paxcli.sharding maps
+Weights carry logical axis names (`embed`, `mlp`, `heads`, ...) that paxcli.runtime.sharding maps
 onto the mesh. Activations need the same, with their own table: without constraints GSPMD
 is free to gather the batch instead of the weights, and under FSDP (Pax's `[1, N, 1]`
 mesh, weights and batch both on `data`) per-device temporaries then grow with N. Layers
@@ -47,7 +47,7 @@ def spec_for(names: Sequence[Optional[str]], shape: Sequence[int], mesh_shape: d
 
   Each logical name's mesh axes are tried in order; an axis is taken if the mesh has it
   (size > 1), it divides the dimension (with the axes already taken for it) and no earlier
-  dimension took it. Shared by weights (paxcli.sharding) and activations.
+  dimension took it. Shared by weights (paxcli.runtime.sharding) and activations.
   """
   used: set[str] = set()
   spec: list[Any] = []

@@ -156,7 +156,7 @@ class WeightHParams:
   """A weight's declaration: shape, init, dtype, collections and logical axis names.
 
   `tensor_split_dims_mapping` holds logical axis names (e.g. ('embed', 'mlp')), mapped
-  onto the mesh by paxcli.sharding's rules; None leaves the weight replicated.
+  onto the mesh by paxcli.runtime.sharding's rules; None leaves the weight replicated.
   """
   shape: Sequence[int] = ()
   init: Optional[WeightInit] = None

@@ -165,7 +165,7 @@ class Attention(nn.Module):
   def _decode_cache(self, k_BxLxKxE, v_BxLxKxE, segment_ids_BxL):
     """KV cache for decoding (flax collection 'cache', used when it is mutable).
 
-    The first call (paxcli.decode's cache layout) only sizes the cache from its input: [B, S] ids
+    The first call (paxcli.loops.decode's cache layout) only sizes the cache from its input: [B, S] ids
     give S slots. Every later call writes its L new keys/values at slot `index` (the same
     for all rows: prompts are left-padded), marks which slots hold real tokens (segment id
     != 0) and returns the whole cache with the mask of what each new query may see: real

@@ -109,7 +109,7 @@ class StepProfiler:
     jax.profiler.stop_trace()
     self._active = None
     if purpose == 'trace':
-      from paxcli.summaries import tensorboard_command
+      from paxcli.jobdir.summaries import tensorboard_command
       self.log(f'Profile of steps {first}-{last} written to {directory} ({tensorboard_command()} --logdir '
                f'{directory}).')
       return None

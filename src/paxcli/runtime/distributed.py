@@ -157,7 +157,7 @@ def _check_backend_not_started() -> None:
 
 
 def _platform() -> str:
-  from paxcli.engine import detect_platform
+  from paxcli.runtime.engine import detect_platform
   return detect_platform()
 
 

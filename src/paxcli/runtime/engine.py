@@ -16,7 +16,7 @@ import dataclasses
 import os
 from typing import Any, Optional
 
-from paxcli.errors import UserError
+from paxcli.errors import UserError, at_least
 
 
 def apply_platform_env(knob_env: dict[str, dict[str, str]], log=print) -> None:
@@ -145,7 +145,9 @@ def build(resolved, mesh=None) -> Setup:
   import fiddle as fdl
   import jax
 
-  from paxcli import optim, sharding
+  from paxcli import optim
+
+  from paxcli.runtime import sharding
   exp = resolved.experiment
   mesh = mesh or sharding.make_mesh(exp.ICI_MESH_SHAPE, exp.DCN_MESH_SHAPE)
   task = build_task(resolved.task)
@@ -182,7 +184,7 @@ def build(resolved, mesh=None) -> Setup:
 
 def plan_pipeline(model, mesh, global_batch: int):
   """The model's pipeline Schedule, checked against the mesh's `stage` axis (None: no pipeline)."""
-  from paxcli import sharding
+  from paxcli.runtime import sharding
   schedule = model.pipeline_schedule(global_batch) if hasattr(model, 'pipeline_schedule') else None
   stages = schedule.stages if schedule else 1
   mesh_stages = sharding.num_stages(mesh)
@@ -227,7 +229,7 @@ def plan_infeed(mesh, examples: int, process_index: Optional[int] = None) -> Inf
   """
   import jax
 
-  from paxcli import sharding
+  from paxcli.runtime import sharding
   dp = sharding.data_parallel_size(mesh)
   num_processes = len({d.process_index for d in mesh.devices.flat})
   rows = examples
@@ -270,7 +272,7 @@ def input_layout(resolved, setup: Setup) -> dict:
   """What decides which data each step sees, beyond the global batch (stored in checkpoints)."""
   import jax
 
-  from paxcli import sharding
+  from paxcli.runtime import sharding
   exp = resolved.experiment
   ici, dcn = sharding.mesh_shape(exp.ICI_MESH_SHAPE, exp.DCN_MESH_SHAPE, setup.mesh.size)
   return {'ici_mesh_shape': ici, 'dcn_mesh_shape': dcn,
@@ -354,14 +356,6 @@ def validate_train(train) -> None:
   at_least(1, 'task.train', train, 'loss_spike_window')
   at_least(0, 'task.train.lr_schedule', train.lr_schedule, 'warmup_steps', 'decay_start', 'decay_end',
             'min_ratio')
-
-
-def at_least(low, prefix: str, obj, *fields: str) -> None:
-  for field in fields:
-    value = getattr(obj, field)
-    if value < low:
-      hint = ' (0 turns it off)' if low == 0 and field == 'eval_interval_steps' else ''
-      raise UserError(f'{prefix}.{field} must be at least {low}, got {value}{hint}.')
 
 
 def unbox(tree):
@@ -495,13 +489,13 @@ def param_count(abstract_state) -> int:
 
 def summary(resolved) -> dict:
   """What a run of the resolved experiment needs, without devices: parameters (from the model's
-  abstract init), training FLOPs per token (paxcli.flops), the global batch and the devices the mesh
+  abstract init), training FLOPs per token (paxcli.perf.flops), the global batch and the devices the mesh
   asks for. A figure that cannot be known is None, with the reason under '<name>_note'."""
   import math
 
   import jax
 
-  from paxcli import flops
+  from paxcli.perf import flops
   exp = resolved.experiment
   out: dict = {}
   ici, dcn = exp.ICI_MESH_SHAPE, exp.DCN_MESH_SHAPE
@@ -529,7 +523,7 @@ def summary(resolved) -> dict:
   per_token = flops.for_model(model, seq_len) if seq_len else None
   out['flops_per_token'] = per_token.per_token if per_token else None
   if per_token is None:
-    out['flops_per_token_note'] = 'paxcli.flops has no FLOPs model for this model'
+    out['flops_per_token_note'] = 'paxcli.perf.flops has no FLOPs model for this model'
   return out
 
 

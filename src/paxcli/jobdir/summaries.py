@@ -61,8 +61,8 @@ class SummaryWriter:
       self._jsonl.write(json.dumps(record) + '\n')
       self._jsonl.flush()
     elif self._rows_path:
-      from paxcli import jobdir
-      jobdir.put_row(self._rows_path, record)
+      from paxcli.jobdir import lock as joblock
+      joblock.put_row(self._rows_path, record)
     self._writer.flush()
 
   def text(self, step: int, tag: str, text: str) -> None:

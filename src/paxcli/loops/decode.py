@@ -201,7 +201,7 @@ def read_prompts_file(path: str, tokenizer) -> list[Prompt]:
 def prompts_from_dataset(resolved, setup, name: str, tokenizer, max_prompts: int, max_len: int) -> list[Prompt]:
   """Rows of the experiment's input `name` as prompts: its `prefix`, else `ids` without padding,
   cut to their first `max_len` tokens (full-length LM rows would leave no room to decode)."""
-  from paxcli import engine
+  from paxcli.runtime import engine
   from paxcli.inputs.base import EndOfInput
   cfgs = dict(resolved.datasets)
   if name not in cfgs:
@@ -241,7 +241,7 @@ def _cache_shardings(cache_abstract, mesh):
   import jax
   from jax.sharding import NamedSharding, PartitionSpec as P
 
-  from paxcli import sharding
+  from paxcli.runtime import sharding
   dp = sharding.data_parallel_size(mesh)
 
   def one(path, leaf):
@@ -345,7 +345,7 @@ class Decoder:
     import jax
     import jax.numpy as jnp
 
-    from paxcli import sharding
+    from paxcli.runtime import sharding
     key = (rows, prompt_len, length, opts.sampling, opts.top_k or 0, bool(opts.beam_size))
     if key in self._fns:
       return self._fns[key]
@@ -406,7 +406,7 @@ class Decoder:
   def run(self, prompts: Sequence[Prompt], opts: DecodeOptions, tokenizer=None, progress: Optional[Callable] = None,
           prompt_offset: int = 0) -> tuple[list[dict], dict]:
     """Decodes every prompt; returns (records in prompt then sample order, timing stats)."""
-    from paxcli import sharding
+    from paxcli.runtime import sharding
     opts.check(self.vocab_size)
     check_lengths(prompts, self.max_seq_len, prompt_offset)
     per_prompt = opts.beam_size or opts.num_samples
@@ -466,7 +466,7 @@ class Decoder:
                      for r in range(rows)]).astype(np.uint32)
     temperature = np.float32(opts.temperature if opts.temperature is not None else 1.0)
     top_p = np.float32(opts.top_p if opts.top_p is not None else 1.0)
-    from paxcli import sharding
+    from paxcli.runtime import sharding
     batch_sh = sharding.batch_sharding(self.mesh)
     t0 = time.perf_counter()
     cache = fns['zeros']()
@@ -504,7 +504,7 @@ class Decoder:
                     tokenizer, opts) for r in range(n)]
 
   def _beam_batch(self, prompts, indices, rows, opts, tokenizer, stats):
-    from paxcli import sharding
+    from paxcli.runtime import sharding
     k = opts.beam_size
     row_prompt = [p for p in range(len(prompts)) for _ in range(k)]
     ids, pos, budget, plen = self._prepare(prompts, row_prompt, rows, opts)
@@ -725,7 +725,11 @@ def decode_command(resolved, job_dir: str, opts: DecodeOptions, texts=(), prompt
 
   import jax
 
-  from paxcli import engine, restore, tokenizer as tok_lib
+  from paxcli.runtime import engine
+
+  from paxcli.jobdir import restore
+
+  from paxcli.jobdir import tokenizer as tok_lib
   from paxcli.cli import common
   setup = engine.build(resolved)
   decoder_check = Decoder(setup, None)  # a model that cannot decode fails before any reading
@@ -822,7 +826,7 @@ class TrainDecoder:
   def __init__(self, resolved, setup, job_dir: str, train_cfg):
     import jax
 
-    from paxcli import tokenizer as tok_lib
+    from paxcli.jobdir import tokenizer as tok_lib
     self.setup, self.job_dir = setup, job_dir
     self.tokenizer = tok_lib.load(job_dir, resolved.train_dataset())
     self.decoder = Decoder(setup, None)
@@ -850,7 +854,7 @@ class TrainDecoder:
       return []
     write_jsonl(output_path(self.job_dir, None, step), records)
     if self.writer is None:
-      from paxcli.summaries import SummaryWriter
+      from paxcli.jobdir.summaries import SummaryWriter
       self.writer = SummaryWriter(os.path.join(self.job_dir, 'summaries', 'decode'))
     lines = []
     for r in records:

@@ -69,14 +69,19 @@ def measure(resolved, steps: int = 10, warmup: int = 2, compile_only: bool = Fal
   """One configuration: a row of figures (see module doc). Raises on errors other than OOM."""
   import jax
 
-  from paxcli import engine, flops, sharding
-  from paxcli.train import make_train_step, to_global
+  from paxcli.runtime import engine
+
+  from paxcli.perf import flops
+
+  from paxcli.runtime import sharding
+  from paxcli.loops.train import make_train_step
+  from paxcli.runtime.sharding import to_global
   setup = engine.build(resolved)
   devices = jax.devices()
   tokens = setup.global_batch * setup.seq_len
   model_flops = flops.for_model(setup.model, setup.seq_len)
   if model_flops is None:
-    raise UserError(f'{resolved.name}: paxcli.flops has no FLOPs model for this model, so MFU is unknown.')
+    raise UserError(f'{resolved.name}: paxcli.perf.flops has no FLOPs model for this model, so MFU is unknown.')
   if compile_only and not peak_tflops and not flops.lookup_peak(devices[0].device_kind):
     peak = flops.Peak(None, 'not measured (--compile-only)')  # no step runs: no MFU to divide
   else:
@@ -105,7 +110,7 @@ def measure(resolved, steps: int = 10, warmup: int = 2, compile_only: bool = Fal
     lowered = step.lower(setup.abstract_state, abstract_batch(setup, batch_sharding, host_batch))
     options = None
     if pgle_profile:
-      from paxcli.profiling import pgle_compiler_options
+      from paxcli.perf.profiling import pgle_compiler_options
       options = pgle_compiler_options(pgle_profile)
     compiled = lowered.compile(options) if options else lowered.compile()
   except Exception as e:  # XLA reports memory exhaustion at compile time on some backends
@@ -134,7 +139,9 @@ def measure(resolved, steps: int = 10, warmup: int = 2, compile_only: bool = Fal
 def _run(row: dict, setup, compiled, batch, steps: int, warmup: int, on_step) -> dict:
   import jax
 
-  from paxcli import engine, flops
+  from paxcli.runtime import engine
+
+  from paxcli.perf import flops
   state = None
   try:
     state = engine.init_state(setup, 0)
@@ -183,12 +190,13 @@ def run_all(exp: Optional[str], overrides: list[str], sweeps: list[str], *, step
   PGLE here is the explicit workflow for both --pgle auto (into a temporary file) and
   --pgle-profile PATH: a few steps are profiled, then the step compiled with the profile.
   """
-  from paxcli import config, engine
+  from paxcli import config
+  from paxcli.runtime import engine
   rows = []
   combos = sweep_combinations(sweeps)
   first = config.resolve(exp, list(overrides) + [f'{k}={v}' for k, v in combos[0]])
   engine.apply_platform_env(first.experiment.PLATFORM_ENV, log=log)  # before jax starts a backend
-  from paxcli import profiling
+  from paxcli.perf import profiling
   profiling.check_pgle(pgle, pgle_profile)
   if pgle == 'auto':
     import os
@@ -222,7 +230,11 @@ def check_combination(exp: Optional[str], overrides: list[str], combo: list, com
   checked (knobs, allowed values, model settings, mesh, batch) before the first row runs."""
   import jax
 
-  from paxcli import config, engine, sharding
+  from paxcli import config
+
+  from paxcli.runtime import engine
+
+  from paxcli.runtime import sharding
   sets = [f'{k}={v}' for k, v in combo]
   where = f' (--sweep combination {", ".join(sets)})' if sets else ''
   try:
@@ -256,8 +268,13 @@ def _record_pgle_profile(resolved, path: str, log) -> None:
   """Profiles a few steps with jax.profiler and writes their instruction latencies to `path`."""
   import jax
 
-  from paxcli import engine, profiling, sharding
-  from paxcli.train import make_train_step, to_global
+  from paxcli.runtime import engine
+
+  from paxcli.perf import profiling
+
+  from paxcli.runtime import sharding
+  from paxcli.loops.train import make_train_step
+  from paxcli.runtime.sharding import to_global
   setup = engine.build(resolved)
   batch_sharding = sharding.batch_sharding(setup.mesh)
   step = make_train_step(setup, batch_sharding, 0)
@@ -342,7 +359,7 @@ def _caption(rows: list[dict], compile_only: bool) -> str:
   if r.get('pipeline'):
     lines.append(f"pipeline: {r['pipeline']} (MFU counts the model's FLOPs only: the bubble is lost time)")
   if not compile_only:
-    lines.append(f"MFU = model FLOPs (paxcli.flops, causal attention halved) / step time / devices / peak; "
+    lines.append(f"MFU = model FLOPs (paxcli.perf.flops, causal attention halved) / step time / devices / peak; "
                  f"HFU uses XLA's cost analysis. Peak: {r['peak_source']}")
   return '\n'.join(lines)
 

@@ -146,7 +146,7 @@ def lm_template(setup) -> dict:
 
 def run_eval(setup, variables, inp, eval_step, batch_sharding) -> dict[str, float]:
   """One eval run over `inp`; metrics are exact weighted means over all hosts."""
-  from paxcli.train import to_global
+  from paxcli.runtime.sharding import to_global
   totals: dict[str, float] = {}
   num_batches = 0
   for batch in EvalReader(inp, lm_template(setup)).batches():
@@ -193,7 +193,9 @@ class Evaluator:
   def __init__(self, resolved, setup, job_dir: Optional[str]):
     import jax
 
-    from paxcli import engine, sharding
+    from paxcli.runtime import engine
+
+    from paxcli.runtime import sharding
     self.setup = setup
     self.batch_sharding = sharding.batch_sharding(setup.mesh)
     self.step = make_eval_step(setup, self.batch_sharding)
@@ -207,7 +209,7 @@ class Evaluator:
   def _writer(self, name: str):
     """Process 0's summary writer for one eval input, made at its first eval (no empty files)."""
     if self.job_dir and name not in self.writers:
-      from paxcli.summaries import SummaryWriter
+      from paxcli.jobdir.summaries import SummaryWriter
       self.writers[name] = SummaryWriter(*eval_paths(self.job_dir, name), one_row_per_step=True)
     return self.writers.get(name)
 
@@ -230,14 +232,14 @@ class Evaluator:
 
 def evaluate(resolved, job_dir: str, console, use_checkpoint: bool = True, step: Optional[int] = None) -> dict:
   """`pax eval`: metrics of every eval dataset from the latest checkpoint, checkpoint `step`, or fresh weights."""
-  from paxcli import engine
+  from paxcli.runtime import engine
   setup = engine.build(resolved)
   if not resolved.eval_datasets():
     raise UserError(f'{resolved.name} has no eval datasets (inputs with is_training=False).')
   evaluator = Evaluator(resolved, setup, job_dir)
   try:
     if use_checkpoint:
-      from paxcli import restore
+      from paxcli.jobdir import restore
       latest = step is None  # the latest: a damaged one falls back to the newest intact one
       step = restore.choose_step(job_dir, step=step, purpose='evaluate')
       step, results = _evaluate_step(resolved, setup, evaluator, job_dir, step, fallback=latest,
@@ -264,7 +266,7 @@ def _evaluate_step(resolved, setup, evaluator, job_dir: str, step: int, fallback
   """
   import jax
 
-  from paxcli import restore
+  from paxcli.jobdir import restore
   flat = {k: repr(v) for k, v in resolved.flat().items()}
   restored = restore.restore(setup, job_dir, step, params_only=True, flat_now=flat, action='evaluate',
                              fallback=fallback, log=log)
@@ -274,8 +276,8 @@ def _evaluate_step(resolved, setup, evaluator, job_dir: str, step: int, fallback
     import json
     import time
 
-    from paxcli import jobdir
-    jobdir.append_line(os.path.join(job_dir, FOLLOW_RECORD),
+    from paxcli.jobdir import lock as joblock
+    joblock.append_line(os.path.join(job_dir, FOLLOW_RECORD),
                        json.dumps({'step': step, 'datasets': sorted(results), 'time': time.time()}))
   return step, results
 
@@ -318,10 +320,10 @@ class _Trainer:
     released (by a trainer seen here, or none came for `grace` seconds; None: wait)."""
     import time
 
-    from paxcli import jobdir
-    owner = jobdir.read_owner(self.job_dir)
-    state = jobdir.trainer_state(owner)
-    lock = os.path.join(self.job_dir, jobdir.LOCK_NAME)
+    from paxcli.jobdir import lock as joblock
+    owner = joblock.read_owner(self.job_dir)
+    state = joblock.trainer_state(owner)
+    lock = os.path.join(self.job_dir, joblock.LOCK_NAME)
     if state == 'running':
       self.seen = True
       return False
@@ -342,7 +344,7 @@ def follow(resolved, job_dir: str, console, timeout: Optional[float] = None, pol
   """`pax eval --follow`: evaluate each new checkpoint of job_dir once, beside a running trainer.
 
   Steps already in job_dir/eval_done.jsonl (for every current eval input) are skipped, also
-  after a restart; a step is claimed while it is evaluated (jobdir.StepClaim), so several
+  after a restart; a step is claimed while it is evaluated (joblock.StepClaim), so several
   followers share the work. Stops once this config's last step (num_train_steps, with the
   user's --set) is evaluated; when no trainer runs on the job directory any more (train.lock
   released, or naming a dead process; without `timeout`, also when none has come for
@@ -354,7 +356,9 @@ def follow(resolved, job_dir: str, console, timeout: Optional[float] = None, pol
 
   import jax
 
-  from paxcli import engine, restore
+  from paxcli.runtime import engine
+
+  from paxcli.jobdir import restore
   setup = engine.build(resolved)
   if not resolved.eval_datasets():
     raise UserError(f'{resolved.name} has no eval datasets (inputs with is_training=False).')
@@ -417,14 +421,15 @@ def follow(resolved, job_dir: str, console, timeout: Optional[float] = None, pol
 
 def _next_step(job_dir: str, names, done: set, trainer: _Trainer, last_step: int, log):
   """Process 0 of a follower: (claim, step to evaluate), or (None, STOP or WAIT)."""
-  from paxcli import checkpoint as ckpt
-  from paxcli import jobdir, restore
+  from paxcli.jobdir import checkpoint as ckpt
+  from paxcli.jobdir import lock as joblock
+  from paxcli.jobdir import restore
   directory = restore.checkpoints_dir(job_dir)
   gone = trainer.gone()  # before listing: a trainer that is gone has written its last checkpoint
   done |= evaluated_steps(job_dir, names)  # also other followers' work
   todo = [s for s in ckpt.complete_steps(directory) if s not in done]
   for step in todo:
-    claim = jobdir.StepClaim(os.path.join(directory, str(step)))
+    claim = joblock.StepClaim(os.path.join(directory, str(step)))
     if not claim.acquire():
       continue  # another follower evaluates it
     if step in evaluated_steps(job_dir, names):  # another follower finished it meanwhile

@@ -37,7 +37,7 @@ def checkpoints_dir(job_dir: str) -> str:
 
 def choose_step(job_dir: str, step: Optional[int] = None, purpose: str = 'evaluate') -> int:
   """The latest complete checkpoint step of job_dir, or `step` if it is one; else a UserError."""
-  from paxcli import checkpoint as ckpt
+  from paxcli.jobdir import checkpoint as ckpt
   directory = checkpoints_dir(job_dir)
   steps = ckpt.complete_steps(directory)
   if not steps:
@@ -69,7 +69,7 @@ def saved_dtypes(tree) -> dict:
 
 def _path_name(path) -> str:
   """'params/layers/mlp/wo/kernel' for a pytree key path: the names checksums are kept under."""
-  from paxcli import engine
+  from paxcli.runtime import engine
   return '/'.join(str(k) for k in engine._keys(path))
 
 
@@ -121,7 +121,7 @@ def check_shapes(meta: dict, shapes_now: dict, flat_now: dict, step: int, params
   now = {k: v for k, v in shapes_now.items() if keep(k)}
   if not saved or saved == now:
     return
-  from paxcli.train import config_differences
+  from paxcli.config import config_differences
   diffs = config_differences(meta.get('config') or {}, flat_now)
   shape_diffs = [f'{k}: {saved.get(k)} -> {now.get(k)}' for k in sorted(set(saved) | set(now))
                  if saved.get(k) != now.get(k)]
@@ -207,7 +207,7 @@ def damage_evidence(error: BaseException) -> Optional[str]:
 
 def _gone(directory: str, step: int) -> bool:
   """True once checkpoint `step` is no longer a complete step of `directory` (deleted, or being deleted)."""
-  from paxcli import checkpoint as ckpt
+  from paxcli.jobdir import checkpoint as ckpt
   return not os.path.isdir(os.path.join(directory, str(step))) or step not in ckpt.complete_steps(directory)
 
 
@@ -240,7 +240,7 @@ def restore(setup, job_dir: str, step: int, params_only: bool = False, flat_now:
   goes on from the newest intact one. Any other failure raises CheckpointReadError at once:
   it is not the checkpoint's fault, and nothing is moved or skipped.
   """
-  from paxcli import checkpoint as ckpt
+  from paxcli.jobdir import checkpoint as ckpt
   older = [s for s in ckpt.complete_steps(checkpoints_dir(job_dir)) if s < step]
   damaged = []
   while True:
@@ -275,7 +275,7 @@ def _set_aside_damaged(job_dir: str, step: int, log) -> Optional[str]:
 
   import jax
 
-  from paxcli import distributed
+  from paxcli.runtime import distributed
   target = os.path.join(os.path.abspath(job_dir), 'checkpoints_damaged', f'{step}-{int(time.time())}')
   if jax.process_index() == 0:
     os.makedirs(os.path.dirname(target), exist_ok=True)
@@ -313,7 +313,7 @@ def _restore_step(setup, job_dir: str, step: int, params_only: bool, flat_now: O
   import jax
   import orbax.checkpoint as ocp
 
-  from paxcli import engine
+  from paxcli.runtime import engine
   directory = checkpoints_dir(job_dir)
   damaged = lambda reason: DamagedCheckpoint(step, directory, reason)
   if not os.path.isfile(os.path.join(directory, str(step), 'state', '_METADATA')):

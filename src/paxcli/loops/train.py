@@ -20,7 +20,9 @@ import threading
 import time
 from typing import Optional
 
+from paxcli.config import config_differences
 from paxcli.errors import UserError
+from paxcli.runtime.sharding import to_global
 
 
 class TrainingDiverged(UserError):
@@ -145,7 +147,7 @@ def sync_non_trainable(new_vars, setup):
   """
   import jax
 
-  from paxcli.engine import unbox
+  from paxcli.runtime.engine import unbox
   return jax.tree.map(jax.lax.with_sharding_constraint, unbox(new_vars), setup.state_shardings['non_trainable'])
 
 
@@ -154,26 +156,13 @@ def ready_step(resolved, seed: int = 0):
 
   For benchmarks and tests that run steps directly.
   """
-  from paxcli import engine, sharding
+  from paxcli.runtime import engine
+  from paxcli.runtime import sharding
   setup = engine.build(resolved)
   state = engine.init_state(setup, seed)
   batch_sharding = sharding.batch_sharding(setup.mesh)
   step = make_train_step(setup, batch_sharding, seed)
   return setup, state, step, batch_sharding, engine.build_input(resolved.train_dataset(), setup)
-
-
-def to_global(batch: dict, sharding, global_batch: int) -> dict:
-  """Per-process numpy batch -> global jax arrays sharded over (replica, data)."""
-  import jax
-  return {k: jax.make_array_from_process_local_data(sharding, v, (global_batch,) + v.shape[1:])
-          for k, v in batch.items()}
-
-
-def config_differences(saved: dict, current: dict,
-                       prefixes=('knobs.', 'task.model.', 'task.train.optimizer.')) -> list[str]:
-  keys = sorted(k for k in set(saved) | set(current) if k.startswith(prefixes))
-  return [f'{k}: checkpoint {saved.get(k, "<absent>")} -> now {current.get(k, "<absent>")}'
-          for k in keys if saved.get(k) != current.get(k)]
 
 
 class GracefulStop:
@@ -283,20 +272,21 @@ def train(resolved, job_dir: str, console, verbose: bool = False, profile_steps=
           pgle_profile: Optional[str] = None) -> dict:
   """Trains (or resumes) the resolved experiment in job_dir. Returns the last summary.
 
-  The job directory is checked first and locked for the run (`paxcli/jobdir.py`): a
+  The job directory is checked first and locked for the run (`paxcli/jobdir/lock.py`): a
   second trainer on it is refused. profile_steps: (A, B) to trace steps A..B with
-  jax.profiler; pgle/pgle_profile: see paxcli.profiling.
+  jax.profiler; pgle/pgle_profile: see paxcli.perf.profiling.
   """
-  from paxcli import engine, jobdir
+  from paxcli.runtime import engine
+  from paxcli.jobdir import lock as joblock
   engine.check_supported(resolved.experiment)  # refusals first: a refused run leaves no job directory
   engine.apply_platform_env(resolved.experiment.PLATFORM_ENV, log=lambda m: console.print(m))
   import jax  # after PLATFORM_ENV: it may set XLA_FLAGS
 
-  from paxcli import profiling
+  from paxcli.perf import profiling
   profiling.check_pgle(pgle, pgle_profile)
-  jobdir.check_writable(job_dir)  # makes the directory
+  joblock.check_writable(job_dir)  # makes the directory
   log = (lambda m: console.print(m, highlight=False, markup=False, soft_wrap=True))
-  lock = jobdir.lock_run(job_dir, log if jax.process_index() == 0 else (lambda m: None))
+  lock = joblock.lock_run(job_dir, log if jax.process_index() == 0 else (lambda m: None))
   try:
     return _train(resolved, job_dir, console, verbose, profile_steps, pgle_profile)
   finally:
@@ -306,15 +296,19 @@ def train(resolved, job_dir: str, console, verbose: bool = False, profile_steps=
 
 def _train(resolved, job_dir: str, console, verbose: bool = False, profile_steps=None,
            pgle_profile: Optional[str] = None) -> dict:
-  from paxcli import engine
+  from paxcli.runtime import engine
   import jax
 
-  from paxcli import checkpoint as ckpt
-  from paxcli import flops, profiling, restore, sharding, summaries
-  from paxcli.summaries import SummaryWriter
+  from paxcli.jobdir import checkpoint as ckpt
+  from paxcli.perf import flops
+  from paxcli.perf import profiling
+  from paxcli.jobdir import restore
+  from paxcli.runtime import sharding
+  from paxcli.jobdir import summaries
+  from paxcli.jobdir.summaries import SummaryWriter
   is_main = jax.process_index() == 0
   reporter_log = (lambda m: console.print(m, highlight=False, markup=False, soft_wrap=True)) if is_main else (lambda m: None)
-  from paxcli import distributed
+  from paxcli.runtime import distributed
   distributed.log_topology(lambda m: console.print(m, highlight=False, markup=False, soft_wrap=True))
 
   # ---- Mesh, model, state shapes ------------------------------------------------------
@@ -335,7 +329,7 @@ def _train(resolved, job_dir: str, console, verbose: bool = False, profile_steps
   ckpt_dir = os.path.join(job_dir, 'checkpoints')
   os.makedirs(job_dir, exist_ok=True)
   if is_main:
-    from paxcli import invocation
+    from paxcli.jobdir import invocation
     invocation.record(job_dir)
   ckpt.set_aside_unfinished(ckpt_dir, log=reporter_log)
   distributed.barrier('paxcli:unfinished-checkpoints-set-aside')  # all processes then see the same steps
@@ -380,7 +374,7 @@ def _train(resolved, job_dir: str, console, verbose: bool = False, profile_steps
   # ---- Input -------------------------------------------------------------------------------
   train_input = engine.build_input(resolved.train_dataset(), setup)
   if is_main:
-    from paxcli import tokenizer
+    from paxcli.jobdir import tokenizer
     tokenizer.save_to_job_dir(train_input, job_dir)
   train_input.skip(batches_consumed)
   batch_sharding = sharding.batch_sharding(setup.mesh)
@@ -388,11 +382,11 @@ def _train(resolved, job_dir: str, console, verbose: bool = False, profile_steps
   train_step = make_train_step(setup, batch_sharding, resolved.experiment.RANDOM_SEED + 1, profiler.pgle_options)
   if profiler.pgle_options:
     reporter_log(f'PGLE: compiling the train step with the profile {pgle_profile}.')
-  # MFU: model FLOPs per step (paxcli.flops) over the device's peak.
+  # MFU: model FLOPs per step (paxcli.perf.flops) over the device's peak.
   model_flops = flops.for_model(setup.model, setup.seq_len)
   mfu_of = None
   if model_flops is None:
-    reporter_log('MFU: not reported; paxcli.flops has no FLOPs model for this model.')
+    reporter_log('MFU: not reported; paxcli.perf.flops has no FLOPs model for this model.')
   else:
     step_flops = model_flops.per_step(setup.global_batch * setup.seq_len)
     peak = flops.device_peak(devices[0], flops.compute_dtype(setup.model), measure_size=512)
@@ -401,11 +395,11 @@ def _train(resolved, job_dir: str, console, verbose: bool = False, profile_steps
                  f'peak {peak.source}.')
   evaluator = None
   if train_cfg.eval_interval_steps and resolved.eval_datasets():
-    from paxcli.evaluate import Evaluator, metrics_line
+    from paxcli.loops.evaluate import Evaluator, metrics_line
     evaluator = Evaluator(resolved, setup, job_dir)
   train_decoder = None
   if getattr(train_cfg, 'decode_interval_steps', 0) and train_cfg.decode_prompts:
-    from paxcli.decode import TrainDecoder
+    from paxcli.loops.decode import TrainDecoder
     train_decoder = TrainDecoder(resolved, setup, job_dir, train_cfg)
 
   # ---- Loop ------------------------------------------------------------------------------------
@@ -525,8 +519,8 @@ def _train(resolved, job_dir: str, console, verbose: bool = False, profile_steps
 
 def _trim_replayed_metrics(job_dir: str, step: int, log) -> None:
   """Drops metric rows past the step we resume from: the steps run again write them anew."""
-  from paxcli import jobdir
-  dropped = jobdir.trim_metrics(job_dir, step)
+  from paxcli.jobdir import lock as joblock
+  dropped = joblock.trim_metrics(job_dir, step)
   if dropped:
     log(f'Dropped {dropped} metric row(s) past step {step} from the *_metrics.jsonl files (steps after the '
         'last checkpoint, which this run repeats).')
@@ -597,7 +591,7 @@ def window_note(record: dict) -> str:
 def _print_weights(console, setup) -> None:
   from rich.table import Table
 
-  from paxcli import engine
+  from paxcli.runtime import engine
   table = Table(title='Weights', show_lines=False)
   table.add_column('weight', overflow='fold')
   for col in ('shape', 'dtype', 'logical axes', 'mesh axes'):

@@ -36,7 +36,7 @@ def host_batch_size(resolved) -> int:
 
 
 def build(cfg, batch_size: int, num_hosts: int, host_index: int):
-  from paxcli import engine
+  from paxcli.runtime import engine
   if not 0 <= host_index < num_hosts:
     raise UserError(f'--host-index {host_index} is not in [0, {num_hosts}).')
   return engine.build_input(cfg, process_batch=batch_size, num_hosts=num_hosts, host_index=host_index)
@@ -131,7 +131,7 @@ def check_sharding(cfg, batch_size: int, num_hosts: int, num_batches: int) -> di
   """
   training = bool(cfg.is_training)
   if not training:
-    from paxcli.evaluate import check_semantics
+    from paxcli.loops.evaluate import check_semantics
     check_semantics(cfg)
   seen: dict[str, tuple[int, int, int]] = {}
   duplicates = []

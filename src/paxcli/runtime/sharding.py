@@ -177,3 +177,9 @@ def num_stages(mesh: Mesh) -> int:
 
 def describe_mesh(mesh: Mesh) -> str:
   return ' x '.join(f'{name}={size}' for name, size in mesh.shape.items())
+
+
+def to_global(batch: dict, sharding, global_batch: int) -> dict:
+  """Per-process numpy batch -> global jax arrays sharded over (replica, data)."""
+  return {k: jax.make_array_from_process_local_data(sharding, v, (global_batch,) + v.shape[1:])
+          for k, v in batch.items()}
