@@ -2,14 +2,16 @@
 
   .venv/bin/python benchmarks/train_step.py [--steps 20] [--exp default.StdlibDocsLm] [--set K=V ...]
 
-Prints a table: compile seconds, steps/s, tokens/s and the ratio to the first row.
-Machines are shared and noisy: compare the ratios within one run, not absolute numbers
-across runs.
+Prints a table: compile seconds, steps/s, tokens/s, the ratio to the first row, and XLA's own
+cost analysis of the compiled step (FLOPs and bytes accessed). Machines are shared and noisy:
+compare the ratios within one run, not absolute numbers across runs. The XLA columns are not
+noisy: a refactoring that changes no computation must leave them exactly equal.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 
 VARIANTS = [
@@ -30,6 +32,8 @@ def measure(exp: str, overrides: list[str], steps: int) -> dict:
   from paxcli.runtime.sharding import to_global
   setup, state, step, batch_sharding, data = ready_step(config.resolve(exp, overrides))
   batch = to_global(data.get_next(), batch_sharding, setup.global_batch)  # one batch: input cost out of the way
+  cost = step.lower(state, batch).compile().cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   start = time.perf_counter()
   state, metrics = step(state, batch)
   jax.block_until_ready(metrics)
@@ -40,7 +44,8 @@ def measure(exp: str, overrides: list[str], steps: int) -> dict:
   jax.block_until_ready(metrics)
   elapsed = time.perf_counter() - start
   return {'compile_s': compile_s, 'steps_per_sec': steps / elapsed,
-          'tokens_per_sec': steps * setup.global_batch * setup.seq_len / elapsed}
+          'tokens_per_sec': steps * setup.global_batch * setup.seq_len / elapsed,
+          'xla_flops': cost.get('flops', float('nan')), 'xla_bytes': cost.get('bytes accessed', float('nan'))}
 
 
 def main() -> None:
@@ -48,20 +53,25 @@ def main() -> None:
   parser.add_argument('--exp', default='default.StdlibDocsLm')
   parser.add_argument('--steps', type=int, default=20)
   parser.add_argument('--set', action='append', default=[], dest='overrides')
+  parser.add_argument('--json', action='store_true', help='Print the rows as JSON instead of a table.')
   args = parser.parse_args()
   from rich.console import Console
   from rich.table import Table
   import jax
   table = Table(title=f'{args.exp}: train step on {len(jax.devices())} x {jax.devices()[0].device_kind}')
-  for col in ('variant', 'compile s', 'steps/s', 'tokens/s', 'vs baseline'):
+  for col in ('variant', 'compile s', 'steps/s', 'tokens/s', 'vs baseline', 'XLA FLOPs', 'XLA bytes'):
     table.add_column(col, justify='left' if col == 'variant' else 'right')
-  base = None
+  base, rows = None, []
   for name, extra in VARIANTS:
     r = measure(args.exp, args.overrides + extra, args.steps)
+    rows.append({'variant': name, **r})
     base = base or r['steps_per_sec']
     table.add_row(name, f"{r['compile_s']:.1f}", f"{r['steps_per_sec']:.2f}", f"{r['tokens_per_sec']:,.0f}",
-                  f"{r['steps_per_sec'] / base:.2f}x")
-  Console().print(table)
+                  f"{r['steps_per_sec'] / base:.2f}x", f"{r['xla_flops']:,.0f}", f"{r['xla_bytes']:,.0f}")
+  if args.json:
+    print(json.dumps(rows, indent=1))
+  else:
+    Console().print(table)
 
 
 if __name__ == '__main__':
