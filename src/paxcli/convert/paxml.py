@@ -38,6 +38,7 @@ from paxcli.convert import formats
 from paxcli.convert.formats import ArrayInfo
 from paxcli.errors import UserError
 from paxcli.families.knobs import LM_KNOB, LM_KNOBS, effective
+from paxcli.runtime import engine
 
 _STEP_RE = re.compile(r'^checkpoint_(\d+)$')
 _PARAMS = 'mdl_vars.params.lm.'
@@ -674,10 +675,8 @@ def _stacked(reads: list):
 
 def _param_shapes(model) -> dict[str, tuple]:
   """'params/...' -> shape of the model's parameters (jax.eval_shape: no memory)."""
-  import jax
+  import jax   # only here: reading and inspecting checkpoints never starts jax
   import jax.numpy as jnp
-
-  from paxcli.runtime import engine
   ids = jax.ShapeDtypeStruct((1, 1), jnp.int32)
   model = getattr(model, 'model', model)   # models.flat_view(...) carries the module
   boxed = jax.eval_shape(lambda r, x: model.init({'params': r, 'dropout': r}, x)['params'],
