@@ -71,7 +71,7 @@ def test_the_classifier_counts_its_own_flops_close_to_xla():
   from paxcli.perf import flops
   from paxcli.runtime import engine, sharding
   from paxcli.loops.train import make_train_step
-  resolved = config.resolve('classify.StdlibDocsClassifier', ['NUM_LAYERS=2', 'MODEL_DIMS=128', 'HIDDEN_DIMS=512',
+  resolved = config.resolve('classify.StdlibDocsClassifier', ['NUM_LAYERS=2', 'MODEL_DIMS=256', 'HIDDEN_DIMS=1024',
                                                              'MAX_SEQ_LEN=64', 'PERCORE_BATCH_SIZE=8'])
   resolved.task.model.block_tpl.attention_tpl.attention_impl = 'einsum'
   setup = engine.build(resolved, mesh=sharding.make_mesh(None, None, devices=jax.devices()[:1]))
@@ -80,7 +80,7 @@ def test_the_classifier_counts_its_own_flops_close_to_xla():
                           setup.model.dummy_batch(8, 64))
   compiled = make_train_step(setup, batch_sharding, 0).lower(setup.abstract_state, abstract).compile()
   model = flops.for_model(setup.model, 64)
-  assert model.palm_per_token * 8 * 64 == pytest.approx(flops.xla_flops(compiled), rel=0.06)
+  assert model.palm_per_token * 8 * 64 == pytest.approx(flops.xla_flops(compiled), rel=0.06)  # measured: 2.6%
   assert flops.compute_dtype(setup.model) == 'float32'
 
 
