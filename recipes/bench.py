@@ -8,9 +8,9 @@
 Llama1B: 16 layers, MODEL_DIMS 2048, gated SiLU FFN 5632, 16 heads x 128, vocab 32768,
 sequence 2048, global batch 8 on one device (PERCORE_BATCH_SIZE 8), bfloat16 activations
 with float32 weights, RMSNorm, rotary positions, no biases, untied output layer, AdamW,
-unrolled layers without rematerialisation. 0.96B parameters; 5.74 GFLOP per token by
-paxcli.perf.flops (6 x 0.89e9 matmul weights + causal attention; 6.14 by PaLM's count), so 289
-ms per step of 8 x 2048 tokens is 33% MFU on one H100 (989 TFLOP/s bf16). The target is
+unrolled layers without rematerialisation. 0.96B parameters; 5.74 GFLOP per token by the
+model's own count (LanguageModel.train_flops: 6 x 0.89e9 matmul weights + causal attention;
+6.14 by PaLM's count), so 289 ms per step of 8 x 2048 tokens is 33% MFU on one H100 (989 TFLOP/s bf16). The target is
 55% MFU at its best batch size (cuDNN flash attention, batch 8 or 16).
 
 LlamaTiny keeps every structural choice (gated SiLU, RMSNorm, rotary, untied output,

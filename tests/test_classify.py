@@ -26,3 +26,14 @@ def test_classifier_learns_stdlib_packages_and_reports_accuracy_in_eval(tmp_path
   metrics = json.loads(out.strip().splitlines()[-1])['results']['eval']
   assert metrics['num_examples'] > 100
   assert metrics['accuracy'] >= 0.30, metrics  # chance 0.125, majority class ~0.18
+
+
+def test_the_classifier_has_training_knobs_and_its_own_model_knobs_only(capsys):
+  code, out, err = pax_main(['describe', '--exp', 'classify.StdlibDocsClassifier'], capsys)
+  assert code == 0, err
+  knobs = {line.split(' = ')[0][len('knobs.'):] for line in out.splitlines() if line.startswith('knobs.')}
+  assert {'LEARNING_RATE', 'LR_SCHEDULE', 'NUM_TRAIN_STEPS', 'EVAL_INTERVAL_STEPS', 'NUM_CLASSES', 'NUM_HEADS'} <= knobs
+  lm_only = {'USE_BIAS', 'NORM_EPSILON', 'POSITION_EMBEDDING', 'DECODE_PROMPTS', 'NUM_STAGES', 'CHECKPOINT_POLICY',
+             'FPROP_DTYPE', 'SEPARATE_EMBEDDING', 'ATTENTION_IMPL', 'USE_REPEATED_LAYER'}
+  assert not knobs & lm_only, knobs & lm_only
+  assert 'task.model.num_classes = 8' in out and 'FLOPs per token: 639 KFLOP' in out

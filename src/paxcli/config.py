@@ -8,6 +8,7 @@ saves in its job directory.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
 import typing
@@ -190,9 +191,10 @@ def unreached_knobs(exp: Experiment, cli_knobs: dict[str, Any], dotted: set[str]
   sets `task.train.num_train_steps = 300`), the knob is silently ignored: say so. Knobs
   of the base class (mesh, batch size, seed) are read by the engine directly and feed no
   field here. Each comparison resolves the experiment twice, with the knob at its class
-  default and at the given value, everything else equal.
+  default and at the given value, everything else equal. A knob declared where `datasets()` (or
+  `task()`) is still abstract (TrainingExperiment's) is read through the nearest class below it
+  that defines the method (LmExperiment's).
   """
-  import copy
   cls = type(exp)
   warnings = []
   for name, value in cli_knobs.items():
@@ -202,11 +204,12 @@ def unreached_knobs(exp: Experiment, cli_knobs: dict[str, Any], dotted: set[str]
     owner = next((k for k in reversed(cls.__mro__) if name in k.__dict__.get('__annotations__', {})), cls)
     at_default = copy.copy(exp)
     setattr(at_default, name, default)
+    task_fn, datasets_fn = _reference(cls, owner, 'task'), _reference(cls, owner, 'datasets')
     try:
-      ref_default = _flat_configs(at_default, owner.task, owner.datasets)
+      ref_default = _flat_configs(at_default, task_fn, datasets_fn)
       if ref_default is None:
         continue
-      ref_value = _flat_configs(exp, owner.task, owner.datasets) or {}
+      ref_value = _flat_configs(exp, task_fn, datasets_fn) or {}
       fed = [k for k in ref_value if k in ref_default and ref_value[k] != ref_default[k]]
       if not fed:
         continue
@@ -224,6 +227,16 @@ def unreached_knobs(exp: Experiment, cli_knobs: dict[str, Any], dotted: set[str]
                       f'{act_value[field]} (the knob would make it {ref_value[field]}). Set {name} as a class '
                       f'attribute instead of in {method}(), or override the field: --set {field}=...')
   return warnings
+
+
+def _reference(cls: type, owner: type, method: str):
+  """The `method` a knob of `owner` is judged by: the owner's own, unless it is Experiment's
+  abstract one; then the definition nearest below the owner in cls's hierarchy."""
+  own = getattr(owner, method)
+  if own is not getattr(Experiment, method):
+    return own
+  return next((k.__dict__[method] for k in reversed(cls.__mro__) if issubclass(k, owner) and method in k.__dict__),
+              own)
 
 
 def resolve(name: Optional[str], overrides: list[str] = ()) -> Resolved:

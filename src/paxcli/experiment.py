@@ -17,8 +17,9 @@ import os
 import pkgutil
 import re
 import sys
+import traceback
 import typing
-from typing import Any, Literal, Optional
+from typing import Any, Optional
 
 from paxcli import values as ptypes
 from paxcli.errors import UserError, did_you_mean, shorten
@@ -27,9 +28,6 @@ _KNOB_RE = re.compile(r'^[A-Z][A-Z0-9_]*$')
 _REGISTRY: dict[str, type['Experiment']] = {}
 RECIPES_PACKAGE = 'paxcli.recipes'
 DEFAULT_EXPERIMENT = 'default.StdlibDocsLm'
-
-from paxcli.options import (ActivationName, AttentionImplName, CheckpointPolicyName, DTypeName,  # noqa: F401
-                            NormName, OptimizerName, PositionName, ScheduleName)  # (re-exported)
 
 
 class Experiment:
@@ -207,7 +205,6 @@ def import_failure(what: str, e: BaseException) -> str:
   The frame is the innermost one outside Python's import machinery, paxcli and installed
   packages: the user's line that raised (or the last frame at all, if none qualifies).
   """
-  import traceback
   frames = traceback.extract_tb(e.__traceback__)
   skip = ('<frozen ', os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.__file__))
   own = [f for f in frames if not f.filename.startswith(skip) and 'site-packages' not in f.filename]

@@ -10,11 +10,16 @@ A model is a BaseLayer with three methods the engine calls, and nothing else:
 `model.apply(..., method='fprop')`. Eval reports each metric as the weighted mean over
 the whole eval set (sum of value x weight over sum of weight, across batches and hosts),
 then `eval_summary` may add derived numbers (the LM adds perplexity). A model may define
-`validate()` (UserError for impossible settings) and `max_seq_len`.
+`validate()` (UserError for impossible settings) and `max_seq_len`, and `train_flops(seq_len)`
+(its training FLOPs per token, a ModelFlops, or None where it cannot count them), from which
+train and `pax bench mfu` report MFU; a model without that method reports MFU as n/a.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import types
 from typing import Any, Optional
 
 import fiddle as fdl
@@ -23,10 +28,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from paxcli.errors import UserError, at_least
+from paxcli.families import knobs
 from paxcli.layers import pipeline
 from paxcli.layers.activation_sharding import active_axis_size, constrain
-from paxcli.layers.base import (AUX_LOSS, NON_TRAINABLE, RANDOM, SUMMARIES, BaseLayer, LayerTpl,
-                                build_arguments, instantiate, template_field)  # noqa: F401
+from paxcli.layers.base import (AUX_LOSS, NON_TRAINABLE, RANDOM, SUMMARIES, BaseLayer, LayerTpl, WeightHParams,
+                                WeightInit, build_arguments, instantiate, template_field)  # noqa: F401
 from paxcli.layers.transformer import Attention, Block, Mlp, Norm, dtype_of, fill_template, sinusoidal, soft_cap
 
 REMAT_POLICIES = {
@@ -75,6 +82,11 @@ class BaseModel(BaseLayer):
     """Tokens (or examples) a step trained on, for tokens_per_sec: the loss's weight."""
     return metrics['loss'][1]
 
+  @property
+  def compute_dtype(self) -> str:
+    """The activations' dtype by name: the device peak MFU is measured against depends on it."""
+    return dtype_name(self.fprop_dtype)
+
 
 class TransformerLm(BaseLayer):
   """Token embedding, optional learned or sinusoidal positions, a stack of blocks, final norm, logits.
@@ -112,7 +124,6 @@ class TransformerLm(BaseLayer):
 
   def _pipelined(self, x_BxLxD, segment_ids_BxL, positions_BxL, dtype, deterministic: bool):
     """The scanned stack's weights (`layers`, [L, ...]) run by paxcli.layers.pipeline."""
-    from paxcli.errors import UserError
     schedule = pipeline_schedule(self, x_BxLxD.shape[0])
     block, kwargs = self._block_kwargs(dtype, deterministic, remat=False)
     module = block(**kwargs, parent=None)
@@ -211,7 +222,6 @@ def pipeline_schedule(lm, batch: int):
   stages, repeats = getattr(lm, 'num_stages', 1), getattr(lm, 'pipeline_repeats', 1)
   if stages == 1 and repeats == 1:
     return None
-  from paxcli.errors import UserError
   if not lm.scan_layers:
     raise UserError('Pipeline parallelism (NUM_STAGES > 1) needs USE_REPEATED_LAYER=True: the pipeline keeps '
                     'the scanned layout [layers, ...], so checkpoints do not depend on the stage count.')
@@ -284,41 +294,18 @@ def _token_nll_bwd(residuals, g_BxL):
 _token_nll.defvjp(_token_nll_fwd, _token_nll_bwd)
 
 
-def lm_config(vocab_size: int = 256, num_layers: int = 2, model_dims: int = 64, hidden_dims: int = 256,
-              num_heads: int = 4, num_kv_heads: int = 4, dims_per_head: int = 16, max_seq_len: int = 64,
-              activation: str = 'gelu', use_gated_activation: bool = False, norm_type: str = 'layernorm',
-              use_bias: bool = True, position_embedding: str = 'learned', rotary_max_timescale: float = 10000.0,
-              separate_embedding: bool = False, dropout_prob: float = 0.0, fprop_dtype: str = 'float32',
-              scan_layers: bool = False, checkpoint_policy: str = 'save_nothing',
-              scale_embedding_sqrt_depth: bool = False, softmax_bias: bool = False,
-              softmax_cap_logits: float = 0.0, atten_logit_cap: float = 0.0, per_dim_scale: bool = False,
-              attention_use_bias: Optional[bool] = None, norm_epsilon: float = 1e-6,
-              attention_impl: str = 'auto', num_stages: int = 1, num_microbatches: Optional[int] = None,
-              microbatch_size: Optional[int] = None, pipeline_repeats: int = 1):
-  """The LanguageModel config with its templates filled from flat settings (the LM knobs).
+def lm_config(**settings) -> fdl.Config:
+  """The LanguageModel config with its templates filled from flat settings: the LM knobs under
+  their flat names (paxcli.families.knobs.LM_KNOBS: num_heads, norm_type, ...), each missing one
+  at its knob's default.
 
-  Each setting lands in the one template that uses it: attention heads in
+  Each setting lands in the template fields its row names: attention heads in
   `lm_tpl.block_tpl.attention_tpl`, hidden dims and activation in `...ffn_tpl`, the norm
   kind in `...norm_tpl` and `lm_tpl.final_norm_tpl`, the rest on `lm_tpl`.
   """
-  norm = lambda: fdl.Config(Norm, kind=norm_type, use_bias=use_bias, epsilon=norm_epsilon)
-  attention = fdl.Config(Attention, num_heads=num_heads, num_kv_heads=num_kv_heads, dims_per_head=dims_per_head,
-                         use_bias=use_bias if attention_use_bias is None else attention_use_bias,
-                         rotary=position_embedding == 'rotary', rotary_max_timescale=rotary_max_timescale,
-                         per_dim_scale=per_dim_scale, atten_logit_cap=atten_logit_cap,
-                         attention_impl=attention_impl)
-  ffn = fdl.Config(Mlp, hidden_dims=hidden_dims, activation=activation, gated=use_gated_activation,
-                   use_bias=use_bias)
-  block = fdl.Config(Block, attention_tpl=attention, ffn_tpl=ffn, norm_tpl=norm())
-  lm = fdl.Config(TransformerLm, vocab_size=vocab_size, num_layers=num_layers, model_dims=model_dims,
-                  max_seq_len=max_seq_len, position_embedding=position_embedding,
-                  separate_embedding=separate_embedding, dropout_prob=dropout_prob, fprop_dtype=fprop_dtype,
-                  scan_layers=scan_layers, checkpoint_policy=checkpoint_policy, block_tpl=block,
-                  final_norm_tpl=norm(), scale_embedding_sqrt_depth=scale_embedding_sqrt_depth,
-                  softmax_bias=softmax_bias, softmax_cap_logits=softmax_cap_logits)
-  lm.num_stages, lm.pipeline_repeats = num_stages, pipeline_repeats
-  lm.num_microbatches, lm.microbatch_size = num_microbatches, microbatch_size
-  return fdl.Config(LanguageModel, lm_tpl=lm)
+  block = fdl.Config(Block, attention_tpl=fdl.Config(Attention), ffn_tpl=fdl.Config(Mlp), norm_tpl=fdl.Config(Norm))
+  lm = fdl.Config(TransformerLm, block_tpl=block, final_norm_tpl=fdl.Config(Norm))
+  return knobs.fill(fdl.Config(LanguageModel, lm_tpl=lm), knobs.LM_KNOBS, settings)
 
 
 class LanguageModel(BaseModel):
@@ -353,7 +340,6 @@ class LanguageModel(BaseModel):
             'weights': np.zeros(shape, np.float32)}
 
   def eval_summary(self, means: dict, weights: dict) -> dict:
-    import math
     out = dict(means)
     out['log_pplx'] = means['loss']
     out['perplexity'] = math.exp(min(means['loss'], 50.0))
@@ -369,40 +355,37 @@ class LanguageModel(BaseModel):
   def dropout_prob(self) -> float:
     return self.lm_tpl.dropout_prob
 
+  @property
+  def compute_dtype(self) -> str:
+    return dtype_name(getattr(self.lm_tpl, 'fprop_dtype', None))
+
   def validate(self) -> None:
     validate_lm(self.lm_tpl)
 
   def pipeline_schedule(self, global_batch: int):
     return pipeline_schedule(self.lm_tpl, global_batch)
 
+  def train_flops(self, seq_len: int) -> Optional[ModelFlops]:
+    """Training FLOPs per token, read through the knob table; None when a swapped-in layer
+    lacks one of the settings the count needs."""
+    s = knobs.read(self, knobs.LM_KNOBS)
+    if s['model_dims'] is None or s['vocab_size'] is None:
+      return None
+    return stack_flops(s['num_layers'], s['model_dims'], s['num_heads'], s['num_kv_heads'], s['dims_per_head'],
+                       s['hidden_dims'], s['use_gated_activation'], seq_len,
+                       head_params_per_token=s['model_dims'] * s['vocab_size'])
+
 
 def flat_view(model):
   """The LM's settings under the flat names of `lm_config` (num_heads, norm_type, ...), with
-  `apply` of the model: for code that reads an LM's shape (conversion, export).
-  A field of a swapped-in layer that has no such setting reads None."""
-  import types
-  lm = model.lm_tpl
-  block = lm.block_tpl
-  attention, ffn, norm = block.attention_tpl, block.ffn_tpl, block.norm_tpl
-  get = lambda cfg, name: getattr(cfg, name, None)
-  return types.SimpleNamespace(
-      apply=model.apply, model=model,
-      **{name: get(lm, name) for name in ('vocab_size', 'num_layers', 'model_dims', 'max_seq_len',
-                                          'position_embedding', 'separate_embedding', 'dropout_prob',
-                                          'fprop_dtype', 'scan_layers', 'checkpoint_policy',
-                                          'scale_embedding_sqrt_depth', 'softmax_bias', 'softmax_cap_logits')},
-      **{name: get(attention, name) for name in ('num_heads', 'num_kv_heads', 'dims_per_head',
-                                                 'rotary_max_timescale', 'per_dim_scale', 'atten_logit_cap',
-                                                 'attention_impl')},
-      use_bias=bool(get(attention, 'use_bias') or get(ffn, 'use_bias')),   # any bias in the blocks
-      hidden_dims=get(ffn, 'hidden_dims'), activation=get(ffn, 'activation'),
-      use_gated_activation=get(ffn, 'gated'), norm_type=get(norm, 'kind'), norm_epsilon=get(norm, 'epsilon'))
+  `apply` of the model: for code that reads an LM's shape (conversion, export). Each name reads
+  the first field of its knob (paxcli.families.knobs.LM_KNOBS), so `use_bias` is the MLP's and
+  `attention_use_bias` the attention's; a field a swapped-in layer lacks reads None."""
+  return types.SimpleNamespace(apply=model.apply, model=model, **knobs.read(model, knobs.LM_KNOBS))
 
 
 def validate_lm(lm) -> None:
   """Checks of a TransformerLm config that one layer alone cannot make."""
-  from paxcli.errors import UserError
-  from paxcli.errors import at_least
   at_least(1, 'task.model.lm_tpl', lm, 'vocab_size', 'num_layers', 'model_dims', 'max_seq_len')
   if not 0 <= lm.dropout_prob < 1:
     raise UserError(f'task.model.lm_tpl.dropout_prob must be in [0, 1), got {lm.dropout_prob}.')
@@ -443,7 +426,6 @@ class ClassificationModel(BaseModel):
   norm_tpl: LayerTpl = template_field(Norm)
 
   def setup(self):
-    from paxcli.layers.base import WeightHParams, WeightInit  # noqa: F811
     d = self.model_dims
     self.create_variable('embedding', WeightHParams(shape=[self.vocab_size, d], init=WeightInit.Gaussian(d ** -0.5),
                                                     tensor_split_dims_mapping=('vocab', 'embed')))
@@ -486,6 +468,72 @@ class ClassificationModel(BaseModel):
   def examples_in(self, input_batch: dict):
     return jnp.sum(input_batch['weights'] > 0)
 
+  def train_flops(self, seq_len: int) -> Optional[ModelFlops]:
+    """Training FLOPs per token: the blocks as in the LM; the head (model_dims x num_classes, once
+    per sequence) shared among the sequence's tokens. None for blocks of another shape."""
+    at = lambda path: knobs.get_path(self.block_tpl, path)
+    return stack_flops(self.num_layers, self.model_dims, at('attention_tpl.num_heads'),
+                       at('attention_tpl.num_kv_heads'), at('attention_tpl.dims_per_head'),
+                       at('ffn_tpl.hidden_dims'), at('ffn_tpl.gated'), seq_len,
+                       head_params_per_token=self.model_dims * self.num_classes / seq_len)
+
   def validate(self) -> None:
-    from paxcli.errors import at_least
     at_least(1, 'task.model', self, 'vocab_size', 'num_classes', 'model_dims', 'num_layers', 'max_seq_len')
+
+
+def dtype_name(dtype) -> str:
+  """'float32', 'bfloat16', ... for a dtype given by name or as a jnp type (None: float32)."""
+  if dtype is None:
+    return 'float32'
+  return dtype if isinstance(dtype, str) else getattr(dtype, '__name__', str(dtype))
+
+
+# ---- training FLOPs ------------------------------------------------------------------------------
+#
+# Model FLOPs per token of a training step (forward + backward = 3 x forward, 2 FLOPs per
+# multiply-add), as MaxText counts them since mid-2025:
+#
+#   6 x (per layer: QKV projections (grouped-query K/V heads) + output projection + MLP
+#        (two input matrices when gated) ; plus the output head, D x V for an LM)
+#   + per layer 12 x H x E x S attention (Q.K^T and probs.V, forward and backward),
+#     halved for causal masking.
+#
+# The token-embedding lookup, norms, softmax, biases and the optimizer are not counted.
+# PaLM's figure (appendix B) counts attention in full, without the causal halving; it is
+# reported beside ours (`palm_per_token`) and is what XLA counts for the einsum attention,
+# which computes every logit. paxcli.perf.flops turns these into MFU.
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFlops:
+  """Training FLOPs per token of a Transformer model."""
+  matmul_params: float        # weights that multiply activations, per token (no embedding lookup, norms, biases)
+  attention_per_token: float  # 12 x layers x H x E x S, halved for causal masking
+  palm_attention_per_token: float  # the same without halving
+
+  @property
+  def per_token(self) -> float:
+    return 6.0 * self.matmul_params + self.attention_per_token
+
+  @property
+  def palm_per_token(self) -> float:
+    return 6.0 * self.matmul_params + self.palm_attention_per_token
+
+  def per_step(self, tokens: int) -> float:
+    return self.per_token * tokens
+
+
+def stack_flops(layers, model_dims, heads, kv_heads, dims_per_head, hidden_dims, gated, seq_len: int,
+                head_params_per_token: float = 0.0, causal: bool = True) -> Optional[ModelFlops]:
+  """The FLOPs of a stack of causal attention + MLP blocks and an output head; None when a
+  setting is unknown (None: a swapped-in layer without it)."""
+  if any(v is None for v in (layers, model_dims, heads, kv_heads, dims_per_head, hidden_dims, gated)):
+    return None
+  d, e = model_dims, dims_per_head
+  qkv = d * e * (heads + 2 * kv_heads)
+  out = heads * e * d
+  mlp = d * hidden_dims * (3 if gated else 2)
+  attention = 12.0 * layers * heads * e * seq_len
+  return ModelFlops(matmul_params=layers * (qkv + out + mlp) + head_params_per_token,
+                    attention_per_token=attention / 2 if causal else attention,
+                    palm_attention_per_token=attention)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import typing
 from typing import Literal
 
+from paxcli.errors import UserError, did_you_mean
+
 ActivationName = Literal['gelu', 'relu', 'silu', 'swish']
 NormName = Literal['layernorm', 'rmsnorm']
 PositionName = Literal['learned', 'rotary', 'sinusoidal', 'none']
@@ -43,7 +45,6 @@ MODEL_FIELDS: dict[str, tuple[str, ...]] = {
 
 
 def check(field: str, value, allowed: tuple[str, ...], where: str) -> None:
-  from paxcli.errors import UserError, did_you_mean
   if value not in allowed:
     hint = did_you_mean(str(value), allowed) if isinstance(value, str) else ''
     raise UserError(f'{where}.{field} = {value!r} is not one of {list(allowed)}.{hint}')

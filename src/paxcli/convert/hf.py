@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import types
 from typing import Optional
 
 import numpy as np
@@ -30,8 +31,19 @@ from paxcli import files, gencode
 from paxcli.convert import formats, hf_tokenizer, safetensors_io
 from paxcli.convert.formats import ArrayInfo
 from paxcli.errors import UserError
+from paxcli.families.knobs import LM_KNOB, LM_KNOBS, effective
 
-RMS_EPS = 1e-6   # paxcli's default NORM_EPSILON (HF's rms_norm_eps maps to NORM_EPSILON)
+RMS_EPS = LM_KNOB['NORM_EPSILON'].default   # HF's rms_norm_eps is NORM_EPSILON
+# config.json keys that are one LM knob each, both ways: import reads them into the knob,
+# export writes the knob's setting (read under its flat name, models.flat_view).
+_HF_KNOBS = {'vocab_size': 'VOCAB_SIZE', 'hidden_size': 'MODEL_DIMS', 'intermediate_size': 'HIDDEN_DIMS',
+             'num_hidden_layers': 'NUM_LAYERS', 'num_attention_heads': 'NUM_HEADS',
+             'num_key_value_heads': 'NUM_KV_HEADS', 'head_dim': 'DIMS_PER_HEAD',
+             'max_position_embeddings': 'MAX_SEQ_LEN', 'rms_norm_eps': 'NORM_EPSILON',
+             'rope_theta': 'ROTARY_MAX_TIMESCALE'}
+# What every Llama sets the same way.
+_LLAMA_KNOBS = {'ACTIVATION': 'silu', 'USE_GATED_ACTIVATION': True, 'NORM_TYPE': 'rmsnorm', 'USE_BIAS': False,
+                'POSITION_EMBEDDING': 'rotary', 'USE_REPEATED_LAYER': False}
 
 
 def misfit(model) -> list[str]:
@@ -39,7 +51,7 @@ def misfit(model) -> list[str]:
   reasons = []
   if model.norm_type != 'rmsnorm':
     reasons.append(f'norm_type is {model.norm_type!r} (Llama uses RMSNorm: NORM_TYPE=\'rmsnorm\')')
-  if model.use_bias:
+  if model.use_bias or model.attention_use_bias:
     reasons.append('the layers have biases (Llama has none: USE_BIAS=False)')
   if model.position_embedding != 'rotary':
     reasons.append(f'positions are {model.position_embedding!r} (Llama uses rotary: POSITION_EMBEDDING=\'rotary\')')
@@ -57,14 +69,11 @@ def misfit(model) -> list[str]:
 
 def config_for(model, dtype: str = 'float32', token_ids: Optional[dict] = None) -> dict:
   """config.json of a LlamaForCausalLM; token ids from the tokenizer (hf_tokenizer.token_ids)."""
+  settings = {key: getattr(model, LM_KNOB[knob].flat, None) for key, knob in _HF_KNOBS.items()}
   return {
-      'architectures': ['LlamaForCausalLM'], 'model_type': 'llama',
-      'vocab_size': model.vocab_size, 'hidden_size': model.model_dims,
-      'intermediate_size': model.hidden_dims, 'num_hidden_layers': model.num_layers,
-      'num_attention_heads': model.num_heads, 'num_key_value_heads': model.num_kv_heads,
-      'head_dim': model.dims_per_head, 'max_position_embeddings': model.max_seq_len,
-      'hidden_act': 'silu', 'rms_norm_eps': float(getattr(model, 'norm_epsilon', None) or RMS_EPS), 'rope_theta': float(model.rotary_max_timescale),
-      'rope_scaling': None, 'attention_bias': False, 'mlp_bias': False, 'attention_dropout': 0.0,
+      'architectures': ['LlamaForCausalLM'], 'model_type': 'llama', **settings,
+      'rms_norm_eps': float(settings['rms_norm_eps'] or RMS_EPS), 'rope_theta': float(settings['rope_theta']),
+      'hidden_act': 'silu', 'rope_scaling': None, 'attention_bias': False, 'mlp_bias': False, 'attention_dropout': 0.0,
       'tie_word_embeddings': not model.separate_embedding, 'initializer_range': 0.02,
       'torch_dtype': dtype, 'use_cache': True,
       **(token_ids or {'bos_token_id': None, 'eos_token_id': None, 'pad_token_id': None}),
@@ -89,29 +98,25 @@ def knobs_from_config(config: dict, path: str) -> tuple[dict, list[str]]:
   get = _Reader(config, path)
   heads = get.int('num_attention_heads')
   dims = get.int('hidden_size')
-  knobs = {
-      'VOCAB_SIZE': get.int('vocab_size'), 'NUM_LAYERS': get.int('num_hidden_layers'),
-      'MODEL_DIMS': dims, 'HIDDEN_DIMS': get.int('intermediate_size'),
-      'NUM_HEADS': heads, 'NUM_KV_HEADS': get.int('num_key_value_heads', heads),
-      'DIMS_PER_HEAD': get.int('head_dim', dims // heads if dims % heads == 0 else None),
-      'MAX_SEQ_LEN': get.int('max_position_embeddings', 2048), 'ACTIVATION': 'silu',
-      'USE_GATED_ACTIVATION': True, 'NORM_TYPE': 'rmsnorm', 'USE_BIAS': False,
-      'POSITION_EMBEDDING': 'rotary', 'ROTARY_MAX_TIMESCALE': get.float('rope_theta', 10000.0),
-      'SEPARATE_EMBEDDING': not get.bool('tie_word_embeddings', False), 'USE_REPEATED_LAYER': False,
-  }
+  defaults = {'num_key_value_heads': heads, 'head_dim': dims // heads if dims % heads == 0 else None,
+              'max_position_embeddings': 2048, 'rope_theta': 10000.0, 'rms_norm_eps': RMS_EPS}
+  knobs = {}
+  for key, knob in _HF_KNOBS.items():
+    read = get.float if LM_KNOB[knob].type is float else get.int
+    knobs[knob] = read(key, defaults.get(key, _Reader.REQUIRED))
+  knobs.update(_LLAMA_KNOBS, SEPARATE_EMBEDDING=not get.bool('tie_word_embeddings', False))
   if knobs['DIMS_PER_HEAD'] is None:
     raise UserError(f'{path}/config.json: hidden_size {dims} is not a multiple of num_attention_heads {heads} '
                     'and there is no head_dim.')
   if heads % knobs['NUM_KV_HEADS']:
     raise UserError(f'{path}/config.json: num_attention_heads {heads} is not a multiple of num_key_value_heads '
                     f'{knobs["NUM_KV_HEADS"]}.')
-  knobs['NORM_EPSILON'] = get.float('rms_norm_eps', RMS_EPS)
   return knobs, []
 
 
 class _Reader:
   """Values of a config.json, checked: a missing, wrong-typed or out-of-range one is a UserError."""
-  _REQUIRED = object()
+  REQUIRED = object()
 
   def __init__(self, config: dict, path: str):
     self.config, self.where = config, f'{path}/config.json'
@@ -119,12 +124,12 @@ class _Reader:
   def _get(self, key, default):
     value = self.config.get(key)
     if value is None:
-      if default is self._REQUIRED:
+      if default is self.REQUIRED:
         raise UserError(f'{self.where}: {key} is missing; a Llama config needs it.')
       return None, default
     return value, None
 
-  def int(self, key: str, default=_REQUIRED):
+  def int(self, key: str, default=REQUIRED):
     value, fallback = self._get(key, default)
     if value is None:
       return fallback
@@ -132,7 +137,7 @@ class _Reader:
       raise UserError(f'{self.where}: {key} is {str(json.dumps(value))[:60]}; it must be a positive integer.')
     return value
 
-  def float(self, key: str, default=_REQUIRED):
+  def float(self, key: str, default=REQUIRED):
     value, fallback = self._get(key, default)
     if value is None:
       return fallback
@@ -140,7 +145,7 @@ class _Reader:
       raise UserError(f'{self.where}: {key} is {str(json.dumps(value))[:60]}; it must be a positive number.')
     return float(value)
 
-  def bool(self, key: str, default=_REQUIRED):
+  def bool(self, key: str, default=REQUIRED):
     value, fallback = self._get(key, default)
     if value is None:
       return fallback
@@ -151,11 +156,7 @@ class _Reader:
 
 def _model_of(knobs: dict):
   """The settings mapping() reads, from knobs (no model is built)."""
-  import types
-  return types.SimpleNamespace(
-      model_dims=knobs['MODEL_DIMS'], hidden_dims=knobs['HIDDEN_DIMS'], vocab_size=knobs['VOCAB_SIZE'],
-      num_heads=knobs['NUM_HEADS'], num_kv_heads=knobs['NUM_KV_HEADS'], dims_per_head=knobs['DIMS_PER_HEAD'],
-      num_layers=knobs['NUM_LAYERS'], separate_embedding=knobs['SEPARATE_EMBEDDING'])
+  return types.SimpleNamespace(**effective(knobs, LM_KNOBS))
 
 
 def shape_problems(have: dict, model) -> list[str]:

@@ -37,6 +37,8 @@ from paxcli import files, gencode
 from paxcli.convert import formats
 from paxcli.convert.formats import ArrayInfo
 from paxcli.errors import UserError
+from paxcli.families.knobs import LM_KNOB, LM_KNOBS, effective
+from paxcli.runtime import engine
 
 _STEP_RE = re.compile(r'^checkpoint_(\d+)$')
 _PARAMS = 'mdl_vars.params.lm.'
@@ -462,8 +464,9 @@ class PaxmlSource(formats.SourceBase):
     need = self.knobs()
     unsupported = need.pop('UNSUPPORTED_FEATURES')
     have = experiment.knobs()
+    now, needed = _settings(have), _settings({**have, **need})
     wrong = [f'{k} = {have.get(k)!r}, the checkpoint needs {v!r}' for k, v in need.items()
-             if k in have and not _same(have[k], v, k, have)]
+             if k in have and not _same(now.get(k, have[k]), needed.get(k, v))]
     accepted = getattr(experiment, 'UNSUPPORTED_FEATURES', None) or {}
     missing = {f: why for f, why in unsupported.items() if f not in accepted}
     if wrong:
@@ -512,13 +515,13 @@ class PaxmlSource(formats.SourceBase):
     return None
 
 
-def _same(a, b, key: str, have: dict) -> bool:
-  if key == 'NUM_KV_HEADS':
-    return a in (None, have.get('NUM_HEADS'))
-  if key == 'DIMS_PER_HEAD' and a is None:
-    return have.get('MODEL_DIMS', 0) // max(have.get('NUM_HEADS') or 1, 1) == b
-  if key == 'USE_ATTENTION_BIAS' and a is None:
-    return have.get('USE_BIAS') == b
+def _settings(knob_values: dict) -> dict:
+  """Knob name -> the value the model gets from it (NUM_KV_HEADS None: NUM_HEADS), for the LM's knobs."""
+  values = effective(knob_values, LM_KNOBS)
+  return {name: values[knob.flat] for name, knob in LM_KNOB.items()}
+
+
+def _same(a, b) -> bool:
   if isinstance(b, float) or isinstance(a, float):
     return a is not None and abs(float(a) - float(b)) <= 1e-12 * max(1.0, abs(float(b)))
   return a == b
@@ -672,10 +675,8 @@ def _stacked(reads: list):
 
 def _param_shapes(model) -> dict[str, tuple]:
   """'params/...' -> shape of the model's parameters (jax.eval_shape: no memory)."""
-  import jax
+  import jax   # only here: reading and inspecting checkpoints never starts jax
   import jax.numpy as jnp
-
-  from paxcli.runtime import engine
   ids = jax.ShapeDtypeStruct((1, 1), jnp.int32)
   model = getattr(model, 'model', model)   # models.flat_view(...) carries the module
   boxed = jax.eval_shape(lambda r, x: model.init({'params': r, 'dropout': r}, x)['params'],

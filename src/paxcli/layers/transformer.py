@@ -7,9 +7,12 @@ D model dims, H heads, K kv heads, G query heads per kv head, E dims per head, F
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
 from typing import Callable
 
+import fiddle as fdl
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -249,10 +252,7 @@ class Block(BaseLayer):
 def fill_template(tpl, compute_dtype, **fields):
   """A copy of `tpl` with the compute dtype and `fields` set where its class has them and
   the template leaves them unset (what a template sets itself wins)."""
-  import dataclasses
-
-  import fiddle as fdl
-  out = tpl.clone() if hasattr(tpl, 'clone') else __import__('copy').deepcopy(tpl)
+  out = tpl.clone() if hasattr(tpl, 'clone') else copy.deepcopy(tpl)
   fn = fdl.get_callable(out)
   names = {f.name for f in dataclasses.fields(fn)} if dataclasses.is_dataclass(fn) else set()
   dtype_field = 'fprop_dtype' if isinstance(fn, type) and issubclass(fn, BaseLayer) else 'dtype'

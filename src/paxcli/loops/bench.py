@@ -81,7 +81,7 @@ def measure(resolved, steps: int = 10, warmup: int = 2, compile_only: bool = Fal
   tokens = setup.global_batch * setup.seq_len
   model_flops = flops.for_model(setup.model, setup.seq_len)
   if model_flops is None:
-    raise UserError(f'{resolved.name}: paxcli.perf.flops has no FLOPs model for this model, so MFU is unknown.')
+    raise UserError(f'{resolved.name}: MFU {flops.unknown_flops(setup.model)}.')
   if compile_only and not peak_tflops and not flops.lookup_peak(devices[0].device_kind):
     peak = flops.Peak(None, 'not measured (--compile-only)')  # no step runs: no MFU to divide
   else:

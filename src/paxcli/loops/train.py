@@ -382,11 +382,11 @@ def _train(resolved, job_dir: str, console, verbose: bool = False, profile_steps
   train_step = make_train_step(setup, batch_sharding, resolved.experiment.RANDOM_SEED + 1, profiler.pgle_options)
   if profiler.pgle_options:
     reporter_log(f'PGLE: compiling the train step with the profile {pgle_profile}.')
-  # MFU: model FLOPs per step (paxcli.perf.flops) over the device's peak.
+  # MFU: model FLOPs per step (the model's train_flops) over the device's peak (paxcli.perf.flops).
   model_flops = flops.for_model(setup.model, setup.seq_len)
   mfu_of = None
   if model_flops is None:
-    reporter_log('MFU: not reported; paxcli.perf.flops has no FLOPs model for this model.')
+    reporter_log(f'MFU: {flops.unknown_flops(setup.model)}.')
   else:
     step_flops = model_flops.per_step(setup.global_batch * setup.seq_len)
     peak = flops.device_peak(devices[0], flops.compute_dtype(setup.model), measure_size=512)

@@ -17,6 +17,7 @@ import re
 from typing import Optional
 
 from paxcli.errors import UserError
+from paxcli.files import read_text
 
 _NAME_RE = re.compile(r'[A-Za-z_][A-Za-z0-9_]*')
 _ASSIGN_RE = re.compile(r'^([A-Za-z_][A-Za-z0-9_]*)=')
@@ -569,7 +570,6 @@ def read_script(path: str, args: list[str] = ()) -> ScriptInfo:
   Raises:
     UserError: unreadable file, bad quoting, or no trainer invocation.
   """
-  from paxcli.files import read_text
   text = read_text(path, 'MaxText script', MAX_SCRIPT_BYTES)
   notes: list[str] = []
   commands = lex(text)

@@ -14,10 +14,15 @@ import functools
 import json
 import math
 import re
+from importlib import resources
 from typing import Any, Optional
+
+import yaml
 
 from paxcli import options
 from paxcli.errors import UserError, did_you_mean
+from paxcli.families.knobs import LM_KNOB
+from paxcli.files import read_text
 from paxcli.maxtext import defaults as mt
 from paxcli.maxtext.keys import DATA_KEYS, IGNORED_KEYS, KNOWN_KEYS
 from paxcli.maxtext.shell import ScriptInfo
@@ -50,12 +55,14 @@ _KEYS_LATER = {'base_num_query_heads', 'base_num_kv_heads', 'model_name', 'decod
 
 # The epsilon of MaxText's norms before base.yml had normalization_layer_epsilon (layers' own default).
 _EARLY_NORM_EPSILON = 1e-6
+# MaxText's key for it, and the name it had in base.yml for a week of January 2024 (and in the
+# llama2 GPU configs after): both are NORM_EPSILON.
+_NORM_EPSILON_KEYS = ('normalization_layer_epsilon', 'rms_norm_epsilon')
 _ACTIVATIONS = set(options.ACTIVATIONS)  # paxcli.options declares every allowed value once
 _DTYPES = set(options.DTYPES)
 
 # Specific reasons for keys that are read but have no Pax knob.
 _REASONS = {
-    'rms_norm_epsilon': 'no Pax knob: paxcli norms use their own epsilon',
     'load_parameters_path': 'paxcli does not load MaxText checkpoints; the recipe starts from '
                             'random weights',
     'load_full_state_path': 'paxcli does not load MaxText checkpoints; the recipe starts from '
@@ -174,8 +181,7 @@ def _parse_list(text: str) -> Any:
     return ast.literal_eval(text)
   except (ValueError, SyntaxError):
     pass
-  try:
-    import yaml  # only for a list written YAML-style, e.g. [silu,linear]
+  try:  # a list written YAML-style, e.g. [silu,linear]
     return yaml.safe_load(text)
   except Exception:  # pylint: disable=broad-except
     return text
@@ -198,9 +204,6 @@ def _integral(value: Any) -> Any:
 
 
 def load_yaml(path: str, what: str) -> dict[str, Any]:
-  import yaml
-
-  from paxcli.files import read_text
   text = read_text(path, what, MAX_CONFIG_BYTES)
   try:
     data = yaml.safe_load(text)
@@ -416,6 +419,13 @@ class _Builder:
     self.rows.append(Row(knob, value, key, raw if raw is not None else (self.raw(first) if first else ''),
                          after, source or (self.src(first) if first else 'paxcli')))
 
+  def direct(self, knob: str, key: str, fallback: Any = None, **row) -> Any:
+    """Puts a MaxText key that is one LM knob, read as the knob's type in the knob table."""
+    read = self.real if LM_KNOB[knob].type is float else self.whole
+    value = read(key, fallback)
+    self.put(knob, value, key, **row)
+    return value
+
   def feature(self, name: str, why: str) -> None:
     if name not in self.unsupported:
       self.unsupported[name] = why
@@ -478,9 +488,9 @@ def _model(b: _Builder, era: str) -> None:
     if heads % kv:
       raise UserError(f'{heads} query heads are not a multiple of {kv} kv heads.')
   b.consumed.update({'base_num_heads', 'base_num_query_heads', 'base_num_kv_heads'})
-  b.put('DIMS_PER_HEAD', b.whole('head_dim'), 'head_dim')
-  b.put('VOCAB_SIZE', b.whole('vocab_size'), 'vocab_size')
-  b.put('MAX_SEQ_LEN', b.whole('max_target_length'), 'max_target_length')
+  b.direct('DIMS_PER_HEAD', 'head_dim')
+  b.direct('VOCAB_SIZE', 'vocab_size')
+  b.direct('MAX_SEQ_LEN', 'max_target_length')
   b.put('PERCORE_BATCH_SIZE', _integral(b.real('per_device_batch_size')), 'per_device_batch_size')
   if b.config.get('decoder_block') == 'gemma2':
     b.knobs['NUM_LAYERS'] = 2 * layers
@@ -517,22 +527,30 @@ def _activation_and_block(b: _Builder) -> None:
   if b.whole('trainable_position_size', -1) > 0:
     position = 'learned'
   b.put('NORM_TYPE', block.norm, 'decoder_block')
-  if 'normalization_layer_epsilon' in b.config:  # base.yml since late 2023 (1e-5 in 2024), or a model preset
-    b.put('NORM_EPSILON', b.real('normalization_layer_epsilon'), 'normalization_layer_epsilon')
-  else:
-    b.put('NORM_EPSILON', _EARLY_NORM_EPSILON, 'normalization_layer_epsilon',
-          raw=f'(no such key yet: MaxText\'s norms used {_EARLY_NORM_EPSILON:g})')
+  _norm_epsilon(b)
   b.put('USE_BIAS', block.use_bias, 'decoder_block')
   b.put('POSITION_EMBEDDING', position, 'decoder_block, trainable_position_size')
   if position == 'rotary':
-    b.put('ROTARY_MAX_TIMESCALE', b.real('rope_max_timescale', 10000), 'rope_max_timescale',
-          raw=b.raw('rope_max_timescale') if 'rope_max_timescale' in b.config else '10000 (MaxText)')
+    b.direct('ROTARY_MAX_TIMESCALE', 'rope_max_timescale', 10000,
+             raw=b.raw('rope_max_timescale') if 'rope_max_timescale' in b.config else '10000 (MaxText)')
   b.put('SEPARATE_EMBEDDING', not bool(b.get('logits_via_embedding')), 'logits_via_embedding')
   dropout = b.real('dropout_rate', 0)
   if b.get('enable_dropout', True) is False:
     dropout = 0.0
   b.put('DROPOUT_PROB', dropout, 'dropout_rate, enable_dropout')
   _model_features(b)
+
+
+def _norm_epsilon(b: _Builder) -> None:
+  """NORM_EPSILON from whichever of MaxText's names for it the run has (the script's own first)."""
+  present = [k for k in _NORM_EPSILON_KEYS if k in b.config]
+  key = next((k for k in present if k in b.overrides), present[0] if present else None)
+  b.consumed.update(_NORM_EPSILON_KEYS)
+  if key:  # base.yml since late 2023 (1e-5 in 2024), a model preset, or the script
+    b.direct('NORM_EPSILON', key)
+  else:
+    b.put('NORM_EPSILON', _EARLY_NORM_EPSILON, _NORM_EPSILON_KEYS[0],
+          raw=f'(no such key yet: MaxText\'s norms used {_EARLY_NORM_EPSILON:g})')
 
 
 def _model_features(b: _Builder) -> None:
@@ -825,7 +843,6 @@ def _platform_env(b: _Builder) -> None:
 @functools.cache
 def _era_key_lists() -> dict[str, frozenset[str]]:
   """Keys of MaxText's base.yml over each 2023 era (every version within it), from MaxText's history."""
-  from importlib import resources
   data = json.loads(resources.files('paxcli.data').joinpath('maxtext_era_keys.json').read_text())
   return {era: frozenset(keys) for era, keys in data.items()}
 

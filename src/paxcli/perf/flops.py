@@ -1,29 +1,25 @@
-"""Model FLOPs, device peaks and MFU: the one place these numbers come from.
+"""Device peaks, MFU and compiled-program costs: where the MFU figures come from.
 
-Model FLOPs per token of a training step (forward + backward = 3 x forward, 2 FLOPs per
-multiply-add), as MaxText counts them since mid-2025:
-
-  6 x (per layer: QKV projections (grouped-query K/V heads) + output projection + MLP
-       (two input matrices when gated) ; plus the unembedding D x V)
-  + per layer 12 x H x E x S attention (Q.K^T and probs.V, forward and backward),
-    halved for causal masking.
-
-The token-embedding lookup, norms, softmax, biases and the optimizer are not counted.
-PaLM's figure (appendix B) counts attention in full, without the causal halving; it is
-reported beside ours (`palm_flops_per_token`) and is what XLA counts for the einsum
-attention, which computes every logit.
-
-MFU = model FLOPs per second per device / the device's peak. HFU uses the FLOPs XLA
-reports for the compiled step (`compiled.cost_analysis()`), which include
-rematerialisation and everything else the program computes.
+A model counts its own training FLOPs (`train_flops(seq_len)`, paxcli.models.ModelFlops:
+the count and what it leaves out are described there); this module divides them by time
+and by the device's peak. MFU = model FLOPs per second per device / the device's peak.
+HFU uses the FLOPs XLA reports for the compiled step (`compiled.cost_analysis()`), which
+include rematerialisation and everything else the program computes.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+import statistics
 import time
 from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from paxcli.models import ModelFlops
 
 # Dense peak TFLOP/s per device: (bf16, fp8 or None). Matched in order on the lower-cased
 # `device_kind` (so 'tpu v5 lite' is tried before 'tpu v5').
@@ -52,64 +48,23 @@ class Peak:
   measured: bool = False
 
 
-@dataclasses.dataclass(frozen=True)
-class ModelFlops:
-  """Training FLOPs per token of a decoder-only LM."""
-  matmul_params: int          # weights that multiply activations (no embedding lookup, norms, biases)
-  attention_per_token: float  # 12 x layers x H x E x S, halved for causal masking
-  palm_attention_per_token: float  # the same without halving
-
-  @property
-  def per_token(self) -> float:
-    return 6.0 * self.matmul_params + self.attention_per_token
-
-  @property
-  def palm_per_token(self) -> float:
-    return 6.0 * self.matmul_params + self.palm_attention_per_token
-
-  def per_step(self, tokens: int) -> float:
-    return self.per_token * tokens
-
-
 def for_model(model, seq_len: int) -> Optional[ModelFlops]:
-  """The FLOPs model of an engine model, or None for a model it does not describe.
+  """The model's own training FLOPs at seq_len (its `train_flops`); None when it has no such
+  method or cannot count this configuration (`unknown_flops` says which)."""
+  count = getattr(model, 'train_flops', None)
+  return count(seq_len) if count else None
 
-  A LanguageModel is read through `models.flat_view` (its settings under the flat LM
-  names); a swapped-in layer that lacks one of them leaves the figure unknown.
-  """
-  view = model
-  if hasattr(model, 'lm_tpl'):
-    from paxcli.models import flat_view
-    view = flat_view(model)
-  needed = ('model_dims', 'num_layers', 'num_heads', 'num_kv_heads', 'dims_per_head', 'hidden_dims',
-            'use_gated_activation', 'vocab_size')
-  if any(getattr(view, name, None) is None for name in needed):
-    return None
-  return lm_flops(view, seq_len)
+
+def unknown_flops(model) -> str:
+  """Why a model's MFU is not reported, in one line."""
+  if getattr(model, 'train_flops', None) is None:
+    return 'n/a: model has no FLOPs method'
+  return f'n/a: {type(model).__name__}.train_flops() cannot count this configuration (a swapped-in layer?)'
 
 
 def compute_dtype(model) -> str:
   """The activation dtype of a model, by name ('float32' when it does not say)."""
-  view = model
-  if hasattr(model, 'lm_tpl'):
-    from paxcli.models import flat_view
-    view = flat_view(model)
-  dtype = getattr(view, 'fprop_dtype', None) or 'float32'
-  return dtype if isinstance(dtype, str) else getattr(dtype, '__name__', str(dtype))
-
-
-def lm_flops(model, seq_len: int, causal: bool = True) -> ModelFlops:
-  """The FLOPs model for a decoder-only LM given its flat settings (models.flat_view names)."""
-  d, layers = model.model_dims, model.num_layers
-  heads, kv_heads, e = model.num_heads, model.num_kv_heads, model.dims_per_head
-  qkv = d * e * (heads + 2 * kv_heads)
-  out = heads * e * d
-  mlp = d * model.hidden_dims * (3 if model.use_gated_activation else 2)
-  unembed = d * model.vocab_size
-  attention = 12.0 * layers * heads * e * seq_len
-  return ModelFlops(matmul_params=layers * (qkv + out + mlp) + unembed,
-                    attention_per_token=attention / 2 if causal else attention,
-                    palm_attention_per_token=attention)
+  return getattr(model, 'compute_dtype', None) or 'float32'
 
 
 def lookup_peak(device_kind: str, fp8: bool = False) -> Optional[Peak]:
@@ -126,7 +81,6 @@ def lookup_peak(device_kind: str, fp8: bool = False) -> Optional[Peak]:
 def device_peak(device=None, dtype: str = 'float32', override: Optional[float] = None,
                 measure_size: int = 1024) -> Peak:
   """--peak-tflops if given, else the table by device_kind, else a measured matmul peak."""
-  import jax
   device = device or jax.devices()[0]
   if override:
     return Peak(float(override), f'{override:g} TFLOP/s (--peak-tflops)')
@@ -146,10 +100,6 @@ def measured_peak(dtype: str = 'float32', shared_by: int = 1, size: int = 1024,
   between runs) and the median is reported beside it as a measure of the noise.
   Fake CPU devices share one host's cores, so the host's figure is divided among them.
   """
-  import statistics
-
-  import jax
-  import jax.numpy as jnp
   device = jax.local_devices()[0]
   a = jax.device_put(jnp.ones((size, size), dtype), device)
   matmul = jax.jit(lambda x, y: x @ y)
@@ -202,9 +152,7 @@ def memory(compiled) -> Optional[dict]:
 
 def device_memory_bytes(device=None) -> tuple[Optional[int], str]:
   """(bytes a device can hold, where that figure comes from)."""
-  import os
 
-  import jax
   device = device or jax.devices()[0]
   try:
     stats = device.memory_stats() or {}
@@ -223,7 +171,6 @@ def device_memory_bytes(device=None) -> tuple[Optional[int], str]:
 
 
 def peak_memory_in_use(device=None) -> Optional[int]:
-  import jax
   device = device or jax.devices()[0]
   try:
     stats = device.memory_stats() or {}
@@ -255,13 +202,11 @@ class CompileTimer:
       self.spans.append((start, end))
 
   def __enter__(self):
-    import jax
     jax.monitoring.register_event_time_span_listener(self._on_span)
     self._registered = True
     return self
 
   def __exit__(self, *exc):
-    import jax
     if self._registered:
       try:
         jax.monitoring.unregister_event_time_span_listener(self._on_span)

@@ -489,7 +489,7 @@ def param_count(abstract_state) -> int:
 
 def summary(resolved) -> dict:
   """What a run of the resolved experiment needs, without devices: parameters (from the model's
-  abstract init), training FLOPs per token (paxcli.perf.flops), the global batch and the devices the mesh
+  abstract init), training FLOPs per token (the model's train_flops), the global batch and the devices the mesh
   asks for. A figure that cannot be known is None, with the reason under '<name>_note'."""
   import math
 
@@ -523,7 +523,7 @@ def summary(resolved) -> dict:
   per_token = flops.for_model(model, seq_len) if seq_len else None
   out['flops_per_token'] = per_token.per_token if per_token else None
   if per_token is None:
-    out['flops_per_token_note'] = 'paxcli.perf.flops has no FLOPs model for this model'
+    out['flops_per_token_note'] = flops.unknown_flops(model)
   return out
 
 
