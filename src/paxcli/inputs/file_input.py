@@ -185,13 +185,20 @@ def auto_tokenizer(data: Data, text_field: str, vocab_size: int) -> str:
     return path
   print(f'Training a {vocab_size}-piece sentencepiece tokenizer on the train side of {shorten(repr(data), 120)} '
         f'(first use only; cached in {os.path.dirname(path)}; set TOKENIZER to use your own).', file=sys.stderr)
-  per_source = [_split_docs(documents.expand(glob), text_field) for glob, _ in sources(data)]
-  texts = (doc.text() for doc in _round_robin(per_source))
-  size = tokenizers.train_sentencepiece(texts, vocab_size, path)
+  size = train_tokenizer(data, text_field, vocab_size, path)
   if size < vocab_size:
     print(f'The text holds {size} pieces, fewer than the {vocab_size} asked: the tokenizer has {size}.',
           file=sys.stderr)
   return path
+
+
+def train_tokenizer(data: Data, text_field: str, vocab_size: int, output: str,
+                    max_chars: int = tokenizers.MAX_CHARS) -> int:
+  """Trains a sentencepiece model on the train side of `data` (never on the documents the eval
+  split takes), one document of each source in turn; returns its size."""
+  per_source = [_split_docs(documents.expand(glob), text_field) for glob, _ in sources(data)]
+  texts = (doc.text() for doc in _round_robin(per_source))
+  return tokenizers.train_sentencepiece(texts, vocab_size, output, max_chars)
 
 
 def _split_docs(files: list[str], text_field: str) -> Iterator[documents.Document]:

@@ -98,6 +98,11 @@ class HfTokenizer:
   def vocab_size(self) -> int:
     return int(self._tok.get_vocab_size(with_added_tokens=True))
 
+  def special_tokens(self) -> dict[str, Optional[str]]:
+    """{'bos_token', 'eos_token', 'pad_token'} -> the token's text, or None."""
+    return {f'{k}_token': (self._tok.id_to_token(i) if i is not None else None)
+            for k, i in (('bos', self.bos_id), ('eos', self.eos_id), ('pad', self.pad_id))}
+
   def encode(self, text: str) -> list[int]:
     return list(self._tok.encode(text, add_special_tokens=False).ids)
 
