@@ -13,6 +13,7 @@ import numpy as np
 from paxcli.convert import core, formats, hf_tokenizer
 from paxcli.errors import UserError
 from paxcli.inputs import tokenizers
+from paxcli.jobdir import tokenizer
 
 TARGETS = ('orbax', 'safetensors', 'hf')
 
@@ -220,7 +221,6 @@ def _carry_files(src, tmp: str, to: str, recipe_text: Optional[str], own_experim
   if tok:
     kind = tokenizers.kind_of(tok)
     if to == 'orbax':
-      from paxcli.jobdir import tokenizer
       dest = tokenizer.job_dir_file(tmp, kind)
     else:
       dest = os.path.join(tmp, hf_tokenizer.EXPORT_NAMES[kind])

@@ -211,12 +211,11 @@ def _read_jsonl(path: str, text_field: str) -> Iterator[Document]:
 
 
 def _read_parquet(path: str, text_field: str) -> Iterator[Document]:
-  import pyarrow  # optional and slow to import (0.3 s): only for Parquet files
-  import pyarrow.parquet as pq
+  import pyarrow.parquet as pq  # slow to import (0.3 s): only for Parquet files
   with _open(path) as f:
     try:
       parquet = pq.ParquetFile(io.BytesIO(f.read()) if is_remote(path) else f)
-    except pyarrow.ArrowException as e:
+    except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid and ArrowIOError
       raise UserError(f'{path}: not a Parquet file ({e}).') from None
     names = parquet.schema_arrow.names
     wanted = [c for c in (text_field, 'prompt', 'completion', 'messages') if c in names]

@@ -149,8 +149,11 @@ def train_sentencepiece(texts: Iterable[str], vocab_size: int, output: str, max_
   """
   if vocab_size < 260:
     raise UserError(f'A tokenizer needs at least 260 pieces (256 bytes and the special tokens); got {vocab_size}.')
-  lines = training_lines(texts, max_chars)
+  failures: list[UserError] = []
+  lines = _stop_on_user_error(training_lines(texts, max_chars), failures)
   first = next(lines, None)
+  if failures:
+    raise failures[0]
   if first is None:
     raise UserError('No text to train a tokenizer on: the documents are empty.')
   model = io.BytesIO()
@@ -161,9 +164,21 @@ def train_sentencepiece(texts: Iterable[str], vocab_size: int, output: str, max_
         shuffle_input_sentence=False, max_sentence_length=_MAX_LINE_BYTES,
         num_threads=1, minloglevel=2, pad_id=0, eos_id=1, unk_id=2, bos_id=-1)
   except RuntimeError as e:
-    raise UserError(f'Training the tokenizer failed: {e}') from None
+    if not failures:
+      raise UserError(f'Training the tokenizer failed: {e}') from None
+  if failures:  # bad input met while sentencepiece read the text: the one line that names it
+    raise failures[0]
   _atomic_write(output, model.getvalue())
   return SentencePieceTokenizer(output).vocab_size
+
+
+def _stop_on_user_error(lines: Iterator[str], failures: list) -> Iterator[str]:
+  """`lines` until one raises UserError, which is kept in `failures`: sentencepiece would turn it
+  into a RuntimeError with a C++ trace."""
+  try:
+    yield from lines
+  except UserError as e:
+    failures.append(e)
 
 
 def _prepend(first: str, rest: Iterator[str]) -> Iterator[str]:
