@@ -116,6 +116,15 @@ def test_every_format_gives_the_same_documents(tmp_path):
   assert len(files) == 5
   for path in files:
     assert [d.text() for d in documents.read(path, 'text')] == texts, path
+  # A path with a scheme (gs://...) is globbed and read through tf.io.gfile; file:// takes that path here.
+  remote = documents.expand(f'file://{tmp_path}/d.*')
+  assert len(remote) == 5 and all(p.startswith('file://') for p in remote)
+  for path in remote:
+    if path.endswith('.array_record'):
+      with pytest.raises(UserError, match='read from local disks only'):
+        list(documents.read(path, 'text'))
+    else:
+      assert [d.text() for d in documents.read(path, 'text')] == texts, path
 
 
 def test_a_directory_reads_the_files_it_holds(tmp_path):

@@ -39,6 +39,9 @@ from paxcli.inputs.corpus import cache_root
 
 SPLITS = ('train', 'eval', 'all')
 AUTO_TOKENIZER_VERSION = 1
+DEFAULT_VOCAB_SIZE = 2048  # of a trained tokenizer when the input is given no vocab_size
+# Random streams, each seeded by [seed, stream, ...]: independent of one another.
+_FILE_ORDER, _MIXTURE, _ROW_SHUFFLE = 0, 1, 2
 Data = Union[str, dict]
 
 
@@ -63,7 +66,7 @@ class FileLmInput(BaseInput):
       raise UserError(f'Input {self.name!r}: seq_len must be positive, got {self.seq_len}.')
     self.sources = [(documents.expand(glob), weight) for glob, weight in sources(self.data, self.name)]
     self._tok = tokenizers.load(self.tokenizer or auto_tokenizer(
-        self.tokenizer_data or self.data, self.text_field, self.vocab_size or 2048))
+        self.tokenizer_data or self.data, self.text_field, self.vocab_size or DEFAULT_VOCAB_SIZE))
     self.eos_id = self._tok.eos_id
     if self.eos_id is None:
       raise UserError(f'The tokenizer {self._tok.path} has no end-of-text token (one of '
@@ -107,14 +110,15 @@ class FileLmInput(BaseInput):
   def _batches(self) -> Iterator[dict]:
     rows = packing.pack(self._examples(), self.seq_len, self.open_rows)
     if self.is_training:
-      rows = packing.shuffled(rows, self.shuffle_buffer, np.random.default_rng([self.seed, self._host()[1]]))
+      rng = np.random.default_rng([self.seed, _ROW_SHUFFLE, self._host()[1]])
+      rows = packing.shuffled(rows, self.shuffle_buffer, rng)
     return packing.batches(rows, self.batch_size)
 
   def _examples(self) -> Iterator[packing.Example]:
     streams = [self._source_examples(files) for files, _ in self.sources]
     if not (self.is_training and self.repeat) or len(streams) == 1:
       return itertools.chain.from_iterable(streams)
-    return _mixed(streams, [w for _, w in self.sources], np.random.default_rng([self.seed, 7]))
+    return _mixed(streams, [w for _, w in self.sources], np.random.default_rng([self.seed, _MIXTURE]))
 
   def _source_examples(self, files: list[str]) -> Iterator[packing.Example]:
     """This process's examples of one source: one pass, or epoch after epoch when training."""
@@ -123,7 +127,7 @@ class FileLmInput(BaseInput):
     for epoch in itertools.count():
       order = mine
       if self.is_training:  # the same order on every process: shares of documents stay disjoint
-        order = [mine[i] for i in np.random.default_rng([self.seed, epoch]).permutation(len(mine))]
+        order = [mine[i] for i in np.random.default_rng([self.seed, _FILE_ORDER, epoch]).permutation(len(mine))]
       count = 0
       for doc in documents.keep_share(self._documents(order), share):
         example = packing.tokenize(doc.chunks, self._tok.encode_many([c.text for c in doc.chunks]), self.eos_id)
