@@ -184,15 +184,16 @@ def test_packing_keeps_documents_apart_and_puts_eos_between():
   assert rows[1]['labels'].tolist() == [11, 12, eos, 21, eos, 39, eos, 0]
 
 
-def test_training_rows_carry_segments_and_every_document_ends_with_eos(data):
+def test_training_rows_carry_segments_and_documents_end_with_eos(data):
   root, _, spm = data
   inp = _input(str(root / '*.jsonl'), spm, is_training=True, split='train')
   batch = inp.get_next()
   assert set(batch) == set(packing.ROW_KEYS) and batch['ids'].shape == (4, 32)
   assert batch['segment_ids'].max() >= 2  # documents of 5-30 words: several per 32-token row
-  for row in range(4):
+  for row in range(4):  # each segment is a document, ending in EOS, or a row-long piece of a longer one
     for seg in set(batch['segment_ids'][row].tolist()) - {0}:
-      assert batch['labels'][row][batch['segment_ids'][row] == seg][-1] == inp.eos_id
+      labels = batch['labels'][row][batch['segment_ids'][row] == seg]
+      assert labels[-1] == inp.eos_id or len(labels) == 32
   assert inp.get_next()['ids'].tobytes() != batch['ids'].tobytes()
   inp.reset()
   np.testing.assert_array_equal(inp.get_next()['ids'], batch['ids'])  # deterministic from the seed

@@ -189,10 +189,10 @@ def _read_text(path: str, text_field: str) -> Iterator[Document]:
       first = first or n
       block.append(line)
     elif block:
-      yield Document(sft.text_document(''.join(block).rstrip('\n')), f'{path} line {first}')
+      yield Document(sft.text_document(''.join(block).rstrip()), f'{path} line {first}')
       block, first = [], 0
   if block:
-    yield Document(sft.text_document(''.join(block).rstrip('\n')), f'{path} line {first}')
+    yield Document(sft.text_document(''.join(block).rstrip()), f'{path} line {first}')
 
 
 def _read_jsonl(path: str, text_field: str) -> Iterator[Document]:
