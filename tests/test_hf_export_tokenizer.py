@@ -50,9 +50,9 @@ def _json(path):
 
 
 def test_special_ids_and_tokens_come_from_the_tokenizer(exported):
-  from paxcli.jobdir.tokenizer import Tokenizer
+  from paxcli.inputs.tokenizers import SentencePieceTokenizer
   out = exported / 'out'
-  tok = Tokenizer(str(exported / 'job' / 'tokenizer' / 'spm.model'))
+  tok = SentencePieceTokenizer(str(exported / 'job' / 'tokenizer' / 'spm.model'))
   assert (tok.eos_id, tok.pad_id, tok.bos_id) == (1, 0, None)
   cfg = _json(out / 'config.json')
   assert (cfg['bos_token_id'], cfg['eos_token_id'], cfg['pad_token_id']) == (None, 1, 0)
@@ -72,8 +72,8 @@ def test_special_ids_and_tokens_come_from_the_tokenizer(exported):
 
 def test_tokenizers_reads_the_same_ids_as_paxcli(exported):
   tokenizers = pytest.importorskip('tokenizers')
-  from paxcli.jobdir.tokenizer import Tokenizer
-  ours = Tokenizer(str(exported / 'job' / 'tokenizer' / 'spm.model'))
+  from paxcli.inputs.tokenizers import SentencePieceTokenizer
+  ours = SentencePieceTokenizer(str(exported / 'job' / 'tokenizer' / 'spm.model'))
   theirs = tokenizers.Tokenizer.from_file(str(exported / 'out' / 'tokenizer.json'))
   theirs.encode_special_tokens = True   # what tokenizer_config's split_special_tokens sets
   for text in TEXTS + [inspect.__doc__, json.__doc__]:
@@ -82,8 +82,8 @@ def test_tokenizers_reads_the_same_ids_as_paxcli(exported):
 
 def test_transformers_autotokenizer_gives_paxcli_ids(exported):
   transformers = pytest.importorskip('transformers')
-  from paxcli.jobdir.tokenizer import Tokenizer
-  ours = Tokenizer(str(exported / 'job' / 'tokenizer' / 'spm.model'))
+  from paxcli.inputs.tokenizers import SentencePieceTokenizer
+  ours = SentencePieceTokenizer(str(exported / 'job' / 'tokenizer' / 'spm.model'))
   theirs = transformers.AutoTokenizer.from_pretrained(str(exported / 'out'))
   assert len(ours.encode('Create a new')) == len(theirs('Create a new')['input_ids'])
   for text in TEXTS + [inspect.__doc__, json.__doc__]:

@@ -34,10 +34,11 @@ def _register_all() -> None:
   from paxcli.cli import inspect_input as inspect_input_cmd
   from paxcli.cli import import_maxtext as import_maxtext_cmd
   from paxcli.cli import launch as launch_cmd
+  from paxcli.cli import tokenizer as tokenizer_cmd
   from paxcli.cli import train as train_cmd
   from paxcli.cli import version as version_cmd
   for module in (train_cmd, eval_cmd, decode_cmd, inspect_input_cmd, launch_cmd, experiments_cmd,
-                 import_maxtext_cmd, checkpoint_cmd, version_cmd, bench_cmd):
+                 import_maxtext_cmd, checkpoint_cmd, version_cmd, bench_cmd, tokenizer_cmd):
     module.register(app)
 
 

@@ -260,8 +260,7 @@ class HfSource(formats.SourceBase):
     return self._knobs
 
   def extra_files(self) -> dict:
-    path = files.member(self.path, 'tokenizer.model', 'tokenizer')
-    return {'tokenizer': path} if os.path.isfile(path) else {}
+    return hf_tokenizer.find_in(self.path)
 
   def paxcli_view(self, model) -> 'PaxView':
     return PaxView(self, model)

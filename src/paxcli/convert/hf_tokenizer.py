@@ -16,6 +16,9 @@ becomes other ids ("Create a new": 3 ids in paxcli, 6 in transformers). Written 
   tokenizer.model          copied as it is, for sentencepiece readers
 Special ids (also in config.json and generation_config.json) come from the model: paxcli's
 corpus tokenizer has pad 0, eos 1, unk 2 and no bos.
+
+A run trained with a Hugging Face tokenizer.json (the TOKENIZER knob) exports that file as it
+is, beside a tokenizer_config.json and special_tokens_map.json naming its special tokens.
 """
 
 from __future__ import annotations
@@ -26,12 +29,25 @@ import os
 from typing import Optional
 
 from paxcli.errors import UserError
+from paxcli.files import member
+from paxcli.inputs import tokenizers
 
 # sentencepiece ModelProto.SentencePiece.Type
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
 _UNIGRAM = 1
 SPACE = '\u2581'
 NEVER = -1e9   # the score of pieces segmentation never yields
+# The file name a tokenizer of each kind (paxcli.inputs.tokenizers.kind_of) has in an export.
+EXPORT_NAMES = {'sentencepiece': 'tokenizer.model', 'hf': 'tokenizer.json'}
+
+
+def find_in(directory: str) -> dict:
+  """{'tokenizer': path} of a directory's tokenizer.model, else its tokenizer.json; {} if neither."""
+  for name in EXPORT_NAMES.values():
+    path = member(directory, name, 'tokenizer')
+    if os.path.isfile(path):
+      return {'tokenizer': path}
+  return {}
 
 
 def load_proto(path: str):
@@ -57,6 +73,9 @@ def token_ids(path: Optional[str]) -> dict:
   """config.json's bos/eos/pad token ids for the tokenizer at `path` (None: the model has none)."""
   if not path:
     return {'bos_token_id': None, 'eos_token_id': None, 'pad_token_id': None}
+  if tokenizers.kind_of(path) == 'hf':
+    tok = tokenizers.HfTokenizer(path)
+    return {'bos_token_id': tok.bos_id, 'eos_token_id': tok.eos_id, 'pad_token_id': tok.pad_id}
   ids = special_ids(load_proto(path))
   return {'bos_token_id': ids['bos'], 'eos_token_id': ids['eos'], 'pad_token_id': ids['pad']}
 
@@ -113,13 +132,25 @@ def tokenizer_config(proto, max_len: int) -> tuple[dict, dict]:
   return config, {k: v for k, v in tokens.items() if v is not None}
 
 
-def write(directory: str, spm_path: str, max_len: int) -> None:
-  """tokenizer_config.json, special_tokens_map.json and (Unigram models) tokenizer.json for `spm_path`."""
-  proto = load_proto(spm_path)
-  config, special = tokenizer_config(proto, max_len)
-  written = [('tokenizer_config.json', config), ('special_tokens_map.json', special)]
-  if proto.trainer_spec.model_type == _UNIGRAM:
-    written.append(('tokenizer.json', tokenizer_json(proto)))
+def hf_tokenizer_config(path: str, max_len: int) -> tuple[dict, dict]:
+  """tokenizer_config.json and special_tokens_map.json of a tokenizer.json (exported as it is)."""
+  tokens = tokenizers.HfTokenizer(path).special_tokens()
+  config = {'tokenizer_class': 'PreTrainedTokenizerFast', **tokens, 'add_bos_token': False,
+            'add_eos_token': False, 'clean_up_tokenization_spaces': False, 'model_max_length': max_len}
+  return config, {k: v for k, v in tokens.items() if v is not None}
+
+
+def write(directory: str, path: str, max_len: int) -> None:
+  """tokenizer_config.json, special_tokens_map.json and (Unigram models) tokenizer.json for the
+  sentencepiece model at `path`; the first two only for a tokenizer.json, which is copied as it is."""
+  if tokenizers.kind_of(path) == 'hf':
+    written = list(zip(('tokenizer_config.json', 'special_tokens_map.json'), hf_tokenizer_config(path, max_len)))
+  else:
+    proto = load_proto(path)
+    config, special = tokenizer_config(proto, max_len)
+    written = [('tokenizer_config.json', config), ('special_tokens_map.json', special)]
+    if proto.trainer_spec.model_type == _UNIGRAM:
+      written.append(('tokenizer.json', tokenizer_json(proto)))
   for name, data in written:
     with open(os.path.join(directory, name), 'w', encoding='utf-8') as f:
       json.dump(data, f, indent=1 if name != 'tokenizer.json' else None, ensure_ascii=False)

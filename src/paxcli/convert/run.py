@@ -10,8 +10,10 @@ from typing import Optional
 
 import numpy as np
 
-from paxcli.convert import core, formats
+from paxcli.convert import core, formats, hf_tokenizer
 from paxcli.errors import UserError
+from paxcli.inputs import tokenizers
+from paxcli.jobdir import tokenizer
 
 TARGETS = ('orbax', 'safetensors', 'hf')
 
@@ -217,11 +219,11 @@ def _carry_files(src, tmp: str, to: str, recipe_text: Optional[str], own_experim
   from paxcli import files
   tok = src.extra_files().get('tokenizer')
   if tok:
+    kind = tokenizers.kind_of(tok)
     if to == 'orbax':
-      from paxcli.jobdir import tokenizer
-      dest = tokenizer.job_dir_file(tmp)
+      dest = tokenizer.job_dir_file(tmp, kind)
     else:
-      dest = os.path.join(tmp, 'tokenizer.model')
+      dest = os.path.join(tmp, hf_tokenizer.EXPORT_NAMES[kind])
     os.makedirs(os.path.dirname(dest), exist_ok=True)
     files.copy_member(tok, dest)
   if to == 'hf':

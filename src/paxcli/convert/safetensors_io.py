@@ -19,7 +19,7 @@ from typing import Iterable, Optional
 import numpy as np
 
 from paxcli import files
-from paxcli.convert import formats
+from paxcli.convert import formats, hf_tokenizer
 from paxcli.convert.formats import ArrayInfo
 from paxcli.errors import UserError
 
@@ -185,8 +185,7 @@ class SafetensorsSource(formats.SourceBase):
 
   def extra_files(self) -> dict:
     directory = self.path if os.path.isdir(self.path) else os.path.dirname(os.path.abspath(self.path))
-    path = files.member(directory, 'tokenizer.model', 'tokenizer')
-    return {'tokenizer': path} if os.path.isfile(path) else {}
+    return hf_tokenizer.find_in(directory)
 
 
 formats.register_reader('safetensors', lambda path, step=None, target=None: SafetensorsSource(path, step),

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Optional, Union
+
 import fiddle as fdl
 
+from paxcli.errors import UserError
 from paxcli.families.base import TrainingExperiment
 from paxcli.families.knobs import LM_KNOBS, declare, flat_settings
 from paxcli.inputs.synthetic import SyntheticLmInput
@@ -23,6 +26,13 @@ class LmExperiment(TrainingExperiment):
   DECODE_PROMPTS: list = []       # texts, or lists of token ids for models without a tokenizer
   DECODE_MAX_STEPS: int = 32
 
+  # Your own data (README "Your own data", paxcli.inputs.file_input): a glob, or {glob: weight} for a
+  # mixture, of .txt, .jsonl, .parquet, TFRecord or ArrayRecord files; replaces the experiment's inputs.
+  TRAIN_DATA: Optional[Union[str, dict[str, float]]] = None
+  EVAL_DATA: Optional[Union[str, dict[str, float]]] = None  # None: 1 in 20 TRAIN_DATA documents (by text hash)
+  TEXT_FIELD: str = 'text'        # the JSONL / Parquet / tf.train.Example field that holds the text
+  TOKENIZER: Optional[str] = None  # a sentencepiece .model or a tokenizer.json; None: trained on TRAIN_DATA
+
   def model(self) -> fdl.Config:
     """LanguageModel built from templates the knobs fill; edit a template to swap a layer:
 
@@ -41,11 +51,28 @@ class LmExperiment(TrainingExperiment):
     return train
 
   def datasets(self) -> list:
-    """Synthetic LM data; override for real inputs (see recipes/default.py)."""
-    return [
+    """The user's files when TRAIN_DATA is set, else synthetic LM data; override for real inputs
+    (see recipes/default.py, which keeps TRAIN_DATA working by calling own_data_datasets first)."""
+    return self.own_data_datasets() or [
         fdl.Config(SyntheticLmInput, name='train', is_training=True, seq_len=self.MAX_SEQ_LEN,
                    vocab_size=self.VOCAB_SIZE, seed=self.RANDOM_SEED),
         fdl.Config(SyntheticLmInput, name='eval', is_training=False, seq_len=self.MAX_SEQ_LEN,
                    vocab_size=self.VOCAB_SIZE, seed=self.RANDOM_SEED + 1, num_batches=2, repeat=False,
                    reset_for_eval=True),
+    ]
+
+  def own_data_datasets(self) -> list:
+    """Inputs over TRAIN_DATA and EVAL_DATA (paxcli.inputs.file_input), or [] when neither is set."""
+    if not (self.TRAIN_DATA or self.EVAL_DATA or self.TOKENIZER):
+      return []
+    if not self.TRAIN_DATA:
+      raise UserError('EVAL_DATA and TOKENIZER need TRAIN_DATA (a glob of your training files).')
+    from paxcli.inputs.file_input import FileLmInput
+    common = dict(seq_len=self.MAX_SEQ_LEN, text_field=self.TEXT_FIELD, tokenizer=self.TOKENIZER,
+                  tokenizer_data=self.TRAIN_DATA, vocab_size=self.VOCAB_SIZE, seed=self.RANDOM_SEED)
+    return [
+        fdl.Config(FileLmInput, name='train', is_training=True, data=self.TRAIN_DATA,
+                   split='all' if self.EVAL_DATA else 'train', **common),
+        fdl.Config(FileLmInput, name='eval', is_training=False, repeat=False, reset_for_eval=True,
+                   data=self.EVAL_DATA or self.TRAIN_DATA, split='all' if self.EVAL_DATA else 'eval', **common),
     ]

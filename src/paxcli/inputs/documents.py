@@ -1,0 +1,279 @@
+"""Documents from the user's files: globs, formats, the eval split and per-process sharding.
+
+Formats, by file name (a trailing `.gz` is read through gzip for .txt and .jsonl):
+  .txt                  one document per block of lines between blank lines: blank lines are
+                        the one separator plain text has, and a single .txt file (a book, a
+                        dump) then still gives many documents for the eval split and for the
+                        processes to share. Keep a file whole by writing it as one JSONL record.
+  .jsonl, .ndjson       one JSON object per line (paxcli.inputs.sft: TEXT_FIELD, prompt and
+                        completion, or chat messages)
+  .parquet              one row per record, the same fields as JSONL (pyarrow)
+  .tfrecord(s)          tf.train.Example records, the same fields as bytes features
+  .array_record         tf.train.Example records in ArrayRecord files (local files only)
+Sharded names (`train.tfrecord-00001-of-00064`) count by the part before the dash. Paths
+with a scheme (`gs://bucket/x/*.jsonl`) are globbed and read through tf.io.gfile.
+
+The eval split: when the experiment gives no EVAL_DATA, a document belongs to the eval side
+when the SHA-1 of its text falls in 1 bucket of EVAL_BUCKETS (1 in 20); the train side
+keeps the rest. The split depends on the text alone (not the file's path or order), so it
+is the same on every machine and in every run, the two sides never share a document, and
+a document repeated in the data is on one side only.
+
+Bad input stops with one line naming the file and line (or row, or record).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import gzip
+import hashlib
+import io
+import json
+import os
+import re
+from typing import Iterator, Optional, Sequence
+
+from paxcli.errors import UserError, shorten
+from paxcli.files import check_regular_file
+from paxcli.inputs import sft
+from paxcli.inputs.tfrecord import import_tf
+
+EVAL_BUCKETS = 20
+FORMATS = {'.txt': 'text', '.jsonl': 'jsonl', '.ndjson': 'jsonl', '.parquet': 'parquet',
+           '.tfrecord': 'tfrecord', '.tfrecords': 'tfrecord', '.array_record': 'array_record'}
+_SHARD_SUFFIX = re.compile(r'-\d+-of-\d+$')
+
+
+@dataclasses.dataclass(frozen=True)
+class Document:
+  chunks: tuple[sft.Chunk, ...]
+  where: str  # 'file line N' (or row, record): where errors point
+
+  def text(self) -> str:
+    return ''.join(c.text for c in self.chunks)
+
+
+def is_remote(path: str) -> bool:
+  return '://' in path
+
+
+def format_of(path: str) -> str:
+  """The format a file is read as, from its name; UserError for a name paxcli cannot read."""
+  name = os.path.basename(path)
+  if name.endswith('.gz'):
+    name = name[:-3]
+    allowed = ('.txt', '.jsonl', '.ndjson')
+  else:
+    allowed = tuple(FORMATS)
+  name = _SHARD_SUFFIX.sub('', name)
+  ext = os.path.splitext(name)[1]
+  if ext not in allowed:
+    raise UserError(f'{shorten(path, 200)}: paxcli reads {", ".join(FORMATS)} files (and .txt.gz, .jsonl.gz); '
+                    f'this name ends in {ext or "no extension"!r}.')
+  return FORMATS[ext]
+
+
+def expand(pattern: str) -> list[str]:
+  """Sorted files of a glob (`**` for any depth), or the readable files under a directory.
+
+  UserError when none matches, or when a glob matches a file of an unknown format.
+  """
+  if is_remote(pattern):
+    gfile = import_tf().io.gfile
+    files = [p for p in gfile.glob(pattern) if not gfile.isdir(p)]
+  elif os.path.isdir(os.path.expanduser(pattern)):
+    under = glob.glob(os.path.join(os.path.expanduser(pattern), '**', '*'), recursive=True)
+    files = [p for p in under if os.path.isfile(p) and _readable_name(p)]
+  else:
+    files = [p for p in glob.glob(os.path.expanduser(pattern), recursive=True) if not os.path.isdir(p)]
+  if not files:
+    raise UserError(f'No file matches {shorten(repr(pattern), 200)}.')
+  files = sorted(files)
+  for path in files:
+    format_of(path)
+  return files
+
+
+def _readable_name(path: str) -> bool:
+  try:
+    format_of(path)
+  except UserError:
+    return False
+  return True
+
+
+def file_stamp(path: str) -> tuple[int, int]:
+  """(size, modification time in ns): what tells a changed file from the one a cache was made of."""
+  if is_remote(path):
+    st = import_tf().io.gfile.stat(path)
+    return int(st.length), int(st.mtime_nsec)
+  st = os.stat(path)
+  return st.st_size, st.st_mtime_ns
+
+
+def in_eval_split(doc: Document) -> bool:
+  digest = hashlib.sha1(doc.text().encode('utf-8', 'surrogatepass')).digest()
+  return int.from_bytes(digest[:8], 'big') % EVAL_BUCKETS == 0
+
+
+def read(path: str, text_field: str) -> Iterator[Document]:
+  """The documents of one file, in file order."""
+  return _READERS[format_of(path)](path, text_field)
+
+
+def read_split(path: str, text_field: str, split: str) -> Iterator[Document]:
+  """The documents of one file on one side of the eval split ('train', 'eval') or all ('all')."""
+  for doc in read(path, text_field):
+    if split == 'all' or in_eval_split(doc) == (split == 'eval'):
+      yield doc
+
+
+# ---- per-process sharding ----------------------------------------------------------------------
+
+
+def host_share(files: Sequence[str], num_hosts: int, host: int) -> tuple[list[str], Optional[tuple[int, int]]]:
+  """(files this process reads, (n, i) when it keeps only documents i, i+n, ... of them).
+
+  With at least as many files as processes each reads whole files (files[i::n]); with fewer,
+  every process reads every file and keeps every n-th document. Either way no two processes
+  see one document, and together they see them all.
+  """
+  if num_hosts <= 1:
+    return list(files), None
+  if len(files) >= num_hosts:
+    return list(files[host::num_hosts]), None
+  return list(files), (num_hosts, host)
+
+
+def keep_share(docs: Iterator[Document], share: Optional[tuple[int, int]]) -> Iterator[Document]:
+  if share is None:
+    yield from docs
+    return
+  n, i = share
+  for k, doc in enumerate(docs):
+    if k % n == i:
+      yield doc
+
+
+# ---- readers, one per format ---------------------------------------------------------------------
+
+
+def _open(path: str):
+  """A binary file object: local files are checked to be regular files first (never a FIFO)."""
+  if is_remote(path):
+    return import_tf().io.gfile.GFile(path, 'rb')
+  check_regular_file(path, 'data file')
+  return open(path, 'rb')
+
+
+def _lines(path: str) -> Iterator[tuple[int, str]]:
+  """(line number, text) of a text file, gzip-decompressed by name; UserError for non-UTF-8."""
+  with _open(path) as raw:
+    f = gzip.GzipFile(fileobj=raw) if path.endswith('.gz') else raw
+    try:
+      for n, line in enumerate(f, start=1):
+        try:
+          yield n, line.decode('utf-8')
+        except UnicodeDecodeError as e:
+          raise UserError(f'{path} line {n}: not UTF-8 text (byte {e.start + 1} of the line).') from None
+    except (OSError, EOFError) as e:  # a truncated or corrupt .gz
+      raise UserError(f'{path}: cannot read it ({e}).') from None
+
+
+def _read_text(path: str, text_field: str) -> Iterator[Document]:
+  del text_field
+  block, first = [], 0
+  for n, line in _lines(path):
+    if line.strip():
+      first = first or n
+      block.append(line)
+    elif block:
+      yield Document(sft.text_document(''.join(block).rstrip()), f'{path} line {first}')
+      block, first = [], 0
+  if block:
+    yield Document(sft.text_document(''.join(block).rstrip()), f'{path} line {first}')
+
+
+def _read_jsonl(path: str, text_field: str) -> Iterator[Document]:
+  for n, line in _lines(path):
+    if not line.strip():
+      continue
+    where = f'{path} line {n}'
+    try:
+      record = json.loads(line)
+    except json.JSONDecodeError as e:
+      raise UserError(f'{where}: not JSON ({e.msg} at column {e.colno}).') from None
+    if not isinstance(record, dict):
+      raise UserError(f'{where}: a JSON object ({{"{text_field}": ...}}) per line is needed; this line holds '
+                      f'a {type(record).__name__}.')
+    yield Document(sft.from_record(record, text_field, where), where)
+
+
+def _read_parquet(path: str, text_field: str) -> Iterator[Document]:
+  import pyarrow.parquet as pq  # slow to import (0.3 s): only for Parquet files
+  with _open(path) as f:
+    try:
+      parquet = pq.ParquetFile(io.BytesIO(f.read()) if is_remote(path) else f)
+    except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid and ArrowIOError
+      raise UserError(f'{path}: not a Parquet file ({e}).') from None
+    names = parquet.schema_arrow.names
+    wanted = [c for c in (text_field, 'prompt', 'completion', 'messages') if c in names]
+    if not wanted:
+      raise UserError(f'{path}: no column {text_field!r} (nor "prompt" and "completion", nor "messages"); its '
+                      f'columns are {shorten(", ".join(names), 160)}. Set TEXT_FIELD to the column of the text.')
+    row = 0
+    for batch in parquet.iter_batches(batch_size=1024, columns=wanted):
+      for record in batch.to_pylist():
+        where = f'{path} row {row}'
+        row += 1
+        yield Document(sft.from_record({k: v for k, v in record.items() if v is not None}, text_field, where),
+                       where)
+
+
+def _example_record(data: bytes, where: str) -> dict:
+  """A serialized tf.train.Example as {feature: first value}, bytes features only."""
+  tf = import_tf()
+  example = tf.train.Example()
+  try:
+    example.ParseFromString(data)
+  except Exception:  # noqa: BLE001 - protobuf's DecodeError
+    raise UserError(f'{where}: not a tf.train.Example.') from None
+  return {name: feature.bytes_list.value[0] for name, feature in example.features.feature.items()
+          if feature.WhichOneof('kind') == 'bytes_list' and feature.bytes_list.value}
+
+
+def _read_tfrecord(path: str, text_field: str) -> Iterator[Document]:
+  if not is_remote(path):
+    check_regular_file(path, 'data file')
+  tf = import_tf()
+  try:
+    for n, data in enumerate(tf.data.TFRecordDataset(path).as_numpy_iterator()):
+      where = f'{path} record {n}'
+      yield Document(sft.from_record(_example_record(data, where), text_field, where), where)
+  except tf.errors.DataLossError:
+    raise UserError(f'{path}: not a TFRecord file (or a corrupted one).') from None
+
+
+def _read_array_record(path: str, text_field: str) -> Iterator[Document]:
+  if is_remote(path):
+    raise UserError(f'{path}: ArrayRecord files are read from local disks only; copy them first.')
+  check_regular_file(path, 'data file')
+  try:  # optional: array-record has wheels for Linux and macOS only
+    from array_record.python.array_record_module import ArrayRecordReader
+  except ImportError:
+    raise UserError('Reading ArrayRecord files needs the array-record package (pip install array-record).') from None
+  reader = ArrayRecordReader(path)
+  try:
+    if not reader.ok():
+      raise UserError(f'{path}: not an ArrayRecord file (or a corrupted one).')
+    for start in range(0, reader.num_records(), 1024):
+      for n, data in enumerate(reader.read(start, min(start + 1024, reader.num_records())), start=start):
+        where = f'{path} record {n}'
+        yield Document(sft.from_record(_example_record(data, where), text_field, where), where)
+  finally:
+    reader.close()
+
+
+_READERS = {'text': _read_text, 'jsonl': _read_jsonl, 'parquet': _read_parquet, 'tfrecord': _read_tfrecord,
+            'array_record': _read_array_record}

@@ -1,0 +1,222 @@
+"""FileLmInput: LM batches from the user's own files (the TRAIN_DATA and EVAL_DATA knobs).
+
+The pipeline, one stage per module so that another backend (Grain) can take any stage over:
+  files and documents   paxcli.inputs.documents (formats, eval split, per-process share)
+  records to chunks     paxcli.inputs.sft (text, prompt/completion, chat template)
+  tokens                paxcli.inputs.tokenizers (sentencepiece or tokenizer.json)
+  rows and batches      paxcli.inputs.packing (segment ids, positions, EOS between documents)
+
+`data` is a glob, or {glob: weight} for a weighted mixture: training draws each next
+document from source k with probability weight_k / sum(weights) (a seeded generator), and
+every source repeats on its own; an eval input reads each source once, in order.
+
+Training reads the documents of its share of the files in a seeded per-epoch order, packs
+them and shuffles rows through a buffer; eval reads its share once, in file order, the
+last batch padded with zero-weight rows. A resume re-reads and drops the batches consumed
+(as the tf.data inputs do).
+
+With no `tokenizer`, a sentencepiece model of `vocab_size` pieces is trained at first use on
+the train side of `tokenizer_data` (default: `data`) and cached under $PAXCLI_CACHE by the
+names, sizes and times of the files; `pax train` keeps it in the job directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import json
+import os
+import sys
+from typing import Iterator, Optional, Union
+
+import numpy as np
+
+from paxcli.errors import UserError, shorten
+from paxcli.inputs import documents, packing, tokenizers
+from paxcli.inputs.base import BaseInput, EndOfInput, decode_rows
+from paxcli.inputs.corpus import cache_root
+
+SPLITS = ('train', 'eval', 'all')
+AUTO_TOKENIZER_VERSION = 1
+DEFAULT_VOCAB_SIZE = 2048  # of a trained tokenizer when the input is given no vocab_size
+# Random streams, each seeded by [seed, stream, ...]: independent of one another.
+_FILE_ORDER, _MIXTURE, _ROW_SHUFFLE = 0, 1, 2
+Data = Union[str, dict]
+
+
+@dataclasses.dataclass
+class FileLmInput(BaseInput):
+  """Documents from files -> tokens -> packed rows -> batches (see the module docstring)."""
+  data: Data = ''
+  split: str = 'all'  # 'train' or 'eval': that side of the hash split (documents.in_eval_split)
+  seq_len: int = 128
+  text_field: str = 'text'
+  tokenizer: Optional[str] = None  # a sentencepiece .model or a tokenizer.json; None: trained
+  tokenizer_data: Optional[Data] = None  # what a trained tokenizer learns from; None: `data`
+  vocab_size: int = 0  # the model's: the tokenizer must fit in it; 0: no check
+  shuffle_buffer: int = 1024  # rows, when training
+  open_rows: int = 8  # rows the packer fills at once
+
+  def __post_init__(self):
+    super().__post_init__()
+    if self.split not in SPLITS:
+      raise UserError(f'Input {self.name!r}: split must be one of {SPLITS}, got {self.split!r}.')
+    if self.seq_len < 1:
+      raise UserError(f'Input {self.name!r}: seq_len must be positive, got {self.seq_len}.')
+    self.sources = [(documents.expand(glob), weight) for glob, weight in sources(self.data, self.name)]
+    self._tok = tokenizers.load(self.tokenizer or auto_tokenizer(
+        self.tokenizer_data or self.data, self.text_field, self.vocab_size or DEFAULT_VOCAB_SIZE))
+    self.eos_id = self._tok.eos_id
+    if self.eos_id is None:
+      raise UserError(f'The tokenizer {self._tok.path} has no end-of-text token (one of '
+                      f'{", ".join(tokenizers.HF_EOS)}); paxcli puts one after each document.')
+    if self.vocab_size and self._tok.vocab_size > self.vocab_size:
+      raise UserError(f'The tokenizer {self._tok.path} has {self._tok.vocab_size} tokens, more than the model\'s '
+                      f'{self.vocab_size}: set VOCAB_SIZE={self._tok.vocab_size} (or more).')
+    for files, _ in self.sources:
+      self._check_has_documents(files)
+    self._iterator = None
+
+  # ---- the contract -------------------------------------------------------------------------
+
+  def get_next(self) -> dict[str, np.ndarray]:
+    if self._iterator is None:
+      self._iterator = self._batches()
+      for _ in range(self._batches_read):  # a resume: the batches consumed before
+        next(self._iterator, None)
+    batch = next(self._iterator, None)
+    if batch is None:
+      raise EndOfInput(self.name)
+    self._batches_read += 1
+    return batch
+
+  def reset(self) -> None:
+    super().reset()
+    self._iterator = None
+
+  def skip(self, num_batches: int) -> None:
+    super().skip(num_batches)
+    self._iterator = None
+
+  def tokenizer_file(self) -> Optional[str]:
+    return self._tok.path
+
+  def ids_to_strings(self, ids, lengths=None) -> list[str]:
+    return decode_rows(self._tok.decode, ids, lengths)
+
+  # ---- the pipeline ---------------------------------------------------------------------------
+
+  def _batches(self) -> Iterator[dict]:
+    rows = packing.pack(self._examples(), self.seq_len, self.open_rows)
+    if self.is_training:
+      rng = np.random.default_rng([self.seed, _ROW_SHUFFLE, self._host()[1]])
+      rows = packing.shuffled(rows, self.shuffle_buffer, rng)
+    return packing.batches(rows, self.batch_size)
+
+  def _examples(self) -> Iterator[packing.Example]:
+    streams = [self._source_examples(files) for files, _ in self.sources]
+    if not (self.is_training and self.repeat) or len(streams) == 1:
+      return itertools.chain.from_iterable(streams)
+    return _mixed(streams, [w for _, w in self.sources], np.random.default_rng([self.seed, _MIXTURE]))
+
+  def _source_examples(self, files: list[str]) -> Iterator[packing.Example]:
+    """This process's examples of one source: one pass, or epoch after epoch when training."""
+    num_hosts, host = self._host()
+    mine, share = documents.host_share(files, num_hosts, host)
+    for epoch in itertools.count():
+      order = mine
+      if self.is_training:  # the same order on every process: shares of documents stay disjoint
+        order = [mine[i] for i in np.random.default_rng([self.seed, _FILE_ORDER, epoch]).permutation(len(mine))]
+      count = 0
+      for doc in documents.keep_share(self._documents(order), share):
+        example = packing.tokenize(doc.chunks, self._tok.encode_many([c.text for c in doc.chunks]), self.eos_id)
+        if example is not None:
+          count += 1
+          yield example
+      if not (self.is_training and self.repeat):
+        return
+      if not count:
+        raise UserError(f'Input {self.name!r}: process {host} of {num_hosts} has no document of '
+                        f'{shorten(files[0], 120)}{" ..." if len(files) > 1 else ""} to train on '
+                        f'({len(files)} file(s), {self.split} split); give more documents or files.')
+
+  def _documents(self, files: list[str]) -> Iterator[documents.Document]:
+    for path in files:
+      yield from documents.read_split(path, self.text_field, self.split)
+
+  def _host(self) -> tuple[int, int]:
+    return self.num_infeed_hosts or 1, self.infeed_host_index or 0
+
+  def _check_has_documents(self, files: list[str]) -> None:
+    """UserError at start-up, not at the first eval, when a split holds no document at all."""
+    if next(self._documents(files), None) is None:
+      side = {'eval': ' on the eval side (1 in 20 documents, by a hash of the text); give EVAL_DATA or more '
+                      'documents', 'train': ' on the train side', 'all': ''}[self.split]
+      raise UserError(f'Input {self.name!r}: no document in {shorten(repr(files[0]), 120)}'
+                      f'{f" and {len(files) - 1} more file(s)" if len(files) > 1 else ""}{side}.')
+
+
+def sources(data: Data, name: str = 'data') -> list[tuple[str, float]]:
+  """[(glob, weight)] of a glob or a {glob: weight} mixture; UserError when empty or malformed."""
+  if isinstance(data, str) and data:
+    return [(data, 1.0)]
+  if isinstance(data, dict) and data:
+    out = []
+    for glob, weight in data.items():
+      if not isinstance(glob, str) or not isinstance(weight, (int, float)) or not weight > 0 or weight == float('inf'):
+        raise UserError(f'Input {name!r}: a mixture maps globs to positive weights, as {{"a/*.jsonl": 3, '
+                        f'"b/*.txt": 1}}; got {shorten(repr(glob), 80)}: {shorten(repr(weight), 40)}.')
+      out.append((glob, float(weight)))
+    return out
+  raise UserError(f'Input {name!r}: give the data as a glob or as {{glob: weight}}; got {shorten(repr(data), 80)}.')
+
+
+def _mixed(streams: list[Iterator], weights: list[float], rng: np.random.Generator) -> Iterator:
+  p = np.asarray(weights) / np.sum(weights)
+  while True:
+    yield next(streams[int(rng.choice(len(streams), p=p))])
+
+
+def auto_tokenizer(data: Data, text_field: str, vocab_size: int) -> str:
+  """The cached sentencepiece model trained on the train side of `data`; trained if missing."""
+  files = sorted({path for glob, _ in sources(data) for path in documents.expand(glob)})
+  stamp = json.dumps([AUTO_TOKENIZER_VERSION, vocab_size, text_field,
+                      [[path, *documents.file_stamp(path)] for path in files]])
+  key = hashlib.sha1(stamp.encode()).hexdigest()[:16]
+  path = os.path.join(cache_root(), 'tokenizers', f'{key}_vocab{vocab_size}', 'spm.model')
+  if os.path.isfile(path):
+    return path
+  print(f'Training a {vocab_size}-piece sentencepiece tokenizer on the train side of {shorten(repr(data), 120)} '
+        f'(first use only; cached in {os.path.dirname(path)}; set TOKENIZER to use your own).', file=sys.stderr)
+  size = train_tokenizer(data, text_field, vocab_size, path)
+  if size < vocab_size:
+    print(f'The text holds {size} pieces, fewer than the {vocab_size} asked: the tokenizer has {size}.',
+          file=sys.stderr)
+  return path
+
+
+def train_tokenizer(data: Data, text_field: str, vocab_size: int, output: str,
+                    max_chars: int = tokenizers.MAX_CHARS) -> int:
+  """Trains a sentencepiece model on the train side of `data` (never on the documents the eval
+  split takes), one document of each source in turn; returns its size."""
+  per_source = [_split_docs(documents.expand(glob), text_field) for glob, _ in sources(data)]
+  texts = (doc.text() for doc in _round_robin(per_source))
+  return tokenizers.train_sentencepiece(texts, vocab_size, output, max_chars)
+
+
+def _split_docs(files: list[str], text_field: str) -> Iterator[documents.Document]:
+  for path in files:
+    yield from documents.read_split(path, text_field, 'train')
+
+
+def _round_robin(iterators: list[Iterator]) -> Iterator:
+  """One item of each iterator in turn, until all are spent."""
+  live = list(iterators)
+  while live:
+    for it in list(live):
+      item = next(it, None)
+      if item is None:
+        live.remove(it)
+      else:
+        yield item

@@ -1,0 +1,153 @@
+"""Tokenized documents packed into fixed-length rows, the Pax way (seqio's packing features).
+
+A document (paxcli.inputs.sft chunks) is tokenized chunk by chunk, with EOS after the chunks
+that end a text, into tokens t_0..t_n and per-token weights; its training pairs are
+ids = t_0..t_{n-1}, labels = t_1..t_n, weights = the labels' weights. Rows of seq_len pairs
+hold several documents: `segment_ids` numbers them 1, 2, ... within a row (0: padding) and
+`positions` restarts at 0 for each, so attention never crosses a document's boundary and
+rotary or learned positions see each document from its start.
+
+A document longer than a row is cut into row-sized pieces (each its own segment); shorter
+ones are never cut. Pieces go into the first of up to `open_rows` partly filled rows with
+room for them (first fit); when none has room, the fullest leaves (zero-padded) to make
+room for a new row. Everything is a function of the order of the documents: the same
+documents give the same rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable, Iterator, Optional, Sequence
+
+import numpy as np
+
+from paxcli.inputs.sft import Chunk
+
+ROW_KEYS = ('ids', 'labels', 'weights', 'segment_ids', 'positions')
+
+
+@dataclasses.dataclass
+class Example:
+  """One document's training pairs (all of one length)."""
+  ids: np.ndarray
+  labels: np.ndarray
+  weights: np.ndarray
+
+  def __len__(self) -> int:
+    return len(self.ids)
+
+  def cut(self, start: int, stop: int) -> 'Example':
+    return Example(self.ids[start:stop], self.labels[start:stop], self.weights[start:stop])
+
+
+def tokenize(chunks: Sequence[Chunk], encoded: Sequence[Sequence[int]], eos_id: int) -> Optional[Example]:
+  """The pairs of a document from its chunks and their token ids; None when under 2 tokens."""
+  tokens, weights = [], []
+  for chunk, ids in zip(chunks, encoded):
+    tokens += ids
+    if chunk.eos:
+      tokens.append(eos_id)
+    weights += [float(chunk.trained)] * (len(tokens) - len(weights))
+  if len(tokens) < 2:
+    return None
+  t = np.asarray(tokens, np.int32)
+  return Example(t[:-1], t[1:], np.asarray(weights[1:], np.float32))
+
+
+def pieces(example: Example, seq_len: int) -> Iterator[Example]:
+  for start in range(0, len(example), seq_len):
+    yield example.cut(start, start + seq_len)
+
+
+class _Row:
+  def __init__(self, seq_len: int):
+    self.arrays = {k: np.zeros(seq_len, np.float32 if k == 'weights' else np.int32) for k in ROW_KEYS}
+    self.used = 0
+    self.segments = 0
+
+  def room(self) -> int:
+    return len(self.arrays['ids']) - self.used
+
+  def put(self, piece: Example) -> None:
+    end = self.used + len(piece)
+    self.segments += 1
+    self.arrays['ids'][self.used:end] = piece.ids
+    self.arrays['labels'][self.used:end] = piece.labels
+    self.arrays['weights'][self.used:end] = piece.weights
+    self.arrays['segment_ids'][self.used:end] = self.segments
+    self.arrays['positions'][self.used:end] = np.arange(len(piece))
+    self.used = end
+
+
+class Packer:
+  """First-fit packing of examples into rows of `seq_len` (module docstring)."""
+
+  def __init__(self, seq_len: int, open_rows: int = 8):
+    self.seq_len = seq_len
+    self.open_rows = max(1, open_rows)
+    self._rows: list[_Row] = []
+
+  def add(self, example: Example) -> Iterator[dict]:
+    """Packs one example; yields the rows that it completes or pushes out."""
+    for piece in pieces(example, self.seq_len):
+      row = next((r for r in self._rows if r.room() >= len(piece)), None)
+      if row is None:
+        if len(self._rows) == self.open_rows:
+          fullest = min(self._rows, key=_Row.room)
+          self._rows.remove(fullest)
+          yield fullest.arrays
+        row = _Row(self.seq_len)
+        self._rows.append(row)
+      row.put(piece)
+      if not row.room():
+        self._rows.remove(row)
+        yield row.arrays
+
+  def flush(self) -> Iterator[dict]:
+    """The partly filled rows, oldest first (the end of a finite input)."""
+    rows, self._rows = self._rows, []
+    for row in rows:
+      yield row.arrays
+
+
+def pack(examples: Iterable[Example], seq_len: int, open_rows: int = 8) -> Iterator[dict]:
+  packer = Packer(seq_len, open_rows)
+  for example in examples:
+    yield from packer.add(example)
+  yield from packer.flush()
+
+
+def shuffled(rows: Iterable[dict], buffer_size: int, rng: np.random.Generator) -> Iterator[dict]:
+  """Rows in a random order from a buffer of `buffer_size` (tf.data's shuffle, seeded)."""
+  buffer: list[dict] = []
+  for row in rows:
+    if len(buffer) < buffer_size:
+      buffer.append(row)
+      continue
+    i = int(rng.integers(len(buffer)))
+    yield buffer[i]
+    buffer[i] = row
+  for i in rng.permutation(len(buffer)):
+    yield buffer[i]
+
+
+def batches(rows: Iterable[dict], batch_size: int) -> Iterator[dict]:
+  """Rows stacked into batches; a short last batch is filled with zero rows (zero weight)."""
+  group = []
+  for row in rows:
+    group.append(row)
+    if len(group) == batch_size:
+      yield _stack(group, batch_size)
+      group = []
+  if group:
+    yield _stack(group, batch_size)
+
+
+def _stack(group: list[dict], batch_size: int) -> dict:
+  out = {}
+  for k in ROW_KEYS:
+    column = np.stack([row[k] for row in group])
+    if len(group) < batch_size:
+      column = np.concatenate([column, np.zeros((batch_size - len(group),) + column.shape[1:], column.dtype)])
+    out[k] = column
+  return out

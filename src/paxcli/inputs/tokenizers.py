@@ -1,0 +1,196 @@
+"""Tokenizers: a sentencepiece `.model` or a Hugging Face `tokenizer.json`, behind one interface.
+
+Every reader of token ids (file inputs, `pax decode`, `pax inspect-input`, the Hugging Face
+export) goes through `load(path)`, which picks the kind by the file name: `*.json` is read by
+the `tokenizers` library (pure data: no code of the file's author runs), anything else by
+sentencepiece. Both give `encode`, `decode`, `vocab_size` and the special ids.
+
+`train_sentencepiece` is what `pax tokenizer train` and the file inputs' first-use training
+call: a Unigram model with byte fallback and the ids paxcli's corpus tokenizer has (pad 0,
+eos 1, unk 2, no bos), trained single-threaded from text in a fixed order so that the same
+text gives a byte-identical model.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import tempfile
+from typing import Iterable, Iterator, Optional
+
+import sentencepiece as spm
+import tokenizers as hf_tokenizers
+
+from paxcli.errors import UserError
+from paxcli.files import check_regular_file
+
+# The special tokens of common tokenizer.json files, most usual first: the first one present
+# in a file's vocabulary is its end-of-text (or padding, beginning) token.
+HF_EOS = ('</s>', '<|endoftext|>', '<|end_of_text|>', '<eos>', '<|im_end|>', '[SEP]')
+HF_PAD = ('<pad>', '<|pad|>', '[PAD]')
+HF_BOS = ('<s>', '<|begin_of_text|>', '<bos>', '[CLS]')
+# sentencepiece skips sentences longer than max_sentence_length bytes: longer lines are cut.
+_MAX_LINE_CHARS = 2000
+_MAX_LINE_BYTES = 4 * _MAX_LINE_CHARS
+# Text a tokenizer trains on by default: about a minute of sentencepiece on one core.
+MAX_CHARS = 10_000_000
+
+
+def kind_of(path: str) -> str:
+  """'hf' for a tokenizer.json, else 'sentencepiece'."""
+  return 'hf' if path.endswith('.json') else 'sentencepiece'
+
+
+class SentencePieceTokenizer:
+  """A sentencepiece model: text <-> ids, and its special ids."""
+
+  def __init__(self, path: str):
+    self.path = path
+    try:
+      self._sp = spm.SentencePieceProcessor(model_file=path)
+    except (OSError, RuntimeError) as e:
+      raise UserError(f'{path} is not a sentencepiece model: {e}') from None
+
+  @property
+  def vocab_size(self) -> int:
+    return int(self._sp.get_piece_size())
+
+  @property
+  def eos_id(self) -> Optional[int]:
+    return _id_or_none(self._sp.eos_id())
+
+  @property
+  def bos_id(self) -> Optional[int]:
+    return _id_or_none(self._sp.bos_id())
+
+  @property
+  def pad_id(self) -> Optional[int]:
+    return _id_or_none(self._sp.pad_id())
+
+  def encode(self, text: str) -> list[int]:
+    return list(self._sp.encode(text))
+
+  def encode_many(self, texts: list[str]) -> list[list[int]]:
+    return [list(ids) for ids in self._sp.encode(texts)]
+
+  def decode(self, ids) -> str:
+    return self._sp.decode([int(i) for i in ids])
+
+
+class HfTokenizer:
+  """A Hugging Face `tokenizer.json` (the `tokenizers` library), without added special tokens.
+
+  Special ids are found by the usual token names (HF_EOS, HF_PAD, HF_BOS), since the file
+  itself does not say which token ends a text.
+  """
+
+  def __init__(self, path: str):
+    self.path = path
+    try:
+      self._tok = hf_tokenizers.Tokenizer.from_file(path)
+    except Exception as e:  # noqa: BLE001 - the library raises bare Exceptions for bad files
+      raise UserError(f'{path} is not a Hugging Face tokenizer.json: {str(e).splitlines()[0][:200]}') from None
+    vocab = self._tok.get_vocab(with_added_tokens=True)
+    self.eos_id, self.pad_id, self.bos_id = (next((vocab[t] for t in names if t in vocab), None)
+                                             for names in (HF_EOS, HF_PAD, HF_BOS))
+
+  @property
+  def vocab_size(self) -> int:
+    return int(self._tok.get_vocab_size(with_added_tokens=True))
+
+  def special_tokens(self) -> dict[str, Optional[str]]:
+    """{'bos_token', 'eos_token', 'pad_token'} -> the token's text, or None."""
+    return {f'{k}_token': (self._tok.id_to_token(i) if i is not None else None)
+            for k, i in (('bos', self.bos_id), ('eos', self.eos_id), ('pad', self.pad_id))}
+
+  def encode(self, text: str) -> list[int]:
+    return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+  def encode_many(self, texts: list[str]) -> list[list[int]]:
+    return [list(e.ids) for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
+  def decode(self, ids) -> str:
+    return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+
+Tokenizer = SentencePieceTokenizer | HfTokenizer
+
+
+def load(path: str) -> Tokenizer:
+  """The tokenizer at `path`: a tokenizer.json (by its name) or a sentencepiece model."""
+  check_regular_file(path, 'tokenizer')
+  return HfTokenizer(path) if kind_of(path) == 'hf' else SentencePieceTokenizer(path)
+
+
+def _id_or_none(i: int) -> Optional[int]:
+  return int(i) if i >= 0 else None
+
+
+def training_lines(texts: Iterable[str], max_chars: int) -> Iterator[str]:
+  """The non-empty lines of `texts`, cut to pieces sentencepiece does not skip as too long,
+  up to `max_chars` characters in all."""
+  left = max_chars
+  for text in texts:
+    for line in text.split('\n'):
+      line = line.strip()[:left]
+      for start in range(0, len(line), _MAX_LINE_CHARS):
+        yield line[start:start + _MAX_LINE_CHARS]
+      left -= len(line)
+      if left <= 0:
+        return
+
+
+def train_sentencepiece(texts: Iterable[str], vocab_size: int, output: str, max_chars: int = MAX_CHARS) -> int:
+  """Trains a Unigram model on the first `max_chars` characters of `texts`; writes it atomically
+  to `output`; returns its size, below `vocab_size` when the text holds fewer pieces.
+
+  One thread and no sampling (the lines in order): the model depends on the text alone; with
+  more threads sentencepiece sums its statistics in another order and the model changes.
+  """
+  if vocab_size < 260:
+    raise UserError(f'A tokenizer needs at least 260 pieces (256 bytes and the special tokens); got {vocab_size}.')
+  failures: list[UserError] = []
+  lines = _stop_on_user_error(training_lines(texts, max_chars), failures)
+  first = next(lines, None)
+  if failures:
+    raise failures[0]
+  if first is None:
+    raise UserError('No text to train a tokenizer on: the documents are empty.')
+  model = io.BytesIO()
+  try:
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=_prepend(first, lines), model_writer=model, vocab_size=vocab_size,
+        model_type='unigram', character_coverage=0.9995, byte_fallback=True, hard_vocab_limit=False,
+        shuffle_input_sentence=False, max_sentence_length=_MAX_LINE_BYTES,
+        num_threads=1, minloglevel=2, pad_id=0, eos_id=1, unk_id=2, bos_id=-1)
+  except RuntimeError as e:
+    if not failures:
+      raise UserError(f'Training the tokenizer failed: {e}') from None
+  if failures:  # bad input met while sentencepiece read the text: the one line that names it
+    raise failures[0]
+  _atomic_write(output, model.getvalue())
+  return SentencePieceTokenizer(output).vocab_size
+
+
+def _stop_on_user_error(lines: Iterator[str], failures: list) -> Iterator[str]:
+  """`lines` until one raises UserError, which is kept in `failures`: sentencepiece would turn it
+  into a RuntimeError with a C++ trace."""
+  try:
+    yield from lines
+  except UserError as e:
+    failures.append(e)
+
+
+def _prepend(first: str, rest: Iterator[str]) -> Iterator[str]:
+  yield first
+  yield from rest
+
+
+def _atomic_write(path: str, data: bytes) -> None:
+  """Writes through a temporary file in the same directory: readers never see half a model."""
+  directory = os.path.dirname(os.path.abspath(path))
+  os.makedirs(directory, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(dir=directory, prefix='.tmp-')
+  with os.fdopen(fd, 'wb') as f:
+    f.write(data)
+  os.replace(tmp, path)
