@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import sys
 from typing import List, Optional
 
 import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from paxcli.cli import common
+from paxcli.errors import UserError
+from paxcli.loops.decode.options import DecodeOptions, check_text
 
 _S = 'Sampling'
 _B = 'Beam search'
@@ -62,14 +67,11 @@ def decode_command(
     process_id: Optional[int] = common.process_id_option(),
 ) -> None:
   """Generate continuations of prompts from a checkpoint (KV cache; greedy, sampling or beam search)."""
-  from paxcli.loops.decode import DecodeOptions
-  from paxcli.errors import UserError
   opts = DecodeOptions(max_decode_steps=max_decode_steps, temperature=temperature, top_k=top_k, top_p=top_p,
                        num_samples=num_samples, seed=seed, beam_size=beam_size, length_penalty=length_penalty,
                        eos_ids=tuple(eos_id), stop=tuple(stop), batch_size=batch_size, ignore_eos=ignore_eos,
                        min_length=min_length)
   opts.check()  # option errors before any start-up
-  from paxcli.loops.decode import check_text
   for text in prompt:
     check_text(text, '--prompt')
   for text in stop:
@@ -82,10 +84,36 @@ def decode_command(
   common.start_processes(coordinator, num_processes, process_id)  # before anything starts JAX
   resolved = common.resolve(exp, overrides)  # prints warnings (a knob the experiment overrides)
   job_dir = common.job_dir(job_log_dir, resolved)
-  from paxcli.loops import decode
-  decode.decode_command(resolved, job_dir, opts, texts=prompt, prompts_file=prompts_file, prompt_ids=prompt_ids,
-                        dataset=dataset, num_prompts=num_prompts, step=step, use_checkpoint=not no_checkpoint,
-                        dtype=dtype, output=output, json_out=json_out)
+  from paxcli.loops.decode import command  # JAX: not at `pax --help`
+  err = common.console(stderr=True)
+  decoded = command.decode(
+      resolved, job_dir, opts, texts=prompt, prompts_file=prompts_file, prompt_ids=prompt_ids, dataset=dataset,
+      num_prompts=num_prompts, step=step, use_checkpoint=not no_checkpoint, dtype=dtype, output=output,
+      log=lambda m: err.print(m, highlight=False, markup=False, soft_wrap=True),
+      progress=_progress_bar(err) if not json_out and sys.stderr.isatty() else None)
+  if decoded.path is None:  # processes other than 0 print nothing
+    return
+  if json_out:
+    for r in decoded.records:
+      sys.stdout.write(json.dumps(r) + '\n')
+    sys.stdout.flush()
+    return
+  common.console().print(command.results_table(decoded.records, decoded.step, decoded.has_text))
+  err.print(command.speed_line(decoded.stats) + f'\nWrote {len(decoded.records)} results to {decoded.path}',
+            highlight=False)
+
+
+def _progress_bar(console):
+  """A transient bar over the prompts while they decode (a terminal only)."""
+
+  @contextlib.contextmanager
+  def bar(total: int):
+    with Progress(TextColumn('decoding'), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console,
+                  transient=True) as progress:
+      task = progress.add_task('decode', total=total)
+      yield lambda n: progress.advance(task, n)
+
+  return bar
 
 
 def register(app: typer.Typer) -> None:
