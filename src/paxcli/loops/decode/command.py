@@ -5,8 +5,8 @@
 
 Every check that needs no decoding (the model, the checkpoint, the prompts, the options
 against the vocabulary, the output file) runs before the weights are read. Process 0
-writes the JSONL; every process returns the records. Printing is the caller's: `log` gets
-the restore's warnings, and results_table / speed_line format what came back.
+writes the JSONL; every process returns the records. Printing is the caller's (`pax decode`
+prints a table, or the JSON lines); `log` gets the restore's warnings.
 """
 
 from __future__ import annotations
@@ -16,8 +16,6 @@ import dataclasses
 from typing import Callable, ContextManager, Optional, Sequence
 
 import jax
-from rich.table import Table
-from rich.text import Text
 
 from paxcli.errors import UserError
 from paxcli.jobdir import restore
@@ -101,27 +99,3 @@ def _weights(setup, resolved, job_dir: str, ckpt_step: Optional[int], fallback: 
 def _run(decoder: Decoder, prompts: list[Prompt], opts: DecodeOptions, tokenizer, progress: Optional[Progress]):
   with progress(len(prompts)) if progress else contextlib.nullcontext() as advance:
     return decoder.run(prompts, opts, tokenizer, progress=advance)
-
-
-def speed_line(stats: dict) -> str:
-  """Steady-state rates (compilation is timed apart: the decoder compiles ahead of time)."""
-  pre = stats['prefill_tokens'] / max(stats['prefill_s'], 1e-9)
-  dec = stats['decode_tokens'] / max(stats['decode_s'], 1e-9)
-  return (f'prefill {stats["prefill_tokens"]} tokens at {pre:,.0f} tokens/s; decode {stats["decode_tokens"]} '
-          f'tokens at {dec:,.0f} tokens/s; compilation {stats.get("compile_s", 0.0):.1f} s, not in the rates')
-
-
-def results_table(records: Sequence[dict], step: int, has_text: bool) -> Table:
-  table = Table(title=f'Decoded at step {step}', show_lines=True)
-  table.add_column('#', justify='right')
-  table.add_column('prompt', overflow='fold', ratio=1)
-  table.add_column('continuation', overflow='fold', ratio=2)
-  table.add_column('logprob', justify='right')
-  table.add_column('stop')
-  for r in records:
-    tag = f"{r['prompt_index']}" + (f".{r['beam_rank']}" if 'beam_rank' in r else
-                                    f".{r['sample_index']}" if r['sample_index'] else '')
-    prompt = r['prompt'] if has_text and r['prompt'] is not None else ' '.join(map(str, r['prompt_ids']))
-    cont = r['decoded'] if has_text else ' '.join(map(str, r['decoded_ids']))
-    table.add_row(tag, Text(prompt), Text(cont, style='bold'), f"{r['logprob']:.2f}", r['stop_reason'])
-  return table

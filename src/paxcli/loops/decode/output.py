@@ -1,4 +1,5 @@
-"""Where decodes are written: JSONL files under <job dir>/decoder_out/<dataset|prompts>/."""
+"""Where decodes are written: JSONL files under <job dir>/decoder_out/<dataset|prompts>/, and the
+trainer's TensorBoard text under <job dir>/summaries/decode."""
 
 from __future__ import annotations
 
@@ -13,6 +14,11 @@ from paxcli.errors import UserError, shorten
 def output_path(job_dir: str, dataset: Optional[str], step: int) -> str:
   """Where the trainer writes its decodes at `step` (decode_interval_steps)."""
   return os.path.join(job_dir, 'decoder_out', dataset or 'prompts', f'decode_step{step}.jsonl')
+
+
+def summaries_dir(job_dir: str) -> str:
+  """The trainer's decodes as TensorBoard text."""
+  return os.path.join(job_dir, 'summaries', 'decode')
 
 
 def cli_output_path(job_dir: str, dataset: Optional[str], step: int) -> str:

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import os
-
 import jax
 
 from paxcli.jobdir import tokenizer as tok_lib
 from paxcli.jobdir.summaries import SummaryWriter
 from paxcli.loops.decode.decoder import Decoder
 from paxcli.loops.decode.options import DecodeOptions
-from paxcli.loops.decode.output import output_path, write_jsonl
+from paxcli.loops.decode.output import output_path, summaries_dir, write_jsonl
 from paxcli.loops.decode.prompts import configured_prompts
 
 
@@ -36,7 +34,7 @@ class TrainDecoder:
       return []
     write_jsonl(output_path(self.job_dir, None, step), records)
     if self.writer is None:
-      self.writer = SummaryWriter(os.path.join(self.job_dir, 'summaries', 'decode'))
+      self.writer = SummaryWriter(summaries_dir(self.job_dir))
     lines = []
     for r in records:
       prompt = r['prompt'] if r['prompt'] is not None else ' '.join(map(str, r['prompt_ids']))
