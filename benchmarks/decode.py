@@ -4,7 +4,7 @@
                                         [--exp default.StdlibDocsLm] [--set K=V ...]
 
 Greedy decoding of random prompts with fresh weights (speed does not depend on them).
-"cached" is `paxcli.loops.decode.Decoder` (prefill, then one token per step reading the KV cache);
+"cached" is `paxcli.loops.decode.decoder.Decoder` (prefill, then one token per step reading the KV cache);
 "recompute" re-runs the model on the whole prefix for every new token (the prefix padded
 up to a multiple of 32 tokens, so that it compiles a few times rather than at every
 length; compiles are excluded from both). MAX_SEQ_LEN is raised to prompt + new tokens.
@@ -21,7 +21,7 @@ import numpy as np
 
 
 def cached(decoder, prompts, new_tokens: int) -> dict:
-  from paxcli.loops.decode import DecodeOptions
+  from paxcli.loops.decode.options import DecodeOptions
   opts = DecodeOptions(max_decode_steps=new_tokens, batch_size=len(prompts))
   decoder.run(prompts, opts)  # compile
   stats = {}
@@ -70,13 +70,14 @@ def main() -> None:
 
   from paxcli import config
 
-  from paxcli.loops import decode
+  from paxcli.loops.decode.decoder import Decoder
+  from paxcli.loops.decode.prompts import Prompt
 
   from paxcli.runtime import engine
   resolved = config.resolve(args.exp, args.overrides + [f'MAX_SEQ_LEN={args.prompt_len + args.new_tokens}'])
   setup = engine.build(resolved)
   params = engine.init_state(setup, 0)['params']
-  decoder = decode.Decoder(setup, params)
+  decoder = Decoder(setup, params)
   table = Table(title=f'{args.exp}: greedy decoding, {args.prompt_len}-token prompts, {args.new_tokens} new tokens, '
                       f'{len(jax.devices())} x {jax.devices()[0].device_kind}')
   for col in ('batch', 'method', 'new tokens/s', 'ms/step first', 'ms/step last', 'speed-up'):
@@ -84,7 +85,7 @@ def main() -> None:
   rng = np.random.default_rng(0)
   vocab = decoder.vocab_size
   for b in [int(x) for x in args.batch_sizes.split(',')]:
-    prompts = [decode.Prompt(rng.integers(3, vocab, args.prompt_len).tolist()) for _ in range(b)]
+    prompts = [Prompt(rng.integers(3, vocab, args.prompt_len).tolist()) for _ in range(b)]
     c = cached(decoder, prompts, args.new_tokens)
     r = recompute(decoder.model, params, prompts, args.new_tokens)
     for name, m in (('cached', c), ('recompute', r)):

@@ -11,9 +11,11 @@ import pytest
 
 from conftest import pax_main, run_pax
 from paxcli import config
-from paxcli.loops import decode
+from paxcli.loops.decode.decoder import Decoder
+from paxcli.loops.decode.options import DecodeOptions
+from paxcli.loops.decode.prompts import Prompt
+from paxcli.loops.decode.reference import full_recompute_greedy, teacher_forced_logprob
 from paxcli.runtime import engine
-from paxcli.loops.decode import DecodeOptions, Prompt
 
 TINY = ['VOCAB_SIZE=64', 'MODEL_DIMS=32', 'HIDDEN_DIMS=64', 'NUM_HEADS=4', 'MAX_SEQ_LEN=32',
         'PERCORE_BATCH_SIZE=1']
@@ -29,7 +31,7 @@ def _decoder(sets, seed=0):
   resolved = config.resolve('paxcli.families.lm.LmExperiment', TINY + sets)
   setup = engine.build(resolved)
   params = engine.init_state(setup, seed)['params']
-  return decode.Decoder(setup, params)
+  return Decoder(setup, params)
 
 
 @pytest.fixture(scope='module', params=list(VARIANTS))
@@ -44,9 +46,9 @@ def test_cached_decoding_equals_full_recomputation(variant):
   assert [r['num_decoded_tokens'] for r in records] == [10, 10, 10]
   assert stats['decode_tokens'] == 30
   for prompt, r in zip(PROMPTS, records):
-    assert r['decoded_ids'] == decode.full_recompute_greedy(variant.model, variant.params, prompt.ids, 10)
+    assert r['decoded_ids'] == full_recompute_greedy(variant.model, variant.params, prompt.ids, 10)
     assert r['stop_reason'] == 'max_steps'
-    tf = decode.teacher_forced_logprob(variant.model, variant.params, prompt.ids, r['decoded_ids'])
+    tf = teacher_forced_logprob(variant.model, variant.params, prompt.ids, r['decoded_ids'])
     assert r['logprob'] == pytest.approx(tf, abs=1e-4)
     assert r['logprob'] == pytest.approx(sum(r['token_logprobs']))
 
@@ -61,7 +63,7 @@ def test_bfloat16_cached_decoding_matches_recomputation_within_tolerance():
   records, _ = dec.run(PROMPTS, DecodeOptions(max_decode_steps=6))
   same = total = 0
   for prompt, r in zip(PROMPTS, records):
-    full = decode.full_recompute_greedy(dec.model, dec.params, prompt.ids, 6)
+    full = full_recompute_greedy(dec.model, dec.params, prompt.ids, 6)
     same += sum(a == b for a, b in zip(full, r['decoded_ids']))
     total += len(full)
     ids = list(prompt.ids) + r['decoded_ids']
@@ -103,7 +105,7 @@ def test_top_k_1_and_beam_1_equal_greedy_and_beams_beat_greedy(plain):
     assert [r['beam_rank'] for r in beams] == [0, 1, 2, 3]
     assert beams[0]['logprob'] >= g['logprob'] - 1e-5
     assert len({tuple(r['decoded_ids']) for r in beams}) == 4
-    tf = decode.teacher_forced_logprob(plain.model, plain.params, prompts[n].ids, beams[0]['decoded_ids'])
+    tf = teacher_forced_logprob(plain.model, plain.params, prompts[n].ids, beams[0]['decoded_ids'])
     assert beams[0]['logprob'] == pytest.approx(tf, abs=1e-4)
 
 
@@ -163,7 +165,7 @@ def test_a_model_trained_on_counting_continues_a_count(tmp_path):
     state, metrics = step(state, sharding.to_global(inp.get_next(), batch_sharding, setup.global_batch))
     if i % 50 == 49:
       metrics['loss'].block_until_ready()  # as the train loop does: a bounded queue of dispatched steps
-  decoder = decode.Decoder(setup, state['params'])
+  decoder = Decoder(setup, state['params'])
   prompts = [Prompt([5, 17, 2, 40, 10, 12, 14, 16]), Prompt([1, 1, 1, 1, 30, 31, 32]),
              Prompt([9, 3, 60, 2, 50, 53, 56, 59])]
   records, _ = decoder.run(prompts, DecodeOptions(max_decode_steps=4))

@@ -98,3 +98,12 @@ def test_prompt_plus_decoded_reads_as_the_model_wrote_it_and_eos_can_be_ignored(
   rows = [json.loads(x) for x in out.splitlines()]
   assert all(r['num_decoded_tokens'] >= 4 for r in rows)
   assert all(3 not in r['decoded_ids'][3:-1] for r in rows)  # from the 4th token on, EOS stops the row
+
+
+def test_a_model_that_does_not_generate_tokens_is_one_line(tmp_path, capsys):
+  """The classifier has no decoding interface (init_cache, extend): one line, no traceback."""
+  code, out, err = pax_main(['decode', '--exp', 'classify.StdlibDocsClassifier', '--no-checkpoint',
+                             '--job-log-dir', str(tmp_path / 'job'), '--prompt-ids', '1,2'], capsys)
+  assert code != 0
+  assert 'does not generate tokens' in err and 'DecodingModel' in err, err
+  assert 'Traceback' not in err and len(err.strip().splitlines()) == 1, err

@@ -13,10 +13,14 @@ then `eval_summary` may add derived numbers (the LM adds perplexity). A model ma
 `validate()` (UserError for impossible settings) and `max_seq_len`, and `train_flops(seq_len)`
 (its training FLOPs per token, a ModelFlops, or None where it cannot count them), from which
 train and `pax bench mfu` report MFU; a model without that method reports MFU as n/a.
+
+A model that generates tokens (`pax decode`, decoding while training) is a DecodingModel:
+it also defines `init_cache` and `extend`, the only calls the decoder makes.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import types
@@ -86,6 +90,38 @@ class BaseModel(BaseLayer):
   def compute_dtype(self) -> str:
     """The activations' dtype by name: the device peak MFU is measured against depends on it."""
     return dtype_name(self.fprop_dtype)
+
+
+class DecodingModel(BaseModel):
+  """A model that generates tokens with a cache: the interface `pax decode` and decoding while
+  training use, and all they know of the model (as flax lm1b's sampler knows `tokens_to_logits`).
+
+  The methods are pure functions of the params, called on the unbound model, for the decoder
+  to jit:
+
+    init_cache(params, batch, length) -> cache
+        A fresh cache for `batch` rows of up to `length` tokens. Each leaf is boxed with its
+        logical axes (`nn.with_logical_partitioning`): the decoder shards it with the
+        activation table, and a leaf with a 'batch' axis holds one entry per row there (beam
+        search moves rows along it); the others are shared by all rows.
+    extend(params, cache, ids_BxL, positions_BxL) -> (logits_BxLxV float32, cache)
+        Feeds L more tokens per row into the next L cache slots, the same slots for every
+        row. positions_BxL is each token's position in its own row, -1 for padding: a
+        padding slot is never attended to, so that a left-padded prompt reads as alone.
+    with_fprop_dtype(dtype) -> model
+        This model computing its activations in `dtype` ('float32', 'bfloat16', ...).
+
+  and the properties `vocab_size` and `max_seq_len` (room for prompt and new tokens).
+  """
+
+  def init_cache(self, params, batch: int, length: int):
+    raise NotImplementedError(f'{type(self).__name__} must define init_cache().')
+
+  def extend(self, params, cache, ids_BxL, positions_BxL):
+    raise NotImplementedError(f'{type(self).__name__} must define extend().')
+
+  def with_fprop_dtype(self, dtype: str) -> 'DecodingModel':
+    raise NotImplementedError(f'{type(self).__name__} must define with_fprop_dtype().')
 
 
 class TransformerLm(BaseLayer):
@@ -308,7 +344,7 @@ def lm_config(**settings) -> fdl.Config:
   return knobs.fill(fdl.Config(LanguageModel, lm_tpl=lm), knobs.LM_KNOBS, settings)
 
 
-class LanguageModel(BaseModel):
+class LanguageModel(DecodingModel):
   """A decoder-only LM: the network from `lm_tpl` (a TransformerLm by default) and lm_loss.
 
   The network shares this model's scope, so its weights keep the names they had before
@@ -352,6 +388,10 @@ class LanguageModel(BaseModel):
     return self.lm_tpl.max_seq_len
 
   @property
+  def vocab_size(self) -> int:
+    return self.lm_tpl.vocab_size
+
+  @property
   def dropout_prob(self) -> float:
     return self.lm_tpl.dropout_prob
 
@@ -374,6 +414,27 @@ class LanguageModel(BaseModel):
     return stack_flops(s['num_layers'], s['model_dims'], s['num_heads'], s['num_kv_heads'], s['dims_per_head'],
                        s['hidden_dims'], s['use_gated_activation'], seq_len,
                        head_params_per_token=s['model_dims'] * s['vocab_size'])
+
+  # Decoding (see DecodingModel): the network's attention layers keep keys and values in the
+  # flax collection 'cache' when it is mutable (paxcli.layers.transformer.Attention).
+  def init_cache(self, params, batch: int, length: int):
+    """Zeros shaped by one forward pass of [batch, length] ids: its first call only sizes the cache."""
+    ids = jax.ShapeDtypeStruct((batch, length), jnp.int32)
+    shapes = jax.eval_shape(lambda p, x: self.apply({'params': p}, x, mutable=['cache'])[1]['cache'], params, ids)
+    return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+
+  def extend(self, params, cache, ids_BxL, positions_BxL):
+    segment_ids_BxL = (positions_BxL >= 0).astype(jnp.int32)  # segment 0: padding, never attended to
+    logits_BxLxV, mutated = self.apply({'params': params, 'cache': cache}, ids_BxL, segment_ids_BxL,
+                                       jnp.maximum(positions_BxL, 0), mutable=['cache'])
+    return logits_BxLxV, mutated['cache']
+
+  def with_fprop_dtype(self, dtype: str) -> 'LanguageModel':
+    if dtype == self.lm_tpl.fprop_dtype:
+      return self
+    lm = copy.deepcopy(self.lm_tpl)
+    lm.fprop_dtype = dtype
+    return self.clone(lm_tpl=lm)
 
 
 def flat_view(model):

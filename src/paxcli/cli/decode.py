@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
-from typing import List, Optional
+import sys
+from typing import List, Optional, Sequence
 
 import typer
 
 from paxcli.cli import common
+from paxcli.errors import UserError
+from paxcli.loops.decode.options import DecodeOptions, check_text
 
 _S = 'Sampling'
 _B = 'Beam search'
@@ -62,14 +66,11 @@ def decode_command(
     process_id: Optional[int] = common.process_id_option(),
 ) -> None:
   """Generate continuations of prompts from a checkpoint (KV cache; greedy, sampling or beam search)."""
-  from paxcli.loops.decode import DecodeOptions
-  from paxcli.errors import UserError
   opts = DecodeOptions(max_decode_steps=max_decode_steps, temperature=temperature, top_k=top_k, top_p=top_p,
                        num_samples=num_samples, seed=seed, beam_size=beam_size, length_penalty=length_penalty,
                        eos_ids=tuple(eos_id), stop=tuple(stop), batch_size=batch_size, ignore_eos=ignore_eos,
                        min_length=min_length)
   opts.check()  # option errors before any start-up
-  from paxcli.loops.decode import check_text
   for text in prompt:
     check_text(text, '--prompt')
   for text in stop:
@@ -82,10 +83,67 @@ def decode_command(
   common.start_processes(coordinator, num_processes, process_id)  # before anything starts JAX
   resolved = common.resolve(exp, overrides)  # prints warnings (a knob the experiment overrides)
   job_dir = common.job_dir(job_log_dir, resolved)
-  from paxcli.loops import decode
-  decode.decode_command(resolved, job_dir, opts, texts=prompt, prompts_file=prompts_file, prompt_ids=prompt_ids,
-                        dataset=dataset, num_prompts=num_prompts, step=step, use_checkpoint=not no_checkpoint,
-                        dtype=dtype, output=output, json_out=json_out)
+  from paxcli.loops.decode import command  # JAX: not at `pax --help`
+  err = common.console(stderr=True)
+  decoded = command.decode(
+      resolved, job_dir, opts, texts=prompt, prompts_file=prompts_file, prompt_ids=prompt_ids, dataset=dataset,
+      num_prompts=num_prompts, step=step, use_checkpoint=not no_checkpoint, dtype=dtype, output=output,
+      log=lambda m: err.print(m, highlight=False, markup=False, soft_wrap=True),
+      progress=_progress_bar(err) if not json_out and sys.stderr.isatty() else None)
+  if decoded.path is not None:  # processes other than 0 print nothing
+    _report(decoded, json_out, err)
+
+
+def _report(decoded, json_out: bool, err) -> None:
+  """The JSON lines on stdout (--json), else a table, the rates and where the file went."""
+  if json_out:
+    for r in decoded.records:
+      sys.stdout.write(json.dumps(r) + '\n')
+    sys.stdout.flush()
+    return
+  common.console().print(results_table(decoded.records, decoded.step, decoded.has_text))
+  err.print(speed_line(decoded.stats) + f'\nWrote {len(decoded.records)} results to {decoded.path}',
+            highlight=False)
+
+
+def speed_line(stats: dict) -> str:
+  """Steady-state rates (compilation is timed apart: the decoder compiles ahead of time)."""
+  pre = stats['prefill_tokens'] / max(stats['prefill_s'], 1e-9)
+  dec = stats['decode_tokens'] / max(stats['decode_s'], 1e-9)
+  return (f'prefill {stats["prefill_tokens"]} tokens at {pre:,.0f} tokens/s; decode {stats["decode_tokens"]} '
+          f'tokens at {dec:,.0f} tokens/s; compilation {stats.get("compile_s", 0.0):.1f} s, not in the rates')
+
+
+def results_table(records: Sequence[dict], step: int, has_text: bool):
+  from rich.table import Table  # rich's tables and bars: not at `pax --help`
+  from rich.text import Text
+  table = Table(title=f'Decoded at step {step}', show_lines=True)
+  table.add_column('#', justify='right')
+  table.add_column('prompt', overflow='fold', ratio=1)
+  table.add_column('continuation', overflow='fold', ratio=2)
+  table.add_column('logprob', justify='right')
+  table.add_column('stop')
+  for r in records:
+    tag = f"{r['prompt_index']}" + (f".{r['beam_rank']}" if 'beam_rank' in r else
+                                    f".{r['sample_index']}" if r['sample_index'] else '')
+    prompt = r['prompt'] if has_text and r['prompt'] is not None else ' '.join(map(str, r['prompt_ids']))
+    cont = r['decoded'] if has_text else ' '.join(map(str, r['decoded_ids']))
+    table.add_row(tag, Text(prompt), Text(cont, style='bold'), f"{r['logprob']:.2f}", r['stop_reason'])
+  return table
+
+
+def _progress_bar(console):
+  """A transient bar over the prompts while they decode (a terminal only)."""
+  from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+  @contextlib.contextmanager
+  def bar(total: int):
+    with Progress(TextColumn('decoding'), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console,
+                  transient=True) as progress:
+      task = progress.add_task('decode', total=total)
+      yield lambda n: progress.advance(task, n)
+
+  return bar
 
 
 def register(app: typer.Typer) -> None:

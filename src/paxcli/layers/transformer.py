@@ -168,17 +168,23 @@ class Attention(nn.Module):
   def _decode_cache(self, k_BxLxKxE, v_BxLxKxE, segment_ids_BxL):
     """KV cache for decoding (flax collection 'cache', used when it is mutable).
 
-    The first call (paxcli.loops.decode's cache layout) only sizes the cache from its input: [B, S] ids
+    The first call (the model's `init_cache`) only sizes the cache from its input: [B, S] ids
     give S slots. Every later call writes its L new keys/values at slot `index` (the same
     for all rows: prompts are left-padded), marks which slots hold real tokens (segment id
     != 0) and returns the whole cache with the mask of what each new query may see: real
     slots up to its own. Prefill is one call with the prompts; a decode step one with L=1.
+    Each entry carries its logical axes, so that the decoder can shard the cache and move
+    its rows (beam search) without knowing these names.
     """
     initialized = self.has_variable('cache', 'cached_key')
-    key = self.variable('cache', 'cached_key', jnp.zeros, k_BxLxKxE.shape, k_BxLxKxE.dtype)
-    value = self.variable('cache', 'cached_value', jnp.zeros, v_BxLxKxE.shape, v_BxLxKxE.dtype)
-    valid = self.variable('cache', 'cached_valid', jnp.zeros, segment_ids_BxL.shape, jnp.bool_)
-    index = self.variable('cache', 'cache_index', lambda: jnp.zeros([], jnp.int32))
+    kv_axes = ('batch', 'length', 'kv_heads', 'head_dim')
+    key = self.variable('cache', 'cached_key', nn.with_logical_partitioning(jnp.zeros, kv_axes),
+                        k_BxLxKxE.shape, k_BxLxKxE.dtype)
+    value = self.variable('cache', 'cached_value', nn.with_logical_partitioning(jnp.zeros, kv_axes),
+                          v_BxLxKxE.shape, v_BxLxKxE.dtype)
+    valid = self.variable('cache', 'cached_valid', nn.with_logical_partitioning(jnp.zeros, ('batch', 'length')),
+                          segment_ids_BxL.shape, jnp.bool_)
+    index = self.variable('cache', 'cache_index', nn.with_logical_partitioning(jnp.zeros, ()), [], jnp.int32)
     b, l = segment_ids_BxL.shape
     if not initialized:
       causal_LxS = jnp.tril(jnp.ones((l, l), dtype=bool))

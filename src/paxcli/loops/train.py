@@ -399,7 +399,7 @@ def _train(resolved, job_dir: str, console, verbose: bool = False, profile_steps
     evaluator = Evaluator(resolved, setup, job_dir)
   train_decoder = None
   if getattr(train_cfg, 'decode_interval_steps', 0) and train_cfg.decode_prompts:
-    from paxcli.loops.decode import TrainDecoder
+    from paxcli.loops.decode.training import TrainDecoder
     train_decoder = TrainDecoder(resolved, setup, job_dir, train_cfg)
 
   # ---- Loop ------------------------------------------------------------------------------------
