@@ -12,6 +12,7 @@ import numpy as np
 
 from paxcli.convert import core, formats
 from paxcli.errors import UserError
+from paxcli.jobdir import layout
 
 TARGETS = ('orbax', 'safetensors', 'hf')
 
@@ -188,7 +189,7 @@ def _write_orbax(tmp: str, src, items, target, params_only: bool, read, advance)
     return w.checksums()
 
   orbax_io.write_step(tmp, src.step, _meta(src, target, params_only), fill)
-  with open(os.path.join(tmp, 'config.txt'), 'w', encoding='utf-8') as f:
+  with open(layout.config(tmp), 'w', encoding='utf-8') as f:
     f.write(target.resolved.as_text())
 
 
@@ -218,8 +219,7 @@ def _carry_files(src, tmp: str, to: str, recipe_text: Optional[str], own_experim
   tok = src.extra_files().get('tokenizer')
   if tok:
     if to == 'orbax':
-      from paxcli.jobdir import tokenizer
-      dest = tokenizer.job_dir_file(tmp)
+      dest = layout.tokenizer(tmp)
     else:
       dest = os.path.join(tmp, 'tokenizer.model')
     os.makedirs(os.path.dirname(dest), exist_ok=True)

@@ -9,18 +9,16 @@ decoded from ids.
 
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 from typing import Optional
 
+import fiddle as fdl
+import sentencepiece as spm
+
 from paxcli.errors import UserError
-
-DIRNAME = 'tokenizer'
-FILENAME = 'spm.model'
-
-
-def job_dir_file(job_dir: str) -> str:
-  return os.path.join(job_dir, DIRNAME, FILENAME)
+from paxcli.jobdir import layout
 
 
 def save_to_job_dir(train_input, job_dir: str) -> Optional[str]:
@@ -30,7 +28,7 @@ def save_to_job_dir(train_input, job_dir: str) -> Optional[str]:
     return None
   if not os.path.isfile(source):
     raise UserError(f'The train input names the sentencepiece model {source}, which is not a file.')
-  target = job_dir_file(job_dir)
+  target = layout.tokenizer(job_dir)
   if os.path.isfile(target) and _same_bytes(source, target):
     return target
   os.makedirs(os.path.dirname(target), exist_ok=True)
@@ -49,7 +47,6 @@ class Tokenizer:
   """A sentencepiece model: text <-> ids, and its special ids."""
 
   def __init__(self, path: str):
-    import sentencepiece as spm
     self.path = path
     try:
       self._sp = spm.SentencePieceProcessor(model_file=path)
@@ -88,13 +85,10 @@ def load(job_dir: Optional[str], train_input_cfg=None) -> Optional[Tokenizer]:
   `train_input_cfg` (a fiddle config) is built only when the job directory has none, e.g. for
   `--no-checkpoint` runs that never trained.
   """
-  if job_dir and os.path.isfile(job_dir_file(job_dir)):
-    return Tokenizer(job_dir_file(job_dir))
+  if job_dir and os.path.isfile(layout.tokenizer(job_dir)):
+    return Tokenizer(layout.tokenizer(job_dir))
   if train_input_cfg is None:
     return None
-  import copy
-
-  import fiddle as fdl
   cfg = copy.deepcopy(train_input_cfg)
   for field, value in (('batch_size', 1), ('num_infeed_hosts', 1), ('infeed_host_index', 0)):
     if getattr(cfg, field, None) is None:

@@ -39,6 +39,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from paxcli.errors import UserError, shorten
+from paxcli.jobdir import layout
 
 
 @dataclasses.dataclass
@@ -661,19 +662,17 @@ def teacher_forced_logprob(model, params, prompt_ids: Sequence[int], decoded_ids
 
 def output_path(job_dir: str, dataset: Optional[str], step: int) -> str:
   """Where the trainer writes its decodes at `step` (decode_interval_steps)."""
-  import os
-  return os.path.join(job_dir, 'decoder_out', dataset or 'prompts', f'decode_step{step}.jsonl')
+  return layout.train_decodes(job_dir, dataset, step)
 
 
 def cli_output_path(job_dir: str, dataset: Optional[str], step: int) -> str:
   """`pax decode`'s default output: pax_decode_step<k>_<n>.jsonl with the first unused n, beside the
   trainer's decode_step<k>.jsonl and never replacing it or an earlier `pax decode`."""
   import os
-  directory = os.path.dirname(output_path(job_dir, dataset, step))
   n = 1
-  while os.path.lexists(os.path.join(directory, f'pax_decode_step{step}_{n}.jsonl')):
+  while os.path.lexists(layout.cli_decodes(job_dir, dataset, step, n)):
     n += 1
-  return os.path.join(directory, f'pax_decode_step{step}_{n}.jsonl')
+  return layout.cli_decodes(job_dir, dataset, step, n)
 
 
 def check_output(path: str) -> None:
@@ -847,7 +846,6 @@ class TrainDecoder:
     self.lead = jax.process_index() == 0
 
   def run(self, step: int, params) -> list[str]:
-    import os
     self.decoder.params = params
     records, _ = self.decoder.run(self.prompts, self.opts, self.tokenizer)
     if not self.lead:
@@ -855,7 +853,7 @@ class TrainDecoder:
     write_jsonl(output_path(self.job_dir, None, step), records)
     if self.writer is None:
       from paxcli.jobdir.summaries import SummaryWriter
-      self.writer = SummaryWriter(os.path.join(self.job_dir, 'summaries', 'decode'))
+      self.writer = SummaryWriter(layout.summaries(self.job_dir, 'decode'))
     lines = []
     for r in records:
       prompt = r['prompt'] if r['prompt'] is not None else ' '.join(map(str, r['prompt_ids']))
