@@ -146,7 +146,7 @@ def ready_step(resolved, seed: int = 0):
 
 class TrainStep:
   """The jitted step, and the profiler around it: `profiler.before(step)` starts a trace ahead of a
-  step, the `after` hook stops it, and a PGLE profile, once measured, recompiles the step with it."""
+  step; the `profile` hook stops it, and recompiles the step with a PGLE profile once measured."""
 
   def __init__(self, setup, batch_sharding, dropout_seed: int, profiler: profiling.StepProfiler):
     self._make = functools.partial(make_train_step, setup, batch_sharding, dropout_seed)
@@ -156,7 +156,8 @@ class TrainStep:
   def __call__(self, state, batch):
     return self._fn(state, batch)
 
-  def after(self, info: StepInfo) -> None:
+  def profile(self, info: StepInfo) -> None:
+    """Hook, every step (a no-op outside the traced steps)."""
     recompile_with = self._profiler.after(info.step, info.metrics)
     if recompile_with:
       self._fn = self._make(recompile_with)
@@ -495,7 +496,8 @@ def _train(resolved, job_dir: str, console, verbose: bool = False, profile_steps
 
   # ---- Mesh, model, state shapes ------------------------------------------------------------------
   setup = engine.build(resolved)
-  train_cfg, spec, total = setup.train, RunSpec.of(resolved, setup), setup.train.num_train_steps
+  train_cfg, total = setup.train, setup.train.num_train_steps
+  spec = RunSpec.of(resolved, setup)
   _log_run(resolved, setup, job_dir, log)
   if verbose and is_main:
     _print_weights(console, setup)
@@ -509,8 +511,8 @@ def _train(resolved, job_dir: str, console, verbose: bool = False, profile_steps
   latest = checkpointer.latest_step()
   if latest is not None and latest >= total:
     return _already_finished(job_dir, latest, spec, total, checkpointer, log)
-  start = (_resume(setup, job_dir, latest, spec, checkpointer, log) if latest is not None
-           else Start(0, engine.init_state(setup, resolved.experiment.RANDOM_SEED)))
+  state, start = (_resume(setup, job_dir, latest, spec, checkpointer, log) if latest is not None
+                  else (engine.init_state(setup, resolved.experiment.RANDOM_SEED), Start(0)))
   if is_main:
     with open(layout.config(job_dir), 'w', encoding='utf-8') as f:
       f.write(resolved.as_text())
@@ -542,7 +544,7 @@ def _train(resolved, job_dir: str, console, verbose: bool = False, profile_steps
   stop = GracefulStop(enabled=jax.process_count() == 1)
   with Hooks() as hooks:
     hooks.add_before(profiler.before)
-    hooks.add(train_step.after, every=1, close=profiler.close)
+    hooks.add(train_step.profile, every=1, close=profiler.close)
     hooks.add(losses, every=1)
     hooks.add(summary, every=train_cfg.summary_interval_steps, at_end=True, close=summary.close)
     hooks.add(Saver(checkpointer, losses, spec, start), every=train_cfg.save_interval_steps, at_end=True,
@@ -558,7 +560,6 @@ def _train(resolved, job_dir: str, console, verbose: bool = False, profile_steps
     hooks.enter_context(chrono)
 
     # ---- Loop -------------------------------------------------------------------------------------
-    state = start.state
     for step in range(start.step + 1, total + 1):
       batch = to_global(train_input.get_next(), batch_sharding, setup.global_batch)
       hooks.before(step)
@@ -612,10 +613,9 @@ class RunSpec:
 
 @dataclasses.dataclass(frozen=True)
 class Start:
-  """Where this invocation begins: the state and its step, the input batches already consumed, and
-  the recent losses the loss guard goes on from."""
+  """Where this invocation begins: the step it resumes from (0: a fresh run), the input batches
+  already consumed, and the recent losses the loss guard goes on from."""
   step: int
-  state: dict
   batches_consumed: int = 0
   recent_losses: tuple = ()
 
@@ -628,9 +628,9 @@ def _already_finished(job_dir: str, step: int, spec: RunSpec, total: int, checkp
   return {'step': step, 'finished': True}
 
 
-def _resume(setup, job_dir: str, step: int, spec: RunSpec, checkpointer, log) -> Start:
-  """The state of the newest intact checkpoint from `step` down (a damaged one is set aside), with
-  a note for each setting that differs from the one it was saved with."""
+def _resume(setup, job_dir: str, step: int, spec: RunSpec, checkpointer, log) -> tuple[dict, Start]:
+  """The state of the newest intact checkpoint from `step` down (a damaged one is set aside) and where
+  it stands, with a note for each setting that differs from the one it was saved with."""
   restored = restore.restore(setup, job_dir, step, flat_now=spec.flat, action='resume from', fallback=True,
                              set_aside=True, log=log)
   meta = restored.meta
@@ -651,7 +651,7 @@ def _resume(setup, job_dir: str, step: int, spec: RunSpec, checkpointer, log) ->
   if changed:
     log(f'Note: {len(changed)} setting(s) differ from the checkpoint\'s config (the run goes on '
         'with the new ones):\n  ' + '\n  '.join(changed))
-  return Start(step, restored.state, batches_consumed, meta.get('recent_losses') or ())
+  return restored.state, Start(step, batches_consumed, meta.get('recent_losses') or ())
 
 
 def _trim_replayed_metrics(job_dir: str, step: int, log) -> None:
