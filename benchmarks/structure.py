@@ -9,8 +9,13 @@ Prints a table of the measures issue #18 asks for, read from the sources with `a
     cli > loops > jobdir/runtime/perf/convert/maxtext > models/layers/inputs > config;
   - function-local imports (an `import` inside a function body);
   - the longest functions, and the length of the train loop function;
-  - files that join job-directory paths by hand (a literal 'checkpoints', 'summaries',
-    'decoder_out', 'train.lock', ... next to os.path.join or '/').
+  - files that spell job-directory paths by hand: a distinctive job-directory file name
+    ('train.lock', 'eval_done.jsonl', 'checkpoints_damaged', ...) anywhere as a string, and a
+    common word ('checkpoints', 'summaries', 'tokenizer', 'profile', ...) where it is a path
+    part (an argument of os.path.join or files.member after the first, compared with a path's
+    basename or component, or between '/' in an f-string). paxcli.jobdir.layout is the one
+    module meant to; FOREIGN_LAYOUTS lists the modules that spell another program's directory
+    layout with the same words (shown, not counted).
 """
 
 from __future__ import annotations
@@ -29,8 +34,18 @@ LAYERS = {
     'jobdir': 2, 'runtime': 2, 'perf': 2, 'convert': 2, 'maxtext': 2,
     'models': 1, 'layers': 1, 'inputs': 1, 'families': 1,
 }
-JOBDIR_NAMES = ('checkpoints', 'checkpoints_damaged', 'summaries', 'decoder_out', 'train.lock', 'tokenizer.model',
-                'train_metrics.jsonl', 'eval_metrics.jsonl', 'config.txt', 'profile')
+# Names of a job directory's entries (see paxcli/jobdir/layout.py). Distinctive ones count wherever
+# they appear as a string; common words only as a path part (see path_parts).
+JOBDIR_FILE_NAMES = ('checkpoints_damaged', 'checkpoints_unfinished', 'decoder_out', 'train.lock', 'spm.model',
+                     'train_metrics.jsonl', 'eval_metrics.jsonl', 'eval_done.jsonl', 'config.txt', 'invocations.txt')
+JOBDIR_WORDS = ('checkpoints', 'summaries', 'tokenizer', 'profile', 'state', 'meta', 'metadata')
+JOBDIR_MODULE = 'paxcli.jobdir.layout'
+# Modules whose path words name another program's layout, not a paxcli job directory.
+FOREIGN_LAYOUTS = {
+    'paxcli.convert.paxml': "a paxml job directory (checkpoints/checkpoint_<step>/state)",
+    'paxcli.inputs.corpus': "the corpus cache's own spm.model",
+    'paxcli.inputs.classify': "the classification input's own spm.model",
+}
 
 
 def module_name(root: str, path: str) -> str:
@@ -50,6 +65,43 @@ def resolve_from(module: str, node: ast.ImportFrom, is_pkg: bool) -> str:
   base = base if is_pkg else base[:-1]
   base = base[:len(base) - (node.level - 1)]
   return '.'.join(base + ([node.module] if node.module else []))
+
+
+def _is_path_join(call: ast.Call) -> bool:
+  """os.path.join(...) or files.member(...): calls whose later arguments are path parts."""
+  f = call.func
+  name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ''
+  return name in ('join', 'member') and not (isinstance(f, ast.Attribute) and isinstance(f.value, ast.Constant))
+
+
+def _joined_words(call: ast.Call) -> set[str]:
+  """Job-directory words a join spells onto its base, through other such words or computed parts
+  (`join(job, 'checkpoints')`, `join(d, str(step), 'meta', 'metadata')`); a word after another
+  literal (`join(trace, 'plugins', 'profile')`: TensorBoard's layout) is not the job directory's."""
+  found = set()
+  args = call.args[1:2] if getattr(call.func, 'attr', getattr(call.func, 'id', '')) == 'member' else call.args[1:]
+  for arg in args:
+    if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+      if arg.value not in JOBDIR_WORDS:
+        break
+      found.add(arg.value)
+  return found
+
+
+def path_parts(tree: ast.AST, parents: dict) -> set[str]:
+  """Job-directory names the module spells: file names anywhere, words as path parts."""
+  found = set()
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Call) and _is_path_join(node):
+      found |= _joined_words(node)
+    if not (isinstance(node, ast.Constant) and isinstance(node.value, str)):
+      continue
+    value, parent = node.value, parents.get(node)
+    if value in JOBDIR_FILE_NAMES or value in JOBDIR_WORDS and isinstance(parent, ast.Compare):
+      found.add(value)
+    elif isinstance(parent, ast.JoinedStr) and '/' in value:
+      found.update(p for p in value.split('/') if p in JOBDIR_WORDS + JOBDIR_FILE_NAMES)
+  return found
 
 
 def scan(root: str):
@@ -86,9 +138,10 @@ def scan(root: str):
           local_imports += 1
       if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
         functions.append((node.end_lineno - node.lineno + 1, f'{module}.{node.name}'))
-      if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in JOBDIR_NAMES:
-        jobdir_files.setdefault(module, set()).add(node.value)
     edges[module] = targets
+    names = path_parts(tree, parents)
+    if names and module != JOBDIR_MODULE:
+      jobdir_files[module] = names
   return modules, edges, local_imports, sorted(functions, reverse=True), jobdir_files
 
 
@@ -143,8 +196,9 @@ def main() -> None:
       'function_local_imports': local_imports,
       'train_loop_lines': train_fn,
       'longest_functions': [f'{name} ({n})' for n, name in functions[:8]],
-      'files_naming_jobdir_paths': len(jobdir_files),
-      'jobdir_files': {k: sorted(v) for k, v in sorted(jobdir_files.items())},
+      'files_naming_jobdir_paths': len([k for k in jobdir_files if k not in FOREIGN_LAYOUTS]),
+      'jobdir_files': {k: sorted(v) for k, v in sorted(jobdir_files.items()) if k not in FOREIGN_LAYOUTS},
+      'foreign_layouts': {k: sorted(v) for k, v in sorted(jobdir_files.items()) if k in FOREIGN_LAYOUTS},
   }
   if args.json:
     print(json.dumps(result, indent=1))
@@ -164,8 +218,10 @@ def main() -> None:
   for row in result['upward']:
     console.print(f'upward import: {row}')
   console.print('longest functions: ' + ', '.join(result['longest_functions']))
-  console.print('job-directory names spelled in: ' + ', '.join(
-      f'{k.split(".", 1)[1]} ({", ".join(v)})' for k, v in result['jobdir_files'].items()))
+  console.print(f'job-directory names spelled outside {JOBDIR_MODULE}: ' + (', '.join(
+      f'{k.split(".", 1)[1]} ({", ".join(v)})' for k, v in result['jobdir_files'].items()) or 'none'))
+  for module, names in result['foreign_layouts'].items():
+    console.print(f'not counted: {module.split(".", 1)[1]} ({", ".join(names)}): {FOREIGN_LAYOUTS[module]}')
 
 
 if __name__ == '__main__':

@@ -327,7 +327,8 @@ def test_second_ctrl_c_stops_in_one_line_and_the_run_resumes(tmp_path):
 
 
 def test_eval_file_names_read_well_and_old_job_dirs_keep_theirs(tmp_path):
-  from paxcli.loops.evaluate import eval_label, eval_paths
+  from paxcli.jobdir.layout import eval_paths
+  from paxcli.loops.evaluate import eval_label
   new, old = tmp_path / 'new', tmp_path / 'old'
   assert eval_paths(str(new), 'eval') == (str(new / 'summaries' / 'eval'), str(new / 'eval_metrics.jsonl'))
   assert eval_paths(str(new), 'c4') == (str(new / 'summaries' / 'eval_c4'), str(new / 'eval_c4_metrics.jsonl'))

@@ -165,14 +165,14 @@ def test_train_resumes_a_params_only_checkpoint_with_fresh_optimizer(saved_by_tr
 
 
 def test_train_keeps_the_tokenizer_in_the_job_dir(tmp_path, capsys):
-  from paxcli.jobdir import tokenizer
+  from paxcli.jobdir import layout, tokenizer
   job = str(tmp_path / 'default')
   code, out, err = pax_main(['train', '--job-log-dir', job, '--set', 'NUM_LAYERS=1', '--set', 'MODEL_DIMS=32',
                              '--set', 'HIDDEN_DIMS=64', '--set', 'MAX_SEQ_LEN=16', '--set', 'PERCORE_BATCH_SIZE=1',
                              '--set', 'NUM_TRAIN_STEPS=1', '--set', 'EVAL_INTERVAL_STEPS=0'], capsys)
   assert code == 0, err
   tok = tokenizer.load(job)
-  assert tok is not None and tok.path == tokenizer.job_dir_file(job)
+  assert tok is not None and tok.path == layout.tokenizer(job)
   assert tok.vocab_size == 2048 and tok.eos_id == 1
   text = 'Return the number of items.'
   assert tok.decode(tok.encode(text)) == text

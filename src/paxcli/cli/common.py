@@ -11,6 +11,7 @@ from typing import Optional
 import typer
 
 from paxcli.errors import UserError, shorten
+from paxcli.jobdir import layout
 
 EXP_HELP = ('Experiment: a registered name (`pax experiments`), `module.Class`, or '
             '`path/file.py:Class`. Default: the built-in default.StdlibDocsLm.')
@@ -241,8 +242,7 @@ def path_arg(path: Optional[str], option: str) -> Optional[str]:
     return None
   if not path:
     raise UserError(f'{option} is empty; give a path.')
-  from paxcli.jobdir import lock as joblock
-  return joblock.absolute(path)
+  return layout.absolute(path)
 
 
 def resolve_name(exp: Optional[str]) -> str:

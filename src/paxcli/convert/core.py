@@ -16,6 +16,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from paxcli.jobdir import layout
 from paxcli.jobdir import lock as joblock
 from paxcli.convert import formats
 from paxcli.errors import UserError, shorten
@@ -268,12 +269,7 @@ class Output:
     self.path = os.path.abspath(path)
     # Resolved: a symlink to the source (or to a directory above or below it) is the source; the
     # source of a step directory (job/checkpoints/<step>) is its whole job directory.
-    out, src = os.path.realpath(path), os.path.realpath(source_path)
-    parts = src.split(os.sep)
-    if len(parts) > 2 and parts[-2] == 'checkpoints' and parts[-1].isdigit():
-      src = os.path.dirname(os.path.dirname(src))
-    elif parts[-1] == 'checkpoints':
-      src = os.path.dirname(src)
+    out, src = os.path.realpath(path), layout.job_dir_of(os.path.realpath(source_path))
     if os.path.commonpath([out, src]) in (out, src):
       raise UserError(f'The output {path} would be inside or over the source {source_path} (compared with symlinks '
                       'resolved); the '

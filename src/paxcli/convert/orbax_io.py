@@ -19,24 +19,15 @@ import numpy as np
 from paxcli.convert import formats
 from paxcli.convert.formats import ArrayInfo
 from paxcli.errors import UserError
-
-
-def split_path(path: str) -> tuple[str, Optional[int]]:
-  """(job_dir, step or None) for a job dir, its checkpoints/ dir or one step directory."""
-  path = os.path.abspath(path)
-  if os.path.isdir(os.path.join(path, 'state')) and os.path.basename(path).isdigit():
-    return os.path.dirname(os.path.dirname(path)), int(os.path.basename(path))
-  if os.path.basename(path) == 'checkpoints' and not os.path.isdir(os.path.join(path, 'checkpoints')):
-    return os.path.dirname(path), None
-  return path, None
+from paxcli.jobdir import layout
 
 
 def is_orbax(path: str) -> bool:
   from paxcli.jobdir import checkpoint as ckpt
-  job_dir, step = split_path(path)
+  job_dir, step = layout.split(path)
   if step is not None:
     return True
-  return bool(ckpt.step_dirs(os.path.join(job_dir, 'checkpoints')))
+  return bool(ckpt.step_dirs(layout.checkpoints(job_dir)))
 
 
 def _sharding_words(meta) -> Optional[str]:
@@ -58,11 +49,11 @@ class OrbaxSource(formats.SourceBase):
   def __init__(self, path: str, step: Optional[int] = None, target=None):
     from paxcli.jobdir import restore
     self.path = path
-    self.job_dir, step_in_path = split_path(path)
+    self.job_dir, step_in_path = layout.split(path)
     if step_in_path is not None and step is not None and step != step_in_path:
       raise UserError(f'{path} is the checkpoint of step {step_in_path}, not --step {step}.')
     self.step = restore.choose_step(self.job_dir, step if step is not None else step_in_path, purpose='convert')
-    self.state_dir = os.path.join(restore.checkpoints_dir(self.job_dir), str(self.step), 'state')
+    self.state_dir = layout.state_dir(layout.step_dir(self.job_dir, self.step))
     self.meta = restore.read_meta(self.job_dir, self.step)
     self.config = self.meta.get('config')
     self._arrays = None
@@ -71,7 +62,7 @@ class OrbaxSource(formats.SourceBase):
   def experiment_name(self) -> Optional[str]:
     if self.meta.get('experiment'):
       return self.meta['experiment']
-    path = os.path.join(self.job_dir, 'config.txt')
+    path = layout.config(self.job_dir)
     if os.path.exists(path):
       with open(path, encoding='utf-8') as f:
         first = f.readline()
@@ -168,8 +159,7 @@ class OrbaxSource(formats.SourceBase):
 
   def extra_files(self) -> dict:
     from paxcli import files
-    from paxcli.jobdir import tokenizer
-    name = os.path.relpath(tokenizer.job_dir_file(self.job_dir), self.job_dir)
+    name = os.path.relpath(layout.tokenizer(self.job_dir), self.job_dir)
     path = files.member(self.job_dir, name, 'tokenizer')
     return {'tokenizer': path} if os.path.isfile(path) else {}
 
@@ -338,14 +328,14 @@ def write_step(job_dir: str, step: int, meta: dict, fill_state) -> str:
   import shutil
 
   from paxcli.jobdir import checkpoint as ckpt
-  checkpointer = ckpt.Checkpointer(os.path.join(job_dir, 'checkpoints'), max_to_keep=0, async_save=False)
+  checkpointer = ckpt.Checkpointer(layout.checkpoints(job_dir), max_to_keep=0, async_save=False)
   checkpointer.save(step, {'step': np.int32(step)}, meta)
   checkpointer.close()
-  state_dir = os.path.join(job_dir, 'checkpoints', str(step), 'state')
+  state_dir = layout.state_dir(layout.step_dir(job_dir, step))
   shutil.rmtree(state_dir)
   sums = fill_state(state_dir)
   if sums:
-    meta_file = os.path.join(job_dir, 'checkpoints', str(step), 'meta', 'metadata')
+    meta_file = layout.meta_file(layout.step_dir(job_dir, step))
     with open(meta_file, encoding='utf-8') as f:
       saved = json.load(f)
     saved['checksums'] = sums

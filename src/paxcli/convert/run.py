@@ -13,7 +13,7 @@ import numpy as np
 from paxcli.convert import core, formats, hf_tokenizer
 from paxcli.errors import UserError
 from paxcli.inputs import tokenizers
-from paxcli.jobdir import tokenizer
+from paxcli.jobdir import layout
 
 TARGETS = ('orbax', 'safetensors', 'hf')
 
@@ -190,7 +190,7 @@ def _write_orbax(tmp: str, src, items, target, params_only: bool, read, advance)
     return w.checksums()
 
   orbax_io.write_step(tmp, src.step, _meta(src, target, params_only), fill)
-  with open(os.path.join(tmp, 'config.txt'), 'w', encoding='utf-8') as f:
+  with open(layout.config(tmp), 'w', encoding='utf-8') as f:
     f.write(target.resolved.as_text())
 
 
@@ -221,7 +221,7 @@ def _carry_files(src, tmp: str, to: str, recipe_text: Optional[str], own_experim
   if tok:
     kind = tokenizers.kind_of(tok)
     if to == 'orbax':
-      dest = tokenizer.job_dir_file(tmp, kind)
+      dest = layout.tokenizer(tmp, kind)
     else:
       dest = os.path.join(tmp, hf_tokenizer.EXPORT_NAMES[kind])
     os.makedirs(os.path.dirname(dest), exist_ok=True)

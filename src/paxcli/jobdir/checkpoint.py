@@ -13,24 +13,29 @@ commit marker. Such an unfinished step is moved aside to `checkpoints_unfinished
 from __future__ import annotations
 
 import contextlib
+import errno
+import json
+import logging
 import math
 import os
 import re
 import shutil
+import sys
 import time
 from typing import Any, Optional
 
 import jax
+import orbax.checkpoint as ocp
 
 from paxcli.errors import UserError
+from paxcli.jobdir import layout
 
 _MARKERS = ('commit_success.txt', '_CHECKPOINT_METADATA')
 _TMP_RE = re.compile(r'^(\d+)\.orbax-checkpoint-tmp')
-ITEMS = ('state', 'meta')
+ITEMS = (layout.STATE, layout.META)
 
 
 def _is_complete(step_dir: str) -> bool:
-  import orbax.checkpoint as ocp
   if not all(os.path.exists(os.path.join(step_dir, m)) for m in _MARKERS):
     return False
   if not all(os.path.isdir(os.path.join(step_dir, item)) for item in ITEMS):
@@ -75,7 +80,7 @@ def set_aside_unfinished(directory: str, log=print) -> list[int]:
   moved = []
   if jax.process_index() != 0:
     return moved
-  aside = os.path.join(os.path.dirname(os.path.abspath(directory)), 'checkpoints_unfinished')
+  aside = layout.unfinished(os.path.dirname(os.path.abspath(directory)))
   complete = complete_steps(directory)
   for step, path in _unfinished(directory):
     os.makedirs(aside, exist_ok=True)
@@ -111,7 +116,6 @@ class CheckpointWriteError(UserError):
 
 def _no_space(e: BaseException) -> bool:
   """True when e (or what caused it) is 'no space left on device', however the layer below wraps it."""
-  import errno
   seen = set()
   while e is not None and id(e) not in seen:
     seen.add(id(e))
@@ -147,7 +151,6 @@ class _NoSpaceFilter:
 
 
 def _quiet_no_space_logs() -> None:
-  import logging
   # absl: orbax's own records; asyncio: "Task exception was never retrieved" for the other
   # writes of a save that one write's failure abandoned.
   for logger in (logging.getLogger('absl'), logging.getLogger('asyncio')):
@@ -166,7 +169,6 @@ def save_args(state) -> Any:
   stacked arrays of a scanned model (a `layers` level in the path), let `pax checkpoint
   convert` read one layer or one block of rows at a time.
   """
-  import orbax.checkpoint as ocp
 
   def one(path, x):
     if not getattr(x, 'ndim', 0):
@@ -185,7 +187,6 @@ def _quiet_closed_loop_callbacks() -> None:
   call sites, sys.unraisablehook (PyErr_WriteUnraisable): both are filtered. Only that error,
   raised by asyncio's own closed-loop check, is dropped.
   """
-  import sys
 
   def closed_loop(kind, value, tb) -> bool:
     frames, t = [], tb
@@ -219,9 +220,7 @@ class Checkpointer:
   """
 
   def __init__(self, directory: str, max_to_keep: int, async_save: bool = True):
-    import orbax.checkpoint as ocp
     self.directory = os.path.abspath(directory)
-    self._ocp = ocp
     self.max_to_keep = max_to_keep or None
     options = ocp.CheckpointManagerOptions(max_to_keep=None, create=True,
                                            enable_async_checkpointing=async_save)
@@ -238,7 +237,6 @@ class Checkpointer:
     return steps[-1] if steps else None
 
   def save(self, step: int, state: Any, meta: dict) -> None:
-    ocp = self._ocp
     self._finish()  # the previous save: its errors surface here
     self._rotate()
     self._in_flight = self.latest_saved = step
@@ -273,8 +271,7 @@ class Checkpointer:
   def _loss_of(self, step: int) -> Optional[float]:
     if step not in self._losses:
       try:
-        import json
-        with open(os.path.join(self.directory, str(step), 'meta', 'metadata'), encoding='utf-8') as f:
+        with open(layout.meta_file(os.path.join(self.directory, str(step))), encoding='utf-8') as f:
           loss = json.load(f).get('loss')
       except (OSError, ValueError, AttributeError):  # unreadable: no loss known, so never the "best"
         loss = None

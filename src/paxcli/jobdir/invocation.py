@@ -13,7 +13,9 @@ import shlex
 import sys
 from typing import Optional
 
-FILE_NAME = 'invocations.txt'
+from paxcli import __version__
+from paxcli.jobdir import layout
+
 _argv: Optional[list[str]] = None  # set by the CLI's main(); else sys.argv
 
 
@@ -29,8 +31,7 @@ def command_line() -> str:
 
 def record(job_dir: str) -> None:
   """Appends `<UTC time>  paxcli <version>  <command line>` to job_dir/invocations.txt."""
-  from paxcli import __version__
   os.makedirs(job_dir, exist_ok=True)
   now = datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%dT%H:%M:%SZ')
-  with open(os.path.join(job_dir, FILE_NAME), 'a', encoding='utf-8') as f:
+  with open(layout.invocations(job_dir), 'a', encoding='utf-8') as f:
     f.write(f'{now}  paxcli {__version__}  {command_line()}\n')

@@ -10,11 +10,6 @@ if the file still names a process (it was killed before removing the file):
     hosts, a live owner is refused by the flock itself); remove the file if that run is gone.
 `pax eval`, `pax decode` and `pax inspect-input` only read, and take no lock.
 
-Every path a command is given (the job directory, --output, prompt files, conversion source
-and output) is made absolute, symlinks resolved, once where the command starts: `absolute`.
-orbax refuses relative paths, and a path resolved once means the same thing in every process
-and after any later change of directory.
-
 Evaluation (`pax eval`, `--follow`, the trainer's eval) writes one row per step into each
 `*_metrics.jsonl`, in step order (`put_row`, an atomic rewrite under an flock on the job
 directory itself); `pax eval --follow` claims a step by an flock on the step's checkpoint
@@ -26,20 +21,19 @@ from __future__ import annotations
 import contextlib
 import datetime
 import errno
+import fcntl
 import json
 import os
 import socket
 import sys
 from typing import Callable, Optional
 
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
 from paxcli.errors import UserError, shorten
-
-LOCK_NAME = 'train.lock'
-
-
-def absolute(path: str) -> str:
-  """`path` absolute, with symlinks resolved: what every command makes of each path it is given."""
-  return os.path.realpath(path)
+from paxcli.jobdir import layout
 
 
 def check_writable(job_dir: str) -> None:
@@ -100,11 +94,10 @@ class JobLock:
   """An exclusive lock on a job directory for one trainer (see the module docstring)."""
 
   def __init__(self, job_dir: str):
-    self.path = os.path.join(os.path.abspath(job_dir), LOCK_NAME)
+    self.path = layout.lock(os.path.abspath(job_dir))
     self._fd: Optional[int] = None
 
   def acquire(self, log: Callable[[str], None] = print) -> None:
-    import fcntl
     for _ in range(5):  # the file may be replaced between open and flock: retry on a new inode
       fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
       try:
@@ -191,7 +184,6 @@ def lock_run(job_dir: str, log: Callable[[str], None]) -> Optional[JobLock]:
   Returns the lock (process 0) or None. With several processes the others raise too when
   process 0 is refused, so the whole run stops with one line instead of hanging.
   """
-  import jax
   lock, refusal = None, ''
   if jax.process_index() == 0:
     try:
@@ -200,8 +192,6 @@ def lock_run(job_dir: str, log: Callable[[str], None]) -> Optional[JobLock]:
     except UserError as e:
       lock, refusal = None, str(e)
   if jax.process_count() > 1:
-    import numpy as np
-    from jax.experimental import multihost_utils
     refused = bool(multihost_utils.broadcast_one_to_all(np.int32(1 if refusal else 0)))
     if refused and not refusal:
       raise UserError('Process 0 could not lock the job directory (another trainer uses it); see its message.')
@@ -240,14 +230,13 @@ def trim_jsonl(path: str, last_step: int) -> int:
 
 def trim_metrics(job_dir: str, last_step: int) -> int:
   """trim_jsonl on every `*_metrics.jsonl` of the job directory (train and eval)."""
-  names = [n for n in os.listdir(job_dir) if n.endswith('_metrics.jsonl')] if os.path.isdir(job_dir) else []
-  return sum(trim_jsonl(os.path.join(job_dir, n), last_step) for n in sorted(names))
+  return sum(trim_jsonl(path, last_step) for path in layout.metrics_files(job_dir))
 
 
 def read_owner(job_dir: str) -> Optional[dict]:
   """The trainer named in `<job>/train.lock` ({} if the file is empty or unreadable), or None if there is none."""
   try:
-    fd = os.open(os.path.join(job_dir, LOCK_NAME), os.O_RDONLY)
+    fd = os.open(layout.lock(job_dir), os.O_RDONLY)
   except FileNotFoundError:
     return None
   except OSError:
@@ -277,7 +266,6 @@ def _flock(path: str, blocking: bool = True):
 
   A file system without flock (some network ones) yields True: the lock is then advisory only.
   """
-  import fcntl
   try:
     fd = os.open(path, os.O_RDONLY)
   except OSError:
@@ -308,7 +296,6 @@ class StepClaim:
     self.step_dir, self._fd = step_dir, None
 
   def acquire(self) -> bool:
-    import fcntl
     try:
       fd = os.open(self.step_dir, os.O_RDONLY)
     except OSError:

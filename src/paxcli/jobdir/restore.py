@@ -15,12 +15,28 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import functools
+import json
 import logging
 import os
+import re
+import shutil
+import time
 from typing import Any, Optional
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
+
+from paxcli.config import config_differences
 from paxcli.errors import UserError
+from paxcli.jobdir import checkpoint as ckpt
+from paxcli.jobdir import layout
+from paxcli.runtime import distributed
+from paxcli.runtime import engine
 
 
 @dataclasses.dataclass
@@ -31,14 +47,9 @@ class Restored:
   params_only_checkpoint: bool   # the checkpoint itself holds no optimizer state
 
 
-def checkpoints_dir(job_dir: str) -> str:
-  return os.path.join(job_dir, 'checkpoints')
-
-
 def choose_step(job_dir: str, step: Optional[int] = None, purpose: str = 'evaluate') -> int:
   """The latest complete checkpoint step of job_dir, or `step` if it is one; else a UserError."""
-  from paxcli.jobdir import checkpoint as ckpt
-  directory = checkpoints_dir(job_dir)
+  directory = layout.checkpoints(job_dir)
   steps = ckpt.complete_steps(directory)
   if not steps:
     raise UserError(f'No complete checkpoint in {directory}. Train first (`pax train --exp E --job-log-dir '
@@ -60,8 +71,6 @@ def saved_state_keys(job_dir: str, step: int) -> set[str]:
 
 def saved_dtypes(tree) -> dict:
   """'path' -> dtype of every array in a saved state's metadata tree (checksums' names)."""
-  import jax
-  import numpy as np
   leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: hasattr(x, 'dtype'))[0]
   return {_path_name(path): np.dtype(m.dtype)
           for path, m in leaves if getattr(m, 'dtype', None) is not None}
@@ -69,7 +78,6 @@ def saved_dtypes(tree) -> dict:
 
 def _path_name(path) -> str:
   """'params/layers/mlp/wo/kernel' for a pytree key path: the names checksums are kept under."""
-  from paxcli.runtime import engine
   return '/'.join(str(k) for k in engine._keys(path))
 
 
@@ -78,13 +86,12 @@ def saved_metadata(job_dir: str, step: int):
   try:
     return _saved_tree(job_dir, step)
   except (FileNotFoundError, ValueError, OSError) as e:
-    raise UserError(f'The checkpoint at step {step} in {checkpoints_dir(job_dir)} cannot be read '
+    raise UserError(f'The checkpoint at step {step} in {layout.checkpoints(job_dir)} cannot be read '
                     f'({type(e).__name__}: {str(e)[:200]}).') from None
 
 
 def _saved_tree(job_dir: str, step: int):
-  import orbax.checkpoint as ocp
-  path = os.path.join(checkpoints_dir(job_dir), str(step), 'state')
+  path = layout.state_dir(layout.step_dir(job_dir, step))
   with _no_missing_metadata_warning():
     metadata = ocp.PyTreeCheckpointer().metadata(path)
   return getattr(metadata, 'item_metadata', metadata)
@@ -99,11 +106,10 @@ def read_meta(job_dir: str, step: int) -> dict:
 
 
 def _meta_path(job_dir: str, step: int) -> str:
-  return os.path.join(checkpoints_dir(job_dir), str(step), 'meta', 'metadata')
+  return layout.meta_file(layout.step_dir(job_dir, step))
 
 
 def _load_meta(path: str) -> dict:
-  import json
   with open(path, encoding='utf-8') as f:
     return json.load(f)
 
@@ -121,7 +127,6 @@ def check_shapes(meta: dict, shapes_now: dict, flat_now: dict, step: int, params
   now = {k: v for k, v in shapes_now.items() if keep(k)}
   if not saved or saved == now:
     return
-  from paxcli.config import config_differences
   diffs = config_differences(meta.get('config') or {}, flat_now)
   shape_diffs = [f'{k}: {saved.get(k)} -> {now.get(k)}' for k in sorted(set(saved) | set(now))
                  if saved.get(k) != now.get(k)]
@@ -182,9 +187,6 @@ def damage_evidence(error: BaseException) -> Optional[str]:
   undecodable metadata (JSON or UTF-8 errors), an I/O error of the disk. Anything else (a
   relative path, permission denied, out of memory, a programming error) is not damage.
   """
-  import errno
-  import json
-  import re
   seen = set()
   while error is not None and id(error) not in seen:
     seen.add(id(error))
@@ -207,7 +209,6 @@ def damage_evidence(error: BaseException) -> Optional[str]:
 
 def _gone(directory: str, step: int) -> bool:
   """True once checkpoint `step` is no longer a complete step of `directory` (deleted, or being deleted)."""
-  from paxcli.jobdir import checkpoint as ckpt
   return not os.path.isdir(os.path.join(directory, str(step))) or step not in ckpt.complete_steps(directory)
 
 
@@ -240,8 +241,7 @@ def restore(setup, job_dir: str, step: int, params_only: bool = False, flat_now:
   goes on from the newest intact one. Any other failure raises CheckpointReadError at once:
   it is not the checkpoint's fault, and nothing is moved or skipped.
   """
-  from paxcli.jobdir import checkpoint as ckpt
-  older = [s for s in ckpt.complete_steps(checkpoints_dir(job_dir)) if s < step]
+  older = [s for s in ckpt.complete_steps(layout.checkpoints(job_dir)) if s < step]
   damaged = []
   while True:
     try:
@@ -270,17 +270,11 @@ def restore(setup, job_dir: str, step: int, params_only: bool = False, flat_now:
 
 def _set_aside_damaged(job_dir: str, step: int, log) -> Optional[str]:
   """Moves a damaged step to checkpoints_damaged/ (process 0), never deleting it; returns the target."""
-  import shutil
-  import time
-
-  import jax
-
-  from paxcli.runtime import distributed
-  target = os.path.join(os.path.abspath(job_dir), 'checkpoints_damaged', f'{step}-{int(time.time())}')
+  target = os.path.join(layout.damaged(os.path.abspath(job_dir)), f'{step}-{int(time.time())}')
   if jax.process_index() == 0:
     os.makedirs(os.path.dirname(target), exist_ok=True)
     try:
-      shutil.move(os.path.join(checkpoints_dir(job_dir), str(step)), target)
+      shutil.move(layout.step_dir(job_dir, step), target)
     except OSError as e:
       log(f'Could not move the damaged checkpoint at step {step} aside ({e.strerror}).')
       target = None
@@ -293,11 +287,8 @@ _KINDS = (type(None), DamagedCheckpoint, CheckpointGone, CheckpointReadError)  #
 
 def _agree(error: Optional[UserError], step: int, directory: str, action: str) -> None:
   """Raises the worst failure of any process (a collective with several processes), so all go on or stop together."""
-  import jax
   kind = _KINDS.index(type(error))
   if jax.process_count() > 1:
-    import numpy as np
-    from jax.experimental import multihost_utils
     kind = int(np.asarray(multihost_utils.process_allgather(np.array([kind], np.int32))).max())
   if kind == 0:
     return
@@ -310,13 +301,9 @@ def _agree(error: Optional[UserError], step: int, directory: str, action: str) -
 
 def _restore_step(setup, job_dir: str, step: int, params_only: bool, flat_now: Optional[dict],
                   action: str) -> Restored:
-  import jax
-  import orbax.checkpoint as ocp
-
-  from paxcli.runtime import engine
-  directory = checkpoints_dir(job_dir)
+  directory = layout.checkpoints(job_dir)
   damaged = lambda reason: DamagedCheckpoint(step, directory, reason)
-  if not os.path.isfile(os.path.join(directory, str(step), 'state', '_METADATA')):
+  if not os.path.isfile(os.path.join(layout.state_dir(layout.step_dir(job_dir, step)), '_METADATA')):
     if _gone(directory, step):
       raise CheckpointGone(step, directory)
     raise damaged("state/_METADATA (orbax's description of the arrays) is missing")
@@ -337,7 +324,7 @@ def _restore_step(setup, job_dir: str, step: int, params_only: bool, flat_now: O
   wanted = {k: v for k, v in setup.abstract_state.items() if k != 'opt_state' or (has_opt and not params_only)}
   restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding, global_shape=a.shape,
                                                              dtype=a.dtype), wanted)
-  path = os.path.join(directory, str(step), 'state')
+  path = layout.state_dir(layout.step_dir(job_dir, step))
   state, error = None, None
   try:
     with _no_missing_metadata_warning():
@@ -367,8 +354,6 @@ def _as_saved_dtypes(state, dtypes: dict, saved_sums: dict):
   back to the narrower saved dtype is exact, so those arrays still verify bit for bit; an
   array saved wider than it is restored cannot be, and is left out of the comparison.
   """
-  import jax
-
   def one(path, x):
     name = _path_name(path)
     want = dtypes.get(name)
@@ -394,13 +379,10 @@ def checksums(state) -> dict[str, str]:
   sum, and the result does not depend on how the array is sharded (integer addition modulo
   2**32 is exact in any order), so a checkpoint verifies on another mesh or process count.
   """
-  import jax
-  import numpy as np
   flat = jax.tree_util.tree_flatten_with_path(state)[0]
   names = [_path_name(path) for path, _ in flat]
   out = _checksum_fn()([leaf for _, leaf in flat])
   if jax.process_count() > 1:
-    from jax.experimental import multihost_utils
     out = multihost_utils.process_allgather(out, tiled=True)
   sums = np.asarray(jax.device_get(out))
   return {name: checksum_hex(lanes) for name, lanes in zip(names, sums)}
@@ -413,7 +395,6 @@ def checksum_part(x, offset: int = 0):
   conversion): the lanes of the pieces of one array add up (modulo 2**32) to the lanes of the
   whole, so checksum_hex(sum of parts) equals what checksums() computes for the array.
   """
-  import numpy as np
   x = np.ascontiguousarray(x)
   if x.dtype == np.bool_:
     b, words = x.reshape(-1).astype(np.uint32), 1
@@ -435,9 +416,6 @@ def checksum_hex(lanes) -> str:
 @functools.cache
 def _checksum_fn():
   """One jitted checksum pass, compiled once per set of shapes and reused at every save."""
-  import jax
-  import jax.numpy as jnp
-
   def bits(x):
     x = jnp.asarray(x)
     if x.dtype == jnp.bool_:
@@ -461,7 +439,6 @@ def _checksum_fn():
 
 def init_opt_state(setup, params) -> Any:
   """Fresh optimizer state for `params`, created on its shardings."""
-  import jax
   return jax.jit(setup.tx.init, out_shardings=setup.state_shardings['opt_state'])(params)
 
 

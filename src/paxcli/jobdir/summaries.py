@@ -16,13 +16,16 @@ import sys
 import time
 from typing import Mapping
 
+from tensorboard.compat.proto import event_pb2, summary_pb2, tensor_pb2, tensor_shape_pb2
+from tensorboard.summary.writer.record_writer import RecordWriter
+
+from paxcli.jobdir import lock as joblock
+
 
 class _EventFile:
   """One `events.out.tfevents.*` file: TFRecord-framed Event protos."""
 
   def __init__(self, logdir: str):
-    from tensorboard.compat.proto import event_pb2
-    from tensorboard.summary.writer.record_writer import RecordWriter
     self.path = os.path.join(logdir, f'events.out.tfevents.{time.time():.6f}.{socket.gethostname()}.{os.getpid()}')
     self._file = open(self.path, 'wb')
     self._records = RecordWriter(self._file)
@@ -52,7 +55,6 @@ class SummaryWriter:
     self._jsonl = open(jsonl_path, 'a', encoding='utf-8') if jsonl_path and not one_row_per_step else None
 
   def scalars(self, step: int, values: Mapping[str, float]) -> None:
-    from tensorboard.compat.proto import event_pb2, summary_pb2
     summary = summary_pb2.Summary(value=[
         summary_pb2.Summary.Value(tag=tag, simple_value=float(v)) for tag, v in values.items()])
     self._writer.add_event(event_pb2.Event(wall_time=time.time(), step=int(step), summary=summary))
@@ -61,12 +63,10 @@ class SummaryWriter:
       self._jsonl.write(json.dumps(record) + '\n')
       self._jsonl.flush()
     elif self._rows_path:
-      from paxcli.jobdir import lock as joblock
       joblock.put_row(self._rows_path, record)
     self._writer.flush()
 
   def text(self, step: int, tag: str, text: str) -> None:
-    from tensorboard.compat.proto import event_pb2, summary_pb2, tensor_pb2, tensor_shape_pb2
     tensor = tensor_pb2.TensorProto(dtype=7, string_val=[text.encode()],  # 7 = DT_STRING
                                     tensor_shape=tensor_shape_pb2.TensorShapeProto())
     meta = summary_pb2.SummaryMetadata(plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name='text'))

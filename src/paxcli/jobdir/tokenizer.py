@@ -20,17 +20,7 @@ import fiddle as fdl
 from paxcli.errors import UserError
 from paxcli.inputs import tokenizers
 from paxcli.inputs.tokenizers import Tokenizer
-
-DIRNAME = 'tokenizer'
-FILENAMES = {'sentencepiece': 'spm.model', 'hf': 'tokenizer.json'}
-
-
-def job_dir_file(job_dir: str, kind: Optional[str] = None) -> str:
-  """The job directory's tokenizer file: of `kind`, else the one present (default: spm.model)."""
-  if kind is None:
-    kind = next((k for k, name in FILENAMES.items() if os.path.isfile(os.path.join(job_dir, DIRNAME, name))),
-                'sentencepiece')
-  return os.path.join(job_dir, DIRNAME, FILENAMES[kind])
+from paxcli.jobdir import layout
 
 
 def save_to_job_dir(train_input, job_dir: str) -> Optional[str]:
@@ -41,10 +31,10 @@ def save_to_job_dir(train_input, job_dir: str) -> Optional[str]:
   if not os.path.isfile(source):
     raise UserError(f'The train input names the tokenizer {source}, which is not a file.')
   kind = tokenizers.kind_of(source)
-  target = job_dir_file(job_dir, kind)
-  for other in FILENAMES:  # one tokenizer per job directory: the other kind's file would shadow it
-    if other != kind and os.path.isfile(job_dir_file(job_dir, other)):
-      os.remove(job_dir_file(job_dir, other))
+  target = layout.tokenizer(job_dir, kind)
+  for other in layout.TOKENIZER_FILES:  # one tokenizer per job directory: the other kind's file would shadow it
+    if other != kind and os.path.isfile(layout.tokenizer(job_dir, other)):
+      os.remove(layout.tokenizer(job_dir, other))
   if os.path.isfile(target) and _same_bytes(source, target):
     return target
   os.makedirs(os.path.dirname(target), exist_ok=True)
@@ -65,8 +55,8 @@ def load(job_dir: Optional[str], train_input_cfg=None) -> Optional[Tokenizer]:
   `train_input_cfg` (a fiddle config) is built only when the job directory has none, e.g. for
   `--no-checkpoint` runs that never trained.
   """
-  if job_dir and os.path.isfile(job_dir_file(job_dir)):
-    return tokenizers.load(job_dir_file(job_dir))
+  if job_dir and os.path.isfile(layout.tokenizer(job_dir)):
+    return tokenizers.load(layout.tokenizer(job_dir))
   if train_input_cfg is None:
     return None
   cfg = copy.deepcopy(train_input_cfg)

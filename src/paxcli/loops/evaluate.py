@@ -15,14 +15,27 @@ that with a collective each step, so every example counts exactly once.
 
 from __future__ import annotations
 
-import math
+import json
 import os
+import time
 from typing import Any, Optional
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
+from rich.table import Table
 
 from paxcli.errors import UserError
 from paxcli.inputs.base import EndOfInput, padding_like
+from paxcli.jobdir import checkpoint as ckpt
+from paxcli.jobdir import layout
+from paxcli.jobdir import lock as joblock
+from paxcli.jobdir import restore
+from paxcli.jobdir.summaries import SummaryWriter
+from paxcli.runtime import engine
+from paxcli.runtime import sharding
+from paxcli.runtime.sharding import to_global
 
 SEMANTICS_TABLE = (
     'Eval semantics (reset_for_eval, eval_loop_num_batches): (True, None) = one epoch of a finite input '
@@ -50,10 +63,8 @@ def check_semantics(cfg) -> None:
 
 def any_host_has_data(has_data: bool) -> bool:
   """True while any process still has real data (a collective across processes)."""
-  import jax
   if jax.process_count() == 1:
     return has_data
-  from jax.experimental import multihost_utils
   flags = multihost_utils.process_allgather(np.array([1 if has_data else 0], np.int32))
   return bool(np.asarray(flags).sum() > 0)
 
@@ -104,9 +115,6 @@ class EvalReader:
 
 def make_eval_step(setup, batch_sharding):
   """(variables, batch) -> replicated sums: value x weight and weight of each metric, examples."""
-  import jax
-  import jax.numpy as jnp
-
   model = setup.model
 
   def step(variables, batch):
@@ -146,7 +154,6 @@ def lm_template(setup) -> dict:
 
 def run_eval(setup, variables, inp, eval_step, batch_sharding) -> dict[str, float]:
   """One eval run over `inp`; metrics are exact weighted means over all hosts."""
-  from paxcli.runtime.sharding import to_global
   totals: dict[str, float] = {}
   num_batches = 0
   for batch in EvalReader(inp, lm_template(setup)).batches():
@@ -163,20 +170,6 @@ def run_eval(setup, variables, inp, eval_step, batch_sharding) -> dict[str, floa
   return results
 
 
-def eval_paths(job_dir: str, name: str) -> tuple[str, str]:
-  """(TensorBoard directory, metrics .jsonl) of one eval input in a job directory.
-
-  The usual single eval input, named `eval`, writes `summaries/eval/` and
-  `eval_metrics.jsonl`; another name N writes `summaries/eval_N/` and
-  `eval_N_metrics.jsonl`. A job directory that already holds the older
-  `eval_eval...` files keeps writing them, so its history stays in one place.
-  """
-  legacy = (os.path.join(job_dir, 'summaries', f'eval_{name}'), os.path.join(job_dir, f'eval_{name}_metrics.jsonl'))
-  if name != 'eval' or os.path.exists(legacy[1]) or os.path.isdir(legacy[0]):
-    return legacy
-  return os.path.join(job_dir, 'summaries', 'eval'), os.path.join(job_dir, 'eval_metrics.jsonl')
-
-
 def eval_label(name: str) -> str:
   """How a log line names an eval input: `eval` for the usual one, else `eval on N`."""
   return 'eval' if name == 'eval' else f'eval on {name}'
@@ -191,11 +184,6 @@ class Evaluator:
   """Eval inputs of an experiment, built once, run at any step (train's hook and `pax eval`)."""
 
   def __init__(self, resolved, setup, job_dir: Optional[str]):
-    import jax
-
-    from paxcli.runtime import engine
-
-    from paxcli.runtime import sharding
     self.setup = setup
     self.batch_sharding = sharding.batch_sharding(setup.mesh)
     self.step = make_eval_step(setup, self.batch_sharding)
@@ -209,8 +197,7 @@ class Evaluator:
   def _writer(self, name: str):
     """Process 0's summary writer for one eval input, made at its first eval (no empty files)."""
     if self.job_dir and name not in self.writers:
-      from paxcli.jobdir.summaries import SummaryWriter
-      self.writers[name] = SummaryWriter(*eval_paths(self.job_dir, name), one_row_per_step=True)
+      self.writers[name] = SummaryWriter(*layout.eval_paths(self.job_dir, name), one_row_per_step=True)
     return self.writers.get(name)
 
   def run(self, step: int, state) -> dict[str, dict[str, Any]]:
@@ -232,14 +219,12 @@ class Evaluator:
 
 def evaluate(resolved, job_dir: str, console, use_checkpoint: bool = True, step: Optional[int] = None) -> dict:
   """`pax eval`: metrics of every eval dataset from the latest checkpoint, checkpoint `step`, or fresh weights."""
-  from paxcli.runtime import engine
   setup = engine.build(resolved)
   if not resolved.eval_datasets():
     raise UserError(f'{resolved.name} has no eval datasets (inputs with is_training=False).')
   evaluator = Evaluator(resolved, setup, job_dir)
   try:
     if use_checkpoint:
-      from paxcli.jobdir import restore
       latest = step is None  # the latest: a damaged one falls back to the newest intact one
       step = restore.choose_step(job_dir, step=step, purpose='evaluate')
       step, results = _evaluate_step(resolved, setup, evaluator, job_dir, step, fallback=latest,
@@ -252,7 +237,6 @@ def evaluate(resolved, job_dir: str, console, use_checkpoint: bool = True, step:
   return {'step': step, 'results': results}
 
 
-FOLLOW_RECORD = 'eval_done.jsonl'
 STOP, WAIT = -1, -2  # what a follower does next, besides evaluating a step
 TRAINER_START_GRACE_S = 120.0  # --follow without --timeout and no trainer seen yet: how long to wait for one
 
@@ -264,29 +248,21 @@ def _evaluate_step(resolved, setup, evaluator, job_dir: str, step: int, fallback
   Returns (the step evaluated, metrics): with fallback, an older step when `step` is damaged
   (named in a WARNING line; nothing is moved: eval only reads).
   """
-  import jax
-
-  from paxcli.jobdir import restore
   flat = {k: repr(v) for k, v in resolved.flat().items()}
   restored = restore.restore(setup, job_dir, step, params_only=True, flat_now=flat, action='evaluate',
                              fallback=fallback, log=log)
   step = restored.step
   results = evaluator.run(step, restored.state)
   if jax.process_index() == 0:
-    import json
-    import time
-
-    from paxcli.jobdir import lock as joblock
-    joblock.append_line(os.path.join(job_dir, FOLLOW_RECORD),
+    joblock.append_line(layout.eval_done(job_dir),
                        json.dumps({'step': step, 'datasets': sorted(results), 'time': time.time()}))
   return step, results
 
 
 def evaluated_steps(job_dir: str, names) -> set[int]:
   """Checkpoint steps whose every eval input in `names` was evaluated (eval_done.jsonl)."""
-  import json
   done: dict[int, set[str]] = {}
-  path = os.path.join(job_dir, FOLLOW_RECORD)
+  path = layout.eval_done(job_dir)
   if os.path.exists(path):
     with open(path, encoding='utf-8', errors='replace') as f:
       for line in f:
@@ -300,10 +276,8 @@ def evaluated_steps(job_dir: str, names) -> set[int]:
 
 def _agree(value: int) -> int:
   """Process 0's value on every process (the checkpoint listing may differ for a moment)."""
-  import jax
   if jax.process_count() == 1:
     return value
-  from jax.experimental import multihost_utils
   return int(multihost_utils.broadcast_one_to_all(np.asarray(value, np.int64)))
 
 
@@ -311,19 +285,15 @@ class _Trainer:
   """Whether a trainer may still write checkpoints into the job directory (its train.lock)."""
 
   def __init__(self, job_dir: str, grace: Optional[float]):
-    import time
     self.job_dir, self.grace, self.seen, self.started = job_dir, grace, False, time.monotonic()
     self.why = ''
 
   def gone(self) -> bool:
     """True when no trainer runs and none is expected: the lock names a dead process, or it was
     released (by a trainer seen here, or none came for `grace` seconds; None: wait)."""
-    import time
-
-    from paxcli.jobdir import lock as joblock
     owner = joblock.read_owner(self.job_dir)
     state = joblock.trainer_state(owner)
-    lock = os.path.join(self.job_dir, joblock.LOCK_NAME)
+    lock = layout.lock(self.job_dir)
     if state == 'running':
       self.seen = True
       return False
@@ -352,23 +322,16 @@ def follow(resolved, job_dir: str, console, timeout: Optional[float] = None, pol
   on_first() is called (process 0) before the first evaluation: the job directory exists by
   then (a follower never creates it).
   """
-  import time
-
-  import jax
-
-  from paxcli.runtime import engine
-
-  from paxcli.jobdir import restore
   setup = engine.build(resolved)
   if not resolved.eval_datasets():
     raise UserError(f'{resolved.name} has no eval datasets (inputs with is_training=False).')
   names = [cfg.name for cfg in resolved.eval_datasets()]
-  directory = restore.checkpoints_dir(job_dir)
+  directory = layout.checkpoints(job_dir)
   last_step = int(resolved.task.train.num_train_steps)
   log = lambda m: console.print(m, highlight=False, markup=False, soft_wrap=True)
   done = evaluated_steps(job_dir, names)
   log(f'Following {directory}: evaluating each new checkpoint on {", ".join(names)} up to step {last_step}'
-      + (f'; {len(done)} already evaluated (in {FOLLOW_RECORD})' if done else '')
+      + (f'; {len(done)} already evaluated (in {os.path.basename(layout.eval_done(job_dir))})' if done else '')
       + ('' if timeout is None else f'; giving up after {timeout:g} s') + '.')
   evaluator = Evaluator(resolved, setup, job_dir)
   trainer = _Trainer(job_dir, TRAINER_START_GRACE_S if timeout is None else None)
@@ -421,15 +384,12 @@ def follow(resolved, job_dir: str, console, timeout: Optional[float] = None, pol
 
 def _next_step(job_dir: str, names, done: set, trainer: _Trainer, last_step: int, log):
   """Process 0 of a follower: (claim, step to evaluate), or (None, STOP or WAIT)."""
-  from paxcli.jobdir import checkpoint as ckpt
-  from paxcli.jobdir import lock as joblock
-  from paxcli.jobdir import restore
-  directory = restore.checkpoints_dir(job_dir)
+  directory = layout.checkpoints(job_dir)
   gone = trainer.gone()  # before listing: a trainer that is gone has written its last checkpoint
   done |= evaluated_steps(job_dir, names)  # also other followers' work
   todo = [s for s in ckpt.complete_steps(directory) if s not in done]
   for step in todo:
-    claim = joblock.StepClaim(os.path.join(directory, str(step)))
+    claim = joblock.StepClaim(layout.step_dir(job_dir, step))
     if not claim.acquire():
       continue  # another follower evaluates it
     if step in evaluated_steps(job_dir, names):  # another follower finished it meanwhile
@@ -450,7 +410,6 @@ def _next_step(job_dir: str, names, done: set, trainer: _Trainer, last_step: int
 
 
 def results_table(step: int, results: dict):
-  from rich.table import Table
   table = Table(title=f'Eval at step {step}')
   first = next(iter(results.values()), {})
   counts = [('num_examples', 'examples'), ('num_tokens', 'tokens'), ('num_batches', 'batches')]

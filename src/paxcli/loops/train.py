@@ -1,27 +1,51 @@
-"""The train loop: one function to read top to bottom, helpers for the step and reporting.
+"""The train loop: `_train` reads top to bottom; the step, and the hooks that do the rest.
 
-Job directory layout:
-  config.txt             the resolved config of the latest invocation
-  invocations.txt        one line per invocation: UTC time, paxcli version, command line
-  tokenizer/spm.model    the train input's sentencepiece model (decode and conversion read it)
-  checkpoints/<step>/    orbax checkpoints (state + meta)
-  summaries/train/       TensorBoard events
-  train_metrics.jsonl    the same numbers, one JSON object per summary step
+`_train` builds the run (mesh, model, state shapes), opens the job directory (its paths are
+named in paxcli/jobdir/layout.py), resumes from the latest good checkpoint or initialises,
+registers the hooks (paxcli/loops/hooks.py) and runs the steps. Everything a step leads to
+besides the next step is a hook: the loss check, summaries and progress, checkpoints, eval,
+decode, the profiler and the graceful stop.
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import functools
 import math
 import os
 import signal
+import statistics
 import sys
 import threading
-import time
-from typing import Optional
+from typing import Callable, Optional
 
+import jax
+import jax.numpy as jnp
+import optax
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                           TimeRemainingColumn)
+from rich.table import Table
+
+from paxcli import optim
 from paxcli.config import config_differences
 from paxcli.errors import UserError
+from paxcli.jobdir import checkpoint as ckpt
+from paxcli.jobdir import invocation
+from paxcli.jobdir import layout
+from paxcli.jobdir import lock as joblock
+from paxcli.jobdir import restore
+from paxcli.jobdir import summaries
+from paxcli.jobdir import tokenizer
+from paxcli.layers.base import AUX_LOSS, NON_TRAINABLE, RANDOM, SUMMARIES, flatten_collection
+from paxcli.loops.decode.training import TrainDecoder
+from paxcli.loops.evaluate import Evaluator, metrics_line
+from paxcli.loops.hooks import Chrono, Hooks, StepInfo, Window
+from paxcli.perf import flops
+from paxcli.perf import profiling
+from paxcli.runtime import distributed
+from paxcli.runtime import engine
+from paxcli.runtime import sharding
 from paxcli.runtime.sharding import to_global
 
 
@@ -29,41 +53,7 @@ class TrainingDiverged(UserError):
   exit_code = 3
 
 
-# A run whose first this-many steps (of one invocation) all have zero total weight stops:
-# every target token is masked, so the loss is 0 and nothing trains.
-ZERO_WEIGHT_STEPS_TO_STOP = 10
-
-
-class LossGuard:
-  """Stops a run whose finite loss jumps far above its recent median, as a NaN does.
-
-  `recent` holds the last `window` step losses; it is saved in each checkpoint's meta, so a
-  resumed run (say, with a learning rate a thousand times too big) is checked from its first step.
-  The check starts once 10 losses are known. factor 0 turns it off.
-  """
-
-  MIN_HISTORY = 10
-
-  def __init__(self, factor: float, window: int, history=()):
-    import collections
-    self.factor = factor
-    self.recent = collections.deque((float(x) for x in history or () if math.isfinite(float(x))), maxlen=window)
-
-  def median(self) -> Optional[float]:
-    import statistics
-    return statistics.median(self.recent) if self.recent else None
-
-  def check(self, step: int, loss: float, last_checkpoint: Optional[int]) -> None:
-    median = self.median()
-    if self.factor and len(self.recent) >= min(self.MIN_HISTORY, self.recent.maxlen) and median > 0 \
-        and loss > self.factor * median:
-      kept = f'step {last_checkpoint}' if last_checkpoint is not None else 'none yet'
-      raise TrainingDiverged(
-          f'The loss jumped to {loss:.4g} at step {step}, {loss / median:,.0f}x its median {median:.4g} over the '
-          f'last {len(self.recent)} steps (task.train.loss_spike_factor={self.factor:g}); stopping. No checkpoint '
-          f'of this state was written; the last checkpoint is {kept}. Lower the learning rate, or set '
-          'task.train.loss_spike_factor=0 to turn this check off.')
-    self.recent.append(loss)
+# ---- The step -------------------------------------------------------------------------------------
 
 
 def make_train_step(setup, batch_sharding, dropout_seed: int, compiler_options: Optional[dict] = None):
@@ -74,12 +64,6 @@ def make_train_step(setup, batch_sharding, dropout_seed: int, compiler_options: 
   summaries come back in the metrics under 'summary/<layer path>/<name>'.
   `compiler_options`: XLA options for this program only (a PGLE profile, for one).
   """
-  import jax
-  import jax.numpy as jnp
-  import optax
-
-  from paxcli import optim
-  from paxcli.layers.base import AUX_LOSS, NON_TRAINABLE, RANDOM, SUMMARIES, flatten_collection
   model, tx = setup.model, setup.tx
   lr_fn = optim.learning_rate_fn(setup.train)
   deterministic = getattr(model, 'dropout_prob', 0) == 0
@@ -130,9 +114,6 @@ def make_train_step(setup, batch_sharding, dropout_seed: int, compiler_options: 
 def step_rngs(seed: int, step) -> dict:
   """The random streams of one train step: a function of the seed and the step alone, so a
   resumed run draws what an uninterrupted one would. Flax folds in each call on top."""
-  import jax
-
-  from paxcli.layers.base import RANDOM
   rng = jax.random.fold_in(jax.random.key(seed), step)
   return {'dropout': rng, RANDOM: jax.random.fold_in(rng, 1)}
 
@@ -145,10 +126,7 @@ def sync_non_trainable(new_vars, setup):
   with pmap averaged per-replica values); the sharding constraint keeps every replica's
   copy the same array.
   """
-  import jax
-
-  from paxcli.runtime.engine import unbox
-  return jax.tree.map(jax.lax.with_sharding_constraint, unbox(new_vars), setup.state_shardings['non_trainable'])
+  return jax.tree.map(jax.lax.with_sharding_constraint, engine.unbox(new_vars), setup.state_shardings['non_trainable'])
 
 
 def ready_step(resolved, seed: int = 0):
@@ -156,13 +134,184 @@ def ready_step(resolved, seed: int = 0):
 
   For benchmarks and tests that run steps directly.
   """
-  from paxcli.runtime import engine
-  from paxcli.runtime import sharding
   setup = engine.build(resolved)
   state = engine.init_state(setup, seed)
   batch_sharding = sharding.batch_sharding(setup.mesh)
   step = make_train_step(setup, batch_sharding, seed)
   return setup, state, step, batch_sharding, engine.build_input(resolved.train_dataset(), setup)
+
+
+# ---- The hooks ------------------------------------------------------------------------------------
+
+
+class TrainStep:
+  """The jitted step, and the profiler around it: `profiler.before(step)` starts a trace ahead of a
+  step; the `profile` hook stops it, and recompiles the step with a PGLE profile once measured."""
+
+  def __init__(self, setup, batch_sharding, dropout_seed: int, profiler: profiling.StepProfiler):
+    self._make = functools.partial(make_train_step, setup, batch_sharding, dropout_seed)
+    self._profiler = profiler
+    self._fn = self._make(profiler.pgle_options)
+
+  def __call__(self, state, batch):
+    return self._fn(state, batch)
+
+  def profile(self, info: StepInfo) -> None:
+    """Hook, every step (a no-op outside the traced steps)."""
+    recompile_with = self._profiler.after(info.step, info.metrics)
+    if recompile_with:
+      self._fn = self._make(recompile_with)
+
+
+# A run whose first this-many steps (of one invocation) all have zero total weight stops:
+# every target token is masked, so the loss is 0 and nothing trains.
+ZERO_WEIGHT_STEPS_TO_STOP = 10
+
+
+class LossGuard:
+  """Stops a run whose finite loss jumps far above its recent median, as a NaN does.
+
+  `recent` holds the last `window` step losses; it is saved in each checkpoint's meta, so a
+  resumed run (say, with a learning rate a thousand times too big) is checked from its first step.
+  The check starts once 10 losses are known. factor 0 turns it off.
+  """
+
+  MIN_HISTORY = 10
+
+  def __init__(self, factor: float, window: int, history=()):
+    self.factor = factor
+    self.recent = collections.deque((float(x) for x in history or () if math.isfinite(float(x))), maxlen=window)
+
+  def median(self) -> Optional[float]:
+    return statistics.median(self.recent) if self.recent else None
+
+  def check(self, step: int, loss: float, last_checkpoint: Optional[int]) -> None:
+    median = self.median()
+    if self.factor and len(self.recent) >= min(self.MIN_HISTORY, self.recent.maxlen) and median > 0 \
+        and loss > self.factor * median:
+      kept = f'step {last_checkpoint}' if last_checkpoint is not None else 'none yet'
+      raise TrainingDiverged(
+          f'The loss jumped to {loss:.4g} at step {step}, {loss / median:,.0f}x its median {median:.4g} over the '
+          f'last {len(self.recent)} steps (task.train.loss_spike_factor={self.factor:g}); stopping. No checkpoint '
+          f'of this state was written; the last checkpoint is {kept}. Lower the learning rate, or set '
+          'task.train.loss_spike_factor=0 to turn this check off.')
+    self.recent.append(loss)
+
+
+class LossCheck:
+  """Hook, every step: each step's metrics, read one step late (the host never waits on the step
+  just dispatched), stop the run on a non-finite or runaway loss (LossGuard) and on steps whose
+  every target token is masked. A summary or a save reads the latest step at once (`settle`)."""
+
+  def __init__(self, guard: LossGuard, start_step: int, total_steps: int, checkpointer: ckpt.Checkpointer):
+    self.guard, self._start, self._total, self._checkpointer = guard, start_step, total_steps, checkpointer
+    self._pending = None  # (step, metrics on the device) not yet read
+    self._rows: list[dict] = []  # read and checked since the last summary
+    self._seen = self._zero_weight = 0
+
+  def __call__(self, info: StepInfo) -> None:
+    self.settle()
+    self._pending = (info.step, info.metrics)
+
+  def settle(self) -> None:
+    if self._pending is not None:
+      self._rows.append(self._check(*self._pending))
+      self._pending = None
+
+  def drain(self) -> list[dict]:
+    """The rows checked since the last drain."""
+    rows, self._rows = self._rows, []
+    return rows
+
+  def _check(self, step: int, metrics) -> dict:
+    values = {k: float(v) for k, v in metrics.items()}
+    if not math.isfinite(values['loss']):
+      raise TrainingDiverged(f'The loss became {values["loss"]} at step {step}; stopping. No checkpoint of '
+                             'this state was written. Lower the learning rate or check the input.')
+    self.guard.check(step, values['loss'], self._checkpointer.latest_saved)
+    values['step'] = step
+    self._seen += 1
+    self._zero_weight += values['tokens'] == 0
+    if self._seen == self._zero_weight == min(ZERO_WEIGHT_STEPS_TO_STOP, self._total - self._start):
+      raise UserError(f'Steps {self._start + 1}-{step} all had zero total weight: every target token of every '
+                      'batch is masked (weights 0), so the loss is 0 and nothing trains. Stopping. Check the '
+                      "input's weights or paddings (`pax inspect-input` shows padding per feature).")
+    return values
+
+
+class Summary:
+  """Hook, every summary_interval_steps and at the end: the means of the steps since the last
+  summary, with rates over the window's steady time, into TensorBoard and train_metrics.jsonl
+  (process 0's `writer`) and the log. `last` is the latest summary (the run's return value)."""
+
+  def __init__(self, losses: LossCheck, chrono: Chrono, reporter: 'Reporter', writer, mfu_of, start_step: int):
+    self._losses, self._chrono, self._reporter, self._writer, self._mfu_of = losses, chrono, reporter, writer, mfu_of
+    self.last = {'step': start_step}
+
+  def __call__(self, info: StepInfo) -> None:
+    self._losses.settle()
+    rows, window = self._losses.drain(), self._chrono.window(info.step)
+    if rows and not any(r['tokens'] for r in rows):
+      self._reporter.log(f"warning: steps {rows[0]['step']}-{rows[-1]['step']} had zero total weight (every "
+                         'target token masked): their loss 0 means nothing was trained.')
+    self.last = _summarize(info.step, rows, window, self._mfu_of)
+    if self._writer:
+      self._writer.scalars(info.step, {k: v for k, v in self.last.items() if k != 'step'})
+    self._reporter.summary(self.last, self._chrono.eta(info.step, self.last['steps_per_sec']))
+
+  def close(self) -> None:
+    if self._writer:
+      self._writer.close()
+
+
+class Saver:
+  """Hook, every save_interval_steps, at the end and at a stop: a checkpoint of the state (never of
+  non-finite parameters) with the meta a resume reads (RunSpec, input position, recent losses)."""
+
+  def __init__(self, checkpointer: ckpt.Checkpointer, losses: LossCheck, spec: RunSpec, start: Start):
+    self._checkpointer, self._losses, self._spec, self._start = checkpointer, losses, spec, start
+
+  def __call__(self, info: StepInfo) -> None:
+    self._losses.settle()  # the step's loss is checked before its state is saved
+    if not params_finite(info.state['params']):
+      raise TrainingDiverged(f'The parameters became non-finite at step {info.step} (the loss was still finite); '
+                             'stopping without saving them. Lower the learning rate or clip gradients.')
+    spec, guard = self._spec, self._losses.guard
+    self._checkpointer.save(info.step, info.state, {
+        'batches_consumed': self._start.batches_consumed + info.step - self._start.step, 'step': info.step,
+        'global_batch': spec.global_batch, 'state_shapes': spec.shapes, 'config': spec.flat,
+        'input_layout': spec.input_layout, 'recent_losses': list(guard.recent), 'loss': guard.median(),
+        'checksums': restore.checksums(info.state)})
+
+
+def params_finite(params) -> bool:
+  return bool(_all_finite()(jax.tree.leaves(params)))
+
+
+@functools.cache
+def _all_finite():
+  """One jitted check, so each save reuses its compilation instead of tracing a new one."""
+  return jax.jit(lambda leaves: jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])))
+
+
+def _eval_hook(evaluator: Evaluator, reporter: 'Reporter', chrono: Chrono) -> Callable[[StepInfo], None]:
+  """Hook, every eval_interval_steps: every eval input on the state, timed apart from the steps."""
+
+  def run(info: StepInfo) -> None:
+    with chrono.paused():
+      for name, m in evaluator.run(info.step, info.state).items():
+        reporter.log(metrics_line(info.step, name, m))
+  return run
+
+
+def _decode_hook(decoder: TrainDecoder, reporter: 'Reporter', chrono: Chrono) -> Callable[[StepInfo], None]:
+  """Hook, every decode_interval_steps and at the end: greedy continuations of the decode prompts."""
+
+  def run(info: StepInfo) -> None:
+    with chrono.paused():
+      for line in decoder.run(info.step, info.state['params']):
+        reporter.log(line)
+  return run
 
 
 class GracefulStop:
@@ -171,7 +320,8 @@ class GracefulStop:
   Only with one process: several processes must agree on the step to save at, which a
   signal to one of them cannot give. A second signal (Ctrl-C again) exits at once, in
   one line, without waiting for a save in flight: orbax's temporary directory is left
-  behind and set aside (never used) at the next start.
+  behind and set aside (never used) at the next start. `hook` ends the run once the
+  step's checkpoint is saved (the Saver hook saves at a stop).
   """
 
   SIGNALS = {'SIGTERM': 143, 'SIGINT': 130}
@@ -207,22 +357,20 @@ class GracefulStop:
   def requested(self) -> bool:
     return self.signal_name is not None
 
+  def hook(self, checkpointer: ckpt.Checkpointer, reporter: 'Reporter', log, directory: str):
+    """Hook, at a stop: waits for the step's checkpoint, says so, and exits with the signal's code."""
 
-def params_finite(params) -> bool:
-  import jax
-  return bool(_all_finite()(jax.tree.leaves(params)))
-
-
-@functools.cache
-def _all_finite():
-  """One jitted check, so each save reuses its compilation instead of tracing a new one."""
-  import jax
-  import jax.numpy as jnp
-  return jax.jit(lambda leaves: jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])))
+    def stop(info: StepInfo) -> None:
+      checkpointer.wait()
+      reporter.close()
+      log(f'Stopped by {self.signal_name} after step {info.step}; saved a checkpoint at step {info.step} in '
+          f'{directory}. Run the same command to resume.')
+      raise SystemExit(self.SIGNALS[self.signal_name])
+    return stop
 
 
 class Reporter:
-  """A rich progress bar on a terminal; plain log lines otherwise (CI, files, pipes)."""
+  """Hook, every step: a rich progress bar on a terminal; plain log lines otherwise (CI, files, pipes)."""
 
   def __init__(self, console, total: int, start: int, enabled: bool = True):
     self.console = console
@@ -230,9 +378,8 @@ class Reporter:
     self.enabled = enabled
     self.interactive = enabled and console.is_terminal
     self._progress = None
+    self._last: dict = {}
     if self.interactive:
-      from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                                 TimeRemainingColumn)
       self._progress = Progress(
           TextColumn('[bold]train'), BarColumn(), MofNCompleteColumn(),
           TextColumn('loss {task.fields[loss]}'), TextColumn('{task.fields[tps]} tok/s'),
@@ -240,27 +387,28 @@ class Reporter:
       self._task = self._progress.add_task('train', total=total, completed=start, loss='-', tps='-')
       self._progress.start()
 
-  def step(self, step: int, loss: Optional[float], tokens_per_sec: Optional[float]) -> None:
+  def __call__(self, info: StepInfo) -> None:
     if self._progress is not None:
       fields = {}
-      if loss is not None:
-        fields['loss'] = f'{loss:.4f}'
-      if tokens_per_sec is not None:
-        fields['tps'] = f'{tokens_per_sec:,.0f}'
-      self._progress.update(self._task, completed=step, **fields)
+      if 'loss' in self._last:
+        fields['loss'] = f"{self._last['loss']:.4f}"
+      if 'tokens_per_sec' in self._last:
+        fields['tps'] = f"{self._last['tokens_per_sec']:,.0f}"
+      self._progress.update(self._task, completed=info.step, **fields)
 
   def log(self, message: str) -> None:
     if self.enabled:
       self.console.print(message, highlight=False, markup=False, soft_wrap=True)
 
-  def summary(self, record: dict) -> None:
+  def summary(self, record: dict, eta_seconds: Optional[float] = None) -> None:
+    self._last = record
     if self.enabled and not self.interactive:
       accuracy = f"  accuracy {record['accuracy']:.4f}" if 'accuracy' in record else ''
       aux = ''.join(f"  {k} {v:.4g}" for k, v in record.items() if k.startswith('aux_loss/'))
       self.log(f"step {record['step']}: loss {record['loss']:.4f}{accuracy}{aux}  "
                f"lr {record['learning_rate']:.3g}  grad_norm {record['grad_norm']:.3f}  "
                f"{record['steps_per_sec']:.2f} steps/s  {record['tokens_per_sec']:,.0f} tokens/s"
-               f"{mfu_note(record)}{eta_note(record, self.total)}{window_note(record)}")
+               f"{mfu_note(record)}{eta_note(eta_seconds)}{window_note(record)}")
 
   def close(self) -> None:
     if self._progress is not None:
@@ -268,294 +416,24 @@ class Reporter:
       self._progress = None
 
 
-def train(resolved, job_dir: str, console, verbose: bool = False, profile_steps=None, pgle: Optional[str] = None,
-          pgle_profile: Optional[str] = None) -> dict:
-  """Trains (or resumes) the resolved experiment in job_dir. Returns the last summary.
-
-  The job directory is checked first and locked for the run (`paxcli/jobdir/lock.py`): a
-  second trainer on it is refused. profile_steps: (A, B) to trace steps A..B with
-  jax.profiler; pgle/pgle_profile: see paxcli.perf.profiling.
-  """
-  from paxcli.runtime import engine
-  from paxcli.jobdir import lock as joblock
-  engine.check_supported(resolved.experiment)  # refusals first: a refused run leaves no job directory
-  engine.apply_platform_env(resolved.experiment.PLATFORM_ENV, log=lambda m: console.print(m))
-  import jax  # after PLATFORM_ENV: it may set XLA_FLAGS
-
-  from paxcli.perf import profiling
-  profiling.check_pgle(pgle, pgle_profile)
-  joblock.check_writable(job_dir)  # makes the directory
-  log = (lambda m: console.print(m, highlight=False, markup=False, soft_wrap=True))
-  lock = joblock.lock_run(job_dir, log if jax.process_index() == 0 else (lambda m: None))
-  try:
-    return _train(resolved, job_dir, console, verbose, profile_steps, pgle_profile)
-  finally:
-    if lock is not None:
-      lock.release()
+# ---- Summaries ------------------------------------------------------------------------------------
 
 
-def _train(resolved, job_dir: str, console, verbose: bool = False, profile_steps=None,
-           pgle_profile: Optional[str] = None) -> dict:
-  from paxcli.runtime import engine
-  import jax
-
-  from paxcli.jobdir import checkpoint as ckpt
-  from paxcli.perf import flops
-  from paxcli.perf import profiling
-  from paxcli.jobdir import restore
-  from paxcli.runtime import sharding
-  from paxcli.jobdir import summaries
-  from paxcli.jobdir.summaries import SummaryWriter
-  is_main = jax.process_index() == 0
-  reporter_log = (lambda m: console.print(m, highlight=False, markup=False, soft_wrap=True)) if is_main else (lambda m: None)
-  from paxcli.runtime import distributed
-  distributed.log_topology(lambda m: console.print(m, highlight=False, markup=False, soft_wrap=True))
-
-  # ---- Mesh, model, state shapes ------------------------------------------------------
-  setup = engine.build(resolved)
-  train_cfg = setup.train
-  flat = {k: repr(v) for k, v in resolved.flat().items()}
-  shapes_now = engine.shape_signature(setup.abstract_state)
-  devices = jax.devices()
-  reporter_log(f'Experiment {resolved.name} -> {os.path.abspath(job_dir)}')
-  reporter_log(f'Devices: {len(devices)} x {devices[0].device_kind} ({jax.default_backend()}), '
-               f'{jax.process_count()} process(es); mesh {sharding.describe_mesh(setup.mesh)}')
-  reporter_log(f'Parameters: {engine.param_count(setup.abstract_state):,}; global batch '
-               f'{setup.infeed.describe()} x {setup.seq_len} tokens')
-  if verbose and is_main:
-    _print_weights(console, setup)
-
-  # ---- Checkpoint: resume or start -------------------------------------------------------
-  ckpt_dir = os.path.join(job_dir, 'checkpoints')
-  os.makedirs(job_dir, exist_ok=True)
-  if is_main:
-    from paxcli.jobdir import invocation
-    invocation.record(job_dir)
-  ckpt.set_aside_unfinished(ckpt_dir, log=reporter_log)
-  distributed.barrier('paxcli:unfinished-checkpoints-set-aside')  # all processes then see the same steps
-  checkpointer = ckpt.Checkpointer(ckpt_dir, train_cfg.save_max_to_keep)
-  latest = checkpointer.latest_step()
-  batches_consumed = 0
-  layout = engine.input_layout(resolved, setup)
-  if latest is not None:
-    if latest >= train_cfg.num_train_steps:
-      restore.check_shapes(restore.read_meta(job_dir, latest), shapes_now, flat, latest, False, 'resume from')
-      reporter_log(f'Run already finished: checkpoint at step {latest} >= num_train_steps '
-                   f'{train_cfg.num_train_steps}. Nothing to do.')
-      checkpointer.close()
-      return {'step': latest, 'finished': True}
-    restored = restore.restore(setup, job_dir, latest, flat_now=flat, action='resume from', fallback=True,
-                               set_aside=True, log=reporter_log)
-    state, meta = restored.state, restored.meta
-    if restored.step != latest:  # a damaged checkpoint was set aside
-      latest = restored.step
-      checkpointer.reload()
-    if restored.params_only_checkpoint:
-      reporter_log(f'The checkpoint at step {latest} holds parameters only: the optimizer state starts fresh.')
-    batches_consumed = int(meta.get('batches_consumed', latest))
-    if int(meta.get('global_batch', setup.global_batch)) != setup.global_batch:
-      reporter_log(f'Note: the global batch changed ({meta.get("global_batch")} -> {setup.global_batch}); '
-                   'the data order from here differs from an uninterrupted run.')
-    layout_note = engine.layout_change_note(meta.get('input_layout'), layout)
-    if layout_note:
-      reporter_log(layout_note)
-    reporter_log(f'Resumed from step {latest} ({batches_consumed} batches consumed).')
-    changed = config_differences(meta.get('config') or {}, flat, prefixes=('',))
-    if changed:
-      reporter_log(f'Note: {len(changed)} setting(s) differ from the checkpoint\'s config (the run goes on '
-                   'with the new ones):\n  ' + '\n  '.join(changed))
-  else:
-    state = engine.init_state(setup, resolved.experiment.RANDOM_SEED)
-  if is_main:
-    with open(os.path.join(job_dir, 'config.txt'), 'w', encoding='utf-8') as f:
-      f.write(resolved.as_text())
-    _trim_replayed_metrics(job_dir, int(latest or 0), reporter_log)
-
-  # ---- Input -------------------------------------------------------------------------------
-  train_input = engine.build_input(resolved.train_dataset(), setup)
-  if is_main:
-    from paxcli.jobdir import tokenizer
-    tokenizer.save_to_job_dir(train_input, job_dir)
-  train_input.skip(batches_consumed)
-  batch_sharding = sharding.batch_sharding(setup.mesh)
-  profiler = profiling.StepProfiler(job_dir, reporter_log, profile_steps, pgle_profile, int(latest or 0))
-  train_step = make_train_step(setup, batch_sharding, resolved.experiment.RANDOM_SEED + 1, profiler.pgle_options)
-  if profiler.pgle_options:
-    reporter_log(f'PGLE: compiling the train step with the profile {pgle_profile}.')
-  # MFU: model FLOPs per step (the model's train_flops) over the device's peak (paxcli.perf.flops).
-  model_flops = flops.for_model(setup.model, setup.seq_len)
-  mfu_of = None
-  if model_flops is None:
-    reporter_log(f'MFU: {flops.unknown_flops(setup.model)}.')
-  else:
-    step_flops = model_flops.per_step(setup.global_batch * setup.seq_len)
-    peak = flops.device_peak(devices[0], flops.compute_dtype(setup.model), measure_size=512)
-    mfu_of = functools.partial(mfu_fields, step_flops=step_flops, num_devices=len(devices), peak=peak.tflops)
-    reporter_log(f'MFU: {step_flops / 1e12:.4g} model TFLOP per step over {len(devices)} device(s); '
-                 f'peak {peak.source}.')
-  evaluator = None
-  if train_cfg.eval_interval_steps and resolved.eval_datasets():
-    from paxcli.loops.evaluate import Evaluator, metrics_line
-    evaluator = Evaluator(resolved, setup, job_dir)
-  train_decoder = None
-  if getattr(train_cfg, 'decode_interval_steps', 0) and train_cfg.decode_prompts:
-    from paxcli.loops.decode.training import TrainDecoder
-    train_decoder = TrainDecoder(resolved, setup, job_dir, train_cfg)
-
-  # ---- Loop ------------------------------------------------------------------------------------
-  writer = SummaryWriter(os.path.join(job_dir, 'summaries', 'train'),
-                         os.path.join(job_dir, 'train_metrics.jsonl')) if is_main else None
-  start_step = int(latest or 0)
-  reporter = Reporter(console, train_cfg.num_train_steps, start_step, enabled=is_main)
-  window: list[dict] = []
-  guard = LossGuard(train_cfg.loss_spike_factor, train_cfg.loss_spike_window,
-                    meta.get('recent_losses') if latest is not None else ())
-  last = {'step': start_step}
-  t_window = time.perf_counter()
-  steps_in_window = 0
-  pending = None  # metrics of the previous step, checked one step late to keep dispatch async
-  stop = GracefulStop(enabled=jax.process_count() == 1)
-  compile_timer = flops.CompileTimer()  # compilation and evals are timed apart from steps
-  eval_seconds = 0.0
-
-  def save(step: int) -> None:
-    if not params_finite(state['params']):
-      raise TrainingDiverged(f'The parameters became non-finite at step {step} (the loss was still finite); '
-                             'stopping without saving them. Lower the learning rate or clip gradients.')
-    checkpointer.save(step, state, {'batches_consumed': batches_consumed, 'step': step,
-                                    'global_batch': setup.global_batch, 'state_shapes': shapes_now,
-                                    'config': flat, 'input_layout': layout,
-                                    'recent_losses': list(guard.recent), 'loss': guard.median(),
-                                    'checksums': restore.checksums(state)})
-
-  zero_weight = {'steps': 0, 'seen': 0}
-
-  def take(step: int, metrics) -> dict:
-    """One step's metrics as floats, after the finite-loss and zero-weight checks."""
-    values = _check_finite(step, metrics, guard=guard, saved=checkpointer.latest_saved)
-    zero_weight['seen'] += 1
-    zero_weight['steps'] += values['tokens'] == 0
-    if zero_weight['seen'] == zero_weight['steps'] == min(ZERO_WEIGHT_STEPS_TO_STOP, train_cfg.num_train_steps - start_step):
-      raise UserError(f'Steps {start_step + 1}-{step} all had zero total weight: every target token of every '
-                      'batch is masked (weights 0), so the loss is 0 and nothing trains. Stopping. Check the '
-                      "input's weights or paddings (`pax inspect-input` shows padding per feature).")
-    return values
-
-  try:
-    stop.__enter__()
-    compile_timer.__enter__()
-    for step in range(start_step + 1, train_cfg.num_train_steps + 1):
-      batch = to_global(train_input.get_next(), batch_sharding, setup.global_batch)
-      profiler.before(step)
-      state, metrics = train_step(state, batch)
-      recompile_with = profiler.after(step, metrics)
-      if recompile_with:
-        train_step = make_train_step(setup, batch_sharding, resolved.experiment.RANDOM_SEED + 1, recompile_with)
-      batches_consumed += 1
-      steps_in_window += 1
-      if pending is not None:
-        window.append(take(*pending))
-      pending = (step, metrics)
-      stopping = stop.requested  # read once: a signal may land at any moment
-      is_last = step == train_cfg.num_train_steps
-      summarize = is_last or step % train_cfg.summary_interval_steps == 0
-      save_now = is_last or stopping or step % train_cfg.save_interval_steps == 0
-      if summarize or save_now:
-        window.append(take(*pending))
-        pending = None
-      if summarize:
-        now = time.perf_counter()
-        if window and not any(w['tokens'] for w in window):
-          reporter.log(f"warning: steps {window[0]['step']}-{window[-1]['step']} had zero total weight (every "
-                       'target token masked): their loss 0 means nothing was trained.')
-        last = _summarize(step, window, steps_in_window, max(now - t_window, 1e-9),
-                          compile_timer.take(), eval_seconds, mfu_of)
-        eval_seconds = 0.0
-        if writer:
-          writer.scalars(step, {k: v for k, v in last.items() if k != 'step'})
-        reporter.summary(last)
-        window, steps_in_window, t_window = [], 0, now
-      if save_now:
-        save(step)
-      if evaluator and step % train_cfg.eval_interval_steps == 0:
-        t_eval, compile_timer.ignoring = time.perf_counter(), True
-        for name, m in evaluator.run(step, state).items():
-          reporter.log(metrics_line(step, name, m))
-        compile_timer.ignoring = False
-        eval_seconds += time.perf_counter() - t_eval
-      if train_decoder and (step % train_cfg.decode_interval_steps == 0 or is_last):
-        t_eval, compile_timer.ignoring = time.perf_counter(), True
-        for line in train_decoder.run(step, state['params']):
-          reporter.log(line)
-        compile_timer.ignoring = False
-        eval_seconds += time.perf_counter() - t_eval
-      reporter.step(step, last.get('loss'), last.get('tokens_per_sec'))
-      if stopping:
-        checkpointer.wait()
-        reporter.close()
-        reporter_log(f'Stopped by {stop.signal_name} after step {step}; saved a checkpoint at step {step} in '
-                     f'{ckpt_dir}. Run the same command to resume.')
-        raise SystemExit(GracefulStop.SIGNALS[stop.signal_name])
-  finally:
-    stop.__exit__(None, None, None)
-    compile_timer.__exit__(None, None, None)
-    profiler.close()
-    reporter.close()
-    checkpointer.close()
-    if evaluator:
-      evaluator.close()
-    if train_decoder:
-      train_decoder.close()
-    if writer:
-      writer.close()
-  keep = train_cfg.save_max_to_keep
-  kept = f'the latest {keep} kept, and the one of lowest loss' if keep else 'all kept'
-  reporter_log(f"Done: step {last['step']}, loss {last.get('loss', float('nan')):.4f}.\n"
-               f"  checkpoints: {ckpt_dir} ({kept}; task.train.save_max_to_keep)\n"
-               f"  metrics:     {os.path.join(job_dir, 'train_metrics.jsonl')}\n"
-               f"  TensorBoard: {summaries.tensorboard_command()} --logdir {os.path.join(job_dir, 'summaries')}")
-  return last
-
-
-def _trim_replayed_metrics(job_dir: str, step: int, log) -> None:
-  """Drops metric rows past the step we resume from: the steps run again write them anew."""
-  from paxcli.jobdir import lock as joblock
-  dropped = joblock.trim_metrics(job_dir, step)
-  if dropped:
-    log(f'Dropped {dropped} metric row(s) past step {step} from the *_metrics.jsonl files (steps after the '
-        'last checkpoint, which this run repeats).')
-
-
-def _check_finite(step: int, metrics, guard: Optional[LossGuard] = None, saved: Optional[int] = None) -> dict:
-  values = {k: float(v) for k, v in metrics.items()}
-  if not math.isfinite(values['loss']):
-    raise TrainingDiverged(f'The loss became {values["loss"]} at step {step}; stopping. No checkpoint of '
-                           'this state was written. Lower the learning rate or check the input.')
-  if guard is not None:
-    guard.check(step, values['loss'], saved)
-  values['step'] = step
-  return values
-
-
-def _summarize(step: int, window: list[dict], steps: int, elapsed: float, compile_seconds: float = 0.0,
-               eval_seconds: float = 0.0, mfu_of=None) -> dict:
+def _summarize(step: int, rows: list[dict], window: Window, mfu_of=None) -> dict:
   """Means over the steps since the last summary; layer summaries are the latest step's. Rates
   are over the window's time less compilation and evals (whose seconds are reported apart)."""
-  n = max(len(window), 1)
-  mean = lambda k: sum(w[k] for w in window) / n
-  tokens = sum(w['tokens'] for w in window)
-  steady = max(elapsed - compile_seconds - eval_seconds, 1e-6)
+  mean = lambda k: sum(r[k] for r in rows) / max(len(rows), 1)
   out = {'step': step}
-  for key in window[-1]:
+  for key in rows[-1]:
     if key in ('step', 'tokens'):
       continue
-    out[key] = window[-1][key] if key == 'learning_rate' or key.startswith('summary/') else mean(key)
-  out['steps_per_sec'] = steps / steady
-  out['tokens_per_sec'] = tokens / steady
-  out['compile_seconds'] = compile_seconds
-  out['eval_seconds'] = eval_seconds
+    out[key] = rows[-1][key] if key == 'learning_rate' or key.startswith('summary/') else mean(key)
+  out['steps_per_sec'] = window.steps / window.steady_seconds
+  out['tokens_per_sec'] = sum(r['tokens'] for r in rows) / window.steady_seconds
+  out['compile_seconds'] = window.compile_seconds
+  out['eval_seconds'] = window.paused_seconds
   if mfu_of:
-    out.update(mfu_of(steps / steady))
+    out.update(mfu_of(out['steps_per_sec']))
   return out
 
 
@@ -571,12 +449,11 @@ def mfu_note(record: dict) -> str:
   return f"  {record['model_tflops_per_device']:.3g} TFLOP/s/device  MFU {record['mfu']:.1%}"
 
 
-def eta_note(record: dict, total: int) -> str:
-  """'  eta 0:01:23' for the steps left at the window's steady rate (evals and compiles not counted)."""
-  left, rate = total - record['step'], record.get('steps_per_sec') or 0
-  if left <= 0 or not rate > 0:
+def eta_note(seconds: Optional[float]) -> str:
+  """'  eta 0:01:23' for the time left at the window's steady rate (evals and compiles not counted)."""
+  if seconds is None:
     return ''
-  minutes, seconds = divmod(int(round(left / rate)), 60)
+  minutes, seconds = divmod(int(round(seconds)), 60)
   hours, minutes = divmod(minutes, 60)
   return f'  eta {hours}:{minutes:02d}:{seconds:02d}'
 
@@ -588,10 +465,218 @@ def window_note(record: dict) -> str:
   return f'  (window had {" and ".join(parts)}, left out of the rates)' if parts else ''
 
 
-def _print_weights(console, setup) -> None:
-  from rich.table import Table
+# ---- The loop -------------------------------------------------------------------------------------
 
-  from paxcli.runtime import engine
+
+def train(resolved, job_dir: str, console, verbose: bool = False, profile_steps=None, pgle: Optional[str] = None,
+          pgle_profile: Optional[str] = None) -> dict:
+  """Trains (or resumes) the resolved experiment in job_dir. Returns the last summary.
+
+  The job directory is checked first and locked for the run (`paxcli/jobdir/lock.py`): a
+  second trainer on it is refused. profile_steps: (A, B) to trace steps A..B with
+  jax.profiler; pgle/pgle_profile: see paxcli.perf.profiling.
+  """
+  engine.check_supported(resolved.experiment)  # refusals first: a refused run leaves no job directory
+  engine.apply_platform_env(resolved.experiment.PLATFORM_ENV, log=lambda m: console.print(m))
+  profiling.check_pgle(pgle, pgle_profile)
+  joblock.check_writable(job_dir)  # makes the directory
+  lock = joblock.lock_run(job_dir, _printer(console) if jax.process_index() == 0 else _silent)
+  try:
+    return _train(resolved, job_dir, console, verbose, profile_steps, pgle_profile)
+  finally:
+    if lock is not None:
+      lock.release()
+
+
+def _train(resolved, job_dir: str, console, verbose: bool = False, profile_steps=None,
+           pgle_profile: Optional[str] = None) -> dict:
+  is_main = jax.process_index() == 0
+  log = _printer(console) if is_main else _silent
+  distributed.log_topology(_printer(console))
+
+  # ---- Mesh, model, state shapes ------------------------------------------------------------------
+  setup = engine.build(resolved)
+  train_cfg, total = setup.train, setup.train.num_train_steps
+  spec = RunSpec.of(resolved, setup)
+  _log_run(resolved, setup, job_dir, log)
+  if verbose and is_main:
+    _print_weights(console, setup)
+
+  # ---- Job directory: resume or start -------------------------------------------------------------
+  if is_main:
+    invocation.record(job_dir)
+  ckpt.set_aside_unfinished(layout.checkpoints(job_dir), log=log)
+  distributed.barrier('paxcli:unfinished-checkpoints-set-aside')  # all processes then see the same steps
+  checkpointer = ckpt.Checkpointer(layout.checkpoints(job_dir), train_cfg.save_max_to_keep)
+  latest = checkpointer.latest_step()
+  if latest is not None and latest >= total:
+    return _already_finished(job_dir, latest, spec, total, checkpointer, log)
+  state, start = (_resume(setup, job_dir, latest, spec, checkpointer, log) if latest is not None
+                  else (engine.init_state(setup, resolved.experiment.RANDOM_SEED), Start(0)))
+  if is_main:
+    with open(layout.config(job_dir), 'w', encoding='utf-8') as f:
+      f.write(resolved.as_text())
+    _trim_replayed_metrics(job_dir, start.step, log)
+
+  # ---- Input, step, evals ---------------------------------------------------------------------------
+  train_input = engine.build_input(resolved.train_dataset(), setup)
+  if is_main:
+    tokenizer.save_to_job_dir(train_input, job_dir)
+  train_input.skip(start.batches_consumed)
+  batch_sharding = sharding.batch_sharding(setup.mesh)
+  profiler = profiling.StepProfiler(job_dir, log, profile_steps, pgle_profile, start.step)
+  train_step = TrainStep(setup, batch_sharding, resolved.experiment.RANDOM_SEED + 1, profiler)
+  if profiler.pgle_options:
+    log(f'PGLE: compiling the train step with the profile {pgle_profile}.')
+  mfu_of = _mfu(setup, log)
+  evaluator = (Evaluator(resolved, setup, job_dir)
+               if train_cfg.eval_interval_steps and resolved.eval_datasets() else None)
+  decoder = (TrainDecoder(resolved, setup, job_dir, train_cfg)
+             if getattr(train_cfg, 'decode_interval_steps', 0) and train_cfg.decode_prompts else None)
+
+  # ---- Hooks --------------------------------------------------------------------------------------
+  writer = summaries.SummaryWriter(layout.summaries(job_dir, 'train'), layout.train_metrics(job_dir)) if is_main else None
+  reporter = Reporter(console, total, start.step, enabled=is_main)
+  guard = LossGuard(train_cfg.loss_spike_factor, train_cfg.loss_spike_window, start.recent_losses)
+  losses = LossCheck(guard, start.step, total, checkpointer)
+  chrono = Chrono(start.step, total)
+  summary = Summary(losses, chrono, reporter, writer, mfu_of, start.step)
+  stop = GracefulStop(enabled=jax.process_count() == 1)
+  with Hooks() as hooks:
+    hooks.add_before(profiler.before)
+    hooks.add(train_step.profile, every=1, close=profiler.close)
+    hooks.add(losses, every=1)
+    hooks.add(summary, every=train_cfg.summary_interval_steps, at_end=True, close=summary.close)
+    hooks.add(Saver(checkpointer, losses, spec, start), every=train_cfg.save_interval_steps, at_end=True,
+              on_stop=True, close=checkpointer.close)
+    if evaluator:
+      hooks.add(_eval_hook(evaluator, reporter, chrono), every=train_cfg.eval_interval_steps, close=evaluator.close)
+    if decoder:
+      hooks.add(_decode_hook(decoder, reporter, chrono), every=train_cfg.decode_interval_steps, at_end=True,
+                close=decoder.close)
+    hooks.add(reporter, every=1, close=reporter.close)
+    hooks.add(stop.hook(checkpointer, reporter, log, layout.checkpoints(job_dir)), on_stop=True)
+    hooks.enter_context(stop)
+    hooks.enter_context(chrono)
+
+    # ---- Loop -------------------------------------------------------------------------------------
+    for step in range(start.step + 1, total + 1):
+      batch = to_global(train_input.get_next(), batch_sharding, setup.global_batch)
+      hooks.before(step)
+      state, metrics = train_step(state, batch)
+      hooks.after(StepInfo(step, state, metrics, last=step == total, stopping=stop.requested))
+  _log_done(job_dir, summary.last, train_cfg.save_max_to_keep, log)
+  return summary.last
+
+
+def _printer(console) -> Callable[[str], None]:
+  return lambda m: console.print(m, highlight=False, markup=False, soft_wrap=True)
+
+
+def _silent(message: str) -> None:
+  del message
+
+
+def _log_run(resolved, setup, job_dir: str, log) -> None:
+  devices = jax.devices()
+  log(f'Experiment {resolved.name} -> {os.path.abspath(job_dir)}')
+  log(f'Devices: {len(devices)} x {devices[0].device_kind} ({jax.default_backend()}), '
+      f'{jax.process_count()} process(es); mesh {sharding.describe_mesh(setup.mesh)}')
+  log(f'Parameters: {engine.param_count(setup.abstract_state):,}; global batch '
+      f'{setup.infeed.describe()} x {setup.seq_len} tokens')
+
+
+def _log_done(job_dir: str, last: dict, keep: int, log) -> None:
+  kept = f'the latest {keep} kept, and the one of lowest loss' if keep else 'all kept'
+  log(f"Done: step {last['step']}, loss {last.get('loss', float('nan')):.4f}.\n"
+      f"  checkpoints: {layout.checkpoints(job_dir)} ({kept}; task.train.save_max_to_keep)\n"
+      f"  metrics:     {layout.train_metrics(job_dir)}\n"
+      f"  TensorBoard: {summaries.tensorboard_command()} --logdir {layout.summaries(job_dir)}")
+
+
+# ---- Resume or start ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+  """What each checkpoint's meta records of the run, and what a resume compares with it."""
+  flat: dict            # the resolved config, flattened, each value as its repr()
+  shapes: dict          # the train state's shapes (engine.shape_signature)
+  input_layout: dict    # what decides which data each step sees (engine.input_layout)
+  global_batch: int
+
+  @classmethod
+  def of(cls, resolved, setup) -> 'RunSpec':
+    return cls({k: repr(v) for k, v in resolved.flat().items()}, engine.shape_signature(setup.abstract_state),
+               engine.input_layout(resolved, setup), setup.global_batch)
+
+
+@dataclasses.dataclass(frozen=True)
+class Start:
+  """Where this invocation begins: the step it resumes from (0: a fresh run), the input batches
+  already consumed, and the recent losses the loss guard goes on from."""
+  step: int
+  batches_consumed: int = 0
+  recent_losses: tuple = ()
+
+
+def _already_finished(job_dir: str, step: int, spec: RunSpec, total: int, checkpointer, log) -> dict:
+  """A run whose latest checkpoint is at or past num_train_steps: nothing to do (its shapes still checked)."""
+  restore.check_shapes(restore.read_meta(job_dir, step), spec.shapes, spec.flat, step, False, 'resume from')
+  log(f'Run already finished: checkpoint at step {step} >= num_train_steps {total}. Nothing to do.')
+  checkpointer.close()
+  return {'step': step, 'finished': True}
+
+
+def _resume(setup, job_dir: str, step: int, spec: RunSpec, checkpointer, log) -> tuple[dict, Start]:
+  """The state of the newest intact checkpoint from `step` down (a damaged one is set aside) and where
+  it stands, with a note for each setting that differs from the one it was saved with."""
+  restored = restore.restore(setup, job_dir, step, flat_now=spec.flat, action='resume from', fallback=True,
+                             set_aside=True, log=log)
+  meta = restored.meta
+  if restored.step != step:  # a damaged checkpoint was set aside
+    step = restored.step
+    checkpointer.reload()
+  if restored.params_only_checkpoint:
+    log(f'The checkpoint at step {step} holds parameters only: the optimizer state starts fresh.')
+  batches_consumed = int(meta.get('batches_consumed', step))
+  if int(meta.get('global_batch', spec.global_batch)) != spec.global_batch:
+    log(f'Note: the global batch changed ({meta.get("global_batch")} -> {spec.global_batch}); '
+        'the data order from here differs from an uninterrupted run.')
+  layout_note = engine.layout_change_note(meta.get('input_layout'), spec.input_layout)
+  if layout_note:
+    log(layout_note)
+  log(f'Resumed from step {step} ({batches_consumed} batches consumed).')
+  changed = config_differences(meta.get('config') or {}, spec.flat, prefixes=('',))
+  if changed:
+    log(f'Note: {len(changed)} setting(s) differ from the checkpoint\'s config (the run goes on '
+        'with the new ones):\n  ' + '\n  '.join(changed))
+  return restored.state, Start(step, batches_consumed, meta.get('recent_losses') or ())
+
+
+def _trim_replayed_metrics(job_dir: str, step: int, log) -> None:
+  """Drops metric rows past the step we resume from: the steps run again write them anew."""
+  dropped = joblock.trim_metrics(job_dir, step)
+  if dropped:
+    log(f'Dropped {dropped} metric row(s) past step {step} from the *_metrics.jsonl files (steps after the '
+        'last checkpoint, which this run repeats).')
+
+
+def _mfu(setup, log) -> Optional[Callable[[float], dict]]:
+  """MFU: model FLOPs per step (the model's train_flops) over the device's peak (paxcli.perf.flops);
+  None without a FLOPs method."""
+  model_flops = flops.for_model(setup.model, setup.seq_len)
+  if model_flops is None:
+    log(f'MFU: {flops.unknown_flops(setup.model)}.')
+    return None
+  devices = jax.devices()
+  step_flops = model_flops.per_step(setup.global_batch * setup.seq_len)
+  peak = flops.device_peak(devices[0], flops.compute_dtype(setup.model), measure_size=512)
+  log(f'MFU: {step_flops / 1e12:.4g} model TFLOP per step over {len(devices)} device(s); peak {peak.source}.')
+  return functools.partial(mfu_fields, step_flops=step_flops, num_devices=len(devices), peak=peak.tflops)
+
+
+def _print_weights(console, setup) -> None:
   table = Table(title='Weights', show_lines=False)
   table.add_column('weight', overflow='fold')
   for col in ('shape', 'dtype', 'logical axes', 'mesh axes'):

@@ -21,6 +21,7 @@ import tempfile
 from typing import Callable, Optional
 
 from paxcli.errors import UserError
+from paxcli.jobdir import layout
 
 PGLE_OPTION = 'xla_gpu_pgle_profile_file_or_directory_path'
 PGLE_PROFILE_STEPS = 3   # steps traced for --pgle-profile (after PGLE_WARMUP_STEPS)
@@ -80,7 +81,7 @@ class StepProfiler:
     self.log = log
     self.ranges = []  # (first, last, directory, purpose)
     if profile_steps:
-      self.ranges.append((profile_steps[0], profile_steps[1], os.path.join(job_dir, 'profile'), 'trace'))
+      self.ranges.append((profile_steps[0], profile_steps[1], layout.profile(job_dir), 'trace'))
     self.pgle_profile = pgle_profile
     self.pgle_options = None
     if pgle_profile:

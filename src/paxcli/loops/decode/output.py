@@ -9,26 +9,26 @@ import tempfile
 from typing import Optional, Sequence
 
 from paxcli.errors import UserError, shorten
+from paxcli.jobdir import layout
 
 
 def output_path(job_dir: str, dataset: Optional[str], step: int) -> str:
   """Where the trainer writes its decodes at `step` (decode_interval_steps)."""
-  return os.path.join(job_dir, 'decoder_out', dataset or 'prompts', f'decode_step{step}.jsonl')
+  return layout.train_decodes(job_dir, dataset, step)
 
 
 def summaries_dir(job_dir: str) -> str:
   """The trainer's decodes as TensorBoard text."""
-  return os.path.join(job_dir, 'summaries', 'decode')
+  return layout.summaries(job_dir, 'decode')
 
 
 def cli_output_path(job_dir: str, dataset: Optional[str], step: int) -> str:
   """`pax decode`'s default output: pax_decode_step<k>_<n>.jsonl with the first unused n, beside the
   trainer's decode_step<k>.jsonl and never replacing it or an earlier `pax decode`."""
-  directory = os.path.dirname(output_path(job_dir, dataset, step))
   n = 1
-  while os.path.lexists(os.path.join(directory, f'pax_decode_step{step}_{n}.jsonl')):
+  while os.path.lexists(layout.cli_decodes(job_dir, dataset, step, n)):
     n += 1
-  return os.path.join(directory, f'pax_decode_step{step}_{n}.jsonl')
+  return layout.cli_decodes(job_dir, dataset, step, n)
 
 
 def check_output(path: str) -> None:

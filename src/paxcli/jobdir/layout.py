@@ -1,0 +1,166 @@
+"""Every path inside a job directory, named in this one module.
+
+  config.txt                the resolved config of the latest invocation
+  invocations.txt           one line per invocation: UTC time, paxcli version, command line
+  train.lock                the running trainer's lock (jobdir/lock.py)
+  tokenizer/spm.model       the train input's sentencepiece model (decode and conversion read it)
+  checkpoints/<step>/       orbax checkpoints: state/ (the arrays) and meta/metadata (JSON)
+  checkpoints_unfinished/   saves a kill interrupted, set aside at the next start (never deleted)
+  checkpoints_damaged/      checkpoints that failed to restore, set aside by the trainer
+  summaries/<name>/         TensorBoard events: train, eval (eval_<input>), decode
+  train_metrics.jsonl       the train summaries, one JSON object per summary step
+  eval_metrics.jsonl        eval metrics, one row per step (eval_<input>_metrics.jsonl for others)
+  eval_done.jsonl           the steps `pax eval` and its followers have evaluated
+  decoder_out/<input>/      decodes: decode_step<k>.jsonl (the trainer's), pax_decode_step<k>_<n>.jsonl
+  profile/                  jax.profiler traces (--profile-steps)
+
+Every function takes the job directory as a command holds it: made absolute, symlinks resolved,
+by `absolute` once where the command starts (orbax refuses relative paths, and a path resolved
+once means the same thing in every process and after any change of directory). The functions
+only join names: they neither resolve nor touch the file system, except `metrics_files` and
+`eval_paths`, which look at what the directory already holds.
+
+Plain functions of a `str`, not a `JobDir` object: the job directory travels through every
+command, loop and test as a string, and a path made here is the same string whoever asks.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+# orbax's names of a checkpoint's two items (CheckpointManager item_names): directories of a step.
+STATE, META = 'state', 'meta'
+METRICS_SUFFIX = '_metrics.jsonl'
+
+
+def absolute(path: str) -> str:
+  """`path` absolute, with symlinks resolved: what every command makes of each path it is given."""
+  return os.path.realpath(path)
+
+
+def config(job_dir: str) -> str:
+  return os.path.join(job_dir, 'config.txt')
+
+
+def invocations(job_dir: str) -> str:
+  return os.path.join(job_dir, 'invocations.txt')
+
+
+def lock(job_dir: str) -> str:
+  return os.path.join(job_dir, 'train.lock')
+
+
+TOKENIZER_FILES = {'sentencepiece': 'spm.model', 'hf': 'tokenizer.json'}  # by paxcli.inputs.tokenizers.kind_of
+
+
+def tokenizer(job_dir: str, kind: Optional[str] = None) -> str:
+  """The run's tokenizer file: of `kind`, else the one present (spm.model when neither is)."""
+  if kind is None:
+    kind = next((k for k, name in TOKENIZER_FILES.items()
+                 if os.path.isfile(os.path.join(job_dir, 'tokenizer', name))), 'sentencepiece')
+  return os.path.join(job_dir, 'tokenizer', TOKENIZER_FILES[kind])
+
+
+def checkpoints(job_dir: str) -> str:
+  return os.path.join(job_dir, 'checkpoints')
+
+
+def step_dir(job_dir: str, step: int) -> str:
+  """One checkpoint's directory: checkpoints/<step>, the name orbax's CheckpointManager gives it."""
+  return os.path.join(checkpoints(job_dir), str(step))
+
+
+def state_dir(checkpoint: str) -> str:
+  """The arrays of the checkpoint in directory `checkpoint` (an orbax PyTree directory)."""
+  return os.path.join(checkpoint, STATE)
+
+
+def meta_file(checkpoint: str) -> str:
+  """The JSON metadata of the checkpoint in directory `checkpoint`."""
+  return os.path.join(checkpoint, META, 'metadata')
+
+
+def unfinished(job_dir: str) -> str:
+  return os.path.join(job_dir, 'checkpoints_unfinished')
+
+
+def damaged(job_dir: str) -> str:
+  return os.path.join(job_dir, 'checkpoints_damaged')
+
+
+def split(path: str) -> tuple[str, Optional[int]]:
+  """(job dir, step or None) for a job directory, its checkpoints/, or one checkpoint's directory.
+
+  A step directory is a numeric one holding a state/ item; a checkpoints/ directory is taken as
+  such unless it holds a checkpoints/ of its own (then it is a job directory named so).
+  """
+  path = os.path.abspath(path)
+  if os.path.isdir(state_dir(path)) and os.path.basename(path).isdigit():
+    return os.path.dirname(os.path.dirname(path)), int(os.path.basename(path))
+  if os.path.basename(path) == 'checkpoints' and not os.path.isdir(checkpoints(path)):
+    return os.path.dirname(path), None
+  return path, None
+
+
+def job_dir_of(path: str) -> str:
+  """The job directory `path` names by its form alone: <job>/checkpoints/<step> or <job>/checkpoints give
+  <job>; any other path is itself."""
+  parts = path.split(os.sep)
+  if len(parts) > 2 and parts[-2] == 'checkpoints' and parts[-1].isdigit():
+    return os.path.dirname(os.path.dirname(path))
+  if parts[-1] == 'checkpoints':
+    return os.path.dirname(path)
+  return path
+
+
+def summaries(job_dir: str, name: Optional[str] = None) -> str:
+  """The TensorBoard directory of one writer (train, decode, eval...), or the parent of them all."""
+  return os.path.join(job_dir, 'summaries', name) if name else os.path.join(job_dir, 'summaries')
+
+
+def train_metrics(job_dir: str) -> str:
+  return os.path.join(job_dir, 'train' + METRICS_SUFFIX)
+
+
+def eval_paths(job_dir: str, name: str) -> tuple[str, str]:
+  """(TensorBoard directory, metrics .jsonl) of one eval input in a job directory.
+
+  The usual single eval input, named `eval`, writes `summaries/eval/` and
+  `eval_metrics.jsonl`; another name N writes `summaries/eval_N/` and
+  `eval_N_metrics.jsonl`. A job directory that already holds the older
+  `eval_eval...` files keeps writing them, so its history stays in one place.
+  """
+  legacy = (summaries(job_dir, f'eval_{name}'), os.path.join(job_dir, f'eval_{name}{METRICS_SUFFIX}'))
+  if name != 'eval' or os.path.exists(legacy[1]) or os.path.isdir(legacy[0]):
+    return legacy
+  return summaries(job_dir, 'eval'), os.path.join(job_dir, 'eval' + METRICS_SUFFIX)
+
+
+def metrics_files(job_dir: str) -> list[str]:
+  """Every `*_metrics.jsonl` the job directory holds (train and eval), sorted by name."""
+  names = [n for n in os.listdir(job_dir) if n.endswith(METRICS_SUFFIX)] if os.path.isdir(job_dir) else []
+  return [os.path.join(job_dir, n) for n in sorted(names)]
+
+
+def eval_done(job_dir: str) -> str:
+  return os.path.join(job_dir, 'eval_done.jsonl')
+
+
+def decoder_out(job_dir: str, dataset: Optional[str] = None) -> str:
+  """The decodes of one input (`prompts`: the prompts given on the command line or to the trainer)."""
+  return os.path.join(job_dir, 'decoder_out', dataset or 'prompts')
+
+
+def train_decodes(job_dir: str, dataset: Optional[str], step: int) -> str:
+  """The trainer's decodes at `step` (task.train.decode_interval_steps)."""
+  return os.path.join(decoder_out(job_dir, dataset), f'decode_step{step}.jsonl')
+
+
+def cli_decodes(job_dir: str, dataset: Optional[str], step: int, n: int) -> str:
+  """The n-th `pax decode` of checkpoint `step`, beside the trainer's decodes of that step."""
+  return os.path.join(decoder_out(job_dir, dataset), f'pax_decode_step{step}_{n}.jsonl')
+
+
+def profile(job_dir: str) -> str:
+  return os.path.join(job_dir, 'profile')
