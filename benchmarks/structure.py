@@ -45,6 +45,7 @@ FOREIGN_LAYOUTS = {
     'paxcli.convert.paxml': "a paxml job directory (checkpoints/checkpoint_<step>/state)",
     'paxcli.inputs.corpus': "the corpus cache's own spm.model",
     'paxcli.inputs.classify': "the classification input's own spm.model",
+    'paxcli.inputs.file_input': "the tokenizer cache's spm.model (~/.cache/paxcli/tokenizers)",
 }
 
 
