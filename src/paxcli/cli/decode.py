@@ -78,12 +78,12 @@ def decode_command(
     raise UserError(f'--dtype must be one of float32, bfloat16, float16; got {dtype!r}.')
   if not (prompt or prompts_file or prompt_ids or dataset):
     raise UserError('No prompts: give --prompt TEXT, --prompts-file FILE, --prompt-ids 1,2,3 or --dataset NAME.')
-  prompts_file, output = common.path_arg(prompts_file, '--prompts-file'), common.path_arg(output, '--output')
-  common.start_processes(coordinator, num_processes, process_id)  # before anything starts JAX
-  resolved = common.resolve(exp, overrides)  # prints warnings (a knob the experiment overrides)
-  job_dir = common.job_dir(job_log_dir, resolved)
+  from paxcli import api
+  prompts_file, output = api.path_arg(prompts_file, '--prompts-file'), api.path_arg(output, '--output')
+  run = api.open_run(exp, overrides, job_log_dir, coordinator=coordinator, num_processes=num_processes,
+                     process_id=process_id, log=common.console(stderr=True).print)
   from paxcli.loops import decode
-  decode.decode_command(resolved, job_dir, opts, texts=prompt, prompts_file=prompts_file, prompt_ids=prompt_ids,
+  decode.decode_command(run.resolved, run.job_dir, opts, texts=prompt, prompts_file=prompts_file, prompt_ids=prompt_ids,
                         dataset=dataset, num_prompts=num_prompts, step=step, use_checkpoint=not no_checkpoint,
                         dtype=dtype, output=output, json_out=json_out)
 

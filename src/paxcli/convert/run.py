@@ -12,6 +12,7 @@ import numpy as np
 
 from paxcli.convert import core, formats
 from paxcli.errors import UserError
+from paxcli.runtime import platform
 
 TARGETS = ('orbax', 'safetensors', 'hf')
 
@@ -79,6 +80,7 @@ def _convert(src, out, source, output, fmt, to, exp, overrides, params_only, dty
     from paxcli import config as cfg
     src.check_experiment(cfg.resolve(exp, list(overrides)).experiment, log)
   source_res, target_res = core.resolve_pair(src, exp, overrides)
+  platform.apply_platform_env(target_res.experiment.PLATFORM_ENV, log=log)  # before the models start a backend
   if not src.paxcli_names:
     if hasattr(src, 'paxcli_view'):
       # paxml: the view takes any layout and MAX_SEQ_LEN, so it is read as the target model

@@ -201,7 +201,7 @@ def read_prompts_file(path: str, tokenizer) -> list[Prompt]:
 def prompts_from_dataset(resolved, setup, name: str, tokenizer, max_prompts: int, max_len: int) -> list[Prompt]:
   """Rows of the experiment's input `name` as prompts: its `prefix`, else `ids` without padding,
   cut to their first `max_len` tokens (full-length LM rows would leave no room to decode)."""
-  from paxcli.runtime import engine
+  from paxcli.runtime import infeed
   from paxcli.inputs.base import EndOfInput
   cfgs = dict(resolved.datasets)
   if name not in cfgs:
@@ -209,7 +209,7 @@ def prompts_from_dataset(resolved, setup, name: str, tokenizer, max_prompts: int
     close = get_close_matches(name, list(cfgs), n=1)
     hint = f' Did you mean {close[0]!r}?' if close else ''
     raise UserError(f'The experiment has no input named {name!r} (inputs: {", ".join(cfgs) or "none"}).{hint}')
-  inp = engine.build_input(cfgs[name], process_batch=max(1, min(max_prompts, 64)), num_hosts=1, host_index=0)
+  inp = infeed.build_input(cfgs[name], process_batch=max(1, min(max_prompts, 64)), num_hosts=1, host_index=0)
   prompts = []
   while len(prompts) < max_prompts:
     try:

@@ -193,7 +193,7 @@ class Evaluator:
   def __init__(self, resolved, setup, job_dir: Optional[str]):
     import jax
 
-    from paxcli.runtime import engine
+    from paxcli.runtime import infeed
 
     from paxcli.runtime import sharding
     self.setup = setup
@@ -202,7 +202,7 @@ class Evaluator:
     self.inputs = {}
     for cfg in resolved.eval_datasets():
       check_semantics(cfg)
-      self.inputs[cfg.name] = engine.build_input(cfg, setup)
+      self.inputs[cfg.name] = infeed.build_input(cfg, setup)
     self.job_dir = job_dir if jax.process_index() == 0 else None
     self.writers = {}
 

@@ -157,12 +157,13 @@ def ready_step(resolved, seed: int = 0):
   For benchmarks and tests that run steps directly.
   """
   from paxcli.runtime import engine
+  from paxcli.runtime import infeed
   from paxcli.runtime import sharding
   setup = engine.build(resolved)
   state = engine.init_state(setup, seed)
   batch_sharding = sharding.batch_sharding(setup.mesh)
   step = make_train_step(setup, batch_sharding, seed)
-  return setup, state, step, batch_sharding, engine.build_input(resolved.train_dataset(), setup)
+  return setup, state, step, batch_sharding, infeed.build_input(resolved.train_dataset(), setup)
 
 
 class GracefulStop:
@@ -276,11 +277,10 @@ def train(resolved, job_dir: str, console, verbose: bool = False, profile_steps=
   second trainer on it is refused. profile_steps: (A, B) to trace steps A..B with
   jax.profiler; pgle/pgle_profile: see paxcli.perf.profiling.
   """
-  from paxcli.runtime import engine
+  from paxcli.runtime import platform
   from paxcli.jobdir import lock as joblock
-  engine.check_supported(resolved.experiment)  # refusals first: a refused run leaves no job directory
-  engine.apply_platform_env(resolved.experiment.PLATFORM_ENV, log=lambda m: console.print(m))
-  import jax  # after PLATFORM_ENV: it may set XLA_FLAGS
+  platform.check_supported(resolved.experiment)  # refusals first: a refused run leaves no job directory
+  import jax  # after PLATFORM_ENV (applied by the command's open_run): it may set XLA_FLAGS
 
   from paxcli.perf import profiling
   profiling.check_pgle(pgle, pgle_profile)
@@ -297,6 +297,7 @@ def train(resolved, job_dir: str, console, verbose: bool = False, profile_steps=
 def _train(resolved, job_dir: str, console, verbose: bool = False, profile_steps=None,
            pgle_profile: Optional[str] = None) -> dict:
   from paxcli.runtime import engine
+  from paxcli.runtime import infeed
   import jax
 
   from paxcli.jobdir import checkpoint as ckpt
@@ -336,7 +337,7 @@ def _train(resolved, job_dir: str, console, verbose: bool = False, profile_steps
   checkpointer = ckpt.Checkpointer(ckpt_dir, train_cfg.save_max_to_keep)
   latest = checkpointer.latest_step()
   batches_consumed = 0
-  layout = engine.input_layout(resolved, setup)
+  layout = infeed.input_layout(resolved, setup)
   if latest is not None:
     if latest >= train_cfg.num_train_steps:
       restore.check_shapes(restore.read_meta(job_dir, latest), shapes_now, flat, latest, False, 'resume from')
@@ -356,7 +357,7 @@ def _train(resolved, job_dir: str, console, verbose: bool = False, profile_steps
     if int(meta.get('global_batch', setup.global_batch)) != setup.global_batch:
       reporter_log(f'Note: the global batch changed ({meta.get("global_batch")} -> {setup.global_batch}); '
                    'the data order from here differs from an uninterrupted run.')
-    layout_note = engine.layout_change_note(meta.get('input_layout'), layout)
+    layout_note = infeed.layout_change_note(meta.get('input_layout'), layout)
     if layout_note:
       reporter_log(layout_note)
     reporter_log(f'Resumed from step {latest} ({batches_consumed} batches consumed).')
@@ -372,7 +373,7 @@ def _train(resolved, job_dir: str, console, verbose: bool = False, profile_steps
     _trim_replayed_metrics(job_dir, int(latest or 0), reporter_log)
 
   # ---- Input -------------------------------------------------------------------------------
-  train_input = engine.build_input(resolved.train_dataset(), setup)
+  train_input = infeed.build_input(resolved.train_dataset(), setup)
   if is_main:
     from paxcli.jobdir import tokenizer
     tokenizer.save_to_job_dir(train_input, job_dir)
