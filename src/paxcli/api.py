@@ -29,17 +29,20 @@ import dataclasses
 import io
 import logging
 import os
-from typing import Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 from rich.console import Console
 from rich.markup import escape
 
 from paxcli.errors import UserError
 from paxcli.jobdir import lock as joblock
-from paxcli.maxtext import recipe
+from paxcli.maxtext import recipe as maxtext_recipe
 from paxcli.maxtext.shell import read_script
 from paxcli.maxtext.translate import Options, Translation, translate
 from paxcli.runtime import distributed, platform
+
+if TYPE_CHECKING:  # fiddle, for a type only
+  from paxcli.config import Resolved
 
 # Fake CPU devices: XLA's CPU backend refuses to compile for 4,096 of them ("Multiprocess computations
 # aren't implemented on the CPU backend"); 2,048 compile a tiny model in about 16 s on 2 cores.
@@ -50,7 +53,7 @@ DECODE_DTYPES = ('float32', 'bfloat16', 'float16')
 @dataclasses.dataclass(frozen=True)
 class Run:
   """What a command opens before its loop: the resolved config and its job directory."""
-  resolved: object         # paxcli.config.Resolved
+  resolved: Resolved
   job_dir: Optional[str]   # absolute, symlinks resolved; None for a command without one
 
 
@@ -87,6 +90,7 @@ def resolve(exp: Optional[str], overrides: Sequence[str] = ()):
 
 
 def warn(message: str) -> None:
+  """One `warning:` line on stderr, whatever the command's console: stdout stays the command's output."""
   Console(stderr=True, highlight=False, soft_wrap=True).print(f'[bold yellow]warning:[/] {escape(message)}',
                                                               markup=True)
 
@@ -277,9 +281,10 @@ def inspect_input(path: Optional[str] = None, *, exp: Optional[str] = None, over
   """`pax inspect-input`: batches of an experiment's input as one host of `num_hosts` reads them.
 
   Returns {'input': name, 'batches': [{'batch', 'host', 'num_hosts', 'features': stats, 'examples'}],
-  'throughput': {...}}; on_batch(input name, batch) is called with each batch as it is read. With check_sharding:
-  the report of every host's examples (report['ok'] is False when hosts overlap). With `path`
-  (a TFRecord file or glob), no experiment: the file's features and first records.
+  'throughput': {...}}; on_batch(input name, batch) is called with each batch as it is read.
+  With check_sharding: the report of every host's examples (report['ok'] is False when hosts
+  overlap). With `path` (a TFRecord file or glob), no experiment: the file's features and first
+  records.
   """
   from paxcli.loops import inspect_input as ii
   if path is not None:
@@ -375,9 +380,9 @@ def import_maxtext(script: str, args: Sequence[str] = (), *, output: Optional[st
     raise UserError(f"{len(result.unknown_keys)} key(s) that {era_name} MaxText base.yml does not define, so MaxText "
                     f"would refuse the script: {'; '.join(result.unknown_keys)} No recipe written; fix the "
                     'key, or pass --lenient to translate without it.')
-  name = recipe.check_class_name(class_name or recipe.default_class_name(script))
-  path = output or recipe.default_output(script)
+  name = maxtext_recipe.check_class_name(class_name or maxtext_recipe.default_class_name(script))
+  path = output or maxtext_recipe.default_output(script)
   write = not dry_run and not (strict and result.strict_warnings)
   if write:
-    recipe.write(result, name, path, force)
+    maxtext_recipe.write(result, name, path, force)
   return MaxTextImport(result, path if write else None, name)
