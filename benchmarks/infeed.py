@@ -21,8 +21,8 @@ import time
 
 def input_rate(cfg, rows: int, hosts: int, seconds: float) -> float:
   """Batches/s of host 0 of `hosts` reading `rows` rows a batch (after 2 warm-up batches)."""
-  from paxcli.runtime import engine
-  inp = engine.build_input(cfg, process_batch=rows, num_hosts=hosts, host_index=0)
+  from paxcli.runtime import infeed
+  inp = infeed.build_input(cfg, process_batch=rows, num_hosts=hosts, host_index=0)
   for _ in range(2):
     inp.get_next()
   count, start = 0, time.perf_counter()
@@ -37,6 +37,7 @@ def train_rates(resolved, steps: int) -> dict:
   import jax
 
   from paxcli.runtime import engine
+  from paxcli.runtime import infeed
 
   from paxcli.runtime import sharding
   from paxcli.loops.train import make_train_step
@@ -45,7 +46,7 @@ def train_rates(resolved, steps: int) -> dict:
   state = engine.init_state(setup, 0)
   batch_sharding = sharding.batch_sharding(setup.mesh)
   step = make_train_step(setup, batch_sharding, 0)
-  data = engine.build_input(resolved.train_dataset(), setup)
+  data = infeed.build_input(resolved.train_dataset(), setup)
   batch = to_global(data.get_next(), batch_sharding, setup.global_batch)
   state, metrics = step(state, batch)  # compile
   jax.block_until_ready(metrics)

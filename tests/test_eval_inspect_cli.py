@@ -161,10 +161,11 @@ def test_post_processing_subclass_trains(tmp_path, capsys):
   from paxcli import config
 
   from paxcli.runtime import engine
+  from paxcli.runtime import infeed
   from paxcli.inputs.synthetic import SyntheticLmInput
   resolved = config.resolve(f'{path}:Masked', [])
   setup = engine.build(resolved)
-  masked = engine.build_input(resolved.train_dataset(), setup)
+  masked = infeed.build_input(resolved.train_dataset(), setup)
   parent = SyntheticLmInput(**{f.name: getattr(masked, f.name) for f in dataclasses.fields(SyntheticLmInput)
                                if f.init})
   batch, plain = masked.get_next(), parent.get_next()

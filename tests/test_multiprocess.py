@@ -21,7 +21,7 @@ import pytest
 from conftest import pax_main, run_pax
 from paxcli import config
 from paxcli.runtime import distributed
-from paxcli.runtime import engine
+from paxcli.runtime import infeed
 from paxcli.runtime import sharding
 from paxcli.errors import UserError
 
@@ -212,8 +212,8 @@ def test_training_inputs_differ_between_hosts(exp):
   """Pax's check: the same input built for host 0 and host 1 of 2 must never emit the same batch."""
   resolved = config.resolve(exp, ['MAX_SEQ_LEN=16'])
   cfg = resolved.train_dataset()
-  hosts = [engine.build_input(cfg, process_batch=4, num_hosts=2, host_index=h) for h in range(2)]
-  whole = engine.build_input(cfg, process_batch=8, num_hosts=1, host_index=0)
+  hosts = [infeed.build_input(cfg, process_batch=4, num_hosts=2, host_index=h) for h in range(2)]
+  whole = infeed.build_input(cfg, process_batch=8, num_hosts=1, host_index=0)
   for _ in range(3):
     a, b = (h.get_next() for h in hosts)
     assert a['ids'].shape == (4, 16)
@@ -224,35 +224,35 @@ def test_training_inputs_differ_between_hosts(exp):
 
 def test_infeed_plan_on_one_process():
   mesh = sharding.make_mesh([1, 4, 2])
-  plan = engine.plan_infeed(mesh, 8)
+  plan = infeed.plan_infeed(mesh, 8)
   assert (plan.rows, plan.process_rows, plan.num_hosts, plan.host_index) == (8, 8, 1, 0)
   with pytest.raises(UserError, match='global batch of 2 examples does not divide over the 4-way'):
-    engine.plan_infeed(mesh, 2)
+    infeed.plan_infeed(mesh, 2)
 
 
 def test_infeed_plan_for_processes_with_padding_hosts():
   # 4 processes x 2 devices, 8-way data parallelism, PERCORE_BATCH_SIZE 0.5: 4 examples in
   # an 8-row array of which each process holds 2 rows; processes 0, 1 read, 2, 3 pad.
   rows = {p: set(range(2 * p, 2 * p + 2)) for p in range(4)}
-  plans = [engine.infeed_from_rows(rows, 4, 8, 8, p) for p in range(4)]
+  plans = [infeed.infeed_from_rows(rows, 4, 8, 8, p) for p in range(4)]
   assert [p.host_index for p in plans] == [0, 1, None, None]
   assert {(p.num_hosts, p.process_rows, p.rows) for p in plans} == {(2, 2, 8)}
   assert 'padded to 8 rows: 2 of 4 processes read data' in plans[0].describe()
   # Process order need not be row order: the host index follows the rows.
   swapped = {0: rows[1], 1: rows[0], 2: rows[2], 3: rows[3]}
-  assert engine.infeed_from_rows(swapped, 8, 8, 8, 0).host_index == 1
+  assert infeed.infeed_from_rows(swapped, 8, 8, 8, 0).host_index == 1
   # Model parallelism across processes: two processes hold the same rows, read the same data.
   shared = {0: {0, 1}, 1: {0, 1}, 2: {2, 3}, 3: {2, 3}}
-  assert [engine.infeed_from_rows(shared, 4, 4, 2, p).host_index for p in range(4)] == [0, 0, 1, 1]
+  assert [infeed.infeed_from_rows(shared, 4, 4, 2, p).host_index for p in range(4)] == [0, 0, 1, 1]
   with pytest.raises(UserError, match='must be a multiple of 2'):
-    engine.infeed_from_rows(rows, 3, 8, 8, 0)
+    infeed.infeed_from_rows(rows, 3, 8, 8, 0)
   with pytest.raises(UserError, match='uneven or overlapping'):
-    engine.infeed_from_rows({0: {0, 1, 2}, 1: {3}}, 4, 4, 4, 0)
+    infeed.infeed_from_rows({0: {0, 1, 2}, 1: {3}}, 4, 4, 4, 0)
 
 
 def test_padding_host_feeds_zero_weights():
   resolved = config.resolve('lm_cloud.LmCloudSpmdTest', ['MAX_SEQ_LEN=16'])
-  inp = engine.PaddingInput(engine.build_input(resolved.train_dataset(), process_batch=4, num_hosts=1,
+  inp = infeed.PaddingInput(infeed.build_input(resolved.train_dataset(), process_batch=4, num_hosts=1,
                                                host_index=0))
   batch = inp.get_next()
   assert batch['weights'].shape == (4, 16) and not batch['weights'].any() and not batch['ids'].any()

@@ -323,11 +323,11 @@ def test_two_real_processes_read_disjoint_documents(data, tmp_path):
   script.write_text(textwrap.dedent(f'''
       import json, re, sys
       from paxcli import config
-      from paxcli.runtime import distributed, engine
+      from paxcli.runtime import distributed, infeed
       distributed.start(distributed.settings_from(sys.argv[1], 2, int(sys.argv[2])), log=lambda s: None)
       resolved = config.resolve('default.StdlibDocsLm', ['TRAIN_DATA={root / "*.jsonl"}', 'TOKENIZER={spm}',
                                                         'MAX_SEQ_LEN=32', 'VOCAB_SIZE=320'])
-      inp = engine.build_input(resolved.train_dataset(), process_batch=4)
+      inp = infeed.build_input(resolved.train_dataset(), process_batch=4)
       seen = set()
       for _ in range(40):
         batch = inp.get_next()

@@ -1,3 +1,23 @@
-"""paxcli: Pax-style machine-learning experiments on JAX."""
+"""paxcli: Pax-style machine-learning experiments on JAX.
+
+Every `pax` command is a function here too (paxcli.api): paxcli.train, evaluate, decode,
+describe, bench_mfu, inspect_input, inspect_checkpoint, convert_checkpoint, import_maxtext.
+They are looked up on first use, so `import paxcli` (and `pax --help`) loads none of them.
+"""
+
+import importlib
 
 __version__ = '0.1.0'
+
+_API = ('train', 'evaluate', 'decode', 'describe', 'bench_mfu', 'inspect_input', 'inspect_checkpoint',
+        'convert_checkpoint', 'import_maxtext')
+
+
+def __getattr__(name: str):
+  if name in _API:  # PEP 562: paxcli.api is imported on first use only
+    return getattr(importlib.import_module('paxcli.api'), name)
+  raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
+
+
+def __dir__() -> list[str]:
+  return sorted(list(globals()) + list(_API))

@@ -1,7 +1,7 @@
 """`pax`: one Typer app; each subcommand lives in its own module and registers itself.
 
-Nothing heavy (jax, flax, tensorflow, seqio) is imported here: `pax --help` stays fast.
-Subcommand modules import the engine inside their command functions.
+Nothing heavy (jax, flax, tensorflow, seqio, rich) is imported here: `pax --help` stays fast.
+Subcommand modules call paxcli.api, importing it inside their command functions.
 """
 
 from __future__ import annotations
@@ -10,7 +10,19 @@ import sys
 
 import typer
 
+from paxcli.cli import bench as bench_cmd
+from paxcli.cli import checkpoint as checkpoint_cmd
 from paxcli.cli import common
+from paxcli.cli import decode as decode_cmd
+from paxcli.cli import eval as eval_cmd
+from paxcli.cli import experiments as experiments_cmd
+from paxcli.cli import import_maxtext as import_maxtext_cmd
+from paxcli.cli import inspect_input as inspect_input_cmd
+from paxcli.cli import launch as launch_cmd
+from paxcli.cli import tokenizer as tokenizer_cmd
+from paxcli.cli import train as train_cmd
+from paxcli.cli import version as version_cmd
+from paxcli.jobdir import invocation
 
 app = typer.Typer(
     name='pax',
@@ -26,17 +38,6 @@ app = typer.Typer(
 
 
 def _register_all() -> None:
-  from paxcli.cli import bench as bench_cmd
-  from paxcli.cli import checkpoint as checkpoint_cmd
-  from paxcli.cli import decode as decode_cmd
-  from paxcli.cli import eval as eval_cmd
-  from paxcli.cli import experiments as experiments_cmd
-  from paxcli.cli import inspect_input as inspect_input_cmd
-  from paxcli.cli import import_maxtext as import_maxtext_cmd
-  from paxcli.cli import launch as launch_cmd
-  from paxcli.cli import tokenizer as tokenizer_cmd
-  from paxcli.cli import train as train_cmd
-  from paxcli.cli import version as version_cmd
   for module in (train_cmd, eval_cmd, decode_cmd, inspect_input_cmd, launch_cmd, experiments_cmd,
                  import_maxtext_cmd, checkpoint_cmd, version_cmd, bench_cmd, tokenizer_cmd):
     module.register(app)
@@ -44,13 +45,8 @@ def _register_all() -> None:
 
 @app.callback()
 def _root(version: bool = typer.Option(False, '--version', is_eager=True, help='Print paxcli\'s version and exit.',
-                                       callback=lambda v: _version_callback(v))) -> None:
+                                       callback=version_cmd.version_callback)) -> None:
   """Pax-style experiments on JAX: train, eval, inspect inputs, import MaxText scripts."""
-
-
-def _version_callback(value: bool) -> None:
-  from paxcli.cli.version import version_callback
-  version_callback(value)
 
 
 _register_all()
@@ -59,7 +55,6 @@ _register_all()
 def main(argv: list[str] | None = None) -> None:
   """Console entry point: runs the app, turning UserError into one red line and exit 2."""
   argv = list(sys.argv[1:] if argv is None else argv)
-  from paxcli.jobdir import invocation
   invocation.set_argv(argv)  # as the user typed it, for the job directory's invocations.txt
   argv = common.normalize_argv(argv)
   common.run_app(app, argv)

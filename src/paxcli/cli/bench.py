@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import os
+import json
 from typing import List, Optional
 
 import typer
 
 from paxcli.cli import common
-from paxcli.errors import UserError
 
 bench_app = typer.Typer(help='Benchmarks: `pax bench mfu` times the train step (MFU, HFU, memory).',
                         no_args_is_help=True)
@@ -44,77 +43,22 @@ def mfu(
     pax bench mfu --exp E --sweep PERCORE_BATCH_SIZE=4,8,16 --sweep CHECKPOINT_POLICY=none,save_dot_only --plot mfu.png
     pax bench mfu --exp lm_cloud.LmCloudSpmd2B --compile-only --num-devices 64 --set "ICI_MESH_SHAPE=[1,64,1]"
   """
-  plot, pgle_profile = common.path_arg(plot, '--plot'), common.path_arg(pgle_profile, '--pgle-profile')
-  if device_memory is not None:
-    from paxcli.convert.safetensors_io import parse_size
-    device_memory = parse_size(device_memory, '--device-memory')
-  common.positive_finite(peak_tflops, '--peak-tflops', 'TFLOP/s per device')
-  if plot:
-    check_plot_path(plot)
-  if num_devices:
-    if num_devices > MAX_FAKE_DEVICES:
-      raise UserError(f'--num-devices {num_devices:,} is more than {MAX_FAKE_DEVICES:,}, the most fake CPU devices '
-                      'paxcli makes: XLA\'s CPU backend fails from 4,096 fake devices, and compiling a step for '
-                      f'{MAX_FAKE_DEVICES:,} already takes tens of seconds. Check a smaller mesh of the same shape '
-                      '(memory per device depends on the sharded axes, not on the replica count).')
-    fake_devices(num_devices)
-  import json
-
+  from paxcli import api
   from paxcli.loops import bench
-  console = common.console(wide=True)  # piped: rows never wrap, whatever their width
+  plot = api.path_arg(plot, '--plot')
+  if plot:  # checked before any row runs, written after the table: a failing plot never loses the numbers
+    bench.check_plot_path(plot)
   err = common.console(stderr=True)
-  from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-  progress = Progress(TextColumn('[bold]{task.description}'), BarColumn(), MofNCompleteColumn(),
-                      TimeElapsedColumn(), console=err, transient=True, disable=not err.is_terminal)
-  with progress:
-    rows = bench.run_all(exp, overrides, sweep, steps=steps, warmup=warmup, compile_only=compile_only,
-                         peak_tflops=peak_tflops, pgle=pgle, pgle_profile=pgle_profile, progress=progress,
-                         log=lambda m: err.print(m, highlight=False, markup=False), device_memory=device_memory)
+  rows = api.bench_mfu(exp, overrides=overrides, sweep=sweep, steps=steps, warmup=warmup, compile_only=compile_only,
+                       num_devices=num_devices, peak_tflops=peak_tflops, device_memory=device_memory, pgle=pgle,
+                       pgle_profile=pgle_profile, console=err)
   if json_out:
     typer.echo(json.dumps(rows, indent=1, default=str))
   else:
-    console.print(bench.table(rows, compile_only))
-  if plot:  # after the table: a failing plot never loses the numbers
+    common.console(wide=True).print(bench.table(rows, compile_only))  # piped: rows never wrap
+  if plot:
     bench.plot(rows, plot)
     err.print(f'Plot written to {plot}.', highlight=False, markup=False)
-
-
-# Fake CPU devices: XLA's CPU backend refuses to compile for 4,096 of them ("Multiprocess computations
-# aren't implemented on the CPU backend"); 2,048 compile a tiny model in about 16 s on 2 cores.
-MAX_FAKE_DEVICES = 2048
-
-
-def check_plot_path(path: str) -> None:
-  """Before any row runs: matplotlib is there and the PNG can be written (its directory is made)."""
-  import tempfile
-  try:
-    import matplotlib  # noqa: F401
-  except ImportError:
-    raise UserError('--plot needs matplotlib: pip install matplotlib') from None
-  directory = os.path.dirname(os.path.abspath(path))
-  if os.path.isdir(path):
-    raise UserError(f'--plot {path} is a directory; give a file name such as mfu.png.')
-  try:
-    os.makedirs(directory, exist_ok=True)
-    with tempfile.TemporaryFile(dir=directory):
-      pass
-  except OSError as e:
-    raise UserError(f'--plot {path}: cannot write in {directory} ({e.strerror}).') from None
-
-
-def fake_devices(n: int) -> None:
-  """N fake CPU devices for this process; must run before jax starts a backend."""
-  import sys
-  if 'jax' in sys.modules:
-    import jax._src.xla_bridge as xb
-    if xb.backends_are_initialized():
-      import jax
-      if len(jax.devices()) == n and jax.default_backend() == 'cpu':
-        return
-      raise UserError(f'--num-devices {n}: jax already started with {len(jax.devices())} devices in this process.')
-  flags = [f for f in os.environ.get('XLA_FLAGS', '').split() if not f.startswith('--xla_force_host_platform_device_count')]
-  os.environ['XLA_FLAGS'] = ' '.join(flags + [f'--xla_force_host_platform_device_count={n}'])
-  os.environ['JAX_PLATFORMS'] = 'cpu'
 
 
 def register(app: typer.Typer) -> None:

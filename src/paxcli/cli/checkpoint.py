@@ -8,15 +8,10 @@ from typing import List, Optional
 import typer
 
 from paxcli.cli import common
+from paxcli.errors import UserError
 
 app = typer.Typer(help='Inspect and convert checkpoints (orbax, safetensors, Hugging Face Llama, paxml).',
                   no_args_is_help=True)
-
-
-def _quiet_absl() -> None:
-  """orbax logs a warning for each step directory without its own metadata file; not the user's concern."""
-  import logging
-  logging.getLogger('absl').setLevel(logging.ERROR)
 
 
 @app.command('inspect')
@@ -28,9 +23,8 @@ def inspect_command(
     json_out: bool = typer.Option(False, '--json', help='Print JSON.'),
 ) -> None:
   """Metadata of a checkpoint (no array is read): arrays with shape, dtype, bytes, sharding; totals; config."""
-  from paxcli.convert import run
-  _quiet_absl()
-  info = run.inspect(common.path_arg(path, 'PATH'), fmt, step)
+  from paxcli import api
+  info = api.inspect_checkpoint(path, step=step, fmt=fmt)
   if json_out:
     typer.echo(json.dumps(info, indent=1))
     return
@@ -87,17 +81,12 @@ def convert_command(
     json_out: bool = typer.Option(False, '--json', help='Print the result as JSON.'),
 ) -> None:
   """Convert a checkpoint to another layout (--set USE_REPEATED_LAYER=..., mesh), dtype, experiment or format."""
-  from paxcli.convert import run, safetensors_io
-  common.positive_finite(kl_tolerance, '--kl-tolerance', 'a KL in nats')
-  max_shard_bytes = safetensors_io.parse_size(max_shard_size)  # before any work
-  source, output = common.path_arg(source, 'SOURCE'), common.path_arg(output, 'OUTPUT')
-  recipe = common.path_arg(recipe, '--recipe')
+  from paxcli import api
   console = common.console(stderr=True)
-  _quiet_absl()
-  result = run.convert(source, output, fmt=fmt, to=to, exp=exp, overrides=overrides, params_only=params_only,
-                       dtype=dtype, step=step, force=force, verify=verify, kl_tolerance=kl_tolerance,
-                       max_shard_bytes=max_shard_bytes, recipe=recipe,
-                       log=lambda m: console.print(m, highlight=False, markup=False))
+  result = api.convert_checkpoint(source, output, fmt=fmt, to=to, exp=exp, overrides=overrides, step=step,
+                                  params_only=params_only, dtype=dtype, force=force, verify=verify,
+                                  kl_tolerance=kl_tolerance, max_shard_size=max_shard_size, recipe=recipe,
+                                  console=console)
   v = result.get('verify')
   if json_out:
     typer.echo(json.dumps(result, indent=1))
@@ -110,7 +99,6 @@ def convert_command(
                     f'(max |logit| {v["max_abs_logit"]:.3g}), KL {v["kl"]:.3g} '
                     f'(tolerance {v["kl_tolerance"]:g}): {"ok" if v["ok"] else "FAILED"}', highlight=False)
   if v and not v['ok']:
-    from paxcli.errors import UserError
     raise UserError(f'Verification failed: KL {v["kl"]:.3g} > {v["kl_tolerance"]:g} between the source and '
                     f'the converted model (max |Δ logits| {v["max_abs_diff"]:.3g}). The output at '
                     f'{result["output"]} is kept for inspection.')

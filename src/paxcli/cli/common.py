@@ -1,17 +1,19 @@
-"""Shared CLI pieces: option declarations, argv normalisation and error reporting."""
+"""Shared CLI pieces: option declarations, argv normalisation and error reporting.
+
+rich is imported where a line is printed, never at start-up: it would double `pax --help`'s time.
+"""
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
 import sys
 from typing import Optional
 
 import typer
+import typer.main
 
 from paxcli.errors import UserError, shorten
-from paxcli.jobdir import layout
 
 EXP_HELP = ('Experiment: a registered name (`pax experiments`), `module.Class`, or '
             '`path/file.py:Class`. Default: the built-in default.StdlibDocsLm.')
@@ -53,19 +55,6 @@ def process_id_option():
                       rich_help_panel='Several processes')
 
 
-def start_processes(coordinator: Optional[str], num_processes: Optional[int],
-                    process_id: Optional[int]) -> None:
-  """Joins the other processes of a run (jax.distributed), before any JAX backend starts."""
-  from paxcli.runtime import distributed
-  distributed.start(distributed.settings_from(coordinator, num_processes, process_id))
-
-
-def positive_finite(value: Optional[float], option: str, unit: str) -> Optional[float]:
-  """`value` of a numeric option, or one line: NaN, infinity, zero and negatives are refused."""
-  if value is not None and not (value > 0 and value != float('inf')):  # NaN fails `> 0`
-    raise UserError(f'{option} must be a positive number ({unit}, finite), got {value}.')
-  return value
-
 def normalize_argv(argv: list[str]) -> list[str]:
   """Accepts Pax spellings: `--job_log_dir=x` becomes `--job-log-dir=x`.
 
@@ -96,21 +85,6 @@ def error(message: str) -> None:
                                                               markup=True)
 
 
-def warn(message: str) -> None:
-  from rich.console import Console
-  Console(stderr=True, highlight=False, soft_wrap=True).print(f'[bold yellow]warning:[/] {_escape(message)}',
-                                                              markup=True)
-
-
-def resolve(exp: Optional[str], overrides: list[str]):
-  """config.resolve, printing its warnings (e.g. a knob the experiment's code overrides)."""
-  from paxcli import config
-  resolved = config.resolve(exp, overrides)
-  for message in resolved.warnings:
-    warn(message)
-  return resolved
-
-
 def tidy_help(command) -> None:
   """One help style for every subcommand, whoever wrote it: an option that names no
   metavar gets its own name (`--dtype DTYPE`, not typer's `<str>`), and the command list
@@ -134,7 +108,6 @@ def tidy_help(command) -> None:
 def run_app(app: typer.Typer, argv: list[str]) -> None:
   """Runs the app; a UserError becomes one red line and its exit code, never a traceback."""
   try:
-    import typer.main
     command = typer.main.get_command(app)
     tidy_help(command)
     hint = habit_hint(command, argv)
@@ -214,40 +187,12 @@ def _paxml_hint(argv: list[str]) -> Optional[str]:
 
 def _cap_lines(text: str, limit: int = 500) -> str:
   """No line of an error longer than about `limit` characters (values the user typed are echoed)."""
-  from paxcli.errors import shorten
   return '\n'.join(shorten(line, limit) for line in text.split('\n'))
 
 
 def _escape(text: str) -> str:
   from rich.markup import escape
   return escape(text)
-
-
-def default_job_dir(exp_name: str) -> str:
-  return os.path.join('runs', exp_name.replace(':', '_').replace('/', '_'))
-
-
-def job_dir(job_log_dir: Optional[str], resolved) -> str:
-  """The command's job directory (--job-log-dir, else ./runs/<experiment>): absolute, symlinks resolved.
-
-  Every command that takes a job directory gets it here, once, before any work: orbax refuses
-  relative paths, and the rest of paxcli joins names onto this one.
-  """
-  return path_arg(job_log_dir or default_job_dir(resolved.experiment.registered_name()), '--job-log-dir')
-
-
-def path_arg(path: Optional[str], option: str) -> Optional[str]:
-  """A path the user gave (None stays None), made absolute with symlinks resolved; '' is refused."""
-  if path is None:
-    return None
-  if not path:
-    raise UserError(f'{option} is empty; give a path.')
-  return layout.absolute(path)
-
-
-def resolve_name(exp: Optional[str]) -> str:
-  from paxcli.experiment import DEFAULT_EXPERIMENT
-  return exp or DEFAULT_EXPERIMENT
 
 
 PROFILE_STEPS_HELP = 'Trace steps A-B (e.g. 10-15) with jax.profiler into <job>/profile (TensorBoard, XProf).'

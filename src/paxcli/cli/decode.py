@@ -10,8 +10,6 @@ from typing import List, Optional, Sequence
 import typer
 
 from paxcli.cli import common
-from paxcli.errors import UserError
-from paxcli.loops.decode.options import DecodeOptions, check_text
 
 _S = 'Sampling'
 _B = 'Beam search'
@@ -66,29 +64,15 @@ def decode_command(
     process_id: Optional[int] = common.process_id_option(),
 ) -> None:
   """Generate continuations of prompts from a checkpoint (KV cache; greedy, sampling or beam search)."""
-  opts = DecodeOptions(max_decode_steps=max_decode_steps, temperature=temperature, top_k=top_k, top_p=top_p,
-                       num_samples=num_samples, seed=seed, beam_size=beam_size, length_penalty=length_penalty,
-                       eos_ids=tuple(eos_id), stop=tuple(stop), batch_size=batch_size, ignore_eos=ignore_eos,
-                       min_length=min_length)
-  opts.check()  # option errors before any start-up
-  for text in prompt:
-    check_text(text, '--prompt')
-  for text in stop:
-    check_text(text, '--stop')
-  if dtype is not None and dtype not in ('float32', 'bfloat16', 'float16'):
-    raise UserError(f'--dtype must be one of float32, bfloat16, float16; got {dtype!r}.')
-  if not (prompt or prompts_file or prompt_ids or dataset):
-    raise UserError('No prompts: give --prompt TEXT, --prompts-file FILE, --prompt-ids 1,2,3 or --dataset NAME.')
-  prompts_file, output = common.path_arg(prompts_file, '--prompts-file'), common.path_arg(output, '--output')
-  common.start_processes(coordinator, num_processes, process_id)  # before anything starts JAX
-  resolved = common.resolve(exp, overrides)  # prints warnings (a knob the experiment overrides)
-  job_dir = common.job_dir(job_log_dir, resolved)
-  from paxcli.loops.decode import command  # JAX: not at `pax --help`
+  from paxcli import api
   err = common.console(stderr=True)
-  decoded = command.decode(
-      resolved, job_dir, opts, texts=prompt, prompts_file=prompts_file, prompt_ids=prompt_ids, dataset=dataset,
-      num_prompts=num_prompts, step=step, use_checkpoint=not no_checkpoint, dtype=dtype, output=output,
-      log=lambda m: err.print(m, highlight=False, markup=False, soft_wrap=True),
+  decoded = api.decode_run(
+      exp, overrides=overrides, job_dir=job_log_dir, prompt=prompt, prompts_file=prompts_file, prompt_ids=prompt_ids,
+      dataset=dataset, num_prompts=num_prompts, max_decode_steps=max_decode_steps, temperature=temperature,
+      top_k=top_k, top_p=top_p, num_samples=num_samples, seed=seed, beam_size=beam_size,
+      length_penalty=length_penalty, eos_id=eos_id, ignore_eos=ignore_eos, min_length=min_length, stop=stop,
+      batch_size=batch_size, step=step, no_checkpoint=no_checkpoint, dtype=dtype, output=output,
+      coordinator=coordinator, num_processes=num_processes, process_id=process_id, console=err,
       progress=_progress_bar(err) if not json_out and sys.stderr.isatty() else None)
   if decoded.path is not None:  # processes other than 0 print nothing
     _report(decoded, json_out, err)

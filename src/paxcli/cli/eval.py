@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from typing import List, Optional
 
 import typer
@@ -41,39 +40,24 @@ def eval_command(
   Writes summaries/eval (TensorBoard) and eval_metrics.jsonl in the job directory
   (summaries/eval_N and eval_N_metrics.jsonl for an eval input named N).
   """
-  from paxcli.errors import UserError
-  if follow and (step is not None or no_checkpoint):
-    raise UserError('--follow evaluates every new checkpoint; it does not go with --step or --no-checkpoint.')
-  if timeout is not None and not follow:
-    raise UserError('--timeout goes with --follow.')
-  if step is not None and no_checkpoint:
-    raise UserError('--step N picks a checkpoint; --no-checkpoint evaluates fresh weights. Give one of them.')
-  from paxcli.jobdir import invocation
-  from paxcli.loops.evaluate import evaluate, follow as follow_run, results_table
-  common.start_processes(coordinator, num_processes, process_id)  # before anything starts JAX
-  resolved = common.resolve(exp, overrides)
-  job_dir = common.job_dir(job_log_dir, resolved)
   import jax
-  main = jax.process_index() == 0
-  record = (lambda: invocation.record(job_dir)) if main and not no_checkpoint else None
-  if record and os.path.isdir(job_dir):  # never made here: a follower records at its first evaluation
-    record()
-    record = None
-  if not (follow or no_checkpoint):  # a mistyped job directory is refused before any work
-    from paxcli.jobdir import restore
-    restore.choose_step(job_dir, step=step, purpose='evaluate')
+
+  from paxcli import api
+  from paxcli.loops.evaluate import results_table
+
+  def emit(record: dict) -> None:  # --follow --json: one line per checkpoint, as it is evaluated
+    if json_out and jax.process_index() == 0:
+      typer.echo(json.dumps(record))
+
+  out = api.evaluate(exp, overrides=overrides, job_dir=job_log_dir, step=step, follow=follow, timeout=timeout,
+                     poll=poll, no_checkpoint=no_checkpoint, coordinator=coordinator, num_processes=num_processes,
+                     process_id=process_id, console=common.console(stderr=json_out or not follow), on_result=emit)
+  if jax.process_index() != 0 or (follow and json_out):
+    return
   if follow:
-    emit = (lambda r: typer.echo(json.dumps(r))) if json_out and main else None
-    out = follow_run(resolved, job_dir, common.console(stderr=json_out), timeout=timeout, poll_seconds=poll,
-                     on_result=emit, on_first=record)
-    if main and not json_out:
-      common.console().print(f'Evaluated {len(out)} checkpoint(s): steps {", ".join(str(r["step"]) for r in out) or "none"}.',
-                             highlight=False)
-    return
-  out = evaluate(resolved, job_dir, common.console(stderr=True), use_checkpoint=not no_checkpoint, step=step)
-  if not main:
-    return
-  if json_out:
+    steps = ', '.join(str(r['step']) for r in out) or 'none'
+    common.console().print(f'Evaluated {len(out)} checkpoint(s): steps {steps}.', highlight=False)
+  elif json_out:
     typer.echo(json.dumps(out))
   else:
     common.console().print(results_table(out['step'], out['results']))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import typer
 
 from paxcli.cli import common
@@ -9,8 +11,6 @@ from paxcli.cli import common
 
 def experiments(json_out: bool = typer.Option(False, '--json', help='Print as JSON.')) -> None:
   """List registered experiments (recipes shipped with paxcli)."""
-  import json
-
   from rich.table import Table
 
   from paxcli.experiment import import_all_recipes

@@ -11,6 +11,8 @@ from typing import List, Optional
 
 import typer
 
+from paxcli.errors import UserError
+
 _ERA_HELP = ('MaxText scaling era: scale (until 2023-07-21), jul2023, aug2023 (to 2023-09-07) '
              'or current. Default: read from the script.')
 
@@ -58,31 +60,16 @@ def import_maxtext(
 
   Prints each knob with its MaxText key and scaled value, the keys not translated, and writes a recipe.
   """
-  from paxcli.errors import UserError
-  from paxcli.maxtext import recipe
-  from paxcli.maxtext.shell import read_script
-  from paxcli.maxtext.translate import Options, translate
-
-  info = read_script(script, list(args or []))
-  options = Options(era=era, date=date, base_config=base_config, model_config=model_config,
-                    num_devices=num_devices, topology=topology, num_slices=num_slices)
-  result = translate(info, options)
-  if result.unknown_keys and not lenient and not strict:  # --strict refuses them below, after the table
-    era_name = f"the {result.era} era's" if result.era != 'current' else "today's"
-    raise UserError(f"{len(result.unknown_keys)} key(s) that {era_name} MaxText base.yml does not define, so MaxText "
-                    f"would refuse the script: {'; '.join(result.unknown_keys)} No recipe written; fix the "
-                    'key, or pass --lenient to translate without it.')
-  name = recipe.check_class_name(class_name or recipe.default_class_name(script))
-  path = output or recipe.default_output(script)
-  write = not dry_run and not (strict and result.strict_warnings)
-  if write:
-    recipe.write(result, name, path, force)
+  from paxcli import api
+  made = api.import_maxtext(script, list(args or []), output=output, class_name=class_name, force=force,
+                            dry_run=dry_run, lenient=lenient, strict=strict, maxtext_era=era, maxtext_date=date,
+                            base_config=base_config, model_config=model_config, num_devices=num_devices,
+                            topology=topology, num_slices=num_slices)
+  result = made.translation
   if as_json:
-    data = result.to_json()
-    data.update(output=path if write else None, class_name=name)
-    typer.echo(json.dumps(data, indent=2, default=str))
+    typer.echo(json.dumps(made.to_json(), indent=2, default=str))
   else:
-    _print(result, path if write else None, name)
+    _print(result, made.recipe, made.class_name)
   if strict and result.strict_warnings:
     raise UserError(f'--strict: {len(result.strict_warnings)} problem(s) that --strict refuses (unknown keys, '
                     f'mesh axes paxcli lacks); no recipe written. First: {result.strict_warnings[0]}')

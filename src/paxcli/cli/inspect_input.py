@@ -26,56 +26,47 @@ def inspect_input(
     json_out: bool = typer.Option(False, '--json', help='JSON lines instead of tables.'),
 ) -> None:
   """Show batches of an experiment's input: shapes, dtypes, padding, decoded text, throughput."""
-  from paxcli.loops import inspect_input as ii
+  from paxcli import api
   console = common.console()
   if path is not None:
-    report = ii.inspect_file(path, max(num_examples, 1))
-    _emit_file(console, report, json_out)
+    _emit_file(console, api.inspect_input(path, num_examples=num_examples), json_out)
     return
-  resolved = common.resolve(exp, overrides)
-  cfg = ii.select_dataset(resolved, split)
-  batch_size = ii.host_batch_size(resolved)
+
+  def emit(name: str, record: dict) -> None:  # each batch as it is read
+    if json_out:
+      typer.echo(json.dumps(record))
+    else:
+      _print_batch(console, name, record)
+
+  report = api.inspect_input(exp=exp, overrides=overrides, split=split, num_batches=num_batches,
+                             num_examples=num_examples, host_index=host_index, num_hosts=num_hosts,
+                             check_sharding=check_sharding, console=common.console(stderr=True), on_batch=emit)
   if check_sharding:
-    report = ii.check_sharding(cfg, batch_size, num_hosts, num_batches)
     _emit_sharding(console, report, json_out)
     if not report['ok']:
       raise typer.Exit(1)
     return
-  inp = ii.build(cfg, batch_size, num_hosts, host_index)
-  total_time = 0.0
-  count = rows = 0
-  for i, batch, seconds in ii.read_batches(inp, num_batches):
-    total_time += seconds
-    count += 1
-    rows += len(next(iter(batch.values())))
-    stats, shown = ii.feature_stats(batch), ii.examples(inp, batch, num_examples)
-    if json_out:
-      typer.echo(json.dumps({'batch': i, 'host': host_index, 'num_hosts': num_hosts, 'features': stats,
-                             'examples': shown}))
-    else:
-      _print_batch(console, cfg.name, i, host_index, num_hosts, stats, shown)
-  ended = count < num_batches  # read_batches stops early only at the end of a finite input
-  rate = {'batches': count, 'batches_per_sec': count / max(total_time, 1e-9),
-          'examples_per_sec': rows / max(total_time, 1e-9), 'input_ended': ended}
+  rate = report['throughput']
   if json_out:
     typer.echo(json.dumps({'throughput': rate}))
-  else:
-    end = (f" The input ended after {count} batch{'es' if count != 1 else ''} of the {num_batches} asked for "
-           '(a finite input, e.g. an eval epoch with repeat=False).') if ended else ''
-    console.print(f"Read {count} batch{'es' if count != 1 else ''}: {rate['batches_per_sec']:.1f} batches/s, "
-                  f"{rate['examples_per_sec']:.1f} examples/s.{end}", highlight=False)
+    return
+  count = rate['batches']
+  end = (f" The input ended after {count} batch{'es' if count != 1 else ''} of the {num_batches} asked for "
+         '(a finite input, e.g. an eval epoch with repeat=False).') if rate['input_ended'] else ''
+  console.print(f"Read {count} batch{'es' if count != 1 else ''}: {rate['batches_per_sec']:.1f} batches/s, "
+                f"{rate['examples_per_sec']:.1f} examples/s.{end}", highlight=False)
 
 
-def _print_batch(console, name, index, host, hosts, stats, shown) -> None:
+def _print_batch(console, name: str, record: dict) -> None:
   from rich.table import Table
-  table = Table(title=f'{name}: batch {index} (host {host} of {hosts})')
+  table = Table(title=f"{name}: batch {record['batch']} (host {record['host']} of {record['num_hosts']})")
   for col in ('feature', 'shape', 'dtype', 'min', 'max', 'padding'):
     table.add_column(col, justify='left' if col in ('feature', 'dtype') else 'right')
-  for s in stats:
+  for s in record['features']:
     table.add_row(s['feature'], str(tuple(s['shape'])), s['dtype'], str(s['min']), str(s['max']),
                   f"{100 * s['padding']:.1f}%")
   console.print(table)
-  for ex in shown:
+  for ex in record['examples']:
     if 'text' in ex:
       console.print(f"[bold]row {ex['row']}[/] ({ex['length']} tokens): {_escape(ex['text'])!s}")
       console.print(f"  ids: {ex['ids'][:48]}{' ...' if len(ex['ids']) > 48 else ''}", highlight=False)

@@ -7,7 +7,7 @@ share of the GPUs), and no proxy variables. Children's lines are streamed with a
 --grace seconds) instead of waiting for JAX's heartbeat timeout (100 s), and the
 launcher exits non-zero naming the process that died first.
 
-Only the standard library is imported here; the children import JAX.
+Nothing here imports JAX (runtime.distributed and runtime.platform do not either); the children do.
 """
 
 from __future__ import annotations
@@ -25,11 +25,14 @@ from typing import List, Optional
 import typer
 
 from paxcli.errors import UserError
+from paxcli.runtime import distributed
+from paxcli.runtime.platform import detect_platform
 
 _PREFIX = '[launch]'
 
 
 def launch(
+    ctx: typer.Context,
     processes: int = typer.Option(..., '--processes', '-n', metavar='N', min=1, help='How many local processes to start.'),
     devices_per_process: Optional[int] = typer.Option(
         None, '--devices-per-process', metavar='K', min=1,
@@ -51,37 +54,31 @@ def launch(
 
   Example: pax launch --processes 2 --devices-per-process 4 -- train --exp E --job-log-dir /tmp/run
   """
-  argv = _child_argv(command or [])
+  argv = _child_argv(command or [], _multiprocess_commands(ctx.parent.command))
   envs = _child_envs(processes, devices_per_process, port or free_port())
   code = run_children(argv, envs, grace=grace, exit_wait=exit_wait)
   if code:
     raise typer.Exit(code)
 
 
-def _child_argv(command: list[str]) -> list[str]:
-  """`python -m paxcli.cli.app COMMAND...`, after checking that COMMAND runs on several processes."""
+def _child_argv(command: list[str], runnable: set[str]) -> list[str]:
+  """`python -m paxcli.cli.app COMMAND...`, after checking that COMMAND is one of `runnable`."""
   if command[:1] == ['pax']:
     command = command[1:]
   if not command:
     raise UserError('Give the pax command to run after --, e.g. '
                     '`pax launch --processes 2 -- train --exp E --job-log-dir /tmp/run`.')
-  runnable = _multiprocess_commands()
   if command[0] not in runnable:
     raise UserError(f'`pax {command[0]}` cannot run as several processes; pax launch runs: '
                     f'{", ".join(sorted(runnable))}.')
   return [sys.executable, '-m', 'paxcli.cli.app', *command]
 
 
-def _multiprocess_commands() -> set[str]:
-  """Registered subcommands that take --coordinator (so they read PAX_COORDINATOR)."""
-  import inspect
-
-  from paxcli.cli.app import app
-  names = set()
-  for info in app.registered_commands:
-    if info.callback is not None and 'coordinator' in inspect.signature(info.callback).parameters:
-      names.add(info.name or info.callback.__name__.replace('_', '-'))
-  return names
+def _multiprocess_commands(group) -> set[str]:
+  """The subcommands of `pax` (the click group launch runs under) that take --coordinator, so
+  read PAX_COORDINATOR. Read from the running command tree: launch never imports the app."""
+  return {name for name, command in group.commands.items()
+          if any(param.name == 'coordinator' for param in command.params)}
 
 
 def free_port() -> int:
@@ -92,8 +89,6 @@ def free_port() -> int:
 
 
 def _child_envs(n: int, devices_per_process: Optional[int], port: int) -> list[dict[str, str]]:
-  from paxcli.runtime import distributed
-  from paxcli.runtime.engine import detect_platform
   platform = detect_platform()
   cpu_devices, visible = devices_per_process, [None] * n
   if platform == 'tpu':

@@ -1,7 +1,8 @@
-"""`pax train` and `pax describe`."""
+"""`pax train` and `pax describe`: options in, paxcli.api out (imported in the commands: `pax --help` stays fast)."""
 
 from __future__ import annotations
 
+import json
 from typing import List, Optional
 
 import typer
@@ -27,16 +28,10 @@ def train(
   --coordinator/--num-processes/--process-id, or let JAX detect the cluster; on one
   machine, `pax launch --processes N -- train ...` starts N local processes.
   """
-  from paxcli.perf import profiling
-  from paxcli.loops.train import train as run_train
-  steps = profiling.parse_steps(profile_steps)
-  pgle_profile = common.path_arg(pgle_profile, '--pgle-profile')
-  # Before anything else touches JAX: experiments may ask jax for device counts.
-  common.start_processes(coordinator, num_processes, process_id)
-  resolved = common.resolve(exp, overrides)
-  job_dir = common.job_dir(job_log_dir, resolved)
-  run_train(resolved, job_dir, common.console(), verbose=verbose, profile_steps=steps, pgle=pgle,
-            pgle_profile=pgle_profile)
+  from paxcli import api
+  api.train(exp, overrides=overrides, job_dir=job_log_dir, verbose=verbose, profile_steps=profile_steps, pgle=pgle,
+            pgle_profile=pgle_profile, coordinator=coordinator, num_processes=num_processes, process_id=process_id,
+            console=common.console())
 
 
 def describe(
@@ -49,27 +44,23 @@ def describe(
 
   A pipelined experiment also gets its schedule and bubble, (S-1)/(R*M+S-1).
   """
-  import json
-
-  from paxcli.runtime import engine
-  resolved = common.resolve(exp, overrides)
-  summary = engine.summary(resolved)
-  pipeline = engine.pipeline_note(resolved)
+  from paxcli import api
+  described = api.describe(exp, overrides=overrides)
+  summary, pipeline = described['summary'], described['pipeline']
   if json_out:
     flat = {f'summary.{k}': v for k, v in summary.items()}
-    flat.update({k: _jsonable(v) for k, v in resolved.flat().items()})
+    flat.update({k: _jsonable(v) for k, v in described['config'].items()})
     if pipeline:
       flat['pipeline'] = pipeline
     typer.echo(json.dumps(flat, indent=1))
   else:
-    text = resolved.as_text()
-    head, _, rest = text.partition('\n')
+    head, _, rest = described['text'].partition('\n')
     lines = [head] + summary_lines(summary) + ([f'# {pipeline}'] if pipeline else [])
     typer.echo('\n'.join(lines) + '\n' + rest, nl=False)
 
 
 def summary_lines(s: dict) -> list[str]:
-  """engine.summary as comment lines for the top of `pax describe`."""
+  """api.describe's summary as comment lines for the top of `pax describe`."""
   def count(n: float, unit: str = '') -> str:
     for suffix, size in (('T', 1e12), ('G', 1e9), ('M', 1e6), ('K', 1e3)):
       if n >= size:

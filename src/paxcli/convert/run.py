@@ -14,6 +14,7 @@ from paxcli.convert import core, formats, hf_tokenizer
 from paxcli.errors import UserError
 from paxcli.inputs import tokenizers
 from paxcli.jobdir import layout
+from paxcli.runtime import platform
 
 TARGETS = ('orbax', 'safetensors', 'hf')
 
@@ -81,6 +82,7 @@ def _convert(src, out, source, output, fmt, to, exp, overrides, params_only, dty
     from paxcli import config as cfg
     src.check_experiment(cfg.resolve(exp, list(overrides)).experiment, log)
   source_res, target_res = core.resolve_pair(src, exp, overrides)
+  platform.apply_platform_env(target_res.experiment.PLATFORM_ENV, log=log)  # before the models start a backend
   if not src.paxcli_names:
     if hasattr(src, 'paxcli_view'):
       # paxml: the view takes any layout and MAX_SEQ_LEN, so it is read as the target model

@@ -25,7 +25,7 @@ class BaseInput:
 
   Fields the engine fills in when left None: batch_size (the rows this process feeds),
   num_infeed_hosts and infeed_host_index (from which rows of the global batch each
-  process's devices hold; see engine.build_input).
+  process's devices hold; see runtime.infeed.build_input).
   """
   name: str = 'train'
   is_training: bool = False

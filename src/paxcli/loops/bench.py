@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import statistics
+import tempfile
 import time
 from typing import Callable, Optional
 
@@ -70,6 +72,7 @@ def measure(resolved, steps: int = 10, warmup: int = 2, compile_only: bool = Fal
   import jax
 
   from paxcli.runtime import engine
+  from paxcli.runtime import infeed
 
   from paxcli.perf import flops
 
@@ -102,7 +105,7 @@ def measure(resolved, steps: int = 10, warmup: int = 2, compile_only: bool = Fal
   if setup.pipeline is not None:  # the idle share of a pipelined step, (S-1)/(R*M+S-1)
     row.update({'pipeline': setup.pipeline.describe(), 'pipeline_bubble': setup.pipeline.bubble})
   batch_sharding = sharding.batch_sharding(setup.mesh)
-  data = engine.build_input(resolved.train_dataset(), setup)
+  data = infeed.build_input(resolved.train_dataset(), setup)
   host_batch = data.get_next()
   step = make_train_step(setup, batch_sharding, resolved.experiment.RANDOM_SEED + 1)
   start = time.perf_counter()
@@ -189,19 +192,14 @@ def run_all(exp: Optional[str], overrides: list[str], sweeps: list[str], *, step
 
   PGLE here is the explicit workflow for both --pgle auto (into a temporary file) and
   --pgle-profile PATH: a few steps are profiled, then the step compiled with the profile.
+  The first combination's PLATFORM_ENV is the caller's to apply, before jax starts a backend
+  (paxcli.api.open_run).
   """
-  from paxcli import config
-  from paxcli.runtime import engine
   rows = []
   combos = sweep_combinations(sweeps)
-  first = config.resolve(exp, list(overrides) + [f'{k}={v}' for k, v in combos[0]])
-  engine.apply_platform_env(first.experiment.PLATFORM_ENV, log=log)  # before jax starts a backend
   from paxcli.perf import profiling
   profiling.check_pgle(pgle, pgle_profile)
   if pgle == 'auto':
-    import os
-    import tempfile
-
     import jax
     jax.config.update('jax_enable_pgle', False)  # the rows without PGLE must be without it
     pgle_profile = os.path.join(tempfile.mkdtemp(prefix='paxcli-pgle-'), 'profile.pb')
@@ -233,6 +231,8 @@ def check_combination(exp: Optional[str], overrides: list[str], combo: list, com
   from paxcli import config
 
   from paxcli.runtime import engine
+  from paxcli.runtime import infeed
+  from paxcli.runtime import platform
 
   from paxcli.runtime import sharding
   sets = [f'{k}={v}' for k, v in combo]
@@ -247,20 +247,19 @@ def check_combination(exp: Optional[str], overrides: list[str], combo: list, com
           + '; '.join(f'{k}: {v}' for k, v in unsupported.items())
           + '); compiling paxcli\'s closest model, whose memory and FLOPs differ from the original\'s.')
     else:
-      engine.check_supported(exp_obj)
+      platform.check_supported(exp_obj)
     task = engine.build_task(resolved.task)
     engine.validate_model(task.model)
     engine.validate_train(task.train)
     num_devices = len(jax.devices())
     sharding.mesh_shape(exp_obj.ICI_MESH_SHAPE, exp_obj.DCN_MESH_SHAPE, num_devices)
-    engine.global_batch_size(exp_obj.PERCORE_BATCH_SIZE, num_devices)
+    infeed.global_batch_size(exp_obj.PERCORE_BATCH_SIZE, num_devices)
   except UserError as e:
     raise UserError(f'{e}{where}') from None
   return resolved
 
 
 def _exists(path: str) -> bool:
-  import os
   return os.path.exists(path)
 
 
@@ -269,6 +268,7 @@ def _record_pgle_profile(resolved, path: str, log) -> None:
   import jax
 
   from paxcli.runtime import engine
+  from paxcli.runtime import infeed
 
   from paxcli.perf import profiling
 
@@ -278,7 +278,7 @@ def _record_pgle_profile(resolved, path: str, log) -> None:
   setup = engine.build(resolved)
   batch_sharding = sharding.batch_sharding(setup.mesh)
   step = make_train_step(setup, batch_sharding, 0)
-  batch = to_global(engine.build_input(resolved.train_dataset(), setup).get_next(), batch_sharding,
+  batch = to_global(infeed.build_input(resolved.train_dataset(), setup).get_next(), batch_sharding,
                     setup.global_batch)
   state = engine.init_state(setup, 0)
   first = profiling.PGLE_WARMUP_STEPS + 1
@@ -393,6 +393,23 @@ def plot_axes(rows: list[dict]) -> tuple[Optional[str], list[str]]:
   numeric = [k for k in keys if all(_number(r['sweep'].get(k)) is not None for r in rows)]
   x_key = numeric[0] if numeric else keys[0]
   return x_key, [k for k in keys if k != x_key]
+
+
+def check_plot_path(path: str) -> None:
+  """Before any row runs: matplotlib is there and the PNG can be written (its directory is made)."""
+  try:
+    import matplotlib  # noqa: F401  (optional: only --plot needs it)
+  except ImportError:
+    raise UserError('--plot needs matplotlib: pip install matplotlib') from None
+  directory = os.path.dirname(os.path.abspath(path))
+  if os.path.isdir(path):
+    raise UserError(f'--plot {path} is a directory; give a file name such as mfu.png.')
+  try:
+    os.makedirs(directory, exist_ok=True)
+    with tempfile.TemporaryFile(dir=directory):
+      pass
+  except OSError as e:
+    raise UserError(f'--plot {path}: cannot write in {directory} ({e.strerror}).') from None
 
 
 def plot(rows: list[dict], path: str) -> None:

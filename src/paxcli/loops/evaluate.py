@@ -33,7 +33,7 @@ from paxcli.jobdir import layout
 from paxcli.jobdir import lock as joblock
 from paxcli.jobdir import restore
 from paxcli.jobdir.summaries import SummaryWriter
-from paxcli.runtime import engine
+from paxcli.runtime import engine, infeed
 from paxcli.runtime import sharding
 from paxcli.runtime.sharding import to_global
 
@@ -190,7 +190,7 @@ class Evaluator:
     self.inputs = {}
     for cfg in resolved.eval_datasets():
       check_semantics(cfg)
-      self.inputs[cfg.name] = engine.build_input(cfg, setup)
+      self.inputs[cfg.name] = infeed.build_input(cfg, setup)
     self.job_dir = job_dir if jax.process_index() == 0 else None
     self.writers = {}
 

@@ -36,10 +36,10 @@ def host_batch_size(resolved) -> int:
 
 
 def build(cfg, batch_size: int, num_hosts: int, host_index: int):
-  from paxcli.runtime import engine
+  from paxcli.runtime import infeed
   if not 0 <= host_index < num_hosts:
     raise UserError(f'--host-index {host_index} is not in [0, {num_hosts}).')
-  return engine.build_input(cfg, process_batch=batch_size, num_hosts=num_hosts, host_index=host_index)
+  return infeed.build_input(cfg, process_batch=batch_size, num_hosts=num_hosts, host_index=host_index)
 
 
 def feature_stats(batch: dict) -> list[dict[str, Any]]:

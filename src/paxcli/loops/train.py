@@ -45,6 +45,8 @@ from paxcli.perf import flops
 from paxcli.perf import profiling
 from paxcli.runtime import distributed
 from paxcli.runtime import engine
+from paxcli.runtime import infeed
+from paxcli.runtime import platform
 from paxcli.runtime import sharding
 from paxcli.runtime.sharding import to_global
 
@@ -138,7 +140,7 @@ def ready_step(resolved, seed: int = 0):
   state = engine.init_state(setup, seed)
   batch_sharding = sharding.batch_sharding(setup.mesh)
   step = make_train_step(setup, batch_sharding, seed)
-  return setup, state, step, batch_sharding, engine.build_input(resolved.train_dataset(), setup)
+  return setup, state, step, batch_sharding, infeed.build_input(resolved.train_dataset(), setup)
 
 
 # ---- The hooks ------------------------------------------------------------------------------------
@@ -474,10 +476,10 @@ def train(resolved, job_dir: str, console, verbose: bool = False, profile_steps=
 
   The job directory is checked first and locked for the run (`paxcli/jobdir/lock.py`): a
   second trainer on it is refused. profile_steps: (A, B) to trace steps A..B with
-  jax.profiler; pgle/pgle_profile: see paxcli.perf.profiling.
+  jax.profiler; pgle/pgle_profile: see paxcli.perf.profiling. The experiment's PLATFORM_ENV is
+  applied before this, by the command's `api.open_run`, ahead of JAX's backend start.
   """
-  engine.check_supported(resolved.experiment)  # refusals first: a refused run leaves no job directory
-  engine.apply_platform_env(resolved.experiment.PLATFORM_ENV, log=lambda m: console.print(m))
+  platform.check_supported(resolved.experiment)  # refusals first: a refused run leaves no job directory
   profiling.check_pgle(pgle, pgle_profile)
   joblock.check_writable(job_dir)  # makes the directory
   lock = joblock.lock_run(job_dir, _printer(console) if jax.process_index() == 0 else _silent)
@@ -519,7 +521,7 @@ def _train(resolved, job_dir: str, console, verbose: bool = False, profile_steps
     _trim_replayed_metrics(job_dir, start.step, log)
 
   # ---- Input, step, evals ---------------------------------------------------------------------------
-  train_input = engine.build_input(resolved.train_dataset(), setup)
+  train_input = infeed.build_input(resolved.train_dataset(), setup)
   if is_main:
     tokenizer.save_to_job_dir(train_input, job_dir)
   train_input.skip(start.batches_consumed)
@@ -602,13 +604,13 @@ class RunSpec:
   """What each checkpoint's meta records of the run, and what a resume compares with it."""
   flat: dict            # the resolved config, flattened, each value as its repr()
   shapes: dict          # the train state's shapes (engine.shape_signature)
-  input_layout: dict    # what decides which data each step sees (engine.input_layout)
+  input_layout: dict    # what decides which data each step sees (infeed.input_layout)
   global_batch: int
 
   @classmethod
   def of(cls, resolved, setup) -> 'RunSpec':
     return cls({k: repr(v) for k, v in resolved.flat().items()}, engine.shape_signature(setup.abstract_state),
-               engine.input_layout(resolved, setup), setup.global_batch)
+               infeed.input_layout(resolved, setup), setup.global_batch)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -643,7 +645,7 @@ def _resume(setup, job_dir: str, step: int, spec: RunSpec, checkpointer, log) ->
   if int(meta.get('global_batch', spec.global_batch)) != spec.global_batch:
     log(f'Note: the global batch changed ({meta.get("global_batch")} -> {spec.global_batch}); '
         'the data order from here differs from an uninterrupted run.')
-  layout_note = engine.layout_change_note(meta.get('input_layout'), spec.input_layout)
+  layout_note = infeed.layout_change_note(meta.get('input_layout'), spec.input_layout)
   if layout_note:
     log(layout_note)
   log(f'Resumed from step {step} ({batches_consumed} batches consumed).')

@@ -22,15 +22,20 @@ built-in stdlib-docstrings corpus) feeds a run the same data however many proces
 it, so the losses do not depend on the process count. Inputs that split their *sources*
 between hosts (files or shards read by host i of n, as TFRecord and SeqIO inputs do)
 cannot have that property: which examples meet in one step depends on n.
+
+jax is imported inside the functions that use it: `pax launch` reads child_environment
+from here in a launcher that never starts JAX (its children do).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from typing import Callable, Mapping, Optional
 
 from paxcli.errors import UserError
+from paxcli.runtime.platform import detect_platform
 
 ENV_COORDINATOR = 'PAX_COORDINATOR'
 ENV_NUM_PROCESSES = 'PAX_NUM_PROCESSES'
@@ -96,7 +101,6 @@ def detected_cluster() -> Optional[str]:
     from jax._src.clusters import ClusterEnv  # JAX's detectors; no public list exists
   except ImportError:
     return None
-  import warnings
   for env in ClusterEnv._cluster_types:  # pylint: disable=protected-access
     if getattr(env, 'opt_in_only_method', False):
       continue
@@ -128,7 +132,7 @@ def start(settings: Settings, log: Callable[[str], None] = print,
     if cluster is None:
       return False
   _check_backend_not_started()
-  if (platform or _platform()) == 'cpu':
+  if (platform or detect_platform()) == 'cpu':
     # Cross-process collectives on CPU need an implementation; gloo ships with jaxlib.
     jax.config.update('jax_cpu_collectives_implementation', 'gloo')
   try:
@@ -154,11 +158,6 @@ def _check_backend_not_started() -> None:
   if xla_bridge.backends_are_initialized():
     raise UserError('JAX already started its backend in this Python process, so it cannot join '
                     'several processes any more; run the command in a fresh process.')
-
-
-def _platform() -> str:
-  from paxcli.runtime.engine import detect_platform
-  return detect_platform()
 
 
 def topology_line() -> str:

@@ -1,4 +1,4 @@
-"""Pieces shared by train, eval and benchmarks: runtime start-up, model and state, inputs.
+"""Runtime set-up shared by train, eval, decode and benchmarks: model, optimizer, state shapes.
 
 The engine knows models only through paxcli.models.BaseModel's methods (fprop,
 dummy_batch, validate, ...); it never names a model family or its loss.
@@ -7,75 +7,32 @@ The train state is a dict {'step', 'params', 'opt_state'}, plus 'non_trainable' 
 model declares non-trainable variables. Its shardings are derived
 from shapes: `jax.eval_shape(init)` gives the abstract state with logical axis names
 on params; one table (sharding.py) turns names and shapes into NamedShardings; `init`
-is then jitted with those out_shardings, so no array ever exists unsharded.
+is then jitted with those out_shardings, so no array ever exists unsharded. Which
+process reads which rows of a batch is runtime/infeed.py; the platform's environment
+is runtime/platform.py.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-import os
+import math
 from typing import Any, Optional
 
+import fiddle as fdl
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from paxcli import optim, options
 from paxcli.errors import UserError, at_least
-
-
-def apply_platform_env(knob_env: dict[str, dict[str, str]], log=print) -> None:
-  """Sets PLATFORM_ENV variables for the platform jax will use, before jax starts.
-
-  The platform is read without starting a backend: JAX_PLATFORMS if set, else the
-  installed plugins (libtpu, CUDA). Flags for another platform are never applied:
-  TPU flags in XLA_FLAGS abort jax on CPU.
-  """
-  platform = detect_platform()
-  for key, value in ((knob_env or {}).get(platform) or {}).items():
-    if key == 'XLA_FLAGS' and os.environ.get('XLA_FLAGS'):
-      value = os.environ['XLA_FLAGS'] + ' ' + value
-    os.environ[key] = value
-    log(f'Set {key} for platform {platform}.')
-  if platform == 'gpu':
-    _default_xla_flags(GPU_XLA_FLAGS, log)
-
-
-# XLA flags for GPUs as NVIDIA's JAX-Toolbox images and MaxText's GPU scripts set them: the
-# latency-hiding scheduler (overlaps collectives with compute; PGLE needs it) and a
-# high-priority stream for async collectives. Each applies only where XLA_FLAGS does not
-# name that flag already.
-GPU_XLA_FLAGS = ('--xla_gpu_enable_latency_hiding_scheduler=true',
-                 '--xla_gpu_enable_highest_priority_async_stream=true')
-
-
-def _default_xla_flags(flags, log) -> None:
-  current = os.environ.get('XLA_FLAGS', '')
-  named = {f.split('=', 1)[0] for f in current.split()}
-  added = [f for f in flags if f.split('=', 1)[0] not in named]
-  if added:
-    os.environ['XLA_FLAGS'] = ' '.join([current] + added).strip()
-    log(f'XLA_FLAGS: added GPU defaults {" ".join(added)}')
-
-
-def detect_platform() -> str:
-  import importlib.util
-  explicit = os.environ.get('JAX_PLATFORMS', '').split(',')[0].strip().lower()
-  if explicit:
-    return 'gpu' if explicit in ('cuda', 'rocm', 'gpu') else explicit
-  if importlib.util.find_spec('libtpu') is not None:
-    return 'tpu'
-  for plugin in ('jax_cuda13_plugin', 'jax_cuda12_plugin', 'jax_plugins.xla_cuda12'):
-    try:
-      if importlib.util.find_spec(plugin) is not None:
-        return 'gpu'
-    except ModuleNotFoundError:
-      continue
-  return 'cpu'
-
-
-def check_supported(experiment) -> None:
-  unsupported = getattr(experiment, 'UNSUPPORTED_FEATURES', None) or {}
-  if unsupported:
-    items = '; '.join(f'{k}: {v}' for k, v in unsupported.items())
-    raise UserError(f'{type(experiment).__name__} needs features paxcli cannot honour ({items}). '
-                    'Training it would train a different model. To accept that, run with '
-                    '--set UNSUPPORTED_FEATURES={}.')
+from paxcli.layers import activation_sharding
+from paxcli.layers.base import NON_TRAINABLE, RANDOM, instantiate, mean_sync_mask
+from paxcli.perf import flops
+from paxcli.runtime import sharding
+from paxcli.runtime.infeed import global_batch_size, plan_infeed
 
 
 @dataclasses.dataclass
@@ -100,54 +57,11 @@ class Setup:
   def activation_sharding(self):
     """The context to trace a train or eval step in: layers' `constrain` calls apply the
     activation rules on this mesh (see paxcli.layers.activation_sharding)."""
-    from paxcli.layers import activation_sharding
     return activation_sharding.rules(self.mesh, self.activation_rules)
-
-
-@dataclasses.dataclass(frozen=True)
-class Infeed:
-  """How the processes feed one global batch, Pax style.
-
-  Every process feeds `process_rows` rows of the global array. Processes whose devices
-  hold the same rows (model parallelism across processes) form one infeed host and read
-  the same data. With PERCORE_BATCH_SIZE below 1 there can be fewer examples than rows:
-  then only the first `num_hosts` infeed hosts read data and the others feed padding
-  (weight 0), which leaves loss and gradients those of the real examples.
-  """
-  examples: int                 # real examples per step (PERCORE_BATCH_SIZE x devices)
-  rows: int                     # rows of the global array (examples, or more with padding)
-  process_rows: int             # rows each process feeds
-  num_hosts: int                # num_infeed_hosts: hosts that read real data
-  host_index: Optional[int]     # this process's infeed_host_index; None: it feeds padding
-  num_processes: int
-
-  @property
-  def padding(self) -> bool:
-    return self.host_index is None
-
-  def describe(self) -> str:
-    if self.rows == self.examples:
-      return f'{self.examples}'
-    return (f'{self.examples} (padded to {self.rows} rows: {self.num_hosts} of {self.num_processes} '
-            'processes read data, the others feed zero-weight padding)')
-
-
-def global_batch_size(percore: float, num_devices: int) -> int:
-  value = percore * num_devices
-  if value < 1 or abs(value - round(value)) > 1e-9:
-    raise UserError(f'PERCORE_BATCH_SIZE {percore} x {num_devices} devices = {value:g} is not a whole '
-                    'number of examples per step; choose a PERCORE_BATCH_SIZE that makes it one.')
-  return int(round(value))
 
 
 def build(resolved, mesh=None) -> Setup:
   """Mesh, model, optimizer and abstract sharded state for a resolved experiment."""
-  import fiddle as fdl
-  import jax
-
-  from paxcli import optim
-
-  from paxcli.runtime import sharding
   exp = resolved.experiment
   mesh = mesh or sharding.make_mesh(exp.ICI_MESH_SHAPE, exp.DCN_MESH_SHAPE)
   task = build_task(resolved.task)
@@ -171,7 +85,6 @@ def build(resolved, mesh=None) -> Setup:
   state_shardings = {'step': replicated, 'params': param_shardings, 'opt_state': opt_shardings}
   mean_sync = None
   if 'non_trainable' in boxed:
-    from paxcli.layers.base import mean_sync_mask
     nt_logical = jax.tree.map(lambda b: tuple(b.names), boxed['non_trainable'], is_leaf=is_box)
     state_shardings['non_trainable'] = sharding.logical_to_sharding(
         nt_logical, abstract_unboxed['non_trainable'], mesh, rules)
@@ -184,7 +97,6 @@ def build(resolved, mesh=None) -> Setup:
 
 def plan_pipeline(model, mesh, global_batch: int):
   """The model's pipeline Schedule, checked against the mesh's `stage` axis (None: no pipeline)."""
-  from paxcli.runtime import sharding
   schedule = model.pipeline_schedule(global_batch) if hasattr(model, 'pipeline_schedule') else None
   stages = schedule.stages if schedule else 1
   mesh_stages = sharding.num_stages(mesh)
@@ -201,15 +113,12 @@ def pipeline_note(resolved) -> Optional[str]:
   For `pax describe`: the global batch is PERCORE_BATCH_SIZE x the mesh's devices (the
   current devices when the mesh shape has a -1).
   """
-  import math
-
   exp = resolved.experiment
   model = build_task(resolved.task).model
   if not hasattr(model, 'pipeline_schedule'):
     return None
   shape = list(exp.ICI_MESH_SHAPE or [1, -1, 1]) + list(exp.DCN_MESH_SHAPE or [])
   if -1 in shape:
-    import jax
     devices = jax.device_count()
   else:
     devices = math.prod(shape)
@@ -220,85 +129,8 @@ def pipeline_note(resolved) -> Optional[str]:
   return f'pipeline: {schedule.describe()}' if schedule else None
 
 
-def plan_infeed(mesh, examples: int, process_index: Optional[int] = None) -> Infeed:
-  """Which rows of the global batch each process feeds, from the batch sharding itself.
-
-  Reading the rows off `devices_indices_map` (rather than assuming process i holds the
-  i-th block) keeps the host index equal to the block's place in the global batch on
-  any mesh, which is what makes per-global-batch inputs independent of process count.
-  """
-  import jax
-
-  from paxcli.runtime import sharding
-  dp = sharding.data_parallel_size(mesh)
-  num_processes = len({d.process_index for d in mesh.devices.flat})
-  rows = examples
-  if examples % dp:
-    if examples > dp or num_processes == 1:
-      raise UserError(f'The global batch of {examples} examples does not divide over the {dp}-way data '
-                      f'parallelism of the mesh ({sharding.describe_mesh(mesh)}); change '
-                      'PERCORE_BATCH_SIZE or ICI_MESH_SHAPE.')
-    rows = dp  # Pax: PERCORE_BATCH_SIZE < 1 on several processes; some hosts feed padding
-  by_process: dict[int, set[int]] = {}
-  for device, index in sharding.batch_sharding(mesh).devices_indices_map((rows,)).items():
-    by_process.setdefault(device.process_index, set()).update(range(*index[0].indices(rows)))
-  return infeed_from_rows(by_process, examples, rows, dp,
-                          jax.process_index() if process_index is None else process_index)
-
-
-def infeed_from_rows(by_process: dict[int, set[int]], examples: int, rows: int, dp: int,
-                     process_index: int) -> Infeed:
-  """Infeed from {process: global rows its devices hold}; raises UserError if uneven."""
-  blocks = sorted({tuple(sorted(r)) for r in by_process.values()})
-  sizes = {len(b) for b in blocks}
-  flat = [r for b in blocks for r in b]
-  if len(sizes) != 1 or len(flat) != len(set(flat)):
-    raise UserError('The processes hold uneven or overlapping parts of the batch on this mesh '
-                    f'({ {p: len(r) for p, r in sorted(by_process.items())} } rows by process); choose '
-                    'ICI_MESH_SHAPE/DCN_MESH_SHAPE so that each process holds whole data-parallel shards.')
-  block = sizes.pop()
-  if examples % block:
-    raise UserError(f'The global batch of {examples} examples does not divide over the {dp}-way data '
-                    f'parallelism: with PERCORE_BATCH_SIZE below 1 some processes read data and the '
-                    f'others feed padding, but each process holds {block} rows, so the global batch '
-                    f'must be a multiple of {block}. Change PERCORE_BATCH_SIZE or the mesh.')
-  num_hosts = examples // block
-  rank = blocks.index(tuple(sorted(by_process[process_index])))
-  return Infeed(examples=examples, rows=rows, process_rows=block, num_hosts=num_hosts,
-                host_index=rank if rank < num_hosts else None, num_processes=len(by_process))
-
-
-def input_layout(resolved, setup: Setup) -> dict:
-  """What decides which data each step sees, beyond the global batch (stored in checkpoints)."""
-  import jax
-
-  from paxcli.runtime import sharding
-  exp = resolved.experiment
-  ici, dcn = sharding.mesh_shape(exp.ICI_MESH_SHAPE, exp.DCN_MESH_SHAPE, setup.mesh.size)
-  return {'ici_mesh_shape': ici, 'dcn_mesh_shape': dcn,
-          'percore_batch_size': exp.PERCORE_BATCH_SIZE, 'num_processes': jax.process_count(),
-          'num_infeed_hosts': setup.infeed.num_hosts, 'process_batch': setup.process_batch}
-
-
-def layout_change_note(saved: Optional[dict], now: dict) -> Optional[str]:
-  """A note for a resume whose mesh, PERCORE_BATCH_SIZE or process count differ, else None."""
-  if not saved:
-    return None
-  changed = [f'{k} {saved.get(k)} -> {now[k]}' for k in now if k in saved and saved[k] != now[k]]
-  if not changed:
-    return None
-  return ('Note: the input layout changed since the checkpoint (' + ', '.join(changed) + '); the data '
-          'order from here differs from an uninterrupted run, except for inputs defined per global '
-          'batch (the synthetic input, the built-in corpus) while the global batch stays the same.')
-
-
 def build_task(task_cfg):
   """Builds the Task config; the model is built with layers.base.instantiate (templates stay configs)."""
-  import copy
-
-  import fiddle as fdl
-
-  from paxcli.layers.base import instantiate
   task_cfg = copy.copy(task_cfg)
   model_cfg = task_cfg.model
   task_cfg.model = None
@@ -312,7 +144,6 @@ def build_task(task_cfg):
 
 def validate_model(model) -> None:
   """Allowed values (paxcli.options) on every layer config of the model, then its own checks."""
-  from paxcli import options
   for where, cfg in _layer_configs(model):
     for field, allowed in options.MODEL_FIELDS.items():
       value = getattr(cfg, field, None)
@@ -325,9 +156,6 @@ def validate_model(model) -> None:
 
 def _layer_configs(model):
   """('task.model...', config or layer) for the model and every config reachable from its fields."""
-  import dataclasses
-
-  import fiddle as fdl
   out, seen = [], set()
 
   def walk(where, obj):
@@ -359,14 +187,11 @@ def validate_train(train) -> None:
 
 
 def unbox(tree):
-  import flax.linen as nn
   return nn.meta.unbox(tree)
 
 
 def make_init(model, tx, seq_len: int):
   """rng -> boxed train state (params carry logical names)."""
-  import jax.numpy as jnp
-
   def init(rng):
     variables = init_variables(model, rng, seq_len)
     state = {'step': jnp.zeros([], jnp.int32), 'params': variables['params'],
@@ -380,10 +205,6 @@ def make_init(model, tx, seq_len: int):
 
 def init_variables(model, rng, seq_len: int) -> dict:
   """The model's variables from one fprop of its dummy batch: params and non_trainable only."""
-  import jax
-  import jax.numpy as jnp
-
-  from paxcli.layers.base import NON_TRAINABLE, RANDOM
   batch = jax.tree.map(jnp.asarray, model.dummy_batch(1, seq_len))
   variables = model.init({'params': rng, 'dropout': rng, RANDOM: rng}, batch, method='fprop')
   return {k: v for k, v in variables.items() if k in ('params', NON_TRAINABLE)}
@@ -395,9 +216,6 @@ def _opt_state_shardings(opt_abstract, params_abstract, param_shardings, mesh):
   A leaf matches the param whose key path ends its own key path (optax nests param-
   shaped trees inside its state tuples), and must have the same shape.
   """
-  import jax
-  from jax.sharding import NamedSharding, PartitionSpec
-
   by_path = {}
   for path, leaf in jax.tree_util.tree_flatten_with_path(params_abstract)[0]:
     by_path[_keys(path)] = leaf.shape
@@ -426,7 +244,6 @@ def _keys(path) -> tuple:
 
 
 def init_state(setup: Setup, seed: int):
-  import jax
   init = _init_through_scan(setup) or (lambda r: unbox(make_init(setup.model, setup.tx, setup.seq_len)(r)))
   fn = jax.jit(init, out_shardings=setup.state_shardings)
   return fn(jax.random.key(seed))
@@ -440,10 +257,6 @@ def _init_through_scan(setup: Setup):
   values come from the twin's random streams. None when the model has no scanned twin
   whose unstacked variables match the unrolled shapes (the caller then inits directly).
   """
-  import copy
-
-  import jax
-  import jax.numpy as jnp
   model = setup.model
   lm = getattr(model, 'lm_tpl', None)
   if lm is None or getattr(lm, 'scan_layers', True) or getattr(lm, 'num_layers', 1) < 2:
@@ -482,8 +295,6 @@ def _init_through_scan(setup: Setup):
 
 
 def param_count(abstract_state) -> int:
-  import jax
-  import numpy as np
   return int(sum(np.prod(x.shape) for x in jax.tree.leaves(abstract_state['params'])))
 
 
@@ -491,11 +302,6 @@ def summary(resolved) -> dict:
   """What a run of the resolved experiment needs, without devices: parameters (from the model's
   abstract init), training FLOPs per token (the model's train_flops), the global batch and the devices the mesh
   asks for. A figure that cannot be known is None, with the reason under '<name>_note'."""
-  import math
-
-  import jax
-
-  from paxcli.perf import flops
   exp = resolved.experiment
   out: dict = {}
   ici, dcn = exp.ICI_MESH_SHAPE, exp.DCN_MESH_SHAPE
@@ -529,7 +335,6 @@ def summary(resolved) -> dict:
 
 def shape_signature(abstract_state) -> dict[str, list[int]]:
   """'path' -> shape for every leaf of the state: what a checkpoint must match."""
-  import jax
   out = {}
   for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_state)[0]:
     out['/'.join(str(k) for k in _keys(path))] = list(leaf.shape)
@@ -538,7 +343,6 @@ def shape_signature(abstract_state) -> dict[str, list[int]]:
 
 def weights_table(setup: Setup) -> list[tuple[str, str, str, str, str]]:
   """(path, shape, dtype, logical axes, mesh sharding) for every weight."""
-  import jax
   rows = []
   flat_logical = {(_keys(p)): v for p, v in jax.tree_util.tree_flatten_with_path(
       setup.logical, is_leaf=lambda x: isinstance(x, tuple))[0]}
@@ -558,56 +362,11 @@ def _axes(entry) -> str:
   return '+'.join(entry) if isinstance(entry, tuple) else str(entry)
 
 
-def build_input(cfg, setup: Optional[Setup] = None, process_batch: Optional[int] = None,
-                num_hosts: Optional[int] = None, host_index: Optional[int] = None):
-  """Builds an input from its fiddle config, filling batch size and host fields Pax-style."""
-  import copy
-
-  import fiddle as fdl
-  import jax
-  cfg = copy.deepcopy(cfg)
-  infeed = setup.infeed if setup is not None and process_batch is None else None
-  if infeed is not None:
-    defaults = (infeed.process_rows, infeed.num_hosts, infeed.host_index or 0)
-  else:
-    defaults = (process_batch if process_batch is not None else setup.process_batch,
-                num_hosts if num_hosts is not None else jax.process_count(),
-                host_index if host_index is not None else jax.process_index())
-  for field, value in zip(('batch_size', 'num_infeed_hosts', 'infeed_host_index'), defaults):
-    if getattr(cfg, field, None) is None:
-      setattr(cfg, field, value)
-  try:
-    built = fdl.build(cfg)
-  except (FileNotFoundError, ValueError, TypeError) as e:
-    raise UserError(f'Building input {getattr(cfg, "name", "?")!r} failed: {e}') from e
-  return PaddingInput(built) if infeed is not None and infeed.padding else built
-
-
-class PaddingInput:
-  """What a padding host feeds (PERCORE_BATCH_SIZE < 1): host 0's batches with every array zeroed.
-
-  Reading host 0's input keeps shapes, dtypes and the end of a finite input in step with
-  the hosts that read data; zero weights keep the padding out of loss and gradients.
-  Everything else (skip, reset, fields) is the wrapped input's.
-  """
-
-  def __init__(self, inner):
-    self.inner = inner
-
-  def get_next(self):
-    from paxcli.inputs.base import padding_like
-    return padding_like(self.inner.get_next())
-
-  def __getattr__(self, name):
-    return getattr(self.inner, name)
-
-
 def abstract_params(resolved):
   """Parameter shapes of a resolved experiment via jax.eval_shape: no devices, no memory.
 
   This is how large recipes are checked on a small machine.
   """
-  import jax
   model = build_task(resolved.task).model
   validate_model(model)
   seq_len = getattr(model, 'max_seq_len', None) or 1

@@ -12,10 +12,11 @@ element-wise product (a three-entry shape beside a four-entry one has stage 1).
 from __future__ import annotations
 
 import math
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 import jax
 import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from paxcli.errors import UserError
@@ -90,7 +91,6 @@ def make_mesh(ici: Optional[Sequence[int]], dcn: Optional[Sequence[int]] = None,
   devices = list(devices if devices is not None else jax.devices())
   ici, dcn = mesh_shape(ici, dcn, len(devices))
   if math.prod(dcn) == 1:
-    from jax.experimental import mesh_utils
     try:
       array = mesh_utils.create_device_mesh(ici, devices=devices, allow_split_physical_axes=True)
     except (ValueError, NotImplementedError, AssertionError):
@@ -108,7 +108,6 @@ def _hybrid_mesh(ici: list[int], dcn: list[int], devices) -> np.ndarray:
   host, as on CPU and most GPU clusters, via `process_is_granule=True`); equal groups
   of whole processes, or equal parts of each process, otherwise.
   """
-  from jax.experimental import mesh_utils
   num_slices = math.prod(dcn)
   slices = {getattr(d, 'slice_index', None) for d in devices}
   processes = sorted({d.process_index for d in devices})

@@ -13,7 +13,7 @@ import numpy as np
 from paxcli import files
 from paxcli.errors import UserError, shorten
 from paxcli.inputs.base import EndOfInput
-from paxcli.runtime import engine
+from paxcli.runtime import infeed
 
 MAX_PROMPTS_FILE_BYTES = 256 << 20  # prompts are decoded in memory; a bigger file is a mistake
 
@@ -98,7 +98,7 @@ def prompts_from_dataset(resolved, name: str, tokenizer, max_prompts: int, max_l
     close = difflib.get_close_matches(name, list(cfgs), n=1)
     hint = f' Did you mean {close[0]!r}?' if close else ''
     raise UserError(f'The experiment has no input named {name!r} (inputs: {", ".join(cfgs) or "none"}).{hint}')
-  inp = engine.build_input(cfgs[name], process_batch=max(1, min(max_prompts, 64)), num_hosts=1, host_index=0)
+  inp = infeed.build_input(cfgs[name], process_batch=max(1, min(max_prompts, 64)), num_hosts=1, host_index=0)
   prompts = []
   while len(prompts) < max_prompts:
     try:

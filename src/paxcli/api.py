@@ -1,0 +1,401 @@
+"""paxcli from Python: every `pax` command as a function with the command's options as arguments.
+
+    import paxcli
+    summary = paxcli.train('default.StdlibDocsLm', job_dir='runs/docs', overrides=['NUM_TRAIN_STEPS=20'])
+    metrics = paxcli.evaluate('default.StdlibDocsLm', job_dir='runs/docs')
+    records = paxcli.decode('default.StdlibDocsLm', job_dir='runs/docs', prompt=['def parse('])
+
+Arguments are named as the command-line options, in snake_case (`--max-decode-steps` is
+`max_decode_steps`; `--set` is `overrides`, a list of KEY=VALUE strings), with two names
+Python needs: `job_dir` is `--job-log-dir`, and `fmt` is `--from`. Functions return data
+(dicts and lists, as the commands' `--json` prints them) and print nothing on stdout:
+progress and log lines go to `console` (a rich Console; default: one on stderr), warnings
+to stderr. A user's mistake raises paxcli.errors.UserError with the one line `pax` prints.
+
+A JAX process starts its backend once: settings that must come before it (PLATFORM_ENV,
+--num-devices, several processes) take effect in the first call of a Python process only.
+
+Every command that starts a backend opens its run with `open_run` (processes, resolved
+config, platform environment, job directory), then runs its loop. The CLI (paxcli.cli) is
+a layer over these functions that parses options and prints. Heavy modules (JAX, fiddle,
+the loops) are imported inside the functions that use them: `pax import-maxtext` and
+`pax --help` never pay for JAX.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
+
+from rich.console import Console
+from rich.markup import escape
+
+from paxcli.errors import UserError
+from paxcli.jobdir import layout
+from paxcli.maxtext import recipe as maxtext_recipe
+from paxcli.maxtext.shell import read_script
+from paxcli.maxtext.translate import Options, Translation, translate
+from paxcli.runtime import distributed, platform
+
+if TYPE_CHECKING:  # fiddle, for a type only
+  from paxcli.config import Resolved
+
+# Fake CPU devices: XLA's CPU backend refuses to compile for 4,096 of them ("Multiprocess computations
+# aren't implemented on the CPU backend"); 2,048 compile a tiny model in about 16 s on 2 cores.
+MAX_FAKE_DEVICES = 2048
+DECODE_DTYPES = ('float32', 'bfloat16', 'float16')
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+  """What a command opens before its loop: the resolved config and its job directory."""
+  resolved: Resolved
+  job_dir: Optional[str]   # absolute, symlinks resolved; None for a command without one
+
+
+def open_run(exp: Optional[str], overrides: Sequence[str] = (), job_dir: Optional[str] = None, *,
+             with_job_dir: bool = True, processes: bool = True, coordinator: Optional[str] = None,
+             num_processes: Optional[int] = None, process_id: Optional[int] = None,
+             log: Callable[[str], None] = print) -> Run:
+  """Joins the run's processes, resolves the config, sets its PLATFORM_ENV and names its job directory.
+
+  The order is JAX's: jax.distributed starts before any backend (experiments may ask jax
+  for device counts while resolving), and PLATFORM_ENV's XLA flags are set before the
+  command's loop starts the backend. `processes`: the command runs on several processes
+  (--coordinator ...; else a detected cluster). The job directory (`job_dir`, else
+  ./runs/<experiment>) is made absolute once, here: orbax refuses relative paths and the
+  rest of paxcli joins names onto it.
+  """
+  if processes:
+    distributed.start(distributed.settings_from(coordinator, num_processes, process_id))
+  resolved = resolve(exp, overrides)
+  platform.apply_platform_env(resolved.experiment.PLATFORM_ENV, log=log)
+  directory = None
+  if with_job_dir:
+    directory = path_arg(job_dir or default_job_dir(resolved.experiment.registered_name()), '--job-log-dir')
+  return Run(resolved, directory)
+
+
+def resolve(exp: Optional[str], overrides: Sequence[str] = ()):
+  """config.resolve, its warnings (e.g. a knob the experiment's code overrides) printed on stderr."""
+  from paxcli import config  # fiddle: not for commands that never build a config
+  resolved = config.resolve(exp, list(overrides))
+  for message in resolved.warnings:
+    warn(message)
+  return resolved
+
+
+def warn(message: str) -> None:
+  """One `warning:` line on stderr, whatever the command's console: stdout stays the command's output."""
+  Console(stderr=True, highlight=False, soft_wrap=True).print(f'[bold yellow]warning:[/] {escape(message)}',
+                                                              markup=True)
+
+
+def default_job_dir(exp_name: str) -> str:
+  return os.path.join('runs', exp_name.replace(':', '_').replace('/', '_'))
+
+
+def path_arg(path: Optional[str], option: str) -> Optional[str]:
+  """A path the user gave (None stays None), made absolute with symlinks resolved; '' is refused."""
+  if path is None:
+    return None
+  if not path:
+    raise UserError(f'{option} is empty; give a path.')
+  return layout.absolute(path)
+
+
+def positive_finite(value: Optional[float], option: str, unit: str) -> Optional[float]:
+  """`value` of a numeric option, or one line: NaN, infinity, zero and negatives are refused."""
+  if value is not None and not (value > 0 and value != float('inf')):  # NaN fails `> 0`
+    raise UserError(f'{option} must be a positive number ({unit}, finite), got {value}.')
+  return value
+
+
+def _console(console) -> Console:
+  return console if console is not None else Console(stderr=True)
+
+
+def _printer(console: Console) -> Callable[[str], None]:
+  """Plain log lines on `console`: no markup, no highlighting, never cut."""
+  return lambda message: console.print(message, highlight=False, markup=False, soft_wrap=True)
+
+
+# ---- train, eval, decode ---------------------------------------------------------------------
+
+
+def train(exp: Optional[str] = None, *, overrides: Sequence[str] = (), job_dir: Optional[str] = None,
+          verbose: bool = False, profile_steps: Optional[str] = None, pgle: Optional[str] = None,
+          pgle_profile: Optional[str] = None, coordinator: Optional[str] = None,
+          num_processes: Optional[int] = None, process_id: Optional[int] = None, console=None) -> dict:
+  """`pax train`: trains (or resumes) `exp` in `job_dir`; returns the last summary (step, loss, rates).
+
+  profile_steps: 'A-B' traces steps A to B with jax.profiler into <job_dir>/profile.
+  """
+  from paxcli.loops import train as train_loop
+  from paxcli.perf import profiling
+  steps = profiling.parse_steps(profile_steps)
+  pgle_profile = path_arg(pgle_profile, '--pgle-profile')
+  console = _console(console)
+  run = open_run(exp, overrides, job_dir, coordinator=coordinator, num_processes=num_processes,
+                 process_id=process_id, log=console.print)
+  return train_loop.train(run.resolved, run.job_dir, console, verbose=verbose, profile_steps=steps, pgle=pgle,
+                          pgle_profile=pgle_profile)
+
+
+def evaluate(exp: Optional[str] = None, *, overrides: Sequence[str] = (), job_dir: Optional[str] = None,
+             step: Optional[int] = None, follow: bool = False, timeout: Optional[float] = None,
+             poll: float = 10.0, no_checkpoint: bool = False, coordinator: Optional[str] = None,
+             num_processes: Optional[int] = None, process_id: Optional[int] = None, console=None,
+             on_result: Optional[Callable[[dict], None]] = None):
+  """`pax eval`: {'step', 'results': {input: metrics}} of the latest checkpoint (or `step`, or fresh
+  weights with no_checkpoint). With follow: a list of them, one per new checkpoint evaluated beside
+  a running trainer, each also passed to on_result as it comes."""
+  if follow and (step is not None or no_checkpoint):
+    raise UserError('--follow evaluates every new checkpoint; it does not go with --step or --no-checkpoint.')
+  if timeout is not None and not follow:
+    raise UserError('--timeout goes with --follow.')
+  if step is not None and no_checkpoint:
+    raise UserError('--step N picks a checkpoint; --no-checkpoint evaluates fresh weights. Give one of them.')
+  import jax
+
+  from paxcli.jobdir import invocation, restore
+  from paxcli.loops import evaluate as eval_loop
+  console = _console(console)
+  run = open_run(exp, overrides, job_dir, coordinator=coordinator, num_processes=num_processes,
+                 process_id=process_id, log=_printer(console))
+  record = None
+  if jax.process_index() == 0 and not no_checkpoint:
+    record = lambda: invocation.record(run.job_dir)
+  if record and os.path.isdir(run.job_dir):  # never made here: a follower records at its first evaluation
+    record()
+    record = None
+  if follow:
+    return eval_loop.follow(run.resolved, run.job_dir, console, timeout=timeout, poll_seconds=poll,
+                            on_result=on_result, on_first=record)
+  if not no_checkpoint:  # a mistyped job directory is refused before any work
+    restore.choose_step(run.job_dir, step=step, purpose='evaluate')
+  return eval_loop.evaluate(run.resolved, run.job_dir, console, use_checkpoint=not no_checkpoint, step=step)
+
+
+def decode(exp: Optional[str] = None, *, overrides: Sequence[str] = (), job_dir: Optional[str] = None,
+           prompt: Sequence[str] = (), prompts_file: Optional[str] = None, prompt_ids: Sequence[str] = (),
+           dataset: Optional[str] = None, num_prompts: int = 8, max_decode_steps: int = 64,
+           temperature: Optional[float] = None, top_k: Optional[int] = None, top_p: Optional[float] = None,
+           num_samples: int = 1, seed: int = 0, beam_size: int = 0, length_penalty: float = 0.0,
+           eos_id: Sequence[int] = (), ignore_eos: bool = False, min_length: int = 0, stop: Sequence[str] = (),
+           batch_size: int = 0, step: Optional[int] = None, no_checkpoint: bool = False,
+           dtype: Optional[str] = None, output: Optional[str] = None, coordinator: Optional[str] = None,
+           num_processes: Optional[int] = None, process_id: Optional[int] = None, console=None) -> list[dict]:
+  """`pax decode`: one record per prompt and sample (prompt, decoded text and ids, logprobs, stop
+  reason), also written as JSONL to `output` (default: under <job_dir>/decoder_out/), as `pax decode`
+  writes them. prompt_ids: prompts as token ids, '12,15,18'."""
+  return decode_run(**locals()).records
+
+
+def decode_run(exp: Optional[str] = None, *, overrides: Sequence[str] = (), job_dir: Optional[str] = None,
+               prompt: Sequence[str] = (), prompts_file: Optional[str] = None, prompt_ids: Sequence[str] = (),
+               dataset: Optional[str] = None, num_prompts: int = 8, max_decode_steps: int = 64,
+               temperature: Optional[float] = None, top_k: Optional[int] = None, top_p: Optional[float] = None,
+               num_samples: int = 1, seed: int = 0, beam_size: int = 0, length_penalty: float = 0.0,
+               eos_id: Sequence[int] = (), ignore_eos: bool = False, min_length: int = 0, stop: Sequence[str] = (),
+               batch_size: int = 0, step: Optional[int] = None, no_checkpoint: bool = False,
+               dtype: Optional[str] = None, output: Optional[str] = None, coordinator: Optional[str] = None,
+               num_processes: Optional[int] = None, process_id: Optional[int] = None, console=None,
+               progress=None):
+  """`decode` with what `pax decode` prints besides the records: a paxcli.loops.decode.command.Decoded
+  (records, decode rates, checkpoint step, the file written; path None on processes other than 0).
+  progress: a context manager factory `progress(total)` yielding `advance(n)`, or None."""
+  from paxcli.loops.decode.options import DecodeOptions, check_text  # no JAX: options fail before start-up
+  opts = DecodeOptions(
+      max_decode_steps=max_decode_steps, temperature=temperature, top_k=top_k, top_p=top_p,
+      num_samples=num_samples, seed=seed, beam_size=beam_size, length_penalty=length_penalty,
+      eos_ids=tuple(eos_id), stop=tuple(stop), batch_size=batch_size, ignore_eos=ignore_eos, min_length=min_length)
+  opts.check()
+  for text in prompt:
+    check_text(text, '--prompt')
+  for text in stop:
+    check_text(text, '--stop')
+  if dtype is not None and dtype not in DECODE_DTYPES:
+    raise UserError(f'--dtype must be one of {", ".join(DECODE_DTYPES)}; got {dtype!r}.')
+  if not (prompt or prompts_file or prompt_ids or dataset):
+    raise UserError('No prompts: give --prompt TEXT, --prompts-file FILE, --prompt-ids 1,2,3 or --dataset NAME.')
+  prompts_file, output = path_arg(prompts_file, '--prompts-file'), path_arg(output, '--output')
+  log = _printer(_console(console))
+  run = open_run(exp, overrides, job_dir, coordinator=coordinator, num_processes=num_processes,
+                 process_id=process_id, log=log)
+  from paxcli.loops.decode import command  # JAX
+  return command.decode(run.resolved, run.job_dir, opts, texts=list(prompt), prompts_file=prompts_file,
+                        prompt_ids=list(prompt_ids), dataset=dataset, num_prompts=num_prompts, step=step,
+                        use_checkpoint=not no_checkpoint, dtype=dtype, output=output, log=log, progress=progress)
+
+
+# ---- describe, bench, inputs -----------------------------------------------------------------
+
+
+def describe(exp: Optional[str] = None, *, overrides: Sequence[str] = ()) -> dict:
+  """`pax describe`: {'experiment', 'config': {'knobs.X' / 'task.…' / 'datasets.…': value},
+  'summary': {parameters, flops_per_token, global_batch, devices, ...; '<name>_note' where a figure
+  cannot be known}, 'pipeline': the schedule and bubble of a pipelined model, else None,
+  'text': the config as `pax describe` prints it}."""
+  from paxcli.runtime import engine
+  resolved = resolve(exp, overrides)
+  return {'experiment': resolved.name, 'config': resolved.flat(), 'summary': engine.summary(resolved),
+          'pipeline': engine.pipeline_note(resolved), 'text': resolved.as_text()}
+
+
+def bench_mfu(exp: Optional[str] = None, *, overrides: Sequence[str] = (), sweep: Sequence[str] = (),
+              steps: int = 10, warmup: int = 2, compile_only: bool = False, num_devices: Optional[int] = None,
+              peak_tflops: Optional[float] = None, device_memory: Optional[str] = None,
+              plot: Optional[str] = None, pgle: Optional[str] = None, pgle_profile: Optional[str] = None,
+              console=None) -> list[dict]:
+  """`pax bench mfu`: one row per sweep combination (step time, tokens/s, TFLOP/s per device, MFU, HFU,
+  memory). sweep: 'KNOB=a,b,c' strings; plot: a PNG of the rows, written after they all ran."""
+  from paxcli.convert.safetensors_io import parse_size
+  from paxcli.loops import bench
+  plot, pgle_profile = path_arg(plot, '--plot'), path_arg(pgle_profile, '--pgle-profile')
+  memory_bytes = parse_size(device_memory, '--device-memory') if device_memory is not None else None
+  positive_finite(peak_tflops, '--peak-tflops', 'TFLOP/s per device')
+  if plot:
+    bench.check_plot_path(plot)
+  if num_devices:
+    if num_devices > MAX_FAKE_DEVICES:
+      raise UserError(f'--num-devices {num_devices:,} is more than {MAX_FAKE_DEVICES:,}, the most fake CPU devices '
+                      'paxcli makes: XLA\'s CPU backend fails from 4,096 fake devices, and compiling a step for '
+                      f'{MAX_FAKE_DEVICES:,} already takes tens of seconds. Check a smaller mesh of the same shape '
+                      '(memory per device depends on the sharded axes, not on the replica count).')
+    platform.fake_cpu_devices(num_devices, '--num-devices')
+  console = _console(console)
+  log = _printer(console)
+  first = [f'{k}={v}' for k, v in bench.sweep_combinations(list(sweep))[0]]
+  open_run(exp, list(overrides) + first, with_job_dir=False, processes=False, log=log)
+  with _progress(console) as progress:
+    rows = bench.run_all(exp, list(overrides), list(sweep), steps=steps, warmup=warmup, compile_only=compile_only,
+                         peak_tflops=peak_tflops, pgle=pgle, pgle_profile=pgle_profile, progress=progress,
+                         log=log, device_memory=memory_bytes)
+  if plot:
+    bench.plot(rows, plot)
+    log(f'Plot written to {plot}.')
+  return rows
+
+
+def _progress(console: Console):
+  """A transient progress bar on `console`, shown only on a terminal."""
+  from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+  return Progress(TextColumn('[bold]{task.description}'), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, transient=True, disable=not console.is_terminal)
+
+
+def inspect_input(path: Optional[str] = None, *, exp: Optional[str] = None, overrides: Sequence[str] = (),
+                  split: str = 'train', num_batches: int = 3, num_examples: int = 2, host_index: int = 0,
+                  num_hosts: int = 1, check_sharding: bool = False, console=None,
+                  on_batch: Optional[Callable[[str, dict], None]] = None) -> dict:
+  """`pax inspect-input`: batches of an experiment's input as one host of `num_hosts` reads them.
+
+  Returns {'input': name, 'batches': [{'batch', 'host', 'num_hosts', 'features': stats, 'examples'}],
+  'throughput': {...}}; on_batch(input name, batch) is called with each batch as it is read.
+  With check_sharding: the report of every host's examples (report['ok'] is False when hosts
+  overlap). With `path` (a TFRecord file or glob), no experiment: the file's features and first
+  records.
+  """
+  from paxcli.loops import inspect_input as ii
+  if path is not None:
+    return ii.inspect_file(path, max(num_examples, 1))
+  run = open_run(exp, overrides, with_job_dir=False, processes=False, log=_printer(_console(console)))
+  cfg = ii.select_dataset(run.resolved, split)
+  batch_size = ii.host_batch_size(run.resolved)
+  if check_sharding:
+    return ii.check_sharding(cfg, batch_size, num_hosts, num_batches)
+  inp = ii.build(cfg, batch_size, num_hosts, host_index)
+  batches, seconds, rows = [], 0.0, 0
+  for i, batch, took in ii.read_batches(inp, num_batches):
+    seconds += took
+    rows += len(next(iter(batch.values())))
+    record = {'batch': i, 'host': host_index, 'num_hosts': num_hosts, 'features': ii.feature_stats(batch),
+              'examples': ii.examples(inp, batch, num_examples)}
+    batches.append(record)
+    if on_batch:
+      on_batch(cfg.name, record)
+  rate = {'batches': len(batches), 'batches_per_sec': len(batches) / max(seconds, 1e-9),
+          'examples_per_sec': rows / max(seconds, 1e-9),
+          'input_ended': len(batches) < num_batches}  # read_batches stops early only at a finite input's end
+  return {'input': cfg.name, 'batches': batches, 'throughput': rate}
+
+
+# ---- checkpoints and MaxText -----------------------------------------------------------------
+
+
+def inspect_checkpoint(path: str, *, step: Optional[int] = None, fmt: Optional[str] = None) -> dict:
+  """`pax checkpoint inspect`: a checkpoint's metadata, no array read: arrays (name, shape, dtype,
+  bytes, sharding), totals and saved config. fmt: orbax, safetensors, hf, paxml (default: detected)."""
+  from paxcli.convert import run as convert_run
+  _quiet_absl()
+  return convert_run.inspect(path_arg(path, 'PATH'), fmt, step)
+
+
+def convert_checkpoint(source: str, output: str, *, fmt: Optional[str] = None, to: str = 'orbax',
+                       exp: Optional[str] = None, overrides: Sequence[str] = (), step: Optional[int] = None,
+                       params_only: bool = False, dtype: Optional[str] = None, force: bool = False,
+                       verify: bool = True, kl_tolerance: Optional[float] = None, max_shard_size: str = '5GB',
+                       recipe: Optional[str] = None, console=None) -> dict:
+  """`pax checkpoint convert`: writes `source` (never modified) as `to` at `output`; returns what was
+  written. With verify, result['verify'] holds the KL between source and converted model on one
+  random batch and whether it is within kl_tolerance ('ok'); a failed check keeps the output."""
+  from paxcli.convert import run as convert_run
+  from paxcli.convert import safetensors_io
+  positive_finite(kl_tolerance, '--kl-tolerance', 'a KL in nats')
+  max_shard_bytes = safetensors_io.parse_size(max_shard_size)  # before any work
+  source, output = path_arg(source, 'SOURCE'), path_arg(output, 'OUTPUT')
+  recipe = path_arg(recipe, '--recipe')
+  _quiet_absl()
+  return convert_run.convert(source, output, fmt=fmt, to=to, exp=exp, overrides=list(overrides),
+                             params_only=params_only, dtype=dtype, step=step, force=force, verify=verify,
+                             kl_tolerance=kl_tolerance, max_shard_bytes=max_shard_bytes, recipe=recipe,
+                             log=_printer(_console(console)))
+
+
+def _quiet_absl() -> None:
+  """orbax logs a warning for each step directory without its own metadata file; not the user's concern."""
+  logging.getLogger('absl').setLevel(logging.ERROR)
+
+
+@dataclasses.dataclass(frozen=True)
+class MaxTextImport:
+  """What `import_maxtext` made: the translation, and the recipe written (None: none was)."""
+  translation: Translation
+  recipe: Optional[str]
+  class_name: str
+
+  def to_json(self) -> dict:
+    """As `pax import-maxtext --json` prints it."""
+    return {**self.translation.to_json(), 'output': self.recipe, 'class_name': self.class_name}
+
+
+def import_maxtext(script: str, args: Sequence[str] = (), *, output: Optional[str] = None,
+                   class_name: Optional[str] = None, force: bool = False, dry_run: bool = False,
+                   lenient: bool = False, strict: bool = False, maxtext_era: Optional[str] = None,
+                   maxtext_date: Optional[str] = None, base_config: Optional[str] = None,
+                   model_config: Optional[str] = None, num_devices: Optional[int] = None,
+                   topology: Optional[str] = None, num_slices: Optional[int] = None) -> MaxTextImport:
+  """`pax import-maxtext`: translates a MaxText run script (read as text, never run) into a recipe.
+
+  args: the script's own KEY=VALUE arguments. A key MaxText's base.yml does not define is refused
+  (UserError) unless lenient; with strict, such keys and mesh axes paxcli lacks write no recipe
+  (translation.strict_warnings lists them).
+  """
+  info = read_script(script, list(args))
+  options = Options(era=maxtext_era, date=maxtext_date, base_config=base_config, model_config=model_config,
+                    num_devices=num_devices, topology=topology, num_slices=num_slices)
+  result = translate(info, options)
+  if result.unknown_keys and not lenient and not strict:  # --strict refuses them by writing nothing
+    era_name = f"the {result.era} era's" if result.era != 'current' else "today's"
+    raise UserError(f"{len(result.unknown_keys)} key(s) that {era_name} MaxText base.yml does not define, so MaxText "
+                    f"would refuse the script: {'; '.join(result.unknown_keys)} No recipe written; fix the "
+                    'key, or pass --lenient to translate without it.')
+  name = maxtext_recipe.check_class_name(class_name or maxtext_recipe.default_class_name(script))
+  path = output or maxtext_recipe.default_output(script)
+  write = not dry_run and not (strict and result.strict_warnings)
+  if write:
+    maxtext_recipe.write(result, name, path, force)
+  return MaxTextImport(result, path if write else None, name)
