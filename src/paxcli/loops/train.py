@@ -324,6 +324,8 @@ def _train(resolved, job_dir: str, console, verbose: bool = False, profile_steps
                f'{setup.infeed.describe()} x {setup.seq_len} tokens')
   if verbose and is_main:
     _print_weights(console, setup)
+  # Before any state is made: an input whose data is missing stops the run at once.
+  train_input = engine.build_input(resolved.train_dataset(), setup)
 
   # ---- Checkpoint: resume or start -------------------------------------------------------
   ckpt_dir = os.path.join(job_dir, 'checkpoints')
@@ -372,7 +374,6 @@ def _train(resolved, job_dir: str, console, verbose: bool = False, profile_steps
     _trim_replayed_metrics(job_dir, int(latest or 0), reporter_log)
 
   # ---- Input -------------------------------------------------------------------------------
-  train_input = engine.build_input(resolved.train_dataset(), setup)
   if is_main:
     from paxcli.jobdir import tokenizer
     tokenizer.save_to_job_dir(train_input, job_dir)
