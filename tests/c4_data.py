@@ -29,17 +29,17 @@ from paxcli.runtime import distributed
 from paxcli.runtime import engine
 
 SEQ_LEN = 32
-TRAIN_DOCS = 240
-EVAL_DOCS = 40
+TRAIN_DOCS = 160
+EVAL_DOCS = 32
 WORDS = ('the model reads tokens from the corpus and every host keeps its own share of files while '
          'training packs short pieces into long rows so that no slot is wasted and the loss falls').split()
 
 
 def document(i: int) -> str:
-  """Document i: its marker, then 20-60 words (a few lines), deterministic."""
+  """Document i: its marker, then 12-36 words in lines of 8 (about 3 lines), deterministic."""
   rng = random.Random(i)
-  words = [rng.choice(WORDS) for _ in range(rng.randint(20, 60))]
-  return f'doc{i:04d} ' + ' '.join(words) + '.'
+  words = [f'doc{i:04d}'] + [rng.choice(WORDS) for _ in range(rng.randint(12, 36))]
+  return '\n'.join(' '.join(words[j:j + 8]) for j in range(0, len(words), 8)) + '.'
 
 
 def document_ids(split: str) -> list[str]:

@@ -17,15 +17,16 @@ import numpy as np
 import pytest
 
 import c4_data
-from conftest import REPO, pax_main
+from conftest import REPO, pax_main, run_pax
 from paxcli import config
+from paxcli.errors import UserError
 from paxcli.loops import bench
 from paxcli.runtime import distributed
 from paxcli.runtime import engine
 
 # Small enough to compile in seconds; every structural choice of the recipes kept.
 TINY = ['NUM_LAYERS=4', 'MODEL_DIMS=32', 'HIDDEN_DIMS=64', 'NUM_HEADS=4', 'DIMS_PER_HEAD=8', 'VOCAB_SIZE=128',
-        'MAX_SEQ_LEN=32', 'TRAINABLE_PE_MAX_SEQ_LEN=64']
+        'MAX_SEQ_LEN=32']
 
 
 def pax_parameters(layers, dims, hidden, heads, head_dim, vocab, attention_bias, per_dim_scale, softmax_bias,
@@ -85,12 +86,15 @@ REDUCED = {
     'C4Spmd1BAdam4Replicas': ['ICI_MESH_SHAPE=[1,8,1]', 'PERCORE_BATCH_SIZE=2'],
     'C4Spmd16BAdam32Replicas': ['ICI_MESH_SHAPE=[1,4,2]', 'PERCORE_BATCH_SIZE=2'],
     'C4SpmdPipelineGpt3SmallAdam64Replicas': ['ICI_MESH_SHAPE=[4,1,1,2]', 'PERCORE_BATCH_SIZE=2',
-                                              'MICROBATCH_SIZE=4'],
+                                              'MICROBATCH_SIZE=4', 'TRAINABLE_PE_MAX_SEQ_LEN=64'],
     'C4Spmd22BAdam2xv4_128': ['ICI_MESH_SHAPE=[1,4,1]', 'PERCORE_BATCH_SIZE=2'],
 }
 
 
-@pytest.mark.parametrize('name', sorted(REDUCED))
+# ~13 s of CPU each: the default suite compiles the pipelined and the multislice runs; the two
+# plain FSDP runs (the 22B's code path on other meshes) compile in the slow suite.
+@pytest.mark.parametrize('name', [pytest.param(n, marks=pytest.mark.slow) if n in (
+    'C4Spmd1BAdam4Replicas', 'C4Spmd16BAdam32Replicas') else n for n in sorted(REDUCED)])
 def test_recipe_compiles_at_reduced_size_without_data(name):
   """`pax bench mfu --compile-only`'s path: the C4 input declares its batch, so no data is read."""
   row = bench.measure(config.resolve(f'c4.{name}', TINY + REDUCED[name]), compile_only=True)
@@ -119,18 +123,17 @@ def test_multislice_mesh_puts_the_dcn_axis_across_slices():
     assert (index[0].start < half) == (device.id < 4)
 
 
-def test_missing_data_and_vocabulary_stop_training_in_one_line(tmp_path, capsys):
-  code, out, err = pax_main(['train', '--exp', 'c4.C4Spmd1BAdam4Replicas', *sum((['--set', s] for s in TINY), []),
-                             '--set', 'ICI_MESH_SHAPE=[1,8,1]', '--set', f'C4_DATA_DIR={tmp_path / "tfds"}',
-                             '--set', f'C4_VOCABULARY={tmp_path / "spm.model"}',
-                             '--job-log-dir', str(tmp_path / 'job')], capsys)
-  assert code == 2 and 'Traceback' not in err
-  message = [line for line in err.splitlines() if 'C4' in line]
-  assert len(message) == 1, err
-  assert f'{tmp_path / "tfds"}/c4/en/3.0.1/dataset_info.json does not exist' in message[0]
-  assert 'C4_DATA_DIR' in message[0] and 'tensorflow.org/datasets/catalog/c4' in message[0]
-  assert f'{tmp_path / "spm.model"} cannot be read' in message[0] and 'C4_VOCABULARY' in message[0]
-  assert not (tmp_path / 'job' / 'checkpoints').exists() or not os.listdir(tmp_path / 'job' / 'checkpoints')
+def test_missing_data_and_vocabulary_stop_training_in_one_line(tmp_path):
+  result = run_pax('train', '--exp', 'c4.C4Spmd1BAdam4Replicas', *sum((['--set', s] for s in TINY), []),
+                   '--set', 'ICI_MESH_SHAPE=[1,8,1]', '--set', f'C4_DATA_DIR={tmp_path / "tfds"}',
+                   '--set', f'C4_VOCABULARY={tmp_path / "spm.model"}', '--job-log-dir', str(tmp_path / 'job'))
+  assert result.returncode == 2 and 'Traceback' not in result.stderr
+  lines = result.stderr.strip().splitlines()
+  assert len(lines) == 1, result.stderr
+  assert f'C4 data: no {tmp_path / "tfds"}/c4/en/3.0.1/dataset_info.json' in lines[0]
+  assert 'set C4_DATA_DIR' in lines[0] and 'tensorflow.org/datasets/catalog/c4' in lines[0]
+  assert f'cannot read {tmp_path / "spm.model"}' in lines[0] and 'set C4_VOCABULARY' in lines[0]
+  assert not (tmp_path / 'job' / 'checkpoints').exists()  # stopped before any state was made
 
 
 # ---- a real C4 on 2 processes ---------------------------------------------------------------
@@ -167,9 +170,27 @@ def test_each_host_reads_its_own_documents(c4):
   first = engine.build_input(resolved.train_dataset(), process_batch=4, num_hosts=1, host_index=0).get_next()
   assert sorted(first) == ['ids', 'labels', 'positions', 'segment_ids', 'weights']  # packed
   assert first['ids'].shape == (4, c4_data.SEQ_LEN)
+  small = config.resolve('c4.C4Spmd1BAdam4Replicas', [f'C4_DATA_DIR={c4["data_dir"]}', 'VOCAB_SIZE=64',
+                                                      f'C4_VOCABULARY={c4["vocabulary"]}'])
+  with pytest.raises(UserError, match=r'has \d+ pieces but VOCAB_SIZE is 64'):
+    engine.build_input(small.train_dataset(), process_batch=4, num_hosts=1, host_index=0)
+
+
+@pytest.mark.slow  # ~50 s of CPU: compiles a train and an eval step, reads C4 through seqio
+def test_recipe_trains_and_evaluates_on_local_c4(c4, tmp_path):
+  job = tmp_path / 'job'
+  result = run_pax('train', '--exp', 'c4.C4Spmd1BAdam4Replicas', *sum((['--set', s] for s in TINY), []),
+                   '--set', 'ICI_MESH_SHAPE=[1,8,1]', '--set', 'PERCORE_BATCH_SIZE=1', '--set', 'NUM_TRAIN_STEPS=4',
+                   '--set', 'EVAL_INTERVAL_STEPS=4', '--set', 'SAVE_INTERVAL_STEPS=4',
+                   '--set', f'C4_DATA_DIR={c4["data_dir"]}', '--set', f'C4_VOCABULARY={c4["vocabulary"]}',
+                   '--job-log-dir', str(job))
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert 'step 4: eval on C4Validation: loss' in result.stdout
+  assert (job / 'tokenizer' / 'spm.model').read_bytes() == open(c4['vocabulary'], 'rb').read()
 
 
 @pytest.mark.slow  # two fresh processes start jax, tensorflow and seqio: ~1 min
+@pytest.mark.alone  # jax.distributed heartbeats: not beside another worker
 def test_two_hosts_read_every_document_once_per_epoch(c4, tmp_path):
   """2 processes (jax.distributed, 4 fake devices each) build the recipe's C4 inputs as `pax train`
   does and read one epoch of each split: every document is read by exactly one host, whole."""

@@ -23,6 +23,7 @@ import os
 from typing import Optional
 
 import numpy as np
+import sentencepiece as spm
 
 from paxcli.errors import UserError
 from paxcli.inputs.corpus import cache_root
@@ -36,14 +37,18 @@ T5_VOCABULARY = 'gs://t5-data/vocabs/cc_all.32000.100extra/sentencepiece.model'
 GPT_VOCABULARY = 'gs://mlperf-llm-public2/vocab/c4_en_301_5Mexp2_spm.model'
 CONCAT_BATCH = 128          # t5's reduce_concat_tokens default, as Pax's c4/en:3.0.1 task used it
 SHUFFLE_BUFFER = 100_000    # that task's shuffle_buffer_size
-_HOW_TO_GET_DATA = ('prepare it with TFDS\'s c4 builder (Apache Beam over Common Crawl, see '
-                    'tensorflow.org/datasets/catalog/c4) or copy a prepared c4/en/3.0.1 directory, and set '
-                    'C4_DATA_DIR to the directory that holds c4/ (a local path or gs://bucket/path)')
+_HOW_TO_GET_DATA = ('prepare c4/en/3.0.1 with TFDS (tensorflow.org/datasets/catalog/c4) or copy it, and set '
+                    'C4_DATA_DIR to the directory holding c4/ (local or gs://)')
 
 
-def default_data_dir() -> str:
-  """TFDS's own default: $TFDS_DATA_DIR, else ~/tensorflow_datasets."""
-  return os.environ.get('TFDS_DATA_DIR') or os.path.expanduser('~/tensorflow_datasets')
+def _expand(path: str) -> str:
+  """A local path with ~ expanded; gs:// and other URLs as they are."""
+  return path if '://' in path else os.path.expanduser(path)
+
+
+def resolve_data_dir(data_dir: Optional[str]) -> str:
+  """The TFDS data directory: `data_dir`, else TFDS's own default, $TFDS_DATA_DIR or ~/tensorflow_datasets."""
+  return _expand(data_dir or os.environ.get('TFDS_DATA_DIR') or '~/tensorflow_datasets')
 
 
 def dataset_dir(tfds_name: str, data_dir: Optional[str]) -> str:
@@ -51,18 +56,18 @@ def dataset_dir(tfds_name: str, data_dir: Optional[str]) -> str:
   name, _, version = tfds_name.partition(':')
   if not version:
     raise UserError(f'C4_TFDS_NAME {tfds_name!r} needs a version, e.g. {TFDS_NAME!r} (Pax pins one).')
-  return '/'.join([(data_dir or default_data_dir()).rstrip('/'), name, version])
+  return '/'.join([resolve_data_dir(data_dir).rstrip('/'), name, version])
 
 
-def _exists(path: str) -> bool:
-  """os.path for local paths (no tensorflow import); tf.io.gfile for gs:// and other schemes."""
+def _readable(path: str) -> bool:
+  """os.path for local paths (no tensorflow import); tf.io.gfile for gs:// and other schemes, where
+  no network, no credentials or no such bucket all mean: not readable here."""
   if '://' not in path:
-    return os.path.exists(os.path.expanduser(path))
-  tf = import_tf()
+    return os.path.exists(_expand(path))
   try:
-    return tf.io.gfile.exists(path)
-  except Exception as e:  # no network, no credentials, no such bucket: all "not readable here"
-    raise UserError(f'Cannot read {path}: {type(e).__name__}: {str(e).splitlines()[0][:160]}') from None
+    return import_tf().io.gfile.exists(path)
+  except Exception:  # tensorflow's errors for a filesystem it cannot reach have no common type
+    return False
 
 
 def check_available(tfds_name: str, data_dir: Optional[str], vocabulary: Optional[str],
@@ -71,13 +76,11 @@ def check_available(tfds_name: str, data_dir: Optional[str], vocabulary: Optiona
   missing = []
   info = dataset_dir(tfds_name, data_dir) + '/dataset_info.json'
   if not _readable(info):
-    missing.append(f'C4 data: {info} does not exist; {_HOW_TO_GET_DATA}')
+    missing.append(f'C4 data: no {info}; {_HOW_TO_GET_DATA}')
   if not vocabulary:
-    missing.append(f'C4 vocabulary: C4_VOCABULARY is not set; set it to a sentencepiece model '
-                   f'(T5\'s is {T5_VOCABULARY})')
+    missing.append(f'C4 vocabulary: set C4_VOCABULARY to a sentencepiece model (T5\'s: {T5_VOCABULARY})')
   elif not _readable(vocabulary):
-    missing.append(f'C4 vocabulary: {vocabulary} cannot be read; copy it to a local file (gsutil cp) '
-                   'and set C4_VOCABULARY to that path')
+    missing.append(f'C4 vocabulary: cannot read {vocabulary}; copy it locally and set C4_VOCABULARY to the file')
   if missing:
     raise UserError('. '.join(missing) + '.')
   if vocab_size:
@@ -87,21 +90,13 @@ def check_available(tfds_name: str, data_dir: Optional[str], vocabulary: Optiona
                       'ids past VOCAB_SIZE cannot be embedded. Raise VOCAB_SIZE or use a smaller vocabulary.')
 
 
-def _readable(path: str) -> bool:
-  try:
-    return _exists(path)
-  except UserError:
-    return False
-
-
 def _piece_count(vocabulary: str) -> int:
-  import sentencepiece as spm
   return spm.SentencePieceProcessor(model_proto=_read_bytes(vocabulary)).get_piece_size()
 
 
 def _read_bytes(path: str) -> bytes:
   if '://' not in path:
-    with open(os.path.expanduser(path), 'rb') as f:
+    with open(_expand(path), 'rb') as f:
       return f.read()
   with import_tf().io.gfile.GFile(path, 'rb') as f:
     return f.read()
@@ -110,7 +105,7 @@ def _read_bytes(path: str) -> bytes:
 def local_vocabulary(vocabulary: str) -> str:
   """A local path of the sentencepiece model: itself, or a cached copy of a gs:// one (for the job dir)."""
   if '://' not in vocabulary:
-    return os.path.abspath(os.path.expanduser(vocabulary))
+    return os.path.abspath(_expand(vocabulary))
   data = _read_bytes(vocabulary)
   path = os.path.join(cache_root(), 'c4_vocabularies', hashlib.sha256(data).hexdigest()[:16] + '.model')
   if not os.path.exists(path):
@@ -144,10 +139,9 @@ def split_to_length(dataset, sequence_length: dict, output_features: dict):
   def pieces(x):
     tokens = x['targets']
     count = (tf.size(tokens) + piece - 1) // piece
-    return tf.data.Dataset.from_tensor_slices(
-        {'targets': tf.RaggedTensor.from_uniform_row_length(
-            tf.pad(tokens, [[0, count * piece - tf.size(tokens)]]), piece)}).map(
-                lambda p: {'targets': tf.boolean_mask(p['targets'], p['targets'] > 0)})
+    rows = tf.reshape(tf.pad(tokens, [[0, count * piece - tf.size(tokens)]]), [count, piece])  # id 0 pads the last
+    return tf.data.Dataset.from_tensor_slices({'targets': rows}).map(
+        lambda row: {'targets': tf.boolean_mask(row['targets'], row['targets'] > 0)})
 
   return dataset.flat_map(pieces)
 
@@ -156,15 +150,15 @@ def register_task(tfds_name: str, data_dir: Optional[str], vocabulary: str, conc
   """The seqio task of Pax's C4 LM input over these files and this vocabulary; returns its name."""
   import_tf()  # before seqio, which imports tensorflow itself
   import seqio
-  key = '|'.join([tfds_name, data_dir or default_data_dir(), vocabulary, str(concat_batch)])
+  data_dir = resolve_data_dir(data_dir)
+  key = '|'.join([tfds_name, data_dir, vocabulary, str(concat_batch)])
   name = 'paxcli_c4_' + hashlib.sha256(key.encode()).hexdigest()[:12]
   if name in seqio.TaskRegistry.names():
     return name
-  vocab = seqio.SentencePieceVocabulary(vocabulary)
+  vocab = seqio.SentencePieceVocabulary(_expand(vocabulary))
   seqio.TaskRegistry.add(
       name,
-      source=seqio.TfdsDataSource(tfds_name=tfds_name, tfds_data_dir=data_dir or default_data_dir(),
-                                  read_only=True),  # never download or build here
+      source=seqio.TfdsDataSource(tfds_name=tfds_name, tfds_data_dir=data_dir, read_only=True),  # never download
       preprocessors=[
           functools.partial(seqio.preprocessors.rekey, key_map={'targets': 'text'}),
           seqio.preprocessors.tokenize,
