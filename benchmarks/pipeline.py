@@ -71,15 +71,16 @@ def plans(device_memory: str) -> None:
   from rich.table import Table
 
   from paxcli.loops import bench
-  table = Table(title=f"Pax's C4 runs at full size: compile-only on fake CPU devices, against {device_memory} per device",
-                caption='memory: XLA:CPU\'s buffer assignment for one device (arguments + temporaries); weights abstract',
+  table = Table(title=f"Pax's C4 runs at full size: compile-only on fake CPU devices, {device_memory} per device",
+                caption="memory: XLA:CPU's buffer assignment for one device (arguments + temporaries)",
                 caption_justify='left')
   for col in ('experiment', 'devices', 'mesh', 'params', 'global batch', 'compile s', 'args', 'temp', 'total', 'fits'):
     table.add_column(col, justify='right')
   for exp, devices in PLANS:
     rows = [({}, plan(exp, devices, device_memory))]
     for percore in SMALLER_BATCHES if not rows[0][1].get('fits') else ():
-      rows.append(({'PERCORE_BATCH_SIZE': percore}, plan(exp, devices, device_memory, [f'PERCORE_BATCH_SIZE={percore}'])))
+      smaller = plan(exp, devices, device_memory, [f'PERCORE_BATCH_SIZE={percore}'])
+      rows.append(({'PERCORE_BATCH_SIZE': percore}, smaller))
       if rows[-1][1].get('fits'):
         break
     for sets, r in rows:

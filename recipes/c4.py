@@ -47,11 +47,12 @@ from paxcli.inputs.c4 import GPT_VOCABULARY, T5_VOCABULARY, TFDS_NAME, C4Input
 
 @register
 class C4SpmdAdam(LmExperiment):
-  """Pax's C4SpmdAdam (with its parents TransformerLmSpmdAdam, TransformerLmSpmdAdafactor and
-  C4UnsupervisedDataset): the base of the C4 runs, a 24 x 2048 decoder on [1, 4, 2].
+  """Pax's C4SpmdAdam, the base of the C4 runs: a 24 x 2048 decoder on [1, 4, 2].
 
-  The model is Pax's StackedTransformer LM: pre-LayerNorm blocks (scale and bias, epsilon 1e-6),
-  attention without biases but with Pax's per-dimension query scale and logits capped at 50,
+  Ported with its parents TransformerLmSpmdAdam, TransformerLmSpmdAdafactor and
+  C4UnsupervisedDataset. The model is Pax's StackedTransformer LM: pre-LayerNorm blocks (scale
+  and bias, epsilon 1e-6), attention without biases but with Pax's per-dimension query scale and
+  logits capped at 50,
   a GELU (tanh) feed-forward with biases, fixed sinusoidal positions, token embeddings tied to
   the softmax, scaled by sqrt(MODEL_DIMS), a softmax bias and output logits capped at 30.
   Adam (decoupled weight decay 1e-3, updates capped at RMS 1), gradients clipped at norm 5,
@@ -115,7 +116,7 @@ class C4SpmdAdam(LmExperiment):
 
   # Where the input lives (paxcli.inputs.c4); Pax hard-codes gs:// paths instead.
   C4_TFDS_NAME: str = TFDS_NAME
-  C4_DATA_DIR: Optional[str] = None   # a TFDS data dir holding c4/en/3.0.1; None: $TFDS_DATA_DIR or ~/tensorflow_datasets
+  C4_DATA_DIR: Optional[str] = None   # holds c4/en/3.0.1; None: $TFDS_DATA_DIR or ~/tensorflow_datasets
   C4_VOCABULARY: Optional[str] = T5_VOCABULARY
   TRAINING_SEED: int = 9876     # Pax's train input seed (eval reads in order)
   # Pax's default: the residual stream's model dimension sharded over `mdl` between layers (a_bld
@@ -237,11 +238,11 @@ class C4Spmd22BAdam2xv4_128(C4Spmd22BAdam1xv4_128):
 
 @register
 class C4SpmdPipelineGpt3AdamOrgHP(C4SpmdAdam):
-  """Pax's C4SpmdPipelineGpt3AdamOrgHP (with its parent C4SpmdPipelineAdam and configure_gpt3_task):
-  GPT-3 175B with the paper's hyper-parameters, pipelined over 2 stages on [2, 1, 2, 2].
+  """Pax's C4SpmdPipelineGpt3AdamOrgHP: GPT-3 175B with the paper's hyper-parameters, 2 stages.
 
-  96 layers x 12288, 96 heads x 128, vocabulary 50257 (Pax's GPT vocabulary), sequence 2048,
-  learned positions in a 16384-row table, LayerNorm epsilon 1e-5, attention with biases and
+  Ported with its parent C4SpmdPipelineAdam and configure_gpt3_task; mesh [2, 1, 2, 2]. 96 layers
+  x 12288, 96 heads x 128, vocabulary 50257 (Pax's GPT vocabulary), sequence 2048, learned
+  positions in a 16384-row table, LayerNorm epsilon 1e-5, attention with biases and
   neither per-dimension scale nor logit cap, tied embeddings unscaled, no softmax bias or cap.
   Adam beta2 0.95, epsilon 1e-8, weight decay 0.1, no update capping, gradients clipped at 1,
   learning rate 6e-5 ramped over 265 steps, cosine decay to 0.1x from 266 to 108600. Microbatches
@@ -311,11 +312,11 @@ class C4SpmdPipelineGpt3AdamOrgHP(C4SpmdAdam):
 
 @register
 class C4SpmdPipelineGpt3SmallAdam64Replicas(C4SpmdPipelineGpt3AdamOrgHP):
-  """Pax's C4SpmdPipelineGpt3SmallAdam64Replicas, as its README names it (paxml at b96c1e9^,
-  early 2023): 4 pipeline stages on a TPU v4-128 (64 chips, [4, 1, 4, 4]).
+  """Pax's C4SpmdPipelineGpt3SmallAdam64Replicas: 2.92B in 4 pipeline stages on a TPU v4-128.
 
-  24 layers x 3072, FFN 12288, 24 heads x 128, vocabulary 50257, sequence 2048, microbatches of
-  16 rows, bfloat16, learning rate 2e-4, eval every 100 steps, summaries every step, checkpoints
+  The class Pax's README names (paxml at b96c1e9^, early 2023); 64 chips, [4, 1, 4, 4]. 24 layers
+  x 3072, FFN 12288, 24 heads x 128, vocabulary 50257, sequence 2048, microbatches of 16 rows,
+  bfloat16, learning rate 2e-4, eval every 100 steps, summaries every step, checkpoints
   every 200 (1000 kept). Pax's docstring calls it GPT-3 XL with 1.3B parameters and a global
   batch of 512; its dims make 2.92B (GPT-3 XL is 2048 wide with 16 heads), and its batch is 64:
   the class sets PER_CORE_BATCH_SIZE = 8, a knob no class declares, which Pax ignores silently,
@@ -346,7 +347,8 @@ class C4SpmdPipelineGpt3SmallAdam64Replicas(C4SpmdPipelineGpt3AdamOrgHP):
 
 @register
 class C4SpmdPipelineGpt3SmallAdam8Replicas(C4SpmdPipelineGpt3SmallAdam64Replicas):
-  """Pax's C4SpmdPipelineGpt3SmallAdam8Replicas (paxml HEAD): the same model on 8 chips,
+  """Pax's C4SpmdPipelineGpt3SmallAdam8Replicas (paxml HEAD): the same model on 8 chips.
+
   [2, 1, 2, 2], 2 stages, 64 per chip (global batch 512) in microbatches of 8 (64 of them),
   vocabulary padded to 51200, eval every 10 steps, summaries every 5.
 

@@ -84,7 +84,8 @@ def write_c4(root: str) -> dict:
 def _train_vocabulary(root: str, lines: list[str]) -> str:
   import sentencepiece as spm
   model = io.BytesIO()
-  spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=model, vocab_size=80, hard_vocab_limit=False,
+  spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=model, vocab_size=80,
+                                 hard_vocab_limit=False,
                                  model_type='unigram', character_coverage=1.0, pad_id=0, eos_id=1, unk_id=2,
                                  bos_id=-1, minloglevel=2, num_threads=1)
   path = os.path.join(root, 'spm.model')

@@ -81,6 +81,22 @@ def test_recipes_port_paxs_meshes_batches_and_optimizers():
   assert flat['datasets.C4Train.spm_model'].startswith('gs://mlperf-llm-public2/')
 
 
+def test_update_capping_is_paxs_adam():
+  """praxis sharded_adam's first step: m / (sqrt(v) + eps), scaled to RMS <= clip_threshold,
+  plus weight decay x param, times -learning rate (OptimizerConfig.clip_threshold)."""
+  import jax.numpy as jnp
+
+  from paxcli.optim import make_optimizer
+  from paxcli.tasks import OptimizerConfig, TrainConfig
+  opt = OptimizerConfig(name='adamw', beta1=0.9, beta2=0.99, epsilon=1e-6, weight_decay=0.01, clip_threshold=0.5)
+  tx = make_optimizer(TrainConfig(learning_rate=0.1, clip_gradient_norm_to_value=0.0, optimizer=opt))
+  params, grads = {'w': jnp.array([1.0, -2.0, 3.0, 0.5])}, {'w': jnp.array([0.3, -0.1, 2.0, 0.0])}
+  updates, _ = tx.update(grads, tx.init(params), params)
+  adam = grads['w'] / (jnp.abs(grads['w']) + 1e-6)  # bias-corrected first step
+  capped = adam / max(1.0, float(jnp.sqrt(jnp.mean(adam ** 2))) / 0.5)
+  np.testing.assert_allclose(updates['w'], -0.1 * (capped + 0.01 * params['w']), rtol=1e-5)
+
+
 # Each run at reduced size on the 8 fake devices, its mesh shrunk to 8 with every axis kept.
 REDUCED = {
     'C4Spmd1BAdam4Replicas': ['ICI_MESH_SHAPE=[1,8,1]', 'PERCORE_BATCH_SIZE=2'],
