@@ -7,7 +7,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.paxcli-installed
 
-.PHONY: install train test test-slow bench clean
+.PHONY: install train test test-slow bench bench-gpu clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,11 @@ test-slow: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/train_step.py
 	$(BIN)/python benchmarks/infeed.py
+
+# The GPU table (bench.Llama1B at batch 8 and 16, LmCloudSpmd2B on one device, launch to first
+# step, async-save stall) on whatever GPU jax finds; needs CUDA JAX: .venv/bin/pip install -U "jax[cuda12]".
+bench-gpu: $(STAMP)
+	$(BIN)/python benchmarks/gpu.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

@@ -1,6 +1,8 @@
-"""Pipeline parallelism on 8 fake CPU devices: step time and the bubble, against the formula.
+"""Pipeline parallelism on 8 fake CPU devices: step time and the bubble, against the formula;
+with --plans, Pax's four C4 runs planned at full size.
 
   .venv/bin/python benchmarks/pipeline.py [--steps 5] [--cases 2x4x1,4x8x2] [--set K=V ...]
+  .venv/bin/python benchmarks/pipeline.py --plans [--device-memory 32GB]
 
 One row per stages x microbatches x circular repeats (S x M x R, mesh [S, 1, 8 / S, 1]), and
 the same model unpipelined (all 8 devices on `data`). Every pipeline iteration runs all S
@@ -12,14 +14,23 @@ exactly R * M iterations, so t_iter = (t(2M) - t(M)) / (R * M). The measured bub
 included) spent in bubble iterations; the formula (S - 1) / (R * M + S - 1) counts the
 pipeline's loop alone, so the measured share sits a little below it. Step times are the
 fastest of --steps (the machine is shared and noisy): compare within one run.
+
+--plans compiles the train step of each of recipes/c4.py's four runs for its real device count
+(`pax bench mfu --compile-only --num-devices N`, one process each: the device count is fixed
+when jax starts), weights abstract, and prints compile seconds and XLA's per-device memory
+against TPU v4's 32 GiB; then, for a run that does not fit as Pax configured it, the largest
+PERCORE_BATCH_SIZE tried that does.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
 import sys
 
+ENVIRON = dict(os.environ)  # for the plans' own processes, before the 8 fake devices below
 os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=8').strip()
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 
@@ -28,6 +39,10 @@ MODEL = ['NUM_LAYERS=8', 'MODEL_DIMS=128', 'HIDDEN_DIMS=512', 'NUM_HEADS=4', 'DI
          'MAX_SEQ_LEN=64', 'PERCORE_BATCH_SIZE=4', 'USE_REPEATED_LAYER=True']   # global batch 32
 # (stages, microbatches, circular repeats); the mesh is [S, 1, 8 / S, 1].
 CASES = [(2, 2, 1), (2, 4, 1), (2, 8, 1), (4, 4, 1), (4, 8, 1), (2, 4, 2), (4, 4, 2)]
+# Pax's four C4 runs at their real device counts, and the per-chip batches tried when one does not fit.
+PLANS = [('c4.C4Spmd1BAdam4Replicas', 4), ('c4.C4Spmd16BAdam32Replicas', 32),
+         ('c4.C4SpmdPipelineGpt3SmallAdam64Replicas', 64), ('c4.C4Spmd22BAdam2xv4_128', 128)]
+SMALLER_BATCHES = (12, 8, 4)
 
 
 def measure(overrides: list[str], steps: int) -> dict:
@@ -40,12 +55,55 @@ def percore(overrides: list[str]) -> float:
   return float(next(o.split('=', 1)[1] for o in reversed(MODEL + overrides) if o.startswith('PERCORE_BATCH_SIZE=')))
 
 
+def plan(exp: str, devices: int, device_memory: str, overrides: list[str] = ()) -> dict:
+  """One compile-only row of `pax bench mfu` for `exp` on `devices` fake devices, in its own process."""
+  sets = [a for o in overrides for a in ('--set', o)]
+  cmd = [sys.executable, '-m', 'paxcli.cli.app', 'bench', 'mfu', '--exp', exp, '--compile-only', '--num-devices',
+         str(devices), '--device-memory', device_memory, '--json', *sets]
+  done = subprocess.run(cmd, capture_output=True, text=True, env=ENVIRON)
+  if done.returncode:
+    raise SystemExit(f'{" ".join(cmd)} failed:\n{done.stderr[-3000:]}')
+  return json.loads(done.stdout)[0]
+
+
+def plans(device_memory: str) -> None:
+  from rich.console import Console
+  from rich.table import Table
+
+  from paxcli.loops import bench
+  table = Table(title=f"Pax's C4 runs at full size: compile-only on fake CPU devices, {device_memory} per device",
+                caption="memory: XLA:CPU's buffer assignment for one device (arguments + temporaries)",
+                caption_justify='left')
+  for col in ('experiment', 'devices', 'mesh', 'params', 'global batch', 'compile s', 'args', 'temp', 'total', 'fits'):
+    table.add_column(col, justify='right')
+  for exp, devices in PLANS:
+    rows = [({}, plan(exp, devices, device_memory))]
+    for percore in SMALLER_BATCHES if not rows[0][1].get('fits') else ():
+      smaller = plan(exp, devices, device_memory, [f'PERCORE_BATCH_SIZE={percore}'])
+      rows.append(({'PERCORE_BATCH_SIZE': percore}, smaller))
+      if rows[-1][1].get('fits'):
+        break
+    for sets, r in rows:
+      name = exp + ''.join(f' {k}={v}' for k, v in sets.items())
+      table.add_row(name, str(devices), r['mesh'], bench._count(r['params']), f"{r['global_batch']:,}",
+                    f"{r['compile_seconds']:.1f}", bench._bytes(r.get('memory_argument_bytes')),
+                    bench._bytes(r.get('memory_temp_bytes')), bench._bytes(r.get('memory_total_bytes')),
+                    'yes' if r.get('fits') else 'NO')
+      print(f'{name}: {r["status"]}', file=sys.stderr, flush=True)
+  Console(width=200).print(table)
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument('--steps', type=int, default=5)
   parser.add_argument('--set', action='append', default=[], dest='overrides')
   parser.add_argument('--cases', default=None, help='e.g. "2x4x1,4x8x2": stages x microbatches x repeats')
+  parser.add_argument('--plans', action='store_true', help="Pax's four C4 runs at full size instead")
+  parser.add_argument('--device-memory', default='32GB', help='memory per device for --plans (TPU v4: 32GB)')
   args = parser.parse_args()
+  if args.plans:
+    plans(args.device_memory)
+    return
   cases = CASES if not args.cases else [tuple(int(v) for v in c.split('x')) for c in args.cases.split(',')]
   import jax
   from rich.console import Console

@@ -41,7 +41,9 @@ def make_optimizer(train: TrainConfig) -> optax.GradientTransformation:
   """The optimizer, with global-norm clipping first when configured."""
   lr = learning_rate_fn(train)
   opt = train.optimizer
-  if opt.name == 'adamw':
+  if opt.name in ('adam', 'adamw') and opt.clip_threshold:
+    tx = capped_adam(lr, opt)
+  elif opt.name == 'adamw':
     tx = optax.adamw(lr, b1=opt.beta1, b2=opt.beta2, eps=opt.epsilon, weight_decay=opt.weight_decay)
   elif opt.name == 'adam':
     tx = optax.chain(optax.add_decayed_weights(opt.weight_decay) if opt.weight_decay else optax.identity(),
@@ -56,3 +58,14 @@ def make_optimizer(train: TrainConfig) -> optax.GradientTransformation:
   if train.clip_gradient_norm_to_value:
     tx = optax.chain(optax.clip_by_global_norm(train.clip_gradient_norm_to_value), tx)
   return tx
+
+
+def capped_adam(lr, opt) -> optax.GradientTransformation:
+  """Pax's Adam (praxis sharded_adam) with update capping: each weight's Adam update is scaled
+  down to a root-mean-square of at most `clip_threshold`, then decoupled weight decay is added
+  and the sum scaled by the learning rate. `adam` couples the decay into the gradient instead."""
+  cap = [optax.scale_by_adam(b1=opt.beta1, b2=opt.beta2, eps=opt.epsilon), optax.clip_by_block_rms(opt.clip_threshold)]
+  decay = [optax.add_decayed_weights(opt.weight_decay)] if opt.weight_decay else []
+  if opt.name == 'adam':
+    return optax.chain(*decay, *cap, optax.scale_by_learning_rate(lr))
+  return optax.chain(*cap, *decay, optax.scale_by_learning_rate(lr))

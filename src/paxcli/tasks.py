@@ -15,6 +15,9 @@ class OptimizerConfig:
   epsilon: float = 1e-8
   weight_decay: float = 0.0
   momentum: float = 0.9  # sgd only
+  # adam/adamw: > 0 scales each weight's update down to this root-mean-square before weight decay
+  # and the learning rate (Pax's Adam clip_threshold); 0: off.
+  clip_threshold: float = 0.0
 
 
 @dataclasses.dataclass

@@ -17,6 +17,8 @@ import tempfile
 import time
 from typing import Callable, Optional
 
+import fiddle as fdl
+
 from paxcli.errors import UserError
 
 GIB = 1024 ** 3
@@ -65,6 +67,17 @@ def abstract_batch(setup, batch_sharding, example: dict) -> dict:
           for k, v in example.items()}
 
 
+def example_batch(data_cfg, setup) -> dict:
+  """One per-process batch to compile and time on: the input's first batch, or, for an input
+  that declares its batches' shapes (`example_batch(cfg, batch_size)`, e.g. C4), that batch,
+  so that planning a run needs none of its data."""
+  from paxcli.runtime import engine
+  declared = getattr(fdl.get_callable(data_cfg), 'example_batch', None)
+  if declared is not None:
+    return declared(data_cfg, setup.process_batch)
+  return infeed.build_input(data_cfg, setup).get_next()
+
+
 def measure(resolved, steps: int = 10, warmup: int = 2, compile_only: bool = False,
             peak_tflops: Optional[float] = None, pgle_profile: Optional[str] = None,
             on_step: Optional[Callable[[int, int], None]] = None, device_memory: Optional[int] = None) -> dict:
@@ -105,8 +118,7 @@ def measure(resolved, steps: int = 10, warmup: int = 2, compile_only: bool = Fal
   if setup.pipeline is not None:  # the idle share of a pipelined step, (S-1)/(R*M+S-1)
     row.update({'pipeline': setup.pipeline.describe(), 'pipeline_bubble': setup.pipeline.bubble})
   batch_sharding = sharding.batch_sharding(setup.mesh)
-  data = infeed.build_input(resolved.train_dataset(), setup)
-  host_batch = data.get_next()
+  host_batch = example_batch(resolved.train_dataset(), setup)
   step = make_train_step(setup, batch_sharding, resolved.experiment.RANDOM_SEED + 1)
   start = time.perf_counter()
   try:

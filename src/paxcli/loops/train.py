@@ -503,6 +503,7 @@ def _train(resolved, job_dir: str, console, verbose: bool = False, profile_steps
   _log_run(resolved, setup, job_dir, log)
   if verbose and is_main:
     _print_weights(console, setup)
+  train_input = infeed.build_input(resolved.train_dataset(), setup)  # before any state: missing data stops at once
 
   # ---- Job directory: resume or start -------------------------------------------------------------
   if is_main:
@@ -521,7 +522,6 @@ def _train(resolved, job_dir: str, console, verbose: bool = False, profile_steps
     _trim_replayed_metrics(job_dir, start.step, log)
 
   # ---- Input, step, evals ---------------------------------------------------------------------------
-  train_input = infeed.build_input(resolved.train_dataset(), setup)
   if is_main:
     tokenizer.save_to_job_dir(train_input, job_dir)
   train_input.skip(start.batches_consumed)
