@@ -12,14 +12,27 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import re
 import statistics
 import tempfile
+import textwrap
 import time
 from typing import Callable, Optional
 
 import fiddle as fdl
+import jax
 
+from paxcli import config
 from paxcli.errors import UserError
+from paxcli.loops.train import make_train_step
+from paxcli.perf import flops
+from paxcli.perf import profiling
+from paxcli.perf.profiling import pgle_compiler_options
+from paxcli.runtime import engine
+from paxcli.runtime import infeed
+from paxcli.runtime import platform
+from paxcli.runtime import sharding
+from paxcli.runtime.sharding import to_global
 
 GIB = 1024 ** 3
 
@@ -62,7 +75,6 @@ def is_out_of_memory(error: BaseException) -> bool:
 
 
 def abstract_batch(setup, batch_sharding, example: dict) -> dict:
-  import jax
   return {k: jax.ShapeDtypeStruct((setup.global_batch,) + v.shape[1:], v.dtype, sharding=batch_sharding)
           for k, v in example.items()}
 
@@ -71,7 +83,6 @@ def example_batch(data_cfg, setup) -> dict:
   """One per-process batch to compile and time on: the input's first batch, or, for an input
   that declares its batches' shapes (`example_batch(cfg, batch_size)`, e.g. C4), that batch,
   so that planning a run needs none of its data."""
-  from paxcli.runtime import engine
   declared = getattr(fdl.get_callable(data_cfg), 'example_batch', None)
   if declared is not None:
     return declared(data_cfg, setup.process_batch)
@@ -82,16 +93,9 @@ def measure(resolved, steps: int = 10, warmup: int = 2, compile_only: bool = Fal
             peak_tflops: Optional[float] = None, pgle_profile: Optional[str] = None,
             on_step: Optional[Callable[[int, int], None]] = None, device_memory: Optional[int] = None) -> dict:
   """One configuration: a row of figures (see module doc). Raises on errors other than OOM."""
-  import jax
 
-  from paxcli.runtime import engine
-  from paxcli.runtime import infeed
 
-  from paxcli.perf import flops
 
-  from paxcli.runtime import sharding
-  from paxcli.loops.train import make_train_step
-  from paxcli.runtime.sharding import to_global
   setup = engine.build(resolved)
   devices = jax.devices()
   tokens = setup.global_batch * setup.seq_len
@@ -125,7 +129,6 @@ def measure(resolved, steps: int = 10, warmup: int = 2, compile_only: bool = Fal
     lowered = step.lower(setup.abstract_state, abstract_batch(setup, batch_sharding, host_batch))
     options = None
     if pgle_profile:
-      from paxcli.perf.profiling import pgle_compiler_options
       options = pgle_compiler_options(pgle_profile)
     compiled = lowered.compile(options) if options else lowered.compile()
   except Exception as e:  # XLA reports memory exhaustion at compile time on some backends
@@ -152,11 +155,8 @@ def measure(resolved, steps: int = 10, warmup: int = 2, compile_only: bool = Fal
 
 
 def _run(row: dict, setup, compiled, batch, steps: int, warmup: int, on_step) -> dict:
-  import jax
 
-  from paxcli.runtime import engine
 
-  from paxcli.perf import flops
   state = None
   try:
     state = engine.init_state(setup, 0)
@@ -209,10 +209,8 @@ def run_all(exp: Optional[str], overrides: list[str], sweeps: list[str], *, step
   """
   rows = []
   combos = sweep_combinations(sweeps)
-  from paxcli.perf import profiling
   profiling.check_pgle(pgle, pgle_profile)
   if pgle == 'auto':
-    import jax
     jax.config.update('jax_enable_pgle', False)  # the rows without PGLE must be without it
     pgle_profile = os.path.join(tempfile.mkdtemp(prefix='paxcli-pgle-'), 'profile.pb')
   pgle_variants = [None, pgle_profile] if pgle_profile else [None]
@@ -238,15 +236,9 @@ def run_all(exp: Optional[str], overrides: list[str], sweeps: list[str], *, step
 def check_combination(exp: Optional[str], overrides: list[str], combo: list, compile_only: bool, log):
   """The resolved config of one sweep combination, or a UserError naming it: every combination is
   checked (knobs, allowed values, model settings, mesh, batch) before the first row runs."""
-  import jax
 
-  from paxcli import config
 
-  from paxcli.runtime import engine
-  from paxcli.runtime import infeed
-  from paxcli.runtime import platform
 
-  from paxcli.runtime import sharding
   sets = [f'{k}={v}' for k, v in combo]
   where = f' (--sweep combination {", ".join(sets)})' if sets else ''
   try:
@@ -277,16 +269,9 @@ def _exists(path: str) -> bool:
 
 def _record_pgle_profile(resolved, path: str, log) -> None:
   """Profiles a few steps with jax.profiler and writes their instruction latencies to `path`."""
-  import jax
 
-  from paxcli.runtime import engine
-  from paxcli.runtime import infeed
 
-  from paxcli.perf import profiling
 
-  from paxcli.runtime import sharding
-  from paxcli.loops.train import make_train_step
-  from paxcli.runtime.sharding import to_global
   setup = engine.build(resolved)
   batch_sharding = sharding.batch_sharding(setup.mesh)
   step = make_train_step(setup, batch_sharding, 0)
@@ -386,7 +371,6 @@ def _number(text) -> Optional[float]:
 
 def _wrap(label: str, width: int = 16) -> str:
   """A tick label on lines of about `width` characters, broken after '_' or ',' (never inside a word)."""
-  import re
   lines, current = [], ''
   for part in re.findall(r'[^_,]*[_,]?', label):
     if current and len(current) + len(part) > width:
@@ -427,7 +411,6 @@ def check_plot_path(path: str) -> None:
 def plot(rows: list[dict], path: str) -> None:
   """MFU and tokens/s (or, compile-only, memory per device) against the swept knob, one line per
   combination of the other knobs, in stacked panels (matplotlib, no display needed)."""
-  import textwrap
   try:
     import matplotlib
   except ImportError:
