@@ -187,26 +187,14 @@ def decode(exp: Optional[str] = None, *, overrides: Sequence[str] = (), job_dir:
            eos_id: Sequence[int] = (), ignore_eos: bool = False, min_length: int = 0, stop: Sequence[str] = (),
            batch_size: int = 0, step: Optional[int] = None, no_checkpoint: bool = False,
            dtype: Optional[str] = None, output: Optional[str] = None, coordinator: Optional[str] = None,
-           num_processes: Optional[int] = None, process_id: Optional[int] = None, console=None) -> list[dict]:
+           num_processes: Optional[int] = None, process_id: Optional[int] = None, console=None,
+           progress=None) -> list[dict]:
   """`pax decode`: one record per prompt and sample (prompt, decoded text and ids, logprobs, stop
   reason), also written as JSONL to `output` (default: under <job_dir>/decoder_out/), as `pax decode`
-  writes them. prompt_ids: prompts as token ids, '12,15,18'."""
-  return decode_run(**locals()).records
-
-
-def decode_run(exp: Optional[str] = None, *, overrides: Sequence[str] = (), job_dir: Optional[str] = None,
-               prompt: Sequence[str] = (), prompts_file: Optional[str] = None, prompt_ids: Sequence[str] = (),
-               dataset: Optional[str] = None, num_prompts: int = 8, max_decode_steps: int = 64,
-               temperature: Optional[float] = None, top_k: Optional[int] = None, top_p: Optional[float] = None,
-               num_samples: int = 1, seed: int = 0, beam_size: int = 0, length_penalty: float = 0.0,
-               eos_id: Sequence[int] = (), ignore_eos: bool = False, min_length: int = 0, stop: Sequence[str] = (),
-               batch_size: int = 0, step: Optional[int] = None, no_checkpoint: bool = False,
-               dtype: Optional[str] = None, output: Optional[str] = None, coordinator: Optional[str] = None,
-               num_processes: Optional[int] = None, process_id: Optional[int] = None, console=None,
-               progress=None):
-  """`decode` with what `pax decode` prints besides the records: a paxcli.loops.decode.command.Decoded
-  (records, decode rates, checkpoint step, the file written; path None on processes other than 0).
-  progress: a context manager factory `progress(total)` yielding `advance(n)`, or None."""
+  writes them. prompt_ids: prompts as token ids, '12,15,18'. The list returned also carries
+  `.stats` (decode rates), `.step` (the checkpoint decoded) and `.path` (the file written; None on
+  processes other than 0). progress: a factory `progress(total)` of context managers yielding
+  `advance(n)`, or None."""
   from paxcli.loops.decode.options import DecodeOptions, check_text  # no JAX: options fail before start-up
   opts = DecodeOptions(
       max_decode_steps=max_decode_steps, temperature=temperature, top_k=top_k, top_p=top_p,

@@ -66,7 +66,7 @@ def decode_command(
   """Generate continuations of prompts from a checkpoint (KV cache; greedy, sampling or beam search)."""
   from paxcli import api
   err = common.console(stderr=True)
-  decoded = api.decode_run(
+  decoded = api.decode(
       exp, overrides=overrides, job_dir=job_log_dir, prompt=prompt, prompts_file=prompts_file, prompt_ids=prompt_ids,
       dataset=dataset, num_prompts=num_prompts, max_decode_steps=max_decode_steps, temperature=temperature,
       top_k=top_k, top_p=top_p, num_samples=num_samples, seed=seed, beam_size=beam_size,

@@ -10,16 +10,24 @@ Everything else that differs is a mismatch, listed by name and shape.
 from __future__ import annotations
 
 import dataclasses
+import glob
 import os
 import re
-from typing import Callable, Optional
+import shutil
+import sys
+from typing import Optional
 
 import numpy as np
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
-from paxcli.jobdir import layout
-from paxcli.jobdir import lock as joblock
+from paxcli import config as cfg
+from paxcli import experiment, files, gencode
 from paxcli.convert import formats
 from paxcli.errors import UserError, shorten
+from paxcli.families.lm import LmExperiment
+from paxcli.jobdir import layout
+from paxcli.jobdir import lock as joblock
 
 _LAYER_RE = re.compile(r'(^|/)layer_(\d+)(/|$)')
 _LAYERS_RE = re.compile(r'(^|/)layers(/|$)')
@@ -30,7 +38,6 @@ _LAYERS_RE = re.compile(r'(^|/)layers(/|$)')
 
 def saved_overrides(name: str, config: dict) -> list[str]:
   """--set overrides that rebuild the saved run: its knobs, then dotted model fields it changed."""
-  from paxcli import config as cfg
   knobs = [f'{k[len("knobs."):]}={v}' for k, v in config.items() if k.startswith('knobs.')]
   base = {k: repr(v) for k, v in cfg.resolve(name, knobs).flat().items()}
   extra = [f'{k}={v}' for k, v in config.items()
@@ -47,9 +54,6 @@ RECIPE_COPY = 'recipe.py'
 def recipe_class(path: str, class_name: str, text: str, where: Optional[str] = None):
   """The experiment class of a recipe as convert writes it, made from its knobs (the text is
   parsed, never run) and served for `path:class_name` in this process."""
-  from paxcli import experiment
-  from paxcli import gencode
-  from paxcli.families.lm import LmExperiment
   knobs = gencode.knobs_of(text, class_name, where or path)
   cls = type(class_name, (LmExperiment,), {**knobs, '__module__': '_paxcli_recipe_data',
                                            '__doc__': f'{class_name} of {path}, read as data.'})
@@ -72,9 +76,7 @@ def trusted_experiment(src, name: str, exp: Optional[str]) -> Optional[str]:
   chose it), or the recipe a conversion wrote, read as data from the copy in the checkpoint's
   own directory (RECIPE_COPY), never from the path the metadata gives.
   """
-  import sys
 
-  from paxcli import experiment, files
   registry = experiment.import_all_recipes()
   by_class = [key for key in registry if key.rsplit('.', 1)[-1] == name]
   module = name.rsplit('.', 1)[0] if '.' in name and ':' not in name else None
@@ -97,7 +99,6 @@ def trusted_experiment(src, name: str, exp: Optional[str]) -> Optional[str]:
 
 def resolve_pair(src, exp: Optional[str], overrides: list[str]):
   """(source Resolved or None, target Resolved) for a source with a paxcli config."""
-  from paxcli import config as cfg
   name = getattr(src, 'experiment_name', lambda: None)() if src.config else None
   if src.config and not name and not exp:
     raise UserError(f'{src.path}: the checkpoint does not name its experiment; pass --exp.')
@@ -282,8 +283,6 @@ class Output:
     self.tmp = self.path + f'.converting-{os.getpid()}'
 
   def __enter__(self) -> str:
-    import glob
-    import shutil
     for stale in glob.glob(glob.escape(self.path) + '.converting-*'):   # left by a killed conversion
       pid = stale.rsplit('-', 1)[-1]
       if pid.isdigit() and not joblock.pid_alive(int(pid)):
@@ -294,7 +293,6 @@ class Output:
     return self.tmp
 
   def __exit__(self, exc_type, exc, tb):
-    import shutil
     if exc_type is not None:
       shutil.rmtree(self.tmp, ignore_errors=True)
       return False
@@ -309,9 +307,6 @@ class Output:
 
 
 def progress(total_bytes: int, description: str):
-  from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
-                             TransferSpeedColumn)
-  from rich.console import Console
   p = Progress(TextColumn('{task.description}'), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                TimeRemainingColumn(), console=Console(stderr=True), transient=True)
   return p, description, total_bytes

@@ -12,10 +12,12 @@ from __future__ import annotations
 import base64
 import json
 import os
+import shutil
 from typing import Optional
 
 import numpy as np
 
+from paxcli import files
 from paxcli.convert import formats
 from paxcli.convert.formats import ArrayInfo
 from paxcli.errors import UserError
@@ -158,7 +160,6 @@ class OrbaxSource(formats.SourceBase):
     return np.asarray(out)
 
   def extra_files(self) -> dict:
-    from paxcli import files
     name = os.path.relpath(layout.tokenizer(self.job_dir), self.job_dir)
     path = files.member(self.job_dir, name, 'tokenizer')
     return {'tokenizer': path} if os.path.isfile(path) else {}
@@ -325,7 +326,6 @@ def write_step(job_dir: str, step: int, meta: dict, fill_state) -> str:
   fill_state may return the checksums of what it wrote; they go into the step's meta, so
   that every later restore verifies the converted arrays as it does a trained checkpoint's.
   """
-  import shutil
 
   from paxcli.jobdir import checkpoint as ckpt
   checkpointer = ckpt.Checkpointer(layout.checkpoints(job_dir), max_to_keep=0, async_save=False)

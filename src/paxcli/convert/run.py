@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
 from typing import Optional
 
 import numpy as np
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
-from paxcli.convert import core, formats, hf_tokenizer
+from paxcli import config as cfg
+from paxcli import files, gencode
+from paxcli.convert import core, formats, hf, hf_tokenizer, orbax_io, safetensors_io
 from paxcli.errors import UserError
 from paxcli.inputs import tokenizers
 from paxcli.jobdir import layout
@@ -79,7 +82,6 @@ def convert(source: str, output: str, *, fmt: Optional[str] = None, to: str = 'o
 def _convert(src, out, source, output, fmt, to, exp, overrides, params_only, dtype, step, verify, kl_tolerance,
              max_shard_bytes, log, t0, recipe_path, recipe_text):
   if hasattr(src, 'check_experiment'):   # paxml: the experiment must compute the Pax model's function
-    from paxcli import config as cfg
     src.check_experiment(cfg.resolve(exp, list(overrides)).experiment, log)
   source_res, target_res = core.resolve_pair(src, exp, overrides)
   platform.apply_platform_env(target_res.experiment.PLATFORM_ENV, log=log)  # before the models start a backend
@@ -94,7 +96,6 @@ def _convert(src, out, source, output, fmt, to, exp, overrides, params_only, dty
     source_res = target_res
   target = core.build_model(target_res)
   if to == 'hf':
-    from paxcli.convert import hf
     reasons = hf.misfit(target.spec)
     if reasons:
       raise UserError('This model does not fit the Hugging Face Llama layout: ' + '; '.join(reasons) + '.')
@@ -116,8 +117,6 @@ def _convert(src, out, source, output, fmt, to, exp, overrides, params_only, dty
       return np.int32(src.step)
     return core.read_item(src, item, layer)
 
-  from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
-  from rich.console import Console
   bar = Progress(TextColumn('{task.description}'), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                  console=Console(stderr=True), transient=True)
   with bar, out as tmp:
@@ -128,7 +127,6 @@ def _convert(src, out, source, output, fmt, to, exp, overrides, params_only, dty
     elif to == 'safetensors':
       _write_safetensors(tmp, src, items, target_res, read, advance, max_shard_bytes)
     else:
-      from paxcli.convert import hf
       hf.export(tmp, src, {i.name: i for i in items}, target.spec, read, dtype or 'float32',
                 max_shard_bytes, advance)
     _carry_files(src, tmp, to, recipe_text, own_experiment=exp is None)
@@ -151,7 +149,6 @@ def _convert(src, out, source, output, fmt, to, exp, overrides, params_only, dty
 
 
 def _from_knobs(src, exp):
-  from paxcli import config as cfg
   return cfg.resolve(exp or 'default.StdlibDocsLm', [f'{k}={v!r}' for k, v in src.knobs().items()])
 
 
@@ -168,7 +165,6 @@ def _meta(src, target, params_only: bool) -> dict:
 
 
 def _write_orbax(tmp: str, src, items, target, params_only: bool, read, advance) -> None:
-  from paxcli.convert import orbax_io
 
   def fill(state_dir):
     w = orbax_io.StateWriter(state_dir)
@@ -197,7 +193,6 @@ def _write_orbax(tmp: str, src, items, target, params_only: bool, read, advance)
 
 
 def _write_safetensors(tmp, src, items, target_res, read, advance, max_shard_bytes) -> None:
-  from paxcli.convert import safetensors_io
   by_name = {i.name: i for i in items if i.name != 'step'}
   flat = {k: repr(v) for k, v in target_res.flat().items()}
 
@@ -218,7 +213,6 @@ def _carry_files(src, tmp: str, to: str, recipe_text: Optional[str], own_experim
   """The tokenizer (a regular file inside the source's directory, files.member) and the recipe
   the experiment is read from (core.RECIPE_COPY: written by this import, or the source's own
   when the output keeps the source's experiment)."""
-  from paxcli import files
   tok = src.extra_files().get('tokenizer')
   if tok:
     kind = tokenizers.kind_of(tok)
@@ -235,7 +229,6 @@ def _carry_files(src, tmp: str, to: str, recipe_text: Optional[str], own_experim
     if os.path.isfile(copy):
       recipe_text = files.read_text(copy, 'recipe', 1 << 20)
   if recipe_text is not None:
-    from paxcli import gencode
     gencode.check_shape(recipe_text, core.RECIPE_COPY)
     with open(os.path.join(tmp, core.RECIPE_COPY), 'w', encoding='utf-8') as f:
       f.write(recipe_text)
@@ -253,8 +246,6 @@ def _write_recipe(src, recipe: Optional[str], output: str, force: bool, log) -> 
   A recipe already there is replaced with --force, or when it is the same text (left by an
   interrupted run of the same import).
   """
-  from paxcli import gencode
-  from paxcli.convert import hf
   prefix, class_name = src.kind, _recipe_class(src)
   path = os.path.abspath(recipe or os.path.join(os.path.dirname(os.path.abspath(output)),
                                                 f'{prefix}_{os.path.basename(os.path.abspath(output))}.py'.replace('-', '_')))

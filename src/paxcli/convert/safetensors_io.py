@@ -14,7 +14,7 @@ import glob
 import json
 import os
 import struct
-from typing import Iterable, Optional
+from typing import Optional
 
 import numpy as np
 

@@ -10,7 +10,7 @@ padding) and optionally `segment_ids` and `positions` (packing).
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Iterator, Optional
 
 import numpy as np
 
@@ -84,6 +84,39 @@ class BaseInput:
     """This host's rows of a global batch (host i of n gets the i-th block)."""
     start = self.infeed_host_index * self.batch_size
     return slice(start, start + self.batch_size)
+
+
+@dataclasses.dataclass
+class StreamInput(BaseInput):
+  """An input read as one stream of batches: `_open(start)` starts the stream at batch `start`
+  (a reset or a resume opens it anew at the new position) and `_finish(batch)` shapes each batch."""
+
+  def __post_init__(self):
+    super().__post_init__()
+    self._iterator: Optional[Iterator[dict]] = None
+
+  def _open(self, start: int) -> Iterator[dict]:
+    raise NotImplementedError
+
+  def _finish(self, batch: dict) -> dict[str, np.ndarray]:
+    return batch
+
+  def get_next(self) -> dict[str, np.ndarray]:
+    if self._iterator is None:
+      self._iterator = self._open(self._batches_read)
+    batch = next(self._iterator, None)
+    if batch is None:
+      raise EndOfInput(self.name)
+    self._batches_read += 1
+    return self._finish(batch)
+
+  def reset(self) -> None:
+    super().reset()
+    self._iterator = None
+
+  def skip(self, num_batches: int) -> None:
+    super().skip(num_batches)
+    self._iterator = None
 
 
 def decode_rows(decode, ids, lengths=None) -> list[str]:

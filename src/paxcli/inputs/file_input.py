@@ -34,7 +34,7 @@ import numpy as np
 
 from paxcli.errors import UserError, shorten
 from paxcli.inputs import documents, packing, tokenizers
-from paxcli.inputs.base import BaseInput, EndOfInput, decode_rows
+from paxcli.inputs.base import StreamInput, decode_rows
 from paxcli.inputs.corpus import cache_root
 
 SPLITS = ('train', 'eval', 'all')
@@ -46,7 +46,7 @@ Data = Union[str, dict]
 
 
 @dataclasses.dataclass
-class FileLmInput(BaseInput):
+class FileLmInput(StreamInput):
   """Documents from files -> tokens -> packed rows -> batches (see the module docstring)."""
   data: Data = ''
   split: str = 'all'  # 'train' or 'eval': that side of the hash split (documents.in_eval_split)
@@ -76,28 +76,14 @@ class FileLmInput(BaseInput):
                       f'{self.vocab_size}: set VOCAB_SIZE={self._tok.vocab_size} (or more).')
     for files, _ in self.sources:
       self._check_has_documents(files)
-    self._iterator = None
 
   # ---- the contract -------------------------------------------------------------------------
 
-  def get_next(self) -> dict[str, np.ndarray]:
-    if self._iterator is None:
-      self._iterator = self._batches()
-      for _ in range(self._batches_read):  # a resume: the batches consumed before
-        next(self._iterator, None)
-    batch = next(self._iterator, None)
-    if batch is None:
-      raise EndOfInput(self.name)
-    self._batches_read += 1
-    return batch
-
-  def reset(self) -> None:
-    super().reset()
-    self._iterator = None
-
-  def skip(self, num_batches: int) -> None:
-    super().skip(num_batches)
-    self._iterator = None
+  def _open(self, start: int) -> Iterator[dict]:
+    batches = self._batches()
+    for _ in range(start):  # a resume: the batches consumed before
+      next(batches, None)
+    return batches
 
   def tokenizer_file(self) -> Optional[str]:
     return self._tok.path

@@ -24,7 +24,7 @@ from typing import Iterator, Optional
 import numpy as np
 
 from paxcli.errors import UserError
-from paxcli.inputs.base import BaseInput, EndOfInput, decode_rows
+from paxcli.inputs.base import StreamInput, decode_rows
 
 KINDS = ('int64', 'float', 'bytes')
 _TF = None  # tensorflow, once imported quietly
@@ -111,16 +111,12 @@ def infer_features(path: str) -> dict[str, str]:
 
 
 @dataclasses.dataclass
-class TfDataInput(BaseInput):
+class TfDataInput(StreamInput):
   """An input backed by a tf.data pipeline: a stream whose position is batches read.
 
   Subclasses implement `dataset(skip_batches)` (per-process batches, already host-
   sharded) and may override `convert(batch)`. Resume skips batches in the pipeline.
   """
-
-  def __post_init__(self):
-    super().__post_init__()
-    self._iterator = None
 
   def dataset(self, skip_batches: int = 0):
     raise NotImplementedError
@@ -128,23 +124,11 @@ class TfDataInput(BaseInput):
   def convert(self, batch: dict) -> dict:
     return batch
 
-  def get_next(self) -> dict[str, np.ndarray]:
-    if self._iterator is None:
-      self._iterator = self.dataset(self._batches_read).as_numpy_iterator()
-    try:
-      batch = next(self._iterator)
-    except StopIteration:
-      raise EndOfInput(self.name) from None
-    self._batches_read += 1
+  def _open(self, start: int) -> Iterator[dict]:
+    return self.dataset(start).as_numpy_iterator()
+
+  def _finish(self, batch: dict) -> dict[str, np.ndarray]:
     return _pad_rows(self.convert(batch), self.batch_size)
-
-  def reset(self) -> None:
-    super().reset()
-    self._iterator = None
-
-  def skip(self, num_batches: int) -> None:
-    super().skip(num_batches)
-    self._iterator = None
 
 
 @dataclasses.dataclass

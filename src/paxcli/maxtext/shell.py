@@ -300,21 +300,11 @@ class _Shell:
         out.append('' if nxt == '\n' else nxt if nxt in '$`"\\' else c + nxt)
         j += 2
       elif c == '$' and text.startswith('${', j):
-        depth, k = 0, j + 1
-        while k < len(text):
-          depth += {'{': 1, '}': -1}.get(text[k], 0)
-          if depth == 0:
-            break
-          k += 1
+        k = _closing(text, j + 1, '{', '}')
         out.append(self._brace(text[j + 2:k]))
         j = k + 1
       elif c == '$' and text.startswith('$(', j):
-        depth, k = 0, j + 1
-        while k < len(text):
-          depth += {'(': 1, ')': -1}.get(text[k], 0)
-          if depth == 0:
-            break
-          k += 1
+        k = _closing(text, j + 1, '(', ')')
         out.append(self._command_substitution(text[j:k + 1]))
         j = k + 1
       elif c == '$':
@@ -630,3 +620,14 @@ def _invocation(path: str, argv: list[str], env: dict[str, str], line: int,
       notes.append(f'trainer argument {arg!r} is not key=value; ignored.')
   return ScriptInfo(path=path, entry=entry, config_path=config_path, overrides=overrides,
                     env=env, line=line, notes=notes, skipped=[])
+
+
+def _closing(text: str, start: int, opening: str, closing: str) -> int:
+  """Index of the `closing` that matches the `opening` at text[start] (len(text) if none does)."""
+  depth, k = 0, start
+  while k < len(text):
+    depth += {opening: 1, closing: -1}.get(text[k], 0)
+    if depth == 0:
+      break
+    k += 1
+  return k

@@ -30,13 +30,20 @@ from paxcli.runtime import engine
 Progress = Callable[[int], ContextManager[Callable[[int], None]]]
 
 
-@dataclasses.dataclass
-class Decoded:
-  records: list[dict]
-  stats: dict              # prefill/decode tokens and seconds, compile_s (see Decoder.run)
-  step: int                # the checkpoint step decoded; 0 for fresh weights
-  path: Optional[str]      # the JSONL written; None on processes other than 0
-  has_text: bool           # a tokenizer gave the prompts and continuations as text
+class Decoded(list):
+  """The records, one dict per prompt and sample (beam), as written to `path`; a list, so that
+  `paxcli.decode(...)` returns records, with what `pax decode` prints besides them."""
+
+  def __init__(self, records: list[dict], stats: dict, step: int, path: Optional[str], has_text: bool):
+    super().__init__(records)
+    self.stats = stats        # prefill/decode tokens and seconds, compile_s (see Decoder.run)
+    self.step = step          # the checkpoint step decoded; 0 for fresh weights
+    self.path = path          # the JSONL written; None on processes other than 0
+    self.has_text = has_text  # a tokenizer gave the prompts and continuations as text
+
+  @property
+  def records(self) -> list[dict]:
+    return list(self)
 
 
 def decode(resolved, job_dir: str, opts: DecodeOptions, texts: Sequence[str] = (), prompts_file: Optional[str] = None,
