@@ -98,7 +98,7 @@ class Chrono:
     self._compile = flops.CompileTimer()
     self._start, self._step, self._paused = time.perf_counter(), first_step, 0.0
 
-  def __enter__(self) -> 'Chrono':
+  def __enter__(self) -> Chrono:
     self._compile.__enter__()
     return self
 

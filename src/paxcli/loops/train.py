@@ -246,7 +246,7 @@ class Summary:
   summary, with rates over the window's steady time, into TensorBoard and train_metrics.jsonl
   (process 0's `writer`) and the log. `last` is the latest summary (the run's return value)."""
 
-  def __init__(self, losses: LossCheck, chrono: Chrono, reporter: 'Reporter', writer, mfu_of, start_step: int):
+  def __init__(self, losses: LossCheck, chrono: Chrono, reporter: Reporter, writer, mfu_of, start_step: int):
     self._losses, self._chrono, self._reporter, self._writer, self._mfu_of = losses, chrono, reporter, writer, mfu_of
     self.last = {'step': start_step}
 
@@ -296,7 +296,7 @@ def _all_finite():
   return jax.jit(lambda leaves: jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])))
 
 
-def _eval_hook(evaluator: Evaluator, reporter: 'Reporter', chrono: Chrono) -> Callable[[StepInfo], None]:
+def _eval_hook(evaluator: Evaluator, reporter: Reporter, chrono: Chrono) -> Callable[[StepInfo], None]:
   """Hook, every eval_interval_steps: every eval input on the state, timed apart from the steps."""
 
   def run(info: StepInfo) -> None:
@@ -306,7 +306,7 @@ def _eval_hook(evaluator: Evaluator, reporter: 'Reporter', chrono: Chrono) -> Ca
   return run
 
 
-def _decode_hook(decoder: TrainDecoder, reporter: 'Reporter', chrono: Chrono) -> Callable[[StepInfo], None]:
+def _decode_hook(decoder: TrainDecoder, reporter: Reporter, chrono: Chrono) -> Callable[[StepInfo], None]:
   """Hook, every decode_interval_steps and at the end: greedy continuations of the decode prompts."""
 
   def run(info: StepInfo) -> None:
@@ -359,7 +359,7 @@ class GracefulStop:
   def requested(self) -> bool:
     return self.signal_name is not None
 
-  def hook(self, checkpointer: ckpt.Checkpointer, reporter: 'Reporter', log, directory: str):
+  def hook(self, checkpointer: ckpt.Checkpointer, reporter: Reporter, log, directory: str):
     """Hook, at a stop: waits for the step's checkpoint, says so, and exits with the signal's code."""
 
     def stop(info: StepInfo) -> None:
@@ -608,7 +608,7 @@ class RunSpec:
   global_batch: int
 
   @classmethod
-  def of(cls, resolved, setup) -> 'RunSpec':
+  def of(cls, resolved, setup) -> RunSpec:
     return cls({k: repr(v) for k, v in resolved.flat().items()}, engine.shape_signature(setup.abstract_state),
                infeed.input_layout(resolved, setup), setup.global_batch)
 
