@@ -26,7 +26,7 @@ import numpy as np
 from paxcli import config
 from paxcli.inputs.base import EndOfInput
 from paxcli.runtime import distributed
-from paxcli.runtime import engine
+from paxcli.runtime import engine, infeed
 
 SEQ_LEN = 32
 TRAIN_DOCS = 160
@@ -136,7 +136,7 @@ def read_as_host(data_dir: str, vocabulary: str, out: str) -> None:
   setup = engine.build(resolved)
   result = {'infeed_host_index': setup.infeed.host_index}
   for split, cfg in (('train', resolved.train_dataset()), ('validation', resolved.eval_datasets()[0])):
-    result[split] = read_epoch(engine.build_input(cfg, setup))
+    result[split] = read_epoch(infeed.build_input(cfg, setup))
   with open(out, 'w') as f:
     json.dump(result, f)
 

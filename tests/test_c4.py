@@ -22,7 +22,7 @@ from paxcli import config
 from paxcli.errors import UserError
 from paxcli.loops import bench
 from paxcli.runtime import distributed
-from paxcli.runtime import engine
+from paxcli.runtime import engine, infeed
 
 # Small enough to compile in seconds; every structural choice of the recipes kept.
 TINY = ['NUM_LAYERS=4', 'MODEL_DIMS=32', 'HIDDEN_DIMS=64', 'NUM_HEADS=4', 'DIMS_PER_HEAD=8', 'VOCAB_SIZE=128',
@@ -179,17 +179,17 @@ def test_each_host_reads_its_own_documents(c4):
   """The recipe's inputs as host 0 and host 1 of 2 would build them, in this process."""
   resolved = config.resolve('c4.C4Spmd1BAdam4Replicas', c4_data.HOST_READ + [
       f'C4_DATA_DIR={c4["data_dir"]}', f'C4_VOCABULARY={c4["vocabulary"]}'])
-  hosts = [{split: c4_data.read_epoch(engine.build_input(cfg, process_batch=4, num_hosts=2, host_index=i))
+  hosts = [{split: c4_data.read_epoch(infeed.build_input(cfg, process_batch=4, num_hosts=2, host_index=i))
             for split, cfg in (('train', resolved.train_dataset()), ('validation', resolved.eval_datasets()[0]))}
            for i in range(2)]
   _check_epoch(c4, hosts)
-  first = engine.build_input(resolved.train_dataset(), process_batch=4, num_hosts=1, host_index=0).get_next()
+  first = infeed.build_input(resolved.train_dataset(), process_batch=4, num_hosts=1, host_index=0).get_next()
   assert sorted(first) == ['ids', 'labels', 'positions', 'segment_ids', 'weights']  # packed
   assert first['ids'].shape == (4, c4_data.SEQ_LEN)
   small = config.resolve('c4.C4Spmd1BAdam4Replicas', [f'C4_DATA_DIR={c4["data_dir"]}', 'VOCAB_SIZE=64',
                                                       f'C4_VOCABULARY={c4["vocabulary"]}'])
   with pytest.raises(UserError, match=r'has \d+ pieces but VOCAB_SIZE is 64'):
-    engine.build_input(small.train_dataset(), process_batch=4, num_hosts=1, host_index=0)
+    infeed.build_input(small.train_dataset(), process_batch=4, num_hosts=1, host_index=0)
 
 
 @pytest.mark.slow  # ~50 s of CPU: compiles a train and an eval step, reads C4 through seqio
