@@ -348,3 +348,18 @@ def test_two_real_processes_read_disjoint_documents(data, tmp_path):
                 for d in documents.read_split(str(root / f), 'text', 'train')}
   assert seen[0] and seen[1] and not seen[0] & seen[1]
   assert seen[0] | seen[1] <= train_side
+
+
+def test_data_paths_are_made_absolute_where_the_command_starts(tmp_path, monkeypatch):
+  """A relative TRAIN_DATA, EVAL_DATA or TOKENIZER names files relative to where the command ran:
+  the resolved config holds them absolute, so a resume from another directory reads the same files;
+  URLs are left as they are."""
+  from paxcli import config
+  monkeypatch.chdir(tmp_path)
+  resolved = config.resolve('default.StdlibDocsLm', ['TRAIN_DATA={"web/*.jsonl": 3, "gs://b/c/*.jsonl": 1}',
+                                                     'EVAL_DATA=held/*.txt', 'TOKENIZER=~/spm.model'])
+  train = resolved.train_dataset()
+  assert train.data == {str(tmp_path / 'web' / '*.jsonl'): 3, 'gs://b/c/*.jsonl': 1}
+  assert train.tokenizer == os.path.join(os.path.expanduser('~'), 'spm.model')
+  evals = [c for c in resolved.datasets.values() if not c.is_training]
+  assert [c.data for c in evals] == [str(tmp_path / 'held' / '*.txt')]

@@ -67,12 +67,13 @@ class LmExperiment(TrainingExperiment):
       return []
     if not self.TRAIN_DATA:
       raise UserError('EVAL_DATA and TOKENIZER need TRAIN_DATA (a glob of your training files).')
-    from paxcli.inputs.file_input import FileLmInput
-    common = dict(seq_len=self.MAX_SEQ_LEN, text_field=self.TEXT_FIELD, tokenizer=self.TOKENIZER,
-                  tokenizer_data=self.TRAIN_DATA, vocab_size=self.VOCAB_SIZE, seed=self.RANDOM_SEED)
+    from paxcli.inputs.file_input import FileLmInput, anchored
+    train, evals = anchored(self.TRAIN_DATA), anchored(self.EVAL_DATA)
+    common = dict(seq_len=self.MAX_SEQ_LEN, text_field=self.TEXT_FIELD, tokenizer=anchored(self.TOKENIZER),
+                  tokenizer_data=train, vocab_size=self.VOCAB_SIZE, seed=self.RANDOM_SEED)
     return [
-        fdl.Config(FileLmInput, name='train', is_training=True, data=self.TRAIN_DATA,
-                   split='all' if self.EVAL_DATA else 'train', **common),
+        fdl.Config(FileLmInput, name='train', is_training=True, data=train, split='all' if evals else 'train',
+                   **common),
         fdl.Config(FileLmInput, name='eval', is_training=False, repeat=False, reset_for_eval=True,
-                   data=self.EVAL_DATA or self.TRAIN_DATA, split='all' if self.EVAL_DATA else 'eval', **common),
+                   data=evals or train, split='all' if evals else 'eval', **common),
     ]

@@ -143,6 +143,17 @@ class FileLmInput(StreamInput):
                       f'{f" and {len(files) - 1} more file(s)" if len(files) > 1 else ""}{side}.')
 
 
+def anchored(data: Optional[Data]) -> Optional[Data]:
+  """`data` (a glob, a {glob: weight} mixture, or a file) with local paths made absolute, `~`
+  expanded: resolved once, where the command starts, so a resume from another directory reads
+  the same files. URLs (gs://...) and malformed values pass as they are (sources() says why)."""
+  def one(path):
+    return path if not isinstance(path, str) or not path or '://' in path else os.path.abspath(os.path.expanduser(path))
+  if isinstance(data, dict):
+    return {one(glob): weight for glob, weight in data.items()}
+  return one(data)
+
+
 def sources(data: Data, name: str = 'data') -> list[tuple[str, float]]:
   """[(glob, weight)] of a glob or a {glob: weight} mixture; UserError when empty or malformed."""
   if isinstance(data, str) and data:
