@@ -73,7 +73,7 @@ def summary_lines(s: dict) -> list[str]:
     batch = f"{s['global_batch']:,} sequences{tokens}"
   else:
     batch = s['global_batch_note']
-  flops = (f"{count(s['flops_per_token'], 'FLOP')} (training: forward + backward, paxcli.perf.flops)"
+  flops = (f"{count(s['flops_per_token'], 'FLOP')} (training: forward + backward, the model's train_flops)"
            if s['flops_per_token'] else s['flops_per_token_note'])
   return [f"# parameters: {count(s['parameters'])} ({s['parameters']:,})",
           f'# FLOPs per token: {flops}',
