@@ -79,36 +79,30 @@ def _as_config(value):
 
 # ---- weight initialisation ------------------------------------------------------------
 
+def _constructor(method: str, default_scale: float = 1.0) -> staticmethod:
+  """A praxis-style named constructor, `WeightInit.<Name>(scale)`, for one method."""
+
+  def make(scale: float = default_scale) -> 'WeightInit':
+    return WeightInit(method, scale)
+
+  make.__doc__ = f'WeightInit({method!r}, scale); scale defaults to {default_scale:g}.'
+  return staticmethod(make)
+
+
 @dataclasses.dataclass(frozen=True)
 class WeightInit:
   """How a weight starts: method and scale. Build with the class methods (praxis names)."""
   method: str = 'xavier'
   scale: float = 1.0
 
-  @staticmethod
-  def Gaussian(scale: float = 1.0) -> 'WeightInit':  # noqa: N802 (praxis spelling)
-    return WeightInit('gaussian', scale)
-
-  @staticmethod
-  def Uniform(scale: float = 1.0) -> 'WeightInit':  # noqa: N802
-    return WeightInit('uniform', scale)
-
-  @staticmethod
-  def Constant(scale: float = 0.0) -> 'WeightInit':  # noqa: N802
-    return WeightInit('constant', scale)
-
-  @staticmethod
-  def Xavier(scale: float = 1.0) -> 'WeightInit':  # noqa: N802
-    return WeightInit('xavier', scale)
-
-  @staticmethod
-  def GaussianSqrtFanIn(scale: float = 1.0) -> 'WeightInit':  # noqa: N802
-    return WeightInit('gaussian_sqrt_fanin', scale)
-
-  @staticmethod
-  def TruncatedGaussianSqrtFanIn(scale: float = 1.0) -> 'WeightInit':  # noqa: N802
-    """Our Transformer's projections: truncated normal with variance scale / fan_in."""
-    return WeightInit('truncated_gaussian_sqrt_fanin', scale)
+  # praxis' constructors: WeightInit.Gaussian(0.02), WeightInit.Constant(), ...
+  Gaussian = _constructor('gaussian')
+  Uniform = _constructor('uniform')
+  Constant = _constructor('constant', 0.0)
+  Xavier = _constructor('xavier')
+  GaussianSqrtFanIn = _constructor('gaussian_sqrt_fanin')
+  # Our Transformer's projections: truncated normal with variance scale / fan_in.
+  TruncatedGaussianSqrtFanIn = _constructor('truncated_gaussian_sqrt_fanin')
 
   def initializer(self, fan_in_axes: Optional[Sequence[int]] = None) -> Callable:
     """A flax initializer (key, shape, dtype) -> array."""
