@@ -76,7 +76,6 @@ def trusted_experiment(src, name: str, exp: Optional[str]) -> Optional[str]:
   chose it), or the recipe a conversion wrote, read as data from the copy in the checkpoint's
   own directory (RECIPE_COPY), never from the path the metadata gives.
   """
-
   registry = experiment.import_all_recipes()
   by_class = [key for key in registry if key.rsplit('.', 1)[-1] == name]
   module = name.rsplit('.', 1)[0] if '.' in name and ':' not in name else None

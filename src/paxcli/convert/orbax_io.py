@@ -326,7 +326,6 @@ def write_step(job_dir: str, step: int, meta: dict, fill_state) -> str:
   fill_state may return the checksums of what it wrote; they go into the step's meta, so
   that every later restore verifies the converted arrays as it does a trained checkpoint's.
   """
-
   from paxcli.jobdir import checkpoint as ckpt
   checkpointer = ckpt.Checkpointer(layout.checkpoints(job_dir), max_to_keep=0, async_save=False)
   checkpointer.save(step, {'step': np.int32(step)}, meta)

@@ -165,7 +165,6 @@ def _meta(src, target, params_only: bool) -> dict:
 
 
 def _write_orbax(tmp: str, src, items, target, params_only: bool, read, advance) -> None:
-
   def fill(state_dir):
     w = orbax_io.StateWriter(state_dir)
     for item in items:

@@ -93,9 +93,6 @@ def measure(resolved, steps: int = 10, warmup: int = 2, compile_only: bool = Fal
             peak_tflops: Optional[float] = None, pgle_profile: Optional[str] = None,
             on_step: Optional[Callable[[int, int], None]] = None, device_memory: Optional[int] = None) -> dict:
   """One configuration: a row of figures (see module doc). Raises on errors other than OOM."""
-
-
-
   setup = engine.build(resolved)
   devices = jax.devices()
   tokens = setup.global_batch * setup.seq_len
@@ -155,8 +152,6 @@ def measure(resolved, steps: int = 10, warmup: int = 2, compile_only: bool = Fal
 
 
 def _run(row: dict, setup, compiled, batch, steps: int, warmup: int, on_step) -> dict:
-
-
   state = None
   try:
     state = engine.init_state(setup, 0)
@@ -236,9 +231,6 @@ def run_all(exp: Optional[str], overrides: list[str], sweeps: list[str], *, step
 def check_combination(exp: Optional[str], overrides: list[str], combo: list, compile_only: bool, log):
   """The resolved config of one sweep combination, or a UserError naming it: every combination is
   checked (knobs, allowed values, model settings, mesh, batch) before the first row runs."""
-
-
-
   sets = [f'{k}={v}' for k, v in combo]
   where = f' (--sweep combination {", ".join(sets)})' if sets else ''
   try:
@@ -269,9 +261,6 @@ def _exists(path: str) -> bool:
 
 def _record_pgle_profile(resolved, path: str, log) -> None:
   """Profiles a few steps with jax.profiler and writes their instruction latencies to `path`."""
-
-
-
   setup = engine.build(resolved)
   batch_sharding = sharding.batch_sharding(setup.mesh)
   step = make_train_step(setup, batch_sharding, 0)
