@@ -172,14 +172,12 @@ def _run(row: dict, setup, compiled, batch, steps: int, warmup: int, on_step) ->
     del state
   median = statistics.median(times)
   devices = row['devices']
-  tflops = row['model_flops_per_step'] / median / devices / 1e12
   hw = row.get('xla_flops_per_step_per_device')
   row.update({
       'step_seconds_median': median, 'step_seconds_min': min(times), 'step_seconds_max': max(times),
       'tokens_per_sec': row['tokens_per_step'] / median,
       'tokens_per_sec_per_device': row['tokens_per_step'] / median / devices,
-      'model_tflops_per_device': tflops,
-      'mfu': tflops / row['peak_tflops'],
+      **flops.mfu_fields(1 / median, row['model_flops_per_step'], devices, row['peak_tflops']),
       'hfu': (hw / median / 1e12 / row['peak_tflops']) if hw else None,
       'live_peak_bytes': flops.peak_memory_in_use(),
   })

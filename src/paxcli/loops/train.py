@@ -439,12 +439,6 @@ def _summarize(step: int, rows: list[dict], window: Window, mfu_of=None) -> dict
   return out
 
 
-def mfu_fields(steps_per_sec: float, step_flops: float, num_devices: int, peak: float) -> dict:
-  """Model TFLOP/s per device and MFU (a fraction of `peak` TFLOP/s per device)."""
-  tflops = step_flops * steps_per_sec / num_devices / 1e12
-  return {'model_tflops_per_device': tflops, 'mfu': tflops / peak if peak else float('nan')}
-
-
 def mfu_note(record: dict) -> str:
   if 'mfu' not in record:
     return ''
@@ -675,7 +669,7 @@ def _mfu(setup, log) -> Optional[Callable[[float], dict]]:
   step_flops = model_flops.per_step(setup.global_batch * setup.seq_len)
   peak = flops.device_peak(devices[0], flops.compute_dtype(setup.model), measure_size=512)
   log(f'MFU: {step_flops / 1e12:.4g} model TFLOP per step over {len(devices)} device(s); peak {peak.source}.')
-  return functools.partial(mfu_fields, step_flops=step_flops, num_devices=len(devices), peak=peak.tflops)
+  return functools.partial(flops.mfu_fields, step_flops=step_flops, num_devices=len(devices), peak=peak.tflops)
 
 
 def _print_weights(console, setup) -> None:

@@ -67,6 +67,13 @@ def compute_dtype(model) -> str:
   return getattr(model, 'compute_dtype', None) or 'float32'
 
 
+def mfu_fields(steps_per_sec: float, step_flops: float, num_devices: int, peak: Optional[float]) -> dict:
+  """Model TFLOP/s per device and MFU (a fraction of `peak` TFLOP/s per device): the one MFU
+  arithmetic, for the train loop's summaries and `pax bench mfu`'s rows."""
+  tflops = step_flops * steps_per_sec / num_devices / 1e12
+  return {'model_tflops_per_device': tflops, 'mfu': tflops / peak if peak else float('nan')}
+
+
 def lookup_peak(device_kind: str, fp8: bool = False) -> Optional[Peak]:
   """The table's dense peak for a device kind, or None if it is not in the table."""
   kind = device_kind.lower()
