@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import stat
+import tempfile
 
 from paxcli.errors import UserError, shorten
 
@@ -82,3 +83,14 @@ def copy_member(path: str, dest: str) -> None:
   shutil.copyfile(path, tmp)
   os.chmod(tmp, stat.S_IMODE(st.st_mode) & 0o644)
   os.replace(tmp, dest)
+
+
+def atomic_write(path: str, data: bytes) -> None:
+  """Writes `data` through a temporary file in `path`'s directory (made if missing), then renames
+  it onto `path`: a reader, or a process writing the same file beside this one, never sees half of it."""
+  directory = os.path.dirname(os.path.abspath(path))
+  os.makedirs(directory, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(dir=directory, prefix='.tmp-')
+  with os.fdopen(fd, 'wb') as f:
+    f.write(data)
+  os.replace(tmp, path)

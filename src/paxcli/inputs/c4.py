@@ -26,6 +26,7 @@ import numpy as np
 import sentencepiece as spm
 
 from paxcli.errors import UserError
+from paxcli.files import atomic_write
 from paxcli.inputs.corpus import cache_root
 from paxcli.inputs.seqio_input import SeqIOInput
 from paxcli.inputs.tfrecord import import_tf
@@ -109,10 +110,7 @@ def local_vocabulary(vocabulary: str) -> str:
   data = _read_bytes(vocabulary)
   path = os.path.join(cache_root(), 'c4_vocabularies', hashlib.sha256(data).hexdigest()[:16] + '.model')
   if not os.path.exists(path):
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path + f'.tmp-{os.getpid()}', 'wb') as f:
-      f.write(data)
-    os.replace(path + f'.tmp-{os.getpid()}', path)
+    atomic_write(path, data)
   return path
 
 

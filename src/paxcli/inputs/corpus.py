@@ -23,11 +23,11 @@ import json
 import os
 import sys
 import sysconfig
-import tempfile
 from typing import Optional
 
 import numpy as np
 
+from paxcli.files import atomic_write
 from paxcli.inputs.base import BaseInput, EndOfInput, decode_rows
 
 CORPUS_VERSION = 1
@@ -68,13 +68,6 @@ def _is_eval(rel_path: str) -> bool:
   return int(hashlib.sha1(rel_path.encode()).hexdigest(), 16) % 100 >= 95
 
 
-def _atomic_write(path: str, data: bytes) -> None:
-  fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix='.tmp-')
-  with os.fdopen(fd, 'wb') as f:
-    f.write(data)
-  os.replace(tmp, path)
-
-
 def build_corpus(vocab_size: int, directory: Optional[str] = None) -> str:
   """Builds (or finds) the tokenizer and token streams; returns the cache directory."""
   py = f'{sys.version_info.major}.{sys.version_info.minor}'
@@ -95,7 +88,7 @@ def build_corpus(vocab_size: int, directory: Optional[str] = None) -> str:
       character_coverage=1.0, byte_fallback=True, input_sentence_size=400_000,
       shuffle_input_sentence=True, num_threads=os.cpu_count() or 1, minloglevel=2,
       pad_id=0, eos_id=1, unk_id=2, bos_id=-1)
-  _atomic_write(os.path.join(directory, 'spm.model'), model.getvalue())
+  atomic_write(os.path.join(directory, 'spm.model'), model.getvalue())
   sp = spm.SentencePieceProcessor(model_proto=model.getvalue())
   counts = {}
   for split, keep in (('train', lambda p: not _is_eval(p)), ('eval', _is_eval)):
@@ -104,9 +97,9 @@ def build_corpus(vocab_size: int, directory: Optional[str] = None) -> str:
     stream = np.concatenate(ids) if ids else np.zeros([0], np.int32)
     buf = io.BytesIO()
     np.save(buf, stream)
-    _atomic_write(os.path.join(directory, f'{split}.npy'), buf.getvalue())
+    atomic_write(os.path.join(directory, f'{split}.npy'), buf.getvalue())
     counts[split] = {'documents': len(texts), 'tokens': int(stream.size)}
-  _atomic_write(done, json.dumps({'vocab_size': vocab_size, 'python': py, **counts}).encode())
+  atomic_write(done, json.dumps({'vocab_size': vocab_size, 'python': py, **counts}).encode())
   return directory
 
 

@@ -14,15 +14,13 @@ text gives a byte-identical model.
 from __future__ import annotations
 
 import io
-import os
-import tempfile
 from typing import Iterable, Iterator, Optional
 
 import sentencepiece as spm
 import tokenizers as hf_tokenizers
 
 from paxcli.errors import UserError
-from paxcli.files import check_regular_file
+from paxcli.files import atomic_write, check_regular_file
 
 # The special tokens of common tokenizer.json files, most usual first: the first one present
 # in a file's vocabulary is its end-of-text (or padding, beginning) token.
@@ -168,7 +166,7 @@ def train_sentencepiece(texts: Iterable[str], vocab_size: int, output: str, max_
       raise UserError(f'Training the tokenizer failed: {e}') from None
   if failures:  # bad input met while sentencepiece read the text: the one line that names it
     raise failures[0]
-  _atomic_write(output, model.getvalue())
+  atomic_write(output, model.getvalue())
   return SentencePieceTokenizer(output).vocab_size
 
 
@@ -184,13 +182,3 @@ def _stop_on_user_error(lines: Iterator[str], failures: list) -> Iterator[str]:
 def _prepend(first: str, rest: Iterator[str]) -> Iterator[str]:
   yield first
   yield from rest
-
-
-def _atomic_write(path: str, data: bytes) -> None:
-  """Writes through a temporary file in the same directory: readers never see half a model."""
-  directory = os.path.dirname(os.path.abspath(path))
-  os.makedirs(directory, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(dir=directory, prefix='.tmp-')
-  with os.fdopen(fd, 'wb') as f:
-    f.write(data)
-  os.replace(tmp, path)
