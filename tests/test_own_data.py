@@ -363,3 +363,13 @@ def test_data_paths_are_made_absolute_where_the_command_starts(tmp_path, monkeyp
   assert train.tokenizer == os.path.join(os.path.expanduser('~'), 'spm.model')
   evals = [c for c in resolved.datasets.values() if not c.is_training]
   assert [c.data for c in evals] == [str(tmp_path / 'held' / '*.txt')]
+
+
+def test_ids_past_the_tokenizer_decode_to_nothing_as_in_the_tokenizers_library(data):
+  """A model's vocabulary is often larger than its tokenizer's (padded, or an own-data tokenizer with
+  fewer pieces than VOCAB_SIZE asked), and decoding may pick such an id: its text is left out, for a
+  sentencepiece model as for a tokenizer.json, instead of failing the decode (or the train loop's)."""
+  _, texts, spm = data
+  tok = tokenizers.load(spm)
+  ids = tok.encode(texts[0])
+  assert tok.decode(ids + [tok.vocab_size, tok.vocab_size + 100]) == tok.decode(ids) == texts[0]

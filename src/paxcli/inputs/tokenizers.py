@@ -72,7 +72,11 @@ class SentencePieceTokenizer:
     return [list(ids) for ids in self._sp.encode(texts)]
 
   def decode(self, ids) -> str:
-    return self._sp.decode([int(i) for i in ids])
+    """The text of `ids`; ids past the model's pieces are left out, as the tokenizers library does:
+    a model's vocabulary is often padded beyond its tokenizer's (VOCAB_SIZE 32128 for T5's 32100
+    pieces; an own-data tokenizer with fewer pieces than asked), and it may pick such an id."""
+    size = self.vocab_size
+    return self._sp.decode([int(i) for i in ids if 0 <= int(i) < size])
 
 
 class HfTokenizer:
