@@ -61,6 +61,25 @@ def example(record: bytes, where: str = 'record') -> Optional[Example]:
   return Example(tokens[:-1], tokens[1:], weights[1:])
 
 
+def write_shard(path: str, records) -> tuple[int, int]:
+  """Writes encoded records (an iterable of bytes) to an ArrayRecord file through a temporary
+  name renamed at the end (a killed writer leaves no half shard under the real name);
+  returns (records, tokens). group_size:1 keeps random access cheap for a shuffling reader."""
+  from array_record.python.array_record_module import ArrayRecordWriter  # Linux/macOS wheels only
+  tmp = path + '.partial'
+  writer = ArrayRecordWriter(tmp, 'group_size:1')
+  count = tokens = 0
+  try:
+    for record in records:
+      writer.write(record)
+      count += 1
+      tokens += len(record) // 5
+  finally:
+    writer.close()
+  os.replace(tmp, path)
+  return count, tokens
+
+
 def shard_name(split: str, index: int, count: int) -> str:
   return f'{split}-{index:05d}-of-{count:05d}.array_record'
 
