@@ -466,9 +466,22 @@ def validate_lm(lm) -> None:
     raise UserError(f'ATTEN_LOGIT_CAP must be 0 (off) or positive, got {attention.atten_logit_cap}.')
   if attention.rotary and attention.dims_per_head % 2:
     raise UserError(f'Rotary positions need an even DIMS_PER_HEAD, got {attention.dims_per_head}.')
+  _validate_rotary_scaling(attention)
   ffn = lm.block_tpl.ffn_tpl
   if fdl.get_callable(ffn) is Mlp:
     at_least(1, 'task.model.lm_tpl.block_tpl.ffn_tpl', ffn, 'hidden_dims')
+
+
+def _validate_rotary_scaling(attention) -> None:
+  if getattr(attention, 'rotary_scaling', 'none') == 'none':
+    return
+  if not attention.rotary_scaling_factor >= 1:
+    raise UserError(f'ROTARY_SCALING_FACTOR must be at least 1, got {attention.rotary_scaling_factor}.')
+  if attention.rotary_scaling == 'llama3' and not (
+      0 < attention.rotary_low_freq_factor < attention.rotary_high_freq_factor and attention.rotary_original_max_len > 0):
+    raise UserError('ROTARY_SCALING llama3 needs 0 < ROTARY_LOW_FREQ_FACTOR < ROTARY_HIGH_FREQ_FACTOR and a positive '
+                    f'ROTARY_ORIGINAL_MAX_LEN; got {attention.rotary_low_freq_factor}, '
+                    f'{attention.rotary_high_freq_factor}, {attention.rotary_original_max_len}.')
 
 
 class ClassificationModel(BaseModel):

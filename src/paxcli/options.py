@@ -15,6 +15,7 @@ from paxcli.errors import UserError, did_you_mean
 ActivationName = Literal['gelu', 'relu', 'silu', 'swish']
 NormName = Literal['layernorm', 'rmsnorm']
 PositionName = Literal['learned', 'rotary', 'sinusoidal', 'none']
+RotaryScalingName = Literal['none', 'linear', 'llama3']  # paxcli.layers.transformer.rotary_scale
 DTypeName = Literal['float32', 'bfloat16', 'float16']
 CheckpointPolicyName = Literal['none', 'save_nothing', 'save_dot_only', 'save_dot_with_no_batch_dim',
                                'save_qkv_out_proj', 'save_everything']
@@ -25,6 +26,7 @@ ScheduleName = Literal['constant', 'linear_rampup_cosine_decay', 'linear_rampup_
 ACTIVATIONS: tuple[str, ...] = typing.get_args(ActivationName)
 NORMS: tuple[str, ...] = typing.get_args(NormName)
 POSITIONS: tuple[str, ...] = typing.get_args(PositionName)
+ROTARY_SCALINGS: tuple[str, ...] = typing.get_args(RotaryScalingName)
 DTYPES: tuple[str, ...] = typing.get_args(DTypeName)
 CHECKPOINT_POLICIES: tuple[str, ...] = typing.get_args(CheckpointPolicyName)
 ATTENTION_IMPLS: tuple[str, ...] = typing.get_args(AttentionImplName)
@@ -38,6 +40,7 @@ MODEL_FIELDS: dict[str, tuple[str, ...]] = {
     'norm_type': NORMS,
     'kind': NORMS,  # Norm.kind
     'position_embedding': POSITIONS,
+    'rotary_scaling': ROTARY_SCALINGS,
     'fprop_dtype': DTYPES,
     'checkpoint_policy': CHECKPOINT_POLICIES,
     'attention_impl': ATTENTION_IMPLS,

@@ -73,29 +73,67 @@ def config_for(model, dtype: str = 'float32', token_ids: Optional[dict] = None) 
   return {
       'architectures': ['LlamaForCausalLM'], 'model_type': 'llama', **settings,
       'rms_norm_eps': float(settings['rms_norm_eps'] or RMS_EPS), 'rope_theta': float(settings['rope_theta']),
-      'hidden_act': 'silu', 'rope_scaling': None, 'attention_bias': False, 'mlp_bias': False, 'attention_dropout': 0.0,
+      'hidden_act': 'silu', 'rope_scaling': rope_scaling_of(model), 'attention_bias': False, 'mlp_bias': False, 'attention_dropout': 0.0,
       'tie_word_embeddings': not model.separate_embedding, 'initializer_range': 0.02,
       'torch_dtype': dtype, 'use_cache': True,
       **(token_ids or {'bos_token_id': None, 'eos_token_id': None, 'pad_token_id': None}),
   }
 
 
+# config.json keys that do not change the function a Llama computes (bookkeeping, generation
+# defaults, the token ids: the tokenizer's own files say which tokens are special, and they are
+# kept with the job). Every other key is read into knobs below, or refused by name: a key this
+# list does not know (auto_map's custom code, quantization_config, a new transformers option) may
+# change what the model computes, and a model that silently computes another function is worse
+# than a refusal the user can act on.
+HARMLESS_KEYS = frozenset({
+    'architectures', 'model_type', '_name_or_path', 'transformers_version', '_commit_hash', 'torch_dtype', 'dtype',
+    'use_cache', 'initializer_range', 'pretraining_tp', 'bos_token_id', 'eos_token_id', 'pad_token_id',
+    'sep_token_id', 'decoder_start_token_id', 'return_dict', 'output_hidden_states', 'output_attentions',
+    'torchscript', 'use_bfloat16', 'tf_legacy_loss', 'chunk_size_feed_forward', 'id2label', 'label2id',
+    'problem_type', 'finetuning_task', 'tokenizer_class', 'prefix', 'task_specific_params', '_attn_implementation',
+    'attn_implementation', '_attn_implementation_autoset', 'max_length', 'min_length', 'do_sample',
+    'early_stopping', 'num_beams', 'num_beam_groups', 'diversity_penalty', 'temperature', 'top_k', 'top_p',
+    'typical_p', 'repetition_penalty', 'length_penalty', 'no_repeat_ngram_size', 'encoder_no_repeat_ngram_size',
+    'bad_words_ids', 'num_return_sequences', 'output_scores', 'return_dict_in_generate', 'forced_bos_token_id',
+    'forced_eos_token_id', 'remove_invalid_values', 'exponential_decay_length_penalty', 'suppress_tokens',
+    'begin_suppress_tokens'})
+# Keys that leave the function alone only at one value (dropout is off in paxcli's own knobs).
+NEUTRAL_VALUES = {'attention_bias': False, 'mlp_bias': False, 'attention_dropout': 0.0, 'pruned_heads': {},
+                  'is_encoder_decoder': False, 'add_cross_attention': False, 'is_decoder': False,
+                  'tie_encoder_decoder': False, 'cross_attention_hidden_size': None, 'hidden_act': 'silu'}
+# Keys read into knobs: _HF_KNOBS, tie_word_embeddings, and the rotary ones.
+READ_KEYS = frozenset(_HF_KNOBS) | {'tie_word_embeddings', 'rope_scaling', 'rope_parameters'}
+# rope_scaling types (HF's rope_type, or type in older configs) -> paxcli's ROTARY_SCALING.
+_ROPE_TYPES = {'default': 'none', 'linear': 'linear', 'llama3': 'llama3'}
+_LLAMA3_KEYS = {'factor': 'ROTARY_SCALING_FACTOR', 'low_freq_factor': 'ROTARY_LOW_FREQ_FACTOR',
+                'high_freq_factor': 'ROTARY_HIGH_FREQ_FACTOR',
+                'original_max_position_embeddings': 'ROTARY_ORIGINAL_MAX_LEN'}
+
+
+def rope_scaling_of(model) -> Optional[dict]:
+  """config.json's rope_scaling for a model's ROTARY_SCALING knobs (None: none)."""
+  kind = getattr(model, 'rotary_scaling', 'none')
+  if kind == 'none':
+    return None
+  out = {'rope_type': kind, 'factor': float(model.rotary_scaling_factor)}
+  if kind == 'llama3':
+    out.update({key: getattr(model, LM_KNOB[knob].flat) for key, knob in _LLAMA3_KEYS.items()})
+  return out
+
+
 def knobs_from_config(config: dict, path: str) -> tuple[dict, list[str]]:
-  """paxcli knobs for a Llama config.json, and notes; a UserError for what paxcli cannot express."""
+  """paxcli knobs for a Llama config.json, and notes; a UserError naming every key paxcli cannot express."""
   arch = (config.get('architectures') or [''])[0]
   if config.get('model_type') != 'llama' and arch != 'LlamaForCausalLM':
     raise UserError(f'{path}: model_type {config.get("model_type")!r} ({arch or "no architectures"}) is not '
                     'a Llama; paxcli imports LlamaForCausalLM checkpoints only.')
-  problems = []
-  if config.get('hidden_act', 'silu') not in ('silu', 'swish'):
-    problems.append(f'hidden_act {config["hidden_act"]!r} (paxcli\'s gated MLP here is SiLU)')
-  if config.get('rope_scaling'):
-    problems.append(f'rope_scaling {config["rope_scaling"]} (paxcli has plain rotary positions)')
-  if config.get('attention_bias') or config.get('mlp_bias'):
-    problems.append('attention_bias/mlp_bias (paxcli\'s Llama layout has no biases)')
+  problems = _function_changing(config)
+  rope = _rope_scaling(config, problems)
   if problems:
     raise UserError(f'{path}: this Llama config cannot be expressed in paxcli: ' + '; '.join(problems) + '.')
-  get = _Reader(config, path)
+  get = _Reader({**config, 'rope_theta': config.get('rope_theta', rope.pop('rope_theta', None))},
+                f'{path}/config.json')
   heads = get.int('num_attention_heads')
   dims = get.int('hidden_size')
   defaults = {'num_key_value_heads': heads, 'head_dim': dims // heads if dims % heads == 0 else None,
@@ -105,6 +143,7 @@ def knobs_from_config(config: dict, path: str) -> tuple[dict, list[str]]:
     read = get.float if LM_KNOB[knob].type is float else get.int
     knobs[knob] = read(key, defaults.get(key, _Reader.REQUIRED))
   knobs.update(_LLAMA_KNOBS, SEPARATE_EMBEDDING=not get.bool('tie_word_embeddings', False))
+  knobs.update(_rope_knobs(rope, _Reader(rope, f'{path}/config.json rope_scaling')))
   if knobs['DIMS_PER_HEAD'] is None:
     raise UserError(f'{path}/config.json: hidden_size {dims} is not a multiple of num_attention_heads {heads} '
                     'and there is no head_dim.')
@@ -114,12 +153,62 @@ def knobs_from_config(config: dict, path: str) -> tuple[dict, list[str]]:
   return knobs, []
 
 
+def _function_changing(config: dict) -> list[str]:
+  """The keys of config.json that would change the function, each with its value and why."""
+  problems = []
+  for key, value in config.items():
+    if key in HARMLESS_KEYS or key in READ_KEYS:
+      continue
+    if key in NEUTRAL_VALUES:
+      neutral = NEUTRAL_VALUES[key]
+      if value != neutral and not (key == 'hidden_act' and value == 'swish') and value not in (None, {}, []):
+        problems.append(f'{key} {_shown(value)} (paxcli\'s Llama has {key} {_shown(neutral)})')
+    else:
+      problems.append(f'{key} {_shown(value)} (a key paxcli does not know: it may change what the model '
+                      'computes; remove it from config.json if you know it does not)')
+  return problems
+
+
+def _rope_scaling(config: dict, problems: list) -> dict:
+  """config.json's rope scaling (rope_type 'default' for none): rope_scaling, or transformers 5's
+  rope_parameters (which also holds rope_theta). Unsupported kinds go into `problems`."""
+  rope = config.get('rope_scaling') or config.get('rope_parameters') or {}
+  if not isinstance(rope, dict):
+    problems.append(f'rope_scaling {_shown(rope)} (an object with rope_type and factor was expected)')
+    return {'rope_type': 'default'}
+  kind = rope.get('rope_type', rope.get('type', 'default'))
+  if kind not in _ROPE_TYPES:
+    problems.append(f'rope_scaling {_shown(rope)} (paxcli scales rotary positions as '
+                    f'{", ".join(repr(k) for k in _ROPE_TYPES)} only)')
+    return {'rope_type': 'default'}
+  known = {'rope_type', 'type', 'rope_theta', 'factor'} | (set(_LLAMA3_KEYS) if kind == 'llama3' else set())
+  unknown = sorted(set(rope) - known)
+  if unknown:
+    problems.append(f'rope_scaling {_shown(rope)} (paxcli does not read its {", ".join(unknown)})')
+  return {**rope, 'rope_type': kind}
+
+
+def _rope_knobs(rope: dict, get: '_Reader') -> dict:
+  """ROTARY_SCALING and its factors from a linear or llama3 rope_scaling ({} for the default)."""
+  if rope['rope_type'] == 'default':
+    return {}
+  knobs = {'ROTARY_SCALING': _ROPE_TYPES[rope['rope_type']], 'ROTARY_SCALING_FACTOR': get.float('factor')}
+  if rope['rope_type'] == 'llama3':
+    for key, knob in _LLAMA3_KEYS.items():
+      knobs[knob] = (get.int if LM_KNOB[knob].type is int else get.float)(key)
+  return knobs
+
+
+def _shown(value) -> str:
+  return str(json.dumps(value))[:120]
+
+
 class _Reader:
   """Values of a config.json, checked: a missing, wrong-typed or out-of-range one is a UserError."""
   REQUIRED = object()
 
-  def __init__(self, config: dict, path: str):
-    self.config, self.where = config, f'{path}/config.json'
+  def __init__(self, config: dict, where: str):
+    self.config, self.where = config, where
 
   def _get(self, key, default):
     value = self.config.get(key)

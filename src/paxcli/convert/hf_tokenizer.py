@@ -133,10 +133,14 @@ def tokenizer_config(proto, max_len: int) -> tuple[dict, dict]:
 
 
 def hf_tokenizer_config(path: str, max_len: int) -> tuple[dict, dict]:
-  """tokenizer_config.json and special_tokens_map.json of a tokenizer.json (exported as it is)."""
+  """tokenizer_config.json and special_tokens_map.json of a tokenizer.json (exported as it is), with
+  the chat template it was shipped with, as text."""
   tokens = tokenizers.HfTokenizer(path).special_tokens()
   config = {'tokenizer_class': 'PreTrainedTokenizerFast', **tokens, 'add_bos_token': False,
             'add_eos_token': False, 'clean_up_tokenization_spaces': False, 'model_max_length': max_len}
+  template = tokenizers.shipped_config(path).get('chat_template')
+  if template:
+    config['chat_template'] = template
   return config, {k: v for k, v in tokens.items() if v is not None}
 
 

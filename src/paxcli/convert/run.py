@@ -209,7 +209,8 @@ def _write_safetensors(tmp, src, items, target_res, read, advance, max_shard_byt
 
 
 def _carry_files(src, tmp: str, to: str, recipe_text: Optional[str], own_experiment: bool) -> None:
-  """The tokenizer (a regular file inside the source's directory, files.member) and the recipe
+  """The tokenizer (a regular file inside the source's directory, files.member) with the
+  tokenizer_config.json beside it (special tokens, chat template), and the recipe
   the experiment is read from (core.RECIPE_COPY: written by this import, or the source's own
   when the output keeps the source's experiment)."""
   tok = src.extra_files().get('tokenizer')
@@ -221,6 +222,10 @@ def _carry_files(src, tmp: str, to: str, recipe_text: Optional[str], own_experim
       dest = os.path.join(tmp, hf_tokenizer.EXPORT_NAMES[kind])
     os.makedirs(os.path.dirname(dest), exist_ok=True)
     files.copy_member(tok, dest)
+    config = tokenizers.config_beside(tok)
+    if config and to == 'orbax':   # an HF export writes its own (hf_tokenizer.write)
+      files.copy_member(files.member(os.path.dirname(tok), tokenizers.CONFIG_NAME, 'tokenizer config'),
+                        layout.tokenizer_config(tmp))
   if to == 'hf':
     return
   if recipe_text is None and own_experiment and getattr(src, 'config', None):

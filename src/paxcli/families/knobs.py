@@ -23,7 +23,7 @@ import dataclasses
 from typing import Any, Callable, Mapping, Optional
 
 from paxcli.options import (ActivationName, AttentionImplName, CheckpointPolicyName, DTypeName, NormName,
-                            PositionName)
+                            PositionName, RotaryScalingName)
 
 Settings = Mapping[str, Any]   # flat name -> value, every knob of a table present
 
@@ -156,6 +156,14 @@ LM_KNOBS: tuple[Knob, ...] = (
          "'sinusoidal' is Pax's fixed PositionalEmbedding",
          derived=((ATTENTION + 'rotary', lambda s: s['position_embedding'] == 'rotary'),)),
     Knob('ROTARY_MAX_TIMESCALE', float, 10000.0, ATTENTION + 'rotary_max_timescale'),
+    # Hugging Face's rope_scaling (layers.transformer.rotary_scale): Llama 3.1's 'llama3' or 'linear'.
+    Knob('ROTARY_SCALING', RotaryScalingName, 'none', ATTENTION + 'rotary_scaling',
+         "'linear': positions / factor; 'llama3': long wavelengths x factor, short ones kept"),
+    Knob('ROTARY_SCALING_FACTOR', float, 1.0, ATTENTION + 'rotary_scaling_factor'),
+    Knob('ROTARY_LOW_FREQ_FACTOR', float, 1.0, ATTENTION + 'rotary_low_freq_factor', "'llama3' only"),
+    Knob('ROTARY_HIGH_FREQ_FACTOR', float, 4.0, ATTENTION + 'rotary_high_freq_factor', "'llama3' only"),
+    Knob('ROTARY_ORIGINAL_MAX_LEN', int, 8192, ATTENTION + 'rotary_original_max_len',
+         "'llama3' only: the context length the model was first trained for"),
     Knob('SEPARATE_EMBEDDING', bool, False, LM + 'separate_embedding',
          'False: output logits use the token embedding (tied)'),
     Knob('DROPOUT_PROB', float, 0.0, LM + 'dropout_prob'),

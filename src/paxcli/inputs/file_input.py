@@ -116,7 +116,8 @@ class FileLmInput(StreamInput):
         order = [mine[i] for i in np.random.default_rng([self.seed, _FILE_ORDER, epoch]).permutation(len(mine))]
       count = 0
       for doc in documents.keep_share(self._documents(order), share):
-        example = packing.tokenize(doc.chunks, self._tok.encode_many([c.text for c in doc.chunks]), self.eos_id)
+        example = packing.tokenize(doc.chunks, self._tok.encode_many([c.text for c in doc.chunks]), self.eos_id,
+                                   self._tok.bos_id if self._tok.bos_first else None)
         if example is not None:
           count += 1
           yield example

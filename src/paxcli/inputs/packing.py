@@ -40,9 +40,12 @@ class Example:
     return Example(self.ids[start:stop], self.labels[start:stop], self.weights[start:stop])
 
 
-def tokenize(chunks: Sequence[Chunk], encoded: Sequence[Sequence[int]], eos_id: int) -> Optional[Example]:
-  """The pairs of a document from its chunks and their token ids; None when under 2 tokens."""
-  tokens, weights = [], []
+def tokenize(chunks: Sequence[Chunk], encoded: Sequence[Sequence[int]], eos_id: int,
+             bos_id: Optional[int] = None) -> Optional[Example]:
+  """The pairs of a document from its chunks and their token ids, after `bos_id` when given (a
+  tokenizer that starts every text with it: tokenizers' bos_first); None when under 2 tokens."""
+  tokens = [] if bos_id is None else [bos_id]
+  weights = [0.0] * len(tokens)
   for chunk, ids in zip(chunks, encoded):
     tokens += ids
     if chunk.eos:

@@ -5,6 +5,12 @@ export) goes through `load(path)`, which picks the kind by the file name: `*.jso
 the `tokenizers` library (pure data: no code of the file's author runs), anything else by
 sentencepiece. Both give `encode`, `decode`, `vocab_size` and the special ids.
 
+A tokenizer as Hugging Face ships it has a `tokenizer_config.json` beside it (CONFIG_NAME): its
+bos/eos/pad tokens name the special ids, and `add_bos_token` (or, for a tokenizer.json, its own
+post-processor) says that every text starts with BOS, which `bos_first` reports. The file's
+`chat_template` is Jinja code of the model's authors: paxcli keeps it with the job, as data, and
+never renders it (the chat JSONL input uses paxcli's own template, paxcli.inputs.sft).
+
 `train_sentencepiece` is what `pax tokenizer train` and the file inputs' first-use training
 call: a Unigram model with byte fallback and the ids paxcli's corpus tokenizer has (pad 0,
 eos 1, unk 2, no bos), trained single-threaded from text in a fixed order so that the same
@@ -14,19 +20,22 @@ text gives a byte-identical model.
 from __future__ import annotations
 
 import io
+import json
+import os
 from typing import Iterable, Iterator, Optional
 
 import sentencepiece as spm
 import tokenizers as hf_tokenizers
 
 from paxcli.errors import UserError
-from paxcli.files import atomic_write, check_regular_file
+from paxcli.files import atomic_write, check_regular_file, read_text
 
 # The special tokens of common tokenizer.json files, most usual first: the first one present
 # in a file's vocabulary is its end-of-text (or padding, beginning) token.
 HF_EOS = ('</s>', '<|endoftext|>', '<|end_of_text|>', '<eos>', '<|im_end|>', '[SEP]')
 HF_PAD = ('<pad>', '<|pad|>', '[PAD]')
 HF_BOS = ('<s>', '<|begin_of_text|>', '<bos>', '[CLS]')
+CONFIG_NAME = 'tokenizer_config.json'   # beside a shipped tokenizer: its special tokens, chat template
 # sentencepiece skips sentences longer than max_sentence_length bytes: longer lines are cut.
 _MAX_LINE_CHARS = 2000
 _MAX_LINE_BYTES = 4 * _MAX_LINE_CHARS
@@ -39,6 +48,33 @@ def kind_of(path: str) -> str:
   return 'hf' if path.endswith('.json') else 'sentencepiece'
 
 
+def config_beside(path: str) -> Optional[str]:
+  """The tokenizer_config.json in the directory of the tokenizer at `path`, or None."""
+  beside = os.path.join(os.path.dirname(path), CONFIG_NAME)
+  return beside if os.path.isfile(beside) else None
+
+
+def shipped_config(path: str) -> dict:
+  """The tokenizer_config.json beside `path`, parsed ({} when there is none); only read as data."""
+  beside = config_beside(path)
+  if beside is None:
+    return {}
+  try:
+    config = json.loads(read_text(beside, 'tokenizer config', 64 << 20))
+  except (ValueError, RecursionError) as e:
+    raise UserError(f'{beside} is not valid JSON ({str(e)[:100]}).') from None
+  if not isinstance(config, dict):
+    raise UserError(f'{beside} is a JSON {type(config).__name__}, not an object.')
+  return config
+
+
+def _token_text(value) -> Optional[str]:
+  """A special token of tokenizer_config.json: a string, or an AddedToken's {"content": ...}."""
+  if isinstance(value, dict):
+    value = value.get('content')
+  return value if isinstance(value, str) and value else None
+
+
 class SentencePieceTokenizer:
   """A sentencepiece model: text <-> ids, and its special ids."""
 
@@ -48,6 +84,8 @@ class SentencePieceTokenizer:
       self._sp = spm.SentencePieceProcessor(model_file=path)
     except (OSError, RuntimeError) as e:
       raise UserError(f'{path} is not a sentencepiece model: {e}') from None
+    # Llama's shipped tokenizer.model says so in its tokenizer_config.json (LlamaTokenizer's default: yes)
+    self.bos_first = bool(shipped_config(path).get('add_bos_token', False)) and self.bos_id is not None
 
   @property
   def vocab_size(self) -> int:
@@ -82,8 +120,10 @@ class SentencePieceTokenizer:
 class HfTokenizer:
   """A Hugging Face `tokenizer.json` (the `tokenizers` library), without added special tokens.
 
-  Special ids are found by the usual token names (HF_EOS, HF_PAD, HF_BOS), since the file
-  itself does not say which token ends a text.
+  Special ids are the bos/eos/pad tokens of the tokenizer_config.json beside the file where it
+  names them, else found by the usual token names (HF_EOS, HF_PAD, HF_BOS): tokenizer.json itself
+  does not say which token ends a text. `bos_first`: the file's post-processor starts every
+  text with the BOS token (Llama 3's does), as transformers' tokenizer would.
   """
 
   def __init__(self, path: str):
@@ -93,8 +133,12 @@ class HfTokenizer:
     except Exception as e:  # noqa: BLE001 - the library raises bare Exceptions for bad files
       raise UserError(f'{path} is not a Hugging Face tokenizer.json: {str(e).splitlines()[0][:200]}') from None
     vocab = self._tok.get_vocab(with_added_tokens=True)
-    self.eos_id, self.pad_id, self.bos_id = (next((vocab[t] for t in names if t in vocab), None)
-                                             for names in (HF_EOS, HF_PAD, HF_BOS))
+    config = shipped_config(path)
+    self.eos_id, self.pad_id, self.bos_id = (
+        vocab.get(_token_text(config.get(f'{kind}_token')), next((vocab[t] for t in names if t in vocab), None))
+        for kind, names in (('eos', HF_EOS), ('pad', HF_PAD), ('bos', HF_BOS)))
+    added = self._tok.encode('', add_special_tokens=True).ids
+    self.bos_first = self.bos_id is not None and added[:1] == [self.bos_id]
 
   @property
   def vocab_size(self) -> int:

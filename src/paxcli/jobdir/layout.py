@@ -4,6 +4,8 @@
   invocations.txt           one line per invocation: UTC time, paxcli version, command line
   train.lock                the running trainer's lock (jobdir/lock.py)
   tokenizer/spm.model       the train input's sentencepiece model (decode and conversion read it)
+  tokenizer/tokenizer.json  ... or its Hugging Face tokenizer, and beside either the
+  tokenizer/tokenizer_config.json  it was shipped with (special tokens, chat template: data)
   checkpoints/<step>/       orbax checkpoints: state/ (the arrays) and meta/metadata (JSON)
   checkpoints_unfinished/   saves a kill interrupted, set aside at the next start (never deleted)
   checkpoints_damaged/      checkpoints that failed to restore, set aside by the trainer
@@ -60,6 +62,12 @@ def tokenizer(job_dir: str, kind: Optional[str] = None) -> str:
     kind = next((k for k, name in TOKENIZER_FILES.items()
                  if os.path.isfile(os.path.join(job_dir, 'tokenizer', name))), 'sentencepiece')
   return os.path.join(job_dir, 'tokenizer', TOKENIZER_FILES[kind])
+
+
+def tokenizer_config(job_dir: str) -> str:
+  """The tokenizer_config.json shipped with the run's tokenizer (paxcli.inputs.tokenizers.config_beside
+  finds it beside the tokenizer file, by this name)."""
+  return os.path.join(job_dir, 'tokenizer', 'tokenizer_config.json')
 
 
 def checkpoints(job_dir: str) -> str:

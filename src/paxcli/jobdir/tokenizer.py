@@ -1,8 +1,9 @@
 """The tokenizer a run was trained with, kept in its job directory.
 
 `pax train` copies the train input's tokenizer to `<job dir>/tokenizer/spm.model` (a
-sentencepiece model) or `<job dir>/tokenizer/tokenizer.json` (a Hugging Face tokenizer),
-process 0, before the first step, so that `pax decode`, `pax inspect-input` and `pax
+sentencepiece model) or `<job dir>/tokenizer/tokenizer.json` (a Hugging Face tokenizer), with
+the tokenizer_config.json shipped beside it (its special tokens and chat template), process 0,
+before the first step, so that `pax decode`, `pax inspect-input` and `pax
 checkpoint` turn text into ids and back exactly as training did, without rebuilding the
 input or its cache. Models trained on inputs without a vocabulary (the synthetic input) have
 no tokenizer: they are decoded from ids. Readers go through paxcli.inputs.tokenizers.load.
@@ -35,13 +36,22 @@ def save_to_job_dir(train_input, job_dir: str) -> Optional[str]:
   for other in layout.TOKENIZER_FILES:  # one tokenizer per job directory: the other kind's file would shadow it
     if other != kind and os.path.isfile(layout.tokenizer(job_dir, other)):
       os.remove(layout.tokenizer(job_dir, other))
+  _copy(source, target)
+  config, config_target = tokenizers.config_beside(source), layout.tokenizer_config(job_dir)
+  if config:
+    _copy(config, config_target)
+  elif os.path.isfile(config_target):
+    os.remove(config_target)   # another tokenizer's
+  return target
+
+
+def _copy(source: str, target: str) -> None:
   if os.path.isfile(target) and _same_bytes(source, target):
-    return target
+    return
   os.makedirs(os.path.dirname(target), exist_ok=True)
   tmp = target + '.tmp'
   shutil.copyfile(source, tmp)
   os.replace(tmp, target)  # atomic: a reader never sees half a model
-  return target
 
 
 def _same_bytes(a: str, b: str) -> bool:

@@ -16,6 +16,7 @@ import fiddle as fdl
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from paxcli.layers import attention_ops
@@ -70,18 +71,46 @@ class Norm(nn.Module):
     return y.astype(self.dtype)
 
 
-def rotary(x_BxLxHxE, positions_BxL, max_timescale: float):
-  """Rotary position embedding (split-half form) applied to queries or keys."""
+def rotary(x_BxLxHxE, positions_BxL, max_timescale: float, scaling: tuple = ()):
+  """Rotary position embedding (split-half form) applied to queries or keys; `scaling` as
+  rotary_scale gives it (empty: none)."""
   dims = x_BxLxHxE.shape[-1]
   half = dims // 2
   fraction = jnp.arange(half, dtype=jnp.float32) * 2.0 / dims
   timescale = max_timescale ** fraction
+  if scaling:
+    timescale = timescale * jnp.asarray(rotary_scale(dims, max_timescale, *scaling), jnp.float32)
   angles_BxLx1xE2 = positions_BxL[:, :, None, None].astype(jnp.float32) / timescale[None, None, None, :]
   sin, cos = jnp.sin(angles_BxLx1xE2), jnp.cos(angles_BxLx1xE2)
   x = x_BxLxHxE.astype(jnp.float32)
   x1, x2 = x[..., :half], x[..., half:]
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
   return out.astype(x_BxLxHxE.dtype)
+
+
+def rotary_scale(dims: int, max_timescale: float, kind: str, factor: float, low_freq_factor: float,
+                 high_freq_factor: float, original_max_len: int) -> np.ndarray:
+  """How much longer each rotated pair's timescale gets [dims // 2], for a model trained on
+  original_max_len positions to read longer texts (Hugging Face's rope_scaling):
+
+    'linear'  every pair by `factor` (positions / factor)
+    'llama3'  Llama 3.1's: pairs whose wavelength 2 pi timescale is above original_max_len /
+              low_freq_factor by `factor`, those below original_max_len / high_freq_factor not
+              at all, those between by 1 / ((1 - s) / factor + s) with s = (original_max_len /
+              wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)
+
+  Computed once, in float64, from the settings alone (no traced values).
+  """
+  timescale = max_timescale ** (np.arange(dims // 2, dtype=np.float64) * 2.0 / dims)
+  if kind == 'linear':
+    return np.full_like(timescale, factor)
+  if kind != 'llama3':
+    raise ValueError(f'unknown rotary scaling {kind!r}')
+  wavelength = 2 * np.pi * timescale
+  smooth = (original_max_len / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)
+  inverse = np.where(wavelength > original_max_len / low_freq_factor, 1 / factor,
+                     np.where(wavelength < original_max_len / high_freq_factor, 1.0, (1 - smooth) / factor + smooth))
+  return 1 / inverse
 
 
 def sinusoidal(positions_BxL, dims: int, min_timescale: float = 1.0, max_timescale: float = 10000.0):
@@ -116,6 +145,12 @@ class Attention(nn.Module):
   use_bias: bool = True
   rotary: bool = False
   rotary_max_timescale: float = 10000.0
+  # Longer texts than trained on (layers.transformer.rotary_scale): 'none', 'linear' or 'llama3'.
+  rotary_scaling: str = 'none'
+  rotary_scaling_factor: float = 1.0
+  rotary_low_freq_factor: float = 1.0
+  rotary_high_freq_factor: float = 4.0
+  rotary_original_max_len: int = 8192
   dtype: jnp.dtype = jnp.float32
   per_dim_scale: bool = False
   atten_logit_cap: float = 0.0
@@ -143,8 +178,11 @@ class Attention(nn.Module):
     k_BxSxKxE = self._proj(x_BxLxD, self.num_kv_heads, 'kv_heads', 'key')
     v_BxSxKxE = self._proj(x_BxLxD, self.num_kv_heads, 'kv_heads', 'value')
     if self.rotary:
-      q_BxLxHxE = rotary(q_BxLxHxE, positions_BxL, self.rotary_max_timescale)
-      k_BxSxKxE = rotary(k_BxSxKxE, positions_BxL, self.rotary_max_timescale)
+      scaling = () if self.rotary_scaling == 'none' else (
+          self.rotary_scaling, self.rotary_scaling_factor, self.rotary_low_freq_factor,
+          self.rotary_high_freq_factor, self.rotary_original_max_len)
+      q_BxLxHxE = rotary(q_BxLxHxE, positions_BxL, self.rotary_max_timescale, scaling)
+      k_BxSxKxE = rotary(k_BxSxKxE, positions_BxL, self.rotary_max_timescale, scaling)
     if self.per_dim_scale:
       q_BxLxHxE = q_BxLxHxE * self._per_dim_factor(q_BxLxHxE.shape[-1]).astype(q_BxLxHxE.dtype)
     if self.is_mutable_collection('cache') and not self.is_initializing():

@@ -56,7 +56,8 @@ def text_prompt(text: str, tokenizer, where: str) -> Prompt:
     raise UserError(f'This model has no tokenizer (it was trained on ids, e.g. the synthetic input), so '
                     f'{where} cannot take text; give token ids with --prompt-ids 12,15,18 or a JSONL '
                     'prompts file with "prompt_ids".')
-  return Prompt(tokenizer.encode(text), text)
+  bos = [tokenizer.bos_id] if tokenizer.bos_first else []   # as the model was trained (inputs.packing)
+  return Prompt(bos + tokenizer.encode(text), text)
 
 
 def read_prompts_file(path: str, tokenizer) -> list[Prompt]:
