@@ -55,6 +55,10 @@ class TrainConfig:
   # stops the run like a NaN (exit 3, no checkpoint of that state). 0: off.
   loss_spike_factor: float = 10.0
   loss_spike_window: int = 50
+  # A fresh run starts from the parameters of this checkpoint (a job directory: its latest; or
+  # <job>/checkpoints/<step>), read only; the optimizer state and the step start afresh. A run with
+  # checkpoints of its own resumes from them instead. None: initialised at random.
+  init_from: Optional[str] = None
   optimizer: Any = dataclasses.field(default_factory=OptimizerConfig)
   lr_schedule: Any = dataclasses.field(default_factory=ScheduleConfig)
 

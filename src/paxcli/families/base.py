@@ -8,6 +8,9 @@ own by extending `train_config()` (the LM adds decoding during training).
 
 from __future__ import annotations
 
+import os
+from typing import Optional
+
 import fiddle as fdl
 
 from paxcli.experiment import Experiment
@@ -35,6 +38,7 @@ class TrainingExperiment(Experiment):
   SAVE_INTERVAL_STEPS: int = 100
   SUMMARY_INTERVAL_STEPS: int = 10
   EVAL_INTERVAL_STEPS: int = 0  # 0: no eval during training
+  INIT_FROM: Optional[str] = None  # fine-tuning: a job directory (or one checkpoint) whose params a fresh run starts from
 
   def model(self) -> fdl.Config:
     """The model's fiddle config (a paxcli.models.BaseModel)."""
@@ -48,6 +52,7 @@ class TrainingExperiment(Experiment):
         save_interval_steps=self.SAVE_INTERVAL_STEPS,
         summary_interval_steps=self.SUMMARY_INTERVAL_STEPS,
         eval_interval_steps=self.EVAL_INTERVAL_STEPS,
+        init_from=os.path.abspath(os.path.expanduser(self.INIT_FROM)) if self.INIT_FROM else None,
         learning_rate=self.LEARNING_RATE,
         clip_gradient_norm_to_value=self.CLIP_GRADIENT_NORM_TO_VALUE,
         optimizer=fdl.Config(OptimizerConfig, name=self.OPTIMIZER, beta1=self.ADAM_BETA1,

@@ -268,6 +268,16 @@ def restore(setup, job_dir: str, step: int, params_only: bool = False, flat_now:
   return restored
 
 
+def params_from(setup, path: str, flat_now: Optional[dict] = None, log=print) -> dict:
+  """{'params'[, 'non_trainable']} of the checkpoint at `path` (a job directory: its latest; or
+  <job>/checkpoints/<step>), verified like any restore; the checkpoint is only read (INIT_FROM)."""
+  job_dir, step = layout.split(path)
+  step = choose_step(job_dir, step, 'start from')
+  restored = restore(setup, job_dir, step, params_only=True, flat_now=flat_now, action='start from')
+  log(f'Starting from the parameters of {layout.step_dir(job_dir, step)} (INIT_FROM); fresh optimizer state.')
+  return {k: v for k, v in restored.state.items() if k != 'step'}
+
+
 def _set_aside_damaged(job_dir: str, step: int, log) -> Optional[str]:
   """Moves a damaged step to checkpoints_damaged/ (process 0), never deleting it; returns the target."""
   target = os.path.join(layout.damaged(os.path.abspath(job_dir)), f'{step}-{int(time.time())}')

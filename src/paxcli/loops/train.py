@@ -509,7 +509,7 @@ def _train(resolved, job_dir: str, console, verbose: bool = False, profile_steps
   if latest is not None and latest >= total:
     return _already_finished(job_dir, latest, spec, total, checkpointer, log)
   state, start = (_resume(setup, job_dir, latest, spec, checkpointer, log) if latest is not None
-                  else (engine.init_state(setup, resolved.experiment.RANDOM_SEED), Start(0)))
+                  else (_fresh(setup, resolved.experiment.RANDOM_SEED, spec, log), Start(0)))
   if is_main:
     with open(layout.config(job_dir), 'w', encoding='utf-8') as f:
       f.write(resolved.as_text())
@@ -648,6 +648,15 @@ def _resume(setup, job_dir: str, step: int, spec: RunSpec, checkpointer, log) ->
     log(f'Note: {len(changed)} setting(s) differ from the checkpoint\'s config (the run goes on '
         'with the new ones):\n  ' + '\n  '.join(changed))
   return restored.state, Start(step, batches_consumed, meta.get('recent_losses') or ())
+
+
+def _fresh(setup, seed: int, spec: RunSpec, log) -> dict:
+  """A fresh run's state: initialised from `seed`, with the parameters of task.train.init_from when set."""
+  state = engine.init_state(setup, seed)
+  if setup.train.init_from:
+    loaded = restore.params_from(setup, setup.train.init_from, spec.flat, log)
+    state = {**state, **loaded, 'opt_state': restore.init_opt_state(setup, loaded['params'])}
+  return state
 
 
 def _trim_replayed_metrics(job_dir: str, step: int, log) -> None:

@@ -1,0 +1,202 @@
+"""Supervised fine-tuning of an imported model (a Hugging Face Llama) on prompt/completion JSONL.
+
+Import the model once, then fine-tune it; the loss counts the completions only (the prompts
+weigh 0: paxcli.inputs.sft):
+
+  pax checkpoint convert --from hf ./Llama-3.2-1B ./llama
+  pax train --exp finetune.LlamaSft --set BASE="'./llama'" --set TRAIN_DATA="'sft.jsonl'" \\
+      --set EVAL_DATA="'sft_eval.jsonl'" --job-log-dir ./llama_sft
+
+each line of sft.jsonl being {"prompt": "...", "completion": "..."} (or {"messages": [...]}).
+BASE is the converted job directory: the model's knobs are read from the recipe the import
+wrote there (as data, never run), its parameters start the run (INIT_FROM; BASE is only read)
+and its tokenizer as shipped (tokenizer.json or tokenizer.model, with tokenizer_config.json's
+special tokens) reads the data. Every one of these can still be set with --set; MAX_SEQ_LEN
+is the fine-tune's own (BASE's is the model's longest context).
+
+A tiny example that runs on a CPU in well under a minute: `python -m paxcli.recipes.finetune DIR`
+writes a random 2-layer Llama in Hugging Face's layout (safetensors, config.json with Llama 3's
+rope_scaling, a Llama-3-style tokenizer.json) and prompt/completion files into DIR, and prints
+the commands above for them with the TinyLlamaSft settings; the eval loss (completions only)
+falls from about 6.0 (ln 384) to below 3 in 60 steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Optional
+
+import numpy as np
+
+from paxcli import files, gencode
+from paxcli.errors import UserError
+from paxcli.experiment import register
+from paxcli.families.knobs import LM_KNOB
+from paxcli.families.lm import LmExperiment
+from paxcli.jobdir import layout
+
+RECIPE_COPY = 'recipe.py'   # the recipe `pax checkpoint convert` keeps in the job it writes (convert.core)
+# Knobs of the base that belong to the fine-tune instead (the model's longest context is no row length).
+OWN_KNOBS = ('MAX_SEQ_LEN',)
+
+
+@register
+class LlamaSft(LmExperiment):
+  """Fine-tunes the model imported into BASE (a job directory) on TRAIN_DATA, completions only."""
+
+  BASE: Optional[str] = None   # the job directory `pax checkpoint convert --from hf` wrote
+  MAX_SEQ_LEN = 512
+  PERCORE_BATCH_SIZE = 1
+  LEARNING_RATE = 2e-5
+  LR_SCHEDULE = 'linear_rampup_cosine_decay'
+  LR_WARMUP_STEPS = 10
+  LR_MIN_RATIO = 0.1
+  NUM_TRAIN_STEPS = 200
+  SAVE_INTERVAL_STEPS = 100
+  EVAL_INTERVAL_STEPS = 50
+
+  def __init__(self):
+    super().__init__()
+    if self.BASE:   # set in a subclass; --set BASE=... goes through set_knob
+      self._adopt_base()
+
+  def set_knob(self, name: str, raw) -> None:
+    super().set_knob(name, raw)
+    if name == 'BASE' and self.BASE:
+      self._adopt_base()
+
+  def _adopt_base(self) -> None:
+    """The base's knobs become this experiment's defaults (a subclass made for this instance), so
+    that what --set gives still wins and `pax` reports those as the command line's."""
+    base = os.path.abspath(os.path.expanduser(self.BASE))
+    defaults = {k: v for k, v in base_knobs(base).items() if k not in OWN_KNOBS}
+    defaults['INIT_FROM'] = base
+    if os.path.isfile(layout.tokenizer(base)):
+      defaults['TOKENIZER'] = layout.tokenizer(base)
+    cls = type(self)
+    self.__class__ = type(cls.__name__, (cls,), {'_registered_name': cls.registered_name(), **defaults})
+    self.BASE = base
+
+
+def base_knobs(job_dir: str) -> dict:
+  """The model knobs of the recipe an import wrote into `job_dir`, read as data (gencode.knobs_of)."""
+  path = files.member(job_dir, RECIPE_COPY, 'recipe')
+  if not os.path.isfile(path):
+    raise UserError(f'BASE {job_dir} holds no {RECIPE_COPY}: give the directory `pax checkpoint convert '
+                            '--from hf MODEL_DIR OUT` wrote (OUT).')
+  classes = gencode.check_shape(files.read_text(path, 'recipe', 1 << 20), path)
+  if len(classes) != 1:
+    raise UserError(f'{path} holds {len(classes)} experiment classes; an import writes one.')
+  return {k: v for k, v in next(iter(classes.values())).items() if k in LM_KNOB}
+
+
+@register
+class TinyLlamaSft(LlamaSft):
+  """The example's settings: rows of 64 tokens, a high learning rate, 60 steps (under a minute on CPU)."""
+
+  MAX_SEQ_LEN = 64
+  PERCORE_BATCH_SIZE = 1
+  LEARNING_RATE = 3e-3
+  LR_WARMUP_STEPS = 5
+  NUM_TRAIN_STEPS = 60
+  SAVE_INTERVAL_STEPS = 60
+  EVAL_INTERVAL_STEPS = 30
+  SUMMARY_INTERVAL_STEPS = 10
+  ICI_MESH_SHAPE = None
+
+
+# ---- the tiny example -----------------------------------------------------------------------------
+
+TINY_CONFIG = {
+    'architectures': ['LlamaForCausalLM'], 'model_type': 'llama', 'vocab_size': 384, 'hidden_size': 64,
+    'intermediate_size': 128, 'num_hidden_layers': 2, 'num_attention_heads': 4, 'num_key_value_heads': 2,
+    'head_dim': 16, 'max_position_embeddings': 256, 'rms_norm_eps': 1e-5, 'rope_theta': 500000.0,
+    'rope_scaling': {'rope_type': 'llama3', 'factor': 8.0, 'low_freq_factor': 1.0, 'high_freq_factor': 4.0,
+                     'original_max_position_embeddings': 64},
+    'tie_word_embeddings': True, 'hidden_act': 'silu', 'attention_bias': False, 'mlp_bias': False,
+    'attention_dropout': 0.0, 'torch_dtype': 'float32', 'bos_token_id': 0, 'eos_token_id': 1,
+}
+SPECIAL = ('<|begin_of_text|>', '<|end_of_text|>', '<|eot_id|>')
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}"
+                 "{% if m['role'] == 'assistant' %}<|eot_id|>{% endif %}\n{% endfor %}")
+
+
+def example_records(n: int, seed: int) -> list[dict]:
+  """Prompt/completion pairs of a task a tiny model learns fast: name the colour of a thing."""
+  things = {'sky': 'blue', 'grass': 'green', 'snow': 'white', 'coal': 'black', 'blood': 'red',
+            'sun': 'yellow', 'sea': 'blue', 'leaf': 'green', 'milk': 'white', 'night': 'black'}
+  rng = np.random.default_rng(seed)
+  names = sorted(things)
+  return [{'prompt': f'Q: What colour is the {t}?\nA:', 'completion': f' The {t} is {things[t]}.'}
+          for t in (names[i] for i in rng.integers(0, len(names), n))]
+
+
+def write_tokenizer(directory: str, texts: list[str], vocab_size: int) -> None:
+  """A Llama-3-style tokenizer.json (byte-level BPE; BOS added before each text) trained on `texts`,
+  and the tokenizer_config.json beside it (special tokens, a chat template kept as data)."""
+  import tokenizers as hf   # the tokenizers library: paxcli reads tokenizer.json files with it
+  tok = hf.Tokenizer(hf.models.BPE())
+  tok.pre_tokenizer = hf.pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = hf.decoders.ByteLevel()
+  tok.train_from_iterator(texts, hf.trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL),
+                                                        initial_alphabet=hf.pre_tokenizers.ByteLevel.alphabet()))
+  tok.post_processor = hf.processors.TemplateProcessing(single=f'{SPECIAL[0]} $A', pair=f'{SPECIAL[0]} $A $B',
+                                                        special_tokens=[(SPECIAL[0], 0)])
+  tok.save(os.path.join(directory, 'tokenizer.json'))
+  config = {'tokenizer_class': 'PreTrainedTokenizerFast', 'bos_token': SPECIAL[0], 'eos_token': SPECIAL[1],
+            'chat_template': CHAT_TEMPLATE, 'model_max_length': TINY_CONFIG['max_position_embeddings']}
+  with open(os.path.join(directory, 'tokenizer_config.json'), 'w', encoding='utf-8') as f:
+    json.dump(config, f, indent=1)
+
+
+def write_tiny_llama(directory: str, seed: int = 0, config: Optional[dict] = None) -> None:
+  """A random LlamaForCausalLM of `config` (TINY_CONFIG) in Hugging Face's layout: config.json and
+  model.safetensors (nn.Linear weights [out, in]), as transformers writes them."""
+  from paxcli.convert import safetensors_io   # numpy only; the example's writer, not the recipe's
+  config = config or TINY_CONFIG
+  d, f, v = config['hidden_size'], config['intermediate_size'], config['vocab_size']
+  h, k, e = config['num_attention_heads'], config['num_key_value_heads'], config['head_dim']
+  shapes = {'model.embed_tokens.weight': (v, d), 'model.norm.weight': (d,)}
+  for i in range(config['num_hidden_layers']):
+    p = f'model.layers.{i}.'
+    shapes.update({p + 'input_layernorm.weight': (d,), p + 'post_attention_layernorm.weight': (d,),
+                   p + 'self_attn.q_proj.weight': (h * e, d), p + 'self_attn.k_proj.weight': (k * e, d),
+                   p + 'self_attn.v_proj.weight': (k * e, d), p + 'self_attn.o_proj.weight': (d, h * e),
+                   p + 'mlp.gate_proj.weight': (f, d), p + 'mlp.up_proj.weight': (f, d),
+                   p + 'mlp.down_proj.weight': (d, f)})
+  if not config['tie_word_embeddings']:
+    shapes['lm_head.weight'] = (v, d)
+  rng = np.random.default_rng(seed)
+  weights = {n: (1 + 0.1 * rng.standard_normal(s) if n.endswith('norm.weight')
+                 else rng.standard_normal(s) * (0.5 if 'embed' in n else 1 / np.sqrt(s[-1]))).astype(np.float32)
+             for n, s in shapes.items()}
+  os.makedirs(directory, exist_ok=True)
+  safetensors_io.write(directory, [(n, s, 'float32') for n, s in shapes.items()],
+                       lambda name, put: put(weights[name]), {'format': 'pt'}, 1 << 30)
+  with open(os.path.join(directory, 'config.json'), 'w', encoding='utf-8') as fh:
+    json.dump(config, fh, indent=1)
+
+
+def write_example(directory: str) -> dict:
+  """The tiny HF Llama (DIR/hf) and its train/eval prompt/completion files; returns their paths."""
+  hf_dir = os.path.join(directory, 'hf')
+  train, evals = example_records(400, seed=0), example_records(40, seed=1)
+  write_tiny_llama(hf_dir)
+  write_tokenizer(hf_dir, [r['prompt'] + r['completion'] for r in train], TINY_CONFIG['vocab_size'])
+  paths = {'hf': hf_dir, 'train': os.path.join(directory, 'sft.jsonl'), 'eval': os.path.join(directory, 'sft_eval.jsonl')}
+  for name, records in (('train', train), ('eval', evals)):
+    with open(paths[name], 'w', encoding='utf-8') as f:
+      f.writelines(json.dumps(r) + '\n' for r in records)
+  return paths
+
+
+if __name__ == '__main__':
+  if len(sys.argv) != 2:
+    sys.exit('usage: python -m paxcli.recipes.finetune DIR   (writes the tiny example into DIR)')
+  out = os.path.abspath(sys.argv[1])
+  made = write_example(out)
+  print(f'pax checkpoint convert --from hf {made["hf"]} {out}/llama\n'
+        f'pax train --exp finetune.TinyLlamaSft --set BASE="\'{out}/llama\'" --set TRAIN_DATA="\'{made["train"]}\'" '
+        f'--set EVAL_DATA="\'{made["eval"]}\'" --job-log-dir {out}/sft')
