@@ -30,7 +30,7 @@ import numpy as np
 from paxcli import files, gencode
 from paxcli.convert import formats, hf_tokenizer, safetensors_io
 from paxcli.convert.formats import ArrayInfo
-from paxcli.errors import UserError
+from paxcli.errors import UserError, shorten
 from paxcli.families.knobs import LM_KNOB, LM_KNOBS, effective
 
 RMS_EPS = LM_KNOB['NORM_EPSILON'].default   # HF's rms_norm_eps is NORM_EPSILON
@@ -154,18 +154,19 @@ def knobs_from_config(config: dict, path: str) -> tuple[dict, list[str]]:
 
 
 def _function_changing(config: dict) -> list[str]:
-  """The keys of config.json that would change the function, each with its value and why."""
-  problems = []
+  """The keys of config.json that would change the function, each with its value (short: all of
+  them fit the one line of the error)."""
+  problems, unknown = [], []
   for key, value in config.items():
     if key in HARMLESS_KEYS or key in READ_KEYS:
       continue
-    if key in NEUTRAL_VALUES:
-      neutral = NEUTRAL_VALUES[key]
-      if value != neutral and not (key == 'hidden_act' and value == 'swish') and value not in (None, {}, []):
-        problems.append(f'{key} {_shown(value)} (paxcli\'s Llama has {key} {_shown(neutral)})')
-    else:
-      problems.append(f'{key} {_shown(value)} (a key paxcli does not know: it may change what the model '
-                      'computes; remove it from config.json if you know it does not)')
+    if key not in NEUTRAL_VALUES:
+      unknown.append(key)
+    elif value != NEUTRAL_VALUES[key] and value not in (None, {}, []) and (key, value) != ('hidden_act', 'swish'):
+      problems.append(f'{key} {_shown(value)} (paxcli\'s Llama: {_shown(NEUTRAL_VALUES[key])})')
+  if unknown:
+    problems.append(f'{", ".join(sorted(unknown))} (unknown to paxcli: may change what the model computes; '
+                    'remove from config.json what you know does not)')
   return problems
 
 
@@ -200,7 +201,7 @@ def _rope_knobs(rope: dict, get: '_Reader') -> dict:
 
 
 def _shown(value) -> str:
-  return str(json.dumps(value))[:120]
+  return shorten(json.dumps(value), 60)
 
 
 class _Reader:
