@@ -17,8 +17,9 @@ is the fine-tune's own (BASE's is the model's longest context).
 A tiny example that runs on a CPU in well under a minute: `python -m paxcli.recipes.finetune DIR`
 writes a random 2-layer Llama in Hugging Face's layout (safetensors, config.json with Llama 3's
 rope_scaling, a Llama-3-style tokenizer.json) and prompt/completion files into DIR, and prints
-the commands above for them with the TinyLlamaSft settings; the eval loss (completions only)
-falls from about 6.0 (ln 384) to below 3 in 60 steps.
+the commands above for them with the TinyLlamaSft settings. Measured on 1 CPU device: the
+completion loss on the eval pairs is 14.1 for the random base and 0.005 after the 60 steps
+(33 s for the train command, 8 s of it compiling).
 """
 
 from __future__ import annotations
