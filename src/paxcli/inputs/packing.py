@@ -40,10 +40,10 @@ class Example:
     return Example(self.ids[start:stop], self.labels[start:stop], self.weights[start:stop])
 
 
-def tokenize(chunks: Sequence[Chunk], encoded: Sequence[Sequence[int]], eos_id: int,
-             bos_id: Optional[int] = None) -> Optional[Example]:
-  """The pairs of a document from its chunks and their token ids, after `bos_id` when given (a
-  tokenizer that starts every text with it: tokenizers' bos_first); None when under 2 tokens."""
+def token_weights(chunks: Sequence[Chunk], encoded: Sequence[Sequence[int]], eos_id: int,
+                  bos_id: Optional[int] = None) -> tuple[list, list]:
+  """A document's tokens (after `bos_id` when given, EOS after the chunks that end a text) and each
+  token's weight."""
   tokens = [] if bos_id is None else [bos_id]
   weights = [0.0] * len(tokens)
   for chunk, ids in zip(chunks, encoded):
@@ -51,6 +51,14 @@ def tokenize(chunks: Sequence[Chunk], encoded: Sequence[Sequence[int]], eos_id: 
     if chunk.eos:
       tokens.append(eos_id)
     weights += [float(chunk.trained)] * (len(tokens) - len(weights))
+  return tokens, weights
+
+
+def tokenize(chunks: Sequence[Chunk], encoded: Sequence[Sequence[int]], eos_id: int,
+             bos_id: Optional[int] = None) -> Optional[Example]:
+  """The pairs of a document from its chunks and their token ids, after `bos_id` when given (a
+  tokenizer that starts every text with it: tokenizers' bos_first); None when under 2 tokens."""
+  tokens, weights = token_weights(chunks, encoded, eos_id, bos_id)
   if len(tokens) < 2:
     return None
   t = np.asarray(tokens, np.int32)
