@@ -202,3 +202,32 @@ def test_cli_prepare_json_and_show(data, one_worker, capsys):
   assert shown['totals']['eval']['records'] == summary['records']['eval']
   code, _, err = pax_main(['data', 'show', str(out.parent)], capsys)
   assert code == 2 and 'no prepared.json' in err
+
+
+# ---- #20's loose ends: TRAIN_DATA reaches every LM experiment; a resume keeps the job's tokenizer ----
+
+
+def test_train_data_replaces_the_inputs_of_every_lm_experiment(data):
+  """Every registered LM experiment, those overriding datasets() (seqio_stdlib, c4, default) too,
+  trains and evaluates on TRAIN_DATA when it is set; a user's subclass the same way."""
+  import fiddle as fdl
+
+  from paxcli import experiment
+  from paxcli.families.lm import LmExperiment
+  from paxcli.inputs.file_input import FileLmInput
+  root, spm = data
+  glob = str(root / 'a.jsonl')
+  lm = {name: cls for name, cls in experiment.import_all_recipes().items() if issubclass(cls, LmExperiment)}
+  assert {'seqio_stdlib.StdlibDocsSeqIOLm', 'default.StdlibDocsLm', 'c4.C4Spmd1BAdam4Replicas'} <= set(lm)
+
+  class Mine(LmExperiment):
+    def datasets(self) -> list:
+      return ['never reached when TRAIN_DATA is set']
+
+  for name, cls in [*lm.items(), ('Mine', Mine)]:
+    exp = cls()
+    exp.TRAIN_DATA, exp.TOKENIZER = glob, spm
+    inputs = exp.datasets()
+    assert [fdl.get_callable(c) for c in inputs] == [FileLmInput, FileLmInput], name
+    assert [(c.data, c.split) for c in inputs] == [(glob, 'train'), (glob, 'eval')], name
+  assert Mine().datasets() == ['never reached when TRAIN_DATA is set']

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Optional, Union
 
 import fiddle as fdl
@@ -19,7 +20,9 @@ class LmExperiment(TrainingExperiment):
   The model knobs (NUM_LAYERS, MODEL_DIMS, NORM_TYPE, ...) are declared by the table
   paxcli.families.knobs.LM_KNOBS; the optimizer and loop knobs by TrainingExperiment.
   Subclasses set knobs and, where they need more, override `task()` (call super and
-  edit the config, e.g. `task.train.num_train_steps = 300`) or `datasets()`.
+  edit the config, e.g. `task.train.num_train_steps = 300`) or `datasets()`. TRAIN_DATA
+  replaces the inputs of every LM experiment, one that overrides `datasets()` too
+  (__init_subclass__ puts own_data_datasets() in front of the override).
   """
 
   DECODE_INTERVAL_STEPS: int = 0  # 0: no decoding during training; else greedy on DECODE_PROMPTS
@@ -32,6 +35,19 @@ class LmExperiment(TrainingExperiment):
   EVAL_DATA: Optional[Union[str, dict[str, float]]] = None  # None: 1 in 20 TRAIN_DATA documents (by text hash)
   TEXT_FIELD: str = 'text'        # the JSONL / Parquet / tf.train.Example field that holds the text
   TOKENIZER: Optional[str] = None  # a sentencepiece .model or a tokenizer.json; None: trained on TRAIN_DATA
+
+  def __init_subclass__(cls, **kwargs):
+    """A subclass's own datasets() gives way to TRAIN_DATA when the knob is set: recipes, a user's
+    experiment files and generated recipes all train on the user's files by the knob alone, none
+    having to remember to ask (the seqio recipe once did not)."""
+    super().__init_subclass__(**kwargs)
+    own = cls.__dict__.get('datasets')
+    if own is not None and not getattr(own, 'own_data_first', False):
+      @functools.wraps(own)
+      def datasets(self) -> list:
+        return self.own_data_datasets() or own(self)
+      datasets.own_data_first = True
+      cls.datasets = datasets
 
   def model(self) -> fdl.Config:
     """LanguageModel built from templates the knobs fill; edit a template to swap a layer:
@@ -52,7 +68,7 @@ class LmExperiment(TrainingExperiment):
 
   def datasets(self) -> list:
     """The user's files when TRAIN_DATA is set, else synthetic LM data; override for real inputs
-    (see recipes/default.py, which keeps TRAIN_DATA working by calling own_data_datasets first)."""
+    (an override is still replaced by TRAIN_DATA when set: __init_subclass__)."""
     return self.own_data_datasets() or [
         fdl.Config(SyntheticLmInput, name='train', is_training=True, seq_len=self.MAX_SEQ_LEN,
                    vocab_size=self.VOCAB_SIZE, seed=self.RANDOM_SEED),
