@@ -231,3 +231,34 @@ def test_train_data_replaces_the_inputs_of_every_lm_experiment(data):
     assert [fdl.get_callable(c) for c in inputs] == [FileLmInput, FileLmInput], name
     assert [(c.data, c.split) for c in inputs] == [(glob, 'train'), (glob, 'eval')], name
   assert Mine().datasets() == ['never reached when TRAIN_DATA is set']
+
+
+@pytest.mark.slow  # three `pax train` processes: about 40 s on 2 cores
+def test_a_resume_keeps_the_tokenizer_its_checkpoint_was_trained_with(data, tmp_path):
+  """`pax train` without TOKENIZER, the data changed, resumed: the job's tokenizer is used, not a new
+  one trained on the changed files, and never replaced; another TOKENIZER is refused in one line."""
+  from conftest import run_pax
+  root, spm = data
+  (tmp_path / 'my').mkdir()
+  _jsonl(tmp_path / 'my' / 'a.jsonl', [{'text': t} for t in _texts(120, seed=3)])
+  tiny = ['--set', 'NUM_LAYERS=1', '--set', 'MODEL_DIMS=16', '--set', 'HIDDEN_DIMS=32', '--set', 'NUM_HEADS=2',
+          '--set', 'VOCAB_SIZE=320', '--set', 'MAX_SEQ_LEN=16', '--set', 'PERCORE_BATCH_SIZE=1',
+          '--set', 'ICI_MESH_SHAPE=[1,1,1]', '--set', 'DECODE_INTERVAL_STEPS=0', '--set', 'EVAL_INTERVAL_STEPS=0',
+          '--set', 'TRAIN_DATA=my/*.jsonl', '--job-log-dir', 'job']
+  env = {'XLA_FLAGS': '--xla_force_host_platform_device_count=1'}
+  first = run_pax('train', *tiny, '--set', 'NUM_TRAIN_STEPS=2', cwd=tmp_path, env=env, timeout=300)
+  assert first.returncode == 0, first.stderr[-3000:]
+  kept = (tmp_path / 'job' / 'tokenizer' / 'spm.model').read_bytes()
+  with open(tmp_path / 'my' / 'a.jsonl', 'a', encoding='utf-8') as f:  # new files' stamps: a new auto tokenizer
+    f.write(''.join(json.dumps({'text': t + ' river'}) + '\n' for t in _texts(60, seed=4)))
+  resumed = run_pax('train', *tiny, '--set', 'NUM_TRAIN_STEPS=3', cwd=tmp_path, env=env, timeout=300)
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert 'Training a 320-piece' not in resumed.stderr and 'Done: step 3' in resumed.stdout
+  assert (tmp_path / 'job' / 'tokenizer' / 'spm.model').read_bytes() == kept
+  assert f"datasets.train.tokenizer = '{tmp_path / 'job' / 'tokenizer' / 'spm.model'}'" in (
+      tmp_path / 'job' / 'config.txt').read_text()
+  other = run_pax('train', *tiny, '--set', 'NUM_TRAIN_STEPS=4', '--set', f'TOKENIZER={spm}', cwd=tmp_path, env=env,
+                  timeout=300)
+  assert other.returncode == 2 and 'Traceback' not in other.stderr, other.stderr[-3000:]
+  assert 'was trained with the tokenizer' in other.stderr and 'give a new --job-log-dir' in other.stderr
+  assert (tmp_path / 'job' / 'tokenizer' / 'spm.model').read_bytes() == kept

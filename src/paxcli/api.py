@@ -67,7 +67,8 @@ def open_run(exp: Optional[str], overrides: Sequence[str] = (), job_dir: Optiona
   command's loop starts the backend. `processes`: the command runs on several processes
   (--coordinator ...; else a detected cluster). The job directory (`job_dir`, else
   ./runs/<experiment>) is made absolute once, here: orbax refuses relative paths and the
-  rest of paxcli joins names onto it.
+  rest of paxcli joins names onto it. A job directory with a checkpoint keeps its tokenizer
+  (jobdir.tokenizer.keep_trained).
   """
   if processes:
     distributed.start(distributed.settings_from(coordinator, num_processes, process_id))
@@ -75,7 +76,9 @@ def open_run(exp: Optional[str], overrides: Sequence[str] = (), job_dir: Optiona
   platform.apply_platform_env(resolved.experiment.PLATFORM_ENV, log=log)
   directory = None
   if with_job_dir:
+    from paxcli.jobdir import tokenizer  # orbax and fiddle: for commands that open a job directory
     directory = path_arg(job_dir or default_job_dir(resolved.experiment.registered_name()), '--job-log-dir')
+    tokenizer.keep_trained(resolved.datasets, directory)
   return Run(resolved, directory)
 
 

@@ -213,13 +213,13 @@ def _check_tokenizer(path: str) -> tokenizers.Tokenizer:
 def _kept_tokenizer(output: str) -> Optional[str]:
   """The trained tokenizer an unfinished prepare already copied into `output` (a resume needs no
   retraining, even when the cache of trained tokenizers was cleared)."""
-  path = os.path.join(output, 'tokenizer', 'spm.model')
+  path = os.path.join(output, prepared.tokenizer_name('sentencepiece'))
   return path if os.path.isfile(os.path.join(output, PLAN)) and os.path.isfile(path) else None
 
 
 def _copy_tokenizer(source: str, output: str) -> str:
-  """The tokenizer copied into the directory (tokenizer/spm.model or tokenizer/tokenizer.json)."""
-  rel = os.path.join('tokenizer', 'tokenizer.json' if tokenizers.kind_of(source) == 'hf' else 'spm.model')
+  """The tokenizer copied into the directory (prepared.tokenizer_name); its name there."""
+  rel = prepared.tokenizer_name(tokenizers.kind_of(source))
   target = os.path.join(output, rel)
   if not os.path.isfile(target) and os.path.abspath(source) != target:
     os.makedirs(os.path.dirname(target), exist_ok=True)

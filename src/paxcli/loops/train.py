@@ -498,6 +498,7 @@ def _train(resolved, job_dir: str, console, verbose: bool = False, profile_steps
   if verbose and is_main:
     _print_weights(console, setup)
   train_input = infeed.build_input(resolved.train_dataset(), setup)  # before any state: missing data stops at once
+  tokenizer.check_kept(train_input, job_dir)
 
   # ---- Job directory: resume or start -------------------------------------------------------------
   if is_main:
