@@ -140,6 +140,7 @@ def _existing_plan(output: str, settings: dict) -> Optional[dict]:
     with open(path, encoding='utf-8') as f:
       plan = json.load(f)
     same = plan['format'] == PLAN_FORMAT and plan['version'] == PLAN_VERSION and plan['settings'] == settings
+    _check_shard_plan(plan['shards'], path)
   except (OSError, ValueError, KeyError, TypeError) as e:
     raise UserError(f'{path}: not a readable prepare plan ({e}); give a new or empty directory.') from None
   if not same:
@@ -149,6 +150,16 @@ def _existing_plan(output: str, settings: dict) -> Optional[dict]:
                     'differ; a file\'s size or time counts): nothing written. Give a new directory, or the '
                     'same files and options to resume it.')
   return plan
+
+
+def _check_shard_plan(shards: dict, path: str) -> None:
+  """The shards of a plan read back are the names and ranges _shard_plan makes (an edited plan
+  cannot name a file outside the directory); ValueError otherwise."""
+  for split, ranges in shards.items():
+    ends = [0] + [hi for _, _, hi in ranges]
+    expected = [[prepared.shard_name(split, k, len(ranges)), ends[k], ends[k + 1]] for k in range(len(ranges))]
+    if split not in prepared.SPLITS or ranges != expected or ends != sorted(ends):
+      raise ValueError(f'shards of {split!r} are not those of a plan')
 
 
 # ---- scan -------------------------------------------------------------------------------------
