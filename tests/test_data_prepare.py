@@ -92,7 +92,8 @@ def test_every_record_is_what_the_file_input_trains_on(data, one_worker):
     expected = []
     for path in manifest.sources:
       for doc in documents.read_split(path, 'text', split):
-        example = packing.tokenize(doc.chunks, tok.encode_many([c.text for c in doc.chunks]), tok.eos_id)
+        example = packing.tokenize(doc.chunks, tok.encode_many([c.text for c in doc.chunks]), tok.eos_id,
+                                   tok.bos_id if tok.bos_first else None)
         if example is not None:
           expected.append(example)
     got = [prepared.example(r) for shard in manifest.shards[split] for r in _records(str(out / shard.name))]
