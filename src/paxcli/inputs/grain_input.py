@@ -34,6 +34,7 @@ tokens, so two runs can be compared batch by batch.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import glob
 import json
@@ -118,13 +119,14 @@ def row_arrays(row: packing.Row) -> dict:
 
 
 class _StreamsDataset(grain.IterDataset):
-  """Rows from some streams, one stream after another in turn. Grain's mp_prefetch gives each
+  """Batches of rows from some streams, one stream after another in turn. Grain's mp_prefetch gives each
   worker a slice of the streams (set_slice), so a worker's state is its streams' states."""
 
   def __init__(self, docs, end: Optional[int], streams: list[int], num_streams: int, seq_len: int,
-               open_rows: int, states: dict[int, dict]):
+               open_rows: int, states: dict[int, dict], batch_size: int):
     super().__init__()
     self.docs, self.end, self.streams, self.num_streams = docs, end, list(streams), num_streams
+    self.batch_size = batch_size
     self.seq_len, self.open_rows, self.states = seq_len, open_rows, states
 
   def set_slice(self, sl: slice, sequential_slice: bool = False) -> None:
@@ -152,13 +154,25 @@ class _StreamsIterator(grain.DatasetIterator):
     self._cursor = cursor
 
   def __next__(self) -> dict:
+    """The next batch of rows (a finite input's last one filled with zero rows: zero weight)."""
+    rows = []
+    while len(rows) < self._ds.batch_size:
+      row = self._next_row()
+      if row is None:
+        break
+      rows.append(row_arrays(row))
+    if not rows:
+      raise StopIteration
+    return _stack(rows, self._ds.batch_size)
+
+  def _next_row(self) -> Optional[packing.Row]:
     for _ in range(len(self._streams)):
       stream = self._streams[self._cursor % len(self._streams)]
       self._cursor += 1
       row = stream.next_row()
       if row is not None:
-        return row_arrays(row)
-    raise StopIteration
+        return row
+    return None
 
   def get_state(self) -> dict:
     return {STREAMS: {str(s.index): s.state() for s in self._streams}, 'cursor': self._cursor}
@@ -213,14 +227,14 @@ class GrainLmInput(BaseInput):
     self._docs = docs.shuffle(seed=self.seed).repeat() if self.is_training else docs
     self._end = None if self.is_training and self.repeat else self.num_docs
     self._iterator = None
+    atexit.register(self.close)
     self._restored: dict[int, dict] = {}
     self._tok = None
 
   # ---- the contract ---------------------------------------------------------------------------
 
   def get_next(self) -> dict[str, np.ndarray]:
-    if self._iterator is None:
-      self._iterator = iter(self._pipeline())
+    self._start()
     batch = next(self._iterator, None)
     if batch is None:
       raise EndOfInput(self.name)
@@ -228,11 +242,22 @@ class GrainLmInput(BaseInput):
     if os.environ.get(TRACE_ENV):
       self._trace(docs, offsets, batch['segment_ids'])
     self._batches_read += 1
-    return _padded(batch, self.batch_size)
+    return batch
 
   def reset(self) -> None:
     super().reset()
-    self._iterator, self._restored = None, {}
+    self.close()
+    self._restored = {}
+
+  def close(self) -> None:
+    """Stops the workers and frees the batches they had ready (also at exit)."""
+    if self._iterator is not None:
+      self._iterator.close()
+      self._iterator = None
+
+  def _start(self) -> None:
+    if self._iterator is None:
+      self._iterator = iter(self._pipeline())
 
   def skip(self, num_batches: int) -> None:
     """Reads and drops batches: only for a checkpoint that holds no input state."""
@@ -251,8 +276,7 @@ class GrainLmInput(BaseInput):
 
   def get_state(self) -> bytes:
     """This process's state after the last batch taken, as JSON (Grain's orbax handler saves it)."""
-    if self._iterator is None:
-      self._iterator = iter(self._pipeline())
+    self._start()
     return json.dumps({'version': STATE_VERSION, **self._layout(), 'batches': self._batches_read,
                        'grain': self._iterator.get_state()}).encode()
 
@@ -268,8 +292,9 @@ class GrainLmInput(BaseInput):
                         f'for other data or another order. Resume with the same {key}, or start a new job directory.')
     self._batches_read = int(first['batches'])
     same = [s for s in saved if all(s.get(k) == mine[k] for k in ('num_processes', 'process', 'workers', 'batch_size'))]
+    self.close()
     if len(saved) == mine['num_processes'] and same:
-      self._iterator = iter(self._pipeline())
+      self._start()
       self._iterator.set_state(same[0]['grain'])
       return
     states: dict[int, dict] = {}
@@ -278,7 +303,7 @@ class GrainLmInput(BaseInput):
     if len(states) != self.num_streams:
       raise UserError(f'Cannot resume the input {self.name!r}: the checkpoint holds the state of {len(states)} of '
                       f'its {self.num_streams} streams (a process\'s input file is missing).')
-    self._restored, self._iterator = states, None
+    self._restored = states
 
   # ---- the pipeline ---------------------------------------------------------------------------
 
@@ -290,7 +315,7 @@ class GrainLmInput(BaseInput):
                       f'{max(1, self.workers)} worker(s) leaves some without one; set DATA_STREAMS to at least '
                       f'{num_hosts * max(1, self.workers)} (for a new run) or fewer DATA_WORKERS.')
     ds = _StreamsDataset(self._docs, self._end, streams, self.num_streams, self.seq_len, self.open_rows,
-                         self._restored).batch(self.batch_size)
+                         self._restored, self.batch_size)
     if self.workers:
       if not flags.FLAGS.is_parsed():  # Grain's workers read absl flags, which a `pax` process never parses
         flags.FLAGS.mark_as_parsed()
@@ -314,12 +339,15 @@ class GrainLmInput(BaseInput):
       f.write(json.dumps({'process': self._host()[1], 'batch': self._batches_read, 'rows': rows}) + '\n')
 
 
-def _padded(batch: dict, batch_size: int) -> dict:
-  """A short last batch (a finite input) filled with zero rows: zero weight."""
-  n = len(batch['ids'])
-  if n == batch_size:
-    return batch
-  return {k: np.concatenate([v, np.zeros((batch_size - n,) + v.shape[1:], v.dtype)]) for k, v in batch.items()}
+def _stack(rows: list[dict], batch_size: int) -> dict:
+  """Rows stacked into a batch; missing rows are zeros (zero weight). Batching here rather than
+  with Grain's batch keeps each worker's state its streams' (and off shared memory, which Grain's
+  prefetch leaves behind at exit)."""
+  out = {}
+  for k in rows[0]:
+    column = np.stack([row[k] for row in rows])
+    out[k] = np.concatenate([column, np.zeros((batch_size - len(rows),) + column.shape[1:], column.dtype)])
+  return out
 
 
 def read_states(directory: str) -> list[dict]:
