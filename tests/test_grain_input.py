@@ -50,8 +50,8 @@ def _traced(inp, n, trace, monkeypatch) -> list[dict]:
   return batches
 
 
-def _read_positions(states: dict[int, dict]) -> list[int]:
-  return [s + STREAMS * j for s, state in states.items() for j in range(state['next'])]
+def _read_positions(states: dict[int, dict], num_streams: int) -> list[int]:
+  return [s + num_streams * j for s, state in states.items() for j in range(state['next'])]
 
 
 def _open_tokens(inp, states: dict[int, dict]) -> list[tuple]:
@@ -73,7 +73,7 @@ def _check_once(inp, emitted: list[tuple], states: dict[int, dict]) -> None:
   """Every token of every document read is in exactly one batch or still in an open row."""
   seen = emitted + _open_tokens(inp, states)
   assert len(seen) == len(set(seen)), 'a token was given twice'
-  want = {(g, i) for g in _read_positions(states) for i in range(_doc_pairs(inp, g))}
+  want = {(g, i) for g in _read_positions(states, inp.num_streams) for i in range(_doc_pairs(inp, g))}
   assert set(seen) == want
 
 
@@ -143,3 +143,81 @@ def test_more_workers_than_streams_is_refused(data):
   directory, _ = data
   with pytest.raises(UserError, match='set DATA_STREAMS to at least 8'):
     _input(directory, hosts=2, workers=4).get_next()
+
+
+# ---- real `pax train` processes -------------------------------------------------------------------
+
+TINY = ['--exp', 'lm_cloud.LmCloudSpmdTest', '--set', 'NUM_LAYERS=2', '--set', 'MODEL_DIMS=32',
+        '--set', 'HIDDEN_DIMS=64', '--set', 'NUM_HEADS=4', '--set', 'DIMS_PER_HEAD=8',
+        '--set', f'MAX_SEQ_LEN={SEQ}', '--set', 'VOCAB_SIZE=64', '--set', 'PERCORE_BATCH_SIZE=1',
+        '--set', 'task.train.summary_interval_steps=1', '--set', 'task.train.save_interval_steps=2']
+
+
+def _trace_lines(path) -> dict[tuple, list]:
+  """(process, batch) -> its rows, the last write of each winning (a batch trained again after a
+  kill replaces the one whose step was lost)."""
+  out = {}
+  for line in open(path, encoding='utf-8'):
+    record = json.loads(line)
+    out[record['process'], record['batch']] = record['rows']
+  return out
+
+
+def _train_args(directory, job, steps):
+  return ['train', *TINY, '--set', f'TRAIN_DATA={directory}', '--set', f'task.train.num_train_steps={steps}',
+          '--job-log-dir', str(job)]
+
+
+@pytest.mark.slow
+def test_kill_9_at_random_points_then_resume_trains_the_same_batches(data, tmp_path):
+  directory, _ = data
+  steps = 12
+  straight = run_pax(*_train_args(directory, tmp_path / 'straight', steps),
+                     env={grain_input.TRACE_ENV: str(tmp_path / 'straight.trace')}, timeout=600)
+  assert straight.returncode == 0, straight.stderr[-3000:]
+  job, trace = tmp_path / 'killed', tmp_path / 'killed.trace'
+  rng = random.Random(0)
+  for _ in range(2):  # two kills, each after a random number of batches taken
+    at = rng.randint(2, steps - 2)
+    before = len(_trace_lines(trace)) if trace.exists() else 0
+    proc = subprocess.Popen([sys.executable, '-m', 'paxcli.cli.app', *_train_args(directory, job, steps)],
+                            env={**os.environ, grain_input.TRACE_ENV: str(trace)}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+      if trace.exists() and sum(1 for _ in open(trace)) >= before + at:
+        break
+      time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)  # the trainer and its Grain workers
+    proc.wait()
+  final = run_pax(*_train_args(directory, job, steps), env={grain_input.TRACE_ENV: str(trace)}, timeout=600)
+  assert final.returncode == 0, final.stderr[-3000:]
+  assert _trace_lines(trace) == _trace_lines(tmp_path / 'straight.trace')
+  assert len(_trace_lines(trace)) == steps
+
+
+@pytest.mark.slow
+@pytest.mark.alone
+def test_two_processes_then_one_every_token_once(data, tmp_path):
+  """8 steps on 2 processes (jax.distributed, gloo), then 8 more on 1: across all 16 batches and
+  the rows left open, every token of every document read is trained exactly once, the first
+  epoch whole."""
+  directory, _ = data
+  job, trace = tmp_path / 'job', tmp_path / 'trace'
+  env = {grain_input.TRACE_ENV: str(trace)}
+  two = run_pax('launch', '--processes', '2', '--devices-per-process', '4', '--grace', '2', '--',
+                *_train_args(directory, job, 8), '--set', 'ICI_MESH_SHAPE=[1,4,1]', '--set', 'DCN_MESH_SHAPE=[2,1,1]',
+                env=env, timeout=600)
+  assert two.returncode == 0, two.stdout[-2000:] + two.stderr[-3000:]
+  first = _trace_lines(trace)
+  assert sorted(first) == [(p, b) for p in (0, 1) for b in range(8)]
+  one = run_pax(*_train_args(directory, job, 16), '--set', 'ICI_MESH_SHAPE=[1,8,1]', env=env, timeout=600)
+  assert one.returncode == 0, one.stderr[-3000:]
+  lines = _trace_lines(trace)
+  assert sorted(k for k in lines if k not in first) == [(0, b) for b in range(8, 16)]
+  emitted = [tuple(t) for rows in lines.values() for row in rows for t in row]
+  saved = grain_input.read_states(str(job / 'checkpoints' / '16' / 'input'))
+  states = grain_input.stream_states(saved[0]['grain'])
+  _check_once(_input(directory, num_streams=16), emitted, states)  # DATA_STREAMS' default
+  epoch = [(g, i) for g, i in emitted if g < 60]
+  assert len(epoch) == len(set(epoch))
