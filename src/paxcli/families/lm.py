@@ -10,6 +10,7 @@ import fiddle as fdl
 from paxcli.errors import UserError
 from paxcli.families.base import TrainingExperiment
 from paxcli.families.knobs import LM_KNOBS, declare, flat_settings
+from paxcli.inputs import prepared
 from paxcli.inputs.synthetic import SyntheticLmInput
 
 
@@ -35,6 +36,9 @@ class LmExperiment(TrainingExperiment):
   EVAL_DATA: Optional[Union[str, dict[str, float]]] = None  # None: 1 in 20 TRAIN_DATA documents (by text hash)
   TEXT_FIELD: str = 'text'        # the JSONL / Parquet / tf.train.Example field that holds the text
   TOKENIZER: Optional[str] = None  # a sentencepiece .model or a tokenizer.json; None: trained on TRAIN_DATA
+  # TRAIN_DATA naming a prepared directory (`pax data prepare`) is read with Grain (paxcli.inputs.grain_input):
+  DATA_WORKERS: int = 1  # Grain worker processes per process (0: a prefetch thread only)
+  DATA_STREAMS: int = 16  # fixed for a run; at least processes x DATA_WORKERS
 
   def __init_subclass__(cls, **kwargs):
     """A subclass's own datasets() gives way to TRAIN_DATA when the knob is set: recipes, a user's
@@ -85,6 +89,8 @@ class LmExperiment(TrainingExperiment):
       raise UserError('EVAL_DATA and TOKENIZER need TRAIN_DATA (a glob of your training files).')
     from paxcli.inputs.file_input import FileLmInput, anchored
     train, evals = anchored(self.TRAIN_DATA), anchored(self.EVAL_DATA)
+    if isinstance(train, str) and prepared.is_prepared(train):
+      return self._prepared_datasets(train, evals)
     common = dict(seq_len=self.MAX_SEQ_LEN, text_field=self.TEXT_FIELD, tokenizer=anchored(self.TOKENIZER),
                   tokenizer_data=train, vocab_size=self.VOCAB_SIZE, seed=self.RANDOM_SEED)
     return [
@@ -93,3 +99,32 @@ class LmExperiment(TrainingExperiment):
         fdl.Config(FileLmInput, name='eval', is_training=False, repeat=False, reset_for_eval=True,
                    data=evals or train, split='all' if evals else 'eval', **common),
     ]
+
+  def _prepared_datasets(self, train: str, evals) -> list:
+    """Grain inputs over a prepared directory: its train split, and for eval EVAL_DATA (another
+    prepared directory) or the directory's own eval split; none when it has neither."""
+    from paxcli.inputs.grain_input import GrainLmInput  # grain: only for runs on prepared data
+    if self.TOKENIZER:
+      raise UserError(f'TOKENIZER is set, but {train} is prepared data: its ids come from its own tokenizer '
+                      f'({prepared.MANIFEST} names it); leave TOKENIZER unset.')
+    if evals is not None and not (isinstance(evals, str) and prepared.is_prepared(evals)):
+      raise UserError(f'TRAIN_DATA {train} is prepared data; EVAL_DATA must be a prepared directory too '
+                      f'(`pax data prepare`), got {evals!r}.')
+    common = dict(seq_len=self.MAX_SEQ_LEN, vocab_size=self.VOCAB_SIZE, seed=self.RANDOM_SEED,
+                  num_streams=self.DATA_STREAMS)
+    inputs = [fdl.Config(GrainLmInput, name='train', is_training=True, data=train, split='train',
+                         workers=self.DATA_WORKERS, **common)]
+    eval_split = _eval_split(evals or train, whole=evals is not None)
+    if eval_split:
+      inputs.append(fdl.Config(GrainLmInput, name='eval', is_training=False, repeat=False, reset_for_eval=True,
+                               data=evals or train, split=eval_split, workers=0, **common))
+    return inputs
+
+
+def _eval_split(directory: str, whole: bool) -> Optional[str]:
+  """The split to evaluate on: the directory's eval split; for an EVAL_DATA directory without one,
+  its train split (all of it is eval data); None when TRAIN_DATA's directory has no eval split."""
+  manifest = prepared.read_manifest(directory)
+  if manifest.records('eval'):
+    return 'eval'
+  return 'train' if whole else None

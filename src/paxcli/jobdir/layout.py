@@ -33,6 +33,7 @@ from typing import Optional
 
 # orbax's names of a checkpoint's two items (CheckpointManager item_names): directories of a step.
 STATE, META = 'state', 'meta'
+INPUT = 'input'  # the train input's position, one small JSON file per process (a Grain input's)
 METRICS_SUFFIX = '_metrics.jsonl'
 
 
@@ -87,6 +88,11 @@ def state_dir(checkpoint: str) -> str:
 def meta_file(checkpoint: str) -> str:
   """The JSON metadata of the checkpoint in directory `checkpoint`."""
   return os.path.join(checkpoint, META, 'metadata')
+
+
+def input_dir(checkpoint: str) -> str:
+  """The input item of the checkpoint in directory `checkpoint`: process_<i>-of-<n>.json files."""
+  return os.path.join(checkpoint, INPUT)
 
 
 def unfinished(job_dir: str) -> str:
