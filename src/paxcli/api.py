@@ -4,6 +4,7 @@
     summary = paxcli.train('default.StdlibDocsLm', job_dir='runs/docs', overrides=['NUM_TRAIN_STEPS=20'])
     metrics = paxcli.evaluate('default.StdlibDocsLm', job_dir='runs/docs')
     records = paxcli.decode('default.StdlibDocsLm', job_dir='runs/docs', prompt=['def parse('])
+    scores = paxcli.score('requests.jsonl', 'default.StdlibDocsLm', job_dir='runs/docs')
 
 Arguments are named as the command-line options, in snake_case (`--max-decode-steps` is
 `max_decode_steps`; `--set` is `overrides`, a list of KEY=VALUE strings), with two names
@@ -221,6 +222,33 @@ def decode(exp: Optional[str] = None, *, overrides: Sequence[str] = (), job_dir:
   return command.decode(run.resolved, run.job_dir, opts, texts=list(prompt), prompts_file=prompts_file,
                         prompt_ids=list(prompt_ids), dataset=dataset, num_prompts=num_prompts, step=step,
                         use_checkpoint=not no_checkpoint, dtype=dtype, output=output, log=log, progress=progress)
+
+
+def score(requests_file: str, exp: Optional[str] = None, *, overrides: Sequence[str] = (),
+          job_dir: Optional[str] = None, batch_size: int = 0, step: Optional[int] = None,
+          no_checkpoint: bool = False, dtype: Optional[str] = None, output: Optional[str] = None,
+          coordinator: Optional[str] = None, num_processes: Optional[int] = None,
+          process_id: Optional[int] = None, console=None, progress=None) -> list[dict]:
+  """`pax score`: the log-likelihood of each request of a JSONL file (context and continuation, their
+  ids, or a whole text), one record per request in file order: its own fields with `logprob`,
+  `is_greedy`, `num_tokens`, `token_logprobs`, `line`, `truncated`; also written as JSONL to `output`
+  (default: <job_dir>/scores/). The list returned also carries `.stats` (tokens, seconds,
+  compile_s), `.step` and `.path` (None on processes other than 0). progress: as for decode."""
+  if dtype is not None and dtype not in DECODE_DTYPES:
+    raise UserError(f'--dtype must be one of {", ".join(DECODE_DTYPES)}; got {dtype!r}.')
+  if batch_size < 0:
+    raise UserError(f'--batch-size must be at least 0 (0: automatic), got {batch_size}.')
+  if step is not None and no_checkpoint:
+    raise UserError('--step N picks a checkpoint; --no-checkpoint scores fresh weights. Give one of them.')
+  requests_file, output = path_arg(requests_file, 'REQUESTS'), path_arg(output, '--output')
+  from paxcli.loops.score import requests  # no JAX: a bad file is one line before start-up
+  read = requests.read_requests(requests_file)
+  log = _printer(_console(console))
+  run = open_run(exp, overrides, job_dir, coordinator=coordinator, num_processes=num_processes,
+                 process_id=process_id, log=log)
+  from paxcli.loops.score import command  # JAX
+  return command.score(run.resolved, run.job_dir, read, requests_file, step=step, use_checkpoint=not no_checkpoint,
+                       dtype=dtype, batch_size=batch_size, output=output, log=log, progress=progress)
 
 
 # ---- describe, bench, inputs -----------------------------------------------------------------

@@ -14,6 +14,7 @@
   eval_metrics.jsonl        eval metrics, one row per step (eval_<input>_metrics.jsonl for others)
   eval_done.jsonl           the steps `pax eval` and its followers have evaluated
   decoder_out/<input>/      decodes: decode_step<k>.jsonl (the trainer's), pax_decode_step<k>_<n>.jsonl
+  scores/                   `pax score`'s results: pax_score_step<k>_<n>.jsonl
   profile/                  jax.profiler traces (--profile-steps)
 
 Every function takes the job directory as a command holds it: made absolute, symlinks resolved,
@@ -174,6 +175,11 @@ def train_decodes(job_dir: str, dataset: Optional[str], step: int) -> str:
 def cli_decodes(job_dir: str, dataset: Optional[str], step: int, n: int) -> str:
   """The n-th `pax decode` of checkpoint `step`, beside the trainer's decodes of that step."""
   return os.path.join(decoder_out(job_dir, dataset), f'pax_decode_step{step}_{n}.jsonl')
+
+
+def scores(job_dir: str, step: int, n: int) -> str:
+  """The n-th `pax score` of checkpoint `step`."""
+  return os.path.join(job_dir, 'scores', f'pax_score_step{step}_{n}.jsonl')
 
 
 def profile(job_dir: str) -> str:
