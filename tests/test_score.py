@@ -1,42 +1,46 @@
 """`pax score`: log-likelihoods of continuations against `pax decode`, the model's own forward pass,
 lm-evaluation-harness' tokenization of text pairs, batching, another mesh, and bad request lines.
 
-One tiny LM is trained for 2 steps per module (synthetic ids), and a sentencepiece tokenizer made
-by paxcli's own trainer is put in its job directory, so text requests go through a real
-tokenizer; the harness' split is recomputed here with the sentencepiece library itself.
+Text requests go through a real tokenizer: a sentencepiece model made by paxcli's own trainer,
+put in the job directory (fresh weights, --no-checkpoint); the harness' split is recomputed here
+with the sentencepiece library itself. A real checkpoint is scored from tests/fixtures/old_lm.
 """
 
 import json
 import os
+import shutil
 
+import jax
 import numpy as np
 import pytest
 
-from conftest import pax_main, run_pax
+from conftest import REPO, pax_main, run_pax
 from paxcli import api, config
 from paxcli.inputs.tokenizers import train_sentencepiece
 from paxcli.jobdir import layout
-from paxcli.loops.decode.reference import teacher_forced_logprob
 from paxcli.loops.score.requests import Pair, rolling_windows
 from paxcli.loops.score.scorer import Scorer
 from paxcli.runtime import engine
 
 EXP = 'paxcli.families.lm.LmExperiment'
 TINY = ['VOCAB_SIZE=320', 'MODEL_DIMS=32', 'HIDDEN_DIMS=64', 'NUM_HEADS=4', 'NUM_LAYERS=2', 'MAX_SEQ_LEN=32',
-        'PERCORE_BATCH_SIZE=1', 'NUM_TRAIN_STEPS=2', 'SAVE_INTERVAL_STEPS=2', 'EVAL_INTERVAL_STEPS=0',
-        'DECODE_INTERVAL_STEPS=0']
+        'PERCORE_BATCH_SIZE=1']
 SETS = [a for s in TINY for a in ('--set', s)]
 CORPUS = ['The cat sat on the mat.', 'A dog ran in the park.', 'The bird sang a song.',
           'Return the number of items in the list.', 'Create a new file and write the text.'] * 40
+# A checkpoint `pax train` wrote (tests/test_old_checkpoint.py says how), scored with its own knobs.
+OLD_EXP = 'lm_cloud.LmCloudSpmdTest'
+OLD = ['NUM_LAYERS=1', 'MODEL_DIMS=16', 'HIDDEN_DIMS=32', 'NUM_HEADS=2', 'DIMS_PER_HEAD=8', 'VOCAB_SIZE=64',
+       'MAX_SEQ_LEN=16', 'PERCORE_BATCH_SIZE=2', 'NUM_TRAIN_STEPS=2', 'SAVE_INTERVAL_STEPS=2',
+       'SUMMARY_INTERVAL_STEPS=1']
 
 
 @pytest.fixture(scope='module')
 def job(tmp_path_factory):
-  """A trained job directory (checkpoint at step 2) holding a sentencepiece tokenizer."""
+  """A job directory holding only a sentencepiece tokenizer (pad 0, eos 1, unk 2, no bos)."""
   path = str(tmp_path_factory.mktemp('score') / 'job')
-  api.train(EXP, job_dir=path, overrides=TINY, console=_quiet())
   spm = layout.tokenizer(path, 'sentencepiece')
-  os.makedirs(os.path.dirname(spm), exist_ok=True)
+  os.makedirs(os.path.dirname(spm))
   train_sentencepiece(CORPUS, 300, spm)
   return path
 
@@ -55,12 +59,13 @@ def _quiet():
 def _score(job, tmp_path, lines, **kw):
   path = tmp_path / f'requests{len(os.listdir(tmp_path))}.jsonl'
   path.write_text(''.join(json.dumps(x) + '\n' for x in lines))
-  return api.score(str(path), EXP, overrides=TINY, job_dir=job, console=_quiet(), **kw)
+  return api.score(str(path), EXP, overrides=TINY, job_dir=job, no_checkpoint=True, console=_quiet(), **kw)
 
 
 def test_scores_equal_decodes_token_logprobs_and_greedy_continuations_are_greedy(job, tmp_path):
   decoded = api.decode(EXP, overrides=TINY, job_dir=job, prompt=['The cat', 'Return the number of'],
-                       max_decode_steps=6, ignore_eos=True, output=str(tmp_path / 'd.jsonl'), console=_quiet())
+                       max_decode_steps=6, ignore_eos=True, no_checkpoint=True, output=str(tmp_path / 'd.jsonl'),
+                       console=_quiet())
   requests = [{'context_ids': d['prompt_ids'], 'continuation_ids': d['decoded_ids'], 'id': n}
               for n, d in enumerate(decoded)]
   changed = dict(requests[0], continuation_ids=requests[0]['continuation_ids'][:-1] + [
@@ -73,7 +78,6 @@ def test_scores_equal_decodes_token_logprobs_and_greedy_continuations_are_greedy
   assert [s['id'] for s in scored] == [0, 1, 0]  # other fields pass through, in file order
   assert not scored[2]['is_greedy']
   assert scored[2]['token_logprobs'][:5] == pytest.approx(scored[0]['token_logprobs'][:5], abs=1e-6)
-  assert scored.step == 2
 
 
 def test_text_pairs_split_as_the_harness_does(job, tmp_path, sp):
@@ -99,19 +103,22 @@ def scorer():
   return Scorer(setup, engine.init_state(setup, 0)['params'])
 
 
-def test_a_pair_scores_the_same_alone_and_in_any_batch_as_the_plain_forward_pass(scorer):
+def test_a_pair_scores_the_same_alone_and_in_any_batch_as_in_the_plain_forward_pass(scorer):
   rng = np.random.default_rng(0)
   pairs = [Pair(i, [int(t) for t in rng.integers(3, 320, n)], s) for i, (n, s) in
-           enumerate([(5, 2), (33, 20), (12, 1), (2, 1), (20, 7), (9, 9)])]
+           enumerate([(5, 2), (33, 20), (12, 1), (2, 1), (20, 7), (9, 8)])]
+  forward = jax.jit(lambda p, x: jax.nn.log_softmax(scorer.model.apply({'params': p}, x), axis=-1))
   together, _ = scorer.run(pairs)
   in_twos, _ = scorer.run(pairs, batch_size=2)
   for pair, (lps, _), (lps2, _) in zip(pairs, together, in_twos):
     alone, _ = scorer.run([pair])[0][0]
     np.testing.assert_allclose(lps, alone, atol=1e-5)
     np.testing.assert_allclose(lps2, alone, atol=1e-5)
-    cut = len(pair.tokens) - pair.scored
-    reference = teacher_forced_logprob(scorer.model, scorer.params, pair.tokens[:cut], pair.tokens[cut:])
-    assert abs(sum(alone) - reference) < 1e-4
+    ids = np.zeros((1, 32), np.int32)  # right-padded: attention is causal, so padding after a token
+    ids[0, :len(pair.tokens) - 1] = pair.tokens[:-1]  # leaves its logits alone
+    logp = np.asarray(forward(scorer.params, ids))[0]
+    reference = [logp[i, t] for i, t in enumerate(pair.tokens[1:])][-pair.scored:]
+    np.testing.assert_allclose(alone, reference, atol=1e-5)
 
 
 def test_rolling_windows_predict_every_token_once_with_a_full_window():
@@ -134,23 +141,29 @@ def test_long_texts_roll_and_long_contexts_are_cut_from_the_left(job, tmp_path, 
   assert scored[1]['token_logprobs'] == pytest.approx(scored[2]['token_logprobs'], abs=1e-6)
 
 
-def test_cli_on_a_two_device_tensor_parallel_mesh_gives_the_scores_of_eight(job, tmp_path):
+def test_a_checkpoint_scores_the_same_on_a_two_device_tensor_parallel_mesh_as_on_eight(tmp_path):
+  job = tmp_path / 'job'
+  shutil.copytree(REPO / 'tests' / 'fixtures' / 'old_lm' / 'plain', job)
   requests = tmp_path / 'r.jsonl'
-  requests.write_text('{"context": "The cat", "continuation": " sat", "q": 7}\n\n'
-                      '{"context_ids": [5, 6, 7], "continuation_ids": [8, 9]}\n{"text": "A dog ran."}\n')
-  eight = api.score(str(requests), EXP, overrides=TINY, job_dir=job, console=_quiet())
+  long = list(range(3, 40))  # 37 tokens: the context loses its first 23 to fit MAX_SEQ_LEN 16 + 1
+  requests.write_text('{"context_ids": [5, 6, 7], "continuation_ids": [8, 9], "q": 7}\n\n'
+                      f'{{"context_ids": {long}, "continuation_ids": [8, 9, 10]}}\n'
+                      '{"context_ids": [5], "continuation_ids": [6]}\n')
+  eight = api.score(str(requests), OLD_EXP, overrides=OLD, job_dir=str(job), console=_quiet())
   out = tmp_path / 'two.jsonl'
-  two = run_pax('score', str(requests), '--exp', EXP, *SETS, '--set', 'ICI_MESH_SHAPE=[1,1,2]', '--job-log-dir', job,
-                '-o', str(out), '--json', env={'XLA_FLAGS': '--xla_force_host_platform_device_count=2'})
+  two = run_pax('score', str(requests), '--exp', OLD_EXP, *[a for s in OLD for a in ('--set', s)],
+                '--set', 'ICI_MESH_SHAPE=[1,1,2]', '--job-log-dir', str(job), '-o', str(out), '--json',
+                env={'XLA_FLAGS': '--xla_force_host_platform_device_count=2'})
   assert two.returncode == 0, two.stderr[-2000:]
   rows = [json.loads(x) for x in two.stdout.splitlines()]
   assert rows == [json.loads(x) for x in out.read_text().splitlines()]
   assert [r['line'] for r in rows] == [1, 3, 4] and rows[0]['q'] == 7
-  assert 'requests/s' in two.stderr
+  assert [r["truncated"] for r in rows] == [0, 23, 0] and 'truncated' in two.stderr
+  assert 'requests/s' in two.stderr and 'at step 2' in two.stderr
   for a, b in zip(rows, eight):
     assert a['is_greedy'] == b['is_greedy'] and a['num_tokens'] == b['num_tokens']
     np.testing.assert_allclose(a['token_logprobs'], b['token_logprobs'], atol=1e-5)
-  assert os.path.dirname(eight.path) == os.path.join(job, 'scores')
+  assert eight.step == 2 and os.path.dirname(eight.path) == os.path.join(job, 'scores')
 
 
 @pytest.mark.parametrize('content, message', [
@@ -170,7 +183,8 @@ def test_cli_on_a_two_device_tensor_parallel_mesh_gives_the_scores_of_eight(job,
 def test_bad_lines_are_one_line_naming_file_and_line(job, tmp_path, capsys, content, message):
   requests = tmp_path / 'bad.jsonl'
   requests.write_text(content)
-  code, out, err = pax_main(['score', str(requests), '--exp', EXP, *SETS, '--job-log-dir', job], capsys)
+  code, out, err = pax_main(['score', str(requests), '--exp', EXP, *SETS, '--job-log-dir', job, '--no-checkpoint'],
+                            capsys)
   assert code != 0 and not out
   text = ' '.join(err.split())
   assert message in text and str(requests) in text, err

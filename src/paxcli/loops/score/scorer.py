@@ -78,12 +78,14 @@ class Scorer:
     self._fns[(rows, length)] = fn
     return fn
 
-  def rows_for(self, length: int, batch_size: int) -> int:
-    """Rows of a batch of `length` tokens: `batch_size`, or by default up to MAX_ROWS within
-    TOKENS_PER_BATCH; a multiple of the data-parallel size (extra rows repeat the first)."""
+  def batch_shape(self, length: int, batch_size: int, left: int) -> tuple[int, int]:
+    """(pairs, rows) of a batch of `length` tokens with `left` pairs to go: `batch_size` pairs, or by
+    default up to MAX_ROWS within TOKENS_PER_BATCH and no more than the power of two that holds
+    `left` (a short file computes no empty rows); rows a multiple of the data-parallel size (the
+    rows past the pairs repeat the first)."""
+    want = batch_size or min(max(1, min(MAX_ROWS, TOKENS_PER_BATCH // length)), 1 << (left - 1).bit_length())
     dp = sharding.data_parallel_size(self.mesh)
-    want = batch_size or max(1, min(MAX_ROWS, TOKENS_PER_BATCH // length))
-    return -(-want // dp) * dp
+    return want, -(-want // dp) * dp
 
   def run(self, pairs: Sequence[Pair], batch_size: int = 0,
           progress: Optional[Callable[[int], None]] = None) -> tuple[list[tuple[list, bool]], dict]:
@@ -95,8 +97,8 @@ class Scorer:
     start = 0
     while start < len(order):
       length = bucket(len(pairs[order[start]].tokens) - 1, self.max_seq_len)
-      rows = self.rows_for(length, batch_size)
-      chunk = order[start:start + rows]
+      take, rows = self.batch_shape(length, batch_size, len(order) - start)
+      chunk = order[start:start + take]
       fn = self._compiled(rows, length)
       ids, pos, targets = _batch([pairs[i] for i in chunk], rows, length)
       t0 = time.perf_counter()
