@@ -199,3 +199,24 @@ def test_text_needs_a_tokenizer_and_a_job_needs_a_checkpoint(tmp_path, capsys):
   assert code != 0 and 'No complete checkpoint' in err
   code, _, err = pax_main(cli + ['--no-checkpoint'], capsys)
   assert code != 0 and 'line 1: this model has no tokenizer' in ' '.join(err.split())
+
+
+@pytest.mark.slow
+@pytest.mark.alone  # two jax.distributed processes
+def test_two_processes_write_the_scores_of_one(tmp_path):
+  job = tmp_path / 'job'
+  shutil.copytree(REPO / 'tests' / 'fixtures' / 'old_lm' / 'plain', job)
+  requests = tmp_path / 'r.jsonl'
+  requests.write_text(''.join(json.dumps({'context_ids': list(range(3, 3 + n)), 'continuation_ids': [8, 9], 'n': n})
+                              + '\n' for n in range(1, 20, 2)))
+  args = ['score', str(requests), '--exp', OLD_EXP, *[a for s in OLD for a in ('--set', s)], '--job-log-dir', str(job)]
+  one = run_pax(*args, '--output', str(tmp_path / 'one.jsonl'))
+  assert one.returncode == 0, one.stderr[-2000:]
+  two = run_pax('launch', '--processes', '2', '--devices-per-process', '4', '--grace', '2', '--', *args,
+                '--output', str(tmp_path / 'two.jsonl'), timeout=300)
+  assert two.returncode == 0, two.stdout[-2000:] + two.stderr[-2000:]
+  one_r, two_r = ([json.loads(x) for x in open(tmp_path / n)] for n in ('one.jsonl', 'two.jsonl'))
+  assert [r['n'] for r in two_r] == [r['n'] for r in one_r] == list(range(1, 20, 2))
+  for a, b in zip(one_r, two_r):
+    assert a['is_greedy'] == b['is_greedy']
+    np.testing.assert_allclose(a['token_logprobs'], b['token_logprobs'], atol=1e-5)
