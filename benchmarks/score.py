@@ -56,8 +56,8 @@ def main() -> None:
     start = time.perf_counter()
     _, stats = scorer.run(pairs, batch_size=b)
     elapsed = time.perf_counter() - start
-    table.add_row(str(b) if b else '0 (default)', f'{args.requests / elapsed:,.1f}', f"{stats['tokens'] / elapsed:,.0f}",
-                  f"{first['compile_s']:.1f}")
+    table.add_row(str(b) if b else '0 (default)', f'{args.requests / elapsed:,.1f}',
+                  f"{stats['tokens'] / elapsed:,.0f}", f"{first['compile_s']:.1f}")
   Console().print(table)
 
 

@@ -20,15 +20,16 @@ def score_command(
     exp: Optional[str] = common.exp_option(),
     overrides: List[str] = common.set_option(),
     job_log_dir: Optional[str] = common.job_dir_option(),
-    batch_size: int = typer.Option(0, '--batch-size', min=0, help='Rows scored together (0: up to 64 rows and '
-                                   '16,384 tokens).'),
+    batch_size: int = typer.Option(0, '--batch-size', min=0, help='Requests scored together (0: up to 64 and '
+                                   'at most 16,384 tokens a batch).'),
     step: Optional[int] = typer.Option(None, '--step', help='Checkpoint step (default: the latest).'),
     no_checkpoint: bool = typer.Option(False, '--no-checkpoint', help='Score with freshly initialised weights.'),
     dtype: Optional[str] = typer.Option(None, '--dtype', help='Activation dtype (default: FPROP_DTYPE).'),
     output: Optional[str] = typer.Option(
         None, '--output', '-o', help='JSONL output (default <job dir>/scores/pax_score_step<k>_<n>.jsonl, n '
         'counting up).'),
-    json_out: bool = typer.Option(False, '--json', help='Print the JSON lines to stdout instead of a summary.'),
+    json_out: bool = typer.Option(False, '--json', help='Print the JSON lines to stdout too (the '
+                                'summary line stays on stderr).'),
     coordinator: Optional[str] = common.coordinator_option(),
     num_processes: Optional[int] = common.num_processes_option(),
     process_id: Optional[int] = common.process_id_option(),

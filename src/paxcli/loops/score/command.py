@@ -46,8 +46,8 @@ class Scored(list):
     return list(self)
 
 
-def score(resolved, job_dir: str, requests: list[Request], requests_file: str, step: Optional[int] = None, use_checkpoint: bool = True,
-          dtype: Optional[str] = None, batch_size: int = 0, output: Optional[str] = None,
+def score(resolved, job_dir: str, requests: list[Request], requests_file: str, step: Optional[int] = None,
+          use_checkpoint: bool = True, dtype: Optional[str] = None, batch_size: int = 0, output: Optional[str] = None,
           log: Callable[[str], None] = print, progress: Optional[Progress] = None) -> Scored:
   """Scores `requests` (read from `requests_file`, which messages name) with checkpoint `step`'s
   weights (default the latest; fresh ones without `use_checkpoint`)."""

@@ -181,8 +181,7 @@ def _prefix_id(tokenizer) -> Optional[int]:
   """The token an empty context or a text starts from: BOS, else EOS (the harness' prefix_token_id)."""
   if tokenizer is None:
     return None
-  bos = getattr(tokenizer, 'bos_id', None)
-  return bos if bos is not None else tokenizer.eos_id
+  return tokenizer.bos_id if tokenizer.bos_id is not None else tokenizer.eos_id
 
 
 def _encode(tokenizer, text: str, where: str) -> list:

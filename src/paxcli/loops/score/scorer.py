@@ -66,8 +66,9 @@ class Scorer:
     def score(params, ids_BxL, pos_BxL, targets_BxL):
       cache = nn.meta.unbox(model.init_cache(params, rows, length))
       logits_BxLxV, _ = model.extend(params, cache, ids_BxL, pos_BxL)
-      logp_BxLxV = jax.nn.log_softmax(logits_BxLxV, axis=-1)
-      logp_BxL = jnp.take_along_axis(logp_BxLxV, targets_BxL[..., None], axis=-1)[..., 0]
+      # log_softmax at the target only: no second [rows, length, vocab] array
+      target_BxL = jnp.take_along_axis(logits_BxLxV, targets_BxL[..., None], axis=-1)[..., 0]
+      logp_BxL = target_BxL - jax.nn.logsumexp(logits_BxLxV, axis=-1)
       return logp_BxL, jnp.argmax(logits_BxLxV, axis=-1) == targets_BxL
 
     start = time.perf_counter()
