@@ -6,7 +6,7 @@
 Random (context, continuation) token pairs, lengths drawn uniformly from the ranges given (a
 multiple-choice task's shape: a few hundred tokens of context, a short answer), scored with fresh
 weights (speed does not depend on them). Batch size 0 is `pax score`'s default (up to 64 rows and
-16,384 tokens a batch, padded to power-of-two lengths). Each row is timed after a first run that
+4,096 tokens a batch, padded to power-of-two lengths). Each row is timed after a first run that
 compiles every shape, so compile seconds are apart. Machines are shared and noisy: compare within
 one run.
 """

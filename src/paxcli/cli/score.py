@@ -21,7 +21,7 @@ def score_command(
     overrides: List[str] = common.set_option(),
     job_log_dir: Optional[str] = common.job_dir_option(),
     batch_size: int = typer.Option(0, '--batch-size', min=0, help='Requests scored together (0: up to 64 and '
-                                   'at most 16,384 tokens a batch).'),
+                                   'at most 4,096 tokens a batch).'),
     step: Optional[int] = typer.Option(None, '--step', help='Checkpoint step (default: the latest).'),
     no_checkpoint: bool = typer.Option(False, '--no-checkpoint', help='Score with freshly initialised weights.'),
     dtype: Optional[str] = typer.Option(None, '--dtype', help='Activation dtype (default: FPROP_DTYPE).'),

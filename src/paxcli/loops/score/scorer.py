@@ -29,7 +29,7 @@ from paxcli.models import DecodingModel
 from paxcli.runtime import sharding
 
 MAX_ROWS = 64              # rows per batch by default ...
-TOKENS_PER_BATCH = 16384   # ... and at most this many tokens (the [rows, length, vocab] logits are held)
+TOKENS_PER_BATCH = 4096    # ... and at most this many tokens (the [rows, length, vocab] logits are held)
 
 
 def bucket(length: int, max_len: int) -> int:
