@@ -10,8 +10,9 @@ A line is one request, in one of four forms:
 (lm-evaluation-harness' `loglikelihood` and `loglikelihood_rolling` requests). Other fields of a
 line are kept and written back with its scores. Text is tokenized as the harness does
 (`TemplateLM._encode_pair`): the context's trailing whitespace moves to the front of the
-continuation, context + continuation are encoded together, and the continuation's tokens are
-those after the context's own encoding; an empty context is the tokenizer's BOS (else EOS)
+continuation, context + continuation are encoded together (after a BOS token where the tokenizer
+starts every text with one, `bos_first`, as transformers' tokenizer does by default), and the
+continuation's tokens are those after the context's own encoding; an empty context is the tokenizer's BOS (else EOS)
 token, unless the continuation starts with that token. A pair longer than the model's window
 keeps its last MAX_SEQ_LEN + 1 tokens (the context loses its start; the record says how many).
 A text is scored in windows of MAX_SEQ_LEN predictions, each but the first with a full window of
@@ -143,12 +144,14 @@ def encode_pair(tokenizer, context: str, continuation: str, where: str) -> tuple
   spaces = len(context) - len(context.rstrip())
   if spaces:
     context, continuation = context[:-spaces], context[-spaces:] + continuation
-  whole = _encode(tokenizer, context + continuation, where)
-  head = _encode(tokenizer, context, where)
+  if not context:  # the harness encodes a lone continuation without special tokens; the caller adds BOS/EOS
+    return [], _encode(tokenizer, continuation, where)
+  whole, head = _encode(tokenizer, context + continuation, where), _encode(tokenizer, context, where)
   if len(whole) <= len(head):
     raise UserError(f'{where}: the continuation {shorten(repr(continuation), 60)} adds no tokens after the context '
                     '(the tokenizer merged it into the context\'s last token); there is nothing to score.')
-  return head, whole[len(head):]
+  bos = [tokenizer.bos_id] if tokenizer.bos_first else []  # a text starts with BOS as the model was trained
+  return bos + head, whole[len(head):]
 
 
 def _fit(index: int, context: list, continuation: list, window: int, where: str) -> Pair:
