@@ -57,6 +57,12 @@ class TrainConfig:
   loss_spike_window: int = 50
   optimizer: Any = dataclasses.field(default_factory=OptimizerConfig)
   lr_schedule: Any = dataclasses.field(default_factory=ScheduleConfig)
+  # A checkpoint (job directory or step directory, absolute) whose params a fresh run starts from:
+  # all of them, or under LoRA the frozen base beside new adapters. None: random initialisation.
+  init_from: Optional[str] = None
+  # LoRA: a PEFT adapter directory (adapter_config.json + adapter_model.safetensors, absolute) the
+  # adapters of a fresh run start from instead of A random, B = 0.
+  lora_init: Optional[str] = None
 
 
 @dataclasses.dataclass

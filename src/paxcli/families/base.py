@@ -8,6 +8,9 @@ own by extending `train_config()` (the LM adds decoding during training).
 
 from __future__ import annotations
 
+import os
+from typing import Optional
+
 import fiddle as fdl
 
 from paxcli.experiment import Experiment
@@ -35,6 +38,10 @@ class TrainingExperiment(Experiment):
   SAVE_INTERVAL_STEPS: int = 100
   SUMMARY_INTERVAL_STEPS: int = 10
   EVAL_INTERVAL_STEPS: int = 0  # 0: no eval during training
+  # Start a fresh run from these weights (fine-tuning): a paxcli job directory (its latest checkpoint) or
+  # one checkpoint step, e.g. what `pax checkpoint convert HF_DIR OUT --from hf` wrote. LoRA runs also
+  # read their frozen base from it. None: random initialisation.
+  INIT_FROM: Optional[str] = None
 
   def model(self) -> fdl.Config:
     """The model's fiddle config (a paxcli.models.BaseModel)."""
@@ -48,6 +55,7 @@ class TrainingExperiment(Experiment):
         save_interval_steps=self.SAVE_INTERVAL_STEPS,
         summary_interval_steps=self.SUMMARY_INTERVAL_STEPS,
         eval_interval_steps=self.EVAL_INTERVAL_STEPS,
+        init_from=os.path.abspath(os.path.expanduser(self.INIT_FROM)) if self.INIT_FROM else None,
         learning_rate=self.LEARNING_RATE,
         clip_gradient_norm_to_value=self.CLIP_GRADIENT_NORM_TO_VALUE,
         optimizer=fdl.Config(OptimizerConfig, name=self.OPTIMIZER, beta1=self.ADAM_BETA1,
