@@ -416,7 +416,7 @@ def convert_checkpoint(source: str, output: str, *, fmt: Optional[str] = None, t
                        exp: Optional[str] = None, overrides: Sequence[str] = (), step: Optional[int] = None,
                        params_only: bool = False, dtype: Optional[str] = None, force: bool = False,
                        verify: bool = True, kl_tolerance: Optional[float] = None, max_shard_size: str = '5GB',
-                       recipe: Optional[str] = None, console=None) -> dict:
+                       recipe: Optional[str] = None, merge_lora: bool = False, console=None) -> dict:
   """`pax checkpoint convert`: writes `source` (never modified) as `to` at `output`; returns what was
   written. With verify, result['verify'] holds the KL between source and converted model on one
   random batch and whether it is within kl_tolerance ('ok'); a failed check keeps the output."""
@@ -430,7 +430,7 @@ def convert_checkpoint(source: str, output: str, *, fmt: Optional[str] = None, t
   return convert_run.convert(source, output, fmt=fmt, to=to, exp=exp, overrides=list(overrides),
                              params_only=params_only, dtype=dtype, step=step, force=force, verify=verify,
                              kl_tolerance=kl_tolerance, max_shard_bytes=max_shard_bytes, recipe=recipe,
-                             log=_printer(_console(console)))
+                             merge_lora=merge_lora, log=_printer(_console(console)))
 
 
 def _quiet_absl() -> None:

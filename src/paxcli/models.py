@@ -34,7 +34,7 @@ import numpy as np
 
 from paxcli.errors import UserError, at_least
 from paxcli.families import knobs
-from paxcli.layers import pipeline
+from paxcli.layers import lora, pipeline
 from paxcli.layers.activation_sharding import active_axis_size, constrain
 from paxcli.layers.base import (AUX_LOSS, NON_TRAINABLE, RANDOM, SUMMARIES, BaseLayer, LayerTpl, WeightHParams,
                                 WeightInit, build_arguments, instantiate, template_field)  # noqa: F401
@@ -90,6 +90,21 @@ class BaseModel(BaseLayer):
   def compute_dtype(self) -> str:
     """The activations' dtype by name: the device peak MFU is measured against depends on it."""
     return dtype_name(self.fprop_dtype)
+
+  @property
+  def has_dropout(self) -> bool:
+    """True when a training step draws dropout (the step then runs non-deterministically)."""
+    return getattr(self, 'dropout_prob', 0) > 0
+
+  def is_trainable(self, path: tuple) -> bool:
+    """Whether the weight at `path` (keys under params) trains; frozen ones get no gradient, no
+    optimizer state and stay out of checkpoints (which name the base they came from instead)."""
+    return True
+
+  @property
+  def frozen_dtype(self) -> Optional[str]:
+    """The dtype frozen weights are kept in (None: as initialised)."""
+    return None
 
 
 class DecodingModel(BaseModel):
@@ -352,6 +367,8 @@ class LanguageModel(DecodingModel):
   `LanguageModel(...)(ids)` returns logits like the network itself.
   """
   lm_tpl: LayerTpl = template_field(TransformerLm)
+  # LORA_BASE_DTYPE: the frozen base weights' dtype under LoRA (models.BaseModel.frozen_dtype).
+  lora_base_dtype: str = 'float32'
 
   def setup(self):
     self.create_child('lm', self.lm_tpl)
@@ -401,6 +418,25 @@ class LanguageModel(DecodingModel):
 
   def validate(self) -> None:
     validate_lm(self.lm_tpl)
+
+  @property
+  def lora(self) -> dict:
+    """LoRA settings (rank, alpha, targets, dropout) from the attention template; rank 0: off."""
+    s = knobs.read(self, knobs.LM_KNOBS)
+    return {'rank': s['lora_rank'] or 0, 'alpha': s['lora_alpha'], 'targets': tuple(s['lora_targets'] or ()),
+            'dropout': s['lora_dropout'] or 0.0}
+
+  @property
+  def has_dropout(self) -> bool:
+    return self.dropout_prob > 0 or (self.lora['rank'] > 0 and self.lora['dropout'] > 0)
+
+  def is_trainable(self, path: tuple) -> bool:
+    """With LoRA only the adapters train; otherwise everything."""
+    return not self.lora['rank'] or lora.is_adapter(str(path[-1]))
+
+  @property
+  def frozen_dtype(self) -> Optional[str]:
+    return self.lora_base_dtype if self.lora['rank'] else None
 
   def pipeline_schedule(self, global_batch: int):
     return pipeline_schedule(self.lm_tpl, global_batch)
@@ -467,6 +503,7 @@ def validate_lm(lm) -> None:
   if attention.rotary and attention.dims_per_head % 2:
     raise UserError(f'Rotary positions need an even DIMS_PER_HEAD, got {attention.dims_per_head}.')
   _validate_rotary_scaling(attention)
+  validate_lora(attention)
   ffn = lm.block_tpl.ffn_tpl
   if fdl.get_callable(ffn) is Mlp:
     at_least(1, 'task.model.lm_tpl.block_tpl.ffn_tpl', ffn, 'hidden_dims')
@@ -482,6 +519,22 @@ def _validate_rotary_scaling(attention) -> None:
     raise UserError('ROTARY_SCALING llama3 needs 0 < ROTARY_LOW_FREQ_FACTOR < ROTARY_HIGH_FREQ_FACTOR and a positive '
                     f'ROTARY_ORIGINAL_MAX_LEN; got {attention.rotary_low_freq_factor}, '
                     f'{attention.rotary_high_freq_factor}, {attention.rotary_original_max_len}.')
+
+
+def validate_lora(attention) -> None:
+  """LORA_* knobs that cannot work (read from the attention template, which the knobs fill)."""
+  rank = getattr(attention, 'lora_rank', 0)
+  if rank < 0:
+    raise UserError(f'LORA_RANK must be 0 (off) or positive, got {rank}.')
+  if not rank:
+    return
+  unknown = [t for t in attention.lora_targets if t not in lora.TARGETS]
+  if unknown or not attention.lora_targets:
+    raise UserError(f'LORA_TARGETS {list(attention.lora_targets)}: choose some of {", ".join(lora.TARGETS)}.')
+  if attention.lora_alpha <= 0:
+    raise UserError(f'LORA_ALPHA must be positive, got {attention.lora_alpha}.')
+  if not 0 <= attention.lora_dropout < 1:
+    raise UserError(f'LORA_DROPOUT must be in [0, 1), got {attention.lora_dropout}.')
 
 
 class ClassificationModel(BaseModel):

@@ -55,12 +55,14 @@ class TrainConfig:
   # stops the run like a NaN (exit 3, no checkpoint of that state). 0: off.
   loss_spike_factor: float = 10.0
   loss_spike_window: int = 50
-  # A fresh run starts from the parameters of this checkpoint (a job directory: its latest; or
-  # <job>/checkpoints/<step>), read only; the optimizer state and the step start afresh. A run with
-  # checkpoints of its own resumes from them instead. None: initialised at random.
-  init_from: Optional[str] = None
   optimizer: Any = dataclasses.field(default_factory=OptimizerConfig)
   lr_schedule: Any = dataclasses.field(default_factory=ScheduleConfig)
+  # A checkpoint (job directory or step directory, absolute) whose params a fresh run starts from:
+  # all of them, or under LoRA the frozen base beside new adapters. None: random initialisation.
+  init_from: Optional[str] = None
+  # LoRA: a PEFT adapter directory (adapter_config.json + adapter_model.safetensors, absolute) the
+  # adapters of a fresh run start from instead of A random, B = 0.
+  lora_init: Optional[str] = None
 
 
 @dataclasses.dataclass

@@ -61,7 +61,10 @@ def convert_command(
     fmt: Optional[str] = typer.Option(None, '--from', help='Source format: orbax, safetensors, hf, paxml '
                                       '(default: detected).'),
     to: str = typer.Option('orbax', '--to', help='Output format: orbax (a paxcli job directory), '
-                           'safetensors, hf (Hugging Face Llama).'),
+                           'safetensors, hf (Hugging Face Llama; a LoRA run merged), peft (a LoRA run\'s '
+                           'adapters: adapter_config.json + adapter_model.safetensors).'),
+    merge_lora: bool = typer.Option(False, '--merge-lora', help='A LoRA run: write a plain checkpoint with the '
+                                    'adapters merged into the base (W + alpha/r A B).'),
     exp: Optional[str] = common.exp_option(),
     overrides: List[str] = common.set_option(),
     step: Optional[int] = typer.Option(None, '--step', help='Source step (default: the latest).'),
@@ -86,7 +89,7 @@ def convert_command(
   result = api.convert_checkpoint(source, output, fmt=fmt, to=to, exp=exp, overrides=overrides, step=step,
                                   params_only=params_only, dtype=dtype, force=force, verify=verify,
                                   kl_tolerance=kl_tolerance, max_shard_size=max_shard_size, recipe=recipe,
-                                  console=console)
+                                  merge_lora=merge_lora, console=console)
   v = result.get('verify')
   if json_out:
     typer.echo(json.dumps(result, indent=1))

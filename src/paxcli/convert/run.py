@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 import time
 from typing import Optional
 
@@ -13,13 +15,13 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, Trans
 
 from paxcli import config as cfg
 from paxcli import files, gencode
-from paxcli.convert import core, formats, hf, hf_tokenizer, orbax_io, safetensors_io
+from paxcli.convert import core, formats, hf, hf_tokenizer, lora, orbax_io, safetensors_io
 from paxcli.errors import UserError
 from paxcli.inputs import tokenizers
 from paxcli.jobdir import layout
 from paxcli.runtime import platform
 
-TARGETS = ('orbax', 'safetensors', 'hf')
+TARGETS = ('orbax', 'safetensors', 'hf', 'peft')
 
 
 def inspect(path: str, fmt: Optional[str] = None, step: Optional[int] = None) -> dict:
@@ -49,7 +51,7 @@ def convert(source: str, output: str, *, fmt: Optional[str] = None, to: str = 'o
             overrides: tuple = (), params_only: bool = False, dtype: Optional[str] = None,
             step: Optional[int] = None, force: bool = False, verify: bool = True,
             kl_tolerance: Optional[float] = None, max_shard_bytes: int = 5 << 30,
-            recipe: Optional[str] = None, log=print) -> dict:
+            recipe: Optional[str] = None, merge_lora: bool = False, log=print) -> dict:
   if to not in TARGETS:
     raise UserError(f'Unknown output format {to!r}; choose one of {", ".join(TARGETS)}.'
                     f'{formats.did_you_mean(to, TARGETS)}')
@@ -59,6 +61,9 @@ def convert(source: str, output: str, *, fmt: Optional[str] = None, to: str = 'o
   t0 = time.perf_counter()
   src = formats.open_source(source, fmt, step)
   overrides = list(overrides)
+  if merge_lora or to == 'peft' or lora.is_lora_run(src):
+    return _convert_lora(src, out, to, exp, overrides, merge_lora, dtype, force, verify, kl_tolerance,
+                         max_shard_bytes, log, t0)
   if to == 'hf':
     overrides.append('USE_REPEATED_LAYER=False')   # HF layers are unrolled
   recipe_path = recipe_text = None
@@ -146,6 +151,35 @@ def _convert(src, out, source, output, fmt, to, exp, overrides, params_only, dty
     result['verify'] = _verify(src, source_model, target, out.path, to,
                                kl_tolerance if kl_tolerance is not None else core.default_tolerance(dtype))
   return result
+
+
+def _convert_lora(src, out, to, exp, overrides, merge_lora, dtype, force, verify, kl_tolerance, max_shard_bytes,
+                  log, t0) -> dict:
+  """A LoRA run's checkpoint: its adapters in PEFT's format (--to peft), merged into a plain checkpoint
+  (--merge-lora), or merged and then converted like any checkpoint (--to hf, safetensors, --dtype)."""
+  lora.resolve_lora_target(to, merge_lora, src)
+  result = {'source': os.path.abspath(src.path), 'output': out.path, 'format': to, 'step': src.step,
+            'params_only': True, 'dtype': dtype}
+  if to == 'peft' or (to == 'orbax' and dtype is None):
+    with out as tmp:
+      if to == 'peft':
+        result.update(lora.export_peft(src, tmp, exp, overrides, log))
+      else:
+        result['verify'] = lora.merge_run(src, tmp, exp, overrides, verify, log)
+        result['bytes_written'] = _bytes_under(tmp)
+    result['seconds'] = time.perf_counter() - t0
+    return result
+  merged = tempfile.mkdtemp(prefix=os.path.basename(out.path) + '.merging-', dir=os.path.dirname(out.path))
+  try:
+    lora.merge_run(src, merged, exp, overrides, False, log)
+    return convert(merged, out.path, to=to, dtype=dtype, force=force, verify=verify, kl_tolerance=kl_tolerance,
+                   max_shard_bytes=max_shard_bytes, log=log)
+  finally:
+    shutil.rmtree(merged, ignore_errors=True)
+
+
+def _bytes_under(directory: str) -> int:
+  return sum(os.path.getsize(os.path.join(d, f)) for d, _, names in os.walk(directory) for f in names)
 
 
 def _from_knobs(src, exp):

@@ -38,7 +38,10 @@ class TrainingExperiment(Experiment):
   SAVE_INTERVAL_STEPS: int = 100
   SUMMARY_INTERVAL_STEPS: int = 10
   EVAL_INTERVAL_STEPS: int = 0  # 0: no eval during training
-  INIT_FROM: Optional[str] = None  # fine-tuning: a job directory (or one checkpoint) whose params a fresh run starts from
+  # Start a fresh run from these weights (fine-tuning): a paxcli job directory (its latest checkpoint) or
+  # one checkpoint step, e.g. what `pax checkpoint convert HF_DIR OUT --from hf` wrote. LoRA runs also
+  # read their frozen base from it. None: random initialisation.
+  INIT_FROM: Optional[str] = None
 
   def model(self) -> fdl.Config:
     """The model's fiddle config (a paxcli.models.BaseModel)."""

@@ -189,5 +189,16 @@ LM_KNOBS: tuple[Knob, ...] = (
     Knob('MICROBATCH_SIZE', Optional[int], None, LM + 'microbatch_size', 'rows of the global batch per microbatch'),
     Knob('PIPELINE_CIRCULAR_REPEAT', int, 1, LM + 'pipeline_repeats',
          'R > 1: each stage holds R groups of layers, visited in turn'),
+    # LoRA (paxcli.layers.lora): adapters beside the frozen kernels; only they train. Start from base
+    # weights with INIT_FROM (a checkpoint, e.g. one `pax checkpoint convert --from hf` wrote).
+    Knob('LORA_RANK', int, 0, (ATTENTION + 'lora_rank', FFN + 'lora_rank'), '0: off; r > 0: rank-r adapters'),
+    Knob('LORA_ALPHA', float, 16.0, (ATTENTION + 'lora_alpha', FFN + 'lora_alpha'), 'adapters scaled by alpha / rank'),
+    Knob('LORA_TARGETS', tuple, ('query', 'value'), (ATTENTION + 'lora_targets', FFN + 'lora_targets'),
+         'projections adapted, among query, key, value, output, mlp (wi_0, wi_1, wo)',
+         value=lambda s: tuple(s['lora_targets'])),
+    Knob('LORA_DROPOUT', float, 0.0, (ATTENTION + 'lora_dropout', FFN + 'lora_dropout'),
+         "dropout on the adapters' input, in training"),
+    Knob('LORA_BASE_DTYPE', DTypeName, 'float32', 'lora_base_dtype',
+         'dtype the frozen base weights are kept in with LORA_RANK > 0 (bfloat16 halves their memory)'),
 )
 LM_KNOB = {k.name: k for k in LM_KNOBS}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 from typing import Optional, Union
 
 import fiddle as fdl
@@ -29,6 +30,9 @@ class LmExperiment(TrainingExperiment):
   DECODE_INTERVAL_STEPS: int = 0  # 0: no decoding during training; else greedy on DECODE_PROMPTS
   DECODE_PROMPTS: list = []       # texts, or lists of token ids for models without a tokenizer
   DECODE_MAX_STEPS: int = 32
+  # LoRA (LORA_RANK > 0): a PEFT adapter directory (`pax checkpoint convert --to peft` writes one) the adapters
+  # start from; None: A random, B = 0.
+  LORA_INIT: Optional[str] = None
 
   # Your own data (README "Your own data", paxcli.inputs.file_input): a glob, or {glob: weight} for a
   # mixture, of .txt, .jsonl, .parquet, TFRecord or ArrayRecord files; replaces the experiment's inputs.
@@ -68,6 +72,7 @@ class LmExperiment(TrainingExperiment):
     train.decode_interval_steps = self.DECODE_INTERVAL_STEPS
     train.decode_prompts = list(self.DECODE_PROMPTS)
     train.decode_max_steps = self.DECODE_MAX_STEPS
+    train.lora_init = os.path.abspath(os.path.expanduser(self.LORA_INIT)) if self.LORA_INIT else None
     return train
 
   def datasets(self) -> list:

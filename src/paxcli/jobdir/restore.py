@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import errno
 import functools
+import hashlib
 import json
 import logging
 import os
@@ -225,7 +226,7 @@ def _failure(error: BaseException, step: int, directory: str, what: str, action:
 
 def restore(setup, job_dir: str, step: int, params_only: bool = False, flat_now: Optional[dict] = None,
             action: str = 'restore', fallback: bool = False, set_aside: bool = False,
-            log=print) -> Restored:
+            log=print, join_base: bool = True) -> Restored:
   """Restores checkpoint `step` of job_dir onto setup's shardings, verified against its checksums.
 
   params_only: restore {'step', 'params'} and never read the optimizer state. Otherwise
@@ -240,12 +241,16 @@ def restore(setup, job_dir: str, step: int, params_only: bool = False, flat_now:
   `checkpoints_damaged/` (never deleted), once an older one has restored, so that the run
   goes on from the newest intact one. Any other failure raises CheckpointReadError at once:
   it is not the checkpoint's fault, and nothing is moved or skipped.
+
+  A model with frozen params (LoRA) has checkpoints of its trainable params only, naming their
+  base; join_base restores the base's params beside them (see base_params), verified to be the one
+  named. join_base=False restores setup's abstract state as it is (the base itself).
   """
   older = [s for s in ckpt.complete_steps(layout.checkpoints(job_dir)) if s < step]
   damaged = []
   while True:
     try:
-      restored = _restore_step(setup, job_dir, step, params_only, flat_now, action)
+      restored = _restore_step(setup, job_dir, step, params_only, flat_now, action, join_base)
       break
     except CheckpointGone as e:
       if not fallback or not older:
@@ -266,16 +271,6 @@ def restore(setup, job_dir: str, step: int, params_only: bool = False, flat_now:
     if moved:
       log(f'Moved the damaged checkpoint at step {bad} to {moved}.')
   return restored
-
-
-def params_from(setup, path: str, flat_now: Optional[dict] = None, log=print) -> dict:
-  """{'params'[, 'non_trainable']} of the checkpoint at `path` (a job directory: its latest; or
-  <job>/checkpoints/<step>), verified like any restore; the checkpoint is only read (INIT_FROM)."""
-  job_dir, step = layout.split(path)
-  step = choose_step(job_dir, step, 'start from')
-  restored = restore(setup, job_dir, step, params_only=True, flat_now=flat_now, action='start from')
-  log(f'Starting from the parameters of {layout.step_dir(job_dir, step)} (INIT_FROM); fresh optimizer state.')
-  return {k: v for k, v in restored.state.items() if k != 'step'}
 
 
 def _set_aside_damaged(job_dir: str, step: int, log) -> Optional[str]:
@@ -310,7 +305,7 @@ def _agree(error: Optional[UserError], step: int, directory: str, action: str) -
 
 
 def _restore_step(setup, job_dir: str, step: int, params_only: bool, flat_now: Optional[dict],
-                  action: str) -> Restored:
+                  action: str, join_base: bool = True) -> Restored:
   directory = layout.checkpoints(job_dir)
   damaged = lambda reason: DamagedCheckpoint(step, directory, reason)
   if not os.path.isfile(os.path.join(layout.state_dir(layout.step_dir(job_dir, step)), '_METADATA')):
@@ -329,9 +324,11 @@ def _restore_step(setup, job_dir: str, step: int, params_only: bool, flat_now: O
     raise _failure(e, step, directory, "orbax's description of its arrays", action) from None
   keys = set(saved_tree.keys()) if saved_tree is not None else set()
   has_opt = 'opt_state' in keys
-  check_shapes(meta, engine.shape_signature(setup.abstract_state), flat_now or {}, step,
-               params_only or not has_opt, action)
-  wanted = {k: v for k, v in setup.abstract_state.items() if k != 'opt_state' or (has_opt and not params_only)}
+  with_base = join_base and engine.has_frozen(setup)
+  abstract = engine.saved_state(setup, setup.abstract_state) if with_base else setup.abstract_state
+  check_shapes(meta, engine.shape_signature(abstract), flat_now or {}, step, params_only or not has_opt, action)
+  base = checked_base(setup, meta) if with_base else None   # a wrong base refuses before any array is read
+  wanted = {k: v for k, v in abstract.items() if k != 'opt_state' or (has_opt and not params_only)}
   restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding, global_shape=a.shape,
                                                              dtype=a.dtype), wanted)
   path = layout.state_dir(layout.step_dir(job_dir, step))
@@ -352,9 +349,82 @@ def _restore_step(setup, job_dir: str, step: int, params_only: bool, flat_now: O
     if bad:
       more = f' and {len(bad) - 3} more' if len(bad) > 3 else ''
       raise damaged(f'{len(bad)} array(s) differ from the checksums saved with it ({", ".join(bad[:3])}{more})')
+  if base is not None:
+    state['params'] = engine.join_params(state['params'], base_params(setup, base, frozen_only=True))
   if not params_only and not has_opt:
     state['opt_state'] = init_opt_state(setup, state['params'])
   return Restored(step, state, meta, params_only_checkpoint=not has_opt)
+
+
+# ---- Base weights: INIT_FROM, and the base a LoRA checkpoint's adapters apply to ------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class BaseRef:
+  """A checkpoint whose params a run starts from, and a digest of their content (their checksums)."""
+  job_dir: str
+  step: int
+  digest: str
+
+  def describe(self) -> str:
+    return f'{self.job_dir} step {self.step} (content {self.digest[:12]})'
+
+  def to_meta(self) -> dict:
+    return dataclasses.asdict(self)
+
+
+def base_ref(path: str, what: str = 'INIT_FROM') -> BaseRef:
+  """The checkpoint `path` names (a job directory: its latest complete step; or a step directory)."""
+  job_dir, step = layout.split(path)
+  steps = ckpt.complete_steps(layout.checkpoints(job_dir))
+  if not steps or (step is not None and step not in steps):
+    raise UserError(f'{what}={path}: no complete paxcli checkpoint there. Name a job directory or one of its '
+                    'checkpoint steps; convert a Hugging Face model first with `pax checkpoint convert HF_DIR OUT '
+                    '--from hf`.')
+  step = steps[-1] if step is None else step
+  sums = read_meta(job_dir, step).get('checksums') or {}
+  params = {k: v for k, v in sums.items() if k.startswith('params/')}
+  if not params:
+    raise UserError(f'{what}={path}: the checkpoint at step {step} has no checksums to identify its weights '
+                    'by; convert it once (`pax checkpoint convert`) to write them.')
+  digest = hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()
+  return BaseRef(job_dir, step, digest)
+
+
+def checked_base(setup, meta: dict) -> BaseRef:
+  """The base of a checkpoint with frozen params left out: INIT_FROM if set, else the one its meta
+  names; refused in one line when its content is not the base the adapters were trained on."""
+  named = meta.get('base')
+  if not named:
+    raise UserError('This checkpoint holds no base reference, but the experiment freezes weights (LORA_RANK > 0): '
+                    'it was not written by a LoRA run. Set LORA_RANK=0 to read it.')
+  init_from = getattr(setup.train, 'init_from', None)
+  named_dir = layout.step_dir(named['job_dir'], named['step'])
+  ref = base_ref(init_from) if init_from else base_ref(named_dir, 'the base named in the checkpoint')
+  if ref.digest != named['digest']:
+    raise UserError(f'The adapters were trained on the base {BaseRef(**named).describe()}, but INIT_FROM names '
+                    f'{ref.describe()}, whose weights differ; set INIT_FROM={named_dir}.')
+  return ref
+
+
+def base_params(setup, ref: BaseRef, frozen_only: bool) -> dict:
+  """The params of checkpoint `ref` onto setup's shardings and dtypes (the frozen ones only, or all),
+  verified against its checksums."""
+  params = setup.abstract_state['params']
+  if frozen_only:
+    params = engine.split_trainable(setup.model, params)[1]
+  sub = dataclasses.replace(setup, abstract_state={'step': setup.abstract_state['step'], 'params': params})
+  got = restore(sub, ref.job_dir, ref.step, params_only=True, action='load the base weights from', join_base=False)
+  return got.state['params']
+
+
+def start_from_base(setup, state: dict, ref: BaseRef) -> dict:
+  """A fresh train state with the base's params: all of them (a full fine-tune), or the frozen ones
+  beside freshly initialised adapters (LoRA; B = 0, so the model starts as the base)."""
+  if engine.has_frozen(setup):
+    trainable = engine.split_trainable(setup.model, state['params'])[0]
+    return dict(state, params=engine.join_params(trainable, base_params(setup, ref, frozen_only=True)))
+  return dict(state, params=base_params(setup, ref, frozen_only=False))
 
 
 def _as_saved_dtypes(state, dtypes: dict, saved_sums: dict):
@@ -449,7 +519,8 @@ def _checksum_fn():
 
 def init_opt_state(setup, params) -> Any:
   """Fresh optimizer state for `params`, created on its shardings."""
-  return jax.jit(setup.tx.init, out_shardings=setup.state_shardings['opt_state'])(params)
+  init = lambda p: setup.tx.init(engine.split_trainable(setup.model, p)[0])
+  return jax.jit(init, out_shardings=setup.state_shardings['opt_state'])(params)
 
 
 class _OnlyOtherRecords:

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from paxcli.layers import attention_ops
+from paxcli.layers import attention_ops, lora
 from paxcli.layers.activation_sharding import constrain
 from paxcli.layers.base import BaseLayer, LayerTpl, template_field
 from paxcli.options import ACTIVATIONS
@@ -155,6 +155,19 @@ class Attention(nn.Module):
   per_dim_scale: bool = False
   atten_logit_cap: float = 0.0
   attention_impl: str = 'auto'
+  # LoRA (paxcli.layers.lora): rank 0 is off; targets among query, key, value, output.
+  lora_rank: int = 0
+  lora_alpha: float = 16.0
+  lora_targets: tuple = ('query', 'value')
+  lora_dropout: float = 0.0
+  deterministic: bool = True  # the LoRA dropout's; the block fills it in
+
+  def _lora(self, x, projection, in_names, out_shape, out_names):
+    """The LoRA term of `projection`, or 0 when it is not adapted."""
+    if not self.lora_rank or not lora.targets_projection(self.lora_targets, projection):
+      return 0
+    return lora.delta(self, x, projection, in_names, out_shape, out_names, self.lora_rank, self.lora_alpha,
+                      self.lora_dropout, self.deterministic)
 
   def _proj(self, x, heads, head_axis, name):
     y = nn.DenseGeneral(
@@ -162,6 +175,7 @@ class Attention(nn.Module):
         kernel_init=_init(('embed', head_axis, 'head_dim')),
         bias_init=nn.with_logical_partitioning(nn.initializers.zeros, (head_axis, 'head_dim')),
         name=name)(x)
+    y = y + self._lora(x, name, ('embed',), (heads, self.dims_per_head), (head_axis, 'head_dim'))
     y = constrain(y, ('batch', 'length', head_axis, 'head_dim'))
     return checkpoint_name(y, f'{name}_proj')
 
@@ -201,6 +215,7 @@ class Attention(nn.Module):
         kernel_init=_init(('heads', 'head_dim', 'embed')),
         bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ('embed',)),
         name='out')(out_BxLxHxE)
+    out = out + self._lora(out_BxLxHxE, 'out', ('heads', 'head_dim'), (x_BxLxD.shape[-1],), ('embed',))
     return checkpoint_name(constrain(out, ('batch', 'length', 'embed')), 'out_proj')
 
   def _decode_cache(self, k_BxLxKxE, v_BxLxKxE, segment_ids_BxL):
@@ -244,20 +259,30 @@ class Mlp(nn.Module):
   gated: bool = False
   use_bias: bool = True
   dtype: jnp.dtype = jnp.float32
+  # LoRA (paxcli.layers.lora) on wi_0, wi_1 and wo when lora_targets holds 'mlp'; rank 0 is off.
+  lora_rank: int = 0
+  lora_alpha: float = 16.0
+  lora_targets: tuple = ('query', 'value')
+  lora_dropout: float = 0.0
+  deterministic: bool = True  # the LoRA dropout's; the block fills it in
 
-  def _dense(self, features, names, name):
-    return nn.Dense(features, use_bias=self.use_bias, dtype=self.dtype, kernel_init=_init(names),
-                    bias_init=nn.with_logical_partitioning(nn.initializers.zeros, names[-1:]),
-                    name=name)
+  def _dense(self, x, features, names, name):
+    y = nn.Dense(features, use_bias=self.use_bias, dtype=self.dtype, kernel_init=_init(names),
+                 bias_init=nn.with_logical_partitioning(nn.initializers.zeros, names[-1:]),
+                 name=name)(x)
+    if self.lora_rank and lora.targets_projection(self.lora_targets, name):
+      y = y + lora.delta(self, x, name, names[:1], (features,), names[1:], self.lora_rank, self.lora_alpha,
+                         self.lora_dropout, self.deterministic)
+    return y
 
   @nn.compact
   def __call__(self, x_BxLxD):
     act = _ACTIVATIONS[self.activation]
     hidden = ('batch', 'length', 'mlp')
-    h_BxLxF = act(constrain(self._dense(self.hidden_dims, ('embed', 'mlp'), 'wi_0')(x_BxLxD), hidden))
+    h_BxLxF = act(constrain(self._dense(x_BxLxD, self.hidden_dims, ('embed', 'mlp'), 'wi_0'), hidden))
     if self.gated:
-      h_BxLxF = h_BxLxF * constrain(self._dense(self.hidden_dims, ('embed', 'mlp'), 'wi_1')(x_BxLxD), hidden)
-    return constrain(self._dense(x_BxLxD.shape[-1], ('mlp', 'embed'), 'wo')(h_BxLxF), ('batch', 'length', 'embed'))
+      h_BxLxF = h_BxLxF * constrain(self._dense(x_BxLxD, self.hidden_dims, ('embed', 'mlp'), 'wi_1'), hidden)
+    return constrain(self._dense(h_BxLxF, x_BxLxD.shape[-1], ('mlp', 'embed'), 'wo'), ('batch', 'length', 'embed'))
 
 
 class Block(BaseLayer):
@@ -279,10 +304,10 @@ class Block(BaseLayer):
   def setup(self):
     compute = self.fprop_dtype or jnp.float32
     self.create_child('attention_norm', fill_template(self.norm_tpl, compute))
-    self.create_child('attention', fill_template(self.attention_tpl, compute))
+    self.create_child('attention', fill_template(self.attention_tpl, compute, deterministic=self.deterministic))
     self.create_child('mlp_norm', fill_template(self.norm_tpl, compute))
     self.create_child('mlp', fill_template(self.ffn_tpl, compute, input_dims=self.model_dims,
-                                           output_dims=self.model_dims))
+                                           output_dims=self.model_dims, deterministic=self.deterministic))
     self.dropout = nn.Dropout(self.dropout_prob, deterministic=self.deterministic)
 
   def __call__(self, x_BxLxD, segment_ids_BxL, positions_BxL):

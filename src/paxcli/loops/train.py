@@ -29,6 +29,7 @@ from rich.table import Table
 
 from paxcli import optim
 from paxcli.config import config_differences
+from paxcli.convert import lora as convert_lora
 from paxcli.errors import UserError
 from paxcli.inputs import grain_input
 from paxcli.jobdir import checkpoint as ckpt
@@ -69,14 +70,17 @@ def make_train_step(setup, batch_sharding, dropout_seed: int, compiler_options: 
   """
   model, tx = setup.model, setup.tx
   lr_fn = optim.learning_rate_fn(setup.train)
-  deterministic = getattr(model, 'dropout_prob', 0) == 0
+  deterministic = not model.has_dropout
   has_non_trainable = 'non_trainable' in setup.state_shardings
 
   def step_fn(state, batch):
     rngs = step_rngs(dropout_seed, state['step'])
+    # Frozen params (LoRA's base) are closed over: no gradient is computed for them and the
+    # optimizer never sees them.
+    trainable, frozen = engine.split_trainable(model, state['params'])
 
-    def loss_fn(params):
-      variables = {'params': params}
+    def loss_fn(trainable):
+      variables = {'params': engine.join_params(trainable, frozen)}
       if has_non_trainable:
         variables[NON_TRAINABLE] = state['non_trainable']
       with setup.activation_sharding():
@@ -87,10 +91,9 @@ def make_train_step(setup, batch_sharding, dropout_seed: int, compiler_options: 
       total = loss + sum(jnp.sum(v) for v in aux.values()) if aux else loss
       return total, (loss, model_metrics, aux, updates)
 
-    (total, (loss, model_metrics, aux, updates)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-        state['params'])
-    param_updates, opt_state = tx.update(grads, state['opt_state'], state['params'])
-    params = optax.apply_updates(state['params'], param_updates)
+    (total, (loss, model_metrics, aux, updates)), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable)
+    param_updates, opt_state = tx.update(grads, state['opt_state'], trainable)
+    params = engine.join_params(optax.apply_updates(trainable, param_updates), frozen)
     metrics = {k: v for k, (v, _) in model_metrics.items()}
     metrics.update({
         'loss': total,
@@ -271,8 +274,10 @@ class Saver:
   """Hook, every save_interval_steps, at the end and at a stop: a checkpoint of the state (never of
   non-finite parameters) with the meta a resume reads (RunSpec, input position, recent losses)."""
 
-  def __init__(self, checkpointer: ckpt.Checkpointer, losses: LossCheck, spec: RunSpec, start: Start, train_input):
+  def __init__(self, checkpointer: ckpt.Checkpointer, losses: LossCheck, spec: RunSpec, start: Start, setup,
+               train_input):
     self._checkpointer, self._losses, self._spec, self._start = checkpointer, losses, spec, start
+    self._setup = setup
     self._input_state = getattr(train_input, 'get_state', None)  # an input that keeps its own position
 
   def __call__(self, info: StepInfo) -> None:
@@ -281,11 +286,13 @@ class Saver:
       raise TrainingDiverged(f'The parameters became non-finite at step {info.step} (the loss was still finite); '
                              'stopping without saving them. Lower the learning rate or clip gradients.')
     spec, guard = self._spec, self._losses.guard
-    self._checkpointer.save(info.step, info.state, {
+    state = engine.saved_state(self._setup, info.state)   # LoRA: the adapters, not the frozen base
+    self._checkpointer.save(info.step, state, {
         'batches_consumed': self._start.batches_consumed + info.step - self._start.step, 'step': info.step,
         'global_batch': spec.global_batch, 'state_shapes': spec.shapes, 'config': spec.flat,
         'input_layout': spec.input_layout, 'recent_losses': list(guard.recent), 'loss': guard.median(),
-        'checksums': restore.checksums(info.state)}, self._input_state() if self._input_state else None)
+        'checksums': restore.checksums(state), **({'base': spec.base} if spec.base else {})},
+        self._input_state() if self._input_state else None)
 
 
 def params_finite(params) -> bool:
@@ -495,7 +502,11 @@ def _train(resolved, job_dir: str, console, verbose: bool = False, profile_steps
   # ---- Mesh, model, state shapes ------------------------------------------------------------------
   setup = engine.build(resolved)
   train_cfg, total = setup.train, setup.train.num_train_steps
-  spec = RunSpec.of(resolved, setup)
+  base = restore.base_ref(train_cfg.init_from) if train_cfg.init_from else None
+  if base is None and engine.has_frozen(setup):
+    raise UserError('LORA_RANK > 0 trains adapters on frozen base weights: set INIT_FROM to the base checkpoint '
+                    '(a job directory or checkpoint step; `pax checkpoint convert HF_DIR OUT --from hf` makes one).')
+  spec = RunSpec.of(resolved, setup, base)
   _log_run(resolved, setup, job_dir, log)
   if verbose and is_main:
     _print_weights(console, setup)
@@ -512,7 +523,7 @@ def _train(resolved, job_dir: str, console, verbose: bool = False, profile_steps
   if latest is not None and latest >= total:
     return _already_finished(job_dir, latest, spec, total, checkpointer, log)
   state, start = (_resume(setup, job_dir, latest, spec, checkpointer, log) if latest is not None
-                  else (_fresh(setup, resolved.experiment.RANDOM_SEED, spec, log), Start(0)))
+                  else (_fresh_state(setup, base, resolved.experiment.RANDOM_SEED, log), Start(0)))
   if is_main:
     with open(layout.config(job_dir), 'w', encoding='utf-8') as f:
       f.write(resolved.as_text())
@@ -546,7 +557,7 @@ def _train(resolved, job_dir: str, console, verbose: bool = False, profile_steps
     hooks.add(train_step.profile, every=1, close=profiler.close)
     hooks.add(losses, every=1)
     hooks.add(summary, every=train_cfg.summary_interval_steps, at_end=True, close=summary.close)
-    hooks.add(Saver(checkpointer, losses, spec, start, train_input), every=train_cfg.save_interval_steps, at_end=True,
+    hooks.add(Saver(checkpointer, losses, spec, start, setup, train_input), every=train_cfg.save_interval_steps, at_end=True,
               on_stop=True, close=checkpointer.close)
     if evaluator:
       hooks.add(_eval_hook(evaluator, reporter, chrono), every=train_cfg.eval_interval_steps, close=evaluator.close)
@@ -603,11 +614,14 @@ class RunSpec:
   shapes: dict          # the train state's shapes (engine.shape_signature)
   input_layout: dict    # what decides which data each step sees (infeed.input_layout)
   global_batch: int
+  base: Optional[dict] = None  # LoRA: the frozen base the adapters apply to (restore.BaseRef.to_meta)
 
   @classmethod
-  def of(cls, resolved, setup) -> RunSpec:
-    return cls({k: repr(v) for k, v in resolved.flat().items()}, engine.shape_signature(setup.abstract_state),
-               infeed.input_layout(resolved, setup), setup.global_batch)
+  def of(cls, resolved, setup, base: Optional[restore.BaseRef] = None) -> RunSpec:
+    saved = engine.saved_state(setup, setup.abstract_state)
+    frozen = base is not None and engine.has_frozen(setup)
+    return cls({k: repr(v) for k, v in resolved.flat().items()}, engine.shape_signature(saved),
+               infeed.input_layout(resolved, setup), setup.global_batch, base.to_meta() if frozen else None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -617,6 +631,24 @@ class Start:
   step: int
   batches_consumed: int = 0
   recent_losses: tuple = ()
+
+
+def _fresh_state(setup, base: Optional[restore.BaseRef], seed: int, log) -> dict:
+  """A new train state: initialised from the seed, then the base's params where INIT_FROM names one."""
+  state = engine.init_state(setup, seed)
+  if base is None:
+    return state
+  log(f'Starting from the weights of {base.describe()}'
+      + (' (frozen; LoRA adapters train).' if engine.has_frozen(setup) else '.'))
+  state = restore.start_from_base(setup, state, base)
+  lora_init = getattr(setup.train, 'lora_init', None)
+  if lora_init and engine.has_frozen(setup):
+    adapters = convert_lora.read_peft(lora_init, setup.model, setup.abstract_state['params'])
+    shardings = engine.split_trainable(setup.model, setup.state_shardings['params'])[0]
+    adapters = jax.tree.map(lambda x, s: jax.device_put(x, s), adapters, shardings)
+    state = dict(state, params=engine.join_params(state['params'], adapters))
+    log(f'LoRA adapters from {lora_init}.')
+  return state
 
 
 def _already_finished(job_dir: str, step: int, spec: RunSpec, total: int, checkpointer, log) -> dict:
@@ -651,15 +683,6 @@ def _resume(setup, job_dir: str, step: int, spec: RunSpec, checkpointer, log) ->
     log(f'Note: {len(changed)} setting(s) differ from the checkpoint\'s config (the run goes on '
         'with the new ones):\n  ' + '\n  '.join(changed))
   return restored.state, Start(step, batches_consumed, meta.get('recent_losses') or ())
-
-
-def _fresh(setup, seed: int, spec: RunSpec, log) -> dict:
-  """A fresh run's state: initialised from `seed`, with the parameters of task.train.init_from when set."""
-  state = engine.init_state(setup, seed)
-  if setup.train.init_from:
-    loaded = restore.params_from(setup, setup.train.init_from, spec.flat, log)
-    state = {**state, **loaded, 'opt_state': restore.init_opt_state(setup, loaded['params'])}
-  return state
 
 
 def _position_input(train_input, job_dir: str, start: Start, log) -> None:

@@ -21,6 +21,7 @@ from typing import Any, Optional
 
 import fiddle as fdl
 import flax.linen as nn
+import flax.traverse_util
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -191,16 +192,69 @@ def unbox(tree):
 
 
 def make_init(model, tx, seq_len: int):
-  """rng -> boxed train state (params carry logical names)."""
+  """rng -> boxed train state (params carry logical names); the optimizer state covers the
+  trainable params only, and frozen ones are kept in the model's frozen_dtype."""
   def init(rng):
     variables = init_variables(model, rng, seq_len)
-    state = {'step': jnp.zeros([], jnp.int32), 'params': variables['params'],
-             'opt_state': tx.init(unbox(variables['params']))}
+    params = cast_frozen(model, variables['params'])
+    state = {'step': jnp.zeros([], jnp.int32), 'params': params,
+             'opt_state': tx.init(split_trainable(model, unbox(params))[0])}
     if variables.get('non_trainable'):
       state['non_trainable'] = variables['non_trainable']
     return state
 
   return init
+
+
+# ---- frozen weights (LoRA): the model's is_trainable says which params train --------------------
+
+def _flat(params) -> dict:
+  return flax.traverse_util.flatten_dict(params) if params else {}
+
+
+def split_trainable(model, params) -> tuple[dict, dict]:
+  """(trainable, frozen) nested dicts of params, by the model's is_trainable; frozen is {} when all train."""
+  trainable, frozen = {}, {}
+  for path, leaf in _flat(params).items():
+    (trainable if model.is_trainable(path) else frozen)[path] = leaf
+  return flax.traverse_util.unflatten_dict(trainable), flax.traverse_util.unflatten_dict(frozen)
+
+
+def join_params(*parts) -> dict:
+  """One nested params dict from disjoint parts (split_trainable's, or adapters and a base)."""
+  flat = {}
+  for part in parts:
+    flat.update(_flat(part))
+  return flax.traverse_util.unflatten_dict(flat)
+
+
+def has_frozen(setup) -> bool:
+  """True when some params are frozen: checkpoints then hold the trainable ones and name the base."""
+  return bool(split_trainable(setup.model, setup.abstract_state['params'])[1])
+
+
+def cast_frozen(model, params):
+  """Boxed or plain params with the frozen floating-point ones cast to the model's frozen_dtype."""
+  dtype = getattr(model, 'frozen_dtype', None)
+  if not dtype:
+    return params
+  is_box = lambda x: isinstance(x, nn.meta.AxisMetadata)
+
+  def one(path, leaf):
+    value = leaf.unbox() if is_box(leaf) else leaf
+    if model.is_trainable(tuple(_keys(path))) or not jnp.issubdtype(value.dtype, jnp.floating):
+      return leaf
+    cast = value.astype(dtype)
+    return leaf.replace_boxed(cast) if is_box(leaf) else cast
+  return jax.tree_util.tree_map_with_path(one, params, is_leaf=is_box)
+
+
+def saved_state(setup, state: dict) -> dict:
+  """The part of a train state (or of its abstract) that checkpoints hold: the frozen params are left
+  out (they are the base's, named in the checkpoint's meta)."""
+  if not has_frozen(setup):
+    return state
+  return dict(state, params=split_trainable(setup.model, state['params'])[0])
 
 
 def init_variables(model, rng, seq_len: int) -> dict:
@@ -278,8 +332,9 @@ def _init_through_scan(setup: Setup):
 
   def init(rng):
     variables = {k: unstack(unbox(v)) for k, v in init_variables(twin, rng, setup.seq_len).items()}
-    state = {'step': jnp.zeros([], jnp.int32), 'params': variables['params'],
-             'opt_state': setup.tx.init(variables['params'])}
+    params = cast_frozen(model, variables['params'])
+    state = {'step': jnp.zeros([], jnp.int32), 'params': params,
+             'opt_state': setup.tx.init(split_trainable(model, params)[0])}
     if variables.get('non_trainable'):
       state['non_trainable'] = variables['non_trainable']
     return state

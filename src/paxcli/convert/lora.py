@@ -1,0 +1,183 @@
+"""LoRA runs in and out: merged into a plain checkpoint (`--merge-lora`, and before `--to hf`),
+adapters written in PEFT's format (`--to peft`), and a PEFT adapter directory read back (LORA_INIT).
+
+A LoRA run's checkpoints hold its adapters and name their base (paxcli.jobdir.restore.BaseRef);
+reading one restores both through the shared restore path, so the base is verified as at eval.
+
+PEFT's layout (peft.tuners.lora, saved by `save_pretrained`): `adapter_config.json` and
+`adapter_model.safetensors` with torch Linear weights [out, in] per layer,
+
+  base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight  [r, in]
+  base_model.model.model.layers.{i}.self_attn.q_proj.lora_B.weight  [out, r]
+
+and the HF Llama module names of paxcli.convert.hf (q/k/v/o_proj, mlp.gate/up/down_proj).
+Ours are A [in..., r] and B [r, out...], so lora_A = A.reshape(-1, r).T, lora_B = B.reshape(r, -1).T.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+import jax
+import numpy as np
+
+from paxcli.convert import core, safetensors_io
+from paxcli.errors import UserError
+from paxcli.jobdir import checkpoint as ckpt
+from paxcli.jobdir import layout, restore
+from paxcli.layers import lora
+from paxcli.runtime import engine
+
+PEFT_MODULES = {'query': 'self_attn.q_proj', 'key': 'self_attn.k_proj', 'value': 'self_attn.v_proj',
+                'out': 'self_attn.o_proj', 'wi_0': 'mlp.gate_proj', 'wi_1': 'mlp.up_proj', 'wo': 'mlp.down_proj'}
+PEFT_PREFIX = 'base_model.model.model.layers.'
+PEFT_CONFIG, PEFT_WEIGHTS = 'adapter_config.json', 'adapter_model.safetensors'
+
+
+def is_lora_run(src) -> bool:
+  """True for a paxcli checkpoint written by a LoRA run (adapters only, naming their base)."""
+  return bool(getattr(src, 'meta', None) and src.meta.get('base'))
+
+
+def _restored(src, exp: Optional[str], overrides: list):
+  """(resolved, model, params on the host: base and adapters) of a LoRA run's checkpoint."""
+  resolved, _ = core.resolve_pair(src, exp, list(overrides))
+  setup = engine.build(resolved)
+  got = restore.restore(setup, src.job_dir, src.step, params_only=True, action='convert')
+  return resolved, setup.model, jax.tree.map(np.asarray, jax.device_get(got.state['params']))
+
+
+def _scale(model) -> float:
+  s = model.lora
+  return s['alpha'] / s['rank']
+
+
+def merge_run(src, tmp: str, exp: Optional[str], overrides: list, verify: bool, log) -> Optional[dict]:
+  """Writes into job directory `tmp` a params-only checkpoint of the run with every adapter merged
+  (W + alpha/r A B, float32) and LORA_RANK=0: a plain model every command reads. Returns the
+  comparison of the LoRA and the merged model's logits on a random batch (None without verify)."""
+  _, model, params = _restored(src, exp, overrides)
+  merged = lora.merge(params, _scale(model))
+  _, plain = core.resolve_pair(src, exp, list(overrides) + ['LORA_RANK=0'])
+  setup = engine.build(plain)
+  abstract = {'step': setup.abstract_state['step'], 'params': setup.abstract_state['params']}
+  state = jax.tree.map(lambda x, a: jax.device_put(np.asarray(x, a.dtype), a.sharding),
+                       {'step': np.int32(src.step), 'params': merged}, abstract)
+  result = (core.verify(model, params, setup.model, merged, core.default_tolerance(None), model.vocab_size,
+                        model.max_seq_len) if verify else None)
+  checkpointer = ckpt.Checkpointer(layout.checkpoints(tmp), max_to_keep=0, async_save=False)
+  checkpointer.save(src.step, state, {'step': src.step, 'state_shapes': engine.shape_signature(abstract),
+                                      'config': {k: repr(v) for k, v in plain.flat().items()},
+                                      'checksums': restore.checksums(state), 'merged_lora_of': src.meta['base']})
+  checkpointer.close()
+  with open(layout.config(tmp), 'w', encoding='utf-8') as f:
+    f.write(plain.as_text())
+  log(f'Merged the adapters (scale {_scale(model):g}) into the base {restore.BaseRef(**src.meta["base"]).describe()}.')
+  return result
+
+
+# ---- PEFT ---------------------------------------------------------------------------------------
+
+
+def _layer_adapters(params: dict):
+  """(layer index, projection, A, B) for every adapter, unrolled or scanned ([layers, ...])."""
+  if 'layers' in params:
+    stack = params['layers']
+    n = len(next(iter(jax.tree.leaves(stack))))
+    layers = [(i, jax.tree.map(lambda x, i=i: x[i], stack)) for i in range(n)]
+  else:
+    layers = sorted((int(k.split('_')[1]), v) for k, v in params.items() if k.startswith('layer_'))
+  for i, layer in layers:
+    for block in ('attention', 'mlp'):
+      weights = layer.get(block, {})
+      for name in sorted(weights):
+        if name.endswith(lora.SUFFIX_A):
+          projection = name[:-len(lora.SUFFIX_A)]
+          yield i, projection, weights[name], weights[projection + lora.SUFFIX_B]
+
+
+def export_peft(src, tmp: str, exp: Optional[str], overrides: list, log) -> dict:
+  """Writes the run's adapters into directory `tmp` as PEFT's adapter_config.json + adapter_model.safetensors."""
+  _, model, params = _restored(src, exp, overrides)
+  s = model.lora
+  tensors = {}
+  for i, projection, a, b in _layer_adapters(params):
+    key = f'{PEFT_PREFIX}{i}.{PEFT_MODULES[projection]}'
+    tensors[f'{key}.lora_A.weight'] = np.ascontiguousarray(a.reshape(-1, s['rank']).T)
+    tensors[f'{key}.lora_B.weight'] = np.ascontiguousarray(b.reshape(s['rank'], -1).T)
+  modules = sorted({k.split('.')[-3] for k in tensors})
+  base = src.meta['base']
+  config = {
+      'peft_type': 'LORA', 'task_type': 'CAUSAL_LM', 'r': s['rank'], 'lora_alpha': s['alpha'],
+      'lora_dropout': s['dropout'], 'target_modules': modules, 'bias': 'none', 'fan_in_fan_out': False,
+      'use_rslora': False, 'use_dora': False, 'init_lora_weights': True, 'inference_mode': True,
+      'modules_to_save': None, 'layers_to_transform': None, 'layers_pattern': None, 'rank_pattern': {},
+      'alpha_pattern': {}, 'revision': None,
+      # The paxcli checkpoint the adapters were trained on; replace it with the HF id of that model.
+      'base_model_name_or_path': layout.step_dir(base['job_dir'], base['step']),
+  }
+  arrays = [(name, x.shape, x.dtype.name) for name, x in sorted(tensors.items())]
+  written = safetensors_io.write(tmp, arrays, lambda name, put: put(tensors[name]), {'format': 'pt'},
+                                 max_shard_bytes=1 << 62)
+  os.rename(os.path.join(tmp, written[0]), os.path.join(tmp, PEFT_WEIGHTS))
+  with open(os.path.join(tmp, PEFT_CONFIG), 'w', encoding='utf-8') as f:
+    json.dump(config, f, indent=2)
+  log(f'Wrote {len(tensors)} adapter arrays ({", ".join(modules)}; r={s["rank"]}, alpha={s["alpha"]:g}).')
+  return {'bytes_written': int(sum(x.nbytes for x in tensors.values())), 'arrays': len(tensors)}
+
+
+def read_peft(directory: str, model, abstract_params: dict) -> dict:
+  """The adapters of PEFT directory `directory` as this model's trainable params (nested, host
+  arrays), checked against the model's LoRA settings; UserError naming what does not fit."""
+  path = os.path.join(directory, PEFT_CONFIG)
+  try:
+    with open(path, encoding='utf-8') as f:
+      config = json.load(f)
+  except (OSError, ValueError) as e:
+    raise UserError(f'LORA_INIT={directory}: cannot read {PEFT_CONFIG} ({e}).') from None
+  s = model.lora
+  want = {'peft_type': 'LORA', 'r': s['rank'], 'lora_alpha': s['alpha'], 'use_rslora': False, 'use_dora': False,
+          'fan_in_fan_out': False}
+  for field, value in want.items():
+    if config.get(field, value) != value:
+      raise UserError(f'{path}: {field} is {config.get(field)!r}, but this run needs {value!r} '
+                      '(set LORA_RANK / LORA_ALPHA to the adapter\'s).')
+  src = safetensors_io.SafetensorsSource(os.path.join(directory, PEFT_WEIGHTS))
+  have = {a.name for a in src.arrays()}
+  trainable = engine.split_trainable(model, abstract_params)[0]
+  out = {}
+  for path_keys, leaf in _flat_paths(trainable):
+    *scope, name = path_keys
+    projection, part = (name[:-len(lora.SUFFIX_A)], 'A') if name.endswith(lora.SUFFIX_A) else \
+        (name[:-len(lora.SUFFIX_B)], 'B')
+    layers = range(leaf.shape[0]) if scope[0] == 'layers' else [int(scope[0].split('_')[1])]
+    per_layer = leaf.shape[1:] if scope[0] == 'layers' else leaf.shape
+    blocks = []
+    for i in layers:
+      key = f'{PEFT_PREFIX}{i}.{PEFT_MODULES[projection]}.lora_{part}.weight'
+      if key not in have:
+        raise UserError(f'{directory}: {PEFT_WEIGHTS} has no {key} (LORA_TARGETS={list(s["targets"])} needs it).')
+      w = src.read(key).astype(np.float32).T
+      if w.size != int(np.prod(per_layer)):
+        raise UserError(f'{directory}: {key} has shape {list(w.T.shape)}, which does not fit {list(per_layer)}.')
+      blocks.append(w.reshape(per_layer))
+    out[tuple(path_keys)] = np.stack(blocks) if scope[0] == 'layers' else blocks[0]
+  return core.nest({'/'.join(k): v for k, v in out.items()})
+
+
+def _flat_paths(tree: dict):
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    yield tuple(str(k) for k in engine._keys(path)), leaf
+
+
+def resolve_lora_target(to: str, merge_lora: bool, src) -> None:
+  """Refuses what a LoRA run's checkpoint cannot be converted to as it is, in one line."""
+  if merge_lora and not is_lora_run(src):
+    raise UserError(f'--merge-lora: {src.path} is not a LoRA run\'s checkpoint (its meta names no base).')
+  if to == 'peft' and not is_lora_run(src):
+    raise UserError(f'--to peft writes LoRA adapters; {src.path} is not a LoRA run\'s checkpoint.')
+  if is_lora_run(src) and to in ('orbax', 'safetensors') and not merge_lora:
+    raise UserError(f'{src.path} holds LoRA adapters on a frozen base: pass --merge-lora for a plain checkpoint '
+                    '(W + scale A B), or --to peft for the adapters in PEFT\'s format.')

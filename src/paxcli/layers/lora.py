@@ -1,0 +1,94 @@
+"""LoRA: low-rank adapters beside frozen projection kernels (Hu et al. 2021; PEFT's layout).
+
+A targeted projection y = x W gains y += (dropout(x) A B) * alpha / r, with A [in..., r] and
+B [r, out...] named `<projection>_lora_a` / `_lora_b` beside the projection's own weights
+(layer_0/attention/query_lora_a next to layer_0/attention/query/kernel). A starts as PEFT's
+default, torch's kaiming-uniform with a = sqrt(5): uniform in +-1/sqrt(fan_in); B starts at
+zero, so a fresh adapter leaves the model's function unchanged. Dropout applies to the
+adapter's input only, and only in training.
+
+Which weights train is the model's business (models.LanguageModel.is_trainable: the adapters
+alone when LoRA is on); this module declares the adapters, merges them into kernels
+(W + scale A B, for `pax checkpoint convert --merge-lora`) and names them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+TARGETS = ('query', 'key', 'value', 'output', 'mlp')
+SUFFIX_A, SUFFIX_B = '_lora_a', '_lora_b'
+# A target -> the projections (flax module names) it adapts.
+PROJECTIONS = {'query': ('query',), 'key': ('key',), 'value': ('value',), 'output': ('out',),
+               'mlp': ('wi_0', 'wi_1', 'wo')}
+
+
+def targets_projection(targets: Sequence[str], projection: str) -> bool:
+  """True when `projection` (query, out, wi_0, ...) is adapted under `targets`."""
+  return any(projection in PROJECTIONS.get(t, ()) for t in targets)
+
+
+def is_adapter(name: str) -> bool:
+  """True for an adapter weight's name (the last part of its path)."""
+  return name.endswith((SUFFIX_A, SUFFIX_B))
+
+
+def _kaiming_uniform_a_sqrt5(num_in_axes: int):
+  """torch.nn.Linear's (and PEFT's lora_A) init: uniform in +-1/sqrt(fan_in), fan_in = the input axes."""
+  def init(key, shape, dtype=jnp.float32):
+    bound = 1.0 / math.sqrt(math.prod(shape[:num_in_axes]))
+    return jax.random.uniform(key, shape, dtype, -bound, bound)
+  return init
+
+
+def delta(module: nn.Module, x, projection: str, in_names: tuple, out_shape: tuple, out_names: tuple,
+          rank: int, alpha: float, dropout: float, deterministic: bool):
+  """The adapter's term for `projection`, declared in `module`: (dropout(x) A B) * alpha / rank.
+
+  x [..., in...] with len(in_names) input axes last; returns [..., out_shape...] in x's dtype.
+  """
+  n_in = len(in_names)
+  in_shape = x.shape[-n_in:]
+  a = module.param(projection + SUFFIX_A, nn.with_logical_partitioning(_kaiming_uniform_a_sqrt5(n_in),
+                                                                         in_names + (None,)),
+                   in_shape + (rank,))
+  b = module.param(projection + SUFFIX_B, nn.with_logical_partitioning(nn.initializers.zeros, (None,) + out_names),
+                   (rank,) + tuple(out_shape))
+  x = nn.Dropout(dropout, deterministic=deterministic)(x)
+  h = jnp.tensordot(x, a.astype(x.dtype), axes=(tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in))))
+  y = jnp.tensordot(h, b.astype(x.dtype), axes=((h.ndim - 1,), (0,)))
+  return y * jnp.asarray(alpha / rank, x.dtype)
+
+
+def merged_kernel(kernel, a, b, scale: float) -> np.ndarray:
+  """kernel + scale * A B, in float32 then the kernel's dtype; a scanned stack ([layers, ...] on all
+  three) merges layer by layer."""
+  kernel, a, b = (np.asarray(v, np.float32) for v in (kernel, a, b))
+  stacked = a.ndim + b.ndim - 2 - kernel.ndim  # 1: a leading layers axis on each
+  if stacked:
+    product = np.stack([np.tensordot(a[i], b[i], axes=1) for i in range(a.shape[0])])
+  else:
+    product = np.tensordot(a, b, axes=1)
+  return kernel + np.float32(scale) * product
+
+
+def merge(params: dict, scale: float) -> dict:
+  """A nested params dict with every adapter folded into its kernel and removed (float32 kernels)."""
+  out = {}
+  adapters = {k[:-len(SUFFIX_A)] for k in params if isinstance(k, str) and k.endswith(SUFFIX_A)}
+  for key, value in params.items():
+    if isinstance(key, str) and is_adapter(key):
+      continue
+    if isinstance(value, dict):
+      value = merge(value, scale)
+      if key in adapters:
+        value = dict(value, kernel=merged_kernel(value['kernel'], params[key + SUFFIX_A],
+                                                 params[key + SUFFIX_B], scale))
+    out[key] = value
+  return out
