@@ -49,9 +49,16 @@ _SHARD_SUFFIX = re.compile(r'-\d+-of-\d+$')
 class Document:
   chunks: tuple[sft.Chunk, ...]
   where: str  # 'file line N' (or row, record): where errors point
+  messages: Optional[list] = None  # a chat's, for a model's own template (paxcli.inputs.chat_template)
 
   def text(self) -> str:
     return ''.join(c.text for c in self.chunks)
+
+
+def record_document(record: dict, text_field: str, where: str) -> Document:
+  """The document of a record (paxcli.inputs.sft), keeping a chat's messages."""
+  chat = sft.kind_of(record, text_field) == 'chat'
+  return Document(sft.from_record(record, text_field, where), where, record['messages'] if chat else None)
 
 
 def is_remote(path: str) -> bool:
@@ -207,7 +214,7 @@ def _read_jsonl(path: str, text_field: str) -> Iterator[Document]:
     if not isinstance(record, dict):
       raise UserError(f'{where}: a JSON object ({{"{text_field}": ...}}) per line is needed; this line holds '
                       f'a {type(record).__name__}.')
-    yield Document(sft.from_record(record, text_field, where), where)
+    yield record_document(record, text_field, where)
 
 
 def _read_parquet(path: str, text_field: str) -> Iterator[Document]:
@@ -227,8 +234,7 @@ def _read_parquet(path: str, text_field: str) -> Iterator[Document]:
       for record in batch.to_pylist():
         where = f'{path} row {row}'
         row += 1
-        yield Document(sft.from_record({k: v for k, v in record.items() if v is not None}, text_field, where),
-                       where)
+        yield record_document({k: v for k, v in record.items() if v is not None}, text_field, where)
 
 
 def _example_record(data: bytes, where: str) -> dict:
@@ -250,7 +256,7 @@ def _read_tfrecord(path: str, text_field: str) -> Iterator[Document]:
   try:
     for n, data in enumerate(tf.data.TFRecordDataset(path).as_numpy_iterator()):
       where = f'{path} record {n}'
-      yield Document(sft.from_record(_example_record(data, where), text_field, where), where)
+      yield record_document(_example_record(data, where), text_field, where)
   except tf.errors.DataLossError:
     raise UserError(f'{path}: not a TFRecord file (or a corrupted one).') from None
 
@@ -270,7 +276,7 @@ def _read_array_record(path: str, text_field: str) -> Iterator[Document]:
     for start in range(0, reader.num_records(), 1024):
       for n, data in enumerate(reader.read(start, min(start + 1024, reader.num_records())), start=start):
         where = f'{path} record {n}'
-        yield Document(sft.from_record(_example_record(data, where), text_field, where), where)
+        yield record_document(_example_record(data, where), text_field, where)
   finally:
     reader.close()
 
