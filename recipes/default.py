@@ -55,7 +55,7 @@ class StdlibDocsLm(LmExperiment):
   def datasets(self) -> list:
     from paxcli.inputs.corpus import StdlibDocsInput
     common = dict(seq_len=self.MAX_SEQ_LEN, vocab_size=self.VOCAB_SIZE, seed=self.RANDOM_SEED)
-    return self.own_data_datasets() or [
+    return [
         fdl.Config(StdlibDocsInput, name='train', split='train', is_training=True, **common),
         fdl.Config(StdlibDocsInput, name='eval', split='eval', is_training=False, repeat=False,
                    reset_for_eval=True, **common),

@@ -4,6 +4,7 @@
     summary = paxcli.train('default.StdlibDocsLm', job_dir='runs/docs', overrides=['NUM_TRAIN_STEPS=20'])
     metrics = paxcli.evaluate('default.StdlibDocsLm', job_dir='runs/docs')
     records = paxcli.decode('default.StdlibDocsLm', job_dir='runs/docs', prompt=['def parse('])
+    scores = paxcli.score('requests.jsonl', 'default.StdlibDocsLm', job_dir='runs/docs')
 
 Arguments are named as the command-line options, in snake_case (`--max-decode-steps` is
 `max_decode_steps`; `--set` is `overrides`, a list of KEY=VALUE strings), with two names
@@ -27,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 from rich.console import Console
@@ -66,7 +68,8 @@ def open_run(exp: Optional[str], overrides: Sequence[str] = (), job_dir: Optiona
   command's loop starts the backend. `processes`: the command runs on several processes
   (--coordinator ...; else a detected cluster). The job directory (`job_dir`, else
   ./runs/<experiment>) is made absolute once, here: orbax refuses relative paths and the
-  rest of paxcli joins names onto it.
+  rest of paxcli joins names onto it. A job directory with a checkpoint keeps its tokenizer
+  (jobdir.tokenizer.keep_trained).
   """
   if processes:
     distributed.start(distributed.settings_from(coordinator, num_processes, process_id))
@@ -74,7 +77,9 @@ def open_run(exp: Optional[str], overrides: Sequence[str] = (), job_dir: Optiona
   platform.apply_platform_env(resolved.experiment.PLATFORM_ENV, log=log)
   directory = None
   if with_job_dir:
+    from paxcli.jobdir import tokenizer  # orbax and fiddle: for commands that open a job directory
     directory = path_arg(job_dir or default_job_dir(resolved.experiment.registered_name()), '--job-log-dir')
+    tokenizer.keep_trained(resolved.datasets, directory)
   return Run(resolved, directory)
 
 
@@ -219,6 +224,33 @@ def decode(exp: Optional[str] = None, *, overrides: Sequence[str] = (), job_dir:
                         use_checkpoint=not no_checkpoint, dtype=dtype, output=output, log=log, progress=progress)
 
 
+def score(requests_file: str, exp: Optional[str] = None, *, overrides: Sequence[str] = (),
+          job_dir: Optional[str] = None, batch_size: int = 0, step: Optional[int] = None,
+          no_checkpoint: bool = False, dtype: Optional[str] = None, output: Optional[str] = None,
+          coordinator: Optional[str] = None, num_processes: Optional[int] = None,
+          process_id: Optional[int] = None, console=None, progress=None) -> list[dict]:
+  """`pax score`: the log-likelihood of each request of a JSONL file (context and continuation, their
+  ids, or a whole text), one record per request in file order: its own fields with `logprob`,
+  `is_greedy`, `num_tokens`, `token_logprobs`, `line`, `truncated`; also written as JSONL to `output`
+  (default: <job_dir>/scores/). The list returned also carries `.stats` (tokens, seconds,
+  compile_s), `.step` and `.path` (None on processes other than 0). progress: as for decode."""
+  if dtype is not None and dtype not in DECODE_DTYPES:
+    raise UserError(f'--dtype must be one of {", ".join(DECODE_DTYPES)}; got {dtype!r}.')
+  if batch_size < 0:
+    raise UserError(f'--batch-size must be at least 0 (0: automatic), got {batch_size}.')
+  if step is not None and no_checkpoint:
+    raise UserError('--step N picks a checkpoint; --no-checkpoint scores fresh weights. Give one of them.')
+  requests_file, output = path_arg(requests_file, 'REQUESTS'), path_arg(output, '--output')
+  from paxcli.loops.score import requests  # no JAX: a bad file is one line before start-up
+  read = requests.read_requests(requests_file)
+  log = _printer(_console(console))
+  run = open_run(exp, overrides, job_dir, coordinator=coordinator, num_processes=num_processes,
+                 process_id=process_id, log=log)
+  from paxcli.loops.score import command  # JAX
+  return command.score(run.resolved, run.job_dir, read, requests_file, step=step, use_checkpoint=not no_checkpoint,
+                       dtype=dtype, batch_size=batch_size, output=output, log=log, progress=progress)
+
+
 # ---- describe, bench, inputs -----------------------------------------------------------------
 
 
@@ -309,6 +341,64 @@ def inspect_input(path: Optional[str] = None, *, exp: Optional[str] = None, over
           'examples_per_sec': rows / max(seconds, 1e-9),
           'input_ended': len(batches) < num_batches}  # read_batches stops early only at a finite input's end
   return {'input': cfg.name, 'batches': batches, 'throughput': rate}
+
+
+# ---- prepared data ---------------------------------------------------------------------------
+
+
+def data_prepare(sources: Sequence[str], output: str, *, tokenizer: Optional[str] = None, vocab_size: int = 2048,
+                 text_field: str = 'text', num_shards: Optional[int] = None, eval_split: bool = True,
+                 workers: Optional[int] = None, console=None) -> dict:
+  """`pax data prepare`: `sources` (globs) tokenized into ArrayRecord shards in `output`
+  (paxcli.loops.prepare); returns the summary (documents, records, tokens and shards per split,
+  documents/s and tokens/s of the tokenizing). Run again after a kill: it resumes."""
+  from paxcli.loops import prepare
+  if not sources:
+    raise UserError('Give the files to prepare (globs), then the output directory.')
+  if num_shards is not None and num_shards < 1:
+    raise UserError(f'--num-shards must be at least 1, got {num_shards}.')
+  console = _console(console)
+  options = prepare.Options(tuple(sources), path_arg(output, 'OUT'), path_arg(tokenizer, '--tokenizer'),
+                            vocab_size, text_field, num_shards, eval_split, max(1, workers or _cpus()))
+  with _DataProgress(console) as bars:
+    return prepare.prepare(options, bars, _printer(console))
+
+
+def data_show(path: str) -> dict:
+  """`pax data show`: a prepared directory's manifest (tokenizer, shards, records, tokens)."""
+  from paxcli.loops import prepare
+  return prepare.show(path_arg(path, 'PATH'))
+
+
+def _cpus() -> int:
+  return len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else (os.cpu_count() or 1)
+
+
+class _DataProgress:
+  """rich progress bars for `prepare.Progress`: one per phase, documents counted and tokens/s."""
+
+  def __init__(self, console: Console):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    self._progress = Progress(TextColumn('[bold]{task.description}'), BarColumn(), MofNCompleteColumn(),
+                              TextColumn('{task.fields[rate]}'), TimeElapsedColumn(), console=console,
+                              transient=True, disable=not console.is_terminal)
+
+  def __enter__(self):
+    self._progress.__enter__()
+    return self
+
+  def __exit__(self, *exc):
+    return self._progress.__exit__(*exc)
+
+  def __call__(self, phase: str, total: Optional[int]) -> Callable[[int, int], None]:
+    task = self._progress.add_task(phase, total=total, rate='')
+    start, tokens = time.perf_counter(), [0]
+
+    def advance(done: int, new_tokens: int) -> None:
+      tokens[0] += new_tokens
+      rate = f'{tokens[0] / max(time.perf_counter() - start, 1e-9):,.0f} tokens/s' if tokens[0] else ''
+      self._progress.update(task, advance=done, rate=rate)
+    return advance
 
 
 # ---- checkpoints and MaxText -----------------------------------------------------------------

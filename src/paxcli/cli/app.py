@@ -13,12 +13,14 @@ import typer
 from paxcli.cli import bench as bench_cmd
 from paxcli.cli import checkpoint as checkpoint_cmd
 from paxcli.cli import common
+from paxcli.cli import data as data_cmd
 from paxcli.cli import decode as decode_cmd
 from paxcli.cli import eval as eval_cmd
 from paxcli.cli import experiments as experiments_cmd
 from paxcli.cli import import_maxtext as import_maxtext_cmd
 from paxcli.cli import inspect_input as inspect_input_cmd
 from paxcli.cli import launch as launch_cmd
+from paxcli.cli import score as score_cmd
 from paxcli.cli import tokenizer as tokenizer_cmd
 from paxcli.cli import train as train_cmd
 from paxcli.cli import version as version_cmd
@@ -39,7 +41,8 @@ app = typer.Typer(
 
 def _register_all() -> None:
   for module in (train_cmd, eval_cmd, decode_cmd, inspect_input_cmd, launch_cmd, experiments_cmd,
-                 import_maxtext_cmd, checkpoint_cmd, version_cmd, bench_cmd, tokenizer_cmd):
+                 import_maxtext_cmd, checkpoint_cmd, version_cmd, bench_cmd, tokenizer_cmd, data_cmd,
+                 score_cmd):
     module.register(app)
 
 

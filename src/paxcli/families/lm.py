@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Optional, Union
 
 import fiddle as fdl
@@ -9,6 +10,7 @@ import fiddle as fdl
 from paxcli.errors import UserError
 from paxcli.families.base import TrainingExperiment
 from paxcli.families.knobs import LM_KNOBS, declare, flat_settings
+from paxcli.inputs import prepared
 from paxcli.inputs.synthetic import SyntheticLmInput
 
 
@@ -19,7 +21,9 @@ class LmExperiment(TrainingExperiment):
   The model knobs (NUM_LAYERS, MODEL_DIMS, NORM_TYPE, ...) are declared by the table
   paxcli.families.knobs.LM_KNOBS; the optimizer and loop knobs by TrainingExperiment.
   Subclasses set knobs and, where they need more, override `task()` (call super and
-  edit the config, e.g. `task.train.num_train_steps = 300`) or `datasets()`.
+  edit the config, e.g. `task.train.num_train_steps = 300`) or `datasets()`. TRAIN_DATA
+  replaces the inputs of every LM experiment, one that overrides `datasets()` too
+  (__init_subclass__ puts own_data_datasets() in front of the override).
   """
 
   DECODE_INTERVAL_STEPS: int = 0  # 0: no decoding during training; else greedy on DECODE_PROMPTS
@@ -32,6 +36,22 @@ class LmExperiment(TrainingExperiment):
   EVAL_DATA: Optional[Union[str, dict[str, float]]] = None  # None: 1 in 20 TRAIN_DATA documents (by text hash)
   TEXT_FIELD: str = 'text'        # the JSONL / Parquet / tf.train.Example field that holds the text
   TOKENIZER: Optional[str] = None  # a sentencepiece .model or a tokenizer.json; None: trained on TRAIN_DATA
+  # TRAIN_DATA naming a prepared directory (`pax data prepare`) is read with Grain (paxcli.inputs.grain_input):
+  DATA_WORKERS: int = 1  # Grain worker processes per process (0: a prefetch thread only)
+  DATA_STREAMS: int = 16  # fixed for a run; at least processes x DATA_WORKERS
+
+  def __init_subclass__(cls, **kwargs):
+    """A subclass's own datasets() gives way to TRAIN_DATA when the knob is set: recipes, a user's
+    experiment files and generated recipes all train on the user's files by the knob alone, none
+    having to remember to ask (the seqio recipe once did not)."""
+    super().__init_subclass__(**kwargs)
+    own = cls.__dict__.get('datasets')
+    if own is not None and not getattr(own, 'own_data_first', False):
+      @functools.wraps(own)
+      def datasets(self) -> list:
+        return self.own_data_datasets() or own(self)
+      datasets.own_data_first = True
+      cls.datasets = datasets
 
   def model(self) -> fdl.Config:
     """LanguageModel built from templates the knobs fill; edit a template to swap a layer:
@@ -52,7 +72,7 @@ class LmExperiment(TrainingExperiment):
 
   def datasets(self) -> list:
     """The user's files when TRAIN_DATA is set, else synthetic LM data; override for real inputs
-    (see recipes/default.py, which keeps TRAIN_DATA working by calling own_data_datasets first)."""
+    (an override is still replaced by TRAIN_DATA when set: __init_subclass__)."""
     return self.own_data_datasets() or [
         fdl.Config(SyntheticLmInput, name='train', is_training=True, seq_len=self.MAX_SEQ_LEN,
                    vocab_size=self.VOCAB_SIZE, seed=self.RANDOM_SEED),
@@ -69,6 +89,8 @@ class LmExperiment(TrainingExperiment):
       raise UserError('EVAL_DATA and TOKENIZER need TRAIN_DATA (a glob of your training files).')
     from paxcli.inputs.file_input import FileLmInput, anchored
     train, evals = anchored(self.TRAIN_DATA), anchored(self.EVAL_DATA)
+    if isinstance(train, str) and prepared.is_prepared(train):
+      return self._prepared_datasets(train, evals)
     common = dict(seq_len=self.MAX_SEQ_LEN, text_field=self.TEXT_FIELD, tokenizer=anchored(self.TOKENIZER),
                   tokenizer_data=train, vocab_size=self.VOCAB_SIZE, seed=self.RANDOM_SEED)
     return [
@@ -77,3 +99,32 @@ class LmExperiment(TrainingExperiment):
         fdl.Config(FileLmInput, name='eval', is_training=False, repeat=False, reset_for_eval=True,
                    data=evals or train, split='all' if evals else 'eval', **common),
     ]
+
+  def _prepared_datasets(self, train: str, evals) -> list:
+    """Grain inputs over a prepared directory: its train split, and for eval EVAL_DATA (another
+    prepared directory) or the directory's own eval split; none when it has neither."""
+    from paxcli.inputs.grain_input import GrainLmInput  # grain: only for runs on prepared data
+    if self.TOKENIZER:
+      raise UserError(f'TOKENIZER is set, but {train} is prepared data: its ids come from its own tokenizer '
+                      f'({prepared.MANIFEST} names it); leave TOKENIZER unset.')
+    if evals is not None and not (isinstance(evals, str) and prepared.is_prepared(evals)):
+      raise UserError(f'TRAIN_DATA {train} is prepared data; EVAL_DATA must be a prepared directory too '
+                      f'(`pax data prepare`), got {evals!r}.')
+    common = dict(seq_len=self.MAX_SEQ_LEN, vocab_size=self.VOCAB_SIZE, seed=self.RANDOM_SEED,
+                  num_streams=self.DATA_STREAMS)
+    inputs = [fdl.Config(GrainLmInput, name='train', is_training=True, data=train, split='train',
+                         workers=self.DATA_WORKERS, **common)]
+    eval_split = _eval_split(evals or train, whole=evals is not None)
+    if eval_split:
+      inputs.append(fdl.Config(GrainLmInput, name='eval', is_training=False, repeat=False, reset_for_eval=True,
+                               data=evals or train, split=eval_split, workers=0, **common))
+    return inputs
+
+
+def _eval_split(directory: str, whole: bool) -> Optional[str]:
+  """The split to evaluate on: the directory's eval split; for an EVAL_DATA directory without one,
+  its train split (all of it is eval data); None when TRAIN_DATA's directory has no eval split."""
+  manifest = prepared.read_manifest(directory)
+  if manifest.records('eval'):
+    return 'eval'
+  return 'train' if whole else None

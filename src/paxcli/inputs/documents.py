@@ -19,7 +19,8 @@ keeps the rest. The split depends on the text alone (not the file's path or orde
 is the same on every machine and in every run, the two sides never share a document, and
 a document repeated in the data is on one side only.
 
-Bad input stops with one line naming the file and line (or row, or record).
+Bad input stops with one line naming the file and line (or row, or record); a reader given an
+`errors` list instead collects those lines and reads on (`pax data prepare` checks all at once).
 """
 
 from __future__ import annotations
@@ -124,9 +125,10 @@ def in_eval_split(doc: Document) -> bool:
   return int.from_bytes(digest[:8], 'big') % EVAL_BUCKETS == 0
 
 
-def read(path: str, text_field: str) -> Iterator[Document]:
-  """The documents of one file, in file order."""
-  return _READERS[format_of(path)](path, text_field)
+def read(path: str, text_field: str, errors: Optional[list[str]] = None) -> Iterator[Document]:
+  """The documents of one file, in file order. With `errors`, a bad line, row or record is
+  appended to it (its one line) and skipped; a file that cannot be read at all still raises."""
+  return _READERS[format_of(path)](path, text_field, errors)
 
 
 def read_split(path: str, text_field: str, split: str) -> Iterator[Document]:
@@ -174,8 +176,20 @@ def _open(path: str):
   return open(path, 'rb')
 
 
-def _lines(path: str) -> Iterator[tuple[int, str]]:
-  """(line number, text) of a text file, gzip-decompressed by name; UserError for non-UTF-8."""
+def _document(make, errors: Optional[list[str]]) -> Optional[Document]:
+  """make() (a record_document); with `errors`, None and the UserError's line kept instead of raised."""
+  try:
+    return make()
+  except UserError as e:
+    if errors is None:
+      raise
+    errors.append(str(e))
+    return None
+
+
+def _lines(path: str, errors: Optional[list[str]] = None) -> Iterator[tuple[int, str]]:
+  """(line number, text) of a text file, gzip-decompressed by name; UserError for non-UTF-8 (with
+  `errors`: the line is kept there and skipped)."""
   with _open(path) as raw:
     f = gzip.GzipFile(fileobj=raw) if path.endswith('.gz') else raw
     try:
@@ -183,15 +197,18 @@ def _lines(path: str) -> Iterator[tuple[int, str]]:
         try:
           yield n, line.decode('utf-8')
         except UnicodeDecodeError as e:
-          raise UserError(f'{path} line {n}: not UTF-8 text (byte {e.start + 1} of the line).') from None
+          message = f'{path} line {n}: not UTF-8 text (byte {e.start + 1} of the line).'
+          if errors is None:
+            raise UserError(message) from None
+          errors.append(message)
     except (OSError, EOFError) as e:  # a truncated or corrupt .gz
       raise UserError(f'{path}: cannot read it ({e}).') from None
 
 
-def _read_text(path: str, text_field: str) -> Iterator[Document]:
+def _read_text(path: str, text_field: str, errors: Optional[list[str]] = None) -> Iterator[Document]:
   del text_field
   block, first = [], 0
-  for n, line in _lines(path):
+  for n, line in _lines(path, errors):
     if line.strip():
       first = first or n
       block.append(line)
@@ -202,22 +219,29 @@ def _read_text(path: str, text_field: str) -> Iterator[Document]:
     yield Document(sft.text_document(''.join(block).rstrip()), f'{path} line {first}')
 
 
-def _read_jsonl(path: str, text_field: str) -> Iterator[Document]:
-  for n, line in _lines(path):
+def _read_jsonl(path: str, text_field: str, errors: Optional[list[str]] = None) -> Iterator[Document]:
+  for n, line in _lines(path, errors):
     if not line.strip():
       continue
     where = f'{path} line {n}'
-    try:
-      record = json.loads(line)
-    except json.JSONDecodeError as e:
-      raise UserError(f'{where}: not JSON ({e.msg} at column {e.colno}).') from None
-    if not isinstance(record, dict):
-      raise UserError(f'{where}: a JSON object ({{"{text_field}": ...}}) per line is needed; this line holds '
-                      f'a {type(record).__name__}.')
-    yield record_document(record, text_field, where)
+    doc = _document(lambda: record_document(_json_object(line, where, text_field), text_field, where),
+                    errors)
+    if doc is not None:
+      yield doc
 
 
-def _read_parquet(path: str, text_field: str) -> Iterator[Document]:
+def _json_object(line: str, where: str, text_field: str) -> dict:
+  try:
+    record = json.loads(line)
+  except json.JSONDecodeError as e:
+    raise UserError(f'{where}: not JSON ({e.msg} at column {e.colno}).') from None
+  if not isinstance(record, dict):
+    raise UserError(f'{where}: a JSON object ({{"{text_field}": ...}}) per line is needed; this line holds '
+                    f'a {type(record).__name__}.')
+  return record
+
+
+def _read_parquet(path: str, text_field: str, errors: Optional[list[str]] = None) -> Iterator[Document]:
   import pyarrow.parquet as pq  # slow to import (0.3 s): only for Parquet files
   with _open(path) as f:
     try:
@@ -234,7 +258,10 @@ def _read_parquet(path: str, text_field: str) -> Iterator[Document]:
       for record in batch.to_pylist():
         where = f'{path} row {row}'
         row += 1
-        yield record_document({k: v for k, v in record.items() if v is not None}, text_field, where)
+        doc = _document(lambda: record_document({k: v for k, v in record.items() if v is not None},
+                                                text_field, where), errors)
+        if doc is not None:
+          yield doc
 
 
 def _example_record(data: bytes, where: str) -> dict:
@@ -249,19 +276,21 @@ def _example_record(data: bytes, where: str) -> dict:
           if feature.WhichOneof('kind') == 'bytes_list' and feature.bytes_list.value}
 
 
-def _read_tfrecord(path: str, text_field: str) -> Iterator[Document]:
+def _read_tfrecord(path: str, text_field: str, errors: Optional[list[str]] = None) -> Iterator[Document]:
   if not is_remote(path):
     check_regular_file(path, 'data file')
   tf = import_tf()
   try:
     for n, data in enumerate(tf.data.TFRecordDataset(path).as_numpy_iterator()):
       where = f'{path} record {n}'
-      yield record_document(_example_record(data, where), text_field, where)
+      doc = _document(lambda: record_document(_example_record(data, where), text_field, where), errors)
+      if doc is not None:
+        yield doc
   except tf.errors.DataLossError:
     raise UserError(f'{path}: not a TFRecord file (or a corrupted one).') from None
 
 
-def _read_array_record(path: str, text_field: str) -> Iterator[Document]:
+def _read_array_record(path: str, text_field: str, errors: Optional[list[str]] = None) -> Iterator[Document]:
   if is_remote(path):
     raise UserError(f'{path}: ArrayRecord files are read from local disks only; copy them first.')
   check_regular_file(path, 'data file')
@@ -276,7 +305,9 @@ def _read_array_record(path: str, text_field: str) -> Iterator[Document]:
     for start in range(0, reader.num_records(), 1024):
       for n, data in enumerate(reader.read(start, min(start + 1024, reader.num_records())), start=start):
         where = f'{path} record {n}'
-        yield record_document(_example_record(data, where), text_field, where)
+        doc = _document(lambda: record_document(_example_record(data, where), text_field, where), errors)
+        if doc is not None:
+          yield doc
   finally:
     reader.close()
 

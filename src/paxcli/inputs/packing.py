@@ -40,10 +40,10 @@ class Example:
     return Example(self.ids[start:stop], self.labels[start:stop], self.weights[start:stop])
 
 
-def tokenize(chunks: Sequence[Chunk], encoded: Sequence[Sequence[int]], eos_id: int,
-             bos_id: Optional[int] = None) -> Optional[Example]:
-  """The pairs of a document from its chunks and their token ids, after `bos_id` when given (a
-  tokenizer that starts every text with it: tokenizers' bos_first); None when under 2 tokens."""
+def token_weights(chunks: Sequence[Chunk], encoded: Sequence[Sequence[int]], eos_id: int,
+                  bos_id: Optional[int] = None) -> tuple[list, list]:
+  """A document's tokens (after `bos_id` when given, EOS after the chunks that end a text) and each
+  token's weight."""
   tokens = [] if bos_id is None else [bos_id]
   weights = [0.0] * len(tokens)
   for chunk, ids in zip(chunks, encoded):
@@ -51,6 +51,14 @@ def tokenize(chunks: Sequence[Chunk], encoded: Sequence[Sequence[int]], eos_id: 
     if chunk.eos:
       tokens.append(eos_id)
     weights += [float(chunk.trained)] * (len(tokens) - len(weights))
+  return tokens, weights
+
+
+def tokenize(chunks: Sequence[Chunk], encoded: Sequence[Sequence[int]], eos_id: int,
+             bos_id: Optional[int] = None) -> Optional[Example]:
+  """The pairs of a document from its chunks and their token ids, after `bos_id` when given (a
+  tokenizer that starts every text with it: tokenizers' bos_first); None when under 2 tokens."""
+  tokens, weights = token_weights(chunks, encoded, eos_id, bos_id)
   if len(tokens) < 2:
     return None
   t = np.asarray(tokens, np.int32)
@@ -62,18 +70,23 @@ def pieces(example: Example, seq_len: int) -> Iterator[Example]:
     yield example.cut(start, start + seq_len)
 
 
-class _Row:
+class Row:
+  """A row being filled: its arrays, and the tag of each piece in it (what a resumable reader
+  saves instead of the arrays: the row is rebuilt by putting the same pieces again)."""
+
   def __init__(self, seq_len: int):
     self.arrays = {k: np.zeros(seq_len, np.float32 if k == 'weights' else np.int32) for k in ROW_KEYS}
     self.used = 0
     self.segments = 0
+    self.tags: list = []
 
   def room(self) -> int:
     return len(self.arrays['ids']) - self.used
 
-  def put(self, piece: Example) -> None:
+  def put(self, piece: Example, tag=None) -> None:
     end = self.used + len(piece)
     self.segments += 1
+    self.tags.append(tag)
     self.arrays['ids'][self.used:end] = piece.ids
     self.arrays['labels'][self.used:end] = piece.labels
     self.arrays['weights'][self.used:end] = piece.weights
@@ -88,29 +101,51 @@ class Packer:
   def __init__(self, seq_len: int, open_rows: int = 8):
     self.seq_len = seq_len
     self.open_rows = max(1, open_rows)
-    self._rows: list[_Row] = []
+    self._rows: list[Row] = []
 
   def add(self, example: Example) -> Iterator[dict]:
     """Packs one example; yields the rows that it completes or pushes out."""
-    for piece in pieces(example, self.seq_len):
+    for row in self.add_rows(example):
+      yield row.arrays
+
+  def add_rows(self, example: Example, tag=None) -> Iterator[Row]:
+    """`add`, yielding the Rows; piece k of the example is tagged (tag, k)."""
+    for k, piece in enumerate(pieces(example, self.seq_len)):
       row = next((r for r in self._rows if r.room() >= len(piece)), None)
       if row is None:
         if len(self._rows) == self.open_rows:
-          fullest = min(self._rows, key=_Row.room)
+          fullest = min(self._rows, key=Row.room)
           self._rows.remove(fullest)
-          yield fullest.arrays
-        row = _Row(self.seq_len)
+          yield fullest
+        row = Row(self.seq_len)
         self._rows.append(row)
-      row.put(piece)
+      row.put(piece, (tag, k))
       if not row.room():
         self._rows.remove(row)
-        yield row.arrays
+        yield row
 
   def flush(self) -> Iterator[dict]:
     """The partly filled rows, oldest first (the end of a finite input)."""
-    rows, self._rows = self._rows, []
-    for row in rows:
+    for row in self.flush_rows():
       yield row.arrays
+
+  def flush_rows(self) -> list[Row]:
+    rows, self._rows = self._rows, []
+    return rows
+
+  def open_tags(self) -> list[list]:
+    """The tags of the pieces in each open row, oldest row first: the packer's whole state."""
+    return [list(row.tags) for row in self._rows]
+
+  def reopen(self, rows_tags: list[list], piece_of) -> None:
+    """Rebuilds the open rows from `open_tags()`; piece_of(tag) gives the piece a tag names."""
+    self._rows = [self.rebuild(tags, piece_of) for tags in rows_tags]
+
+  def rebuild(self, tags: list, piece_of) -> Row:
+    row = Row(self.seq_len)
+    for tag in tags:
+      row.put(piece_of(tag), tag)
+    return row
 
 
 def pack(examples: Iterable[Example], seq_len: int, open_rows: int = 8) -> Iterator[dict]:

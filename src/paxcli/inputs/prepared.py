@@ -80,6 +80,11 @@ def write_shard(path: str, records) -> tuple[int, int]:
   return count, tokens
 
 
+def tokenizer_name(kind: str) -> str:
+  """Where a directory keeps its tokenizer of `kind` (paxcli.inputs.tokenizers.kind_of), relative to it."""
+  return {'hf': 'tokenizer/tokenizer.json', 'sentencepiece': 'tokenizer/spm.model'}[kind]
+
+
 def shard_name(split: str, index: int, count: int) -> str:
   return f'{split}-{index:05d}-of-{count:05d}.array_record'
 

@@ -2,7 +2,9 @@
 
 A checkpoint step holds two items: `state` (params, optimizer state, step; sharded
 arrays written by every process) and `meta` (JSON written by process 0: the global
-count of input batches consumed, and the config the run was started with).
+count of input batches consumed, and the config the run was started with); a run whose
+train input keeps its own position (Grain) adds a third, `input`: one small JSON file per
+process, written by Grain's orbax handler.
 
 A save interrupted by a kill leaves either orbax's temporary directory (ignored by
 orbax) or, on file systems without atomic rename, a step directory without orbax's
@@ -24,6 +26,7 @@ import sys
 import time
 from typing import Any, Optional
 
+import grain.checkpoint
 import jax
 import orbax.checkpoint as ocp
 
@@ -211,6 +214,16 @@ def _quiet_closed_loop_callbacks() -> None:
     sys.unraisablehook = unraisable
 
 
+class _Saved:
+  """What Grain's orbax handler saves: an object whose get_state() gives the JSON bytes."""
+
+  def __init__(self, data: bytes):
+    self._data = data
+
+  def get_state(self) -> bytes:
+    return self._data
+
+
 class Checkpointer:
   """orbax's CheckpointManager with our items, completeness rules and retention.
 
@@ -224,7 +237,7 @@ class Checkpointer:
     self.max_to_keep = max_to_keep or None
     options = ocp.CheckpointManagerOptions(max_to_keep=None, create=True,
                                            enable_async_checkpointing=async_save)
-    self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
+    self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS + (layout.INPUT,))
     _quiet_no_space_logs()
     _quiet_closed_loop_callbacks()
     self._losses: dict[int, Optional[float]] = {}
@@ -236,14 +249,16 @@ class Checkpointer:
     steps = complete_steps(self.directory)
     return steps[-1] if steps else None
 
-  def save(self, step: int, state: Any, meta: dict) -> None:
+  def save(self, step: int, state: Any, meta: dict, input_state: Optional[bytes] = None) -> None:
+    """`input_state`: this process's train-input position (JSON bytes), for an input that keeps one."""
     self._finish()  # the previous save: its errors surface here
     self._rotate()
     self._in_flight = self.latest_saved = step
+    items = dict(state=ocp.args.StandardSave(state, save_args=save_args(state)), meta=ocp.args.JsonSave(meta))
+    if input_state is not None:
+      items[layout.INPUT] = grain.checkpoint.CheckpointSave(_Saved(input_state))
     with self._write_faults(step):
-      self._manager.save(step, args=ocp.args.Composite(
-          state=ocp.args.StandardSave(state, save_args=save_args(state)),
-          meta=ocp.args.JsonSave(meta)), force=True)
+      self._manager.save(step, args=ocp.args.Composite(**items), force=True)
     loss = meta.get('loss')
     self._losses[step] = float(loss) if isinstance(loss, (int, float)) and math.isfinite(loss) else None
 

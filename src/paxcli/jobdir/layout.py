@@ -14,6 +14,7 @@
   eval_metrics.jsonl        eval metrics, one row per step (eval_<input>_metrics.jsonl for others)
   eval_done.jsonl           the steps `pax eval` and its followers have evaluated
   decoder_out/<input>/      decodes: decode_step<k>.jsonl (the trainer's), pax_decode_step<k>_<n>.jsonl
+  scores/                   `pax score`'s results: pax_score_step<k>_<n>.jsonl
   profile/                  jax.profiler traces (--profile-steps)
 
 Every function takes the job directory as a command holds it: made absolute, symlinks resolved,
@@ -33,6 +34,7 @@ from typing import Optional
 
 # orbax's names of a checkpoint's two items (CheckpointManager item_names): directories of a step.
 STATE, META = 'state', 'meta'
+INPUT = 'input'  # the train input's position, one small JSON file per process (a Grain input's)
 METRICS_SUFFIX = '_metrics.jsonl'
 
 
@@ -87,6 +89,11 @@ def state_dir(checkpoint: str) -> str:
 def meta_file(checkpoint: str) -> str:
   """The JSON metadata of the checkpoint in directory `checkpoint`."""
   return os.path.join(checkpoint, META, 'metadata')
+
+
+def input_dir(checkpoint: str) -> str:
+  """The input item of the checkpoint in directory `checkpoint`: process_<i>-of-<n>.json files."""
+  return os.path.join(checkpoint, INPUT)
 
 
 def unfinished(job_dir: str) -> str:
@@ -168,6 +175,11 @@ def train_decodes(job_dir: str, dataset: Optional[str], step: int) -> str:
 def cli_decodes(job_dir: str, dataset: Optional[str], step: int, n: int) -> str:
   """The n-th `pax decode` of checkpoint `step`, beside the trainer's decodes of that step."""
   return os.path.join(decoder_out(job_dir, dataset), f'pax_decode_step{step}_{n}.jsonl')
+
+
+def scores(job_dir: str, step: int, n: int) -> str:
+  """The n-th `pax score` of checkpoint `step`."""
+  return os.path.join(job_dir, 'scores', f'pax_score_step{step}_{n}.jsonl')
 
 
 def profile(job_dir: str) -> str:

@@ -7,6 +7,11 @@ before the first step, so that `pax decode`, `pax inspect-input` and `pax
 checkpoint` turn text into ids and back exactly as training did, without rebuilding the
 input or its cache. Models trained on inputs without a vocabulary (the synthetic input) have
 no tokenizer: they are decoded from ids. Readers go through paxcli.inputs.tokenizers.load.
+
+Once the job directory holds a checkpoint, its tokenizer is the one the weights were trained with
+and is never replaced: own-data inputs that would train one (no TOKENIZER) read it instead
+(`keep_trained`), since a data file changed since would train another and change every id; a
+run whose input names another tokenizer is refused in one line (`check_kept`).
 """
 
 from __future__ import annotations
@@ -20,8 +25,9 @@ import fiddle as fdl
 
 from paxcli.errors import UserError
 from paxcli.inputs import tokenizers
+from paxcli.inputs.file_input import FileLmInput
 from paxcli.inputs.tokenizers import Tokenizer
-from paxcli.jobdir import layout
+from paxcli.jobdir import checkpoint, layout
 
 
 def save_to_job_dir(train_input, job_dir: str) -> Optional[str]:
@@ -52,6 +58,33 @@ def _copy(source: str, target: str) -> None:
   tmp = target + '.tmp'
   shutil.copyfile(source, tmp)
   os.replace(tmp, target)  # atomic: a reader never sees half a model
+
+
+def _trained_with(job_dir: Optional[str]) -> Optional[str]:
+  """The job directory's tokenizer when it also holds a complete checkpoint, else None."""
+  if not job_dir or not os.path.isfile(layout.tokenizer(job_dir)):
+    return None
+  return layout.tokenizer(job_dir) if checkpoint.complete_steps(layout.checkpoints(job_dir)) else None
+
+
+def keep_trained(datasets: dict, job_dir: Optional[str]) -> None:
+  """Own-data inputs (fiddle configs, edited in place) without a tokenizer of their own read the
+  job directory's when it has a checkpoint, rather than training one on the data as it is now."""
+  kept = _trained_with(job_dir)
+  for cfg in datasets.values() if kept else ():
+    if fdl.get_callable(cfg) is FileLmInput and not cfg.tokenizer:
+      cfg.tokenizer = kept
+
+
+def check_kept(train_input, job_dir: str) -> None:
+  """UserError when the job directory has a checkpoint and a tokenizer and the train input
+  names another one: its ids would not be the ones the weights learned."""
+  kept = _trained_with(job_dir)
+  source = train_input.tokenizer_file() if hasattr(train_input, 'tokenizer_file') else None
+  if kept and source and not (tokenizers.kind_of(source) == tokenizers.kind_of(kept) and _same_bytes(source, kept)):
+    raise UserError(f'{job_dir} was trained with the tokenizer {kept}; this run\'s input uses {source}, which '
+                    f'differs, and would change every id: resume with --set TOKENIZER={kept}, or give a new '
+                    '--job-log-dir.')
 
 
 def _same_bytes(a: str, b: str) -> bool:

@@ -30,6 +30,7 @@ from rich.table import Table
 from paxcli import optim
 from paxcli.config import config_differences
 from paxcli.errors import UserError
+from paxcli.inputs import grain_input
 from paxcli.jobdir import checkpoint as ckpt
 from paxcli.jobdir import invocation
 from paxcli.jobdir import layout
@@ -270,8 +271,9 @@ class Saver:
   """Hook, every save_interval_steps, at the end and at a stop: a checkpoint of the state (never of
   non-finite parameters) with the meta a resume reads (RunSpec, input position, recent losses)."""
 
-  def __init__(self, checkpointer: ckpt.Checkpointer, losses: LossCheck, spec: RunSpec, start: Start):
+  def __init__(self, checkpointer: ckpt.Checkpointer, losses: LossCheck, spec: RunSpec, start: Start, train_input):
     self._checkpointer, self._losses, self._spec, self._start = checkpointer, losses, spec, start
+    self._input_state = getattr(train_input, 'get_state', None)  # an input that keeps its own position
 
   def __call__(self, info: StepInfo) -> None:
     self._losses.settle()  # the step's loss is checked before its state is saved
@@ -283,7 +285,7 @@ class Saver:
         'batches_consumed': self._start.batches_consumed + info.step - self._start.step, 'step': info.step,
         'global_batch': spec.global_batch, 'state_shapes': spec.shapes, 'config': spec.flat,
         'input_layout': spec.input_layout, 'recent_losses': list(guard.recent), 'loss': guard.median(),
-        'checksums': restore.checksums(info.state)})
+        'checksums': restore.checksums(info.state)}, self._input_state() if self._input_state else None)
 
 
 def params_finite(params) -> bool:
@@ -498,6 +500,7 @@ def _train(resolved, job_dir: str, console, verbose: bool = False, profile_steps
   if verbose and is_main:
     _print_weights(console, setup)
   train_input = infeed.build_input(resolved.train_dataset(), setup)  # before any state: missing data stops at once
+  tokenizer.check_kept(train_input, job_dir)
 
   # ---- Job directory: resume or start -------------------------------------------------------------
   if is_main:
@@ -518,7 +521,7 @@ def _train(resolved, job_dir: str, console, verbose: bool = False, profile_steps
   # ---- Input, step, evals ---------------------------------------------------------------------------
   if is_main:
     tokenizer.save_to_job_dir(train_input, job_dir)
-  train_input.skip(start.batches_consumed)
+  _position_input(train_input, job_dir, start, log)
   batch_sharding = sharding.batch_sharding(setup.mesh)
   profiler = profiling.StepProfiler(job_dir, log, profile_steps, pgle_profile, start.step)
   train_step = TrainStep(setup, batch_sharding, resolved.experiment.RANDOM_SEED + 1, profiler)
@@ -543,7 +546,7 @@ def _train(resolved, job_dir: str, console, verbose: bool = False, profile_steps
     hooks.add(train_step.profile, every=1, close=profiler.close)
     hooks.add(losses, every=1)
     hooks.add(summary, every=train_cfg.summary_interval_steps, at_end=True, close=summary.close)
-    hooks.add(Saver(checkpointer, losses, spec, start), every=train_cfg.save_interval_steps, at_end=True,
+    hooks.add(Saver(checkpointer, losses, spec, start, train_input), every=train_cfg.save_interval_steps, at_end=True,
               on_stop=True, close=checkpointer.close)
     if evaluator:
       hooks.add(_eval_hook(evaluator, reporter, chrono), every=train_cfg.eval_interval_steps, close=evaluator.close)
@@ -657,6 +660,22 @@ def _fresh(setup, seed: int, spec: RunSpec, log) -> dict:
     loaded = restore.params_from(setup, setup.train.init_from, spec.flat, log)
     state = {**state, **loaded, 'opt_state': restore.init_opt_state(setup, loaded['params'])}
   return state
+
+
+def _position_input(train_input, job_dir: str, start: Start, log) -> None:
+  """Puts the train input where the checkpoint left it: the input's own saved position when it
+  keeps one (Grain: a read of a few documents, whatever the step), else by skipping the batches
+  consumed (a re-read that grows with the step)."""
+  if not start.step:
+    return
+  if hasattr(train_input, 'restore'):
+    saved = grain_input.read_states(layout.input_dir(layout.step_dir(job_dir, start.step)))
+    if saved:
+      train_input.restore(saved)
+      return
+    log(f'Note: the checkpoint at step {start.step} holds no input position; skipping '
+        f'{start.batches_consumed} batches to find it.')
+  train_input.skip(start.batches_consumed)
 
 
 def _trim_replayed_metrics(job_dir: str, step: int, log) -> None:

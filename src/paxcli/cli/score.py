@@ -1,0 +1,78 @@
+"""`pax score`: the log-likelihood of given continuations (lm-evaluation-harness' loglikelihood requests)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+from typing import List, Optional
+
+import typer
+
+from paxcli.cli import common
+
+
+def score_command(
+    requests_file: str = typer.Argument(
+        ..., metavar='REQUESTS', help='JSONL, one request a line: {"context": ..., "continuation": ...}, '
+        '{"context_ids": [...], "continuation_ids": [...]}, or {"text": ...} / {"text_ids": [...]} for a whole '
+        'text (rolling windows). Other fields are passed through.'),
+    exp: Optional[str] = common.exp_option(),
+    overrides: List[str] = common.set_option(),
+    job_log_dir: Optional[str] = common.job_dir_option(),
+    batch_size: int = typer.Option(0, '--batch-size', min=0, help='Requests scored together (0: up to 64 and '
+                                   'at most 4,096 tokens a batch).'),
+    step: Optional[int] = typer.Option(None, '--step', help='Checkpoint step (default: the latest).'),
+    no_checkpoint: bool = typer.Option(False, '--no-checkpoint', help='Score with freshly initialised weights.'),
+    dtype: Optional[str] = typer.Option(None, '--dtype', help='Activation dtype (default: FPROP_DTYPE).'),
+    output: Optional[str] = typer.Option(
+        None, '--output', '-o', help='JSONL output (default <job dir>/scores/pax_score_step<k>_<n>.jsonl, n '
+        'counting up).'),
+    json_out: bool = typer.Option(False, '--json', help='Print the JSON lines to stdout too (the '
+                                'summary line stays on stderr).'),
+    coordinator: Optional[str] = common.coordinator_option(),
+    num_processes: Optional[int] = common.num_processes_option(),
+    process_id: Optional[int] = common.process_id_option(),
+) -> None:
+  """Log-likelihood of continuations given contexts (sum of logprobs, is-greedy), batched on the mesh."""
+  from paxcli import api
+  err = common.console(stderr=True)
+  scored = api.score(
+      requests_file, exp, overrides=overrides, job_dir=job_log_dir, batch_size=batch_size, step=step,
+      no_checkpoint=no_checkpoint, dtype=dtype, output=output, coordinator=coordinator,
+      num_processes=num_processes, process_id=process_id, console=err,
+      progress=_progress_bar(err) if sys.stderr.isatty() else None)
+  if scored.path is None:  # processes other than 0 print nothing
+    return
+  if json_out:
+    for r in scored.records:
+      sys.stdout.write(json.dumps(r) + '\n')
+    sys.stdout.flush()
+  err.print(summary_line(scored), highlight=False)
+
+
+def summary_line(scored) -> str:
+  """Requests and tokens per second (compilation apart: the scorer compiles ahead of time), and the file."""
+  s = scored.stats
+  seconds = max(s['seconds'], 1e-9)
+  return (f'Scored {s["requests"]} requests ({s["windows"]} windows, {s["tokens"]:,} tokens) at step {scored.step}: '
+          f'{s["requests"] / seconds:,.1f} requests/s, {s["tokens"] / seconds:,.0f} tokens/s; compilation '
+          f'{s["compile_s"]:.1f} s, not in the rates\nWrote {len(scored.records)} results to {scored.path}')
+
+
+def _progress_bar(console):
+  """A transient bar over the windows while they are scored (a terminal only)."""
+  from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+  @contextlib.contextmanager
+  def bar(total: int):
+    with Progress(TextColumn('scoring'), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console,
+                  transient=True) as progress:
+      task = progress.add_task('score', total=total)
+      yield lambda n: progress.advance(task, n)
+
+  return bar
+
+
+def register(app: typer.Typer) -> None:
+  app.command('score')(score_command)

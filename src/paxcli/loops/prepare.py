@@ -1,0 +1,403 @@
+"""`pax data prepare`: the user's files tokenized once into a prepared directory (paxcli.inputs.prepared).
+
+Three steps:
+  scan    every document read, none tokenized: each bad line, row or record is reported (file and
+          line, documents' own messages) before anything is written; each split's documents counted
+  plan    each split cut into shards of contiguous documents; the plan (the files with their sizes
+          and times, the settings, the shards' document ranges) written to OUT/prepare-plan.json
+  write   the documents read again in order and tokenized by `workers` processes, whose results are
+          taken in order: the bytes written do not depend on their number. Each shard is written
+          under a temporary name and renamed when complete (prepared.write_shard); prepared.json last.
+
+Records are what the file input trains on: a document's chunks encoded one by one, EOS after the
+chunks that end a text, with each token's loss weight (packing.token_weights); a document under
+2 tokens, which never trains, is left out. The split is the file input's (documents.in_eval_split),
+so prepared and unprepared runs hold out the same documents.
+
+Resume: run the same command again. A directory whose plan names the same files (sizes and times),
+settings and tokenizer keeps its finished shards and redoes the unfinished one; any other non-empty
+directory is refused, never overwritten.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import itertools
+import json
+import math
+import multiprocessing
+import os
+import shutil
+import time
+from typing import Callable, Iterator, Optional
+
+from paxcli import files
+from paxcli.errors import UserError, shorten
+from paxcli.inputs import documents, packing, prepared, tokenizers
+from paxcli.inputs.file_input import DEFAULT_VOCAB_SIZE, anchored, auto_tokenizer
+
+PLAN = 'prepare-plan.json'
+PLAN_FORMAT = 'paxcli-prepare-plan'
+PLAN_VERSION = 1
+SHARD_CHARS = 64_000_000  # of text per train shard when --num-shards is not given (~16M tokens, ~80 MB)
+BATCH_DOCS = 64           # documents a worker tokenizes at a time
+MAX_ERRORS_SHOWN = 20
+
+Progress = Callable[[str, Optional[int]], Callable[[int, int], None]]  # (phase, total) -> advance(docs, tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+  sources: tuple[str, ...]   # globs
+  output: str                # absolute
+  tokenizer: Optional[str] = None  # a .model or tokenizer.json; None: trained on the train side
+  vocab_size: int = DEFAULT_VOCAB_SIZE  # of a trained tokenizer
+  text_field: str = 'text'
+  num_shards: Optional[int] = None  # train shards; None: one per SHARD_CHARS of text
+  eval_split: bool = True
+  workers: int = 1
+
+
+@dataclasses.dataclass
+class Counts:
+  """A split's documents and characters, as the scan finds them."""
+  documents: int = 0
+  chars: int = 0
+
+
+def prepare(options: Options, progress: Progress, log: Callable[[str], None]) -> dict:
+  """Scans, plans and writes (the module docstring); returns the summary `--json` prints."""
+  start = time.perf_counter()
+  paths = source_files(options.sources)
+  settings = _settings(options, paths)
+  plan = _existing_plan(options.output, settings)
+  if plan is not None and prepared.is_prepared(options.output):
+    log(f'{options.output} is already prepared from these files and settings: nothing to do.')
+    return summary(options.output, plan, time.perf_counter() - start, 0, 0, options.workers, 0.0)
+  if plan is None:
+    counts = scan(paths, options.text_field, options.eval_split, progress)
+    plan = {'format': PLAN_FORMAT, 'version': PLAN_VERSION, 'settings': settings,
+            'shards': _shard_plan(counts, options.num_shards)}
+  tokenizer_source = options.tokenizer or _kept_tokenizer(options.output) or auto_tokenizer(
+      _data(options.sources), options.text_field, options.vocab_size)
+  tok = _check_tokenizer(tokenizer_source)
+  if not os.path.isfile(os.path.join(options.output, PLAN)):
+    files.atomic_write(os.path.join(options.output, PLAN), (json.dumps(plan, indent=1) + '\n').encode())
+  tokenizer_rel = _copy_tokenizer(tokenizer_source, options.output)
+  tokenizing = time.perf_counter()
+  docs, tokens = write(paths, plan, options, tokenizer_source, progress, log)
+  tokenizing = time.perf_counter() - tokenizing
+  shards = {split: [_shard_stats(options.output, name) for name, _, _ in ranges]
+            for split, ranges in plan['shards'].items()}
+  prepared.write_manifest(options.output, prepared.Manifest(
+      tokenizer_rel, tok.vocab_size, tok.eos_id, shards, paths, options.text_field))
+  return summary(options.output, plan, time.perf_counter() - start, docs, tokens, options.workers, tokenizing)
+
+
+def source_files(sources) -> list[str]:
+  """The files of every glob, in the order given, each once; absolute."""
+  out, seen = [], set()
+  for glob in sources:
+    for path in documents.expand(anchored(glob)):
+      if path not in seen:
+        seen.add(path)
+        out.append(path)
+  return out
+
+
+def _data(sources):
+  """The file input's `data` for these globs: one glob, or an equal mixture (the tokenizer trainer's input)."""
+  globs = [anchored(glob) for glob in sources]
+  return globs[0] if len(globs) == 1 else {glob: 1.0 for glob in globs}
+
+
+def _settings(options: Options, paths: list[str]) -> dict:
+  """What makes two prepares the same: the files as they are now, the tokenizer's bytes, the settings."""
+  tokenizer = None
+  if options.tokenizer:
+    files.check_regular_file(options.tokenizer, 'tokenizer')
+    with open(options.tokenizer, 'rb') as f:
+      tokenizer = {'path': options.tokenizer, 'sha1': hashlib.sha1(f.read()).hexdigest()}
+  return {'files': [[path, *documents.file_stamp(path)] for path in paths], 'text_field': options.text_field,
+          'tokenizer': tokenizer, 'vocab_size': None if tokenizer else options.vocab_size,
+          'num_shards': options.num_shards, 'eval_split': options.eval_split}
+
+
+def _existing_plan(output: str, settings: dict) -> Optional[dict]:
+  """The plan of an earlier prepare of the same settings into `output`; None for a new or empty
+  directory; UserError for anything else (user data is never overwritten)."""
+  if os.path.exists(output) and not os.path.isdir(output):
+    raise UserError(f'{output} is a file; give a directory to write the prepared data to.')
+  if not os.path.isdir(output) or not os.listdir(output):
+    return None
+  path = os.path.join(output, PLAN)
+  if not os.path.isfile(path):
+    raise UserError(f'{output} is not empty and was not written by `pax data prepare`: nothing written. '
+                    'Give a new or empty directory.')
+  try:
+    with open(path, encoding='utf-8') as f:
+      plan = json.load(f)
+    same = plan['format'] == PLAN_FORMAT and plan['version'] == PLAN_VERSION and plan['settings'] == settings
+    _check_shard_plan(plan['shards'], path)
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    raise UserError(f'{path}: not a readable prepare plan ({e}); give a new or empty directory.') from None
+  if not same:
+    old = plan.get('settings', {}) if isinstance(plan, dict) else {}
+    differ = [k for k in settings if old.get(k) != settings[k]] or ['format']
+    raise UserError(f'{output} holds a `pax data prepare` of other files or settings ({", ".join(differ)} '
+                    'differ; a file\'s size or time counts): nothing written. Give a new directory, or the '
+                    'same files and options to resume it.')
+  return plan
+
+
+def _check_shard_plan(shards: dict, path: str) -> None:
+  """The shards of a plan read back are the names and ranges _shard_plan makes (an edited plan
+  cannot name a file outside the directory); ValueError otherwise."""
+  for split, ranges in shards.items():
+    ends = [0] + [hi for _, _, hi in ranges]
+    expected = [[prepared.shard_name(split, k, len(ranges)), ends[k], ends[k + 1]] for k in range(len(ranges))]
+    if split not in prepared.SPLITS or ranges != expected or ends != sorted(ends):
+      raise ValueError(f'shards of {split!r} are not those of a plan')
+
+
+# ---- scan -------------------------------------------------------------------------------------
+
+
+def scan(paths: list[str], text_field: str, eval_split: bool, progress: Progress) -> dict[str, Counts]:
+  """Each split's documents, having read them all; one UserError listing every bad input found."""
+  counts = {'train': Counts(), 'eval': Counts()}
+  errors: list[str] = []
+  advance = progress('Checking', len(paths))
+  for path in paths:
+    try:
+      for doc in documents.read(path, text_field, errors):
+        split = _split_of(doc, eval_split)
+        counts[split].documents += 1
+        counts[split].chars += sum(len(c.text) for c in doc.chunks)
+    except UserError as e:  # a file that cannot be read at all
+      errors.append(str(e))
+    advance(1, 0)
+  if errors:
+    more = len(errors) - MAX_ERRORS_SHOWN
+    raise UserError(f'{len(errors)} bad input(s); nothing written:\n' + '\n'.join(errors[:MAX_ERRORS_SHOWN])
+                    + (f'\n... and {more} more.' if more > 0 else ''))
+  if not counts['train'].documents:
+    raise UserError(f'No document to train on in {shorten(paths[0], 160)}'
+                    f'{f" and {len(paths) - 1} more file(s)" if len(paths) > 1 else ""}.')
+  return counts
+
+
+def _split_of(doc: documents.Document, eval_split: bool) -> str:
+  return 'eval' if eval_split and documents.in_eval_split(doc) else 'train'
+
+
+def _shard_plan(counts: dict[str, Counts], num_shards: Optional[int]) -> dict[str, list]:
+  """split -> [[shard name, first document, end document]]: contiguous, nearly equal ranges of the
+  split's documents. Train has `num_shards` (default: one per SHARD_CHARS of text); eval as many as
+  its text fills at train's shard size. A split without documents has no shards."""
+  train = counts['train']
+  count = num_shards or max(1, math.ceil(train.chars / SHARD_CHARS))
+  chars_per_shard = max(1, train.chars / count)
+  per_split = {'train': count, 'eval': max(1, math.ceil(counts['eval'].chars / chars_per_shard))}
+  plan = {}
+  for split, n in per_split.items():
+    docs = counts[split].documents
+    n = min(n, docs)
+    if n:
+      plan[split] = [[prepared.shard_name(split, k, n), k * docs // n, (k + 1) * docs // n] for k in range(n)]
+  return plan
+
+
+# ---- tokenizer --------------------------------------------------------------------------------
+
+
+def _check_tokenizer(path: str) -> tokenizers.Tokenizer:
+  tok = tokenizers.load(path)
+  if tok.eos_id is None:
+    raise UserError(f'The tokenizer {path} has no end-of-text token (one of {", ".join(tokenizers.HF_EOS)}); '
+                    'paxcli puts one after each document.')
+  return tok
+
+
+def _kept_tokenizer(output: str) -> Optional[str]:
+  """The trained tokenizer an unfinished prepare already copied into `output` (a resume needs no
+  retraining, even when the cache of trained tokenizers was cleared)."""
+  path = os.path.join(output, prepared.tokenizer_name('sentencepiece'))
+  return path if os.path.isfile(os.path.join(output, PLAN)) and os.path.isfile(path) else None
+
+
+def _copy_tokenizer(source: str, output: str) -> str:
+  """The tokenizer copied into the directory (prepared.tokenizer_name); its name there."""
+  rel = prepared.tokenizer_name(tokenizers.kind_of(source))
+  target = os.path.join(output, rel)
+  if not os.path.isfile(target) and os.path.abspath(source) != target:
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    shutil.copyfile(source, target + '.partial')
+    os.replace(target + '.partial', target)
+  return rel
+
+
+# ---- write ------------------------------------------------------------------------------------
+
+
+def write(paths: list[str], plan: dict, options: Options, tokenizer: str, progress: Progress,
+          log: Callable[[str], None]) -> tuple[int, int]:
+  """Writes each split's unfinished shards; returns (documents, tokens) tokenized now."""
+  todo = {split: [(name, lo, hi) for name, lo, hi in ranges if not os.path.isfile(os.path.join(options.output, name))]
+          for split, ranges in plan['shards'].items()}
+  kept = sum(len(ranges) for ranges in plan['shards'].values()) - sum(len(t) for t in todo.values())
+  if kept:
+    log(f'Resuming: {kept} finished shard(s) kept.')
+  advance = progress('Tokenizing', sum(hi - lo for ranges in todo.values() for _, lo, hi in ranges))
+  done = [0, 0]
+
+  def counted(records):
+    for record in records:
+      done[0] += 1
+      done[1] += len(record) // 5 if record else 0
+      advance(1, len(record) // 5 if record else 0)
+      yield record
+
+  with _Tokenizers(tokenizer, options.workers) as encode:
+    for split, ranges in todo.items():
+      if not ranges:
+        continue
+      wanted = _Ranges(ranges)
+      docs = (doc for i, doc in _numbered(paths, options.text_field, options.eval_split, split) if i in wanted)
+      records = counted(encode(docs))
+      for name, lo, hi in ranges:
+        shard = itertools.islice(records, hi - lo)
+        prepared.write_shard(os.path.join(options.output, name), (r for r in shard if r is not None))
+  return done[0], done[1]
+
+
+class _Ranges:
+  """Membership in a sorted list of [lo, hi) ranges, for documents numbered in increasing order."""
+
+  def __init__(self, ranges):
+    self._ranges = sorted((lo, hi) for _, lo, hi in ranges)
+
+  def __contains__(self, i: int) -> bool:
+    while self._ranges and i >= self._ranges[0][1]:
+      self._ranges.pop(0)
+    return bool(self._ranges) and i >= self._ranges[0][0]
+
+
+
+def _numbered(paths: list[str], text_field: str, eval_split: bool, split: str):
+  """(index within the split, document) of the split's documents, in file order."""
+  i = 0
+  for path in paths:
+    for doc in documents.read(path, text_field):
+      if _split_of(doc, eval_split) == split:
+        yield i, doc
+        i += 1
+
+
+class _Tokenizers:
+  """Documents -> records, in order: in this process (1 worker) or in a pool of spawned processes,
+  at most 2 batches per worker in flight (Pool.imap would read the whole input ahead)."""
+
+  def __init__(self, tokenizer: str, workers: int):
+    self.tokenizer, self.workers, self.pool = tokenizer, workers, None
+
+  def __enter__(self):
+    _init_worker(self.tokenizer)
+    if self.workers > 1:
+      self.pool = multiprocessing.get_context('spawn').Pool(self.workers, _init_worker, (self.tokenizer,))
+    return self.encode
+
+  def __exit__(self, *exc):
+    if self.pool is not None:
+      self.pool.terminate()
+      self.pool.join()
+
+  def encode(self, docs) -> Iterator[Optional[bytes]]:
+    batches = _batches((tuple(doc.chunks) for doc in docs), BATCH_DOCS)
+    if self.pool is None:
+      for batch in batches:
+        yield from _encode_batch(batch)
+      return
+    pending = collections.deque()
+    for batch in batches:
+      pending.append(self.pool.apply_async(_encode_batch, (batch,)))
+      if len(pending) >= 2 * self.workers:
+        yield from pending.popleft().get()
+    while pending:
+      yield from pending.popleft().get()
+
+
+def _batches(items, size: int):
+  batch = []
+  for item in items:
+    batch.append(item)
+    if len(batch) == size:
+      yield batch
+      batch = []
+  if batch:
+    yield batch
+
+
+_worker_tokenizer = None
+
+
+def _init_worker(path: str) -> None:
+  global _worker_tokenizer
+  _worker_tokenizer = tokenizers.load(path)
+
+
+def _encode_batch(batch: list[tuple]) -> list[Optional[bytes]]:
+  """The records of a batch of documents (their chunks); None for a document under 2 tokens."""
+  tok = _worker_tokenizer
+  encoded = tok.encode_many([chunk.text for chunks in batch for chunk in chunks])
+  out, at = [], 0
+  for chunks in batch:
+    tokens, weights = packing.token_weights(chunks, encoded[at:at + len(chunks)], tok.eos_id,
+                                            tok.bos_id if tok.bos_first else None)
+    at += len(chunks)
+    out.append(prepared.encode(tokens, weights) if len(tokens) >= 2 else None)
+  return out
+
+
+# ---- summaries ----------------------------------------------------------------------------------
+
+
+def _shard_stats(output: str, name: str) -> prepared.Shard:
+  """A finished shard's records and tokens, read back (a resumed run did not write it)."""
+  from array_record.python.array_record_module import ArrayRecordReader  # Linux/macOS wheels only
+  reader = ArrayRecordReader(os.path.join(output, name))
+  try:
+    n = reader.num_records()
+    tokens = sum(len(r) // 5 for start in range(0, n, 4096) for r in reader.read(start, min(start + 4096, n)))
+  finally:
+    reader.close()
+  return prepared.Shard(name, n, tokens)
+
+
+def summary(output: str, plan: dict, seconds: float, docs: int, tokens: int, workers: int,
+            tokenizing: float) -> dict:
+  """What a prepare made (from its manifest) and how fast this run tokenized and wrote (rates over
+  the tokenizing step alone: the scan and a tokenizer's training are not in them)."""
+  manifest = prepared.read_manifest(output)
+  return {'output': output, 'tokenizer': manifest.tokenizer, 'vocab_size': manifest.vocab_size,
+          'eos_id': manifest.eos_id,
+          'documents': {split: ranges[-1][2] for split, ranges in plan['shards'].items()},
+          'records': {split: manifest.records(split) for split in manifest.shards},
+          'tokens': {split: sum(s.tokens for s in shards) for split, shards in manifest.shards.items()},
+          'shards': {split: len(shards) for split, shards in manifest.shards.items()},
+          'workers': workers, 'seconds': round(seconds, 3), 'tokenizing_seconds': round(tokenizing, 3),
+          'tokenized_documents': docs, 'tokenized_tokens': tokens,
+          'documents_per_sec': round(docs / max(tokenizing, 1e-9), 1),
+          'tokens_per_sec': round(tokens / max(tokenizing, 1e-9), 1)}
+
+
+def show(path: str) -> dict:
+  """`pax data show`: the manifest of a prepared directory, with totals."""
+  manifest = prepared.read_manifest(path)
+  raw = manifest.to_json()
+  raw['path'] = path
+  raw['totals'] = {split: {'shards': len(shards), 'records': manifest.records(split),
+                           'tokens': sum(s.tokens for s in shards)} for split, shards in manifest.shards.items()}
+  return raw
