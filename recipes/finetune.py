@@ -68,6 +68,13 @@ class LlamaSft(LmExperiment):
     if name == 'BASE' and self.BASE:
       self._adopt_base()
 
+  def own_data_datasets(self) -> list:
+    """No inputs while no data is given: TOKENIZER alone is BASE's, not the user's, and `pax decode`
+    of the fine-tuned job (which reads its tokenizer from the job) needs no TRAIN_DATA."""
+    if not (self.TRAIN_DATA or self.EVAL_DATA):
+      return []
+    return super().own_data_datasets()
+
   def _adopt_base(self) -> None:
     """The base's knobs become this experiment's defaults (a subclass made for this instance), so
     that what --set gives still wins and `pax` reports those as the command line's."""

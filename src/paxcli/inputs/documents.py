@@ -50,9 +50,16 @@ _SHARD_SUFFIX = re.compile(r'-\d+-of-\d+$')
 class Document:
   chunks: tuple[sft.Chunk, ...]
   where: str  # 'file line N' (or row, record): where errors point
+  messages: Optional[list] = None  # a chat's, for a model's own template (paxcli.inputs.chat_template)
 
   def text(self) -> str:
     return ''.join(c.text for c in self.chunks)
+
+
+def record_document(record: dict, text_field: str, where: str) -> Document:
+  """The document of a record (paxcli.inputs.sft), keeping a chat's messages."""
+  chat = sft.kind_of(record, text_field) == 'chat'
+  return Document(sft.from_record(record, text_field, where), where, record['messages'] if chat else None)
 
 
 def is_remote(path: str) -> bool:
@@ -169,10 +176,10 @@ def _open(path: str):
   return open(path, 'rb')
 
 
-def _document(where: str, chunks, errors: Optional[list[str]]) -> Optional[Document]:
-  """Document(chunks(), where); with `errors`, None and the UserError's line kept instead of raised."""
+def _document(make, errors: Optional[list[str]]) -> Optional[Document]:
+  """make() (a record_document); with `errors`, None and the UserError's line kept instead of raised."""
   try:
-    return Document(chunks(), where)
+    return make()
   except UserError as e:
     if errors is None:
       raise
@@ -217,7 +224,7 @@ def _read_jsonl(path: str, text_field: str, errors: Optional[list[str]] = None) 
     if not line.strip():
       continue
     where = f'{path} line {n}'
-    doc = _document(where, lambda: sft.from_record(_json_object(line, where, text_field), text_field, where),
+    doc = _document(lambda: record_document(_json_object(line, where, text_field), text_field, where),
                     errors)
     if doc is not None:
       yield doc
@@ -251,8 +258,8 @@ def _read_parquet(path: str, text_field: str, errors: Optional[list[str]] = None
       for record in batch.to_pylist():
         where = f'{path} row {row}'
         row += 1
-        doc = _document(where, lambda: sft.from_record({k: v for k, v in record.items() if v is not None},
-                                                       text_field, where), errors)
+        doc = _document(lambda: record_document({k: v for k, v in record.items() if v is not None},
+                                                text_field, where), errors)
         if doc is not None:
           yield doc
 
@@ -276,7 +283,7 @@ def _read_tfrecord(path: str, text_field: str, errors: Optional[list[str]] = Non
   try:
     for n, data in enumerate(tf.data.TFRecordDataset(path).as_numpy_iterator()):
       where = f'{path} record {n}'
-      doc = _document(where, lambda: sft.from_record(_example_record(data, where), text_field, where), errors)
+      doc = _document(lambda: record_document(_example_record(data, where), text_field, where), errors)
       if doc is not None:
         yield doc
   except tf.errors.DataLossError:
@@ -298,7 +305,7 @@ def _read_array_record(path: str, text_field: str, errors: Optional[list[str]] =
     for start in range(0, reader.num_records(), 1024):
       for n, data in enumerate(reader.read(start, min(start + 1024, reader.num_records())), start=start):
         where = f'{path} record {n}'
-        doc = _document(where, lambda: sft.from_record(_example_record(data, where), text_field, where), errors)
+        doc = _document(lambda: record_document(_example_record(data, where), text_field, where), errors)
         if doc is not None:
           yield doc
   finally:

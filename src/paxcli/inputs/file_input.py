@@ -2,7 +2,8 @@
 
 The pipeline, one stage per module so that another backend (Grain) can take any stage over:
   files and documents   paxcli.inputs.documents (formats, eval split, per-process share)
-  records to chunks     paxcli.inputs.sft (text, prompt/completion, chat template)
+  records to chunks     paxcli.inputs.sft (text, prompt/completion, chat template), or a chat
+                        through the model's own template (paxcli.inputs.chat_template)
   tokens                paxcli.inputs.tokenizers (sentencepiece or tokenizer.json)
   rows and batches      paxcli.inputs.packing (segment ids, positions, EOS between documents)
 
@@ -33,7 +34,7 @@ from typing import Iterator, Optional, Union
 import numpy as np
 
 from paxcli.errors import UserError, shorten
-from paxcli.inputs import documents, packing, tokenizers
+from paxcli.inputs import chat_template, documents, packing, tokenizers
 from paxcli.inputs.base import StreamInput, decode_rows
 from paxcli.inputs.corpus import cache_root
 
@@ -67,6 +68,7 @@ class FileLmInput(StreamInput):
     self.sources = [(documents.expand(glob), weight) for glob, weight in sources(self.data, self.name)]
     self._tok = tokenizers.load(self.tokenizer or auto_tokenizer(
         self.tokenizer_data or self.data, self.text_field, self.vocab_size or DEFAULT_VOCAB_SIZE))
+    self._chat = chat_template.of_tokenizer(self._tok)   # None: paxcli's own (inputs.sft)
     self.eos_id = self._tok.eos_id
     if self.eos_id is None:
       raise UserError(f'The tokenizer {self._tok.path} has no end-of-text token (one of '
@@ -89,7 +91,8 @@ class FileLmInput(StreamInput):
     return self._tok.path
 
   def ids_to_strings(self, ids, lengths=None) -> list[str]:
-    return decode_rows(self._tok.decode, ids, lengths)
+    """The rows' text with special tokens written out: what the model reads, template included."""
+    return decode_rows(lambda row: self._tok.decode(row, specials=True), ids, lengths)
 
   # ---- the pipeline ---------------------------------------------------------------------------
 
@@ -116,8 +119,7 @@ class FileLmInput(StreamInput):
         order = [mine[i] for i in np.random.default_rng([self.seed, _FILE_ORDER, epoch]).permutation(len(mine))]
       count = 0
       for doc in documents.keep_share(self._documents(order), share):
-        example = packing.tokenize(doc.chunks, self._tok.encode_many([c.text for c in doc.chunks]), self.eos_id,
-                                   self._tok.bos_id if self._tok.bos_first else None)
+        example = self._example(doc)
         if example is not None:
           count += 1
           yield example
@@ -127,6 +129,13 @@ class FileLmInput(StreamInput):
         raise UserError(f'Input {self.name!r}: process {host} of {num_hosts} has no document of '
                         f'{shorten(files[0], 120)}{" ..." if len(files) > 1 else ""} to train on '
                         f'({len(files)} file(s), {self.split} split); give more documents or files.')
+
+  def _example(self, doc: documents.Document) -> Optional[packing.Example]:
+    """A document's training pairs: a chat through the model's own template when it ships one."""
+    if self._chat is not None and doc.messages is not None:
+      return self._chat.example(doc.messages, self._tok, doc.where)
+    return packing.tokenize(doc.chunks, self._tok.encode_many([c.text for c in doc.chunks]), self.eos_id,
+                            self._tok.bos_id if self._tok.bos_first else None)
 
   def _documents(self, files: list[str]) -> Iterator[documents.Document]:
     for path in files:

@@ -16,12 +16,15 @@ The chat template, one message after another:
 
 so that a prompt written as "<|user|>\\nWhat is...\\n<|assistant|>\\n" decodes an answer that ends
 with EOS. Chunks are tokenized apart, so no token straddles a prompt and its completion.
+
+A model that ships its own chat template (tokenizer_config.json) gets that one instead:
+paxcli.inputs.chat_template renders the messages a chat document keeps (Document.messages).
 """
 
 from __future__ import annotations
 
 import re
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 from paxcli.errors import UserError, shorten
 
@@ -41,16 +44,26 @@ def text_document(text: str) -> tuple[Chunk, ...]:
 
 def from_record(record: dict, text_field: str, where: str) -> tuple[Chunk, ...]:
   """The chunks of one record; UserError naming `where` when it has none of the known fields."""
-  if text_field in record:
+  kind = kind_of(record, text_field)
+  if kind == 'text':
     return text_document(_string(record, text_field, where))
-  if 'prompt' in record and 'completion' in record:
+  if kind == 'pair':
     return (Chunk(_string(record, 'prompt', where), False),
             Chunk(_string(record, 'completion', where), True, eos=True))
-  if 'messages' in record:
+  if kind == 'chat':
     return chat(record['messages'], where)
   fields = ', '.join(repr(k) for k in list(record)[:8]) or 'none'
   raise UserError(f'{where}: no {text_field!r} field (nor "prompt" and "completion", nor "messages"); '
                   f'its fields are {shorten(fields, 160)}. Set TEXT_FIELD to the field that holds the text.')
+
+
+def kind_of(record: dict, text_field: str) -> Optional[str]:
+  """'text', 'pair' (prompt and completion) or 'chat' (messages), the first a record has; else None."""
+  if text_field in record:
+    return 'text'
+  if 'prompt' in record and 'completion' in record:
+    return 'pair'
+  return 'chat' if 'messages' in record else None
 
 
 def chat(messages, where: str) -> tuple[Chunk, ...]:

@@ -8,8 +8,9 @@ sentencepiece. Both give `encode`, `decode`, `vocab_size` and the special ids.
 A tokenizer as Hugging Face ships it has a `tokenizer_config.json` beside it (CONFIG_NAME): its
 bos/eos/pad tokens name the special ids, and `add_bos_token` (or, for a tokenizer.json, its own
 post-processor) says that every text starts with BOS, which `bos_first` reports. The file's
-`chat_template` is Jinja code of the model's authors: paxcli keeps it with the job, as data, and
-never renders it (the chat JSONL input uses paxcli's own template, paxcli.inputs.sft).
+`chat_template` is Jinja code of the model's authors: paxcli keeps it with the job and renders it
+only in jinja2's sandbox, for chat JSONL (paxcli.inputs.chat_template). `encode_rendered` reads
+such a rendering: special tokens written as text stand for themselves, as in transformers.
 
 `train_sentencepiece` is what `pax tokenizer train` and the file inputs' first-use training
 call: a Unigram model with byte fallback and the ids paxcli's corpus tokenizer has (pad 0,
@@ -22,6 +23,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 from typing import Iterable, Iterator, Optional
 
 import sentencepiece as spm
@@ -68,7 +70,7 @@ def shipped_config(path: str) -> dict:
   return config
 
 
-def _token_text(value) -> Optional[str]:
+def token_text(value) -> Optional[str]:
   """A special token of tokenizer_config.json: a string, or an AddedToken's {"content": ...}."""
   if isinstance(value, dict):
     value = value.get('content')
@@ -103,18 +105,53 @@ class SentencePieceTokenizer:
   def pad_id(self) -> Optional[int]:
     return _id_or_none(self._sp.pad_id())
 
+  def special_tokens(self) -> dict[str, Optional[str]]:
+    """{'bos_token', 'eos_token', 'pad_token', 'unk_token'} -> the piece's text, or None."""
+    return {f'{k}_token': (self._sp.id_to_piece(i) if i is not None else None)
+            for k, i in (('bos', self.bos_id), ('eos', self.eos_id), ('pad', self.pad_id),
+                         ('unk', _id_or_none(self._sp.unk_id())))}
+
   def encode(self, text: str) -> list[int]:
     return list(self._sp.encode(text))
+
+  def encode_rendered(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+    """(ids, each one's [start, end) characters) of a rendered chat template: the special tokens'
+    texts (`</s>`) are those tokens, as transformers' LlamaTokenizer reads them; sentencepiece
+    alone would spell them out. The text between them is encoded piece by piece."""
+    specials = {t: self._sp.piece_to_id(t) for t in self.special_tokens().values() if t}
+    ids, offsets, at = [], [], 0
+    for part in _split_at(text, specials):
+      if part in specials:
+        ids.append(specials[part])
+        offsets.append((at, at + len(part)))
+      elif part:
+        encoded = self._sp.encode(part, return_type='offset_mapping')   # character offsets
+        ids += encoded['ids']
+        offsets += [(at + start, at + end) for start, end in encoded['offsets']]
+      at += len(part)
+    return ids, offsets
 
   def encode_many(self, texts: list[str]) -> list[list[int]]:
     return [list(ids) for ids in self._sp.encode(texts)]
 
-  def decode(self, ids) -> str:
-    """The text of `ids`; ids past the model's pieces are left out, as the tokenizers library does:
-    a model's vocabulary is often padded beyond its tokenizer's (VOCAB_SIZE 32128 for T5's 32100
-    pieces; an own-data tokenizer with fewer pieces than asked), and it may pick such an id."""
+  def decode(self, ids, specials: bool = False) -> str:
+    """The text of `ids`, special tokens written out when `specials` (what `pax inspect-input`
+    shows); ids past the model's pieces are left out, as the tokenizers library does: a model's
+    vocabulary is often padded beyond its tokenizer's (VOCAB_SIZE 32128 for T5's 32100 pieces; an
+    own-data tokenizer with fewer pieces than asked), and it may pick such an id."""
     size = self.vocab_size
-    return self._sp.decode([int(i) for i in ids if 0 <= int(i) < size])
+    ids = [int(i) for i in ids if 0 <= int(i) < size]
+    if not specials:
+      return self._sp.decode(ids)
+    parts, run = [], []
+    for i in ids + [None]:
+      if i is None or self._sp.is_control(i) or self._sp.is_unknown(i):
+        parts.append(self._sp.decode(run))
+        parts.append('' if i is None else self._sp.id_to_piece(i))
+        run = []
+      else:
+        run.append(i)
+    return ''.join(parts)
 
 
 class HfTokenizer:
@@ -135,7 +172,7 @@ class HfTokenizer:
     vocab = self._tok.get_vocab(with_added_tokens=True)
     config = shipped_config(path)
     self.eos_id, self.pad_id, self.bos_id = (
-        vocab.get(_token_text(config.get(f'{kind}_token')), next((vocab[t] for t in names if t in vocab), None))
+        vocab.get(token_text(config.get(f'{kind}_token')), next((vocab[t] for t in names if t in vocab), None))
         for kind, names in (('eos', HF_EOS), ('pad', HF_PAD), ('bos', HF_BOS)))
     added = self._tok.encode('', add_special_tokens=True).ids
     self.bos_first = self.bos_id is not None and added[:1] == [self.bos_id]
@@ -152,11 +189,18 @@ class HfTokenizer:
   def encode(self, text: str) -> list[int]:
     return list(self._tok.encode(text, add_special_tokens=False).ids)
 
+  def encode_rendered(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+    """(ids, each one's [start, end) characters) of a rendered chat template: added tokens written
+    as text are those tokens, as in every tokenizers encode; no BOS is added (the template writes it)."""
+    encoding = self._tok.encode(text, add_special_tokens=False)
+    return list(encoding.ids), [tuple(o) for o in encoding.offsets]
+
   def encode_many(self, texts: list[str]) -> list[list[int]]:
     return [list(e.ids) for e in self._tok.encode_batch(texts, add_special_tokens=False)]
 
-  def decode(self, ids) -> str:
-    return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+  def decode(self, ids, specials: bool = False) -> str:
+    """The text of `ids`, special tokens written out when `specials` (what `pax inspect-input` shows)."""
+    return self._tok.decode([int(i) for i in ids], skip_special_tokens=not specials)
 
 
 Tokenizer = SentencePieceTokenizer | HfTokenizer
@@ -166,6 +210,13 @@ def load(path: str) -> Tokenizer:
   """The tokenizer at `path`: a tokenizer.json (by its name) or a sentencepiece model."""
   check_regular_file(path, 'tokenizer')
   return HfTokenizer(path) if kind_of(path) == 'hf' else SentencePieceTokenizer(path)
+
+
+def _split_at(text: str, tokens) -> list[str]:
+  """`text` cut before and after each occurrence of one of `tokens` (longest first), those kept."""
+  if not tokens:
+    return [text]
+  return re.split('(' + '|'.join(map(re.escape, sorted(tokens, key=len, reverse=True))) + ')', text)
 
 
 def _id_or_none(i: int) -> Optional[int]:
