@@ -30,9 +30,9 @@ def saved_by_train(tmp_path_factory):
   saved = {}
   save = ckpt.Checkpointer.save
 
-  def keep_and_save(self, step, state, meta):
+  def keep_and_save(self, step, state, meta, **kwargs):
     saved[step] = _host(state)
-    return save(self, step, state, meta)
+    return save(self, step, state, meta, **kwargs)
 
   from paxcli.cli.app import main
   with pytest.MonkeyPatch.context() as patch:

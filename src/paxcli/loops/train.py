@@ -292,7 +292,7 @@ class Saver:
         'global_batch': spec.global_batch, 'state_shapes': spec.shapes, 'config': spec.flat,
         'input_layout': spec.input_layout, 'recent_losses': list(guard.recent), 'loss': guard.median(),
         'checksums': restore.checksums(state), **({'base': spec.base} if spec.base else {})},
-        self._input_state() if self._input_state else None)
+        input_state=self._input_state() if self._input_state else None)
 
 
 def params_finite(params) -> bool:
