@@ -1,0 +1,136 @@
+"""`pax checkpoint convert --from maxtext`: real MaxText checkpoints reproduce MaxText's logits.
+
+The fixtures in tests/fixtures/maxtext_ckpt were written by MaxText itself on CPU
+(make_fixtures.py and README.md there: the commit, the commands); each `run.sh` is the MaxText
+command that trained it, `run/checkpoints/<step>/items` MaxText's checkpoint and `logits.npy`
+what MaxText's own model computed from it on `ids.npy`. No MaxText is needed here. The user's
+path: `pax import-maxtext run.sh` writes the recipe, `pax checkpoint convert --from maxtext`
+converts the checkpoint into it. Tolerance: max |Δ logits| <= 1e-4 (float32 on CPU).
+"""
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from conftest import pax_main
+
+FIXTURES = os.path.join(os.path.dirname(__file__), 'fixtures', 'maxtext_ckpt')
+NAMES = sorted(n for n in os.listdir(FIXTURES) if os.path.isfile(os.path.join(FIXTURES, n, 'logits.npy')))
+TOLERANCE = 1e-4
+
+
+def _ok(argv, capsys):
+  code, out, err = pax_main(argv, capsys)
+  assert code == 0, err
+  return out, err
+
+
+def _recipe(name, tmp_path, capsys, *extra) -> str:
+  path = str(tmp_path / f'maxtext_{name}.py')
+  _ok(['import-maxtext', os.path.join(FIXTURES, name, 'run.sh'), '-o', path, '--class-name', 'Fixture', *extra],
+      capsys)
+  return f'{path}:Fixture'
+
+
+def _logits_of_output(out, exp):
+  """Logits of a converted checkpoint, read back from disk with the recipe's model."""
+  from paxcli import config
+  from paxcli.convert import core, formats
+  src = formats.open_source(out)
+  params = core.load_params(src, [a.name for a in src.arrays()])
+  model = core.build_model(config.resolve(exp, [])).module
+  return core.logits(model, params, np.load(os.path.join(FIXTURES, 'ids.npy'))), params
+
+
+@pytest.mark.parametrize('name', NAMES)
+def test_fixture_converts_to_maxtexts_logits(name, tmp_path, capsys):
+  """Scanned and unscanned layers, llama2 and default (parallel) blocks, tied and untied logits."""
+  exp = _recipe(name, tmp_path, capsys)
+  out_dir = str(tmp_path / 'px')
+  out, _ = _ok(['checkpoint', 'convert', os.path.join(FIXTURES, name, 'run'), out_dir, '--from', 'maxtext',
+                '--exp', exp, '--json'], capsys)
+  result = json.loads(out)
+  assert result['step'] == 2 and result['params_only'] and result['verify']['ok']
+  got, params = _logits_of_output(out_dir, exp)
+  want = np.load(os.path.join(FIXTURES, name, 'logits.npy'))
+  assert got.shape == want.shape and np.abs(got - want).max() <= TOLERANCE
+  scanned = 'unscanned' not in name
+  assert ('layers' in params) == scanned and ('layer_1' in params) == (not scanned)   # the recipe's layout
+
+
+def test_layout_changes_with_the_recipe(tmp_path, capsys):
+  """A scanned MaxText checkpoint into an unrolled recipe (and back): the same function."""
+  name = 'llama2_scanned'
+  exp = _recipe(name, tmp_path, capsys)
+  out_dir = str(tmp_path / 'px')
+  _ok(['checkpoint', 'convert', os.path.join(FIXTURES, name, 'run', 'checkpoints', '2'), out_dir, '--from',
+       'maxtext', '--exp', exp, '--set', 'USE_REPEATED_LAYER=False'], capsys)
+  from paxcli.convert import core, formats
+  src = formats.open_source(out_dir)
+  assert 'params/layer_1/attention/query/kernel' in {a.name for a in src.arrays()}
+
+
+def test_inspect_lists_maxtext_arrays(capsys):
+  out, _ = _ok(['checkpoint', 'inspect', os.path.join(FIXTURES, 'llama2_unscanned', 'run'), '--json'], capsys)
+  info = json.loads(out)
+  names = {a['name'] for a in info['arrays']}
+  assert info['format'] == 'maxtext' and info['step'] == 2
+  assert 'params/params/decoder/layers_1/self_attention/query/kernel' in names
+  assert info['totals']['parameters'] < sum(a['bytes'] for a in info['arrays']) // 4   # optimizer state beside
+
+
+def test_without_exp_says_which_recipe(tmp_path, capsys):
+  code, _, err = pax_main(['checkpoint', 'convert', os.path.join(FIXTURES, 'llama2_scanned', 'run'),
+                           str(tmp_path / 'o'), '--from', 'maxtext'], capsys)
+  assert code != 0 and 'pax import-maxtext' in err and '--exp' in err and 'Traceback' not in err
+
+
+def test_a_run_paxcli_cannot_express_is_refused(tmp_path, capsys):
+  """A script whose model paxcli does not build (here tied logits divided by sqrt(emb_dim)): the
+  recipe names it in UNSUPPORTED_FEATURES and the conversion refuses, naming it."""
+  script = tmp_path / 'run.sh'
+  text = open(os.path.join(FIXTURES, 'default_unscanned_tied', 'run.sh'), encoding='utf-8').read()
+  script.write_text(text.replace('normalize_embedding_logits=false', 'normalize_embedding_logits=true'))
+  recipe = str(tmp_path / 'r.py')
+  _ok(['import-maxtext', str(script), '-o', recipe, '--class-name', 'Tied'], capsys)
+  code, _, err = pax_main(['checkpoint', 'convert', os.path.join(FIXTURES, 'default_unscanned_tied', 'run'),
+                           str(tmp_path / 'o'), '--from', 'maxtext', '--exp', f'{recipe}:Tied'], capsys)
+  assert code != 0 and 'normalize_embedding_logits' in err and 'Traceback' not in err
+  assert not os.path.exists(tmp_path / 'o')
+
+
+def test_a_recipe_of_another_block_is_refused(tmp_path, capsys):
+  """The llama2 checkpoint into the default block's (parallel) recipe: its second norm has no place."""
+  exp = _recipe('default_scanned', tmp_path, capsys)
+  code, _, err = pax_main(['checkpoint', 'convert', os.path.join(FIXTURES, 'llama2_scanned', 'run'),
+                           str(tmp_path / 'o'), '--from', 'maxtext', '--exp', exp], capsys)
+  assert code != 0 and 'mlp_norm' in err and 'Traceback' not in err
+
+
+def test_unknown_maxtext_parameters_are_named(tmp_path, capsys):
+  """A checkpoint with a parameter of a block paxcli does not build (here a query norm)."""
+  run = tmp_path / 'run'
+  shutil.copytree(os.path.join(FIXTURES, 'llama2_unscanned', 'run'), run)
+  from paxcli.convert import maxtext
+  src = maxtext.MaxTextSource(str(run))
+  names = [a.name for a in src.arrays()]
+  assert 'params/params/decoder/layers_0/pre_self_attention_layer_norm/scale' in names
+  exp = _recipe('llama2_unscanned', tmp_path, capsys)
+  _rename_leaf(str(run / 'checkpoints' / '2' / 'items'), 'layers_0', 'pre_self_attention_layer_norm',
+               'query_norm')
+  code, _, err = pax_main(['checkpoint', 'convert', str(run), str(tmp_path / 'o'), '--from', 'maxtext',
+                           '--exp', exp], capsys)
+  assert code != 0 and 'decoder/layers_0/query_norm/scale' in err and 'Traceback' not in err
+
+
+def _rename_leaf(items: str, layer: str, old: str, new: str) -> None:
+  """Rewrites a checkpoint so one parameter has another name (orbax restore, then save)."""
+  import orbax.checkpoint as ocp
+  tree = ocp.PyTreeCheckpointer().restore(items)
+  layer_tree = tree['params']['params']['decoder'][layer]
+  layer_tree[new] = layer_tree.pop(old)
+  shutil.rmtree(items)
+  ocp.PyTreeCheckpointer().save(items, tree)
