@@ -53,7 +53,7 @@ def test_fixture_converts_to_maxtexts_logits(name, tmp_path, capsys):
   out, _ = _ok(['checkpoint', 'convert', os.path.join(FIXTURES, name, 'run'), out_dir, '--from', 'maxtext',
                 '--exp', exp, '--json'], capsys)
   result = json.loads(out)
-  assert result['step'] == 2 and result['params_only'] and result['verify']['ok']
+  assert result['step'] == 1 and result['params_only'] and result['verify']['ok']
   got, params = _logits_of_output(out_dir, exp)
   want = np.load(os.path.join(FIXTURES, name, 'logits.npy'))
   assert got.shape == want.shape and np.abs(got - want).max() <= TOLERANCE
@@ -66,7 +66,7 @@ def test_layout_changes_with_the_recipe(tmp_path, capsys):
   name = 'llama2_scanned'
   exp = _recipe(name, tmp_path, capsys)
   out_dir = str(tmp_path / 'px')
-  _ok(['checkpoint', 'convert', os.path.join(FIXTURES, name, 'run', 'checkpoints', '2'), out_dir, '--from',
+  _ok(['checkpoint', 'convert', os.path.join(FIXTURES, name, 'run', 'checkpoints', '1'), out_dir, '--from',
        'maxtext', '--exp', exp, '--set', 'USE_REPEATED_LAYER=False'], capsys)
   from paxcli.convert import core, formats
   src = formats.open_source(out_dir)
@@ -77,7 +77,7 @@ def test_inspect_lists_maxtext_arrays(capsys):
   out, _ = _ok(['checkpoint', 'inspect', os.path.join(FIXTURES, 'llama2_unscanned', 'run'), '--json'], capsys)
   info = json.loads(out)
   names = {a['name'] for a in info['arrays']}
-  assert info['format'] == 'maxtext' and info['step'] == 2
+  assert info['format'] == 'maxtext' and info['step'] == 1
   assert 'params/params/decoder/layers_1/self_attention/query/kernel' in names
   assert info['totals']['parameters'] < sum(a['bytes'] for a in info['arrays']) // 4   # optimizer state beside
 
@@ -119,7 +119,7 @@ def test_unknown_maxtext_parameters_are_named(tmp_path, capsys):
   names = [a.name for a in src.arrays()]
   assert 'params/params/decoder/layers_0/pre_self_attention_layer_norm/scale' in names
   exp = _recipe('llama2_unscanned', tmp_path, capsys)
-  _rename_leaf(str(run / 'checkpoints' / '2' / 'items'), 'layers_0', 'pre_self_attention_layer_norm',
+  _rename_leaf(str(run / 'checkpoints' / '1' / 'items'), 'layers_0', 'pre_self_attention_layer_norm',
                'query_norm')
   code, _, err = pax_main(['checkpoint', 'convert', str(run), str(tmp_path / 'o'), '--from', 'maxtext',
                            '--exp', exp], capsys)

@@ -180,71 +180,91 @@ def _scan_axis(stacked: dict[str, tuple], num_layers: int) -> int:
 
 
 class MaxTextView(formats.SourceBase):
-  """A MaxText checkpoint's parameters under paxcli names and shapes: scanned layers as
-  params/layers/... [L, ...] (the layer axis moved first), unscanned ones as params/layer_<i>/...;
-  anything in params the mapping does not know is named (MaxText features paxcli does not build)."""
+  """A MaxText checkpoint's parameters under paxcli names and shapes, in the layout of the paxcli
+  model given (params/layers/... [L, ...] when it scans, params/layer_<i>/... when not), whichever
+  MaxText's was; anything in params the mapping does not know is named (a MaxText block or feature
+  paxcli does not build)."""
   kind = 'maxtext'
 
   def __init__(self, src: MaxTextSource, model):
     self.path, self.step, self.src = src.path, src.step, src
     params = {a.name[len(_PARAMS):]: a for a in src.arrays() if a.name.startswith(_PARAMS)}
-    self._map: dict[str, tuple[str, tuple, str, Callable]] = {}
-    unknown, stacked = [], {}
+    self._top = {}                       # paxcli name -> MaxText name
+    per_layer: dict[str, dict] = {}      # paxcli name below a layer -> {layer: MaxText name}
+    stacked: dict[str, tuple] = {}       # MaxText name -> (shape, per-layer rank)
+    unknown = []
     for name, info in params.items():
-      if name in _TOP_PARAMS:
-        self._add(_TOP_PARAMS[name], name, info.shape, info.dtype, _same)
-        continue
       m = _LAYER_RE.match(name)
       inner = m.group(2) if m else name[len('decoder/layers/'):] if name.startswith('decoder/layers/') else None
-      if inner not in _LAYER_PARAMS:
+      if name in _TOP_PARAMS:
+        self._top[_TOP_PARAMS[name]] = name
+      elif inner not in _LAYER_PARAMS:
         unknown.append(f'{name} {list(info.shape)}')
-        continue
-      target, rank = _LAYER_PARAMS[inner]
-      if m:
-        self._add(f'params/layer_{int(m.group(1))}/{target}', name, info.shape, info.dtype, _fix(inner, info.shape))
+      elif m:
+        per_layer.setdefault(_LAYER_PARAMS[inner][0], {})[int(m.group(1))] = name
       else:
-        stacked[name] = (tuple(info.shape), rank)
+        stacked[name] = (tuple(info.shape), _LAYER_PARAMS[inner][1])
     if unknown:
       raise UserError(f'{src.path}: parameters paxcli has no place for (a MaxText decoder block or feature '
                       'it does not build):\n  ' + '\n  '.join(unknown[:20]))
-    if stacked:
-      axis = _scan_axis(stacked, model.num_layers)
-      for name, (shape, _) in stacked.items():
-        inner = name[len('decoder/layers/'):]
-        layer_shape = shape[:axis] + shape[axis + 1:]
-        fix = _fix(inner, layer_shape)
-        move = lambda x, fix=fix, axis=axis: np.stack([fix(y) for y in np.moveaxis(x, axis, 0)])
-        self._add(f'params/layers/{_LAYER_PARAMS[inner][0]}', name, (shape[axis],) + layer_shape,
-                  params[name].dtype, move, axis)
-
-  def _add(self, pax_name, mt_name, shape, dtype, fn, axis=None):
-    if pax_name in self._map:
-      raise UserError(f'{self.src.path}: both {self._map[pax_name][0]} and {mt_name} map to {pax_name}.')
-    self._map[pax_name] = (mt_name, tuple(shape), dtype, fn, axis)
+    self._axis = _scan_axis(stacked, model.num_layers) if stacked else None
+    # paxcli name below a layer -> (MaxText name(s): one stacked name or one per layer, layer shape, dtype)
+    self._layers = {}
+    for name, (shape, _) in stacked.items():
+      layer_shape = shape[:self._axis] + shape[self._axis + 1:]
+      self._layers[_LAYER_PARAMS[name[len('decoder/layers/'):]][0]] = (name, shape[self._axis], layer_shape,
+                                                                      params[name].dtype)
+    for target, layers in per_layer.items():
+      first = params[layers[min(layers)]]
+      self._layers[target] = ([layers.get(i) for i in range(max(layers) + 1)], len(layers), tuple(first.shape),
+                              first.dtype)
+    self._scanned = bool(model.scan_layers)
+    self._last = (None, None)
 
   def arrays(self):
-    return [ArrayInfo(p, shape, dtype) for p, (_, shape, dtype, _, _) in self._map.items()]
-
-  _last: tuple = (None, None)
+    out = [ArrayInfo(p, tuple(self.src.info(_PARAMS + n).shape), self.src.info(_PARAMS + n).dtype)
+           for p, n in self._top.items()]
+    for target, (_, count, shape, dtype) in self._layers.items():
+      if self._scanned:
+        out.append(ArrayInfo(f'params/layers/{target}', (count,) + shape, dtype))
+      else:
+        out += [ArrayInfo(f'params/layer_{i}/{target}', shape, dtype) for i in range(count)]
+    return out
 
   def read(self, name, index=None):
-    mt_name, _, _, fn, axis = self._map[name]
-    if index is not None and axis is not None:   # one layer of a scanned array: read it once for all
-      if self._last[0] != mt_name:
-        self._last = (mt_name, self.src.read(_PARAMS + mt_name))
-      return fn(np.take(self._last[1], [index], axis=axis))[0]
-    x = fn(self.src.read(_PARAMS + mt_name))
-    return x[index] if index is not None else x
+    if name in self._top:
+      x = self.src.read(_PARAMS + self._top[name])
+      return x[index] if index is not None else x
+    m = re.match(r'^params/layer_(\d+)/(.+)$', name)
+    if m:
+      return self._layer(m.group(2), int(m.group(1)))
+    target = name[len('params/layers/'):]
+    if index is not None:
+      return self._layer(target, index)
+    return np.stack([self._layer(target, i) for i in range(self._layers[target][1])])
+
+  def _layer(self, target: str, i: int) -> np.ndarray:
+    """Layer i of a paxcli layer parameter, from MaxText's stacked array (read once) or its layers_<i>."""
+    source, _, shape, _ = self._layers[target]
+    if isinstance(source, list):
+      if source[i] is None:
+        raise UserError(f'{self.src.path}: decoder/layers_{i} has no {target} (MaxText: the layers differ).')
+      x = self.src.read(_PARAMS + source[i])
+    else:
+      if self._last[0] != source:
+        self._last = (source, self.src.read(_PARAMS + source))
+      x = np.take(self._last[1], i, axis=self._axis)
+    return _fix(target, shape)(x)
 
 
 def _same(x):
   return x
 
 
-def _fix(inner: str, layer_shape: tuple) -> Callable:
-  """The value change from MaxText's parameter to paxcli's (per layer): the query kernel's
-  sqrt(head_dim) (module docstring), nothing for the others."""
-  if inner == 'self_attention/query/kernel':
+def _fix(target: str, layer_shape: tuple) -> Callable:
+  """The value change from MaxText's parameter to paxcli's `target` (per layer): the query
+  kernel's sqrt(head_dim) (module docstring), nothing for the others."""
+  if target == 'attention/query/kernel':
     scale = math.sqrt(layer_shape[-1])
     return lambda x: (np.asarray(x, np.float32) * scale).astype(x.dtype)
   return _same

@@ -29,7 +29,8 @@ def is_orbax(path: str) -> bool:
   job_dir, step = layout.split(path)
   if step is not None:
     return True
-  return bool(ckpt.step_dirs(layout.checkpoints(job_dir)))
+  steps = ckpt.step_dirs(layout.checkpoints(job_dir)).values()
+  return bool(steps) and not all(os.path.isdir(os.path.join(d, 'items')) for d in steps)   # items/: MaxText's
 
 
 def _sharding_words(meta) -> Optional[str]:

@@ -63,10 +63,10 @@ _DTYPES = set(options.DTYPES)
 
 # Specific reasons for keys that are read but have no Pax knob.
 _REASONS = {
-    'load_parameters_path': 'paxcli does not load MaxText checkpoints; the recipe starts from '
-                            'random weights',
-    'load_full_state_path': 'paxcli does not load MaxText checkpoints; the recipe starts from '
-                            'random weights',
+    'load_parameters_path': 'the recipe starts from random weights; convert the checkpoint with '
+                            'pax checkpoint convert --from maxtext CKPT OUT --exp <this recipe>',
+    'load_full_state_path': 'the recipe starts from random weights; convert the checkpoint with '
+                            'pax checkpoint convert --from maxtext CKPT OUT --exp <this recipe>',
     'weight_dtype': 'paxcli keeps weights in float32',
     'gradient_accumulation_steps': 'no Pax knob; raise PERCORE_BATCH_SIZE for the same global '
                                    'batch',
