@@ -103,11 +103,17 @@ def test_a_run_paxcli_cannot_express_is_refused(tmp_path, capsys):
 
 
 def test_a_recipe_of_another_block_is_refused(tmp_path, capsys):
-  """The llama2 checkpoint into the default block's (parallel) recipe: its second norm has no place."""
-  exp = _recipe('default_scanned', tmp_path, capsys)
+  """The llama2 checkpoint into the recipe of the same script with the default (parallel) block: the
+  llama2 layer's second norm has no place in it."""
+  script = tmp_path / 'run.sh'
+  text = open(os.path.join(FIXTURES, 'llama2_scanned', 'run.sh'), encoding='utf-8').read()
+  script.write_text(text.replace('decoder_block=llama2', 'decoder_block=default'))
+  recipe = str(tmp_path / 'r.py')
+  _ok(['import-maxtext', str(script), '-o', recipe, '--class-name', 'Parallel'], capsys)
   code, _, err = pax_main(['checkpoint', 'convert', os.path.join(FIXTURES, 'llama2_scanned', 'run'),
-                           str(tmp_path / 'o'), '--from', 'maxtext', '--exp', exp], capsys)
-  assert code != 0 and 'mlp_norm' in err and 'Traceback' not in err
+                           str(tmp_path / 'o'), '--from', 'maxtext', '--exp', f'{recipe}:Parallel'], capsys)
+  assert code != 0 and 'params/layers/mlp_norm/scale: checkpoint [2, 16] -> not in the experiment' in err
+  assert 'Traceback' not in err
 
 
 def test_unknown_maxtext_parameters_are_named(tmp_path, capsys):
@@ -134,3 +140,10 @@ def _rename_leaf(items: str, layer: str, old: str, new: str) -> None:
   layer_tree[new] = layer_tree.pop(old)
   shutil.rmtree(items)
   ocp.PyTreeCheckpointer().save(items, tree)
+
+
+def test_the_parallel_block_is_no_hugging_face_llama(tmp_path, capsys):
+  exp = _recipe('default_unscanned_tied', tmp_path, capsys)
+  code, _, err = pax_main(['checkpoint', 'convert', os.path.join(FIXTURES, 'default_unscanned_tied', 'run'),
+                           str(tmp_path / 'hf'), '--from', 'maxtext', '--exp', exp, '--to', 'hf'], capsys)
+  assert code != 0 and 'PARALLEL_BLOCK' in err and not os.path.exists(tmp_path / 'hf')

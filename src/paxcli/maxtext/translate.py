@@ -539,6 +539,8 @@ def _activation_and_block(b: _Builder) -> None:
     b.direct('ROTARY_MAX_TIMESCALE', 'rope_max_timescale', 10000,
              raw=b.raw('rope_max_timescale') if 'rope_max_timescale' in b.config else '10000 (MaxText)')
   b.put('SEPARATE_EMBEDDING', not bool(b.get('logits_via_embedding')), 'logits_via_embedding')
+  if b.get('logits_via_embedding'):
+    b.put('TIED_LOGITS_BFLOAT16', True, 'logits_via_embedding')
   if b.get('logits_via_embedding') and b.get('normalize_embedding_logits', False):
     b.feature('normalize_embedding_logits', 'MaxText divides the tied output logits by '
                                             'sqrt(emb_dim) (normalize_embedding_logits); paxcli does not')
