@@ -10,6 +10,7 @@ converts the checkpoint into it. Tolerance: max |Δ logits| <= 1e-4 (float32 on 
 
 import json
 import os
+import pathlib
 import shutil
 
 import numpy as np
@@ -92,7 +93,7 @@ def test_a_run_paxcli_cannot_express_is_refused(tmp_path, capsys):
   """A script whose model paxcli does not build (here tied logits divided by sqrt(emb_dim)): the
   recipe names it in UNSUPPORTED_FEATURES and the conversion refuses, naming it."""
   script = tmp_path / 'run.sh'
-  text = open(os.path.join(FIXTURES, 'default_unscanned_tied', 'run.sh'), encoding='utf-8').read()
+  text = pathlib.Path(FIXTURES, 'default_unscanned_tied', 'run.sh').read_text(encoding='utf-8')
   script.write_text(text.replace('normalize_embedding_logits=false', 'normalize_embedding_logits=true'))
   recipe = str(tmp_path / 'r.py')
   _ok(['import-maxtext', str(script), '-o', recipe, '--class-name', 'Tied'], capsys)
@@ -106,7 +107,7 @@ def test_a_recipe_of_another_block_is_refused(tmp_path, capsys):
   """The llama2 checkpoint into the recipe of the same script with the default (parallel) block: the
   llama2 layer's second norm has no place in it."""
   script = tmp_path / 'run.sh'
-  text = open(os.path.join(FIXTURES, 'llama2_scanned', 'run.sh'), encoding='utf-8').read()
+  text = pathlib.Path(FIXTURES, 'llama2_scanned', 'run.sh').read_text(encoding='utf-8')
   script.write_text(text.replace('decoder_block=llama2', 'decoder_block=default'))
   recipe = str(tmp_path / 'r.py')
   _ok(['import-maxtext', str(script), '-o', recipe, '--class-name', 'Parallel'], capsys)
