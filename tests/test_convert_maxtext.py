@@ -89,32 +89,32 @@ def test_without_exp_says_which_recipe(tmp_path, capsys):
   assert code != 0 and 'pax import-maxtext' in err and '--exp' in err and 'Traceback' not in err
 
 
+def _convert_into_edited_recipe(name, old, new, tmp_path, capsys):
+  """(exit code, stderr) of converting fixture `name` into the recipe of its run.sh with `old` -> `new`."""
+  script = tmp_path / 'run.sh'
+  script.write_text(pathlib.Path(FIXTURES, name, 'run.sh').read_text(encoding='utf-8').replace(old, new))
+  recipe = str(tmp_path / 'r.py')
+  _ok(['import-maxtext', str(script), '-o', recipe, '--class-name', 'Edited'], capsys)
+  code, _, err = pax_main(['checkpoint', 'convert', os.path.join(FIXTURES, name, 'run'), str(tmp_path / 'o'),
+                           '--from', 'maxtext', '--exp', f'{recipe}:Edited'], capsys)
+  assert 'Traceback' not in err and not os.path.exists(tmp_path / 'o')
+  return code, err
+
+
 def test_a_run_paxcli_cannot_express_is_refused(tmp_path, capsys):
   """A script whose model paxcli does not build (here tied logits divided by sqrt(emb_dim)): the
   recipe names it in UNSUPPORTED_FEATURES and the conversion refuses, naming it."""
-  script = tmp_path / 'run.sh'
-  text = pathlib.Path(FIXTURES, 'default_unscanned_tied', 'run.sh').read_text(encoding='utf-8')
-  script.write_text(text.replace('normalize_embedding_logits=false', 'normalize_embedding_logits=true'))
-  recipe = str(tmp_path / 'r.py')
-  _ok(['import-maxtext', str(script), '-o', recipe, '--class-name', 'Tied'], capsys)
-  code, _, err = pax_main(['checkpoint', 'convert', os.path.join(FIXTURES, 'default_unscanned_tied', 'run'),
-                           str(tmp_path / 'o'), '--from', 'maxtext', '--exp', f'{recipe}:Tied'], capsys)
-  assert code != 0 and 'normalize_embedding_logits' in err and 'Traceback' not in err
-  assert not os.path.exists(tmp_path / 'o')
+  code, err = _convert_into_edited_recipe('default_unscanned_tied', 'normalize_embedding_logits=false',
+                                          'normalize_embedding_logits=true', tmp_path, capsys)
+  assert code != 0 and 'normalize_embedding_logits' in err and 'UNSUPPORTED_FEATURES' in err
 
 
 def test_a_recipe_of_another_block_is_refused(tmp_path, capsys):
   """The llama2 checkpoint into the recipe of the same script with the default (parallel) block: the
   llama2 layer's second norm has no place in it."""
-  script = tmp_path / 'run.sh'
-  text = pathlib.Path(FIXTURES, 'llama2_scanned', 'run.sh').read_text(encoding='utf-8')
-  script.write_text(text.replace('decoder_block=llama2', 'decoder_block=default'))
-  recipe = str(tmp_path / 'r.py')
-  _ok(['import-maxtext', str(script), '-o', recipe, '--class-name', 'Parallel'], capsys)
-  code, _, err = pax_main(['checkpoint', 'convert', os.path.join(FIXTURES, 'llama2_scanned', 'run'),
-                           str(tmp_path / 'o'), '--from', 'maxtext', '--exp', f'{recipe}:Parallel'], capsys)
+  code, err = _convert_into_edited_recipe('llama2_scanned', 'decoder_block=llama2', 'decoder_block=default',
+                                          tmp_path, capsys)
   assert code != 0 and 'params/layers/mlp_norm/scale: checkpoint [2, 16] -> not in the experiment' in err
-  assert 'Traceback' not in err
 
 
 def test_unknown_maxtext_parameters_are_named(tmp_path, capsys):

@@ -23,7 +23,9 @@ Mapping (MaxText, under params/params/ -> paxcli; E = head_dim):
 MaxText's attention does not divide the logits by sqrt(E): its query kernel is initialised
 divided by sqrt(E) instead, and so carries the factor paxcli's attention applies (1/sqrt(E)),
 which the conversion multiplies back in. Rotary: both rotate halves (x1, x2) with timescale
-max_timescale^(2i/E), the same convention; norms are RMSNorm with a plain scale in both.
+max_timescale^(2i/E), the same convention; norms are RMSNorm with a plain scale in both. Tied
+output logits (logits_via_embedding) read a bfloat16 copy of the embedding in MaxText: the
+recipe's TIED_LOGITS_BFLOAT16.
 Optimizer states are not carried over: the result is a params-only checkpoint at MaxText's step.
 """
 
@@ -189,6 +191,9 @@ class MaxTextView(formats.SourceBase):
   def __init__(self, src: MaxTextSource, model):
     self.path, self.step, self.src = src.path, src.step, src
     params = {a.name[len(_PARAMS):]: a for a in src.arrays() if a.name.startswith(_PARAMS)}
+    if not params:
+      raise UserError(f'{src.path}: the checkpoint holds no {_PARAMS}... arrays (the parameters of a MaxText '
+                      'train state or params-only checkpoint).')
     self._top = {}                       # paxcli name -> MaxText name
     per_layer: dict[str, dict] = {}      # paxcli name below a layer -> {layer: MaxText name}
     stacked: dict[str, tuple] = {}       # MaxText name -> (shape, per-layer rank)
