@@ -149,8 +149,8 @@ class MaxTextSource(formats.SourceBase):
       items = '; '.join(f'{f}: {why}' for f, why in unsupported.items())
       raise UserError(f'{type(experiment).__name__} cannot compute the MaxText model of {self.path}: its '
                       f'UNSUPPORTED_FEATURES name what paxcli does not build ({items}). The converted '
-                      'model would compute another function; paxcli converts only MaxText runs it can '
-                      'reproduce.')
+                      'model would compute another function; to convert anyway, accepting the difference, '
+                      'add --set UNSUPPORTED_FEATURES={}.')
     knobs = experiment.knobs()
     wrong = [f'{k} = {knobs.get(k)!r} (MaxText: {v!r})' for k, v in _MAXTEXT_KNOBS.items()
              if knobs.get(k, v) != v]
