@@ -121,6 +121,12 @@ def test_a_recipe_of_another_block_is_refused(tmp_path, capsys):
   assert code != 0 and 'params/layers/mlp_norm/scale: checkpoint [2, 16] -> not in the experiment' in err
 
 
+def test_a_knob_maxtext_cannot_have_is_named(tmp_path, capsys):
+  code, err = _convert_into_edited_recipe('llama2_unscanned', 'scan_layers=false', 'scan_layers=false', tmp_path,
+                                          capsys, '--set', "NORM_TYPE='layernorm'")
+  assert code != 0 and "NORM_TYPE = 'layernorm' (MaxText: 'rmsnorm')" in err
+
+
 def test_unknown_maxtext_parameters_are_named(tmp_path, capsys):
   """A checkpoint with a parameter of a block paxcli does not build (here a query norm)."""
   run = tmp_path / 'run'

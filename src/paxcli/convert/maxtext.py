@@ -152,8 +152,7 @@ class MaxTextSource(formats.SourceBase):
                       'model would compute another function; to convert anyway, accepting the difference, '
                       'add --set UNSUPPORTED_FEATURES={}.')
     knobs = experiment.knobs()
-    wrong = [f'{k} = {knobs.get(k)!r} (MaxText: {v!r})' for k, v in _MAXTEXT_KNOBS.items()
-             if knobs.get(k, v) != v]
+    wrong = [f'{k} = {knobs[k]!r} (MaxText: {v!r})' for k, v in _MAXTEXT_KNOBS.items() if knobs[k] != v]
     if wrong:
       raise UserError(f'{type(experiment).__name__} does not compute a MaxText decoder: '
                       + '; '.join(wrong) + '. Use the recipe pax import-maxtext writes.')
@@ -268,10 +267,11 @@ def _same(x):
 
 def _fix(target: str, layer_shape: tuple) -> Callable:
   """The value change from MaxText's parameter to paxcli's `target` (per layer): the query
-  kernel's sqrt(head_dim) (module docstring), nothing for the others."""
+  kernel's sqrt(head_dim) (module docstring), in float32 (a bfloat16 kernel times sqrt(128) is no
+  longer a bfloat16 number; the writers cast to the target's dtype), nothing for the others."""
   if target == 'attention/query/kernel':
     scale = math.sqrt(layer_shape[-1])
-    return lambda x: (np.asarray(x, np.float32) * scale).astype(x.dtype)
+    return lambda x: np.asarray(x, np.float32) * np.float32(scale)
   return _same
 
 
