@@ -43,6 +43,7 @@ JOBDIR_MODULE = 'paxcli.jobdir.layout'
 # Modules whose path words name another program's layout, not a paxcli job directory.
 FOREIGN_LAYOUTS = {
     'paxcli.convert.paxml': "a paxml job directory (checkpoints/checkpoint_<step>/state)",
+    'paxcli.convert.maxtext': "a MaxText run directory (checkpoints/<step>/items)",
     'paxcli.inputs.corpus': "the corpus cache's own spm.model",
     'paxcli.inputs.classify': "the classification input's own spm.model",
     'paxcli.inputs.file_input': "the tokenizer cache's spm.model (~/.cache/paxcli/tokenizers)",

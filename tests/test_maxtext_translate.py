@@ -369,3 +369,20 @@ def test_nothing_the_script_sets_goes_missing():
     ("'relu'", ['relu'], ['relu']), ('c4', None, 'c4')])
 def test_parse_value(raw, like, value):
   assert parse_value(raw, like) == value
+
+
+@pytest.mark.parametrize('keys,parallel,unsupported', [
+    ('decoder_block=default', True, set()),                               # 2024 defaults: exact
+    ('decoder_block=llama2', None, set()),
+    ('decoder_block=default logits_via_embedding=true', True, {'normalize_embedding_logits'}),
+    ('decoder_block=default logits_via_embedding=true normalize_embedding_logits=false', True, set()),
+])
+def test_decoder_block_default_is_the_parallel_block(keys, parallel, unsupported, tmp_path):
+  """MaxText's default decoder layer (attention + MLP from one norm) is PARALLEL_BLOCK since 2024;
+  tied logits divided by sqrt(emb_dim) are a feature paxcli lacks."""
+  script = tmp_path / 'run.sh'
+  script.write_text(f'python3 -m maxtext.trainers.pre_train.train src/maxtext/configs/base.yml {keys}\n')
+  k = translate(read_script(str(script), []), Options()).knobs
+  assert k.get('PARALLEL_BLOCK') == parallel
+  assert set(k['UNSUPPORTED_FEATURES']) == unsupported
+  assert 'decoder_block_default' in run('2xv4-128.sh').knobs['UNSUPPORTED_FEATURES']   # the 2023 layer

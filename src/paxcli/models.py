@@ -163,6 +163,7 @@ class TransformerLm(BaseLayer):
   scale_embedding_sqrt_depth: bool = False
   softmax_bias: bool = False
   softmax_cap_logits: float = 0.0
+  tied_logits_bfloat16: bool = False
   # Pipeline parallelism (paxcli.layers.pipeline; needs scan_layers): the stacked layers run as
   # num_stages stages over num_microbatches microbatches (or microbatches of microbatch_size
   # rows; neither: as many as stages), pipeline_repeats times round (circular). 1 stage: off.
@@ -255,6 +256,9 @@ class TransformerLm(BaseLayer):
                             ('embed', 'vocab')),
                         bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ('vocab',)),
                         name='logits')(x_BxLxD)
+    elif self.tied_logits_bfloat16:   # MaxText's attend_on_embedding: the table rounded to bfloat16
+      table_VxD = embed.embedding.astype(jnp.bfloat16)
+      logits = jnp.dot(x_BxLxD, table_VxD.T, preferred_element_type=dtype)
     else:
       logits = embed.attend(x_BxLxD)
       if self.softmax_bias:

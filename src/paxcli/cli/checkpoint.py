@@ -10,14 +10,14 @@ import typer
 from paxcli.cli import common
 from paxcli.errors import UserError
 
-app = typer.Typer(help='Inspect and convert checkpoints (orbax, safetensors, Hugging Face Llama, paxml).',
+app = typer.Typer(help='Inspect and convert checkpoints (orbax, safetensors, Hugging Face Llama, paxml, MaxText).',
                   no_args_is_help=True)
 
 
 @app.command('inspect')
 def inspect_command(
     path: str = typer.Argument(..., help='Job directory, checkpoint step directory, .safetensors file or '
-                               'directory, Hugging Face directory or paxml checkpoint.'),
+                               'directory, Hugging Face directory, paxml checkpoint or MaxText run/checkpoint.'),
     step: Optional[int] = typer.Option(None, '--step', help='Checkpoint step (default: the latest).'),
     fmt: Optional[str] = typer.Option(None, '--from', help='Format (default: detected).'),
     json_out: bool = typer.Option(False, '--json', help='Print JSON.'),
@@ -58,8 +58,9 @@ def convert_command(
     source: str = typer.Argument(..., help='Checkpoint to read (as for inspect); never modified.'),
     output: str = typer.Argument(..., help='Where to write: a job directory (orbax), or a directory '
                                  '(safetensors, hf).'),
-    fmt: Optional[str] = typer.Option(None, '--from', help='Source format: orbax, safetensors, hf, paxml '
-                                      '(default: detected).'),
+    fmt: Optional[str] = typer.Option(None, '--from', help='Source format: orbax, safetensors, hf, paxml, '
+                                      'maxtext (default: detected; maxtext needs --exp with the recipe '
+                                      'pax import-maxtext wrote).'),
     to: str = typer.Option('orbax', '--to', help='Output format: orbax (a paxcli job directory), '
                            'safetensors, hf (Hugging Face Llama; a LoRA run merged), peft (a LoRA run\'s '
                            'adapters: adapter_config.json + adapter_model.safetensors).'),

@@ -124,7 +124,7 @@ class _Entry:
 
 READERS: dict[str, _Entry] = {}
 MODULES = ('paxcli.convert.orbax_io', 'paxcli.convert.safetensors_io', 'paxcli.convert.hf',
-           'paxcli.convert.paxml')
+           'paxcli.convert.paxml', 'paxcli.convert.maxtext')
 _loaded = False
 
 

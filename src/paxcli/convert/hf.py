@@ -61,6 +61,11 @@ def misfit(model) -> list[str]:
                  ('softmax_bias', 'the output logits have a bias'),
                  ('scale_embedding_sqrt_depth', 'token embeddings are scaled by sqrt(MODEL_DIMS)')]
   reasons += [f'{why} (Llama has no {name})' for name, why in pax_options if getattr(model, name, None)]
+  if getattr(model, 'tied_logits_bfloat16', False):
+    reasons.append('tied logits read a bfloat16 copy of the embedding (TIED_LOGITS_BFLOAT16=False to accept '
+                   'Llama\'s float32 one)')
+  if getattr(model, 'parallel_block', False):
+    reasons.append('attention and MLP run in parallel from one norm (PARALLEL_BLOCK; a Llama layer is sequential)')
   if not model.use_gated_activation or model.activation not in ('silu', 'swish'):
     reasons.append(f'the MLP is {"gated " if model.use_gated_activation else ""}{model.activation} '
                    '(Llama uses gated SiLU: USE_GATED_ACTIVATION=True, ACTIVATION=\'silu\')')

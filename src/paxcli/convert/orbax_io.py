@@ -29,7 +29,8 @@ def is_orbax(path: str) -> bool:
   job_dir, step = layout.split(path)
   if step is not None:
     return True
-  return bool(ckpt.step_dirs(layout.checkpoints(job_dir)))
+  steps = ckpt.step_dirs(layout.checkpoints(job_dir)).values()
+  return bool(steps) and not all(os.path.isdir(os.path.join(d, 'items')) for d in steps)   # items/: MaxText's
 
 
 def _sharding_words(meta) -> Optional[str]:
@@ -45,32 +46,14 @@ def _sharding_words(meta) -> Optional[str]:
   return type(s).__name__.replace('Metadata', '')
 
 
-class OrbaxSource(formats.SourceBase):
-  kind = 'orbax'
+class PyTreeDir(formats.SourceBase):
+  """The arrays of one orbax PyTree checkpoint directory (`state_dir`), by '/'-joined tree path:
+  metadata first, then one array (or one layer of one) at a time. `where` names it in errors."""
 
-  def __init__(self, path: str, step: Optional[int] = None, target=None):
-    from paxcli.jobdir import restore
-    self.path = path
-    self.job_dir, step_in_path = layout.split(path)
-    if step_in_path is not None and step is not None and step != step_in_path:
-      raise UserError(f'{path} is the checkpoint of step {step_in_path}, not --step {step}.')
-    self.step = restore.choose_step(self.job_dir, step if step is not None else step_in_path, purpose='convert')
-    self.state_dir = layout.state_dir(layout.step_dir(self.job_dir, self.step))
-    self.meta = restore.read_meta(self.job_dir, self.step)
-    self.config = self.meta.get('config')
+  def __init__(self, state_dir: str, where: str):
+    self.state_dir, self.where = state_dir, where
     self._arrays = None
     self._tree = None
-
-  def experiment_name(self) -> Optional[str]:
-    if self.meta.get('experiment'):
-      return self.meta['experiment']
-    path = layout.config(self.job_dir)
-    if os.path.exists(path):
-      with open(path, encoding='utf-8') as f:
-        first = f.readline()
-      if first.startswith('# experiment:'):
-        return first.split(':', 1)[1].strip()
-    return None
 
   def _metadata(self):
     if self._tree is None:
@@ -78,8 +61,7 @@ class OrbaxSource(formats.SourceBase):
       try:
         m = ocp.PyTreeCheckpointer().metadata(self.state_dir)
       except (FileNotFoundError, ValueError, OSError) as e:
-        raise UserError(f'The checkpoint at step {self.step} in {self.job_dir} cannot be read '
-                        f'({type(e).__name__}: {str(e)[:200]}).') from None
+        raise UserError(f'{self.where} cannot be read ({type(e).__name__}: {str(e)[:200]}).') from None
       m = getattr(m, 'item_metadata', m)
       self._tree = getattr(m, 'tree', m)
     return self._tree
@@ -158,6 +140,34 @@ class OrbaxSource(formats.SourceBase):
     for k in keys:
       out = out[k] if isinstance(out, dict) else out[int(k)]
     return np.asarray(out)
+
+
+class OrbaxSource(PyTreeDir):
+  """A paxcli job directory's checkpoint (the latest step, or --step): its arrays and saved meta."""
+  kind = 'orbax'
+
+  def __init__(self, path: str, step: Optional[int] = None, target=None):
+    from paxcli.jobdir import restore
+    self.path = path
+    self.job_dir, step_in_path = layout.split(path)
+    if step_in_path is not None and step is not None and step != step_in_path:
+      raise UserError(f'{path} is the checkpoint of step {step_in_path}, not --step {step}.')
+    self.step = restore.choose_step(self.job_dir, step if step is not None else step_in_path, purpose='convert')
+    super().__init__(layout.state_dir(layout.step_dir(self.job_dir, self.step)),
+                     f'The checkpoint at step {self.step} in {self.job_dir}')
+    self.meta = restore.read_meta(self.job_dir, self.step)
+    self.config = self.meta.get('config')
+
+  def experiment_name(self) -> Optional[str]:
+    if self.meta.get('experiment'):
+      return self.meta['experiment']
+    path = layout.config(self.job_dir)
+    if os.path.exists(path):
+      with open(path, encoding='utf-8') as f:
+        first = f.readline()
+      if first.startswith('# experiment:'):
+        return first.split(':', 1)[1].strip()
+    return None
 
   def extra_files(self) -> dict:
     name = os.path.relpath(layout.tokenizer(self.job_dir), self.job_dir)

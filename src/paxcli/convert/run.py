@@ -60,6 +60,8 @@ def convert(source: str, output: str, *, fmt: Optional[str] = None, to: str = 'o
   out = core.Output(output, force, source)    # refuse an existing output before any work
   t0 = time.perf_counter()
   src = formats.open_source(source, fmt, step)
+  if getattr(src, 'needs_experiment', None) and not exp:
+    raise UserError(src.needs_experiment)
   overrides = list(overrides)
   if merge_lora or to == 'peft' or lora.is_lora_run(src):
     return _convert_lora(src, out, to, exp, overrides, merge_lora, dtype, force, verify, kl_tolerance,
@@ -93,7 +95,7 @@ def _convert(src, out, source, output, fmt, to, exp, overrides, params_only, dty
   if not src.paxcli_names:
     if hasattr(src, 'paxcli_view'):
       # paxml: the view takes any layout and MAX_SEQ_LEN, so it is read as the target model
-      source_res = source_res or (target_res if src.kind == 'paxml' else _from_knobs(src, exp))
+      source_res = source_res or (target_res if src.kind in ('paxml', 'maxtext') else _from_knobs(src, exp))
       src = src.paxcli_view(core.build_model(source_res).spec)
     else:
       src = formats.open_source(source, src.kind, step, target=target_res)

@@ -177,6 +177,11 @@ LM_KNOBS: tuple[Knob, ...] = (
     Knob('SOFTMAX_CAP_LOGITS', float, 0.0, LM + 'softmax_cap_logits', '> 0: logits = cap * tanh(logits / cap); 0: off'),
     Knob('ATTEN_LOGIT_CAP', float, 0.0, ATTENTION + 'atten_logit_cap', 'the same for attention logits, before the mask'),
     Knob('USE_PER_DIM_SCALE', bool, False, ATTENTION + 'per_dim_scale', "learned per-dimension query scale (Pax's PerDimScale)"),
+    Knob('TIED_LOGITS_BFLOAT16', bool, False, LM + 'tied_logits_bfloat16',
+         "tied output logits against the embedding table rounded to bfloat16 (MaxText's attend_on_embedding)"),
+    Knob('PARALLEL_BLOCK', bool, False, BLOCK + 'parallel',
+         "attention and MLP from one norm, added together (MaxText's default decoder_block); no mlp_norm",
+         flat='parallel_block'),
     Knob('NORM_EPSILON', float, 1e-6, (NORM + 'epsilon', FINAL_NORM + 'epsilon'), flat='norm_epsilon'),
     Knob('ATTENTION_IMPL', AttentionImplName, 'auto', ATTENTION + 'attention_impl',
          'auto: jax.nn.dot_product_attention (cuDNN flash attention on GPUs in bf16/fp16, XLA elsewhere); '

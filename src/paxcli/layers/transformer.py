@@ -289,7 +289,9 @@ class Block(BaseLayer):
   """Pre-norm Transformer block built from templates. Returns (x, None) so that nn.scan can stack it.
 
   Children (names fixed: checkpoints depend on them): attention_norm and mlp_norm from
-  `norm_tpl`, attention from `attention_tpl`, mlp from `ffn_tpl`. The block fills the
+  `norm_tpl`, attention from `attention_tpl`, mlp from `ffn_tpl`. `parallel`: attention and
+  MLP both read the one attention_norm and their sum is added once (MaxText's default decoder
+  block, PaLM's parallel layer); there is no mlp_norm. The block fills the
   compute dtype into each template (field `dtype` of a plain flax module, `fprop_dtype`
   of a BaseLayer) and model_dims into a feed-forward template's input_dims/output_dims,
   unless the template sets them itself.
@@ -297,6 +299,7 @@ class Block(BaseLayer):
   model_dims: int = 0
   dropout_prob: float = 0.0
   deterministic: bool = True
+  parallel: bool = False
   attention_tpl: LayerTpl = template_field(Attention)
   ffn_tpl: LayerTpl = template_field(Mlp)
   norm_tpl: LayerTpl = template_field(Norm)
@@ -305,12 +308,17 @@ class Block(BaseLayer):
     compute = self.fprop_dtype or jnp.float32
     self.create_child('attention_norm', fill_template(self.norm_tpl, compute))
     self.create_child('attention', fill_template(self.attention_tpl, compute, deterministic=self.deterministic))
-    self.create_child('mlp_norm', fill_template(self.norm_tpl, compute))
+    if not self.parallel:
+      self.create_child('mlp_norm', fill_template(self.norm_tpl, compute))
     self.create_child('mlp', fill_template(self.ffn_tpl, compute, input_dims=self.model_dims,
                                            output_dims=self.model_dims, deterministic=self.deterministic))
     self.dropout = nn.Dropout(self.dropout_prob, deterministic=self.deterministic)
 
   def __call__(self, x_BxLxD, segment_ids_BxL, positions_BxL):
+    if self.parallel:
+      n_BxLxD = self.attention_norm(x_BxLxD)
+      h = self.attention(n_BxLxD, segment_ids_BxL, positions_BxL) + self.mlp(n_BxLxD)
+      return constrain(x_BxLxD + self.dropout(h), ('batch', 'length', 'embed')), None
     h = self.attention(self.attention_norm(x_BxLxD), segment_ids_BxL, positions_BxL)
     x_BxLxD = x_BxLxD + self.dropout(h)
     h = self.mlp(self.mlp_norm(x_BxLxD))

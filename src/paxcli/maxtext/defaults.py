@@ -225,14 +225,17 @@ class Block:
   use_bias: bool
   position: str
   unsupported: Optional[str] = None   # why paxcli's layer would be a different model
+  parallel: bool = False              # attention and MLP from one norm (PARALLEL_BLOCK)
 
+
+# Since 2024 MaxText's default decoder layer is attention and MLP in parallel from one RMSNorm
+# with rotary positions (PARALLEL_BLOCK); the 2023 one differs in what DEFAULT_BLOCK_2023 says.
+DEFAULT_BLOCK_SINCE = '2024-03-01'
+DEFAULT_BLOCK_2023 = ("MaxText's 2023 default decoder layer also has T5 relative position biases and "
+                      'query/key norms; paxcli builds a parallel layer with rotary positions')
 
 DECODER_BLOCKS: dict[str, Block] = {
-    'default': Block('rmsnorm', False, 'rotary',
-                     "MaxText's default decoder layer computes attention and MLP in parallel "
-                     'from one norm (in 2023 also with T5 relative position biases and '
-                     'query/key norms); paxcli builds a sequential pre-norm layer with rotary '
-                     'positions'),
+    'default': Block('rmsnorm', False, 'rotary', parallel=True),
     'llama2': Block('rmsnorm', False, 'rotary'),
     'mistral': Block('rmsnorm', False, 'rotary'),
     'mixtral': Block('rmsnorm', False, 'rotary'),

@@ -63,10 +63,10 @@ _DTYPES = set(options.DTYPES)
 
 # Specific reasons for keys that are read but have no Pax knob.
 _REASONS = {
-    'load_parameters_path': 'paxcli does not load MaxText checkpoints; the recipe starts from '
-                            'random weights',
-    'load_full_state_path': 'paxcli does not load MaxText checkpoints; the recipe starts from '
-                            'random weights',
+    'load_parameters_path': 'the recipe starts from random weights; convert the checkpoint with '
+                            'pax checkpoint convert --from maxtext CKPT OUT --exp <this recipe>',
+    'load_full_state_path': 'the recipe starts from random weights; convert the checkpoint with '
+                            'pax checkpoint convert --from maxtext CKPT OUT --exp <this recipe>',
     'weight_dtype': 'paxcli keeps weights in float32',
     'gradient_accumulation_steps': 'no Pax knob; raise PERCORE_BATCH_SIZE for the same global '
                                    'batch',
@@ -340,6 +340,7 @@ class _Builder:
     era, era_reason = detect_era(script_keys, set(base), self.script.entry, self.options)
     self.era = era
     snap, snap_reason = choose_snapshot(era, script_keys | set(base), self.options)
+    self.snapshot = snap
     self._layer(snap.values, f'base.yml {snap.name}')
     defaults_name = f'{snap.name} (from {snap.start}): {snap.description}'
     self.base_keys = set(base)
@@ -523,6 +524,10 @@ def _activation_and_block(b: _Builder) -> None:
     block = mt.DECODER_BLOCKS['llama2']
   elif block.unsupported:
     b.feature(f'decoder_block_{name}', block.unsupported)
+  if block.parallel:
+    if b.snapshot.start < mt.DEFAULT_BLOCK_SINCE and not b.options.base_config:
+      b.feature(f'decoder_block_{name}', mt.DEFAULT_BLOCK_2023)
+    b.put('PARALLEL_BLOCK', True, 'decoder_block')
   position = block.position
   if b.whole('trainable_position_size', -1) > 0:
     position = 'learned'
@@ -534,6 +539,11 @@ def _activation_and_block(b: _Builder) -> None:
     b.direct('ROTARY_MAX_TIMESCALE', 'rope_max_timescale', 10000,
              raw=b.raw('rope_max_timescale') if 'rope_max_timescale' in b.config else '10000 (MaxText)')
   b.put('SEPARATE_EMBEDDING', not bool(b.get('logits_via_embedding')), 'logits_via_embedding')
+  if b.get('logits_via_embedding'):
+    b.put('TIED_LOGITS_BFLOAT16', True, 'logits_via_embedding')
+  if b.get('logits_via_embedding') and b.get('normalize_embedding_logits', False):
+    b.feature('normalize_embedding_logits', 'MaxText divides the tied output logits by '
+                                            'sqrt(emb_dim) (normalize_embedding_logits); paxcli does not')
   dropout = b.real('dropout_rate', 0)
   if b.get('enable_dropout', True) is False:
     dropout = 0.0

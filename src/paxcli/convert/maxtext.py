@@ -1,0 +1,279 @@
+"""MaxText checkpoints as a conversion source: `pax checkpoint convert --from maxtext`.
+
+A MaxText run saves `<run>/checkpoints/<step>/items/`, an orbax PyTree checkpoint of its
+train state (Linen's on-disk layout, which pure-NNX MaxText writes too):
+`params/params/{token_embedder, decoder, ...}` and the optimizer state beside it. The
+checkpoint holds no config: the paxcli experiment is the recipe `pax import-maxtext` writes
+for the script that trained it, given with --exp (its knobs name sizes, block and layout).
+
+Mapping (MaxText, under params/params/ -> paxcli; E = head_dim):
+  token_embedder/embedding [V, D]                 params/embedding/embedding [V, D]
+  decoder/decoder_norm/scale [D]                  params/final_norm/scale
+  decoder/logits_dense/kernel [D, V] (untied)     params/logits/kernel
+  decoder/layers/... (scanned, the layer axis at param_scan_axis, 1 by default) or
+  decoder/layers_<i>/...                           params/layers/... [L, ...] or params/layer_<i>/...
+    self_attention/query/kernel [D, H, E]          attention/query/kernel x sqrt(E)
+    self_attention/key|value/kernel [D, K, E]      attention/key|value/kernel
+    self_attention/out/kernel [H, E, D]            attention/out/kernel
+    mlp/wi_0, wi_1 (gated) or wi; wo [F, D]        mlp/wi_0, wi_1; wo
+    pre_self_attention_layer_norm/scale (llama2),
+    pre_self_attention_norm/scale (default block)  attention_norm/scale
+    post_self_attention_layer_norm/scale (llama2)  mlp_norm/scale (the default block has none:
+                                                   PARALLEL_BLOCK, one norm for attention and MLP)
+MaxText's attention does not divide the logits by sqrt(E): its query kernel is initialised
+divided by sqrt(E) instead, and so carries the factor paxcli's attention applies (1/sqrt(E)),
+which the conversion multiplies back in. Rotary: both rotate halves (x1, x2) with timescale
+max_timescale^(2i/E), the same convention; norms are RMSNorm with a plain scale in both. Tied
+output logits (logits_via_embedding) read a bfloat16 copy of the embedding in MaxText: the
+recipe's TIED_LOGITS_BFLOAT16.
+Optimizer states are not carried over: the result is a params-only checkpoint at MaxText's step.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from typing import Callable, Optional
+
+import numpy as np
+
+from paxcli.convert import formats
+from paxcli.convert.formats import ArrayInfo
+from paxcli.convert.orbax_io import PyTreeDir
+from paxcli.errors import UserError
+
+_PARAMS = 'params/params/'
+_LAYER_RE = re.compile(r'^decoder/layers_(\d+)/(.+)$')
+NEEDS_EXPERIMENT = ('A MaxText checkpoint holds no model config: pass --exp with the recipe `pax import-maxtext '
+                    'SCRIPT` wrote for the script that trained it (--exp maxtext_<script>.py:<Class>).')
+
+# MaxText layer parameter (below decoder/layers) -> (paxcli name below a layer, per-layer rank).
+_LAYER_PARAMS = {
+    'self_attention/query/kernel': ('attention/query/kernel', 3),
+    'self_attention/key/kernel': ('attention/key/kernel', 3),
+    'self_attention/value/kernel': ('attention/value/kernel', 3),
+    'self_attention/out/kernel': ('attention/out/kernel', 3),
+    'mlp/wi_0/kernel': ('mlp/wi_0/kernel', 2),
+    'mlp/wi_1/kernel': ('mlp/wi_1/kernel', 2),
+    'mlp/wi/kernel': ('mlp/wi_0/kernel', 2),
+    'mlp/wo/kernel': ('mlp/wo/kernel', 2),
+    'pre_self_attention_layer_norm/scale': ('attention_norm/scale', 1),
+    'pre_self_attention_norm/scale': ('attention_norm/scale', 1),
+    'post_self_attention_layer_norm/scale': ('mlp_norm/scale', 1),
+}
+_TOP_PARAMS = {
+    'token_embedder/embedding': 'params/embedding/embedding',
+    'decoder/decoder_norm/scale': 'params/final_norm/scale',
+    'decoder/logits_dense/kernel': 'params/logits/kernel',
+}
+
+
+# ---- locating the checkpoint --------------------------------------------------------------------
+
+
+def _items(step_dir: str) -> Optional[str]:
+  items = os.path.join(step_dir, 'items')
+  return items if os.path.isfile(os.path.join(items, '_METADATA')) else None
+
+
+def _steps(checkpoints: str) -> dict[int, str]:
+  if not os.path.isdir(checkpoints):
+    return {}
+  return {int(n): _items(os.path.join(checkpoints, n)) for n in os.listdir(checkpoints)
+          if n.isdigit() and _items(os.path.join(checkpoints, n))}
+
+
+def locate(path: str, step: Optional[int] = None) -> tuple[str, int]:
+  """(items directory, step) of a MaxText run directory, its checkpoints/ directory, a step
+  directory (checkpoints/<step>) or its items/ directory; the latest step unless `step`."""
+  path = os.path.abspath(path)
+  if os.path.basename(path) == 'items' and os.path.isfile(os.path.join(path, '_METADATA')):
+    path = os.path.dirname(path)
+  name = os.path.basename(path)
+  if name.isdigit() and _items(path):
+    if step is not None and step != int(name):
+      raise UserError(f'{path} is the MaxText checkpoint of step {int(name)}, not --step {step}.')
+    return _items(path), int(name)
+  for checkpoints in (path, os.path.join(path, 'checkpoints')):
+    steps = _steps(checkpoints)
+    if steps:
+      if step is None:
+        step = max(steps)
+      elif step not in steps:
+        raise UserError(f'No MaxText checkpoint of step {step} in {checkpoints}; steps there: '
+                        f'{", ".join(map(str, sorted(steps)))}.')
+      return steps[step], step
+  raise UserError(f'{path} is not a MaxText checkpoint (<run>/checkpoints/<step>/items/ with an orbax '
+                  '_METADATA file).')
+
+
+def is_maxtext(path: str) -> bool:
+  try:
+    items = locate(path)[0]
+  except UserError:
+    return False
+  with open(os.path.join(items, '_METADATA'), 'rb') as f:
+    return b'"params"' in f.read(1 << 20)
+
+
+# ---- the source ---------------------------------------------------------------------------------
+
+
+class MaxTextSource(formats.SourceBase):
+  """A MaxText checkpoint under MaxText's names (`params/params/decoder/...`, `opt_state/...`);
+  paxcli_view(model) gives its parameters under paxcli's names."""
+  kind = 'maxtext'
+  paxcli_names = False
+  needs_experiment = NEEDS_EXPERIMENT
+
+  def __init__(self, path: str, step: Optional[int] = None):
+    self.path = path
+    items, self.step = locate(path, step)
+    self._tree = PyTreeDir(items, f'The MaxText checkpoint {items}')
+
+  def arrays(self) -> list[ArrayInfo]:
+    return self._tree.arrays()
+
+  def read(self, name: str, index: Optional[int] = None) -> np.ndarray:
+    return self._tree.read(name, index)
+
+  def is_param(self, name: str) -> bool:
+    return name.startswith(_PARAMS)
+
+  def check_experiment(self, experiment, log=print) -> None:
+    """A UserError when the recipe says paxcli cannot compute the MaxText model (its
+    UNSUPPORTED_FEATURES, as pax import-maxtext wrote them); shapes are checked by the plan."""
+    unsupported = getattr(experiment, 'UNSUPPORTED_FEATURES', None) or {}
+    if unsupported:
+      items = '; '.join(f'{f}: {why}' for f, why in unsupported.items())
+      raise UserError(f'{type(experiment).__name__} cannot compute the MaxText model of {self.path}: its '
+                      f'UNSUPPORTED_FEATURES name what paxcli does not build ({items}). The converted '
+                      'model would compute another function; to convert anyway, accepting the difference, '
+                      'add --set UNSUPPORTED_FEATURES={}.')
+    knobs = experiment.knobs()
+    wrong = [f'{k} = {knobs[k]!r} (MaxText: {v!r})' for k, v in _MAXTEXT_KNOBS.items() if knobs[k] != v]
+    if wrong:
+      raise UserError(f'{type(experiment).__name__} does not compute a MaxText decoder: '
+                      + '; '.join(wrong) + '. Use the recipe pax import-maxtext writes.')
+
+  def paxcli_view(self, model) -> 'MaxTextView':
+    return MaxTextView(self, model)
+
+
+# What every MaxText decoder block paxcli converts sets the same way (pax import-maxtext writes them).
+_MAXTEXT_KNOBS = {'NORM_TYPE': 'rmsnorm', 'USE_BIAS': False, 'POSITION_EMBEDDING': 'rotary'}
+
+
+def _scan_axis(stacked: dict[str, tuple], num_layers: int) -> int:
+  """The axis the scanned layers are stacked on (MaxText's param_scan_axis), read from the shapes
+  of the stacked parameters ({name: (shape, per-layer rank)}): the one axis of every array that is
+  num_layers long and one more than the per-layer rank; 1 (MaxText's default) where both could be."""
+  candidates = None
+  for shape, rank in stacked.values():
+    fit = {a for a in range(len(shape)) if len(shape) == rank + 1 and shape[a] == num_layers}
+    candidates = fit if candidates is None else candidates & fit
+  if not candidates:
+    shapes = ', '.join(f'{n} {list(s)}' for n, (s, _) in list(stacked.items())[:4])
+    raise UserError(f'The MaxText layers are not stacked {num_layers} deep on one axis as the experiment\'s '
+                    f'NUM_LAYERS says ({shapes}).')
+  return 1 if 1 in candidates else min(candidates)
+
+
+class MaxTextView(formats.SourceBase):
+  """A MaxText checkpoint's parameters under paxcli names and shapes, in the layout of the paxcli
+  model given (params/layers/... [L, ...] when it scans, params/layer_<i>/... when not), whichever
+  MaxText's was; anything in params the mapping does not know is named (a MaxText block or feature
+  paxcli does not build)."""
+  kind = 'maxtext'
+
+  def __init__(self, src: MaxTextSource, model):
+    self.path, self.step, self.src = src.path, src.step, src
+    params = {a.name[len(_PARAMS):]: a for a in src.arrays() if a.name.startswith(_PARAMS)}
+    if not params:
+      raise UserError(f'{src.path}: the checkpoint holds no {_PARAMS}... arrays (the parameters of a MaxText '
+                      'train state or params-only checkpoint).')
+    self._top = {}                       # paxcli name -> MaxText name
+    per_layer: dict[str, dict] = {}      # paxcli name below a layer -> {layer: MaxText name}
+    stacked: dict[str, tuple] = {}       # MaxText name -> (shape, per-layer rank)
+    unknown = []
+    for name, info in params.items():
+      m = _LAYER_RE.match(name)
+      inner = m.group(2) if m else name[len('decoder/layers/'):] if name.startswith('decoder/layers/') else None
+      if name in _TOP_PARAMS:
+        self._top[_TOP_PARAMS[name]] = name
+      elif inner not in _LAYER_PARAMS:
+        unknown.append(f'{name} {list(info.shape)}')
+      elif m:
+        per_layer.setdefault(_LAYER_PARAMS[inner][0], {})[int(m.group(1))] = name
+      else:
+        stacked[name] = (tuple(info.shape), _LAYER_PARAMS[inner][1])
+    if unknown:
+      raise UserError(f'{src.path}: parameters paxcli has no place for (a MaxText decoder block or feature '
+                      'it does not build):\n  ' + '\n  '.join(unknown[:20]))
+    self._axis = _scan_axis(stacked, model.num_layers) if stacked else None
+    # paxcli name below a layer -> (MaxText name(s): one stacked name or one per layer, layer shape, dtype)
+    self._layers = {}
+    for name, (shape, _) in stacked.items():
+      layer_shape = shape[:self._axis] + shape[self._axis + 1:]
+      self._layers[_LAYER_PARAMS[name[len('decoder/layers/'):]][0]] = (name, shape[self._axis], layer_shape,
+                                                                      params[name].dtype)
+    for target, layers in per_layer.items():
+      first = params[layers[min(layers)]]
+      self._layers[target] = ([layers.get(i) for i in range(max(layers) + 1)], len(layers), tuple(first.shape),
+                              first.dtype)
+    self._scanned = bool(model.scan_layers)
+    self._last = (None, None)
+
+  def arrays(self):
+    out = [ArrayInfo(p, tuple(self.src.info(_PARAMS + n).shape), self.src.info(_PARAMS + n).dtype)
+           for p, n in self._top.items()]
+    for target, (_, count, shape, dtype) in self._layers.items():
+      if self._scanned:
+        out.append(ArrayInfo(f'params/layers/{target}', (count,) + shape, dtype))
+      else:
+        out += [ArrayInfo(f'params/layer_{i}/{target}', shape, dtype) for i in range(count)]
+    return out
+
+  def read(self, name, index=None):
+    if name in self._top:
+      x = self.src.read(_PARAMS + self._top[name])
+      return x[index] if index is not None else x
+    m = re.match(r'^params/layer_(\d+)/(.+)$', name)
+    if m:
+      return self._layer(m.group(2), int(m.group(1)))
+    target = name[len('params/layers/'):]
+    if index is not None:
+      return self._layer(target, index)
+    return np.stack([self._layer(target, i) for i in range(self._layers[target][1])])
+
+  def _layer(self, target: str, i: int) -> np.ndarray:
+    """Layer i of a paxcli layer parameter, from MaxText's stacked array (read once) or its layers_<i>."""
+    source, _, shape, _ = self._layers[target]
+    if isinstance(source, list):
+      if source[i] is None:
+        raise UserError(f'{self.src.path}: decoder/layers_{i} has no {target} (MaxText: the layers differ).')
+      x = self.src.read(_PARAMS + source[i])
+    else:
+      if self._last[0] != source:
+        self._last = (source, self.src.read(_PARAMS + source))
+      x = np.take(self._last[1], i, axis=self._axis)
+    return _fix(target, shape)(x)
+
+
+def _same(x):
+  return x
+
+
+def _fix(target: str, layer_shape: tuple) -> Callable:
+  """The value change from MaxText's parameter to paxcli's `target` (per layer): the query
+  kernel's sqrt(head_dim) (module docstring), in float32 (a bfloat16 kernel times sqrt(128) is no
+  longer a bfloat16 number; the writers cast to the target's dtype), nothing for the others."""
+  if target == 'attention/query/kernel':
+    scale = math.sqrt(layer_shape[-1])
+    return lambda x: np.asarray(x, np.float32) * np.float32(scale)
+  return _same
+
+
+formats.register_reader('maxtext', lambda path, step=None, target=None: MaxTextSource(path, step),
+                        detect=is_maxtext)
