@@ -24,9 +24,10 @@ from paxcli.layers.transformer import Block
 FILLED_ELSEWHERE = {
     'parent', 'name',                               # flax
     'dtype', 'fprop_dtype', 'params_init',          # weight and compute dtypes: the parent layer fills them
+    'deterministic',                                # train or eval (dropout): the parent layer fills it
     'block_tpl', 'final_norm_tpl', 'attention_tpl', 'ffn_tpl', 'norm_tpl', 'lm_tpl',  # templates
 }
-FILLED_BY_THE_LM = {'model_dims', 'dropout_prob', 'deterministic'}   # Block's, from TransformerLm
+FILLED_BY_THE_LM = {'model_dims', 'dropout_prob'}   # Block's, from TransformerLm
 
 
 def _layer_configs(cfg, path=''):
