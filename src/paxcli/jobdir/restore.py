@@ -356,6 +356,20 @@ def _restore_step(setup, job_dir: str, step: int, params_only: bool, flat_now: O
   return Restored(step, state, meta, params_only_checkpoint=not has_opt)
 
 
+def weights(setup, resolved, job_dir: str, step: Optional[int], action: str, fallback: bool, log=print) -> tuple:
+  """(params, step) for a command that only reads weights (decode, score): checkpoint `step`'s, or
+  fresh ones (step 0) when it is None.
+
+  The latest checkpoint, if damaged, falls back to the newest intact one (fallback=True: named in
+  a WARNING line, nothing moved); a --step that is damaged is refused, naming it.
+  """
+  if step is None:
+    return engine.init_state(setup, resolved.experiment.RANDOM_SEED)['params'], 0
+  flat = {k: repr(v) for k, v in resolved.flat().items()}
+  got = restore(setup, job_dir, step, params_only=True, flat_now=flat, action=action, fallback=fallback, log=log)
+  return got.state['params'], got.step
+
+
 # ---- Base weights: INIT_FROM, and the base a LoRA checkpoint's adapters apply to ------------------
 
 
@@ -414,8 +428,25 @@ def base_params(setup, ref: BaseRef, frozen_only: bool) -> dict:
   if frozen_only:
     params = engine.split_trainable(setup.model, params)[1]
   sub = dataclasses.replace(setup, abstract_state={'step': setup.abstract_state['step'], 'params': params})
-  got = restore(sub, ref.job_dir, ref.step, params_only=True, action='load the base weights from', join_base=False)
+  try:
+    got = restore(sub, ref.job_dir, ref.step, params_only=True, action='load the base weights from', join_base=False)
+  except (DamagedCheckpoint, CheckpointGone, CheckpointReadError) as e:
+    raise BaseUnreadable(ref, e) from None
   return got.state['params']
+
+
+class BaseUnreadable(UserError):
+  """The base a run's adapters apply to (or its INIT_FROM) cannot be read.
+
+  Not a DamagedCheckpoint of the run itself: restore's fallback to the run's older checkpoints
+  (and train's setting aside of damaged ones) must not act on it, since every one of them names
+  the same base; the user repairs or replaces the base instead.
+  """
+  exit_code = 1
+
+  def __init__(self, ref: 'BaseRef', error: UserError):
+    super().__init__(f'The base weights {ref.describe()} cannot be read: {error} The checkpoints of this run were '
+                     'left as they are; restore the base from a copy (or convert it again).')
 
 
 def start_from_base(setup, state: dict, ref: BaseRef) -> dict:

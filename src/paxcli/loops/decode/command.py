@@ -67,7 +67,8 @@ def decode(resolved, job_dir: str, opts: DecodeOptions, texts: Sequence[str] = (
   lead = jax.process_index() == 0
   if lead:  # an unwritable output is found before the decoding, not after it
     check_output(output or cli_output_path(job_dir, dataset, chosen or 0))
-  decoder.params, ckpt_step = _weights(setup, resolved, job_dir, chosen, fallback=step is None, log=log)
+  decoder.params, ckpt_step = restore.weights(setup, resolved, job_dir, chosen, 'decode', fallback=step is None,
+                                              log=log)
   records, stats = _run(decoder, prompts, opts, tokenizer, progress if lead else None)
   path = None
   if lead:
@@ -87,20 +88,6 @@ def _checked(opts: DecodeOptions, tokenizer, vocab: int) -> DecodeOptions:
     if not 0 <= e < vocab:
       raise UserError(f'--eos-id {e} is outside the vocabulary (0 to {vocab - 1}).')
   return opts
-
-
-def _weights(setup, resolved, job_dir: str, ckpt_step: Optional[int], fallback: bool, log) -> tuple:
-  """(params, step): checkpoint `ckpt_step`'s, or fresh ones (step 0) when it is None.
-
-  The latest checkpoint, if damaged, falls back to the newest intact one (named in a WARNING
-  line, nothing moved); a --step that is damaged is refused, naming it.
-  """
-  if ckpt_step is None:
-    return engine.init_state(setup, resolved.experiment.RANDOM_SEED)['params'], 0
-  flat = {k: repr(v) for k, v in resolved.flat().items()}
-  restored = restore.restore(setup, job_dir, ckpt_step, params_only=True, flat_now=flat, action='decode',
-                             fallback=fallback, log=log)
-  return restored.state['params'], restored.step
 
 
 def _run(decoder: Decoder, prompts: list[Prompt], opts: DecodeOptions, tokenizer, progress: Optional[Progress]):

@@ -63,7 +63,7 @@ def score(resolved, job_dir: str, requests: list[Request], requests_file: str, s
   lead = jax.process_index() == 0
   if lead:  # an unwritable output is found before the scoring, not after it
     check_output(output or default_output(job_dir, chosen or 0))
-  scorer.params, ckpt_step = _weights(setup, resolved, job_dir, chosen, fallback=step is None, log=log)
+  scorer.params, ckpt_step = restore.weights(setup, resolved, job_dir, chosen, 'score', fallback=step is None, log=log)
   with progress(len(pairs)) if progress and lead else contextlib.nullcontext() as advance:
     results, stats = scorer.run(pairs, batch_size, progress=advance)
   records = _records(requests, pairs, results)
@@ -81,17 +81,6 @@ def default_output(job_dir: str, step: int) -> str:
   while os.path.lexists(layout.scores(job_dir, step, n)):
     n += 1
   return layout.scores(job_dir, step, n)
-
-
-def _weights(setup, resolved, job_dir: str, ckpt_step: Optional[int], fallback: bool, log) -> tuple:
-  """(params, step): checkpoint `ckpt_step`'s (a damaged latest one falls back to the newest intact
-  one, as in `pax decode`), or fresh ones (step 0) when it is None."""
-  if ckpt_step is None:
-    return engine.init_state(setup, resolved.experiment.RANDOM_SEED)['params'], 0
-  flat = {k: repr(v) for k, v in resolved.flat().items()}
-  restored = restore.restore(setup, job_dir, ckpt_step, params_only=True, flat_now=flat, action='score',
-                             fallback=fallback, log=log)
-  return restored.state['params'], restored.step
 
 
 def _records(requests: list[Request], pairs: list[Pair], results: list) -> list[dict]:
