@@ -29,12 +29,13 @@ def _sets(overrides):
 
 @pytest.fixture(scope='module')
 def runs(tmp_path_factory):
-  """(work dir, base job, LoRA job): the base trained 2 steps (checkpoints 1 and 2), then LoRA 3 steps on it."""
+  """(work dir, base job, LoRA job): the base trained 2 steps (checkpoints 1 and 2), then LoRA 3 steps on it
+  (checkpoints 2 and 3)."""
   import paxcli
   work = tmp_path_factory.mktemp('lora')
   base, tuned = str(work / 'base'), str(work / 'lora')
   paxcli.train(EXP, job_dir=base, overrides=LLAMA + ['NUM_TRAIN_STEPS=2', 'SAVE_INTERVAL_STEPS=1'], console=QUIET)
-  paxcli.train(EXP, job_dir=tuned, overrides=_lora(base, 'NUM_TRAIN_STEPS=3'), console=QUIET)
+  paxcli.train(EXP, job_dir=tuned, overrides=_lora(base, 'NUM_TRAIN_STEPS=3', 'SAVE_INTERVAL_STEPS=2'), console=QUIET)
   return work, base, tuned
 
 
@@ -197,3 +198,113 @@ def test_peft_export_loads_back_with_the_same_logits(runs, capsys):
   setup, params = _setup_and_params(_lora(base, f'LORA_INIT={peft!r}'))
   np.testing.assert_allclose(_logits(setup.model, params, IDS), _logits(lora_setup.model, lora_params, IDS),
                              atol=1e-6, rtol=0)
+
+
+@pytest.mark.slow
+def test_a_damaged_base_is_one_line_naming_it_and_no_adapter_checkpoint_is_skipped(runs, capsys):
+  """The base every checkpoint of a LoRA run applies to is unreadable: no fallback to the run's older
+  checkpoints (they name the same base), nothing set aside; one line naming the base."""
+  import shutil
+  work, base, tuned = runs
+  bad_base, job = str(work / 'base_damaged'), str(work / 'lora_on_damaged')
+  shutil.copytree(base, bad_base)
+  shutil.copytree(tuned, job)
+  for root, _, names in os.walk(os.path.join(bad_base, 'checkpoints', '2', 'state')):
+    for name in names if os.path.basename(root) == 'd' else ():
+      with open(os.path.join(root, name), 'r+b') as f:
+        f.truncate(os.path.getsize(os.path.join(root, name)) // 2)
+  steps = sorted(os.listdir(os.path.join(job, 'checkpoints')))
+  assert len(steps) >= 2   # an older checkpoint a fallback could have tried
+  sets = _lora(os.path.join(bad_base, 'checkpoints', '2'), 'NUM_TRAIN_STEPS=5')
+  for command in ('train', 'eval'):
+    code, out, err = pax_main([command, '--exp', EXP, *_sets(sets), '--job-log-dir', job], capsys)
+    assert code != 0 and 'Traceback' not in err and 'Falling back' not in out + err, (out, err)
+    line = [l for l in err.splitlines() if 'base weights' in l]
+    assert line and bad_base in line[0] and 'cannot be read' in line[0], err
+  assert sorted(os.listdir(os.path.join(job, 'checkpoints'))) == steps
+  assert not os.path.exists(os.path.join(job, 'checkpoints_damaged'))
+
+
+@pytest.mark.slow
+def test_lora_on_a_scanned_base_exports_peft_per_layer_and_loads_back(tmp_path, capsys):
+  """A base converted scanned (USE_REPEATED_LAYER=True, [layers, ...] stacks): LoRA trains on it,
+  PEFT's file has one key per layer (the stack unstacked), and LORA_INIT reads them back restacked."""
+  import jax
+  import paxcli
+  from paxcli import config
+  from paxcli.convert import safetensors_io
+  from paxcli.recipes import finetune
+  from paxcli.runtime import engine
+  made = finetune.write_example(str(tmp_path))
+  base, job, peft = (str(tmp_path / n) for n in ('llama', 'sft', 'peft'))
+  code, _, err = pax_main(['checkpoint', 'convert', '--from', 'hf', made['hf'], base, '--no-verify',
+                           '--set', 'USE_REPEATED_LAYER=True'], capsys)
+  assert code == 0, err
+  sets = [f'BASE={base!r}', f'TRAIN_DATA={made["train"]!r}', 'USE_REPEATED_LAYER=True', 'LORA_RANK=4',
+          'LORA_TARGETS=("query","mlp")', 'NUM_TRAIN_STEPS=3', 'EVAL_INTERVAL_STEPS=0']
+  paxcli.train('finetune.TinyLlamaSft', job_dir=job, overrides=sets, console=QUIET)
+  code, _, err = pax_main(['checkpoint', 'convert', job, peft, '--to', 'peft'], capsys)
+  assert code == 0, err
+  resolved = config.resolve('finetune.TinyLlamaSft', sets)
+  setup = engine.build(resolved)
+  from paxcli.jobdir import restore
+  params = jax.device_get(restore.restore(setup, job, 3, params_only=True).state['params'])
+  stack = params['layers']['attention']
+  assert stack['query_lora_a'].shape[0] == 2   # scanned: [layers, ...]
+  src = safetensors_io.SafetensorsSource(os.path.join(peft, 'adapter_model.safetensors'))
+  names = {a.name for a in src.arrays()}
+  assert len(names) == 2 * 4 * 2   # 2 layers x (q_proj, gate, up, down) x (A, B)
+  for i in range(2):
+    a = src.read(f'base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight')
+    np.testing.assert_array_equal(a, np.asarray(stack['query_lora_a'][i]).reshape(-1, 4).T)
+  again = engine.build(config.resolve('finetune.TinyLlamaSft', sets + [f'LORA_INIT={peft!r}']))
+  from paxcli.loops import train
+  fresh = train._fresh_state(again, restore.base_ref(again.train.init_from), 0, lambda m: None)
+  got = jax.device_get(fresh['params'])
+  for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+    y = dict(jax.tree_util.tree_flatten_with_path(got)[0])[path]
+    np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(x, np.float32), atol=1e-6,
+                               err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.slow
+def test_lora_under_pipeline_stages_has_the_unpipelined_loss_and_gradients():
+  """NUM_STAGES > 1 runs the same [layers, ...] stacks, adapters included: loss and adapter gradients
+  equal the unpipelined model's (B made nonzero, so that A's gradients are not all zero)."""
+  import jax
+  from paxcli import config
+  from paxcli.runtime import engine
+  tiny = ['NUM_LAYERS=2', 'MODEL_DIMS=16', 'HIDDEN_DIMS=32', 'NUM_HEADS=2', 'DIMS_PER_HEAD=8', 'VOCAB_SIZE=32',
+          'MAX_SEQ_LEN=8', 'USE_REPEATED_LAYER=True', 'PERCORE_BATCH_SIZE=2', 'LORA_RANK=2', TARGETS]
+  ref = engine.build(config.resolve(EXP, tiny + ['ICI_MESH_SHAPE=[1,4,2]']))
+  rng = np.random.default_rng(0)
+  params = jax.tree_util.tree_map_with_path(
+      lambda p, x: x + 0.1 * rng.standard_normal(x.shape).astype(x.dtype) if p[-1].key.endswith('_lora_b') else x,
+      jax.device_get(engine.init_state(ref, 0)['params']))
+  tokens = lambda: rng.integers(0, 32, (16, 8)).astype(np.int32)
+  batch = {'ids': tokens(), 'labels': tokens(),
+           'weights': np.ones((16, 8), np.float32), 'segment_ids': np.ones((16, 8), np.int32),
+           'positions': np.tile(np.arange(8, dtype=np.int32), (16, 1))}
+  piped = engine.build(config.resolve(EXP, tiny + ['NUM_STAGES=2', 'ICI_MESH_SHAPE=[2,1,2,2]']))
+  assert piped.pipeline is not None
+  (loss, grads), (loss_p, grads_p) = (_loss_and_adapter_grads(s, params, batch) for s in (ref, piped))
+  np.testing.assert_allclose(loss_p, loss, rtol=1e-6)
+  assert grads and set(grads) == set(grads_p)
+  for name, g in grads.items():
+    assert np.abs(g).max() > 0, name
+    np.testing.assert_allclose(grads_p[name], g, rtol=1e-4, atol=1e-6, err_msg=name)
+
+
+def _loss_and_adapter_grads(setup, params, batch):
+  """The loss and the gradients of the trainable params (the adapters), as the train step takes them."""
+  import jax
+  from paxcli.runtime import engine
+  params = jax.device_put(params, setup.state_shardings['params'])
+  adapters, frozen = engine.split_trainable(setup.model, params)
+
+  def loss(trainable):
+    with setup.activation_sharding():
+      value, _ = setup.model.apply({'params': engine.join_params(trainable, frozen)}, batch, method='fprop')
+    return value
+  value, grads = jax.jit(jax.value_and_grad(loss))(adapters)
+  return np.asarray(value), _flat(jax.device_get(grads))
