@@ -94,7 +94,7 @@ class LmExperiment(TrainingExperiment):
       raise UserError('EVAL_DATA and TOKENIZER need TRAIN_DATA (a glob of your training files).')
     from paxcli.inputs.file_input import FileLmInput, anchored
     train, evals = anchored(self.TRAIN_DATA), anchored(self.EVAL_DATA)
-    if isinstance(train, str) and prepared.is_prepared(train):
+    if _prepared_data(train):
       return self._prepared_datasets(train, evals)
     common = dict(seq_len=self.MAX_SEQ_LEN, text_field=self.TEXT_FIELD, tokenizer=anchored(self.TOKENIZER),
                   tokenizer_data=train, vocab_size=self.VOCAB_SIZE, seed=self.RANDOM_SEED)
@@ -105,14 +105,15 @@ class LmExperiment(TrainingExperiment):
                    data=evals or train, split='all' if evals else 'eval', **common),
     ]
 
-  def _prepared_datasets(self, train: str, evals) -> list:
-    """Grain inputs over a prepared directory: its train split, and for eval EVAL_DATA (another
-    prepared directory) or the directory's own eval split; none when it has neither."""
+  def _prepared_datasets(self, train, evals) -> list:
+    """Grain inputs over a prepared directory or a {directory: weight} mixture of them: the train
+    split, and for eval EVAL_DATA (prepared too) or the directories' own eval splits; none when
+    one of them has none."""
     from paxcli.inputs.grain_input import GrainLmInput  # grain: only for runs on prepared data
     if self.TOKENIZER:
       raise UserError(f'TOKENIZER is set, but {train} is prepared data: its ids come from its own tokenizer '
                       f'({prepared.MANIFEST} names it); leave TOKENIZER unset.')
-    if evals is not None and not (isinstance(evals, str) and prepared.is_prepared(evals)):
+    if evals is not None and not _prepared_data(evals):
       raise UserError(f'TRAIN_DATA {train} is prepared data; EVAL_DATA must be a prepared directory too '
                       f'(`pax data prepare`), got {evals!r}.')
     common = dict(seq_len=self.MAX_SEQ_LEN, vocab_size=self.VOCAB_SIZE, seed=self.RANDOM_SEED,
@@ -126,10 +127,23 @@ class LmExperiment(TrainingExperiment):
     return inputs
 
 
-def _eval_split(directory: str, whole: bool) -> Optional[str]:
-  """The split to evaluate on: the directory's eval split; for an EVAL_DATA directory without one,
-  its train split (all of it is eval data); None when TRAIN_DATA's directory has no eval split."""
-  manifest = prepared.read_manifest(directory)
-  if manifest.records('eval'):
+def _prepared_data(data) -> bool:
+  """Whether TRAIN_DATA / EVAL_DATA names prepared data: a prepared directory, or a mixture whose
+  keys all are; a mixture of prepared directories and files is refused (they are read by two
+  different inputs, which do not mix)."""
+  names = [data] if isinstance(data, str) else list(data) if isinstance(data, dict) else []
+  ready = [isinstance(n, str) and prepared.is_prepared(n) for n in names]
+  if any(ready) and not all(ready):
+    raise UserError(f'The mixture {data!r:.200} has prepared directories and files: mix either only prepared '
+                    'directories (exact resume, Grain) or only files; prepare the files too with '
+                    '`pax data prepare FILES OUT`.')
+  return bool(names) and all(ready)
+
+
+def _eval_split(data, whole: bool) -> Optional[str]:
+  """The split to evaluate on: the directories' eval split; for EVAL_DATA directories without one,
+  their train split (all of it is eval data); None when a TRAIN_DATA directory has no eval split."""
+  directories = [data] if isinstance(data, str) else list(data)
+  if all(prepared.read_manifest(d).records('eval') for d in directories):
     return 'eval'
   return 'train' if whole else None

@@ -36,9 +36,12 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import functools
 import glob
 import json
 import os
+import threading
+import time
 from typing import Any, Iterator, Optional
 
 import grain
@@ -202,7 +205,7 @@ def stream_states(state: Any) -> dict[int, dict]:
 @dataclasses.dataclass
 class GrainLmInput(BaseInput):
   """Batches of packed rows from one split of a prepared directory (see the module docstring)."""
-  data: str = ''  # a prepared directory (prepared.json and its ArrayRecord shards)
+  data: Any = ''  # a prepared directory (prepared.json and its shards), or {directory: weight}: a mixture
   split: str = 'train'
   seq_len: int = 128
   vocab_size: int = 0  # the model's: the tokenizer must fit in it; 0: no check
@@ -213,23 +216,42 @@ class GrainLmInput(BaseInput):
 
   def __post_init__(self):
     super().__post_init__()
-    self.manifest = prepared.read_manifest(self.data)
-    shards = self.manifest.shards.get(self.split) or []
-    self.num_docs = sum(s.records for s in shards)
+    self._sources = _sources(self.data, self.name)
+    self.manifest = self._sources[0][2]
+    self.num_docs = sum(m.records(self.split) for _, _, m in self._sources)
     if not self.num_docs:
       raise UserError(f'{self.data}: the prepared data has no {self.split} document.')
-    self._tokenizer_path = os.path.join(self.data, self.manifest.tokenizer)
+    self._tokenizer_path = os.path.join(self._sources[0][0], self.manifest.tokenizer)
     if self.vocab_size and self.manifest.vocab_size > self.vocab_size:
       raise UserError(f'{self.data}: its tokenizer has {self.manifest.vocab_size} tokens, more than the model\'s '
                       f'{self.vocab_size}: set VOCAB_SIZE={self.manifest.vocab_size} (or more).')
-    source = grain.sources.ArrayRecordDataSource([os.path.join(self.data, s.name) for s in shards])
-    docs = grain.MapDataset.source(source)
-    self._docs = docs.shuffle(seed=self.seed).repeat() if self.is_training else docs
+    self._docs = self._documents()
     self._end = None if self.is_training and self.repeat else self.num_docs
     self._iterator = None
     atexit.register(self.close)
     self._restored: dict[int, dict] = {}
     self._tok = None
+
+  def _documents(self) -> grain.MapDataset:
+    """Position -> record. Training: each directory shuffled and repeated (a new order each epoch), and
+    a mixture's directories interleaved in proportion to their weights by Grain's mix, which maps a
+    position to (directory, index) by arithmetic: random access, so a stream's count is all a resume
+    needs. Eval: every document of the split once, directory after directory."""
+    def source(directory, manifest):
+      return grain.sources.ArrayRecordDataSource(
+          [os.path.join(directory, s.name) for s in manifest.shards.get(self.split) or []])
+    if not self.is_training:
+      return grain.MapDataset.source(grain.sources.ArrayRecordDataSource(
+          [os.path.join(d, s.name) for d, _, m in self._sources for s in m.shards.get(self.split) or []]))
+    empty = [d for d, _, m in self._sources if not m.records(self.split)]
+    if empty:
+      raise UserError(f'{empty[0]}: the prepared data has no {self.split} document; a mixture draws from each '
+                      'of its directories.')
+    parts = [grain.MapDataset.source(source(d, m)).shuffle(seed=self.seed + i).repeat()
+             for i, (d, _, m) in enumerate(self._sources)]
+    if len(parts) == 1:
+      return parts[0]
+    return grain.MapDataset.mix(parts, [w for _, w, _ in self._sources])
 
   # ---- the contract ---------------------------------------------------------------------------
 
@@ -239,6 +261,7 @@ class GrainLmInput(BaseInput):
     if batch is None:
       raise EndOfInput(self.name)
     docs, offsets = batch.pop(_DOC), batch.pop(_OFFSET)
+    batch = _own_memory(batch)
     if os.environ.get(TRACE_ENV):
       self._trace(docs, offsets, batch['segment_ids'])
     self._batches_read += 1
@@ -285,7 +308,7 @@ class GrainLmInput(BaseInput):
     processes, workers and batch are the same; else the streams dealt out again."""
     mine = self._layout()
     first = saved[0]
-    for key in ('num_streams', 'num_docs', 'seed', 'seq_len', 'open_rows', 'split'):
+    for key in ('num_streams', 'num_docs', 'mixture', 'seed', 'seq_len', 'open_rows', 'split'):
       if first.get(key) != mine[key]:
         raise UserError(f'Cannot resume the input {self.name!r}: the checkpoint read {self.data} with {key} '
                         f'{first.get(key)!r}, this run has {mine[key]!r}; the saved position means nothing '
@@ -320,14 +343,23 @@ class GrainLmInput(BaseInput):
       if not flags.FLAGS.is_parsed():  # Grain's workers read absl flags, which a `pax` process never parses
         flags.FLAGS.mark_as_parsed()
       return ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=self.workers,
-                                                         per_worker_buffer_size=self.prefetch))
+                                                         per_worker_buffer_size=self.prefetch),
+                            worker_init_fn=functools.partial(_exit_with_parent, os.getpid()))
     return grain.experimental.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=self.prefetch)
 
   def _layout(self) -> dict:
     num_hosts, host = self._host()
-    return {'num_streams': self.num_streams, 'num_docs': self.num_docs, 'seed': self.seed, 'seq_len': self.seq_len,
+    return {'num_streams': self.num_streams, 'num_docs': self.num_docs, 'mixture': self._mixture(),
+            'seed': self.seed, 'seq_len': self.seq_len,
             'open_rows': self.open_rows, 'split': self.split, 'num_processes': num_hosts, 'process': host,
             'workers': self.workers, 'batch_size': self.batch_size}
+
+  def _mixture(self) -> Optional[list]:
+    """A mixture's [documents, weight] per directory, in order (None for one directory): a resume
+    with other weights or directories would give the saved positions other documents."""
+    if len(self._sources) == 1:
+      return None
+    return [[m.records(self.split), w] for _, w, m in self._sources]
 
   def _host(self) -> tuple[int, int]:
     return self.num_infeed_hosts or 1, self.infeed_host_index or 0
@@ -348,6 +380,51 @@ def _stack(rows: list[dict], batch_size: int) -> dict:
     column = np.stack([row[k] for row in rows])
     out[k] = np.concatenate([column, np.zeros((batch_size - len(rows),) + column.shape[1:], column.dtype)])
   return out
+
+
+def _sources(data: Any, name: str) -> list[tuple[str, float, prepared.Manifest]]:
+  """[(directory, weight, manifest)] of a prepared directory or a {directory: weight} mixture; the
+  directories of a mixture must share one tokenizer (their ids mean the same tokens)."""
+  pairs = [(data, 1.0)] if isinstance(data, str) else list(data.items()) if isinstance(data, dict) and data else []
+  if not pairs or any(not isinstance(d, str) or isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 < w < float('inf')
+                      for d, w in pairs):
+    raise UserError(f'Input {name!r}: give a prepared directory or {{directory: weight}} with positive weights; '
+                    f'got {data!r:.120}.')
+  out = [(d, float(w), prepared.read_manifest(d)) for d, w in pairs]
+  first_dir, _, first = out[0]
+  for d, _, m in out[1:]:
+    if not _same_file(os.path.join(first_dir, first.tokenizer), os.path.join(d, m.tokenizer)):
+      raise UserError(f'Input {name!r}: {d} and {first_dir} were prepared with different tokenizers, so their '
+                      'ids mean different tokens; prepare them all with the same --tokenizer (e.g. '
+                      f'--tokenizer {os.path.join(first_dir, first.tokenizer)}).')
+  return out
+
+
+def _same_file(a: str, b: str) -> bool:
+  with open(a, 'rb') as fa, open(b, 'rb') as fb:
+    return fa.read() == fb.read()
+
+
+def _own_memory(batch: dict) -> dict:
+  """The batch in arrays of its own. From worker processes Grain hands each array over in a shared
+  memory block that it unlinks when the array is garbage collected, on a thread pool. jax on CPU
+  keeps the host buffer it is given (no copy) for as long as its device array lives, and the last
+  batch's lives until the interpreter exits, after that pool has stopped: its blocks were never
+  unlinked (Python's resource tracker warned of ~5 leaked shared_memory objects at every exit).
+  A copy (a few hundred KB a step) lets each block go here, while Grain's pool runs."""
+  return {k: v if type(v) is np.ndarray else np.array(v) for k, v in batch.items()}
+
+
+def _exit_with_parent(parent: int, worker: int, num_workers: int) -> None:
+  """Run in each Grain worker at its start: exits the worker once `parent` (the process that started
+  it) is gone. A `pax train` killed with -9 (a preemption) cannot stop its workers, and a worker
+  blocked on its full queue would otherwise wait forever, holding its shared memory."""
+  del worker, num_workers
+  def watch():
+    while os.getppid() == parent:
+      time.sleep(1)
+    os._exit(0)
+  threading.Thread(target=watch, name='paxcli-exit-with-parent', daemon=True).start()
 
 
 def read_states(directory: str) -> list[dict]:
