@@ -229,14 +229,24 @@ def _kept_tokenizer(output: str) -> Optional[str]:
 
 
 def _copy_tokenizer(source: str, output: str) -> str:
-  """The tokenizer copied into the directory (prepared.tokenizer_name); its name there."""
+  """The tokenizer copied into the directory (prepared.tokenizer_name), with the tokenizer_config.json
+  shipped beside it (its BOS rule, special tokens and chat template: the Grain input and a job
+  directory read them beside the copy, as beside the original); the tokenizer's name there."""
   rel = prepared.tokenizer_name(tokenizers.kind_of(source))
   target = os.path.join(output, rel)
+  _copy_new(source, target)
+  config = tokenizers.config_beside(source)
+  if config:
+    _copy_new(config, os.path.join(os.path.dirname(target), tokenizers.CONFIG_NAME))
+  return rel
+
+
+def _copy_new(source: str, target: str) -> None:
+  """`source` copied to `target` unless there already (a resumed prepare), complete or not at all."""
   if not os.path.isfile(target) and os.path.abspath(source) != target:
     os.makedirs(os.path.dirname(target), exist_ok=True)
     shutil.copyfile(source, target + '.partial')
     os.replace(target + '.partial', target)
-  return rel
 
 
 # ---- write ------------------------------------------------------------------------------------
