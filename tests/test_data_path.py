@@ -76,8 +76,12 @@ def test_prepare_show_and_inspect_input_with_relative_paths(shell):
 
 
 def _children(pid: int) -> list[int]:
-  with open(f'/proc/{pid}/task/{pid}/children') as f:
-    return [int(c) for c in f.read().split()]
+  """The processes `pid`'s threads started (Linux)."""
+  out = []
+  for task in os.listdir(f'/proc/{pid}/task'):
+    with open(f'/proc/{pid}/task/{task}/children') as f:
+      out += [int(c) for c in f.read().split()]
+  return out
 
 
 def _alive(pid: int) -> bool:
