@@ -26,6 +26,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from rich.table import Table
 
+from paxcli.config import config_differences
 from paxcli.errors import UserError
 from paxcli.inputs.base import EndOfInput, padding_like
 from paxcli.jobdir import checkpoint as ckpt
@@ -252,11 +253,28 @@ def _evaluate_step(resolved, setup, evaluator, job_dir: str, step: int, fallback
   restored = restore.restore(setup, job_dir, step, params_only=True, flat_now=flat, action='evaluate',
                              fallback=fallback, log=log)
   step = restored.step
+  data_note = _data_note(restored.meta, flat)
+  if data_note:
+    log(data_note)
   results = evaluator.run(step, restored.state)
   if jax.process_index() == 0:
     joblock.append_line(layout.eval_done(job_dir),
                        json.dumps({'step': step, 'datasets': sorted(results), 'time': time.time()}))
   return step, results
+
+
+DATA_KNOBS = ('knobs.TRAIN_DATA', 'knobs.EVAL_DATA', 'knobs.TEXT_FIELD', 'knobs.TOKENIZER')
+
+
+def _data_note(meta: dict, flat_now: dict) -> Optional[str]:
+  """A note when the data knobs differ from the checkpoint's: `pax eval` without the trainer's
+  `--set TRAIN_DATA=...` evaluates the experiment's own inputs, with another tokenizer, and its
+  numbers mean nothing for the run (the shapes match, so nothing else says so)."""
+  changed = config_differences(meta.get('config') or {}, flat_now, prefixes=DATA_KNOBS)
+  if not changed:
+    return None
+  return ('Note: this eval reads other data than the checkpoint was trained on (' + '; '.join(changed) +
+          '); for the run\'s own eval data give `pax eval` the --set of its `pax train`.')
 
 
 def evaluated_steps(job_dir: str, names) -> set[int]:
