@@ -9,7 +9,7 @@ state, read the first batch). The file input's skip is run while it takes under 
 seconds and extrapolated from its rate beyond. Grain's state at step 10^5 is its state at step
 10^3 with every stream's count moved on to where 10^5 steps would leave it, its open rows kept
 (the restore reads only the open rows' documents, whatever the count: that is the point). Grain is timed with one
-worker process (DATA_WORKERS' default, its start included) and with none.
+worker process (its start included) and with none (DATA_WORKERS' default: a prefetch thread).
 
 Table 2: Grain's tokens/s in one process at bench.Llama1B's batch (8 rows x 2048 tokens), against
 the 56.8k tokens/s one H100 consumes for it; the issue asks for at least 5x.

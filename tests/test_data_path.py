@@ -96,7 +96,7 @@ def _alive(pid: int) -> bool:
 def test_train_killed_resumes_then_eval_and_decode_read_the_job(shell):
   """kill -9 once a checkpoint is saved (its Grain workers go with it), resume, eval, decode."""
   train = ['train', '--set', 'TRAIN_DATA=prepared', '--set', 'SAVE_INTERVAL_STEPS=2', '--set',
-           'DECODE_INTERVAL_STEPS=0', '--job-log-dir', 'job', *TINY]
+           'DECODE_INTERVAL_STEPS=0', '--set', 'DATA_WORKERS=1', '--job-log-dir', 'job', *TINY]
   proc = subprocess.Popen(PAX + train + ['--set', 'NUM_TRAIN_STEPS=1000'], cwd=shell, env=ENV, stdout=subprocess.DEVNULL,
                           stderr=subprocess.DEVNULL)
   deadline = time.time() + 240

@@ -41,7 +41,9 @@ class LmExperiment(TrainingExperiment):
   TEXT_FIELD: str = 'text'        # the JSONL / Parquet / tf.train.Example field that holds the text
   TOKENIZER: Optional[str] = None  # a sentencepiece .model or a tokenizer.json; None: trained on TRAIN_DATA
   # TRAIN_DATA naming a prepared directory (`pax data prepare`) is read with Grain (paxcli.inputs.grain_input):
-  DATA_WORKERS: int = 1  # Grain worker processes per process (0: a prefetch thread only)
+  # Grain worker processes per process; 0: a prefetch thread, which keeps 39x ahead of one H100 on Llama1B
+  # (benchmarks/input_resume.py) while each worker costs 1-6 s at every start: more for many GPUs per host
+  DATA_WORKERS: int = 0
   DATA_STREAMS: int = 16  # fixed for a run; at least processes x DATA_WORKERS
 
   def __init_subclass__(cls, **kwargs):
