@@ -150,7 +150,8 @@ def test_more_workers_than_streams_is_refused(data):
 TINY = ['--exp', 'lm_cloud.LmCloudSpmdTest', '--set', 'NUM_LAYERS=2', '--set', 'MODEL_DIMS=32',
         '--set', 'HIDDEN_DIMS=64', '--set', 'NUM_HEADS=4', '--set', 'DIMS_PER_HEAD=8',
         '--set', f'MAX_SEQ_LEN={SEQ}', '--set', 'VOCAB_SIZE=64', '--set', 'PERCORE_BATCH_SIZE=1',
-        '--set', 'task.train.summary_interval_steps=1', '--set', 'task.train.save_interval_steps=2']
+        '--set', 'task.train.summary_interval_steps=1', '--set', 'task.train.save_interval_steps=2',
+        '--set', 'DATA_WORKERS=1']  # through a worker process, as a run that sets it (the default is a thread)
 
 
 def _trace_lines(path) -> dict[tuple, list]:

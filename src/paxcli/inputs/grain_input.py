@@ -11,6 +11,14 @@ p, p+P, p+2P, ...; its Grain worker processes share them out again (worker w of 
 W-th), each worker takes rows from its streams in turn and batches them, and the process takes
 batches from its workers in turn (Grain's mp_prefetch). Without workers, a thread prefetches.
 
+A mixture ({directory: weight}) shuffles and repeats each directory with its own seed and
+interleaves them by Grain's MapDataset.mix, which maps a position to (directory, document) by
+arithmetic in proportion to the weights: the positions, streams and state above work unchanged.
+
+Workers: each batch is copied out of the shared memory Grain hands it over in (_own_memory), and
+each worker exits once its parent is gone (_exit_with_parent), so neither an exit nor a kill -9
+leaves a block or a process behind.
+
 Seen exactly once. A stream's state is the count of positions it has read, the pieces in its
 open rows and in the rows it made but has not handed out yet, each piece named (g, k): piece k
 of the document at g. Saved and restored, a stream goes on with the very next token it would
@@ -385,9 +393,8 @@ def _stack(rows: list[dict], batch_size: int) -> dict:
 def _sources(data: Any, name: str) -> list[tuple[str, float, prepared.Manifest]]:
   """[(directory, weight, manifest)] of a prepared directory or a {directory: weight} mixture; the
   directories of a mixture must share one tokenizer (their ids mean the same tokens)."""
-  pairs = [(data, 1.0)] if isinstance(data, str) else list(data.items()) if isinstance(data, dict) and data else []
-  if not pairs or any(not isinstance(d, str) or isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 < w < float('inf')
-                      for d, w in pairs):
+  pairs = [(data, 1.0)] if isinstance(data, str) else list(data.items()) if isinstance(data, dict) else []
+  if not pairs or not all(isinstance(d, str) and _positive(w) for d, w in pairs):
     raise UserError(f'Input {name!r}: give a prepared directory or {{directory: weight}} with positive weights; '
                     f'got {data!r:.120}.')
   out = [(d, float(w), prepared.read_manifest(d)) for d, w in pairs]
@@ -398,6 +405,10 @@ def _sources(data: Any, name: str) -> list[tuple[str, float, prepared.Manifest]]
                       'ids mean different tokens; prepare them all with the same --tokenizer (e.g. '
                       f'--tokenizer {os.path.join(first_dir, first.tokenizer)}).')
   return out
+
+
+def _positive(weight) -> bool:
+  return isinstance(weight, (int, float)) and not isinstance(weight, bool) and 0 < weight < float('inf')
 
 
 def _same_file(a: str, b: str) -> bool:
