@@ -198,9 +198,8 @@ def test_a_mixture_draws_by_weight_and_resumes_exactly(two):
   resumed.restore([json.loads(state)])
   again = [resumed.get_next() for _ in range(5)]
   resumed.close()
-  got = sorted(tuple(row) for bt in again for row in bt['ids'])
-  want = sorted(tuple(row) for bt in after for row in bt['ids'])
-  assert got == want
+  for got, want in zip(again, after):   # one worker holds every stream in the same turn: the same batches
+    assert all(np.array_equal(got[k], want[k]) for k in want)
   other = _mixture({a: 1, b: 1})
   with pytest.raises(UserError, match='mixture'):
     other.restore([json.loads(state)])
