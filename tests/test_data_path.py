@@ -140,6 +140,7 @@ def test_prepare_keeps_the_shipped_tokenizer_config_for_the_input_and_the_job(tm
   api.data_prepare([str(tmp_path / 'docs.jsonl')], out, tokenizer=str(tok_dir / 'tokenizer.json'), workers=1)
   with open(tok_dir / tokenizers.CONFIG_NAME) as shipped, open(os.path.join(out, 'tokenizer', tokenizers.CONFIG_NAME)) as kept:
     assert json.load(kept) == json.load(shipped)
+  assert api.data_show(out)['tokenizer_config'] == 'tokenizer/tokenizer_config.json'
   inp = GrainLmInput(name='train', is_training=True, data=out, seq_len=64, batch_size=4, num_infeed_hosts=1,
                      infeed_host_index=0)
   source, kept = tokenizers.load(str(tok_dir / 'tokenizer.json')), tokenizers.load(inp.tokenizer_file())

@@ -70,7 +70,8 @@ def show_command(
     return
   from rich.table import Table
   console = common.console()
-  console.print(f'{info["path"]}: tokenizer {info["tokenizer"]} ({info["vocab_size"]:,} tokens, EOS '
+  config = f' with {info["tokenizer_config"]}' if info.get('tokenizer_config') else ''
+  console.print(f'{info["path"]}: tokenizer {info["tokenizer"]}{config} ({info["vocab_size"]:,} tokens, EOS '
                 f'{info["eos_id"]}), text field {info["text_field"]!r}', highlight=False, markup=False)
   t = Table()
   for col, just in (('split', 'left'), ('shard', 'left'), ('records', 'right'), ('tokens', 'right')):

@@ -408,6 +408,8 @@ def show(path: str) -> dict:
   manifest = prepared.read_manifest(path)
   raw = manifest.to_json()
   raw['path'] = path
+  config = tokenizers.config_beside(os.path.join(path, manifest.tokenizer))
+  raw['tokenizer_config'] = os.path.relpath(config, path) if config else None  # shipped with --tokenizer
   raw['totals'] = {split: {'shards': len(shards), 'records': manifest.records(split),
                            'tokens': sum(s.tokens for s in shards)} for split, shards in manifest.shards.items()}
   return raw
