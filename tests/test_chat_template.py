@@ -180,3 +180,26 @@ def test_inspect_input_shows_the_rendered_chat_and_a_bad_template_is_one_line(ll
   code, out, err = pax_main([*args, '--set', f'TOKENIZER={str(bad / "tokenizer.json")!r}'], capsys)
   assert code == 2 and 'Traceback' not in err and len(err.strip().splitlines()) == 1, err
   assert 'chat.jsonl line 1' in err and str(bad / 'tokenizer_config.json') in err
+
+
+def test_data_prepare_writes_a_chat_through_the_shipped_template(llama3, tmp_path):
+  """`pax data prepare` with a tokenizer that ships a template: the chat's record gives the pairs the
+  file input trains on (template tokens, only the assistant turns weighted), with 2 workers too."""
+  from array_record.python.array_record_module import ArrayRecordReader
+  from paxcli import api
+  from paxcli.inputs import prepared
+  data = tmp_path / 'chat.jsonl'
+  data.write_text(json.dumps({'messages': MESSAGES}) + '\n' + json.dumps({'prompt': 'Q: sky?', 'completion': ' blue'})
+                  + '\n')
+  tok, expected = _example(llama3, 'tokenizer.json')
+  for workers in (1, 2):
+    out = tmp_path / f'prepared{workers}'
+    api.data_prepare([str(data)], str(out), tokenizer=os.path.join(llama3, 'tokenizer.json'), eval_split=False,
+                     workers=workers)
+    manifest = prepared.read_manifest(str(out))
+    reader = ArrayRecordReader(str(out / manifest.shards['train'][0].name))
+    chat, plain = [prepared.example(r) for r in reader.read(list(range(reader.num_records())))]
+    reader.close()
+    for field in ('ids', 'labels', 'weights'):
+      np.testing.assert_array_equal(getattr(chat, field), getattr(expected, field))
+    assert tok.decode(plain.labels, specials=True) == 'Q: sky? blue<|eot_id|>'

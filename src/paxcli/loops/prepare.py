@@ -33,9 +33,11 @@ import shutil
 import time
 from typing import Callable, Iterator, Optional
 
+import numpy as np
+
 from paxcli import files
 from paxcli.errors import UserError, shorten
-from paxcli.inputs import documents, packing, prepared, tokenizers
+from paxcli.inputs import chat_template, documents, packing, prepared, tokenizers
 from paxcli.inputs.file_input import DEFAULT_VOCAB_SIZE, anchored, auto_tokenizer
 
 PLAN = 'prepare-plan.json'
@@ -325,7 +327,7 @@ class _Tokenizers:
       self.pool.join()
 
   def encode(self, docs) -> Iterator[Optional[bytes]]:
-    batches = _batches((tuple(doc.chunks) for doc in docs), BATCH_DOCS)
+    batches = _batches(((tuple(doc.chunks), doc.messages, doc.where) for doc in docs), BATCH_DOCS)
     if self.pool is None:
       for batch in batches:
         yield from _encode_batch(batch)
@@ -351,24 +353,42 @@ def _batches(items, size: int):
 
 
 _worker_tokenizer = None
+_worker_chat = None  # the tokenizer's shipped chat template, if any (chat_template.of_tokenizer)
 
 
 def _init_worker(path: str) -> None:
-  global _worker_tokenizer
+  global _worker_tokenizer, _worker_chat
   _worker_tokenizer = tokenizers.load(path)
+  _worker_chat = chat_template.of_tokenizer(_worker_tokenizer)
 
 
 def _encode_batch(batch: list[tuple]) -> list[Optional[bytes]]:
-  """The records of a batch of documents (their chunks); None for a document under 2 tokens."""
+  """The records of a batch of documents ((chunks, messages, where) each); None for a document
+  under 2 tokens. A chat goes through the shipped template when there is one, as the file input does."""
   tok = _worker_tokenizer
-  encoded = tok.encode_many([chunk.text for chunks in batch for chunk in chunks])
-  out, at = [], 0
-  for chunks in batch:
-    tokens, weights = packing.token_weights(chunks, encoded[at:at + len(chunks)], tok.eos_id,
+  plain = [chunks for chunks, messages, _ in batch if not _templated(messages)]
+  encoded = iter(tok.encode_many([chunk.text for chunks in plain for chunk in chunks]))
+  out = []
+  for chunks, messages, where in batch:
+    if _templated(messages):
+      out.append(_chat_record(_worker_chat.example(messages, tok, where)))
+      continue
+    tokens, weights = packing.token_weights(chunks, [next(encoded) for _ in chunks], tok.eos_id,
                                             tok.bos_id if tok.bos_first else None)
-    at += len(chunks)
     out.append(prepared.encode(tokens, weights) if len(tokens) >= 2 else None)
   return out
+
+
+def _templated(messages) -> bool:
+  return _worker_chat is not None and messages is not None
+
+
+def _chat_record(example: Optional[packing.Example]) -> Optional[bytes]:
+  """A record from a chat's training pairs: tokens t_0 + labels, weights 0 (t_0 is never a label) + theirs."""
+  if example is None:
+    return None
+  tokens = np.concatenate([example.ids[:1], example.labels])
+  return prepared.encode(tokens, np.concatenate([[0.0], example.weights]))
 
 
 # ---- summaries ----------------------------------------------------------------------------------
