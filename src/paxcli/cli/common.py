@@ -5,6 +5,7 @@ rich is imported where a line is printed, never at start-up: it would double `pa
 
 from __future__ import annotations
 
+import contextlib
 import re
 import shlex
 import sys
@@ -77,6 +78,21 @@ def console(stderr: bool = False, wide: bool = False):
   from rich.console import Console
   stream = sys.stderr if stderr else sys.stdout
   return Console(stderr=stderr, width=None if stream.isatty() else (100_000 if wide else 160))
+
+
+def counting_bar(console, label: str):
+  """A context factory for the loops' `progress` argument: bar(total) yields advance(n), drawing a
+  transient rich bar labelled `label` (decode's prompts, score's windows)."""
+  from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+  @contextlib.contextmanager
+  def bar(total: int):
+    with Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console,
+                  transient=True) as progress:
+      task = progress.add_task(label, total=total)
+      yield lambda n: progress.advance(task, n)
+
+  return bar
 
 
 def error(message: str) -> None:

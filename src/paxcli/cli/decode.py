@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import sys
 from typing import List, Optional, Sequence
@@ -73,7 +72,7 @@ def decode_command(
       length_penalty=length_penalty, eos_id=eos_id, ignore_eos=ignore_eos, min_length=min_length, stop=stop,
       batch_size=batch_size, step=step, no_checkpoint=no_checkpoint, dtype=dtype, output=output,
       coordinator=coordinator, num_processes=num_processes, process_id=process_id, console=err,
-      progress=_progress_bar(err) if not json_out and sys.stderr.isatty() else None)
+      progress=common.counting_bar(err, 'decoding') if not json_out and sys.stderr.isatty() else None)
   if decoded.path is not None:  # processes other than 0 print nothing
     _report(decoded, json_out, err)
 
@@ -114,20 +113,6 @@ def results_table(records: Sequence[dict], step: int, has_text: bool):
     cont = r['decoded'] if has_text else ' '.join(map(str, r['decoded_ids']))
     table.add_row(tag, Text(prompt), Text(cont, style='bold'), f"{r['logprob']:.2f}", r['stop_reason'])
   return table
-
-
-def _progress_bar(console):
-  """A transient bar over the prompts while they decode (a terminal only)."""
-  from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-  @contextlib.contextmanager
-  def bar(total: int):
-    with Progress(TextColumn('decoding'), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console,
-                  transient=True) as progress:
-      task = progress.add_task('decode', total=total)
-      yield lambda n: progress.advance(task, n)
-
-  return bar
 
 
 def register(app: typer.Typer) -> None:

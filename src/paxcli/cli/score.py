@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import sys
 from typing import List, Optional
@@ -41,7 +40,7 @@ def score_command(
       requests_file, exp, overrides=overrides, job_dir=job_log_dir, batch_size=batch_size, step=step,
       no_checkpoint=no_checkpoint, dtype=dtype, output=output, coordinator=coordinator,
       num_processes=num_processes, process_id=process_id, console=err,
-      progress=_progress_bar(err) if sys.stderr.isatty() else None)
+      progress=common.counting_bar(err, 'scoring') if sys.stderr.isatty() else None)
   if scored.path is None:  # processes other than 0 print nothing
     return
   if json_out:
@@ -58,20 +57,6 @@ def summary_line(scored) -> str:
   return (f'Scored {s["requests"]} requests ({s["windows"]} windows, {s["tokens"]:,} tokens) at step {scored.step}: '
           f'{s["requests"] / seconds:,.1f} requests/s, {s["tokens"] / seconds:,.0f} tokens/s; compilation '
           f'{s["compile_s"]:.1f} s, not in the rates\nWrote {len(scored.records)} results to {scored.path}')
-
-
-def _progress_bar(console):
-  """A transient bar over the windows while they are scored (a terminal only)."""
-  from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-  @contextlib.contextmanager
-  def bar(total: int):
-    with Progress(TextColumn('scoring'), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console,
-                  transient=True) as progress:
-      task = progress.add_task('score', total=total)
-      yield lambda n: progress.advance(task, n)
-
-  return bar
 
 
 def register(app: typer.Typer) -> None:

@@ -178,6 +178,16 @@ def open_source(path: str, fmt: Optional[str] = None, step: Optional[int] = None
 BLOCK_BYTES = 64 << 20
 
 
+def pick_step(steps: dict, step: Optional[int], where: str, kind: str = '') -> tuple[Any, int]:
+  """(steps[step], step) of a foreign run's checkpoints: the latest when `step` is None; a missing
+  one is refused naming the steps there. `kind` names the program ('MaxText ')."""
+  if step is None:
+    step = max(steps)
+  elif step not in steps:
+    raise UserError(f'No {kind}checkpoint of step {step} in {where}; steps there: {", ".join(map(str, sorted(steps)))}.')
+  return steps[step], step
+
+
 def blocks(x: np.ndarray, max_bytes: int = BLOCK_BYTES):
   """Consecutive leading-axis slices of x of at most about max_bytes each (views, not copies)."""
   if x.ndim == 0 or x.nbytes <= max_bytes:

@@ -98,12 +98,7 @@ def locate(path: str, step: Optional[int] = None) -> tuple[str, int]:
   for checkpoints in (path, os.path.join(path, 'checkpoints')):
     steps = _steps(checkpoints)
     if steps:
-      if step is None:
-        step = max(steps)
-      elif step not in steps:
-        raise UserError(f'No MaxText checkpoint of step {step} in {checkpoints}; steps there: '
-                        f'{", ".join(map(str, sorted(steps)))}.')
-      return steps[step], step
+      return formats.pick_step(steps, step, checkpoints, 'MaxText ')
   raise UserError(f'{path} is not a MaxText checkpoint (<run>/checkpoints/<step>/items/ with an orbax '
                   '_METADATA file).')
 

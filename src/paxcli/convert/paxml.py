@@ -70,12 +70,7 @@ def locate(path: str, step: Optional[int] = None) -> tuple[str, int, str]:
   for checkpoints, job in ((path, os.path.dirname(path)), (os.path.join(path, 'checkpoints'), path)):
     steps = _step_dirs(checkpoints)
     if steps:
-      if step is None:
-        step = max(steps)
-      elif step not in steps:
-        raise UserError(f'No checkpoint of step {step} in {checkpoints}; steps there: '
-                        f'{", ".join(map(str, sorted(steps)))}.')
-      return steps[step], step, job
+      return (*formats.pick_step(steps, step, checkpoints), job)
   raise UserError(f'{path} is not a paxml checkpoint (checkpoints/checkpoint_<step>/state/...).')
 
 
