@@ -30,7 +30,8 @@ TINY = ['--set', 'NUM_LAYERS=1', '--set', 'MODEL_DIMS=32', '--set', 'HIDDEN_DIMS
         '--set', 'DIMS_PER_HEAD=16', '--set', 'MAX_SEQ_LEN=32', '--set', 'PERCORE_BATCH_SIZE=4']
 LEAK = 'leaked shared_memory'
 # As a user's shell on a CPU host: one device (conftest gives this process 8), the tests' compile cache kept
-ENV = dict(os.environ, XLA_FLAGS=os.environ.get('XLA_FLAGS', '').replace('--xla_force_host_platform_device_count=8', ''))
+ENV = dict(os.environ, XLA_FLAGS=' '.join(f for f in os.environ.get('XLA_FLAGS', '').split()
+                                           if not f.startswith('--xla_force_host_platform_device_count')))
 
 
 def pax(cwd, *args, check=True, timeout=300):
