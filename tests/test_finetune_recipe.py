@@ -36,7 +36,7 @@ def test_finetune_of_an_imported_llama_lowers_the_completion_loss_from_a_fresh_s
   r = run_pax('train', '--exp', 'finetune.TinyLlamaSft', *sets, '--set', 'NUM_TRAIN_STEPS=30',
               '--set', 'EVAL_INTERVAL_STEPS=30', '--job-log-dir', job)
   assert r.returncode == 0, r.stderr
-  assert 'Starting from the parameters of' in r.stdout and 'INIT_FROM' in r.stdout
+  assert f'Starting from the weights of {base} step' in r.stdout + r.stderr and '(INIT_FROM)' in r.stdout + r.stderr
   with open(os.path.join(job, 'eval_metrics.jsonl')) as f:
     after = [json.loads(line) for line in f][-1]
   assert after['step'] == 30 and after['loss'] < 0.5 * before, (before, after)

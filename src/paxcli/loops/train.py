@@ -638,8 +638,8 @@ def _fresh_state(setup, base: Optional[restore.BaseRef], seed: int, log) -> dict
   state = engine.init_state(setup, seed)
   if base is None:
     return state
-  log(f'Starting from the weights of {base.describe()}'
-      + (' (frozen; LoRA adapters train).' if engine.has_frozen(setup) else '.'))
+  log(f'Starting from the weights of {base.describe()} (INIT_FROM)'
+      + ('; they stay frozen and LoRA adapters train.' if engine.has_frozen(setup) else '; fresh optimizer state.'))
   state = restore.start_from_base(setup, state, base)
   lora_init = getattr(setup.train, 'lora_init', None)
   if lora_init and engine.has_frozen(setup):
