@@ -26,6 +26,7 @@ from paxcli import experiment, files, gencode
 from paxcli.convert import formats
 from paxcli.errors import UserError, shorten
 from paxcli.families.lm import LmExperiment
+from paxcli.inputs import tokenizers
 from paxcli.jobdir import layout
 from paxcli.jobdir import lock as joblock
 
@@ -49,6 +50,21 @@ def saved_overrides(name: str, config: dict) -> list[str]:
 # safetensors directory): what lets a later conversion of that output find the experiment
 # without importing anything (recipe_class).
 RECIPE_COPY = 'recipe.py'
+
+
+def carry_tokenizer(src, job: str) -> None:
+  """The source's tokenizer (a regular file inside its directory, files.member) and the
+  tokenizer_config.json beside it (special tokens, chat template) copied into job directory `job`,
+  where every command reads them: converted and merged jobs decode text as the source did."""
+  tok = src.extra_files().get('tokenizer')
+  if not tok:
+    return
+  dest = layout.tokenizer(job, tokenizers.kind_of(tok))
+  os.makedirs(os.path.dirname(dest), exist_ok=True)
+  files.copy_member(tok, dest)
+  if tokenizers.config_beside(tok):
+    files.copy_member(files.member(os.path.dirname(tok), tokenizers.CONFIG_NAME, 'tokenizer config'),
+                      layout.tokenizer_config(job))
 
 
 def recipe_class(path: str, class_name: str, text: str, where: Optional[str] = None):

@@ -23,10 +23,8 @@ from typing import Optional
 import jax
 import numpy as np
 
-from paxcli import files
 from paxcli.convert import core, safetensors_io
 from paxcli.errors import UserError
-from paxcli.inputs import tokenizers
 from paxcli.jobdir import checkpoint as ckpt
 from paxcli.jobdir import layout, restore
 from paxcli.layers import lora
@@ -76,23 +74,9 @@ def merge_run(src, tmp: str, exp: Optional[str], overrides: list, verify: bool, 
   checkpointer.close()
   with open(layout.config(tmp), 'w', encoding='utf-8') as f:
     f.write(plain.as_text())
-  _carry_tokenizer(src, tmp)
+  core.carry_tokenizer(src, tmp)   # so that it decodes text, and --to hf ships the tokenizer
   log(f'Merged the adapters (scale {_scale(model):g}) into the base {restore.BaseRef(**src.meta["base"]).describe()}.')
   return result
-
-
-def _carry_tokenizer(src, tmp: str) -> None:
-  """The run's tokenizer (and the tokenizer_config.json beside it) into the merged job, so that it
-  decodes text and `--to hf` ships the tokenizer as from any run."""
-  tok = src.extra_files().get('tokenizer')
-  if not tok:
-    return
-  dest = layout.tokenizer(tmp, tokenizers.kind_of(tok))
-  os.makedirs(os.path.dirname(dest), exist_ok=True)
-  files.copy_member(tok, dest)
-  if tokenizers.config_beside(tok):
-    files.copy_member(files.member(os.path.dirname(tok), tokenizers.CONFIG_NAME, 'tokenizer config'),
-                      layout.tokenizer_config(tmp))
 
 
 # ---- PEFT ---------------------------------------------------------------------------------------

@@ -250,18 +250,10 @@ def _carry_files(src, tmp: str, to: str, recipe_text: Optional[str], own_experim
   the experiment is read from (core.RECIPE_COPY: written by this import, or the source's own
   when the output keeps the source's experiment)."""
   tok = src.extra_files().get('tokenizer')
-  if tok:
-    kind = tokenizers.kind_of(tok)
-    if to == 'orbax':
-      dest = layout.tokenizer(tmp, kind)
-    else:
-      dest = os.path.join(tmp, hf_tokenizer.EXPORT_NAMES[kind])
-    os.makedirs(os.path.dirname(dest), exist_ok=True)
-    files.copy_member(tok, dest)
-    config = tokenizers.config_beside(tok)
-    if config and to == 'orbax':   # an HF export writes its own (hf_tokenizer.write)
-      files.copy_member(files.member(os.path.dirname(tok), tokenizers.CONFIG_NAME, 'tokenizer config'),
-                        layout.tokenizer_config(tmp))
+  if to == 'orbax':
+    core.carry_tokenizer(src, tmp)
+  elif tok:   # under its Hugging Face name; an HF export writes its own config (hf_tokenizer.write)
+    files.copy_member(tok, os.path.join(tmp, hf_tokenizer.EXPORT_NAMES[tokenizers.kind_of(tok)]))
   if to == 'hf':
     return
   if recipe_text is None and own_experiment and getattr(src, 'config', None):

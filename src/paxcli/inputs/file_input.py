@@ -66,13 +66,10 @@ class FileLmInput(StreamInput):
     if self.seq_len < 1:
       raise UserError(f'Input {self.name!r}: seq_len must be positive, got {self.seq_len}.')
     self.sources = [(documents.expand(glob), weight) for glob, weight in sources(self.data, self.name)]
-    self._tok = tokenizers.load(self.tokenizer or auto_tokenizer(
+    self._tok = tokenizers.load_for_documents(self.tokenizer or auto_tokenizer(
         self.tokenizer_data or self.data, self.text_field, self.vocab_size or DEFAULT_VOCAB_SIZE))
     self._chat = chat_template.of_tokenizer(self._tok)   # None: paxcli's own (inputs.sft)
     self.eos_id = self._tok.eos_id
-    if self.eos_id is None:
-      raise UserError(f'The tokenizer {self._tok.path} has no end-of-text token (one of '
-                      f'{", ".join(tokenizers.HF_EOS)}); paxcli puts one after each document.')
     if self.vocab_size and self._tok.vocab_size > self.vocab_size:
       raise UserError(f'The tokenizer {self._tok.path} has {self._tok.vocab_size} tokens, more than the model\'s '
                       f'{self.vocab_size}: set VOCAB_SIZE={self._tok.vocab_size} (or more).')
@@ -164,19 +161,21 @@ def anchored(data: Optional[Data]) -> Optional[Data]:
   return one(data)
 
 
-def sources(data: Data, name: str = 'data') -> list[tuple[str, float]]:
-  """[(glob, weight)] of a glob or a {glob: weight} mixture; UserError when empty or malformed."""
+def sources(data: Data, name: str = 'data', what: tuple[str, str] = ('glob', 'globs')) -> list[tuple[str, float]]:
+  """[(glob, weight)] of a glob or a {glob: weight} mixture; UserError when empty or malformed.
+  `what` names the keys in messages, singular and plural (the Grain input's are prepared directories)."""
   if isinstance(data, str) and data:
     return [(data, 1.0)]
   if isinstance(data, dict) and data:
     out = []
-    for glob, weight in data.items():
-      if not isinstance(glob, str) or not isinstance(weight, (int, float)) or not weight > 0 or weight == float('inf'):
-        raise UserError(f'Input {name!r}: a mixture maps globs to positive weights, as {{"a/*.jsonl": 3, '
-                        f'"b/*.txt": 1}}; got {shorten(repr(glob), 80)}: {shorten(repr(weight), 40)}.')
-      out.append((glob, float(weight)))
+    for key, weight in data.items():
+      if (not isinstance(key, str) or not isinstance(weight, (int, float)) or isinstance(weight, bool)
+          or not 0 < weight < float('inf')):
+        raise UserError(f'Input {name!r}: a mixture maps {what[1]} to positive weights, as {{"a": 3, "b": 1}}; '
+                        f'got {shorten(repr(key), 80)}: {shorten(repr(weight), 40)}.')
+      out.append((key, float(weight)))
     return out
-  raise UserError(f'Input {name!r}: give the data as a glob or as {{glob: weight}}; got {shorten(repr(data), 80)}.')
+  raise UserError(f'Input {name!r}: give the data as a {what[0]} or as {{{what[0]}: weight}}; got {shorten(repr(data), 80)}.')
 
 
 def _mixed(streams: list[Iterator], weights: list[float], rng: np.random.Generator) -> Iterator:

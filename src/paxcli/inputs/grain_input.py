@@ -50,14 +50,14 @@ import json
 import os
 import threading
 import time
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import grain
 from absl import flags
 import numpy as np
 
 from paxcli.errors import UserError
-from paxcli.inputs import packing, prepared, tokenizers
+from paxcli.inputs import file_input, packing, prepared, tokenizers
 from paxcli.inputs.base import BaseInput, EndOfInput, decode_rows
 
 STATE_VERSION = 1
@@ -393,11 +393,8 @@ def _stack(rows: list[dict], batch_size: int) -> dict:
 def _sources(data: Any, name: str) -> list[tuple[str, float, prepared.Manifest]]:
   """[(directory, weight, manifest)] of a prepared directory or a {directory: weight} mixture; the
   directories of a mixture must share one tokenizer (their ids mean the same tokens)."""
-  pairs = [(data, 1.0)] if isinstance(data, str) else list(data.items()) if isinstance(data, dict) else []
-  if not pairs or not all(isinstance(d, str) and _positive(w) for d, w in pairs):
-    raise UserError(f'Input {name!r}: give a prepared directory or {{directory: weight}} with positive weights; '
-                    f'got {data!r:.120}.')
-  out = [(d, float(w), prepared.read_manifest(d)) for d, w in pairs]
+  out = [(d, w, prepared.read_manifest(d)) for d, w in file_input.sources(
+      data, name, ('prepared directory', 'prepared directories'))]
   first_dir, _, first = out[0]
   for d, _, m in out[1:]:
     if not _same_file(os.path.join(first_dir, first.tokenizer), os.path.join(d, m.tokenizer)):
@@ -405,10 +402,6 @@ def _sources(data: Any, name: str) -> list[tuple[str, float, prepared.Manifest]]
                       'ids mean different tokens; prepare them all with the same --tokenizer (e.g. '
                       f'--tokenizer {os.path.join(first_dir, first.tokenizer)}).')
   return out
-
-
-def _positive(weight) -> bool:
-  return isinstance(weight, (int, float)) and not isinstance(weight, bool) and 0 < weight < float('inf')
 
 
 def _same_file(a: str, b: str) -> bool:

@@ -212,6 +212,16 @@ def load(path: str) -> Tokenizer:
   return HfTokenizer(path) if kind_of(path) == 'hf' else SentencePieceTokenizer(path)
 
 
+def load_for_documents(path: str) -> Tokenizer:
+  """The tokenizer at `path` for packing documents, which needs its end-of-text token: paxcli puts
+  one after each document (the file input and `pax data prepare` alike)."""
+  tok = load(path)
+  if tok.eos_id is None:
+    raise UserError(f'The tokenizer {tok.path} has no end-of-text token (one of {", ".join(HF_EOS)}); '
+                    'paxcli puts one after each document.')
+  return tok
+
+
 def _split_at(text: str, tokens) -> list[str]:
   """`text` cut before and after each occurrence of one of `tokens` (longest first), those kept."""
   if not tokens:

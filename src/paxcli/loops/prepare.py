@@ -84,7 +84,7 @@ def prepare(options: Options, progress: Progress, log: Callable[[str], None]) ->
             'shards': _shard_plan(counts, options.num_shards)}
   tokenizer_source = options.tokenizer or _kept_tokenizer(options.output) or auto_tokenizer(
       _data(options.sources), options.text_field, options.vocab_size)
-  tok = _check_tokenizer(tokenizer_source)
+  tok = tokenizers.load_for_documents(tokenizer_source)
   if not os.path.isfile(os.path.join(options.output, PLAN)):
     files.atomic_write(os.path.join(options.output, PLAN), (json.dumps(plan, indent=1) + '\n').encode())
   tokenizer_rel = _copy_tokenizer(tokenizer_source, options.output)
@@ -213,14 +213,6 @@ def _shard_plan(counts: dict[str, Counts], num_shards: Optional[int]) -> dict[st
 
 
 # ---- tokenizer --------------------------------------------------------------------------------
-
-
-def _check_tokenizer(path: str) -> tokenizers.Tokenizer:
-  tok = tokenizers.load(path)
-  if tok.eos_id is None:
-    raise UserError(f'The tokenizer {path} has no end-of-text token (one of {", ".join(tokenizers.HF_EOS)}); '
-                    'paxcli puts one after each document.')
-  return tok
 
 
 def _kept_tokenizer(output: str) -> Optional[str]:
