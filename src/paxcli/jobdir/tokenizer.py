@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import copy
 import os
-import shutil
 from typing import Optional
 
 import fiddle as fdl
 
+from paxcli import files
 from paxcli.errors import UserError
 from paxcli.inputs import tokenizers
 from paxcli.inputs.file_input import FileLmInput
@@ -55,9 +55,7 @@ def _copy(source: str, target: str) -> None:
   if os.path.isfile(target) and _same_bytes(source, target):
     return
   os.makedirs(os.path.dirname(target), exist_ok=True)
-  tmp = target + '.tmp'
-  shutil.copyfile(source, tmp)
-  os.replace(tmp, target)  # atomic: a reader never sees half a model
+  files.copy_member(source, target)  # atomic: a reader never sees half a model
 
 
 def _trained_with(job_dir: Optional[str]) -> Optional[str]:

@@ -29,7 +29,6 @@ import json
 import math
 import multiprocessing
 import os
-import shutil
 import time
 from typing import Callable, Iterator, Optional
 
@@ -239,8 +238,7 @@ def _copy_new(source: str, target: str) -> None:
   """`source` copied to `target` unless there already (a resumed prepare), complete or not at all."""
   if not os.path.isfile(target) and os.path.abspath(source) != target:
     os.makedirs(os.path.dirname(target), exist_ok=True)
-    shutil.copyfile(source, target + '.partial')
-    os.replace(target + '.partial', target)
+    files.copy_member(source, target)
 
 
 # ---- write ------------------------------------------------------------------------------------
