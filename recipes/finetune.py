@@ -38,7 +38,6 @@ from paxcli.families.knobs import LM_KNOB
 from paxcli.families.lm import LmExperiment
 from paxcli.jobdir import layout
 
-RECIPE_COPY = 'recipe.py'   # the recipe `pax checkpoint convert` keeps in the job it writes (convert.core)
 # Knobs of the base that belong to the fine-tune instead (the model's longest context is no row length).
 OWN_KNOBS = ('MAX_SEQ_LEN',)
 
@@ -90,10 +89,10 @@ class LlamaSft(LmExperiment):
 
 def base_knobs(job_dir: str) -> dict:
   """The model knobs of the recipe an import wrote into `job_dir`, read as data (gencode.knobs_of)."""
-  path = files.member(job_dir, RECIPE_COPY, 'recipe')
+  path = files.member(job_dir, layout.RECIPE_COPY, 'recipe')
   if not os.path.isfile(path):
-    raise UserError(f'BASE {job_dir} holds no {RECIPE_COPY}: give the directory `pax checkpoint convert '
-                            '--from hf MODEL_DIR OUT` wrote (OUT).')
+    raise UserError(f'BASE {job_dir} holds no {layout.RECIPE_COPY}: give the directory `pax checkpoint convert '
+                    '--from hf MODEL_DIR OUT` wrote (OUT).')
   classes = gencode.check_shape(files.read_text(path, 'recipe', 1 << 20), path)
   if len(classes) != 1:
     raise UserError(f'{path} holds {len(classes)} experiment classes; an import writes one.')

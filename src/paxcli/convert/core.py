@@ -49,7 +49,6 @@ def saved_overrides(name: str, config: dict) -> list[str]:
 # The recipe a conversion from hf or paxml wrote, kept in its output too (a job directory or a
 # safetensors directory): what lets a later conversion of that output find the experiment
 # without importing anything (recipe_class).
-RECIPE_COPY = 'recipe.py'
 
 
 def carry_tokenizer(src, job: str) -> None:
@@ -90,7 +89,7 @@ def trusted_experiment(src, name: str, exp: Optional[str]) -> Optional[str]:
   Metadata never chooses code to import: it may name a registered experiment (paxcli's
   recipes, or one registered by a file --exp loaded), the experiment --exp names (the user
   chose it), or the recipe a conversion wrote, read as data from the copy in the checkpoint's
-  own directory (RECIPE_COPY), never from the path the metadata gives.
+  own directory (layout.RECIPE_COPY), never from the path the metadata gives.
   """
   registry = experiment.import_all_recipes()
   by_class = [key for key in registry if key.rsplit('.', 1)[-1] == name]
@@ -100,7 +99,7 @@ def trusted_experiment(src, name: str, exp: Optional[str]) -> Optional[str]:
     return name
   if ':' in name:
     class_name = name.rsplit(':', 1)[1]
-    copy = files.member(source_dir(src), RECIPE_COPY, 'recipe')
+    copy = files.member(source_dir(src), layout.RECIPE_COPY, 'recipe')
     if class_name.isidentifier() and os.path.isfile(copy):
       try:
         recipe_class(name.rsplit(':', 1)[0], class_name, files.read_text(copy, 'recipe', 1 << 20), copy)

@@ -247,7 +247,7 @@ def _write_safetensors(tmp, src, items, target_res, read, advance, max_shard_byt
 def _carry_files(src, tmp: str, to: str, recipe_text: Optional[str], own_experiment: bool) -> None:
   """The tokenizer (a regular file inside the source's directory, files.member) with the
   tokenizer_config.json beside it (special tokens, chat template), and the recipe
-  the experiment is read from (core.RECIPE_COPY: written by this import, or the source's own
+  the experiment is read from (layout.RECIPE_COPY: written by this import, or the source's own
   when the output keeps the source's experiment)."""
   tok = src.extra_files().get('tokenizer')
   if to == 'orbax':
@@ -257,12 +257,12 @@ def _carry_files(src, tmp: str, to: str, recipe_text: Optional[str], own_experim
   if to == 'hf':
     return
   if recipe_text is None and own_experiment and getattr(src, 'config', None):
-    copy = files.member(core.source_dir(src), core.RECIPE_COPY, 'recipe')
+    copy = files.member(core.source_dir(src), layout.RECIPE_COPY, 'recipe')
     if os.path.isfile(copy):
       recipe_text = files.read_text(copy, 'recipe', 1 << 20)
   if recipe_text is not None:
-    gencode.check_shape(recipe_text, core.RECIPE_COPY)
-    with open(os.path.join(tmp, core.RECIPE_COPY), 'w', encoding='utf-8') as f:
+    gencode.check_shape(recipe_text, layout.RECIPE_COPY)
+    with open(os.path.join(tmp, layout.RECIPE_COPY), 'w', encoding='utf-8') as f:
       f.write(recipe_text)
 
 

@@ -36,6 +36,7 @@ from typing import Optional
 STATE, META = 'state', 'meta'
 INPUT = 'input'  # the train input's position, one small JSON file per process (a Grain input's)
 METRICS_SUFFIX = '_metrics.jsonl'
+RECIPE_COPY = 'recipe.py'  # the recipe a conversion keeps in the job it writes: read as data, never run
 
 
 def absolute(path: str) -> str:
