@@ -182,3 +182,13 @@ def to_global(batch: dict, sharding, global_batch: int) -> dict:
   """Per-process numpy batch -> global jax arrays sharded over (replica, data)."""
   return {k: jax.make_array_from_process_local_data(sharding, v, (global_batch,) + v.shape[1:])
           for k, v in batch.items()}
+
+
+def from_host(x: np.ndarray, sharding) -> jax.Array:
+  """A global array of `x`, which every process holds whole, laid out by `sharding`."""
+  return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+
+
+def to_host(x) -> np.ndarray:
+  """A replicated global array as numpy (works with several processes)."""
+  return np.asarray(x.addressable_data(0))

@@ -35,7 +35,6 @@ logprob / ((5 + length) / 6) ** length_penalty (Pax's length_norm_alpha).
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Callable, Optional, Sequence
 
@@ -48,6 +47,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from paxcli.errors import UserError
 from paxcli.layers.activation_sharding import ACTIVATION_RULES, spec_for
 from paxcli.loops.decode.options import DecodeOptions
+from paxcli.loops.decode.output import finite_or_none
 from paxcli.loops.decode.prompts import Prompt, check_lengths
 from paxcli.models import DecodingModel
 from paxcli.runtime import sharding
@@ -179,9 +179,6 @@ class Decoder:
     self._fns[key] = fns
     return fns
 
-  def _global(self, x: np.ndarray, to):
-    return jax.make_array_from_callback(x.shape, to, lambda idx: x[idx])
-
   # -- the loops --
   def run(self, prompts: Sequence[Prompt], opts: DecodeOptions, tokenizer=None, progress: Optional[Callable] = None,
           prompt_offset: int = 0) -> tuple[list[dict], dict]:
@@ -247,9 +244,9 @@ class Decoder:
     batch_sh = sharding.batch_sharding(self.mesh)
     t0 = time.perf_counter()
     cache = fns['zeros'](self.params)
-    (tok, lp), cache = fns['prefill'](self.params, cache, self._global(ids, batch_sh), self._global(pos, batch_sh),
-                                      keys, temperature, top_p)
-    tok, lp = _host(tok), _host(lp)
+    (tok, lp), cache = fns['prefill'](self.params, cache, sharding.from_host(ids, batch_sh),
+                                      sharding.from_host(pos, batch_sh), keys, temperature, top_p)
+    tok, lp = sharding.to_host(tok), sharding.to_host(lp)
     t1 = time.perf_counter()
     stats['prefill_tokens'] += int(sum(len(prompts[p].ids) for p in row_prompt))
     stats['prefill_s'] += t1 - t0
@@ -273,7 +270,7 @@ class Decoder:
       ts = time.perf_counter()
       (tok, lp), cache = fns['step'](self.params, cache, np.asarray(tok), np.asarray(lengths + t - 1, np.int32),
                                      keys, np.int32(t), temperature, top_p)
-      tok, lp = _host(tok), _host(lp)
+      tok, lp = sharding.to_host(tok), sharding.to_host(lp)
       stats.setdefault('step_s', []).append(time.perf_counter() - ts)
     stats['decode_tokens'] += sum(len(x) for x in out_ids)
     stats['decode_s'] += time.perf_counter() - t1
@@ -290,9 +287,9 @@ class Decoder:
     dummy = (np.zeros((rows, 2), np.uint32), np.float32(1), np.float32(1))
     t0 = time.perf_counter()
     cache = fns['zeros'](self.params)
-    (vals, toks), cache = fns['prefill'](self.params, cache, self._global(ids, batch_sh),
-                                         self._global(pos, batch_sh), *dummy)
-    vals, toks = _host(vals), _host(toks)
+    (vals, toks), cache = fns['prefill'](self.params, cache, sharding.from_host(ids, batch_sh),
+                                         sharding.from_host(pos, batch_sh), *dummy)
+    vals, toks = sharding.to_host(vals), sharding.to_host(toks)
     t1 = time.perf_counter()
     stats['prefill_tokens'] += int(sum(len(prompts[p].ids) for p in range(len(prompts))))
     stats['prefill_s'] += t1 - t0
@@ -347,7 +344,7 @@ class Decoder:
       cache = fns['reorder'](cache, np.asarray(parents, np.int32))
       (vals, toks), cache = fns['step'](self.params, cache, np.asarray(new_tok), np.asarray(lengths + t - 1, np.int32),
                                         *dummy[:1], np.int32(t), *dummy[1:])
-      vals, toks = _host(vals), _host(toks)
+      vals, toks = sharding.to_host(vals), sharding.to_host(toks)
     stats['decode_tokens'] += decoded
     stats['decode_s'] += time.perf_counter() - t1
     records = []
@@ -363,11 +360,6 @@ class Decoder:
 
 def _length_norm(score: float, length: int, alpha: float) -> float:
   return score / (((5.0 + length) / 6.0) ** alpha) if alpha else score
-
-
-def _host(x) -> np.ndarray:
-  """A replicated global array as numpy (works with several processes)."""
-  return np.asarray(x.addressable_data(0))
 
 
 def continuation_text(tokenizer, prompt_ids: Sequence[int], ids: Sequence[int]) -> str:
@@ -392,12 +384,5 @@ def _record(prompt: Prompt, index: int, sample: int, ids: list, lps: list, reaso
       cut = min((text.find(s) for s in opts.stop if s in text), default=-1)
       text = text[:cut] if cut >= 0 else text
   return {'prompt_index': index, 'sample_index': sample, 'prompt': prompt.text, 'prompt_ids': list(prompt.ids),
-          'decoded': text, 'decoded_ids': ids, 'logprob': _finite(float(sum(lps))),
-          'token_logprobs': [_finite(x) for x in lps], 'num_decoded_tokens': len(ids), 'stop_reason': reason}
-
-
-def _finite(x: float) -> Optional[float]:
-  """JSON has no NaN or Infinity: a non-finite figure is written as null."""
-  return x if math.isfinite(x) else None
-
-
+          'decoded': text, 'decoded_ids': ids, 'logprob': finite_or_none(float(sum(lps))),
+          'token_logprobs': [finite_or_none(x) for x in lps], 'num_decoded_tokens': len(ids), 'stop_reason': reason}

@@ -4,6 +4,7 @@ trainer's TensorBoard text under <job dir>/summaries/decode."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from typing import Optional, Sequence
@@ -60,3 +61,8 @@ def write_jsonl(path: str, records: Sequence[dict]) -> None:
     os.replace(tmp, path)
   except OSError as e:
     raise UserError(f'Cannot write {shorten(path, 200)}: {e.strerror}.') from None
+
+
+def finite_or_none(x: float) -> Optional[float]:
+  """JSON has no NaN or Infinity: a non-finite figure is written as null."""
+  return x if math.isfinite(x) else None

@@ -22,7 +22,7 @@ import jax
 
 from paxcli.jobdir import layout, restore
 from paxcli.jobdir import tokenizer as tok_lib
-from paxcli.loops.decode.output import check_output, write_jsonl
+from paxcli.loops.decode.output import check_output, finite_or_none, write_jsonl
 from paxcli.loops.score.requests import Pair, Request, to_pairs
 from paxcli.loops.score.scorer import Scorer
 from paxcli.runtime import engine
@@ -92,16 +92,11 @@ def _records(requests: list[Request], pairs: list[Pair], results: list) -> list[
   for req, scored in zip(requests, per_request):
     token_logprobs = [x for _, (lps, _) in scored for x in lps]
     record = dict(req.fields)
-    record.update(line=req.line, logprob=_finite(math.fsum(token_logprobs)),
+    record.update(line=req.line, logprob=finite_or_none(math.fsum(token_logprobs)),
                   is_greedy=all(greedy for _, (_, greedy) in scored), num_tokens=len(token_logprobs),
-                  token_logprobs=[_finite(x) for x in token_logprobs],
+                  token_logprobs=[finite_or_none(x) for x in token_logprobs],
                   truncated=sum(p.dropped for p, _ in scored))
     if req.kind == 'rolling':
       record['num_windows'] = len(scored)
     records.append(record)
   return records
-
-
-def _finite(x: float) -> Optional[float]:
-  """JSON has no NaN or Infinity: a non-finite figure is written as null."""
-  return x if math.isfinite(x) else None

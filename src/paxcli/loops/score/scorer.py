@@ -95,6 +95,7 @@ class Scorer:
     results: list = [None] * len(pairs)
     stats = {'tokens': 0, 'scored_tokens': 0, 'seconds': 0.0}
     compiled_before = self.compile_seconds
+    batch_sh = sharding.batch_sharding(self.mesh)
     start = 0
     while start < len(order):
       length = bucket(len(pairs[order[start]].tokens) - 1, self.max_seq_len)
@@ -103,8 +104,8 @@ class Scorer:
       fn = self._compiled(rows, length)
       ids, pos, targets = _batch([pairs[i] for i in chunk], rows, length)
       t0 = time.perf_counter()
-      logp, greedy = fn(self.params, self._global(ids), self._global(pos), self._global(targets))
-      logp, greedy = _host(logp), _host(greedy)
+      logp, greedy = fn(self.params, *(sharding.from_host(x, batch_sh) for x in (ids, pos, targets)))
+      logp, greedy = sharding.to_host(logp), sharding.to_host(greedy)
       stats['seconds'] += time.perf_counter() - t0
       for r, i in enumerate(chunk):
         n = pairs[i].scored
@@ -116,9 +117,6 @@ class Scorer:
       start += len(chunk)
     stats['compile_s'] = self.compile_seconds - compiled_before
     return results, stats
-
-  def _global(self, x: np.ndarray):
-    return jax.make_array_from_callback(x.shape, sharding.batch_sharding(self.mesh), lambda idx: x[idx])
 
 
 def _batch(pairs: Sequence[Pair], rows: int, length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -134,8 +132,3 @@ def _batch(pairs: Sequence[Pair], rows: int, length: int) -> tuple[np.ndarray, n
     targets[r, length - n:] = tokens[1:]
     pos[r, length - n:] = np.arange(n)
   return ids, pos, targets
-
-
-def _host(x) -> np.ndarray:
-  """A replicated global array as numpy (works with several processes)."""
-  return np.asarray(x.addressable_data(0))
