@@ -6,6 +6,7 @@ user gives is checked with `os.stat` first (which neither blocks nor reads).
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import tempfile
@@ -94,3 +95,60 @@ def atomic_write(path: str, data: bytes) -> None:
   with os.fdopen(fd, 'wb') as f:
     f.write(data)
   os.replace(tmp, path)
+
+
+# Deeper JSON than this is no configuration, manifest or record paxcli writes or reads; a walk of a
+# value that deep (checking, printing, converting) would meet Python's recursion limit.
+MAX_JSON_DEPTH = 64
+# No count, size, id or seed paxcli reads needs more digits than this (2**64 has 20).
+MAX_JSON_DIGITS = 40
+
+
+def parse_json(text: str | bytes, what: str, max_depth: int = MAX_JSON_DEPTH):
+  """The value of JSON text someone gave us, or UserError naming `what` (a file, a file:line).
+
+  Bounded and strict where Python's json is not: nesting deeper than `max_depth` (json itself
+  recurses until RecursionError), integers of more than MAX_JSON_DIGITS digits, NaN and Infinity (not JSON; json accepts them)
+  and numbers that overflow to infinity are refused in one line, never a traceback.
+  """
+  def no_constant(name):
+    raise ValueError(f'{name} is not a JSON number')
+
+  def finite_float(literal):
+    value = float(literal)
+    if value in (float('inf'), float('-inf')):
+      raise ValueError(f'the number {shorten(literal, 40)} is too large')
+    return value
+
+  def short_int(literal):
+    if len(literal) > MAX_JSON_DIGITS:
+      raise ValueError(f'an integer of {len(literal):,} digits; paxcli reads at most {MAX_JSON_DIGITS}')
+    return int(literal)
+
+  try:
+    value = json.loads(text, parse_constant=no_constant, parse_float=finite_float, parse_int=short_int)
+  except json.JSONDecodeError as e:
+    raise UserError(f'{what}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}).') from None
+  except RecursionError:
+    raise UserError(f'{what}: JSON nested too deeply; paxcli reads at most {max_depth} levels.') from None
+  except ValueError as e:
+    raise UserError(f'{what}: {shorten(e, 200)}.') from None
+  if _json_depth_over(value, max_depth):
+    raise UserError(f'{what}: JSON nested deeper than {max_depth} levels; paxcli reads at most that.')
+  return value
+
+
+def _json_depth_over(value, max_depth: int) -> bool:
+  stack = [(value, 1)]
+  while stack:
+    node, depth = stack.pop()
+    if isinstance(node, (dict, list)):
+      if depth > max_depth:
+        return True
+      stack.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node))
+  return False
+
+
+def read_json(path: str, what: str, max_bytes: int, max_depth: int = MAX_JSON_DEPTH):
+  """The JSON value of a regular file of at most `max_bytes` bytes (see parse_json), or UserError."""
+  return parse_json(read_text(path, what, max_bytes), f'{what} {shorten(path, 200)}', max_depth)
