@@ -3,7 +3,9 @@
 For testing multi-process runs on one machine (and for CPU work): each child gets
 PAX_COORDINATOR / PAX_NUM_PROCESSES / PAX_PROCESS_ID, its own fake CPU devices (or its
 share of the GPUs), and no proxy variables. Children's lines are streamed with a
-`[pN]` prefix. When a child fails, the others are stopped (SIGTERM, then SIGKILL after
+`[pN]` prefix, except gloo's `[Gloo] Rank N is connected to ...` start-up lines (one per process
+and collective group, most of a short run's output), which are counted and shown with --verbose.
+When a child fails, the others are stopped (SIGTERM, then SIGKILL after
 --grace seconds) instead of waiting for JAX's heartbeat timeout (100 s), and the
 launcher exits non-zero naming the process that died first.
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import os
 import queue
+import re
 import signal
 import socket
 import subprocess
@@ -46,6 +49,8 @@ def launch(
     exit_wait: float = typer.Option(120.0, '--exit-wait', metavar='SECONDS', min=0.0,
                                     help='Seconds the others may run on after one process finished '
                                          'cleanly before they are stopped as hung.'),
+    verbose: bool = typer.Option(False, '--verbose', '-v',
+                                 help="Also show gloo's `[Gloo] Rank N is connected` start-up lines."),
     command: Optional[List[str]] = typer.Argument(
         None, metavar='-- COMMAND', show_default=False,
         help='The pax command every process runs, after --: e.g. -- train --exp E --job-log-dir D.'),
@@ -56,7 +61,7 @@ def launch(
   """
   argv = _child_argv(command or [], _multiprocess_commands(ctx.parent.command))
   envs = _child_envs(processes, devices_per_process, port or free_port())
-  code = run_children(argv, envs, grace=grace, exit_wait=exit_wait)
+  code = run_children(argv, envs, grace=grace, exit_wait=exit_wait, verbose=verbose)
   if code:
     raise typer.Exit(code)
 
@@ -118,12 +123,43 @@ def _even_gpu_share(n: int) -> int:
 
 
 def run_children(argv: list[str], envs: list[dict[str, str]], grace: float = 5.0,
-                 exit_wait: float = 120.0) -> int:
+                 exit_wait: float = 120.0, verbose: bool = False) -> int:
   """Starts one child per environment, streams output, returns the launcher's exit code."""
   procs = [_spawn(argv, env) for env in envs]
   lock = threading.Lock()
-  readers = [threading.Thread(target=_pump, args=(stream, out, f'[p{i}] ', lock), daemon=True)
+  hidden = _Hidden(verbose)
+  readers = [threading.Thread(target=_pump, args=(stream, out, f'[p{i}] ', lock, hidden), daemon=True)
              for i, p in enumerate(procs) for stream, out in ((p.stdout, sys.stdout), (p.stderr, sys.stderr))]
+  try:
+    return _supervise(procs, readers, envs, lock, grace, exit_wait)
+  finally:
+    if hidden.count:
+      _say(lock, f'{hidden.count} "[Gloo] Rank N is connected" line(s) hidden; --verbose shows them.')
+
+
+class _Hidden:
+  """Which children's lines the launcher leaves out (gloo's connection chatter unless verbose), counted.
+
+  gloo's threads write their `[Gloo] Rank N is connected to K peer ranks. Expected number of connected
+  peer ranks is : K` lines in pieces that interleave anywhere (`[Gloo] Rank [Gloo] Rank 12 is connected to
+  is connected to 33 ...`, then a line of the rest, or an empty one): a line is chatter when it holds one of
+  these pieces and nothing else.
+  """
+  PIECES = re.compile(r'\[Gloo\] Rank|is connected to|Expected number of connected peer ranks is ?:|peer ranks\.?|\d+|\s+')
+  MARKS = ('Gloo', 'is connected', 'peer ranks')
+
+  def __init__(self, verbose: bool):
+    self.verbose, self.count = verbose, 0
+
+  def __call__(self, line: str) -> bool:
+    if self.verbose or not any(m in line for m in self.MARKS) or self.PIECES.sub('', line):
+      return False
+    self.count += 1
+    return True
+
+
+def _supervise(procs, readers, envs, lock: threading.Lock, grace: float, exit_wait: float) -> int:
+  """Waits for the children, stops them all when one fails or hangs; returns the launcher's exit code."""
   events: queue.Queue = queue.Queue()
   waiters = [threading.Thread(target=lambda i=i, p=p: events.put((i, p.wait())), daemon=True)
              for i, p in enumerate(procs)]
@@ -183,11 +219,17 @@ def _die_with_parent_fn():
   return die_with_parent
 
 
-def _pump(stream, out, prefix: str, lock: threading.Lock) -> None:
-  """Copies a child's lines to our stdout/stderr with its prefix."""
+def _pump(stream, out, prefix: str, lock: threading.Lock, hide=lambda line: False) -> None:
+  """Copies a child's lines to our stdout/stderr with its prefix, except those `hide` takes (and an
+  empty line right after one: the end of a line it took, cut apart)."""
+  hid = False
   for raw in iter(stream.readline, b''):
     line = raw.decode('utf-8', errors='replace').rstrip('\r\n')
     with lock:
+      if hide(line) or (hid and not line.strip()):
+        hid = True
+        continue
+      hid = False
       try:
         out.write(prefix + line + '\n')
         out.flush()
