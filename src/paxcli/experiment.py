@@ -246,6 +246,18 @@ def lookup(name: Optional[str]) -> type[Experiment]:
   return cls
 
 
+def canonical_name(name: Optional[str]) -> str:
+  """An experiment name the user gave (None: the default) as it means the same from any directory:
+  `path/file.py:Class` with the path made absolute, a registered experiment by its registered name
+  (`StdlibDocsLm` -> `default.StdlibDocsLm`), anything else as given. What a job directory records."""
+  name = name or DEFAULT_EXPERIMENT
+  if ':' in name:
+    path, class_name = name.rsplit(':', 1)
+    return f'{os.path.abspath(os.path.expanduser(path))}:{class_name}'
+  registered = lookup(name).__dict__.get('_registered_name')
+  return registered if registered in _REGISTRY else name
+
+
 def instantiate(name: Optional[str], overrides: list[str] = ()) -> tuple[Experiment, list[tuple[str, Any]]]:
   """Looks up and instantiates an experiment, applying UPPERCASE knob overrides.
 

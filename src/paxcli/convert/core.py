@@ -84,7 +84,13 @@ def source_dir(src) -> str:
 
 
 def trusted_experiment(src, name: str, exp: Optional[str]) -> Optional[str]:
-  """`name` (an experiment a checkpoint's metadata names) when it may be resolved, else None.
+  """`name` (an experiment a checkpoint's metadata names) when it may be resolved, else None (trusted_in)."""
+  return trusted_in(source_dir(src), name, exp)
+
+
+def trusted_in(directory: str, name: str, exp: Optional[str]) -> Optional[str]:
+  """`name` (an experiment the files of `directory`, a job or checkpoint directory, name) when it may be
+  resolved, else None.
 
   Metadata never chooses code to import: it may name a registered experiment (paxcli's
   recipes, or one registered by a file --exp loaded), the experiment --exp names (the user
@@ -99,7 +105,7 @@ def trusted_experiment(src, name: str, exp: Optional[str]) -> Optional[str]:
     return name
   if ':' in name:
     class_name = name.rsplit(':', 1)[1]
-    copy = files.member(source_dir(src), layout.RECIPE_COPY, 'recipe')
+    copy = files.member(directory, layout.RECIPE_COPY, 'recipe')
     if class_name.isidentifier() and os.path.isfile(copy):
       try:
         recipe_class(name.rsplit(':', 1)[0], class_name, files.read_text(copy, 'recipe', 1 << 20), copy)

@@ -2,6 +2,8 @@
 
   config.txt                the resolved config of the latest invocation
   invocations.txt           one line per invocation: UTC time, paxcli version, command line
+  experiment.jsonl          one JSON line per `pax train` start or resume: the experiment and its --set
+                            overrides, which the commands reading the job use (jobdir/invocation.py)
   train.lock                the running trainer's lock (jobdir/lock.py)
   tokenizer/spm.model       the train input's sentencepiece model (decode and conversion read it)
   tokenizer/tokenizer.json  ... or its Hugging Face tokenizer, and beside either the
@@ -50,6 +52,11 @@ def config(job_dir: str) -> str:
 
 def invocations(job_dir: str) -> str:
   return os.path.join(job_dir, 'invocations.txt')
+
+
+def made(job_dir: str) -> str:
+  """How the job was made: experiment.jsonl (paxcli.jobdir.invocation.record_made)."""
+  return os.path.join(job_dir, 'experiment.jsonl')
 
 
 def lock(job_dir: str) -> str:

@@ -30,7 +30,7 @@ from rich.table import Table
 from paxcli import optim
 from paxcli.config import config_differences
 from paxcli.convert import lora as convert_lora
-from paxcli.errors import UserError
+from paxcli.errors import UserError, shorten
 from paxcli.inputs import grain_input
 from paxcli.jobdir import checkpoint as ckpt
 from paxcli.jobdir import invocation
@@ -41,7 +41,7 @@ from paxcli.jobdir import summaries
 from paxcli.jobdir import tokenizer
 from paxcli.layers.base import AUX_LOSS, NON_TRAINABLE, RANDOM, SUMMARIES, flatten_collection
 from paxcli.loops.decode.training import TrainDecoder
-from paxcli.loops.evaluate import Evaluator, metrics_line
+from paxcli.loops.evaluate import DATA_FIELDS, Evaluator, metrics_line
 from paxcli.loops.hooks import Chrono, Hooks, StepInfo, Window
 from paxcli.perf import flops
 from paxcli.perf import profiling
@@ -474,27 +474,61 @@ def window_note(record: dict) -> str:
 
 
 def train(resolved, job_dir: str, console, verbose: bool = False, profile_steps=None, pgle: Optional[str] = None,
-          pgle_profile: Optional[str] = None) -> dict:
+          pgle_profile: Optional[str] = None, made: Optional[invocation.Made] = None,
+          force_resume: bool = False) -> dict:
   """Trains (or resumes) the resolved experiment in job_dir. Returns the last summary.
 
   The job directory is checked first and locked for the run (`paxcli/jobdir/lock.py`): a
   second trainer on it is refused. profile_steps: (A, B) to trace steps A..B with
   jax.profiler; pgle/pgle_profile: see paxcli.perf.profiling. The experiment's PLATFORM_ENV is
-  applied before this, by the command's `api.open_run`, ahead of JAX's backend start.
+  applied before this, by the command's `api.open_run`, ahead of JAX's backend start. `made`:
+  how the job is made (experiment and --set), recorded for the commands that read it. A resume
+  whose data, tokenizer or model shape differ from the checkpoint's is refused unless force_resume
+  (shapes always: no weights fit them). A start refused before its first step leaves no directory
+  it made.
   """
   platform.check_supported(resolved.experiment)  # refusals first: a refused run leaves no job directory
   profiling.check_pgle(pgle, pgle_profile)
+  made_here = _missing_ancestor(job_dir)
   joblock.check_writable(job_dir)  # makes the directory
   lock = joblock.lock_run(job_dir, _printer(console) if jax.process_index() == 0 else _silent)
   try:
-    return _train(resolved, job_dir, console, verbose, profile_steps, pgle_profile)
+    return _train(resolved, job_dir, console, verbose, profile_steps, pgle_profile, made, force_resume)
+  except UserError:
+    if made_here and jax.process_index() == 0:
+      if lock is not None:
+        lock.release()
+      _remove_empty(job_dir, made_here)
+    raise
   finally:
     if lock is not None:
       lock.release()
 
 
+def _missing_ancestor(path: str) -> Optional[str]:
+  """The outermost directory of `path` (itself included) that does not exist yet, else None."""
+  missing = None
+  while not os.path.lexists(path):
+    missing, path = path, os.path.dirname(path)
+  return missing
+
+
+def _remove_empty(job_dir: str, top: str) -> None:
+  """Removes job_dir and its parents up to `top` while they are empty: what a refused start made."""
+  path = job_dir
+  while True:
+    try:
+      os.rmdir(path)   # only ever an empty directory
+    except OSError:
+      return
+    if path == top:
+      return
+    path = os.path.dirname(path)
+
+
 def _train(resolved, job_dir: str, console, verbose: bool = False, profile_steps=None,
-           pgle_profile: Optional[str] = None) -> dict:
+           pgle_profile: Optional[str] = None, made: Optional[invocation.Made] = None,
+           force_resume: bool = False) -> dict:
   is_main = jax.process_index() == 0
   log = _printer(console) if is_main else _silent
   distributed.log_topology(_printer(console))
@@ -510,12 +544,16 @@ def _train(resolved, job_dir: str, console, verbose: bool = False, profile_steps
   _log_run(resolved, setup, job_dir, log)
   if verbose and is_main:
     _print_weights(console, setup)
+  _check_same_run(job_dir, spec, resolved.train_dataset().name, force_resume)   # before any data is read
   train_input = infeed.build_input(resolved.train_dataset(), setup)  # before any state: missing data stops at once
   tokenizer.check_kept(train_input, job_dir)
+  tokenizer.check_base(train_input, train_cfg.init_from)
 
   # ---- Job directory: resume or start -------------------------------------------------------------
   if is_main:
     invocation.record(job_dir)
+    if made is not None:
+      invocation.record_made(job_dir, made)
   ckpt.set_aside_unfinished(layout.checkpoints(job_dir), log=log)
   distributed.barrier('paxcli:unfinished-checkpoints-set-aside')  # all processes then see the same steps
   checkpointer = ckpt.Checkpointer(layout.checkpoints(job_dir), train_cfg.save_max_to_keep)
@@ -559,8 +597,9 @@ def _train(resolved, job_dir: str, console, verbose: bool = False, profile_steps
     hooks.add(summary, every=train_cfg.summary_interval_steps, at_end=True, close=summary.close)
     hooks.add(Saver(checkpointer, losses, spec, start, setup, train_input), every=train_cfg.save_interval_steps, at_end=True,
               on_stop=True, close=checkpointer.close)
-    if evaluator:
-      hooks.add(_eval_hook(evaluator, reporter, chrono), every=train_cfg.eval_interval_steps, close=evaluator.close)
+    if evaluator:  # and at the end: a run of 40 steps, evaluated every 100, still reports its held-out loss
+      hooks.add(_eval_hook(evaluator, reporter, chrono), every=train_cfg.eval_interval_steps, at_end=True,
+                close=evaluator.close)
     if decoder:
       hooks.add(_decode_hook(decoder, reporter, chrono), every=train_cfg.decode_interval_steps, at_end=True,
                 close=decoder.close)
@@ -592,8 +631,11 @@ def _log_run(resolved, setup, job_dir: str, log) -> None:
   log(f'Experiment {resolved.name} -> {os.path.abspath(job_dir)}')
   log(f'Devices: {len(devices)} x {devices[0].device_kind} ({jax.default_backend()}), '
       f'{jax.process_count()} process(es); mesh {sharding.describe_mesh(setup.mesh)}')
-  log(f'Parameters: {engine.param_count(setup.abstract_state):,}; global batch '
-      f'{setup.infeed.describe()} x {setup.seq_len} tokens')
+  total = engine.param_count(setup.abstract_state)
+  frozen = engine.has_frozen(setup)
+  trainable = engine.param_count(engine.saved_state(setup, setup.abstract_state)) if frozen else total
+  counts = f'{trainable:,} trainable (LoRA adapters) of {total:,}' if frozen else f'{total:,}'
+  log(f'Parameters: {counts}; global batch {setup.infeed.describe()} x {setup.seq_len} tokens')
 
 
 def _log_done(job_dir: str, last: dict, keep: int, log) -> None:
@@ -679,10 +721,52 @@ def _resume(setup, job_dir: str, step: int, spec: RunSpec, checkpointer, log) ->
     log(layout_note)
   log(f'Resumed from step {step} ({batches_consumed} batches consumed).')
   changed = config_differences(meta.get('config') or {}, spec.flat, prefixes=('',))
+  changed = [c for c in changed if not _kept_tokenizer(c, job_dir)]
   if changed:
     log(f'Note: {len(changed)} setting(s) differ from the checkpoint\'s config (the run goes on '
         'with the new ones):\n  ' + '\n  '.join(changed))
   return restored.state, Start(step, batches_consumed, meta.get('recent_losses') or ())
+
+
+def _kept_tokenizer(difference: str, job_dir: str) -> bool:
+  """Whether a config difference is only an own-data input reading the job's kept tokenizer (None in
+  the run that trained it, its copy in the job directory since: jobdir.tokenizer.keep_trained)."""
+  return difference.split(':', 1)[0].endswith('.tokenizer') and difference.endswith(
+      f'checkpoint None -> now {repr(layout.tokenizer(job_dir))}')
+
+
+# What a run trains on, in its resolved config: the data and tokenizer knobs, and the fields of the
+# train input that name its data (evaluate.DATA_FIELDS) and its tokenizer.
+TRAINS_ON_KNOBS = ('TRAIN_DATA', 'TOKENIZER', 'TEXT_FIELD')
+TRAINS_ON_FIELDS = DATA_FIELDS + ('tokenizer', 'spm_model')
+
+
+def _check_same_run(job_dir: str, spec: RunSpec, train_name: str, force_resume: bool) -> None:
+  """One line, before any data is read, when job_dir's latest checkpoint was trained on other data or
+  another tokenizer than this command gives (unless force_resume), or has other shapes: this is
+  another run, and belongs in a directory of its own."""
+  steps = ckpt.complete_steps(layout.checkpoints(job_dir))
+  try:
+    meta = restore.read_meta(job_dir, steps[-1]) if steps else None
+  except UserError:
+    return  # the resume says what is wrong with it, and falls back to an older one
+  if not meta:
+    return
+  try:
+    restore.check_shapes(meta, spec.shapes, spec.flat, steps[-1], False, 'resume from')
+  except restore.ShapeMismatch as e:
+    raise UserError(f'{job_dir} holds a run whose train state has other shapes than this one\'s '
+                    f'({"; ".join(e.differences[:3]) or "the code changed"}): give this run a new --job-log-dir.') from None
+  saved = meta.get('config') or {}
+  keys = [f'knobs.{k}' for k in TRAINS_ON_KNOBS] + [f'datasets.{train_name}.{f}' for f in TRAINS_ON_FIELDS]
+  changed = [f'{k.split(".", 1)[1] if k.startswith("knobs.") else k}: {shorten(saved[k], 80)} -> '
+             f'{shorten(spec.flat[k], 80)}' for k in keys
+             if k in saved and k in spec.flat and saved[k] != spec.flat[k]
+             and not _kept_tokenizer(f'{k}: checkpoint {saved[k]} -> now {spec.flat[k]}', job_dir)]
+  if changed and not force_resume:
+    raise UserError(f'{job_dir} holds a run trained on other data than this command gives ({"; ".join(changed[:3])}'
+                    f'): give this run a new --job-log-dir, or pass --force-resume to go on training that one on '
+                    'these settings.')
 
 
 def _position_input(train_input, job_dir: str, start: Start, log) -> None:
