@@ -545,10 +545,12 @@ def convert_checkpoint(source: str, output: str, *, fmt: Optional[str] = None, t
                        exp: Optional[str] = None, overrides: Sequence[str] = (), step: Optional[int] = None,
                        params_only: bool = False, dtype: Optional[str] = None, force: bool = False,
                        verify: bool = True, kl_tolerance: Optional[float] = None, max_shard_size: str = '5GB',
-                       recipe: Optional[str] = None, merge_lora: bool = False, console=None) -> dict:
+                       recipe: Optional[str] = None, merge_lora: bool = False, base_model: Optional[str] = None,
+                       console=None) -> dict:
   """`pax checkpoint convert`: writes `source` (never modified) as `to` at `output`; returns what was
   written. With verify, result['verify'] holds the KL between source and converted model on one
-  random batch and whether it is within kl_tolerance ('ok'); a failed check keeps the output."""
+  random batch and whether it is within kl_tolerance ('ok'); a failed check keeps the output.
+  base_model (to='peft'): the Hugging Face id or directory written as base_model_name_or_path."""
   from paxcli.convert import run as convert_run
   from paxcli.convert import safetensors_io
   positive_finite(kl_tolerance, '--kl-tolerance', 'a KL in nats')
@@ -559,7 +561,7 @@ def convert_checkpoint(source: str, output: str, *, fmt: Optional[str] = None, t
   return convert_run.convert(source, output, fmt=fmt, to=to, exp=exp, overrides=list(overrides),
                              params_only=params_only, dtype=dtype, step=step, force=force, verify=verify,
                              kl_tolerance=kl_tolerance, max_shard_bytes=max_shard_bytes, recipe=recipe,
-                             merge_lora=merge_lora, log=_printer(_console(console)))
+                             merge_lora=merge_lora, base_model=base_model, log=_printer(_console(console)))
 
 
 def _quiet_absl() -> None:

@@ -23,6 +23,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 
 from paxcli import config as cfg
 from paxcli import experiment, files, gencode
+from paxcli import values as ptypes
 from paxcli.convert import formats
 from paxcli.errors import UserError, shorten
 from paxcli.families.lm import LmExperiment
@@ -64,6 +65,56 @@ def carry_tokenizer(src, job: str) -> None:
   if tokenizers.config_beside(tok):
     files.copy_member(files.member(os.path.dirname(tok), tokenizers.CONFIG_NAME, 'tokenizer config'),
                       layout.tokenizer_config(job))
+
+
+MAX_BASES = 8   # a fine-tune of a fine-tune of ...: followed this far back
+MAX_META_BYTES = 64 << 20
+
+
+def longest_context(src) -> Optional[int]:
+  """The longest MAX_SEQ_LEN of the models a run descends from (INIT_FROM, that run's INIT_FROM, ...), by
+  their checkpoints' saved configs; None for a run from scratch. A fine-tune trains on rows of its own
+  MAX_SEQ_LEN, shorter than the context its base takes, and an export keeps the base's."""
+  config, seen, longest = getattr(src, 'config', None) or {}, set(), None
+  while len(seen) < MAX_BASES:
+    path = _saved(config.get('task.train.init_from'))
+    if not isinstance(path, str) or not path or path in seen:
+      break
+    seen.add(path)
+    meta = base_meta(path)
+    config = meta.get('config') if isinstance(meta, dict) and isinstance(meta.get('config'), dict) else {}
+    length = _saved(config.get('knobs.MAX_SEQ_LEN'))
+    if isinstance(length, int) and not isinstance(length, bool):
+      longest = max(longest or 0, length)
+  return longest
+
+
+def base_meta(path: str) -> Optional[dict]:
+  """The metadata of the checkpoint an INIT_FROM path names (a job directory: its latest complete step),
+  read bounded; None when there is none."""
+  from paxcli.jobdir import checkpoint as ckpt   # orbax: only for conversions of fine-tunes
+  job, step = layout.split(path)
+  steps = ckpt.complete_steps(layout.checkpoints(job)) if os.path.isdir(layout.checkpoints(job)) else []
+  if step is None and not steps:
+    return None
+  meta = layout.meta_file(layout.step_dir(job, steps[-1] if step is None else step))
+  return files.read_json(meta, 'checkpoint metadata', MAX_META_BYTES) if os.path.isfile(meta) else None
+
+
+def hf_origin(path: str) -> Optional[str]:
+  """The Hugging Face model directory the checkpoint `path` names was converted from (--from hf), when it
+  is still there; else None."""
+  meta = base_meta(path) or {}
+  origin = meta.get('converted_from') if isinstance(meta.get('converted_from'), dict) else {}
+  where = origin.get('path')
+  if origin.get('format') == 'hf' and isinstance(where, str) and os.path.isfile(os.path.join(where, 'config.json')):
+    return where
+  return None
+
+
+def _saved(text):
+  """A value of a saved config (its repr), parsed as a literal; None when it is not one."""
+  return ptypes.parse_value(text) if isinstance(text, str) else None
 
 
 def recipe_class(path: str, class_name: str, text: str, where: Optional[str] = None):

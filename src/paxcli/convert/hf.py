@@ -72,9 +72,12 @@ def misfit(model) -> list[str]:
   return reasons
 
 
-def config_for(model, dtype: str = 'float32', token_ids: Optional[dict] = None) -> dict:
-  """config.json of a LlamaForCausalLM; token ids from the tokenizer (hf_tokenizer.token_ids)."""
+def config_for(model, dtype: str = 'float32', token_ids: Optional[dict] = None,
+               max_positions: Optional[int] = None) -> dict:
+  """config.json of a LlamaForCausalLM; token ids from the tokenizer (hf_tokenizer.token_ids).
+  max_positions: the longest context of the model it was fine-tuned from, when longer than its rows."""
   settings = {key: getattr(model, LM_KNOB[knob].flat, None) for key, knob in _HF_KNOBS.items()}
+  settings['max_position_embeddings'] = max(settings['max_position_embeddings'] or 0, max_positions or 0) or None
   return {
       'architectures': ['LlamaForCausalLM'], 'model_type': 'llama', **settings,
       'rms_norm_eps': float(settings['rms_norm_eps'] or RMS_EPS), 'rope_theta': float(settings['rope_theta']),
@@ -389,9 +392,10 @@ formats.register_reader('hf', lambda path, step=None, target=None: HfSource(path
 
 
 def export(directory: str, src, items_by_name: dict, model, read, dtype: str, max_shard_bytes: int,
-           on_bytes) -> None:
+           on_bytes, max_positions: Optional[int] = None) -> None:
   """Writes model.safetensors (+ shards and index), config.json, generation_config.json and, when the
-  run has a tokenizer, the tokenizer files transformers reads (hf_tokenizer) into directory."""
+  run has a tokenizer, the tokenizer files transformers reads (hf_tokenizer) into directory.
+  max_positions: a fine-tune's base's longest context (core.longest_context), when longer than its rows."""
   reasons = misfit(model)
   if reasons:
     raise UserError('This model does not fit the Hugging Face Llama layout: ' + '; '.join(reasons) + '.')
@@ -407,11 +411,11 @@ def export(directory: str, src, items_by_name: dict, model, read, dtype: str, ma
   ids = hf_tokenizer.token_ids(tokenizer)   # the special ids of the tokenizer the model was trained with
   safetensors_io.write(directory, arrays, fill, {'format': 'pt', 'step': src.step}, max_shard_bytes, on_bytes)
   with open(os.path.join(directory, 'config.json'), 'w', encoding='utf-8') as f:
-    json.dump(config_for(model, dtype, ids), f, indent=2)
+    json.dump(config_for(model, dtype, ids, max_positions), f, indent=2)
   with open(os.path.join(directory, 'generation_config.json'), 'w', encoding='utf-8') as f:
     json.dump({k: v for k, v in ids.items() if v is not None}, f, indent=2)
   if tokenizer:
-    hf_tokenizer.write(directory, tokenizer, model.max_seq_len)
+    hf_tokenizer.write(directory, tokenizer, max(model.max_seq_len, max_positions or 0))
 
 
 def recipe_text(class_name: str, knobs: dict, source: str, notes: list[str]) -> str:

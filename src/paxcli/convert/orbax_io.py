@@ -21,7 +21,7 @@ from paxcli import files
 from paxcli.convert import formats
 from paxcli.convert.formats import ArrayInfo
 from paxcli.errors import UserError
-from paxcli.jobdir import layout
+from paxcli.jobdir import invocation, layout
 
 
 def is_orbax(path: str) -> bool:
@@ -159,15 +159,12 @@ class OrbaxSource(PyTreeDir):
     self.config = self.meta.get('config')
 
   def experiment_name(self) -> Optional[str]:
+    """A conversion's output names its experiment in its meta; a trained job in its record of how it was
+    made (jobdir.invocation), or, trained by an older paxcli, at the head of its config.txt."""
     if self.meta.get('experiment'):
       return self.meta['experiment']
-    path = layout.config(self.job_dir)
-    if os.path.exists(path):
-      with open(path, encoding='utf-8') as f:
-        first = f.readline()
-      if first.startswith('# experiment:'):
-        return first.split(':', 1)[1].strip()
-    return None
+    made = invocation.read_made(self.job_dir) or invocation.made_by_config(self.job_dir)
+    return made.experiment if made else None
 
   def extra_files(self) -> dict:
     name = os.path.relpath(layout.tokenizer(self.job_dir), self.job_dir)

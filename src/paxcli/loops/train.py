@@ -552,8 +552,6 @@ def _train(resolved, job_dir: str, console, verbose: bool = False, profile_steps
   # ---- Job directory: resume or start -------------------------------------------------------------
   if is_main:
     invocation.record(job_dir)
-    if made is not None:
-      invocation.record_made(job_dir, made)
   ckpt.set_aside_unfinished(layout.checkpoints(job_dir), log=log)
   distributed.barrier('paxcli:unfinished-checkpoints-set-aside')  # all processes then see the same steps
   checkpointer = ckpt.Checkpointer(layout.checkpoints(job_dir), train_cfg.save_max_to_keep)
@@ -581,6 +579,9 @@ def _train(resolved, job_dir: str, console, verbose: bool = False, profile_steps
                if train_cfg.eval_interval_steps and resolved.eval_datasets() else None)
   decoder = (TrainDecoder(resolved, setup, job_dir, train_cfg)
              if getattr(train_cfg, 'decode_interval_steps', 0) and train_cfg.decode_prompts else None)
+
+  if is_main and made is not None:  # the run starts: how it is made, for its readers (a follower waits for it)
+    invocation.record_made(job_dir, made)
 
   # ---- Hooks --------------------------------------------------------------------------------------
   writer = summaries.SummaryWriter(layout.summaries(job_dir, 'train'), layout.train_metrics(job_dir)) if is_main else None
