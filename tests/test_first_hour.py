@@ -4,7 +4,6 @@ settings and recipes, each through the CLI."""
 import json
 import os
 
-import numpy as np
 
 import prepared_data
 from conftest import pax_main

@@ -22,7 +22,7 @@ import shlex
 import sys
 from typing import Optional, Sequence
 
-from paxcli import __version__, files
+from paxcli import __version__, files, gencode
 from paxcli.errors import UserError, shorten
 from paxcli.jobdir import layout
 from paxcli.values import parse_value
@@ -62,13 +62,29 @@ class Made:
 
 
 def record_made(job_dir: str, made: Made) -> None:
-  """Appends one line for this start or resume to job_dir/experiment.jsonl (never rewritten)."""
+  """Appends one line for this start or resume to job_dir/experiment.jsonl (never rewritten). An
+  experiment file that is a recipe as paxcli writes them (knobs only: `pax checkpoint convert --from hf`,
+  `pax import-maxtext`) is kept beside it (layout.RECIPE_COPY), which readers of the job read as data."""
+  _keep_recipe(job_dir, made.experiment)
   now = datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%dT%H:%M:%SZ')
   line = json.dumps({'time': now, 'paxcli': __version__, 'experiment': made.experiment,
                      'overrides': list(made.overrides)})
   os.makedirs(job_dir, exist_ok=True)
   with open(layout.made(job_dir), 'a', encoding='utf-8') as f:
     f.write(line + '\n')   # one write of one line: an appended record is whole or absent
+
+
+def _keep_recipe(job_dir: str, experiment: str) -> None:
+  if ':' not in experiment:
+    return
+  path = experiment.rsplit(':', 1)[0]
+  try:
+    text = files.read_text(path, 'recipe', MAX_RECORD_BYTES)
+    gencode.check_shape(text, path)
+  except UserError:
+    return   # a user's own experiment file: readers of the job are asked to name it with --exp
+  os.makedirs(job_dir, exist_ok=True)
+  files.atomic_write(layout.recipe_copy(job_dir), text.encode('utf-8'))
 
 
 def read_made(job_dir: str) -> Optional[Made]:

@@ -1,6 +1,7 @@
 """Every path inside a job directory, named in this one module.
 
   config.txt                the resolved config of the latest invocation
+  recipe.py                 a generated recipe (knobs only) the job's experiment is read from, as data
   invocations.txt           one line per invocation: UTC time, paxcli version, command line
   experiment.jsonl          one JSON line per `pax train` start or resume: the experiment and its --set
                             overrides, which the commands reading the job use (jobdir/invocation.py)
@@ -57,6 +58,12 @@ def invocations(job_dir: str) -> str:
 def made(job_dir: str) -> str:
   """How the job was made: experiment.jsonl (paxcli.jobdir.invocation.record_made)."""
   return os.path.join(job_dir, 'experiment.jsonl')
+
+
+def recipe_copy(job_dir: str) -> str:
+  """The recipe the job's experiment was read from, kept as data (RECIPE_COPY): a conversion's, or a
+  generated recipe a run trained with (jobdir.invocation.record_made)."""
+  return os.path.join(job_dir, RECIPE_COPY)
 
 
 def lock(job_dir: str) -> str:
