@@ -34,7 +34,7 @@ import orbax.checkpoint as ocp
 from paxcli.errors import UserError
 from paxcli.jobdir import layout, storage
 
-_MARKERS = ('commit_success.txt', '_CHECKPOINT_METADATA')
+_MARKERS = layout.COMMIT_MARKERS
 _TMP_RE = re.compile(r'^(\d+)\.orbax-checkpoint-tmp')
 ITEMS = (layout.STATE, layout.META)
 

@@ -39,6 +39,8 @@ from paxcli.jobdir import storage
 
 # orbax's names of a checkpoint's two items (CheckpointManager item_names): directories of a step.
 STATE, META = 'state', 'meta'
+# orbax's markers of a finished save, written last (in a bucket, what finalises a step)
+COMMIT_MARKERS = ('commit_success.txt', '_CHECKPOINT_METADATA')
 INPUT = 'input'  # the train input's position, one small JSON file per process (a Grain input's)
 METRICS_SUFFIX = '_metrics.jsonl'
 RECIPE_COPY = 'recipe.py'  # the recipe a conversion keeps in the job it writes: read as data, never run

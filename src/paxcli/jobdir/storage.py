@@ -44,7 +44,8 @@ _SCHEME_RE = re.compile(r'^([A-Za-z][A-Za-z0-9+.-]*)://')
 # client for both. Set before orbax looks at any gs:// path.
 os.environ['EPATH_USE_TF'] = 'false'
 if os.environ.get('STORAGE_EMULATOR_HOST'):
-  # An emulator serves no storage-control API: gcsfs's zonal-bucket lookup would go to Google's.
+  # An emulator serves no storage-control API (gcsfs's zonal-bucket lookup would go to Google's) and
+  # checks no credentials: none are looked for, by paxcli's client or orbax's (fsspec's defaults).
   os.environ.setdefault('GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT', 'false')
 
 
@@ -87,6 +88,28 @@ def absolute(path: str, option: str = 'path') -> str:
   if '..' in parts or any('\0' in p or '\n' in p for p in parts):
     raise UserError(f'{option} {shorten(path, 200)}: a bucket path has no `..` (or control characters) in it.')
   return f'{kind}://' + '/'.join(parts)
+
+
+def abspath(path: str) -> str:
+  """A local path made absolute (symlinks kept); a bucket path normalised."""
+  return os.path.abspath(path) if is_local(path) else absolute(path)
+
+
+def inside(path: str, other: str) -> bool:
+  """Whether `path` is `other` or under it (or `other` under `path`): both local, symlinks resolved,
+  or both in one bucket."""
+  if is_local(path) != is_local(other):
+    return False
+  if is_local(path):
+    a, b = os.path.realpath(path), os.path.realpath(other)
+    return os.path.commonpath([a, b]) in (a, b)
+  a, b = absolute(path) + '/', absolute(other) + '/'
+  return a.startswith(b) or b.startswith(a)
+
+
+def local_dir_beside(path: str) -> str:
+  """Where files that sit beside `path` go on this machine: its parent; the current directory for a bucket path."""
+  return os.path.dirname(os.path.abspath(path)) if is_local(path) else os.getcwd()
 
 
 def bucket_of(path: str) -> str:
@@ -133,8 +156,11 @@ def _fs():
                         "'paxcli[gcs]' (or pip install gcsfs).") from None
       for name in ('gcsfs', 'fsspec'):   # paxcli reports a failed request in one line, not gcsfs's traceback
         logging.getLogger(name).setLevel(logging.CRITICAL)
-      # An emulator checks no credentials: none are looked for (a search may ask a metadata server).
-      token = 'anon' if os.environ.get('STORAGE_EMULATOR_HOST') else None
+      token = None
+      if os.environ.get('STORAGE_EMULATOR_HOST'):   # an emulator checks none: no search for credentials
+        import fsspec
+        fsspec.config.conf.setdefault('gcs', {}).setdefault('token', 'anon')   # orbax's instance too
+        token = 'anon'
       _FS = gcsfs.GCSFileSystem(token=token, use_listings_cache=False, skip_instance_cache=True)
   return _FS
 
@@ -533,6 +559,14 @@ def local_copy(path: str) -> str:
           f.write(read_bytes(join(directory, name)))
     _LOCAL_COPIES[directory] = local
   return os.path.join(_LOCAL_COPIES[directory], basename(path))
+
+
+def local_files(directory: str) -> str:
+  """A local directory holding the files directly in `directory` (itself, resolved, when local; a
+  bucket's downloaded once per process, without its subdirectories)."""
+  if is_local(directory):
+    return os.path.realpath(directory)
+  return dirname(local_copy(join(directory, '.')))
 
 
 def local_tree(path: str) -> str:

@@ -70,6 +70,16 @@ def _trained_with(job_dir: Optional[str]) -> Optional[str]:
   return storage.local_copy(layout.tokenizer(job_dir))   # readers of a tokenizer take a local file
 
 
+def local_file(job_dir: str) -> Optional[str]:
+  """The job directory's tokenizer as a local file (resolved inside a local job directory; a bucket's
+  downloaded), or None when it has none."""
+  name = os.path.relpath(layout.tokenizer(job_dir), job_dir)
+  if storage.is_local(job_dir):
+    path = files.member(job_dir, name, 'tokenizer')
+    return path if os.path.isfile(path) else None
+  return storage.local_copy(layout.tokenizer(job_dir)) if storage.isfile(layout.tokenizer(job_dir)) else None
+
+
 def keep_trained(datasets: dict, job_dir: Optional[str]) -> None:
   """Own-data inputs (fiddle configs, edited in place) without a tokenizer of their own read the
   job directory's when it has a checkpoint, rather than training one on the data as it is now."""
