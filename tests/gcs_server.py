@@ -45,10 +45,13 @@ def client_env(url: str) -> dict:
 
 
 class Server:
-  def __init__(self):
+  """fake-gcs-server on a free port of 127.0.0.1; objects in memory, or under `root` on disk."""
+
+  def __init__(self, root: str | None = None):
     self.port = _free_port()
     self.url = f'http://127.0.0.1:{self.port}'
-    self.proc = subprocess.Popen([_binary(), '-scheme', 'http', '-backend', 'memory', '-host', '127.0.0.1',
+    backend = ['-backend', 'filesystem', '-filesystem-root', root] if root else ['-backend', 'memory']
+    self.proc = subprocess.Popen([_binary(), '-scheme', 'http', *backend, '-host', '127.0.0.1',
                                   '-port', str(self.port), '-external-url', self.url, '-log-level', 'error'],
                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 30
@@ -78,17 +81,20 @@ class Server:
 
 
 @contextlib.contextmanager
-def running():
+def running(root: str | None = None):
   """A started server with this process's environment pointing at it (restored after)."""
-  server = Server()
+  server = Server(root)
   saved = {k: os.environ.get(k) for k in client_env(server.url)}
   os.environ.update(client_env(server.url))
   from paxcli.jobdir import storage
   storage._FS = None   # a client made for another server (or none) is not reused
+  import fsspec
+  storage.emulator_defaults()   # fsspec's 'gcs' defaults, for orbax's gcsfs instance too
   try:
     yield server
   finally:
     storage._FS = None
+    fsspec.config.conf.get('gcs', {}).pop('token', None)
     for k, v in saved.items():
       if v is None:
         os.environ.pop(k, None)

@@ -228,7 +228,7 @@ def test_kill_9_then_resume_reaches_the_loss_of_an_uninterrupted_run(server, tmp
   bucket = server.make_bucket('pax-resume')
   args = ['train', *TINY, '--set', 'task.train.num_train_steps=30', '--set', 'task.train.save_interval_steps=5',
           '--set', 'task.train.summary_interval_steps=5']
-  whole = run_pax(*args, '--job-log-dir', f'{bucket}/whole', '--json' if False else '--set', 'RANDOM_SEED=1234')
+  whole = run_pax(*args, '--job-log-dir', f'{bucket}/whole', '--set', 'RANDOM_SEED=1234')
   assert whole.returncode == 0, whole.stderr[-3000:]
   cut = f'{bucket}/cut'
   cmd = [sys.executable, '-m', 'paxcli.cli.app', *args, '--job-log-dir', cut, '--set', 'RANDOM_SEED=1234']

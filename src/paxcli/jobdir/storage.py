@@ -43,10 +43,6 @@ _SCHEME_RE = re.compile(r'^([A-Za-z][A-Za-z0-9+.-]*)://')
 # paxcli's own reads and writes, its lock's preconditions and its tests' emulator need gcsfs: one
 # client for both. Set before orbax looks at any gs:// path.
 os.environ['EPATH_USE_TF'] = 'false'
-if os.environ.get('STORAGE_EMULATOR_HOST'):
-  # An emulator serves no storage-control API (gcsfs's zonal-bucket lookup would go to Google's) and
-  # checks no credentials: none are looked for, by paxcli's client or orbax's (fsspec's defaults).
-  os.environ.setdefault('GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT', 'false')
 
 
 def _reset_epath_backend_choice() -> None:
@@ -56,6 +52,21 @@ def _reset_epath_backend_choice() -> None:
 
 
 _reset_epath_backend_choice()
+
+
+def emulator_defaults() -> bool:
+  """With STORAGE_EMULATOR_HOST set: an emulator serves no storage-control API (gcsfs's zonal-bucket
+  lookup would go to Google's) and checks no credentials, so none are looked for, by paxcli's gcsfs
+  client or orbax's (fsspec's defaults for 'gcs'). Returns whether one is set."""
+  if not os.environ.get('STORAGE_EMULATOR_HOST'):
+    return False
+  os.environ.setdefault('GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT', 'false')
+  import fsspec
+  fsspec.config.conf.setdefault('gcs', {}).setdefault('token', 'anon')
+  return True
+
+
+emulator_defaults()
 
 
 # ---- paths ------------------------------------------------------------------------------------
@@ -156,11 +167,7 @@ def _fs():
                         "'paxcli[gcs]' (or pip install gcsfs).") from None
       for name in ('gcsfs', 'fsspec'):   # paxcli reports a failed request in one line, not gcsfs's traceback
         logging.getLogger(name).setLevel(logging.CRITICAL)
-      token = None
-      if os.environ.get('STORAGE_EMULATOR_HOST'):   # an emulator checks none: no search for credentials
-        import fsspec
-        fsspec.config.conf.setdefault('gcs', {}).setdefault('token', 'anon')   # orbax's instance too
-        token = 'anon'
+      token = 'anon' if emulator_defaults() else None
       _FS = gcsfs.GCSFileSystem(token=token, use_listings_cache=False, skip_instance_cache=True)
   return _FS
 
