@@ -242,3 +242,27 @@ def test_kill_9_then_resume_reaches_the_loss_of_an_uninterrupted_run(server, tmp
   want = {r['step']: r['loss'] for r in _jsonl(f'{bucket}/whole/train_metrics.jsonl')}
   assert sorted(rows) == sorted(want) == [5, 10, 15, 20, 25, 30]
   assert rows[30] == pytest.approx(want[30], abs=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.alone   # two jax.distributed processes
+def test_launch_on_two_processes_and_a_follower_on_a_bucket_job(server):
+  bucket = server.make_bucket('pax-launch')
+  path = f'{bucket}/two'
+  launch = ['launch', '--processes', '2', '--devices-per-process', '4', '--grace', '2', '--']
+  trained = run_pax(*launch, 'train', *TINY, '--set', 'task.train.num_train_steps=6',
+                    '--set', 'task.train.save_interval_steps=3', '--job-log-dir', path, timeout=400)
+  assert trained.returncode == 0, trained.stdout[-2000:] + trained.stderr[-3000:]
+  from paxcli.jobdir import checkpoint, layout
+  assert checkpoint.complete_steps(layout.checkpoints(path)) == [3, 6]
+  assert not _storage().exists(layout.lock(path))
+  followed = run_pax('eval', *TINY, '--set', 'task.train.num_train_steps=6', '--job-log-dir', path, '--follow',
+                     '--json', '--poll', '1', timeout=300)
+  assert followed.returncode == 0, followed.stderr[-3000:]
+  assert sorted(json.loads(line)['step'] for line in followed.stdout.strip().splitlines()) == [3, 6]
+  assert {r['step'] for r in _jsonl(f'{path}/eval_done.jsonl')} == {3, 6}
+  evaluated = run_pax(*launch, 'eval', *TINY, '--job-log-dir', path, '--json', timeout=300)
+  assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+  rows = {r['step']: r['loss'] for r in _jsonl(f'{path}/eval_metrics.jsonl')}
+  got = json.loads([l for l in evaluated.stdout.splitlines() if l.startswith('[p0] {')][-1][len('[p0] '):])
+  assert got['step'] == 6 and got['results']['eval']['loss'] == pytest.approx(rows[6], rel=1e-5)

@@ -614,13 +614,15 @@ class Appender:
   """A binary file written a little at a time (TensorBoard events, JSONL rows), locally or in a bucket.
 
   Local: an ordinary file opened for appending (`truncate`: for writing). Bucket: the bytes are kept
-  here and the object rewritten whole on flush, at most every `min_interval` seconds (and at
-  close), as TensorFlow's gfile writes GCS files; a kill loses at most that interval's rows.
+  here and the object rewritten whole at each flush (and at close), as TensorFlow's gfile writes GCS
+  files: a row flushed before a checkpoint is saved is in the bucket when the checkpoint is.
+  `rewritten_whole` says so, for a writer that keeps its files small (TensorBoard's event files).
   """
 
-  def __init__(self, path: str, truncate: bool = False, min_interval: float = 5.0):
+  def __init__(self, path: str, truncate: bool = False, min_interval: float = 0.0):
     self.path, self.min_interval = path, min_interval
     self._local = is_local(path)
+    self.rewritten_whole = not self._local
     if self._local:
       os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
       self._file = open(path, 'wb' if truncate else 'ab')
@@ -637,6 +639,9 @@ class Appender:
       return
     self._data += data
     self._dirty = True
+
+  def size(self) -> int:
+    return self._file.tell() if self._local else len(self._data)
 
   def flush(self, force: bool = False) -> None:
     if self._local:

@@ -26,15 +26,27 @@ from paxcli.jobdir import storage
 
 
 class _EventFile:
-  """One `events.out.tfevents.*` file: TFRecord-framed Event protos."""
+  """`events.out.tfevents.*` files: TFRecord-framed Event protos.
+
+  In a bucket, where a file is rewritten whole at each flush, a new file is started once one holds
+  ROTATE_BYTES (TensorBoard reads every event file of a directory, in order).
+  """
+  ROTATE_BYTES = 1 << 20
 
   def __init__(self, logdir: str):
-    self.path = os.path.join(logdir, f'events.out.tfevents.{time.time():.6f}.{socket.gethostname()}.{os.getpid()}')
+    self.logdir = logdir
+    self._open()
+
+  def _open(self) -> None:
+    self.path = os.path.join(self.logdir, f'events.out.tfevents.{time.time():.6f}.{socket.gethostname()}.{os.getpid()}')
     self._file = storage.Appender(self.path, truncate=True)
     self._records = RecordWriter(self._file)
-    self.add_event(event_pb2.Event(wall_time=time.time(), file_version='brain.Event:2'))
+    self._records.write(event_pb2.Event(wall_time=time.time(), file_version='brain.Event:2').SerializeToString())
 
   def add_event(self, event) -> None:
+    if self._file.rewritten_whole and self._file.size() >= self.ROTATE_BYTES:
+      self._file.close()
+      self._open()
     self._records.write(event.SerializeToString())
 
   def flush(self) -> None:
