@@ -41,7 +41,7 @@ from rich.markup import escape
 
 from paxcli import experiment
 from paxcli.errors import UserError
-from paxcli.jobdir import invocation, layout
+from paxcli.jobdir import invocation, layout, storage
 from paxcli.maxtext import recipe as maxtext_recipe
 from paxcli.maxtext.shell import read_script
 from paxcli.maxtext.translate import Options, Translation, translate
@@ -87,6 +87,7 @@ def open_run(exp: Optional[str], overrides: Sequence[str] = (), job_dir: Optiona
   directory = made = None
   if with_job_dir:
     directory = path_arg(job_dir or default_job_dir(exp, overrides), '--job-log-dir')
+    storage.check_reachable(directory)   # a bucket that cannot be used: one line, before any compile
     if remembered:
       exp, overrides, made = as_made(directory, exp, overrides, log)
   resolved = resolve(exp, overrides)
@@ -126,6 +127,8 @@ def _trusted(directory: str, name: str) -> bool:
 
 def _shown(path: str) -> str:
   """A path as the user would type it here: relative when under the working directory."""
+  if not storage.is_local(path):
+    return path
   relative = os.path.relpath(path)
   return path if relative.startswith('..') else relative
 
@@ -179,7 +182,7 @@ def path_arg(path: Optional[str], option: str) -> Optional[str]:
     return None
   if not path:
     raise UserError(f'{option} is empty; give a path.')
-  return layout.absolute(path)
+  return layout.absolute(path, option)
 
 
 def positive_finite(value: Optional[float], option: str, unit: str) -> Optional[float]:
@@ -253,7 +256,7 @@ def evaluate(exp: Optional[str] = None, *, overrides: Sequence[str] = (), job_di
   record = None
   if jax.process_index() == 0 and not no_checkpoint:
     record = lambda: invocation.record(run.job_dir)
-  if record and os.path.isdir(run.job_dir):  # never made here: a follower records at its first evaluation
+  if record and storage.isdir(run.job_dir):  # never made here: a follower records at its first evaluation
     record()
     record = None
   with _naming_the_job(run):
@@ -270,7 +273,7 @@ def _await_trainer(directory: str, timeout: Optional[float], poll: float, grace:
   checkpoint, or `timeout` / `grace` seconds pass), so that it evaluates what the trainer trains."""
   deadline = time.monotonic() + (timeout if timeout is not None else grace)
   said = False
-  while not os.path.isfile(layout.made(directory)) and not os.path.isdir(layout.checkpoints(directory)):
+  while not storage.isfile(layout.made(directory)) and not storage.isdir(layout.checkpoints(directory)):
     if time.monotonic() >= deadline:
       return
     if not said:

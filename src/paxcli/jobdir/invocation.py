@@ -24,10 +24,11 @@ from typing import Optional, Sequence
 
 from paxcli import __version__, files, gencode
 from paxcli.errors import UserError, shorten
-from paxcli.jobdir import layout
+from paxcli.jobdir import layout, storage
 from paxcli.values import parse_value
 
 MAX_RECORD_BYTES = 1 << 20   # one line of experiment.jsonl: a long list of --set values, never megabytes
+MAX_RECORDS_BYTES = 64 << 20  # experiment.jsonl in a bucket, read whole: thousands of resumes
 
 _argv: Optional[list[str]] = None  # set by the CLI's main(); else sys.argv
 
@@ -44,10 +45,9 @@ def command_line() -> str:
 
 def record(job_dir: str) -> None:
   """Appends `<UTC time>  paxcli <version>  <command line>` to job_dir/invocations.txt."""
-  os.makedirs(job_dir, exist_ok=True)
+  storage.makedirs(job_dir)
   now = datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%dT%H:%M:%SZ')
-  with open(layout.invocations(job_dir), 'a', encoding='utf-8') as f:
-    f.write(f'{now}  paxcli {__version__}  {command_line()}\n')
+  storage.append_text(layout.invocations(job_dir), f'{now}  paxcli {__version__}  {command_line()}\n')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,9 +69,8 @@ def record_made(job_dir: str, made: Made) -> None:
   now = datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%dT%H:%M:%SZ')
   line = json.dumps({'time': now, 'paxcli': __version__, 'experiment': made.experiment,
                      'overrides': list(made.overrides)})
-  os.makedirs(job_dir, exist_ok=True)
-  with open(layout.made(job_dir), 'a', encoding='utf-8') as f:
-    f.write(line + '\n')   # one write of one line: an appended record is whole or absent
+  storage.makedirs(job_dir)
+  storage.append_text(layout.made(job_dir), line + '\n')   # one line, whole: a local append is one write
 
 
 def _keep_recipe(job_dir: str, experiment: str) -> None:
@@ -83,20 +82,15 @@ def _keep_recipe(job_dir: str, experiment: str) -> None:
     gencode.check_shape(text, path)
   except UserError:
     return   # a user's own experiment file: readers of the job are asked to name it with --exp
-  os.makedirs(job_dir, exist_ok=True)
-  files.atomic_write(layout.recipe_copy(job_dir), text.encode('utf-8'))
+  storage.write_text(layout.recipe_copy(job_dir), text)
 
 
 def read_made(job_dir: str) -> Optional[Made]:
   """The latest record of job_dir/experiment.jsonl, None without one; a malformed one is a UserError."""
   path = layout.made(job_dir)
-  if not os.path.lexists(path):
+  if not storage.exists(path):
     return None
-  size = files.check_regular_file(path, 'the job record')
-  with open(path, 'rb') as f:
-    f.seek(max(0, size - MAX_RECORD_BYTES))
-    tail = f.read(MAX_RECORD_BYTES)
-  lines = [line for line in tail.split(b'\n') if line.strip()]
+  lines = [line for line in _tail(path).split(b'\n') if line.strip()]
   if not lines:
     return None
   record = files.parse_json(lines[-1], f'the last line of {path}')
@@ -108,14 +102,26 @@ def read_made(job_dir: str) -> Optional[Made]:
   return Made(experiment, tuple(overrides))
 
 
+def _tail(path: str) -> bytes:
+  """The last MAX_RECORD_BYTES of the record file (its last lines), read bounded."""
+  if not storage.is_local(path):
+    data = storage.read_bytes(path, MAX_RECORDS_BYTES)
+    if len(data) > MAX_RECORDS_BYTES:
+      raise UserError(f'{path} is over {MAX_RECORDS_BYTES:,} bytes; is it the job\'s record?')
+    return data[-MAX_RECORD_BYTES:]
+  size = files.check_regular_file(path, 'the job record')
+  with open(path, 'rb') as f:
+    f.seek(max(0, size - MAX_RECORD_BYTES))
+    return f.read(MAX_RECORD_BYTES)
+
+
 def made_by_config(job_dir: str) -> Optional[Made]:
   """For a job without experiment.jsonl (trained by an older paxcli, or written by a conversion): the
   experiment its config.txt is headed by (`# experiment: NAME`), with no --set; None without one."""
   path = layout.config(job_dir)
-  if not os.path.isfile(path):
+  if not storage.isfile(path):
     return None
-  with open(path, 'rb') as f:
-    first = f.readline(4096).decode('utf-8', 'replace').strip()
+  first = storage.read_bytes(path, 4096)[:4096].split(b'\n', 1)[0].decode('utf-8', 'replace').strip()
   name = first[len('# experiment:'):].strip() if first.startswith('# experiment:') else ''
   return Made(name) if name else None
 
