@@ -7,6 +7,8 @@ import json
 import os
 import re
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -138,6 +140,18 @@ def test_an_experiment_that_cannot_read_the_job_names_the_jobs_own_first(first_h
   assert 'was trained with --exp default.StdlibDocsLm' in error and 'TRAIN_DATA=' in error and 'Cannot decode' in error
 
 
+def test_another_experiment_of_the_same_shapes_is_said_to_read_other_data(first_hour, tmp_path, capsys):
+  """`--exp` naming another experiment (here the same model, not registered) is used as given, without the
+  job's --set: it evaluates its own inputs, and a note says so instead of a normal-looking table alone."""
+  cwd, _ = first_hour
+  (tmp_path / 'same.py').write_text('from paxcli.recipes.default import StdlibDocsLm\n\n\n'
+                                    'class Same(StdlibDocsLm):\n  pass\n')
+  code, out, err = pax_main(['eval', '--exp', f'{tmp_path / "same.py"}:Same', *SMALL, '--job-log-dir',
+                             str(cwd / OWN)], capsys)
+  assert code == 0, err
+  assert 'without those settings' in err and 'Note: this eval reads other data than the checkpoint' in err, err
+
+
 def test_a_job_naming_code_is_not_imported_on_its_word(first_hour, tmp_path, capsys):
   """A job (perhaps received) whose record names an experiment file: readers ask for --exp instead of
   importing it; a malformed record is one line."""
@@ -163,3 +177,26 @@ def test_a_bench_of_a_job_uses_its_settings(first_hour, capsys):
   assert '(as trained)' in err
   row = json.loads(out)[0]
   assert (row['seq_len'], row['global_batch']) == (32, 8)   # the job's MAX_SEQ_LEN and batch, not the default's
+
+
+@pytest.mark.slow   # a follower and a trainer, two fresh processes side by side: about a minute on a shared machine
+def test_a_follower_started_before_its_trainer_evaluates_what_the_trainer_trains(first_hour):
+  """`pax eval --follow --job-log-dir D` with no --exp or --set, started first, waits for the trainer's
+  record and evaluates the trainer's own data and model, stopping at the trainer's last step."""
+  cwd, _ = first_hour
+  job = os.path.join('runs', 'followed')
+  follower = subprocess.Popen([sys.executable, '-m', 'paxcli.cli.app', 'eval', '--follow', '--timeout', '600',
+                               '--poll', '1', '--job-log-dir', job, '--json'], cwd=cwd, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+  try:
+    trained = run_pax('train', '--set', 'TRAIN_DATA=my/*.jsonl', *SMALL, '--job-log-dir', job, cwd=cwd)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    out, err = follower.communicate(timeout=900)
+  finally:
+    if follower.poll() is None:
+      follower.kill()
+  assert follower.returncode == 0, err[-3000:]
+  assert 'Waiting for a trainer to start' in err and '(as trained)' in err
+  rows = {r['step']: r['results']['eval']['loss'] for r in map(json.loads, out.splitlines())}
+  trainer = json.loads(_lines(cwd / job / 'eval_metrics.jsonl')[-1])
+  assert sorted(rows) == [2, 4] and rows[4] == pytest.approx(trainer['loss'], rel=1e-5)

@@ -115,8 +115,11 @@ def as_made(directory: str, exp: Optional[str], overrides: Sequence[str],
     raise UserError(f'{job} was trained with the experiment {made.experiment}, code that paxcli imports only when '
                     f'you name it: add --exp {shlex.quote(made.experiment)} (the job\'s --set settings then apply).')
   given = ' '.join(f'--set {shlex.quote(o)}' for o in overrides)
-  log(f'{job}: {made.command()} (as trained)' + (f'; given here, on top: {given}' if given else '') + '.')
-  return made.experiment, [*made.overrides, *overrides], made
+  laid_out = {invocation.key_of(o) for o in overrides} & set(invocation.LAYOUT_KNOBS)
+  used = made.without_layout() if laid_out else made   # a mesh given here replaces the job's whole layout
+  left_out = ' without its mesh and pipeline settings,' if used != made else ''
+  log(f'{job}: {used.command()} (as trained{left_out})' + (f'; given here, on top: {given}' if given else '') + '.')
+  return made.experiment, [*used.overrides, *overrides], made
 
 
 def _trusted(directory: str, name: str) -> bool:
@@ -152,7 +155,7 @@ def default_job_dir(exp: Optional[str], overrides: Sequence[str] = ()) -> str:
   """./runs/<experiment>, or ./runs/<experiment>_on_<data> when --set TRAIN_DATA=... names the data
   (own-data runs of one experiment keep apart, and from its built-in run)."""
   name = experiment.lookup(exp).registered_name().replace(':', '_').replace('/', '_')
-  data = next((o.split('=', 1)[1] for o in reversed(overrides) if o.split('=', 1)[0].strip() == 'TRAIN_DATA'), None)
+  data = next((o.split('=', 1)[1] for o in reversed(overrides) if invocation.key_of(o) == 'TRAIN_DATA'), None)
   return os.path.join('runs', f'{name}_on_{data_name(data)}' if data else name)
 
 
@@ -166,8 +169,8 @@ def data_name(raw: str) -> str:
   return re.sub(r'[^A-Za-z0-9._+-]', '_', joined)[:60]
 
 
-def _glob_name(glob: str) -> str:
-  for part in reversed([p for p in glob.replace('\\', '/').split('/') if p not in ('', '.', '..', '~')]):
+def _glob_name(pattern: str) -> str:
+  for part in reversed([p for p in pattern.replace('\\', '/').split('/') if p not in ('', '.', '..', '~')]):
     stem = re.sub(r'[*?\[\]{}]', '', part)
     stem = re.sub(r'(\.(jsonl|json|txt|text|parquet|tfrecords?|array_?record|gz|zst|bz2|xz|zip))+$', '', stem,
                   flags=re.IGNORECASE).strip('-_.')
@@ -221,7 +224,7 @@ def train(exp: Optional[str] = None, *, overrides: Sequence[str] = (), job_dir: 
   console = _console(console)
   run = open_run(exp, overrides, job_dir, coordinator=coordinator, num_processes=num_processes,
                  process_id=process_id, log=console.print, remembered=False)
-  if job_dir is None and any(o.split('=', 1)[0].strip() == 'TRAIN_DATA' for o in overrides):
+  if job_dir is None and any(invocation.key_of(o) == 'TRAIN_DATA' for o in overrides):
     _printer(console)(f'Job directory {_shown(run.job_dir)}, named after TRAIN_DATA (--job-log-dir picks another).')
   made = invocation.Made(experiment.canonical_name(exp),
                          invocation.portable_overrides(overrides, invocation.strings_in(run.resolved.flat())))
@@ -269,11 +272,13 @@ def evaluate(exp: Optional[str] = None, *, overrides: Sequence[str] = (), job_di
 
 
 def _await_trainer(directory: str, timeout: Optional[float], poll: float, grace: float, log) -> None:
-  """A follower started before its trainer: waits until the job records its experiment (or has a
-  checkpoint, or `timeout` / `grace` seconds pass), so that it evaluates what the trainer trains."""
+  """A follower started before its trainer: waits until the job records its experiment (or has a complete
+  checkpoint: a job trained before records were kept; or `timeout` / `grace` seconds pass), so that it
+  evaluates what the trainer trains."""
+  from paxcli.jobdir import checkpoint as ckpt  # orbax
   deadline = time.monotonic() + (timeout if timeout is not None else grace)
   said = False
-  while not storage.isfile(layout.made(directory)) and not storage.isdir(layout.checkpoints(directory)):
+  while not storage.isfile(layout.made(directory)) and not ckpt.complete_steps(layout.checkpoints(directory)):
     if time.monotonic() >= deadline:
       return
     if not said:

@@ -56,9 +56,24 @@ class Made:
   experiment: str
   overrides: tuple[str, ...] = ()
 
+  def without_layout(self) -> Made:
+    """The record without its mesh and pipeline settings (LAYOUT_KNOBS)."""
+    return Made(self.experiment, tuple(o for o in self.overrides if key_of(o) not in LAYOUT_KNOBS))
+
   def command(self) -> str:
     """`--exp E --set A=1 ...`: what to type to use them."""
     return shlex.join(['--exp', self.experiment, *(a for o in self.overrides for a in ('--set', o))])
+
+
+# How a run is laid out on its devices, not what it computes: a checkpoint restores onto any mesh. A
+# command reading a job that gives one of these lays its own run out: the job's are left out, all of them.
+LAYOUT_KNOBS = ('ICI_MESH_SHAPE', 'DCN_MESH_SHAPE', 'NUM_STAGES', 'NUM_MICROBATCHES', 'MICROBATCH_SIZE',
+                'PIPELINE_CIRCULAR_REPEAT')
+
+
+def key_of(override: str) -> str:
+  """The KEY of a KEY=VALUE override."""
+  return override.split('=', 1)[0].strip()
 
 
 def record_made(job_dir: str, made: Made) -> None:
@@ -132,12 +147,12 @@ def portable_overrides(overrides: Sequence[str], resolved_values: set) -> tuple[
   strings of the resolved config) is written with the absolute path. Other values stay as given."""
   out = []
   for item in overrides:
-    key, _, raw = item.partition('=')
+    key, raw = key_of(item), item.partition('=')[2]
     value = parse_value(raw)
-    if key.strip().isupper() and isinstance(value, (str, dict)):
+    if key.isupper() and isinstance(value, (str, dict)):
       anchored = _anchor(value, resolved_values)
       if anchored != value:
-        item = f'{key.strip()}={_raw(anchored)}'
+        item = f'{key}={_raw(anchored)}'
     out.append(item)
   return tuple(out)
 
