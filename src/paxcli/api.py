@@ -117,7 +117,7 @@ def as_made(directory: str, exp: Optional[str], overrides: Sequence[str],
   given = ' '.join(f'--set {shlex.quote(o)}' for o in overrides)
   laid_out = {invocation.key_of(o) for o in overrides} & set(invocation.LAYOUT_KNOBS)
   used = made.without_layout() if laid_out else made   # a mesh given here replaces the job's whole layout
-  left_out = ' without its mesh and pipeline settings,' if used != made else ''
+  left_out = ', without its mesh and pipeline settings' if used != made else ''
   log(f'{job}: {used.command()} (as trained{left_out})' + (f'; given here, on top: {given}' if given else '') + '.')
   return made.experiment, [*used.overrides, *overrides], made
 
