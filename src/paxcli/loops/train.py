@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import math
 import os
+import re
 import signal
 import statistics
 import sys
@@ -545,10 +546,10 @@ def _train(resolved, job_dir: str, console, verbose: bool = False, profile_steps
     raise UserError('LORA_RANK > 0 trains adapters on frozen base weights: set INIT_FROM to the base checkpoint '
                     '(a job directory or checkpoint step; `pax checkpoint convert HF_DIR OUT --from hf` makes one).')
   spec = RunSpec.of(resolved, setup, base)
+  _check_same_run(job_dir, spec, resolved.train_dataset().name, force_resume)   # before any data is read
   _log_run(resolved, setup, job_dir, log)
   if verbose and is_main:
     _print_weights(console, setup)
-  _check_same_run(job_dir, spec, resolved.train_dataset().name, force_resume)   # before any data is read
   train_input = infeed.build_input(resolved.train_dataset(), setup)  # before any state: missing data stops at once
   tokenizer.check_kept(train_input, job_dir)
   tokenizer.check_base(train_input, train_cfg.init_from)
@@ -764,14 +765,20 @@ def _check_same_run(job_dir: str, spec: RunSpec, train_name: str, force_resume: 
                     f'({"; ".join(e.differences[:3]) or "the code changed"}): give this run a new --job-log-dir.') from None
   saved = meta.get('config') or {}
   keys = [f'knobs.{k}' for k in TRAINS_ON_KNOBS] + [f'datasets.{train_name}.{f}' for f in TRAINS_ON_FIELDS]
-  changed = [f'{k.split(".", 1)[1] if k.startswith("knobs.") else k}: {shorten(saved[k], 80)} -> '
-             f'{shorten(spec.flat[k], 80)}' for k in keys
+  changed = [f'{k.split(".", 1)[1] if k.startswith("knobs.") else k}: {_shown(saved[k])} -> {_shown(spec.flat[k])}'
+             for k in keys
              if k in saved and k in spec.flat and saved[k] != spec.flat[k]
              and not _kept_tokenizer(f'{k}: checkpoint {saved[k]} -> now {spec.flat[k]}', job_dir)]
   if changed and not force_resume:
     raise UserError(f'{job_dir} holds a run trained on other data than this command gives ({"; ".join(changed[:3])}'
                     f'): give this run a new --job-log-dir, or pass --force-resume to go on training that one on '
                     'these settings.')
+
+
+def _shown(saved: str) -> str:
+  """A saved config value for a one-line message: a class by its name, anything long shortened."""
+  match = re.fullmatch(r"<class '(?:[\w.]+\.)?(\w+)'>", saved)
+  return match.group(1) if match else shorten(saved, 80)
 
 
 def _position_input(train_input, job_dir: str, start: Start, log) -> None:
