@@ -16,6 +16,9 @@
   decoder_out/<input>/      decodes: decode_step<k>.jsonl (the trainer's), pax_decode_step<k>_<n>.jsonl
   scores/                   `pax score`'s results: pax_score_step<k>_<n>.jsonl
   profile/                  jax.profiler traces (--profile-steps)
+  trackers/<name>.json      the W&B / MLflow run this job logs to (jobdir/trackers.py); a resume continues it
+  trackers/wandb/           W&B's own files of the run (offline runs wait here for `wandb sync`)
+  lm_eval/                  `pax lm-eval`'s results: results_step<k>_<n>.json (+ samples_step<k>_<n>_<task>.jsonl)
 
 Every function takes the job directory as a command holds it: made absolute, symlinks resolved,
 by `absolute` once where the command starts (orbax refuses relative paths, and a path resolved
@@ -185,3 +188,23 @@ def scores(job_dir: str, step: int, n: int) -> str:
 
 def profile(job_dir: str) -> str:
   return os.path.join(job_dir, 'profile')
+
+
+def tracker_dir(job_dir: str) -> str:
+  """Where trackers keep their run records and W&B its local files."""
+  return os.path.join(job_dir, 'trackers')
+
+
+def tracker_run(job_dir: str, name: str) -> str:
+  """The run tracker `name` (wandb, mlflow) logs this job to: its id, project or store."""
+  return os.path.join(tracker_dir(job_dir), f'{name}.json')
+
+
+def lm_eval_results(job_dir: str, step: int, n: int) -> str:
+  """The n-th `pax lm-eval` of checkpoint `step`: the harness's results as JSON."""
+  return os.path.join(job_dir, 'lm_eval', f'results_step{step}_{n}.json')
+
+
+def lm_eval_samples(results: str, task: str) -> str:
+  """The per-document records of one task, beside its results file (--log-samples)."""
+  return f'{results[:-len(".json")]}_samples_{task}.jsonl'
