@@ -27,6 +27,7 @@ the loops) are imported inside the functions that use them: `pax import-maxtext`
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import logging
 import os
 import time
@@ -264,7 +265,6 @@ def lm_eval(tasks: Sequence[str], exp: Optional[str] = None, *, overrides: Seque
   <job_dir>/lm_eval/results_step<k>_<n>.json). The dict returned also carries `.tables` (the harness'
   printed tables), `.path` and `.stats` (requests, seconds, requests_per_sec). progress: a factory
   `progress(label, total)` of context managers yielding `advance(n)`, or None."""
-  import importlib.util
   if importlib.util.find_spec('lm_eval') is None:
     raise UserError("pax lm-eval runs lm-evaluation-harness, which is not installed: pip install 'paxcli[eval]' "
                     '(or pip install lm-eval).')

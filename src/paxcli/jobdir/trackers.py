@@ -260,7 +260,7 @@ class _Mlflow:
       self.client.log_batch(self.run_id, params=new[start:start + self.PARAMS_PER_BATCH])
     for start in range(0, len(changed), self.PARAMS_PER_BATCH):
       self.client.log_batch(self.run_id, tags=changed[start:start + self.PARAMS_PER_BATCH])
-    self.client.log_text(self.run_id, self.identity.config_text, 'config.txt')
+    self.client.log_text(self.run_id, self.identity.config_text, os.path.basename(layout.config(self.identity.job_dir)))
 
   def log(self, step: int, values: dict) -> None:
     from mlflow.entities import Metric

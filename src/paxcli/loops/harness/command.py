@@ -24,6 +24,7 @@ import lm_eval
 from lm_eval.tasks import TaskManager
 from lm_eval.utils import handle_non_serializable, make_table
 
+from paxcli import files
 from paxcli.errors import UserError, did_you_mean, shorten
 from paxcli.jobdir import layout
 from paxcli.loops.decode.output import check_output
@@ -120,7 +121,6 @@ def to_json(results: dict) -> str:
 
 
 def _write(path: str, results: dict, samples: dict) -> None:
-  from paxcli import files
   try:
     files.atomic_write(path, (to_json(results) + '\n').encode())
     for task, rows in samples.items():

@@ -19,15 +19,18 @@ Registered with the harness as `paxcli`: after `import paxcli.loops.harness.mode
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Callable, ContextManager, Optional
 
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
+from lm_eval.utils import simple_parse_args_string
 
+from paxcli import config
 from paxcli.errors import UserError
-from paxcli.jobdir import restore
+from paxcli.jobdir import layout, restore
 from paxcli.jobdir import tokenizer as tok_lib
 from paxcli.loops.decode.decoder import Decoder
 from paxcli.loops.decode.options import DecodeOptions
@@ -65,13 +68,10 @@ class PaxLM(LM):
   @classmethod
   def create_from_arg_string(cls, arg_string: str, additional_config: Optional[dict] = None) -> PaxLM:
     """`model_args='job_dir=runs/x,exp=NAME,step=200,batch_size=16'` (the harness' own `--model paxcli`)."""
-    from lm_eval.utils import simple_parse_args_string
     return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
 
   @classmethod
   def create_from_arg_obj(cls, arg_dict: dict, additional_config: Optional[dict] = None) -> PaxLM:
-    from paxcli import config
-    from paxcli.jobdir import layout
     args = dict(arg_dict)
     if 'job_dir' not in args:
       raise UserError("The paxcli model needs model_args with job_dir=<the job directory> (and exp=<experiment>).")
@@ -94,7 +94,6 @@ class PaxLM(LM):
       self.scorer.params = self.decoder.params = params
 
   def _bar(self, label: str, total: int):
-    import contextlib
     return self._progress(label, total) if self._progress else contextlib.nullcontext(None)
 
   # ---- the harness' three requests ----------------------------------------------------------------
