@@ -23,8 +23,8 @@
 Every function takes the job directory as a command holds it: made absolute, symlinks resolved,
 by `absolute` once where the command starts (orbax refuses relative paths, and a path resolved
 once means the same thing in every process and after any change of directory). The functions
-only join names: they neither resolve nor touch the file system, except `metrics_files` and
-`eval_paths`, which look at what the directory already holds.
+only join names: they neither resolve nor touch the file system, except `metrics_files`,
+`eval_paths` and `first_unused`, which look at what the directory already holds.
 
 Plain functions of a `str`, not a `JobDir` object: the job directory travels through every
 command, loop and test as a string, and a path made here is the same string whoever asks.
@@ -33,7 +33,7 @@ command, loop and test as a string, and a path made here is the same string whoe
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 # orbax's names of a checkpoint's two items (CheckpointManager item_names): directories of a step.
 STATE, META = 'state', 'meta'
@@ -179,6 +179,15 @@ def train_decodes(job_dir: str, dataset: Optional[str], step: int) -> str:
 def cli_decodes(job_dir: str, dataset: Optional[str], step: int, n: int) -> str:
   """The n-th `pax decode` of checkpoint `step`, beside the trainer's decodes of that step."""
   return os.path.join(decoder_out(job_dir, dataset), f'pax_decode_step{step}_{n}.jsonl')
+
+
+def first_unused(path_of: Callable[[int], str]) -> str:
+  """path_of(n) for the first n from 1 naming nothing yet: a command's numbered output never replaces an
+  earlier one (`pax decode`, `pax score`, `pax lm-eval`)."""
+  n = 1
+  while os.path.lexists(path_of(n)):
+    n += 1
+  return path_of(n)
 
 
 def scores(job_dir: str, step: int, n: int) -> str:

@@ -109,10 +109,7 @@ def lm_eval_run(resolved, job_dir: str, tasks: Sequence[str], *, include_path: S
 
 def default_output(job_dir: str, step: int) -> str:
   """<job dir>/lm_eval/results_step<k>_<n>.json with the first unused n: never an earlier result."""
-  n = 1
-  while os.path.lexists(layout.lm_eval_results(job_dir, step, n)):
-    n += 1
-  return layout.lm_eval_results(job_dir, step, n)
+  return layout.first_unused(lambda n: layout.lm_eval_results(job_dir, step, n))
 
 
 def to_json(results: dict) -> str:
