@@ -8,7 +8,6 @@ reader, `wandb leet inspect --json`), MLflow's file store (read back with its cl
 import glob
 import json
 import os
-import shutil
 import subprocess
 import sys
 
@@ -153,8 +152,8 @@ def test_wandb_and_mlflow_log_tensorboards_scalars_and_a_resume_continues_their_
 
 
 class _TripWire:
-  """The trainer's console output; at the first summary line it deletes the MLflow store (the
-  tracker's server going away mid-run)."""
+  """The trainer's console output; at the first summary line it takes the MLflow store away (the
+  tracker's server going away mid-run): renamed in one step, while the tracker may be writing to it."""
 
   def __init__(self, store):
     self.store, self.text = store, ''
@@ -162,7 +161,7 @@ class _TripWire:
   def write(self, text):
     self.text += text
     if 'step 2: loss' in self.text and os.path.isdir(self.store):
-      shutil.rmtree(self.store)
+      os.rename(self.store, self.store + '.gone')
     return len(text)
 
   def flush(self):
@@ -197,3 +196,22 @@ def test_a_tracker_asked_for_but_not_installed_is_one_line_before_any_compile(tm
   assert not (job / 'checkpoints').exists() and not (job / 'summaries').exists()
   code, _, err = pax_main(['train', '--exp', EXP, *_sets("TRACKERS=['wandbb']"), '--job-log-dir', str(job)], capsys)
   assert code == 2 and "TRACKERS must be list['wandb' | 'mlflow']" in err
+
+
+def test_a_damaged_run_record_starts_a_new_run_and_says_so(tmp_path, local_modes):
+  from mlflow.tracking import MlflowClient
+
+  from paxcli.jobdir import trackers
+  from paxcli.tasks import TrackersConfig
+  job, store = str(tmp_path / 'job'), (tmp_path / 'mlruns').as_uri()
+  os.makedirs(os.path.join(job, 'trackers'))
+  with open(os.path.join(job, 'trackers', 'mlflow.json'), 'w') as f:
+    f.write('{"run_id": ')  # cut short
+  lines = []
+  with trackers.open_trackers(TrackersConfig(names=['mlflow'], mlflow_tracking_uri=store), _identity(job, 2),
+                              lines.append):
+    pass
+  assert lines[0].startswith('MLflow: cannot continue the run recorded in') and 'not valid JSON' in lines[0]
+  run_id = json.load(open(os.path.join(job, 'trackers', 'mlflow.json')))['run_id']
+  assert lines[1].startswith(f'MLflow: started run {run_id}')
+  assert MlflowClient(store).get_run(run_id).info.status == 'FINISHED'

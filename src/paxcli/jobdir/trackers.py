@@ -121,14 +121,20 @@ def _record_path(job_dir: str, name: str) -> str:
   return layout.tracker_run(job_dir, name)
 
 
-def read_record(job_dir: str, name: str) -> Optional[dict]:
-  """The run a tracker recorded in the job directory, or None (none yet, or unreadable)."""
+def read_record(job_dir: str, name: str, log: Callable[[str], None]) -> Optional[dict]:
+  """The run a tracker recorded in the job directory, or None: none yet, or a record that cannot be read
+  (said in a line; a new run is started and recorded in its place)."""
   path = _record_path(job_dir, name)
   if not os.path.lexists(path):
     return None
-  record = files.read_json(path, f'the {_SHOWN[name]} run record', MAX_RECORD_BYTES)
+  try:
+    record = files.read_json(path, f'the {_SHOWN[name]} run record', MAX_RECORD_BYTES)
+  except UserError as e:
+    record = str(e)
   if not isinstance(record, dict) or not isinstance(record.get('run_id'), str):
-    raise UserError(f'{path} does not name a {_SHOWN[name]} run (no "run_id"); remove it to start a new run.')
+    why = record if isinstance(record, str) else 'it names no "run_id"'
+    log(f'{_SHOWN[name]}: cannot continue the run recorded in {path} ({shorten(why, 200)}); starting a new run.')
+    return None
   return record
 
 
@@ -157,7 +163,7 @@ class _Wandb:
 
   def __init__(self, settings, identity: Identity, log):
     import wandb
-    record = read_record(identity.job_dir, self.name) or {}
+    record = read_record(identity.job_dir, self.name, log) or {}
     project = settings.wandb_project or os.environ.get('WANDB_PROJECT') or record.get('project') or DEFAULT_PROJECT
     entity = settings.wandb_entity or os.environ.get('WANDB_ENTITY') or record.get('entity')
     run_id = record.get('run_id') if (record.get('project'), record.get('entity')) == (project, entity) else None
@@ -207,7 +213,7 @@ class _Mlflow:
 
   def __init__(self, settings, identity: Identity, log):
     from mlflow.tracking import MlflowClient
-    record = read_record(identity.job_dir, self.name) or {}
+    record = read_record(identity.job_dir, self.name, log) or {}
     uri = _absolute_uri(settings.mlflow_tracking_uri or os.environ.get('MLFLOW_TRACKING_URI')
                         or record.get('tracking_uri') or _mlflow_default_uri())
     experiment = (settings.mlflow_experiment or os.environ.get('MLFLOW_EXPERIMENT_NAME') or record.get('experiment')

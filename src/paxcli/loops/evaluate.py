@@ -186,7 +186,8 @@ class Evaluator:
 
   def __init__(self, resolved, setup, job_dir: Optional[str], trackers=None):
     self.setup = setup
-    self.trackers = trackers  # the trainer's W&B / MLflow (paxcli.jobdir.trackers): eval scalars go there too
+    self.trackers = trackers  # the trainer's W&B / MLflow (paxcli.jobdir.trackers): eval scalars go there too,
+                              # from the writers made after it is set
     self.batch_sharding = sharding.batch_sharding(setup.mesh)
     self.step = make_eval_step(setup, self.batch_sharding)
     self.inputs = {}

@@ -540,14 +540,16 @@ def _train(resolved, job_dir: str, console, verbose: bool = False, profile_steps
   train_step = TrainStep(setup, batch_sharding, resolved.experiment.RANDOM_SEED + 1, profiler)
   if profiler.pgle_options:
     log(f'PGLE: compiling the train step with the profile {pgle_profile}.')
-  tracked = _open_trackers(resolved, job_dir, train_cfg, spec, log) if is_main else track.Trackers()
   mfu_of = _mfu(setup, log)
-  evaluator = (Evaluator(resolved, setup, job_dir, trackers=tracked)
+  evaluator = (Evaluator(resolved, setup, job_dir)
                if train_cfg.eval_interval_steps and resolved.eval_datasets() else None)
   decoder = (TrainDecoder(resolved, setup, job_dir, train_cfg)
              if getattr(train_cfg, 'decode_interval_steps', 0) and train_cfg.decode_prompts else None)
 
   # ---- Hooks --------------------------------------------------------------------------------------
+  tracked = _open_trackers(resolved, job_dir, train_cfg, spec, log) if is_main else track.Trackers()
+  if evaluator:
+    evaluator.trackers = tracked  # eval scalars go to the trackers too
   writer = summaries.SummaryWriter(layout.summaries(job_dir, 'train'), layout.train_metrics(job_dir),
                                    trackers=tracked) if is_main else None
   reporter = Reporter(console, total, start.step, enabled=is_main)
