@@ -37,7 +37,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from paxcli.errors import UserError
-from paxcli.jobdir import layout
+from paxcli.jobdir import layout, storage
 from paxcli.maxtext import recipe as maxtext_recipe
 from paxcli.maxtext.shell import read_script
 from paxcli.maxtext.translate import Options, Translation, translate
@@ -81,6 +81,7 @@ def open_run(exp: Optional[str], overrides: Sequence[str] = (), job_dir: Optiona
   if with_job_dir:
     from paxcli.jobdir import tokenizer  # orbax and fiddle: for commands that open a job directory
     directory = path_arg(job_dir or default_job_dir(resolved.experiment.registered_name()), '--job-log-dir')
+    storage.check_reachable(directory)   # a bucket that cannot be used: one line, before any compile
     tokenizer.keep_trained(resolved.datasets, directory)
   return Run(resolved, directory)
 
@@ -110,7 +111,7 @@ def path_arg(path: Optional[str], option: str) -> Optional[str]:
     return None
   if not path:
     raise UserError(f'{option} is empty; give a path.')
-  return layout.absolute(path)
+  return layout.absolute(path, option)
 
 
 def positive_finite(value: Optional[float], option: str, unit: str) -> Optional[float]:
@@ -175,7 +176,7 @@ def evaluate(exp: Optional[str] = None, *, overrides: Sequence[str] = (), job_di
   record = None
   if jax.process_index() == 0 and not no_checkpoint:
     record = lambda: invocation.record(run.job_dir)
-  if record and os.path.isdir(run.job_dir):  # never made here: a follower records at its first evaluation
+  if record and storage.isdir(run.job_dir):  # never made here: a follower records at its first evaluation
     record()
     record = None
   if follow:

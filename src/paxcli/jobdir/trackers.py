@@ -34,7 +34,7 @@ from typing import Any, Callable, Mapping, Optional
 
 from paxcli import __version__, files
 from paxcli.errors import UserError, shorten
-from paxcli.jobdir import layout
+from paxcli.jobdir import layout, storage
 
 NAMES = ('wandb', 'mlflow')
 _PACKAGES = {'wandb': 'wandb', 'mlflow': 'mlflow-skinny'}  # name -> what pip installs
@@ -125,11 +125,14 @@ def read_record(job_dir: str, name: str, log: Callable[[str], None]) -> Optional
   """The run a tracker recorded in the job directory, or None: none yet, or a record that cannot be read
   (said in a line; a new run is started and recorded in its place)."""
   path = _record_path(job_dir, name)
-  if not os.path.lexists(path):
+  if not storage.exists(path):
     return None
+  size = storage.regular_file_size(path)
   try:
-    record = files.read_json(path, f'the {_SHOWN[name]} run record', MAX_RECORD_BYTES)
-  except UserError as e:
+    if size is None or size > MAX_RECORD_BYTES:
+      raise UserError('not a regular file' if size is None else f'{size:,} bytes')
+    record = files.parse_json(storage.read_bytes(path, MAX_RECORD_BYTES), f'the {_SHOWN[name]} run record')
+  except (UserError, OSError) as e:
     record = str(e)
   if not isinstance(record, dict) or not isinstance(record.get('run_id'), str):
     why = record if isinstance(record, str) else 'it names no "run_id"'
@@ -139,7 +142,7 @@ def read_record(job_dir: str, name: str, log: Callable[[str], None]) -> Optional
 
 
 def _write_record(job_dir: str, name: str, record: dict) -> None:
-  files.atomic_write(_record_path(job_dir, name), (json.dumps(record, indent=2) + '\n').encode())
+  storage.write_text(_record_path(job_dir, name), json.dumps(record, indent=2) + '\n')
 
 
 def _new_run_id() -> str:
@@ -170,15 +173,17 @@ class _Wandb:
     if record and run_id is None:
       log(f'W&B: the job\'s run {record["run_id"]} is in project {record.get("project")!r}; this invocation logs to '
           f'{project!r}, so it starts a new run there.')
-    directory = layout.tracker_dir(identity.job_dir)
-    os.makedirs(directory, exist_ok=True)
+    # W&B writes its files on this machine: in the job directory, or for a job in a bucket in ./wandb.
+    directory = layout.tracker_dir(identity.job_dir) if storage.is_local(identity.job_dir) else None
+    if directory:
+      os.makedirs(directory, exist_ok=True)
     config = {k: _literal(v) for k, v in identity.config.items()}
     config['paxcli'] = {'job_dir': identity.job_dir, 'experiment': identity.experiment, 'version': __version__,
                         'command': identity.command}
     try:
       self.run = wandb.init(
           project=project, entity=entity, id=run_id or _new_run_id(), resume='allow',
-          name=settings.run_name or os.path.basename(identity.job_dir), config=config, allow_val_change=True,
+          name=settings.run_name or storage.basename(identity.job_dir), config=config, allow_val_change=True,
           dir=None if os.environ.get('WANDB_DIR') else directory,
           settings=wandb.Settings(console='off', silent=True))
     except Exception as e:  # wandb's errors (not logged in, no network, a refused project) are its own types
@@ -250,7 +255,7 @@ class _Mlflow:
     experiment_id = found.experiment_id if found else client.create_experiment(experiment)
     tags = {'paxcli.job_dir': self.identity.job_dir, 'paxcli.experiment': self.identity.experiment,
             'paxcli.version': __version__, 'paxcli.command': self.identity.command[:5000]}
-    run = client.create_run(experiment_id, run_name=settings.run_name or os.path.basename(self.identity.job_dir),
+    run = client.create_run(experiment_id, run_name=settings.run_name or storage.basename(self.identity.job_dir),
                             tags=tags)
     return run.info.run_id, None
 
@@ -266,7 +271,7 @@ class _Mlflow:
       self.client.log_batch(self.run_id, params=new[start:start + self.PARAMS_PER_BATCH])
     for start in range(0, len(changed), self.PARAMS_PER_BATCH):
       self.client.log_batch(self.run_id, tags=changed[start:start + self.PARAMS_PER_BATCH])
-    self.client.log_text(self.run_id, self.identity.config_text, os.path.basename(layout.config(self.identity.job_dir)))
+    self.client.log_text(self.run_id, self.identity.config_text, storage.basename(layout.config(self.identity.job_dir)))
 
   def log(self, step: int, values: dict) -> None:
     from mlflow.entities import Metric

@@ -24,9 +24,8 @@ import lm_eval
 from lm_eval.tasks import TaskManager
 from lm_eval.utils import handle_non_serializable, make_table
 
-from paxcli import files
 from paxcli.errors import UserError, did_you_mean, shorten
-from paxcli.jobdir import layout
+from paxcli.jobdir import layout, storage
 from paxcli.loops.decode.output import check_output
 from paxcli.loops.harness.model import PaxLM, Progress
 
@@ -45,7 +44,7 @@ class Evaluated(dict):
 def tasks_manager(tasks: Sequence[str], include_path: Sequence[str] = ()) -> TaskManager:
   """The harness' TaskManager that knows `tasks`; a UserError naming an unknown one (did you mean)."""
   for path in include_path:
-    if not os.path.isdir(path):
+    if not os.path.isdir(path):  # the harness reads task directories of this machine only
       raise UserError(f'--include-path {shorten(path, 200)} is not a directory of task YAML files.')
   if include_path:
     local = TaskManager(include_path=list(include_path), include_defaults=False)
@@ -119,9 +118,9 @@ def to_json(results: dict) -> str:
 
 def _write(path: str, results: dict, samples: dict) -> None:
   try:
-    files.atomic_write(path, (to_json(results) + '\n').encode())
+    storage.write_text(path, to_json(results) + '\n')
     for task, rows in samples.items():
       lines = ''.join(json.dumps(r, default=handle_non_serializable, ensure_ascii=False) + '\n' for r in rows)
-      files.atomic_write(layout.lm_eval_samples(path, task), lines.encode())
+      storage.write_text(layout.lm_eval_samples(path, task), lines)
   except OSError as e:
     raise UserError(f'Cannot write {shorten(path, 200)}: {e.strerror}.') from None

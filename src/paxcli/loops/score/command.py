@@ -19,7 +19,7 @@ from typing import Callable, ContextManager, Optional
 
 import jax
 
-from paxcli.jobdir import layout, restore
+from paxcli.jobdir import layout, restore, storage
 from paxcli.jobdir import tokenizer as tok_lib
 from paxcli.loops.decode.output import check_output, finite_or_none, write_jsonl
 from paxcli.loops.score.requests import Pair, Request, to_pairs
