@@ -40,6 +40,7 @@ from paxcli.jobdir import restore
 from paxcli.jobdir import storage
 from paxcli.jobdir import summaries
 from paxcli.jobdir import tokenizer
+from paxcli.jobdir import trackers as track
 from paxcli.layers.base import AUX_LOSS, NON_TRAINABLE, RANDOM, SUMMARIES, flatten_collection
 from paxcli.loops.decode.training import TrainDecoder
 from paxcli.loops.evaluate import Evaluator, metrics_line
@@ -503,6 +504,7 @@ def _train(resolved, job_dir: str, console, verbose: bool = False, profile_steps
   # ---- Mesh, model, state shapes ------------------------------------------------------------------
   setup = engine.build(resolved)
   train_cfg, total = setup.train, setup.train.num_train_steps
+  track.check_installed(train_cfg.trackers.names)  # before anything is compiled
   base = restore.base_ref(train_cfg.init_from) if train_cfg.init_from else None
   if base is None and engine.has_frozen(setup):
     raise UserError('LORA_RANK > 0 trains adapters on frozen base weights: set INIT_FROM to the base checkpoint '
@@ -546,7 +548,11 @@ def _train(resolved, job_dir: str, console, verbose: bool = False, profile_steps
              if getattr(train_cfg, 'decode_interval_steps', 0) and train_cfg.decode_prompts else None)
 
   # ---- Hooks --------------------------------------------------------------------------------------
-  writer = summaries.SummaryWriter(layout.summaries(job_dir, 'train'), layout.train_metrics(job_dir)) if is_main else None
+  tracked = _open_trackers(resolved, job_dir, train_cfg, spec, log) if is_main else track.Trackers()
+  if evaluator:
+    evaluator.trackers = tracked  # eval scalars go to the trackers too
+  writer = summaries.SummaryWriter(layout.summaries(job_dir, 'train'), layout.train_metrics(job_dir),
+                                   trackers=tracked) if is_main else None
   reporter = Reporter(console, total, start.step, enabled=is_main)
   guard = LossGuard(train_cfg.loss_spike_factor, train_cfg.loss_spike_window, start.recent_losses)
   losses = LossCheck(guard, start.step, total, checkpointer)
@@ -554,6 +560,7 @@ def _train(resolved, job_dir: str, console, verbose: bool = False, profile_steps
   summary = Summary(losses, chrono, reporter, writer, mfu_of, start.step)
   stop = GracefulStop(enabled=jax.process_count() == 1)
   with Hooks() as hooks:
+    hooks.enter_context(tracked)  # entered first, so ended last: after the writers' final summaries
     hooks.add_before(profiler.before)
     hooks.add(train_step.profile, every=1, close=profiler.close)
     hooks.add(losses, every=1)
@@ -578,6 +585,12 @@ def _train(resolved, job_dir: str, console, verbose: bool = False, profile_steps
       hooks.after(StepInfo(step, state, metrics, last=step == total, stopping=stop.requested))
   _log_done(job_dir, summary.last, train_cfg.save_max_to_keep, log)
   return summary.last
+
+
+def _open_trackers(resolved, job_dir: str, train_cfg, spec: RunSpec, log) -> track.Trackers:
+  """W&B / MLflow (TRACKERS), started or continued: their runs get the config and the run's identity."""
+  identity = track.Identity(job_dir, resolved.name, spec.flat, resolved.as_text(), invocation.command_line())
+  return track.open_trackers(train_cfg.trackers, identity, log)
 
 
 def _printer(console) -> Callable[[str], None]:

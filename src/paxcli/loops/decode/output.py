@@ -24,10 +24,7 @@ def summaries_dir(job_dir: str) -> str:
 def cli_output_path(job_dir: str, dataset: Optional[str], step: int) -> str:
   """`pax decode`'s default output: pax_decode_step<k>_<n>.jsonl with the first unused n, beside the
   trainer's decode_step<k>.jsonl and never replacing it or an earlier `pax decode`."""
-  n = 1
-  while storage.exists(layout.cli_decodes(job_dir, dataset, step, n)):
-    n += 1
-  return layout.cli_decodes(job_dir, dataset, step, n)
+  return layout.first_unused(lambda n: layout.cli_decodes(job_dir, dataset, step, n))
 
 
 def check_output(path: str) -> None:

@@ -76,10 +76,7 @@ def score(resolved, job_dir: str, requests: list[Request], requests_file: str, s
 
 def default_output(job_dir: str, step: int) -> str:
   """<job dir>/scores/pax_score_step<k>_<n>.jsonl with the first unused n: never an earlier score."""
-  n = 1
-  while storage.exists(layout.scores(job_dir, step, n)):
-    n += 1
-  return layout.scores(job_dir, step, n)
+  return layout.first_unused(lambda n: layout.scores(job_dir, step, n))
 
 
 def _records(requests: list[Request], pairs: list[Pair], results: list) -> list[dict]:
