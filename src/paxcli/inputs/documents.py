@@ -30,13 +30,14 @@ import glob
 import gzip
 import hashlib
 import io
+import itertools
 import json
 import os
 import re
 from typing import Iterator, Optional, Sequence
 
 from paxcli.errors import UserError, shorten
-from paxcli.files import check_regular_file
+from paxcli.files import check_regular_file, member
 from paxcli.inputs import sft
 from paxcli.inputs.tfrecord import import_tf
 
@@ -85,22 +86,44 @@ def format_of(path: str) -> str:
 def expand(pattern: str) -> list[str]:
   """Sorted files of a glob (`**` for any depth), or the readable files under a directory.
 
-  UserError when none matches, or when a glob matches a file of an unknown format.
+  UserError when none matches, or when a glob matches a file of an unknown format. The files
+  of a directory, or of a glob's directory (the part before its first wildcard), stay in it: a
+  symlink among them that resolves outside it (`shadow.txt -> /etc/shadow`) is a UserError,
+  never read. A file named whole (no wildcard) is read wherever it is.
   """
   if is_remote(pattern):
     gfile = import_tf().io.gfile
-    files = [p for p in gfile.glob(pattern) if not gfile.isdir(p)]
+    files, base = [p for p in gfile.glob(pattern) if not gfile.isdir(p)], None
   elif os.path.isdir(os.path.expanduser(pattern)):
-    under = glob.glob(os.path.join(os.path.expanduser(pattern), '**', '*'), recursive=True)
-    files = [p for p in under if os.path.isfile(p) and _readable_name(p)]
+    base = os.path.expanduser(pattern)
+    files = [p for p in _walk(base) if os.path.isfile(p) and _readable_name(p)]
   else:
-    files = [p for p in glob.glob(os.path.expanduser(pattern), recursive=True) if not os.path.isdir(p)]
+    path = os.path.expanduser(pattern)
+    files = [p for p in glob.glob(path, recursive=True) if not os.path.isdir(p)]
+    base = _glob_base(path) if glob.has_magic(path) else None
   if not files:
     raise UserError(f'No file matches {shorten(repr(pattern), 200)}.')
   files = sorted(files)
   for path in files:
     format_of(path)
+    if base is not None:
+      member(base, os.path.relpath(path, base), 'data file')
   return files
+
+
+def _walk(directory: str) -> Iterator[str]:
+  """The files under `directory`, at any depth, hidden ones (.name) left out as a glob leaves them;
+  a symlinked directory is not entered (a symlinked file is listed, and checked by the caller)."""
+  for parent, dirs, names in os.walk(directory):
+    dirs[:] = sorted(d for d in dirs if not d.startswith('.'))
+    yield from (os.path.join(parent, n) for n in names if not n.startswith('.'))
+
+
+def _glob_base(pattern: str) -> str:
+  """The directory of a glob: its leading components without a wildcard ('.' for none)."""
+  parts = pattern.split(os.sep)
+  literal = list(itertools.takewhile(lambda part: not glob.has_magic(part), parts[:-1]))
+  return os.sep.join(literal) or (os.sep if pattern.startswith(os.sep) else '.')
 
 
 def _readable_name(path: str) -> bool:
@@ -295,21 +318,18 @@ def _read_array_record(path: str, text_field: str, errors: Optional[list[str]] =
     raise UserError(f'{path}: ArrayRecord files are read from local disks only; copy them first.')
   check_regular_file(path, 'data file')
   try:  # optional: array-record has wheels for Linux and macOS only
-    from array_record.python.array_record_module import ArrayRecordReader
+    import array_record.python.array_record_module  # noqa: F401
   except ImportError:
     raise UserError('Reading ArrayRecord files needs the array-record package (pip install array-record).') from None
-  reader = ArrayRecordReader(path)
-  try:
-    if not reader.ok():
-      raise UserError(f'{path}: not an ArrayRecord file (or a corrupted one).')
-    for start in range(0, reader.num_records(), 1024):
-      for n, data in enumerate(reader.read(start, min(start + 1024, reader.num_records())), start=start):
+  from paxcli.inputs.prepared import array_records
+  with array_records(path) as reader:
+    total = reader.num_records()
+    for start in range(0, total, 1024):
+      for n, data in enumerate(reader.read(start, min(start + 1024, total)), start=start):
         where = f'{path} record {n}'
         doc = _document(lambda: record_document(_example_record(data, where), text_field, where), errors)
         if doc is not None:
           yield doc
-  finally:
-    reader.close()
 
 
 _READERS = {'text': _read_text, 'jsonl': _read_jsonl, 'parquet': _read_parquet, 'tfrecord': _read_tfrecord,

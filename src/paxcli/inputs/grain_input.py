@@ -229,7 +229,7 @@ class GrainLmInput(BaseInput):
     self.num_docs = sum(m.records(self.split) for _, _, m in self._sources)
     if not self.num_docs:
       raise UserError(f'{self.data}: the prepared data has no {self.split} document.')
-    self._tokenizer_path = os.path.join(self._sources[0][0], self.manifest.tokenizer)
+    self._tokenizer_path = prepared.member(self._sources[0][0], self.manifest.tokenizer, 'tokenizer')
     if self.vocab_size and self.manifest.vocab_size > self.vocab_size:
       raise UserError(f'{self.data}: its tokenizer has {self.manifest.vocab_size} tokens, more than the model\'s '
                       f'{self.vocab_size}: set VOCAB_SIZE={self.manifest.vocab_size} (or more).')
@@ -245,12 +245,14 @@ class GrainLmInput(BaseInput):
     a mixture's directories interleaved in proportion to their weights by Grain's mix, which maps a
     position to (directory, index) by arithmetic: random access, so a stream's count is all a resume
     needs. Eval: every document of the split once, directory after directory."""
+    def shards(directory, manifest):
+      return [prepared.member(directory, s.name, 'shard') for s in manifest.shards.get(self.split) or []]
+
     def source(directory, manifest):
-      return grain.sources.ArrayRecordDataSource(
-          [os.path.join(directory, s.name) for s in manifest.shards.get(self.split) or []])
+      return grain.sources.ArrayRecordDataSource(shards(directory, manifest))
     if not self.is_training:
       return grain.MapDataset.source(grain.sources.ArrayRecordDataSource(
-          [os.path.join(d, s.name) for d, _, m in self._sources for s in m.shards.get(self.split) or []]))
+          [path for d, _, m in self._sources for path in shards(d, m)]))
     empty = [d for d, _, m in self._sources if not m.records(self.split)]
     if empty:
       raise UserError(f'{empty[0]}: the prepared data has no {self.split} document; a mixture draws from each '
@@ -395,18 +397,8 @@ def _sources(data: Any, name: str) -> list[tuple[str, float, prepared.Manifest]]
   directories of a mixture must share one tokenizer (their ids mean the same tokens)."""
   out = [(d, w, prepared.read_manifest(d)) for d, w in file_input.sources(
       data, name, ('prepared directory', 'prepared directories'))]
-  first_dir, _, first = out[0]
-  for d, _, m in out[1:]:
-    if not _same_file(os.path.join(first_dir, first.tokenizer), os.path.join(d, m.tokenizer)):
-      raise UserError(f'Input {name!r}: {d} and {first_dir} were prepared with different tokenizers, so their '
-                      'ids mean different tokens; prepare them all with the same --tokenizer (e.g. '
-                      f'--tokenizer {os.path.join(first_dir, first.tokenizer)}).')
+  prepared.check_one_tokenizer([(d, m) for d, _, m in out], f'Input {name!r}')
   return out
-
-
-def _same_file(a: str, b: str) -> bool:
-  with open(a, 'rb') as fa, open(b, 'rb') as fb:
-    return fa.read() == fb.read()
 
 
 def _own_memory(batch: dict) -> dict:

@@ -386,13 +386,9 @@ def _chat_record(example: Optional[packing.Example]) -> Optional[bytes]:
 
 def _shard_stats(output: str, name: str) -> prepared.Shard:
   """A finished shard's records and tokens, read back (a resumed run did not write it)."""
-  from array_record.python.array_record_module import ArrayRecordReader  # Linux/macOS wheels only
-  reader = ArrayRecordReader(os.path.join(output, name))
-  try:
+  with prepared.array_records(os.path.join(output, name)) as reader:
     n = reader.num_records()
     tokens = sum(len(r) // 5 for start in range(0, n, 4096) for r in reader.read(start, min(start + 4096, n)))
-  finally:
-    reader.close()
   return prepared.Shard(name, n, tokens)
 
 
@@ -418,8 +414,8 @@ def show(path: str) -> dict:
   manifest = prepared.read_manifest(path)
   raw = manifest.to_json()
   raw['path'] = path
-  config = tokenizers.config_beside(os.path.join(path, manifest.tokenizer))
-  raw['tokenizer_config'] = os.path.relpath(config, path) if config else None  # shipped with --tokenizer
+  config = tokenizers.config_beside(prepared.member(path, manifest.tokenizer, 'tokenizer'))
+  raw['tokenizer_config'] = os.path.relpath(config, os.path.realpath(path)) if config else None  # shipped with --tokenizer
   raw['totals'] = {split: {'shards': len(shards), 'records': manifest.records(split),
                            'tokens': sum(s.tokens for s in shards)} for split, shards in manifest.shards.items()}
   return raw
