@@ -45,7 +45,6 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import functools
-import glob
 import json
 import os
 import threading
@@ -56,12 +55,11 @@ import grain
 from absl import flags
 import numpy as np
 
-from paxcli.errors import UserError
-from paxcli.inputs import file_input, packing, prepared, tokenizers
+from paxcli.errors import UserError, shorten
+from paxcli.inputs import file_input, grain_state, packing, prepared, tokenizers
 from paxcli.inputs.base import BaseInput, EndOfInput, decode_rows
+from paxcli.inputs.grain_state import STATE_VERSION, STREAMS, read_states  # noqa: F401 - the train loop reads these
 
-STATE_VERSION = 1
-STREAMS = 'paxcli_streams'  # the key under which a worker's state holds its streams' states
 TRACE_ENV = 'PAXCLI_INPUT_TRACE'
 _DOC, _OFFSET = '_doc', '_offset'  # per token: the global position of its document, its index in it
 
@@ -308,35 +306,63 @@ class GrainLmInput(BaseInput):
   # ---- checkpoints ----------------------------------------------------------------------------
 
   def get_state(self) -> bytes:
-    """This process's state after the last batch taken, as JSON (Grain's orbax handler saves it)."""
+    """This process's state after the last batch taken, as sealed JSON (grain_state.seal; Grain's
+    orbax handler saves it)."""
     self._start()
-    return json.dumps({'version': STATE_VERSION, **self._layout(), 'batches': self._batches_read,
-                       'grain': self._iterator.get_state()}).encode()
+    return grain_state.seal({'version': STATE_VERSION, **self._layout(), 'batches': self._batches_read,
+                             'grain': self._iterator.get_state()})
 
-  def restore(self, saved: list[dict]) -> None:
-    """Goes on from the states every process saved (read_states): the very batches when the
-    processes, workers and batch are the same; else the streams dealt out again."""
+  def restore(self, saved: list[dict], batches: Optional[int] = None) -> None:
+    """Goes on from the states every process saved (read_states), each checked first (paxcli.inputs.
+    grain_state: a state that was edited or does not fit this input and its data is refused): the very
+    batches when the processes, workers and batch are the same; else the streams dealt out again.
+    `batches`: the count of batches consumed that the checkpoint's meta holds, checked against theirs."""
     mine = self._layout()
-    first = saved[0]
-    for key in ('num_streams', 'num_docs', 'mixture', 'seed', 'seq_len', 'open_rows', 'split'):
-      if first.get(key) != mine[key]:
-        raise UserError(f'Cannot resume the input {self.name!r}: the checkpoint read {self.data} with {key} '
-                        f'{first.get(key)!r}, this run has {mine[key]!r}; the saved position means nothing '
-                        f'for other data or another order. Resume with the same {key}, or start a new job directory.')
-    self._batches_read = int(first['batches'])
-    same = [s for s in saved if all(s.get(k) == mine[k] for k in ('num_processes', 'process', 'workers', 'batch_size'))]
+    grain_state.check_files(saved, batches)
+    for i, state in enumerate(saved):
+      for key in ('num_streams', 'num_docs', 'mixture', 'seed', 'seq_len', 'open_rows', 'split'):
+        if state.get(key) != mine[key]:
+          raise UserError(f'Cannot resume the input {self.name!r}: the checkpoint read {self.data} with {key} '
+                          f'{shorten(repr(state.get(key)), 60)}, this run has {mine[key]!r}; the saved position means '
+                          f'nothing for other data or another order. Resume with the same {key}, or start a new job '
+                          f'directory. ({grain_state.where(state, i)})')
+    streams = grain_state.check_streams(saved, mine)
+    grain_state.check_pieces(streams, self.seq_len, *self._piece_sizes())
+    self._batches_read = saved[0]['batches']
+    keys = ('num_processes', 'process', 'workers', 'batch_size')
+    same = [s for s in saved if all(s[k] == mine[k] for k in keys)]
     self.close()
     if len(saved) == mine['num_processes'] and same:
       self._start()
-      self._iterator.set_state(same[0]['grain'])
+      self._iterator.set_state(grain_state.merged(self._iterator.get_state(), same[0]['grain'], self._worker_streams(),
+                                                  self.workers, grain_state.where(same[0], 0)))
       return
-    states: dict[int, dict] = {}
-    for s in saved:
-      states.update(stream_states(s['grain']))
-    if len(states) != self.num_streams:
-      raise UserError(f'Cannot resume the input {self.name!r}: the checkpoint holds the state of {len(states)} of '
-                      f'its {self.num_streams} streams (a process\'s input file is missing).')
-    self._restored = states
+    self._restored = streams
+
+  def _piece_sizes(self):
+    """(pieces_of(g), length(g, k)) of the documents at positions g, for checking saved pieces."""
+    examples: dict[int, Optional[packing.Example]] = {}
+
+    def example(g: int):
+      if g not in examples:
+        examples[g] = self._example_at(g)
+      return examples[g]
+
+    def pieces_of(g: int) -> int:
+      return -(-len(example(g)) // self.seq_len) if example(g) is not None else 0
+
+    def length(g: int, k: int) -> int:
+      return min(self.seq_len, len(example(g)) - k * self.seq_len)
+    return pieces_of, length
+
+  def _example_at(self, g: int) -> Optional[packing.Example]:
+    return prepared.example(self._docs[g], f'document at position {g}')
+
+  def _worker_streams(self) -> list[list[int]]:
+    """The streams of this process, dealt to its workers as Grain's mp_prefetch deals them."""
+    num_hosts, host = self._host()
+    streams = list(range(host, self.num_streams, num_hosts))
+    return [streams[w::self.workers] for w in range(self.workers)] if self.workers else [streams]
 
   # ---- the pipeline ---------------------------------------------------------------------------
 
@@ -421,15 +447,3 @@ def _exit_with_parent(parent: int, worker: int, num_workers: int) -> None:
       time.sleep(1)
     os._exit(0)
   threading.Thread(target=watch, name='paxcli-exit-with-parent', daemon=True).start()
-
-
-def read_states(directory: str) -> list[dict]:
-  """The input states every process saved in a checkpoint's input item ([] when it has none)."""
-  out = []
-  for path in sorted(glob.glob(os.path.join(directory, 'process_*-of-*.json'))):
-    try:
-      with open(path, encoding='utf-8') as f:
-        out.append(json.load(f))
-    except (OSError, ValueError) as e:
-      raise UserError(f'{path}: unreadable input state ({e}).') from None
-  return out

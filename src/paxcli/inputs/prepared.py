@@ -75,8 +75,11 @@ def write_shard(path: str, records) -> tuple[int, int]:
       writer.write(record)
       count += 1
       tokens += len(record) // 5
-  finally:
+  except BaseException:  # bad input met while writing: no half shard left behind either
     writer.close()
+    os.remove(tmp)
+    raise
+  writer.close()
   os.replace(tmp, path)
   return count, tokens
 

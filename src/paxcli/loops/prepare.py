@@ -22,7 +22,9 @@ directory is refused, never overwritten.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import itertools
 import json
@@ -40,6 +42,7 @@ from paxcli.inputs import chat_template, documents, packing, prepared, tokenizer
 from paxcli.inputs.file_input import DEFAULT_VOCAB_SIZE, anchored, auto_tokenizer
 
 PLAN = 'prepare-plan.json'
+LOCK = '.prepare.lock'  # held while a prepare writes the directory (_locked)
 PLAN_FORMAT = 'paxcli-prepare-plan'
 PLAN_VERSION = 1
 SHARD_CHARS = 64_000_000  # of text per train shard when --num-shards is not given (~16M tokens, ~80 MB)
@@ -71,7 +74,12 @@ class Counts:
 def prepare(options: Options, progress: Progress, log: Callable[[str], None]) -> dict:
   """Scans, plans and writes (the module docstring); returns the summary `--json` prints."""
   start = time.perf_counter()
-  paths = source_files(options.sources)
+  paths = source_files(options.sources, options.output)
+  with _locked(options.output):
+    return _prepare(options, paths, start, progress, log)
+
+
+def _prepare(options: Options, paths: list[str], start: float, progress: Progress, log: Callable[[str], None]) -> dict:
   settings = _settings(options, paths)
   plan = _existing_plan(options.output, settings)
   if plan is not None and prepared.is_prepared(options.output):
@@ -97,14 +105,60 @@ def prepare(options: Options, progress: Progress, log: Callable[[str], None]) ->
   return summary(options.output, plan, time.perf_counter() - start, docs, tokens, options.workers, tokenizing)
 
 
-def source_files(sources) -> list[str]:
-  """The files of every glob, in the order given, each once; absolute."""
+@contextlib.contextmanager
+def _locked(output: str):
+  """Holds OUT/.prepare.lock (an flock) while a prepare writes OUT: a second prepare into the same
+  directory is refused in one line, never interleaved with the first. The lock file goes when the
+  prepare ends, and so does OUT when this prepare made it and wrote nothing else into it (bad input
+  found by the scan leaves no trace)."""
+  if os.path.lexists(output) and not os.path.isdir(output):
+    raise UserError(f'{output} is a file; give a directory to write the prepared data to.')
+  made = not os.path.isdir(output)
+  os.makedirs(output, exist_ok=True)
+  path = os.path.join(output, LOCK)
+  while True:
+    try:
+      fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except FileNotFoundError:  # a prepare that failed removed the directory it had made
+      os.makedirs(output, exist_ok=True)
+      continue
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      os.close(fd)
+      raise UserError(f'Another `pax data prepare` is writing {output} now: nothing written. Let it finish (the '
+                      'same command run again afterwards resumes or finds it done), or give another '
+                      'directory.') from None
+    try:
+      same = os.stat(path).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+      same = False
+    if same:  # else its holder removed the file as this one opened it: lock the new one
+      break
+    os.close(fd)
+  try:
+    yield
+  finally:
+    with contextlib.suppress(FileNotFoundError):
+      os.remove(path)
+    os.close(fd)
+    if made and not os.listdir(output):
+      os.rmdir(output)
+
+
+def source_files(sources, output: Optional[str] = None) -> list[str]:
+  """The files of every glob, in the order given, each once; absolute. Files under `output` (the
+  prepare's own output lying inside an input directory) are left out: its shards never become
+  inputs of a resume."""
   out, seen = [], set()
+  inside = os.path.realpath(output) + os.sep if output else None
   for glob in sources:
     for path in documents.expand(anchored(glob)):
-      if path not in seen:
+      if path not in seen and not (inside and os.path.realpath(path).startswith(inside)):
         seen.add(path)
         out.append(path)
+  if not out:
+    raise UserError(f'No file to prepare in {shorten(", ".join(sources), 200)} besides the output\'s own.')
   return out
 
 
@@ -129,9 +183,7 @@ def _settings(options: Options, paths: list[str]) -> dict:
 def _existing_plan(output: str, settings: dict) -> Optional[dict]:
   """The plan of an earlier prepare of the same settings into `output`; None for a new or empty
   directory; UserError for anything else (user data is never overwritten)."""
-  if os.path.exists(output) and not os.path.isdir(output):
-    raise UserError(f'{output} is a file; give a directory to write the prepared data to.')
-  if not os.path.isdir(output) or not os.listdir(output):
+  if not os.path.isdir(output) or not set(os.listdir(output)) - {LOCK}:
     return None
   path = os.path.join(output, PLAN)
   if not os.path.isfile(path):
