@@ -409,15 +409,18 @@ def _encode_batch(batch: list[tuple]) -> list[Optional[bytes]]:
   under 2 tokens. A chat goes through the shipped template when there is one, as the file input does."""
   tok = _worker_tokenizer
   plain = [chunks for chunks, messages, _ in batch if not _templated(messages)]
-  encoded = iter(tok.encode_many([chunk.text for chunks in plain for chunk in chunks]))
+  encoded = collections.deque(tok.encode_many([chunk.text for chunks in plain for chunk in chunks]))
   out = []
   for chunks, messages, where in batch:
     if _templated(messages):
       out.append(_chat_record(_worker_chat.example(messages, tok, where)))
       continue
-    tokens, weights = packing.token_weights(chunks, [next(encoded) for _ in chunks], tok.eos_id,
-                                            tok.bos_id if tok.bos_first else None)
-    out.append(prepared.encode(tokens, weights) if len(tokens) >= 2 else None)
+    # Each document's ids, tokens and record held one after another, none longer than needed: a
+    # 100 MB document costs a few times its size, not tens (benchmarks/prepare_memory.py).
+    arrays = list(packing.token_weights(chunks, [encoded.popleft() for _ in chunks], tok.eos_id,
+                                        tok.bos_id if tok.bos_first else None))
+    out.append(prepared.encode_taking(arrays) if len(arrays[0]) >= 2 else None)
+    arrays.clear()
   return out
 
 
