@@ -84,6 +84,10 @@ class ChatTemplate:
     self._check(reply, where)
     return reply['text'], [(int(a), int(b)) for a, b in reply['spans']]
 
+  def close(self) -> None:
+    """Ends the template's process now (else it ends when this object goes, or at exit)."""
+    self._sandbox.close()
+
   def _check(self, reply: dict, where: Optional[str]) -> None:
     """UserError for a reply that is not 'ok': the template raised, or crossed a bound (`where`: the
     conversation's file and line; None while compiling)."""
@@ -196,6 +200,11 @@ class _Sandbox:
       parts.append(part)
       n -= len(part)
     return b''.join(parts)
+
+  def close(self) -> None:
+    if self._proc is not None:
+      proc, self._proc = self._proc, None
+      _stop(proc)
 
   def _kill(self) -> Optional[int]:
     proc, self._proc = self._proc, None

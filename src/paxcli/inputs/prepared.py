@@ -223,9 +223,9 @@ def _check_files(directory: str, manifest: Manifest, where: str) -> None:
   directory; each shard holds the records the manifest counts."""
   tokenizer = member(directory, manifest.tokenizer, 'tokenizer')
   files.check_regular_file(tokenizer, f'{where}: the tokenizer')
-  config = os.path.join(os.path.dirname(os.path.join(directory, manifest.tokenizer)), _config_name())
+  config = os.path.join(os.path.dirname(tokenizer), _config_name())  # read beside the file the tokenizer is
   if os.path.lexists(config):
-    member(directory, os.path.relpath(config, directory), 'tokenizer config')
+    member(directory, os.path.relpath(config, os.path.realpath(directory)), 'tokenizer config')
   seen = set()
   for split, shards in manifest.shards.items():
     for i, shard in enumerate(shards):

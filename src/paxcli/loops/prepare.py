@@ -190,8 +190,7 @@ def _existing_plan(output: str, settings: dict) -> Optional[dict]:
     raise UserError(f'{output} is not empty and was not written by `pax data prepare`: nothing written. '
                     'Give a new or empty directory.')
   try:
-    with open(path, encoding='utf-8') as f:
-      plan = json.load(f)
+    plan = files.read_json(path, 'prepare plan', prepared.MAX_MANIFEST_BYTES)
     same = plan['format'] == PLAN_FORMAT and plan['version'] == PLAN_VERSION and plan['settings'] == settings
     _check_shard_plan(plan['shards'], path)
   except (OSError, ValueError, KeyError, TypeError) as e:
@@ -364,9 +363,13 @@ class _Tokenizers:
     return self.encode
 
   def __exit__(self, *exc):
+    global _worker_chat
     if self.pool is not None:
       self.pool.terminate()
       self.pool.join()
+    if _worker_chat is not None:  # this process's template process: ended with the prepare
+      _worker_chat.close()
+      _worker_chat = None
 
   def encode(self, docs) -> Iterator[Optional[bytes]]:
     batches = _batches(((tuple(doc.chunks), doc.messages, doc.where) for doc in docs), BATCH_DOCS)
