@@ -117,7 +117,7 @@ def main() -> None:
   parser.add_argument('--mb', type=int, default=100, help='Size of the huge line, in MB.')
   parser.add_argument('--workers', type=int, nargs='+', default=[1, 2])
   opts = parser.parse_args()
-  console = Console()
+  console = Console(width=160)
   with tempfile.TemporaryDirectory() as root:
     paths = make_inputs(root, opts.mb)
     tokenizer = os.path.join(root, 'spm512.model')

@@ -379,11 +379,21 @@ class _Tokenizers:
       return
     pending = collections.deque()
     for batch in batches:
+      if _long(batch):  # tokenized here, in order: shipped to a worker it would be held twice (pickled)
+        while pending:
+          yield from pending.popleft().get()
+        yield from _encode_batch(batch)
+        continue
       pending.append(self.pool.apply_async(_encode_batch, (batch,)))
       if len(pending) >= 2 * self.workers:
         yield from pending.popleft().get()
     while pending:
       yield from pending.popleft().get()
+
+
+def _long(batch: list[tuple]) -> bool:
+  """Whether a batch holds a long document (tokenizers.LONG_TEXT: one tokenized in pieces)."""
+  return any(sum(len(c.text) for c in chunks) > 2 * tokenizers.LONG_TEXT for chunks, _, _ in batch)
 
 
 def _batches(items, size: int):
