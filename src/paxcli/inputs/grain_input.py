@@ -33,7 +33,9 @@ same processes, workers and batch, it gives the very batches an uninterrupted ru
 another count of processes or workers, the stream states are gathered from every process's
 file and dealt out again: the streams go on exactly, only the order in which they fill the
 batches changes. The number of streams cannot change (it decides which stream reads which
-position); a resume that changes it, the data or the seed is refused in one line.
+position); a resume that changes it, the data or the seed is refused in one line. Each file is
+sealed with a checksum and every field of it is checked before use (paxcli.inputs.grain_state):
+an edited or damaged state is refused naming the file and field, never resumed on other documents.
 
 PAXCLI_INPUT_TRACE=FILE (a debugging aid, used by the tests): each batch taken appends one JSON
 line to FILE with the process, the batch's index and, per row, the documents and offsets of its

@@ -16,7 +16,9 @@ so prepared and unprepared runs hold out the same documents.
 
 Resume: run the same command again. A directory whose plan names the same files (sizes and times),
 settings and tokenizer keeps its finished shards and redoes the unfinished one; any other non-empty
-directory is refused, never overwritten.
+directory is refused, never overwritten. A prepare holds OUT/.prepare.lock while it writes OUT (a
+second prepare into it is refused, not interleaved), and files under OUT are never its inputs (an
+OUT inside an input directory resumes).
 """
 
 from __future__ import annotations
