@@ -116,28 +116,8 @@ def _locked(output: str):
   if os.path.lexists(output) and not os.path.isdir(output):
     raise UserError(f'{output} is a file; give a directory to write the prepared data to.')
   made = not os.path.isdir(output)
-  os.makedirs(output, exist_ok=True)
   path = os.path.join(output, LOCK)
-  while True:
-    try:
-      fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    except FileNotFoundError:  # a prepare that failed removed the directory it had made
-      os.makedirs(output, exist_ok=True)
-      continue
-    try:
-      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-      os.close(fd)
-      raise UserError(f'Another `pax data prepare` is writing {output} now: nothing written. Let it finish (the '
-                      'same command run again afterwards resumes or finds it done), or give another '
-                      'directory.') from None
-    try:
-      same = os.stat(path).st_ino == os.fstat(fd).st_ino
-    except FileNotFoundError:
-      same = False
-    if same:  # else its holder removed the file as this one opened it: lock the new one
-      break
-    os.close(fd)
+  fd = _lock(output, path)
   try:
     yield
   finally:
@@ -146,6 +126,31 @@ def _locked(output: str):
     os.close(fd)
     if made and not os.listdir(output):
       os.rmdir(output)
+
+
+def _lock(output: str, path: str) -> int:
+  """An open descriptor of `path` holding its flock; UserError when another process holds it."""
+  for attempt in itertools.count():
+    try:
+      os.makedirs(output, exist_ok=True)
+      fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:  # FileNotFoundError: a prepare that failed removed the directory it had made
+      if isinstance(e, FileNotFoundError) and attempt < 3:
+        continue
+      raise UserError(f'Cannot write the prepared data to {output}: {e.strerror}.') from None
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      os.close(fd)
+      raise UserError(f'Another `pax data prepare` is writing {output} now: nothing written. Let it finish (the '
+                      'same command run again afterwards resumes or finds it done), or give another '
+                      'directory.') from None
+    try:
+      if os.stat(path).st_ino == os.fstat(fd).st_ino:
+        return fd
+    except FileNotFoundError:
+      pass
+    os.close(fd)  # its holder removed the file as this one opened it: lock the new one
 
 
 def source_files(sources, output: Optional[str] = None) -> list[str]:
