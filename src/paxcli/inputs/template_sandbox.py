@@ -159,7 +159,10 @@ def _exit_with_parent(parent: int) -> None:
 
 
 def _cap_memory(megabytes: int) -> None:
-  """Caps this process's address space at what it uses now plus `megabytes`."""
+  """Caps this process's address space at what it uses now plus `megabytes` (Linux; elsewhere
+  RLIMIT_AS is not what bounds a process's memory, and the time bound still holds)."""
+  if not sys.platform.startswith('linux'):
+    return
   try:
     with open('/proc/self/statm', encoding='ascii') as f:
       used = int(f.read().split()[0]) * resource.getpagesize()
