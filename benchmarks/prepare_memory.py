@@ -13,8 +13,10 @@ inputs, written to a temporary directory:
 Each is prepared with the 2,048-piece tokenizer `pax data prepare` trains by default (on the data,
 as a user gets it) and with a given --tokenizer of 512 pieces (a small vocabulary: about one token per
 byte, the worst case for the tokens' arrays). `x line` is (peak - small's peak) / the line's bytes:
-what the line itself costs. Before issue #33 one 100 MB line took 6.5 GB (65x) with the 300-piece
-tokenizer; a line over PAXCLI_MAX_LINE_BYTES (128 MiB by default) is refused in one line naming it.
+what the line itself costs: about 2 bytes per byte of the line and ~10 per token (the record's
+5 bytes, held as an array and as the bytes ArrayRecord takes). Before issue #33 a 98 MB line took
+6.5 GB (65x, a 300-piece tokenizer, this machine); a line over PAXCLI_MAX_LINE_BYTES (128 MiB by
+default) is refused in one line naming it.
 """
 
 from __future__ import annotations
