@@ -31,7 +31,6 @@ import tempfile
 import threading
 import time
 
-import numpy as np
 from rich.console import Console
 from rich.table import Table
 
