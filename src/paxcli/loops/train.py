@@ -708,7 +708,7 @@ def _position_input(train_input, job_dir: str, start: Start, log) -> None:
   if hasattr(train_input, 'restore'):
     saved = grain_input.read_states(storage.local_tree(layout.input_dir(layout.step_dir(job_dir, start.step))))
     if saved:
-      train_input.restore(saved)
+      train_input.restore(saved, batches=start.batches_consumed)  # checked against the meta's count
       return
     log(f'Note: the checkpoint at step {start.step} holds no input position; skipping '
         f'{start.batches_consumed} batches to find it.')
