@@ -506,6 +506,8 @@ def _train(resolved, job_dir: str, console, verbose: bool = False, profile_steps
   if base is None and engine.has_frozen(setup):
     raise UserError('LORA_RANK > 0 trains adapters on frozen base weights: set INIT_FROM to the base checkpoint '
                     '(a job directory or checkpoint step; `pax checkpoint convert HF_DIR OUT --from hf` makes one).')
+  if getattr(train_cfg, 'lora_init', None) and engine.has_frozen(setup):
+    convert_lora.check_peft(train_cfg.lora_init, setup.model)   # a wrong adapter is one line before any state
   spec = RunSpec.of(resolved, setup, base)
   _log_run(resolved, setup, job_dir, log)
   if verbose and is_main:

@@ -6,10 +6,9 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from typing import Optional, Sequence
 
-from paxcli.errors import UserError, shorten
+from paxcli import files
 from paxcli.jobdir import layout
 
 
@@ -32,35 +31,32 @@ def cli_output_path(job_dir: str, dataset: Optional[str], step: int) -> str:
   return layout.cli_decodes(job_dir, dataset, step, n)
 
 
-def check_output(path: str) -> None:
-  """UserError now, before any decoding, if `path` cannot be written (its directory may be made later)."""
-  shown = shorten(path, 200)
-  full = os.path.abspath(path)
-  if os.path.isdir(full):
-    raise UserError(f'--output {shown} is a directory; give a file name.')
-  probe = os.path.dirname(full)
-  while not os.path.lexists(probe):  # the nearest existing ancestor: its directories are made at the end
-    probe = os.path.dirname(probe)
-  if not os.path.isdir(probe):
-    raise UserError(f'Cannot write {shown}: {probe} is not a directory.')
-  try:
-    with tempfile.TemporaryFile(dir=probe):
-      pass
-  except OSError as e:
-    raise UserError(f'Cannot write {shown}: {probe} is not writable ({e.strerror}).') from None
+def check_output(path: str, force: bool = False, inputs: Sequence[str] = ()) -> None:
+  """UserError now, before any decoding or scoring, if `path` is no place for the JSONL (files.check_output)."""
+  files.check_output(path, '--output', force=force, inputs=inputs)
 
 
 def write_jsonl(path: str, records: Sequence[dict]) -> None:
-  """Process 0 writes the whole file atomically (a reader never sees half of it)."""
+  """Process 0 writes the whole file at once (files.write_output: a reader never sees half of it)."""
+  files.write_output(path, ''.join(json_line(r) for r in records), 'the results')
+
+
+def json_line(record: dict) -> str:
+  """One JSON line; a float JSON cannot hold (NaN, infinity) is written as null, as finite_or_none does."""
   try:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + '.tmp'
-    with open(tmp, 'w', encoding='utf-8') as f:
-      for r in records:
-        f.write(json.dumps(r, allow_nan=False) + '\n')
-    os.replace(tmp, path)
-  except OSError as e:
-    raise UserError(f'Cannot write {shorten(path, 200)}: {e.strerror}.') from None
+    return json.dumps(record, allow_nan=False) + '\n'
+  except ValueError:
+    return json.dumps(_finite(record), allow_nan=False) + '\n'
+
+
+def _finite(value):
+  if isinstance(value, float):
+    return finite_or_none(value)
+  if isinstance(value, dict):
+    return {k: _finite(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [_finite(v) for v in value]
+  return value
 
 
 def finite_or_none(x: float) -> Optional[float]:
