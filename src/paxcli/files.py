@@ -144,8 +144,10 @@ def parse_json(text: str | bytes, what: str, max_depth: int = MAX_JSON_DEPTH):
 
   try:
     value = json.loads(text, parse_constant=no_constant, parse_float=finite_float, parse_int=short_int)
-  except json.JSONDecodeError as e:
-    raise UserError(f'{what}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}).') from None
+  except json.JSONDecodeError as e:  # one line of a JSONL file is named by `what`: its column is enough
+    one_line = (b'\n' if isinstance(text, bytes) else '\n') not in text.rstrip()
+    at = f'column {e.colno}' if one_line else f'line {e.lineno}, column {e.colno}'
+    raise UserError(f'{what}: not valid JSON ({at}: {e.msg}).') from None
   except RecursionError:
     raise UserError(f'{what}: JSON nested too deeply; paxcli reads at most {max_depth} levels.') from None
   except ValueError as e:
@@ -164,6 +166,17 @@ def _json_depth_over(value, max_depth: int) -> bool:
         return True
       stack.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node))
   return False
+
+
+def check_unicode(text: str, what: str) -> str:
+  """`text` if it is Unicode a tokenizer can take, else UserError naming `what`: a lone surrogate
+  (JSON's "\\ud800" escape, or bytes that were not UTF-8 on a command line) encodes to no UTF-8."""
+  try:
+    text.encode('utf-8')
+  except UnicodeEncodeError as e:
+    raise UserError(f'{what} holds a lone surrogate {text[e.start]!r} at character {e.start}, which is no '
+                    'Unicode text (a "\\ud800"-style escape with no pair); write the character itself.') from None
+  return text
 
 
 def read_json(path: str, what: str, max_bytes: int, max_depth: int = MAX_JSON_DEPTH):

@@ -145,8 +145,8 @@ def _convert(src, out, source, output, fmt, to, exp, overrides, params_only, dty
     result['recipe'] = recipe_path
   param_bytes = sum(int(np.prod(x.shape, dtype=np.int64)) * 4 for n, x in target.abstract.items()
                     if n.startswith('params/'))
-  memory = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
-  if verify and 3 * param_bytes > memory:
+  memory = platform.host_memory_bytes() or 0
+  if verify and memory and 3 * param_bytes > memory:
     log(f'Not verifying: running both models needs about {3 * param_bytes / 2**30:.0f} GiB of host memory '
         f'({memory / 2**30:.0f} GiB here); the conversion itself streamed.')
     verify = False

@@ -483,6 +483,7 @@ def train(resolved, job_dir: str, console, verbose: bool = False, profile_steps=
   applied before this, by the command's `api.open_run`, ahead of JAX's backend start.
   """
   platform.check_supported(resolved.experiment)  # refusals first: a refused run leaves no job directory
+  engine.validate(resolved)                       # the settings, as `pax describe` checks them
   profiling.check_pgle(pgle, pgle_profile)
   joblock.check_writable(job_dir)  # makes the directory
   lock = joblock.lock_run(job_dir, _printer(console) if jax.process_index() == 0 else _silent)
