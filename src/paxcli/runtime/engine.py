@@ -132,15 +132,20 @@ def check_buildable(model, seq_len: Optional[int]) -> None:
       raise UserError(f'{where}.num_layers (NUM_LAYERS) is {layers:,} unrolled layers; paxcli builds at most '
                       f'{MAX_UNROLLED_LAYERS:,} unrolled layers (each is traced on its own, so this would not '
                       f'finish):{scan} lower NUM_LAYERS.')
-  if not seq_len or not hasattr(model, 'dummy_batch'):
-    return
-  per_token = sum(np.asarray(x).nbytes for x in jax.tree.leaves(model.dummy_batch(1, 1)))
+  if seq_len and hasattr(model, 'dummy_batch'):
+    per_token = sum(np.asarray(x).nbytes for x in jax.tree.leaves(model.dummy_batch(1, 1)))
+    check_sequence(seq_len, per_token, f'The sequence length {seq_len:,} (MAX_SEQ_LEN, or the train input\'s '
+                   'seq_len)', 'Lower MAX_SEQ_LEN.')
+
+
+def check_sequence(seq_len: int, per_token: int, what: str, fix: str) -> None:
+  """UserError `what ... fix` when one sequence of `seq_len` tokens of `per_token` bytes each (the dummy
+  batch init traces) would take more than 1/HOST_SHARE_FOR_ONE_SEQUENCE of the host's memory."""
   host = platform.host_memory_bytes()
   if host and per_token * seq_len > host // HOST_SHARE_FOR_ONE_SEQUENCE:
-    raise UserError(f'The sequence length {seq_len:,} (MAX_SEQ_LEN, or the train input\'s seq_len) cannot be '
-                    f'built here: one sequence of the batch the model is traced on takes {_gib(per_token * seq_len)}, '
-                    f'more than 1/{HOST_SHARE_FOR_ONE_SEQUENCE} of this machine\'s {_gib(host)} of memory. '
-                    'Lower MAX_SEQ_LEN.')
+    raise UserError(f'{what} cannot be built here: one sequence of the batch the model is traced on takes '
+                    f'{_gib(per_token * seq_len)}, more than 1/{HOST_SHARE_FOR_ONE_SEQUENCE} of this machine\'s '
+                    f'{_gib(host)} of memory. {fix}')
 
 
 def check_fits(setup, params_only: bool = False) -> None:
