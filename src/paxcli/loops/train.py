@@ -502,6 +502,7 @@ def _train(resolved, job_dir: str, console, verbose: bool = False, profile_steps
 
   # ---- Mesh, model, state shapes ------------------------------------------------------------------
   setup = engine.build(resolved)
+  engine.check_fits(setup)   # a state no device can hold is one line before any input is read
   train_cfg, total = setup.train, setup.train.num_train_steps
   base = restore.base_ref(train_cfg.init_from) if train_cfg.init_from else None
   if base is None and engine.has_frozen(setup):
