@@ -286,16 +286,17 @@ def bench_mfu(exp: Optional[str] = None, *, overrides: Sequence[str] = (), sweep
               steps: int = 10, warmup: int = 2, compile_only: bool = False, num_devices: Optional[int] = None,
               peak_tflops: Optional[float] = None, device_memory: Optional[str] = None,
               plot: Optional[str] = None, pgle: Optional[str] = None, pgle_profile: Optional[str] = None,
-              console=None) -> list[dict]:
+              console=None, force: bool = False) -> list[dict]:
   """`pax bench mfu`: one row per sweep combination (step time, tokens/s, TFLOP/s per device, MFU, HFU,
-  memory). sweep: 'KNOB=a,b,c' strings; plot: a PNG of the rows, written after they all ran."""
+  memory). sweep: 'KNOB=a,b,c' strings; plot: a PNG of the rows, written after they all ran (over an
+  existing file only with force)."""
   from paxcli.convert.safetensors_io import parse_size
   from paxcli.loops import bench
-  plot, pgle_profile = path_arg(plot, '--plot'), path_arg(pgle_profile, '--pgle-profile')
+  plot, pgle_profile = output_arg(plot, '--plot'), path_arg(pgle_profile, '--pgle-profile')
   memory_bytes = parse_size(device_memory, '--device-memory') if device_memory is not None else None
   positive_finite(peak_tflops, '--peak-tflops', 'TFLOP/s per device')
   if plot:
-    bench.check_plot_path(plot)
+    bench.check_plot_path(plot, force)
   if num_devices:
     if num_devices > MAX_FAKE_DEVICES:
       raise UserError(f'--num-devices {num_devices:,} is more than {MAX_FAKE_DEVICES:,}, the most fake CPU devices '

@@ -20,6 +20,7 @@ import shutil
 import tempfile
 from typing import Callable, Optional
 
+from paxcli import files
 from paxcli.errors import UserError
 from paxcli.jobdir import layout
 
@@ -85,7 +86,8 @@ class StepProfiler:
     self.pgle_profile = pgle_profile
     self.pgle_options = None
     if pgle_profile:
-      if os.path.exists(pgle_profile):
+      if os.path.exists(pgle_profile):   # a profile to read (XLA reads it): a regular file, never a FIFO
+        files.check_regular_file(pgle_profile, '--pgle-profile')
         self.pgle_options = pgle_compiler_options(pgle_profile)
       else:
         first = start_step + PGLE_WARMUP_STEPS + 1
@@ -129,9 +131,7 @@ class StepProfiler:
     if not proto:
       self.log('PGLE: the profile held no GPU instruction latencies; continuing without PGLE.')
       return None
-    os.makedirs(os.path.dirname(os.path.abspath(self.pgle_profile)), exist_ok=True)
-    with open(self.pgle_profile, 'wb') as f:
-      f.write(proto)
+    files.write_output(self.pgle_profile, proto, 'the PGLE profile')
     shutil.rmtree(directory, ignore_errors=True)
     self.pgle_options = pgle_compiler_options(self.pgle_profile)
     self.log(f'PGLE: profiled steps {first}-{last}, wrote instruction latencies to {self.pgle_profile}; '
