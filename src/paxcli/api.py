@@ -36,7 +36,7 @@ from rich.markup import escape
 
 from paxcli import files
 from paxcli.errors import UserError
-from paxcli.jobdir import layout
+from paxcli.jobdir import layout, storage
 from paxcli.maxtext import recipe as maxtext_recipe
 from paxcli.maxtext.shell import read_script
 from paxcli.maxtext.translate import Options, Translation, translate
@@ -80,6 +80,7 @@ def open_run(exp: Optional[str], overrides: Sequence[str] = (), job_dir: Optiona
   if with_job_dir:
     from paxcli.jobdir import tokenizer  # orbax and fiddle: for commands that open a job directory
     directory = path_arg(job_dir or default_job_dir(resolved.experiment.registered_name()), '--job-log-dir')
+    storage.check_reachable(directory)   # a bucket that cannot be used: one line, before any compile
     tokenizer.keep_trained(resolved.datasets, directory)
   return Run(resolved, directory)
 
@@ -109,17 +110,29 @@ def path_arg(path: Optional[str], option: str) -> Optional[str]:
     return None
   if not path:
     raise UserError(f'{option} is empty; give a path.')
-  return layout.absolute(path)
+  return layout.absolute(path, option)
 
 
-def output_arg(path: Optional[str], option: str) -> Optional[str]:
+def output_arg(path: Optional[str], option: str, buckets: bool = False) -> Optional[str]:
   """A file the user names for a command to write (None stays None): as path_arg, except that a FIFO,
-  a character device or /dev/stdout keeps its name, to be written into (files.output_path)."""
+  a character device or /dev/stdout keeps its name, to be written into (files.output_path). A bucket
+  path (gs://) only where the command writes there (`buckets`)."""
   if path is None:
     return None
   if not path:
     raise UserError(f'{option} is empty; give a path.')
+  if not storage.is_local(path):
+    if not buckets:
+      raise UserError(f'{option} {path}: this file is written on this machine; give a local path.')
+    return layout.absolute(path, option)
   return files.output_path(path)
+
+
+def _check_output(output: Optional[str], force: bool, inputs: Sequence[Optional[str]]) -> None:
+  """Before start-up: an --output that cannot take the results is one line now, not after the work."""
+  if output:
+    from paxcli.loops.decode.output import check_output  # no JAX
+    check_output(output, force, inputs=[p for p in inputs if p])
 
 
 def positive_finite(value: Optional[float], option: str, unit: str) -> Optional[float]:
@@ -184,7 +197,7 @@ def evaluate(exp: Optional[str] = None, *, overrides: Sequence[str] = (), job_di
   record = None
   if jax.process_index() == 0 and not no_checkpoint:
     record = lambda: invocation.record(run.job_dir)
-  if record and os.path.isdir(run.job_dir):  # never made here: a follower records at its first evaluation
+  if record and storage.isdir(run.job_dir):  # never made here: a follower records at its first evaluation
     record()
     record = None
   if follow:
@@ -225,9 +238,8 @@ def decode(exp: Optional[str] = None, *, overrides: Sequence[str] = (), job_dir:
     raise UserError(f'--dtype must be one of {", ".join(DECODE_DTYPES)}; got {dtype!r}.')
   if not (prompt or prompts_file or prompt_ids or dataset):
     raise UserError('No prompts: give --prompt TEXT, --prompts-file FILE, --prompt-ids 1,2,3 or --dataset NAME.')
-  prompts_file, output = path_arg(prompts_file, '--prompts-file'), output_arg(output, '--output')
-  if output:  # before start-up: a path that cannot take the results is one line now, not after decoding
-    files.check_output(output, '--output', force=force, inputs=[prompts_file] if prompts_file else [])
+  prompts_file, output = path_arg(prompts_file, '--prompts-file'), output_arg(output, '--output', buckets=True)
+  _check_output(output, force, [prompts_file])
   log = _printer(_console(console))
   run = open_run(exp, overrides, job_dir, coordinator=coordinator, num_processes=num_processes,
                  process_id=process_id, log=log)
@@ -254,9 +266,8 @@ def score(requests_file: str, exp: Optional[str] = None, *, overrides: Sequence[
     raise UserError(f'--batch-size must be at least 0 (0: automatic), got {batch_size}.')
   if step is not None and no_checkpoint:
     raise UserError('--step N picks a checkpoint; --no-checkpoint scores fresh weights. Give one of them.')
-  requests_file, output = path_arg(requests_file, 'REQUESTS'), output_arg(output, '--output')
-  if output:  # before start-up: a path that cannot take the results is one line now, not after scoring
-    files.check_output(output, '--output', force=force, inputs=[requests_file])
+  requests_file, output = path_arg(requests_file, 'REQUESTS'), output_arg(output, '--output', buckets=True)
+  _check_output(output, force, [requests_file])
   from paxcli.loops.score import requests  # no JAX: a bad file is one line before start-up
   read = requests.read_requests(requests_file)
   log = _printer(_console(console))

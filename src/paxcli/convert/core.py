@@ -16,6 +16,7 @@ import re
 import shutil
 import stat
 import sys
+import tempfile
 from typing import Optional
 
 import numpy as np
@@ -30,6 +31,7 @@ from paxcli.families.lm import LmExperiment
 from paxcli.inputs import tokenizers
 from paxcli.jobdir import layout
 from paxcli.jobdir import lock as joblock
+from paxcli.jobdir import storage
 
 _LAYER_RE = re.compile(r'(^|/)layer_(\d+)(/|$)')
 _LAYERS_RE = re.compile(r'(^|/)layers(/|$)')
@@ -79,9 +81,10 @@ def recipe_class(path: str, class_name: str, text: str, where: Optional[str] = N
 
 
 def source_dir(src) -> str:
-  """The directory a checkpoint's files are in (a job directory, a safetensors directory)."""
+  """The local directory a checkpoint's files are in (a job directory, a safetensors directory; the
+  top files of a job directory in a bucket, downloaded)."""
   path = getattr(src, 'job_dir', None) or src.path
-  return os.path.realpath(path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path)))
+  return storage.local_files(path if storage.isdir(path) else os.path.dirname(storage.abspath(path)))
 
 
 def trusted_experiment(src, name: str, exp: Optional[str]) -> Optional[str]:
@@ -284,16 +287,23 @@ class Output:
   Never over what the conversion reads: the source (`source_path`), and, once the source is open,
   every job its run reads (`refuse_inputs`: a LoRA run's base, INIT_FROM, LORA_INIT); paths are
   compared with symlinks resolved, so a link to one of them is that one. Never over anything but a
-  directory paxcli writes (see `_ours`), even with force: not a device, a FIFO, a user's file or folder.
+  directory paxcli writes (`_check_replaceable`), even with force: not a device, a FIFO, a user's file
+  or folder. A bucket output is written in a local temporary directory and uploaded when it is whole,
+  orbax's commit markers last (a reader never takes a half-uploaded checkpoint for a complete one).
   """
 
   def __init__(self, path: str, force: bool, source_path: str):
-    self.path = os.path.abspath(path)
+    self.path, self.force = storage.abspath(path), force
     # The source of a step directory (job/checkpoints/<step>) is its whole job directory.
     self.refuse_inputs([(source_path, 'the source')])
-    out = os.path.realpath(path)
     if os.path.islink(self.path):   # --force would replace the link, not what it points to
-      raise UserError(f'The output {path} is a symlink (to {out}); give the real path.')
+      raise UserError(f'The output {path} is a symlink (to {os.path.realpath(path)}); give the real path.')
+    self.remote = not storage.is_local(self.path)
+    if self.remote:
+      if storage.exists(self.path) and not force:
+        raise UserError(f'The output {path} exists; pass --force to replace it.')
+      self.tmp = tempfile.mkdtemp(prefix='paxcli-convert-')
+      return
     if os.path.lexists(self.path):
       _check_replaceable(path, force)
     os.makedirs(os.path.dirname(self.path) or '.', exist_ok=True)
@@ -301,15 +311,19 @@ class Output:
 
   def refuse_inputs(self, inputs) -> None:
     """UserError when the output is inside or over one of `inputs`, (path, what it is) pairs."""
-    out = os.path.realpath(self.path)
     for path, what in inputs:
-      src = layout.job_dir_of(os.path.realpath(path))
-      if os.path.commonpath([out, src]) in (out, src):
+      try:
+        read = layout.job_dir_of(storage.absolute(path))
+      except UserError:   # a path of no scheme paxcli reads: nothing a conversion writes can be over it
+        continue
+      if storage.inside(self.path, read):
         raise UserError(f'The output {shorten(self.path, 200)} would be inside or over {what} {shorten(path, 200)} '
                         '(compared with symlinks resolved); what a conversion reads is never modified. Choose '
                         'another output path.')
 
   def __enter__(self) -> str:
+    if self.remote:
+      return self.tmp
     for stale in glob.glob(glob.escape(self.path) + '.converting-*'):   # left by a killed conversion
       pid = stale.rsplit('-', 1)[-1]
       if pid.isdigit() and not joblock.pid_alive(int(pid)):
@@ -322,6 +336,14 @@ class Output:
   def __exit__(self, exc_type, exc, tb):
     if exc_type is not None:
       shutil.rmtree(self.tmp, ignore_errors=True)
+      return False
+    if self.remote:
+      try:
+        if self.force:
+          storage.rmtree(self.path)   # asked for: the old output's objects would mix with the new
+        storage.upload_tree(self.tmp, self.path, last=layout.COMMIT_MARKERS)
+      finally:
+        shutil.rmtree(self.tmp, ignore_errors=True)
       return False
     if os.path.exists(self.path):
       old = self.path + f'.replaced-{os.getpid()}'

@@ -33,6 +33,7 @@ from paxcli.jobdir import checkpoint as ckpt
 from paxcli.jobdir import layout
 from paxcli.jobdir import lock as joblock
 from paxcli.jobdir import restore
+from paxcli.jobdir import storage
 from paxcli.jobdir.summaries import SummaryWriter
 from paxcli.runtime import engine, infeed
 from paxcli.runtime import sharding
@@ -280,15 +281,16 @@ def _data_note(meta: dict, flat_now: dict) -> Optional[str]:
 def evaluated_steps(job_dir: str, names) -> set[int]:
   """Checkpoint steps whose every eval input in `names` was evaluated (eval_done.jsonl)."""
   done: dict[int, set[str]] = {}
-  path = layout.eval_done(job_dir)
-  if os.path.exists(path):
-    with open(path, encoding='utf-8', errors='replace') as f:
-      for line in f:
-        try:
-          record = json.loads(line)
-          done.setdefault(int(record['step']), set()).update(record.get('datasets', []))
-        except (ValueError, TypeError, KeyError, AttributeError):  # a line cut by a kill: evaluated again
-          continue
+  try:
+    text = storage.read_text(layout.eval_done(job_dir))
+  except FileNotFoundError:
+    text = ''
+  for line in text.splitlines():
+    try:
+      record = json.loads(line)
+      done.setdefault(int(record['step']), set()).update(record.get('datasets', []))
+    except (ValueError, TypeError, KeyError, AttributeError):  # a line cut by a kill: evaluated again
+      continue
   return {step for step, got in done.items() if set(names) <= got}
 
 

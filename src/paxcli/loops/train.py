@@ -37,6 +37,7 @@ from paxcli.jobdir import invocation
 from paxcli.jobdir import layout
 from paxcli.jobdir import lock as joblock
 from paxcli.jobdir import restore
+from paxcli.jobdir import storage
 from paxcli.jobdir import summaries
 from paxcli.jobdir import tokenizer
 from paxcli.layers.base import AUX_LOSS, NON_TRAINABLE, RANDOM, SUMMARIES, flatten_collection
@@ -488,14 +489,14 @@ def train(resolved, job_dir: str, console, verbose: bool = False, profile_steps=
   joblock.check_writable(job_dir)  # makes the directory
   lock = joblock.lock_run(job_dir, _printer(console) if jax.process_index() == 0 else _silent)
   try:
-    return _train(resolved, job_dir, console, verbose, profile_steps, pgle_profile)
+    return _train(resolved, job_dir, console, verbose, profile_steps, pgle_profile, lock)
   finally:
     if lock is not None:
       lock.release()
 
 
 def _train(resolved, job_dir: str, console, verbose: bool = False, profile_steps=None,
-           pgle_profile: Optional[str] = None) -> dict:
+           pgle_profile: Optional[str] = None, lock=None) -> dict:
   is_main = jax.process_index() == 0
   log = _printer(console) if is_main else _silent
   distributed.log_topology(_printer(console))
@@ -522,15 +523,15 @@ def _train(resolved, job_dir: str, console, verbose: bool = False, profile_steps
     invocation.record(job_dir)
   ckpt.set_aside_unfinished(layout.checkpoints(job_dir), log=log)
   distributed.barrier('paxcli:unfinished-checkpoints-set-aside')  # all processes then see the same steps
-  checkpointer = ckpt.Checkpointer(layout.checkpoints(job_dir), train_cfg.save_max_to_keep)
+  checkpointer = ckpt.Checkpointer(layout.checkpoints(job_dir), train_cfg.save_max_to_keep,
+                                  before_save=getattr(lock, 'check', None))  # a bucket lock may be lost
   latest = checkpointer.latest_step()
   if latest is not None and latest >= total:
     return _already_finished(job_dir, latest, spec, total, checkpointer, log)
   state, start = (_resume(setup, job_dir, latest, spec, checkpointer, log) if latest is not None
                   else (_fresh_state(setup, base, resolved.experiment.RANDOM_SEED, log), Start(0)))
   if is_main:
-    with open(layout.config(job_dir), 'w', encoding='utf-8') as f:
-      f.write(resolved.as_text())
+    storage.write_text(layout.config(job_dir), resolved.as_text())
     _trim_replayed_metrics(job_dir, start.step, log)
 
   # ---- Input, step, evals ---------------------------------------------------------------------------
@@ -593,7 +594,7 @@ def _silent(message: str) -> None:
 
 def _log_run(resolved, setup, job_dir: str, log) -> None:
   devices = jax.devices()
-  log(f'Experiment {resolved.name} -> {os.path.abspath(job_dir)}')
+  log(f'Experiment {resolved.name} -> {job_dir}')
   log(f'Devices: {len(devices)} x {devices[0].device_kind} ({jax.default_backend()}), '
       f'{jax.process_count()} process(es); mesh {sharding.describe_mesh(setup.mesh)}')
   log(f'Parameters: {engine.param_count(setup.abstract_state):,}; global batch '
@@ -696,7 +697,7 @@ def _position_input(train_input, job_dir: str, start: Start, log) -> None:
   if not start.step:
     return
   if hasattr(train_input, 'restore'):
-    saved = grain_input.read_states(layout.input_dir(layout.step_dir(job_dir, start.step)))
+    saved = grain_input.read_states(storage.local_tree(layout.input_dir(layout.step_dir(job_dir, start.step))))
     if saved:
       train_input.restore(saved)
       return
