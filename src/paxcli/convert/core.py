@@ -357,7 +357,8 @@ class Output:
 
 # What each output of `pax checkpoint convert` holds one of (a job directory, safetensors, Hugging Face,
 # PEFT): --force replaces an empty directory or one holding one of these, nothing else.
-_OUTPUT_MARKS = ('checkpoints', 'config.txt', 'config.json', 'adapter_config.json', 'model.safetensors.index.json')
+_OUTPUT_MARKS = (os.path.basename(layout.checkpoints('job')), os.path.basename(layout.config('job')), 'config.json',
+                 'adapter_config.json', 'model.safetensors.index.json')
 
 
 def _check_replaceable(path: str, force: bool) -> None:
