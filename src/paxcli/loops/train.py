@@ -509,8 +509,6 @@ def _train(resolved, job_dir: str, console, verbose: bool = False, profile_steps
   if base is None and engine.has_frozen(setup):
     raise UserError('LORA_RANK > 0 trains adapters on frozen base weights: set INIT_FROM to the base checkpoint '
                     '(a job directory or checkpoint step; `pax checkpoint convert HF_DIR OUT --from hf` makes one).')
-  if getattr(train_cfg, 'lora_init', None) and engine.has_frozen(setup):
-    convert_lora.check_peft(train_cfg.lora_init, setup.model)   # a wrong adapter is one line before any state
   spec = RunSpec.of(resolved, setup, base)
   _log_run(resolved, setup, job_dir, log)
   if verbose and is_main:
@@ -640,13 +638,15 @@ class Start:
 
 def _fresh_state(setup, base: Optional[restore.BaseRef], seed: int, log) -> dict:
   """A new train state: initialised from the seed, then the base's params where INIT_FROM names one."""
+  lora_init = getattr(setup.train, 'lora_init', None)
+  if lora_init and engine.has_frozen(setup):
+    convert_lora.check_peft(lora_init, setup.model)   # a wrong adapter is one line before any state is made
   state = engine.init_state(setup, seed)
   if base is None:
     return state
   log(f'Starting from the weights of {base.describe()} (INIT_FROM)'
       + ('; they stay frozen and LoRA adapters train.' if engine.has_frozen(setup) else '; fresh optimizer state.'))
   state = restore.start_from_base(setup, state, base)
-  lora_init = getattr(setup.train, 'lora_init', None)
   if lora_init and engine.has_frozen(setup):
     adapters = convert_lora.read_peft(lora_init, setup.model, setup.abstract_state['params'])
     shardings = engine.split_trainable(setup.model, setup.state_shardings['params'])[0]
