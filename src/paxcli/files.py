@@ -192,7 +192,8 @@ def read_json(path: str, what: str, max_bytes: int, max_depth: int = MAX_JSON_DE
 
 # Names of this process's own descriptors: /dev/stdout resolves to /proc/<pid>/fd/pipe:[...] (no path
 # at all) when stdout is a pipe, and to the file itself when it is redirected to one.
-_DESCRIPTOR = re.compile(r'/dev/(stdout|stderr|fd/\d+)|/proc/(self|thread-self|\d+)/fd/\d+')
+_DESCRIPTOR = re.compile(r'/dev/(?P<std>stdout|stderr)|/dev/fd/(?P<fd>\d+)|/proc/(?P<pid>self|thread-self|\d+)/fd/'
+                         r'(?P<pfd>\d+)')
 
 
 def output_path(path: str) -> str:
@@ -210,11 +211,7 @@ def _stream_kind(path: str) -> Optional[str]:
     mode = os.stat(path).st_mode
   except OSError:
     return None
-  if stat.S_ISFIFO(mode):
-    return 'a FIFO (named pipe)'
-  if stat.S_ISCHR(mode):
-    return 'a character device'
-  return None
+  return kind_of(mode) if stat.S_ISFIFO(mode) or stat.S_ISCHR(mode) else None
 
 
 def is_stream(path: str) -> bool:
@@ -247,8 +244,8 @@ def check_output(path: str, what: str, *, force: bool = False, inputs: Sequence[
   if st is not None:
     if not stat.S_ISREG(st.st_mode):
       hint = '; give a file name' if stat.S_ISDIR(st.st_mode) else ''
-      raise UserError(f'{what} {shown} is {kind_of(st.st_mode)}{hint}. paxcli writes regular files (or into a FIFO or a '
-                      'character device such as /dev/null), nothing else.')
+      raise UserError(f'{what} {shown} is {kind_of(st.st_mode)}{hint}. paxcli writes regular files (or into a '
+                      'FIFO or a character device such as /dev/null), nothing else.')
     if not force:
       raise UserError(f'{what} {shown} exists; pass --force to replace it, or give another path.')
   _check_directory_writable(path, what)
@@ -324,10 +321,11 @@ def _write_into(path: str, data: bytes) -> None:
 
 
 def _own_descriptor(path: str) -> Optional[int]:
-  m = re.fullmatch(r'/dev/(stdout|stderr|fd/(\d+))|/proc/(self|thread-self|\d+)/fd/(\d+)', os.path.abspath(path))
-  if not m or (m.group(3) and m.group(3).isdigit() and int(m.group(3)) != os.getpid()):
+  """The descriptor of this process that `path` names (/dev/stdout: 1), or None (another process's)."""
+  m = _DESCRIPTOR.fullmatch(os.path.abspath(path))
+  if not m or m['pid'] not in (None, 'self', 'thread-self', str(os.getpid())):
     return None
-  fd = {'stdout': 1, 'stderr': 2}.get(m.group(1)) if m.group(1) in ('stdout', 'stderr') else int(m.group(2) or m.group(4))
+  fd = {'stdout': 1, 'stderr': 2}[m['std']] if m['std'] else int(m['fd'] or m['pfd'])
   try:
     os.fstat(fd)
   except OSError:
