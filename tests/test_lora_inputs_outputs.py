@@ -125,14 +125,20 @@ def _refused(code, err, *phrases):
     assert phrase in text, (phrase, err)
 
 
-@pytest.mark.parametrize('field', sorted(VARIANTS))
+# Three in the default suite (one of each kind: which layers, how the update is formed, which modules);
+# every field in the slow one.
+DEFAULT_SUITE = ('layers_to_transform', 'use_dora', 'target_modules')
+
+
+@pytest.mark.parametrize('field', [f if f in DEFAULT_SUITE else pytest.param(f, marks=pytest.mark.slow)
+                                   for f in sorted(VARIANTS)])
 def test_a_peft_setting_paxcli_does_not_compute_is_refused_by_name(field, runs, adapters, capsys):
   code, out, err, job = _train_with(runs, adapters[field], capsys)
   _refused(code, err, 'adapter_config.json: ' + field)
   assert not os.path.exists(os.path.join(job, 'checkpoints', '1'))
 
 
-def test_a_plain_peft_adapter_loads_as_peft_saved_it(runs, adapters, capsys):
+def test_a_plain_peft_adapter_loads_as_peft_saved_it(runs, adapters):
   """The adapters PEFT saved are the run's first adapters, value for value (A and B transposed)."""
   from safetensors.numpy import load_file
 
@@ -145,6 +151,12 @@ def test_a_plain_peft_adapter_loads_as_peft_saved_it(runs, adapters, capsys):
   got = lora.read_peft(adapters['plain'], setup.model, setup.abstract_state['params'])
   a = got['layer_1']['attention']['query_lora_a']   # [D, r]
   np.testing.assert_array_equal(a.reshape(-1, 4).T, saved['base_model.model.model.layers.1.self_attn.q_proj.lora_A.weight'])
+  b = got['layer_0']['mlp']['wo_lora_b']   # [r, D]
+  np.testing.assert_array_equal(b.T, saved['base_model.model.model.layers.0.mlp.down_proj.lora_B.weight'])
+
+
+@pytest.mark.slow
+def test_a_plain_peft_adapter_trains_from_the_cli(runs, adapters, capsys):
   code, out, err, _ = _train_with(runs, adapters['plain'], capsys)
   assert code == 0 and 'LoRA adapters from' in out + err, err[-3000:]
 

@@ -99,3 +99,16 @@ def test_a_doubling_maxtext_script_stops_at_the_line_past_the_bound(tmp_path, ca
   code, _, err = pax_main(['import-maxtext', script, '-o', str(tmp_path / 'r.py')], capsys)
   _one_line(code, err, f'{script}: line 6: reading the script ran over 100,000 commands')
   assert sorted(os.listdir(tmp_path)) == ['doubling.sh', 'loops.sh']
+
+
+@pytest.mark.slow
+def test_a_70b_model_still_compiles_for_a_fake_mesh(capsys):
+  """`pax bench mfu --compile-only` builds no state: the bound on what a device holds is no bar to
+  planning a 70B run on eight fake CPU devices (it reports that the step does not fit them)."""
+  code, out, err = pax_main(['bench', 'mfu', '--exp', 'lm_cloud.LmCloudSpmdTest', *_sets(LLAMA_70B),
+                             '--set', 'PERCORE_BATCH_SIZE=1', '--set', 'ICI_MESH_SHAPE=[1,8,1]', '--compile-only',
+                             '--num-devices', '8', '--json'], capsys)
+  assert code == 0, err[-3000:]
+  import json
+  row = json.loads(out)[0]
+  assert row['status'] in ('compiled', 'does not fit') and row['params'] > 4e10, row
