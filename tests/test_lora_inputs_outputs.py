@@ -125,13 +125,7 @@ def _refused(code, err, *phrases):
     assert phrase in text, (phrase, err)
 
 
-# Three in the default suite (one of each kind: which layers, how the update is formed, which modules);
-# every field in the slow one.
-DEFAULT_SUITE = ('layers_to_transform', 'use_dora', 'target_modules')
-
-
-@pytest.mark.parametrize('field', [f if f in DEFAULT_SUITE else pytest.param(f, marks=pytest.mark.slow)
-                                   for f in sorted(VARIANTS)])
+@pytest.mark.parametrize('field', sorted(VARIANTS))
 def test_a_peft_setting_paxcli_does_not_compute_is_refused_by_name(field, runs, adapters, capsys):
   code, out, err, job = _train_with(runs, adapters[field], capsys)
   _refused(code, err, 'adapter_config.json: ' + field)
@@ -155,7 +149,6 @@ def test_a_plain_peft_adapter_loads_as_peft_saved_it(runs, adapters):
   np.testing.assert_array_equal(b.T, saved['base_model.model.model.layers.0.mlp.down_proj.lora_B.weight'])
 
 
-@pytest.mark.slow
 def test_a_plain_peft_adapter_trains_from_the_cli(runs, adapters, capsys):
   code, out, err, _ = _train_with(runs, adapters['plain'], capsys)
   assert code == 0 and 'LoRA adapters from' in out + err, err[-3000:]
@@ -204,7 +197,6 @@ def test_a_nested_adapter_config_is_one_line(runs, adapters, tmp_path, capsys):
   _refused(code, err, 'adapter_config.json', 'nested too deeply')
 
 
-@pytest.mark.slow
 def test_an_adapter_config_that_is_a_fifo_is_one_line_not_a_hang(runs, adapters, tmp_path):
   work, base, _ = runs
   path = _edited_copy(adapters, tmp_path)
