@@ -30,8 +30,9 @@ import numpy as np
 import sentencepiece as spm
 import tokenizers as hf_tokenizers
 
+from paxcli import files
 from paxcli.errors import UserError
-from paxcli.files import atomic_write, check_regular_file, read_text
+from paxcli.files import check_regular_file, read_text
 
 # The special tokens of common tokenizer.json files, most usual first: the first one present
 # in a file's vocabulary is its end-of-text (or padding, beginning) token.
@@ -367,8 +368,8 @@ def train_sentencepiece(texts: Iterable[str], vocab_size: int, output: str, max_
       raise UserError(f'Training the tokenizer failed: {e}') from None
   if failures:  # bad input met while sentencepiece read the text: the one line that names it
     raise failures[0]
-  atomic_write(output, model.getvalue())
-  return SentencePieceTokenizer(output).vocab_size
+  files.write_output(output, model.getvalue(), 'the tokenizer')  # /dev/null or a FIFO: written into
+  return int(spm.SentencePieceProcessor(model_proto=model.getvalue()).get_piece_size())
 
 
 def _stop_on_user_error(lines: Iterator[str], failures: list) -> Iterator[str]:

@@ -326,6 +326,7 @@ def _restore_step(setup, job_dir: str, step: int, params_only: bool, flat_now: O
   abstract = engine.saved_state(setup, setup.abstract_state) if with_base else setup.abstract_state
   check_shapes(meta, engine.shape_signature(abstract), flat_now or {}, step, params_only or not has_opt, action)
   base = checked_base(setup, meta) if with_base else None   # a wrong base refuses before any array is read
+  engine.check_fits(setup, params_only=params_only or not has_opt)
   wanted = {k: v for k, v in abstract.items() if k != 'opt_state' or (has_opt and not params_only)}
   restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding, global_shape=a.shape,
                                                              dtype=a.dtype), wanted)

@@ -485,6 +485,7 @@ def train(resolved, job_dir: str, console, verbose: bool = False, profile_steps=
   applied before this, by the command's `api.open_run`, ahead of JAX's backend start.
   """
   platform.check_supported(resolved.experiment)  # refusals first: a refused run leaves no job directory
+  engine.validate(resolved)                       # the settings, as `pax describe` checks them
   profiling.check_pgle(pgle, pgle_profile)
   joblock.check_writable(job_dir)  # makes the directory
   lock = joblock.lock_run(job_dir, _printer(console) if jax.process_index() == 0 else _silent)
@@ -503,6 +504,7 @@ def _train(resolved, job_dir: str, console, verbose: bool = False, profile_steps
 
   # ---- Mesh, model, state shapes ------------------------------------------------------------------
   setup = engine.build(resolved)
+  engine.check_fits(setup)   # a state no device can hold is one line before any input is read
   train_cfg, total = setup.train, setup.train.num_train_steps
   track.check_installed(train_cfg.trackers.names)  # before anything is compiled
   base = restore.base_ref(train_cfg.init_from) if train_cfg.init_from else None
@@ -649,13 +651,15 @@ class Start:
 
 def _fresh_state(setup, base: Optional[restore.BaseRef], seed: int, log) -> dict:
   """A new train state: initialised from the seed, then the base's params where INIT_FROM names one."""
+  lora_init = getattr(setup.train, 'lora_init', None)
+  if lora_init and engine.has_frozen(setup):
+    convert_lora.check_peft(lora_init, setup.model)   # a wrong adapter is one line before any state is made
   state = engine.init_state(setup, seed)
   if base is None:
     return state
   log(f'Starting from the weights of {base.describe()} (INIT_FROM)'
       + ('; they stay frozen and LoRA adapters train.' if engine.has_frozen(setup) else '; fresh optimizer state.'))
   state = restore.start_from_base(setup, state, base)
-  lora_init = getattr(setup.train, 'lora_init', None)
   if lora_init and engine.has_frozen(setup):
     adapters = convert_lora.read_peft(lora_init, setup.model, setup.abstract_state['params'])
     shardings = engine.split_trainable(setup.model, setup.state_shardings['params'])[0]
