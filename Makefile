@@ -13,8 +13,8 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
-$(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet -e '.[test]'
+$(STAMP): pyproject.toml $(CONSTRAINTS) | $(BIN)/python
+	$(BIN)/python -m pip install --quiet $(PIN) -e '.[test]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -36,6 +36,26 @@ test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m 'slow and not alone' $(ARGS) $(NONE_COLLECTED_OK)
 	$(BIN)/python -m pytest -q -m 'slow and alone' $(ARGS) $(NONE_COLLECTED_OK)
 
+# The docs site into site/ (mkdocs.yml; the knob and command pages are written from the code).
+docs: $(STAMP)
+	$(BIN)/python -m mkdocs build --strict
+
+# The lock from .venv: what it has installed for paxcli[test,docs]. After a dependency is added to
+# pyproject.toml this installs it (the locked versions stay) and writes it into the lock.
+lock: $(STAMP)
+	$(BIN)/python -m pip install --quiet $(PIN) -e '.[test,docs]'
+	$(BIN)/python tools/lock.py --write
+
+# The newest releases pyproject.toml allows, in a venv of their own; the default suite on them,
+# and the lock rewritten from that venv only if it passes (then `make` reinstalls .venv from it).
+upgrade:
+	rm -rf $(UPGRADE)
+	$(PYTHON) -m venv $(UPGRADE)
+	$(UPGRADE)/bin/python -m pip install --quiet --upgrade pip
+	$(UPGRADE)/bin/python -m pip install --quiet --upgrade -e '.[test,docs]'
+	$(UPGRADE)/bin/python -m pytest -q -n 2 --dist loadfile
+	$(UPGRADE)/bin/python tools/lock.py --write
+
 bench: $(STAMP)
 	$(BIN)/python benchmarks/train_step.py
 	$(BIN)/python benchmarks/infeed.py
@@ -46,4 +66,4 @@ bench-gpu: $(STAMP)
 	$(BIN)/python benchmarks/gpu.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info
+	rm -rf $(VENV) $(UPGRADE) build site *.egg-info src/*.egg-info
