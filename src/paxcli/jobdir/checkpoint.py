@@ -31,6 +31,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from paxcli.errors import UserError
+from paxcli.jobdir import format as job_format
 from paxcli.jobdir import layout
 
 _MARKERS = ('commit_success.txt', '_CHECKPOINT_METADATA')
@@ -254,6 +255,7 @@ class Checkpointer:
     self._finish()  # the previous save: its errors surface here
     self._rotate()
     self._in_flight = self.latest_saved = step
+    meta = job_format.stamp(meta)
     items = dict(state=ocp.args.StandardSave(state, save_args=save_args(state)), meta=ocp.args.JsonSave(meta))
     if input_state is not None:
       items[layout.INPUT] = grain.checkpoint.CheckpointSave(_Saved(input_state))
