@@ -172,7 +172,6 @@ def _cell(text: str) -> str:
 
 
 def commands_page() -> str:
-  import click
   import typer
   from paxcli.cli.app import app
   root = typer.main.get_command(app)
@@ -180,7 +179,7 @@ def commands_page() -> str:
            'Every `pax` command, written from the command-line app when the site is built (`pax COMMAND '
            '--help` prints the same). Each is also a function of `paxcli`: see the '
            '[Python API](api.md).', '']
-  context = click.Context(root, info_name='pax')
+  context = root.context_class(root, info_name='pax')
   for name, command in _walk(root, context):
     lines += _command_section(name, command)
   return '\n'.join(lines) + '\n'
@@ -188,21 +187,19 @@ def commands_page() -> str:
 
 def _walk(group, context):
   """(full name, command) for every leaf command under `group`, in the order `pax --help` lists them."""
-  import click
   for name in group.list_commands(context):
     command = group.get_command(context, name)
     if command is None or command.hidden:
       continue
-    sub = click.Context(command, info_name=name, parent=context)
-    if isinstance(command, click.Group):
+    sub = command.context_class(command, info_name=name, parent=context)
+    if hasattr(command, 'list_commands'):  # a group (Typer's own click: no isinstance against click's classes)
       yield from _walk(command, sub)
     else:
       yield sub.command_path, command
 
 
 def _command_section(name: str, command) -> list[str]:
-  import click
-  context = click.Context(command, info_name=name)
+  context = command.context_class(command, info_name=name)
   usage = ' '.join([name, *command.collect_usage_pieces(context)])
   out = [f'## `{name}`', '', f'```text\n{usage}\n```', '']
   if command.help:
@@ -231,15 +228,14 @@ def _help_text(text: str) -> str:
 
 def _param_row(param, context) -> str:
   """One row, as `pax COMMAND --help` words it: the option's names and value, its help with default and range."""
-  import click
-  if isinstance(param, click.Argument):
+  if param.param_type_name == 'argument':
     names = ' '.join(param.get_usage_pieces(context))
     what = getattr(param, 'help', '') or ''
     if not param.required:
       what = (what + ' (optional)').strip()
   else:
     names, what = param.get_help_record(context) or ('', '')
-  return f'| `{_cell(names)}` | {_cell(what)} |'
+  return f"| `{' '.join(names.split())}` | {_cell(what)} |"
 
 
 # ---- changelog --------------------------------------------------------------------------------
