@@ -10,6 +10,7 @@ import json
 import os
 import re
 import shlex
+import sys
 
 import pytest
 import typer
@@ -32,7 +33,19 @@ def _split(line):
   """The words of each command on a line; shorthand the docs used for 'and so on' is dropped:
   `[--optional ...]` parts, a bare `...`, and `a; b` is two commands."""
   parts = [re.sub(r'(?<=\s)\.\.\.(?=\s|$)', '', re.sub(r'\[[^\]]*\]', '', part)) for part in line.split('; ')]
-  return [shlex.split(part) for part in parts]
+  return [_first_command(part) for part in parts]
+
+
+def _first_command(text):
+  """The words of the command a shell line starts with: up to a pipe, `||`, `&&` or a redirection."""
+  lexer = shlex.shlex(text, posix=True, punctuation_chars=True)
+  lexer.whitespace_split = True
+  words = []
+  for word in lexer:
+    if word and set(word) <= set('();<>|&'):
+      break
+    words.append(word)
+  return words
 
 
 def _argv(words):
@@ -76,6 +89,28 @@ def _check(bad, line, argv):
     pass  # --help, --version
   except CLICK.ClickException as e:
     bad.append(f'{line}\n  -> {e.format_message()}')
+
+
+def _doc_commands(page):
+  """(line, words) of each `pax` command in a Markdown page's bash blocks (record.py's reading)."""
+  sys.path.insert(0, str(REPO / 'tests' / 'fixtures' / 'recorded'))
+  from record import commands
+  return [(line, words) for line in commands(page.read_text()) for words in _split(line)]
+
+
+DOCS = [REPO / 'README.md', *sorted((REPO / 'docs').rglob('*.md'))]
+
+
+def test_the_commands_of_todays_docs_parse():
+  bad = []
+  for page in DOCS:
+    for line, words in _doc_commands(page):
+      argv = _argv(words)
+      if argv and argv[0] == 'launch':
+        argv, inner = argv[:argv.index('--')], argv[argv.index('--') + 1:]
+        _check(bad, f'{page.name}: {line}', inner)
+      _check(bad, f'{page.name}: {line}', argv)
+  assert not bad, '\n'.join(bad)
 
 
 TINY = ['--set', 'MODEL_DIMS=16', '--set', 'HIDDEN_DIMS=32', '--set', 'NUM_HEADS=2', '--set', 'DIMS_PER_HEAD=8',
