@@ -14,7 +14,6 @@ shows by default: users, not only developers, need to see it.
 from __future__ import annotations
 
 import importlib
-import importlib.abc
 import importlib.machinery
 import sys
 import warnings
@@ -61,8 +60,9 @@ def new_option(arg: str) -> str:
   return arg
 
 
-class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-  """Finds an old module name and hands back the new module object (one module, two names)."""
+class _Alias:
+  """Finds an old module name and hands back the new module object (one module, two names): a
+  meta path finder and its loader (the protocols, without importlib.abc: `pax --help` stays quick)."""
 
   def __init__(self):
     self._specs = {}  # target module name -> its own spec
