@@ -1,13 +1,20 @@
 # Two commands for a fresh machine:
 #   make train   creates .venv, installs paxcli, trains the built-in default experiment
 #   make test    creates .venv, installs paxcli with test extras, runs the default test suite
-#   (make test-slow runs the tests marked slow; CI, .ci/run, runs both)
+#   (make test-slow runs the tests marked slow; CI, .ci/run, runs both; make docs builds the site)
+# Installs take the versions in constraints.txt, the lock the suite passed with:
+#   make lock      rewrites the lock from .venv, keeping its versions and adding new dependencies
+#   make upgrade   the newest releases pyproject.toml allows, in .venv-upgrade; the lock only if the suite passes
+#   make install CONSTRAINTS=    installs without the lock
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.paxcli-installed
+CONSTRAINTS ?= constraints.txt
+PIN    := $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
+UPGRADE := .venv-upgrade
 
-.PHONY: install train test test-slow bench bench-gpu clean
+.PHONY: install train test test-slow docs lock upgrade bench bench-gpu clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
