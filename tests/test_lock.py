@@ -20,7 +20,8 @@ def test_the_lock_pins_what_is_installed():
   missing = sorted(set(installed) - set(locked))
   assert not missing, f'not in constraints.txt: {missing}; run `make lock` after adding a dependency'
   differ = {k: (locked[k], v) for k, v in installed.items() if locked[k] != v}
-  assert not differ, f'installed versions differ from the lock (locked, installed): {differ}; `make` reinstalls'
+  assert not differ, (f'installed versions differ from the lock (locked, installed): {differ}; `make install` '
+                      'installs the locked ones, `make lock` (then the suite) locks the installed ones')
   assert locked['torch'] == '2.13.0'   # the CPU wheel's version without its +cpu: pip takes the CPU wheel
 
 
