@@ -7,10 +7,15 @@ They are looked up on first use, so `import paxcli` (and `pax --help`) loads non
 
 import importlib
 
-__version__ = '0.1.0'
+from paxcli import compat
+
+__version__ = '0.2.0'
 
 _API = ('train', 'evaluate', 'decode', 'score', 'lm_eval', 'describe', 'bench_mfu', 'inspect_input', 'inspect_checkpoint',
         'convert_checkpoint', 'import_maxtext')
+
+
+compat.install()  # old module names (paxcli.lm) keep working, with a warning
 
 
 def __getattr__(name: str):

@@ -27,6 +27,7 @@ from paxcli import files
 from paxcli.convert import core, safetensors_io
 from paxcli.errors import UserError, shorten
 from paxcli.jobdir import checkpoint as ckpt
+from paxcli.jobdir import format as job_format
 from paxcli.jobdir import layout, restore
 from paxcli.layers import lora
 from paxcli.runtime import engine
@@ -75,6 +76,7 @@ def merge_run(src, tmp: str, exp: Optional[str], overrides: list, verify: bool, 
   checkpointer.close()
   with open(layout.config(tmp), 'w', encoding='utf-8') as f:
     f.write(plain.as_text())
+  job_format.write_job(tmp)
   core.carry_tokenizer(src, tmp)   # so that it decodes text, and --to hf ships the tokenizer
   log(f'Merged the adapters (scale {_scale(model):g}) into the base {restore.BaseRef(**src.meta["base"]).describe()}.')
   return result

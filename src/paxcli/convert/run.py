@@ -18,6 +18,7 @@ from paxcli import files, gencode
 from paxcli.convert import core, formats, hf, hf_tokenizer, lora, orbax_io, safetensors_io
 from paxcli.errors import UserError
 from paxcli.inputs import tokenizers
+from paxcli.jobdir import format as job_format
 from paxcli.jobdir import layout, storage
 from paxcli.runtime import platform
 
@@ -229,6 +230,7 @@ def _write_orbax(tmp: str, src, items, target, params_only: bool, read, advance)
   orbax_io.write_step(tmp, src.step, _meta(src, target, params_only), fill)
   with open(layout.config(tmp), 'w', encoding='utf-8') as f:
     f.write(target.resolved.as_text())
+  job_format.write_job(tmp)
 
 
 def _write_safetensors(tmp, src, items, target_res, read, advance, max_shard_bytes) -> None:

@@ -33,6 +33,7 @@ from paxcli.convert import lora as convert_lora
 from paxcli.errors import UserError
 from paxcli.inputs import grain_input
 from paxcli.jobdir import checkpoint as ckpt
+from paxcli.jobdir import format as job_format
 from paxcli.jobdir import invocation
 from paxcli.jobdir import layout
 from paxcli.jobdir import lock as joblock
@@ -519,8 +520,10 @@ def _train(resolved, job_dir: str, console, verbose: bool = False, profile_steps
   tokenizer.check_kept(train_input, job_dir)
 
   # ---- Job directory: resume or start -------------------------------------------------------------
+  job_format.check_job(job_dir)   # a newer paxcli's job directory is refused before anything is written
   if is_main:
     invocation.record(job_dir)
+    job_format.write_job(job_dir)
   ckpt.set_aside_unfinished(layout.checkpoints(job_dir), log=log)
   distributed.barrier('paxcli:unfinished-checkpoints-set-aside')  # all processes then see the same steps
   checkpointer = ckpt.Checkpointer(layout.checkpoints(job_dir), train_cfg.save_max_to_keep,
