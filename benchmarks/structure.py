@@ -37,7 +37,8 @@ LAYERS = {
 # Names of a job directory's entries (see paxcli/jobdir/layout.py). Distinctive ones count wherever
 # they appear as a string; common words only as a path part (see path_parts).
 JOBDIR_FILE_NAMES = ('checkpoints_damaged', 'checkpoints_unfinished', 'decoder_out', 'train.lock', 'spm.model',
-                     'train_metrics.jsonl', 'eval_metrics.jsonl', 'eval_done.jsonl', 'config.txt', 'invocations.txt')
+                     'train_metrics.jsonl', 'eval_metrics.jsonl', 'eval_done.jsonl', 'config.txt', 'invocations.txt',
+                     'format.json')
 JOBDIR_WORDS = ('checkpoints', 'summaries', 'tokenizer', 'profile', 'state', 'meta', 'metadata')
 JOBDIR_MODULE = 'paxcli.jobdir.layout'
 # Modules whose path words name another program's layout, not a paxcli job directory.

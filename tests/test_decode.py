@@ -235,7 +235,7 @@ def test_cli_errors(tmp_path, capsys, args, message):
 
 @pytest.mark.parametrize('content, message', [
     ('', 'is empty'),
-    ('{"prompt_ids": [1]}\n{"prompt_ids": [1, \n', 'line 2 is not valid JSON'),
+    ('{"prompt_ids": [1]}\n{"prompt_ids": [1, \n', 'line 2: not valid JSON'),
     ('{"text": "x"}\n', 'line 1: expected an object with "prompt" or "prompt_ids"'),
 ])
 def test_cli_prompt_file_errors(tmp_path, capsys, content, message):

@@ -168,7 +168,7 @@ def test_a_checkpoint_scores_the_same_on_a_two_device_tensor_parallel_mesh_as_on
 
 @pytest.mark.parametrize('content, message', [
     ('', 'is empty'),
-    ('{"context": "a", "continuation": "b"}\n{"context": "a", \n', 'line 2 is not valid JSON'),
+    ('{"context": "a", "continuation": "b"}\n{"context": "a", \n', 'line 2: not valid JSON'),
     ('[1, 2]\n', 'line 1: expected a JSON object'),
     ('{"prompt": "x"}\n', 'line 1: a request has'),
     ('{"context": "a", "continuation": "b", "text": "c"}\n', 'fields of several forms'),

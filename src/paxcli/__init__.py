@@ -1,16 +1,21 @@
 """paxcli: Pax-style machine-learning experiments on JAX.
 
 Every `pax` command is a function here too (paxcli.api): paxcli.train, evaluate, decode,
-score, describe, bench_mfu, inspect_input, inspect_checkpoint, convert_checkpoint, import_maxtext.
+score, lm_eval, describe, bench_mfu, inspect_input, inspect_checkpoint, convert_checkpoint, import_maxtext.
 They are looked up on first use, so `import paxcli` (and `pax --help`) loads none of them.
 """
 
 import importlib
 
-__version__ = '0.1.0'
+from paxcli import compat
 
-_API = ('train', 'evaluate', 'decode', 'score', 'describe', 'bench_mfu', 'inspect_input', 'inspect_checkpoint',
+__version__ = '0.2.0'
+
+_API = ('train', 'evaluate', 'decode', 'score', 'lm_eval', 'describe', 'bench_mfu', 'inspect_input', 'inspect_checkpoint',
         'convert_checkpoint', 'import_maxtext')
+
+
+compat.install()  # old module names (paxcli.lm) keep working, with a warning
 
 
 def __getattr__(name: str):

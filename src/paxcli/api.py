@@ -5,6 +5,7 @@
     metrics = paxcli.evaluate('default.StdlibDocsLm', job_dir='runs/docs')
     records = paxcli.decode('default.StdlibDocsLm', job_dir='runs/docs', prompt=['def parse('])
     scores = paxcli.score('requests.jsonl', 'default.StdlibDocsLm', job_dir='runs/docs')
+    results = paxcli.lm_eval(['hellaswag'], 'default.StdlibDocsLm', job_dir='runs/docs')
 
 Arguments are named as the command-line options, in snake_case (`--max-decode-steps` is
 `max_decode_steps`; `--set` is `overrides`, a list of KEY=VALUE strings), with two names
@@ -28,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import glob
+import importlib.util
 import logging
 import os
 import re
@@ -39,7 +41,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence
 from rich.console import Console
 from rich.markup import escape
 
-from paxcli import experiment
+from paxcli import experiment, files
 from paxcli.errors import UserError
 from paxcli.jobdir import invocation, layout, storage
 from paxcli.maxtext import recipe as maxtext_recipe
@@ -188,6 +190,28 @@ def path_arg(path: Optional[str], option: str) -> Optional[str]:
   return layout.absolute(path, option)
 
 
+def output_arg(path: Optional[str], option: str, buckets: bool = False) -> Optional[str]:
+  """A file the user names for a command to write (None stays None): as path_arg, except that a FIFO,
+  a character device or /dev/stdout keeps its name, to be written into (files.output_path). A bucket
+  path (gs://) only where the command writes there (`buckets`)."""
+  if path is None:
+    return None
+  if not path:
+    raise UserError(f'{option} is empty; give a path.')
+  if not storage.is_local(path):
+    if not buckets:
+      raise UserError(f'{option} {path}: this file is written on this machine; give a local path.')
+    return layout.absolute(path, option)
+  return files.output_path(path)
+
+
+def _check_output(output: Optional[str], force: bool, inputs: Sequence[Optional[str]]) -> None:
+  """Before start-up: an --output that cannot take the results is one line now, not after the work."""
+  if output:
+    from paxcli.loops.decode.output import check_output  # no JAX
+    check_output(output, force, inputs=[p for p in inputs if p])
+
+
 def positive_finite(value: Optional[float], option: str, unit: str) -> Optional[float]:
   """`value` of a numeric option, or one line: NaN, infinity, zero and negatives are refused."""
   if value is not None and not (value > 0 and value != float('inf')):  # NaN fails `> 0`
@@ -309,7 +333,7 @@ def decode(exp: Optional[str] = None, *, overrides: Sequence[str] = (), job_dir:
            batch_size: int = 0, step: Optional[int] = None, no_checkpoint: bool = False,
            dtype: Optional[str] = None, output: Optional[str] = None, coordinator: Optional[str] = None,
            num_processes: Optional[int] = None, process_id: Optional[int] = None, console=None,
-           progress=None) -> list[dict]:
+           progress=None, force: bool = False) -> list[dict]:
   """`pax decode`: one record per prompt and sample (prompt, decoded text and ids, logprobs, stop
   reason), also written as JSONL to `output` (default: under <job_dir>/decoder_out/), as `pax decode`
   writes them. prompt_ids: prompts as token ids, '12,15,18'. The list returned also carries
@@ -330,7 +354,8 @@ def decode(exp: Optional[str] = None, *, overrides: Sequence[str] = (), job_dir:
     raise UserError(f'--dtype must be one of {", ".join(DECODE_DTYPES)}; got {dtype!r}.')
   if not (prompt or prompts_file or prompt_ids or dataset):
     raise UserError('No prompts: give --prompt TEXT, --prompts-file FILE, --prompt-ids 1,2,3 or --dataset NAME.')
-  prompts_file, output = path_arg(prompts_file, '--prompts-file'), path_arg(output, '--output')
+  prompts_file, output = path_arg(prompts_file, '--prompts-file'), output_arg(output, '--output', buckets=True)
+  _check_output(output, force, [prompts_file])
   log = _printer(_console(console))
   run = open_run(exp, overrides, job_dir, coordinator=coordinator, num_processes=num_processes,
                  process_id=process_id, log=log)
@@ -338,14 +363,15 @@ def decode(exp: Optional[str] = None, *, overrides: Sequence[str] = (), job_dir:
   with _naming_the_job(run):
     return command.decode(run.resolved, run.job_dir, opts, texts=list(prompt), prompts_file=prompts_file,
                           prompt_ids=list(prompt_ids), dataset=dataset, num_prompts=num_prompts, step=step,
-                          use_checkpoint=not no_checkpoint, dtype=dtype, output=output, log=log, progress=progress)
+                          use_checkpoint=not no_checkpoint, dtype=dtype, output=output, log=log, progress=progress,
+                          force=force)
 
 
 def score(requests_file: str, exp: Optional[str] = None, *, overrides: Sequence[str] = (),
           job_dir: Optional[str] = None, batch_size: int = 0, step: Optional[int] = None,
           no_checkpoint: bool = False, dtype: Optional[str] = None, output: Optional[str] = None,
           coordinator: Optional[str] = None, num_processes: Optional[int] = None,
-          process_id: Optional[int] = None, console=None, progress=None) -> list[dict]:
+          process_id: Optional[int] = None, console=None, progress=None, force: bool = False) -> list[dict]:
   """`pax score`: the log-likelihood of each request of a JSONL file (context and continuation, their
   ids, or a whole text), one record per request in file order: its own fields with `logprob`,
   `is_greedy`, `num_tokens`, `token_logprobs`, `line`, `truncated`; also written as JSONL to `output`
@@ -357,7 +383,8 @@ def score(requests_file: str, exp: Optional[str] = None, *, overrides: Sequence[
     raise UserError(f'--batch-size must be at least 0 (0: automatic), got {batch_size}.')
   if step is not None and no_checkpoint:
     raise UserError('--step N picks a checkpoint; --no-checkpoint scores fresh weights. Give one of them.')
-  requests_file, output = path_arg(requests_file, 'REQUESTS'), path_arg(output, '--output')
+  requests_file, output = path_arg(requests_file, 'REQUESTS'), output_arg(output, '--output', buckets=True)
+  _check_output(output, force, [requests_file])
   from paxcli.loops.score import requests  # no JAX: a bad file is one line before start-up
   read = requests.read_requests(requests_file)
   log = _printer(_console(console))
@@ -367,7 +394,47 @@ def score(requests_file: str, exp: Optional[str] = None, *, overrides: Sequence[
   with _naming_the_job(run):
     return command.score(run.resolved, run.job_dir, read, requests_file, step=step,
                          use_checkpoint=not no_checkpoint, dtype=dtype, batch_size=batch_size, output=output,
-                         log=log, progress=progress)
+                         log=log, progress=progress, force=force)
+
+
+def lm_eval(tasks: Sequence[str], exp: Optional[str] = None, *, overrides: Sequence[str] = (),
+            job_dir: Optional[str] = None, include_path: Sequence[str] = (), num_fewshot: Optional[int] = None,
+            limit: Optional[float] = None, batch_size: int = 0, step: Optional[int] = None,
+            dtype: Optional[str] = None, gen_kwargs: Optional[str] = None, log_samples: bool = False, seed: int = 0,
+            output: Optional[str] = None, coordinator: Optional[str] = None, num_processes: Optional[int] = None,
+            process_id: Optional[int] = None, console=None, progress=None) -> dict:
+  """`pax lm-eval`: lm-evaluation-harness' own evaluator (`simple_evaluate`) on `tasks` (names, groups,
+  tags, patterns or task YAML paths; include_path adds task directories) with checkpoint `step` of
+  `job_dir` (default the latest): the harness' results dict, also written as JSON to `output` (default
+  <job_dir>/lm_eval/results_step<k>_<n>.json). The dict returned also carries `.tables` (the harness'
+  printed tables), `.path` and `.stats` (requests, seconds, requests_per_sec). progress: a factory
+  `progress(label, total)` of context managers yielding `advance(n)`, or None."""
+  if importlib.util.find_spec('lm_eval') is None:
+    raise UserError("pax lm-eval runs lm-evaluation-harness, which is not installed: pip install 'paxcli[eval]' "
+                    '(or pip install lm-eval).')
+  tasks = [t for t in tasks if t]
+  if not tasks:
+    raise UserError('Give the tasks to evaluate: --tasks hellaswag,arc_easy (`lm-eval ls tasks` lists them).')
+  if dtype is not None and dtype not in DECODE_DTYPES:
+    raise UserError(f'--dtype must be one of {", ".join(DECODE_DTYPES)}; got {dtype!r}.')
+  if batch_size < 0:
+    raise UserError(f'--batch-size must be at least 0 (0: automatic), got {batch_size}.')
+  if num_fewshot is not None and num_fewshot < 0:
+    raise UserError(f'--num-fewshot must be at least 0, got {num_fewshot}.')
+  if limit is not None and not (limit > 0 and limit != float('inf')):
+    raise UserError(f'--limit must be a positive number (documents per task, or a fraction below 1), got {limit}.')
+  include_path = [path_arg(p, '--include-path') for p in include_path]
+  tasks = [path_arg(t, '--tasks') if t.endswith(('.yaml', '.yml')) else t for t in tasks]
+  output = path_arg(output, '--output')
+  log = _printer(_console(console))
+  run = open_run(exp, overrides, job_dir, coordinator=coordinator, num_processes=num_processes,
+                 process_id=process_id, log=log)
+  from paxcli.loops.harness import command  # JAX and lm_eval
+  with _naming_the_job(run):
+    return command.lm_eval_run(run.resolved, run.job_dir, tasks, include_path=include_path,
+                               num_fewshot=num_fewshot, limit=limit, batch_size=batch_size, step=step, dtype=dtype,
+                               gen_kwargs=gen_kwargs, log_samples=log_samples, seed=seed, output=output, log=log,
+                               progress=progress)
 
 
 # ---- describe, bench, inputs -----------------------------------------------------------------
@@ -389,17 +456,18 @@ def bench_mfu(exp: Optional[str] = None, *, overrides: Sequence[str] = (), job_d
               steps: int = 10, warmup: int = 2, compile_only: bool = False, num_devices: Optional[int] = None,
               peak_tflops: Optional[float] = None, device_memory: Optional[str] = None,
               plot: Optional[str] = None, pgle: Optional[str] = None, pgle_profile: Optional[str] = None,
-              console=None) -> list[dict]:
+              console=None, force: bool = False) -> list[dict]:
   """`pax bench mfu`: one row per sweep combination (step time, tokens/s, TFLOP/s per device, MFU, HFU,
-  memory). sweep: 'KNOB=a,b,c' strings; plot: a PNG of the rows, written after they all ran. job_dir:
-  the experiment and --set overrides that job was trained with (`exp` and `overrides` on top)."""
+  memory). sweep: 'KNOB=a,b,c' strings; plot: a PNG of the rows, written after they all ran (over an
+  existing file only with force). job_dir: the experiment and --set overrides that job was trained with
+  (`exp` and `overrides` on top)."""
   from paxcli.convert.safetensors_io import parse_size
   from paxcli.loops import bench
-  plot, pgle_profile = path_arg(plot, '--plot'), path_arg(pgle_profile, '--pgle-profile')
+  plot, pgle_profile = output_arg(plot, '--plot'), path_arg(pgle_profile, '--pgle-profile')
   memory_bytes = parse_size(device_memory, '--device-memory') if device_memory is not None else None
   positive_finite(peak_tflops, '--peak-tflops', 'TFLOP/s per device')
   if plot:
-    bench.check_plot_path(plot)
+    bench.check_plot_path(plot, force)
   if num_devices:
     if num_devices > MAX_FAKE_DEVICES:
       raise UserError(f'--num-devices {num_devices:,} is more than {MAX_FAKE_DEVICES:,}, the most fake CPU devices '
@@ -601,6 +669,9 @@ def import_maxtext(script: str, args: Sequence[str] = (), *, output: Optional[st
   (UserError) unless lenient; with strict, such keys and mesh axes paxcli lacks write no recipe
   (translation.strict_warnings lists them).
   """
+  path = output_arg(output, '--output') or maxtext_recipe.default_output(script)
+  if not dry_run:  # before any reading: the recipe never replaces the script or a user's file unasked
+    files.check_output(path, 'the recipe', force=force, inputs=[script, base_config or '', model_config or ''])
   info = read_script(script, list(args))
   options = Options(era=maxtext_era, date=maxtext_date, base_config=base_config, model_config=model_config,
                     num_devices=num_devices, topology=topology, num_slices=num_slices)
@@ -611,7 +682,6 @@ def import_maxtext(script: str, args: Sequence[str] = (), *, output: Optional[st
                     f"would refuse the script: {'; '.join(result.unknown_keys)} No recipe written; fix the "
                     'key, or pass --lenient to translate without it.')
   name = maxtext_recipe.check_class_name(class_name or maxtext_recipe.default_class_name(script))
-  path = output or maxtext_recipe.default_output(script)
   write = not dry_run and not (strict and result.strict_warnings)
   if write:
     maxtext_recipe.write(result, name, path, force)

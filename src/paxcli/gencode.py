@@ -17,9 +17,12 @@ from __future__ import annotations
 import ast
 from typing import Any
 
+from paxcli.compat import MOVED_MODULES, new_module
 from paxcli.errors import UserError
 
 IMPORTS = {('paxcli.experiment', 'register'), ('paxcli.families.lm', 'LmExperiment')}
+# Recipes written before a module moved import it by its old name: still the generators' shape.
+IMPORTS |= {(old, name) for old in MOVED_MODULES for module, name in set(IMPORTS) if module == new_module(old)}
 BASES = ('LmExperiment',)
 
 

@@ -41,6 +41,8 @@ _HF_KNOBS = {'vocab_size': 'VOCAB_SIZE', 'hidden_size': 'MODEL_DIMS', 'intermedi
              'num_key_value_heads': 'NUM_KV_HEADS', 'head_dim': 'DIMS_PER_HEAD',
              'max_position_embeddings': 'MAX_SEQ_LEN', 'rms_norm_eps': 'NORM_EPSILON',
              'rope_theta': 'ROTARY_MAX_TIMESCALE'}
+# Bytes a token of the dummy batch paxcli's LM is traced on (ids and labels int32, weights float32).
+_LM_TOKEN_BYTES = 12
 # What every Llama sets the same way.
 _LLAMA_KNOBS = {'ACTIVATION': 'silu', 'USE_GATED_ACTIVATION': True, 'NORM_TYPE': 'rmsnorm', 'USE_BIAS': False,
                 'POSITION_EMBEDDING': 'rotary', 'USE_REPEATED_LAYER': False}
@@ -354,6 +356,10 @@ class HfSource(formats.SourceBase):
       problems = shape_problems({a.name: a for a in self.arrays()}, _model_of(knobs))
       if problems:
         raise UserError(f'{self.path}: the weights do not match its config.json:\n  ' + '\n  '.join(problems[:20]))
+      from paxcli.runtime import engine   # JAX: only once a model is to be built from the config
+      engine.check_sequence(knobs['MAX_SEQ_LEN'], _LM_TOKEN_BYTES, f'{self.path}/config.json: '
+                            f'max_position_embeddings {knobs["MAX_SEQ_LEN"]:,}', 'Set it in config.json to the '
+                            'length the model was trained on.')
       self._knobs = knobs
     return self._knobs
 

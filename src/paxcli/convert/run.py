@@ -18,6 +18,7 @@ from paxcli import files, gencode
 from paxcli.convert import core, formats, hf, hf_tokenizer, lora, orbax_io, safetensors_io
 from paxcli.errors import UserError
 from paxcli.inputs import tokenizers
+from paxcli.jobdir import format as job_format
 from paxcli.jobdir import invocation, layout, storage
 from paxcli.runtime import platform
 
@@ -64,6 +65,7 @@ def convert(source: str, output: str, *, fmt: Optional[str] = None, to: str = 'o
   out = core.Output(output, force, source)    # refuse an existing output before any work
   t0 = time.perf_counter()
   src = formats.open_source(source, fmt, step)
+  out.refuse_inputs(core.paths_read(src, overrides))   # a LoRA run's base, INIT_FROM, LORA_INIT
   if getattr(src, 'needs_experiment', None) and not exp:
     raise UserError(src.needs_experiment)
   overrides = list(overrides)
@@ -150,8 +152,8 @@ def _convert(src, out, source, output, fmt, to, exp, overrides, params_only, dty
     result['recipe'] = recipe_path
   param_bytes = sum(int(np.prod(x.shape, dtype=np.int64)) * 4 for n, x in target.abstract.items()
                     if n.startswith('params/'))
-  memory = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
-  if verify and 3 * param_bytes > memory:
+  memory = platform.host_memory_bytes() or 0
+  if verify and memory and 3 * param_bytes > memory:
     log(f'Not verifying: running both models needs about {3 * param_bytes / 2**30:.0f} GiB of host memory '
         f'({memory / 2**30:.0f} GiB here); the conversion itself streamed.')
     verify = False
@@ -241,6 +243,7 @@ def _write_orbax(tmp: str, src, items, target, params_only: bool, read, advance,
   orbax_io.write_step(tmp, src.step, _meta(src, target, params_only), fill)
   with open(layout.config(tmp), 'w', encoding='utf-8') as f:
     f.write(target.resolved.as_text())
+  job_format.write_job(tmp)
   invocation.record_made(tmp, made)
 
 
@@ -303,6 +306,11 @@ def _write_recipe(src, recipe: Optional[str], output: str, force: bool, log) -> 
   else:
     text = hf.recipe_text(class_name, dict(src.knobs()), src.path, getattr(getattr(src, 'hf', src), 'notes', []))
   gencode.check_shape(text, path)   # a bug of ours, never outside text, could fail this
+  # Read back as the job's experiment: a regular file, never a device, the source or a file in it.
+  files.check_output(path, 'the recipe', force=True, inputs=[src.path], streams=False)
+  if storage.inside(path, src.path):
+    raise UserError(f'The recipe {path} would be inside the source {src.path}; the source is never modified. '
+                    'Give --recipe another path.')
   if os.path.lexists(path) and not force:
     try:
       same = os.path.isfile(path) and not os.path.islink(path) and files_text(path) == text

@@ -111,6 +111,7 @@ class LmExperiment(TrainingExperiment):
     """Grain inputs over a prepared directory or a {directory: weight} mixture of them: the train
     split, and for eval EVAL_DATA (prepared too) or the directories' own eval splits; none when
     one of them has none."""
+    from paxcli.inputs import file_input
     from paxcli.inputs.grain_input import GrainLmInput  # grain: only for runs on prepared data
     if self.TOKENIZER:
       raise UserError(f'TOKENIZER is set, but {train} is prepared data: its ids come from its own tokenizer '
@@ -118,6 +119,9 @@ class LmExperiment(TrainingExperiment):
     if evals is not None and not _prepared_data(evals):
       raise UserError(f'TRAIN_DATA {train} is prepared data; EVAL_DATA must be a prepared directory too '
                       f'(`pax data prepare`), got {evals!r}.')
+    if evals is not None:  # ids of another tokenizer than the model trains on would evaluate nonsense
+      named = [(d, prepared.read_manifest(d)) for data in (train, evals) for d, _ in file_input.sources(data)]
+      prepared.check_one_tokenizer(named, 'TRAIN_DATA and EVAL_DATA')
     common = dict(seq_len=self.MAX_SEQ_LEN, vocab_size=self.VOCAB_SIZE, seed=self.RANDOM_SEED,
                   num_streams=self.DATA_STREAMS)
     inputs = [fdl.Config(GrainLmInput, name='train', is_training=True, data=train, split='train',

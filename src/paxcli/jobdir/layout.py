@@ -1,6 +1,7 @@
 """Every path inside a job directory, named in this one module.
 
   config.txt                the resolved config of the latest invocation
+  format.json               the newest format written into it (jobdir/format.py)
   recipe.py                 a generated recipe (knobs only) the job's experiment is read from, as data
   invocations.txt           one line per invocation: UTC time, paxcli version, command line
   experiment.jsonl          one JSON line per `pax train` start or resume: the experiment and its --set
@@ -20,14 +21,18 @@
   scores/                   `pax score`'s results: pax_score_step<k>_<n>.jsonl
   profile/                  jax.profiler traces (--profile-steps)
   eval_claims/<step>        in a bucket: the step a `pax eval --follow` is evaluating (a lease; jobdir/lock.py)
+  trackers/<name>.json      the W&B / MLflow run this job logs to (jobdir/trackers.py); a resume continues it
+  trackers/wandb/           W&B's own files of the run (offline runs wait here for `wandb sync`; for a job
+                            in a bucket, ./wandb on this machine)
+  lm_eval/                  `pax lm-eval`'s results: results_step<k>_<n>.json (+ ..._samples_<task>.jsonl)
 
 Every function takes the job directory as a command holds it: made absolute, symlinks resolved,
 by `absolute` once where the command starts (orbax refuses relative paths, and a path resolved
 once means the same thing in every process and after any change of directory). A job directory
 in a bucket (`gs://bucket/run1`) is kept as that URL, never resolved as a local path; storage.py
 reads and writes both kinds. The functions only join names: they neither resolve nor touch the
-file system, except `tokenizer`, `split`, `metrics_files` and `eval_paths`, which look at what
-the directory already holds.
+file system, except `tokenizer`, `split`, `metrics_files`, `eval_paths` and `first_unused`, which
+look at what the directory already holds.
 
 Plain functions of a `str`, not a `JobDir` object: the job directory travels through every
 command, loop and test as a string, and a path made here is the same string whoever asks.
@@ -36,7 +41,7 @@ command, loop and test as a string, and a path made here is the same string whoe
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 from paxcli.jobdir import storage
 
@@ -57,6 +62,10 @@ def absolute(path: str, option: str = 'path') -> str:
 
 def config(job_dir: str) -> str:
   return os.path.join(job_dir, 'config.txt')
+
+
+def format_file(job_dir: str) -> str:
+  return os.path.join(job_dir, 'format.json')
 
 
 def invocations(job_dir: str) -> str:
@@ -200,6 +209,15 @@ def cli_decodes(job_dir: str, dataset: Optional[str], step: int, n: int) -> str:
   return os.path.join(decoder_out(job_dir, dataset), f'pax_decode_step{step}_{n}.jsonl')
 
 
+def first_unused(path_of: Callable[[int], str]) -> str:
+  """path_of(n) for the first n from 1 naming nothing yet: a command's numbered output never replaces an
+  earlier one (`pax decode`, `pax score`, `pax lm-eval`)."""
+  n = 1
+  while storage.exists(path_of(n)):
+    n += 1
+  return path_of(n)
+
+
 def scores(job_dir: str, step: int, n: int) -> str:
   """The n-th `pax score` of checkpoint `step`."""
   return os.path.join(job_dir, 'scores', f'pax_score_step{step}_{n}.jsonl')
@@ -207,6 +225,26 @@ def scores(job_dir: str, step: int, n: int) -> str:
 
 def profile(job_dir: str) -> str:
   return os.path.join(job_dir, 'profile')
+
+
+def tracker_dir(job_dir: str) -> str:
+  """Where trackers keep their run records and W&B its local files."""
+  return os.path.join(job_dir, 'trackers')
+
+
+def tracker_run(job_dir: str, name: str) -> str:
+  """The run tracker `name` (wandb, mlflow) logs this job to: its id, project or store."""
+  return os.path.join(tracker_dir(job_dir), f'{name}.json')
+
+
+def lm_eval_results(job_dir: str, step: int, n: int) -> str:
+  """The n-th `pax lm-eval` of checkpoint `step`: the harness's results as JSON."""
+  return os.path.join(job_dir, 'lm_eval', f'results_step{step}_{n}.json')
+
+
+def lm_eval_samples(results: str, task: str) -> str:
+  """The per-document records of one task, beside its results file (--log-samples)."""
+  return f'{results[:-len(".json")]}_samples_{task}.jsonl'
 
 
 def eval_claim(job_dir: str, step: int) -> str:

@@ -34,6 +34,7 @@ from jax.experimental import multihost_utils
 from paxcli.config import config_differences
 from paxcli.errors import UserError
 from paxcli.jobdir import checkpoint as ckpt
+from paxcli.jobdir import format as job_format
 from paxcli.jobdir import layout, storage
 from paxcli.runtime import distributed
 from paxcli.runtime import engine
@@ -100,9 +101,11 @@ def _saved_tree(job_dir: str, step: int):
 def read_meta(job_dir: str, step: int) -> dict:
   path = _meta_path(job_dir, step)
   try:
-    return _load_meta(path)
+    meta = _load_meta(path)
   except (OSError, ValueError) as e:
     raise UserError(f'The metadata of the checkpoint at step {step} ({path}) cannot be read: {e}') from None
+  job_format.check(meta if isinstance(meta, dict) else {}, f'The checkpoint at step {step} in {job_dir}')
+  return meta
 
 
 def _meta_path(job_dir: str, step: int) -> str:
@@ -325,6 +328,7 @@ def _restore_step(setup, job_dir: str, step: int, params_only: bool, flat_now: O
     raise _failure(e, step, directory, 'its metadata (meta/metadata)', action) from None
   if not isinstance(meta, dict):
     raise damaged('its metadata (meta/metadata) is not a JSON object')
+  job_format.check(meta, f'The checkpoint at step {step} in {directory}')
   try:
     saved_tree = _saved_tree(job_dir, step)
   except Exception as e:
@@ -335,6 +339,7 @@ def _restore_step(setup, job_dir: str, step: int, params_only: bool, flat_now: O
   abstract = engine.saved_state(setup, setup.abstract_state) if with_base else setup.abstract_state
   check_shapes(meta, engine.shape_signature(abstract), flat_now or {}, step, params_only or not has_opt, action)
   base = checked_base(setup, meta) if with_base else None   # a wrong base refuses before any array is read
+  engine.check_fits(setup, params_only=params_only or not has_opt)
   wanted = {k: v for k, v in abstract.items() if k != 'opt_state' or (has_opt and not params_only)}
   restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding, global_shape=a.shape,
                                                              dtype=a.dtype), wanted)

@@ -61,11 +61,14 @@ class SummaryWriter:
 
   one_row_per_step: the JSON-lines file keeps one row per step, in step order (eval metrics,
   which several commands may write for one step); else rows are appended (train metrics).
+  trackers: W&B / MLflow (paxcli.jobdir.trackers.Trackers) get the same scalars at the same step,
+  named `<writer>/<tag>` after the TensorBoard directory (`train/loss`, `eval/loss`).
   """
 
-  def __init__(self, logdir: str, jsonl_path: str | None = None, one_row_per_step: bool = False):
+  def __init__(self, logdir: str, jsonl_path: str | None = None, one_row_per_step: bool = False, trackers=None):
     storage.makedirs(logdir)
     self._writer = _EventFile(logdir)
+    self._trackers, self._name = trackers, storage.basename(logdir.rstrip('/'))
     self._rows_path = jsonl_path if one_row_per_step else None
     self._jsonl = storage.Appender(jsonl_path) if jsonl_path and not one_row_per_step else None
 
@@ -80,6 +83,8 @@ class SummaryWriter:
     elif self._rows_path:
       joblock.put_row(self._rows_path, record)
     self._writer.flush()
+    if self._trackers:  # after TensorBoard and the JSONL: a tracker never comes before them
+      self._trackers.scalars(step, {f'{self._name}/{tag}': v for tag, v in values.items()})
 
   def text(self, step: int, tag: str, text: str) -> None:
     tensor = tensor_pb2.TensorProto(dtype=7, string_val=[text.encode()],  # 7 = DT_STRING

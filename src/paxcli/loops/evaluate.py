@@ -184,8 +184,10 @@ def metrics_line(step: int, name: str, m: dict) -> str:
 class Evaluator:
   """Eval inputs of an experiment, built once, run at any step (train's hook and `pax eval`)."""
 
-  def __init__(self, resolved, setup, job_dir: Optional[str]):
+  def __init__(self, resolved, setup, job_dir: Optional[str], trackers=None):
     self.setup = setup
+    self.trackers = trackers  # the trainer's W&B / MLflow (paxcli.jobdir.trackers): eval scalars go there too,
+                              # from the writers made after it is set
     self.batch_sharding = sharding.batch_sharding(setup.mesh)
     self.step = make_eval_step(setup, self.batch_sharding)
     self.inputs = {}
@@ -198,7 +200,8 @@ class Evaluator:
   def _writer(self, name: str):
     """Process 0's summary writer for one eval input, made at its first eval (no empty files)."""
     if self.job_dir and name not in self.writers:
-      self.writers[name] = SummaryWriter(*layout.eval_paths(self.job_dir, name), one_row_per_step=True)
+      self.writers[name] = SummaryWriter(*layout.eval_paths(self.job_dir, name), one_row_per_step=True,
+                                         trackers=self.trackers)
     return self.writers.get(name)
 
   def run(self, step: int, state) -> dict[str, dict[str, Any]]:

@@ -34,6 +34,7 @@ from paxcli.convert import lora as convert_lora
 from paxcli.errors import UserError, shorten
 from paxcli.inputs import grain_input
 from paxcli.jobdir import checkpoint as ckpt
+from paxcli.jobdir import format as job_format
 from paxcli.jobdir import invocation
 from paxcli.jobdir import layout
 from paxcli.jobdir import lock as joblock
@@ -41,6 +42,7 @@ from paxcli.jobdir import restore
 from paxcli.jobdir import storage
 from paxcli.jobdir import summaries
 from paxcli.jobdir import tokenizer
+from paxcli.jobdir import trackers as track
 from paxcli.layers.base import AUX_LOSS, NON_TRAINABLE, RANDOM, SUMMARIES, flatten_collection
 from paxcli.loops.decode.training import TrainDecoder
 from paxcli.loops.evaluate import DATA_FIELDS, Evaluator, metrics_line
@@ -490,6 +492,7 @@ def train(resolved, job_dir: str, console, verbose: bool = False, profile_steps=
   it made.
   """
   platform.check_supported(resolved.experiment)  # refusals first: a refused run leaves no job directory
+  engine.validate(resolved)                       # the settings, as `pax describe` checks them
   profiling.check_pgle(pgle, pgle_profile)
   made_here = _missing_ancestor(job_dir)
   joblock.check_writable(job_dir)  # makes the directory
@@ -540,7 +543,9 @@ def _train(resolved, job_dir: str, console, verbose: bool = False, profile_steps
 
   # ---- Mesh, model, state shapes ------------------------------------------------------------------
   setup = engine.build(resolved)
+  engine.check_fits(setup)   # a state no device can hold is one line before any input is read
   train_cfg, total = setup.train, setup.train.num_train_steps
+  track.check_installed(train_cfg.trackers.names)  # before anything is compiled
   base = restore.base_ref(train_cfg.init_from) if train_cfg.init_from else None
   if base is None and engine.has_frozen(setup):
     raise UserError('LORA_RANK > 0 trains adapters on frozen base weights: set INIT_FROM to the base checkpoint '
@@ -555,8 +560,10 @@ def _train(resolved, job_dir: str, console, verbose: bool = False, profile_steps
   tokenizer.check_base(train_input, train_cfg.init_from)
 
   # ---- Job directory: resume or start -------------------------------------------------------------
+  job_format.check_job(job_dir)   # a newer paxcli's job directory is refused before anything is written
   if is_main:
     invocation.record(job_dir)
+    job_format.write_job(job_dir)
   ckpt.set_aside_unfinished(layout.checkpoints(job_dir), log=log)
   distributed.barrier('paxcli:unfinished-checkpoints-set-aside')  # all processes then see the same steps
   checkpointer = ckpt.Checkpointer(layout.checkpoints(job_dir), train_cfg.save_max_to_keep,
@@ -589,7 +596,11 @@ def _train(resolved, job_dir: str, console, verbose: bool = False, profile_steps
     invocation.record_made(job_dir, made)
 
   # ---- Hooks --------------------------------------------------------------------------------------
-  writer = summaries.SummaryWriter(layout.summaries(job_dir, 'train'), layout.train_metrics(job_dir)) if is_main else None
+  tracked = _open_trackers(resolved, job_dir, train_cfg, spec, log) if is_main else track.Trackers()
+  if evaluator:
+    evaluator.trackers = tracked  # eval scalars go to the trackers too
+  writer = summaries.SummaryWriter(layout.summaries(job_dir, 'train'), layout.train_metrics(job_dir),
+                                   trackers=tracked) if is_main else None
   reporter = Reporter(console, total, start.step, enabled=is_main)
   guard = LossGuard(train_cfg.loss_spike_factor, train_cfg.loss_spike_window, start.recent_losses)
   losses = LossCheck(guard, start.step, total, checkpointer)
@@ -597,6 +608,7 @@ def _train(resolved, job_dir: str, console, verbose: bool = False, profile_steps
   summary = Summary(losses, chrono, reporter, writer, mfu_of, start.step)
   stop = GracefulStop(enabled=jax.process_count() == 1)
   with Hooks() as hooks:
+    hooks.enter_context(tracked)  # entered first, so ended last: after the writers' final summaries
     hooks.add_before(profiler.before)
     hooks.add(train_step.profile, every=1, close=profiler.close)
     hooks.add(losses, every=1)
@@ -622,6 +634,12 @@ def _train(resolved, job_dir: str, console, verbose: bool = False, profile_steps
       hooks.after(StepInfo(step, state, metrics, last=step == total, stopping=stop.requested))
   _log_done(job_dir, summary.last, train_cfg.save_max_to_keep, log)
   return summary.last
+
+
+def _open_trackers(resolved, job_dir: str, train_cfg, spec: RunSpec, log) -> track.Trackers:
+  """W&B / MLflow (TRACKERS), started or continued: their runs get the config and the run's identity."""
+  identity = track.Identity(job_dir, resolved.name, spec.flat, resolved.as_text(), invocation.command_line())
+  return track.open_trackers(train_cfg.trackers, identity, log)
 
 
 def _printer(console) -> Callable[[str], None]:
@@ -683,13 +701,15 @@ class Start:
 
 def _fresh_state(setup, base: Optional[restore.BaseRef], seed: int, log) -> dict:
   """A new train state: initialised from the seed, then the base's params where INIT_FROM names one."""
+  lora_init = getattr(setup.train, 'lora_init', None)
+  if lora_init and engine.has_frozen(setup):
+    convert_lora.check_peft(lora_init, setup.model)   # a wrong adapter is one line before any state is made
   state = engine.init_state(setup, seed)
   if base is None:
     return state
   log(f'Starting from the weights of {base.describe()} (INIT_FROM)'
       + ('; they stay frozen and LoRA adapters train.' if engine.has_frozen(setup) else '; fresh optimizer state.'))
   state = restore.start_from_base(setup, state, base)
-  lora_init = getattr(setup.train, 'lora_init', None)
   if lora_init and engine.has_frozen(setup):
     adapters = convert_lora.read_peft(lora_init, setup.model, setup.abstract_state['params'])
     shardings = engine.split_trainable(setup.model, setup.state_shardings['params'])[0]
@@ -790,7 +810,7 @@ def _position_input(train_input, job_dir: str, start: Start, log) -> None:
   if hasattr(train_input, 'restore'):
     saved = grain_input.read_states(storage.local_tree(layout.input_dir(layout.step_dir(job_dir, start.step))))
     if saved:
-      train_input.restore(saved)
+      train_input.restore(saved, batches=start.batches_consumed)  # checked against the meta's count
       return
     log(f'Note: the checkpoint at step {start.step} holds no input position; skipping '
         f'{start.batches_consumed} batches to find it.')

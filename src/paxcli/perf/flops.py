@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import statistics
 import time
 from typing import Optional
@@ -20,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from paxcli.models import ModelFlops
+from paxcli.runtime import platform
 
 # Dense peak TFLOP/s per device: (bf16, fp8 or None). Matched in order on the lower-cased
 # `device_kind` (so 'tpu v5 lite' is tried before 'tpu v5').
@@ -168,9 +168,8 @@ def device_memory_bytes(device=None) -> tuple[Optional[int], str]:
   if stats.get('bytes_limit'):
     return int(stats['bytes_limit']), 'memory_stats bytes_limit'
   if device.platform == 'cpu':
-    try:
-      total = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
-    except (ValueError, OSError, AttributeError):
+    total = platform.host_memory_bytes()
+    if total is None:
       return None, 'unknown'
     n = len(jax.local_devices())
     return total // n, f'host RAM / {n} devices' if n > 1 else 'host RAM'

@@ -32,7 +32,7 @@ from paxcli.errors import UserError, at_least
 from paxcli.layers import activation_sharding
 from paxcli.layers.base import NON_TRAINABLE, RANDOM, instantiate, mean_sync_mask
 from paxcli.perf import flops
-from paxcli.runtime import sharding
+from paxcli.runtime import platform, sharding
 from paxcli.runtime.infeed import global_batch_size, plan_infeed
 
 
@@ -64,11 +64,9 @@ class Setup:
 def build(resolved, mesh=None) -> Setup:
   """Mesh, model, optimizer and abstract sharded state for a resolved experiment."""
   exp = resolved.experiment
+  task = validate(resolved)
   mesh = mesh or sharding.make_mesh(exp.ICI_MESH_SHAPE, exp.DCN_MESH_SHAPE)
-  task = build_task(resolved.task)
   model, train = task.model, task.train
-  validate_model(model)
-  validate_train(train)
   gbs = global_batch_size(exp.PERCORE_BATCH_SIZE, mesh.size)
   infeed = plan_infeed(mesh, gbs)
   schedule = plan_pipeline(model, mesh, gbs)
@@ -94,6 +92,81 @@ def build(resolved, mesh=None) -> Setup:
                           abstract_unboxed, state_shardings)
   return Setup(mesh, model, train, tx, rules, abstract, state_shardings, logical, seq_len, infeed.rows,
                infeed.process_rows, infeed, mean_sync, dict(task.activation_sharding_rules or {}), schedule)
+
+
+def validate(resolved):
+  """The built task, after every check that needs no devices: the mesh shapes, the model's and
+  task.train's settings, and the sizes init would trace (check_buildable). `pax train` and `pax
+  describe` run it first, so that both refuse the same settings in the same one line."""
+  exp = resolved.experiment
+  sharding.check_mesh_shapes(exp.ICI_MESH_SHAPE, exp.DCN_MESH_SHAPE)
+  task = build_task(resolved.task)
+  validate_model(task.model)
+  validate_train(task.train)
+  check_buildable(task.model, _seq_len(resolved, task.model))
+  return task
+
+
+def _seq_len(resolved, model) -> Optional[int]:
+  return getattr(resolved.train_dataset(), 'seq_len', None) or getattr(model, 'max_seq_len', None)
+
+
+# Unrolled layers are each built in Python when a model is traced (about 35 ms a layer for a small
+# model on a CPU): more than this would take minutes to describe and longer to compile. A scanned
+# stack (USE_REPEATED_LAYER=True) is traced once whatever its depth.
+MAX_UNROLLED_LAYERS = 1024
+# Init traces the model on a dummy batch of one sequence, made on the host: one sequence longer than
+# fits this share of the host's memory is refused (an LM's takes 12 bytes a token).
+HOST_SHARE_FOR_ONE_SEQUENCE = 16
+
+
+def check_buildable(model, seq_len: Optional[int]) -> None:
+  """UserError, before anything is traced or allocated, for sizes that cannot be built on this
+  machine: more unrolled layers than MAX_UNROLLED_LAYERS, or a sequence whose dummy batch would not
+  fit in 1/HOST_SHARE_FOR_ONE_SEQUENCE of the host's memory."""
+  for where, cfg in _layer_configs(model):
+    layers = getattr(cfg, 'num_layers', None)
+    if isinstance(layers, int) and layers > MAX_UNROLLED_LAYERS and not getattr(cfg, 'scan_layers', False):
+      scan = ' set USE_REPEATED_LAYER=True to scan them (traced once at any depth), or' if hasattr(
+          cfg, 'scan_layers') else ''
+      raise UserError(f'{where}.num_layers (NUM_LAYERS) is {layers:,} unrolled layers; paxcli builds at most '
+                      f'{MAX_UNROLLED_LAYERS:,} unrolled layers (each is traced on its own, so this would not '
+                      f'finish):{scan} lower NUM_LAYERS.')
+  if seq_len and hasattr(model, 'dummy_batch'):
+    per_token = sum(np.asarray(x).nbytes for x in jax.tree.leaves(model.dummy_batch(1, 1)))
+    check_sequence(seq_len, per_token, f'The sequence length {seq_len:,} (MAX_SEQ_LEN, or the train input\'s '
+                   'seq_len)', 'Lower MAX_SEQ_LEN.')
+
+
+def check_sequence(seq_len: int, per_token: int, what: str, fix: str) -> None:
+  """UserError `what ... fix` when one sequence of `seq_len` tokens of `per_token` bytes each (the dummy
+  batch init traces) would take more than 1/HOST_SHARE_FOR_ONE_SEQUENCE of the host's memory."""
+  host = platform.host_memory_bytes()
+  if host and per_token * seq_len > host // HOST_SHARE_FOR_ONE_SEQUENCE:
+    raise UserError(f'{what} cannot be built here: one sequence of the batch the model is traced on takes '
+                    f'{_gib(per_token * seq_len)}, more than 1/{HOST_SHARE_FOR_ONE_SEQUENCE} of this machine\'s '
+                    f'{_gib(host)} of memory. {fix}')
+
+
+def check_fits(setup, params_only: bool = False) -> None:
+  """UserError before any array of the state is made when the state alone cannot fit: its bytes on
+  one device (sharded as the mesh shards it) against what a device holds (flops.device_memory_bytes).
+  Commands that only compile (describe, bench --compile-only) never call it."""
+  state = {k: v for k, v in setup.abstract_state.items() if not (params_only and k == 'opt_state')}
+  leaves = jax.tree.leaves(state)
+  per_device = sum(math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize for x in leaves)
+  limit, source = flops.device_memory_bytes()
+  if limit and per_device > limit:
+    what = 'parameters' if params_only else 'parameters and optimizer state'
+    raise UserError(f'The model\'s {what} alone take {_gib(per_device)} on each device '
+                    f'({param_count(setup.abstract_state):,} parameters, sharded over the mesh '
+                    f'{sharding.describe_mesh(setup.mesh)}), and a device here holds {_gib(limit)} ({source}). '
+                    'Shard the model over more devices (ICI_MESH_SHAPE) or make it smaller; `pax bench mfu '
+                    '--compile-only --num-devices N` checks a mesh without allocating it.')
+
+
+def _gib(n: int) -> str:
+  return f'{n / 2**30:,.1f} GiB' if n >= 2**30 / 10 else f'{n / 2**20:,.1f} MiB'
 
 
 def plan_pipeline(model, mesh, global_batch: int):
@@ -259,6 +332,7 @@ def saved_state(setup, state: dict) -> dict:
 
 def init_variables(model, rng, seq_len: int) -> dict:
   """The model's variables from one fprop of its dummy batch: params and non_trainable only."""
+  check_buildable(model, seq_len)   # every trace of init comes here: nothing unbounded is built
   batch = jax.tree.map(jnp.asarray, model.dummy_batch(1, seq_len))
   variables = model.init({'params': rng, 'dropout': rng, RANDOM: rng}, batch, method='fprop')
   return {k: v for k, v in variables.items() if k in ('params', NON_TRAINABLE)}
@@ -298,6 +372,7 @@ def _keys(path) -> tuple:
 
 
 def init_state(setup: Setup, seed: int):
+  check_fits(setup)
   init = _init_through_scan(setup) or (lambda r: unbox(make_init(setup.model, setup.tx, setup.seq_len)(r)))
   fn = jax.jit(init, out_shardings=setup.state_shardings)
   return fn(jax.random.key(seed))
@@ -358,6 +433,7 @@ def summary(resolved) -> dict:
   abstract init), training FLOPs per token (the model's train_flops), the global batch and the devices the mesh
   asks for. A figure that cannot be known is None, with the reason under '<name>_note'."""
   exp = resolved.experiment
+  model = validate(resolved).model   # what `pax train` refuses, refused here in the same line
   out: dict = {}
   ici, dcn = exp.ICI_MESH_SHAPE, exp.DCN_MESH_SHAPE
   dcn_size = math.prod(dcn) if dcn is not None else 1
@@ -368,7 +444,6 @@ def summary(resolved) -> dict:
                            if fixed == 1 else f'any multiple of {fixed}: the mesh fills its -1 axis')
   else:
     out['devices'] = math.prod(ici) * dcn_size
-  model = build_task(resolved.task).model
   seq_len = getattr(resolved.train_dataset(), 'seq_len', None) or getattr(model, 'max_seq_len', None)
   out['seq_len'] = seq_len
   percore = exp.PERCORE_BATCH_SIZE

@@ -63,6 +63,14 @@ def detect_platform() -> str:
   return 'cpu'
 
 
+def host_memory_bytes() -> int | None:
+  """This machine's physical memory in bytes (None where the system does not say)."""
+  try:
+    return os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
+  except (ValueError, OSError, AttributeError):
+    return None
+
+
 def check_supported(experiment) -> None:
   """Refuses an experiment that lists UNSUPPORTED_FEATURES: training it would train another model."""
   unsupported = getattr(experiment, 'UNSUPPORTED_FEATURES', None) or {}

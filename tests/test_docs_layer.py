@@ -1,4 +1,4 @@
-"""The README's "Writing a layer" example, run exactly as printed (only the job directory
+"""The docs' "Writing a layer" example (docs/guides/writing-a-layer.md), run exactly as printed (only the job directory
 moves into a temp dir): the workshop's FeedForward inside the LM, its non-trainable
 variable, summary, aux loss and random noise honoured by the train loop, and resume."""
 
@@ -13,11 +13,14 @@ import pytest
 from conftest import REPO, pax_main
 
 
-def _readme_example():
-  text = (REPO / 'README.md').read_text()
-  section = text.split('## Writing a layer', 1)[1].split('\n## ', 1)[0]
-  code = re.search(r'```python\n(.*?)```', section, re.S).group(1)
-  command = re.search(r'```bash\n(.*?)```', section, re.S).group(1).strip()
+PAGE = REPO / 'docs' / 'guides' / 'writing-a-layer.md'
+
+
+def _page_example():
+  """The page's first Python block (my_layers.py) and first shell block (the command)."""
+  text = PAGE.read_text()
+  code = re.search(r'```python\n(.*?)```', text, re.S).group(1)
+  command = re.search(r'```bash\n(.*?)```', text, re.S).group(1).strip()
   return code, command
 
 
@@ -33,9 +36,9 @@ def _user_rank_promotion():
 
 @pytest.fixture(scope='module')
 def example(tmp_path_factory):
-  code, command = _readme_example()
+  code, command = _page_example()
   assert code.startswith('# my_layers.py\n')
-  work = tmp_path_factory.mktemp('readme_layer')
+  work = tmp_path_factory.mktemp('docs_layer')
   (work / 'my_layers.py').write_text(code)
   argv = shlex.split(command)
   assert argv[0] == 'pax'
@@ -88,7 +91,7 @@ def _restored_state(work, job, argv, step):
   return restore.restore(setup, job, step).state
 
 
-def test_readme_layer_trains_with_summaries_aux_losses_and_non_trainable_vars(example):
+def test_docs_layer_trains_with_summaries_aux_losses_and_non_trainable_vars(example):
   work, job, argv, result = example
   records = _records(job)
   assert [r['step'] for r in records] == [10, 20]
@@ -113,7 +116,7 @@ def test_readme_layer_trains_with_summaries_aux_losses_and_non_trainable_vars(ex
   assert 'moving_mean' not in str(list(state['opt_state']))  # the optimizer never sees it
 
 
-def test_readme_layer_resumes_with_the_same_random_stream_and_variables(example, capsys):
+def test_docs_layer_resumes_with_the_same_random_stream_and_variables(example, capsys):
   work, job, argv, _ = example
   straight = _records(job)[-1]
   split = str(work / 'split')
