@@ -18,7 +18,7 @@ bf16) at a size a laptop CPU runs in seconds per step.
 """
 
 from paxcli.experiment import register
-from paxcli.families.lm import LmExperiment
+from paxcli.models import LmExperiment
 
 
 class _LlamaStyle(LmExperiment):

@@ -14,7 +14,7 @@ says); on a GPU it takes seconds. It keeps the latest 3 checkpoints (every 50 st
 import fiddle as fdl
 
 from paxcli.experiment import register
-from paxcli.families.lm import LmExperiment
+from paxcli.models import LmExperiment
 
 
 @register

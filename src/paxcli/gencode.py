@@ -19,7 +19,8 @@ from typing import Any
 
 from paxcli.errors import UserError
 
-IMPORTS = {('paxcli.experiment', 'register'), ('paxcli.families.lm', 'LmExperiment')}
+# ('paxcli.families.lm', 'LmExperiment'): recipes written before paxcli.models, kept in users' job directories.
+IMPORTS = {('paxcli.experiment', 'register'), ('paxcli.models', 'LmExperiment'), ('paxcli.families.lm', 'LmExperiment')}
 BASES = ('LmExperiment',)
 
 

@@ -25,10 +25,10 @@ from paxcli import config as cfg
 from paxcli import experiment, files, gencode
 from paxcli.convert import formats
 from paxcli.errors import UserError, shorten
-from paxcli.families.lm import LmExperiment
 from paxcli.inputs import tokenizers
 from paxcli.jobdir import layout
 from paxcli.jobdir import lock as joblock
+from paxcli.models.lm_experiment import LmExperiment
 
 _LAYER_RE = re.compile(r'(^|/)layer_(\d+)(/|$)')
 _LAYERS_RE = re.compile(r'(^|/)layers(/|$)')
@@ -140,13 +140,13 @@ def resolve_pair(src, exp: Optional[str], overrides: list[str]):
 @dataclasses.dataclass
 class Model:
   resolved: object
-  module: object             # models.flat_view of the LanguageModel: flat settings and apply
+  module: object             # paxcli.models.lm.flat_view of the LanguageModel: flat settings and apply
   abstract: dict             # name -> ShapeDtypeStruct of the full train state
   placeholders: list         # names of empty optimizer states (kept as placeholders in orbax)
 
   @property
   def spec(self):
-    """The LM's settings under TransformerLm's flat field names (models.flat_view)."""
+    """The LM's settings under TransformerLm's flat field names (paxcli.models.lm.flat_view)."""
     return self.module
 
   @property
@@ -161,8 +161,8 @@ def build_model(resolved) -> Model:
   """The model and the abstract train state of an experiment, without a mesh."""
   import jax
 
-  from paxcli import models, optim
-
+  from paxcli import optim
+  from paxcli.models.lm import flat_view
   from paxcli.runtime import engine
   task = engine.build_task(resolved.task)
   engine.validate_model(task.model)
@@ -175,7 +175,7 @@ def build_model(resolved) -> Model:
       abstract, is_leaf=lambda x: isinstance(x, tuple) and not x and x is not None)[0]:
     if isinstance(node, tuple) and not node:
       empty.append(formats.join(path))
-  return Model(resolved, models.flat_view(task.model), flat, empty)
+  return Model(resolved, flat_view(task.model), flat, empty)
 
 
 # ---- plan -------------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ from paxcli import files, gencode
 from paxcli.convert import formats, hf_tokenizer, safetensors_io
 from paxcli.convert.formats import ArrayInfo
 from paxcli.errors import UserError, shorten
-from paxcli.families.knobs import LM_KNOB, LM_KNOBS, effective
+from paxcli.models.knobs import LM_KNOB, LM_KNOBS, effective
 
 RMS_EPS = LM_KNOB['NORM_EPSILON'].default   # HF's rms_norm_eps is NORM_EPSILON
 # config.json keys that are one LM knob each, both ways: import reads them into the knob,
@@ -418,7 +418,7 @@ def recipe_text(class_name: str, knobs: dict, source: str, notes: list[str]) -> 
   """The recipe of an imported Llama: its knobs; the source path and notes only as literals."""
   lines = ['"""A Hugging Face Llama as a paxcli experiment (written by pax checkpoint convert --from hf).', '',
            'SOURCE is the directory it was converted from; the knobs come from its config.json.', '"""', '',
-           'from paxcli.experiment import register', 'from paxcli.families.lm import LmExperiment', '',
+           'from paxcli.experiment import register', 'from paxcli.models import LmExperiment', '',
            f'SOURCE = {gencode.literal(os.path.abspath(source))}']
   if notes:
     lines.append(f'NOTES = {gencode.literal(tuple(str(n) for n in notes))}')

@@ -21,7 +21,7 @@ import yaml
 
 from paxcli import options
 from paxcli.errors import UserError, did_you_mean
-from paxcli.families.knobs import LM_KNOB
+from paxcli.models.knobs import LM_KNOB
 from paxcli.files import read_text
 from paxcli.maxtext import defaults as mt
 from paxcli.maxtext.keys import DATA_KEYS, IGNORED_KEYS, KNOWN_KEYS

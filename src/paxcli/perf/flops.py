@@ -1,6 +1,6 @@
 """Device peaks, MFU and compiled-program costs: where the MFU figures come from.
 
-A model counts its own training FLOPs (`train_flops(seq_len)`, paxcli.models.ModelFlops:
+A model counts its own training FLOPs (`train_flops(seq_len)`, paxcli.models.flops.ModelFlops:
 the count and what it leaves out are described there); this module divides them by time
 and by the device's peak. MFU = model FLOPs per second per device / the device's peak.
 HFU uses the FLOPs XLA reports for the compiled step (`compiled.cost_analysis()`), which
@@ -19,7 +19,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from paxcli.models import ModelFlops
+from paxcli.models.flops import ModelFlops, for_model, unknown_flops  # noqa: F401  (train and bench read them here)
 
 # Dense peak TFLOP/s per device: (bf16, fp8 or None). Matched in order on the lower-cased
 # `device_kind` (so 'tpu v5 lite' is tried before 'tpu v5').
@@ -46,20 +46,6 @@ class Peak:
   tflops: float          # per device
   source: str            # where the figure comes from, for tables and logs
   measured: bool = False
-
-
-def for_model(model, seq_len: int) -> Optional[ModelFlops]:
-  """The model's own training FLOPs at seq_len (its `train_flops`); None when it has no such
-  method or cannot count this configuration (`unknown_flops` says which)."""
-  count = getattr(model, 'train_flops', None)
-  return count(seq_len) if count else None
-
-
-def unknown_flops(model) -> str:
-  """Why a model's MFU is not reported, in one line."""
-  if getattr(model, 'train_flops', None) is None:
-    return 'n/a: model has no FLOPs method'
-  return f'n/a: {type(model).__name__}.train_flops() cannot count this configuration (a swapped-in layer?)'
 
 
 def compute_dtype(model) -> str:

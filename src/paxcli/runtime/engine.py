@@ -31,7 +31,7 @@ from paxcli import optim, options
 from paxcli.errors import UserError, at_least
 from paxcli.layers import activation_sharding
 from paxcli.layers.base import NON_TRAINABLE, RANDOM, instantiate, mean_sync_mask
-from paxcli.perf import flops
+from paxcli.models import flops
 from paxcli.runtime import sharding
 from paxcli.runtime.infeed import global_batch_size, plan_infeed
 

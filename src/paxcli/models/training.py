@@ -1,0 +1,71 @@
+"""TrainingExperiment: the optimizer, schedule and loop knobs every model trains with.
+
+A model's experiment base (paxcli.models.lm_experiment.LmExperiment,
+paxcli.models.classifier_experiment.ClassifierExperiment) derives from it and supplies
+`model()` (the model's fiddle config) and `datasets()`; `task()` puts the model beside the
+TrainConfig these knobs fill. A base adds loop settings of its own by extending
+`train_config()` (the LM adds decoding during training).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import fiddle as fdl
+
+from paxcli.experiment import Experiment
+from paxcli.options import OptimizerName, ScheduleName
+from paxcli.tasks import OptimizerConfig, ScheduleConfig, Task, TrainConfig
+
+
+class TrainingExperiment(Experiment):
+  """An experiment trained by paxcli's loop: optimizer, learning-rate schedule, steps and intervals."""
+
+  OPTIMIZER: OptimizerName = 'adamw'
+  LEARNING_RATE: float = 1e-3
+  ADAM_BETA1: float = 0.9
+  ADAM_BETA2: float = 0.99
+  ADAM_EPSILON: float = 1e-8
+  WEIGHT_DECAY: float = 0.0
+  CLIP_GRADIENT_NORM_TO_VALUE: float = 1.0
+  LR_SCHEDULE: ScheduleName = 'constant'
+  LR_WARMUP_STEPS: int = 0
+  LR_DECAY_START: int = 0
+  LR_DECAY_END: int = 0
+  LR_MIN_RATIO: float = 0.1
+
+  NUM_TRAIN_STEPS: int = 100
+  SAVE_INTERVAL_STEPS: int = 100
+  SUMMARY_INTERVAL_STEPS: int = 10
+  EVAL_INTERVAL_STEPS: int = 0  # 0: no eval during training
+  # Start a fresh run from these weights (fine-tuning): a paxcli job directory (its latest checkpoint) or
+  # one checkpoint step, e.g. what `pax checkpoint convert HF_DIR OUT --from hf` wrote. LoRA runs also
+  # read their frozen base from it. None: random initialisation.
+  INIT_FROM: Optional[str] = None
+
+  def model(self) -> fdl.Config:
+    """The model's fiddle config (a paxcli.models.base.BaseModel)."""
+    raise NotImplementedError(f'{type(self).__name__} must define model().')
+
+  def train_config(self) -> fdl.Config:
+    """TrainConfig from the knobs: the learner (optimizer, schedule, clipping) and the loop's intervals."""
+    return fdl.Config(
+        TrainConfig,
+        num_train_steps=self.NUM_TRAIN_STEPS,
+        save_interval_steps=self.SAVE_INTERVAL_STEPS,
+        summary_interval_steps=self.SUMMARY_INTERVAL_STEPS,
+        eval_interval_steps=self.EVAL_INTERVAL_STEPS,
+        init_from=os.path.abspath(os.path.expanduser(self.INIT_FROM)) if self.INIT_FROM else None,
+        learning_rate=self.LEARNING_RATE,
+        clip_gradient_norm_to_value=self.CLIP_GRADIENT_NORM_TO_VALUE,
+        optimizer=fdl.Config(OptimizerConfig, name=self.OPTIMIZER, beta1=self.ADAM_BETA1,
+                             beta2=self.ADAM_BETA2, epsilon=self.ADAM_EPSILON,
+                             weight_decay=self.WEIGHT_DECAY),
+        lr_schedule=fdl.Config(ScheduleConfig, kind=self.LR_SCHEDULE, warmup_steps=self.LR_WARMUP_STEPS,
+                               decay_start=self.LR_DECAY_START, decay_end=self.LR_DECAY_END,
+                               min_ratio=self.LR_MIN_RATIO),
+    )
+
+  def task(self) -> fdl.Config:
+    return fdl.Config(Task, model=self.model(), train=self.train_config())
