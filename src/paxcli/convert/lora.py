@@ -28,7 +28,7 @@ from paxcli.errors import UserError
 from paxcli.jobdir import checkpoint as ckpt
 from paxcli.jobdir import layout, restore
 from paxcli.layers import lora
-from paxcli.runtime import engine
+from paxcli.runtime import engine, train_state
 
 PEFT_MODULES = {'query': 'self_attn.q_proj', 'key': 'self_attn.k_proj', 'value': 'self_attn.v_proj',
                 'out': 'self_attn.o_proj', 'wi_0': 'mlp.gate_proj', 'wi_1': 'mlp.up_proj', 'wo': 'mlp.down_proj'}
@@ -68,9 +68,9 @@ def merge_run(src, tmp: str, exp: Optional[str], overrides: list, verify: bool, 
   result = (core.verify(model, params, setup.model, merged, core.default_tolerance(None), model.vocab_size,
                         model.max_seq_len) if verify else None)
   checkpointer = ckpt.Checkpointer(layout.checkpoints(tmp), max_to_keep=0, async_save=False)
-  checkpointer.save(src.step, state, {'step': src.step, 'state_shapes': engine.shape_signature(abstract),
+  checkpointer.save(src.step, state, {'step': src.step, 'state_shapes': train_state.shape_signature(abstract),
                                       'config': {k: repr(v) for k, v in plain.flat().items()},
-                                      'checksums': restore.checksums(state), 'merged_lora_of': src.meta['base']})
+                                      'checksums': train_state.checksums(state), 'merged_lora_of': src.meta['base']})
   checkpointer.close()
   with open(layout.config(tmp), 'w', encoding='utf-8') as f:
     f.write(plain.as_text())
@@ -147,7 +147,7 @@ def read_peft(directory: str, model, abstract_params: dict) -> dict:
                       '(set LORA_RANK / LORA_ALPHA to the adapter\'s).')
   src = safetensors_io.SafetensorsSource(os.path.join(directory, PEFT_WEIGHTS))
   have = {a.name for a in src.arrays()}
-  trainable = engine.split_trainable(model, abstract_params)[0]
+  trainable = train_state.split_trainable(model, abstract_params)[0]
   out = {}
   for path_keys, leaf in _flat_paths(trainable):
     *scope, name = path_keys
@@ -170,7 +170,7 @@ def read_peft(directory: str, model, abstract_params: dict) -> dict:
 
 def _flat_paths(tree: dict):
   for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    yield tuple(str(k) for k in engine._keys(path)), leaf
+    yield tuple(str(k) for k in train_state.keys(path)), leaf
 
 
 def resolve_lora_target(to: str, merge_lora: bool, src) -> None:

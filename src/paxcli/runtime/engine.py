@@ -20,11 +20,8 @@ import math
 from typing import Any, Optional
 
 import fiddle as fdl
-import flax.linen as nn
-import flax.traverse_util
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from paxcli import optim, options
@@ -34,6 +31,8 @@ from paxcli.layers.base import NON_TRAINABLE, RANDOM, instantiate, mean_sync_mas
 from paxcli.models import flops
 from paxcli.runtime import sharding
 from paxcli.runtime.infeed import global_batch_size, plan_infeed
+from paxcli.runtime.train_state import (cast_frozen, has_frozen, join_params, keys, param_count,  # noqa: F401
+                                        saved_state, shape_signature, split_trainable, unbox)
 
 
 @dataclasses.dataclass
@@ -187,10 +186,6 @@ def validate_train(train) -> None:
             'min_ratio')
 
 
-def unbox(tree):
-  return nn.meta.unbox(tree)
-
-
 def make_init(model, tx, seq_len: int):
   """rng -> boxed train state (params carry logical names); the optimizer state covers the
   trainable params only, and frozen ones are kept in the model's frozen_dtype."""
@@ -204,57 +199,6 @@ def make_init(model, tx, seq_len: int):
     return state
 
   return init
-
-
-# ---- frozen weights (LoRA): the model's is_trainable says which params train --------------------
-
-def _flat(params) -> dict:
-  return flax.traverse_util.flatten_dict(params) if params else {}
-
-
-def split_trainable(model, params) -> tuple[dict, dict]:
-  """(trainable, frozen) nested dicts of params, by the model's is_trainable; frozen is {} when all train."""
-  trainable, frozen = {}, {}
-  for path, leaf in _flat(params).items():
-    (trainable if model.is_trainable(path) else frozen)[path] = leaf
-  return flax.traverse_util.unflatten_dict(trainable), flax.traverse_util.unflatten_dict(frozen)
-
-
-def join_params(*parts) -> dict:
-  """One nested params dict from disjoint parts (split_trainable's, or adapters and a base)."""
-  flat = {}
-  for part in parts:
-    flat.update(_flat(part))
-  return flax.traverse_util.unflatten_dict(flat)
-
-
-def has_frozen(setup) -> bool:
-  """True when some params are frozen: checkpoints then hold the trainable ones and name the base."""
-  return bool(split_trainable(setup.model, setup.abstract_state['params'])[1])
-
-
-def cast_frozen(model, params):
-  """Boxed or plain params with the frozen floating-point ones cast to the model's frozen_dtype."""
-  dtype = getattr(model, 'frozen_dtype', None)
-  if not dtype:
-    return params
-  is_box = lambda x: isinstance(x, nn.meta.AxisMetadata)
-
-  def one(path, leaf):
-    value = leaf.unbox() if is_box(leaf) else leaf
-    if model.is_trainable(tuple(_keys(path))) or not jnp.issubdtype(value.dtype, jnp.floating):
-      return leaf
-    cast = value.astype(dtype)
-    return leaf.replace_boxed(cast) if is_box(leaf) else cast
-  return jax.tree_util.tree_map_with_path(one, params, is_leaf=is_box)
-
-
-def saved_state(setup, state: dict) -> dict:
-  """The part of a train state (or of its abstract) that checkpoints hold: the frozen params are left
-  out (they are the base's, named in the checkpoint's meta)."""
-  if not has_frozen(setup):
-    return state
-  return dict(state, params=split_trainable(setup.model, state['params'])[0])
 
 
 def init_variables(model, rng, seq_len: int) -> dict:
@@ -272,12 +216,12 @@ def _opt_state_shardings(opt_abstract, params_abstract, param_shardings, mesh):
   """
   by_path = {}
   for path, leaf in jax.tree_util.tree_flatten_with_path(params_abstract)[0]:
-    by_path[_keys(path)] = leaf.shape
-  shard_by_path = {_keys(p): s for p, s in jax.tree_util.tree_flatten_with_path(param_shardings)[0]}
+    by_path[keys(path)] = leaf.shape
+  shard_by_path = {keys(p): s for p, s in jax.tree_util.tree_flatten_with_path(param_shardings)[0]}
   replicated = NamedSharding(mesh, PartitionSpec())
 
   def one(path, leaf):
-    keys = _keys(path)
+    keys = keys(path)
     for start in range(len(keys)):
       suffix = keys[start:]
       if suffix in by_path and by_path[suffix] == leaf.shape:
@@ -285,16 +229,6 @@ def _opt_state_shardings(opt_abstract, params_abstract, param_shardings, mesh):
     return replicated
 
   return jax.tree_util.tree_map_with_path(one, opt_abstract)
-
-
-def _keys(path) -> tuple:
-  out = []
-  for k in path:
-    for attr in ('key', 'name', 'idx'):
-      if hasattr(k, attr):
-        out.append(getattr(k, attr))
-        break
-  return tuple(out)
 
 
 def init_state(setup: Setup, seed: int):
@@ -349,10 +283,6 @@ def _init_through_scan(setup: Setup):
   return init if same else None
 
 
-def param_count(abstract_state) -> int:
-  return int(sum(np.prod(x.shape) for x in jax.tree.leaves(abstract_state['params'])))
-
-
 def summary(resolved) -> dict:
   """What a run of the resolved experiment needs, without devices: parameters (from the model's
   abstract init), training FLOPs per token (the model's train_flops), the global batch and the devices the mesh
@@ -388,21 +318,13 @@ def summary(resolved) -> dict:
   return out
 
 
-def shape_signature(abstract_state) -> dict[str, list[int]]:
-  """'path' -> shape for every leaf of the state: what a checkpoint must match."""
-  out = {}
-  for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_state)[0]:
-    out['/'.join(str(k) for k in _keys(path))] = list(leaf.shape)
-  return out
-
-
 def weights_table(setup: Setup) -> list[tuple[str, str, str, str, str]]:
   """(path, shape, dtype, logical axes, mesh sharding) for every weight."""
   rows = []
-  flat_logical = {(_keys(p)): v for p, v in jax.tree_util.tree_flatten_with_path(
+  flat_logical = {(keys(p)): v for p, v in jax.tree_util.tree_flatten_with_path(
       setup.logical, is_leaf=lambda x: isinstance(x, tuple))[0]}
   for path, leaf in jax.tree_util.tree_flatten_with_path(setup.abstract_state['params'])[0]:
-    keys = _keys(path)
+    keys = keys(path)
     names = flat_logical.get(keys) or ()
     spec = tuple(leaf.sharding.spec) + (None,) * (len(leaf.shape) - len(leaf.sharding.spec))
     rows.append(('/'.join(map(str, keys)), 'x'.join(map(str, leaf.shape)), str(leaf.dtype),
