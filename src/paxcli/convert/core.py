@@ -28,6 +28,7 @@ from paxcli.errors import UserError, shorten
 from paxcli.inputs import tokenizers
 from paxcli.jobdir import layout
 from paxcli.jobdir import lock as joblock
+from paxcli.models import pattern
 from paxcli.models.lm_experiment import LmExperiment
 
 _LAYER_RE = re.compile(r'(^|/)layer_(\d+)(/|$)')
@@ -153,6 +154,11 @@ class Model:
   def scanned(self) -> bool:
     return bool(self.module.scan_layers)
 
+  @property
+  def period(self) -> int:
+    """Layers per group of the stack (paxcli.models.pattern; 1: uniform)."""
+    return pattern.period(getattr(self.module, 'layer_pattern', ()))
+
   def names(self, params_only: bool) -> list[str]:
     return [n for n in self.abstract if not params_only or n == 'step' or n.startswith('params/')]
 
@@ -190,11 +196,13 @@ class Item:
   index: Optional[int] = None  # one layer of a stacked source
 
 
-def _canonical(name: str) -> tuple[str, Optional[int]]:
+def _canonical(name: str, period: int = 1) -> tuple[str, Optional[int]]:
+  """A per-layer name (`.../layer_<i>/rest`) as its scanned name and row (pattern.stacked_path), else (name, None)."""
   m = _LAYER_RE.search(name)
   if not m:
     return name, None
-  return name[:m.start()] + f'{m.group(1)}layers{m.group(3)}' + name[m.end():], int(m.group(2))
+  stacked, row = pattern.stacked_path(int(m.group(2)), name[m.end():], period)
+  return name[:m.start()] + m.group(1) + stacked, row
 
 
 def plan(src_arrays: list, target: Model, params_only: bool, dtype: Optional[str]) -> list[Item]:
@@ -202,7 +210,7 @@ def plan(src_arrays: list, target: Model, params_only: bool, dtype: Optional[str
   have = {a.name: a for a in src_arrays}
   by_canon: dict[str, dict[int, str]] = {}
   for a in src_arrays:
-    c, i = _canonical(a.name)
+    c, i = _canonical(a.name, target.period)
     if i is not None:
       by_canon.setdefault(c, {})[i] = a.name
   items, problems, used = [], [], set()
@@ -221,7 +229,7 @@ def plan(src_arrays: list, target: Model, params_only: bool, dtype: Optional[str
       items.append(Item(name, want, out_dtype, name))
       used.add(name)
       continue
-    c, i = _canonical(name)
+    c, i = _canonical(name, target.period)
     if i is not None and c in have and _LAYERS_RE.search(c):   # unstack: one layer of a scanned array
       got = tuple(have[c].shape)
       if got[1:] != want or i >= got[0]:

@@ -28,6 +28,7 @@ from paxcli.errors import UserError
 from paxcli.jobdir import checkpoint as ckpt
 from paxcli.jobdir import layout, restore
 from paxcli.layers import lora
+from paxcli.models import pattern
 from paxcli.runtime import engine, train_state
 
 PEFT_MODULES = {'query': 'self_attn.q_proj', 'key': 'self_attn.k_proj', 'value': 'self_attn.v_proj',
@@ -83,11 +84,12 @@ def merge_run(src, tmp: str, exp: Optional[str], overrides: list, verify: bool, 
 
 
 def _layer_adapters(params: dict):
-  """(layer index, projection, A, B) for every adapter, unrolled or scanned ([layers, ...])."""
+  """(layer index, projection, A, B) for every adapter, unrolled or scanned ([layers, ...], or [groups, ...]
+  per position of a patterned stack's group: paxcli.models.pattern)."""
   if 'layers' in params:
     stack = params['layers']
-    n = len(next(iter(jax.tree.leaves(stack))))
-    layers = [(i, jax.tree.map(lambda x, i=i: x[i], stack)) for i in range(n)]
+    n = len(next(iter(jax.tree.leaves(stack)))) * pattern.period_of(stack)
+    layers = [(int(k.split('_')[1]), v) for k, v in pattern.unstack(stack, n, lambda x, row: x[row]).items()]
   else:
     layers = sorted((int(k.split('_')[1]), v) for k, v in params.items() if k.startswith('layer_'))
   for i, layer in layers:
@@ -148,12 +150,13 @@ def read_peft(directory: str, model, abstract_params: dict) -> dict:
   src = safetensors_io.SafetensorsSource(os.path.join(directory, PEFT_WEIGHTS))
   have = {a.name for a in src.arrays()}
   trainable = train_state.split_trainable(model, abstract_params)[0]
+  period = pattern.period(getattr(getattr(model, 'lm_tpl', None), 'layer_pattern', ()))
   out = {}
   for path_keys, leaf in _flat_paths(trainable):
     *scope, name = path_keys
     projection, part = (name[:-len(lora.SUFFIX_A)], 'A') if name.endswith(lora.SUFFIX_A) else \
         (name[:-len(lora.SUFFIX_B)], 'B')
-    layers = range(leaf.shape[0]) if scope[0] == 'layers' else [int(scope[0].split('_')[1])]
+    layers = _layers_of(scope, leaf.shape[0] if scope[0] == 'layers' else 0, period)
     per_layer = leaf.shape[1:] if scope[0] == 'layers' else leaf.shape
     blocks = []
     for i in layers:
@@ -166,6 +169,17 @@ def read_peft(directory: str, model, abstract_params: dict) -> dict:
       blocks.append(w.reshape(per_layer))
     out[tuple(path_keys)] = np.stack(blocks) if scope[0] == 'layers' else blocks[0]
   return core.nest({'/'.join(k): v for k, v in out.items()})
+
+
+def _layers_of(scope: list, rows: int, period: int) -> list[int]:
+  """The layer indices of a trainable leaf's rows: layer_<i>/...: [i]; layers/...: every row; layers/block_<j>/...
+  of a patterned stack (`period` layers per group): row g is layer g * period + j."""
+  if scope[0] != 'layers':
+    return [int(scope[0].split('_')[1])]
+  if not (len(scope) > 1 and scope[1].startswith('block_')):
+    return list(range(rows))
+  j = int(scope[1].split('_')[1])
+  return [g * period + j for g in range(rows)]
 
 
 def _flat_paths(tree: dict):

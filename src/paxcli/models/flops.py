@@ -43,6 +43,11 @@ class ModelFlops:
   def per_step(self, tokens: int) -> float:
     return self.per_token * tokens
 
+  def __add__(self, other: 'ModelFlops') -> 'ModelFlops':
+    """The FLOPs of two parts of one model (the kinds of a patterned stack)."""
+    return ModelFlops(self.matmul_params + other.matmul_params, self.attention_per_token + other.attention_per_token,
+                      self.palm_attention_per_token + other.palm_attention_per_token)
+
 
 def stack_flops(layers, model_dims, heads, kv_heads, dims_per_head, hidden_dims, gated, seq_len: int,
                 head_params_per_token: float = 0.0, causal: bool = True) -> Optional[ModelFlops]:

@@ -21,7 +21,7 @@ from paxcli.layers.activation_sharding import active_axis_size, constrain
 from paxcli.layers.base import (AUX_LOSS, NON_TRAINABLE, RANDOM, SUMMARIES, BaseLayer, LayerTpl, build_arguments,
                                 template_field)
 from paxcli.layers.transformer import Attention, Block, Mlp, Norm, dtype_of, fill_template, sinusoidal, soft_cap
-from paxcli.models import knobs
+from paxcli.models import knobs, pattern
 from paxcli.models.base import DecodingModel, dtype_name
 from paxcli.models.flops import ModelFlops, stack_flops
 from paxcli.models.losses import fused_lm_loss
@@ -47,6 +47,10 @@ class TransformerLm(BaseLayer):
   The blocks come from `block_tpl` (attention, feed-forward and norm templates inside it)
   and the final norm from `final_norm_tpl`; the LM fills model_dims, dropout and the compute
   dtype into them. `__call__(ids, segment_ids=None, positions=None)` returns float32 logits.
+
+  With a `layer_pattern` (paxcli.models.pattern) the stack is groups of kinds: each kind is
+  block_tpl with its fields from `layer_kinds` ((kind, ((field, value), ...)), ...), and the
+  scan runs over groups (a LayerGroup applies one block of every kind in order).
   """
   vocab_size: int = 256
   num_layers: int = 2
@@ -69,14 +73,16 @@ class TransformerLm(BaseLayer):
   num_microbatches: Optional[int] = None
   microbatch_size: Optional[int] = None
   pipeline_repeats: int = 1
+  # Layer kinds (paxcli.models.pattern): () is a uniform stack of block_tpl.
+  layer_pattern: tuple = ()
+  layer_kinds: tuple = ()
   block_tpl: LayerTpl = template_field(Block)
   final_norm_tpl: LayerTpl = template_field(Norm)
 
   def _pipelined(self, x_BxLxD, segment_ids_BxL, positions_BxL, dtype, deterministic: bool):
-    """The scanned stack's weights (`layers`, [L, ...]) run by paxcli.layers.pipeline."""
+    """The scanned stack's weights (`layers`, [L, ...] or [groups, ...]) run by paxcli.layers.pipeline."""
     schedule = pipeline_schedule(self, x_BxLxD.shape[0])
-    block, kwargs = self._block_kwargs(dtype, deterministic, remat=False)
-    module = block(**kwargs, parent=None)
+    module = self._stack_unit(dtype, deterministic, remat=False)
     variables = nn.meta.unbox(self.variables)
     others = sorted(c for c, tree in variables.items() if c != 'params' and 'layers' in tree)
     if others:
@@ -94,19 +100,35 @@ class TransformerLm(BaseLayer):
     policy = None if self.checkpoint_policy == 'none' else REMAT_POLICIES[self.checkpoint_policy]()
     return pipeline.run(layer_fn, variables['params']['layers'], x_BxLxD, extras, schedule, policy, rng)
 
-  def _block_kwargs(self, dtype, deterministic: bool, remat: bool = True) -> tuple[type, dict]:
-    """The block class (remat-wrapped per checkpoint_policy) and its arguments from block_tpl."""
-    tpl = fill_template(self.block_tpl, dtype, model_dims=self.model_dims, dropout_prob=self.dropout_prob,
-                        deterministic=deterministic)
-    cls = fdl.get_callable(tpl)
-    kwargs = build_arguments(tpl, self)
-    if remat and self.checkpoint_policy != 'none':
-      cls = nn.remat(cls, policy=REMAT_POLICIES[self.checkpoint_policy](), prevent_cse=not self.scan_layers)
-    return cls, kwargs
+  def _kind_tpls(self, dtype, deterministic: bool) -> list:
+    """One filled block template per position of a group (one for a uniform stack)."""
+    return [fill_template(pattern.kind_template(self.block_tpl, fields) if fields else self.block_tpl, dtype,
+                          model_dims=self.model_dims, dropout_prob=self.dropout_prob, deterministic=deterministic)
+            for _, fields in pattern.kinds_in_order(self.layer_pattern, self.layer_kinds)]
+
+  def _block_kwargs(self, dtype, deterministic: bool, remat: bool = True) -> list[tuple[type, dict]]:
+    """Per position of a group, the block class (remat-wrapped per checkpoint_policy) and its arguments."""
+    out = []
+    for tpl in self._kind_tpls(dtype, deterministic):
+      cls = fdl.get_callable(tpl)
+      if remat and self.checkpoint_policy != 'none':
+        cls = nn.remat(cls, policy=REMAT_POLICIES[self.checkpoint_policy](), prevent_cse=not self.scan_layers)
+      out.append((cls, build_arguments(tpl, self)))
+    return out
+
+  def _stack_unit(self, dtype, deterministic: bool, remat: bool):
+    """What the scan (and the pipeline) repeats, unbound: the block of a uniform stack, else a LayerGroup."""
+    tpls = self._kind_tpls(dtype, deterministic)
+    if len(tpls) == 1:
+      block, kwargs = self._block_kwargs(dtype, deterministic, remat)[0]
+      return block(**kwargs, parent=None)
+    policy = self.checkpoint_policy if remat else 'none'
+    return LayerGroup(tuple(tpls), policy, parent=None)
 
   @nn.compact
   def __call__(self, ids_BxL, segment_ids_BxL=None, positions_BxL=None, deterministic: bool = True):
     dtype = dtype_of(self.fprop_dtype) if isinstance(self.fprop_dtype, str) else self.fprop_dtype
+    pattern.check(self.num_layers, self.layer_pattern)   # also where no validation ran (describe, notebooks)
     b, l = ids_BxL.shape
     if positions_BxL is None:
       positions_BxL = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32)[None], (b, l))
@@ -129,20 +151,17 @@ class TransformerLm(BaseLayer):
     x_BxLxD = constrain(x_BxLxD, ('batch', 'length', 'embed'))
 
     decoding = self.is_mutable_collection('cache') and not self.is_initializing()  # KV cache: no remat
-    block, block_kwargs = self._block_kwargs(dtype, deterministic, remat=not decoding)
     # The pipeline runs in train and eval steps on a mesh with stages; init, decoding (KV cache) and
     # plain `apply` (conversions, notebooks) run the stack unpipelined, on the same [L, ...] weights.
     if (self.scan_layers and not decoding and not self.is_initializing()
         and active_axis_size(pipeline.STAGE_AXIS) > 1 and pipeline_schedule(self, b)):
       x_BxLxD = self._pipelined(x_BxLxD, segment_ids_BxL, positions_BxL, dtype, deterministic)
     elif self.scan_layers:
-      stack = nn.scan(block, variable_axes={'params': 0, NON_TRAINABLE: 0, SUMMARIES: 0, AUX_LOSS: 0, 'cache': 0},
-                      split_rngs={'params': True, 'dropout': True, RANDOM: True},
-                      in_axes=(nn.broadcast, nn.broadcast), length=self.num_layers,
-                      metadata_params={nn.PARTITION_NAME: 'layers'})
-      x_BxLxD, _ = stack(**block_kwargs, name='layers')(x_BxLxD, segment_ids_BxL, positions_BxL)
+      x_BxLxD = self._scanned(x_BxLxD, segment_ids_BxL, positions_BxL, dtype, deterministic, remat=not decoding)
     else:
+      blocks = self._block_kwargs(dtype, deterministic, remat=not decoding)
       for i in range(self.num_layers):
+        block, block_kwargs = blocks[i % len(blocks)]
         x_BxLxD, _ = block(**block_kwargs, name=f'layer_{i}')(x_BxLxD, segment_ids_BxL, positions_BxL)
 
     final_norm = fill_template(self.final_norm_tpl, dtype)
@@ -166,6 +185,37 @@ class TransformerLm(BaseLayer):
     logits = constrain(logits, ('batch', 'length', 'vocab'))
     return soft_cap(logits.astype(jnp.float32), self.softmax_cap_logits)
 
+  def _scanned(self, x_BxLxD, segment_ids_BxL, positions_BxL, dtype, deterministic: bool, remat: bool):
+    """One nn.scan over the stack (`layers`): over layers of a uniform stack, over groups of a pattern."""
+    blocks = self._block_kwargs(dtype, deterministic, remat)
+    if len(blocks) == 1:
+      unit, kwargs, length = blocks[0][0], blocks[0][1], self.num_layers
+    else:
+      policy = self.checkpoint_policy if remat else 'none'
+      unit, kwargs = LayerGroup, {'block_tpls': tuple(self._kind_tpls(dtype, deterministic)), 'policy': policy}
+      length = self.num_layers // len(blocks)
+    stack = nn.scan(unit, variable_axes={'params': 0, NON_TRAINABLE: 0, SUMMARIES: 0, AUX_LOSS: 0, 'cache': 0},
+                    split_rngs={'params': True, 'dropout': True, RANDOM: True},
+                    in_axes=(nn.broadcast, nn.broadcast), length=length,
+                    metadata_params={nn.PARTITION_NAME: 'layers'})
+    return stack(**kwargs, name='layers')(x_BxLxD, segment_ids_BxL, positions_BxL)[0]
+
+
+class LayerGroup(nn.Module):
+  """One group of a patterned stack: a block of each kind in order (`block_<j>`), each rematerialised
+  by `policy` ('none': not); returns (x, None) so that nn.scan can stack groups."""
+  block_tpls: tuple
+  policy: str = 'none'
+
+  @nn.compact
+  def __call__(self, x_BxLxD, segment_ids_BxL, positions_BxL):
+    for j, tpl in enumerate(self.block_tpls):
+      cls = fdl.get_callable(tpl)
+      if self.policy != 'none':
+        cls = nn.remat(cls, policy=REMAT_POLICIES[self.policy](), prevent_cse=False)
+      x_BxLxD, _ = cls(**build_arguments(tpl, self), name=f'block_{j}')(x_BxLxD, segment_ids_BxL, positions_BxL)
+    return x_BxLxD, None
+
 
 def pipeline_schedule(lm, batch: int):
   """A TransformerLm's (config or layer) pipeline Schedule for a global batch; None: not pipelined.
@@ -178,7 +228,8 @@ def pipeline_schedule(lm, batch: int):
   if not lm.scan_layers:
     raise UserError('Pipeline parallelism (NUM_STAGES > 1) needs USE_REPEATED_LAYER=True: the pipeline keeps '
                     'the scanned layout [layers, ...], so checkpoints do not depend on the stage count.')
-  return pipeline.schedule_for(lm.num_layers, stages, repeats, batch, lm.num_microbatches, lm.microbatch_size)
+  return pipeline.schedule_for(lm.num_layers, stages, repeats, batch, lm.num_microbatches, lm.microbatch_size,
+                               group=pattern.period(getattr(lm, 'layer_pattern', ())))
 
 def lm_config(**settings) -> fdl.Config:
   """The LanguageModel config with its templates filled from flat settings: the LM knobs under
@@ -282,9 +333,16 @@ class LanguageModel(DecodingModel):
     s = knobs.read(self, knobs.LM_KNOBS)
     if s['model_dims'] is None or s['vocab_size'] is None:
       return None
-    return stack_flops(s['num_layers'], s['model_dims'], s['num_heads'], s['num_kv_heads'], s['dims_per_head'],
-                       s['hidden_dims'], s['use_gated_activation'], seq_len,
-                       head_params_per_token=s['model_dims'] * s['vocab_size'])
+    kinds = kind_settings(self)   # one per position of a group: each kind's layers counted with its settings
+    total, head = None, s['model_dims'] * s['vocab_size']
+    for k in kinds:
+      count = stack_flops(s['num_layers'] // len(kinds), s['model_dims'], k['num_heads'], k['num_kv_heads'],
+                          k['dims_per_head'], k['hidden_dims'], k['use_gated_activation'], seq_len,
+                          head_params_per_token=head if total is None else 0.0)
+      if count is None:
+        return None
+      total = count if total is None else total + count
+    return total
 
   # Decoding (see DecodingModel): the network's attention layers keep keys and values in the
   # flax collection 'cache' when it is mutable (paxcli.layers.transformer.Attention).
@@ -306,6 +364,20 @@ class LanguageModel(DecodingModel):
     lm = copy.deepcopy(self.lm_tpl)
     lm.fprop_dtype = dtype
     return self.clone(lm_tpl=lm)
+
+
+def kind_settings(model) -> list[dict]:
+  """The flat settings (knobs.read) of each position of a group: the model's, with each kind's block
+  fields; one entry for a uniform stack."""
+  lm = model.lm_tpl
+  kinds = pattern.kinds_in_order(getattr(lm, 'layer_pattern', ()), getattr(lm, 'layer_kinds', ()))
+  base = knobs.read(model, knobs.LM_KNOBS)
+  block = [k for k in knobs.LM_KNOBS if k.fields[0].startswith(knobs.BLOCK)]
+  out = []
+  for _, fields in kinds:
+    view = types.SimpleNamespace(lm_tpl=types.SimpleNamespace(block_tpl=pattern.kind_template(lm.block_tpl, fields)))
+    out.append({**base, **knobs.read(view, block)} if fields else base)
+  return out
 
 
 def flat_view(model):

@@ -8,6 +8,7 @@ import fiddle as fdl
 from paxcli.errors import UserError, at_least
 from paxcli.layers import lora
 from paxcli.layers.transformer import Attention, Mlp
+from paxcli.models import pattern
 
 
 def validate_lm(lm) -> None:
@@ -19,23 +20,34 @@ def validate_lm(lm) -> None:
     raise UserError(f'NORM_EPSILON must be positive, got {lm.final_norm_tpl.epsilon}.')
   if getattr(lm, 'softmax_cap_logits', 0.0) < 0:
     raise UserError(f'SOFTMAX_CAP_LOGITS must be 0 (off) or positive, got {lm.softmax_cap_logits}.')
-  attention = getattr(getattr(lm, 'block_tpl', None), 'attention_tpl', None)
+  pattern.check(lm.num_layers, getattr(lm, 'layer_pattern', ()))
+  block = getattr(lm, 'block_tpl', None)
+  kinds = dict(pattern.kinds_in_order(getattr(lm, 'layer_pattern', ()), getattr(lm, 'layer_kinds', ())))
+  _validate_block(block, 'task.model.lm_tpl.block_tpl', '')
+  for kind, fields in kinds.items():   # each kind's own block, where its knobs changed something
+    if not fields:
+      continue
+    _validate_block(pattern.kind_template(block, fields), f"the {kind!r} layers' block", f'LAYER_KINDS[{kind!r}]: ')
+
+
+def _validate_block(block, where: str, label: str) -> None:
+  """Checks of one block template's attention and feed-forward (label: which kind, in front of each message)."""
+  attention = getattr(block, 'attention_tpl', None)
   if attention is None or fdl.get_callable(attention) is not Attention:
     return
-  where = 'task.model.lm_tpl.block_tpl.attention_tpl'
-  at_least(1, where, attention, 'num_heads', 'num_kv_heads', 'dims_per_head')
+  at_least(1, f'{where}.attention_tpl', attention, 'num_heads', 'num_kv_heads', 'dims_per_head')
   if attention.num_heads % attention.num_kv_heads:
-    raise UserError(f'NUM_HEADS {attention.num_heads} must be a multiple of NUM_KV_HEADS '
+    raise UserError(f'{label}NUM_HEADS {attention.num_heads} must be a multiple of NUM_KV_HEADS '
                     f'{attention.num_kv_heads}.')
   if attention.atten_logit_cap < 0:
-    raise UserError(f'ATTEN_LOGIT_CAP must be 0 (off) or positive, got {attention.atten_logit_cap}.')
+    raise UserError(f'{label}ATTEN_LOGIT_CAP must be 0 (off) or positive, got {attention.atten_logit_cap}.')
   if attention.rotary and attention.dims_per_head % 2:
-    raise UserError(f'Rotary positions need an even DIMS_PER_HEAD, got {attention.dims_per_head}.')
+    raise UserError(f'{label}Rotary positions need an even DIMS_PER_HEAD, got {attention.dims_per_head}.')
   _validate_rotary_scaling(attention)
   validate_lora(attention)
-  ffn = lm.block_tpl.ffn_tpl
+  ffn = block.ffn_tpl
   if fdl.get_callable(ffn) is Mlp:
-    at_least(1, 'task.model.lm_tpl.block_tpl.ffn_tpl', ffn, 'hidden_dims')
+    at_least(1, f'{where}.ffn_tpl', ffn, 'hidden_dims')
 
 
 def _validate_rotary_scaling(attention) -> None:

@@ -28,10 +28,11 @@ from paxcli import optim, options
 from paxcli.errors import UserError, at_least
 from paxcli.layers import activation_sharding
 from paxcli.layers.base import NON_TRAINABLE, RANDOM, instantiate, mean_sync_mask
-from paxcli.models import flops
-from paxcli.runtime import sharding
+from paxcli.models import flops, pattern, registry
+from paxcli.models.lm import flat_view
+from paxcli.runtime import sharding, train_state
 from paxcli.runtime.infeed import global_batch_size, plan_infeed
-from paxcli.runtime.train_state import (cast_frozen, has_frozen, join_params, keys, param_count,  # noqa: F401
+from paxcli.runtime.train_state import (cast_frozen, has_frozen, join_params, param_count,  # noqa: F401
                                         saved_state, shape_signature, split_trainable, unbox)
 
 
@@ -216,12 +217,12 @@ def _opt_state_shardings(opt_abstract, params_abstract, param_shardings, mesh):
   """
   by_path = {}
   for path, leaf in jax.tree_util.tree_flatten_with_path(params_abstract)[0]:
-    by_path[keys(path)] = leaf.shape
-  shard_by_path = {keys(p): s for p, s in jax.tree_util.tree_flatten_with_path(param_shardings)[0]}
+    by_path[train_state.keys(path)] = leaf.shape
+  shard_by_path = {train_state.keys(p): s for p, s in jax.tree_util.tree_flatten_with_path(param_shardings)[0]}
   replicated = NamedSharding(mesh, PartitionSpec())
 
   def one(path, leaf):
-    keys = keys(path)
+    keys = train_state.keys(path)
     for start in range(len(keys)):
       suffix = keys[start:]
       if suffix in by_path and by_path[suffix] == leaf.shape:
@@ -260,8 +261,8 @@ def _init_through_scan(setup: Setup):
   def unstack(tree):
     tree = dict(tree)
     stacked = tree.pop('layers', None)
-    for i in range(n if stacked is not None else 0):
-      tree[f'layer_{i}'] = jax.tree.map(lambda x, i=i: x[i], stacked)
+    if stacked is not None:   # [L, ...], or [groups, ...] per position of a patterned stack's group
+      tree.update(pattern.unstack(stacked, n, lambda x, row: x[row]))
     return tree
 
   def init(rng):
@@ -315,16 +316,28 @@ def summary(resolved) -> dict:
   out['flops_per_token'] = per_token.per_token if per_token else None
   if per_token is None:
     out['flops_per_token_note'] = flops.unknown_flops(model)
+  out.update(family_of(model))
   return out
+
+
+def family_of(model) -> dict:
+  """{'family': the name of the model family whose Hugging Face layout the model fits (paxcli.models.registry),
+  or None and 'family_note': why it fits none}."""
+  if not hasattr(model, 'lm_tpl'):
+    return {'family': None, 'family_note': f'{type(model).__name__} is not a language model of a family'}
+  family, why = registry.fitting(flat_view(model))
+  if family:
+    return {'family': family.name}
+  return {'family': None, 'family_note': '; '.join(f'not {name}: {reasons[0]}' for name, reasons in why.items())}
 
 
 def weights_table(setup: Setup) -> list[tuple[str, str, str, str, str]]:
   """(path, shape, dtype, logical axes, mesh sharding) for every weight."""
   rows = []
-  flat_logical = {(keys(p)): v for p, v in jax.tree_util.tree_flatten_with_path(
+  flat_logical = {(train_state.keys(p)): v for p, v in jax.tree_util.tree_flatten_with_path(
       setup.logical, is_leaf=lambda x: isinstance(x, tuple))[0]}
   for path, leaf in jax.tree_util.tree_flatten_with_path(setup.abstract_state['params'])[0]:
-    keys = keys(path)
+    keys = train_state.keys(path)
     names = flat_logical.get(keys) or ()
     spec = tuple(leaf.sharding.spec) + (None,) * (len(leaf.shape) - len(leaf.sharding.spec))
     rows.append(('/'.join(map(str, keys)), 'x'.join(map(str, leaf.shape)), str(leaf.dtype),

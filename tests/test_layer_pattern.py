@@ -1,0 +1,168 @@
+"""Stacks of mixed layer kinds (LAYER_PATTERN, LAYER_KINDS: paxcli.models.pattern).
+
+A two-kind pattern whose kinds really differ (grouped-query attention with one kv head, a short
+rotary base and capped attention logits, against full heads with a learned per-dimension query
+scale and a narrower MLP): scanned group by group it computes what an unscanned loop of the same
+layers computes, it trains, decodes through its KV cache as its full forward pass does, its
+checkpoints convert between the scanned and unscanned layouts and evaluate the same, the pipeline
+cuts it into stages by groups, and a pattern that cannot work is one line before any compile.
+"""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import pax_main
+from paxcli import config
+from paxcli.layers.base import instantiate
+from paxcli.models import lm_config, pattern
+from paxcli.runtime import engine
+
+KINDS = {'local': {'NUM_KV_HEADS': 1, 'ROTARY_MAX_TIMESCALE': 100.0, 'ATTEN_LOGIT_CAP': 5.0},
+         'global': {'USE_PER_DIM_SCALE': True, 'HIDDEN_DIMS': 24}}
+SETTINGS = dict(vocab_size=32, num_layers=4, model_dims=16, hidden_dims=32, num_heads=4, dims_per_head=4,
+                max_seq_len=16, position_embedding='rotary', norm_type='rmsnorm', use_bias=False,
+                layer_pattern=('local', 'global'), layer_kinds=KINDS)
+SETS = ['NUM_LAYERS=4', 'MODEL_DIMS=16', 'HIDDEN_DIMS=32', 'NUM_HEADS=4', 'DIMS_PER_HEAD=4', 'VOCAB_SIZE=32',
+        'MAX_SEQ_LEN=16', "POSITION_EMBEDDING='rotary'", "NORM_TYPE='rmsnorm'", 'USE_BIAS=False',
+        "LAYER_PATTERN=('local', 'global')", f'LAYER_KINDS={KINDS!r}', 'PERCORE_BATCH_SIZE=1']
+EXP = 'paxcli.models.LmExperiment'
+
+
+def _ids(b=2, l=12, seed=0):
+  return jnp.asarray(np.random.default_rng(seed).integers(0, 32, (b, l)), jnp.int32)
+
+
+def _params(model, ids):
+  return engine.unbox(model.init(jax.random.key(0), ids)['params'])
+
+
+def test_scanned_groups_equal_an_unscanned_loop_of_the_same_layers():
+  scanned = instantiate(lm_config(**SETTINGS, scan_layers=True))
+  loop = instantiate(lm_config(**SETTINGS, scan_layers=False))
+  ids = _ids()
+  params = _params(scanned, ids)
+  stack = params['layers']
+  # one scan over 2 groups, each a 'local' block then a 'global' block, each with its own weights
+  assert sorted(stack) == ['block_0', 'block_1']
+  assert stack['block_0']['attention']['key']['kernel'].shape == (2, 16, 1, 4)     # local: one kv head
+  assert stack['block_1']['attention']['key']['kernel'].shape == (2, 16, 4, 4)     # global: four
+  assert 'per_dim_scale' in stack['block_1']['attention'] and 'per_dim_scale' not in stack['block_0']['attention']
+  assert stack['block_1']['mlp']['wi_0']['kernel'].shape == (2, 16, 24)
+  # the same weights unstacked (layer i is block_<i % 2>, row i // 2) in an unscanned loop of 4 layers
+  unrolled = {k: v for k, v in params.items() if k != 'layers'}
+  unrolled.update(pattern.unstack(stack, 4, lambda x, row: x[row]))
+  assert jax.tree.structure(unrolled) == jax.tree.structure(_params(loop, ids))
+  np.testing.assert_allclose(np.asarray(scanned.apply({'params': params}, ids)),
+                             np.asarray(loop.apply({'params': unrolled}, ids)), atol=2e-5)
+  # and the kinds really differ: the same weights run as two 'global' kinds compute something else
+  both_global = instantiate(lm_config(**{**SETTINGS, 'layer_kinds': {'local': KINDS['global'],
+                                                                      'global': KINDS['global']}},
+                                      scan_layers=True))
+  other = _params(both_global, ids)
+  assert other['layers']['block_0']['attention']['key']['kernel'].shape == (2, 16, 4, 4)
+
+
+def test_decoding_through_the_kv_cache_equals_the_full_forward_pass():
+  model = instantiate(lm_config(**SETTINGS, scan_layers=True))
+  ids = _ids(l=10)
+  params = _params(model, ids)
+  full = np.asarray(model.apply({'params': params}, ids))
+  cache = model.init_cache(params, 2, 10)
+  positions = jnp.broadcast_to(jnp.arange(10, dtype=jnp.int32)[None], (2, 10))
+  logits, cache = model.extend(params, cache, ids[:, :6], positions[:, :6])     # prefill
+  steps = [np.asarray(logits)]
+  for t in range(6, 10):                                                        # then one token at a time
+    logits, cache = model.extend(params, cache, ids[:, t:t + 1], positions[:, t:t + 1])
+    steps.append(np.asarray(logits))
+  np.testing.assert_allclose(np.concatenate(steps, axis=1), full, atol=2e-5)
+
+
+def test_training_flops_count_each_kind_with_its_own_settings():
+  patterned = instantiate(lm_config(**SETTINGS, scan_layers=True)).train_flops(16)
+  halves = []
+  for kind in ('local', 'global'):
+    own = {k.lower(): v for k, v in KINDS[kind].items()}
+    own['per_dim_scale'] = own.pop('use_per_dim_scale', False)
+    uniform = {k: v for k, v in SETTINGS.items() if k not in ('layer_pattern', 'layer_kinds')}
+    uniform.update(num_layers=2, **{k: v for k, v in own.items() if k in ('num_kv_heads', 'hidden_dims')})
+    halves.append(instantiate(lm_config(**uniform)).train_flops(16))
+  head = 16 * 32
+  assert patterned.matmul_params == halves[0].matmul_params + halves[1].matmul_params - head
+  assert patterned.attention_per_token == halves[0].attention_per_token + halves[1].attention_per_token
+
+
+def test_pipeline_stages_hold_whole_groups_and_compute_the_unpipelined_loss():
+  base = SETS + ['USE_REPEATED_LAYER=True', 'PERCORE_BATCH_SIZE=2']
+  reference = engine.build(config.resolve(EXP, base + ['ICI_MESH_SHAPE=[1,4,2]']))
+  params = jax.device_get(engine.init_state(reference, 0)['params'])
+  rng = np.random.default_rng(1)
+  batch = {'ids': rng.integers(0, 32, (16, 8)).astype(np.int32), 'labels': rng.integers(0, 32, (16, 8)).astype(np.int32),
+           'weights': np.ones((16, 8), np.float32)}
+
+  def loss_and_grads(setup):
+    def loss(p):
+      with setup.activation_sharding():
+        return setup.model.apply({'params': p}, batch, method='fprop')[0]
+    fn = jax.jit(jax.value_and_grad(loss), in_shardings=(setup.state_shardings['params'],))
+    return jax.device_get(fn(jax.device_put(params, setup.state_shardings['params'])))
+
+  piped = engine.build(config.resolve(EXP, base + ['NUM_STAGES=2', 'ICI_MESH_SHAPE=[2,1,2,2]']))
+  assert piped.state_shardings['params']['layers']['block_0']['attention']['query']['kernel'].spec[0] == 'stage'
+  (want, want_grads), (got, got_grads) = loss_and_grads(reference), loss_and_grads(piped)
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
+    np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+@pytest.mark.parametrize('sets, message', [
+    (['NUM_LAYERS=3'], "NUM_LAYERS 3 is not a multiple of the 2 kinds of LAYER_PATTERN ('local', 'global')"),
+    (['USE_REPEATED_LAYER=True', 'NUM_STAGES=4', 'ICI_MESH_SHAPE=[4,1,2,1]'], 'a stage would cut a group'),
+    (["LAYER_KINDS={'locl': {'NUM_KV_HEADS': 1}}"], "LAYER_KINDS names 'locl', which LAYER_PATTERN"),
+    (["LAYER_KINDS={'local': {'VOCAB_SIZE': 8}}"], "sets VOCAB_SIZE, which is not a per-layer knob"),
+    (["LAYER_KINDS={'local': {'NUM_KV_HEADS': 3}}"], "LAYER_KINDS['local']: NUM_HEADS 4 must be a multiple of NUM_KV"),
+])
+def test_a_pattern_that_cannot_work_is_one_line_before_any_compile(sets, message, tmp_path, capsys):
+  code, _, err = pax_main(['train', '--exp', EXP, *[a for s in SETS + sets for a in ('--set', s)],
+                           '--job-log-dir', str(tmp_path / 'job')], capsys)
+  assert code == 2 and message in err and 'Traceback' not in err, err
+  assert not (tmp_path / 'job' / 'checkpoints').exists()
+
+
+def test_trained_checkpoint_converts_between_layouts_and_evaluates_the_same(tmp_path, capsys):
+  job, unscanned = str(tmp_path / 'job'), str(tmp_path / 'unscanned')
+  scan = [a for s in SETS + ['USE_REPEATED_LAYER=True'] for a in ('--set', s)]
+  code, _, err = pax_main(['train', '--exp', EXP, *scan, '--set', 'NUM_TRAIN_STEPS=1', '--set',
+                           'SAVE_INTERVAL_STEPS=1', '--job-log-dir', job], capsys)
+  assert code == 0, err
+  code, out, err = pax_main(['checkpoint', 'convert', job, unscanned, '--exp', EXP, *scan, '--set',
+                             'USE_REPEATED_LAYER=False', '--json'], capsys)
+  assert code == 0, err
+  result = json.loads(out)
+  assert result['verify']['ok'] and result['verify']['max_abs_diff'] < 1e-4
+
+  from paxcli.convert import formats
+  a, b = formats.open_source(job), formats.open_source(unscanned)
+  np.testing.assert_array_equal(a.read('params/layers/block_1/attention/per_dim_scale')[1],
+                                b.read('params/layer_3/attention/per_dim_scale'))
+  np.testing.assert_array_equal(a.read('params/layers/block_0/attention/key/kernel')[1],
+                                b.read('params/layer_2/attention/key/kernel'))
+
+  def eval_loss(path, extra):
+    code, out, err = pax_main(['eval', '--exp', EXP, *[a for s in SETS + extra for a in ('--set', s)],
+                               '--job-log-dir', path, '--json'], capsys)
+    assert code == 0, err
+    return json.loads(out.strip().splitlines()[-1])['results']['eval']['loss']
+  assert eval_loss(unscanned, ['USE_REPEATED_LAYER=False']) == pytest.approx(
+      eval_loss(job, ['USE_REPEATED_LAYER=True']), rel=1e-5)
+
+
+def test_the_uniform_stack_keeps_its_layout():
+  """No pattern, or a one-kind pattern: the scanned weights stay `layers/...` [L, ...] (today's checkpoints)."""
+  for extra in ({}, {'layer_pattern': ('dense',), 'layer_kinds': {'dense': {'NUM_KV_HEADS': 2}}}):
+    base = {k: v for k, v in SETTINGS.items() if k not in ('layer_pattern', 'layer_kinds')}
+    params = _params(instantiate(lm_config(**base, **extra, scan_layers=True)), _ids())
+    assert 'block_0' not in params['layers'] and params['layers']['attention']['query']['kernel'].shape[0] == 4
