@@ -159,6 +159,16 @@ def test_trained_checkpoint_converts_between_layouts_and_evaluates_the_same(tmp_
   assert eval_loss(unscanned, ['USE_REPEATED_LAYER=False']) == pytest.approx(
       eval_loss(job, ['USE_REPEATED_LAYER=True']), rel=1e-5)
 
+  def decoded(path, extra):   # beam search moves the KV cache's rows through the patterned stack
+    code, out, err = pax_main(['decode', '--exp', EXP, *[a for s in SETS + extra for a in ('--set', s)],
+                               '--job-log-dir', path, '--prompt-ids', '3,5,7,9', '--prompt-ids', '4,6',
+                               '--beam-size', '2', '--max-decode-steps', '4', '--ignore-eos', '--json'], capsys)
+    assert code == 0, err
+    return [json.loads(line)['decoded_ids'] for line in out.strip().splitlines()]
+  scanned_ids = decoded(job, ['USE_REPEATED_LAYER=True'])
+  assert len(scanned_ids) == 2 and all(len(ids) == 4 for ids in scanned_ids)
+  assert decoded(unscanned, ['USE_REPEATED_LAYER=False']) == scanned_ids
+
 
 def test_the_uniform_stack_keeps_its_layout():
   """No pattern, or a one-kind pattern: the scanned weights stay `layers/...` [L, ...] (today's checkpoints)."""
@@ -166,3 +176,14 @@ def test_the_uniform_stack_keeps_its_layout():
     base = {k: v for k, v in SETTINGS.items() if k not in ('layer_pattern', 'layer_kinds')}
     params = _params(instantiate(lm_config(**base, **extra, scan_layers=True)), _ids())
     assert 'block_0' not in params['layers'] and params['layers']['attention']['query']['kernel'].shape[0] == 4
+
+
+def test_unscanned_patterned_layers_initialise_through_their_scanned_twin():
+  """Initialising N unrolled layers compiles N initialisers; the engine builds the scanned twin (one per
+  kind) and unstacks it: with a pattern too, the twin's layers land on the unrolled ones."""
+  setup = engine.build(config.resolve(EXP, SETS + ['USE_REPEATED_LAYER=False']))
+  init = engine._init_through_scan(setup)
+  assert init is not None
+  state = jax.eval_shape(init, jax.random.key(0))
+  assert state['params']['layer_2']['attention']['key']['kernel'].shape == (16, 1, 4)     # local
+  assert 'per_dim_scale' in state['params']['layer_3']['attention']                       # global

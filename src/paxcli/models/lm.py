@@ -231,6 +231,7 @@ def pipeline_schedule(lm, batch: int):
   return pipeline.schedule_for(lm.num_layers, stages, repeats, batch, lm.num_microbatches, lm.microbatch_size,
                                group=pattern.period(getattr(lm, 'layer_pattern', ())))
 
+
 def lm_config(**settings) -> fdl.Config:
   """The LanguageModel config with its templates filled from flat settings: the LM knobs under
   their flat names (paxcli.models.knobs.LM_KNOBS: num_heads, norm_type, ...), each missing one
