@@ -58,12 +58,6 @@ def test_scanned_groups_equal_an_unscanned_loop_of_the_same_layers():
   assert jax.tree.structure(unrolled) == jax.tree.structure(_params(loop, ids))
   np.testing.assert_allclose(np.asarray(scanned.apply({'params': params}, ids)),
                              np.asarray(loop.apply({'params': unrolled}, ids)), atol=2e-5)
-  # and the kinds really differ: the same weights run as two 'global' kinds compute something else
-  both_global = instantiate(lm_config(**{**SETTINGS, 'layer_kinds': {'local': KINDS['global'],
-                                                                      'global': KINDS['global']}},
-                                      scan_layers=True))
-  other = _params(both_global, ids)
-  assert other['layers']['block_0']['attention']['key']['kernel'].shape == (2, 16, 4, 4)
 
 
 def test_decoding_through_the_kv_cache_equals_the_full_forward_pass():
@@ -132,42 +126,59 @@ def test_a_pattern_that_cannot_work_is_one_line_before_any_compile(sets, message
   assert not (tmp_path / 'job' / 'checkpoints').exists()
 
 
-def test_trained_checkpoint_converts_between_layouts_and_evaluates_the_same(tmp_path, capsys):
-  job, unscanned = str(tmp_path / 'job'), str(tmp_path / 'unscanned')
-  scan = [a for s in SETS + ['USE_REPEATED_LAYER=True'] for a in ('--set', s)]
-  code, _, err = pax_main(['train', '--exp', EXP, *scan, '--set', 'NUM_TRAIN_STEPS=1', '--set',
-                           'SAVE_INTERVAL_STEPS=1', '--job-log-dir', job], capsys)
+def _run(argv, capsys) -> str:
+  code, out, err = pax_main(argv, capsys)
   assert code == 0, err
-  code, out, err = pax_main(['checkpoint', 'convert', job, unscanned, '--exp', EXP, *scan, '--set',
-                             'USE_REPEATED_LAYER=False', '--json'], capsys)
-  assert code == 0, err
-  result = json.loads(out)
-  assert result['verify']['ok'] and result['verify']['max_abs_diff'] < 1e-4
+  return out
 
+
+def _sets(*extra) -> list:
+  return [a for s in SETS + list(extra) for a in ('--set', s)]
+
+
+def _decoded(path, layout, capsys) -> list:
+  """Beam search (its KV cache's rows move between beams) on two prompts of the job at `path`."""
+  out = _run(['decode', '--exp', EXP, *_sets(layout), '--job-log-dir', path, '--prompt-ids', '3,5,7,9',
+              '--prompt-ids', '4,6', '--beam-size', '2', '--max-decode-steps', '4', '--ignore-eos', '--json'], capsys)
+  return [(r['beam_rank'], r['decoded_ids']) for r in map(json.loads, out.strip().splitlines())]
+
+
+@pytest.fixture(scope='module')
+def trained(tmp_path_factory):
+  """A patterned job trained one step in the scanned layout, and its conversion to the unscanned one."""
+  import paxcli
+  root = tmp_path_factory.mktemp('pattern')
+  job, unscanned = str(root / 'job'), str(root / 'unscanned')
+  scanned = SETS + ['USE_REPEATED_LAYER=True']
+  paxcli.train(EXP, overrides=scanned + ['NUM_TRAIN_STEPS=1', 'SAVE_INTERVAL_STEPS=1'], job_dir=job)
+  result = paxcli.convert_checkpoint(job, unscanned, exp=EXP, overrides=scanned + ['USE_REPEATED_LAYER=False'])
+  assert result['verify']['ok'] and result['verify']['max_abs_diff'] < 1e-4   # the same logits
+  return job, unscanned
+
+
+def test_a_trained_patterned_job_converts_to_the_unscanned_layout_and_decodes(trained, capsys):
+  job, unscanned = trained
   from paxcli.convert import formats
   a, b = formats.open_source(job), formats.open_source(unscanned)
+  assert a.step == b.step == 1
   np.testing.assert_array_equal(a.read('params/layers/block_1/attention/per_dim_scale')[1],
-                                b.read('params/layer_3/attention/per_dim_scale'))
+                                b.read('params/layer_3/attention/per_dim_scale'))    # layer 3: group 1, global
   np.testing.assert_array_equal(a.read('params/layers/block_0/attention/key/kernel')[1],
-                                b.read('params/layer_2/attention/key/kernel'))
+                                b.read('params/layer_2/attention/key/kernel'))       # layer 2: group 1, local
+  ids = _decoded(unscanned, 'USE_REPEATED_LAYER=False', capsys)
+  assert [rank for rank, _ in ids] == [0, 1, 0, 1] and all(len(x) == 4 for _, x in ids)
 
-  def eval_loss(path, extra):
-    code, out, err = pax_main(['eval', '--exp', EXP, *[a for s in SETS + extra for a in ('--set', s)],
-                               '--job-log-dir', path, '--json'], capsys)
-    assert code == 0, err
+
+@pytest.mark.slow
+def test_both_layouts_evaluate_and_decode_the_same(trained, capsys):
+  job, unscanned = trained
+
+  def eval_loss(path, layout):
+    out = _run(['eval', '--exp', EXP, *_sets(layout), '--job-log-dir', path, '--json'], capsys)
     return json.loads(out.strip().splitlines()[-1])['results']['eval']['loss']
-  assert eval_loss(unscanned, ['USE_REPEATED_LAYER=False']) == pytest.approx(
-      eval_loss(job, ['USE_REPEATED_LAYER=True']), rel=1e-5)
-
-  def decoded(path, extra):   # beam search moves the KV cache's rows through the patterned stack
-    code, out, err = pax_main(['decode', '--exp', EXP, *[a for s in SETS + extra for a in ('--set', s)],
-                               '--job-log-dir', path, '--prompt-ids', '3,5,7,9', '--prompt-ids', '4,6',
-                               '--beam-size', '2', '--max-decode-steps', '4', '--ignore-eos', '--json'], capsys)
-    assert code == 0, err
-    return [json.loads(line)['decoded_ids'] for line in out.strip().splitlines()]
-  scanned_ids = decoded(job, ['USE_REPEATED_LAYER=True'])
-  assert len(scanned_ids) == 2 and all(len(ids) == 4 for ids in scanned_ids)
-  assert decoded(unscanned, ['USE_REPEATED_LAYER=False']) == scanned_ids
+  assert eval_loss(unscanned, 'USE_REPEATED_LAYER=False') == pytest.approx(
+      eval_loss(job, 'USE_REPEATED_LAYER=True'), rel=1e-5)
+  assert _decoded(unscanned, 'USE_REPEATED_LAYER=False', capsys) == _decoded(job, 'USE_REPEATED_LAYER=True', capsys)
 
 
 def test_the_uniform_stack_keeps_its_layout():

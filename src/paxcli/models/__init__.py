@@ -2,9 +2,10 @@
 the knob tables, the experiment bases recipes derive from, and one family object per architecture.
 
   base.py                  BaseModel, DecodingModel: the only methods train, eval, init and decode call
-  lm.py                    TransformerLm (the network, a stack of layer groups), LanguageModel, lm_config,
-                           flat_view
-  stack.py                 layer patterns: the kinds of a repeating group, each its own block template
+  lm.py                    TransformerLm (the network; a patterned stack scans LayerGroups), LanguageModel,
+                           lm_config, flat_view
+  pattern.py               layer patterns: the kinds of a repeating group, each its own block template, and
+                           where a layer's weights live in each layout
   losses.py                lm_loss, fused_lm_loss (a custom VJP)
   validation.py            checks of an LM config (one line each, before anything compiles)
   classifier.py            ClassificationModel
@@ -13,6 +14,7 @@ the knob tables, the experiment bases recipes derive from, and one family object
   training.py, lm_experiment.py, classifier_experiment.py
                            TrainingExperiment, LmExperiment, ClassifierExperiment (recipes' bases)
   family.py, registry.py   the Family object and the registry of families (by name, by HF model_type)
+  hf_config.py             Hugging Face config.json reads and weight transforms every family shares
   llama.py                 the Llama family: presets, HF config and weights both ways, MaxText names
 
 Recipes import `from paxcli.models import LmExperiment`. Names are loaded on first use (PEP 562):
@@ -36,7 +38,7 @@ _PUBLIC = {
     'TrainingExperiment': 'training', 'LmExperiment': 'lm_experiment',
     'ClassifierExperiment': 'classifier_experiment', 'CLASSIFIER_KNOBS': 'classifier_experiment',
     'LM_KNOBS': 'knobs', 'LM_KNOB': 'knobs',
-    'Family': 'family', 'FAMILIES': 'registry',
+    'Family': 'family', 'FAMILIES': 'registry', 'LLAMA': 'llama',
 }
 # Names paxcli/models.py used to import from paxcli.layers (and so served as paxcli.models.X):
 # still served, with a DeprecationWarning naming their home.
