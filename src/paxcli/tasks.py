@@ -39,6 +39,19 @@ class ScheduleConfig:
 
 
 @dataclasses.dataclass
+class TrackersConfig:
+  """Trackers beside TensorBoard (paxcli.jobdir.trackers): which, and where their runs go. None: the
+  library's environment variable (WANDB_PROJECT, WANDB_ENTITY, MLFLOW_TRACKING_URI, MLFLOW_EXPERIMENT_NAME),
+  else on a resume the run's recorded setting, else 'paxcli' (project, experiment) or the library's default."""
+  names: Any = ()                       # 'wandb', 'mlflow'
+  run_name: Optional[str] = None        # None: the job directory's name
+  wandb_project: Optional[str] = None
+  wandb_entity: Optional[str] = None
+  mlflow_tracking_uri: Optional[str] = None
+  mlflow_experiment: Optional[str] = None
+
+
+@dataclasses.dataclass
 class TrainConfig:
   """Pax's task.train knobs, with the learner (optimizer, schedule, clipping) beside them."""
   num_train_steps: int = 100
@@ -63,6 +76,7 @@ class TrainConfig:
   # LoRA: a PEFT adapter directory (adapter_config.json + adapter_model.safetensors, absolute) the
   # adapters of a fresh run start from instead of A random, B = 0.
   lora_init: Optional[str] = None
+  trackers: Any = dataclasses.field(default_factory=TrackersConfig)
 
 
 @dataclasses.dataclass

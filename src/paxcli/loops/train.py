@@ -37,8 +37,10 @@ from paxcli.jobdir import invocation
 from paxcli.jobdir import layout
 from paxcli.jobdir import lock as joblock
 from paxcli.jobdir import restore
+from paxcli.jobdir import storage
 from paxcli.jobdir import summaries
 from paxcli.jobdir import tokenizer
+from paxcli.jobdir import trackers as track
 from paxcli.layers.base import AUX_LOSS, NON_TRAINABLE, RANDOM, SUMMARIES, flatten_collection
 from paxcli.loops.decode.training import TrainDecoder
 from paxcli.loops.evaluate import Evaluator, metrics_line
@@ -488,14 +490,14 @@ def train(resolved, job_dir: str, console, verbose: bool = False, profile_steps=
   joblock.check_writable(job_dir)  # makes the directory
   lock = joblock.lock_run(job_dir, _printer(console) if jax.process_index() == 0 else _silent)
   try:
-    return _train(resolved, job_dir, console, verbose, profile_steps, pgle_profile)
+    return _train(resolved, job_dir, console, verbose, profile_steps, pgle_profile, lock)
   finally:
     if lock is not None:
       lock.release()
 
 
 def _train(resolved, job_dir: str, console, verbose: bool = False, profile_steps=None,
-           pgle_profile: Optional[str] = None) -> dict:
+           pgle_profile: Optional[str] = None, lock=None) -> dict:
   is_main = jax.process_index() == 0
   log = _printer(console) if is_main else _silent
   distributed.log_topology(_printer(console))
@@ -503,6 +505,7 @@ def _train(resolved, job_dir: str, console, verbose: bool = False, profile_steps
   # ---- Mesh, model, state shapes ------------------------------------------------------------------
   setup = engine.build(resolved)
   train_cfg, total = setup.train, setup.train.num_train_steps
+  track.check_installed(train_cfg.trackers.names)  # before anything is compiled
   base = restore.base_ref(train_cfg.init_from) if train_cfg.init_from else None
   if base is None and train_state.has_frozen(setup):
     raise UserError('LORA_RANK > 0 trains adapters on frozen base weights: set INIT_FROM to the base checkpoint '
@@ -519,15 +522,15 @@ def _train(resolved, job_dir: str, console, verbose: bool = False, profile_steps
     invocation.record(job_dir)
   ckpt.set_aside_unfinished(layout.checkpoints(job_dir), log=log)
   distributed.barrier('paxcli:unfinished-checkpoints-set-aside')  # all processes then see the same steps
-  checkpointer = ckpt.Checkpointer(layout.checkpoints(job_dir), train_cfg.save_max_to_keep)
+  checkpointer = ckpt.Checkpointer(layout.checkpoints(job_dir), train_cfg.save_max_to_keep,
+                                  before_save=getattr(lock, 'check', None))  # a bucket lock may be lost
   latest = checkpointer.latest_step()
   if latest is not None and latest >= total:
     return _already_finished(job_dir, latest, spec, total, checkpointer, log)
   state, start = (_resume(setup, job_dir, latest, spec, checkpointer, log) if latest is not None
                   else (_fresh_state(setup, base, resolved.experiment.RANDOM_SEED, log), Start(0)))
   if is_main:
-    with open(layout.config(job_dir), 'w', encoding='utf-8') as f:
-      f.write(resolved.as_text())
+    storage.write_text(layout.config(job_dir), resolved.as_text())
     _trim_replayed_metrics(job_dir, start.step, log)
 
   # ---- Input, step, evals ---------------------------------------------------------------------------
@@ -546,7 +549,11 @@ def _train(resolved, job_dir: str, console, verbose: bool = False, profile_steps
              if getattr(train_cfg, 'decode_interval_steps', 0) and train_cfg.decode_prompts else None)
 
   # ---- Hooks --------------------------------------------------------------------------------------
-  writer = summaries.SummaryWriter(layout.summaries(job_dir, 'train'), layout.train_metrics(job_dir)) if is_main else None
+  tracked = _open_trackers(resolved, job_dir, train_cfg, spec, log) if is_main else track.Trackers()
+  if evaluator:
+    evaluator.trackers = tracked  # eval scalars go to the trackers too
+  writer = summaries.SummaryWriter(layout.summaries(job_dir, 'train'), layout.train_metrics(job_dir),
+                                   trackers=tracked) if is_main else None
   reporter = Reporter(console, total, start.step, enabled=is_main)
   guard = LossGuard(train_cfg.loss_spike_factor, train_cfg.loss_spike_window, start.recent_losses)
   losses = LossCheck(guard, start.step, total, checkpointer)
@@ -554,6 +561,7 @@ def _train(resolved, job_dir: str, console, verbose: bool = False, profile_steps
   summary = Summary(losses, chrono, reporter, writer, mfu_of, start.step)
   stop = GracefulStop(enabled=jax.process_count() == 1)
   with Hooks() as hooks:
+    hooks.enter_context(tracked)  # entered first, so ended last: after the writers' final summaries
     hooks.add_before(profiler.before)
     hooks.add(train_step.profile, every=1, close=profiler.close)
     hooks.add(losses, every=1)
@@ -580,6 +588,12 @@ def _train(resolved, job_dir: str, console, verbose: bool = False, profile_steps
   return summary.last
 
 
+def _open_trackers(resolved, job_dir: str, train_cfg, spec: RunSpec, log) -> track.Trackers:
+  """W&B / MLflow (TRACKERS), started or continued: their runs get the config and the run's identity."""
+  identity = track.Identity(job_dir, resolved.name, spec.flat, resolved.as_text(), invocation.command_line())
+  return track.open_trackers(train_cfg.trackers, identity, log)
+
+
 def _printer(console) -> Callable[[str], None]:
   return lambda m: console.print(m, highlight=False, markup=False, soft_wrap=True)
 
@@ -590,7 +604,7 @@ def _silent(message: str) -> None:
 
 def _log_run(resolved, setup, job_dir: str, log) -> None:
   devices = jax.devices()
-  log(f'Experiment {resolved.name} -> {os.path.abspath(job_dir)}')
+  log(f'Experiment {resolved.name} -> {job_dir}')
   log(f'Devices: {len(devices)} x {devices[0].device_kind} ({jax.default_backend()}), '
       f'{jax.process_count()} process(es); mesh {sharding.describe_mesh(setup.mesh)}')
   log(f'Parameters: {train_state.param_count(setup.abstract_state):,}; global batch '
@@ -693,7 +707,7 @@ def _position_input(train_input, job_dir: str, start: Start, log) -> None:
   if not start.step:
     return
   if hasattr(train_input, 'restore'):
-    saved = grain_input.read_states(layout.input_dir(layout.step_dir(job_dir, start.step)))
+    saved = grain_input.read_states(storage.local_tree(layout.input_dir(layout.step_dir(job_dir, start.step))))
     if saved:
       train_input.restore(saved)
       return
