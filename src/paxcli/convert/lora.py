@@ -10,7 +10,7 @@ PEFT's layout (peft.tuners.lora, saved by `save_pretrained`): `adapter_config.js
   base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight  [r, in]
   base_model.model.model.layers.{i}.self_attn.q_proj.lora_B.weight  [out, r]
 
-and the HF Llama module names of paxcli.convert.hf (q/k/v/o_proj, mlp.gate/up/down_proj).
+and the HF Llama module names of paxcli.models.llama (q/k/v/o_proj, mlp.gate/up/down_proj).
 Ours are A [in..., r] and B [r, out...], so lora_A = A.reshape(-1, r).T, lora_B = B.reshape(r, -1).T.
 """
 
