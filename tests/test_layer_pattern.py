@@ -40,11 +40,21 @@ def _params(model, ids):
   return engine.unbox(model.init(jax.random.key(0), ids)['params'])
 
 
-def test_scanned_groups_equal_an_unscanned_loop_of_the_same_layers():
-  scanned = instantiate(lm_config(**SETTINGS, scan_layers=True))
+def _logits(model, params, ids):
+  return np.asarray(jax.jit(lambda p, x: model.apply({'params': p}, x))(params, ids))
+
+
+@pytest.fixture(scope='module')
+def scanned():
+  """The patterned LM scanned group by group, its weights, and a batch of ids."""
+  model = instantiate(lm_config(**SETTINGS, scan_layers=True))
+  ids = _ids(l=10)
+  return model, _params(model, ids), ids
+
+
+def test_scanned_groups_equal_an_unscanned_loop_of_the_same_layers(scanned):
+  model, params, ids = scanned
   loop = instantiate(lm_config(**SETTINGS, scan_layers=False))
-  ids = _ids()
-  params = _params(scanned, ids)
   stack = params['layers']
   # one scan over 2 groups, each a 'local' block then a 'global' block, each with its own weights
   assert sorted(stack) == ['block_0', 'block_1']
@@ -55,28 +65,27 @@ def test_scanned_groups_equal_an_unscanned_loop_of_the_same_layers():
   # the same weights unstacked (layer i is block_<i % 2>, row i // 2) in an unscanned loop of 4 layers
   unrolled = {k: v for k, v in params.items() if k != 'layers'}
   unrolled.update(pattern.unstack(stack, 4, lambda x, row: x[row]))
-  assert jax.tree.structure(unrolled) == jax.tree.structure(_params(loop, ids))
-  np.testing.assert_allclose(np.asarray(scanned.apply({'params': params}, ids)),
-                             np.asarray(loop.apply({'params': unrolled}, ids)), atol=2e-5)
+  loop_shapes = jax.eval_shape(lambda r: engine.unbox(loop.init(r, ids)['params']), jax.random.key(0))
+  assert jax.tree.map(lambda x: x.shape, unrolled) == jax.tree.map(lambda x: x.shape, loop_shapes)
+  np.testing.assert_allclose(_logits(model, params, ids), _logits(loop, unrolled, ids), atol=2e-5)
 
 
-def test_decoding_through_the_kv_cache_equals_the_full_forward_pass():
-  model = instantiate(lm_config(**SETTINGS, scan_layers=True))
-  ids = _ids(l=10)
-  params = _params(model, ids)
-  full = np.asarray(model.apply({'params': params}, ids))
+def test_decoding_through_the_kv_cache_equals_the_full_forward_pass(scanned):
+  model, params, ids = scanned
+  full = _logits(model, params, ids)
   cache = model.init_cache(params, 2, 10)
   positions = jnp.broadcast_to(jnp.arange(10, dtype=jnp.int32)[None], (2, 10))
-  logits, cache = model.extend(params, cache, ids[:, :6], positions[:, :6])     # prefill
+  extend = jax.jit(model.extend)
+  logits, cache = extend(params, cache, ids[:, :6], positions[:, :6])           # prefill
   steps = [np.asarray(logits)]
   for t in range(6, 10):                                                        # then one token at a time
-    logits, cache = model.extend(params, cache, ids[:, t:t + 1], positions[:, t:t + 1])
+    logits, cache = extend(params, cache, ids[:, t:t + 1], positions[:, t:t + 1])
     steps.append(np.asarray(logits))
   np.testing.assert_allclose(np.concatenate(steps, axis=1), full, atol=2e-5)
 
 
-def test_training_flops_count_each_kind_with_its_own_settings():
-  patterned = instantiate(lm_config(**SETTINGS, scan_layers=True)).train_flops(16)
+def test_training_flops_count_each_kind_with_its_own_settings(scanned):
+  patterned = scanned[0].train_flops(16)
   halves = []
   for kind in ('local', 'global'):
     own = {k.lower(): v for k, v in KINDS[kind].items()}
@@ -185,7 +194,8 @@ def test_the_uniform_stack_keeps_its_layout():
   """No pattern, or a one-kind pattern: the scanned weights stay `layers/...` [L, ...] (today's checkpoints)."""
   for extra in ({}, {'layer_pattern': ('dense',), 'layer_kinds': {'dense': {'NUM_KV_HEADS': 2}}}):
     base = {k: v for k, v in SETTINGS.items() if k not in ('layer_pattern', 'layer_kinds')}
-    params = _params(instantiate(lm_config(**base, **extra, scan_layers=True)), _ids())
+    model = instantiate(lm_config(**base, **extra, scan_layers=True))
+    params = jax.eval_shape(lambda r: _params(model, _ids()), jax.random.key(0))
     assert 'block_0' not in params['layers'] and params['layers']['attention']['query']['kernel'].shape[0] == 4
 
 
