@@ -22,13 +22,13 @@ TINY = ['NUM_LAYERS=1', 'MODEL_DIMS=32', 'HIDDEN_DIMS=64', 'NUM_HEADS=2', 'NUM_K
 
 def test_old_module_name_is_the_new_module_with_a_warning():
   code = ('import warnings; warnings.simplefilter("error", DeprecationWarning)\n'
-          'import paxcli.families.lm as new\n'
+          'import paxcli.models.lm_experiment as new\n'
           'from paxcli.lm import LmExperiment\n'
           'import paxcli.lm as old\n'
-          'assert old is new and LmExperiment is new.LmExperiment and new.__spec__.name == "paxcli.families.lm"\n')
+          'assert old is new and LmExperiment is new.LmExperiment and new.__spec__.name == "paxcli.models.lm_experiment"\n')
   done = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True)
   assert done.returncode == 0, done.stderr
-  assert 'PaxcliDeprecationWarning: The module paxcli.lm is now paxcli.families.lm' in done.stderr
+  assert 'PaxcliDeprecationWarning: The module paxcli.lm is now paxcli.models.lm_experiment' in done.stderr
 
 
 @pytest.mark.slow  # a scanned model's compile: about 40 s on a loaded 2-core machine
@@ -61,7 +61,7 @@ def test_a_renamed_knob_on_the_command_line_sets_the_new_one(renamed):
 
 
 def test_a_renamed_knob_in_a_class_sets_the_new_one(renamed, tmp_path, monkeypatch):
-  (tmp_path / 'old_knobs.py').write_text('from paxcli.families.lm import LmExperiment\n\n'
+  (tmp_path / 'old_knobs.py').write_text('from paxcli.models import LmExperiment\n\n'
                                         'class Old(LmExperiment):\n  TRAIN_STEPS = 5\n')
   with pytest.warns(compat.PaxcliDeprecationWarning, match='TRAIN_STEPS'):
     exp, _ = instantiate(f'{tmp_path}/old_knobs.py:Old', [])

@@ -30,7 +30,7 @@ def site(tmp_path_factory):
 
 def test_every_knob_is_in_the_knob_reference(site):
   from paxcli.families.classifier import ClassifierExperiment
-  from paxcli.families.lm import LmExperiment
+  from paxcli.models import LmExperiment
   page = (site / 'reference' / 'knobs' / 'index.html').read_text()
   for cls in (LmExperiment, ClassifierExperiment):
     missing = [k for k in cls.knob_types() if f'<code>{k}</code>' not in page]

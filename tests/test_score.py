@@ -22,7 +22,7 @@ from paxcli.loops.score.requests import Pair, rolling_windows
 from paxcli.loops.score.scorer import Scorer
 from paxcli.runtime import engine
 
-EXP = 'paxcli.families.lm.LmExperiment'
+EXP = 'paxcli.models.LmExperiment'
 TINY = ['VOCAB_SIZE=320', 'MODEL_DIMS=32', 'HIDDEN_DIMS=64', 'NUM_HEADS=4', 'NUM_LAYERS=2', 'MAX_SEQ_LEN=32',
         'PERCORE_BATCH_SIZE=1']
 SETS = [a for s in TINY for a in ('--set', s)]

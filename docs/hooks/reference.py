@@ -23,9 +23,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def knob_sources() -> list[tuple[str, type, tuple]]:
   """(section title, experiment class, its model knob table) for each family the reference lists."""
-  from paxcli.families.classifier import CLASSIFIER_KNOBS, ClassifierExperiment
-  from paxcli.families.knobs import LM_KNOBS
-  from paxcli.families.lm import LmExperiment
+  from paxcli.models.classifier_experiment import CLASSIFIER_KNOBS, ClassifierExperiment
+  from paxcli.models.knobs import LM_KNOBS
+  from paxcli.models import LmExperiment
   return [('Language models: `LmExperiment`', LmExperiment, LM_KNOBS),
           ('Classifiers: `ClassifierExperiment`', ClassifierExperiment, CLASSIFIER_KNOBS)]
 
@@ -43,7 +43,7 @@ def on_files(files, config):
 
 def knobs_page() -> str:
   from paxcli.experiment import Experiment
-  from paxcli.families.base import TrainingExperiment
+  from paxcli.models.training import TrainingExperiment
   lines = ['# Knobs', '',
            'Every knob an experiment of paxcli declares, written from the code when the site is built. '
            'Set one in a class (`NUM_LAYERS = 4`) or on the command line (`--set NUM_LAYERS=4`); '

@@ -20,6 +20,11 @@ import warnings
 
 MOVED_MODULES: dict[str, str] = {
     'paxcli.lm': 'paxcli.families.lm',  # 0.1.0: the layers rework; generated recipes imported it
+    # 0.2.0: the models/ package (experiment bases and knob tables beside the models they build)
+    'paxcli.families.lm': 'paxcli.models.lm_experiment',
+    'paxcli.families.base': 'paxcli.models.training',
+    'paxcli.families.classifier': 'paxcli.models.classifier_experiment',
+    'paxcli.families.knobs': 'paxcli.models.knobs',
 }
 RENAMED_KNOBS: dict[str, str] = {}
 RENAMED_OPTIONS: dict[str, str] = {}

@@ -20,9 +20,10 @@ from typing import Any
 from paxcli.compat import MOVED_MODULES, new_module
 from paxcli.errors import UserError
 
-IMPORTS = {('paxcli.experiment', 'register'), ('paxcli.families.lm', 'LmExperiment')}
-# Recipes written before a module moved import it by its old name: still the generators' shape.
-IMPORTS |= {(old, name) for old in MOVED_MODULES for module, name in set(IMPORTS) if module == new_module(old)}
+IMPORTS = {('paxcli.experiment', 'register'), ('paxcli.models', 'LmExperiment')}
+# Recipes written before a module moved import it by its old name (paxcli.lm, paxcli.families.lm):
+# still the generators' shape, kept in users' job directories.
+IMPORTS |= {(old, 'LmExperiment') for old in MOVED_MODULES if new_module(old) == 'paxcli.models.lm_experiment'}
 BASES = ('LmExperiment',)
 
 

@@ -28,11 +28,12 @@ from paxcli import experiment, files, gencode
 from paxcli import values as ptypes
 from paxcli.convert import formats
 from paxcli.errors import UserError, shorten
-from paxcli.families.lm import LmExperiment
 from paxcli.inputs import tokenizers
 from paxcli.jobdir import layout
 from paxcli.jobdir import lock as joblock
 from paxcli.jobdir import storage
+from paxcli.models import pattern
+from paxcli.models.lm_experiment import LmExperiment
 
 _LAYER_RE = re.compile(r'(^|/)layer_(\d+)(/|$)')
 _LAYERS_RE = re.compile(r'(^|/)layers(/|$)')
@@ -204,18 +205,23 @@ def resolve_pair(src, exp: Optional[str], overrides: list[str]):
 @dataclasses.dataclass
 class Model:
   resolved: object
-  module: object             # models.flat_view of the LanguageModel: flat settings and apply
+  module: object             # paxcli.models.lm.flat_view of the LanguageModel: flat settings and apply
   abstract: dict             # name -> ShapeDtypeStruct of the full train state
   placeholders: list         # names of empty optimizer states (kept as placeholders in orbax)
 
   @property
   def spec(self):
-    """The LM's settings under TransformerLm's flat field names (models.flat_view)."""
+    """The LM's settings under TransformerLm's flat field names (paxcli.models.lm.flat_view)."""
     return self.module
 
   @property
   def scanned(self) -> bool:
     return bool(self.module.scan_layers)
+
+  @property
+  def period(self) -> int:
+    """Layers per group of the stack (paxcli.models.pattern; 1: uniform)."""
+    return pattern.period(getattr(self.module, 'layer_pattern', ()))
 
   def names(self, params_only: bool) -> list[str]:
     return [n for n in self.abstract if not params_only or n == 'step' or n.startswith('params/')]
@@ -225,8 +231,8 @@ def build_model(resolved) -> Model:
   """The model and the abstract train state of an experiment, without a mesh."""
   import jax
 
-  from paxcli import models, optim
-
+  from paxcli import optim
+  from paxcli.models.lm import flat_view
   from paxcli.runtime import engine
   task = engine.build_task(resolved.task)
   engine.validate_model(task.model)
@@ -239,7 +245,7 @@ def build_model(resolved) -> Model:
       abstract, is_leaf=lambda x: isinstance(x, tuple) and not x and x is not None)[0]:
     if isinstance(node, tuple) and not node:
       empty.append(formats.join(path))
-  return Model(resolved, models.flat_view(task.model), flat, empty)
+  return Model(resolved, flat_view(task.model), flat, empty)
 
 
 # ---- plan -------------------------------------------------------------------------------------
@@ -254,11 +260,13 @@ class Item:
   index: Optional[int] = None  # one layer of a stacked source
 
 
-def _canonical(name: str) -> tuple[str, Optional[int]]:
+def _canonical(name: str, period: int = 1) -> tuple[str, Optional[int]]:
+  """A per-layer name (`.../layer_<i>/rest`) as its scanned name and row (pattern.stacked_path), else (name, None)."""
   m = _LAYER_RE.search(name)
   if not m:
     return name, None
-  return name[:m.start()] + f'{m.group(1)}layers{m.group(3)}' + name[m.end():], int(m.group(2))
+  stacked, row = pattern.stacked_path(int(m.group(2)), name[m.end():], period)
+  return name[:m.start()] + m.group(1) + stacked, row
 
 
 def plan(src_arrays: list, target: Model, params_only: bool, dtype: Optional[str]) -> list[Item]:
@@ -266,7 +274,7 @@ def plan(src_arrays: list, target: Model, params_only: bool, dtype: Optional[str
   have = {a.name: a for a in src_arrays}
   by_canon: dict[str, dict[int, str]] = {}
   for a in src_arrays:
-    c, i = _canonical(a.name)
+    c, i = _canonical(a.name, target.period)
     if i is not None:
       by_canon.setdefault(c, {})[i] = a.name
   items, problems, used = [], [], set()
@@ -285,7 +293,7 @@ def plan(src_arrays: list, target: Model, params_only: bool, dtype: Optional[str
       items.append(Item(name, want, out_dtype, name))
       used.add(name)
       continue
-    c, i = _canonical(name)
+    c, i = _canonical(name, target.period)
     if i is not None and c in have and _LAYERS_RE.search(c):   # unstack: one layer of a scanned array
       got = tuple(have[c].shape)
       if got[1:] != want or i >= got[0]:

@@ -10,7 +10,7 @@ PEFT's layout (peft.tuners.lora, saved by `save_pretrained`): `adapter_config.js
   base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight  [r, in]
   base_model.model.model.layers.{i}.self_attn.q_proj.lora_B.weight  [out, r]
 
-and the HF Llama module names of paxcli.convert.hf (q/k/v/o_proj, mlp.gate/up/down_proj).
+and the HF Llama module names of paxcli.models.llama (q/k/v/o_proj, mlp.gate/up/down_proj).
 Ours are A [in..., r] and B [r, out...], so lora_A = A.reshape(-1, r).T, lora_B = B.reshape(r, -1).T.
 """
 
@@ -30,7 +30,8 @@ from paxcli.jobdir import checkpoint as ckpt
 from paxcli.jobdir import format as job_format
 from paxcli.jobdir import layout, restore
 from paxcli.layers import lora
-from paxcli.runtime import engine
+from paxcli.models import pattern
+from paxcli.runtime import engine, train_state
 
 PEFT_MODULES = {'query': 'self_attn.q_proj', 'key': 'self_attn.k_proj', 'value': 'self_attn.v_proj',
                 'out': 'self_attn.o_proj', 'wi_0': 'mlp.gate_proj', 'wi_1': 'mlp.up_proj', 'wo': 'mlp.down_proj'}
@@ -70,9 +71,9 @@ def merge_run(src, tmp: str, exp: Optional[str], overrides: list, verify: bool, 
   result = (core.verify(model, params, setup.model, merged, core.default_tolerance(None), model.vocab_size,
                         model.max_seq_len) if verify else None)
   checkpointer = ckpt.Checkpointer(layout.checkpoints(tmp), max_to_keep=0, async_save=False)
-  checkpointer.save(src.step, state, {'step': src.step, 'state_shapes': engine.shape_signature(abstract),
+  checkpointer.save(src.step, state, {'step': src.step, 'state_shapes': train_state.shape_signature(abstract),
                                       'config': {k: repr(v) for k, v in plain.flat().items()},
-                                      'checksums': restore.checksums(state), 'merged_lora_of': src.meta['base']})
+                                      'checksums': train_state.checksums(state), 'merged_lora_of': src.meta['base']})
   checkpointer.close()
   with open(layout.config(tmp), 'w', encoding='utf-8') as f:
     f.write(plain.as_text())
@@ -86,11 +87,12 @@ def merge_run(src, tmp: str, exp: Optional[str], overrides: list, verify: bool, 
 
 
 def _layer_adapters(params: dict):
-  """(layer index, projection, A, B) for every adapter, unrolled or scanned ([layers, ...])."""
+  """(layer index, projection, A, B) for every adapter, unrolled or scanned ([layers, ...], or [groups, ...]
+  per position of a patterned stack's group: paxcli.models.pattern)."""
   if 'layers' in params:
     stack = params['layers']
-    n = len(next(iter(jax.tree.leaves(stack))))
-    layers = [(i, jax.tree.map(lambda x, i=i: x[i], stack)) for i in range(n)]
+    n = len(next(iter(jax.tree.leaves(stack)))) * pattern.period_of(stack)
+    layers = [(int(k.split('_')[1]), v) for k, v in pattern.unstack(stack, n, lambda x, row: x[row]).items()]
   else:
     layers = sorted((int(k.split('_')[1]), v) for k, v in params.items() if k.startswith('layer_'))
   for i, layer in layers:
@@ -179,13 +181,14 @@ def read_peft(directory: str, model, abstract_params: dict) -> dict:
   s = model.lora
   src = safetensors_io.SafetensorsSource(files.member(directory, PEFT_WEIGHTS, 'PEFT weights'))
   have = {a.name: tuple(a.shape) for a in src.arrays()}
-  trainable = engine.split_trainable(model, abstract_params)[0]
+  trainable = train_state.split_trainable(model, abstract_params)[0]
   out, used = {}, set()
+  period = pattern.period(getattr(getattr(model, 'lm_tpl', None), 'layer_pattern', ()))
   for path_keys, leaf in _flat_paths(trainable):
     *scope, name = path_keys
     projection, part = (name[:-len(lora.SUFFIX_A)], 'A') if name.endswith(lora.SUFFIX_A) else \
         (name[:-len(lora.SUFFIX_B)], 'B')
-    layers = range(leaf.shape[0]) if scope[0] == 'layers' else [int(scope[0].split('_')[1])]
+    layers = _layers_of(scope, leaf.shape[0] if scope[0] == 'layers' else 0, period)
     per_layer = tuple(leaf.shape[1:] if scope[0] == 'layers' else leaf.shape)
     # PEFT's torch Linear layout: lora_A [r, in], lora_B [out, r]; ours A [in..., r], B [r, out...]
     want = ((per_layer[-1], int(np.prod(per_layer[:-1]))) if part == 'A'
@@ -259,9 +262,20 @@ def _check_targets(targets, path: str, lora_targets) -> None:
                     f'{sorted(ours)}; set LORA_TARGETS to the adapter\'s modules.')
 
 
+def _layers_of(scope: list, rows: int, period: int) -> list[int]:
+  """The layer indices of a trainable leaf's rows: layer_<i>/...: [i]; layers/...: every row; layers/block_<j>/...
+  of a patterned stack (`period` layers per group): row g is layer g * period + j."""
+  if scope[0] != 'layers':
+    return [int(scope[0].split('_')[1])]
+  if not (len(scope) > 1 and scope[1].startswith('block_')):
+    return list(range(rows))
+  j = int(scope[1].split('_')[1])
+  return [g * period + j for g in range(rows)]
+
+
 def _flat_paths(tree: dict):
   for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    yield tuple(str(k) for k in engine._keys(path)), leaf
+    yield tuple(str(k) for k in train_state.keys(path)), leaf
 
 
 def resolve_lora_target(to: str, merge_lora: bool, src) -> None:

@@ -38,7 +38,7 @@ from paxcli import files, gencode
 from paxcli.convert import formats
 from paxcli.convert.formats import ArrayInfo
 from paxcli.errors import UserError, shorten
-from paxcli.families.knobs import LM_KNOB, LM_KNOBS, effective
+from paxcli.models.knobs import LM_KNOB, LM_KNOBS, effective
 from paxcli.runtime import engine
 
 _STEP_RE = re.compile(r'^checkpoint_(\d+)$')
@@ -525,7 +525,7 @@ class PaxmlSource(formats.SourceBase):
              'derived from. UNSUPPORTED_FEATURES lists what paxcli cannot reproduce; `pax train` refuses',
              'to run until you accept it with --set UNSUPPORTED_FEATURES={}. Set the data (datasets(),',
              'MAX_SEQ_LEN, PERCORE_BATCH_SIZE) and optimizer for your runs.',
-             '"""', '', 'from paxcli.experiment import register', 'from paxcli.families.lm import LmExperiment', '',
+             '"""', '', 'from paxcli.experiment import register', 'from paxcli.models import LmExperiment', '',
              f'SOURCE = {gencode.literal(os.path.abspath(self.path))}',
              f'CONFIG = {gencode.literal(self.config_path)}', '', '',
              '@register', f'class {class_name}(LmExperiment):', '  """Converted from the paxml checkpoint SOURCE."""', '']

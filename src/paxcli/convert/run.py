@@ -111,9 +111,7 @@ def _convert(src, out, source, output, fmt, to, exp, overrides, params_only, dty
     source_res = target_res
   target = core.build_model(target_res)
   if to == 'hf':
-    reasons = hf.misfit(target.spec)
-    if reasons:
-      raise UserError('This model does not fit the Hugging Face Llama layout: ' + '; '.join(reasons) + '.')
+    hf.family_of(target.spec)   # before any array is read: a UserError when no family's layout fits
   source_model = core.build_model(source_res)
   src_arrays = src.arrays()
   has_opt = any(a.name.startswith('opt_state/') for a in src_arrays)
@@ -287,7 +285,9 @@ def _carry_files(src, tmp: str, to: str, recipe_text: Optional[str], own_experim
 
 
 def _recipe_class(src) -> str:
-  return 'PaxLm' if src.kind == 'paxml' else 'HfLlama'
+  if src.kind == 'paxml':
+    return 'PaxLm'
+  return 'Hf' + ''.join(c for c in getattr(src, 'hf', src).family.title if c.isalnum())   # HfLlama
 
 
 def _write_recipe(src, recipe: Optional[str], output: str, force: bool, log) -> tuple[str, str]:
@@ -304,7 +304,8 @@ def _write_recipe(src, recipe: Optional[str], output: str, force: bool, log) -> 
   if src.kind == 'paxml':
     text = src.recipe_text(class_name)
   else:
-    text = hf.recipe_text(class_name, dict(src.knobs()), src.path, getattr(getattr(src, 'hf', src), 'notes', []))
+    hf_src = getattr(src, 'hf', src)
+    text = hf.recipe_text(class_name, dict(src.knobs()), src.path, getattr(hf_src, 'notes', []), hf_src.family.title)
   gencode.check_shape(text, path)   # a bug of ours, never outside text, could fail this
   # Read back as the job's experiment: a regular file, never a device, the source or a file in it.
   files.check_output(path, 'the recipe', force=True, inputs=[src.path], streams=False)

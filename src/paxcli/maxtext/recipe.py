@@ -109,7 +109,7 @@ def render(t: Translation, class_name: str, output_path: str) -> str:
   if t.unsupported:
     lines += ['', 'UNSUPPORTED_FEATURES lists what paxcli cannot reproduce; `pax train` refuses',
               'to run until you accept the difference with --set UNSUPPORTED_FEATURES={}.']
-  lines += ['"""', '', 'from paxcli.families.lm import LmExperiment', '', '',
+  lines += ['"""', '', 'from paxcli.models import LmExperiment', '', '',
             f'class {class_name}(LmExperiment):',
             f'{_INDENT}"""{q(os.path.basename(t.script.path))} (MaxText era {t.era})."""', '']
   by_knob = {row.knob: row for row in t.rows}

@@ -20,8 +20,6 @@ import math
 from typing import Any, Optional
 
 import fiddle as fdl
-import flax.linen as nn
-import flax.traverse_util
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -31,9 +29,12 @@ from paxcli import optim, options
 from paxcli.errors import UserError, at_least
 from paxcli.layers import activation_sharding
 from paxcli.layers.base import NON_TRAINABLE, RANDOM, instantiate, mean_sync_mask
-from paxcli.perf import flops
-from paxcli.runtime import platform, sharding
+from paxcli.models import flops, pattern, registry
+from paxcli.models.lm import flat_view
+from paxcli.runtime import platform, sharding, train_state
 from paxcli.runtime.infeed import global_batch_size, plan_infeed
+from paxcli.runtime.train_state import (cast_frozen, has_frozen, join_params, param_count,  # noqa: F401
+                                        saved_state, shape_signature, split_trainable, unbox)
 
 
 @dataclasses.dataclass
@@ -150,12 +151,12 @@ def check_sequence(seq_len: int, per_token: int, what: str, fix: str) -> None:
 
 def check_fits(setup, params_only: bool = False) -> None:
   """UserError before any array of the state is made when the state alone cannot fit: its bytes on
-  one device (sharded as the mesh shards it) against what a device holds (flops.device_memory_bytes).
+  one device (sharded as the mesh shards it) against what a device holds (platform.device_memory_bytes).
   Commands that only compile (describe, bench --compile-only) never call it."""
   state = {k: v for k, v in setup.abstract_state.items() if not (params_only and k == 'opt_state')}
   leaves = jax.tree.leaves(state)
   per_device = sum(math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize for x in leaves)
-  limit, source = flops.device_memory_bytes()
+  limit, source = platform.device_memory_bytes()
   if limit and per_device > limit:
     what = 'parameters' if params_only else 'parameters and optimizer state'
     raise UserError(f'The model\'s {what} alone take {_gib(per_device)} on each device '
@@ -260,10 +261,6 @@ def validate_train(train) -> None:
             'min_ratio')
 
 
-def unbox(tree):
-  return nn.meta.unbox(tree)
-
-
 def make_init(model, tx, seq_len: int):
   """rng -> boxed train state (params carry logical names); the optimizer state covers the
   trainable params only, and frozen ones are kept in the model's frozen_dtype."""
@@ -277,57 +274,6 @@ def make_init(model, tx, seq_len: int):
     return state
 
   return init
-
-
-# ---- frozen weights (LoRA): the model's is_trainable says which params train --------------------
-
-def _flat(params) -> dict:
-  return flax.traverse_util.flatten_dict(params) if params else {}
-
-
-def split_trainable(model, params) -> tuple[dict, dict]:
-  """(trainable, frozen) nested dicts of params, by the model's is_trainable; frozen is {} when all train."""
-  trainable, frozen = {}, {}
-  for path, leaf in _flat(params).items():
-    (trainable if model.is_trainable(path) else frozen)[path] = leaf
-  return flax.traverse_util.unflatten_dict(trainable), flax.traverse_util.unflatten_dict(frozen)
-
-
-def join_params(*parts) -> dict:
-  """One nested params dict from disjoint parts (split_trainable's, or adapters and a base)."""
-  flat = {}
-  for part in parts:
-    flat.update(_flat(part))
-  return flax.traverse_util.unflatten_dict(flat)
-
-
-def has_frozen(setup) -> bool:
-  """True when some params are frozen: checkpoints then hold the trainable ones and name the base."""
-  return bool(split_trainable(setup.model, setup.abstract_state['params'])[1])
-
-
-def cast_frozen(model, params):
-  """Boxed or plain params with the frozen floating-point ones cast to the model's frozen_dtype."""
-  dtype = getattr(model, 'frozen_dtype', None)
-  if not dtype:
-    return params
-  is_box = lambda x: isinstance(x, nn.meta.AxisMetadata)
-
-  def one(path, leaf):
-    value = leaf.unbox() if is_box(leaf) else leaf
-    if model.is_trainable(tuple(_keys(path))) or not jnp.issubdtype(value.dtype, jnp.floating):
-      return leaf
-    cast = value.astype(dtype)
-    return leaf.replace_boxed(cast) if is_box(leaf) else cast
-  return jax.tree_util.tree_map_with_path(one, params, is_leaf=is_box)
-
-
-def saved_state(setup, state: dict) -> dict:
-  """The part of a train state (or of its abstract) that checkpoints hold: the frozen params are left
-  out (they are the base's, named in the checkpoint's meta)."""
-  if not has_frozen(setup):
-    return state
-  return dict(state, params=split_trainable(setup.model, state['params'])[0])
 
 
 def init_variables(model, rng, seq_len: int) -> dict:
@@ -346,12 +292,12 @@ def _opt_state_shardings(opt_abstract, params_abstract, param_shardings, mesh):
   """
   by_path = {}
   for path, leaf in jax.tree_util.tree_flatten_with_path(params_abstract)[0]:
-    by_path[_keys(path)] = leaf.shape
-  shard_by_path = {_keys(p): s for p, s in jax.tree_util.tree_flatten_with_path(param_shardings)[0]}
+    by_path[train_state.keys(path)] = leaf.shape
+  shard_by_path = {train_state.keys(p): s for p, s in jax.tree_util.tree_flatten_with_path(param_shardings)[0]}
   replicated = NamedSharding(mesh, PartitionSpec())
 
   def one(path, leaf):
-    keys = _keys(path)
+    keys = train_state.keys(path)
     for start in range(len(keys)):
       suffix = keys[start:]
       if suffix in by_path and by_path[suffix] == leaf.shape:
@@ -359,16 +305,6 @@ def _opt_state_shardings(opt_abstract, params_abstract, param_shardings, mesh):
     return replicated
 
   return jax.tree_util.tree_map_with_path(one, opt_abstract)
-
-
-def _keys(path) -> tuple:
-  out = []
-  for k in path:
-    for attr in ('key', 'name', 'idx'):
-      if hasattr(k, attr):
-        out.append(getattr(k, attr))
-        break
-  return tuple(out)
 
 
 def init_state(setup: Setup, seed: int):
@@ -401,8 +337,8 @@ def _init_through_scan(setup: Setup):
   def unstack(tree):
     tree = dict(tree)
     stacked = tree.pop('layers', None)
-    for i in range(n if stacked is not None else 0):
-      tree[f'layer_{i}'] = jax.tree.map(lambda x, i=i: x[i], stacked)
+    if stacked is not None:   # [L, ...], or [groups, ...] per position of a patterned stack's group
+      tree.update(pattern.unstack(stacked, n, lambda x, row: x[row]))
     return tree
 
   def init(rng):
@@ -422,10 +358,6 @@ def _init_through_scan(setup: Setup):
       a.shape == b.shape and a.dtype == b.dtype
       for a, b in zip(jax.tree.leaves(shapes), jax.tree.leaves(setup.abstract_state)))
   return init if same else None
-
-
-def param_count(abstract_state) -> int:
-  return int(sum(np.prod(x.shape) for x in jax.tree.leaves(abstract_state['params'])))
 
 
 def summary(resolved) -> dict:
@@ -460,24 +392,28 @@ def summary(resolved) -> dict:
   out['flops_per_token'] = per_token.per_token if per_token else None
   if per_token is None:
     out['flops_per_token_note'] = flops.unknown_flops(model)
+  out.update(family_of(model))
   return out
 
 
-def shape_signature(abstract_state) -> dict[str, list[int]]:
-  """'path' -> shape for every leaf of the state: what a checkpoint must match."""
-  out = {}
-  for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_state)[0]:
-    out['/'.join(str(k) for k in _keys(path))] = list(leaf.shape)
-  return out
+def family_of(model) -> dict:
+  """{'family': the name of the model family whose Hugging Face layout the model fits (paxcli.models.registry),
+  or None and 'family_note': why it fits none}."""
+  if not hasattr(model, 'lm_tpl'):
+    return {'family': None, 'family_note': f'{type(model).__name__} is not a language model of a family'}
+  family, why = registry.fitting(flat_view(model))
+  if family:
+    return {'family': family.name}
+  return {'family': None, 'family_note': '; '.join(f'not {name}: {reasons[0]}' for name, reasons in why.items())}
 
 
 def weights_table(setup: Setup) -> list[tuple[str, str, str, str, str]]:
   """(path, shape, dtype, logical axes, mesh sharding) for every weight."""
   rows = []
-  flat_logical = {(_keys(p)): v for p, v in jax.tree_util.tree_flatten_with_path(
+  flat_logical = {(train_state.keys(p)): v for p, v in jax.tree_util.tree_flatten_with_path(
       setup.logical, is_leaf=lambda x: isinstance(x, tuple))[0]}
   for path, leaf in jax.tree_util.tree_flatten_with_path(setup.abstract_state['params'])[0]:
-    keys = _keys(path)
+    keys = train_state.keys(path)
     names = flat_logical.get(keys) or ()
     spec = tuple(leaf.sharding.spec) + (None,) * (len(leaf.shape) - len(leaf.sharding.spec))
     rows.append(('/'.join(map(str, keys)), 'x'.join(map(str, leaf.shape)), str(leaf.dtype),

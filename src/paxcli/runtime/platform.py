@@ -98,3 +98,22 @@ def fake_cpu_devices(n: int, option: str = '--num-devices') -> None:
            if not f.startswith('--xla_force_host_platform_device_count')]
   os.environ['XLA_FLAGS'] = ' '.join(flags + [f'--xla_force_host_platform_device_count={n}'])
   os.environ['JAX_PLATFORMS'] = 'cpu'
+
+
+def device_memory_bytes(device=None) -> tuple[int | None, str]:
+  """(bytes a device can hold, where that figure comes from)."""
+  import jax  # here, not at the top: this module sets the environment before XLA starts
+  device = device or jax.devices()[0]
+  try:
+    stats = device.memory_stats() or {}
+  except Exception:
+    stats = {}
+  if stats.get('bytes_limit'):
+    return int(stats['bytes_limit']), 'memory_stats bytes_limit'
+  if device.platform == 'cpu':
+    total = host_memory_bytes()
+    if total is None:
+      return None, 'unknown'
+    n = len(jax.local_devices())
+    return total // n, f'host RAM / {n} devices' if n > 1 else 'host RAM'
+  return None, 'unknown'

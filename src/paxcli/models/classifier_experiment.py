@@ -1,6 +1,6 @@
-"""ClassifierExperiment: the base for sequence classifiers (paxcli.models.ClassificationModel).
+"""ClassifierExperiment: the base for sequence classifiers (paxcli.models.classifier.ClassificationModel).
 
-Its model knobs are a table like the LM's (paxcli.families.knobs), holding only what the
+Its model knobs are a table like the LM's (paxcli.models.knobs), holding only what the
 classifier uses; the optimizer and loop knobs come from TrainingExperiment. A subclass
 sets knobs and supplies `datasets()` (batches of ids, mask, labels and weights).
 """
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import fiddle as fdl
 
-from paxcli.families.base import TrainingExperiment
-from paxcli.families.knobs import Knob, declare, fill, flat_settings
+from paxcli.models.knobs import Knob, declare, fill, flat_settings
+from paxcli.models.training import TrainingExperiment
 from paxcli.options import ActivationName, NormName
 
 _ATTENTION = 'block_tpl.attention_tpl.'
@@ -36,7 +36,7 @@ class ClassifierExperiment(TrainingExperiment):
   def model(self) -> fdl.Config:
     # flax: recipes import this module, and `pax experiments` stays quick without it.
     from paxcli.layers.transformer import Attention, Block, Mlp, Norm
-    from paxcli.models import ClassificationModel
+    from paxcli.models.classifier import ClassificationModel
     block = fdl.Config(Block, attention_tpl=fdl.Config(Attention), ffn_tpl=fdl.Config(Mlp), norm_tpl=fdl.Config(Norm))
     config = fdl.Config(ClassificationModel, block_tpl=block, norm_tpl=fdl.Config(Norm))
     return fill(config, CLASSIFIER_KNOBS, flat_settings(self.knobs(), CLASSIFIER_KNOBS))

@@ -4,17 +4,16 @@ A row names the knob (UPPERCASE, as recipes set it), its type and default, and t
 of the model config it lands in (dotted paths under `task.model`). Everything else reads
 the table: the family's experiment declares its knobs from it (`declare`), the model
 config is filled from it (`fill`), and an existing model config is read back under the
-knobs' flat names (`read`: models.flat_view, the FLOPs count, the converters). So a new
+knobs' flat names (`read`: paxcli.models.lm.flat_view, the FLOPs count, the converters). So a new
 LM knob is two edits: a row in LM_KNOBS and its use in the layer.
 
-The flat name of a knob is the keyword `models.lm_config` takes and the attribute
-`models.flat_view` gives (num_heads, norm_type, scan_layers, ...): the last part of its
+The flat name of a knob is the keyword `paxcli.models.lm.lm_config` takes and the attribute
+`flat_view` gives (num_heads, norm_type, scan_layers, ...): the last part of its
 first field unless the row says otherwise. A knob whose fields take a value computed from
 other knobs (NUM_KV_HEADS None: as many as NUM_HEADS) says how in `value`.
 
-This module lives with the families, not in models.py, because experiments import it
-when their class is created and recipes must stay importable without jax or flax
-(`pax experiments` lists them quickly); models.py reads it from the same layer.
+This module imports no jax or flax: experiments import it when their class is created and
+recipes must stay importable without them (`pax experiments` lists them quickly).
 """
 
 from __future__ import annotations
@@ -22,8 +21,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Mapping, Optional
 
+from paxcli.errors import UserError, did_you_mean
 from paxcli.options import (ActivationName, AttentionImplName, CheckpointPolicyName, DTypeName, NormName,
                             PositionName, RotaryScalingName)
+from paxcli.values import coerce
 
 Settings = Mapping[str, Any]   # flat name -> value, every knob of a table present
 
@@ -123,7 +124,7 @@ def read(model, table: tuple[Knob, ...]) -> dict[str, Any]:
   return {k.flat: get_path(model, k.fields[0]) for k in table}
 
 
-# ---- the decoder-only LM (models.LanguageModel; paxcli.families.lm.LmExperiment) ---------------
+# ---- the decoder-only LM (paxcli.models.lm.LanguageModel; paxcli.models.lm_experiment.LmExperiment) ---
 
 LM = 'lm_tpl.'
 BLOCK = LM + 'block_tpl.'
@@ -205,5 +206,54 @@ LM_KNOBS: tuple[Knob, ...] = (
          "dropout on the adapters' input, in training"),
     Knob('LORA_BASE_DTYPE', DTypeName, 'float32', 'lora_base_dtype',
          'dtype the frozen base weights are kept in with LORA_RANK > 0 (bfloat16 halves their memory)'),
+    # Layer kinds (paxcli.models.pattern): the stack repeats a group of kinds, each kind the block with
+    # its own knob values. Checkpoints of a one-kind stack (the default) keep the uniform layout.
+    Knob('LAYER_PATTERN', tuple[str, ...], (), LM + 'layer_pattern',
+         "the kinds of one group of layers in order, e.g. ('local', 'global'); NUM_LAYERS is a multiple of its "
+         'length; (): every layer alike', value=lambda s: tuple(s['layer_pattern'])),
+    Knob('LAYER_KINDS', dict[str, dict[str, Any]], {}, LM + 'layer_kinds',
+         "per kind, the knobs of its layers that differ, e.g. {'local': {'ROTARY_MAX_TIMESCALE': 1e4}}; a kind "
+         'not listed is the plain layer', value=lambda s: kind_fields(s)),
 )
 LM_KNOB = {k.name: k for k in LM_KNOBS}
+
+
+def kind_fields(settings: Settings) -> tuple[tuple[str, tuple[tuple[str, Any], ...]], ...]:
+  """LAYER_KINDS as TransformerLm.layer_kinds: (kind, ((field below block_tpl, value), ...)) for every kind of
+  LAYER_PATTERN, in order of first appearance: the block fields whose value the kind's knobs change (NUM_HEADS
+  also moves DIMS_PER_HEAD when that follows it). A kind's knob that is unknown, sets no block field or has a
+  wrong type, and a kind the pattern does not name, are one-line UserErrors."""
+  pattern, kinds = tuple(settings['layer_pattern']), dict(settings['layer_kinds'] or {})
+  stray = [k for k in kinds if k not in pattern]
+  if stray:
+    raise UserError(f'LAYER_KINDS names {stray[0]!r}, which LAYER_PATTERN {pattern} does not use.'
+                    f'{did_you_mean(str(stray[0]), pattern)}')
+  base = dict(_block_assignments(settings))
+  out = []
+  for kind in dict.fromkeys(pattern):
+    own = {**settings, **_kind_settings(kind, kinds.get(kind) or {})}
+    changed = tuple((path, value) for path, value in _block_assignments(own) if base.get(path) != value)
+    out.append((kind, changed))
+  return tuple(out)
+
+
+def _kind_settings(kind: str, knob_values: Mapping[str, Any]) -> dict[str, Any]:
+  """Flat settings from one kind's knob values (UPPERCASE), each checked: a per-layer knob of LM_KNOBS, its type."""
+  out = {}
+  for name, raw in knob_values.items():
+    knob = LM_KNOB.get(name)
+    if knob is None:
+      raise UserError(f'LAYER_KINDS[{kind!r}] sets {name!r}, which is not a model knob.'
+                      f'{did_you_mean(str(name), LM_KNOB)}')
+    if not any(f.startswith(BLOCK) for f in knob.fields) or name in ('LAYER_PATTERN', 'LAYER_KINDS'):
+      per_layer = sorted(k.name for k in LM_KNOBS if any(f.startswith(BLOCK) for f in k.fields))
+      raise UserError(f'LAYER_KINDS[{kind!r}] sets {name}, which is not a per-layer knob; a kind may set '
+                      f'{", ".join(per_layer)}.')
+    out[knob.flat] = coerce(raw, knob.type, f'LAYER_KINDS[{kind!r}][{name!r}]')
+  return out
+
+
+def _block_assignments(settings: Settings) -> list[tuple[str, Any]]:
+  """(field below block_tpl, value) of every block field the table sets from complete settings."""
+  rows = tuple(k for k in LM_KNOBS if k.name != 'LAYER_KINDS')
+  return [(path[len(BLOCK):], value) for path, value in assignments(settings, rows) if path.startswith(BLOCK)]

@@ -9,10 +9,10 @@ from typing import Optional, Union
 import fiddle as fdl
 
 from paxcli.errors import UserError
-from paxcli.families.base import TrainingExperiment
-from paxcli.families.knobs import LM_KNOBS, declare, flat_settings
 from paxcli.inputs import prepared
 from paxcli.inputs.synthetic import SyntheticLmInput
+from paxcli.models.knobs import LM_KNOBS, declare, flat_settings
+from paxcli.models.training import TrainingExperiment
 
 
 @declare(LM_KNOBS)
@@ -20,7 +20,7 @@ class LmExperiment(TrainingExperiment):
   """A decoder-only Transformer LM; knobs as in Pax's LmCloud and MaxText models.
 
   The model knobs (NUM_LAYERS, MODEL_DIMS, NORM_TYPE, ...) are declared by the table
-  paxcli.families.knobs.LM_KNOBS; the optimizer and loop knobs by TrainingExperiment.
+  paxcli.models.knobs.LM_KNOBS; the optimizer and loop knobs by TrainingExperiment.
   Subclasses set knobs and, where they need more, override `task()` (call super and
   edit the config, e.g. `task.train.num_train_steps = 300`) or `datasets()`. TRAIN_DATA
   replaces the inputs of every LM experiment, one that overrides `datasets()` too
@@ -66,7 +66,7 @@ class LmExperiment(TrainingExperiment):
       task.model.lm_tpl.block_tpl.attention_tpl.use_bias = False
       task.model.lm_tpl.block_tpl.norm_tpl = fdl.Config(MyNorm)
     """
-    from paxcli.models import lm_config  # flax: recipes import this module, `pax experiments` stays quick
+    from paxcli.models.lm import lm_config  # flax: recipes import this module, `pax experiments` stays quick
     return lm_config(**flat_settings(self.knobs(), LM_KNOBS))
 
   def train_config(self) -> fdl.Config:

@@ -1,9 +1,10 @@
-"""TrainingExperiment: the optimizer, schedule and loop knobs every model family trains with.
+"""TrainingExperiment: the optimizer, schedule and loop knobs every model trains with.
 
-A family (paxcli.families.lm.LmExperiment, paxcli.families.classifier.ClassifierExperiment)
-derives from it and supplies `model()` (the model's fiddle config) and `datasets()`; `task()`
-puts the model beside the TrainConfig these knobs fill. A family adds loop settings of its
-own by extending `train_config()` (the LM adds decoding during training).
+A model's experiment base (paxcli.models.lm_experiment.LmExperiment,
+paxcli.models.classifier_experiment.ClassifierExperiment) derives from it and supplies
+`model()` (the model's fiddle config) and `datasets()`; `task()` puts the model beside the
+TrainConfig these knobs fill. A base adds loop settings of its own by extending
+`train_config()` (the LM adds decoding during training).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ class TrainingExperiment(Experiment):
   MLFLOW_EXPERIMENT: Optional[str] = None     # None: $MLFLOW_EXPERIMENT_NAME, else 'paxcli'
 
   def model(self) -> fdl.Config:
-    """The model's fiddle config (a paxcli.models.BaseModel)."""
+    """The model's fiddle config (a paxcli.models.base.BaseModel)."""
     raise NotImplementedError(f'{type(self).__name__} must define model().')
 
   def train_config(self) -> fdl.Config:
