@@ -96,6 +96,60 @@ def test_a_resume_with_the_same_settings_notes_no_difference(first_hour, capsys,
   assert len(_lines(os.path.join(job, 'experiment.jsonl'))) == 2   # appended, not overwritten
 
 
+TUNED = os.path.join('runs', 'tuned')
+# LoRA on the `make train` job's weights with own data and shorter rows (MAX_SEQ_LEN 16 of the base's 32).
+TUNE = ['train', '--set', f'INIT_FROM={DEFAULT}', '--set', 'TRAIN_DATA=my/*.jsonl', *SMALL, '--set', 'MAX_SEQ_LEN=16',
+        '--set', 'LORA_RANK=4', '--set', 'NUM_TRAIN_STEPS=1', '--set', 'SAVE_INTERVAL_STEPS=1']
+
+
+@pytest.fixture(scope='module')
+def tuned(first_hour):
+  """TUNE from a fresh shell into runs/tuned: (directory, its output)."""
+  cwd, _ = first_hour
+  made = run_pax(*TUNE, '--job-log-dir', TUNED, cwd=cwd)
+  assert made.returncode == 0, made.stderr[-3000:]
+  return cwd, made.stdout + made.stderr
+
+
+def test_a_run_from_a_jobs_weights_reads_with_the_jobs_tokenizer(tuned, capsys, monkeypatch):
+  """Item 0: own data trained from INIT_FROM's weights reads with the tokenizer INIT_FROM's job carries (the
+  ids its embeddings learned), instead of training a new one on the data; another TOKENIZER is one line."""
+  cwd, out = tuned
+  base_tokenizer = (cwd / DEFAULT / 'tokenizer' / 'spm.model').read_bytes()
+  assert 'sentencepiece tokenizer' not in out and '(INIT_FROM)' in out, out
+  assert 'trainable (LoRA adapters) of' in out   # item 5: a LoRA run counts what it trains
+  assert (cwd / TUNED / 'tokenizer' / 'spm.model').read_bytes() == base_tokenizer
+  other = os.path.join(OWN, 'tokenizer', 'spm.model')   # trained on my/*.jsonl: another tokenizer than the base's
+  assert (cwd / other).read_bytes() != base_tokenizer
+  monkeypatch.chdir(cwd)
+  code, _, err = pax_main([*TUNE, '--set', f'TOKENIZER={other}', '--job-log-dir', 'runs/refused'], capsys)
+  assert code == 2 and len(err.strip().splitlines()) == 1, err
+  assert f'INIT_FROM={cwd / DEFAULT} carries the tokenizer' in err and 'leave TOKENIZER unset' in err, err
+  assert not os.path.exists('runs/refused')
+
+
+def test_exports_of_a_fine_tune_need_no_hand_edits(tuned, tmp_path, capsys, monkeypatch):
+  """Item 4: --to hf keeps the base's context (max_position_embeddings 32, not the fine-tune's rows of 16);
+  --to peft writes --base-model as base_model_name_or_path (a directory made absolute), and without it says
+  in a line that the paxcli base it writes instead is no model PEFT can load. (test_finetune_job loads both
+  in transformers and PEFT.)"""
+  cwd, _ = tuned
+  monkeypatch.chdir(cwd)
+  code, out, err = pax_main(['checkpoint', 'convert', TUNED, str(tmp_path / 'hf'), '--to', 'hf', '--no-verify'], capsys)
+  assert code == 0, err
+  config = json.loads((tmp_path / 'hf' / 'config.json').read_text())
+  assert config['max_position_embeddings'] == 32 and config['rope_scaling'] is None
+  os.makedirs('base_hf')
+  code, out, err = pax_main(['checkpoint', 'convert', TUNED, str(tmp_path / 'adapter'), '--to', 'peft',
+                             '--base-model', 'base_hf'], capsys)
+  assert code == 0, err
+  adapter = json.loads((tmp_path / 'adapter' / 'adapter_config.json').read_text())
+  assert adapter['base_model_name_or_path'] == str(cwd / 'base_hf')
+  code, out, err = pax_main(['checkpoint', 'convert', TUNED, str(tmp_path / 'plain'), '--to', 'peft'], capsys)
+  assert code == 0, err
+  assert 'which PEFT cannot load: pass --base-model' in ' '.join((out + err).split()), out + err
+
+
 def test_readers_given_only_the_job_directory_use_its_experiment_and_settings(first_hour, capsys, monkeypatch):
   """eval, decode, score, inspect-input and the Python API, from another directory, with no --exp or --set."""
   cwd, _ = first_hour
