@@ -218,12 +218,15 @@ def test_launcher_refuses_commands_that_cannot_run_on_several_processes(capsys):
 
 
 @pytest.mark.filterwarnings('ignore:os.fork')  # JAX's warning: this test process imported JAX
-def test_child_failure_is_reported_with_its_exit_code(capsys):
+def test_child_failure_is_reported_with_its_exit_code(capsys, tmp_path):
   from paxcli.cli import launch
   envs = [dict(os.environ, PAX_PROCESS_ID=str(i)) for i in range(2)]
+  ready = str(tmp_path / 'p0_said_hello')   # p1 fails only once p0 has spoken, however slow p0's start
   argv = [sys.executable, '-c', 'import os, sys, time\n'
           'i = int(os.environ["PAX_PROCESS_ID"])\nprint("hello from", i, flush=True)\n'
-          'sys.exit(3) if i == 1 else time.sleep(60)']
+          f'if i == 0: open({ready!r}, "w").close(); time.sleep(60)\n'
+          f'while not os.path.exists({ready!r}): time.sleep(0.05)\n'
+          'sys.exit(3)']
   assert launch.run_children(argv, envs, grace=1) == 3
   out, err = capsys.readouterr()
   assert '[p0] hello from 0' in out and '[p1] hello from 1' in out
