@@ -160,6 +160,9 @@ def test_readers_given_only_the_job_directory_use_its_experiment_and_settings(fi
   assert '--exp default.StdlibDocsLm' in err and '(as trained)' in err and 'reads other data' not in err
   trainer = json.loads(_lines(os.path.join(job, 'eval_metrics.jsonl'))[-1])
   assert json.loads(out)['results']['eval']['loss'] == pytest.approx(trainer['loss'], rel=1e-5)
+  code, out, err = pax_main(['eval', '--exp', 'default.StdlibDocsLm', '--job-log-dir', job, '--json'], capsys)
+  assert code == 0 and '(as trained)' in err, err   # --exp naming the job's own experiment keeps its settings
+  assert json.loads(out)['results']['eval']['loss'] == pytest.approx(trainer['loss'], rel=1e-5)
   code, out, err = pax_main(['eval', '--job-log-dir', job, '--json', '--set', 'EVAL_DATA=a.jsonl'], capsys)
   assert code == 0, err
   said = [line for line in err.splitlines() if '(as trained)' in line]
