@@ -74,10 +74,11 @@ def convert(source: str, output: str, *, fmt: Optional[str] = None, to: str = 'o
   if to == 'hf':
     overrides.append('USE_REPEATED_LAYER=False')   # HF layers are unrolled
   recipe_path = recipe_text = None
+  recipe_created = False
   if (src.kind == 'hf' and not src.config) or (src.kind == 'paxml' and not exp):
     # The imported model's experiment is the recipe written for it (as pax import-maxtext does),
     # unless --exp names one; the converted job then resumes with --exp <recipe>:<class>.
-    recipe_path, recipe_text = _write_recipe(src, recipe, output, force, log)
+    recipe_path, recipe_text, recipe_created = _write_recipe(src, recipe, output, force, log)
     if not exp:
       exp = f'{recipe_path}:{_recipe_class(src)}'
     else:
@@ -86,8 +87,8 @@ def convert(source: str, output: str, *, fmt: Optional[str] = None, to: str = 'o
     return _convert(src, out, source, output, fmt, to, exp, overrides, params_only, dtype, step, verify,
                     kl_tolerance, max_shard_bytes, log, t0, recipe_path, recipe_text)
   except BaseException:
-    if recipe_path and not recipe and os.path.isfile(recipe_path):
-      os.remove(recipe_path)   # a failed import leaves nothing behind
+    if recipe_created and os.path.isfile(recipe_path):
+      os.remove(recipe_path)   # a failed import (or certification) leaves nothing behind
     raise
 
 
@@ -276,8 +277,8 @@ def _recipe_class(src) -> str:
   return 'Hf' + ''.join(c for c in getattr(src, 'hf', src).family.title if c.isalnum())   # HfLlama
 
 
-def _write_recipe(src, recipe: Optional[str], output: str, force: bool, log) -> tuple[str, str]:
-  """Writes the recipe of an imported model (atomically); returns (path, text).
+def _write_recipe(src, recipe: Optional[str], output: str, force: bool, log) -> tuple[str, str, bool]:
+  """Writes the recipe of an imported model (atomically); returns (path, text, whether it is a new file).
 
   The text holds outside text (paths, config values) only as literals (gencode) and is checked
   for the generators' shape before it is written; the conversion reads it as data, never runs it.
@@ -307,6 +308,7 @@ def _write_recipe(src, recipe: Optional[str], output: str, force: bool, log) -> 
       raise UserError(f'The recipe {path} exists; pass --force to replace it or --recipe PATH.')
     log(f'Replacing the recipe {path} left by an earlier run of this import (the same text).')
   core.recipe_class(path, class_name, text)
+  created = not os.path.lexists(path)
   tmp = f'{path}.tmp-{os.getpid()}'
   try:
     with open(tmp, 'w', encoding='utf-8') as f:
@@ -318,7 +320,7 @@ def _write_recipe(src, recipe: Optional[str], output: str, force: bool, log) -> 
     raise UserError(f'Cannot write the recipe {path}: {e.strerror}.') from None
   log(f'Wrote the recipe {path}; the converted job resumes with: pax train --exp {path}:{class_name} '
       f'--job-log-dir {output}')
-  return path, text
+  return path, text, created
 
 
 def files_text(path: str) -> str:
