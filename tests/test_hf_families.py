@@ -95,8 +95,8 @@ def test_export_to_hf_is_certified_and_transformers_loads_the_same_model(importe
 
 
 def test_the_printed_certificate_names_both_sides_and_its_numbers(imported, capsys):
-  out, _ = _ok(['checkpoint', 'convert', '--from', 'hf', imported.hf, str(imported.work / 'again')], capsys)
-  line = ' '.join(out.split())
+  _, err = _ok(['checkpoint', 'convert', '--from', 'hf', imported.hf, str(imported.work / 'again')], capsys)
+  line = ' '.join(err.split())   # the report goes to stderr, as every line of pax checkpoint convert
   assert (f'Certified on 2 fixed prompts x 64 tokens: transformers {imported.ref.architecture} (float32) on the '
           'source against paxcli on the written result: max |Δ logit| ') in line
   assert 'top-1 agreement 100.0%: ok' in line and 'tolerance 1e-05' in line
