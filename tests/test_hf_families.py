@@ -33,6 +33,13 @@ def _refused(argv, capsys):
   return ' '.join(err.split())
 
 
+def _failed(argv, capsys):
+  """A conversion's error: its progress lines, then one line (no traceback) with exit code 2."""
+  code, out, err = pax_main(argv, capsys)
+  assert code == 2 and 'Traceback' not in err and err.strip().splitlines()[-1].startswith('error: '), err
+  return ' '.join(err.strip().splitlines()[-1].split())
+
+
 @pytest.fixture(scope='module', params=sorted(hf_models.REFERENCES))
 def imported(request, hf_reference, tmp_path_factory):
   """The family's reduced transformers model, its save_pretrained directory, and its import into a job."""
@@ -106,15 +113,15 @@ def test_a_conversion_beyond_tolerance_fails_and_writes_nothing(hf_reference, tm
   """One family is enough: the check is the same code for all. Here a tolerance no float32 pair meets."""
   made = hf_reference('qwen3')
   job = tmp_path / 'job'
-  err = _refused(['checkpoint', 'convert', '--from', 'hf', made.hf, str(job), '--recipe', str(tmp_path / 'r.py'),
+  err = _failed(['checkpoint', 'convert', '--from', 'hf', made.hf, str(job), '--recipe', str(tmp_path / 'r.py'),
                   '--kl-tolerance', '1e-300'], capsys)
   assert 'does not compute the source\'s function, so nothing was written' in err and 'FAILED' in err
   assert 'transformers Qwen3ForCausalLM (float32) on the source' in err
   assert sorted(os.listdir(tmp_path)) == []   # no job, no recipe, no temporary directory left
   _ok(['checkpoint', 'convert', '--from', 'hf', made.hf, str(job), '--recipe', str(tmp_path / 'r.py'), '--no-verify'],
       capsys)
-  err = _refused(['checkpoint', 'convert', str(job), str(tmp_path / 'back'), '--to', 'hf', '--kl-tolerance', '1e-300'],
-                 capsys)
+  err = _failed(['checkpoint', 'convert', str(job), str(tmp_path / 'back'), '--to', 'hf', '--kl-tolerance', '1e-300'],
+                capsys)
   assert 'nothing was written' in err and 'on the written result' in err
   assert sorted(os.listdir(tmp_path)) == ['job', 'r.py']
 
