@@ -27,12 +27,6 @@ def _ok(argv, capsys):
   return out, err
 
 
-def _refused(argv, capsys):
-  code, out, err = pax_main(argv, capsys)
-  assert code == 2 and 'Traceback' not in err and len(err.strip().splitlines()) == 1, err
-  return ' '.join(err.split())
-
-
 def _failed(argv, capsys):
   """A conversion's error: its progress lines, then one line (no traceback) with exit code 2."""
   code, out, err = pax_main(argv, capsys)

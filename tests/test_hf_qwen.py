@@ -57,7 +57,7 @@ def _with_config(made, directory, **changes):
 
 @pytest.mark.parametrize('family, changes, named, unnamed', [
     ('qwen2', {'use_sliding_window': True, 'attn_logit_softcapping': 50.0, 'use_cache': False},
-     ['use_sliding_window true with sliding_window 32768', 'attn_logit_softcapping (unknown to paxcli'],
+     ['use_sliding_window true with sliding_window', 'attn_logit_softcapping (unknown to paxcli'],
      ['use_cache']),
     ('qwen2', {'layer_types': ['full_attention', 'sliding_attention']},
      ['layer_types ["full_attention", "sliding_attention"]'], []),
