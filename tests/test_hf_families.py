@@ -132,7 +132,8 @@ def test_lora_trains_evaluates_and_through_peft_gives_pax_scores_log_likelihood(
   overrides = [a for s in sets for a in ('--set', s)]
   _ok(['train', '--exp', imported.exp, *overrides, '--job-log-dir', sft], capsys)
   out, _ = _ok(['eval', '--exp', imported.exp, *overrides, '--job-log-dir', sft, '--json'], capsys)
-  assert np.isfinite(json.loads(out.strip().splitlines()[-1])['loss'])
+  evaluated = json.loads(out)
+  assert evaluated['step'] == 3 and np.isfinite(evaluated['results']['eval']['loss'])
   out, _ = _ok(['checkpoint', 'convert', sft, adapters, '--to', 'peft', '--exp', imported.exp, '--json'], capsys)
   v = json.loads(out)['verify']
   assert v['ok'] and v['result'].startswith('PEFT\'s LoRA') and v['max_abs_diff'] < 1e-4
