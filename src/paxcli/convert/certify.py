@@ -172,7 +172,7 @@ def hf_model(family, view, weights: dict):
     model = transformers.AutoModelForCausalLM.from_config(
         transformers.AutoConfig.for_model(config.pop('model_type'), **config), dtype=torch.float32,
         attn_implementation='eager')
-  state = {w.hf: torch.from_numpy(np.ascontiguousarray(w.to_hf(np.asarray(weights[w.paxcli], np.float32))))
+  state = {w.hf: torch.from_numpy(np.array(w.to_hf(np.asarray(weights[w.paxcli], np.float32)), order='C'))
            for w in family.hf_weights(view)}
   missing, unexpected = model.load_state_dict(state, strict=False)
   tied = {'lm_head.weight'} if not view.separate_embedding else set()
