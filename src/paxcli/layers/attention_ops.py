@@ -1,6 +1,6 @@
-"""Attention kernels: causal softmax attention with grouped-query heads and segment ids.
+"""Attention kernels: causal softmax attention with grouped-query heads, segment ids and sliding windows.
 
-Two implementations of one function, `attention(q, k, v, segment_ids, impl)`:
+Two implementations of one function, `attention(q, k, v, segment_ids, impl, window=w)`:
   einsum       the reference: float32 logits [B, K, G, L, S] from einsums, masked and
                softmaxed in full. Simple and exact; memory grows with L x S.
   dot_product  `jax.nn.dot_product_attention`: cuDNN flash attention on NVIDIA GPUs for
@@ -9,6 +9,10 @@ Two implementations of one function, `attention(q, k, v, segment_ids, impl)`:
   auto         dot_product with cuDNN where it applies, else XLA's dot_product.
 
 Tests hold `dot_product` to the `einsum` reference, values and gradients.
+
+Sliding window (`window` w > 0, Hugging Face's sliding_window): query i attends key j when
+i - w < j <= i (and both are in one segment): the w most recent tokens, itself included. A window
+as long as the sequence or longer is full causal attention.
 Shapes: B batch, L query length, S key length, H query heads, K kv heads,
 G = H // K query heads per kv head, E dims per head.
 """
@@ -27,20 +31,34 @@ _CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
 def attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL: Optional[jax.Array] = None,
-              impl: str = 'auto', logit_cap: float = 0.0):
-  """Causal attention; tokens attend only within their segment when segment_ids are given.
+              impl: str = 'auto', logit_cap: float = 0.0, window: int = 0):
+  """Causal attention; tokens attend only within their segment when segment_ids are given, and
+  only to the `window` most recent tokens (themselves included) when window > 0.
 
   logit_cap > 0 soft-caps the logits (cap * tanh(logits / cap), Pax's atten_logit_cap), which
   only the einsum kernel can do: it is used then, whatever `impl` says.
 
   Returns [B, L, H, E] in the dtype of q.
   """
+  window = effective_window(window, k_BxSxKxE.shape[1])
   if impl == 'einsum' or logit_cap:
-    return einsum_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL, logit_cap)
+    return einsum_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL, logit_cap, window)
   if impl not in IMPLEMENTATIONS:
     raise ValueError(f'attention impl {impl!r} is not one of {IMPLEMENTATIONS}')
   return dot_product_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL,
-                               implementation=kernel_for(q_BxLxHxE.dtype, q_BxLxHxE.shape[-1]))
+                               implementation=kernel_for(q_BxLxHxE.dtype, q_BxLxHxE.shape[-1]), window=window)
+
+
+def effective_window(window: int, length: int) -> int:
+  """The window that changes anything over `length` keys: 0 (full causal) when it reaches them all."""
+  return window if 0 < window < length else 0
+
+
+def visible(q_idx, k_idx, window: int = 0):
+  """Whether query index q_idx may attend key index k_idx (broadcasting): k <= q, and k > q - window
+  when window > 0 (Hugging Face's sliding_window_overlay on its causal mask)."""
+  mask = k_idx <= q_idx
+  return mask & (k_idx > q_idx - window) if window else mask
 
 
 def kernel_for(dtype, head_dim: int) -> str:
@@ -52,19 +70,24 @@ def kernel_for(dtype, head_dim: int) -> str:
   return 'cudnn'
 
 
-def dot_product_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL=None, implementation='xla'):
+def dot_product_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL=None, implementation='xla',
+                          window: int = 0):
+  """jax.nn.dot_product_attention; a window is its local_window_size (w - 1 keys before, none after),
+  which cuDNN turns into its sliding_window_length w."""
   mask_Bx1xLxS = None
   if segment_ids_BxL is not None:
     mask_Bx1xLxS = (segment_ids_BxL[:, :, None] == segment_ids_BxL[:, None, :])[:, None]
   return jax.nn.dot_product_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, mask=mask_Bx1xLxS, is_causal=True,
+                                      local_window_size=(window - 1, 0) if window else None,
                                       implementation=implementation)
 
 
-def einsum_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL=None, logit_cap: float = 0.0):
-  """The reference: explicit float32 logits, masked (causal, same segment), softmaxed, applied to values."""
+def einsum_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL=None, logit_cap: float = 0.0,
+                     window: int = 0):
+  """The reference: explicit float32 logits, masked (causal, same segment, window), softmaxed, applied to values."""
   b, l = q_BxLxHxE.shape[:2]
   s = k_BxSxKxE.shape[1]
-  mask_BxLxS = jnp.broadcast_to(jnp.tril(jnp.ones((l, s), dtype=bool))[None], (b, l, s))
+  mask_BxLxS = jnp.broadcast_to(visible(jnp.arange(l)[:, None], jnp.arange(s)[None, :], window)[None], (b, l, s))
   if segment_ids_BxL is not None:
     mask_BxLxS = mask_BxLxS & (segment_ids_BxL[:, :, None] == segment_ids_BxL[:, None, :])
   return masked_einsum_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, mask_BxLxS, logit_cap)
