@@ -59,7 +59,8 @@ def test_an_unknown_model_type_names_the_families_paxcli_has():
   with pytest.raises(UserError) as e:
     registry.for_hf_config({'model_type': 'qwen3', 'architectures': ['Qwen3ForCausalLM']}, '/m')
   assert str(e.value) == ("/m: model_type 'qwen3' (Qwen3ForCausalLM) is not one paxcli reads; its model families "
-                          "are llama (model_type 'llama': LlamaForCausalLM).")
+                          "are llama (model_type 'llama': LlamaForCausalLM), mistral (model_type 'mistral': "
+                          "MistralForCausalLM).")
   assert registry.for_hf_config({'architectures': ['LlamaForCausalLM']}, '/m') is LLAMA   # no model_type
   with pytest.raises(UserError, match="No model family 'lama'.*Did you mean 'llama'"):
     registry.by_name('lama')

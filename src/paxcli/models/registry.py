@@ -13,9 +13,11 @@ from typing import Optional
 from paxcli.errors import UserError, did_you_mean, shorten
 from paxcli.models.family import Family, MaxTextBlock
 from paxcli.models.llama import LLAMA
+from paxcli.models.mistral import MISTRAL
 
 FAMILIES: tuple[Family, ...] = (
     LLAMA,
+    MISTRAL,
 )
 
 
