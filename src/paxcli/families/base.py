@@ -42,6 +42,13 @@ class TrainingExperiment(Experiment):
   # one checkpoint step, e.g. what `pax checkpoint convert HF_DIR OUT --from hf` wrote. LoRA runs also
   # read their frozen base from it. None: random initialisation.
   INIT_FROM: Optional[str] = None
+  # A fast tier of checkpoints on each host's local disk (paxcli/jobdir/fast_tier.py): every
+  # LOCAL_CHECKPOINT_EVERY steps each process saves its own shards under LOCAL_CHECKPOINT_DIR, the newest
+  # LOCAL_CHECKPOINT_KEEP kept, beside the persistent ones; a restart resumes from the newest of either.
+  # Both set to turn it on; one directory per job.
+  LOCAL_CHECKPOINT_DIR: Optional[str] = None
+  LOCAL_CHECKPOINT_EVERY: int = 0
+  LOCAL_CHECKPOINT_KEEP: int = 2
 
   def model(self) -> fdl.Config:
     """The model's fiddle config (a paxcli.models.BaseModel)."""
@@ -56,6 +63,10 @@ class TrainingExperiment(Experiment):
         summary_interval_steps=self.SUMMARY_INTERVAL_STEPS,
         eval_interval_steps=self.EVAL_INTERVAL_STEPS,
         init_from=os.path.abspath(os.path.expanduser(self.INIT_FROM)) if self.INIT_FROM else None,
+        local_checkpoint_dir=(os.path.abspath(os.path.expanduser(self.LOCAL_CHECKPOINT_DIR))
+                              if self.LOCAL_CHECKPOINT_DIR else None),
+        local_checkpoint_interval_steps=self.LOCAL_CHECKPOINT_EVERY,
+        local_checkpoint_max_to_keep=self.LOCAL_CHECKPOINT_KEEP,
         learning_rate=self.LEARNING_RATE,
         clip_gradient_norm_to_value=self.CLIP_GRADIENT_NORM_TO_VALUE,
         optimizer=fdl.Config(OptimizerConfig, name=self.OPTIMIZER, beta1=self.ADAM_BETA1,

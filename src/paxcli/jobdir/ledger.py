@@ -1,0 +1,372 @@
+"""The goodput ledger: where a job's wall time went, across every process and every restart.
+
+Each process of `pax train` appends JSON lines to `<job>/goodput/process_<i>.jsonl` (never rewritten):
+
+  start     an incarnation begins (a `pax train` process): when it started, pid, host, launch attempt
+  progress  every PROGRESS_SECONDS: the seconds closed so far in each category, the interval open now
+            (its category and since when) and the last step done; a `kill -9` loses only the seconds
+            since the last one
+  resume    the step this incarnation restored and from which tier (fast or persistent)
+  end       the incarnation's final seconds and exit status
+
+`pax launch` appends its own to `launch.jsonl`: its start and end, each failure it saw (which process,
+how, the step each process had reached) and each restart. `summarize` reads them all back into one
+account whose categories add up to the job's wall time:
+
+  productive  train steps run for the first time
+  recomputed  train steps run again after a restart (at or below the furthest step reached before)
+  startup     from a start (the process's, or `pax launch`'s) to the first step: imports, jax.distributed,
+              building the model, restoring a checkpoint
+  compile     XLA compilation of the train step and of start-up and checkpoint programs (an eval's own
+              compilation counts as eval)
+  data        waiting for the next input batch
+  checkpoint  the loop stopped for saves (both tiers), and the wait for the last save at the end
+  eval        evals and decodes during training
+  shutdown    after the last step until the process (or `pax launch`) ended
+  restart     from a failure (the last progress of the process that was lost) to the next start
+
+Time after an incarnation that ended by itself (finished, a Ctrl-C, a refused start, a divergence) until
+the next start is nobody's run and is not counted; after a kill, a crash, a hang or a preemption it is
+`restart`. The job's figures are process 0's (the processes run in lock step); `--json` has each's.
+
+Nothing here imports JAX: `pax goodput` and `pax launch` read and write ledgers without it. The files
+of a job directory someone gave you are read bounded (size, line length, strict JSON) and a line that
+does not parse (the last one of a killed process may be cut short) is skipped and counted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import secrets
+import socket
+import threading
+import time
+from typing import Callable, Optional
+
+from paxcli import files
+from paxcli.errors import UserError
+from paxcli.jobdir import layout
+
+PROCESS_CATEGORIES = ('productive', 'recomputed', 'startup', 'compile', 'data', 'checkpoint', 'eval', 'shutdown')
+CATEGORIES = PROCESS_CATEGORIES + ('restart',)
+PROGRESS_SECONDS = 2.0
+# Exit statuses after which the next start is the user's doing, not a recovery: finished, refused
+# (UserError), diverged, interrupted (Ctrl-C). The time until the next start is not the job's.
+ENDED_BY_ITSELF = (0, 2, 3, 130)
+MAX_LEDGER_BYTES = 1 << 30
+MAX_LINE_BYTES = 1 << 16
+# The start of a `pax` command: the process's own start when it is recent (a fresh `pax` process,
+# whose interpreter start-up then counts), else the moment main() was entered (pax called in-process).
+_command_started: Optional[float] = None
+
+
+def mark_command_start() -> None:
+  """Called by the CLI's main(): the time this command started (see _command_started)."""
+  global _command_started
+  now = time.time()
+  began = process_started_at()
+  _command_started = began if began is not None and 0 <= now - began < 30 else now
+
+
+def command_started() -> float:
+  return _command_started if _command_started is not None else time.time()
+
+
+def process_started_at() -> Optional[float]:
+  """This process's start (epoch seconds) from the kernel (Linux), or None."""
+  from paxcli.jobdir import lock as joblock  # JAX: not at import (the CLI's main() calls mark_command_start)
+  ticks = joblock._start_time(os.getpid())  # pylint: disable=protected-access
+  try:
+    with open('/proc/stat', encoding='ascii') as f:
+      boot = next(float(line.split()[1]) for line in f if line.startswith('btime '))
+    return boot + int(ticks) / os.sysconf('SC_CLK_TCK')
+  except (OSError, StopIteration, TypeError, ValueError):
+    return None
+
+
+# ---- writing ----------------------------------------------------------------------------------------
+
+
+class Ledger:
+  """One process's append-only ledger: a line per event, flushed at once; `keep_flushing` adds a
+  progress line every PROGRESS_SECONDS from a thread, so that a kill loses at most those seconds."""
+
+  def __init__(self, path: str):
+    self.path = path
+    self.inc = secrets.token_hex(6)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    self._file = open(path, 'a', encoding='utf-8')
+    self._lock = threading.Lock()
+    self._stop = threading.Event()
+    self._thread: Optional[threading.Thread] = None
+
+  def write(self, kind: str, **fields) -> None:
+    line = json.dumps({'kind': kind, 'inc': self.inc, **fields}, separators=(',', ':'), allow_nan=False)
+    with self._lock:
+      if not self._file.closed:
+        self._file.write(line + '\n')
+        self._file.flush()
+
+  def keep_flushing(self, snapshot: Callable[[], dict], every: float = PROGRESS_SECONDS) -> None:
+    def run():
+      while not self._stop.wait(every):
+        self.write('progress', **snapshot())
+    self._thread = threading.Thread(target=run, name='paxcli-goodput-ledger', daemon=True)
+    self._thread.start()
+
+  def close(self, **end) -> None:
+    """Stops the progress thread and writes the `end` line."""
+    self._stop.set()
+    if self._thread is not None:
+      self._thread.join(timeout=5)
+    self.write('end', **end)
+    with self._lock:
+      self._file.close()
+
+
+def start_fields(started: float, process: int, processes: int) -> dict:
+  """The `start` line of this incarnation, with the launch attempt it belongs to (from `pax launch`)."""
+  from paxcli.runtime import distributed  # no JAX: its module imports it inside functions only
+  launch = distributed.launch_attempt()
+  return {'t': started, 'pid': os.getpid(), 'host': socket.gethostname(), 'process': process,
+          'processes': processes, **({'launch': launch[0], 'attempt': launch[1]} if launch else {})}
+
+
+def append(path: str, records: list[dict]) -> None:
+  """Appends `records` as lines (the launcher's ledger: a few lines, written as they happen)."""
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  with open(path, 'a', encoding='utf-8') as f:
+    for record in records:
+      f.write(json.dumps(record, separators=(',', ':'), allow_nan=False) + '\n')
+
+
+def job_id(job_dir: str, create: bool) -> Optional[str]:
+  """The job's identity (job.json), made at its first start when `create` (process 0); None if absent."""
+  path = layout.job_identity(job_dir)
+  if create and not os.path.exists(path):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    try:
+      fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+      pass
+    else:
+      with os.fdopen(fd, 'w', encoding='utf-8') as f:
+        json.dump({'id': secrets.token_hex(8), 'created': time.time()}, f)
+  if not os.path.exists(path):
+    return None
+  record = files.read_json(path, 'the job identity', 4096)
+  value = record.get('id') if isinstance(record, dict) else None
+  if not isinstance(value, str) or not value.isalnum() or len(value) > 64:
+    raise UserError(f'{path} is not a job identity paxcli wrote; move it aside to start a new one.')
+  return value
+
+
+# ---- reading ----------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Incarnation:
+  """One `pax train` process's run, as its ledger lines tell it."""
+  inc: str
+  start: float
+  launch: Optional[str] = None
+  attempt: Optional[int] = None
+  closed: dict = dataclasses.field(default_factory=dict)  # seconds per category, closed intervals only
+  last: Optional[float] = None   # the end of what is accounted: its end, or its last progress (a kill)
+  step: Optional[int] = None     # the last step done
+  steps: dict = dataclasses.field(default_factory=dict)
+  status: Optional[int] = None   # exit status; None: it never wrote an end (killed)
+  resumed: Optional[dict] = None  # {'step', 'tier'}
+
+  @property
+  def accounted(self) -> float:
+    return (self.last if self.last is not None else self.start) - self.start
+
+
+@dataclasses.dataclass
+class Launch:
+  """One `pax launch`: when it ran, what it saw fail, and its exit code."""
+  id: str
+  start: float
+  end: Optional[float] = None
+  code: Optional[int] = None
+  failures: list = dataclasses.field(default_factory=list)
+
+
+def read(job_dir: str) -> tuple[dict[int, list[Incarnation]], dict[str, Launch], int]:
+  """({process: incarnations in start order}, {launch id: launch}, lines skipped) of a job directory."""
+  directory = layout.goodput(job_dir)
+  names = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
+  processes, skipped = {}, 0
+  for name in names:
+    if name.startswith('process_') and name.endswith('.jsonl') and name[8:-6].isdigit():
+      records, bad = _records(os.path.join(directory, name))
+      processes[int(name[8:-6])] = incarnations(records)
+      skipped += bad
+  launches = {}
+  if os.path.isfile(layout.launch_ledger(job_dir)):
+    records, bad = _records(layout.launch_ledger(job_dir))
+    launches, skipped = _launches(records), skipped + bad
+  return processes, launches, skipped
+
+
+def _records(path: str) -> tuple[list[dict], int]:
+  """The well-formed lines of one ledger file, and how many were not."""
+  size = files.check_regular_file(path, 'goodput ledger', MAX_LEDGER_BYTES)
+  out, bad = [], 0
+  with open(path, 'rb') as f:
+    for raw in f:
+      if len(raw) > MAX_LINE_BYTES or not raw.endswith(b'\n'):
+        bad += 1
+        continue
+      try:
+        record = files.parse_json(raw, path, max_depth=4)
+      except UserError:
+        bad += 1
+        continue
+      if isinstance(record, dict) and isinstance(record.get('kind'), str) and _number(record.get('t')) is not None:
+        out.append(record)
+      else:
+        bad += 1
+  del size
+  return out, bad
+
+
+def _number(value) -> Optional[float]:
+  ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+  return float(value) if ok else None
+
+
+def _seconds(closed) -> dict:
+  """A `closed` map, checked: known categories, finite non-negative seconds."""
+  if not isinstance(closed, dict):
+    return {}
+  return {k: max(v, 0.0) for k, v in ((k, _number(v)) for k, v in closed.items())
+          if k in PROCESS_CATEGORIES and v is not None}
+
+
+def _int(value) -> Optional[int]:
+  return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def incarnations(records: list[dict]) -> list[Incarnation]:
+  """The incarnations of one process's ledger lines (progress lines reduced to the last of each)."""
+  found: dict[str, Incarnation] = {}
+  for r in records:
+    inc = r.get('inc')
+    if not isinstance(inc, str):
+      continue
+    if r['kind'] == 'start':
+      launch = r.get('launch') if isinstance(r.get('launch'), str) else None
+      found[inc] = Incarnation(inc, float(r['t']), launch, _int(r.get('attempt')), last=float(r['t']))
+      continue
+    got = found.get(inc)
+    if got is None:
+      continue
+    if r['kind'] in ('progress', 'end'):
+      closed = _seconds(r.get('closed'))
+      if r['kind'] == 'progress':  # the open interval was lost if nothing follows: account up to its start
+        since = _number((r.get('open') or [None, None])[1]) if isinstance(r.get('open'), list) else None
+        got.last = since if since is not None else float(r['t'])
+      else:
+        got.last, got.status = float(r['t']), _int(r.get('status')) if _int(r.get('status')) is not None else 1
+      got.closed = closed
+      got.step = _int(r.get('step')) if _int(r.get('step')) is not None else got.step
+      steps = r.get('steps') if isinstance(r.get('steps'), dict) else {}
+      got.steps = {k: v for k, v in steps.items() if k in ('productive', 'recomputed') and _int(v) is not None}
+    elif r['kind'] == 'resume':
+      got.resumed = {'step': _int(r.get('step')), 'tier': r.get('tier') if r.get('tier') in ('fast', 'persistent')
+                     else None}
+  return sorted(found.values(), key=lambda i: i.start)
+
+
+def _launches(records: list[dict]) -> dict[str, Launch]:
+  out: dict[str, Launch] = {}
+  for r in records:
+    lid = r.get('id')
+    if not isinstance(lid, str):
+      continue
+    if r['kind'] == 'launch':
+      out[lid] = Launch(lid, float(r['t']))
+    elif lid in out and r['kind'] == 'failure':
+      beats = r.get('steps') if isinstance(r.get('steps'), dict) else {}
+      out[lid].failures.append({'t': float(r['t']), 'attempt': _int(r.get('attempt')),
+                                'reason': str(r.get('reason', ''))[:300],
+                                'step': max((v for v in beats.values() if _int(v) is not None), default=None)})
+    elif lid in out and r['kind'] == 'end':
+      out[lid].end, out[lid].code = float(r['t']), _int(r.get('code'))
+  return out
+
+
+def furthest_step(processes: dict[int, list[Incarnation]], launches: dict[str, Launch]) -> int:
+  """The furthest step any earlier incarnation reached (a step at or below it, run again, is recomputed)."""
+  steps = [i.step for incs in processes.values() for i in incs if i.step is not None]
+  steps += [f['step'] for launch in launches.values() for f in launch.failures if f['step'] is not None]
+  return max(steps, default=0)
+
+
+# ---- the account ------------------------------------------------------------------------------------
+
+
+def summarize(job_dir: str, live: Optional[Incarnation] = None, history: Optional[tuple] = None) -> dict:
+  """The job's account (see the module docstring). `live`: the running incarnation of process 0 so far,
+  beside `history` (what `read` gave at its start; read now when None)."""
+  processes, launches, skipped = history if history is not None else read(job_dir)
+  processes = dict(processes)
+  if live is not None:
+    processes[0] = [i for i in processes.get(0, []) if i.inc != live.inc] + [live]
+  if not processes:
+    raise UserError(f'No goodput ledger in {job_dir} ({layout.goodput(job_dir)} is missing or empty): '
+                    'it is written by `pax train`; train in this job directory first.')
+  per_process = {p: account(incs, launches) for p, incs in sorted(processes.items())}
+  job = per_process.get(0) or next(iter(per_process.values()))
+  return {'job_dir': job_dir, **job, 'processes': {str(p): {k: v for k, v in a.items() if k != 'restarts'}
+                                                   for p, a in per_process.items()},
+          'lines_skipped': skipped}
+
+
+def account(incs: list[Incarnation], launches: dict[str, Launch]) -> dict:
+  """One process's seconds by category (adding up to its wall time), steps, and restarts."""
+  seconds = dict.fromkeys(CATEGORIES, 0.0)
+  steps = {'productive': 0, 'recomputed': 0}
+  restarts, previous = [], None
+  for inc in incs:
+    launch = launches.get(inc.launch) if inc.launch else None
+    if previous is None or previous.status in ENDED_BY_ITSELF:
+      if launch is not None and inc.attempt == 0 and launch.start < inc.start:
+        seconds['startup'] += inc.start - launch.start  # `pax launch`'s own start-up
+    else:
+      gap = max(inc.start - previous.last, 0.0)
+      seconds['restart'] += gap
+      restarts.append(_restart(previous, inc, gap, launches))
+    for k, v in inc.closed.items():
+      seconds[k] += v
+    for k, v in inc.steps.items():
+      steps[k] += v
+    previous = inc
+  if previous is not None and previous.launch in launches:
+    end = launches[previous.launch].end
+    if end is not None and end > previous.last:  # `pax launch` after its processes ended (or were lost)
+      seconds['shutdown' if previous.status in ENDED_BY_ITSELF else 'restart'] += end - previous.last
+  wall = sum(seconds.values())
+  return {'wall_seconds': wall, 'seconds': seconds, 'goodput': seconds['productive'] / wall if wall > 0 else 0.0,
+          'steps': steps, 'step': max((i.step for i in incs if i.step is not None), default=None),
+          'incarnations': len(incs), 'restarts': restarts}
+
+
+def _restart(previous: Incarnation, inc: Incarnation, gap: float, launches: dict[str, Launch]) -> dict:
+  """One restart: why (the launcher's record of it, if any), the gap, and the steps it cost."""
+  failure = next((f for lid in {previous.launch, inc.launch} if lid in launches
+                  for f in launches[lid].failures if previous.start <= f['t'] <= inc.start + 1), None)
+  reached = max(x for x in (previous.step, failure and failure['step']) if x is not None) if (
+      previous.step is not None or (failure and failure['step'] is not None)) else None
+  resumed = inc.resumed or {}
+  redone = (reached - resumed['step']) if reached is not None and resumed.get('step') is not None else None
+  reason = failure['reason'] if failure else ('killed (no end record)' if previous.status is None
+                                              else f'exited with status {previous.status}')
+  return {'at': previous.last, 'gap_seconds': gap, 'reason': reason, 'reached_step': reached,
+          'resumed_step': resumed.get('step'), 'tier': resumed.get('tier'),
+          'redone_steps': max(redone, 0) if redone is not None else None}
