@@ -31,6 +31,7 @@ with local file calls here, while the persistent tier goes through the job direc
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -38,6 +39,7 @@ import logging
 import os
 import shutil
 import socket
+import sys
 from typing import Callable, Optional
 
 import grain.checkpoint
@@ -120,9 +122,7 @@ def _claim(directory: str, job_dir: str, job_id: str) -> None:
 
 def _agree(refusal: Optional[str]) -> None:
   """Every process refuses together (one alone would leave the others waiting in a collective)."""
-  bad = np.array([refusal is not None], np.int32)
-  if jax.process_count() > 1:
-    bad = np.asarray(multihost_utils.process_allgather(bad)).reshape(-1)
+  bad = gather_ints([int(refusal is not None)])[:, 0]
   if refusal is not None:
     raise UserError(refusal)
   if bad.any():
@@ -148,8 +148,7 @@ def _check_room(settings: Settings, per_save: int) -> None:
   key = int(hashlib.sha256(f'{socket.gethostname()}:{os.stat(settings.directory).st_dev}'.encode())
             .hexdigest()[:12], 16)
   held = _held_bytes(layout.local_tier_process(settings.directory, jax.process_index(), jax.process_count()))
-  mine = np.array([key, (settings.keep + 1) * per_save, held, st.f_bavail * st.f_frsize], np.int64)
-  rows = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, 4) if jax.process_count() > 1 else mine[None]
+  rows = gather_ints([key, (settings.keep + 1) * per_save, held, st.f_bavail * st.f_frsize])
   for disk in np.unique(rows[:, 0]):
     share = rows[rows[:, 0] == disk]
     need, held, free = int(share[:, 1].sum()), int(share[:, 2].sum()), int(share[0, 3])
@@ -191,6 +190,11 @@ def signature(setup) -> str:
   return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+@dataclasses.dataclass
+class _Flag:
+  value: bool
+
+
 class _NoPrimaryHostNote:
   """Drops orbax's warning that it does not log object sizes without a primary host, at every fast save."""
 
@@ -215,8 +219,12 @@ class FastTier:
     me = jax.process_index()
     self._mp = ocp.options.MultiprocessingOptions(primary_host=None, active_processes={me},
                                                   barrier_sync_key_prefix=f'paxcli-fast-{me}')
+    # The options orbax's emergency manager gives its local tier: each process makes its own directories,
+    # deletes in the foreground (before the next save), and its tmp directories are ours to clean.
     options = ocp.CheckpointManagerOptions(max_to_keep=settings.keep, create=False, multiprocessing_options=self._mp,
-                                           enable_async_checkpointing=True, save_root_metadata=False)
+                                           enable_async_checkpointing=True, save_root_metadata=False,
+                                           enable_per_process_directory_creation=True, cleanup_tmp_directories=False,
+                                           enable_background_delete=False)
     self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers={
         layout.STATE: self._handler(), layout.META: ocp.JsonCheckpointHandler(multiprocessing_options=self._mp),
         layout.INPUT: grain.checkpoint.CheckpointHandler()})
@@ -261,14 +269,43 @@ class FastTier:
     return os.path.join(self.directory, str(step))
 
   def save(self, step: int, state, meta: dict, input_state: Optional[bytes] = None) -> None:
+    """Starts writing step `step` (after the previous write has finished). A write that fails (a full or
+    broken local disk) is reported in one line and training goes on: the step is then not complete on
+    this process, so no restart uses it, and the persistent tier is untouched."""
     items = dict(state=ocp.args.PyTreeSave(state), meta=ocp.args.JsonSave({**meta, 'fast_tier': self._signature}))
     if input_state is not None:
       items[layout.INPUT] = grain.checkpoint.CheckpointSave(ckpt._Saved(input_state))  # pylint: disable=protected-access
-    self._manager.wait_until_finished()  # at most one save in flight; a failed one raises here
-    self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+    if self.wait():
+      with self._failures(step):
+        self._manager.save(step, args=ocp.args.Composite(**items), force=True)
 
-  def wait(self) -> None:
-    self._manager.wait_until_finished()
+  def wait(self) -> bool:
+    """Waits for the write in flight; False if it failed (said in one line)."""
+    with self._failures(None) as ok:
+      self._manager.wait_until_finished()
+    return ok.value
+
+  @contextlib.contextmanager
+  def _failures(self, step: Optional[int]):
+    ok = _Flag(True)
+    try:
+      yield ok
+    except Exception as e:  # pylint: disable=broad-except
+      ok.value = False
+      what = f'step {step}' if step is not None else 'a fast checkpoint'
+      print(f'WARNING: writing {what} to the fast tier ({self.directory}) failed on process '
+            f'{jax.process_index()} ({type(e).__name__}: {shorten(str(e), 200)}); training goes on, and a '
+            'restart uses the newest step complete on every process (or the persistent tier).',
+            file=sys.stderr, flush=True)
+      self._discard_unfinished()
+      self._manager.reload()
+
+  def discard_after(self, step: int) -> None:
+    """Removes this process's fast steps after `step`, where a run goes on from: they would collide with
+    the saves to come (each process alike, so the tiers stay consistent)."""
+    for newer in [s for s in ckpt.step_dirs(self.directory) if s > step]:
+      shutil.rmtree(self.step_dir(newer), ignore_errors=True)
+    self._manager.reload()
 
   def restore(self, step: int, flat_now: dict) -> restore_lib.Restored:
     """The state of fast step `step`, verified by its checksums. Every process restores it together and
@@ -323,12 +360,25 @@ class FastTier:
       self._manager = None
 
 
+def gather_ints(values: list[int]) -> np.ndarray:
+  """[process, i]: every process's `values` (0 <= v < 2**62), a collective with several processes.
+
+  Sent as 32-bit halves: JAX without x64 would cut 64-bit integers to 32 bits on the way.
+  """
+  mine = np.array(values, np.int64)
+  if jax.process_count() == 1:
+    return mine[None]
+  halves = np.stack([mine >> 31, mine & 0x7FFFFFFF]).astype(np.int32)
+  rows = np.asarray(multihost_utils.process_allgather(halves)).reshape(jax.process_count(), 2, len(values))
+  return (rows[:, 0].astype(np.int64) << 31) | rows[:, 1].astype(np.int64)
+
+
 def gather_json(value: Optional[dict]) -> list[dict]:
   """Every process's `value` (None: none), in process order: a collective with several processes."""
   data = np.frombuffer(json.dumps(value).encode(), np.uint8)
   if jax.process_count() == 1:
     return [value] if value is not None else []
-  sizes = np.asarray(multihost_utils.process_allgather(np.array([data.size], np.int64))).reshape(-1)
+  sizes = gather_ints([data.size])[:, 0]
   padded = np.zeros(int(sizes.max()), np.uint8)
   padded[:data.size] = data
   rows = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(sizes), -1)
@@ -338,13 +388,9 @@ def gather_json(value: Optional[dict]) -> list[dict]:
 
 def common_steps(steps: list[int], keep: int) -> list[int]:
   """The steps complete on every process (a collective with several processes), newest last."""
-  mine = np.full(keep + 2, -1, np.int64)
   newest = sorted(steps)[-(keep + 2):]
-  mine[:len(newest)] = newest
-  if jax.process_count() == 1:
-    return sorted(s for s in newest)
-  rows = np.asarray(multihost_utils.process_allgather(mine)).reshape(jax.process_count(), -1)
-  sets = [set(int(s) for s in row if s >= 0) for row in rows]
+  rows = gather_ints([s + 1 for s in newest] + [0] * (keep + 2 - len(newest)))  # 0: no step
+  sets = [set(int(s) - 1 for s in row if s > 0) for row in rows]
   return sorted(set.intersection(*sets))
 
 
@@ -365,8 +411,5 @@ def choose(tier: Optional[FastTier], persistent: Optional[int], log: Callable[[s
 
 
 def _newest_anywhere(mine: list[int]) -> Optional[int]:
-  newest = np.array([max(mine) if mine else -1], np.int64)
-  if jax.process_count() > 1:
-    newest = np.asarray(multihost_utils.process_allgather(newest)).reshape(-1)
-  top = int(newest.max())
+  top = int(gather_ints([max(mine) + 1 if mine else 0]).max()) - 1
   return top if top >= 0 else None

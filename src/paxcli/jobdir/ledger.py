@@ -75,15 +75,24 @@ def command_started() -> float:
   return _command_started if _command_started is not None else time.time()
 
 
+def start_ticks(pid: int) -> Optional[str]:
+  """The kernel's start time of `pid` (clock ticks since boot; Linux), or None."""
+  try:
+    with open(f'/proc/{pid}/stat', 'rb') as f:
+      stat = f.read().decode('utf-8', 'replace')
+    return stat.rsplit(')', 1)[1].split()[19]
+  except (OSError, IndexError):
+    return None
+
+
 def process_started_at() -> Optional[float]:
   """This process's start (epoch seconds) from the kernel (Linux), or None."""
-  from paxcli.jobdir import lock as joblock  # JAX: not at import (the CLI's main() calls mark_command_start)
-  ticks = joblock._start_time(os.getpid())  # pylint: disable=protected-access
+  ticks = start_ticks(os.getpid())
   try:
-    with open('/proc/stat', encoding='ascii') as f:
-      boot = next(float(line.split()[1]) for line in f if line.startswith('btime '))
-    return boot + int(ticks) / os.sysconf('SC_CLK_TCK')
-  except (OSError, StopIteration, TypeError, ValueError):
+    with open('/proc/uptime', encoding='ascii') as f:  # seconds since boot, to 10 ms (btime is whole seconds)
+      uptime = float(f.read().split()[0])
+    return time.time() - (uptime - int(ticks) / os.sysconf('SC_CLK_TCK'))
+  except (OSError, IndexError, TypeError, ValueError):
     return None
 
 
@@ -332,25 +341,27 @@ def account(incs: list[Incarnation], launches: dict[str, Launch]) -> dict:
   """One process's seconds by category (adding up to its wall time), steps, and restarts."""
   seconds = dict.fromkeys(CATEGORIES, 0.0)
   steps = {'productive': 0, 'recomputed': 0}
-  restarts, previous = [], None
-  for inc in incs:
+  restarts, previous, until = [], None, None   # `until`: where the account stands after `previous`
+  for i, inc in enumerate(incs):
     launch = launches.get(inc.launch) if inc.launch else None
     if previous is None or previous.status in ENDED_BY_ITSELF:
       if launch is not None and inc.attempt == 0 and launch.start < inc.start:
         seconds['startup'] += inc.start - launch.start  # `pax launch`'s own start-up
     else:
-      gap = max(inc.start - previous.last, 0.0)
+      gap = max(inc.start - until, 0.0)
       seconds['restart'] += gap
       restarts.append(_restart(previous, inc, gap, launches))
     for k, v in inc.closed.items():
       seconds[k] += v
     for k, v in inc.steps.items():
       steps[k] += v
-    previous = inc
-  if previous is not None and previous.launch in launches:
-    end = launches[previous.launch].end
-    if end is not None and end > previous.last:  # `pax launch` after its processes ended (or were lost)
-      seconds['shutdown' if previous.status in ENDED_BY_ITSELF else 'restart'] += end - previous.last
+    previous, until = inc, inc.last
+    following = incs[i + 1] if i + 1 < len(incs) else None
+    if launch is not None and launch.end is not None and launch.end > inc.last and (
+        following is None or following.launch != inc.launch):
+      # `pax launch` after its processes ended, or after it gave up on a lost one
+      seconds['shutdown' if inc.status in ENDED_BY_ITSELF else 'restart'] += launch.end - inc.last
+      until = launch.end
   wall = sum(seconds.values())
   return {'wall_seconds': wall, 'seconds': seconds, 'goodput': seconds['productive'] / wall if wall > 0 else 0.0,
           'steps': steps, 'step': max((i.step for i in incs if i.step is not None), default=None),

@@ -34,6 +34,7 @@ from jax.experimental import multihost_utils
 
 from paxcli.errors import UserError, shorten
 from paxcli.jobdir import layout
+from paxcli.jobdir import ledger
 
 
 def check_writable(job_dir: str) -> None:
@@ -65,12 +66,7 @@ def check_writable(job_dir: str) -> None:
 
 def _start_time(pid: int) -> Optional[str]:
   """The kernel's start time of `pid` (clock ticks since boot; Linux), to tell a reused pid apart."""
-  try:
-    with open(f'/proc/{pid}/stat', 'rb') as f:
-      stat = f.read().decode('utf-8', 'replace')
-    return stat.rsplit(')', 1)[1].split()[19]
-  except (OSError, IndexError):
-    return None
+  return ledger.start_ticks(pid)
 
 
 def pid_alive(pid: int, start_time: Optional[str] = None) -> bool:

@@ -166,18 +166,21 @@ class Stopwatch:
     """{'t', 'closed', 'open': [category, since], 'step', 'steps'}: the ledger's progress line. The work
     of the step in flight counts as that step's; the open interval's seconds are not in `closed`."""
     with self._lock:
-      closed = dict(self.closed)
-      upcoming = self._kind((self.step or 0) + 1)
-      closed[upcoming] += self._step_work
-      current = upcoming if self.current == STEP else self.current
-      return {'t': self._now(), 'closed': closed, 'open': [current, self.since], 'step': self.step,
-              'steps': dict(self.steps)}
+      return self._snapshot(self._now())
+
+  def _snapshot(self, now: float) -> dict:
+    closed = dict(self.closed)
+    upcoming = self._kind((self.step or 0) + 1)
+    closed[upcoming] += self._step_work
+    current = upcoming if self.current == STEP else self.current
+    return {'t': now, 'closed': closed, 'open': [current, self.since], 'step': self.step, 'steps': dict(self.steps)}
 
   def finish(self) -> dict:
-    """Closes the open interval: the snapshot's `closed` then adds up to now - started."""
+    """Closes the open interval: the snapshot's `closed` then adds up to its `t` - started."""
     with self._lock:
-      self._close(self._now())
-    return self.snapshot()
+      now = self._now()
+      self._close(now)
+      return self._snapshot(now)
 
 
 class Chrono:

@@ -561,6 +561,8 @@ def _train(resolved, job_dir: str, console, accounting: goodput.Goodput, verbose
   if state is None:
     state, start = (_resume(setup, job_dir, latest, spec, checkpointer, log) if latest is not None
                     else (_fresh_state(setup, base, resolved.experiment.RANDOM_SEED, log), Start(0)))
+  if fast is not None:
+    fast.discard_after(start.step)
   accounting.resumed(start.step, start.tier)
   if is_main:
     with open(layout.config(job_dir), 'w', encoding='utf-8') as f:

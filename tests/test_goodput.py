@@ -1,0 +1,178 @@
+"""Issue 31: the goodput ledger, `pax goodput`, and the fast checkpoint tier's checks.
+
+The stopwatch and the ledger's account are checked on a clock the test moves; a real `pax train`
+(a fresh process, timed from outside) checks that the account adds up to the wall time; the fast
+tier saves and restores real arrays with orbax. Faults across processes and restarts are in
+test_goodput_faults.py (slow).
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import pax_main
+from paxcli.jobdir import layout
+from paxcli.jobdir import ledger
+from paxcli.loops.hooks import STEP, Chrono, Stopwatch
+
+TINY = ['--exp', 'lm_cloud.LmCloudSpmdTest', '--set', 'NUM_LAYERS=1', '--set', 'MODEL_DIMS=32',
+        '--set', 'HIDDEN_DIMS=64', '--set', 'NUM_HEADS=2', '--set', 'DIMS_PER_HEAD=16', '--set', 'VOCAB_SIZE=64',
+        '--set', 'MAX_SEQ_LEN=16', '--set', 'PERCORE_BATCH_SIZE=1', '--set', 'task.train.summary_interval_steps=2']
+
+
+class Clock:
+  def __init__(self, t=1000.0):
+    self.t = t
+
+  def __call__(self):
+    return self.t
+
+  def tick(self, seconds):
+    self.t += seconds
+
+
+# ---- the stopwatch ------------------------------------------------------------------------------------
+
+
+def test_stopwatch_puts_every_second_in_one_category_and_redone_steps_apart():
+  clock = Clock()
+  sw = Stopwatch(started=clock.t - 2.0, furthest_before=1, now=clock)   # 2 s of start-up already
+  sw.switch(STEP)
+  clock.tick(1.0)                       # step 1's work: at or below the furthest step reached before
+  with sw.phase('checkpoint'):
+    clock.tick(0.25)
+  sw.step_done(1)
+  with sw.phase('data'):
+    clock.tick(0.5)
+  clock.tick(3.0)                       # step 2's work: new
+  sw.step_done(2)
+  with sw.phase('eval'):
+    clock.tick(4.0)
+  sw.switch('shutdown')
+  clock.tick(0.125)
+  snap = sw.finish()
+  assert snap['closed'] == {'productive': 3.0, 'recomputed': 1.0, 'startup': 2.0, 'compile': 0.0, 'data': 0.5,
+                            'checkpoint': 0.25, 'eval': 4.0, 'shutdown': 0.125}
+  assert sum(snap['closed'].values()) == clock.t - sw.started
+  assert snap['steps'] == {'productive': 1, 'recomputed': 1} and snap['step'] == 2
+  with pytest.raises(ValueError, match='unknown goodput category'):
+    sw.switch('coffee')
+
+
+def test_stopwatch_snapshot_keeps_the_open_interval_apart():
+  clock = Clock()
+  sw = Stopwatch(started=clock.t, now=clock)
+  sw.switch(STEP)
+  clock.tick(1.0)
+  sw.switch(STEP)                       # the step's work so far, not yet done
+  clock.tick(0.5)
+  snap = sw.snapshot()
+  assert snap['closed']['productive'] == 1.0 and snap['open'] == ['productive', clock.t - 0.5]
+  assert sum(snap['closed'].values()) + (snap['t'] - snap['open'][1]) == clock.t - sw.started
+
+
+def test_compilation_moves_to_compile_except_in_an_eval():
+  sw = Stopwatch()
+  with sw, Chrono(0, 10, sw) as chrono:
+    jax.jit(lambda x: jnp_sin(x) * 3.0)(np.ones(7, np.float32)).block_until_ready()
+    sw.step_done(1)
+    with chrono.paused():
+      jax.jit(lambda x: jnp_sin(x) * 5.0 + 1.0)(np.ones(9, np.float32)).block_until_ready()
+  snap = sw.finish()
+  assert snap['closed']['compile'] > 0 and snap['closed']['eval'] > 0
+  assert sum(snap['closed'].values()) == pytest.approx(snap['t'] - sw.started, abs=1e-9)
+
+
+def jnp_sin(x):
+  import jax.numpy as jnp
+  return jnp.sin(x)
+
+
+# ---- the account --------------------------------------------------------------------------------------
+
+
+def _line(path, **record):
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  with open(path, 'a') as f:
+    f.write(json.dumps(record) + '\n')
+
+
+def _closed(**seconds):
+  return {k: float(seconds.get(k, 0.0)) for k in ledger.PROCESS_CATEGORIES}
+
+
+def test_account_adds_up_across_a_kill_a_launcher_and_a_later_run(tmp_path):
+  job = str(tmp_path / 'job')
+  p0, launch = layout.goodput_ledger(job, 0), layout.launch_ledger(job)
+  _line(launch, kind='launch', id='L1', t=100.0)
+  # Attempt 0: 5 s of start-up and 10 s of steps up to step 12; killed at 118 (the open interval, from
+  # 116, is lost with it); its last progress line was at 117.
+  _line(p0, kind='start', inc='a', t=101.0, launch='L1', attempt=0)
+  _line(p0, kind='progress', inc='a', t=117.0, closed=_closed(startup=5.0, productive=10.0), open=['productive', 116.0],
+        step=12, steps={'productive': 12, 'recomputed': 0})
+  _line(launch, kind='failure', id='L1', t=119.0, attempt=0, process=1, reason='was killed by SIGKILL (exit code -9)',
+        steps={'0': 13, '1': 13})
+  # Attempt 1 starts at 121, resumes from fast step 10, recomputes 11-13 and finishes at 140.
+  _line(p0, kind='start', inc='b', t=121.0, launch='L1', attempt=1)
+  _line(p0, kind='resume', inc='b', t=125.0, step=10, tier='fast')
+  _line(p0, kind='end', inc='b', t=140.0, closed=_closed(startup=4.0, recomputed=3.0, productive=11.0, compile=1.0),
+        step=24, steps={'productive': 11, 'recomputed': 3}, status=0)
+  _line(launch, kind='end', id='L1', t=140.5, code=0)
+  # A day later, by hand: the idle day is nobody's run; this one is killed with a cut last line.
+  _line(p0, kind='start', inc='c', t=90000.0)
+  _line(p0, kind='progress', inc='c', t=90004.0, closed=_closed(startup=3.0), open=['productive', 90003.0], step=24,
+        steps={})
+  with open(p0, 'a') as f:
+    f.write('{"kind":"progress","inc":"c","t":900')
+  account = ledger.summarize(job)
+  s = account['seconds']
+  assert s['startup'] == 1.0 + 5.0 + 4.0 + 3.0       # the launcher's own second, then each start
+  assert s['restart'] == 121.0 - 116.0                # from the last progress of the killed run to the next start
+  assert s['shutdown'] == 0.5 and s['recomputed'] == 3.0 and s['productive'] == 21.0
+  assert account['wall_seconds'] == pytest.approx(sum(s.values()))
+  assert account['wall_seconds'] == pytest.approx((140.5 - 100.0) + (90003.0 - 90000.0))
+  assert account['lines_skipped'] == 1 and account['incarnations'] == 3
+  (restart,) = account['restarts']
+  assert restart['reason'] == 'was killed by SIGKILL (exit code -9)' and restart['gap_seconds'] == 5.0
+  assert (restart['reached_step'], restart['resumed_step'], restart['tier'], restart['redone_steps']) == (13, 10, 'fast', 3)
+  assert ledger.furthest_step(*ledger.read(job)[:2]) == 24
+
+
+def test_pax_goodput_without_a_ledger_is_one_line(tmp_path, capsys):
+  code, _, err = pax_main(['goodput', str(tmp_path)], capsys)
+  assert code == 2 and 'No goodput ledger' in err and 'Traceback' not in err
+  code, _, err = pax_main(['goodput', str(tmp_path / 'missing')], capsys)
+  assert code == 2 and 'is not a directory' in err
+
+
+def test_a_real_run_accounts_for_its_wall_time(tmp_path, capsys):
+  """`pax launch -n 1 -- train`, timed from outside: the ledger's figures add up to that wall time
+  (the launcher records its own start and end, so the trainer's interpreter exit is inside too)."""
+  job = str(tmp_path / 'job')
+  cmd = [sys.executable, '-m', 'paxcli.cli.app', 'launch', '-n', '1', '--', 'train', *TINY,
+         '--set', 'task.train.num_train_steps=6', '--set', 'task.train.save_interval_steps=3',
+         '--set', 'task.train.eval_interval_steps=3', '--job-log-dir', job]
+  began = time.time()
+  result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+  wall = time.time() - began
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert '[p0] Goodput ' in result.stdout and f'pax goodput {job}' in result.stdout
+  code, out, err = pax_main(['goodput', job, '--json'], capsys)
+  assert code == 0, err
+  account = json.loads(out)
+  seconds = account['seconds']
+  assert sum(seconds.values()) == pytest.approx(account['wall_seconds'], rel=1e-9)
+  assert account['wall_seconds'] == pytest.approx(wall, rel=0.01), (account['wall_seconds'], wall)
+  assert seconds['productive'] > 0 and seconds['startup'] > 0 and seconds['compile'] > 0
+  assert seconds['checkpoint'] > 0 and seconds['eval'] > 0 and seconds['shutdown'] > 0 and seconds['restart'] == 0
+  assert account['steps'] == {'productive': 6, 'recomputed': 0}
+  code, out, _ = pax_main(['goodput', job], capsys)
+  assert code == 0 and 'productive steps' in out and 'checkpoint stalls' in out and 'wall time' in out
+  # TensorBoard carries it over time: an events file under summaries/goodput.
+  assert any(n.startswith('events.out.tfevents') for n in os.listdir(layout.summaries(job, 'goodput')))
