@@ -176,3 +176,81 @@ def test_a_real_run_accounts_for_its_wall_time(tmp_path, capsys):
   assert code == 0 and 'productive steps' in out and 'checkpoint stalls' in out and 'wall time' in out
   # TensorBoard carries it over time: an events file under summaries/goodput.
   assert any(n.startswith('events.out.tfevents') for n in os.listdir(layout.summaries(job, 'goodput')))
+
+
+# ---- the fast tier ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope='module')
+def tiny_setup():
+  from paxcli import config
+  from paxcli.runtime import engine
+  resolved = config.resolve('lm_cloud.LmCloudSpmdTest', ['NUM_LAYERS=1', 'MODEL_DIMS=32', 'HIDDEN_DIMS=64', 'NUM_HEADS=2',
+                                                         'DIMS_PER_HEAD=16', 'VOCAB_SIZE=64', 'MAX_SEQ_LEN=16'])
+  setup = engine.build(resolved)
+  return setup, engine.init_state(setup, 0)
+
+
+def _saved(state, scale):
+  """The state with every float array scaled: a state of another step."""
+  return jax.tree.map(lambda x: x * scale if jax.numpy.issubdtype(x.dtype, jax.numpy.floating) else x, state)
+
+
+def test_fast_tier_keeps_few_restores_exactly_and_falls_back_from_damage(tiny_setup, tmp_path):
+  from paxcli.jobdir import fast_tier
+  from paxcli.jobdir import restore
+  from paxcli.runtime import engine
+  setup, state = tiny_setup
+  settings = fast_tier.Settings(str(tmp_path / 'local'), every=1, keep=2)
+  tier = fast_tier.open_tier(settings, str(tmp_path / 'job'), 'job1', setup, log=print)
+  shapes = engine.shape_signature(setup.abstract_state)
+  for step in (1, 2, 3):
+    saved = _saved(state, float(step))
+    tier.save(step, saved, {'step': step, 'state_shapes': shapes, 'checksums': restore.checksums(saved)})
+  tier.wait()
+  assert tier.steps() == [2, 3]                                  # the newest LOCAL_CHECKPOINT_KEEP
+  assert fast_tier.choose(tier, 2, print) == [3] and fast_tier.choose(tier, 3, print) == []
+  got = tier.restore(3, {})
+  for a, b in zip(jax.tree.leaves(got.state), jax.tree.leaves(_saved(state, 3.0))):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  # Bytes of step 3's arrays garbled on disk: refused as damaged (a restart then tries the next).
+  data = [os.path.join(r, n) for r, _, names in os.walk(os.path.join(tier.step_dir(3), 'state')) for n in names
+          if os.path.basename(r) == 'd']
+  for path in data:
+    with open(path, 'r+b') as f:
+      f.seek(max(os.path.getsize(path) // 2, 0))
+      f.write(b'\xff' * 64)
+  with pytest.raises(restore.DamagedCheckpoint, match='step 3'):
+    tier.restore(3, {})
+  tier.discard_after(2)
+  assert tier.steps() == [2]
+  tier.clear()
+  assert not os.path.exists(tier.directory) and not os.path.exists(layout.local_tier_owner(settings.directory))
+
+
+def _train_refused(capsys, tmp_path, *sets):
+  args = ['train', *TINY, '--set', 'task.train.num_train_steps=2', '--job-log-dir', str(tmp_path / 'job')]
+  for s in sets:
+    args += ['--set', s]
+  code, _, err = pax_main(args, capsys)
+  lines = [l for l in err.strip().splitlines() if l.strip() and not l.startswith('WARNING')]
+  assert code == 2 and 'Traceback' not in err, err[-2000:]
+  return lines[-1]
+
+
+def test_fast_tier_bad_input_is_one_line_before_training(tmp_path, capsys):
+  blocker = tmp_path / 'a-file'
+  blocker.write_text('x')
+  line = _train_refused(capsys, tmp_path, f'LOCAL_CHECKPOINT_DIR={blocker}/local', 'LOCAL_CHECKPOINT_EVERY=2')
+  assert 'cannot hold the fast checkpoint tier' in line and 'Not a directory' in line
+  shared = tmp_path / 'shared'
+  shared.mkdir()
+  (shared / 'owner.json').write_text(json.dumps({'job_dir': '/somewhere/else', 'job_id': 'abc'}))
+  line = _train_refused(capsys, tmp_path, f'LOCAL_CHECKPOINT_DIR={shared}', 'LOCAL_CHECKPOINT_EVERY=2')
+  assert 'holds the fast checkpoint tier of another job (/somewhere/else)' in line
+  line = _train_refused(capsys, tmp_path, f'LOCAL_CHECKPOINT_DIR={tmp_path}/big', 'LOCAL_CHECKPOINT_EVERY=2',
+                        'LOCAL_CHECKPOINT_KEEP=100000000')
+  assert 'The fast checkpoint tier needs' in line and 'but its disk has' in line and 'free' in line
+  assert not os.path.exists(os.path.join(tmp_path, 'job', 'checkpoints', '1'))   # refused before any step
+  line = _train_refused(capsys, tmp_path, 'LOCAL_CHECKPOINT_EVERY=2')
+  assert 'also needs LOCAL_CHECKPOINT_DIR' in line

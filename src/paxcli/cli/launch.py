@@ -87,7 +87,7 @@ def launch(
   argv = _child_argv(command or [], _multiprocess_commands(ctx.parent.command))
   make_envs = lambda: _child_envs(processes, devices_per_process, port or free_port())
   code = run_job(argv, make_envs, grace=grace, exit_wait=exit_wait, max_restarts=max_restarts,
-                 heartbeat_timeout=heartbeat_timeout)
+                 heartbeat_timeout=heartbeat_timeout, end_at_exit=True)
   if code:
     raise typer.Exit(code)
 
@@ -170,8 +170,12 @@ def run_children(argv: list[str], envs: list[dict[str, str]], grace: float = 5.0
 
 
 def run_job(argv: list[str], make_envs: Callable[[], list[dict[str, str]]], grace: float = 5.0,
-            exit_wait: float = 120.0, max_restarts: int = 0, heartbeat_timeout: Optional[float] = None) -> int:
-  """Runs the children, and again after each failure up to `max_restarts` times; the launcher's exit code."""
+            exit_wait: float = 120.0, max_restarts: int = 0, heartbeat_timeout: Optional[float] = None,
+            end_at_exit: bool = False) -> int:
+  """Runs the children, and again after each failure up to `max_restarts` times; the launcher's exit code.
+
+  end_at_exit: the ledger's `end` line is written when this process exits (`pax launch`: the job's
+  wall time then ends where the launcher's does), else now."""
   lock, record = threading.Lock(), _LaunchRecord()
   code = 0
   for attempt in range(max_restarts + 1):
@@ -202,8 +206,10 @@ def run_job(argv: list[str], make_envs: Callable[[], list[dict[str, str]]], grac
       _say(lock, f'restart {attempt + 1} of {max_restarts}: starting all {len(envs)} processes again.')
     elif max_restarts:
       _say(lock, f'no restarts left (--max-restarts {max_restarts}); giving up.')
-  # The launcher's end is its process's exit: the line is written as late as Python lets it.
-  atexit.register(record.add, 'end', code=code)
+  if end_at_exit:  # as late as Python lets it
+    atexit.register(record.add, 'end', code=code)
+  else:
+    record.add('end', code=code)
   return code
 
 

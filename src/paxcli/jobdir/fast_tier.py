@@ -157,9 +157,9 @@ def _check_room(settings: Settings, per_save: int) -> None:
       raise UserError(
           f'The fast checkpoint tier needs {_size(need)} on {where} ({settings.keep} kept + 1 being written, '
           f'{_size(int(share[0, 1]) // (settings.keep + 1))} each, for {len(share)} process(es)) under '
-          f'LOCAL_CHECKPOINT_DIR={shorten(settings.directory, 160)}, but its disk has {_size(free + held)} free '
-          f'(with the {_size(held)} its saves already hold). Free space, keep fewer (LOCAL_CHECKPOINT_KEEP), or '
-          'turn the tier off (LOCAL_CHECKPOINT_EVERY=0).')
+          f'LOCAL_CHECKPOINT_DIR={shorten(settings.directory, 160)}, but its disk has {_size(free + held)} free'
+          + (f' (with the {_size(held)} its saves already hold)' if held else '') + '. Free space, keep fewer '
+          '(LOCAL_CHECKPOINT_KEEP), or turn the tier off (LOCAL_CHECKPOINT_EVERY=0).')
 
 
 def _held_bytes(directory: str) -> int:
@@ -211,6 +211,8 @@ class FastTier:
     self.directory = layout.local_tier_process(settings.directory, jax.process_index(), jax.process_count())
     self._setup, self._log = setup, log
     self._signature = signature(setup)
+    ckpt._quiet_no_space_logs()  # pylint: disable=protected-access
+    ckpt._quiet_closed_loop_callbacks()  # pylint: disable=protected-access
     absl_logger = logging.getLogger('absl')
     if not any(isinstance(f, _NoPrimaryHostNote) for f in absl_logger.filters):
       absl_logger.addFilter(_NoPrimaryHostNote())
