@@ -92,11 +92,7 @@ def open_tier(settings: Settings, job_dir: str, job_id: str, setup, log: Callabl
 def _check_writable(directory: str) -> None:
   shown = f'LOCAL_CHECKPOINT_DIR={shorten(directory, 200)}'
   try:
-    os.makedirs(directory, exist_ok=True)
-    probe = os.path.join(directory, f'.pax-write-test-{socket.gethostname()}-{os.getpid()}')
-    with open(probe, 'w') as f:
-      f.write('ok')
-    os.remove(probe)
+    files.probe_writable(directory)
   except OSError as e:
     raise UserError(f'{shown} cannot hold the fast checkpoint tier on {socket.gethostname()}: {e.strerror}. '
                     'Give a writable local directory, or turn the tier off with LOCAL_CHECKPOINT_EVERY=0.') from None

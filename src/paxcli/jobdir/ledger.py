@@ -190,10 +190,6 @@ class Incarnation:
   status: Optional[int] = None   # exit status; None: it never wrote an end (killed)
   resumed: Optional[dict] = None  # {'step', 'tier'}
 
-  @property
-  def accounted(self) -> float:
-    return (self.last if self.last is not None else self.start) - self.start
-
 
 @dataclasses.dataclass
 class Launch:

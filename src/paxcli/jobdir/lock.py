@@ -32,6 +32,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from paxcli import files
 from paxcli.errors import UserError, shorten
 from paxcli.jobdir import layout
 from paxcli.jobdir import ledger
@@ -53,11 +54,7 @@ def check_writable(job_dir: str) -> None:
     what = 'is a file' if probe == path else f'is under {probe}, which is a file'
     raise UserError(f'Job directory {shown} {what}, not a directory. Choose another --job-log-dir.')
   try:
-    os.makedirs(path, exist_ok=True)
-    test = os.path.join(path, f'.pax-write-test-{os.getpid()}')
-    with open(test, 'w') as f:
-      f.write('ok')
-    os.remove(test)
+    files.probe_writable(path)
   except OSError as e:
     reason = {errno.EACCES: 'is not writable (permission denied)', errno.EROFS: 'is on a read-only file system',
               errno.ENOSPC: 'is on a full disk (no space left)'}.get(e.errno, f'cannot be written ({e.strerror})')
