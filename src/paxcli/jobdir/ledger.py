@@ -316,13 +316,14 @@ def furthest_step(processes: dict[int, list[Incarnation]], launches: dict[str, L
 # ---- the account ------------------------------------------------------------------------------------
 
 
-def summarize(job_dir: str, live: Optional[Incarnation] = None, history: Optional[tuple] = None) -> dict:
-  """The job's account (see the module docstring). `live`: the running incarnation of process 0 so far,
-  beside `history` (what `read` gave at its start; read now when None)."""
+def summarize(job_dir: str, live: Optional[tuple[int, Incarnation]] = None, history: Optional[tuple] = None) -> dict:
+  """The job's account (see the module docstring). `live`: (process, its running incarnation so far), beside
+  `history` (what `read` gave at its start; read now when None)."""
   processes, launches, skipped = history if history is not None else read(job_dir)
   processes = dict(processes)
   if live is not None:
-    processes[0] = [i for i in processes.get(0, []) if i.inc != live.inc] + [live]
+    process, running = live
+    processes[process] = [i for i in processes.get(process, []) if i.inc != running.inc] + [running]
   if not processes:
     raise UserError(f'No goodput ledger in {job_dir} ({layout.goodput(job_dir)} is missing or empty): '
                     'it is written by `pax train`; train in this job directory first.')

@@ -66,7 +66,7 @@ class Goodput:
     closed[category] += max(snap['t'] - since, 0.0)
     live = ledger.Incarnation(self.ledger.inc, self.stopwatch.started, *_launch(), closed=closed,
                               last=snap['t'], step=snap['step'], steps=snap['steps'])
-    return ledger.summarize(self.job_dir, live=live if jax.process_index() == 0 else None, history=self._history)
+    return ledger.summarize(self.job_dir, live=(jax.process_index(), live), history=self._history)
 
   def line(self) -> str:
     """The job's account in one line (the end of the run)."""

@@ -624,7 +624,8 @@ def _train(resolved, job_dir: str, console, accounting: goodput.Goodput, verbose
   if fast is not None:
     fast.clear()  # the run finished: its last persistent checkpoint supersedes the fast tier
   _log_done(job_dir, summary.last, train_cfg.save_max_to_keep, log)
-  log(accounting.line() + f' `pax goodput {job_dir}` has the table.')
+  if is_main:
+    log(accounting.line() + f' `pax goodput {job_dir}` has the table.')
   return summary.last
 
 
