@@ -5,6 +5,7 @@
     metrics = paxcli.evaluate('default.StdlibDocsLm', job_dir='runs/docs')
     records = paxcli.decode('default.StdlibDocsLm', job_dir='runs/docs', prompt=['def parse('])
     scores = paxcli.score('requests.jsonl', 'default.StdlibDocsLm', job_dir='runs/docs')
+    results = paxcli.lm_eval(['hellaswag'], 'default.StdlibDocsLm', job_dir='runs/docs')
 
 Arguments are named as the command-line options, in snake_case (`--max-decode-steps` is
 `max_decode_steps`; `--set` is `overrides`, a list of KEY=VALUE strings), with two names
@@ -26,6 +27,7 @@ the loops) are imported inside the functions that use them: `pax import-maxtext`
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import logging
 import os
 import time
@@ -35,7 +37,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from paxcli.errors import UserError
-from paxcli.jobdir import layout
+from paxcli.jobdir import layout, storage
 from paxcli.maxtext import recipe as maxtext_recipe
 from paxcli.maxtext.shell import read_script
 from paxcli.maxtext.translate import Options, Translation, translate
@@ -79,6 +81,7 @@ def open_run(exp: Optional[str], overrides: Sequence[str] = (), job_dir: Optiona
   if with_job_dir:
     from paxcli.jobdir import tokenizer  # orbax and fiddle: for commands that open a job directory
     directory = path_arg(job_dir or default_job_dir(resolved.experiment.registered_name()), '--job-log-dir')
+    storage.check_reachable(directory)   # a bucket that cannot be used: one line, before any compile
     tokenizer.keep_trained(resolved.datasets, directory)
   return Run(resolved, directory)
 
@@ -108,7 +111,7 @@ def path_arg(path: Optional[str], option: str) -> Optional[str]:
     return None
   if not path:
     raise UserError(f'{option} is empty; give a path.')
-  return layout.absolute(path)
+  return layout.absolute(path, option)
 
 
 def positive_finite(value: Optional[float], option: str, unit: str) -> Optional[float]:
@@ -173,7 +176,7 @@ def evaluate(exp: Optional[str] = None, *, overrides: Sequence[str] = (), job_di
   record = None
   if jax.process_index() == 0 and not no_checkpoint:
     record = lambda: invocation.record(run.job_dir)
-  if record and os.path.isdir(run.job_dir):  # never made here: a follower records at its first evaluation
+  if record and storage.isdir(run.job_dir):  # never made here: a follower records at its first evaluation
     record()
     record = None
   if follow:
@@ -249,6 +252,44 @@ def score(requests_file: str, exp: Optional[str] = None, *, overrides: Sequence[
   from paxcli.loops.score import command  # JAX
   return command.score(run.resolved, run.job_dir, read, requests_file, step=step, use_checkpoint=not no_checkpoint,
                        dtype=dtype, batch_size=batch_size, output=output, log=log, progress=progress)
+
+
+def lm_eval(tasks: Sequence[str], exp: Optional[str] = None, *, overrides: Sequence[str] = (),
+            job_dir: Optional[str] = None, include_path: Sequence[str] = (), num_fewshot: Optional[int] = None,
+            limit: Optional[float] = None, batch_size: int = 0, step: Optional[int] = None,
+            dtype: Optional[str] = None, gen_kwargs: Optional[str] = None, log_samples: bool = False, seed: int = 0,
+            output: Optional[str] = None, coordinator: Optional[str] = None, num_processes: Optional[int] = None,
+            process_id: Optional[int] = None, console=None, progress=None) -> dict:
+  """`pax lm-eval`: lm-evaluation-harness' own evaluator (`simple_evaluate`) on `tasks` (names, groups,
+  tags, patterns or task YAML paths; include_path adds task directories) with checkpoint `step` of
+  `job_dir` (default the latest): the harness' results dict, also written as JSON to `output` (default
+  <job_dir>/lm_eval/results_step<k>_<n>.json). The dict returned also carries `.tables` (the harness'
+  printed tables), `.path` and `.stats` (requests, seconds, requests_per_sec). progress: a factory
+  `progress(label, total)` of context managers yielding `advance(n)`, or None."""
+  if importlib.util.find_spec('lm_eval') is None:
+    raise UserError("pax lm-eval runs lm-evaluation-harness, which is not installed: pip install 'paxcli[eval]' "
+                    '(or pip install lm-eval).')
+  tasks = [t for t in tasks if t]
+  if not tasks:
+    raise UserError('Give the tasks to evaluate: --tasks hellaswag,arc_easy (`lm-eval ls tasks` lists them).')
+  if dtype is not None and dtype not in DECODE_DTYPES:
+    raise UserError(f'--dtype must be one of {", ".join(DECODE_DTYPES)}; got {dtype!r}.')
+  if batch_size < 0:
+    raise UserError(f'--batch-size must be at least 0 (0: automatic), got {batch_size}.')
+  if num_fewshot is not None and num_fewshot < 0:
+    raise UserError(f'--num-fewshot must be at least 0, got {num_fewshot}.')
+  if limit is not None and not (limit > 0 and limit != float('inf')):
+    raise UserError(f'--limit must be a positive number (documents per task, or a fraction below 1), got {limit}.')
+  include_path = [path_arg(p, '--include-path') for p in include_path]
+  tasks = [path_arg(t, '--tasks') if t.endswith(('.yaml', '.yml')) else t for t in tasks]
+  output = path_arg(output, '--output')
+  log = _printer(_console(console))
+  run = open_run(exp, overrides, job_dir, coordinator=coordinator, num_processes=num_processes,
+                 process_id=process_id, log=log)
+  from paxcli.loops.harness import command  # JAX and lm_eval
+  return command.lm_eval_run(run.resolved, run.job_dir, tasks, include_path=include_path, num_fewshot=num_fewshot,
+                             limit=limit, batch_size=batch_size, step=step, dtype=dtype, gen_kwargs=gen_kwargs,
+                             log_samples=log_samples, seed=seed, output=output, log=log, progress=progress)
 
 
 # ---- describe, bench, inputs -----------------------------------------------------------------
@@ -406,9 +447,9 @@ class _DataProgress:
 
 def goodput(job_dir: str) -> dict:
   """`pax goodput`: where the job's wall time went, across its processes and restarts (jobdir/ledger.py)."""
-  from paxcli.jobdir import layout, ledger
+  from paxcli.jobdir import ledger
   directory = path_arg(job_dir, 'JOB')
-  if not os.path.isdir(directory):
+  if not storage.isdir(directory):
     raise UserError(f'{job_dir} is not a directory; give the job directory of a `pax train` run.')
   return ledger.summarize(layout.job_dir_of(directory))
 

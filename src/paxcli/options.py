@@ -21,6 +21,7 @@ CheckpointPolicyName = Literal['none', 'save_nothing', 'save_dot_only', 'save_do
                                'save_qkv_out_proj', 'save_everything']
 AttentionImplName = Literal['auto', 'dot_product', 'einsum']  # paxcli.layers.attention_ops
 OptimizerName = Literal['adam', 'adamw', 'adafactor', 'sgd']
+TrackerName = Literal['wandb', 'mlflow']  # paxcli.jobdir.trackers.NAMES
 ScheduleName = Literal['constant', 'linear_rampup_cosine_decay', 'linear_rampup_exponential_decay']
 
 ACTIVATIONS: tuple[str, ...] = typing.get_args(ActivationName)

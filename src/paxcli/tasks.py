@@ -39,6 +39,19 @@ class ScheduleConfig:
 
 
 @dataclasses.dataclass
+class TrackersConfig:
+  """Trackers beside TensorBoard (paxcli.jobdir.trackers): which, and where their runs go. None: the
+  library's environment variable (WANDB_PROJECT, WANDB_ENTITY, MLFLOW_TRACKING_URI, MLFLOW_EXPERIMENT_NAME),
+  else on a resume the run's recorded setting, else 'paxcli' (project, experiment) or the library's default."""
+  names: Any = ()                       # 'wandb', 'mlflow'
+  run_name: Optional[str] = None        # None: the job directory's name
+  wandb_project: Optional[str] = None
+  wandb_entity: Optional[str] = None
+  mlflow_tracking_uri: Optional[str] = None
+  mlflow_experiment: Optional[str] = None
+
+
+@dataclasses.dataclass
 class TrainConfig:
   """Pax's task.train knobs, with the learner (optimizer, schedule, clipping) beside them."""
   num_train_steps: int = 100
@@ -69,6 +82,7 @@ class TrainConfig:
   local_checkpoint_dir: Optional[str] = None
   local_checkpoint_interval_steps: int = 0
   local_checkpoint_max_to_keep: int = 2
+  trackers: Any = dataclasses.field(default_factory=TrackersConfig)
 
 
 @dataclasses.dataclass

@@ -44,6 +44,7 @@ import typer
 from paxcli.errors import UserError
 from paxcli.jobdir import layout
 from paxcli.jobdir import ledger
+from paxcli.jobdir import storage
 from paxcli.runtime import distributed
 from paxcli.runtime.platform import detect_platform
 
@@ -232,8 +233,8 @@ class _LaunchRecord:
         if name.endswith('.job'):
           with open(os.path.join(beats, name), encoding='utf-8') as f:
             text = f.read(4096).strip()
-          if os.path.isabs(text) and os.path.isdir(text):
-            self.job_dir = text
+          if not storage.is_local(text) or (os.path.isabs(text) and os.path.isdir(text)):
+            self.job_dir = text   # as the child holds it (storage.absolute): a local path, or gs://...
             break
 
   def flush(self) -> None:

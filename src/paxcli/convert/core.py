@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import sys
+import tempfile
 from typing import Optional
 
 import numpy as np
@@ -29,6 +30,7 @@ from paxcli.families.lm import LmExperiment
 from paxcli.inputs import tokenizers
 from paxcli.jobdir import layout
 from paxcli.jobdir import lock as joblock
+from paxcli.jobdir import storage
 
 _LAYER_RE = re.compile(r'(^|/)layer_(\d+)(/|$)')
 _LAYERS_RE = re.compile(r'(^|/)layers(/|$)')
@@ -78,9 +80,10 @@ def recipe_class(path: str, class_name: str, text: str, where: Optional[str] = N
 
 
 def source_dir(src) -> str:
-  """The directory a checkpoint's files are in (a job directory, a safetensors directory)."""
+  """The local directory a checkpoint's files are in (a job directory, a safetensors directory; the
+  top files of a job directory in a bucket, downloaded)."""
   path = getattr(src, 'job_dir', None) or src.path
-  return os.path.realpath(path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path)))
+  return storage.local_files(path if storage.isdir(path) else os.path.dirname(storage.abspath(path)))
 
 
 def trusted_experiment(src, name: str, exp: Optional[str]) -> Optional[str]:
@@ -278,25 +281,34 @@ def is_layered(item: Item) -> bool:
 
 
 class Output:
-  """A temporary directory beside `path`, renamed onto it at the end (never overwriting without force)."""
+  """A temporary directory beside `path`, renamed onto it at the end (never overwriting without force).
+
+  A bucket output is written in a local temporary directory and uploaded when it is whole, orbax's
+  commit markers last (a reader never takes a half-uploaded checkpoint for a complete one).
+  """
 
   def __init__(self, path: str, force: bool, source_path: str):
-    self.path = os.path.abspath(path)
+    self.path, self.force = storage.abspath(path), force
     # Resolved: a symlink to the source (or to a directory above or below it) is the source; the
     # source of a step directory (job/checkpoints/<step>) is its whole job directory.
-    out, src = os.path.realpath(path), layout.job_dir_of(os.path.realpath(source_path))
-    if os.path.commonpath([out, src]) in (out, src):
+    if storage.inside(path, layout.job_dir_of(storage.abspath(source_path))):
       raise UserError(f'The output {path} would be inside or over the source {source_path} (compared with symlinks '
                       'resolved); the '
                       'source is never modified. Choose another output path.')
     if os.path.islink(self.path):   # --force would replace the link, not what it points to
-      raise UserError(f'The output {path} is a symlink (to {out}); give the real path.')
-    if os.path.exists(self.path) and not force:
+      raise UserError(f'The output {path} is a symlink (to {os.path.realpath(path)}); give the real path.')
+    if storage.exists(self.path) and not force:
       raise UserError(f'The output {path} exists; pass --force to replace it.')
+    self.remote = not storage.is_local(self.path)
+    if self.remote:
+      self.tmp = tempfile.mkdtemp(prefix='paxcli-convert-')
+      return
     os.makedirs(os.path.dirname(self.path) or '.', exist_ok=True)
     self.tmp = self.path + f'.converting-{os.getpid()}'
 
   def __enter__(self) -> str:
+    if self.remote:
+      return self.tmp
     for stale in glob.glob(glob.escape(self.path) + '.converting-*'):   # left by a killed conversion
       pid = stale.rsplit('-', 1)[-1]
       if pid.isdigit() and not joblock.pid_alive(int(pid)):
@@ -309,6 +321,14 @@ class Output:
   def __exit__(self, exc_type, exc, tb):
     if exc_type is not None:
       shutil.rmtree(self.tmp, ignore_errors=True)
+      return False
+    if self.remote:
+      try:
+        if self.force:
+          storage.rmtree(self.path)   # asked for: the old output's objects would mix with the new
+        storage.upload_tree(self.tmp, self.path, last=layout.COMMIT_MARKERS)
+      finally:
+        shutil.rmtree(self.tmp, ignore_errors=True)
       return False
     if os.path.exists(self.path):
       old = self.path + f'.replaced-{os.getpid()}'

@@ -152,9 +152,9 @@ def reader_names() -> list[str]:
 
 def detect_format(path: str) -> str:
   """The registered format whose detect() accepts path, or a UserError."""
-  import os
   _load()
-  if not os.path.exists(path):
+  from paxcli.jobdir import storage
+  if not storage.exists(path):
     raise UserError(f'No such checkpoint: {path} does not exist.')
   for name, entry in READERS.items():
     if entry.detect is not None and entry.detect(path):

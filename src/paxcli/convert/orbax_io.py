@@ -17,11 +17,10 @@ from typing import Optional
 
 import numpy as np
 
-from paxcli import files
 from paxcli.convert import formats
 from paxcli.convert.formats import ArrayInfo
 from paxcli.errors import UserError
-from paxcli.jobdir import layout
+from paxcli.jobdir import layout, storage
 
 
 def is_orbax(path: str) -> bool:
@@ -30,7 +29,7 @@ def is_orbax(path: str) -> bool:
   if step is not None:
     return True
   steps = ckpt.step_dirs(layout.checkpoints(job_dir)).values()
-  return bool(steps) and not all(os.path.isdir(os.path.join(d, 'items')) for d in steps)   # items/: MaxText's
+  return bool(steps) and not all(storage.isdir(os.path.join(d, 'items')) for d in steps)   # items/: MaxText's
 
 
 def _sharding_words(meta) -> Optional[str]:
@@ -83,8 +82,7 @@ class PyTreeDir(formats.SourceBase):
     from etils import epath
     if not hasattr(self, '_layout'):
       try:
-        with open(os.path.join(self.state_dir, '_METADATA'), encoding='utf-8') as f:
-          saved = json.load(f)
+        saved = json.loads(storage.read_bytes(os.path.join(self.state_dir, '_METADATA')))
         self._layout = (bool(saved.get('use_ocdbt')), bool(saved.get('use_zarr3')))
       except (OSError, ValueError):
         self._layout = None
@@ -162,17 +160,16 @@ class OrbaxSource(PyTreeDir):
     if self.meta.get('experiment'):
       return self.meta['experiment']
     path = layout.config(self.job_dir)
-    if os.path.exists(path):
-      with open(path, encoding='utf-8') as f:
-        first = f.readline()
+    if storage.exists(path):
+      first = storage.read_text(path, 1 << 16).split('\n', 1)[0]
       if first.startswith('# experiment:'):
         return first.split(':', 1)[1].strip()
     return None
 
   def extra_files(self) -> dict:
-    name = os.path.relpath(layout.tokenizer(self.job_dir), self.job_dir)
-    path = files.member(self.job_dir, name, 'tokenizer')
-    return {'tokenizer': path} if os.path.isfile(path) else {}
+    from paxcli.jobdir import tokenizer
+    path = tokenizer.local_file(self.job_dir)
+    return {'tokenizer': path} if path else {}
 
 
 def _read_by_chunks(store) -> np.ndarray:

@@ -18,7 +18,7 @@ from paxcli import files, gencode
 from paxcli.convert import core, formats, hf, hf_tokenizer, lora, orbax_io, safetensors_io
 from paxcli.errors import UserError
 from paxcli.inputs import tokenizers
-from paxcli.jobdir import layout
+from paxcli.jobdir import layout, storage
 from paxcli.runtime import platform
 
 TARGETS = ('orbax', 'safetensors', 'hf', 'peft')
@@ -33,7 +33,7 @@ def inspect(path: str, fmt: Optional[str] = None, step: Optional[int] = None) ->
   else:
     params = [a for a in arrays if getattr(src, 'is_param', lambda n: True)(a.name)]
   out = {
-      'path': os.path.abspath(path), 'format': src.kind, 'step': src.step,
+      'path': storage.abspath(path), 'format': src.kind, 'step': src.step,
       'experiment': getattr(src, 'experiment_name', lambda: None)(),
       'arrays': [{'name': a.name, 'shape': list(a.shape), 'dtype': a.dtype, 'bytes': a.nbytes,
                   'sharding': a.sharding} for a in arrays],
@@ -57,6 +57,9 @@ def convert(source: str, output: str, *, fmt: Optional[str] = None, to: str = 'o
                     f'{formats.did_you_mean(to, TARGETS)}')
   if dtype not in (None, 'float32', 'bfloat16'):
     raise UserError(f'--dtype {dtype!r}: choose float32 or bfloat16.')
+  if to != 'orbax' and not storage.is_local(output):
+    raise UserError(f'--to {to} writes local files; a bucket output ({output}) takes --to orbax (a job directory). '
+                    'Write it locally and copy it to the bucket.')
   out = core.Output(output, force, source)    # refuse an existing output before any work
   t0 = time.perf_counter()
   src = formats.open_source(source, fmt, step)
@@ -138,7 +141,7 @@ def _convert(src, out, source, output, fmt, to, exp, overrides, params_only, dty
                 max_shard_bytes, advance)
     _carry_files(src, tmp, to, recipe_text, own_experiment=exp is None)
   stats['seconds'] = time.perf_counter() - t0
-  result = {'source': os.path.abspath(source), 'output': out.path, 'format': to, 'step': src.step,
+  result = {'source': storage.abspath(source), 'output': out.path, 'format': to, 'step': src.step,
             'params_only': params_only, 'dtype': dtype, 'experiment': target_res.name, **stats}
   if recipe_path:
     result['recipe'] = recipe_path
@@ -160,7 +163,7 @@ def _convert_lora(src, out, to, exp, overrides, merge_lora, dtype, force, verify
   """A LoRA run's checkpoint: its adapters in PEFT's format (--to peft), merged into a plain checkpoint
   (--merge-lora), or merged and then converted like any checkpoint (--to hf, safetensors, --dtype)."""
   lora.resolve_lora_target(to, merge_lora, src)
-  result = {'source': os.path.abspath(src.path), 'output': out.path, 'format': to, 'step': src.step,
+  result = {'source': storage.abspath(src.path), 'output': out.path, 'format': to, 'step': src.step,
             'params_only': True, 'dtype': dtype}
   if to == 'peft' or (to == 'orbax' and dtype is None):
     with out as tmp:
@@ -171,7 +174,7 @@ def _convert_lora(src, out, to, exp, overrides, merge_lora, dtype, force, verify
         result['bytes_written'] = _bytes_under(tmp)
     result['seconds'] = time.perf_counter() - t0
     return result
-  merged = tempfile.mkdtemp(prefix=os.path.basename(out.path) + '.merging-', dir=os.path.dirname(out.path))
+  merged = tempfile.mkdtemp(prefix=os.path.basename(out.path) + '.merging-', dir=storage.local_dir_beside(out.path))
   try:
     lora.merge_run(src, merged, exp, overrides, False, log)
     return convert(merged, out.path, to=to, dtype=dtype, force=force, verify=verify, kl_tolerance=kl_tolerance,
@@ -195,7 +198,7 @@ def _meta(src, target, params_only: bool) -> dict:
   meta = dict(getattr(src, 'meta', None) or {})
   meta.pop('checksums', None)   # the source's; the writer's own go in once the arrays are written
   meta.update({'step': src.step, 'state_shapes': shapes, 'config': flat, 'experiment': target.resolved.name,
-               'converted_from': {'path': os.path.abspath(src.path), 'format': src.kind}})
+               'converted_from': {'path': storage.abspath(src.path), 'format': src.kind}})
   meta.setdefault('batches_consumed', src.step)
   return meta
 
@@ -279,8 +282,8 @@ def _write_recipe(src, recipe: Optional[str], output: str, force: bool, log) -> 
   interrupted run of the same import).
   """
   prefix, class_name = src.kind, _recipe_class(src)
-  path = os.path.abspath(recipe or os.path.join(os.path.dirname(os.path.abspath(output)),
-                                                f'{prefix}_{os.path.basename(os.path.abspath(output))}.py'.replace('-', '_')))
+  path = os.path.abspath(recipe or os.path.join(storage.local_dir_beside(output),
+                                                f'{prefix}_{os.path.basename(output)}.py'.replace('-', '_')))
   if src.kind == 'paxml':
     text = src.recipe_text(class_name)
   else:

@@ -14,8 +14,8 @@ from typing import Optional
 import fiddle as fdl
 
 from paxcli.experiment import Experiment
-from paxcli.options import OptimizerName, ScheduleName
-from paxcli.tasks import OptimizerConfig, ScheduleConfig, Task, TrainConfig
+from paxcli.options import OptimizerName, ScheduleName, TrackerName
+from paxcli.tasks import OptimizerConfig, ScheduleConfig, Task, TrackersConfig, TrainConfig
 
 
 class TrainingExperiment(Experiment):
@@ -42,6 +42,14 @@ class TrainingExperiment(Experiment):
   # one checkpoint step, e.g. what `pax checkpoint convert HF_DIR OUT --from hf` wrote. LoRA runs also
   # read their frozen base from it. None: random initialisation.
   INIT_FROM: Optional[str] = None
+  # Trackers beside TensorBoard (docs/guides/trackers.md): the same scalars at the same steps, the config and
+  # the run's identity; a resume continues the run. None settings: the library's environment variable.
+  TRACKERS: list[TrackerName] = []
+  TRACKER_RUN_NAME: Optional[str] = None      # None: the job directory's name
+  WANDB_PROJECT: Optional[str] = None         # None: $WANDB_PROJECT, else 'paxcli'
+  WANDB_ENTITY: Optional[str] = None          # None: $WANDB_ENTITY, else your W&B default
+  MLFLOW_TRACKING_URI: Optional[str] = None   # None: $MLFLOW_TRACKING_URI, else MLflow's default
+  MLFLOW_EXPERIMENT: Optional[str] = None     # None: $MLFLOW_EXPERIMENT_NAME, else 'paxcli'
   # A fast tier of checkpoints on each host's local disk (paxcli/jobdir/fast_tier.py): every
   # LOCAL_CHECKPOINT_EVERY steps each process saves its own shards under LOCAL_CHECKPOINT_DIR, the newest
   # LOCAL_CHECKPOINT_KEEP kept, beside the persistent ones; a restart resumes from the newest of either.
@@ -75,6 +83,9 @@ class TrainingExperiment(Experiment):
         lr_schedule=fdl.Config(ScheduleConfig, kind=self.LR_SCHEDULE, warmup_steps=self.LR_WARMUP_STEPS,
                                decay_start=self.LR_DECAY_START, decay_end=self.LR_DECAY_END,
                                min_ratio=self.LR_MIN_RATIO),
+        trackers=fdl.Config(TrackersConfig, names=list(self.TRACKERS), run_name=self.TRACKER_RUN_NAME,
+                            wandb_project=self.WANDB_PROJECT, wandb_entity=self.WANDB_ENTITY,
+                            mlflow_tracking_uri=self.MLFLOW_TRACKING_URI, mlflow_experiment=self.MLFLOW_EXPERIMENT),
     )
 
   def task(self) -> fdl.Config:

@@ -9,7 +9,9 @@ process, written by Grain's orbax handler.
 A save interrupted by a kill leaves either orbax's temporary directory (ignored by
 orbax) or, on file systems without atomic rename, a step directory without orbax's
 commit marker. Such an unfinished step is moved aside to `checkpoints_unfinished/`
-(never deleted) and resume uses the last complete one.
+(never deleted) and resume uses the last complete one. In a bucket orbax writes each step in
+place and finalises it with its commit marker (commit_success.txt), written last: a step
+without it is unfinished, and moving it aside copies its objects before deleting them.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ import logging
 import math
 import os
 import re
-import shutil
 import sys
 import time
 from typing import Any, Optional
@@ -31,26 +32,27 @@ import jax
 import orbax.checkpoint as ocp
 
 from paxcli.errors import UserError
-from paxcli.jobdir import layout
+from paxcli.jobdir import layout, storage
 
-_MARKERS = ('commit_success.txt', '_CHECKPOINT_METADATA')
+_MARKERS = layout.COMMIT_MARKERS
 _TMP_RE = re.compile(r'^(\d+)\.orbax-checkpoint-tmp')
 ITEMS = (layout.STATE, layout.META)
 
 
 def _is_complete(step_dir: str) -> bool:
-  if not all(os.path.exists(os.path.join(step_dir, m)) for m in _MARKERS):
+  names = set(storage.listdir(step_dir))
+  if not all(m in names for m in _MARKERS) or not all(item in names for item in ITEMS):
     return False
-  if not all(os.path.isdir(os.path.join(step_dir, item)) for item in ITEMS):
+  if not all(storage.isdir(os.path.join(step_dir, item)) for item in ITEMS):
     return False
+  if not storage.is_local(step_dir):
+    return True   # in a bucket the commit marker is what finalises a step (orbax writes it last)
   return ocp.step.is_path_finalized(step_dir) if hasattr(ocp.step, 'is_path_finalized') else True
 
 
 def step_dirs(directory: str) -> dict[int, str]:
   """Step number -> directory for every numeric entry (complete or not)."""
-  if not os.path.isdir(directory):
-    return {}
-  return {int(name): os.path.join(directory, name) for name in os.listdir(directory) if name.isdigit()}
+  return {int(name): os.path.join(directory, name) for name in storage.listdir(directory) if name.isdigit()}
 
 
 def complete_steps(directory: str) -> list[int]:
@@ -60,11 +62,10 @@ def complete_steps(directory: str) -> list[int]:
 def _unfinished(directory: str) -> list[tuple[int, str]]:
   """(step, path) of step directories without orbax's markers and of orbax's tmp directories."""
   found = [(step, path) for step, path in step_dirs(directory).items() if not _is_complete(path)]
-  if os.path.isdir(directory):
-    for name in os.listdir(directory):
-      match = _TMP_RE.match(name)
-      if match:
-        found.append((int(match.group(1)), os.path.join(directory, name)))
+  for name in storage.listdir(directory):
+    match = _TMP_RE.match(name)
+    if match:
+      found.append((int(match.group(1)), os.path.join(directory, name)))
   return sorted(found)
 
 
@@ -83,13 +84,13 @@ def set_aside_unfinished(directory: str, log=print) -> list[int]:
   moved = []
   if jax.process_index() != 0:
     return moved
-  aside = layout.unfinished(os.path.dirname(os.path.abspath(directory)))
+  aside = layout.unfinished(os.path.dirname(directory))
   complete = complete_steps(directory)
   for step, path in _unfinished(directory):
-    os.makedirs(aside, exist_ok=True)
+    storage.makedirs(aside)
     target = os.path.join(aside, f'{os.path.basename(path)}-{int(time.time())}')
     try:
-      shutil.move(path, target)
+      storage.move_tree(path, target)
     except FileNotFoundError:  # gone meanwhile (orbax finished or removed it)
       continue
     if complete and step < complete[-1]:
@@ -105,9 +106,9 @@ def set_aside_unfinished(directory: str, log=print) -> list[int]:
 
 
 def _prune_set_aside(aside: str, log) -> None:
-  entries = sorted((os.path.getmtime(os.path.join(aside, n)), n) for n in os.listdir(aside))
+  entries = sorted((storage.mtime(os.path.join(aside, n)), n) for n in storage.listdir(aside))
   for _, name in entries[:-KEEP_SET_ASIDE]:
-    shutil.rmtree(os.path.join(aside, name), ignore_errors=True)
+    storage.rmtree(os.path.join(aside, name))
     log(f'Removed {os.path.join(aside, name)}: only the {KEEP_SET_ASIDE} most recent unfinished checkpoints '
         'are kept.')
 
@@ -129,7 +130,9 @@ def _no_space(e: BaseException) -> bool:
 
 
 def _device_of(path: str) -> str:
-  """The mount point holding `path` (and its source from /proc/mounts when known)."""
+  """The mount point holding `path` (and its source from /proc/mounts when known); a bucket's name."""
+  if not storage.is_local(path):
+    return storage.bucket_of(path)
   path = os.path.abspath(path)
   while not os.path.exists(path):
     path = os.path.dirname(path)
@@ -232,8 +235,9 @@ class Checkpointer:
   checkpoint from before it. Old ones are removed after the next save has finished.
   """
 
-  def __init__(self, directory: str, max_to_keep: int, async_save: bool = True):
-    self.directory = os.path.abspath(directory)
+  def __init__(self, directory: str, max_to_keep: int, async_save: bool = True, before_save=None):
+    self.directory = directory if not storage.is_local(directory) else os.path.abspath(directory)
+    self._before_save = before_save   # raises to stop a save (a trainer that lost its bucket lock)
     self.max_to_keep = max_to_keep or None
     options = ocp.CheckpointManagerOptions(max_to_keep=None, create=True,
                                            enable_async_checkpointing=async_save)
@@ -252,6 +256,8 @@ class Checkpointer:
   def save(self, step: int, state: Any, meta: dict, input_state: Optional[bytes] = None) -> None:
     """`input_state`: this process's train-input position (JSON bytes), for an input that keeps one."""
     self._finish()  # the previous save: its errors surface here
+    if self._before_save is not None:
+      self._before_save()
     self._rotate()
     self._in_flight = self.latest_saved = step
     items = dict(state=ocp.args.StandardSave(state, save_args=save_args(state)), meta=ocp.args.JsonSave(meta))
@@ -286,9 +292,8 @@ class Checkpointer:
   def _loss_of(self, step: int) -> Optional[float]:
     if step not in self._losses:
       try:
-        with open(layout.meta_file(os.path.join(self.directory, str(step))), encoding='utf-8') as f:
-          loss = json.load(f).get('loss')
-      except (OSError, ValueError, AttributeError):  # unreadable: no loss known, so never the "best"
+        loss = json.loads(storage.read_bytes(layout.meta_file(os.path.join(self.directory, str(step))))).get('loss')
+      except (OSError, ValueError, AttributeError, UserError):  # unreadable: no loss known, so never the "best"
         loss = None
       self._losses[step] = float(loss) if isinstance(loss, (int, float)) and math.isfinite(loss) else None
     return self._losses[step]

@@ -8,13 +8,12 @@ line, so a run's history stays readable after resumes with other settings.
 from __future__ import annotations
 
 import datetime
-import os
 import shlex
 import sys
 from typing import Optional
 
 from paxcli import __version__
-from paxcli.jobdir import layout
+from paxcli.jobdir import layout, storage
 
 _argv: Optional[list[str]] = None  # set by the CLI's main(); else sys.argv
 
@@ -31,7 +30,6 @@ def command_line() -> str:
 
 def record(job_dir: str) -> None:
   """Appends `<UTC time>  paxcli <version>  <command line>` to job_dir/invocations.txt."""
-  os.makedirs(job_dir, exist_ok=True)
+  storage.makedirs(job_dir)
   now = datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%dT%H:%M:%SZ')
-  with open(layout.invocations(job_dir), 'a', encoding='utf-8') as f:
-    f.write(f'{now}  paxcli {__version__}  {command_line()}\n')
+  storage.append_text(layout.invocations(job_dir), f'{now}  paxcli {__version__}  {command_line()}\n')

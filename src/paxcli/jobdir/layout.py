@@ -16,6 +16,11 @@
   decoder_out/<input>/      decodes: decode_step<k>.jsonl (the trainer's), pax_decode_step<k>_<n>.jsonl
   scores/                   `pax score`'s results: pax_score_step<k>_<n>.jsonl
   profile/                  jax.profiler traces (--profile-steps)
+  eval_claims/<step>        in a bucket: the step a `pax eval --follow` is evaluating (a lease; jobdir/lock.py)
+  trackers/<name>.json      the W&B / MLflow run this job logs to (jobdir/trackers.py); a resume continues it
+  trackers/wandb/           W&B's own files of the run (offline runs wait here for `wandb sync`; for a job
+                            in a bucket, ./wandb on this machine)
+  lm_eval/                  `pax lm-eval`'s results: results_step<k>_<n>.json (+ ..._samples_<task>.jsonl)
   goodput/                  where the run's time went (jobdir/ledger.py; `pax goodput`): append-only
     process_<i>.jsonl       ledgers, one per process and one of `pax launch`, and job.json, the job's
     launch.jsonl            identity (a fast checkpoint tier holds it, so a remade job is told apart)
@@ -29,9 +34,11 @@ jobdir/fast_tier.py), named here too:
 
 Every function takes the job directory as a command holds it: made absolute, symlinks resolved,
 by `absolute` once where the command starts (orbax refuses relative paths, and a path resolved
-once means the same thing in every process and after any change of directory). The functions
-only join names: they neither resolve nor touch the file system, except `metrics_files` and
-`eval_paths`, which look at what the directory already holds.
+once means the same thing in every process and after any change of directory). A job directory
+in a bucket (`gs://bucket/run1`) is kept as that URL, never resolved as a local path; storage.py
+reads and writes both kinds. The functions only join names: they neither resolve nor touch the
+file system, except `tokenizer`, `split`, `metrics_files`, `eval_paths` and `first_unused`, which
+look at what the directory already holds.
 
 Plain functions of a `str`, not a `JobDir` object: the job directory travels through every
 command, loop and test as a string, and a path made here is the same string whoever asks.
@@ -40,18 +47,23 @@ command, loop and test as a string, and a path made here is the same string whoe
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Callable, Optional
+
+from paxcli.jobdir import storage
 
 # orbax's names of a checkpoint's two items (CheckpointManager item_names): directories of a step.
 STATE, META = 'state', 'meta'
+# orbax's markers of a finished save, written last (in a bucket, what finalises a step)
+COMMIT_MARKERS = ('commit_success.txt', '_CHECKPOINT_METADATA')
 INPUT = 'input'  # the train input's position, one small JSON file per process (a Grain input's)
 METRICS_SUFFIX = '_metrics.jsonl'
 RECIPE_COPY = 'recipe.py'  # the recipe a conversion keeps in the job it writes: read as data, never run
 
 
-def absolute(path: str) -> str:
-  """`path` absolute, with symlinks resolved: what every command makes of each path it is given."""
-  return os.path.realpath(path)
+def absolute(path: str, option: str = 'path') -> str:
+  """`path` absolute, with symlinks resolved (a bucket URL normalised; another scheme refused in one
+  line): what every command makes of each path it is given."""
+  return storage.absolute(path, option)
 
 
 def config(job_dir: str) -> str:
@@ -73,7 +85,7 @@ def tokenizer(job_dir: str, kind: Optional[str] = None) -> str:
   """The run's tokenizer file: of `kind`, else the one present (spm.model when neither is)."""
   if kind is None:
     kind = next((k for k, name in TOKENIZER_FILES.items()
-                 if os.path.isfile(os.path.join(job_dir, 'tokenizer', name))), 'sentencepiece')
+                 if storage.isfile(os.path.join(job_dir, 'tokenizer', name))), 'sentencepiece')
   return os.path.join(job_dir, 'tokenizer', TOKENIZER_FILES[kind])
 
 
@@ -121,10 +133,10 @@ def split(path: str) -> tuple[str, Optional[int]]:
   A step directory is a numeric one holding a state/ item; a checkpoints/ directory is taken as
   such unless it holds a checkpoints/ of its own (then it is a job directory named so).
   """
-  path = os.path.abspath(path)
-  if os.path.isdir(state_dir(path)) and os.path.basename(path).isdigit():
+  path = storage.absolute(path) if not storage.is_local(path) else os.path.abspath(path)
+  if os.path.basename(path).isdigit() and storage.isdir(state_dir(path)):
     return os.path.dirname(os.path.dirname(path)), int(os.path.basename(path))
-  if os.path.basename(path) == 'checkpoints' and not os.path.isdir(checkpoints(path)):
+  if os.path.basename(path) == 'checkpoints' and not storage.isdir(checkpoints(path)):
     return os.path.dirname(path), None
   return path, None
 
@@ -158,14 +170,14 @@ def eval_paths(job_dir: str, name: str) -> tuple[str, str]:
   `eval_eval...` files keeps writing them, so its history stays in one place.
   """
   legacy = (summaries(job_dir, f'eval_{name}'), os.path.join(job_dir, f'eval_{name}{METRICS_SUFFIX}'))
-  if name != 'eval' or os.path.exists(legacy[1]) or os.path.isdir(legacy[0]):
+  if name != 'eval' or storage.exists(legacy[1]) or storage.isdir(legacy[0]):
     return legacy
   return summaries(job_dir, 'eval'), os.path.join(job_dir, 'eval' + METRICS_SUFFIX)
 
 
 def metrics_files(job_dir: str) -> list[str]:
   """Every `*_metrics.jsonl` the job directory holds (train and eval), sorted by name."""
-  names = [n for n in os.listdir(job_dir) if n.endswith(METRICS_SUFFIX)] if os.path.isdir(job_dir) else []
+  names = [n for n in storage.listdir(job_dir) if n.endswith(METRICS_SUFFIX)]
   return [os.path.join(job_dir, n) for n in sorted(names)]
 
 
@@ -188,6 +200,15 @@ def cli_decodes(job_dir: str, dataset: Optional[str], step: int, n: int) -> str:
   return os.path.join(decoder_out(job_dir, dataset), f'pax_decode_step{step}_{n}.jsonl')
 
 
+def first_unused(path_of: Callable[[int], str]) -> str:
+  """path_of(n) for the first n from 1 naming nothing yet: a command's numbered output never replaces an
+  earlier one (`pax decode`, `pax score`, `pax lm-eval`)."""
+  n = 1
+  while storage.exists(path_of(n)):
+    n += 1
+  return path_of(n)
+
+
 def scores(job_dir: str, step: int, n: int) -> str:
   """The n-th `pax score` of checkpoint `step`."""
   return os.path.join(job_dir, 'scores', f'pax_score_step{step}_{n}.jsonl')
@@ -195,6 +216,31 @@ def scores(job_dir: str, step: int, n: int) -> str:
 
 def profile(job_dir: str) -> str:
   return os.path.join(job_dir, 'profile')
+
+
+def tracker_dir(job_dir: str) -> str:
+  """Where trackers keep their run records and W&B its local files."""
+  return os.path.join(job_dir, 'trackers')
+
+
+def tracker_run(job_dir: str, name: str) -> str:
+  """The run tracker `name` (wandb, mlflow) logs this job to: its id, project or store."""
+  return os.path.join(tracker_dir(job_dir), f'{name}.json')
+
+
+def lm_eval_results(job_dir: str, step: int, n: int) -> str:
+  """The n-th `pax lm-eval` of checkpoint `step`: the harness's results as JSON."""
+  return os.path.join(job_dir, 'lm_eval', f'results_step{step}_{n}.json')
+
+
+def lm_eval_samples(results: str, task: str) -> str:
+  """The per-document records of one task, beside its results file (--log-samples)."""
+  return f'{results[:-len(".json")]}_samples_{task}.jsonl'
+
+
+def eval_claim(job_dir: str, step: int) -> str:
+  """In a bucket, the claim of the follower evaluating `step` (a local job directory flocks the step instead)."""
+  return os.path.join(job_dir, 'eval_claims', str(step))
 
 
 def goodput(job_dir: str) -> str:

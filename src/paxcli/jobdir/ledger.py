@@ -42,6 +42,7 @@ import math
 import os
 import secrets
 import socket
+import sys
 import threading
 import time
 from typing import Callable, Optional
@@ -49,6 +50,7 @@ from typing import Callable, Optional
 from paxcli import files
 from paxcli.errors import UserError
 from paxcli.jobdir import layout
+from paxcli.jobdir import storage
 
 PROCESS_CATEGORIES = ('productive', 'recomputed', 'startup', 'compile', 'data', 'checkpoint', 'eval', 'shutdown')
 CATEGORIES = PROCESS_CATEGORIES + ('restart',)
@@ -101,28 +103,55 @@ def process_started_at() -> Optional[float]:
 
 class Ledger:
   """One process's append-only ledger: a line per event, flushed at once; `keep_flushing` adds a
-  progress line every PROGRESS_SECONDS from a thread, so that a kill loses at most those seconds."""
+  progress line every PROGRESS_SECONDS from a thread, so that a kill loses at most those seconds.
+
+  In a bucket, where an object cannot be appended to, the file is rewritten whole at each line
+  (storage.write_bytes), with only this run's last progress line kept: earlier lines are as read.
+  """
 
   def __init__(self, path: str):
     self.path = path
     self.inc = secrets.token_hex(6)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    self._file = open(path, 'a', encoding='utf-8')
     self._lock = threading.Lock()
     self._stop = threading.Event()
     self._thread: Optional[threading.Thread] = None
+    self._closed, self._failed = False, False
+    self._local = storage.is_local(path)
+    if self._local:
+      os.makedirs(os.path.dirname(path), exist_ok=True)
+      self._file = open(path, 'a', encoding='utf-8')
+    else:
+      try:
+        self._before = storage.read_bytes(path, MAX_LEDGER_BYTES)
+      except FileNotFoundError:
+        self._before = b''
+      self._lines, self._progress = [], ''
 
   def write(self, kind: str, **fields) -> None:
-    line = json.dumps({'kind': kind, 'inc': self.inc, **fields}, separators=(',', ':'), allow_nan=False)
+    line = json.dumps({'kind': kind, 'inc': self.inc, **fields}, separators=(',', ':'), allow_nan=False) + '\n'
     with self._lock:
-      if not self._file.closed:
-        self._file.write(line + '\n')
+      if self._closed:
+        return
+      if self._local:
+        self._file.write(line)
         self._file.flush()
+        return
+      if kind == 'progress':
+        self._progress = line
+      else:
+        self._lines.append(line)
+      storage.write_bytes(self.path, self._before + ''.join(self._lines + [self._progress]).encode())
 
   def keep_flushing(self, snapshot: Callable[[], dict], every: float = PROGRESS_SECONDS) -> None:
     def run():
       while not self._stop.wait(every):
-        self.write('progress', **snapshot())
+        try:
+          self.write('progress', **snapshot())
+        except Exception as e:  # pylint: disable=broad-except
+          if not self._failed:  # a full disk or an unreachable bucket: said once, and training goes on
+            self._failed = True
+            print(f'WARNING: could not write the goodput ledger {self.path} ({type(e).__name__}: {e}); '
+                  'training goes on, its account may miss time.', file=sys.stderr, flush=True)
     self._thread = threading.Thread(target=run, name='paxcli-goodput-ledger', daemon=True)
     self._thread.start()
 
@@ -133,7 +162,9 @@ class Ledger:
       self._thread.join(timeout=5)
     self.write('end', **end)
     with self._lock:
-      self._file.close()
+      self._closed = True
+      if self._local:
+        self._file.close()
 
 
 def start_fields(started: float, process: int, processes: int) -> dict:
@@ -146,27 +177,20 @@ def start_fields(started: float, process: int, processes: int) -> dict:
 
 def append(path: str, records: list[dict]) -> None:
   """Appends `records` as lines (the launcher's ledger: a few lines, written as they happen)."""
-  os.makedirs(os.path.dirname(path), exist_ok=True)
-  with open(path, 'a', encoding='utf-8') as f:
-    for record in records:
-      f.write(json.dumps(record, separators=(',', ':'), allow_nan=False) + '\n')
+  storage.makedirs(storage.dirname(path))
+  storage.append_text(path, ''.join(json.dumps(r, separators=(',', ':'), allow_nan=False) + '\n' for r in records))
 
 
 def job_id(job_dir: str, create: bool) -> Optional[str]:
   """The job's identity (job.json), made at its first start when `create` (process 0); None if absent."""
   path = layout.job_identity(job_dir)
-  if create and not os.path.exists(path):
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    try:
-      fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    except FileExistsError:
-      pass
-    else:
-      with os.fdopen(fd, 'w', encoding='utf-8') as f:
-        json.dump({'id': secrets.token_hex(8), 'created': time.time()}, f)
-  if not os.path.exists(path):
+  if create:
+    storage.create_new(path, json.dumps({'id': secrets.token_hex(8), 'created': time.time()}).encode())
+  try:
+    text = storage.read_bytes(path, 4096)
+  except FileNotFoundError:
     return None
-  record = files.read_json(path, 'the job identity', 4096)
+  record = files.parse_json(text, f'the job identity {path}')
   value = record.get('id') if isinstance(record, dict) else None
   if not isinstance(value, str) or not value.isalnum() or len(value) > 64:
     raise UserError(f'{path} is not a job identity paxcli wrote; move it aside to start a new one.')
@@ -203,41 +227,44 @@ class Launch:
 
 def read(job_dir: str) -> tuple[dict[int, list[Incarnation]], dict[str, Launch], int]:
   """({process: incarnations in start order}, {launch id: launch}, lines skipped) of a job directory."""
-  directory = layout.goodput(job_dir)
-  names = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
-  processes, skipped = {}, 0
-  for name in names:
+  processes, skipped = {}, [0]
+  for name in sorted(storage.listdir(layout.goodput(job_dir))):
     if name.startswith('process_') and name.endswith('.jsonl') and name[8:-6].isdigit():
-      records, bad = _records(os.path.join(directory, name))
-      processes[int(name[8:-6])] = incarnations(records)
-      skipped += bad
+      processes[int(name[8:-6])] = incarnations(_records(storage.join(layout.goodput(job_dir), name), skipped))
   launches = {}
-  if os.path.isfile(layout.launch_ledger(job_dir)):
-    records, bad = _records(layout.launch_ledger(job_dir))
-    launches, skipped = _launches(records), skipped + bad
-  return processes, launches, skipped
+  if storage.isfile(layout.launch_ledger(job_dir)):
+    launches = _launches(_records(layout.launch_ledger(job_dir), skipped))
+  return processes, launches, skipped[0]
 
 
-def _records(path: str) -> tuple[list[dict], int]:
-  """The well-formed lines of one ledger file, and how many were not."""
-  size = files.check_regular_file(path, 'goodput ledger', MAX_LEDGER_BYTES)
-  out, bad = [], 0
-  with open(path, 'rb') as f:
-    for raw in f:
-      if len(raw) > MAX_LINE_BYTES or not raw.endswith(b'\n'):
-        bad += 1
-        continue
-      try:
-        record = files.parse_json(raw, path, max_depth=4)
-      except UserError:
-        bad += 1
-        continue
-      if isinstance(record, dict) and isinstance(record.get('kind'), str) and _number(record.get('t')) is not None:
-        out.append(record)
-      else:
-        bad += 1
-  del size
-  return out, bad
+def _records(path: str, skipped: list[int]):
+  """The well-formed lines of one ledger file, one at a time; skipped[0] counts those that are not."""
+  size = storage.regular_file_size(path)
+  if size is None:
+    raise UserError(f'{path} is not a file; a goodput ledger is one.')
+  if size > MAX_LEDGER_BYTES:
+    raise UserError(f'{path} is {size:,} bytes; paxcli reads goodput ledgers of at most {MAX_LEDGER_BYTES:,}.')
+  for raw in _lines(path):
+    if len(raw) > MAX_LINE_BYTES or not raw.endswith(b'\n'):
+      skipped[0] += 1
+      continue
+    try:
+      record = files.parse_json(raw, path, max_depth=4)
+    except UserError:
+      skipped[0] += 1
+      continue
+    if isinstance(record, dict) and isinstance(record.get('kind'), str) and _number(record.get('t')) is not None:
+      yield record
+    else:
+      skipped[0] += 1
+
+
+def _lines(path: str):
+  if storage.is_local(path):
+    with open(path, 'rb') as f:
+      yield from f
+  else:
+    yield from storage.read_bytes(path, MAX_LEDGER_BYTES).splitlines(keepends=True)
 
 
 def _number(value) -> Optional[float]:
@@ -257,7 +284,7 @@ def _int(value) -> Optional[int]:
   return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
-def incarnations(records: list[dict]) -> list[Incarnation]:
+def incarnations(records) -> list[Incarnation]:
   """The incarnations of one process's ledger lines (progress lines reduced to the last of each)."""
   found: dict[str, Incarnation] = {}
   for r in records:
@@ -288,7 +315,7 @@ def incarnations(records: list[dict]) -> list[Incarnation]:
   return sorted(found.values(), key=lambda i: i.start)
 
 
-def _launches(records: list[dict]) -> dict[str, Launch]:
+def _launches(records) -> dict[str, Launch]:
   out: dict[str, Launch] = {}
   for r in records:
     lid = r.get('id')

@@ -10,10 +10,21 @@ if the file still names a process (it was killed before removing the file):
     hosts, a live owner is refused by the flock itself); remove the file if that run is gone.
 `pax eval`, `pax decode` and `pax inspect-input` only read, and take no lock.
 
+A job directory in a bucket has no flock and no pids of this host to ask: there the lock is an
+object created only if absent (a precondition on its generation, ifGenerationMatch=0) holding
+the same owner record and a lease: the trainer rewrites it every LEASE_S / 4 seconds, each
+rewrite conditional on the generation it last wrote (`BucketLease`). A second trainer finds a
+live lease and is refused; a lease not renewed for LEASE_S seconds (by the bucket's clock of the
+last write), or one naming a dead process of this host, is taken over by a rewrite conditional
+on the generation it read, so that of two successors only one wins. A trainer that finds its
+lease taken over stops before its next save, never writing over its successor's checkpoints.
+
 Evaluation (`pax eval`, `--follow`, the trainer's eval) writes one row per step into each
 `*_metrics.jsonl`, in step order (`put_row`, an atomic rewrite under an flock on the job
-directory itself); `pax eval --follow` claims a step by an flock on the step's checkpoint
-directory while it evaluates it, so two followers never evaluate one step twice (`StepClaim`).
+directory itself; in a bucket a rewrite conditional on the generation read, storage.update);
+`pax eval --follow` claims a step by an flock on the step's checkpoint directory (in a bucket, a
+lease object eval_claims/<step>) while it evaluates it, so two followers never evaluate one step
+twice (`StepClaim`).
 """
 
 from __future__ import annotations
@@ -26,6 +37,8 @@ import json
 import os
 import socket
 import sys
+import threading
+import time
 from typing import Callable, Optional
 
 import jax
@@ -34,13 +47,23 @@ from jax.experimental import multihost_utils
 
 from paxcli import files
 from paxcli.errors import UserError, shorten
-from paxcli.jobdir import layout
-from paxcli.jobdir import ledger
+from paxcli.jobdir import layout, ledger, storage
+
+LEASE_S = 60.0   # a bucket lock not renewed for this long belongs to a trainer that is gone
 
 
 def check_writable(job_dir: str) -> None:
   """One clear line, before any work, for a job directory that cannot hold a run."""
   shown = shorten(job_dir, 200)
+  if not storage.is_local(job_dir):
+    storage.check_reachable(job_dir)
+    probe = os.path.join(job_dir, f'.pax-write-test-{socket.gethostname()}-{os.getpid()}')
+    try:
+      storage.write_bytes(probe, b'ok')
+    except storage.BucketError as e:
+      raise UserError(f'Job directory {shown} cannot be written: {e} Choose another --job-log-dir.') from None
+    storage.remove(probe)
+    return
   try:
     os.fsencode(job_dir).decode('utf-8')
   except UnicodeDecodeError:
@@ -162,6 +185,117 @@ class JobLock:
     return False
 
 
+def _owner_record() -> dict:
+  pid = os.getpid()
+  return {'host': socket.gethostname(), 'pid': pid, 'start_time': _start_time(pid),
+          'started': datetime.datetime.now().astimezone().isoformat(timespec='seconds'),
+          'command': ' '.join(['pax'] + sys.argv[1:])[:1000]}
+
+
+def _parse_owner(data: Optional[bytes]) -> dict:
+  try:
+    owner = json.loads(data.decode('utf-8')) if data and data.strip() else {}
+  except (UnicodeDecodeError, ValueError):
+    return {}
+  return owner if isinstance(owner, dict) else {}
+
+
+def _lease_live(owner: dict, written: float) -> bool:
+  """Whether the holder of a bucket lease last written at `written` (the bucket's clock) may still run."""
+  host, pid = owner.get('host'), owner.get('pid')
+  if host == socket.gethostname() and isinstance(pid, int) and pid != os.getpid():
+    return pid_alive(pid, owner.get('start_time'))
+  lease = owner.get('lease_s')
+  lease = float(lease) if isinstance(lease, (int, float)) and 0 < lease < 86400 else LEASE_S
+  return time.time() < written + lease
+
+
+class BucketLease:
+  """An object in a bucket held by one process while it works: created only if absent, renewed by a
+  heartbeat thread with conditional rewrites, taken over when its holder is gone (module docstring)."""
+
+  def __init__(self, path: str, lease_s: float = LEASE_S):
+    self.path, self.lease_s = path, lease_s
+    self.lost = False            # set by the heartbeat when another process took the lease over
+    self.previous: Optional[dict] = None   # the gone holder this one took over from, if any
+    self._generation = 0
+    self._stop = threading.Event()
+    self._thread: Optional[threading.Thread] = None
+
+  def _record(self) -> bytes:
+    return (json.dumps({**_owner_record(), 'lease_s': self.lease_s, 'renewed': time.time()}) + '\n').encode()
+
+  def acquire(self) -> Optional[dict]:
+    """None once held; else the live holder's record (nothing is written then)."""
+    for _ in range(5):
+      generation = storage.write_if_generation(self.path, self._record(), 0)
+      if generation is None:
+        data, seen, written = storage.read_versioned(self.path)
+        if not seen:
+          continue   # released meanwhile: create it again
+        owner = _parse_owner(data)
+        if _lease_live(owner, written):
+          return owner
+        generation = storage.write_if_generation(self.path, self._record(), seen)
+        if generation is None:
+          continue   # another successor was first: look again
+        self.previous = owner
+      self._generation = generation
+      self._thread = threading.Thread(target=self._heartbeat, name='paxcli-lease', daemon=True)
+      self._thread.start()
+      return None
+    raise UserError(f'Could not take {self.path}: other processes keep replacing it.')
+
+  def _heartbeat(self) -> None:
+    while not self._stop.wait(self.lease_s / 4):
+      try:
+        generation = storage.write_if_generation(self.path, self._record(), self._generation)
+      except UserError:
+        continue   # the bucket did not answer: try again (the lease runs LEASE_S)
+      if generation is None:
+        self.lost = True
+        return
+      self._generation = generation
+
+  def release(self) -> None:
+    if self._thread is None:
+      return
+    self._stop.set()
+    self._thread.join()
+    self._thread = None
+    if not self.lost:
+      storage.delete_if_generation(self.path, self._generation)
+
+
+class BucketJobLock:
+  """The one-trainer lock of a job directory in a bucket: a BucketLease on `<job>/train.lock`."""
+
+  def __init__(self, job_dir: str):
+    self.path = layout.lock(job_dir)
+    self._lease = BucketLease(self.path)
+
+  def acquire(self, log: Callable[[str], None] = print) -> None:
+    owner = self._lease.acquire()
+    if owner is not None:
+      raise UserError(f'Another trainer is using this job directory ({_describe(owner) if owner else "owner unknown"}); '
+                      f'it holds {self.path}, a lease it renews every {LEASE_S / 4:.0f} s. Wait for it to finish, '
+                      f'stop it, or use another --job-log-dir; a trainer that is gone loses it {LEASE_S:.0f} s after '
+                      'its last renewal.')
+    if self._lease.previous is not None:
+      log(f'Note: taking over the lock of a trainer that is gone ({_describe(self._lease.previous)}); '
+          'it was stopped without releasing the job directory.')
+
+  def check(self) -> None:
+    """Refuses to go on (before a save) once another trainer took the lease over."""
+    if self._lease.lost:
+      raise UserError(f'This trainer lost the lock of its job directory ({self.path}) to another trainer (its lease '
+                      f'was not renewed for {LEASE_S:.0f} s: the bucket was unreachable or this process stalled); '
+                      'stopping without saving, so as not to write over that trainer\'s checkpoints.')
+
+  def release(self) -> None:
+    self._lease.release()
+
+
 def _read(fd: int) -> dict:
   try:
     data = os.pread(fd, 65536, 0)
@@ -180,7 +314,7 @@ def lock_run(job_dir: str, log: Callable[[str], None]) -> Optional[JobLock]:
   lock, refusal = None, ''
   if jax.process_index() == 0:
     try:
-      lock = JobLock(job_dir)
+      lock = JobLock(job_dir) if storage.is_local(job_dir) else BucketJobLock(job_dir)
       lock.acquire(log)
     except UserError as e:
       lock, refusal = None, str(e)
@@ -196,29 +330,39 @@ def lock_run(job_dir: str, log: Callable[[str], None]) -> Optional[JobLock]:
 def trim_jsonl(path: str, last_step: int) -> int:
   """Drops the rows of a `*_metrics.jsonl` file past `last_step` (steps a resume replays).
 
-  Rewrites the file atomically (a temp file, then rename), under the flock put_row takes;
-  returns how many rows were dropped.
+  Rewrites the file atomically (storage.update: under the flock put_row takes; in a bucket,
+  conditional on the version read); returns how many rows were dropped.
   """
-  if not os.path.isfile(path):
-    return 0
-  with _flock(os.path.dirname(path)):
+  dropped = 0
+
+  def change(data: Optional[bytes]) -> Optional[bytes]:
+    nonlocal dropped
+    if data is None:
+      return None
     kept, dropped = [], 0
-    with open(path, encoding='utf-8', errors='replace') as f:
-      for line in f:
-        try:
-          step = json.loads(line).get('step')
-        except (ValueError, AttributeError):
-          step = None
-        if isinstance(step, int) and step > last_step or not line.endswith('\n'):
-          dropped += 1  # a replayed step, or a row cut short by a kill
-        else:
-          kept.append(line)
-    if dropped:
-      tmp = f'{path}.tmp-{os.getpid()}'
-      with open(tmp, 'w', encoding='utf-8') as f:
-        f.writelines(kept)
-      os.replace(tmp, path)
+    for line in _lines(data):
+      try:
+        step = json.loads(line).get('step')
+      except (ValueError, AttributeError):
+        step = None
+      if isinstance(step, int) and step > last_step or not line.endswith('\n'):
+        dropped += 1  # a replayed step, or a row cut short by a kill
+      else:
+        kept.append(line)
+    return ''.join(kept).encode() if dropped else None
+
+  storage.update(path, change, _dir_lock(path))
   return dropped
+
+
+def _lines(data: bytes) -> list[str]:
+  return data.decode('utf-8', errors='replace').splitlines(keepends=True)
+
+
+def _dir_lock(path: str):
+  """The flock put_row and its kin take on a local file's directory (None in a bucket: storage.update's
+  precondition stands for it)."""
+  return _flock(os.path.dirname(path)) if storage.is_local(path) else None
 
 
 def trim_metrics(job_dir: str, last_step: int) -> int:
@@ -227,7 +371,16 @@ def trim_metrics(job_dir: str, last_step: int) -> int:
 
 
 def read_owner(job_dir: str) -> Optional[dict]:
-  """The trainer named in `<job>/train.lock` ({} if the file is empty or unreadable), or None if there is none."""
+  """The trainer named in `<job>/train.lock` ({} if the file is empty or unreadable), or None if there is none.
+
+  In a bucket the record also says whether its lease is still renewed ('lease_live').
+  """
+  if not storage.is_local(job_dir):
+    data, generation, written = storage.read_versioned(layout.lock(job_dir))
+    if not generation:
+      return None
+    owner = _parse_owner(data)
+    return {**owner, 'lease_live': _lease_live(owner, written)}
   try:
     fd = os.open(layout.lock(job_dir), os.O_RDONLY)
   except FileNotFoundError:
@@ -247,6 +400,8 @@ def trainer_state(owner: Optional[dict]) -> str:
   """
   if owner is None:
     return 'absent'
+  if 'lease_live' in owner:
+    return 'running' if owner['lease_live'] else 'dead'
   pid = owner.get('pid')
   if owner.get('host') == socket.gethostname() and isinstance(pid, int):
     return 'running' if pid_alive(pid, owner.get('start_time')) else 'dead'
@@ -279,16 +434,23 @@ def _flock(path: str, blocking: bool = True):
 
 
 class StepClaim:
-  """An flock on a checkpoint's step directory, held by the follower that evaluates that step.
+  """The claim of the follower that evaluates a step: an flock on the checkpoint's step directory (a
+  bucket: a BucketLease on eval_claims/<step>, removed when done, taken over once its holder is gone).
 
   Another follower is refused it and looks again later (by then the step is in eval_done.jsonl).
-  No file is written for it, and the kernel drops it when its holder dies.
+  Locally no file is written for it, and the kernel drops it when its holder dies.
   """
 
   def __init__(self, step_dir: str):
-    self.step_dir, self._fd = step_dir, None
+    self.step_dir, self._fd, self._lease = step_dir, None, None
 
   def acquire(self) -> bool:
+    if not storage.is_local(self.step_dir):
+      lease = BucketLease(layout.eval_claim(layout.job_dir_of(self.step_dir), int(os.path.basename(self.step_dir))))
+      if lease.acquire() is not None:
+        return False
+      self._lease = lease
+      return True
     try:
       fd = os.open(self.step_dir, os.O_RDONLY)
     except OSError:
@@ -303,6 +465,9 @@ class StepClaim:
     return True
 
   def release(self) -> None:
+    if self._lease is not None:
+      self._lease.release()
+      self._lease = None
     if self._fd is not None:
       os.close(self._fd)
       self._fd = None
@@ -312,38 +477,34 @@ def put_row(path: str, record: dict) -> None:
   """Writes `record` ({'step': N, ...}) as the one row of step N in the JSONL file `path`.
 
   Rows stay one per step (a newer one replaces an older) and in step order; a row cut short by
-  a kill is dropped. The file is rewritten atomically (a temp file, then rename) under an flock
-  on its directory, so writers on one job directory (the trainer, `pax eval`, followers) never
-  lose each other's rows.
+  a kill is dropped. The file is rewritten atomically (storage.update: under an flock on its
+  directory; in a bucket, conditional on the version read), so writers on one job directory (the
+  trainer, `pax eval`, followers) never lose each other's rows.
   """
   step = int(record['step'])
-  directory = os.path.dirname(path)
-  os.makedirs(directory, exist_ok=True)
-  with _flock(directory):
+  storage.makedirs(os.path.dirname(path))
+
+  def change(data: Optional[bytes]) -> bytes:
     rows: dict[int, str] = {}
     other: list[str] = []
-    if os.path.isfile(path):
-      with open(path, encoding='utf-8', errors='replace') as f:
-        for line in f:
-          if not line.endswith('\n'):
-            continue
-          try:
-            got = json.loads(line).get('step')
-          except (ValueError, AttributeError):
-            got = None
-          if isinstance(got, int):
-            rows[got] = line  # the later of two rows of one step wins
-          else:
-            other.append(line)
+    for line in _lines(data or b''):
+      if not line.endswith('\n'):
+        continue
+      try:
+        got = json.loads(line).get('step')
+      except (ValueError, AttributeError):
+        got = None
+      if isinstance(got, int):
+        rows[got] = line  # the later of two rows of one step wins
+      else:
+        other.append(line)
     rows[step] = json.dumps(record) + '\n'
-    tmp = f'{path}.tmp-{os.getpid()}'
-    with open(tmp, 'w', encoding='utf-8') as f:
-      f.writelines(other + [rows[s] for s in sorted(rows)])
-    os.replace(tmp, path)
+    return ''.join(other + [rows[s] for s in sorted(rows)]).encode()
+
+  storage.update(path, change, _dir_lock(path))
 
 
 def append_line(path: str, line: str) -> None:
-  """Appends one line to a file of the job directory, under the same flock as put_row."""
-  with _flock(os.path.dirname(path)):
-    with open(path, 'a', encoding='utf-8') as f:
-      f.write(line.rstrip('\n') + '\n')
+  """Appends one line to a file of the job directory, under the same flock (or precondition) as put_row."""
+  with _dir_lock(path) or contextlib.nullcontext():
+    storage.append_text(path, line.rstrip('\n') + '\n')

@@ -22,7 +22,6 @@ import json
 import logging
 import os
 import re
-import shutil
 import time
 from typing import Any, Optional
 
@@ -35,7 +34,7 @@ from jax.experimental import multihost_utils
 from paxcli.config import config_differences
 from paxcli.errors import UserError
 from paxcli.jobdir import checkpoint as ckpt
-from paxcli.jobdir import layout
+from paxcli.jobdir import layout, storage
 from paxcli.runtime import distributed
 from paxcli.runtime import engine
 
@@ -115,8 +114,7 @@ def _meta_path(job_dir: str, step: int) -> str:
 
 
 def _load_meta(path: str) -> dict:
-  with open(path, encoding='utf-8') as f:
-    return json.load(f)
+  return json.loads(storage.read_bytes(path).decode('utf-8'))
 
 
 def check_shapes(meta: dict, shapes_now: dict, flat_now: dict, step: int, params_only: bool,
@@ -214,7 +212,7 @@ def damage_evidence(error: BaseException) -> Optional[str]:
 
 def _gone(directory: str, step: int) -> bool:
   """True once checkpoint `step` is no longer a complete step of `directory` (deleted, or being deleted)."""
-  return not os.path.isdir(os.path.join(directory, str(step))) or step not in ckpt.complete_steps(directory)
+  return not storage.isdir(os.path.join(directory, str(step))) or step not in ckpt.complete_steps(directory)
 
 
 def _failure(error: BaseException, step: int, directory: str, what: str, action: str) -> UserError:
@@ -279,13 +277,13 @@ def restore(setup, job_dir: str, step: int, params_only: bool = False, flat_now:
 
 def _set_aside_damaged(job_dir: str, step: int, log) -> Optional[str]:
   """Moves a damaged step to checkpoints_damaged/ (process 0), never deleting it; returns the target."""
-  target = os.path.join(layout.damaged(os.path.abspath(job_dir)), f'{step}-{int(time.time())}')
+  target = os.path.join(layout.damaged(job_dir), f'{step}-{int(time.time())}')
   if jax.process_index() == 0:
-    os.makedirs(os.path.dirname(target), exist_ok=True)
+    storage.makedirs(os.path.dirname(target))
     try:
-      shutil.move(layout.step_dir(job_dir, step), target)
-    except OSError as e:
-      log(f'Could not move the damaged checkpoint at step {step} aside ({e.strerror}).')
+      storage.move_tree(layout.step_dir(job_dir, step), target)
+    except (OSError, UserError) as e:
+      log(f'Could not move the damaged checkpoint at step {step} aside ({getattr(e, "strerror", None) or e}).')
       target = None
   distributed.barrier(f'paxcli:damaged-checkpoint-{step}-set-aside')
   return target
@@ -312,7 +310,7 @@ def _restore_step(setup, job_dir: str, step: int, params_only: bool, flat_now: O
                   action: str, join_base: bool = True) -> Restored:
   directory = layout.checkpoints(job_dir)
   damaged = lambda reason: DamagedCheckpoint(step, directory, reason)
-  if not os.path.isfile(os.path.join(layout.state_dir(layout.step_dir(job_dir, step)), '_METADATA')):
+  if not storage.isfile(os.path.join(layout.state_dir(layout.step_dir(job_dir, step)), '_METADATA')):
     if _gone(directory, step):
       raise CheckpointGone(step, directory)
     raise damaged("state/_METADATA (orbax's description of the arrays) is missing")

@@ -1,7 +1,9 @@
 """TensorBoard event files and a JSONL log.
 
 Events are written with tensorboard's record writer and protos directly: its
-EventFileWriter would import all of tensorflow (seconds, and memory) to open a file.
+EventFileWriter would import all of tensorflow (seconds, and memory) to open a file. Files go
+through storage.Appender: in a bucket an event file is an object rewritten whole as it grows
+(TensorBoard reads gs:// log directories itself).
 """
 
 from __future__ import annotations
@@ -20,18 +22,31 @@ from tensorboard.compat.proto import event_pb2, summary_pb2, tensor_pb2, tensor_
 from tensorboard.summary.writer.record_writer import RecordWriter
 
 from paxcli.jobdir import lock as joblock
+from paxcli.jobdir import storage
 
 
 class _EventFile:
-  """One `events.out.tfevents.*` file: TFRecord-framed Event protos."""
+  """`events.out.tfevents.*` files: TFRecord-framed Event protos.
+
+  In a bucket, where a file is rewritten whole at each flush, a new file is started once one holds
+  ROTATE_BYTES (TensorBoard reads every event file of a directory, in order).
+  """
+  ROTATE_BYTES = 1 << 20
 
   def __init__(self, logdir: str):
-    self.path = os.path.join(logdir, f'events.out.tfevents.{time.time():.6f}.{socket.gethostname()}.{os.getpid()}')
-    self._file = open(self.path, 'wb')
+    self.logdir = logdir
+    self._open()
+
+  def _open(self) -> None:
+    self.path = os.path.join(self.logdir, f'events.out.tfevents.{time.time():.6f}.{socket.gethostname()}.{os.getpid()}')
+    self._file = storage.Appender(self.path, truncate=True)
     self._records = RecordWriter(self._file)
-    self.add_event(event_pb2.Event(wall_time=time.time(), file_version='brain.Event:2'))
+    self._records.write(event_pb2.Event(wall_time=time.time(), file_version='brain.Event:2').SerializeToString())
 
   def add_event(self, event) -> None:
+    if self._file.rewritten_whole and self._file.size() >= self.ROTATE_BYTES:
+      self._file.close()
+      self._open()
     self._records.write(event.SerializeToString())
 
   def flush(self) -> None:
@@ -46,13 +61,16 @@ class SummaryWriter:
 
   one_row_per_step: the JSON-lines file keeps one row per step, in step order (eval metrics,
   which several commands may write for one step); else rows are appended (train metrics).
+  trackers: W&B / MLflow (paxcli.jobdir.trackers.Trackers) get the same scalars at the same step,
+  named `<writer>/<tag>` after the TensorBoard directory (`train/loss`, `eval/loss`).
   """
 
-  def __init__(self, logdir: str, jsonl_path: str | None = None, one_row_per_step: bool = False):
-    os.makedirs(logdir, exist_ok=True)
+  def __init__(self, logdir: str, jsonl_path: str | None = None, one_row_per_step: bool = False, trackers=None):
+    storage.makedirs(logdir)
     self._writer = _EventFile(logdir)
+    self._trackers, self._name = trackers, storage.basename(logdir.rstrip('/'))
     self._rows_path = jsonl_path if one_row_per_step else None
-    self._jsonl = open(jsonl_path, 'a', encoding='utf-8') if jsonl_path and not one_row_per_step else None
+    self._jsonl = storage.Appender(jsonl_path) if jsonl_path and not one_row_per_step else None
 
   def scalars(self, step: int, values: Mapping[str, float]) -> None:
     summary = summary_pb2.Summary(value=[
@@ -60,11 +78,13 @@ class SummaryWriter:
     self._writer.add_event(event_pb2.Event(wall_time=time.time(), step=int(step), summary=summary))
     record = {'step': int(step), **{k: _jsonable(v) for k, v in values.items()}}
     if self._jsonl:
-      self._jsonl.write(json.dumps(record) + '\n')
+      self._jsonl.write((json.dumps(record) + '\n').encode())
       self._jsonl.flush()
     elif self._rows_path:
       joblock.put_row(self._rows_path, record)
     self._writer.flush()
+    if self._trackers:  # after TensorBoard and the JSONL: a tracker never comes before them
+      self._trackers.scalars(step, {f'{self._name}/{tag}': v for tag, v in values.items()})
 
   def text(self, step: int, tag: str, text: str) -> None:
     tensor = tensor_pb2.TensorProto(dtype=7, string_val=[text.encode()],  # 7 = DT_STRING

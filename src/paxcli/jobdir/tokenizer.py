@@ -27,7 +27,7 @@ from paxcli.errors import UserError
 from paxcli.inputs import tokenizers
 from paxcli.inputs.file_input import FileLmInput
 from paxcli.inputs.tokenizers import Tokenizer
-from paxcli.jobdir import checkpoint, layout
+from paxcli.jobdir import checkpoint, layout, storage
 
 
 def save_to_job_dir(train_input, job_dir: str) -> Optional[str]:
@@ -40,29 +40,44 @@ def save_to_job_dir(train_input, job_dir: str) -> Optional[str]:
   kind = tokenizers.kind_of(source)
   target = layout.tokenizer(job_dir, kind)
   for other in layout.TOKENIZER_FILES:  # one tokenizer per job directory: the other kind's file would shadow it
-    if other != kind and os.path.isfile(layout.tokenizer(job_dir, other)):
-      os.remove(layout.tokenizer(job_dir, other))
+    if other != kind and storage.isfile(layout.tokenizer(job_dir, other)):
+      storage.remove(layout.tokenizer(job_dir, other))
   _copy(source, target)
   config, config_target = tokenizers.config_beside(source), layout.tokenizer_config(job_dir)
   if config:
     _copy(config, config_target)
-  elif os.path.isfile(config_target):
-    os.remove(config_target)   # another tokenizer's
+  elif storage.isfile(config_target):
+    storage.remove(config_target)   # another tokenizer's
   return target
 
 
 def _copy(source: str, target: str) -> None:
-  if os.path.isfile(target) and _same_bytes(source, target):
+  if storage.isfile(target) and _same_bytes(source, target):
     return
-  os.makedirs(os.path.dirname(target), exist_ok=True)
-  files.copy_member(source, target)  # atomic: a reader never sees half a model
+  if storage.is_local(target):
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    files.copy_member(source, target)  # atomic: a reader never sees half a model
+  else:
+    storage.write_bytes(target, storage.read_bytes(source))  # one object upload: all or nothing
 
 
 def _trained_with(job_dir: Optional[str]) -> Optional[str]:
   """The job directory's tokenizer when it also holds a complete checkpoint, else None."""
-  if not job_dir or not os.path.isfile(layout.tokenizer(job_dir)):
+  if not job_dir or not storage.isfile(layout.tokenizer(job_dir)):
     return None
-  return layout.tokenizer(job_dir) if checkpoint.complete_steps(layout.checkpoints(job_dir)) else None
+  if not checkpoint.complete_steps(layout.checkpoints(job_dir)):
+    return None
+  return storage.local_copy(layout.tokenizer(job_dir))   # readers of a tokenizer take a local file
+
+
+def local_file(job_dir: str) -> Optional[str]:
+  """The job directory's tokenizer as a local file (resolved inside a local job directory; a bucket's
+  downloaded), or None when it has none."""
+  name = os.path.relpath(layout.tokenizer(job_dir), job_dir)
+  if storage.is_local(job_dir):
+    path = files.member(job_dir, name, 'tokenizer')
+    return path if os.path.isfile(path) else None
+  return storage.local_copy(layout.tokenizer(job_dir)) if storage.isfile(layout.tokenizer(job_dir)) else None
 
 
 def keep_trained(datasets: dict, job_dir: Optional[str]) -> None:
@@ -80,14 +95,14 @@ def check_kept(train_input, job_dir: str) -> None:
   kept = _trained_with(job_dir)
   source = train_input.tokenizer_file() if hasattr(train_input, 'tokenizer_file') else None
   if kept and source and not (tokenizers.kind_of(source) == tokenizers.kind_of(kept) and _same_bytes(source, kept)):
-    raise UserError(f'{job_dir} was trained with the tokenizer {kept}; this run\'s input uses {source}, which '
+    shown = layout.tokenizer(job_dir)
+    raise UserError(f'{job_dir} was trained with the tokenizer {shown}; this run\'s input uses {source}, which '
                     f'differs, and would change every id: resume with --set TOKENIZER={kept}, or give a new '
                     '--job-log-dir.')
 
 
 def _same_bytes(a: str, b: str) -> bool:
-  with open(a, 'rb') as fa, open(b, 'rb') as fb:
-    return fa.read() == fb.read()
+  return storage.read_bytes(a) == storage.read_bytes(b)
 
 
 def load(job_dir: Optional[str], train_input_cfg=None) -> Optional[Tokenizer]:
@@ -96,8 +111,8 @@ def load(job_dir: Optional[str], train_input_cfg=None) -> Optional[Tokenizer]:
   `train_input_cfg` (a fiddle config) is built only when the job directory has none, e.g. for
   `--no-checkpoint` runs that never trained.
   """
-  if job_dir and os.path.isfile(layout.tokenizer(job_dir)):
-    return tokenizers.load(layout.tokenizer(job_dir))
+  if job_dir and storage.isfile(layout.tokenizer(job_dir)):
+    return tokenizers.load(storage.local_copy(layout.tokenizer(job_dir)))
   if train_input_cfg is None:
     return None
   cfg = copy.deepcopy(train_input_cfg)

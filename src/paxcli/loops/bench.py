@@ -24,6 +24,7 @@ import jax
 
 from paxcli import config
 from paxcli.errors import UserError
+from paxcli.jobdir import storage
 from paxcli.loops.train import make_train_step
 from paxcli.perf import flops
 from paxcli.perf import profiling
@@ -254,7 +255,7 @@ def check_combination(exp: Optional[str], overrides: list[str], combo: list, com
 
 
 def _exists(path: str) -> bool:
-  return os.path.exists(path)
+  return storage.exists(path)
 
 
 def _record_pgle_profile(resolved, path: str, log) -> None:

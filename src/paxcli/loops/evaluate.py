@@ -33,6 +33,7 @@ from paxcli.jobdir import checkpoint as ckpt
 from paxcli.jobdir import layout
 from paxcli.jobdir import lock as joblock
 from paxcli.jobdir import restore
+from paxcli.jobdir import storage
 from paxcli.jobdir.summaries import SummaryWriter
 from paxcli.runtime import engine, infeed
 from paxcli.runtime import sharding
@@ -184,8 +185,10 @@ def metrics_line(step: int, name: str, m: dict) -> str:
 class Evaluator:
   """Eval inputs of an experiment, built once, run at any step (train's hook and `pax eval`)."""
 
-  def __init__(self, resolved, setup, job_dir: Optional[str]):
+  def __init__(self, resolved, setup, job_dir: Optional[str], trackers=None):
     self.setup = setup
+    self.trackers = trackers  # the trainer's W&B / MLflow (paxcli.jobdir.trackers): eval scalars go there too,
+                              # from the writers made after it is set
     self.batch_sharding = sharding.batch_sharding(setup.mesh)
     self.step = make_eval_step(setup, self.batch_sharding)
     self.inputs = {}
@@ -198,7 +201,8 @@ class Evaluator:
   def _writer(self, name: str):
     """Process 0's summary writer for one eval input, made at its first eval (no empty files)."""
     if self.job_dir and name not in self.writers:
-      self.writers[name] = SummaryWriter(*layout.eval_paths(self.job_dir, name), one_row_per_step=True)
+      self.writers[name] = SummaryWriter(*layout.eval_paths(self.job_dir, name), one_row_per_step=True,
+                                         trackers=self.trackers)
     return self.writers.get(name)
 
   def run(self, step: int, state) -> dict[str, dict[str, Any]]:
@@ -280,15 +284,16 @@ def _data_note(meta: dict, flat_now: dict) -> Optional[str]:
 def evaluated_steps(job_dir: str, names) -> set[int]:
   """Checkpoint steps whose every eval input in `names` was evaluated (eval_done.jsonl)."""
   done: dict[int, set[str]] = {}
-  path = layout.eval_done(job_dir)
-  if os.path.exists(path):
-    with open(path, encoding='utf-8', errors='replace') as f:
-      for line in f:
-        try:
-          record = json.loads(line)
-          done.setdefault(int(record['step']), set()).update(record.get('datasets', []))
-        except (ValueError, TypeError, KeyError, AttributeError):  # a line cut by a kill: evaluated again
-          continue
+  try:
+    text = storage.read_text(layout.eval_done(job_dir))
+  except FileNotFoundError:
+    text = ''
+  for line in text.splitlines():
+    try:
+      record = json.loads(line)
+      done.setdefault(int(record['step']), set()).update(record.get('datasets', []))
+    except (ValueError, TypeError, KeyError, AttributeError):  # a line cut by a kill: evaluated again
+      continue
   return {step for step, got in done.items() if set(names) <= got}
 
 

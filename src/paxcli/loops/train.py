@@ -39,8 +39,10 @@ from paxcli.jobdir import layout
 from paxcli.jobdir import ledger
 from paxcli.jobdir import lock as joblock
 from paxcli.jobdir import restore
+from paxcli.jobdir import storage
 from paxcli.jobdir import summaries
 from paxcli.jobdir import tokenizer
+from paxcli.jobdir import trackers as track
 from paxcli.layers.base import AUX_LOSS, NON_TRAINABLE, RANDOM, SUMMARIES, flatten_collection
 from paxcli.loops.decode.training import TrainDecoder
 from paxcli.loops import goodput
@@ -508,7 +510,7 @@ def train(resolved, job_dir: str, console, verbose: bool = False, profile_steps=
   accounting, status = None, 1
   try:
     accounting = goodput.Goodput(job_dir, is_main=jax.process_index() == 0)
-    result = _train(resolved, job_dir, console, accounting, verbose, profile_steps, pgle_profile)
+    result = _train(resolved, job_dir, console, accounting, verbose, profile_steps, pgle_profile, lock)
     status = 0
     return result
   except SystemExit as e:
@@ -528,7 +530,7 @@ def train(resolved, job_dir: str, console, verbose: bool = False, profile_steps=
 
 
 def _train(resolved, job_dir: str, console, accounting: goodput.Goodput, verbose: bool = False, profile_steps=None,
-           pgle_profile: Optional[str] = None) -> dict:
+           pgle_profile: Optional[str] = None, lock=None) -> dict:
   is_main = jax.process_index() == 0
   log = _printer(console) if is_main else _silent
   distributed.log_topology(_printer(console))
@@ -536,6 +538,7 @@ def _train(resolved, job_dir: str, console, accounting: goodput.Goodput, verbose
   # ---- Mesh, model, state shapes ------------------------------------------------------------------
   setup = engine.build(resolved)
   train_cfg, total = setup.train, setup.train.num_train_steps
+  track.check_installed(train_cfg.trackers.names)  # before anything is compiled
   base = restore.base_ref(train_cfg.init_from) if train_cfg.init_from else None
   if base is None and engine.has_frozen(setup):
     raise UserError('LORA_RANK > 0 trains adapters on frozen base weights: set INIT_FROM to the base checkpoint '
@@ -552,7 +555,8 @@ def _train(resolved, job_dir: str, console, accounting: goodput.Goodput, verbose
     invocation.record(job_dir)
   ckpt.set_aside_unfinished(layout.checkpoints(job_dir), log=log)
   distributed.barrier('paxcli:unfinished-checkpoints-set-aside')  # all processes then see the same steps
-  checkpointer = ckpt.Checkpointer(layout.checkpoints(job_dir), train_cfg.save_max_to_keep)
+  checkpointer = ckpt.Checkpointer(layout.checkpoints(job_dir), train_cfg.save_max_to_keep,
+                                  before_save=getattr(lock, 'check', None))  # a bucket lock may be lost
   latest = checkpointer.latest_step()
   if latest is not None and latest >= total:
     return _already_finished(job_dir, latest, spec, total, checkpointer, log)
@@ -565,8 +569,7 @@ def _train(resolved, job_dir: str, console, accounting: goodput.Goodput, verbose
     fast.discard_after(start.step)
   accounting.resumed(start.step, start.tier)
   if is_main:
-    with open(layout.config(job_dir), 'w', encoding='utf-8') as f:
-      f.write(resolved.as_text())
+    storage.write_text(layout.config(job_dir), resolved.as_text())
     _trim_replayed_metrics(job_dir, start.step, log)
 
   # ---- Input, step, evals ---------------------------------------------------------------------------
@@ -585,7 +588,11 @@ def _train(resolved, job_dir: str, console, accounting: goodput.Goodput, verbose
              if getattr(train_cfg, 'decode_interval_steps', 0) and train_cfg.decode_prompts else None)
 
   # ---- Hooks --------------------------------------------------------------------------------------
-  writer = summaries.SummaryWriter(layout.summaries(job_dir, 'train'), layout.train_metrics(job_dir)) if is_main else None
+  tracked = _open_trackers(resolved, job_dir, train_cfg, spec, log) if is_main else track.Trackers()
+  if evaluator:
+    evaluator.trackers = tracked  # eval scalars go to the trackers too
+  writer = summaries.SummaryWriter(layout.summaries(job_dir, 'train'), layout.train_metrics(job_dir),
+                                   trackers=tracked) if is_main else None
   reporter = Reporter(console, total, start.step, enabled=is_main)
   guard = LossGuard(train_cfg.loss_spike_factor, train_cfg.loss_spike_window, start.recent_losses)
   losses = LossCheck(guard, start.step, total, checkpointer)
@@ -594,6 +601,7 @@ def _train(resolved, job_dir: str, console, accounting: goodput.Goodput, verbose
   stop = GracefulStop(enabled=jax.process_count() == 1)
   saver = Saver(checkpointer, losses, spec, start, setup, train_input, chrono)
   with Hooks() as hooks:
+    hooks.enter_context(tracked)  # entered first, so ended last: after the writers' final summaries
     hooks.add_before(profiler.before)
     hooks.add(train_step.profile, every=1, close=profiler.close)
     hooks.add(losses, every=1)
@@ -629,6 +637,12 @@ def _train(resolved, job_dir: str, console, accounting: goodput.Goodput, verbose
   return summary.last
 
 
+def _open_trackers(resolved, job_dir: str, train_cfg, spec: RunSpec, log) -> track.Trackers:
+  """W&B / MLflow (TRACKERS), started or continued: their runs get the config and the run's identity."""
+  identity = track.Identity(job_dir, resolved.name, spec.flat, resolved.as_text(), invocation.command_line())
+  return track.open_trackers(train_cfg.trackers, identity, log)
+
+
 def _printer(console) -> Callable[[str], None]:
   return lambda m: console.print(m, highlight=False, markup=False, soft_wrap=True)
 
@@ -639,7 +653,7 @@ def _silent(message: str) -> None:
 
 def _log_run(resolved, setup, job_dir: str, log) -> None:
   devices = jax.devices()
-  log(f'Experiment {resolved.name} -> {os.path.abspath(job_dir)}')
+  log(f'Experiment {resolved.name} -> {job_dir}')
   log(f'Devices: {len(devices)} x {devices[0].device_kind} ({jax.default_backend()}), '
       f'{jax.process_count()} process(es); mesh {sharding.describe_mesh(setup.mesh)}')
   log(f'Parameters: {engine.param_count(setup.abstract_state):,}; global batch '
@@ -787,7 +801,7 @@ def _position_input(train_input, job_dir: str, start: Start, fast: Optional[fast
     return
   if hasattr(train_input, 'restore'):
     saved = (fast.input_states(start.step) if start.tier == 'fast' else
-             grain_input.read_states(layout.input_dir(layout.step_dir(job_dir, start.step))))
+             grain_input.read_states(storage.local_tree(layout.input_dir(layout.step_dir(job_dir, start.step)))))
     if saved:
       train_input.restore(saved)
       return

@@ -21,7 +21,7 @@ import tempfile
 from typing import Callable, Optional
 
 from paxcli.errors import UserError
-from paxcli.jobdir import layout
+from paxcli.jobdir import layout, storage
 
 PGLE_OPTION = 'xla_gpu_pgle_profile_file_or_directory_path'
 PGLE_PROFILE_STEPS = 3   # steps traced for --pgle-profile (after PGLE_WARMUP_STEPS)
@@ -65,7 +65,7 @@ def check_pgle(pgle: Optional[str], pgle_profile: Optional[str]) -> None:
 
 def pgle_compiler_options(path: str) -> dict:
   """XLA options that make the GPU scheduler use a PGLE profile (it needs the latency-hiding scheduler)."""
-  return {PGLE_OPTION: os.path.abspath(path), 'xla_gpu_enable_latency_hiding_scheduler': True}
+  return {PGLE_OPTION: storage.local_copy(path), 'xla_gpu_enable_latency_hiding_scheduler': True}  # XLA reads a local file
 
 
 class StepProfiler:
@@ -85,7 +85,7 @@ class StepProfiler:
     self.pgle_profile = pgle_profile
     self.pgle_options = None
     if pgle_profile:
-      if os.path.exists(pgle_profile):
+      if storage.exists(pgle_profile):
         self.pgle_options = pgle_compiler_options(pgle_profile)
       else:
         first = start_step + PGLE_WARMUP_STEPS + 1
@@ -97,8 +97,8 @@ class StepProfiler:
     import jax
     for first, last, directory, purpose in self.ranges:
       if step == first and self._active is None:
-        os.makedirs(directory, exist_ok=True)
-        jax.profiler.start_trace(directory)
+        self._local = storage.working_dir(directory)   # the profiler writes local files only
+        jax.profiler.start_trace(self._local)
         self._active = (first, last, directory, purpose)
 
   def after(self, step: int, outputs) -> Optional[dict]:
@@ -110,16 +110,19 @@ class StepProfiler:
     jax.profiler.stop_trace()
     self._active = None
     if purpose == 'trace':
+      storage.publish(self._local, directory)
       from paxcli.jobdir.summaries import tensorboard_command
       self.log(f'Profile of steps {first}-{last} written to {directory} ({tensorboard_command()} --logdir '
                f'{directory}).')
       return None
-    return self._extract_pgle(directory, first, last)
+    return self._extract_pgle(self._local, first, last)
 
   def close(self) -> None:
     import jax
     if self._active is not None:
       jax.profiler.stop_trace()
+      if self._active[3] == 'trace':
+        storage.publish(self._local, self._active[2])
       self._active = None
 
   def _extract_pgle(self, directory: str, first: int, last: int) -> Optional[dict]:
@@ -129,9 +132,7 @@ class StepProfiler:
     if not proto:
       self.log('PGLE: the profile held no GPU instruction latencies; continuing without PGLE.')
       return None
-    os.makedirs(os.path.dirname(os.path.abspath(self.pgle_profile)), exist_ok=True)
-    with open(self.pgle_profile, 'wb') as f:
-      f.write(proto)
+    storage.write_bytes(self.pgle_profile, proto)
     shutil.rmtree(directory, ignore_errors=True)
     self.pgle_options = pgle_compiler_options(self.pgle_profile)
     self.log(f'PGLE: profiled steps {first}-{last}, wrote instruction latencies to {self.pgle_profile}; '

@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 from typing import Callable, ContextManager, Optional
 
 import jax
 
-from paxcli.jobdir import layout, restore
+from paxcli.jobdir import layout, restore, storage
 from paxcli.jobdir import tokenizer as tok_lib
 from paxcli.loops.decode.output import check_output, finite_or_none, write_jsonl
 from paxcli.loops.score.requests import Pair, Request, to_pairs
@@ -77,10 +76,7 @@ def score(resolved, job_dir: str, requests: list[Request], requests_file: str, s
 
 def default_output(job_dir: str, step: int) -> str:
   """<job dir>/scores/pax_score_step<k>_<n>.jsonl with the first unused n: never an earlier score."""
-  n = 1
-  while os.path.lexists(layout.scores(job_dir, step, n)):
-    n += 1
-  return layout.scores(job_dir, step, n)
+  return layout.first_unused(lambda n: layout.scores(job_dir, step, n))
 
 
 def _records(requests: list[Request], pairs: list[Pair], results: list) -> list[dict]:
