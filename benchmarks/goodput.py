@@ -54,9 +54,11 @@ def restart_row(exp: str, fast: bool, args, work: str) -> dict:
     if killed is None and step and int(step.group(1)) >= args.kill_at:
       os.kill(pids[args.processes - 1], signal.SIGKILL)
       killed = now
-    elif killed is not None and 'Resumed from step' in line and 'resumed' not in times:
+    elif killed is not None and 'restart 1 of 1' in line:
+      times['restarted'] = now - killed
+    elif 'restarted' in times and 'Resumed from step' in line and 'resumed' not in times:
       times['resumed'] = now - killed
-    elif killed is not None and 'resumed' in times and step and 'first' not in times:
+    elif 'restarted' in times and step and 'first' not in times:
       times['first'] = now - killed
   proc.wait()
   if proc.returncode:
@@ -66,8 +68,10 @@ def restart_row(exp: str, fast: bool, args, work: str) -> dict:
   (restart,) = account['restarts']
   second = ledger.read(job)[0][0][-1]
   return {'tier': 'fast + persistent' if fast else 'persistent only', 'reached': restart['reached_step'],
-          'resumed': f"{restart['resumed_step']} ({restart['tier']})", 'lost': restart['redone_steps'],
-          'to_resumed': times.get('resumed'), 'to_first_step': times.get('first'), 'gap': restart['gap_seconds'],
+          'resumed': f"{restart['resumed_step']} ({restart['tier'] or 'a fresh start'})",
+          'lost': restart['redone_steps'],
+          'to_restart': times.get('restarted'), 'to_resumed': times.get('resumed'), 'to_first_step': times.get('first'),
+          'gap': restart['gap_seconds'],
           'startup': second.closed.get('startup', 0.0), 'compile': second.closed.get('compile', 0.0),
           'goodput': account['goodput']}
 
@@ -98,13 +102,17 @@ def tier_rows(gib: float, work: str) -> tuple[list[dict], dict]:
   rows = []
   shapes = engine.shape_signature(setup.abstract_state)
   for name, tier in (('persistent', persistent), ('fast', fast)):
-    stalls = []
+    stalls, checks, saves = [], [], []
     for step in range(1, 5):
       t = time.perf_counter()
       train.params_finite(state['params'])
       sums = restore.checksums(state)
+      checked = time.perf_counter()
       tier.save(step, state, {'step': step, 'state_shapes': shapes, 'checksums': sums})
-      stalls.append(time.perf_counter() - t)
+      done = time.perf_counter()
+      stalls.append(done - t)
+      checks.append(checked - t)
+      saves.append(done - checked)
     t = time.perf_counter()
     tier.wait()
     write = time.perf_counter() - t
@@ -113,7 +121,8 @@ def tier_rows(gib: float, work: str) -> tuple[list[dict], dict]:
     jax.block_until_ready(got)
     restored = time.perf_counter() - t
     del got
-    rows.append({'tier': name, 'stall': sorted(stalls)[1:-1], 'last_write': write, 'restore': restored,
+    rows.append({'tier': name, 'stall': sorted(stalls)[1:-1], 'checks': sorted(checks)[1:-1],
+                 'save_call': sorted(saves)[1:-1], 'last_write': write, 'restore': restored,
                  'restore_gib_s': nbytes / (1 << 30) / restored})
   persistent.close()
   fast.close()
@@ -154,21 +163,22 @@ def main() -> None:
     restarts = [restart_row(args.exp, fast, args, work) for fast in (False, True)]
     t = Table(title=f'A kill -9 at step {args.kill_at}: {args.exp}, {args.processes} process(es); persistent every '
                     f'{args.save_every} steps, fast tier every {args.local_every}')
-    for col in ('checkpoints', 'reached', 'resumed from', 'steps lost', 'kill -> resumed s', 'kill -> first step s',
-                'restart gap s', 'start-up s', 'compile s', 'goodput'):
+    for col in ('checkpoints', 'reached', 'resumed from', 'steps lost', 'kill -> restart s', 'kill -> resumed s',
+                'kill -> first step s', 'restart gap s', 'start-up s', 'compile s', 'goodput'):
       t.add_column(col, justify='left' if col in ('checkpoints', 'resumed from') else 'right')
     for r in restarts:
-      t.add_row(r['tier'], str(r['reached']), r['resumed'], str(r['lost']), _s(r['to_resumed']),
+      t.add_row(r['tier'], str(r['reached']), r['resumed'], str(r['lost']), _s(r['to_restart']), _s(r['to_resumed']),
                 _s(r['to_first_step']), _s(r['gap']), _s(r['startup']), _s(r['compile']), f"{r['goodput']:.1%}")
     console.print(t)
     tiers, size = tier_rows(args.state_gib, work)
     t = Table(title=f'Save stall and restore, {size["bytes"] / (1 << 30):.2f} GiB state (LM of {size["layers"]} '
                     'layers x 1024, Adam), one CPU process, both tiers on this disk')
-    for col in ('tier', 'stall per save s (median of 2 middle)', 'last write s', 'restore s', 'restore GiB/s'):
+    for col in ('tier', 'stall per save s (2 middle of 4)', 'of which finite check + checksums s',
+                'of which the tier\'s save() s', 'last write s', 'restore s', 'restore GiB/s'):
       t.add_column(col, justify='left' if col == 'tier' else 'right')
     for r in tiers:
-      t.add_row(r['tier'], ' '.join(f'{x:.3f}' for x in r['stall']), _s(r['last_write']), _s(r['restore']),
-                f"{r['restore_gib_s']:.2f}")
+      t.add_row(r['tier'], *(' '.join(f'{x:.3f}' for x in r[k]) for k in ('stall', 'checks', 'save_call')),
+                _s(r['last_write']), _s(r['restore']), f"{r['restore_gib_s']:.2f}")
     console.print(t)
     if not args.no_llama:
       llama = llama_figures()

@@ -206,3 +206,33 @@ def test_a_killed_trainer_run_again_by_hand_resumes_from_the_fast_tier(tmp_path,
   assert restart['reason'] == 'killed (no end record)' and restart['tier'] == 'fast'
   assert restart['resumed_step'] == resumed and account['seconds']['restart'] > 0
   assert not os.listdir(f'{job}-local')   # a finished run leaves its fast tier empty
+
+
+@pytest.mark.slow
+def test_a_bucket_job_keeps_its_ledger_there_and_its_fast_tier_local(tmp_path, capsys):
+  """The job directory in a bucket (a real GCS-protocol server on 127.0.0.1): the ledger goes there, the fast
+  tier stays on this machine's disk, and a killed run resumes from it."""
+  import gcs_server
+  with gcs_server.running() as server:
+    job = server.make_bucket('pax-goodput') + '/runs/tiny'
+    local = str(tmp_path / 'local')
+    cmd = [sys.executable, '-m', 'paxcli.cli.app', 'train', *TINY, '--set', 'task.train.num_train_steps=8',
+           '--set', f'LOCAL_CHECKPOINT_DIR={local}', '--set', 'LOCAL_CHECKPOINT_EVERY=2', '--job-log-dir', job]
+    first = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+      for line in first.stdout:
+        if line.startswith('step 5:'):
+          break
+      first.kill()
+    finally:
+      first.wait(timeout=60)
+    assert any(n.startswith('process_') for n in os.listdir(local))
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert re.search(r'Resumed from step [246] of the fast checkpoint tier', result.stdout), result.stdout[-2000:]
+    account = _account(job, capsys)
+    (restart,) = account['restarts']
+    assert restart['tier'] == 'fast' and account['steps']['productive'] == 8
+    assert sum(account['seconds'].values()) == pytest.approx(account['wall_seconds'], rel=1e-9)
+    from paxcli.jobdir import layout, storage
+    assert storage.isfile(layout.goodput_ledger(job, 0)) and not os.listdir(local)
