@@ -621,6 +621,7 @@ def _train(resolved, job_dir: str, console, accounting: goodput.Goodput, verbose
     hooks.add(stop.hook(checkpointer, reporter, log, layout.checkpoints(job_dir)), on_stop=True)
     hooks.enter_context(stop)
     hooks.enter_context(chrono)
+    hooks.callback(accounting.heartbeat.close)  # the loop is over (closed first): no hang timeout for what follows
 
     # ---- Loop -------------------------------------------------------------------------------------
     for step in range(start.step + 1, total + 1):

@@ -222,9 +222,16 @@ class Heartbeat:
     os.pwrite(self._fd, data, 0)
 
   def close(self) -> None:
+    """No more beats: the file goes, and the launcher stops timing this process (its loop is over; the
+    last save and its exit may take long)."""
     if self._fd is not None:
       os.close(self._fd)
       self._fd = None
+    if self.path:
+      try:
+        os.remove(self.path)
+      except FileNotFoundError:
+        pass
 
 
 def child_environment(base: Mapping[str, str], coordinator: str, num_processes: int, process_id: int,
