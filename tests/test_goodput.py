@@ -123,6 +123,8 @@ def test_account_adds_up_across_a_kill_a_launcher_and_a_later_run(tmp_path):
   _line(p0, kind='resume', inc='b', t=125.0, step=10, tier='fast')
   _line(p0, kind='end', inc='b', t=140.0, closed=_closed(startup=4.0, recomputed=3.0, productive=11.0, compile=1.0),
         step=24, steps={'productive': 11, 'recomputed': 3}, status=0)
+  _line(p0, kind='progress', inc='b', t=139.0, closed=_closed(productive=99.0), open=['productive', 138.0], step=23,
+        steps={})   # a progress line written after the end (a bucket's rewrite raced it): never counted
   _line(launch, kind='end', id='L1', t=140.5, code=0)
   # A day later, by hand: the idle day is nobody's run; this one is killed with a cut last line.
   _line(p0, kind='start', inc='c', t=90000.0)

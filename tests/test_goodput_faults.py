@@ -139,7 +139,8 @@ def test_kill9_at_random_steps_finishes_with_the_uninterrupted_losses(tmp_path, 
   assert [r['reason'] for r in restarts] == ['was killed by SIGKILL (exit code -9)'] * 3, note
   assert [r['resumed_step'] for r in restarts] == resumed and [r['tier'] for r in restarts] == ['fast', 'fast', 'persistent']
   for r, seen in zip(restarts[:2], reached):
-    assert r['reached_step'] >= seen, (r, note)
+    # The heartbeat follows a step's hooks: a kill right after the summary line of step `seen` finds `seen - 1`.
+    assert r['reached_step'] >= seen - 1, (r, note)
     newest = r['reached_step'] // EVERY * EVERY
     # At most the fast tier's interval redone, unless the newest fast save was still being written at the
     # kill: then the one before it (written while training went on, so the restart went back one more).

@@ -241,8 +241,8 @@ class _LaunchRecord:
     if self.job_dir is not None and self._pending:
       try:
         ledger.append(layout.launch_ledger(self.job_dir), self._pending)
-      except OSError as e:
-        sys.stderr.write(f'{_PREFIX} could not write the goodput ledger ({e.strerror}); going on without it.\n')
+      except (OSError, UserError) as e:   # a full disk, an unreachable bucket: the job goes on without it
+        sys.stderr.write(f'{_PREFIX} could not write the goodput ledger ({e}); going on without it.\n')
       self._pending = []
 
 

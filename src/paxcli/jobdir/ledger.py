@@ -140,6 +140,7 @@ class Ledger:
         self._progress = line
       else:
         self._lines.append(line)
+        self._progress = '' if kind == 'end' else self._progress
       storage.write_bytes(self.path, self._before + ''.join(self._lines + [self._progress]).encode())
 
   def keep_flushing(self, snapshot: Callable[[], dict], every: float = PROGRESS_SECONDS) -> None:
@@ -296,7 +297,7 @@ def incarnations(records) -> list[Incarnation]:
       found[inc] = Incarnation(inc, float(r['t']), launch, _int(r.get('attempt')), last=float(r['t']))
       continue
     got = found.get(inc)
-    if got is None:
+    if got is None or got.status is not None:  # nothing counts after an incarnation's end
       continue
     if r['kind'] in ('progress', 'end'):
       closed = _seconds(r.get('closed'))
