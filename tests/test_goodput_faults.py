@@ -145,8 +145,10 @@ def test_kill9_at_random_steps_finishes_with_the_uninterrupted_losses(tmp_path, 
     # At most the fast tier's interval redone, unless the newest fast save was still being written at the
     # kill: then the one before it (written while training went on, so the restart went back one more).
     assert r['redone_steps'] <= EVERY or r['resumed_step'] == newest - EVERY, (r, note)
+  # The steps each restart redid are the steps its run counted recomputed (one reading of the ledger for both).
   assert account['steps']['recomputed'] == sum(r['redone_steps'] for r in restarts), (account, note)
-  assert account['steps']['productive'] == steps and account['seconds']['restart'] > 0
+  # Steps done in the seconds a kill took from the ledger are counted neither way: never more than were run.
+  assert account['step'] == steps and account['steps']['productive'] <= steps and account['seconds']['restart'] > 0
 
 
 @pytest.mark.slow
@@ -233,7 +235,7 @@ def test_a_bucket_job_keeps_its_ledger_there_and_its_fast_tier_local(tmp_path, c
     assert re.search(r'Resumed from step [246] of the fast checkpoint tier', result.stdout), result.stdout[-2000:]
     account = _account(job, capsys)
     (restart,) = account['restarts']
-    assert restart['tier'] == 'fast' and account['steps']['productive'] == 8
+    assert restart['tier'] == 'fast' and account['step'] == 8 and account['steps']['productive'] <= 8
     assert sum(account['seconds'].values()) == pytest.approx(account['wall_seconds'], rel=1e-9)
     from paxcli.jobdir import layout, storage
     assert storage.isfile(layout.goodput_ledger(job, 0)) and not os.listdir(local)

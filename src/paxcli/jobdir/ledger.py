@@ -334,10 +334,13 @@ def _launches(records) -> dict[str, Launch]:
   return out
 
 
-def furthest_step(processes: dict[int, list[Incarnation]], launches: dict[str, Launch]) -> int:
-  """The furthest step any earlier incarnation reached (a step at or below it, run again, is recomputed)."""
-  steps = [i.step for incs in processes.values() for i in incs if i.step is not None]
-  steps += [f['step'] for launch in launches.values() for f in launch.failures if f['step'] is not None]
+def furthest_step(processes: dict[int, list[Incarnation]], launches: dict[str, Launch],
+                  before: float = math.inf) -> int:
+  """The furthest step any incarnation (of any process) that started before `before` reached, by its ledger
+  or by `pax launch`'s record of a failure: a step at or below it, run again, is recomputed."""
+  steps = [i.step for incs in processes.values() for i in incs if i.step is not None and i.start < before]
+  steps += [f['step'] for launch in launches.values() for f in launch.failures
+            if f['step'] is not None and f['t'] < before]
   return max(steps, default=0)
 
 
@@ -355,15 +358,17 @@ def summarize(job_dir: str, live: Optional[tuple[int, Incarnation]] = None, hist
   if not processes:
     raise UserError(f'No goodput ledger in {job_dir} ({layout.goodput(job_dir)} is missing or empty): '
                     'it is written by `pax train`; train in this job directory first.')
-  per_process = {p: account(incs, launches) for p, incs in sorted(processes.items())}
+  per_process = {p: account(incs, launches, lambda t: furthest_step(processes, launches, t))
+                 for p, incs in sorted(processes.items())}
   job = per_process.get(0) or next(iter(per_process.values()))
   return {'job_dir': job_dir, **job, 'processes': {str(p): {k: v for k, v in a.items() if k != 'restarts'}
                                                    for p, a in per_process.items()},
           'lines_skipped': skipped}
 
 
-def account(incs: list[Incarnation], launches: dict[str, Launch]) -> dict:
-  """One process's seconds by category (adding up to its wall time), steps, and restarts."""
+def account(incs: list[Incarnation], launches: dict[str, Launch], furthest: Callable[[float], int]) -> dict:
+  """One process's seconds by category (adding up to its wall time), steps, and restarts; `furthest(t)`: the
+  furthest step reached before time t (what the stopwatch of a run started then counted recomputed steps by)."""
   seconds = dict.fromkeys(CATEGORIES, 0.0)
   steps = {'productive': 0, 'recomputed': 0}
   restarts, previous, until = [], None, None   # `until`: where the account stands after `previous`
@@ -375,7 +380,7 @@ def account(incs: list[Incarnation], launches: dict[str, Launch]) -> dict:
     else:
       gap = max(inc.start - until, 0.0)
       seconds['restart'] += gap
-      restarts.append(_restart(previous, inc, gap, launches))
+      restarts.append(_restart(previous, inc, gap, launches, furthest(inc.start)))
     for k, v in inc.closed.items():
       seconds[k] += v
     for k, v in inc.steps.items():
@@ -393,14 +398,12 @@ def account(incs: list[Incarnation], launches: dict[str, Launch]) -> dict:
           'incarnations': len(incs), 'restarts': restarts}
 
 
-def _restart(previous: Incarnation, inc: Incarnation, gap: float, launches: dict[str, Launch]) -> dict:
+def _restart(previous: Incarnation, inc: Incarnation, gap: float, launches: dict[str, Launch], reached: int) -> dict:
   """One restart: why (the launcher's record of it, if any), the gap, and the steps it cost."""
   failure = next((f for lid in {previous.launch, inc.launch} if lid in launches
                   for f in launches[lid].failures if previous.start <= f['t'] <= inc.start + 1), None)
-  reached = max(x for x in (previous.step, failure and failure['step']) if x is not None) if (
-      previous.step is not None or (failure and failure['step'] is not None)) else None
   resumed = inc.resumed or {}
-  redone = (reached - resumed['step']) if reached is not None and resumed.get('step') is not None else None
+  redone = reached - resumed['step'] if resumed.get('step') is not None else None
   reason = failure['reason'] if failure else ('killed (no end record)' if previous.status is None
                                               else f'exited with status {previous.status}')
   return {'at': previous.last, 'gap_seconds': gap, 'reason': reason, 'reached_step': reached,
