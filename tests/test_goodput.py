@@ -170,7 +170,10 @@ def test_a_real_run_accounts_for_its_wall_time(tmp_path, capsys):
   account = json.loads(out)
   seconds = account['seconds']
   assert sum(seconds.values()) == pytest.approx(account['wall_seconds'], rel=1e-9)
-  assert account['wall_seconds'] == pytest.approx(wall, rel=0.01), (account['wall_seconds'], wall)
+  # Within 1%, give or take the launcher's own interpreter exit after its last line (tenths of a second on a
+  # loaded machine, a share of this short run); the long fault test (test_goodput_faults.py) checks 1% alone.
+  assert account['wall_seconds'] == pytest.approx(wall, rel=0.01, abs=0.3), (account['wall_seconds'], wall)
+  assert account['wall_seconds'] <= wall
   assert seconds['productive'] > 0 and seconds['startup'] > 0 and seconds['compile'] > 0
   assert seconds['checkpoint'] > 0 and seconds['eval'] > 0 and seconds['shutdown'] > 0 and seconds['restart'] == 0
   assert account['steps'] == {'productive': 6, 'recomputed': 0}

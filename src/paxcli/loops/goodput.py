@@ -38,7 +38,7 @@ class Goodput:
     self.ledger.keep_flushing(self.stopwatch.snapshot)
     self.heartbeat = distributed.Heartbeat()
     self.heartbeat.note_job(job_dir)
-    self._writer = summaries.SummaryWriter(layout.summaries(job_dir, 'goodput')) if is_main else None
+    self._is_main, self._writer = is_main, None   # made at the first summary: a refused start writes none
 
   def resumed(self, step: int, tier: Optional[str]) -> None:
     """The step this incarnation goes on from, and the tier it came from (None: a fresh start)."""
@@ -51,8 +51,10 @@ class Goodput:
 
   def summary_hook(self, info: StepInfo) -> None:
     """Hook, every summary: the job's seconds so far by category, and its goodput, for TensorBoard."""
-    if self._writer is None:
+    if not self._is_main:
       return
+    if self._writer is None:
+      self._writer = summaries.SummaryWriter(layout.summaries(self.job_dir, 'goodput'))
     account = self.account()
     values = {f'seconds/{k}': v for k, v in account['seconds'].items()}
     values['goodput'] = account['goodput']
