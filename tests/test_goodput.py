@@ -126,6 +126,10 @@ def test_account_adds_up_across_a_kill_a_launcher_and_a_later_run(tmp_path):
   _line(p0, kind='progress', inc='b', t=139.0, closed=_closed(productive=99.0), open=['productive', 138.0], step=23,
         steps={})   # a progress line written after the end (a bucket's rewrite raced it): never counted
   _line(launch, kind='end', id='L1', t=140.5, code=0)
+  # Process 1's run of attempt 1 started a moment before process 0's: not an earlier run (its steps are not 'reached').
+  p1 = layout.goodput_ledger(job, 1)
+  _line(p1, kind='start', inc='b1', t=120.9, launch='L1', attempt=1)
+  _line(p1, kind='end', inc='b1', t=140.1, closed=_closed(productive=19.2), step=24, steps={'productive': 24}, status=0)
   # A day later, by hand: the idle day is nobody's run; this one is killed with a cut last line.
   _line(p0, kind='start', inc='c', t=90000.0)
   _line(p0, kind='progress', inc='c', t=90004.0, closed=_closed(startup=3.0), open=['productive', 90003.0], step=24,

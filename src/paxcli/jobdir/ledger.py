@@ -336,9 +336,10 @@ def _launches(records) -> dict[str, Launch]:
 
 def furthest_step(processes: dict[int, list[Incarnation]], launches: dict[str, Launch],
                   before: float = math.inf) -> int:
-  """The furthest step any incarnation (of any process) that started before `before` reached, by its ledger
-  or by `pax launch`'s record of a failure: a step at or below it, run again, is recomputed."""
-  steps = [i.step for incs in processes.values() for i in incs if i.step is not None and i.start < before]
+  """The furthest step reached, by the ledgers of incarnations (of any process) accounted up to before
+  `before`, or by `pax launch`'s records of failures before it: a step at or below it, run again, is
+  recomputed. (A peer started beside a run is not 'before' it: its account goes on past its start.)"""
+  steps = [i.step for incs in processes.values() for i in incs if i.step is not None and i.last < before]
   steps += [f['step'] for launch in launches.values() for f in launch.failures
             if f['step'] is not None and f['t'] < before]
   return max(steps, default=0)
