@@ -182,12 +182,8 @@ def test_a_stopped_process_is_a_hang_detected_and_restarted(tmp_path, capsys):
   assert restart['gap_seconds'] >= timeout - 2 and account['steps']['productive'] == steps
 
 
-@pytest.mark.slow
-def test_a_killed_trainer_run_again_by_hand_resumes_from_the_fast_tier(tmp_path, capsys):
-  """No launcher (a cluster that requeues the job): `kill -9`, then the same command again."""
-  job = str(tmp_path / 'job')
-  cmd = [sys.executable, '-m', 'paxcli.cli.app', 'train', *TINY, '--set', 'task.train.num_train_steps=12',
-         '--set', f'LOCAL_CHECKPOINT_DIR={job}-local', '--set', 'LOCAL_CHECKPOINT_EVERY=2', '--job-log-dir', job]
+def _kill_at_step_5(cmd: list[str]) -> None:
+  """Runs `pax train` and `kill -9`s it once it reports step 5."""
   first = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   try:
     for line in first.stdout:
@@ -196,6 +192,15 @@ def test_a_killed_trainer_run_again_by_hand_resumes_from_the_fast_tier(tmp_path,
     first.kill()
   finally:
     first.wait(timeout=60)
+
+
+@pytest.mark.slow
+def test_a_killed_trainer_run_again_by_hand_resumes_from_the_fast_tier(tmp_path, capsys):
+  """No launcher (a cluster that requeues the job): `kill -9`, then the same command again."""
+  job = str(tmp_path / 'job')
+  cmd = [sys.executable, '-m', 'paxcli.cli.app', 'train', *TINY, '--set', 'task.train.num_train_steps=12',
+         '--set', f'LOCAL_CHECKPOINT_DIR={job}-local', '--set', 'LOCAL_CHECKPOINT_EVERY=2', '--job-log-dir', job]
+  _kill_at_step_5(cmd)
   result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
   resumed = int(re.search(r'Resumed from step (\d+) of the fast checkpoint tier', result.stdout).group(1))
@@ -221,14 +226,7 @@ def test_a_bucket_job_keeps_its_ledger_there_and_its_fast_tier_local(tmp_path, c
     local = str(tmp_path / 'local')
     cmd = [sys.executable, '-m', 'paxcli.cli.app', 'train', *TINY, '--set', 'task.train.num_train_steps=8',
            '--set', f'LOCAL_CHECKPOINT_DIR={local}', '--set', 'LOCAL_CHECKPOINT_EVERY=2', '--job-log-dir', job]
-    first = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-      for line in first.stdout:
-        if line.startswith('step 5:'):
-          break
-      first.kill()
-    finally:
-      first.wait(timeout=60)
+    _kill_at_step_5(cmd)
     assert any(n.startswith('process_') for n in os.listdir(local))
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
