@@ -1,20 +1,27 @@
 # Two commands for a fresh machine:
 #   make train   creates .venv, installs paxcli, trains the built-in default experiment
 #   make test    creates .venv, installs paxcli with test extras, runs the default test suite
-#   (make test-slow runs the tests marked slow; CI, .ci/run, runs both)
+#   (make test-slow runs the tests marked slow; CI, .ci/run, runs both; make docs builds the site)
+# Installs take the versions in constraints.txt, the lock the suite passed with:
+#   make lock      rewrites the lock from .venv, keeping its versions and adding new dependencies
+#   make upgrade   the newest releases pyproject.toml allows, in .venv-upgrade; the lock only if the suite passes
+#   make install CONSTRAINTS=    installs without the lock
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.paxcli-installed
+CONSTRAINTS ?= constraints.txt
+PIN    := $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
+UPGRADE := .venv-upgrade
 
-.PHONY: install train test test-slow bench bench-gpu clean
+.PHONY: install train test test-slow docs lock upgrade bench bench-gpu clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
-$(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet -e '.[test]'
+$(STAMP): pyproject.toml $(CONSTRAINTS) | $(BIN)/python
+	$(BIN)/python -m pip install --quiet $(PIN) -e '.[test]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -36,6 +43,26 @@ test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m 'slow and not alone' $(ARGS) $(NONE_COLLECTED_OK)
 	$(BIN)/python -m pytest -q -m 'slow and alone' $(ARGS) $(NONE_COLLECTED_OK)
 
+# The docs site into site/ (mkdocs.yml; the knob and command pages are written from the code).
+docs: $(STAMP)
+	$(BIN)/python -m mkdocs build --strict
+
+# The lock from .venv: what it has installed for paxcli[test,docs]. After a dependency is added to
+# pyproject.toml this installs it (the locked versions stay) and writes it into the lock.
+lock: $(STAMP)
+	$(BIN)/python -m pip install --quiet $(PIN) -e '.[test,docs]'
+	$(BIN)/python tools/lock.py --write
+
+# The newest releases pyproject.toml allows, in a venv of their own; the default suite on them,
+# and the lock rewritten from that venv only if it passes (then `make` reinstalls .venv from it).
+upgrade:
+	rm -rf $(UPGRADE)
+	$(PYTHON) -m venv $(UPGRADE)
+	$(UPGRADE)/bin/python -m pip install --quiet --upgrade pip
+	$(UPGRADE)/bin/python -m pip install --quiet --upgrade -e '.[test,docs]'
+	$(UPGRADE)/bin/python -m pytest -q -n 2 --dist loadfile
+	$(UPGRADE)/bin/python tools/lock.py --write
+
 bench: $(STAMP)
 	$(BIN)/python benchmarks/train_step.py
 	$(BIN)/python benchmarks/infeed.py
@@ -46,4 +73,4 @@ bench-gpu: $(STAMP)
 	$(BIN)/python benchmarks/gpu.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info
+	rm -rf $(VENV) $(UPGRADE) build site *.egg-info src/*.egg-info

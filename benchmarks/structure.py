@@ -6,7 +6,7 @@ Prints a table of the measures issue #18 asks for, read from the sources with `a
 (nothing is imported or run):
   - import cycles between paxcli modules (every import, module level or in a function);
   - imports from a lower layer to a higher one, for the layer order
-    cli > loops > jobdir/runtime/perf/convert/maxtext > models/layers/inputs > config;
+    cli > loops > perf > jobdir/runtime/convert/maxtext > models > layers/inputs > config;
   - function-local imports (an `import` inside a function body);
   - the longest functions, and the length of the train loop function;
   - files that spell job-directory paths by hand: a distinctive job-directory file name
@@ -27,17 +27,22 @@ import os
 import sys
 
 # Layer of a module by its first package component under paxcli (higher number = higher layer).
-# Modules not listed count as the lowest layer (0: config, experiment, errors, ...).
+# Modules not listed count as the lowest layer (0: config, experiment, errors, ...). perf (device
+# peaks, timing, profiles) sits above the runtime: `pax describe` needs the runtime, not perf; models
+# (the LM, its families, the experiment bases) above the layers and inputs they are built from.
 LAYERS = {
-    'cli': 4, 'api': 4,
-    'loops': 3,
-    'jobdir': 2, 'runtime': 2, 'perf': 2, 'convert': 2, 'maxtext': 2,
-    'models': 1, 'layers': 1, 'inputs': 1, 'families': 1,
+    'cli': 6, 'api': 6,
+    'loops': 5,
+    'perf': 4,
+    'jobdir': 3, 'runtime': 3, 'convert': 3, 'maxtext': 3,
+    'models': 2, 'families': 2,
+    'layers': 1, 'inputs': 1,
 }
 # Names of a job directory's entries (see paxcli/jobdir/layout.py). Distinctive ones count wherever
 # they appear as a string; common words only as a path part (see path_parts).
 JOBDIR_FILE_NAMES = ('checkpoints_damaged', 'checkpoints_unfinished', 'decoder_out', 'train.lock', 'spm.model',
-                     'train_metrics.jsonl', 'eval_metrics.jsonl', 'eval_done.jsonl', 'config.txt', 'invocations.txt')
+                     'train_metrics.jsonl', 'eval_metrics.jsonl', 'eval_done.jsonl', 'config.txt', 'invocations.txt',
+                     'format.json')
 JOBDIR_WORDS = ('checkpoints', 'summaries', 'tokenizer', 'profile', 'state', 'meta', 'metadata')
 JOBDIR_MODULE = 'paxcli.jobdir.layout'
 # Modules whose path words name another program's layout, not a paxcli job directory.

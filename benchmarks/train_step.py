@@ -17,6 +17,7 @@ import time
 VARIANTS = [
     ('baseline (loop, no remat, float32)', []),
     ('scan layers', ['USE_REPEATED_LAYER=True']),
+    ("scan groups of LAYER_PATTERN ('a', 'b')", ['USE_REPEATED_LAYER=True', "LAYER_PATTERN=('a', 'b')"]),
     ('remat save_nothing', ['CHECKPOINT_POLICY=save_nothing']),
     ('remat save_dot_only', ['CHECKPOINT_POLICY=save_dot_only']),
     ('bfloat16 activations', ['FPROP_DTYPE=bfloat16']),

@@ -18,17 +18,14 @@ bf16) at a size a laptop CPU runs in seconds per step.
 """
 
 from paxcli.experiment import register
-from paxcli.families.lm import LmExperiment
+from paxcli.models import LmExperiment
+from paxcli.models.llama import LLAMA
 
 
+@LLAMA.preset   # gated SiLU, RMSNorm, rotary positions, no biases (paxcli.models.llama)
 class _LlamaStyle(LmExperiment):
   """The structure the benchmark recipes share."""
 
-  ACTIVATION = 'silu'
-  USE_GATED_ACTIVATION = True
-  NORM_TYPE = 'rmsnorm'
-  USE_BIAS = False
-  POSITION_EMBEDDING = 'rotary'
   SEPARATE_EMBEDDING = True
   FPROP_DTYPE = 'bfloat16'
   USE_REPEATED_LAYER = False

@@ -41,7 +41,7 @@ from typing import Optional
 import fiddle as fdl
 
 from paxcli.experiment import register
-from paxcli.families.lm import LmExperiment
+from paxcli.models import LmExperiment
 from paxcli.inputs.c4 import GPT_VOCABULARY, T5_VOCABULARY, TFDS_NAME, C4Input
 
 

@@ -1,7 +1,7 @@
 """Classification: which standard-library package a docstring comes from (no download).
 
 `pax train --exp classify.StdlibDocsClassifier` trains a 2-layer Transformer classifier
-(paxcli.models.ClassificationModel) on docstrings of 8 stdlib packages (asyncio, email,
+(paxcli.models.classifier.ClassificationModel) on docstrings of 8 stdlib packages (asyncio, email,
 importlib, logging, xml, multiprocessing, unittest, http) and evaluates accuracy on held-out
 docstrings. Chance is 1/8 = 0.125 and always answering the largest package (asyncio) scores
 about 0.18; after the 300 steps (a few minutes on 2 CPU cores, one device, global batch 4) one
@@ -9,15 +9,15 @@ run reached eval accuracy 0.62 on the 194 held-out docstrings (loss 2.3 -> 1.1).
 tests/test_classify.py holds a shorter run to at least 0.30.
 
 The model is a BaseModel of its own: train, eval and init call its methods, and nothing in
-the engine changed for it. Its experiment base (paxcli.families.classifier) shares only the
-optimizer and loop knobs with the LM (paxcli.families.base.TrainingExperiment).
+the engine changed for it. Its experiment base (paxcli.models.classifier_experiment) shares only the
+optimizer and loop knobs with the LM (paxcli.models.training.TrainingExperiment).
 """
 
 import fiddle as fdl
 
 from paxcli.experiment import register
-from paxcli.families.classifier import ClassifierExperiment
 from paxcli.inputs.classify import PACKAGES, StdlibDocsClassInput
+from paxcli.models import ClassifierExperiment
 
 
 @register

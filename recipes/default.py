@@ -14,10 +14,12 @@ says); on a GPU it takes seconds. It keeps the latest 3 checkpoints (every 50 st
 import fiddle as fdl
 
 from paxcli.experiment import register
-from paxcli.families.lm import LmExperiment
+from paxcli.models import LmExperiment
+from paxcli.models.llama import LLAMA
 
 
 @register
+@LLAMA.preset   # gated SiLU, RMSNorm, rotary positions, no biases (paxcli.models.llama)
 class StdlibDocsLm(LmExperiment):
   """A 4-layer, 256-wide Llama-shaped LM on stdlib docstrings (no download); ~3 min on CPU.
 
@@ -32,11 +34,6 @@ class StdlibDocsLm(LmExperiment):
   NUM_HEADS = 4
   VOCAB_SIZE = 2048
   MAX_SEQ_LEN = 128
-  POSITION_EMBEDDING = 'rotary'
-  NORM_TYPE = 'rmsnorm'
-  ACTIVATION = 'silu'
-  USE_GATED_ACTIVATION = True
-  USE_BIAS = False
   PERCORE_BATCH_SIZE = 16
   CHECKPOINT_POLICY = 'none'
   LEARNING_RATE = 3e-3

@@ -34,9 +34,9 @@ import numpy as np
 from paxcli import files, gencode
 from paxcli.errors import UserError
 from paxcli.experiment import register
-from paxcli.families.knobs import LM_KNOB
-from paxcli.families.lm import LmExperiment
 from paxcli.jobdir import layout
+from paxcli.models import LmExperiment
+from paxcli.models.knobs import LM_KNOB
 
 # Knobs of the base that belong to the fine-tune instead (the model's longest context is no row length).
 OWN_KNOBS = ('MAX_SEQ_LEN',)

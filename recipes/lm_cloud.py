@@ -7,7 +7,7 @@ and the tests build its config and parameter shapes anywhere.
 """
 
 from paxcli.experiment import register
-from paxcli.families.lm import LmExperiment
+from paxcli.models import LmExperiment
 
 
 @register

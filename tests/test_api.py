@@ -88,7 +88,7 @@ def test_user_mistakes_raise_user_error_with_the_line_pax_prints(tmp_path, capsy
 
 
 DUMPING = '''
-from paxcli.families.lm import LmExperiment
+from paxcli.models import LmExperiment
 
 
 class Dumping(LmExperiment):

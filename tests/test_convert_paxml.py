@@ -23,7 +23,7 @@ TOLERANCE = 1e-4
 # What a Pax user writes for lm_cloud's LmCloudSpmd at this size (the `--exp my.PaxExp`).
 RECIPE = '''
 from paxcli.experiment import register
-from paxcli.families.lm import LmExperiment
+from paxcli.models import LmExperiment
 
 
 @register

@@ -17,11 +17,11 @@ import pytest
 import prepared_data
 from paxcli import api
 from paxcli.errors import UserError
-from paxcli.families import lm
 from paxcli.inputs import prepared, tokenizers
 from paxcli.inputs.grain_input import GrainLmInput
 from paxcli.jobdir import layout
 from paxcli.jobdir import tokenizer as job_tokenizer
+from paxcli.models import lm_experiment as lm
 from paxcli.recipes import finetune
 
 PAX = [sys.executable, '-m', 'paxcli.cli.app']

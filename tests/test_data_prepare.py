@@ -214,7 +214,7 @@ def test_train_data_replaces_the_inputs_of_every_lm_experiment(data):
   import fiddle as fdl
 
   from paxcli import experiment
-  from paxcli.families.lm import LmExperiment
+  from paxcli.models import LmExperiment
   from paxcli.inputs.file_input import FileLmInput
   root, spm = data
   glob = str(root / 'a.jsonl')

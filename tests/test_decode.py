@@ -28,7 +28,7 @@ PROMPTS = [Prompt([1, 2, 3, 4, 5]), Prompt([7]), Prompt([9, 8, 7, 6, 5, 4, 3, 2,
 
 
 def _decoder(sets, seed=0):
-  resolved = config.resolve('paxcli.families.lm.LmExperiment', TINY + sets)
+  resolved = config.resolve('paxcli.models.LmExperiment', TINY + sets)
   setup = engine.build(resolved)
   params = engine.init_state(setup, seed)['params']
   return Decoder(setup, params)
@@ -157,7 +157,7 @@ def test_a_model_trained_on_counting_continues_a_count(tmp_path):
   """300 steps of the synthetic counting input, then greedy decoding counts on."""
   from paxcli.loops import train
   from paxcli.runtime import sharding
-  resolved = config.resolve('paxcli.families.lm.LmExperiment', ['VOCAB_SIZE=64', 'MODEL_DIMS=32', 'HIDDEN_DIMS=64',
+  resolved = config.resolve('paxcli.models.LmExperiment', ['VOCAB_SIZE=64', 'MODEL_DIMS=32', 'HIDDEN_DIMS=64',
                                                        'NUM_HEADS=2', 'MAX_SEQ_LEN=16', 'PERCORE_BATCH_SIZE=2',
                                                        'LEARNING_RATE=1e-2'])
   setup, state, step, batch_sharding, inp = train.ready_step(resolved)
@@ -176,7 +176,7 @@ def test_a_model_trained_on_counting_continues_a_count(tmp_path):
 
 # ---- the CLI ------------------------------------------------------------------------------------------
 
-CLI = ['decode', '--exp', 'paxcli.families.lm.LmExperiment'] + [a for s in TINY for a in ('--set', s)]
+CLI = ['decode', '--exp', 'paxcli.models.LmExperiment'] + [a for s in TINY for a in ('--set', s)]
 
 
 def test_cli_writes_jsonl_and_prints_json(tmp_path, capsys):
@@ -235,7 +235,7 @@ def test_cli_errors(tmp_path, capsys, args, message):
 
 @pytest.mark.parametrize('content, message', [
     ('', 'is empty'),
-    ('{"prompt_ids": [1]}\n{"prompt_ids": [1, \n', 'line 2 is not valid JSON'),
+    ('{"prompt_ids": [1]}\n{"prompt_ids": [1, \n', 'line 2: not valid JSON'),
     ('{"text": "x"}\n', 'line 1: expected an object with "prompt" or "prompt_ids"'),
 ])
 def test_cli_prompt_file_errors(tmp_path, capsys, content, message):
@@ -251,7 +251,7 @@ def test_training_decodes_its_prompts_at_the_interval(tmp_path, capsys):
   job = tmp_path / 'job'
   sets = [a for s in TINY + ['NUM_TRAIN_STEPS=4', 'DECODE_INTERVAL_STEPS=2', 'DECODE_PROMPTS=[[1, 2, 3], [9]]',
                              'DECODE_MAX_STEPS=5', 'SAVE_INTERVAL_STEPS=4'] for a in ('--set', s)]
-  code, out, err = pax_main(['train', '--exp', 'paxcli.families.lm.LmExperiment', *sets, '--job-log-dir', str(job)], capsys)
+  code, out, err = pax_main(['train', '--exp', 'paxcli.models.LmExperiment', *sets, '--job-log-dir', str(job)], capsys)
   assert code == 0, err
   assert 'decode step 4:' in out + err
   for step in (2, 4):

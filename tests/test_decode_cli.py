@@ -11,7 +11,7 @@ import pytest
 from conftest import pax_main
 
 TINY = ['VOCAB_SIZE=64', 'MODEL_DIMS=32', 'HIDDEN_DIMS=64', 'NUM_HEADS=4', 'MAX_SEQ_LEN=32', 'PERCORE_BATCH_SIZE=1']
-CLI = ['decode', '--exp', 'paxcli.families.lm.LmExperiment'] + [a for s in TINY for a in ('--set', s)]
+CLI = ['decode', '--exp', 'paxcli.models.LmExperiment'] + [a for s in TINY for a in ('--set', s)]
 
 
 @pytest.mark.parametrize('args, message', [

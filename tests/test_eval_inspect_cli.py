@@ -83,7 +83,7 @@ BROKEN = '''
 import dataclasses
 import fiddle as fdl
 from paxcli.inputs.synthetic import SyntheticLmInput
-from paxcli.families.lm import LmExperiment
+from paxcli.models import LmExperiment
 
 
 @dataclasses.dataclass
@@ -200,7 +200,7 @@ def test_input_errors_are_one_clear_line(tmp_path, capsys):
   unregistered.write_text(textwrap.dedent('''
       import fiddle as fdl
       from paxcli.inputs.seqio_input import SeqIOInput
-      from paxcli.families.lm import LmExperiment
+      from paxcli.models import LmExperiment
       class NoTask(LmExperiment):
         def datasets(self):
           return [fdl.Config(SeqIOInput, name='train', is_training=True, mixture_name='no_such_task',

@@ -33,7 +33,7 @@ def test_lookup_by_registered_name_class_name_module_and_file(tmp_path, monkeypa
   assert lookup('LmCloudSpmdTest') is lookup('lm_cloud.LmCloudSpmdTest')
   assert lookup(None).__name__ == 'StdlibDocsLm'
   (tmp_path / 'my_experiments.py').write_text(textwrap.dedent('''
-      from paxcli.families.lm import LmExperiment
+      from paxcli.models import LmExperiment
       class MyLm(LmExperiment):
         NUM_LAYERS = 3
         MY_NEW_KNOB: int = 5
@@ -114,14 +114,14 @@ def test_unknown_knob_and_field_suggest_close_names(capsys):
 
 def test_undeclared_uppercase_knob_is_a_typo(tmp_path, capsys):
   path = tmp_path / 'typo.py'
-  path.write_text('from paxcli.families.lm import LmExperiment\n\nclass Typo(LmExperiment):\n  PER_CORE_BATCH_SIZE = 8\n')
+  path.write_text('from paxcli.models import LmExperiment\n\nclass Typo(LmExperiment):\n  PER_CORE_BATCH_SIZE = 8\n')
   _fails(capsys, ['describe', '--exp', f'{path}:Typo'], 'PER_CORE_BATCH_SIZE is not a declared knob',
          'PERCORE_BATCH_SIZE')
 
 
 def test_knob_values_in_classes_are_type_checked(tmp_path, capsys):
   path = tmp_path / 'types.py'
-  path.write_text('from paxcli.families.lm import LmExperiment\n\nclass A(LmExperiment):\n  NUM_LAYERS = 3\n\n'
+  path.write_text('from paxcli.models import LmExperiment\n\nclass A(LmExperiment):\n  NUM_LAYERS = 3\n\n'
                   'class B(A):\n  NUM_LAYERS = "two"\n')
   _fails(capsys, ['describe', '--exp', f'{path}:B'], "B.NUM_LAYERS must be int, got 'two'")
   code, out, _ = pax_main(['describe', '--exp', f'{path}:A'], capsys)
@@ -144,12 +144,12 @@ def test_values_that_would_train_nothing_are_refused(capsys, tmp_path):
 def test_bad_experiment_files(tmp_path, capsys, monkeypatch):
   _fails(capsys, ['describe', '--exp', f'{tmp_path}/missing.py:X'], 'does not exist')
   bad = tmp_path / 'bad.py'
-  bad.write_text('from paxcli.families.lm import LmExperiment\n\nclass Bad(LmExperiment)\n  pass\n')
+  bad.write_text('from paxcli.models import LmExperiment\n\nclass Bad(LmExperiment)\n  pass\n')
   _fails(capsys, ['describe', '--exp', f'{bad}:Bad'], 'line 3')
   monkeypatch.chdir(tmp_path)
   _fails(capsys, ['describe', '--exp', 'bad.Bad'], 'bad.py, line 3: syntax error')
   good = tmp_path / 'good.py'
-  good.write_text('from paxcli.families.lm import LmExperiment\n\nclass Good(LmExperiment):\n  pass\n')
+  good.write_text('from paxcli.models import LmExperiment\n\nclass Good(LmExperiment):\n  pass\n')
   _fails(capsys, ['describe', '--exp', f'{good}:Goood'], 'Unknown experiment', "'Good'")
 
 

@@ -1,4 +1,4 @@
-"""The knob tables (paxcli.families.knobs): every knob lands in real layer fields, every layer
+"""The knob tables (paxcli.models.knobs): every knob lands in real layer fields, every layer
 field is a knob's or filled by its parent, experiments declare what the tables hold, and a MaxText
 key the importer maps onto a knob reaches the resolved model config."""
 
@@ -9,16 +9,13 @@ import fiddle as fdl
 import pytest
 
 from paxcli import config
-from paxcli.families import knobs
-from paxcli.families.base import TrainingExperiment
-from paxcli.families.classifier import CLASSIFIER_KNOBS, ClassifierExperiment
-from paxcli.families.lm import LmExperiment
 from paxcli.maxtext import recipe
 from paxcli.maxtext.shell import read_script
 from paxcli.maxtext.translate import Options, translate
-from paxcli.models import flat_view, lm_config
 from paxcli.layers.base import instantiate
 from paxcli.layers.transformer import Block
+from paxcli.models import (CLASSIFIER_KNOBS, ClassifierExperiment, LmExperiment, TrainingExperiment, flat_view, knobs,
+                           lm_config)
 
 # Layer fields no LM knob sets, and who sets them instead.
 FILLED_ELSEWHERE = {

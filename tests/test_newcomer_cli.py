@@ -16,7 +16,7 @@ TINY = ['--exp', 'lm_cloud.LmCloudSpmdTest', '--set', 'NUM_LAYERS=2', '--set', '
         '--set', 'task.train.summary_interval_steps=5', '--set', 'task.train.save_interval_steps=5']
 
 README_EXPERIMENT = '''
-from paxcli.families.lm import LmExperiment
+from paxcli.models import LmExperiment
 
 class MyLm(LmExperiment):
   NUM_LAYERS = 2
@@ -58,7 +58,7 @@ def test_mesh_bigger_than_the_machine_says_how_to_run_it_on_fake_devices(tmp_pat
 def test_datasets_returning_built_objects_says_what_to_return(tmp_path, capsys):
   (tmp_path / 'plain.py').write_text(textwrap.dedent('''
       from paxcli.inputs.synthetic import SyntheticLmInput
-      from paxcli.families.lm import LmExperiment
+      from paxcli.models import LmExperiment
 
       class PlainLm(LmExperiment):
         def datasets(self):
@@ -108,7 +108,7 @@ ZERO_WEIGHT_EXPERIMENT = '''
 import dataclasses
 import fiddle as fdl
 from paxcli.inputs.synthetic import SyntheticLmInput
-from paxcli.families.lm import LmExperiment
+from paxcli.models import LmExperiment
 
 
 @dataclasses.dataclass

@@ -22,7 +22,7 @@ from paxcli.loops.score.requests import Pair, rolling_windows
 from paxcli.loops.score.scorer import Scorer
 from paxcli.runtime import engine
 
-EXP = 'paxcli.families.lm.LmExperiment'
+EXP = 'paxcli.models.LmExperiment'
 TINY = ['VOCAB_SIZE=320', 'MODEL_DIMS=32', 'HIDDEN_DIMS=64', 'NUM_HEADS=4', 'NUM_LAYERS=2', 'MAX_SEQ_LEN=32',
         'PERCORE_BATCH_SIZE=1']
 SETS = [a for s in TINY for a in ('--set', s)]
@@ -168,7 +168,7 @@ def test_a_checkpoint_scores_the_same_on_a_two_device_tensor_parallel_mesh_as_on
 
 @pytest.mark.parametrize('content, message', [
     ('', 'is empty'),
-    ('{"context": "a", "continuation": "b"}\n{"context": "a", \n', 'line 2 is not valid JSON'),
+    ('{"context": "a", "continuation": "b"}\n{"context": "a", \n', 'line 2: not valid JSON'),
     ('[1, 2]\n', 'line 1: expected a JSON object'),
     ('{"prompt": "x"}\n', 'line 1: a request has'),
     ('{"context": "a", "continuation": "b", "text": "c"}\n', 'fields of several forms'),

@@ -18,7 +18,7 @@ from conftest import pax_main
 pytest.importorskip('wandb')
 pytest.importorskip('mlflow')
 
-EXP = 'paxcli.families.lm.LmExperiment'
+EXP = 'paxcli.models.LmExperiment'
 TINY = ['NUM_LAYERS=1', 'MODEL_DIMS=16', 'HIDDEN_DIMS=32', 'NUM_HEADS=2', 'VOCAB_SIZE=64', 'MAX_SEQ_LEN=16',
         'PERCORE_BATCH_SIZE=1', 'SUMMARY_INTERVAL_STEPS=2', 'EVAL_INTERVAL_STEPS=2', 'SAVE_INTERVAL_STEPS=2']
 

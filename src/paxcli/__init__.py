@@ -7,13 +7,29 @@ They are looked up on first use, so `import paxcli` (and `pax --help`) loads non
 
 import importlib
 
-__version__ = '0.1.0'
+from paxcli import compat
 
 _API = ('train', 'evaluate', 'decode', 'score', 'lm_eval', 'describe', 'bench_mfu', 'inspect_input', 'inspect_checkpoint',
         'convert_checkpoint', 'import_maxtext')
 
 
+compat.install()  # old module names (paxcli.lm, paxcli.families.*) keep working, with a warning
+
+
+def _version() -> str:
+  """The installed distribution's version (pyproject.toml's, one place); a source tree that was never
+  installed says so."""
+  from importlib import metadata
+  try:
+    return metadata.version('paxcli')
+  except metadata.PackageNotFoundError:
+    return '0+unknown (not installed)'
+
+
 def __getattr__(name: str):
+  if name == '__version__':  # read from package metadata on first use (importlib.metadata costs ~10 ms)
+    globals()['__version__'] = _version()
+    return globals()['__version__']
   if name in _API:  # PEP 562: paxcli.api is imported on first use only
     return getattr(importlib.import_module('paxcli.api'), name)
   raise AttributeError(f'module {__name__!r} has no attribute {name!r}')

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence
 from rich.console import Console
 from rich.markup import escape
 
+from paxcli import files
 from paxcli.errors import UserError
 from paxcli.jobdir import layout, storage
 from paxcli.maxtext import recipe as maxtext_recipe
@@ -112,6 +113,28 @@ def path_arg(path: Optional[str], option: str) -> Optional[str]:
   if not path:
     raise UserError(f'{option} is empty; give a path.')
   return layout.absolute(path, option)
+
+
+def output_arg(path: Optional[str], option: str, buckets: bool = False) -> Optional[str]:
+  """A file the user names for a command to write (None stays None): as path_arg, except that a FIFO,
+  a character device or /dev/stdout keeps its name, to be written into (files.output_path). A bucket
+  path (gs://) only where the command writes there (`buckets`)."""
+  if path is None:
+    return None
+  if not path:
+    raise UserError(f'{option} is empty; give a path.')
+  if not storage.is_local(path):
+    if not buckets:
+      raise UserError(f'{option} {path}: this file is written on this machine; give a local path.')
+    return layout.absolute(path, option)
+  return files.output_path(path)
+
+
+def _check_output(output: Optional[str], force: bool, inputs: Sequence[Optional[str]]) -> None:
+  """Before start-up: an --output that cannot take the results is one line now, not after the work."""
+  if output:
+    from paxcli.loops.decode.output import check_output  # no JAX
+    check_output(output, force, inputs=[p for p in inputs if p])
 
 
 def positive_finite(value: Optional[float], option: str, unit: str) -> Optional[float]:
@@ -196,7 +219,7 @@ def decode(exp: Optional[str] = None, *, overrides: Sequence[str] = (), job_dir:
            batch_size: int = 0, step: Optional[int] = None, no_checkpoint: bool = False,
            dtype: Optional[str] = None, output: Optional[str] = None, coordinator: Optional[str] = None,
            num_processes: Optional[int] = None, process_id: Optional[int] = None, console=None,
-           progress=None) -> list[dict]:
+           progress=None, force: bool = False) -> list[dict]:
   """`pax decode`: one record per prompt and sample (prompt, decoded text and ids, logprobs, stop
   reason), also written as JSONL to `output` (default: under <job_dir>/decoder_out/), as `pax decode`
   writes them. prompt_ids: prompts as token ids, '12,15,18'. The list returned also carries
@@ -217,21 +240,23 @@ def decode(exp: Optional[str] = None, *, overrides: Sequence[str] = (), job_dir:
     raise UserError(f'--dtype must be one of {", ".join(DECODE_DTYPES)}; got {dtype!r}.')
   if not (prompt or prompts_file or prompt_ids or dataset):
     raise UserError('No prompts: give --prompt TEXT, --prompts-file FILE, --prompt-ids 1,2,3 or --dataset NAME.')
-  prompts_file, output = path_arg(prompts_file, '--prompts-file'), path_arg(output, '--output')
+  prompts_file, output = path_arg(prompts_file, '--prompts-file'), output_arg(output, '--output', buckets=True)
+  _check_output(output, force, [prompts_file])
   log = _printer(_console(console))
   run = open_run(exp, overrides, job_dir, coordinator=coordinator, num_processes=num_processes,
                  process_id=process_id, log=log)
   from paxcli.loops.decode import command  # JAX
   return command.decode(run.resolved, run.job_dir, opts, texts=list(prompt), prompts_file=prompts_file,
                         prompt_ids=list(prompt_ids), dataset=dataset, num_prompts=num_prompts, step=step,
-                        use_checkpoint=not no_checkpoint, dtype=dtype, output=output, log=log, progress=progress)
+                        use_checkpoint=not no_checkpoint, dtype=dtype, output=output, log=log, progress=progress,
+                        force=force)
 
 
 def score(requests_file: str, exp: Optional[str] = None, *, overrides: Sequence[str] = (),
           job_dir: Optional[str] = None, batch_size: int = 0, step: Optional[int] = None,
           no_checkpoint: bool = False, dtype: Optional[str] = None, output: Optional[str] = None,
           coordinator: Optional[str] = None, num_processes: Optional[int] = None,
-          process_id: Optional[int] = None, console=None, progress=None) -> list[dict]:
+          process_id: Optional[int] = None, console=None, progress=None, force: bool = False) -> list[dict]:
   """`pax score`: the log-likelihood of each request of a JSONL file (context and continuation, their
   ids, or a whole text), one record per request in file order: its own fields with `logprob`,
   `is_greedy`, `num_tokens`, `token_logprobs`, `line`, `truncated`; also written as JSONL to `output`
@@ -243,7 +268,8 @@ def score(requests_file: str, exp: Optional[str] = None, *, overrides: Sequence[
     raise UserError(f'--batch-size must be at least 0 (0: automatic), got {batch_size}.')
   if step is not None and no_checkpoint:
     raise UserError('--step N picks a checkpoint; --no-checkpoint scores fresh weights. Give one of them.')
-  requests_file, output = path_arg(requests_file, 'REQUESTS'), path_arg(output, '--output')
+  requests_file, output = path_arg(requests_file, 'REQUESTS'), output_arg(output, '--output', buckets=True)
+  _check_output(output, force, [requests_file])
   from paxcli.loops.score import requests  # no JAX: a bad file is one line before start-up
   read = requests.read_requests(requests_file)
   log = _printer(_console(console))
@@ -251,7 +277,8 @@ def score(requests_file: str, exp: Optional[str] = None, *, overrides: Sequence[
                  process_id=process_id, log=log)
   from paxcli.loops.score import command  # JAX
   return command.score(run.resolved, run.job_dir, read, requests_file, step=step, use_checkpoint=not no_checkpoint,
-                       dtype=dtype, batch_size=batch_size, output=output, log=log, progress=progress)
+                       dtype=dtype, batch_size=batch_size, output=output, log=log, progress=progress,
+                       force=force)
 
 
 def lm_eval(tasks: Sequence[str], exp: Optional[str] = None, *, overrides: Sequence[str] = (),
@@ -310,16 +337,17 @@ def bench_mfu(exp: Optional[str] = None, *, overrides: Sequence[str] = (), sweep
               steps: int = 10, warmup: int = 2, compile_only: bool = False, num_devices: Optional[int] = None,
               peak_tflops: Optional[float] = None, device_memory: Optional[str] = None,
               plot: Optional[str] = None, pgle: Optional[str] = None, pgle_profile: Optional[str] = None,
-              console=None) -> list[dict]:
+              console=None, force: bool = False) -> list[dict]:
   """`pax bench mfu`: one row per sweep combination (step time, tokens/s, TFLOP/s per device, MFU, HFU,
-  memory). sweep: 'KNOB=a,b,c' strings; plot: a PNG of the rows, written after they all ran."""
+  memory). sweep: 'KNOB=a,b,c' strings; plot: a PNG of the rows, written after they all ran (over an
+  existing file only with force)."""
   from paxcli.convert.safetensors_io import parse_size
   from paxcli.loops import bench
-  plot, pgle_profile = path_arg(plot, '--plot'), path_arg(pgle_profile, '--pgle-profile')
+  plot, pgle_profile = output_arg(plot, '--plot'), path_arg(pgle_profile, '--pgle-profile')
   memory_bytes = parse_size(device_memory, '--device-memory') if device_memory is not None else None
   positive_finite(peak_tflops, '--peak-tflops', 'TFLOP/s per device')
   if plot:
-    bench.check_plot_path(plot)
+    bench.check_plot_path(plot, force)
   if num_devices:
     if num_devices > MAX_FAKE_DEVICES:
       raise UserError(f'--num-devices {num_devices:,} is more than {MAX_FAKE_DEVICES:,}, the most fake CPU devices '
@@ -512,6 +540,9 @@ def import_maxtext(script: str, args: Sequence[str] = (), *, output: Optional[st
   (UserError) unless lenient; with strict, such keys and mesh axes paxcli lacks write no recipe
   (translation.strict_warnings lists them).
   """
+  path = output_arg(output, '--output') or maxtext_recipe.default_output(script)
+  if not dry_run:  # before any reading: the recipe never replaces the script or a user's file unasked
+    files.check_output(path, 'the recipe', force=force, inputs=[script, base_config or '', model_config or ''])
   info = read_script(script, list(args))
   options = Options(era=maxtext_era, date=maxtext_date, base_config=base_config, model_config=model_config,
                     num_devices=num_devices, topology=topology, num_slices=num_slices)
@@ -522,7 +553,6 @@ def import_maxtext(script: str, args: Sequence[str] = (), *, output: Optional[st
                     f"would refuse the script: {'; '.join(result.unknown_keys)} No recipe written; fix the "
                     'key, or pass --lenient to translate without it.')
   name = maxtext_recipe.check_class_name(class_name or maxtext_recipe.default_class_name(script))
-  path = output or maxtext_recipe.default_output(script)
   write = not dry_run and not (strict and result.strict_warnings)
   if write:
     maxtext_recipe.write(result, name, path, force)

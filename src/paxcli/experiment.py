@@ -21,6 +21,7 @@ import traceback
 import typing
 from typing import Any, Optional
 
+from paxcli import compat
 from paxcli import values as ptypes
 from paxcli.errors import UserError, did_you_mean, shorten
 
@@ -74,13 +75,17 @@ class Experiment:
 
   @classmethod
   def check_knobs(cls) -> None:
-    """Raises UserError for an UPPERCASE assignment that no class declares."""
+    """Raises UserError for an UPPERCASE assignment that no class declares (a renamed knob's old
+    name sets the new one, with a warning)."""
     declared = cls.knob_types()
     for klass in cls.__mro__:
       if klass is object:
         continue
-      for name, value in klass.__dict__.items():
+      for name, value in list(klass.__dict__.items()):
         if not _KNOB_RE.match(name) or name in declared or callable(value):
+          continue
+        if name in compat.RENAMED_KNOBS and compat.RENAMED_KNOBS[name] in declared:
+          _rename_class_knob(klass, name, compat.new_knob(name))
           continue
         raise UserError(
             f'{klass.__name__}.{name} is not a declared knob.{did_you_mean(name, declared)} '
@@ -97,6 +102,7 @@ class Experiment:
   def set_knob(self, name: str, raw: Any) -> None:
     """Sets one knob from a raw value (a string from the command line, or a value)."""
     types = self.knob_types()
+    name = compat.new_knob(name) if name not in types else name
     if name not in types:
       raise UserError(f'Unknown knob {shorten(repr(name))} for experiment {type(self).__name__}.'
                       f'{did_you_mean(name, types)}')
@@ -107,6 +113,13 @@ class Experiment:
   def registered_name(cls) -> str:
     # From the class itself, never inherited: an unregistered subclass is not its parent.
     return cls.__dict__.get('_registered_name', f'{cls.__module__}.{cls.__qualname__}')
+
+
+def _rename_class_knob(klass: type, old: str, new: str) -> None:
+  """A class that sets a renamed knob by its old name: the value moves to the new name."""
+  if new not in klass.__dict__:
+    setattr(klass, new, klass.__dict__[old])
+  delattr(klass, old)
 
 
 def register(cls: type[Experiment]) -> type[Experiment]:

@@ -8,14 +8,24 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
+import sys
 import tempfile
+from typing import Optional, Sequence
 
 from paxcli.errors import UserError, shorten
 
 _KINDS = ((stat.S_ISDIR, 'a directory'), (stat.S_ISFIFO, 'a FIFO (named pipe)'),
           (stat.S_ISCHR, 'a character device'), (stat.S_ISBLK, 'a block device'),
           (stat.S_ISSOCK, 'a socket'))
+
+
+def kind_of(mode: int) -> str:
+  """'a directory', 'a FIFO (named pipe)', ... for an os.stat st_mode; 'a regular file' for one."""
+  if stat.S_ISREG(mode):
+    return 'a regular file'
+  return next((name for test, name in _KINDS if test(mode)), 'not a regular file')
 
 
 def check_regular_file(path: str, what: str, max_bytes: int | None = None) -> int:
@@ -28,8 +38,7 @@ def check_regular_file(path: str, what: str, max_bytes: int | None = None) -> in
   except OSError as e:
     raise UserError(f'Cannot read {what} {shown}: {e.strerror}.') from None
   if not stat.S_ISREG(st.st_mode):
-    kind = next((name for test, name in _KINDS if test(st.st_mode)), 'not a regular file')
-    raise UserError(f'{what} {shown} is {kind}, not a regular file.')
+    raise UserError(f'{what} {shown} is {kind_of(st.st_mode)}, not a regular file.')
   if max_bytes is not None and st.st_size > max_bytes:
     raise UserError(f'{what} {shown} is {st.st_size:,} bytes; paxcli reads at most {max_bytes:,} bytes '
                     'of such a file. Is it the right file?')
@@ -95,15 +104,23 @@ def probe_writable(directory: str) -> None:
   os.remove(probe)
 
 
-def atomic_write(path: str, data: bytes) -> None:
+def atomic_write(path: str, data: bytes, mode: Optional[int] = None) -> None:
   """Writes `data` through a temporary file in `path`'s directory (made if missing), then renames
-  it onto `path`: a reader, or a process writing the same file beside this one, never sees half of it."""
+  it onto `path`: a reader, or a process writing the same file beside this one, never sees half of it.
+  `mode`: the file's permission bits (default the temporary file's, 0o600)."""
   directory = os.path.dirname(os.path.abspath(path))
   os.makedirs(directory, exist_ok=True)
   fd, tmp = tempfile.mkstemp(dir=directory, prefix='.tmp-')
-  with os.fdopen(fd, 'wb') as f:
-    f.write(data)
-  os.replace(tmp, path)
+  try:
+    with os.fdopen(fd, 'wb') as f:
+      f.write(data)
+    if mode is not None:
+      os.chmod(tmp, mode)
+    os.replace(tmp, path)
+  except BaseException:  # a full disk, an interrupt: no half-written temporary file is left
+    if os.path.lexists(tmp):
+      os.remove(tmp)
+    raise
 
 
 # Deeper JSON than this is no configuration, manifest or record paxcli writes or reads; a walk of a
@@ -136,8 +153,10 @@ def parse_json(text: str | bytes, what: str, max_depth: int = MAX_JSON_DEPTH):
 
   try:
     value = json.loads(text, parse_constant=no_constant, parse_float=finite_float, parse_int=short_int)
-  except json.JSONDecodeError as e:
-    raise UserError(f'{what}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}).') from None
+  except json.JSONDecodeError as e:  # one line of a JSONL file is named by `what`: its column is enough
+    one_line = (b'\n' if isinstance(text, bytes) else '\n') not in text.rstrip()
+    at = f'column {e.colno}' if one_line else f'line {e.lineno}, column {e.colno}'
+    raise UserError(f'{what}: not valid JSON ({at}: {e.msg}).') from None
   except RecursionError:
     raise UserError(f'{what}: JSON nested too deeply; paxcli reads at most {max_depth} levels.') from None
   except ValueError as e:
@@ -158,6 +177,172 @@ def _json_depth_over(value, max_depth: int) -> bool:
   return False
 
 
+def check_unicode(text: str, what: str) -> str:
+  """`text` if it is Unicode a tokenizer can take, else UserError naming `what`: a lone surrogate
+  (JSON's "\\ud800" escape, or bytes that were not UTF-8 on a command line) encodes to no UTF-8."""
+  try:
+    text.encode('utf-8')
+  except UnicodeEncodeError as e:
+    raise UserError(f'{what} holds a lone surrogate {text[e.start]!r} at character {e.start}, which is no '
+                    'Unicode text (a "\\ud800"-style escape with no pair); write the character itself.') from None
+  return text
+
+
 def read_json(path: str, what: str, max_bytes: int, max_depth: int = MAX_JSON_DEPTH):
   """The JSON value of a regular file of at most `max_bytes` bytes (see parse_json), or UserError."""
   return parse_json(read_text(path, what, max_bytes), f'{what} {shorten(path, 200)}', max_depth)
+
+
+# ---- outputs ------------------------------------------------------------------------------------
+# Every file a command writes at a path the user gives goes through output_path, check_output and
+# write_output: a new path or a regular file is written through a temporary file renamed onto it (a
+# reader never sees half of it, a failure leaves nothing); a FIFO, a character device (/dev/null) or
+# a descriptor name (/dev/stdout) is written into, never renamed over; anything else is refused.
+
+# Names of this process's own descriptors: /dev/stdout resolves to /proc/<pid>/fd/pipe:[...] (no path
+# at all) when stdout is a pipe, and to the file itself when it is redirected to one.
+_DESCRIPTOR = re.compile(r'/dev/(?P<std>stdout|stderr)|/dev/fd/(?P<fd>\d+)|/proc/(?P<pid>self|thread-self|\d+)/fd/'
+                         r'(?P<pfd>\d+)')
+
+
+def output_path(path: str) -> str:
+  """`path` as a command writes it: absolute with symlinks resolved (as every path a command is given),
+  except a FIFO, a character device or a descriptor name, kept as given: it is written into."""
+  full = os.path.abspath(path)
+  if _DESCRIPTOR.fullmatch(full) or _stream_kind(full):
+    return full
+  return os.path.realpath(full)
+
+
+def _stream_kind(path: str) -> Optional[str]:
+  """'a FIFO (named pipe)' or 'a character device' for what is written into rather than replaced, else None."""
+  try:
+    mode = os.stat(path).st_mode
+  except OSError:
+    return None
+  return kind_of(mode) if stat.S_ISFIFO(mode) or stat.S_ISCHR(mode) else None
+
+
+def is_stream(path: str) -> bool:
+  """True when writing `path` means writing into it: a FIFO, a character device, /dev/stdout and the like."""
+  return bool(_DESCRIPTOR.fullmatch(os.path.abspath(path)) or _stream_kind(path))
+
+
+def check_output(path: str, what: str, *, force: bool = False, inputs: Sequence[str] = (),
+                 streams: bool = True) -> None:
+  """UserError now, before any work, when `path` is no place to write `what` (e.g. '--output'):
+
+  a directory, a block device or a socket; an existing regular file without `force` (a user's file is
+  never replaced unasked); the same file as one of `inputs` (compared with symlinks resolved, and by
+  inode); a new path whose nearest existing directory is not writable. A FIFO, a character device or
+  /dev/stdout is written into (refused with `streams=False`, where the file is read back).
+  """
+  shown = shorten(path, 200)
+  if is_stream(path):
+    if not streams:
+      kind = _stream_kind(path) or 'a file descriptor'
+      raise UserError(f'{what} {shown} is {kind}; this output is read back later, so it must be a regular file.')
+    return
+  _check_not_input(path, what, inputs)
+  try:
+    st = os.stat(path)
+  except (FileNotFoundError, NotADirectoryError):  # a new path (a file on its way is found below)
+    st = None
+  except OSError as e:
+    raise UserError(f'Cannot write {what} {shown}: {e.strerror}.') from None
+  if st is not None:
+    if not stat.S_ISREG(st.st_mode):
+      hint = '; give a file name' if stat.S_ISDIR(st.st_mode) else ''
+      raise UserError(f'{what} {shown} is {kind_of(st.st_mode)}{hint}. paxcli writes regular files (or into a '
+                      'FIFO or a character device such as /dev/null), nothing else.')
+    if not force:
+      raise UserError(f'{what} {shown} exists; pass --force to replace it, or give another path.')
+  _check_directory_writable(path, what)
+
+
+def _check_not_input(path: str, what: str, inputs: Sequence[str]) -> None:
+  out = os.path.realpath(path)
+  try:
+    out_id = os.stat(out)
+  except OSError:
+    out_id = None
+  for source in inputs:
+    if not source or is_stream(source):
+      continue
+    same = os.path.realpath(source) == out
+    if not same and out_id is not None:
+      try:
+        same = os.path.samestat(out_id, os.stat(source))
+      except OSError:
+        pass
+    if same:
+      raise UserError(f'{what} {shorten(path, 200)} is the input {shorten(source, 200)} (compared with symlinks '
+                      'resolved); an input is never overwritten. Give another path.')
+
+
+def _check_directory_writable(path: str, what: str) -> None:
+  """The nearest existing ancestor of `path` is a directory this process can create files in."""
+  probe = os.path.dirname(os.path.abspath(path))
+  while not os.path.lexists(probe):  # the directories in between are made when the file is written
+    probe = os.path.dirname(probe)
+  if not os.path.isdir(probe):
+    raise UserError(f'Cannot write {what} {shorten(path, 200)}: {probe} is not a directory.')
+  try:
+    with tempfile.TemporaryFile(dir=probe):
+      pass
+  except OSError as e:
+    raise UserError(f'Cannot write {what} {shorten(path, 200)}: {probe} is not writable ({e.strerror}).') from None
+
+
+def write_output(path: str, data: bytes | str, what: str) -> None:
+  """Writes `data` to `path` as check_output allows: into a FIFO, a character device or one of this
+  process's descriptors; else through a temporary file renamed onto `path` (its directories made),
+  which a failure removes. UserError on an OSError (a full disk, /dev/full)."""
+  if isinstance(data, str):
+    data = data.encode('utf-8')
+  try:
+    if is_stream(path):
+      _write_into(path, data)
+    else:  # a replaced file keeps its permissions; a new one is readable by others, as open() would make it
+      mode = stat.S_IMODE(os.stat(path).st_mode) if os.path.isfile(path) else 0o644
+      atomic_write(path, data, mode)
+  except OSError as e:
+    raise UserError(f'Cannot write {what} {shorten(path, 200)}: {e.strerror}.') from None
+
+
+def _write_into(path: str, data: bytes) -> None:
+  """Writes through this process's own descriptor when `path` names one (/dev/stdout: the bytes land
+  where stdout goes, after what was printed), else opens `path` for writing, never creating it."""
+  fd = _own_descriptor(path)
+  if fd is not None:
+    for stream in (sys.stdout, sys.stderr):
+      try:
+        stream.flush()
+      except (AttributeError, OSError, ValueError):
+        pass
+    _write_all(fd, data)
+    return
+  fd = os.open(path, os.O_WRONLY | os.O_APPEND | getattr(os, 'O_CLOEXEC', 0))
+  try:
+    _write_all(fd, data)
+  finally:
+    os.close(fd)
+
+
+def _own_descriptor(path: str) -> Optional[int]:
+  """The descriptor of this process that `path` names (/dev/stdout: 1), or None (another process's)."""
+  m = _DESCRIPTOR.fullmatch(os.path.abspath(path))
+  if not m or m['pid'] not in (None, 'self', 'thread-self', str(os.getpid())):
+    return None
+  fd = {'stdout': 1, 'stderr': 2}[m['std']] if m['std'] else int(m['fd'] or m['pfd'])
+  try:
+    os.fstat(fd)
+  except OSError:
+    return None
+  return fd
+
+
+def _write_all(fd: int, data: bytes) -> None:
+  view = memoryview(data)
+  while view:
+    view = view[os.write(fd, view):]

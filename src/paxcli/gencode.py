@@ -17,9 +17,13 @@ from __future__ import annotations
 import ast
 from typing import Any
 
+from paxcli.compat import MOVED_MODULES, new_module
 from paxcli.errors import UserError
 
-IMPORTS = {('paxcli.experiment', 'register'), ('paxcli.families.lm', 'LmExperiment')}
+IMPORTS = {('paxcli.experiment', 'register'), ('paxcli.models', 'LmExperiment')}
+# Recipes written before a module moved import it by its old name (paxcli.lm, paxcli.families.lm):
+# still the generators' shape, kept in users' job directories.
+IMPORTS |= {(old, 'LmExperiment') for old in MOVED_MODULES if new_module(old) == 'paxcli.models.lm_experiment'}
 BASES = ('LmExperiment',)
 
 

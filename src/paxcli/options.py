@@ -1,6 +1,6 @@
 """Allowed values of every model and training option, declared once.
 
-Knob annotations (paxcli.experiment, paxcli.families.lm), the validators (engine.validate_model,
+Knob annotations (paxcli.experiment, paxcli.models.lm_experiment), the validators (engine.validate_model,
 the layers' own checks) and the MaxText importer all read these; adding a value is one
 edit here plus its use in the layer. No jax here: `pax --help` stays quick.
 """

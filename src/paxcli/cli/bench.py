@@ -31,6 +31,7 @@ def mfu(
                                                 '(e.g. 80GB) to check the compiled program against, instead of '
                                                 'what the device reports: plan for another accelerator.'),
     plot: Optional[str] = typer.Option(None, '--plot', metavar='FILE.png', help='Write a PNG of MFU and tokens/s against the sweep.'),
+    force: bool = typer.Option(False, '--force', help='Replace an existing --plot file.'),
     json_out: bool = typer.Option(False, '--json', help='Print every row as JSON instead of the table.'),
     pgle: Optional[str] = common.pgle_option(),
     pgle_profile: Optional[str] = common.pgle_profile_option(),
@@ -45,9 +46,9 @@ def mfu(
   """
   from paxcli import api
   from paxcli.loops import bench
-  plot = api.path_arg(plot, '--plot')
+  plot = api.output_arg(plot, '--plot')
   if plot:  # checked before any row runs, written after the table: a failing plot never loses the numbers
-    bench.check_plot_path(plot)
+    bench.check_plot_path(plot, force)
   err = common.console(stderr=True)
   rows = api.bench_mfu(exp, overrides=overrides, sweep=sweep, steps=steps, warmup=warmup, compile_only=compile_only,
                        num_devices=num_devices, peak_tflops=peak_tflops, device_memory=device_memory, pgle=pgle,

@@ -14,6 +14,7 @@ from typing import Optional
 import typer
 import typer.main
 
+from paxcli import compat
 from paxcli.errors import UserError, shorten
 
 EXP_HELP = ('Experiment: a registered name (`pax experiments`), `module.Class`, or '
@@ -57,7 +58,8 @@ def process_id_option():
 
 
 def normalize_argv(argv: list[str]) -> list[str]:
-  """Accepts Pax spellings: `--job_log_dir=x` becomes `--job-log-dir=x`.
+  """Accepts Pax spellings: `--job_log_dir=x` becomes `--job-log-dir=x`; and renamed options
+  (compat.RENAMED_OPTIONS), with a warning.
 
   Arguments after a bare `--` belong to another command and are left alone.
   """
@@ -68,6 +70,8 @@ def normalize_argv(argv: list[str]) -> list[str]:
     if arg.startswith('--') and '_' in arg.split('=', 1)[0]:
       name, eq, value = arg.partition('=')
       arg = name.replace('_', '-') + eq + value
+    if arg.startswith('--'):
+      arg = compat.new_option(arg)
     out.append(arg)
   return out
 

@@ -48,13 +48,14 @@ def prepare_command(
     typer.echo(json.dumps(result, indent=1))
     return
   console = common.console()
-  for split in result['records']:
+  for split in result['records']:  # plain text: a path may hold [brackets] that rich reads as markup
     console.print(f'{split}: {result["documents"][split]:,} documents -> {result["records"][split]:,} records, '
-                  f'{result["tokens"][split]:,} tokens in {result["shards"][split]} shard(s)', highlight=False)
+                  f'{result["tokens"][split]:,} tokens in {result["shards"][split]} shard(s)', highlight=False,
+                  markup=False)
   if result['tokenized_documents']:
     console.print(f'Tokenized {result["tokenized_documents"]:,} documents with {result["workers"]} worker(s): '
                   f'{result["documents_per_sec"]:,.0f} documents/s, {result["tokens_per_sec"]:,.0f} tokens/s; '
-                  f'wrote {result["output"]}', highlight=False)
+                  f'wrote {result["output"]}', highlight=False, markup=False)
 
 
 @app.command('show')
@@ -68,6 +69,7 @@ def show_command(
   if json_out:
     typer.echo(json.dumps(info, indent=1))
     return
+  from rich.markup import escape
   from rich.table import Table
   console = common.console()
   config = f' with {info["tokenizer_config"]}' if info.get('tokenizer_config') else ''
@@ -78,9 +80,9 @@ def show_command(
     t.add_column(col, justify=just, overflow='fold')
   for split, shards in info['shards'].items():
     for shard in shards:
-      t.add_row(split, shard['name'], f'{shard["records"]:,}', f'{shard["tokens"]:,}')
+      t.add_row(escape(split), escape(shard['name']), f'{shard["records"]:,}', f'{shard["tokens"]:,}')
     total = info['totals'][split]
-    t.add_row(split, f'[bold]{total["shards"]} shard(s)', f'[bold]{total["records"]:,}', f'[bold]{total["tokens"]:,}',
+    t.add_row(escape(split), f'[bold]{total["shards"]} shard(s)', f'[bold]{total["records"]:,}', f'[bold]{total["tokens"]:,}',
               end_section=True)
   console.print(t)
   sources = info['sources']

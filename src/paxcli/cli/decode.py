@@ -56,7 +56,9 @@ def decode_command(
     dtype: Optional[str] = typer.Option(None, '--dtype', help='Activation dtype (default: FPROP_DTYPE).'),
     output: Optional[str] = typer.Option(
         None, '--output', '-o', help='JSONL output (default <job dir>/decoder_out/<dataset|prompts>/'
-        'pax_decode_step<k>_<n>.jsonl, n counting up: never the trainer\'s decode_step<k>.jsonl).'),
+        'pax_decode_step<k>_<n>.jsonl, n counting up: never the trainer\'s decode_step<k>.jsonl; /dev/stdout, a FIFO '
+        'or /dev/null is written into).'),
+    force: bool = typer.Option(False, '--force', help='Replace an existing --output file.'),
     json_out: bool = typer.Option(False, '--json', help='Print the JSON lines to stdout instead of a table.'),
     coordinator: Optional[str] = common.coordinator_option(),
     num_processes: Optional[int] = common.num_processes_option(),
@@ -70,7 +72,7 @@ def decode_command(
       dataset=dataset, num_prompts=num_prompts, max_decode_steps=max_decode_steps, temperature=temperature,
       top_k=top_k, top_p=top_p, num_samples=num_samples, seed=seed, beam_size=beam_size,
       length_penalty=length_penalty, eos_id=eos_id, ignore_eos=ignore_eos, min_length=min_length, stop=stop,
-      batch_size=batch_size, step=step, no_checkpoint=no_checkpoint, dtype=dtype, output=output,
+      batch_size=batch_size, step=step, no_checkpoint=no_checkpoint, dtype=dtype, output=output, force=force,
       coordinator=coordinator, num_processes=num_processes, process_id=process_id, console=err,
       progress=common.counting_bar(err, 'decoding') if not json_out and sys.stderr.isatty() else None)
   if decoded.path is not None:  # processes other than 0 print nothing

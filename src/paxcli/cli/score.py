@@ -26,7 +26,8 @@ def score_command(
     dtype: Optional[str] = typer.Option(None, '--dtype', help='Activation dtype (default: FPROP_DTYPE).'),
     output: Optional[str] = typer.Option(
         None, '--output', '-o', help='JSONL output (default <job dir>/scores/pax_score_step<k>_<n>.jsonl, n '
-        'counting up).'),
+        'counting up; /dev/stdout, a FIFO or /dev/null is written into).'),
+    force: bool = typer.Option(False, '--force', help='Replace an existing --output file.'),
     json_out: bool = typer.Option(False, '--json', help='Print the JSON lines to stdout too (the '
                                 'summary line stays on stderr).'),
     coordinator: Optional[str] = common.coordinator_option(),
@@ -38,7 +39,7 @@ def score_command(
   err = common.console(stderr=True)
   scored = api.score(
       requests_file, exp, overrides=overrides, job_dir=job_log_dir, batch_size=batch_size, step=step,
-      no_checkpoint=no_checkpoint, dtype=dtype, output=output, coordinator=coordinator,
+      no_checkpoint=no_checkpoint, dtype=dtype, output=output, force=force, coordinator=coordinator,
       num_processes=num_processes, process_id=process_id, console=err,
       progress=common.counting_bar(err, 'scoring') if sys.stderr.isatty() else None)
   if scored.path is None:  # processes other than 0 print nothing

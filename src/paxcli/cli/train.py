@@ -75,10 +75,13 @@ def summary_lines(s: dict) -> list[str]:
     batch = s['global_batch_note']
   flops = (f"{count(s['flops_per_token'], 'FLOP')} (training: forward + backward, the model's train_flops)"
            if s['flops_per_token'] else s['flops_per_token_note'])
+  family = (f"{s['family']} (pax checkpoint convert --to hf writes its Hugging Face layout)" if s.get('family')
+            else f"none with a Hugging Face layout ({s.get('family_note')})")
   return [f"# parameters: {count(s['parameters'])} ({s['parameters']:,})",
           f'# FLOPs per token: {flops}',
           f'# global batch: {batch}',
-          f'# devices needed: {devices}']
+          f'# devices needed: {devices}',
+          f'# model family: {family}']
 
 
 def _jsonable(v):

@@ -14,6 +14,7 @@ import glob
 import os
 import re
 import shutil
+import stat
 import sys
 import tempfile
 from typing import Optional
@@ -26,11 +27,12 @@ from paxcli import config as cfg
 from paxcli import experiment, files, gencode
 from paxcli.convert import formats
 from paxcli.errors import UserError, shorten
-from paxcli.families.lm import LmExperiment
 from paxcli.inputs import tokenizers
 from paxcli.jobdir import layout
 from paxcli.jobdir import lock as joblock
 from paxcli.jobdir import storage
+from paxcli.models import pattern
+from paxcli.models.lm_experiment import LmExperiment
 
 _LAYER_RE = re.compile(r'(^|/)layer_(\d+)(/|$)')
 _LAYERS_RE = re.compile(r'(^|/)layers(/|$)')
@@ -143,18 +145,23 @@ def resolve_pair(src, exp: Optional[str], overrides: list[str]):
 @dataclasses.dataclass
 class Model:
   resolved: object
-  module: object             # models.flat_view of the LanguageModel: flat settings and apply
+  module: object             # paxcli.models.lm.flat_view of the LanguageModel: flat settings and apply
   abstract: dict             # name -> ShapeDtypeStruct of the full train state
   placeholders: list         # names of empty optimizer states (kept as placeholders in orbax)
 
   @property
   def spec(self):
-    """The LM's settings under TransformerLm's flat field names (models.flat_view)."""
+    """The LM's settings under TransformerLm's flat field names (paxcli.models.lm.flat_view)."""
     return self.module
 
   @property
   def scanned(self) -> bool:
     return bool(self.module.scan_layers)
+
+  @property
+  def period(self) -> int:
+    """Layers per group of the stack (paxcli.models.pattern; 1: uniform)."""
+    return pattern.period(getattr(self.module, 'layer_pattern', ()))
 
   def names(self, params_only: bool) -> list[str]:
     return [n for n in self.abstract if not params_only or n == 'step' or n.startswith('params/')]
@@ -164,8 +171,8 @@ def build_model(resolved) -> Model:
   """The model and the abstract train state of an experiment, without a mesh."""
   import jax
 
-  from paxcli import models, optim
-
+  from paxcli import optim
+  from paxcli.models.lm import flat_view
   from paxcli.runtime import engine
   task = engine.build_task(resolved.task)
   engine.validate_model(task.model)
@@ -178,7 +185,7 @@ def build_model(resolved) -> Model:
       abstract, is_leaf=lambda x: isinstance(x, tuple) and not x and x is not None)[0]:
     if isinstance(node, tuple) and not node:
       empty.append(formats.join(path))
-  return Model(resolved, models.flat_view(task.model), flat, empty)
+  return Model(resolved, flat_view(task.model), flat, empty)
 
 
 # ---- plan -------------------------------------------------------------------------------------
@@ -193,11 +200,13 @@ class Item:
   index: Optional[int] = None  # one layer of a stacked source
 
 
-def _canonical(name: str) -> tuple[str, Optional[int]]:
+def _canonical(name: str, period: int = 1) -> tuple[str, Optional[int]]:
+  """A per-layer name (`.../layer_<i>/rest`) as its scanned name and row (pattern.stacked_path), else (name, None)."""
   m = _LAYER_RE.search(name)
   if not m:
     return name, None
-  return name[:m.start()] + f'{m.group(1)}layers{m.group(3)}' + name[m.end():], int(m.group(2))
+  stacked, row = pattern.stacked_path(int(m.group(2)), name[m.end():], period)
+  return name[:m.start()] + m.group(1) + stacked, row
 
 
 def plan(src_arrays: list, target: Model, params_only: bool, dtype: Optional[str]) -> list[Item]:
@@ -205,7 +214,7 @@ def plan(src_arrays: list, target: Model, params_only: bool, dtype: Optional[str
   have = {a.name: a for a in src_arrays}
   by_canon: dict[str, dict[int, str]] = {}
   for a in src_arrays:
-    c, i = _canonical(a.name)
+    c, i = _canonical(a.name, target.period)
     if i is not None:
       by_canon.setdefault(c, {})[i] = a.name
   items, problems, used = [], [], set()
@@ -224,7 +233,7 @@ def plan(src_arrays: list, target: Model, params_only: bool, dtype: Optional[str
       items.append(Item(name, want, out_dtype, name))
       used.add(name)
       continue
-    c, i = _canonical(name)
+    c, i = _canonical(name, target.period)
     if i is not None and c in have and _LAYERS_RE.search(c):   # unstack: one layer of a scanned array
       got = tuple(have[c].shape)
       if got[1:] != want or i >= got[0]:
@@ -283,28 +292,42 @@ def is_layered(item: Item) -> bool:
 class Output:
   """A temporary directory beside `path`, renamed onto it at the end (never overwriting without force).
 
-  A bucket output is written in a local temporary directory and uploaded when it is whole, orbax's
-  commit markers last (a reader never takes a half-uploaded checkpoint for a complete one).
+  Never over what the conversion reads: the source (`source_path`), and, once the source is open,
+  every job its run reads (`refuse_inputs`: a LoRA run's base, INIT_FROM, LORA_INIT); paths are
+  compared with symlinks resolved, so a link to one of them is that one. Never over anything but a
+  directory paxcli writes (`_check_replaceable`), even with force: not a device, a FIFO, a user's file
+  or folder. A bucket output is written in a local temporary directory and uploaded when it is whole,
+  orbax's commit markers last (a reader never takes a half-uploaded checkpoint for a complete one).
   """
 
   def __init__(self, path: str, force: bool, source_path: str):
     self.path, self.force = storage.abspath(path), force
-    # Resolved: a symlink to the source (or to a directory above or below it) is the source; the
-    # source of a step directory (job/checkpoints/<step>) is its whole job directory.
-    if storage.inside(path, layout.job_dir_of(storage.abspath(source_path))):
-      raise UserError(f'The output {path} would be inside or over the source {source_path} (compared with symlinks '
-                      'resolved); the '
-                      'source is never modified. Choose another output path.')
+    # The source of a step directory (job/checkpoints/<step>) is its whole job directory.
+    self.refuse_inputs([(source_path, 'the source')])
     if os.path.islink(self.path):   # --force would replace the link, not what it points to
       raise UserError(f'The output {path} is a symlink (to {os.path.realpath(path)}); give the real path.')
-    if storage.exists(self.path) and not force:
-      raise UserError(f'The output {path} exists; pass --force to replace it.')
     self.remote = not storage.is_local(self.path)
     if self.remote:
+      if storage.exists(self.path) and not force:
+        raise UserError(f'The output {path} exists; pass --force to replace it.')
       self.tmp = tempfile.mkdtemp(prefix='paxcli-convert-')
       return
+    if os.path.lexists(self.path):
+      _check_replaceable(path, force)
     os.makedirs(os.path.dirname(self.path) or '.', exist_ok=True)
     self.tmp = self.path + f'.converting-{os.getpid()}'
+
+  def refuse_inputs(self, inputs) -> None:
+    """UserError when the output is inside or over one of `inputs`, (path, what it is) pairs."""
+    for path, what in inputs:
+      try:
+        read = layout.job_dir_of(storage.absolute(path))
+      except UserError:   # a path of no scheme paxcli reads: nothing a conversion writes can be over it
+        continue
+      if storage.inside(self.path, read):
+        raise UserError(f'The output {shorten(self.path, 200)} would be inside or over {what} {shorten(path, 200)} '
+                        '(compared with symlinks resolved); what a conversion reads is never modified. Choose '
+                        'another output path.')
 
   def __enter__(self) -> str:
     if self.remote:
@@ -338,6 +361,54 @@ class Output:
     else:
       os.rename(self.tmp, self.path)
     return False
+
+
+# What each output of `pax checkpoint convert` holds one of (a job directory, safetensors, Hugging Face,
+# PEFT): --force replaces an empty directory or one holding one of these, nothing else.
+_OUTPUT_MARKS = (os.path.basename(layout.checkpoints('job')), os.path.basename(layout.config('job')), 'config.json',
+                 'adapter_config.json', 'model.safetensors.index.json')
+
+
+def _check_replaceable(path: str, force: bool) -> None:
+  shown = shorten(path, 200)
+  mode = os.stat(path).st_mode
+  if not stat.S_ISDIR(mode):
+    kind = files.kind_of(mode)
+    raise UserError(f'The output {shown} is {kind}; a conversion writes a directory and replaces nothing else '
+                    '(not even with --force). Choose another output path.')
+  if not force:
+    raise UserError(f'The output {shown} exists; pass --force to replace it.')
+  names = os.listdir(path)
+  if names and not any(n in _OUTPUT_MARKS or n.endswith('.safetensors') for n in names):
+    raise UserError(f'The output {shown} holds files no conversion writes ({shorten(", ".join(sorted(names)[:5]), 120)}'
+                    '); --force replaces only an earlier conversion\'s output. Choose another output path.')
+
+
+def paths_read(src, overrides=()) -> list[tuple[str, str]]:
+  """(path, what) of the jobs a paxcli checkpoint's run reads besides its own: the base a LoRA run's
+  checkpoint names, and INIT_FROM and LORA_INIT as saved or as --set gives them."""
+  found = []
+  base = (getattr(src, 'meta', None) or {}).get('base')
+  if isinstance(base, dict) and isinstance(base.get('job_dir'), str):
+    found.append((base['job_dir'], 'the base of the LoRA run'))
+  config = getattr(src, 'config', None) or {}
+  settings = {'task.train.init_from': 'INIT_FROM', 'task.train.lora_init': 'LORA_INIT'}
+  for key, knob in settings.items():
+    found.append((_literal(config.get(key) if isinstance(config, dict) else None), f'the run\'s {knob}'))
+  for override in overrides:
+    key, _, value = str(override).partition('=')
+    if key.strip() in (*settings, *settings.values()):
+      found.append((_literal(value), f'the {key.strip()} given'))
+  return [(path, what) for path, what in found if isinstance(path, str) and path]
+
+
+def _literal(text):
+  """A saved config's value (its repr) as a Python value; None where it is not a literal."""
+  import ast
+  try:
+    return ast.literal_eval(text) if isinstance(text, str) else None
+  except (ValueError, SyntaxError, MemoryError, RecursionError):
+    return None
 
 
 def progress(total_bytes: int, description: str):

@@ -10,7 +10,7 @@ PEFT's layout (peft.tuners.lora, saved by `save_pretrained`): `adapter_config.js
   base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight  [r, in]
   base_model.model.model.layers.{i}.self_attn.q_proj.lora_B.weight  [out, r]
 
-and the HF Llama module names of paxcli.convert.hf (q/k/v/o_proj, mlp.gate/up/down_proj).
+and the HF Llama module names of paxcli.models.llama (q/k/v/o_proj, mlp.gate/up/down_proj).
 Ours are A [in..., r] and B [r, out...], so lora_A = A.reshape(-1, r).T, lora_B = B.reshape(r, -1).T.
 """
 
@@ -23,12 +23,15 @@ from typing import Optional
 import jax
 import numpy as np
 
+from paxcli import files
 from paxcli.convert import core, safetensors_io
-from paxcli.errors import UserError
+from paxcli.errors import UserError, shorten
 from paxcli.jobdir import checkpoint as ckpt
+from paxcli.jobdir import format as job_format
 from paxcli.jobdir import layout, restore
 from paxcli.layers import lora
-from paxcli.runtime import engine
+from paxcli.models import pattern
+from paxcli.runtime import engine, train_state
 
 PEFT_MODULES = {'query': 'self_attn.q_proj', 'key': 'self_attn.k_proj', 'value': 'self_attn.v_proj',
                 'out': 'self_attn.o_proj', 'wi_0': 'mlp.gate_proj', 'wi_1': 'mlp.up_proj', 'wo': 'mlp.down_proj'}
@@ -68,12 +71,13 @@ def merge_run(src, tmp: str, exp: Optional[str], overrides: list, verify: bool, 
   result = (core.verify(model, params, setup.model, merged, core.default_tolerance(None), model.vocab_size,
                         model.max_seq_len) if verify else None)
   checkpointer = ckpt.Checkpointer(layout.checkpoints(tmp), max_to_keep=0, async_save=False)
-  checkpointer.save(src.step, state, {'step': src.step, 'state_shapes': engine.shape_signature(abstract),
+  checkpointer.save(src.step, state, {'step': src.step, 'state_shapes': train_state.shape_signature(abstract),
                                       'config': {k: repr(v) for k, v in plain.flat().items()},
-                                      'checksums': restore.checksums(state), 'merged_lora_of': src.meta['base']})
+                                      'checksums': train_state.checksums(state), 'merged_lora_of': src.meta['base']})
   checkpointer.close()
   with open(layout.config(tmp), 'w', encoding='utf-8') as f:
     f.write(plain.as_text())
+  job_format.write_job(tmp)
   core.carry_tokenizer(src, tmp)   # so that it decodes text, and --to hf ships the tokenizer
   log(f'Merged the adapters (scale {_scale(model):g}) into the base {restore.BaseRef(**src.meta["base"]).describe()}.')
   return result
@@ -83,11 +87,12 @@ def merge_run(src, tmp: str, exp: Optional[str], overrides: list, verify: bool, 
 
 
 def _layer_adapters(params: dict):
-  """(layer index, projection, A, B) for every adapter, unrolled or scanned ([layers, ...])."""
+  """(layer index, projection, A, B) for every adapter, unrolled or scanned ([layers, ...], or [groups, ...]
+  per position of a patterned stack's group: paxcli.models.pattern)."""
   if 'layers' in params:
     stack = params['layers']
-    n = len(next(iter(jax.tree.leaves(stack))))
-    layers = [(i, jax.tree.map(lambda x, i=i: x[i], stack)) for i in range(n)]
+    n = len(next(iter(jax.tree.leaves(stack)))) * pattern.period_of(stack)
+    layers = [(int(k.split('_')[1]), v) for k, v in pattern.unstack(stack, n, lambda x, row: x[row]).items()]
   else:
     layers = sorted((int(k.split('_')[1]), v) for k, v in params.items() if k.startswith('layer_'))
   for i, layer in layers:
@@ -129,48 +134,130 @@ def export_peft(src, tmp: str, exp: Optional[str], overrides: list, log) -> dict
   return {'bytes_written': int(sum(x.nbytes for x in tensors.values())), 'arrays': len(tensors)}
 
 
+# adapter_config.json, as PEFT's LoraConfig writes it: what paxcli checks, and what it may ignore.
+# Keys whose setting changes the adapted function, with the setting paxcli computes (any other is
+# refused by name); r, lora_alpha and target_modules are checked against the run's LoRA knobs.
+PEFT_NEUTRAL = {
+    'peft_type': ('LORA',), 'fan_in_fan_out': (False, None), 'bias': ('none', None), 'use_rslora': (False, None),
+    'use_dora': (False, None), 'modules_to_save': (None, []), 'layers_to_transform': (None, []),
+    'rank_pattern': ({}, None), 'alpha_pattern': ({}, None), 'exclude_modules': (None, []),
+    'megatron_config': (None,), 'trainable_token_indices': (None, [], {}), 'alora_invocation_tokens': (None, []),
+    'use_qalora': (False, None), 'layer_replication': (None, []), 'lora_bias': (False, None),
+    'target_parameters': (None, []), 'arrow_config': (None,), 'monteclora_config': (None,), 'kasa_config': (None,),
+    'use_bdlora': (None, False),
+}
+# Keys that name, describe or initialise the adapter, or act only in training: the weights say the rest.
+PEFT_HARMLESS = {
+    'task_type', 'auto_mapping', 'peft_version', 'base_model_name_or_path', 'revision', 'inference_mode',
+    'lora_dropout', 'init_lora_weights', 'loftq_config', 'eva_config', 'corda_config', 'lora_ga_config',
+    'runtime_config', 'megatron_core', 'qalora_group_size', 'layers_pattern', 'velora_config',
+    'ensure_weight_tying', 'r', 'lora_alpha', 'target_modules',
+}
+MAX_PEFT_CONFIG_BYTES = 1 << 20
+
+
 def read_peft(directory: str, model, abstract_params: dict) -> dict:
   """The adapters of PEFT directory `directory` as this model's trainable params (nested, host
   arrays), checked against the model's LoRA settings; UserError naming what does not fit."""
-  path = os.path.join(directory, PEFT_CONFIG)
-  try:
-    with open(path, encoding='utf-8') as f:
-      config = json.load(f)
-  except (OSError, ValueError) as e:
-    raise UserError(f'LORA_INIT={directory}: cannot read {PEFT_CONFIG} ({e}).') from None
+  check_peft(directory, model)
   s = model.lora
-  want = {'peft_type': 'LORA', 'r': s['rank'], 'lora_alpha': s['alpha'], 'use_rslora': False, 'use_dora': False,
-          'fan_in_fan_out': False}
-  for field, value in want.items():
-    if config.get(field, value) != value:
-      raise UserError(f'{path}: {field} is {config.get(field)!r}, but this run needs {value!r} '
-                      '(set LORA_RANK / LORA_ALPHA to the adapter\'s).')
-  src = safetensors_io.SafetensorsSource(os.path.join(directory, PEFT_WEIGHTS))
-  have = {a.name for a in src.arrays()}
-  trainable = engine.split_trainable(model, abstract_params)[0]
-  out = {}
+  src = safetensors_io.SafetensorsSource(files.member(directory, PEFT_WEIGHTS, 'PEFT weights'))
+  have = {a.name: tuple(a.shape) for a in src.arrays()}
+  trainable = train_state.split_trainable(model, abstract_params)[0]
+  out, used = {}, set()
+  period = pattern.period(getattr(getattr(model, 'lm_tpl', None), 'layer_pattern', ()))
   for path_keys, leaf in _flat_paths(trainable):
     *scope, name = path_keys
     projection, part = (name[:-len(lora.SUFFIX_A)], 'A') if name.endswith(lora.SUFFIX_A) else \
         (name[:-len(lora.SUFFIX_B)], 'B')
-    layers = range(leaf.shape[0]) if scope[0] == 'layers' else [int(scope[0].split('_')[1])]
-    per_layer = leaf.shape[1:] if scope[0] == 'layers' else leaf.shape
+    layers = _layers_of(scope, leaf.shape[0] if scope[0] == 'layers' else 0, period)
+    per_layer = tuple(leaf.shape[1:] if scope[0] == 'layers' else leaf.shape)
+    # PEFT's torch Linear layout: lora_A [r, in], lora_B [out, r]; ours A [in..., r], B [r, out...]
+    want = ((per_layer[-1], int(np.prod(per_layer[:-1]))) if part == 'A'
+            else (int(np.prod(per_layer[1:])), per_layer[0]))
     blocks = []
     for i in layers:
       key = f'{PEFT_PREFIX}{i}.{PEFT_MODULES[projection]}.lora_{part}.weight'
       if key not in have:
         raise UserError(f'{directory}: {PEFT_WEIGHTS} has no {key} (LORA_TARGETS={list(s["targets"])} needs it).')
-      w = src.read(key).astype(np.float32).T
-      if w.size != int(np.prod(per_layer)):
-        raise UserError(f'{directory}: {key} has shape {list(w.T.shape)}, which does not fit {list(per_layer)}.')
-      blocks.append(w.reshape(per_layer))
+      if have[key] != want:   # the same number of values in another shape is another adapter: never reshaped
+        raise UserError(f'{directory}: {PEFT_WEIGHTS}: {key} has shape {list(have[key])}, but this run needs '
+                        f'{list(want)} (LORA_RANK {s["rank"]}, the model\'s dimensions).')
+      blocks.append(src.read(key).astype(np.float32).T.reshape(per_layer))
+      used.add(key)
     out[tuple(path_keys)] = np.stack(blocks) if scope[0] == 'layers' else blocks[0]
+  unread = sorted(set(have) - used)
+  if unread:
+    raise UserError(f'{directory}: {PEFT_WEIGHTS} holds {len(unread)} array(s) this run would not apply, first '
+                    f'{shorten(unread[0], 120)} (LORA_TARGETS={list(s["targets"])}); applying the rest would compute '
+                    'another function.')
   return core.nest({'/'.join(k): v for k, v in out.items()})
+
+
+def check_peft(directory: str, model) -> None:
+  """Reads PEFT directory `directory`'s adapter_config.json (a regular file inside it, bounded JSON)
+  and checks it against the model's LoRA settings (check_peft_config): one line, before any weight."""
+  if not os.path.isdir(directory):
+    raise UserError(f'LORA_INIT={shorten(directory, 200)} is not a directory; give the PEFT adapter directory '
+                    f'(with {PEFT_CONFIG} and {PEFT_WEIGHTS}).')
+  config_path = files.member(directory, PEFT_CONFIG, 'PEFT config')
+  config = files.read_json(config_path, f'LORA_INIT: {PEFT_CONFIG}', MAX_PEFT_CONFIG_BYTES)
+  if not isinstance(config, dict):
+    raise UserError(f'{config_path}: a JSON {type(config).__name__}, not an object of LoraConfig fields.')
+  check_peft_config(config, config_path, model.lora)
+
+
+def check_peft_config(config: dict, path: str, settings: dict) -> None:
+  """UserError naming the first field of adapter_config.json that makes PEFT compute another function
+  than this run's LoRA (rank, alpha, targets, and everything PEFT_NEUTRAL lists); unknown fields too."""
+  def shown(value) -> str:
+    return shorten(json.dumps(value), 80)
+
+  for field, value in (('r', settings['rank']), ('lora_alpha', settings['alpha'])):
+    if config.get(field) != value or isinstance(config.get(field), bool):
+      raise UserError(f'{path}: {field} is {shown(config.get(field))}, but this run needs {value!r} '
+                      '(set LORA_RANK / LORA_ALPHA to the adapter\'s).')
+  for field, neutral in PEFT_NEUTRAL.items():
+    if field in config and not any(config[field] == v and type(config[field]) is type(v) for v in neutral):
+      raise UserError(f'{path}: {field} is {shown(config[field])}; paxcli\'s LoRA computes only '
+                      f'{shown(neutral[0])} there (it would compute another function). Not read.')
+  unknown = sorted(set(config) - set(PEFT_NEUTRAL) - PEFT_HARMLESS)
+  if unknown:
+    raise UserError(f'{path}: {shorten(", ".join(unknown), 120)}: unknown to paxcli, so it may change what the '
+                    'adapter computes. Not read; remove from the file what you know does not.')
+  _check_targets(config.get('target_modules'), path, settings['targets'])
+
+
+def _check_targets(targets, path: str, lora_targets) -> None:
+  """PEFT's target_modules (a list of module names, or 'all-linear') must be the projections
+  LORA_TARGETS adapts: an adapter on another module would be dropped, changing the function."""
+  ours = {PEFT_MODULES[p].rsplit('.', 1)[-1] for p in PEFT_MODULES if lora.targets_projection(lora_targets, p)}
+  if targets == 'all-linear':
+    theirs = {name.rsplit('.', 1)[-1] for name in PEFT_MODULES.values()}
+  elif isinstance(targets, list) and all(isinstance(t, str) for t in targets):
+    theirs = {t.rsplit('.', 1)[-1] for t in targets}
+  else:
+    raise UserError(f'{path}: target_modules is {shorten(json.dumps(targets), 80)}; paxcli reads a list of module '
+                    'names (q_proj, v_proj, ...) or "all-linear", not a pattern.')
+  if theirs != ours:
+    raise UserError(f'{path}: target_modules is {sorted(theirs)}, but LORA_TARGETS={list(lora_targets)} adapts '
+                    f'{sorted(ours)}; set LORA_TARGETS to the adapter\'s modules.')
+
+
+def _layers_of(scope: list, rows: int, period: int) -> list[int]:
+  """The layer indices of a trainable leaf's rows: layer_<i>/...: [i]; layers/...: every row; layers/block_<j>/...
+  of a patterned stack (`period` layers per group): row g is layer g * period + j."""
+  if scope[0] != 'layers':
+    return [int(scope[0].split('_')[1])]
+  if not (len(scope) > 1 and scope[1].startswith('block_')):
+    return list(range(rows))
+  j = int(scope[1].split('_')[1])
+  return [g * period + j for g in range(rows)]
 
 
 def _flat_paths(tree: dict):
   for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    yield tuple(str(k) for k in engine._keys(path)), leaf
+    yield tuple(str(k) for k in train_state.keys(path)), leaf
 
 
 def resolve_lora_target(to: str, merge_lora: bool, src) -> None:

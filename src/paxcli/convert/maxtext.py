@@ -6,7 +6,8 @@ train state (Linen's on-disk layout, which pure-NNX MaxText writes too):
 checkpoint holds no config: the paxcli experiment is the recipe `pax import-maxtext` writes
 for the script that trained it, given with --exp (its knobs name sizes, block and layout).
 
-Mapping (MaxText, under params/params/ -> paxcli; E = head_dim):
+Mapping (MaxText, under params/params/ -> paxcli; E = head_dim; the names below a layer are the
+family's, paxcli.models.llama.Llama.maxtext_layer_params, the family the experiment's knobs compute):
   token_embedder/embedding [V, D]                 params/embedding/embedding [V, D]
   decoder/decoder_norm/scale [D]                  params/final_norm/scale
   decoder/logits_dense/kernel [D, V] (untied)     params/logits/kernel
@@ -42,26 +43,16 @@ from paxcli.convert import formats
 from paxcli.convert.formats import ArrayInfo
 from paxcli.convert.orbax_io import PyTreeDir
 from paxcli.errors import UserError
+from paxcli.models import pattern, registry
+from paxcli.models.knobs import LM_KNOBS
 
 _PARAMS = 'params/params/'
 _LAYER_RE = re.compile(r'^decoder/layers_(\d+)/(.+)$')
 NEEDS_EXPERIMENT = ('A MaxText checkpoint holds no model config: pass --exp with the recipe `pax import-maxtext '
                     'SCRIPT` wrote for the script that trained it (--exp maxtext_<script>.py:<Class>).')
 
-# MaxText layer parameter (below decoder/layers) -> (paxcli name below a layer, per-layer rank).
-_LAYER_PARAMS = {
-    'self_attention/query/kernel': ('attention/query/kernel', 3),
-    'self_attention/key/kernel': ('attention/key/kernel', 3),
-    'self_attention/value/kernel': ('attention/value/kernel', 3),
-    'self_attention/out/kernel': ('attention/out/kernel', 3),
-    'mlp/wi_0/kernel': ('mlp/wi_0/kernel', 2),
-    'mlp/wi_1/kernel': ('mlp/wi_1/kernel', 2),
-    'mlp/wi/kernel': ('mlp/wi_0/kernel', 2),
-    'mlp/wo/kernel': ('mlp/wo/kernel', 2),
-    'pre_self_attention_layer_norm/scale': ('attention_norm/scale', 1),
-    'pre_self_attention_norm/scale': ('attention_norm/scale', 1),
-    'post_self_attention_layer_norm/scale': ('mlp_norm/scale', 1),
-}
+# MaxText's names below decoder/layers belong to the family (paxcli.models.llama: maxtext_layer_params);
+# the embedding, final norm and output layer are MaxText's own, whatever the block.
 _TOP_PARAMS = {
     'token_embedder/embedding': 'params/embedding/embedding',
     'decoder/decoder_norm/scale': 'params/final_norm/scale',
@@ -124,6 +115,7 @@ class MaxTextSource(formats.SourceBase):
 
   def __init__(self, path: str, step: Optional[int] = None):
     self.path = path
+    self.family = None   # the family whose MaxText layers the experiment computes (check_experiment)
     items, self.step = locate(path, step)
     self._tree = PyTreeDir(items, f'The MaxText checkpoint {items}')
 
@@ -146,18 +138,13 @@ class MaxTextSource(formats.SourceBase):
                       f'UNSUPPORTED_FEATURES name what paxcli does not build ({items}). The converted '
                       'model would compute another function; to convert anyway, accepting the difference, '
                       'add --set UNSUPPORTED_FEATURES={}.')
-    knobs = experiment.knobs()
-    wrong = [f'{k} = {knobs[k]!r} (MaxText: {v!r})' for k, v in _MAXTEXT_KNOBS.items() if knobs[k] != v]
-    if wrong:
+    self.family, wrong = registry.maxtext_family(experiment.knobs())
+    if self.family is None:
       raise UserError(f'{type(experiment).__name__} does not compute a MaxText decoder: '
                       + '; '.join(wrong) + '. Use the recipe pax import-maxtext writes.')
 
   def paxcli_view(self, model) -> 'MaxTextView':
     return MaxTextView(self, model)
-
-
-# What every MaxText decoder block paxcli converts sets the same way (pax import-maxtext writes them).
-_MAXTEXT_KNOBS = {'NORM_TYPE': 'rmsnorm', 'USE_BIAS': False, 'POSITION_EMBEDDING': 'rotary'}
 
 
 def _scan_axis(stacked: dict[str, tuple], num_layers: int) -> int:
@@ -184,6 +171,11 @@ class MaxTextView(formats.SourceBase):
 
   def __init__(self, src: MaxTextSource, model):
     self.path, self.step, self.src = src.path, src.step, src
+    family = src.family or registry.maxtext_family({k.name: getattr(model, k.flat, None) for k in LM_KNOBS})[0]
+    layer_params = family.maxtext_layer_params if family else {}
+    if pattern.period(getattr(model, 'layer_pattern', ())) > 1:
+      raise UserError(f'{src.path}: paxcli reads MaxText checkpoints into stacks of one layer kind only; the '
+                      f'experiment has LAYER_PATTERN {tuple(model.layer_pattern)}.')
     params = {a.name[len(_PARAMS):]: a for a in src.arrays() if a.name.startswith(_PARAMS)}
     if not params:
       raise UserError(f'{src.path}: the checkpoint holds no {_PARAMS}... arrays (the parameters of a MaxText '
@@ -197,12 +189,12 @@ class MaxTextView(formats.SourceBase):
       inner = m.group(2) if m else name[len('decoder/layers/'):] if name.startswith('decoder/layers/') else None
       if name in _TOP_PARAMS:
         self._top[_TOP_PARAMS[name]] = name
-      elif inner not in _LAYER_PARAMS:
+      elif inner not in layer_params:
         unknown.append(f'{name} {list(info.shape)}')
       elif m:
-        per_layer.setdefault(_LAYER_PARAMS[inner][0], {})[int(m.group(1))] = name
+        per_layer.setdefault(layer_params[inner][0], {})[int(m.group(1))] = name
       else:
-        stacked[name] = (tuple(info.shape), _LAYER_PARAMS[inner][1])
+        stacked[name] = (tuple(info.shape), layer_params[inner][1])
     if unknown:
       raise UserError(f'{src.path}: parameters paxcli has no place for (a MaxText decoder block or feature '
                       'it does not build):\n  ' + '\n  '.join(unknown[:20]))
@@ -211,7 +203,7 @@ class MaxTextView(formats.SourceBase):
     self._layers = {}
     for name, (shape, _) in stacked.items():
       layer_shape = shape[:self._axis] + shape[self._axis + 1:]
-      self._layers[_LAYER_PARAMS[name[len('decoder/layers/'):]][0]] = (name, shape[self._axis], layer_shape,
+      self._layers[layer_params[name[len('decoder/layers/'):]][0]] = (name, shape[self._axis], layer_shape,
                                                                       params[name].dtype)
     for target, layers in per_layer.items():
       first = params[layers[min(layers)]]

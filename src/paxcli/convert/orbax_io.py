@@ -232,18 +232,18 @@ class StateWriter:
     self._sums: dict = {}   # name -> checksum lanes, accumulated as the pieces are written
 
   def _sum(self, name: str, x: np.ndarray, offset: int) -> None:
-    from paxcli.jobdir import restore
+    from paxcli.runtime import train_state
     total = self._sums.get(name, np.zeros(2, np.uint32))
     start = offset
     for block in formats.blocks(x, 2 << 20):   # the checksum needs ~20 bytes per element: small blocks
-      total = total + restore.checksum_part(block, start)
+      total = total + train_state.checksum_part(block, start)
       start += block.size
     self._sums[name] = total
 
   def checksums(self) -> dict[str, str]:
-    """'name' -> checksum of every array written (restore.checksums' format)."""
-    from paxcli.jobdir import restore
-    return {name: restore.checksum_hex(lanes) for name, lanes in self._sums.items()}
+    """'name' -> checksum of every array written (train_state.checksums' format)."""
+    from paxcli.runtime import train_state
+    return {name: train_state.checksum_hex(lanes) for name, lanes in self._sums.items()}
 
   @staticmethod
   def _param_name(name: str) -> str:

@@ -26,6 +26,7 @@ optimizer state.
 from __future__ import annotations
 
 import base64
+import math
 import json
 import os
 import re
@@ -36,13 +37,14 @@ import numpy as np
 from paxcli import files, gencode
 from paxcli.convert import formats
 from paxcli.convert.formats import ArrayInfo
-from paxcli.errors import UserError
-from paxcli.families.knobs import LM_KNOB, LM_KNOBS, effective
+from paxcli.errors import UserError, shorten
+from paxcli.models.knobs import LM_KNOB, LM_KNOBS, effective
 from paxcli.runtime import engine
 
 _STEP_RE = re.compile(r'^checkpoint_(\d+)$')
 _PARAMS = 'mdl_vars.params.lm.'
 CONFIG_FILE = 'model_params.txt'
+MAX_CONFIG_BYTES = 64 << 20   # a large Pax task config is under a megabyte
 
 
 # ---- locating the checkpoint --------------------------------------------------------------------
@@ -92,13 +94,22 @@ def parse_params_text(text: str) -> dict[str, Any]:
   Values: numbers, True/False, 'quoted strings', NoneType -> None, `type/module/Class` ->
   'module.Class'; anything else (lists, reprs) is kept as its text.
   """
-  out = {}
-  for line in text.splitlines():
+  out = Params()
+  for n, line in enumerate(text.splitlines(), 1):
     key, sep, raw = line.partition(' : ')
     if not sep or not key or ' ' in key:
       continue
     out[key.strip()] = _value(raw.strip())
+    out.lines[key.strip()] = n
   return out
+
+
+class Params(dict):
+  """model_params.txt's values by key, and (`lines`) the line each came from, for messages."""
+
+  def __init__(self, *args, **kwargs):
+    super().__init__(*args, **kwargs)
+    self.lines: dict[str, int] = {}
 
 
 def _value(raw: str) -> Any:
@@ -149,12 +160,12 @@ class PaxConfig:
     if kind == 'StackedTransformerRepeated':
       self.repeated, self.repeat_name = True, cfg.get(stack + 'repeat_layer_name', 'repeat')
       self.sub_name = cfg.get(stack + 'sublayer_name', 'sub')
-      self.x_times = int(cfg[stack + 'x_times'])
+      self.x_times = self.int(stack + 'x_times')
       self.block = stack + 'block.'
-      self.per_block = int(cfg[self.block + 'num_layers'])
+      self.per_block = self.int(self.block + 'num_layers')
     elif kind == 'StackedTransformer':
       self.repeated, self.x_times, self.block = False, 1, stack
-      self.per_block = int(cfg[stack + 'num_layers'])
+      self.per_block = self.int(stack + 'num_layers')
     else:
       raise UserError(f'{source}: {kind} layers cannot be converted (StackedTransformer and '
                       'StackedTransformerRepeated can; a pipelined model cannot yet).')
@@ -167,6 +178,34 @@ class PaxConfig:
   def get(self, key: str, default=None):
     return self.cfg.get(key, default)
 
+  def where(self, key: str) -> str:
+    """'<file>:<line>' of `key` (the file alone when the key is not in it)."""
+    line = getattr(self.cfg, 'lines', {}).get(key)
+    return f'{self.source}:{line}' if line else str(self.source)
+
+  def int(self, key: str, default=None, minimum: int = 1) -> int:
+    """The integer at `key` (`default` when missing or None), or UserError naming file:line."""
+    value = self.cfg.get(key)
+    if value is None:
+      if default is None:
+        raise UserError(f'{self.where(key)}: {key} is missing; paxcli needs it to convert the model.')
+      return default
+    if isinstance(value, float) and value.is_integer():
+      value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+      raise UserError(f'{self.where(key)}: {key} is {shorten(repr(value), 60)}; it must be an integer of at '
+                      f'least {minimum}.')
+    return value
+
+  def float(self, key: str, default: float) -> float:
+    """The finite number at `key` (`default` when missing or None), or UserError naming file:line."""
+    value = self.cfg.get(key)
+    if value is None:
+      return default
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+      raise UserError(f'{self.where(key)}: {key} is {shorten(repr(value), 60)}; it must be a finite number.')
+    return float(value)
+
   def _off(self, name: str, key: str, why: str, ok=(None, False, 0, 0.0, '')) -> None:
     if self.get(key) not in ok:
       self.unsupported[name] = f'{why} ({key} = {self.get(key)!r})'
@@ -174,13 +213,12 @@ class PaxConfig:
   def _derive(self) -> None:
     g, k, lm = self.get, self.knobs, self.lm
     k['NUM_LAYERS'] = self.x_times * self.per_block
-    k['MODEL_DIMS'] = int(g(lm + 'model_dims'))
-    k['HIDDEN_DIMS'] = int(g(self.block + 'hidden_dims'))
-    heads = g(self.block + 'num_heads')
-    k['NUM_HEADS'] = int(heads)
+    k['MODEL_DIMS'] = self.int(lm + 'model_dims')
+    k['HIDDEN_DIMS'] = self.int(self.block + 'hidden_dims')
+    k['NUM_HEADS'] = self.int(self.block + 'num_heads')
     k['NUM_KV_HEADS'] = None
-    k['DIMS_PER_HEAD'] = int(g(self.block + 'dim_per_head') or k['MODEL_DIMS'] // k['NUM_HEADS'])
-    k['VOCAB_SIZE'] = int(g(lm + 'vocab_size'))
+    k['DIMS_PER_HEAD'] = self.int(self.block + 'dim_per_head', max(k['MODEL_DIMS'] // k['NUM_HEADS'], 1))
+    k['VOCAB_SIZE'] = self.int(lm + 'vocab_size')
     self._layer_kinds()
     self._activation()
     self._norms()
@@ -230,7 +268,7 @@ class PaxConfig:
     self.knobs['NORM_TYPE'] = {'LayerNorm': 'layernorm', 'RmsNorm': 'rmsnorm'}.get(kind, 'layernorm')
     if kind not in ('LayerNorm', 'RmsNorm'):
       self.unsupported['norm'] = f'praxis {kind} has no paxcli equivalent'
-    eps = {w: g(p + 'epsilon', 1e-6) for w, p in norms.items()}
+    eps = {w: self.float(p + 'epsilon', 1e-6) for w, p in norms.items()}
     if len(set(eps.values())) > 1:
       self.unsupported['norm epsilons'] = f'one NORM_EPSILON for all norms in paxcli, Pax has {eps}'
     self.knobs['NORM_EPSILON'] = float(eps['attention'])
@@ -259,7 +297,7 @@ class PaxConfig:
       if _cls(g(rp + 'cls')) != 'RotaryPositionalEmbedding' or g(rp + 'min_timescale', 1) != 1:
         self.unsupported['rotary variant'] = (f'{_cls(g(rp + "cls"))} with min_timescale '
                                               f'{g(rp + "min_timescale")}: paxcli has the plain one, min 1')
-      self.knobs['ROTARY_MAX_TIMESCALE'] = float(g(rp + 'max_timescale', 10000))
+      self.knobs['ROTARY_MAX_TIMESCALE'] = self.float(rp + 'max_timescale', 10000.0)
     if pos_cls is None:
       self.knobs['POSITION_EMBEDDING'] = 'rotary' if rotary else 'none'
       return
@@ -272,7 +310,7 @@ class PaxConfig:
         self.unsupported['sinusoid timescales'] = f'paxcli uses timescales 1..10000, Pax {lo}..{hi}'
     elif pos_cls == 'TrainablePositionalEmbedding':
       self.knobs['POSITION_EMBEDDING'] = 'learned'
-      self.learned_rows = int(g(lm + 'position_emb_tpl.max_seq_length', 0) or 0)
+      self.learned_rows = self.int(lm + 'position_emb_tpl.max_seq_length', 0, minimum=0)
     else:
       self.knobs['POSITION_EMBEDDING'] = 'none'
       self.unsupported['position embedding'] = f'praxis {pos_cls} has no paxcli equivalent'
@@ -280,8 +318,8 @@ class PaxConfig:
   def _attention(self) -> None:
     g, k, a = self.get, self.knobs, self.atten
     k['USE_ATTENTION_BIAS'] = bool(g(a + 'use_bias', True))
-    cap = g(a + 'atten_logit_cap') or 0.0
-    k['ATTEN_LOGIT_CAP'] = float(cap) if cap > 0 else 0.0
+    cap = self.float(a + 'atten_logit_cap', 0.0)
+    k['ATTEN_LOGIT_CAP'] = cap if cap > 0 else 0.0
     per_dim = g(a + 'internal_enable_per_dim_scale', True)
     if g(a + 'internal_enable_query_scale', True) is False:
       self.unsupported['unscaled queries'] = 'paxcli always scales queries'
@@ -315,7 +353,7 @@ class PaxConfig:
     if g(s + 'feed_forward_tpl') is None and g(s + 'feed_forward_tpl.cls') is None:
       self.unsupported['softmax without weights'] = 'paxcli computes logits from weights'
     k['USE_SOFTMAX_BIAS'] = bool(g(s + 'feed_forward_tpl.has_bias', True))
-    k['SOFTMAX_CAP_LOGITS'] = float(g(s + 'soft_cap_logits') or 0.0)
+    k['SOFTMAX_CAP_LOGITS'] = self.float(s + 'soft_cap_logits', 0.0)
     self._off('scale before logits', s + 'scale_before_logits', 'no 1/sqrt(D) before the softmax in paxcli')
     self._off('label smoothing', s + 'label_smoothing_prob', 'paxcli trains on plain cross-entropy')
     self._off('z-loss', s + 'z_loss_weight', 'paxcli trains on plain cross-entropy')
@@ -328,7 +366,7 @@ class PaxConfig:
                                       self.block + 'atten_dropout_prob', self.block + 'residual_dropout_prob',
                                       self.block + 'relu_dropout_prob')}
     probs = {key: v for key, v in probs.items() if v}
-    self.knobs['DROPOUT_PROB'] = float(g(self.block + 'dropout_prob') or 0.0)
+    self.knobs['DROPOUT_PROB'] = self.float(self.block + 'dropout_prob', 0.0)
     if probs:
       self.unsupported['dropout'] = (f'Pax drops out {", ".join(k.rsplit(".", 1)[-1] for k in probs)}; '
                                      'paxcli one DROPOUT_PROB on embeddings and residuals')
@@ -410,8 +448,7 @@ class PaxmlSource(formats.SourceBase):
     self.config_path = cfg_path if os.path.exists(cfg_path) else None
     self.native = None
     if self.config_path:
-      with open(cfg_path, encoding='utf-8') as f:
-        self.native = parse_params_text(f.read())
+      self.native = parse_params_text(files.read_text(cfg_path, 'paxml config', MAX_CONFIG_BYTES))
     self._pax: Optional[PaxConfig] = None
 
   def pax(self) -> PaxConfig:
@@ -488,7 +525,7 @@ class PaxmlSource(formats.SourceBase):
              'derived from. UNSUPPORTED_FEATURES lists what paxcli cannot reproduce; `pax train` refuses',
              'to run until you accept it with --set UNSUPPORTED_FEATURES={}. Set the data (datasets(),',
              'MAX_SEQ_LEN, PERCORE_BATCH_SIZE) and optimizer for your runs.',
-             '"""', '', 'from paxcli.experiment import register', 'from paxcli.families.lm import LmExperiment', '',
+             '"""', '', 'from paxcli.experiment import register', 'from paxcli.models import LmExperiment', '',
              f'SOURCE = {gencode.literal(os.path.abspath(self.path))}',
              f'CONFIG = {gencode.literal(self.config_path)}', '', '',
              '@register', f'class {class_name}(LmExperiment):', '  """Converted from the paxml checkpoint SOURCE."""', '']

@@ -18,6 +18,7 @@ from paxcli import files, gencode
 from paxcli.convert import core, formats, hf, hf_tokenizer, lora, orbax_io, safetensors_io
 from paxcli.errors import UserError
 from paxcli.inputs import tokenizers
+from paxcli.jobdir import format as job_format
 from paxcli.jobdir import layout, storage
 from paxcli.runtime import platform
 
@@ -63,6 +64,7 @@ def convert(source: str, output: str, *, fmt: Optional[str] = None, to: str = 'o
   out = core.Output(output, force, source)    # refuse an existing output before any work
   t0 = time.perf_counter()
   src = formats.open_source(source, fmt, step)
+  out.refuse_inputs(core.paths_read(src, overrides))   # a LoRA run's base, INIT_FROM, LORA_INIT
   if getattr(src, 'needs_experiment', None) and not exp:
     raise UserError(src.needs_experiment)
   overrides = list(overrides)
@@ -106,9 +108,7 @@ def _convert(src, out, source, output, fmt, to, exp, overrides, params_only, dty
     source_res = target_res
   target = core.build_model(target_res)
   if to == 'hf':
-    reasons = hf.misfit(target.spec)
-    if reasons:
-      raise UserError('This model does not fit the Hugging Face Llama layout: ' + '; '.join(reasons) + '.')
+    hf.family_of(target.spec)   # before any array is read: a UserError when no family's layout fits
   source_model = core.build_model(source_res)
   src_arrays = src.arrays()
   has_opt = any(a.name.startswith('opt_state/') for a in src_arrays)
@@ -147,8 +147,8 @@ def _convert(src, out, source, output, fmt, to, exp, overrides, params_only, dty
     result['recipe'] = recipe_path
   param_bytes = sum(int(np.prod(x.shape, dtype=np.int64)) * 4 for n, x in target.abstract.items()
                     if n.startswith('params/'))
-  memory = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
-  if verify and 3 * param_bytes > memory:
+  memory = platform.host_memory_bytes() or 0
+  if verify and memory and 3 * param_bytes > memory:
     log(f'Not verifying: running both models needs about {3 * param_bytes / 2**30:.0f} GiB of host memory '
         f'({memory / 2**30:.0f} GiB here); the conversion itself streamed.')
     verify = False
@@ -228,6 +228,7 @@ def _write_orbax(tmp: str, src, items, target, params_only: bool, read, advance)
   orbax_io.write_step(tmp, src.step, _meta(src, target, params_only), fill)
   with open(layout.config(tmp), 'w', encoding='utf-8') as f:
     f.write(target.resolved.as_text())
+  job_format.write_job(tmp)
 
 
 def _write_safetensors(tmp, src, items, target_res, read, advance, max_shard_bytes) -> None:
@@ -270,7 +271,9 @@ def _carry_files(src, tmp: str, to: str, recipe_text: Optional[str], own_experim
 
 
 def _recipe_class(src) -> str:
-  return 'PaxLm' if src.kind == 'paxml' else 'HfLlama'
+  if src.kind == 'paxml':
+    return 'PaxLm'
+  return 'Hf' + ''.join(c for c in getattr(src, 'hf', src).family.title if c.isalnum())   # HfLlama
 
 
 def _write_recipe(src, recipe: Optional[str], output: str, force: bool, log) -> tuple[str, str]:
@@ -287,8 +290,14 @@ def _write_recipe(src, recipe: Optional[str], output: str, force: bool, log) -> 
   if src.kind == 'paxml':
     text = src.recipe_text(class_name)
   else:
-    text = hf.recipe_text(class_name, dict(src.knobs()), src.path, getattr(getattr(src, 'hf', src), 'notes', []))
+    hf_src = getattr(src, 'hf', src)
+    text = hf.recipe_text(class_name, dict(src.knobs()), src.path, getattr(hf_src, 'notes', []), hf_src.family.title)
   gencode.check_shape(text, path)   # a bug of ours, never outside text, could fail this
+  # Read back as the job's experiment: a regular file, never a device, the source or a file in it.
+  files.check_output(path, 'the recipe', force=True, inputs=[src.path], streams=False)
+  if storage.inside(path, src.path):
+    raise UserError(f'The recipe {path} would be inside the source {src.path}; the source is never modified. '
+                    'Give --recipe another path.')
   if os.path.lexists(path) and not force:
     try:
       same = os.path.isfile(path) and not os.path.islink(path) and files_text(path) == text

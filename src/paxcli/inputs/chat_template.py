@@ -9,10 +9,14 @@ besides. Without a shipped template paxcli's own applies (paxcli.inputs.sft).
 The template is code of the model's authors, so it is only ever compiled by jinja2's
 ImmutableSandboxedEnvironment (no attribute of Python objects, no mutation of the messages),
 with the options transformers uses (trim_blocks, lstrip_blocks, loop controls, `tojson`,
-`raise_exception`, and `dict` and `namespace` that cannot reach Python's internals). `strftime_now` is left out on purpose: templates that print today's date
-(Llama 3.2) then fall back to their fixed one, so a file gives the same tokens on any day and a
-resumed run re-reads the batches it consumed. A template that does not compile, raises, or does
-what the sandbox refuses stops with one line naming the tokenizer_config.json.
+`raise_exception`, and `dict` and `namespace` that cannot reach Python's internals), in a process
+of its own (paxcli.inputs.template_sandbox) whose time, memory and output are bounded
+(paxcli.inputs.bounds: PAXCLI_TEMPLATE_SECONDS, _MEMORY_MB, _MAX_CHARS). Nothing that changes from
+run to run is in the sandbox: `strftime_now` is left out on purpose (templates that print today's
+date, Llama 3.2's, then fall back to their fixed one), and so are jinja's `lipsum` and `random`, so
+a file gives the same tokens on any day and a resumed run re-reads the batches it consumed. A
+template that does not compile, raises, does what the sandbox refuses or runs past a bound stops
+with one line naming the tokenizer_config.json.
 
 Which tokens are trained on: an assistant turn's span is found by prefix renders, the text the
 template adds between rendering messages[:k] with the generation prompt (what a user's request
@@ -26,16 +30,21 @@ in an assistant span; everything else (system, user, headers, generation prompts
 
 from __future__ import annotations
 
-import json
+import os
+import pickle
+import select
+import struct
+import subprocess
+import sys
+import time
+import weakref
 from typing import Optional, Sequence
 
-import jinja2
-import jinja2.ext
 import numpy as np
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from paxcli import files
 from paxcli.errors import UserError, shorten
-from paxcli.inputs import tokenizers
+from paxcli.inputs import bounds, tokenizers
 from paxcli.inputs.packing import Example
 from paxcli.inputs.sft import TRAINED_ROLE
 
@@ -44,41 +53,56 @@ SPECIAL_NAMES = ('bos_token', 'eos_token', 'unk_token', 'pad_token')
 
 
 class ChatTemplate:
-  """A shipped chat template, compiled in the sandbox; `source` (its tokenizer_config.json) names it
-  in errors."""
+  """A shipped chat template, compiled in the sandbox process; `source` (its tokenizer_config.json)
+  names it in errors."""
 
   def __init__(self, text: str, source: str, special_tokens: dict[str, str]):
     self.source = source
     self.special_tokens = special_tokens
-    try:
-      self._template = _environment().from_string(text)
-    except jinja2.TemplateSyntaxError as e:
-      raise UserError(f'{source}: its chat_template does not compile (line {e.lineno}: {e.message}).') from None
+    self._sandbox = _Sandbox(source, {'op': 'init', 'template': text, 'specials': special_tokens,
+                                      'role': TRAINED_ROLE, 'max_chars': bounds.template_max_chars()})
+    reply = self._sandbox.start(None)
+    if reply['kind'] == 'syntax':
+      raise UserError(f'{source}: its chat_template does not compile (line {reply.get("line")}: '
+                      f'{shorten(reply.get("message"), 200)}).')
+    self._check(reply, None)
 
   def render(self, messages: Sequence[dict], add_generation_prompt: bool, where: str) -> str:
     """The template's text of `messages`; UserError naming the data (`where`) and the template."""
-    try:
-      return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                                   **self.special_tokens)
-    except Exception as e:  # noqa: BLE001 - anything the template's code raises, SecurityError included
-      raise UserError(f'{where}: the chat_template of {self.source} fails on this conversation '
-                      f'({type(e).__name__}: {shorten(str(e), 200)}).') from None
+    reply = self._sandbox.ask({'op': 'render', 'messages': list(messages),
+                               'add_generation_prompt': add_generation_prompt}, where)
+    self._check(reply, where)
+    return reply['text']
 
   def spans(self, messages: Sequence[dict], where: str) -> tuple[str, list[tuple[int, int]]]:
     """(the conversation's text, the [start, end) character spans of its assistant turns)."""
-    text = self.render(messages, False, where)
-    spans = []
-    for k, message in enumerate(messages):
-      if message['role'] != TRAINED_ROLE:
-        continue
-      before = self.render(messages[:k], True, where)
-      through = self.render(messages[:k + 1], False, where)
-      if not (through.startswith(before) and text.startswith(through)):
-        raise UserError(f'{where}: the chat_template of {self.source} renders messages[{k}] (an assistant turn) '
-                        'differently in a longer conversation, so paxcli cannot tell which tokens it trains on; '
-                        'give the conversation as prompt/completion pairs instead.')
-      spans.append((len(before), len(before) + len(through[len(before):].rstrip())))
-    return text, spans
+    reply = self._sandbox.ask({'op': 'spans', 'messages': list(messages)}, where)
+    if reply.get('kind') == 'prefix':
+      raise UserError(f'{where}: the chat_template of {self.source} renders messages[{reply.get("index")}] (an '
+                      'assistant turn) differently in a longer conversation, so paxcli cannot tell which tokens it '
+                      'trains on; give the conversation as prompt/completion pairs instead.')
+    self._check(reply, where)
+    return reply['text'], [(int(a), int(b)) for a, b in reply['spans']]
+
+  def close(self) -> None:
+    """Ends the template's process now (else it ends when this object goes, or at exit)."""
+    self._sandbox.close()
+
+  def _check(self, reply: dict, where: Optional[str]) -> None:
+    """UserError for a reply that is not 'ok': the template raised, or crossed a bound (`where`: the
+    conversation's file and line; None while compiling)."""
+    kind, subject, on = reply.get('kind'), _subject(where, self.source), _on(where)
+    if kind == 'ok':
+      return
+    if kind == 'error':
+      raise UserError(f'{subject} fails {on} ({shorten(reply.get("type"), 40)}: {shorten(reply.get("message"), 200)}).')
+    if kind == 'too_long':
+      raise UserError(f'{subject} renders more than {bounds.template_max_chars():,} characters {on}; stopped '
+                      '(PAXCLI_TEMPLATE_MAX_CHARS raises the bound).')
+    if kind == 'memory':
+      raise UserError(f'{subject} needs more than {bounds.template_memory_mb():,} MB {on}; stopped '
+                      '(PAXCLI_TEMPLATE_MEMORY_MB raises the bound).')
+    raise UserError(f'{subject}: unexpected reply {on} {shorten(repr(reply), 80)}.')
 
   def example(self, messages: Sequence[dict], tok: tokenizers.Tokenizer, where: str) -> Optional[Example]:
     """The training pairs of a conversation: assistant spans weigh 1 (module docstring); None when
@@ -119,41 +143,93 @@ def special_tokens(tok: tokenizers.Tokenizer, config: dict) -> dict[str, str]:
   return out
 
 
-def _environment() -> ImmutableSandboxedEnvironment:
-  env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
-  env.filters['tojson'] = _tojson
-  env.globals.update(raise_exception=_raise, dict=_dict, namespace=_Namespace)
-  return env
+_HEADER = struct.Struct('<Q')
+_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'template_sandbox.py')
 
 
-def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
-  """Jinja's own tojson escapes HTML characters; chat templates expect json.dumps' text."""
-  return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+class _Sandbox:
+  """The template's process (paxcli.inputs.template_sandbox): one request at a time, each answered
+  within PAXCLI_TEMPLATE_SECONDS or the process is killed (and started again for the next request)."""
+
+  def __init__(self, source: str, init: dict):
+    self.source, self._init = source, init
+    self._proc: Optional[subprocess.Popen] = None
+
+  def start(self, where: Optional[str]) -> dict:
+    self._proc = subprocess.Popen(
+        [sys.executable, '-I', _SCRIPT, str(os.getpid()), str(bounds.template_memory_mb())],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, close_fds=True)
+    weakref.finalize(self, _stop, self._proc)
+    return self._exchange(self._init, where)
+
+  def ask(self, request: dict, where: str) -> dict:
+    if self._proc is None or self._proc.poll() is not None:
+      reply = self.start(where)
+      if reply.get('kind') != 'ok':
+        return reply
+    return self._exchange(request, where)
+
+  def _exchange(self, request: dict, where: Optional[str]) -> dict:
+    seconds = bounds.template_seconds()
+    data = pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL)
+    try:
+      self._proc.stdin.write(_HEADER.pack(len(data)) + data)
+      self._proc.stdin.flush()
+      deadline = time.monotonic() + seconds
+      (size,) = _HEADER.unpack(self._read(_HEADER.size, deadline))
+      return files.parse_json(self._read(size, deadline), f'{self.source}: its renderer\'s reply')
+    except TimeoutError:
+      self._kill()
+      raise UserError(f'{_subject(where, self.source)} ran past {seconds:g} s {_on(where)}; stopped '
+                      '(PAXCLI_TEMPLATE_SECONDS raises the bound).') from None
+    except (BrokenPipeError, EOFError):
+      code = self._kill()
+      raise UserError(f'{_subject(where, self.source)} stopped its process {_on(where)} (exit code {code}), e.g. '
+                      f'past its {bounds.template_memory_mb():,} MB of memory (PAXCLI_TEMPLATE_MEMORY_MB raises the '
+                      'bound).') from None
+
+  def _read(self, n: int, deadline: float) -> bytes:
+    fd, parts = self._proc.stdout.fileno(), []
+    while n:
+      left = deadline - time.monotonic()
+      if left <= 0 or not select.select([fd], [], [], left)[0]:
+        raise TimeoutError
+      part = os.read(fd, min(n, 1 << 20))
+      if not part:
+        raise EOFError
+      parts.append(part)
+      n -= len(part)
+    return b''.join(parts)
+
+  def close(self) -> None:
+    if self._proc is not None:
+      proc, self._proc = self._proc, None
+      _stop(proc)
+
+  def _kill(self) -> Optional[int]:
+    proc, self._proc = self._proc, None
+    _stop(proc, wait=0)
+    return proc.returncode
 
 
-def _raise(message: str):
-  raise jinja2.TemplateError(message)
+def _subject(where: Optional[str], source: str) -> str:
+  """'FILE line N: the chat_template of CONFIG' (where: the conversation's), or 'CONFIG: its chat_template'."""
+  return f'{source}: its chat_template' if where is None else f'{where}: the chat_template of {source}'
 
 
-def _dict(*args, **kwargs) -> dict:
-  """`dict(...)` in a template, without the class itself (its attributes) in the template's hands."""
-  return dict(*args, **kwargs)
+def _on(where: Optional[str]) -> str:
+  return 'while compiling' if where is None else 'on this conversation'
 
 
-class _Namespace(jinja2.utils.Namespace):
-  """Jinja's namespace() refusing underscore names, which could reach Python's internals."""
-
-  def __init__(*args, **kwargs):  # noqa: N805 - Namespace's own signature, so that namespace(self=1) works
-    self, attrs = args[0], dict(*args[1:], **kwargs)
-    for name in attrs:
-      _Namespace._check(name)
-    jinja2.utils.Namespace.__init__(self, attrs)
-
-  def __setitem__(self, name, value):
-    _Namespace._check(name)
-    jinja2.utils.Namespace.__setitem__(self, name, value)
-
-  @staticmethod
-  def _check(name) -> None:
-    if isinstance(name, str) and name.startswith('_'):
-      raise jinja2.exceptions.SecurityError(f'a namespace attribute may not start with "_": {name!r}')
+def _stop(proc: subprocess.Popen, wait: float = 2) -> None:
+  """Ends the template's process: its stdin closed (it exits), killed if it does not within `wait`."""
+  try:
+    proc.stdin.close()
+  except OSError:
+    pass
+  try:
+    proc.wait(wait)
+  except subprocess.TimeoutExpired:
+    proc.kill()
+    proc.wait()
+  proc.stdout.close()

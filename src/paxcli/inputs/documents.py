@@ -30,14 +30,14 @@ import glob
 import gzip
 import hashlib
 import io
-import json
+import itertools
 import os
 import re
 from typing import Iterator, Optional, Sequence
 
 from paxcli.errors import UserError, shorten
-from paxcli.files import check_regular_file
-from paxcli.inputs import sft
+from paxcli.files import check_regular_file, member, parse_json
+from paxcli.inputs import bounds, sft
 from paxcli.inputs.tfrecord import import_tf
 
 EVAL_BUCKETS = 20
@@ -57,9 +57,15 @@ class Document:
 
 
 def record_document(record: dict, text_field: str, where: str) -> Document:
-  """The document of a record (paxcli.inputs.sft), keeping a chat's messages."""
+  """The document of a record (paxcli.inputs.sft), keeping a chat's messages; a record of more
+  text than bounds.max_line_bytes() characters (a Parquet cell, a tf.train.Example) is a UserError."""
   chat = sft.kind_of(record, text_field) == 'chat'
-  return Document(sft.from_record(record, text_field, where), where, record['messages'] if chat else None)
+  doc = Document(sft.from_record(record, text_field, where), where, record['messages'] if chat else None)
+  size, limit = sum(len(c.text) for c in doc.chunks), bounds.max_line_bytes()
+  if size > limit:
+    raise UserError(f'{where}: a document of {size:,} characters; paxcli reads documents of at most {limit:,} '
+                    '(PAXCLI_MAX_LINE_BYTES raises the bound).')
+  return doc
 
 
 def is_remote(path: str) -> bool:
@@ -85,22 +91,44 @@ def format_of(path: str) -> str:
 def expand(pattern: str) -> list[str]:
   """Sorted files of a glob (`**` for any depth), or the readable files under a directory.
 
-  UserError when none matches, or when a glob matches a file of an unknown format.
+  UserError when none matches, or when a glob matches a file of an unknown format. The files
+  of a directory, or of a glob's directory (the part before its first wildcard), stay in it: a
+  symlink among them that resolves outside it (`shadow.txt -> /etc/shadow`) is a UserError,
+  never read. A file named whole (no wildcard) is read wherever it is.
   """
   if is_remote(pattern):
     gfile = import_tf().io.gfile
-    files = [p for p in gfile.glob(pattern) if not gfile.isdir(p)]
+    files, base = [p for p in gfile.glob(pattern) if not gfile.isdir(p)], None
   elif os.path.isdir(os.path.expanduser(pattern)):
-    under = glob.glob(os.path.join(os.path.expanduser(pattern), '**', '*'), recursive=True)
-    files = [p for p in under if os.path.isfile(p) and _readable_name(p)]
+    base = os.path.expanduser(pattern)
+    files = [p for p in _walk(base) if os.path.isfile(p) and _readable_name(p)]
   else:
-    files = [p for p in glob.glob(os.path.expanduser(pattern), recursive=True) if not os.path.isdir(p)]
+    path = os.path.expanduser(pattern)
+    files = [p for p in glob.glob(path, recursive=True) if not os.path.isdir(p)]
+    base = _glob_base(path) if glob.has_magic(path) else None
   if not files:
     raise UserError(f'No file matches {shorten(repr(pattern), 200)}.')
   files = sorted(files)
   for path in files:
     format_of(path)
+    if base is not None:
+      member(base, os.path.relpath(path, base), 'data file')
   return files
+
+
+def _walk(directory: str) -> Iterator[str]:
+  """The files under `directory`, at any depth, hidden ones (.name) left out as a glob leaves them;
+  a symlinked directory is not entered (a symlinked file is listed, and checked by the caller)."""
+  for parent, dirs, names in os.walk(directory):
+    dirs[:] = sorted(d for d in dirs if not d.startswith('.'))
+    yield from (os.path.join(parent, n) for n in names if not n.startswith('.'))
+
+
+def _glob_base(pattern: str) -> str:
+  """The directory of a glob: its leading components without a wildcard ('.' for none)."""
+  parts = pattern.split(os.sep)
+  literal = list(itertools.takewhile(lambda part: not glob.has_magic(part), parts[:-1]))
+  return os.sep.join(literal) or (os.sep if pattern.startswith(os.sep) else '.')
 
 
 def _readable_name(path: str) -> bool:
@@ -121,8 +149,11 @@ def file_stamp(path: str) -> tuple[int, int]:
 
 
 def in_eval_split(doc: Document) -> bool:
-  digest = hashlib.sha1(doc.text().encode('utf-8', 'surrogatepass')).digest()
-  return int.from_bytes(digest[:8], 'big') % EVAL_BUCKETS == 0
+  sha1 = hashlib.sha1()
+  for chunk in doc.chunks:  # a slice at a time: a 100 MB document is not copied whole to be hashed
+    for start in range(0, len(chunk.text), 1 << 20):
+      sha1.update(chunk.text[start:start + (1 << 20)].encode('utf-8', 'surrogatepass'))
+  return int.from_bytes(sha1.digest()[:8], 'big') % EVAL_BUCKETS == 0
 
 
 def read(path: str, text_field: str, errors: Optional[list[str]] = None) -> Iterator[Document]:
@@ -169,11 +200,32 @@ def keep_share(docs: Iterator[Document], share: Optional[tuple[int, int]]) -> It
 
 
 def _open(path: str):
-  """A binary file object: local files are checked to be regular files first (never a FIFO)."""
+  """A buffered binary file object (readline takes a bound): local files are checked to be regular
+  files first (never a FIFO)."""
   if is_remote(path):
-    return import_tf().io.gfile.GFile(path, 'rb')
+    return io.BufferedReader(_RemoteFile(import_tf().io.gfile.GFile(path, 'rb')), 1 << 20)
   check_regular_file(path, 'data file')
   return open(path, 'rb')
+
+
+class _RemoteFile(io.RawIOBase):
+  """tf.io.gfile's GFile as a raw file, for io.BufferedReader (GFile's own readline has no bound)."""
+
+  def __init__(self, gfile):
+    super().__init__()
+    self._gfile = gfile
+
+  def readable(self) -> bool:
+    return True
+
+  def readinto(self, buffer) -> int:
+    data = self._gfile.read(len(buffer))
+    buffer[:len(data)] = data
+    return len(data)
+
+  def close(self) -> None:
+    self._gfile.close()
+    super().close()
 
 
 def _document(make, errors: Optional[list[str]]) -> Optional[Document]:
@@ -187,54 +239,99 @@ def _document(make, errors: Optional[list[str]]) -> Optional[Document]:
     return None
 
 
-def _lines(path: str, errors: Optional[list[str]] = None) -> Iterator[tuple[int, str]]:
-  """(line number, text) of a text file, gzip-decompressed by name; UserError for non-UTF-8 (with
-  `errors`: the line is kept there and skipped)."""
+def _lines(path: str, errors: Optional[list[str]] = None) -> Iterator[tuple[int, list[str]]]:
+  """(line number, [text]) of a text file, gzip-decompressed by name; UserError for non-UTF-8 or a
+  line over bounds.max_line_bytes() (after gunzip: a small .gz never expands into one huge line in
+  memory); with `errors` the line's message is kept there and the line skipped. The text comes in a
+  list for the reader to pop: a generator's variable would hold a long line while its document is
+  tokenized."""
+  limit = bounds.max_line_bytes()
   with _open(path) as raw:
     f = gzip.GzipFile(fileobj=raw) if path.endswith('.gz') else raw
     try:
-      for n, line in enumerate(f, start=1):
+      n = 0
+      while True:
+        line = f.readline(limit + 1)  # bounded read: never more than the limit in memory
+        if not line:
+          return
+        n += 1
+        if len(line) > limit and not line.endswith(b'\n'):
+          del line
+          _rest_of_line(f)
+          _bad(errors, f'{path} line {n}: a line of more than {limit:,} bytes{" (after gunzip)" if f is not raw else ""}; '
+                       f'paxcli reads lines of at most that (PAXCLI_MAX_LINE_BYTES raises the bound).')
+          continue
         try:
-          yield n, line.decode('utf-8')
+          text = line.decode('utf-8')
         except UnicodeDecodeError as e:
-          message = f'{path} line {n}: not UTF-8 text (byte {e.start + 1} of the line).'
-          if errors is None:
-            raise UserError(message) from None
-          errors.append(message)
+          _bad(errors, f'{path} line {n}: not UTF-8 text (byte {e.start + 1} of the line).')
+          continue
+        del line  # the bytes go before the text is used: a long line is held once, not twice
+        box = [text]
+        del text
+        yield n, box
     except (OSError, EOFError) as e:  # a truncated or corrupt .gz
       raise UserError(f'{path}: cannot read it ({e}).') from None
 
 
+def _rest_of_line(f) -> None:
+  """Reads past the end of the current line, a bounded piece at a time."""
+  while True:
+    part = f.readline(1 << 20)
+    if not part or part.endswith(b'\n'):
+      return
+
+
+def _bad(errors: Optional[list[str]], message: str) -> None:
+  """Raises `message` as a UserError, or keeps it in `errors` (the caller then skips the input)."""
+  if errors is None:
+    raise UserError(message)
+  errors.append(message)
+
+
 def _read_text(path: str, text_field: str, errors: Optional[list[str]] = None) -> Iterator[Document]:
+  """Blocks of lines between blank lines; a block over bounds.max_line_bytes() characters is one
+  error (its first line named), as a line over it is."""
   del text_field
-  block, first = [], 0
-  for n, line in _lines(path, errors):
+  limit = bounds.max_line_bytes()
+  block, first, size = [], 0, 0
+  for n, box in _lines(path, errors):
+    line = box.pop()
     if line.strip():
       first = first or n
-      block.append(line)
-    elif block:
-      yield Document(sft.text_document(''.join(block).rstrip()), f'{path} line {first}')
-      block, first = [], 0
+      size += len(line)
+      if size <= limit:
+        block.append(line)
+      elif block:
+        block = []
+        _bad(errors, f'{path} line {first}: a block of text (a document: the lines up to a blank one) of more than '
+                     f'{limit:,} characters; paxcli reads documents of at most that (PAXCLI_MAX_LINE_BYTES raises '
+                     'the bound).')
+    else:
+      if block:
+        yield Document(sft.text_document(''.join(block).rstrip()), f'{path} line {first}')
+      block, first, size = [], 0, 0
   if block:
     yield Document(sft.text_document(''.join(block).rstrip()), f'{path} line {first}')
 
 
 def _read_jsonl(path: str, text_field: str, errors: Optional[list[str]] = None) -> Iterator[Document]:
-  for n, line in _lines(path, errors):
-    if not line.strip():
+  for n, box in _lines(path, errors):
+    if not box[0] or box[0].isspace():
       continue
-    where = f'{path} line {n}'
-    doc = _document(lambda: record_document(_json_object(line, where, text_field), text_field, where),
+    where = f'{path} line {n}'  # the line's text goes once parsed: a long line is not held beside its record
+    doc = _document(lambda: record_document(_json_object(box.pop(), where, text_field), text_field, where),
                     errors)
     if doc is not None:
       yield doc
 
 
 def _json_object(line: str, where: str, text_field: str) -> dict:
+  """The JSON object of a line (files.parse_json: bounded depth and numbers, no NaN)."""
   try:
-    record = json.loads(line)
-  except json.JSONDecodeError as e:
-    raise UserError(f'{where}: not JSON ({e.msg} at column {e.colno}).') from None
+    record = parse_json(line, where)
+  except UserError as e:
+    raise UserError(str(e).replace(f'{where}: not valid JSON (line 1, ', f'{where}: not JSON (')) from None
   if not isinstance(record, dict):
     raise UserError(f'{where}: a JSON object ({{"{text_field}": ...}}) per line is needed; this line holds '
                     f'a {type(record).__name__}.')
@@ -295,21 +392,18 @@ def _read_array_record(path: str, text_field: str, errors: Optional[list[str]] =
     raise UserError(f'{path}: ArrayRecord files are read from local disks only; copy them first.')
   check_regular_file(path, 'data file')
   try:  # optional: array-record has wheels for Linux and macOS only
-    from array_record.python.array_record_module import ArrayRecordReader
+    import array_record.python.array_record_module  # noqa: F401
   except ImportError:
     raise UserError('Reading ArrayRecord files needs the array-record package (pip install array-record).') from None
-  reader = ArrayRecordReader(path)
-  try:
-    if not reader.ok():
-      raise UserError(f'{path}: not an ArrayRecord file (or a corrupted one).')
-    for start in range(0, reader.num_records(), 1024):
-      for n, data in enumerate(reader.read(start, min(start + 1024, reader.num_records())), start=start):
+  from paxcli.inputs.prepared import array_records
+  with array_records(path) as reader:
+    total = reader.num_records()
+    for start in range(0, total, 1024):
+      for n, data in enumerate(reader.read(start, min(start + 1024, total)), start=start):
         where = f'{path} record {n}'
         doc = _document(lambda: record_document(_example_record(data, where), text_field, where), errors)
         if doc is not None:
           yield doc
-  finally:
-    reader.close()
 
 
 _READERS = {'text': _read_text, 'jsonl': _read_jsonl, 'parquet': _read_parquet, 'tfrecord': _read_tfrecord,

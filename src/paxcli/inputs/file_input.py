@@ -34,6 +34,7 @@ from typing import Iterator, Optional, Union
 import numpy as np
 
 from paxcli.errors import UserError, shorten
+from paxcli.files import check_output
 from paxcli.inputs import chat_template, documents, packing, tokenizers
 from paxcli.inputs.base import StreamInput, decode_rows
 from paxcli.inputs.corpus import cache_root
@@ -203,10 +204,13 @@ def auto_tokenizer(data: Data, text_field: str, vocab_size: int) -> str:
 
 
 def train_tokenizer(data: Data, text_field: str, vocab_size: int, output: str,
-                    max_chars: int = tokenizers.MAX_CHARS) -> int:
+                    max_chars: int = tokenizers.MAX_CHARS, force: bool = False) -> int:
   """Trains a sentencepiece model on the train side of `data` (never on the documents the eval
-  split takes), one document of each source in turn; returns its size."""
-  per_source = [_split_docs(documents.expand(glob), text_field) for glob, _ in sources(data)]
+  split takes), one document of each source in turn; returns its size. An existing `output` (never
+  one of the data files) is replaced only with `force`."""
+  paths = [documents.expand(glob) for glob, _ in sources(data)]
+  check_output(output, '--output', force=force, inputs=[p for group in paths for p in group])
+  per_source = [_split_docs(group, text_field) for group in paths]
   texts = (doc.text() for doc in _round_robin(per_source))
   return tokenizers.train_sentencepiece(texts, vocab_size, output, max_chars)
 

@@ -33,7 +33,9 @@ same processes, workers and batch, it gives the very batches an uninterrupted ru
 another count of processes or workers, the stream states are gathered from every process's
 file and dealt out again: the streams go on exactly, only the order in which they fill the
 batches changes. The number of streams cannot change (it decides which stream reads which
-position); a resume that changes it, the data or the seed is refused in one line.
+position); a resume that changes it, the data or the seed is refused in one line. Each file is
+sealed with a checksum and every field of it is checked before use (paxcli.inputs.grain_state):
+an edited or damaged state is refused naming the file and field, never resumed on other documents.
 
 PAXCLI_INPUT_TRACE=FILE (a debugging aid, used by the tests): each batch taken appends one JSON
 line to FILE with the process, the batch's index and, per row, the documents and offsets of its
@@ -45,7 +47,6 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import functools
-import glob
 import json
 import os
 import threading
@@ -56,12 +57,11 @@ import grain
 from absl import flags
 import numpy as np
 
-from paxcli.errors import UserError
-from paxcli.inputs import file_input, packing, prepared, tokenizers
+from paxcli.errors import UserError, shorten
+from paxcli.inputs import file_input, grain_state, packing, prepared, tokenizers
 from paxcli.inputs.base import BaseInput, EndOfInput, decode_rows
+from paxcli.inputs.grain_state import STATE_VERSION, STREAMS, read_states  # noqa: F401 - the train loop reads these
 
-STATE_VERSION = 1
-STREAMS = 'paxcli_streams'  # the key under which a worker's state holds its streams' states
 TRACE_ENV = 'PAXCLI_INPUT_TRACE'
 _DOC, _OFFSET = '_doc', '_offset'  # per token: the global position of its document, its index in it
 
@@ -229,7 +229,7 @@ class GrainLmInput(BaseInput):
     self.num_docs = sum(m.records(self.split) for _, _, m in self._sources)
     if not self.num_docs:
       raise UserError(f'{self.data}: the prepared data has no {self.split} document.')
-    self._tokenizer_path = os.path.join(self._sources[0][0], self.manifest.tokenizer)
+    self._tokenizer_path = prepared.member(self._sources[0][0], self.manifest.tokenizer, 'tokenizer')
     if self.vocab_size and self.manifest.vocab_size > self.vocab_size:
       raise UserError(f'{self.data}: its tokenizer has {self.manifest.vocab_size} tokens, more than the model\'s '
                       f'{self.vocab_size}: set VOCAB_SIZE={self.manifest.vocab_size} (or more).')
@@ -245,12 +245,14 @@ class GrainLmInput(BaseInput):
     a mixture's directories interleaved in proportion to their weights by Grain's mix, which maps a
     position to (directory, index) by arithmetic: random access, so a stream's count is all a resume
     needs. Eval: every document of the split once, directory after directory."""
+    def shards(directory, manifest):
+      return [prepared.member(directory, s.name, 'shard') for s in manifest.shards.get(self.split) or []]
+
     def source(directory, manifest):
-      return grain.sources.ArrayRecordDataSource(
-          [os.path.join(directory, s.name) for s in manifest.shards.get(self.split) or []])
+      return grain.sources.ArrayRecordDataSource(shards(directory, manifest))
     if not self.is_training:
       return grain.MapDataset.source(grain.sources.ArrayRecordDataSource(
-          [os.path.join(d, s.name) for d, _, m in self._sources for s in m.shards.get(self.split) or []]))
+          [path for d, _, m in self._sources for path in shards(d, m)]))
     empty = [d for d, _, m in self._sources if not m.records(self.split)]
     if empty:
       raise UserError(f'{empty[0]}: the prepared data has no {self.split} document; a mixture draws from each '
@@ -306,35 +308,63 @@ class GrainLmInput(BaseInput):
   # ---- checkpoints ----------------------------------------------------------------------------
 
   def get_state(self) -> bytes:
-    """This process's state after the last batch taken, as JSON (Grain's orbax handler saves it)."""
+    """This process's state after the last batch taken, as sealed JSON (grain_state.seal; Grain's
+    orbax handler saves it)."""
     self._start()
-    return json.dumps({'version': STATE_VERSION, **self._layout(), 'batches': self._batches_read,
-                       'grain': self._iterator.get_state()}).encode()
+    return grain_state.seal({'version': STATE_VERSION, **self._layout(), 'batches': self._batches_read,
+                             'grain': self._iterator.get_state()})
 
-  def restore(self, saved: list[dict]) -> None:
-    """Goes on from the states every process saved (read_states): the very batches when the
-    processes, workers and batch are the same; else the streams dealt out again."""
+  def restore(self, saved: list[dict], batches: Optional[int] = None) -> None:
+    """Goes on from the states every process saved (read_states), each checked first (paxcli.inputs.
+    grain_state: a state that was edited or does not fit this input and its data is refused): the very
+    batches when the processes, workers and batch are the same; else the streams dealt out again.
+    `batches`: the count of batches consumed that the checkpoint's meta holds, checked against theirs."""
     mine = self._layout()
-    first = saved[0]
-    for key in ('num_streams', 'num_docs', 'mixture', 'seed', 'seq_len', 'open_rows', 'split'):
-      if first.get(key) != mine[key]:
-        raise UserError(f'Cannot resume the input {self.name!r}: the checkpoint read {self.data} with {key} '
-                        f'{first.get(key)!r}, this run has {mine[key]!r}; the saved position means nothing '
-                        f'for other data or another order. Resume with the same {key}, or start a new job directory.')
-    self._batches_read = int(first['batches'])
-    same = [s for s in saved if all(s.get(k) == mine[k] for k in ('num_processes', 'process', 'workers', 'batch_size'))]
+    grain_state.check_files(saved, batches)
+    for i, state in enumerate(saved):
+      for key in ('num_streams', 'num_docs', 'mixture', 'seed', 'seq_len', 'open_rows', 'split'):
+        if state.get(key) != mine[key]:
+          raise UserError(f'Cannot resume the input {self.name!r}: the checkpoint read {self.data} with {key} '
+                          f'{shorten(repr(state.get(key)), 60)}, this run has {mine[key]!r}; the saved position means '
+                          f'nothing for other data or another order. Resume with the same {key}, or start a new job '
+                          f'directory. ({grain_state.where(state, i)})')
+    streams = grain_state.check_streams(saved, mine)
+    grain_state.check_pieces(streams, self.seq_len, *self._piece_sizes())
+    self._batches_read = saved[0]['batches']
+    keys = ('num_processes', 'process', 'workers', 'batch_size')
+    same = [s for s in saved if all(s[k] == mine[k] for k in keys)]
     self.close()
     if len(saved) == mine['num_processes'] and same:
       self._start()
-      self._iterator.set_state(same[0]['grain'])
+      self._iterator.set_state(grain_state.merged(self._iterator.get_state(), same[0]['grain'], self._worker_streams(),
+                                                  self.workers, grain_state.where(same[0], 0)))
       return
-    states: dict[int, dict] = {}
-    for s in saved:
-      states.update(stream_states(s['grain']))
-    if len(states) != self.num_streams:
-      raise UserError(f'Cannot resume the input {self.name!r}: the checkpoint holds the state of {len(states)} of '
-                      f'its {self.num_streams} streams (a process\'s input file is missing).')
-    self._restored = states
+    self._restored = streams
+
+  def _piece_sizes(self):
+    """(pieces_of(g), length(g, k)) of the documents at positions g, for checking saved pieces."""
+    examples: dict[int, Optional[packing.Example]] = {}
+
+    def example(g: int):
+      if g not in examples:
+        examples[g] = self._example_at(g)
+      return examples[g]
+
+    def pieces_of(g: int) -> int:
+      return -(-len(example(g)) // self.seq_len) if example(g) is not None else 0
+
+    def length(g: int, k: int) -> int:
+      return min(self.seq_len, len(example(g)) - k * self.seq_len)
+    return pieces_of, length
+
+  def _example_at(self, g: int) -> Optional[packing.Example]:
+    return prepared.example(self._docs[g], f'document at position {g}')
+
+  def _worker_streams(self) -> list[list[int]]:
+    """The streams of this process, dealt to its workers as Grain's mp_prefetch deals them."""
+    num_hosts, host = self._host()
+    streams = list(range(host, self.num_streams, num_hosts))
+    return [streams[w::self.workers] for w in range(self.workers)] if self.workers else [streams]
 
   # ---- the pipeline ---------------------------------------------------------------------------
 
@@ -395,18 +425,8 @@ def _sources(data: Any, name: str) -> list[tuple[str, float, prepared.Manifest]]
   directories of a mixture must share one tokenizer (their ids mean the same tokens)."""
   out = [(d, w, prepared.read_manifest(d)) for d, w in file_input.sources(
       data, name, ('prepared directory', 'prepared directories'))]
-  first_dir, _, first = out[0]
-  for d, _, m in out[1:]:
-    if not _same_file(os.path.join(first_dir, first.tokenizer), os.path.join(d, m.tokenizer)):
-      raise UserError(f'Input {name!r}: {d} and {first_dir} were prepared with different tokenizers, so their '
-                      'ids mean different tokens; prepare them all with the same --tokenizer (e.g. '
-                      f'--tokenizer {os.path.join(first_dir, first.tokenizer)}).')
+  prepared.check_one_tokenizer([(d, m) for d, _, m in out], f'Input {name!r}')
   return out
-
-
-def _same_file(a: str, b: str) -> bool:
-  with open(a, 'rb') as fa, open(b, 'rb') as fb:
-    return fa.read() == fb.read()
 
 
 def _own_memory(batch: dict) -> dict:
@@ -429,15 +449,3 @@ def _exit_with_parent(parent: int, worker: int, num_workers: int) -> None:
       time.sleep(1)
     os._exit(0)
   threading.Thread(target=watch, name='paxcli-exit-with-parent', daemon=True).start()
-
-
-def read_states(directory: str) -> list[dict]:
-  """The input states every process saved in a checkpoint's input item ([] when it has none)."""
-  out = []
-  for path in sorted(glob.glob(os.path.join(directory, 'process_*-of-*.json'))):
-    try:
-      with open(path, encoding='utf-8') as f:
-        out.append(json.load(f))
-    except (OSError, ValueError) as e:
-      raise UserError(f'{path}: unreadable input state ({e}).') from None
-  return out

@@ -26,11 +26,13 @@ import os
 import re
 from typing import Iterable, Iterator, Optional
 
+import numpy as np
 import sentencepiece as spm
 import tokenizers as hf_tokenizers
 
+from paxcli import files
 from paxcli.errors import UserError
-from paxcli.files import atomic_write, check_regular_file, read_text
+from paxcli.files import check_regular_file, read_text
 
 # The special tokens of common tokenizer.json files, most usual first: the first one present
 # in a file's vocabulary is its end-of-text (or padding, beginning) token.
@@ -112,12 +114,13 @@ class SentencePieceTokenizer:
                          ('unk', _id_or_none(self._sp.unk_id())))}
 
   def encode(self, text: str) -> list[int]:
-    return list(self._sp.encode(text))
+    return list(self._sp.encode(utf8_text(text)))
 
   def encode_rendered(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
     """(ids, each one's [start, end) characters) of a rendered chat template: the special tokens'
     texts (`</s>`) are those tokens, as transformers' LlamaTokenizer reads them; sentencepiece
     alone would spell them out. The text between them is encoded piece by piece."""
+    text = utf8_text(text)
     specials = {t: self._sp.piece_to_id(t) for t in self.special_tokens().values() if t}
     ids, offsets, at = [], [], 0
     for part in _split_at(text, specials):
@@ -131,8 +134,9 @@ class SentencePieceTokenizer:
       at += len(part)
     return ids, offsets
 
-  def encode_many(self, texts: list[str]) -> list[list[int]]:
-    return [list(ids) for ids in self._sp.encode(texts)]
+  def encode_many(self, texts: list[str]) -> list[np.ndarray]:
+    """The ids of each text (int32); a long one in pieces (encode_long)."""
+    return _encode_many(texts, lambda batch: self._sp.encode(batch), self.encode)
 
   def decode(self, ids, specials: bool = False) -> str:
     """The text of `ids`, special tokens written out when `specials` (what `pax inspect-input`
@@ -187,16 +191,18 @@ class HfTokenizer:
             for k, i in (('bos', self.bos_id), ('eos', self.eos_id), ('pad', self.pad_id))}
 
   def encode(self, text: str) -> list[int]:
-    return list(self._tok.encode(text, add_special_tokens=False).ids)
+    return list(self._tok.encode(utf8_text(text), add_special_tokens=False).ids)
 
   def encode_rendered(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
     """(ids, each one's [start, end) characters) of a rendered chat template: added tokens written
     as text are those tokens, as in every tokenizers encode; no BOS is added (the template writes it)."""
-    encoding = self._tok.encode(text, add_special_tokens=False)
+    encoding = self._tok.encode(utf8_text(text), add_special_tokens=False)
     return list(encoding.ids), [tuple(o) for o in encoding.offsets]
 
-  def encode_many(self, texts: list[str]) -> list[list[int]]:
-    return [list(e.ids) for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+  def encode_many(self, texts: list[str]) -> list[np.ndarray]:
+    """The ids of each text (int32); a long one in pieces (encode_long)."""
+    return _encode_many(texts, lambda batch: [e.ids for e in self._tok.encode_batch(batch, add_special_tokens=False)],
+                        self.encode)
 
   def decode(self, ids, specials: bool = False) -> str:
     """The text of `ids`, special tokens written out when `specials` (what `pax inspect-input` shows)."""
@@ -222,6 +228,73 @@ def load_for_documents(path: str) -> Tokenizer:
   return tok
 
 
+_SURROGATE = re.compile('[\ud800-\udfff]')
+
+
+def utf8_text(text: str) -> str:
+  """`text` with each lone surrogate (U+D800..U+DFFF: JSON's "\\ud800" alone, which no UTF-8 text can
+  hold and no tokenizer encodes) replaced by U+FFFD, the replacement character; one character for
+  one, so character offsets are unchanged."""
+  return _SURROGATE.sub('\ufffd', text) if _SURROGATE.search(text) else text
+
+
+# A text longer than 2 * LONG_TEXT characters (a 100 MB JSONL line) is tokenized in pieces of about
+# LONG_TEXT: a tokenizer given it whole holds tens of bytes per character at once (sentencepiece's
+# lattice, Python's list of ids), pieces hold a few bytes per token.
+LONG_TEXT = 1 << 20
+_SEAM = 256  # characters on each side of a cut that its check tokenizes
+_CUTS_TRIED = 64  # cuts tried near each place before the piece is made longer
+
+
+def _encode_many(texts: list[str], encode_batch, encode_one) -> list[np.ndarray]:
+  texts = [utf8_text(t) for t in texts]
+  out: list = [None] * len(texts)
+  short = [i for i, t in enumerate(texts) if len(t) <= 2 * LONG_TEXT]
+  for i, ids in zip(short, encode_batch([texts[i] for i in short])):
+    out[i] = np.asarray(ids, np.int32)
+  for i, text in enumerate(texts):
+    if out[i] is None:
+      out[i] = encode_long(text, encode_one)
+  return out
+
+
+def encode_long(text: str, encode) -> np.ndarray:
+  """The ids of a long text, tokenized in pieces of about LONG_TEXT characters.
+
+  Each cut is one the tokenizer itself does not straddle: at a space (or, in text without one,
+  anywhere) where the characters around it give the same ids tokenized together as tokenized on
+  either side of it. Where no such cut is found near a place, the piece grows to the next; a
+  tokenizer that gives no such cut at all tokenizes the text whole. `encode`: text -> ids.
+  """
+  parts, start, target = [], 0, LONG_TEXT
+  while len(text) - start > 2 * LONG_TEXT and target < len(text) - LONG_TEXT:
+    cut = _cut(text, start + target, encode)
+    if cut is None:
+      target += LONG_TEXT
+      continue
+    parts.append(np.asarray(encode(text[start:cut]), np.int32))
+    start, target = cut, LONG_TEXT
+  parts.append(np.asarray(encode(text[start:]), np.int32))
+  return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def _cut(text: str, near: int, encode) -> Optional[int]:
+  """A place at or after `near` where tokenizing the text on either side gives the ids of tokenizing
+  it whole, as far as _SEAM characters on each side tell; None when none of the places tried does."""
+  spaces, at = [], near
+  while len(spaces) < _CUTS_TRIED // 2:
+    at = text.find(' ', at, near + 16 * _SEAM)
+    if at < 0:
+      break
+    spaces.append(at)
+    at += 1
+  for cut in spaces + list(range(near, near + _CUTS_TRIED // 2)):
+    left, right = text[cut - _SEAM:cut], text[cut:cut + _SEAM]
+    if list(encode(left + right)) == list(encode(left)) + list(encode(right)):
+      return cut
+  return None
+
+
 def _split_at(text: str, tokens) -> list[str]:
   """`text` cut before and after each occurrence of one of `tokens` (longest first), those kept."""
   if not tokens:
@@ -234,17 +307,37 @@ def _id_or_none(i: int) -> Optional[int]:
 
 
 def training_lines(texts: Iterable[str], max_chars: int) -> Iterator[str]:
-  """The non-empty lines of `texts`, cut to pieces sentencepiece does not skip as too long,
-  up to `max_chars` characters in all."""
+  """The non-empty lines of `texts` (stripped, lone surrogates replaced: utf8_text), cut to pieces
+  sentencepiece does not skip as too long, up to `max_chars` characters in all. A line is copied only
+  as far as it is used: a text of one 100 MB line costs no copy of it."""
   left = max_chars
   for text in texts:
-    for line in text.split('\n'):
-      line = line.strip()[:left]
+    for line in _stripped_lines(text, left):
+      line = utf8_text(line)
       for start in range(0, len(line), _MAX_LINE_CHARS):
         yield line[start:start + _MAX_LINE_CHARS]
       left -= len(line)
       if left <= 0:
         return
+
+
+def _stripped_lines(text: str, most: int) -> Iterator[str]:
+  """line.strip()[:most] of each line of `text`, without copying more than that of any line."""
+  start = 0
+  while start <= len(text):
+    end = text.find('\n', start)
+    end = len(text) if end < 0 else end
+    first = start
+    while first < end and text[first].isspace():
+      first += 1
+    last = rest = min(end, first + most)
+    while rest < end and text[rest].isspace():
+      rest += 1
+    if rest == end:  # nothing but spaces after the part kept: strip them off it
+      while last > first and text[last - 1].isspace():
+        last -= 1
+    yield text[first:last]
+    start = end + 1
 
 
 def train_sentencepiece(texts: Iterable[str], vocab_size: int, output: str, max_chars: int = MAX_CHARS) -> int:
@@ -275,8 +368,8 @@ def train_sentencepiece(texts: Iterable[str], vocab_size: int, output: str, max_
       raise UserError(f'Training the tokenizer failed: {e}') from None
   if failures:  # bad input met while sentencepiece read the text: the one line that names it
     raise failures[0]
-  atomic_write(output, model.getvalue())
-  return SentencePieceTokenizer(output).vocab_size
+  files.write_output(output, model.getvalue(), 'the tokenizer')  # /dev/null or a FIFO: written into
+  return int(spm.SentencePieceProcessor(model_proto=model.getvalue()).get_piece_size())
 
 
 def _stop_on_user_error(lines: Iterator[str], failures: list) -> Iterator[str]:

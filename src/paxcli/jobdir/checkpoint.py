@@ -32,6 +32,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from paxcli.errors import UserError
+from paxcli.jobdir import format as job_format
 from paxcli.jobdir import layout, storage
 
 _MARKERS = layout.COMMIT_MARKERS
@@ -260,6 +261,7 @@ class Checkpointer:
       self._before_save()
     self._rotate()
     self._in_flight = self.latest_saved = step
+    meta = job_format.stamp(meta)
     items = dict(state=ocp.args.StandardSave(state, save_args=save_args(state)), meta=ocp.args.JsonSave(meta))
     if input_state is not None:
       items[layout.INPUT] = grain.checkpoint.CheckpointSave(_Saved(input_state))

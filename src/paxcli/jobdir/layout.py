@@ -1,6 +1,7 @@
 """Every path inside a job directory, named in this one module.
 
   config.txt                the resolved config of the latest invocation
+  format.json               the newest format written into it (jobdir/format.py)
   invocations.txt           one line per invocation: UTC time, paxcli version, command line
   train.lock                the running trainer's lock (jobdir/lock.py)
   tokenizer/spm.model       the train input's sentencepiece model (decode and conversion read it)
@@ -68,6 +69,10 @@ def absolute(path: str, option: str = 'path') -> str:
 
 def config(job_dir: str) -> str:
   return os.path.join(job_dir, 'config.txt')
+
+
+def format_file(job_dir: str) -> str:
+  return os.path.join(job_dir, 'format.json')
 
 
 def invocations(job_dir: str) -> str:

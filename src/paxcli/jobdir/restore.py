@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
-import functools
 import hashlib
 import json
 import logging
@@ -26,7 +25,6 @@ import time
 from typing import Any, Optional
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
@@ -34,9 +32,11 @@ from jax.experimental import multihost_utils
 from paxcli.config import config_differences
 from paxcli.errors import UserError
 from paxcli.jobdir import checkpoint as ckpt
+from paxcli.jobdir import format as job_format
 from paxcli.jobdir import layout, storage
 from paxcli.runtime import distributed
-from paxcli.runtime import engine
+from paxcli.runtime import engine, train_state
+from paxcli.runtime.train_state import checksum_hex, checksum_part, checksums, path_name  # noqa: F401
 
 
 @dataclasses.dataclass
@@ -72,13 +72,8 @@ def saved_state_keys(job_dir: str, step: int) -> set[str]:
 def saved_dtypes(tree) -> dict:
   """'path' -> dtype of every array in a saved state's metadata tree (checksums' names)."""
   leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: hasattr(x, 'dtype'))[0]
-  return {_path_name(path): np.dtype(m.dtype)
+  return {path_name(path): np.dtype(m.dtype)
           for path, m in leaves if getattr(m, 'dtype', None) is not None}
-
-
-def _path_name(path) -> str:
-  """'params/layers/mlp/wo/kernel' for a pytree key path: the names checksums are kept under."""
-  return '/'.join(str(k) for k in engine._keys(path))
 
 
 def saved_metadata(job_dir: str, step: int):
@@ -104,9 +99,11 @@ def state_metadata(path: str):
 def read_meta(job_dir: str, step: int) -> dict:
   path = _meta_path(job_dir, step)
   try:
-    return _load_meta(path)
+    meta = _load_meta(path)
   except (OSError, ValueError) as e:
     raise UserError(f'The metadata of the checkpoint at step {step} ({path}) cannot be read: {e}') from None
+  job_format.check(meta if isinstance(meta, dict) else {}, f'The checkpoint at step {step} in {job_dir}')
+  return meta
 
 
 def _meta_path(job_dir: str, step: int) -> str:
@@ -320,16 +317,18 @@ def _restore_step(setup, job_dir: str, step: int, params_only: bool, flat_now: O
     raise _failure(e, step, directory, 'its metadata (meta/metadata)', action) from None
   if not isinstance(meta, dict):
     raise damaged('its metadata (meta/metadata) is not a JSON object')
+  job_format.check(meta, f'The checkpoint at step {step} in {directory}')
   try:
     saved_tree = _saved_tree(job_dir, step)
   except Exception as e:
     raise _failure(e, step, directory, "orbax's description of its arrays", action) from None
   keys = set(saved_tree.keys()) if saved_tree is not None else set()
   has_opt = 'opt_state' in keys
-  with_base = join_base and engine.has_frozen(setup)
-  abstract = engine.saved_state(setup, setup.abstract_state) if with_base else setup.abstract_state
-  check_shapes(meta, engine.shape_signature(abstract), flat_now or {}, step, params_only or not has_opt, action)
+  with_base = join_base and train_state.has_frozen(setup)
+  abstract = train_state.saved_state(setup, setup.abstract_state) if with_base else setup.abstract_state
+  check_shapes(meta, train_state.shape_signature(abstract), flat_now or {}, step, params_only or not has_opt, action)
   base = checked_base(setup, meta) if with_base else None   # a wrong base refuses before any array is read
+  engine.check_fits(setup, params_only=params_only or not has_opt)
   wanted = {k: v for k, v in abstract.items() if k != 'opt_state' or (has_opt and not params_only)}
   restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding, global_shape=a.shape,
                                                              dtype=a.dtype), wanted)
@@ -347,7 +346,7 @@ def _restore_step(setup, job_dir: str, step: int, params_only: bool, flat_now: O
   if bad:
     raise damaged(bad)
   if base is not None:
-    state['params'] = engine.join_params(state['params'], base_params(setup, base, frozen_only=True))
+    state['params'] = train_state.join_params(state['params'], base_params(setup, base, frozen_only=True))
   if not params_only and not has_opt:
     state['opt_state'] = init_opt_state(setup, state['params'])
   return Restored(step, state, meta, params_only_checkpoint=not has_opt)
@@ -437,7 +436,7 @@ def base_params(setup, ref: BaseRef, frozen_only: bool) -> dict:
   verified against its checksums."""
   params = setup.abstract_state['params']
   if frozen_only:
-    params = engine.split_trainable(setup.model, params)[1]
+    params = train_state.split_trainable(setup.model, params)[1]
   sub = dataclasses.replace(setup, abstract_state={'step': setup.abstract_state['step'], 'params': params})
   try:
     got = restore(sub, ref.job_dir, ref.step, params_only=True, action='load the base weights from', join_base=False)
@@ -463,9 +462,9 @@ class BaseUnreadable(UserError):
 def start_from_base(setup, state: dict, ref: BaseRef) -> dict:
   """A fresh train state with the base's params: all of them (a full fine-tune), or the frozen ones
   beside freshly initialised adapters (LoRA; B = 0, so the model starts as the base)."""
-  if engine.has_frozen(setup):
-    trainable = engine.split_trainable(setup.model, state['params'])[0]
-    return dict(state, params=engine.join_params(trainable, base_params(setup, ref, frozen_only=True)))
+  if train_state.has_frozen(setup):
+    trainable = train_state.split_trainable(setup.model, state['params'])[0]
+    return dict(state, params=train_state.join_params(trainable, base_params(setup, ref, frozen_only=True)))
   return dict(state, params=base_params(setup, ref, frozen_only=False))
 
 
@@ -477,7 +476,7 @@ def _as_saved_dtypes(state, dtypes: dict, saved_sums: dict):
   array saved wider than it is restored cannot be, and is left out of the comparison.
   """
   def one(path, x):
-    name = _path_name(path)
+    name = path_name(path)
     want = dtypes.get(name)
     if want is None or want == x.dtype:
       return x
@@ -493,75 +492,9 @@ def _first_line(e: BaseException) -> str:
   return (text.splitlines()[0] if text else '')[:300]
 
 
-def checksums(state) -> dict[str, str]:
-  """'path' -> checksum of every array of `state`, computed where the arrays live (one jitted pass).
-
-  Each array's bits (as unsigned integers) are summed modulo 2**32 in two lanes, weighted by
-  odd multipliers that depend on the element's position: any single flipped bit changes the
-  sum, and the result does not depend on how the array is sharded (integer addition modulo
-  2**32 is exact in any order), so a checkpoint verifies on another mesh or process count.
-  """
-  flat = jax.tree_util.tree_flatten_with_path(state)[0]
-  names = [_path_name(path) for path, _ in flat]
-  out = _checksum_fn()([leaf for _, leaf in flat])
-  if jax.process_count() > 1:
-    out = multihost_utils.process_allgather(out, tiled=True)
-  sums = np.asarray(jax.device_get(out))
-  return {name: checksum_hex(lanes) for name, lanes in zip(names, sums)}
-
-
-def checksum_part(x, offset: int = 0):
-  """checksums()'s two lanes (uint32) for the elements of x at flat positions offset, offset+1, ...
-
-  The NumPy twin of the jitted pass, for writers that stream an array in pieces (checkpoint
-  conversion): the lanes of the pieces of one array add up (modulo 2**32) to the lanes of the
-  whole, so checksum_hex(sum of parts) equals what checksums() computes for the array.
-  """
-  x = np.ascontiguousarray(x)
-  if x.dtype == np.bool_:
-    b, words = x.reshape(-1).astype(np.uint32), 1
-  elif x.dtype.itemsize == 8:   # both 32-bit halves, as the jitted pass does
-    b, words = x.reshape(-1).view(np.uint32), 2
-  else:
-    width = {1: np.uint8, 2: np.uint16, 4: np.uint32}[x.dtype.itemsize]
-    b, words = x.reshape(-1).view(width).astype(np.uint32), 1
-  i = (np.arange(b.size, dtype=np.uint64) + np.uint64(offset * words)).astype(np.uint32)
-  lane1 = np.sum(b * (i * np.uint32(2) + np.uint32(1)), dtype=np.uint32)
-  lane2 = np.sum((b ^ (i * np.uint32(0x9E3779B9))) * np.uint32(0x85EBCA6B), dtype=np.uint32)
-  return np.array([lane1, lane2], np.uint32)
-
-
-def checksum_hex(lanes) -> str:
-  return f'{int(lanes[0]):08x}{int(lanes[1]):08x}'
-
-
-@functools.cache
-def _checksum_fn():
-  """One jitted checksum pass, compiled once per set of shapes and reused at every save."""
-  def bits(x):
-    x = jnp.asarray(x)
-    if x.dtype == jnp.bool_:
-      return x.astype(jnp.uint32)
-    width = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}.get(x.dtype.itemsize)
-    if width is None:  # 8-byte values: both halves
-      halves = jax.lax.bitcast_convert_type(x, jnp.uint32)
-      return halves.reshape(x.shape + (2,))
-    return jax.lax.bitcast_convert_type(x, width).astype(jnp.uint32)
-
-  def one(x):
-    b = bits(x).reshape(-1)
-    i = jnp.arange(b.shape[0], dtype=jnp.uint32)
-    lane1 = jnp.sum(b * (i * jnp.uint32(2) + jnp.uint32(1)), dtype=jnp.uint32)
-    lane2 = jnp.sum((b ^ (i * jnp.uint32(0x9E3779B9))) * jnp.uint32(0x85EBCA6B), dtype=jnp.uint32)
-    return jnp.stack([lane1, lane2])
-
-  return jax.jit(lambda leaves: jnp.stack([one(x) for x in leaves]) if leaves
-                 else jnp.zeros((0, 2), jnp.uint32))
-
-
 def init_opt_state(setup, params) -> Any:
   """Fresh optimizer state for `params`, created on its shardings."""
-  init = lambda p: setup.tx.init(engine.split_trainable(setup.model, p)[0])
+  init = lambda p: setup.tx.init(train_state.split_trainable(setup.model, p)[0])
   return jax.jit(init, out_shardings=setup.state_shardings['opt_state'])(params)
 
 

@@ -34,6 +34,7 @@ import threading
 import time
 from typing import Callable, Optional
 
+from paxcli import files
 from paxcli.errors import UserError, shorten
 
 SCHEMES = {'gs': 'Google Cloud Storage'}
@@ -359,19 +360,7 @@ def check_new_file(path: str, option: str) -> None:
     if isdir(path):
       raise UserError(f'{option} {shown} is a directory; give a file name.')
     return
-  full = os.path.abspath(path)
-  if os.path.isdir(full):
-    raise UserError(f'{option} {shown} is a directory; give a file name.')
-  probe = os.path.dirname(full)
-  while not os.path.lexists(probe):  # the nearest existing ancestor: its directories are made at the end
-    probe = os.path.dirname(probe)
-  if not os.path.isdir(probe):
-    raise UserError(f'Cannot write {shown}: {probe} is not a directory.')
-  try:
-    with tempfile.TemporaryFile(dir=probe):
-      pass
-  except OSError as e:
-    raise UserError(f'Cannot write {shown}: {probe} is not writable ({e.strerror}).') from None
+  files.check_output(path, option, force=True)   # a local file: the one output-path check
 
 
 # ---- writing ----------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 The layers' weights are stored as the unpipelined scanned model stores them (`layers`,
 stacked [L, ...], the L dimension sharded over the mesh's `stage` axis), so a checkpoint
-does not depend on the stage count. Inside the step they are viewed as
+does not depend on the stage count. A patterned stack (paxcli.models.pattern) is stacked by
+groups ([L / P, ...]); its unit here is a group, and "layer" below reads "group". Inside the step they are viewed as
 [stages, repeats, layers_per_stage, ...]: with R circular repeats, visit v = r * S + s
 of a microbatch to stage s runs layers v * Lps ... (v + 1) * Lps - 1, so the model is the
 same L layers in the same order whatever S and R are. (With R = 1 that view is local to
@@ -58,10 +59,15 @@ class Schedule:
 
 
 def schedule_for(num_layers: int, stages: int, repeats: int, batch: int, num_microbatches: Optional[int],
-                 microbatch_size: Optional[int]) -> Schedule:
-  """The schedule for a global batch, or a one-line UserError for knobs that cannot work."""
+                 microbatch_size: Optional[int], group: int = 1) -> Schedule:
+  """The schedule for a global batch, or a one-line UserError for knobs that cannot work. `group`: layers
+  per group of a patterned stack, which the pipeline runs as one unit (stages hold whole groups)."""
   if stages < 1 or repeats < 1:
     raise UserError(f'NUM_STAGES ({stages}) and PIPELINE_CIRCULAR_REPEAT ({repeats}) must be at least 1.')
+  if group > 1 and (num_layers // group) % (stages * repeats):
+    raise UserError(f'NUM_LAYERS {num_layers} is {num_layers // group} groups of {group} (LAYER_PATTERN), not '
+                    f'divisible by NUM_STAGES x PIPELINE_CIRCULAR_REPEAT = {stages} x {repeats}: a stage would cut '
+                    'a group; each stage must hold the same number of whole groups per repeat.')
   if num_layers % (stages * repeats):
     raise UserError(f'NUM_LAYERS {num_layers} is not divisible by NUM_STAGES x PIPELINE_CIRCULAR_REPEAT = '
                     f'{stages} x {repeats}; each stage must hold the same number of layers per repeat.')

@@ -9,6 +9,7 @@ A configuration that runs out of memory is a row that says so; the sweep goes on
 
 from __future__ import annotations
 
+import io
 import itertools
 import math
 import os
@@ -22,7 +23,7 @@ from typing import Callable, Optional
 import fiddle as fdl
 import jax
 
-from paxcli import config
+from paxcli import config, files
 from paxcli.errors import UserError
 from paxcli.jobdir import storage
 from paxcli.loops.train import make_train_step
@@ -379,21 +380,13 @@ def plot_axes(rows: list[dict]) -> tuple[Optional[str], list[str]]:
   return x_key, [k for k in keys if k != x_key]
 
 
-def check_plot_path(path: str) -> None:
-  """Before any row runs: matplotlib is there and the PNG can be written (its directory is made)."""
+def check_plot_path(path: str, force: bool = False) -> None:
+  """Before any row runs: matplotlib is there and the PNG can be written (files.check_output)."""
   try:
     import matplotlib  # noqa: F401  (optional: only --plot needs it)
   except ImportError:
     raise UserError('--plot needs matplotlib: pip install matplotlib') from None
-  directory = os.path.dirname(os.path.abspath(path))
-  if os.path.isdir(path):
-    raise UserError(f'--plot {path} is a directory; give a file name such as mfu.png.')
-  try:
-    os.makedirs(directory, exist_ok=True)
-    with tempfile.TemporaryFile(dir=directory):
-      pass
-  except OSError as e:
-    raise UserError(f'--plot {path}: cannot write in {directory} ({e.strerror}).') from None
+  files.check_output(path, '--plot', force=force)
 
 
 def plot(rows: list[dict], path: str) -> None:
@@ -463,9 +456,9 @@ def plot(rows: list[dict], path: str) -> None:
   r0 = rows[0]
   fig.suptitle(textwrap.fill(f"{r0['experiment']} on {r0['devices']} x {r0['device_kind']}", 70), fontsize=10)
   fig.tight_layout()
+  png = io.BytesIO()
   try:
-    fig.savefig(path, dpi=100)
-  except OSError as e:
-    raise UserError(f'Cannot write the plot {path}: {e.strerror}.') from None
+    fig.savefig(png, format='png', dpi=100)
   finally:
     plt.close(fig)
+  files.write_output(path, png.getvalue(), 'the plot')

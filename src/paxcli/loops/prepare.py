@@ -16,13 +16,17 @@ so prepared and unprepared runs hold out the same documents.
 
 Resume: run the same command again. A directory whose plan names the same files (sizes and times),
 settings and tokenizer keeps its finished shards and redoes the unfinished one; any other non-empty
-directory is refused, never overwritten.
+directory is refused, never overwritten. A prepare holds OUT/.prepare.lock while it writes OUT (a
+second prepare into it is refused, not interleaved), and files under OUT are never its inputs (an
+OUT inside an input directory resumes).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import itertools
 import json
@@ -40,6 +44,7 @@ from paxcli.inputs import chat_template, documents, packing, prepared, tokenizer
 from paxcli.inputs.file_input import DEFAULT_VOCAB_SIZE, anchored, auto_tokenizer
 
 PLAN = 'prepare-plan.json'
+LOCK = '.prepare.lock'  # held while a prepare writes the directory (_locked)
 PLAN_FORMAT = 'paxcli-prepare-plan'
 PLAN_VERSION = 1
 SHARD_CHARS = 64_000_000  # of text per train shard when --num-shards is not given (~16M tokens, ~80 MB)
@@ -71,7 +76,12 @@ class Counts:
 def prepare(options: Options, progress: Progress, log: Callable[[str], None]) -> dict:
   """Scans, plans and writes (the module docstring); returns the summary `--json` prints."""
   start = time.perf_counter()
-  paths = source_files(options.sources)
+  paths = source_files(options.sources, options.output)
+  with _locked(options.output):
+    return _prepare(options, paths, start, progress, log)
+
+
+def _prepare(options: Options, paths: list[str], start: float, progress: Progress, log: Callable[[str], None]) -> dict:
   settings = _settings(options, paths)
   plan = _existing_plan(options.output, settings)
   if plan is not None and prepared.is_prepared(options.output):
@@ -97,14 +107,65 @@ def prepare(options: Options, progress: Progress, log: Callable[[str], None]) ->
   return summary(options.output, plan, time.perf_counter() - start, docs, tokens, options.workers, tokenizing)
 
 
-def source_files(sources) -> list[str]:
-  """The files of every glob, in the order given, each once; absolute."""
+@contextlib.contextmanager
+def _locked(output: str):
+  """Holds OUT/.prepare.lock (an flock) while a prepare writes OUT: a second prepare into the same
+  directory is refused in one line, never interleaved with the first. The lock file goes when the
+  prepare ends, and so does OUT when this prepare made it and wrote nothing else into it (bad input
+  found by the scan leaves no trace)."""
+  if os.path.lexists(output) and not os.path.isdir(output):
+    raise UserError(f'{output} is a file; give a directory to write the prepared data to.')
+  made = not os.path.isdir(output)
+  path = os.path.join(output, LOCK)
+  fd = _lock(output, path)
+  try:
+    yield
+  finally:
+    with contextlib.suppress(FileNotFoundError):
+      os.remove(path)
+    os.close(fd)
+    if made and not os.listdir(output):
+      os.rmdir(output)
+
+
+def _lock(output: str, path: str) -> int:
+  """An open descriptor of `path` holding its flock; UserError when another process holds it."""
+  for attempt in itertools.count():
+    try:
+      os.makedirs(output, exist_ok=True)
+      fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:  # FileNotFoundError: a prepare that failed removed the directory it had made
+      if isinstance(e, FileNotFoundError) and attempt < 3:
+        continue
+      raise UserError(f'Cannot write the prepared data to {output}: {e.strerror}.') from None
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      os.close(fd)
+      raise UserError(f'Another `pax data prepare` is writing {output} now: nothing written. Let it finish (the '
+                      'same command run again afterwards resumes or finds it done), or give another '
+                      'directory.') from None
+    try:
+      if os.stat(path).st_ino == os.fstat(fd).st_ino:
+        return fd
+    except FileNotFoundError:
+      pass
+    os.close(fd)  # its holder removed the file as this one opened it: lock the new one
+
+
+def source_files(sources, output: Optional[str] = None) -> list[str]:
+  """The files of every glob, in the order given, each once; absolute. Files under `output` (the
+  prepare's own output lying inside an input directory) are left out: its shards never become
+  inputs of a resume."""
   out, seen = [], set()
+  inside = os.path.realpath(output) + os.sep if output else None
   for glob in sources:
     for path in documents.expand(anchored(glob)):
-      if path not in seen:
+      if path not in seen and not (inside and os.path.realpath(path).startswith(inside)):
         seen.add(path)
         out.append(path)
+  if not out:
+    raise UserError(f'No file to prepare in {shorten(", ".join(sources), 200)} besides the output\'s own.')
   return out
 
 
@@ -129,17 +190,14 @@ def _settings(options: Options, paths: list[str]) -> dict:
 def _existing_plan(output: str, settings: dict) -> Optional[dict]:
   """The plan of an earlier prepare of the same settings into `output`; None for a new or empty
   directory; UserError for anything else (user data is never overwritten)."""
-  if os.path.exists(output) and not os.path.isdir(output):
-    raise UserError(f'{output} is a file; give a directory to write the prepared data to.')
-  if not os.path.isdir(output) or not os.listdir(output):
+  if not os.path.isdir(output) or not set(os.listdir(output)) - {LOCK}:
     return None
   path = os.path.join(output, PLAN)
   if not os.path.isfile(path):
     raise UserError(f'{output} is not empty and was not written by `pax data prepare`: nothing written. '
                     'Give a new or empty directory.')
   try:
-    with open(path, encoding='utf-8') as f:
-      plan = json.load(f)
+    plan = files.read_json(path, 'prepare plan', prepared.MAX_MANIFEST_BYTES)
     same = plan['format'] == PLAN_FORMAT and plan['version'] == PLAN_VERSION and plan['settings'] == settings
     _check_shard_plan(plan['shards'], path)
   except (OSError, ValueError, KeyError, TypeError) as e:
@@ -312,9 +370,13 @@ class _Tokenizers:
     return self.encode
 
   def __exit__(self, *exc):
+    global _worker_chat
     if self.pool is not None:
       self.pool.terminate()
       self.pool.join()
+    if _worker_chat is not None:  # this process's template process: ended with the prepare
+      _worker_chat.close()
+      _worker_chat = None
 
   def encode(self, docs) -> Iterator[Optional[bytes]]:
     batches = _batches(((tuple(doc.chunks), doc.messages, doc.where) for doc in docs), BATCH_DOCS)
@@ -324,11 +386,21 @@ class _Tokenizers:
       return
     pending = collections.deque()
     for batch in batches:
+      if _long(batch):  # tokenized here, in order: shipped to a worker it would be held twice (pickled)
+        while pending:
+          yield from pending.popleft().get()
+        yield from _encode_batch(batch)
+        continue
       pending.append(self.pool.apply_async(_encode_batch, (batch,)))
       if len(pending) >= 2 * self.workers:
         yield from pending.popleft().get()
     while pending:
       yield from pending.popleft().get()
+
+
+def _long(batch: list[tuple]) -> bool:
+  """Whether a batch holds a long document (tokenizers.LONG_TEXT: one tokenized in pieces)."""
+  return any(sum(len(c.text) for c in chunks) > 2 * tokenizers.LONG_TEXT for chunks, _, _ in batch)
 
 
 def _batches(items, size: int):
@@ -357,15 +429,18 @@ def _encode_batch(batch: list[tuple]) -> list[Optional[bytes]]:
   under 2 tokens. A chat goes through the shipped template when there is one, as the file input does."""
   tok = _worker_tokenizer
   plain = [chunks for chunks, messages, _ in batch if not _templated(messages)]
-  encoded = iter(tok.encode_many([chunk.text for chunks in plain for chunk in chunks]))
+  encoded = collections.deque(tok.encode_many([chunk.text for chunks in plain for chunk in chunks]))
   out = []
   for chunks, messages, where in batch:
     if _templated(messages):
       out.append(_chat_record(_worker_chat.example(messages, tok, where)))
       continue
-    tokens, weights = packing.token_weights(chunks, [next(encoded) for _ in chunks], tok.eos_id,
-                                            tok.bos_id if tok.bos_first else None)
-    out.append(prepared.encode(tokens, weights) if len(tokens) >= 2 else None)
+    # Each document's ids, tokens and record held one after another, none longer than needed: a
+    # 100 MB document costs a few times its size, not tens (benchmarks/prepare_memory.py).
+    arrays = list(packing.token_weights(chunks, [encoded.popleft() for _ in chunks], tok.eos_id,
+                                        tok.bos_id if tok.bos_first else None))
+    out.append(prepared.encode_taking(arrays) if len(arrays[0]) >= 2 else None)
+    arrays.clear()
   return out
 
 
@@ -386,13 +461,9 @@ def _chat_record(example: Optional[packing.Example]) -> Optional[bytes]:
 
 def _shard_stats(output: str, name: str) -> prepared.Shard:
   """A finished shard's records and tokens, read back (a resumed run did not write it)."""
-  from array_record.python.array_record_module import ArrayRecordReader  # Linux/macOS wheels only
-  reader = ArrayRecordReader(os.path.join(output, name))
-  try:
+  with prepared.array_records(os.path.join(output, name)) as reader:
     n = reader.num_records()
     tokens = sum(len(r) // 5 for start in range(0, n, 4096) for r in reader.read(start, min(start + 4096, n)))
-  finally:
-    reader.close()
   return prepared.Shard(name, n, tokens)
 
 
@@ -418,8 +489,8 @@ def show(path: str) -> dict:
   manifest = prepared.read_manifest(path)
   raw = manifest.to_json()
   raw['path'] = path
-  config = tokenizers.config_beside(os.path.join(path, manifest.tokenizer))
-  raw['tokenizer_config'] = os.path.relpath(config, path) if config else None  # shipped with --tokenizer
+  config = tokenizers.config_beside(prepared.member(path, manifest.tokenizer, 'tokenizer'))
+  raw['tokenizer_config'] = os.path.relpath(config, os.path.realpath(path)) if config else None  # shipped with --tokenizer
   raw['totals'] = {split: {'shards': len(shards), 'records': manifest.records(split),
                            'tokens': sum(s.tokens for s in shards)} for split, shards in manifest.shards.items()}
   return raw

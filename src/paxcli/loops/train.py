@@ -34,6 +34,7 @@ from paxcli.errors import UserError
 from paxcli.inputs import grain_input
 from paxcli.jobdir import checkpoint as ckpt
 from paxcli.jobdir import fast_tier
+from paxcli.jobdir import format as job_format
 from paxcli.jobdir import invocation
 from paxcli.jobdir import layout
 from paxcli.jobdir import ledger
@@ -55,6 +56,7 @@ from paxcli.runtime import engine
 from paxcli.runtime import infeed
 from paxcli.runtime import platform
 from paxcli.runtime import sharding
+from paxcli.runtime import train_state
 from paxcli.runtime.sharding import to_global
 
 
@@ -82,10 +84,10 @@ def make_train_step(setup, batch_sharding, dropout_seed: int, compiler_options: 
     rngs = step_rngs(dropout_seed, state['step'])
     # Frozen params (LoRA's base) are closed over: no gradient is computed for them and the
     # optimizer never sees them.
-    trainable, frozen = engine.split_trainable(model, state['params'])
+    trainable, frozen = train_state.split_trainable(model, state['params'])
 
     def loss_fn(trainable):
-      variables = {'params': engine.join_params(trainable, frozen)}
+      variables = {'params': train_state.join_params(trainable, frozen)}
       if has_non_trainable:
         variables[NON_TRAINABLE] = state['non_trainable']
       with setup.activation_sharding():
@@ -98,7 +100,7 @@ def make_train_step(setup, batch_sharding, dropout_seed: int, compiler_options: 
 
     (total, (loss, model_metrics, aux, updates)), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable)
     param_updates, opt_state = tx.update(grads, state['opt_state'], trainable)
-    params = engine.join_params(optax.apply_updates(trainable, param_updates), frozen)
+    params = train_state.join_params(optax.apply_updates(trainable, param_updates), frozen)
     metrics = {k: v for k, (v, _) in model_metrics.items()}
     metrics.update({
         'loss': total,
@@ -137,7 +139,7 @@ def sync_non_trainable(new_vars, setup):
   with pmap averaged per-replica values); the sharding constraint keeps every replica's
   copy the same array.
   """
-  return jax.tree.map(jax.lax.with_sharding_constraint, engine.unbox(new_vars), setup.state_shardings['non_trainable'])
+  return jax.tree.map(jax.lax.with_sharding_constraint, train_state.unbox(new_vars), setup.state_shardings['non_trainable'])
 
 
 def ready_step(resolved, seed: int = 0):
@@ -302,12 +304,12 @@ class Saver:
       raise TrainingDiverged(f'The parameters became non-finite at step {info.step} (the loss was still finite); '
                              'stopping without saving them. Lower the learning rate or clip gradients.')
     spec, guard = self._spec, self._losses.guard
-    state = engine.saved_state(self._setup, info.state)   # LoRA: the adapters, not the frozen base
+    state = train_state.saved_state(self._setup, info.state)   # LoRA: the adapters, not the frozen base
     self._checkpointer.save(info.step, state, {
         'batches_consumed': self._start.batches_consumed + info.step - self._start.step, 'step': info.step,
         'global_batch': spec.global_batch, 'state_shapes': spec.shapes, 'config': spec.flat,
         'input_layout': spec.input_layout, 'recent_losses': list(guard.recent), 'loss': guard.median(),
-        'checksums': restore.checksums(state), **({'base': spec.base} if spec.base else {})},
+        'checksums': train_state.checksums(state), **({'base': spec.base} if spec.base else {})},
         input_state=self._input_state() if self._input_state else None)
 
   def close(self) -> None:
@@ -504,6 +506,7 @@ def train(resolved, job_dir: str, console, verbose: bool = False, profile_steps=
   applied before this, by the command's `api.open_run`, ahead of JAX's backend start.
   """
   platform.check_supported(resolved.experiment)  # refusals first: a refused run leaves no job directory
+  engine.validate(resolved)                       # the settings, as `pax describe` checks them
   profiling.check_pgle(pgle, pgle_profile)
   joblock.check_writable(job_dir)  # makes the directory
   lock = joblock.lock_run(job_dir, _printer(console) if jax.process_index() == 0 else _silent)
@@ -537,10 +540,11 @@ def _train(resolved, job_dir: str, console, accounting: goodput.Goodput, verbose
 
   # ---- Mesh, model, state shapes ------------------------------------------------------------------
   setup = engine.build(resolved)
+  engine.check_fits(setup)   # a state no device can hold is one line before any input is read
   train_cfg, total = setup.train, setup.train.num_train_steps
   track.check_installed(train_cfg.trackers.names)  # before anything is compiled
   base = restore.base_ref(train_cfg.init_from) if train_cfg.init_from else None
-  if base is None and engine.has_frozen(setup):
+  if base is None and train_state.has_frozen(setup):
     raise UserError('LORA_RANK > 0 trains adapters on frozen base weights: set INIT_FROM to the base checkpoint '
                     '(a job directory or checkpoint step; `pax checkpoint convert HF_DIR OUT --from hf` makes one).')
   spec = RunSpec.of(resolved, setup, base)
@@ -551,8 +555,10 @@ def _train(resolved, job_dir: str, console, accounting: goodput.Goodput, verbose
   tokenizer.check_kept(train_input, job_dir)
 
   # ---- Job directory: resume or start -------------------------------------------------------------
+  job_format.check_job(job_dir)   # a newer paxcli's job directory is refused before anything is written
   if is_main:
     invocation.record(job_dir)
+    job_format.write_job(job_dir)
   ckpt.set_aside_unfinished(layout.checkpoints(job_dir), log=log)
   distributed.barrier('paxcli:unfinished-checkpoints-set-aside')  # all processes then see the same steps
   checkpointer = ckpt.Checkpointer(layout.checkpoints(job_dir), train_cfg.save_max_to_keep,
@@ -657,7 +663,7 @@ def _log_run(resolved, setup, job_dir: str, log) -> None:
   log(f'Experiment {resolved.name} -> {job_dir}')
   log(f'Devices: {len(devices)} x {devices[0].device_kind} ({jax.default_backend()}), '
       f'{jax.process_count()} process(es); mesh {sharding.describe_mesh(setup.mesh)}')
-  log(f'Parameters: {engine.param_count(setup.abstract_state):,}; global batch '
+  log(f'Parameters: {train_state.param_count(setup.abstract_state):,}; global batch '
       f'{setup.infeed.describe()} x {setup.seq_len} tokens')
 
 
@@ -676,16 +682,16 @@ def _log_done(job_dir: str, last: dict, keep: int, log) -> None:
 class RunSpec:
   """What each checkpoint's meta records of the run, and what a resume compares with it."""
   flat: dict            # the resolved config, flattened, each value as its repr()
-  shapes: dict          # the train state's shapes (engine.shape_signature)
+  shapes: dict          # the train state's shapes (train_state.shape_signature)
   input_layout: dict    # what decides which data each step sees (infeed.input_layout)
   global_batch: int
   base: Optional[dict] = None  # LoRA: the frozen base the adapters apply to (restore.BaseRef.to_meta)
 
   @classmethod
   def of(cls, resolved, setup, base: Optional[restore.BaseRef] = None) -> RunSpec:
-    saved = engine.saved_state(setup, setup.abstract_state)
-    frozen = base is not None and engine.has_frozen(setup)
-    return cls({k: repr(v) for k, v in resolved.flat().items()}, engine.shape_signature(saved),
+    saved = train_state.saved_state(setup, setup.abstract_state)
+    frozen = base is not None and train_state.has_frozen(setup)
+    return cls({k: repr(v) for k, v in resolved.flat().items()}, train_state.shape_signature(saved),
                infeed.input_layout(resolved, setup), setup.global_batch, base.to_meta() if frozen else None)
 
 
@@ -702,18 +708,20 @@ class Start:
 
 def _fresh_state(setup, base: Optional[restore.BaseRef], seed: int, log) -> dict:
   """A new train state: initialised from the seed, then the base's params where INIT_FROM names one."""
+  lora_init = getattr(setup.train, 'lora_init', None)
+  if lora_init and train_state.has_frozen(setup):
+    convert_lora.check_peft(lora_init, setup.model)   # a wrong adapter is one line before any state is made
   state = engine.init_state(setup, seed)
   if base is None:
     return state
   log(f'Starting from the weights of {base.describe()} (INIT_FROM)'
-      + ('; they stay frozen and LoRA adapters train.' if engine.has_frozen(setup) else '; fresh optimizer state.'))
+      + ('; they stay frozen and LoRA adapters train.' if train_state.has_frozen(setup) else '; fresh optimizer state.'))
   state = restore.start_from_base(setup, state, base)
-  lora_init = getattr(setup.train, 'lora_init', None)
-  if lora_init and engine.has_frozen(setup):
+  if lora_init and train_state.has_frozen(setup):
     adapters = convert_lora.read_peft(lora_init, setup.model, setup.abstract_state['params'])
-    shardings = engine.split_trainable(setup.model, setup.state_shardings['params'])[0]
+    shardings = train_state.split_trainable(setup.model, setup.state_shardings['params'])[0]
     adapters = jax.tree.map(lambda x, s: jax.device_put(x, s), adapters, shardings)
-    state = dict(state, params=engine.join_params(state['params'], adapters))
+    state = dict(state, params=train_state.join_params(state['params'], adapters))
     log(f'LoRA adapters from {lora_init}.')
   return state
 
@@ -804,7 +812,7 @@ def _position_input(train_input, job_dir: str, start: Start, fast: Optional[fast
     saved = (fast.input_states(start.step) if start.tier == 'fast' else
              grain_input.read_states(storage.local_tree(layout.input_dir(layout.step_dir(job_dir, start.step)))))
     if saved:
-      train_input.restore(saved)
+      train_input.restore(saved, batches=start.batches_consumed)  # checked against the meta's count
       return
     log(f'Note: the checkpoint at step {start.step} holds no input position; skipping '
         f'{start.batches_consumed} batches to find it.')

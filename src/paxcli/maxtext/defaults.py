@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
+from paxcli.models.family import MaxTextBlock
+
 
 # ---- scaling eras ------------------------------------------------------------------
 
@@ -218,33 +220,21 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 # ---- decoder blocks ----------------------------------------------------------------
 
-
-@dataclasses.dataclass(frozen=True)
-class Block:
-  norm: str
-  use_bias: bool
-  position: str
-  unsupported: Optional[str] = None   # why paxcli's layer would be a different model
-  parallel: bool = False              # attention and MLP from one norm (PARALLEL_BLOCK)
-
-
 # Since 2024 MaxText's default decoder layer is attention and MLP in parallel from one RMSNorm
 # with rotary positions (PARALLEL_BLOCK); the 2023 one differs in what DEFAULT_BLOCK_2023 says.
 DEFAULT_BLOCK_SINCE = '2024-03-01'
 DEFAULT_BLOCK_2023 = ("MaxText's 2023 default decoder layer also has T5 relative position biases and "
                       'query/key norms; paxcli builds a parallel layer with rotary positions')
 
-DECODER_BLOCKS: dict[str, Block] = {
-    'default': Block('rmsnorm', False, 'rotary', parallel=True),
-    'llama2': Block('rmsnorm', False, 'rotary'),
-    'mistral': Block('rmsnorm', False, 'rotary'),
-    'mixtral': Block('rmsnorm', False, 'rotary'),
-    'gemma': Block('rmsnorm', False, 'rotary',
-                   'Gemma layers scale embeddings by sqrt(emb_dim) and store norm scales as 1+w'),
-    'gemma2': Block('rmsnorm', False, 'rotary',
-                    'Gemma 2 alternates sliding-window and global attention, soft-caps logits '
-                    'and adds post-attention/post-MLP norms'),
-    'gpt3': Block('layernorm', True, 'learned'),
+# The decoder blocks a paxcli model family computes are that family's (paxcli.models.registry:
+# llama2, mistral, mixtral and default are the Llama family's). These are the others: the knobs
+# nearest to them, and why paxcli's layer would be a different model.
+_NEAREST = {'NORM_TYPE': 'rmsnorm', 'USE_BIAS': False, 'POSITION_EMBEDDING': 'rotary'}
+OTHER_DECODER_BLOCKS: dict[str, MaxTextBlock] = {
+    'gemma': MaxTextBlock(_NEAREST, 'Gemma layers scale embeddings by sqrt(emb_dim) and store norm scales as 1+w'),
+    'gemma2': MaxTextBlock(_NEAREST, 'Gemma 2 alternates sliding-window and global attention, soft-caps logits '
+                                     'and adds post-attention/post-MLP norms'),
+    'gpt3': MaxTextBlock({'NORM_TYPE': 'layernorm', 'USE_BIAS': True, 'POSITION_EMBEDDING': 'learned'}),
 }
 
 

@@ -7,7 +7,7 @@ import os
 import re
 from typing import Any
 
-from paxcli import gencode
+from paxcli import files, gencode
 from paxcli.errors import UserError
 from paxcli.maxtext import defaults as mt
 from paxcli.maxtext.translate import Translation
@@ -102,7 +102,7 @@ def render(t: Translation, class_name: str, output_path: str) -> str:
   if t.unsupported:
     lines += ['', 'UNSUPPORTED_FEATURES lists what paxcli cannot reproduce; `pax train` refuses',
               'to run until you accept the difference with --set UNSUPPORTED_FEATURES={}.']
-  lines += ['"""', '', 'from paxcli.families.lm import LmExperiment', '', '',
+  lines += ['"""', '', 'from paxcli.models import LmExperiment', '', '',
             f'class {class_name}(LmExperiment):',
             f'{_INDENT}"""{q(os.path.basename(t.script.path))} (MaxText era {t.era})."""', '']
   by_knob = {row.knob: row for row in t.rows}
@@ -130,17 +130,10 @@ def render(t: Translation, class_name: str, output_path: str) -> str:
 
 
 def write(t: Translation, class_name: str, output_path: str, force: bool) -> str:
-  """Writes the recipe; never replaces an existing file unless `force`."""
-  if os.path.exists(output_path) and not force:
-    raise UserError(f'{output_path} exists; pass --force to overwrite it or -o for another path.')
+  """Writes the recipe (files.write_output); never replaces an existing file unless `force`."""
+  files.check_output(output_path, 'the recipe', force=force)
   source = render(t, class_name, output_path)
   compile(source, output_path, 'exec')  # a bug here must not leave a broken recipe behind
   gencode.check_shape(source, output_path)   # nor one that holds more than knobs
-  directory = os.path.dirname(os.path.abspath(output_path))
-  try:
-    os.makedirs(directory, exist_ok=True)
-    with open(output_path, 'w', encoding='utf-8') as f:
-      f.write(source)
-  except OSError as e:
-    raise UserError(f'Cannot write {output_path}: {e.strerror}.') from None
+  files.write_output(output_path, source, 'the recipe')
   return source

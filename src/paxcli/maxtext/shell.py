@@ -29,6 +29,12 @@ _TRAINER_MODULES = {'MaxText.train', 'maxtext.train', 'MaxText.train_compile',
                     'maxtext.trainers.pre_train.train', 'maxtext.trainers.pre_train.train_compile'}
 MAX_SCRIPT_BYTES = 1 << 20  # a run script is a few KB; more is the wrong file (or /dev/zero)
 MAX_NESTING = 64  # `$(...)` / `${...}` inside each other; real scripts nest two or three deep
+# Expansion is bounded as the script is (a few KB of text): no one value grows past MAX_VALUE_CHARS
+# (A="$A$A" forty times would be a terabyte), and reading the whole script expands at most
+# MAX_EXPANDED_CHARS characters and runs at most MAX_COMMANDS commands (loops over loops).
+MAX_VALUE_CHARS = 1 << 20
+MAX_EXPANDED_CHARS = 64 << 20
+MAX_COMMANDS = 100_000
 _TRAINER_FILES = {'train.py', 'train_compile.py'}
 
 
@@ -272,6 +278,9 @@ class _Shell:
     self.invocations: list[tuple[list[str], dict[str, str], int]] = []
     self.skipped: list[str] = []
     self.branch_noted = False
+    self.line = 0            # the script line being read, for messages
+    self.expanded = 0        # characters expanded so far (MAX_EXPANDED_CHARS)
+    self.commands_run = 0    # commands read so far, loop bodies once per item (MAX_COMMANDS)
 
   # -- variables --
 
@@ -321,7 +330,18 @@ class _Shell:
       else:
         out.append(c)
         j += 1
-    return ''.join(out)
+    return self._bounded(''.join(out))
+
+  def _bounded(self, value: str) -> str:
+    """`value`, counted against the expansion bounds; UserError naming the line past them."""
+    self.expanded += len(value)
+    if len(value) > MAX_VALUE_CHARS:
+      raise UserError(f'line {self.line}: a value expands to {len(value):,} characters; paxcli expands at most '
+                      f'{MAX_VALUE_CHARS:,} (a run script\'s values are short). Simplify the script.')
+    if self.expanded > MAX_EXPANDED_CHARS:
+      raise UserError(f'line {self.line}: reading the script expanded over {MAX_EXPANDED_CHARS:,} characters of '
+                      'variables; paxcli stops there (a run script needs far less). Simplify the script.')
+    return value
 
   def _brace(self, inner: str) -> str:
     m = re.match(r'^([A-Za-z_][A-Za-z0-9_]*|\d+|[@*#])(?:(:?[-=+?])(.*))?$', inner, re.S)
@@ -394,6 +414,11 @@ class _Shell:
     i = 0
     while i < len(commands):
       cmd = commands[i]
+      self.line = cmd.line
+      self.commands_run += 1
+      if self.commands_run > MAX_COMMANDS:
+        raise UserError(f'line {cmd.line}: reading the script ran over {MAX_COMMANDS:,} commands (its loops, item '
+                        'by item); paxcli stops there (a run script needs far fewer). Simplify the script.')
       words = _strip_reserved(cmd.words)
       head = _plain(words[0]) if words else None
       if not words:
@@ -562,16 +587,19 @@ def read_script(path: str, args: list[str] = ()) -> ScriptInfo:
   """
   text = read_text(path, 'MaxText script', MAX_SCRIPT_BYTES)
   notes: list[str] = []
-  commands = lex(text)
-  shell = _Shell(list(args), notes)
-  if args and not _has_args_loop(commands):
-    # No `for ARGUMENT in "$@"` loop: the arguments still fill the script's variables.
-    for arg in args:
-      var, eq, value = arg.partition('=')
-      if eq and _NAME_RE.fullmatch(var):
-        shell.env[var] = value
-        shell.exported.add(var)
-  shell.run(commands)
+  try:
+    commands = lex(text)
+    shell = _Shell(list(args), notes)
+    if args and not _has_args_loop(commands):
+      # No `for ARGUMENT in "$@"` loop: the arguments still fill the script's variables.
+      for arg in args:
+        var, eq, value = arg.partition('=')
+        if eq and _NAME_RE.fullmatch(var):
+          shell.env[var] = value
+          shell.exported.add(var)
+    shell.run(commands)
+  except UserError as e:   # the lexer's and the shell's messages name the line; this names the file
+    raise UserError(f'{path}: {e}') from None
   if not shell.invocations:
     others = sorted({w for s in shell.skipped for w in s.split() if w.endswith('.sh')})
     hint = f' It runs {", ".join(others)}: import the script that calls the trainer.' if others else ''

@@ -21,11 +21,12 @@ import yaml
 
 from paxcli import options
 from paxcli.errors import UserError, did_you_mean
-from paxcli.families.knobs import LM_KNOB
 from paxcli.files import read_text
 from paxcli.maxtext import defaults as mt
 from paxcli.maxtext.keys import DATA_KEYS, IGNORED_KEYS, KNOWN_KEYS
 from paxcli.maxtext.shell import ScriptInfo
+from paxcli.models import registry
+from paxcli.models.knobs import LM_KNOB
 
 ERA_CHOICES = mt.ERA_ORDER
 MAX_CONFIG_BYTES = 16 << 20  # MaxText's base.yml is ~30 KB
@@ -517,24 +518,27 @@ def _activation_and_block(b: _Builder) -> None:
   b.put('ACTIVATION', act, 'mlp_activations')
   b.put('USE_GATED_ACTIVATION', gated, 'mlp_activations')
   name = str(b.get('decoder_block', 'default'))
-  block = mt.DECODER_BLOCKS.get(name)
+  block = _decoder_block(name)
   if block is None:
     b.feature('decoder_block', f'decoder_block={name} has no paxcli layer; a llama2-style layer '
                                'is used')
-    block = mt.DECODER_BLOCKS['llama2']
+    block = _decoder_block('llama2')
   elif block.unsupported:
     b.feature(f'decoder_block_{name}', block.unsupported)
-  if block.parallel:
+  knobs = dict(block.knobs)
+  if knobs.pop('PARALLEL_BLOCK', False):
     if b.snapshot.start < mt.DEFAULT_BLOCK_SINCE and not b.options.base_config:
       b.feature(f'decoder_block_{name}', mt.DEFAULT_BLOCK_2023)
     b.put('PARALLEL_BLOCK', True, 'decoder_block')
-  position = block.position
+  position = knobs.pop('POSITION_EMBEDDING')
   if b.whole('trainable_position_size', -1) > 0:
     position = 'learned'
-  b.put('NORM_TYPE', block.norm, 'decoder_block')
+  b.put('NORM_TYPE', knobs.pop('NORM_TYPE'), 'decoder_block')
   _norm_epsilon(b)
-  b.put('USE_BIAS', block.use_bias, 'decoder_block')
+  b.put('USE_BIAS', knobs.pop('USE_BIAS'), 'decoder_block')
   b.put('POSITION_EMBEDDING', position, 'decoder_block, trainable_position_size')
+  for knob, value in knobs.items():   # whatever else the family's block sets
+    b.put(knob, value, 'decoder_block')
   if position == 'rotary':
     b.direct('ROTARY_MAX_TIMESCALE', 'rope_max_timescale', 10000,
              raw=b.raw('rope_max_timescale') if 'rope_max_timescale' in b.config else '10000 (MaxText)')
@@ -549,6 +553,13 @@ def _activation_and_block(b: _Builder) -> None:
     dropout = 0.0
   b.put('DROPOUT_PROB', dropout, 'dropout_rate, enable_dropout')
   _model_features(b)
+
+
+def _decoder_block(name: str):
+  """The MaxTextBlock of a decoder_block name: a family's (paxcli.models.registry), else one of the
+  blocks no family computes; None for a name paxcli does not know."""
+  owned = registry.maxtext_block(name)
+  return owned[1] if owned else mt.OTHER_DECODER_BLOCKS.get(name)
 
 
 def _norm_epsilon(b: _Builder) -> None:

@@ -1,6 +1,6 @@
 """Device peaks, MFU and compiled-program costs: where the MFU figures come from.
 
-A model counts its own training FLOPs (`train_flops(seq_len)`, paxcli.models.ModelFlops:
+A model counts its own training FLOPs (`train_flops(seq_len)`, paxcli.models.flops.ModelFlops:
 the count and what it leaves out are described there); this module divides them by time
 and by the device's peak. MFU = model FLOPs per second per device / the device's peak.
 HFU uses the FLOPs XLA reports for the compiled step (`compiled.cost_analysis()`), which
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import statistics
 import time
 from typing import Optional
@@ -19,7 +18,9 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from paxcli.models import ModelFlops
+from paxcli.models.flops import ModelFlops, for_model, unknown_flops  # noqa: F401  (train and bench read them here)
+from paxcli.runtime import platform
+from paxcli.runtime.platform import device_memory_bytes  # noqa: F401  (bench reads it here)
 
 # Dense peak TFLOP/s per device: (bf16, fp8 or None). Matched in order on the lower-cased
 # `device_kind` (so 'tpu v5 lite' is tried before 'tpu v5').
@@ -46,20 +47,6 @@ class Peak:
   tflops: float          # per device
   source: str            # where the figure comes from, for tables and logs
   measured: bool = False
-
-
-def for_model(model, seq_len: int) -> Optional[ModelFlops]:
-  """The model's own training FLOPs at seq_len (its `train_flops`); None when it has no such
-  method or cannot count this configuration (`unknown_flops` says which)."""
-  count = getattr(model, 'train_flops', None)
-  return count(seq_len) if count else None
-
-
-def unknown_flops(model) -> str:
-  """Why a model's MFU is not reported, in one line."""
-  if getattr(model, 'train_flops', None) is None:
-    return 'n/a: model has no FLOPs method'
-  return f'n/a: {type(model).__name__}.train_flops() cannot count this configuration (a swapped-in layer?)'
 
 
 def compute_dtype(model) -> str:
@@ -155,26 +142,6 @@ def memory(compiled) -> Optional[dict]:
   # Donated arguments alias outputs: count those bytes once.
   out['total'] = out['argument'] + out['output'] - out['alias'] + out['temp'] + out['generated_code']
   return out
-
-
-def device_memory_bytes(device=None) -> tuple[Optional[int], str]:
-  """(bytes a device can hold, where that figure comes from)."""
-
-  device = device or jax.devices()[0]
-  try:
-    stats = device.memory_stats() or {}
-  except Exception:
-    stats = {}
-  if stats.get('bytes_limit'):
-    return int(stats['bytes_limit']), 'memory_stats bytes_limit'
-  if device.platform == 'cpu':
-    try:
-      total = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
-    except (ValueError, OSError, AttributeError):
-      return None, 'unknown'
-    n = len(jax.local_devices())
-    return total // n, f'host RAM / {n} devices' if n > 1 else 'host RAM'
-  return None, 'unknown'
 
 
 def peak_memory_in_use(device=None) -> Optional[int]:

@@ -20,6 +20,7 @@ import shutil
 import tempfile
 from typing import Callable, Optional
 
+from paxcli import files
 from paxcli.errors import UserError
 from paxcli.jobdir import layout, storage
 
@@ -85,7 +86,9 @@ class StepProfiler:
     self.pgle_profile = pgle_profile
     self.pgle_options = None
     if pgle_profile:
-      if storage.exists(pgle_profile):
+      if storage.exists(pgle_profile):   # a profile to read (XLA reads it): a regular file, never a FIFO
+        if storage.is_local(pgle_profile):
+          files.check_regular_file(pgle_profile, '--pgle-profile')
         self.pgle_options = pgle_compiler_options(pgle_profile)
       else:
         first = start_step + PGLE_WARMUP_STEPS + 1
@@ -132,7 +135,10 @@ class StepProfiler:
     if not proto:
       self.log('PGLE: the profile held no GPU instruction latencies; continuing without PGLE.')
       return None
-    storage.write_bytes(self.pgle_profile, proto)
+    if storage.is_local(self.pgle_profile):
+      files.write_output(self.pgle_profile, proto, 'the PGLE profile')
+    else:
+      storage.write_bytes(self.pgle_profile, proto)
     shutil.rmtree(directory, ignore_errors=True)
     self.pgle_options = pgle_compiler_options(self.pgle_profile)
     self.log(f'PGLE: profiled steps {first}-{last}, wrote instruction latencies to {self.pgle_profile}; '

@@ -20,8 +20,6 @@ import math
 from typing import Any, Optional
 
 import fiddle as fdl
-import flax.linen as nn
-import flax.traverse_util
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -31,9 +29,12 @@ from paxcli import optim, options
 from paxcli.errors import UserError, at_least
 from paxcli.layers import activation_sharding
 from paxcli.layers.base import NON_TRAINABLE, RANDOM, instantiate, mean_sync_mask
-from paxcli.perf import flops
-from paxcli.runtime import sharding
+from paxcli.models import flops, pattern, registry
+from paxcli.models.lm import flat_view
+from paxcli.runtime import platform, sharding, train_state
 from paxcli.runtime.infeed import global_batch_size, plan_infeed
+from paxcli.runtime.train_state import (cast_frozen, has_frozen, join_params, param_count,  # noqa: F401
+                                        saved_state, shape_signature, split_trainable, unbox)
 
 
 @dataclasses.dataclass
@@ -64,11 +65,9 @@ class Setup:
 def build(resolved, mesh=None) -> Setup:
   """Mesh, model, optimizer and abstract sharded state for a resolved experiment."""
   exp = resolved.experiment
+  task = validate(resolved)
   mesh = mesh or sharding.make_mesh(exp.ICI_MESH_SHAPE, exp.DCN_MESH_SHAPE)
-  task = build_task(resolved.task)
   model, train = task.model, task.train
-  validate_model(model)
-  validate_train(train)
   gbs = global_batch_size(exp.PERCORE_BATCH_SIZE, mesh.size)
   infeed = plan_infeed(mesh, gbs)
   schedule = plan_pipeline(model, mesh, gbs)
@@ -94,6 +93,81 @@ def build(resolved, mesh=None) -> Setup:
                           abstract_unboxed, state_shardings)
   return Setup(mesh, model, train, tx, rules, abstract, state_shardings, logical, seq_len, infeed.rows,
                infeed.process_rows, infeed, mean_sync, dict(task.activation_sharding_rules or {}), schedule)
+
+
+def validate(resolved):
+  """The built task, after every check that needs no devices: the mesh shapes, the model's and
+  task.train's settings, and the sizes init would trace (check_buildable). `pax train` and `pax
+  describe` run it first, so that both refuse the same settings in the same one line."""
+  exp = resolved.experiment
+  sharding.check_mesh_shapes(exp.ICI_MESH_SHAPE, exp.DCN_MESH_SHAPE)
+  task = build_task(resolved.task)
+  validate_model(task.model)
+  validate_train(task.train)
+  check_buildable(task.model, _seq_len(resolved, task.model))
+  return task
+
+
+def _seq_len(resolved, model) -> Optional[int]:
+  return getattr(resolved.train_dataset(), 'seq_len', None) or getattr(model, 'max_seq_len', None)
+
+
+# Unrolled layers are each built in Python when a model is traced (about 35 ms a layer for a small
+# model on a CPU): more than this would take minutes to describe and longer to compile. A scanned
+# stack (USE_REPEATED_LAYER=True) is traced once whatever its depth.
+MAX_UNROLLED_LAYERS = 1024
+# Init traces the model on a dummy batch of one sequence, made on the host: one sequence longer than
+# fits this share of the host's memory is refused (an LM's takes 12 bytes a token).
+HOST_SHARE_FOR_ONE_SEQUENCE = 16
+
+
+def check_buildable(model, seq_len: Optional[int]) -> None:
+  """UserError, before anything is traced or allocated, for sizes that cannot be built on this
+  machine: more unrolled layers than MAX_UNROLLED_LAYERS, or a sequence whose dummy batch would not
+  fit in 1/HOST_SHARE_FOR_ONE_SEQUENCE of the host's memory."""
+  for where, cfg in _layer_configs(model):
+    layers = getattr(cfg, 'num_layers', None)
+    if isinstance(layers, int) and layers > MAX_UNROLLED_LAYERS and not getattr(cfg, 'scan_layers', False):
+      scan = ' set USE_REPEATED_LAYER=True to scan them (traced once at any depth), or' if hasattr(
+          cfg, 'scan_layers') else ''
+      raise UserError(f'{where}.num_layers (NUM_LAYERS) is {layers:,} unrolled layers; paxcli builds at most '
+                      f'{MAX_UNROLLED_LAYERS:,} unrolled layers (each is traced on its own, so this would not '
+                      f'finish):{scan} lower NUM_LAYERS.')
+  if seq_len and hasattr(model, 'dummy_batch'):
+    per_token = sum(np.asarray(x).nbytes for x in jax.tree.leaves(model.dummy_batch(1, 1)))
+    check_sequence(seq_len, per_token, f'The sequence length {seq_len:,} (MAX_SEQ_LEN, or the train input\'s '
+                   'seq_len)', 'Lower MAX_SEQ_LEN.')
+
+
+def check_sequence(seq_len: int, per_token: int, what: str, fix: str) -> None:
+  """UserError `what ... fix` when one sequence of `seq_len` tokens of `per_token` bytes each (the dummy
+  batch init traces) would take more than 1/HOST_SHARE_FOR_ONE_SEQUENCE of the host's memory."""
+  host = platform.host_memory_bytes()
+  if host and per_token * seq_len > host // HOST_SHARE_FOR_ONE_SEQUENCE:
+    raise UserError(f'{what} cannot be built here: one sequence of the batch the model is traced on takes '
+                    f'{_gib(per_token * seq_len)}, more than 1/{HOST_SHARE_FOR_ONE_SEQUENCE} of this machine\'s '
+                    f'{_gib(host)} of memory. {fix}')
+
+
+def check_fits(setup, params_only: bool = False) -> None:
+  """UserError before any array of the state is made when the state alone cannot fit: its bytes on
+  one device (sharded as the mesh shards it) against what a device holds (platform.device_memory_bytes).
+  Commands that only compile (describe, bench --compile-only) never call it."""
+  state = {k: v for k, v in setup.abstract_state.items() if not (params_only and k == 'opt_state')}
+  leaves = jax.tree.leaves(state)
+  per_device = sum(math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize for x in leaves)
+  limit, source = platform.device_memory_bytes()
+  if limit and per_device > limit:
+    what = 'parameters' if params_only else 'parameters and optimizer state'
+    raise UserError(f'The model\'s {what} alone take {_gib(per_device)} on each device '
+                    f'({param_count(setup.abstract_state):,} parameters, sharded over the mesh '
+                    f'{sharding.describe_mesh(setup.mesh)}), and a device here holds {_gib(limit)} ({source}). '
+                    'Shard the model over more devices (ICI_MESH_SHAPE) or make it smaller; `pax bench mfu '
+                    '--compile-only --num-devices N` checks a mesh without allocating it.')
+
+
+def _gib(n: int) -> str:
+  return f'{n / 2**30:,.1f} GiB' if n >= 2**30 / 10 else f'{n / 2**20:,.1f} MiB'
 
 
 def plan_pipeline(model, mesh, global_batch: int):
@@ -194,10 +268,6 @@ def validate_train(train) -> None:
             'min_ratio')
 
 
-def unbox(tree):
-  return nn.meta.unbox(tree)
-
-
 def make_init(model, tx, seq_len: int):
   """rng -> boxed train state (params carry logical names); the optimizer state covers the
   trainable params only, and frozen ones are kept in the model's frozen_dtype."""
@@ -213,59 +283,9 @@ def make_init(model, tx, seq_len: int):
   return init
 
 
-# ---- frozen weights (LoRA): the model's is_trainable says which params train --------------------
-
-def _flat(params) -> dict:
-  return flax.traverse_util.flatten_dict(params) if params else {}
-
-
-def split_trainable(model, params) -> tuple[dict, dict]:
-  """(trainable, frozen) nested dicts of params, by the model's is_trainable; frozen is {} when all train."""
-  trainable, frozen = {}, {}
-  for path, leaf in _flat(params).items():
-    (trainable if model.is_trainable(path) else frozen)[path] = leaf
-  return flax.traverse_util.unflatten_dict(trainable), flax.traverse_util.unflatten_dict(frozen)
-
-
-def join_params(*parts) -> dict:
-  """One nested params dict from disjoint parts (split_trainable's, or adapters and a base)."""
-  flat = {}
-  for part in parts:
-    flat.update(_flat(part))
-  return flax.traverse_util.unflatten_dict(flat)
-
-
-def has_frozen(setup) -> bool:
-  """True when some params are frozen: checkpoints then hold the trainable ones and name the base."""
-  return bool(split_trainable(setup.model, setup.abstract_state['params'])[1])
-
-
-def cast_frozen(model, params):
-  """Boxed or plain params with the frozen floating-point ones cast to the model's frozen_dtype."""
-  dtype = getattr(model, 'frozen_dtype', None)
-  if not dtype:
-    return params
-  is_box = lambda x: isinstance(x, nn.meta.AxisMetadata)
-
-  def one(path, leaf):
-    value = leaf.unbox() if is_box(leaf) else leaf
-    if model.is_trainable(tuple(_keys(path))) or not jnp.issubdtype(value.dtype, jnp.floating):
-      return leaf
-    cast = value.astype(dtype)
-    return leaf.replace_boxed(cast) if is_box(leaf) else cast
-  return jax.tree_util.tree_map_with_path(one, params, is_leaf=is_box)
-
-
-def saved_state(setup, state: dict) -> dict:
-  """The part of a train state (or of its abstract) that checkpoints hold: the frozen params are left
-  out (they are the base's, named in the checkpoint's meta)."""
-  if not has_frozen(setup):
-    return state
-  return dict(state, params=split_trainable(setup.model, state['params'])[0])
-
-
 def init_variables(model, rng, seq_len: int) -> dict:
   """The model's variables from one fprop of its dummy batch: params and non_trainable only."""
+  check_buildable(model, seq_len)   # every trace of init comes here: nothing unbounded is built
   batch = jax.tree.map(jnp.asarray, model.dummy_batch(1, seq_len))
   variables = model.init({'params': rng, 'dropout': rng, RANDOM: rng}, batch, method='fprop')
   return {k: v for k, v in variables.items() if k in ('params', NON_TRAINABLE)}
@@ -279,12 +299,12 @@ def _opt_state_shardings(opt_abstract, params_abstract, param_shardings, mesh):
   """
   by_path = {}
   for path, leaf in jax.tree_util.tree_flatten_with_path(params_abstract)[0]:
-    by_path[_keys(path)] = leaf.shape
-  shard_by_path = {_keys(p): s for p, s in jax.tree_util.tree_flatten_with_path(param_shardings)[0]}
+    by_path[train_state.keys(path)] = leaf.shape
+  shard_by_path = {train_state.keys(p): s for p, s in jax.tree_util.tree_flatten_with_path(param_shardings)[0]}
   replicated = NamedSharding(mesh, PartitionSpec())
 
   def one(path, leaf):
-    keys = _keys(path)
+    keys = train_state.keys(path)
     for start in range(len(keys)):
       suffix = keys[start:]
       if suffix in by_path and by_path[suffix] == leaf.shape:
@@ -294,17 +314,8 @@ def _opt_state_shardings(opt_abstract, params_abstract, param_shardings, mesh):
   return jax.tree_util.tree_map_with_path(one, opt_abstract)
 
 
-def _keys(path) -> tuple:
-  out = []
-  for k in path:
-    for attr in ('key', 'name', 'idx'):
-      if hasattr(k, attr):
-        out.append(getattr(k, attr))
-        break
-  return tuple(out)
-
-
 def init_state(setup: Setup, seed: int):
+  check_fits(setup)
   init = _init_through_scan(setup) or (lambda r: unbox(make_init(setup.model, setup.tx, setup.seq_len)(r)))
   fn = jax.jit(init, out_shardings=setup.state_shardings)
   return fn(jax.random.key(seed))
@@ -333,8 +344,8 @@ def _init_through_scan(setup: Setup):
   def unstack(tree):
     tree = dict(tree)
     stacked = tree.pop('layers', None)
-    for i in range(n if stacked is not None else 0):
-      tree[f'layer_{i}'] = jax.tree.map(lambda x, i=i: x[i], stacked)
+    if stacked is not None:   # [L, ...], or [groups, ...] per position of a patterned stack's group
+      tree.update(pattern.unstack(stacked, n, lambda x, row: x[row]))
     return tree
 
   def init(rng):
@@ -356,15 +367,12 @@ def _init_through_scan(setup: Setup):
   return init if same else None
 
 
-def param_count(abstract_state) -> int:
-  return int(sum(np.prod(x.shape) for x in jax.tree.leaves(abstract_state['params'])))
-
-
 def summary(resolved) -> dict:
   """What a run of the resolved experiment needs, without devices: parameters (from the model's
   abstract init), training FLOPs per token (the model's train_flops), the global batch and the devices the mesh
   asks for. A figure that cannot be known is None, with the reason under '<name>_note'."""
   exp = resolved.experiment
+  model = validate(resolved).model   # what `pax train` refuses, refused here in the same line
   out: dict = {}
   ici, dcn = exp.ICI_MESH_SHAPE, exp.DCN_MESH_SHAPE
   dcn_size = math.prod(dcn) if dcn is not None else 1
@@ -375,7 +383,6 @@ def summary(resolved) -> dict:
                            if fixed == 1 else f'any multiple of {fixed}: the mesh fills its -1 axis')
   else:
     out['devices'] = math.prod(ici) * dcn_size
-  model = build_task(resolved.task).model
   seq_len = getattr(resolved.train_dataset(), 'seq_len', None) or getattr(model, 'max_seq_len', None)
   out['seq_len'] = seq_len
   percore = exp.PERCORE_BATCH_SIZE
@@ -392,24 +399,28 @@ def summary(resolved) -> dict:
   out['flops_per_token'] = per_token.per_token if per_token else None
   if per_token is None:
     out['flops_per_token_note'] = flops.unknown_flops(model)
+  out.update(family_of(model))
   return out
 
 
-def shape_signature(abstract_state) -> dict[str, list[int]]:
-  """'path' -> shape for every leaf of the state: what a checkpoint must match."""
-  out = {}
-  for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_state)[0]:
-    out['/'.join(str(k) for k in _keys(path))] = list(leaf.shape)
-  return out
+def family_of(model) -> dict:
+  """{'family': the name of the model family whose Hugging Face layout the model fits (paxcli.models.registry),
+  or None and 'family_note': why it fits none}."""
+  if not hasattr(model, 'lm_tpl'):
+    return {'family': None, 'family_note': f'{type(model).__name__} is not a language model of a family'}
+  family, why = registry.fitting(flat_view(model))
+  if family:
+    return {'family': family.name}
+  return {'family': None, 'family_note': '; '.join(f'not {name}: {reasons[0]}' for name, reasons in why.items())}
 
 
 def weights_table(setup: Setup) -> list[tuple[str, str, str, str, str]]:
   """(path, shape, dtype, logical axes, mesh sharding) for every weight."""
   rows = []
-  flat_logical = {(_keys(p)): v for p, v in jax.tree_util.tree_flatten_with_path(
+  flat_logical = {(train_state.keys(p)): v for p, v in jax.tree_util.tree_flatten_with_path(
       setup.logical, is_leaf=lambda x: isinstance(x, tuple))[0]}
   for path, leaf in jax.tree_util.tree_flatten_with_path(setup.abstract_state['params'])[0]:
-    keys = _keys(path)
+    keys = train_state.keys(path)
     names = flat_logical.get(keys) or ()
     spec = tuple(leaf.sharding.spec) + (None,) * (len(leaf.shape) - len(leaf.sharding.spec))
     rows.append(('/'.join(map(str, keys)), 'x'.join(map(str, leaf.shape)), str(leaf.dtype),

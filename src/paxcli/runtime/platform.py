@@ -63,6 +63,14 @@ def detect_platform() -> str:
   return 'cpu'
 
 
+def host_memory_bytes() -> int | None:
+  """This machine's physical memory in bytes (None where the system does not say)."""
+  try:
+    return os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
+  except (ValueError, OSError, AttributeError):
+    return None
+
+
 def check_supported(experiment) -> None:
   """Refuses an experiment that lists UNSUPPORTED_FEATURES: training it would train another model."""
   unsupported = getattr(experiment, 'UNSUPPORTED_FEATURES', None) or {}
@@ -90,3 +98,22 @@ def fake_cpu_devices(n: int, option: str = '--num-devices') -> None:
            if not f.startswith('--xla_force_host_platform_device_count')]
   os.environ['XLA_FLAGS'] = ' '.join(flags + [f'--xla_force_host_platform_device_count={n}'])
   os.environ['JAX_PLATFORMS'] = 'cpu'
+
+
+def device_memory_bytes(device=None) -> tuple[int | None, str]:
+  """(bytes a device can hold, where that figure comes from)."""
+  import jax  # here, not at the top: this module sets the environment before XLA starts
+  device = device or jax.devices()[0]
+  try:
+    stats = device.memory_stats() or {}
+  except Exception:
+    stats = {}
+  if stats.get('bytes_limit'):
+    return int(stats['bytes_limit']), 'memory_stats bytes_limit'
+  if device.platform == 'cpu':
+    total = host_memory_bytes()
+    if total is None:
+      return None, 'unknown'
+    n = len(jax.local_devices())
+    return total // n, f'host RAM / {n} devices' if n > 1 else 'host RAM'
+  return None, 'unknown'

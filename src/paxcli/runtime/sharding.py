@@ -47,16 +47,9 @@ def mesh_shape(ici: Optional[Sequence[int]], dcn: Optional[Sequence[int]], num_d
 
   Both come back with the same number of entries: 3, or 4 when either has a stage entry.
   """
+  check_mesh_shapes(ici, dcn)
   dcn = list(dcn) if dcn is not None else None
   ici = list(ici) if ici is not None else [1, -1, 1]
-  for name, shape in (('ICI_MESH_SHAPE', ici), ('DCN_MESH_SHAPE', dcn)):
-    if shape is None:
-      continue
-    if len(shape) not in (3, 4):
-      raise UserError(f'{name} must have 3 entries for the axes {MESH_AXES}, or 4 for '
-                      f'{PIPELINE_MESH_AXES} (pipeline parallelism), got {shape}.')
-    if any(s == 0 or s < -1 for s in shape) or shape.count(-1) > 1:
-      raise UserError(f'{name} {shape}: entries must be positive, with at most one -1 (fill).')
   dcn = dcn if dcn is not None else [1] * len(ici)
   if len(ici) != len(dcn):  # a three-entry shape beside a four-entry one: no stages there
     ici, dcn = ([1] + ici, dcn) if len(ici) == 3 else (ici, [1] + dcn)
@@ -84,6 +77,21 @@ def mesh_shape(ici: Optional[Sequence[int]], dcn: Optional[Sequence[int]], num_d
     raise UserError(f'The mesh ICI_MESH_SHAPE {ici} x DCN_MESH_SHAPE {dcn} needs {total} devices, '
                     f'but there are {num_devices} ({jax.default_backend()}). {hint}')
   return ici, dcn
+
+
+def check_mesh_shapes(ici: Optional[Sequence[int]], dcn: Optional[Sequence[int]]) -> None:
+  """UserError for an ICI or DCN mesh shape no number of devices fills (checked without devices)."""
+  for name, shape in (('ICI_MESH_SHAPE', ici), ('DCN_MESH_SHAPE', dcn)):
+    if shape is None:
+      continue
+    shape = list(shape)
+    if len(shape) not in (3, 4):
+      raise UserError(f'{name} must have 3 entries for the axes {MESH_AXES}, or 4 for '
+                      f'{PIPELINE_MESH_AXES} (pipeline parallelism), got {shape}.')
+    if any(s == 0 or s < -1 for s in shape) or shape.count(-1) > 1:
+      raise UserError(f'{name} {shape}: entries must be positive, with at most one -1 (fill).')
+  if dcn is not None and -1 in list(dcn):
+    raise UserError('DCN_MESH_SHAPE may not contain -1.')
 
 
 def make_mesh(ici: Optional[Sequence[int]], dcn: Optional[Sequence[int]] = None, devices=None) -> Mesh:

@@ -50,7 +50,7 @@ def decode(resolved, job_dir: str, opts: DecodeOptions, texts: Sequence[str] = (
            prompt_ids: Sequence[str] = (), dataset: Optional[str] = None, num_prompts: int = 8,
            step: Optional[int] = None, use_checkpoint: bool = True, dtype: Optional[str] = None,
            output: Optional[str] = None, log: Callable[[str], None] = print,
-           progress: Optional[Progress] = None) -> Decoded:
+           progress: Optional[Progress] = None, force: bool = False) -> Decoded:
   """Decodes the prompts (texts, a file, id lists, or `num_prompts` rows of the input `dataset`)
   with the weights of checkpoint `step` (default the latest; fresh ones without `use_checkpoint`)."""
   setup = engine.build(resolved)
@@ -66,7 +66,8 @@ def decode(resolved, job_dir: str, opts: DecodeOptions, texts: Sequence[str] = (
   opts = _checked(opts, tokenizer, decoder.vocab_size)
   lead = jax.process_index() == 0
   if lead:  # an unwritable output is found before the decoding, not after it
-    check_output(output or cli_output_path(job_dir, dataset, chosen or 0))
+    check_output(output or cli_output_path(job_dir, dataset, chosen or 0), force,
+                 inputs=[prompts_file] if prompts_file else [])
   decoder.params, ckpt_step = restore.weights(setup, resolved, job_dir, chosen, 'decode', fallback=step is None,
                                               log=log)
   records, stats = _run(decoder, prompts, opts, tokenizer, progress if lead else None)

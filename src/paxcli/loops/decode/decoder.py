@@ -49,7 +49,7 @@ from paxcli.layers.activation_sharding import ACTIVATION_RULES, spec_for
 from paxcli.loops.decode.options import DecodeOptions
 from paxcli.loops.decode.output import finite_or_none
 from paxcli.loops.decode.prompts import Prompt, check_lengths
-from paxcli.models import DecodingModel
+from paxcli.models.base import DecodingModel
 from paxcli.runtime import sharding
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import json
 from typing import Optional, Sequence
 
 import numpy as np
@@ -56,6 +55,7 @@ def text_prompt(text: str, tokenizer, where: str) -> Prompt:
     raise UserError(f'This model has no tokenizer (it was trained on ids, e.g. the synthetic input), so '
                     f'{where} cannot take text; give token ids with --prompt-ids 12,15,18 or a JSONL '
                     'prompts file with "prompt_ids".')
+  files.check_unicode(text, where)   # sentencepiece fails on a lone surrogate with a C++ error
   bos = [tokenizer.bos_id] if tokenizer.bos_first else []   # as the model was trained (inputs.packing)
   return Prompt(bos + tokenizer.encode(text), text)
 
@@ -73,10 +73,7 @@ def read_prompts_file(path: str, tokenizer) -> list[Prompt]:
     if not is_jsonl:
       prompts.append(text_prompt(line, tokenizer, f'{path} line {n}'))
       continue
-    try:
-      obj = json.loads(line)
-    except ValueError as e:
-      raise UserError(f'{path} line {n} is not valid JSON ({e.msg}): {line[:80]!r}') from None
+    obj = files.parse_json(line, f'{path} line {n}')   # bounded: depth, digits; NaN is not JSON
     if not isinstance(obj, dict) or not ('prompt' in obj or 'prompt_ids' in obj):
       raise UserError(f'{path} line {n}: expected an object with "prompt" or "prompt_ids", got {line[:80]!r}')
     if 'prompt_ids' in obj:

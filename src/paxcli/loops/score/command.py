@@ -47,9 +47,10 @@ class Scored(list):
 
 def score(resolved, job_dir: str, requests: list[Request], requests_file: str, step: Optional[int] = None,
           use_checkpoint: bool = True, dtype: Optional[str] = None, batch_size: int = 0, output: Optional[str] = None,
-          log: Callable[[str], None] = print, progress: Optional[Progress] = None) -> Scored:
+          log: Callable[[str], None] = print, progress: Optional[Progress] = None, force: bool = False) -> Scored:
   """Scores `requests` (read from `requests_file`, which messages name) with checkpoint `step`'s
-  weights (default the latest; fresh ones without `use_checkpoint`)."""
+  weights (default the latest; fresh ones without `use_checkpoint`). An existing `output` is replaced
+  only with `force`."""
   setup = engine.build(resolved)
   scorer = Scorer(setup, None, dtype=dtype)  # a model that cannot score fails before any reading
   chosen = restore.choose_step(job_dir, step, purpose='score') if use_checkpoint else None
@@ -61,7 +62,7 @@ def score(resolved, job_dir: str, requests: list[Request], requests_file: str, s
         'tokens (each record\'s "truncated" says how many).')
   lead = jax.process_index() == 0
   if lead:  # an unwritable output is found before the scoring, not after it
-    check_output(output or default_output(job_dir, chosen or 0))
+    check_output(output or default_output(job_dir, chosen or 0), force, inputs=[requests_file])
   scorer.params, ckpt_step = restore.weights(setup, resolved, job_dir, chosen, 'score', fallback=step is None, log=log)
   with progress(len(pairs)) if progress and lead else contextlib.nullcontext() as advance:
     results, stats = scorer.run(pairs, batch_size, progress=advance)

@@ -24,7 +24,6 @@ Light on purpose (no JAX): the file is checked before the backend starts.
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Optional, Sequence
 
 from paxcli import files
@@ -69,10 +68,7 @@ def read_requests(path: str) -> list[Request]:
 
 def _request(path: str, n: int, line: str) -> Request:
   where = f'{path} line {n}'
-  try:
-    obj = json.loads(line)
-  except ValueError as e:
-    raise UserError(f'{where} is not valid JSON ({e.msg}): {shorten(repr(line), 80)}') from None
+  obj = files.parse_json(line, where)   # bounded: depth, digits; NaN and Infinity are not JSON
   if not isinstance(obj, dict):
     raise UserError(f'{where}: expected a JSON object with {FORMS}; got {shorten(repr(line), 80)}')
   forms = [(kind, as_ids) for as_ids, table in ((False, TEXT_FIELDS), (True, ID_FIELDS))
@@ -98,6 +94,8 @@ def _check_field(where: str, obj: dict, name: str, as_ids: bool) -> None:
       raise UserError(f'{where}: "{name}" must be a list of integers.')
   elif not isinstance(value, str):
     raise UserError(f'{where}: "{name}" must be a string.')
+  else:
+    files.check_unicode(value, f'{where}: "{name}"')
 
 
 def to_pairs(requests: Sequence[Request], tokenizer, vocab_size: int, window: int, path: str) -> list[Pair]:

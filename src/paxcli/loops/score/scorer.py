@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from paxcli.errors import UserError
 from paxcli.loops.score.requests import Pair
-from paxcli.models import DecodingModel
+from paxcli.models.base import DecodingModel
 from paxcli.runtime import sharding
 
 MAX_ROWS = 64              # rows per batch by default ...

@@ -1,0 +1,89 @@
+"""Family: one object per model architecture, owning everything that makes a model one of it.
+
+What a family owns, each read by one consumer:
+  knobs                 the knob values every member shares (Llama: gated SiLU, RMSNorm, rotary, no
+                        biases); recipes take them with `@FAMILY.preset`, imports write them
+  hf_model_types        config.json model_type values it reads (`pax checkpoint convert --from hf`)
+  from_hf_config        config.json -> (knobs, notes), refusing by name what the family cannot express
+  to_hf_config          a model's settings -> config.json (`--to hf`)
+  hf_weights            the weight-name map both ways: (HF name, paxcli name, shapes, to_hf, from_hf)
+  misfit                why a model is not one of the family (empty: it is); `--to hf` and
+                        `pax describe` ask every family
+  maxtext_blocks        MaxText decoder_block names it computes, with the knobs each sets
+                        (`pax import-maxtext`) and MaxText's weight names below a layer (`--from maxtext`)
+
+A family is a subclass with its data as class attributes and its own methods where it differs;
+one instance is listed in paxcli.models.registry.FAMILIES. Nothing here imports jax or flax: recipes
+and `pax experiments` read families. A model is given to a family as its flat view
+(paxcli.models.lm.flat_view, or the namespace of paxcli.models.knobs.effective): knob settings under
+their flat names (num_heads, norm_type, layer_pattern, ...).
+
+Layer kinds (paxcli.models.pattern) are where families differ layer by layer: a family whose
+layers alternate (local and global attention, dense and MoE feed-forward) presets LAYER_PATTERN and
+LAYER_KINDS like any other knob, and its weight map names each layer's kind by its index.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping, Optional
+
+from paxcli.errors import UserError
+
+
+@dataclasses.dataclass(frozen=True)
+class MaxTextBlock:
+  """A MaxText decoder_block a family computes: the knobs it sets, and why paxcli's layer would be
+  another model (None: it is the same)."""
+  knobs: Mapping[str, Any]
+  unsupported: Optional[str] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Weight:
+  """One array of the HF weight map: names and shapes on both sides, and the two value transforms
+  (to_hf(paxcli array) -> HF array; from_hf(HF array, paxcli shape) -> paxcli array)."""
+  hf: str
+  paxcli: str
+  hf_shape: tuple
+  paxcli_shape: tuple
+  to_hf: Callable
+  from_hf: Callable
+
+
+class Family:
+  """An architecture (see the module docstring); subclasses fill in the data and methods."""
+  name: str = ''
+  title: str = ''                       # for messages: 'Llama'
+  description: str = ''
+  knobs: Mapping[str, Any] = {}
+  hf_model_types: tuple[str, ...] = ()
+  hf_architectures: tuple[str, ...] = ()
+  maxtext_blocks: Mapping[str, MaxTextBlock] = {}
+  maxtext_layer_params: Mapping[str, tuple[str, int]] = {}
+
+  def preset(self, cls: type) -> type:
+    """Class decorator: the family's knobs on an experiment class, under what the class sets itself."""
+    for name, value in self.knobs.items():
+      if name not in cls.__dict__:
+        setattr(cls, name, value)
+    return cls
+
+  def misfit(self, model) -> list[str]:
+    """Why `model` (a flat view) is not one of this family, each in the user's terms (the knob to set);
+    [] when it is."""
+    raise NotImplementedError(f'{type(self).__name__} must define misfit().')
+
+  # ---- Hugging Face (families without an HF layout leave hf_model_types empty) ----
+
+  def from_hf_config(self, config: dict, where: str) -> tuple[dict, list[str]]:
+    raise UserError(f'{where}: paxcli reads no Hugging Face {self.title} checkpoints.')
+
+  def to_hf_config(self, model, dtype: str, token_ids: dict) -> dict:
+    raise UserError(f'paxcli writes no Hugging Face {self.title} checkpoints.')
+
+  def hf_weights(self, model) -> list[Weight]:
+    return []
+
+  def __repr__(self) -> str:
+    return f'<family {self.name}>'

@@ -1,0 +1,164 @@
+"""Hugging Face config.json and weight layouts, the parts every family reads the same way.
+
+A family (paxcli.models.family) maps its own keys and weight names; here are the checked reads of
+config.json values (Reader: a missing, wrong-typed or out-of-range value is one line), the keys no
+family's function depends on (HARMLESS_KEYS), the refusal of every other key a family does not read
+(function_changing), rope scaling both ways, and the transforms between HF's nn.Linear weights
+[out, in] and paxcli's kernels [in, ...].
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+import numpy as np
+
+from paxcli.errors import UserError, shorten
+from paxcli.models.knobs import LM_KNOB
+
+
+# config.json keys that do not change the function a model computes (bookkeeping, generation
+# defaults, the token ids: the tokenizer's own files say which tokens are special, and they are
+# kept with the job). Every other key is read into knobs by a family, or refused by name: a key this
+# list does not know (auto_map's custom code, quantization_config, a new transformers option) may
+# change what the model computes, and a model that silently computes another function is worse
+# than a refusal the user can act on.
+HARMLESS_KEYS = frozenset({
+    'architectures', 'model_type', '_name_or_path', 'transformers_version', '_commit_hash', 'torch_dtype', 'dtype',
+    'use_cache', 'initializer_range', 'pretraining_tp', 'bos_token_id', 'eos_token_id', 'pad_token_id',
+    'sep_token_id', 'decoder_start_token_id', 'return_dict', 'output_hidden_states', 'output_attentions',
+    'torchscript', 'use_bfloat16', 'tf_legacy_loss', 'chunk_size_feed_forward', 'id2label', 'label2id',
+    'problem_type', 'finetuning_task', 'tokenizer_class', 'prefix', 'task_specific_params', '_attn_implementation',
+    'attn_implementation', '_attn_implementation_autoset', 'max_length', 'min_length', 'do_sample',
+    'early_stopping', 'num_beams', 'num_beam_groups', 'diversity_penalty', 'temperature', 'top_k', 'top_p',
+    'typical_p', 'repetition_penalty', 'length_penalty', 'no_repeat_ngram_size', 'encoder_no_repeat_ngram_size',
+    'bad_words_ids', 'num_return_sequences', 'output_scores', 'return_dict_in_generate', 'forced_bos_token_id',
+    'forced_eos_token_id', 'remove_invalid_values', 'exponential_decay_length_penalty', 'suppress_tokens',
+    'begin_suppress_tokens'})
+# rope_scaling types (HF's rope_type, or type in older configs) -> paxcli's ROTARY_SCALING.
+ROPE_TYPES = {'default': 'none', 'linear': 'linear', 'llama3': 'llama3'}
+LLAMA3_ROPE_KEYS = {'factor': 'ROTARY_SCALING_FACTOR', 'low_freq_factor': 'ROTARY_LOW_FREQ_FACTOR',
+                    'high_freq_factor': 'ROTARY_HIGH_FREQ_FACTOR',
+                    'original_max_position_embeddings': 'ROTARY_ORIGINAL_MAX_LEN'}
+
+
+def rope_scaling_of(model) -> Optional[dict]:
+  """config.json's rope_scaling for a model's ROTARY_SCALING knobs (None: none)."""
+  kind = getattr(model, 'rotary_scaling', 'none')
+  if kind == 'none':
+    return None
+  out = {'rope_type': kind, 'factor': float(model.rotary_scaling_factor)}
+  if kind == 'llama3':
+    out.update({key: getattr(model, LM_KNOB[knob].flat) for key, knob in LLAMA3_ROPE_KEYS.items()})
+  return out
+
+
+def function_changing(config: dict, read_keys, neutral: dict, title: str) -> list[str]:
+  """The keys of config.json that would change the function, each with its value (short: all of
+  them fit the one line of the error): every key but HARMLESS_KEYS, the family's `read_keys` and its
+  `neutral` keys at their neutral value."""
+  problems, unknown = [], []
+  for key, value in config.items():
+    if key in HARMLESS_KEYS or key in read_keys:
+      continue
+    if key not in neutral:
+      unknown.append(key)
+    elif value != neutral[key] and value not in (None, {}, []) and not _same_activation(key, value, neutral[key]):
+      problems.append(f'{key} {shown(value)} (paxcli\'s {title}: {shown(neutral[key])})')
+  if unknown:
+    problems.append(f'{", ".join(sorted(unknown))} (unknown to paxcli: may change what the model computes; '
+                    'remove from config.json what you know does not)')
+  return problems
+
+
+def _same_activation(key: str, value, neutral) -> bool:
+  """hidden_act 'swish' is transformers' other name for 'silu'."""
+  return key == 'hidden_act' and {value, neutral} == {'silu', 'swish'}
+
+
+def rope_scaling(config: dict, problems: list) -> dict:
+  """config.json's rope scaling (rope_type 'default' for none): rope_scaling, or transformers 5's
+  rope_parameters (which also holds rope_theta). Unsupported kinds go into `problems`."""
+  rope = config.get('rope_scaling') or config.get('rope_parameters') or {}
+  if not isinstance(rope, dict):
+    problems.append(f'rope_scaling {shown(rope)} (an object with rope_type and factor was expected)')
+    return {'rope_type': 'default'}
+  kind = rope.get('rope_type', rope.get('type', 'default'))
+  if kind not in ROPE_TYPES:
+    problems.append(f'rope_scaling {shown(rope)} (paxcli scales rotary positions as '
+                    f'{", ".join(repr(k) for k in ROPE_TYPES)} only)')
+    return {'rope_type': 'default'}
+  known = {'rope_type', 'type', 'rope_theta', 'factor'} | (set(LLAMA3_ROPE_KEYS) if kind == 'llama3' else set())
+  unknown = sorted(set(rope) - known)
+  if unknown:
+    problems.append(f'rope_scaling {shown(rope)} (paxcli does not read its {", ".join(unknown)})')
+  return {**rope, 'rope_type': kind}
+
+
+def rope_knobs(rope: dict, get: 'Reader') -> dict:
+  """ROTARY_SCALING and its factors from a linear or llama3 rope_scaling ({} for the default)."""
+  if rope['rope_type'] == 'default':
+    return {}
+  knobs = {'ROTARY_SCALING': ROPE_TYPES[rope['rope_type']], 'ROTARY_SCALING_FACTOR': get.float('factor')}
+  if rope['rope_type'] == 'llama3':
+    for key, knob in LLAMA3_ROPE_KEYS.items():
+      knobs[knob] = (get.int if LM_KNOB[knob].type is int else get.float)(key)
+  return knobs
+
+
+def shown(value) -> str:
+  return shorten(json.dumps(value), 60)
+
+
+class Reader:
+  """Values of a config.json, checked: a missing, wrong-typed or out-of-range one is a UserError."""
+  REQUIRED = object()
+
+  def __init__(self, config: dict, where: str, what: str = 'the config'):
+    self.config, self.where, self.what = config, where, what
+
+  def _get(self, key, default):
+    value = self.config.get(key)
+    if value is None:
+      if default is self.REQUIRED:
+        raise UserError(f'{self.where}: {key} is missing; {self.what} needs it.')
+      return None, default
+    return value, None
+
+  def int(self, key: str, default=REQUIRED):
+    value, fallback = self._get(key, default)
+    if value is None:
+      return fallback
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+      raise UserError(f'{self.where}: {key} is {str(json.dumps(value))[:60]}; it must be a positive integer.')
+    return value
+
+  def float(self, key: str, default=REQUIRED):
+    value, fallback = self._get(key, default)
+    if value is None:
+      return fallback
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < float('inf'):
+      raise UserError(f'{self.where}: {key} is {str(json.dumps(value))[:60]}; it must be a positive number.')
+    return float(value)
+
+  def bool(self, key: str, default=REQUIRED):
+    value, fallback = self._get(key, default)
+    if value is None:
+      return fallback
+    if not isinstance(value, bool):
+      raise UserError(f'{self.where}: {key} is {str(json.dumps(value))[:60]}; it must be true or false.')
+    return value
+
+
+def linear(shape_pax_in: int):
+  """kernel [in, *out] <-> weight [prod(out), in]."""
+  return (lambda x: x.reshape(shape_pax_in, -1).T,
+          lambda w, shape: np.ascontiguousarray(w.T).reshape(shape))
+
+
+def out_proj(d: int):
+  return (lambda x: x.reshape(-1, d).T, lambda w, shape: np.ascontiguousarray(w.T).reshape(shape))
+
+
+SAME = (lambda x: x, lambda w, shape: w.reshape(shape))

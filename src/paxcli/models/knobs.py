@@ -1,0 +1,259 @@
+"""Knob tables: each model knob of a family declared once, with the config fields it sets.
+
+A row names the knob (UPPERCASE, as recipes set it), its type and default, and the fields
+of the model config it lands in (dotted paths under `task.model`). Everything else reads
+the table: the family's experiment declares its knobs from it (`declare`), the model
+config is filled from it (`fill`), and an existing model config is read back under the
+knobs' flat names (`read`: paxcli.models.lm.flat_view, the FLOPs count, the converters). So a new
+LM knob is two edits: a row in LM_KNOBS and its use in the layer.
+
+The flat name of a knob is the keyword `paxcli.models.lm.lm_config` takes and the attribute
+`flat_view` gives (num_heads, norm_type, scan_layers, ...): the last part of its
+first field unless the row says otherwise. A knob whose fields take a value computed from
+other knobs (NUM_KV_HEADS None: as many as NUM_HEADS) says how in `value`.
+
+This module imports no jax or flax: experiments import it when their class is created and
+recipes must stay importable without them (`pax experiments` lists them quickly).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping, Optional
+
+from paxcli.errors import UserError, did_you_mean
+from paxcli.options import (ActivationName, AttentionImplName, CheckpointPolicyName, DTypeName, NormName,
+                            PositionName, RotaryScalingName)
+from paxcli.values import coerce
+
+Settings = Mapping[str, Any]   # flat name -> value, every knob of a table present
+
+
+@dataclasses.dataclass(frozen=True)
+class Knob:
+  """One knob: its type and default, and the model-config fields it sets."""
+  name: str
+  type: Any
+  default: Any
+  fields: tuple[str, ...]
+  doc: str = ''
+  flat: str = ''
+  # The fields' value from all settings (flat names); None: the knob's own value.
+  value: Optional[Callable[[Settings], Any]] = None
+  # Further fields that follow from this knob: (path, value from all settings).
+  derived: tuple[tuple[str, Callable[[Settings], Any]], ...] = ()
+
+  def __post_init__(self):
+    if isinstance(self.fields, str):
+      object.__setattr__(self, 'fields', (self.fields,))
+    if not self.flat:
+      object.__setattr__(self, 'flat', self.fields[0].rsplit('.', 1)[-1])
+
+  def field_value(self, settings: Settings) -> Any:
+    return self.value(settings) if self.value else settings[self.flat]
+
+
+def declare(table: tuple[Knob, ...]):
+  """Class decorator: declares the table's knobs (annotation and default) on an experiment class."""
+  def apply(cls):
+    annotations = cls.__dict__.get('__annotations__')
+    if annotations is None:
+      annotations = cls.__annotations__ = {}
+    for knob in table:
+      annotations[knob.name] = knob.type
+      setattr(cls, knob.name, knob.default)
+    return cls
+  return apply
+
+
+def flat_settings(knob_values: Mapping[str, Any], table: tuple[Knob, ...]) -> dict[str, Any]:
+  """Flat name -> value for the table's knobs, from knob values by UPPERCASE name (others ignored)."""
+  return {k.flat: knob_values[k.name] for k in table if k.name in knob_values}
+
+
+def complete(settings: Settings, table: tuple[Knob, ...]) -> dict[str, Any]:
+  """The settings with the table's defaults where they are missing; a TypeError for an unknown name."""
+  known = {k.flat: k.default for k in table}
+  unknown = sorted(set(settings) - set(known))
+  if unknown:
+    raise TypeError(f'unexpected model settings {unknown}; the knob table has {sorted(known)}')
+  return {**known, **settings}
+
+
+def assignments(settings: Settings, table: tuple[Knob, ...]) -> list[tuple[str, Any]]:
+  """(field path, value) for every field the table sets, from complete settings."""
+  out = []
+  for knob in table:
+    value = knob.field_value(settings)
+    out += [(path, value) for path in knob.fields]
+    out += [(path, fn(settings)) for path, fn in knob.derived]
+  return out
+
+
+def effective(knob_values: Mapping[str, Any], table: tuple[Knob, ...]) -> dict[str, Any]:
+  """Flat name -> the value its fields get (NUM_KV_HEADS None reads as NUM_HEADS), from knob values
+  by UPPERCASE name (defaults for the missing): a model's settings without building it."""
+  settings = complete(flat_settings(knob_values, table), table)
+  return {k.flat: k.field_value(settings) for k in table}
+
+
+def fill(config, table: tuple[Knob, ...], settings: Settings):
+  """`config` (a tree of fiddle configs) with the table's fields set from `settings` (flat names,
+  defaults for missing ones). Returns the config."""
+  for path, value in assignments(complete(settings, table), table):
+    *parents, name = path.split('.')
+    node = config
+    for part in parents:
+      node = getattr(node, part)
+    setattr(node, name, value)
+  return config
+
+
+def get_path(obj, path: str) -> Any:
+  """The field at a dotted path of a config or model, None where a step is missing."""
+  for part in path.split('.'):
+    obj = getattr(obj, part, None)
+    if obj is None:
+      return None
+  return obj
+
+
+def read(model, table: tuple[Knob, ...]) -> dict[str, Any]:
+  """Flat name -> the value at each knob's first field of a model (or its config); None where a
+  swapped-in layer has no such field."""
+  return {k.flat: get_path(model, k.fields[0]) for k in table}
+
+
+# ---- the decoder-only LM (paxcli.models.lm.LanguageModel; paxcli.models.lm_experiment.LmExperiment) ---
+
+LM = 'lm_tpl.'
+BLOCK = LM + 'block_tpl.'
+ATTENTION = BLOCK + 'attention_tpl.'
+FFN = BLOCK + 'ffn_tpl.'
+NORM = BLOCK + 'norm_tpl.'
+FINAL_NORM = LM + 'final_norm_tpl.'
+
+LM_KNOBS: tuple[Knob, ...] = (
+    Knob('VOCAB_SIZE', int, 256, LM + 'vocab_size'),
+    Knob('NUM_LAYERS', int, 2, LM + 'num_layers'),
+    Knob('MODEL_DIMS', int, 64, LM + 'model_dims'),
+    Knob('HIDDEN_DIMS', int, 256, FFN + 'hidden_dims'),
+    Knob('NUM_HEADS', int, 4, ATTENTION + 'num_heads'),
+    Knob('NUM_KV_HEADS', Optional[int], None, ATTENTION + 'num_kv_heads',
+         'None: same as NUM_HEADS; fewer: grouped-query attention',
+         value=lambda s: s['num_kv_heads'] or s['num_heads']),
+    Knob('DIMS_PER_HEAD', Optional[int], None, ATTENTION + 'dims_per_head', 'None: MODEL_DIMS // NUM_HEADS',
+         value=lambda s: s['dims_per_head'] or s['model_dims'] // s['num_heads']),
+    Knob('MAX_SEQ_LEN', int, 64, LM + 'max_seq_len'),
+    Knob('ACTIVATION', ActivationName, 'gelu', FFN + 'activation'),
+    Knob('USE_GATED_ACTIVATION', bool, False, FFN + 'gated', flat='use_gated_activation'),
+    Knob('NORM_TYPE', NormName, 'layernorm', (NORM + 'kind', FINAL_NORM + 'kind'), flat='norm_type'),
+    Knob('USE_BIAS', bool, True, (FFN + 'use_bias', NORM + 'use_bias', FINAL_NORM + 'use_bias'),
+         'biases in the MLP and the norms, and in attention unless USE_ATTENTION_BIAS says otherwise'),
+    Knob('USE_ATTENTION_BIAS', Optional[bool], None, ATTENTION + 'use_bias',
+         "None: USE_BIAS; Pax's USE_BIAS is this one", flat='attention_use_bias',
+         value=lambda s: s['use_bias'] if s['attention_use_bias'] is None else s['attention_use_bias']),
+    Knob('POSITION_EMBEDDING', PositionName, 'learned', LM + 'position_embedding',
+         "'sinusoidal' is Pax's fixed PositionalEmbedding",
+         derived=((ATTENTION + 'rotary', lambda s: s['position_embedding'] == 'rotary'),)),
+    Knob('ROTARY_MAX_TIMESCALE', float, 10000.0, ATTENTION + 'rotary_max_timescale'),
+    # Hugging Face's rope_scaling (layers.transformer.rotary_scale): Llama 3.1's 'llama3' or 'linear'.
+    Knob('ROTARY_SCALING', RotaryScalingName, 'none', ATTENTION + 'rotary_scaling',
+         "'linear': positions / factor; 'llama3': long wavelengths x factor, short ones kept"),
+    Knob('ROTARY_SCALING_FACTOR', float, 1.0, ATTENTION + 'rotary_scaling_factor'),
+    Knob('ROTARY_LOW_FREQ_FACTOR', float, 1.0, ATTENTION + 'rotary_low_freq_factor', "'llama3' only"),
+    Knob('ROTARY_HIGH_FREQ_FACTOR', float, 4.0, ATTENTION + 'rotary_high_freq_factor', "'llama3' only"),
+    Knob('ROTARY_ORIGINAL_MAX_LEN', int, 8192, ATTENTION + 'rotary_original_max_len',
+         "'llama3' only: the context length the model was first trained for"),
+    Knob('SEPARATE_EMBEDDING', bool, False, LM + 'separate_embedding',
+         'False: output logits use the token embedding (tied)'),
+    Knob('DROPOUT_PROB', float, 0.0, LM + 'dropout_prob'),
+    Knob('FPROP_DTYPE', DTypeName, 'float32', LM + 'fprop_dtype', 'activations; weights stay float32'),
+    Knob('USE_REPEATED_LAYER', bool, False, LM + 'scan_layers', 'nn.scan over layers'),
+    Knob('CHECKPOINT_POLICY', CheckpointPolicyName, 'save_nothing', LM + 'checkpoint_policy'),
+    # Options of Pax's lm_cloud/c4 models (what `pax checkpoint convert --from paxml` needs); all off.
+    Knob('SCALE_EMBEDDING_SQRT_DEPTH', bool, False, LM + 'scale_embedding_sqrt_depth',
+         'token embeddings x sqrt(MODEL_DIMS) (Pax scale_sqrt_depth)'),
+    Knob('USE_SOFTMAX_BIAS', bool, False, LM + 'softmax_bias', "a bias on the output logits (Pax's softmax has one)"),
+    Knob('SOFTMAX_CAP_LOGITS', float, 0.0, LM + 'softmax_cap_logits', '> 0: logits = cap * tanh(logits / cap); 0: off'),
+    Knob('ATTEN_LOGIT_CAP', float, 0.0, ATTENTION + 'atten_logit_cap', 'the same for attention logits, before the mask'),
+    Knob('USE_PER_DIM_SCALE', bool, False, ATTENTION + 'per_dim_scale', "learned per-dimension query scale (Pax's PerDimScale)"),
+    Knob('TIED_LOGITS_BFLOAT16', bool, False, LM + 'tied_logits_bfloat16',
+         "tied output logits against the embedding table rounded to bfloat16 (MaxText's attend_on_embedding)"),
+    Knob('PARALLEL_BLOCK', bool, False, BLOCK + 'parallel',
+         "attention and MLP from one norm, added together (MaxText's default decoder_block); no mlp_norm",
+         flat='parallel_block'),
+    Knob('NORM_EPSILON', float, 1e-6, (NORM + 'epsilon', FINAL_NORM + 'epsilon'), flat='norm_epsilon'),
+    Knob('ATTENTION_IMPL', AttentionImplName, 'auto', ATTENTION + 'attention_impl',
+         'auto: jax.nn.dot_product_attention (cuDNN flash attention on GPUs in bf16/fp16, XLA elsewhere); '
+         'einsum: the plain reference with explicit float32 logits'),
+    # Pipeline parallelism (paxcli.layers.pipeline): NUM_STAGES > 1 needs USE_REPEATED_LAYER and a
+    # four-entry ICI_MESH_SHAPE [stage, replica, data, mdl] whose stage entry (times DCN's) equals it.
+    # Checkpoints are the same whatever the stage count.
+    Knob('NUM_STAGES', int, 1, LM + 'num_stages'),
+    Knob('NUM_MICROBATCHES', Optional[int], None, LM + 'num_microbatches', 'None: from MICROBATCH_SIZE, else NUM_STAGES'),
+    Knob('MICROBATCH_SIZE', Optional[int], None, LM + 'microbatch_size', 'rows of the global batch per microbatch'),
+    Knob('PIPELINE_CIRCULAR_REPEAT', int, 1, LM + 'pipeline_repeats',
+         'R > 1: each stage holds R groups of layers, visited in turn'),
+    # LoRA (paxcli.layers.lora): adapters beside the frozen kernels; only they train. Start from base
+    # weights with INIT_FROM (a checkpoint, e.g. one `pax checkpoint convert --from hf` wrote).
+    Knob('LORA_RANK', int, 0, (ATTENTION + 'lora_rank', FFN + 'lora_rank'), '0: off; r > 0: rank-r adapters'),
+    Knob('LORA_ALPHA', float, 16.0, (ATTENTION + 'lora_alpha', FFN + 'lora_alpha'), 'adapters scaled by alpha / rank'),
+    Knob('LORA_TARGETS', tuple, ('query', 'value'), (ATTENTION + 'lora_targets', FFN + 'lora_targets'),
+         'projections adapted, among query, key, value, output, mlp (wi_0, wi_1, wo)',
+         value=lambda s: tuple(s['lora_targets'])),
+    Knob('LORA_DROPOUT', float, 0.0, (ATTENTION + 'lora_dropout', FFN + 'lora_dropout'),
+         "dropout on the adapters' input, in training"),
+    Knob('LORA_BASE_DTYPE', DTypeName, 'float32', 'lora_base_dtype',
+         'dtype the frozen base weights are kept in with LORA_RANK > 0 (bfloat16 halves their memory)'),
+    # Layer kinds (paxcli.models.pattern): the stack repeats a group of kinds, each kind the block with
+    # its own knob values. Checkpoints of a one-kind stack (the default) keep the uniform layout.
+    Knob('LAYER_PATTERN', tuple[str, ...], (), LM + 'layer_pattern',
+         "the kinds of one group of layers in order, e.g. ('local', 'global'); NUM_LAYERS is a multiple of its "
+         'length; (): every layer alike', value=lambda s: tuple(s['layer_pattern'])),
+    Knob('LAYER_KINDS', dict[str, dict[str, Any]], {}, LM + 'layer_kinds',
+         "per kind, the knobs of its layers that differ, e.g. {'local': {'ROTARY_MAX_TIMESCALE': 1e4}}; a kind "
+         'not listed is the plain layer', value=lambda s: kind_fields(s)),
+)
+LM_KNOB = {k.name: k for k in LM_KNOBS}
+
+
+def kind_fields(settings: Settings) -> tuple[tuple[str, tuple[tuple[str, Any], ...]], ...]:
+  """LAYER_KINDS as TransformerLm.layer_kinds: (kind, ((field below block_tpl, value), ...)) for every kind of
+  LAYER_PATTERN, in order of first appearance: the block fields whose value the kind's knobs change (NUM_HEADS
+  also moves DIMS_PER_HEAD when that follows it). A kind's knob that is unknown, sets no block field or has a
+  wrong type, and a kind the pattern does not name, are one-line UserErrors."""
+  pattern, kinds = tuple(settings['layer_pattern']), dict(settings['layer_kinds'] or {})
+  stray = [k for k in kinds if k not in pattern]
+  if stray:
+    raise UserError(f'LAYER_KINDS names {stray[0]!r}, which LAYER_PATTERN {pattern} does not use.'
+                    f'{did_you_mean(str(stray[0]), pattern)}')
+  base = dict(_block_assignments(settings))
+  out = []
+  for kind in dict.fromkeys(pattern):
+    own = {**settings, **_kind_settings(kind, kinds.get(kind) or {})}
+    changed = tuple((path, value) for path, value in _block_assignments(own) if base.get(path) != value)
+    out.append((kind, changed))
+  return tuple(out)
+
+
+def _kind_settings(kind: str, knob_values: Mapping[str, Any]) -> dict[str, Any]:
+  """Flat settings from one kind's knob values (UPPERCASE), each checked: a per-layer knob of LM_KNOBS, its type."""
+  out = {}
+  for name, raw in knob_values.items():
+    knob = LM_KNOB.get(name)
+    if knob is None:
+      raise UserError(f'LAYER_KINDS[{kind!r}] sets {name!r}, which is not a model knob.'
+                      f'{did_you_mean(str(name), LM_KNOB)}')
+    if not any(f.startswith(BLOCK) for f in knob.fields) or name in ('LAYER_PATTERN', 'LAYER_KINDS'):
+      per_layer = sorted(k.name for k in LM_KNOBS if any(f.startswith(BLOCK) for f in k.fields))
+      raise UserError(f'LAYER_KINDS[{kind!r}] sets {name}, which is not a per-layer knob; a kind may set '
+                      f'{", ".join(per_layer)}.')
+    out[knob.flat] = coerce(raw, knob.type, f'LAYER_KINDS[{kind!r}][{name!r}]')
+  return out
+
+
+def _block_assignments(settings: Settings) -> list[tuple[str, Any]]:
+  """(field below block_tpl, value) of every block field the table sets from complete settings."""
+  rows = tuple(k for k in LM_KNOBS if k.name != 'LAYER_KINDS')
+  return [(path[len(BLOCK):], value) for path, value in assignments(settings, rows) if path.startswith(BLOCK)]

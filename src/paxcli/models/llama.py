@@ -1,0 +1,176 @@
+"""The Llama family: Hugging Face `LlamaForCausalLM`, MaxText's llama2/mistral/mixtral and default decoder
+blocks, and paxcli's own Llama-shaped recipes (default.StdlibDocsLm, bench.Llama1B).
+
+Weight map (paxcli unrolled names -> `LlamaForCausalLM` keys; HF stores nn.Linear weights [out, in],
+paxcli kernels [in, ...]):
+  params/embedding/embedding [V, D]              model.embed_tokens.weight [V, D]
+  params/layer_i/attention_norm/scale            model.layers.i.input_layernorm.weight
+  params/layer_i/attention/query/kernel [D,H,E]  model.layers.i.self_attn.q_proj.weight [H*E, D]
+  params/layer_i/attention/key|value [D,K,E]     ...self_attn.k_proj|v_proj.weight [K*E, D]
+  params/layer_i/attention/out/kernel [H,E,D]    ...self_attn.o_proj.weight [D, H*E]
+  params/layer_i/mlp_norm/scale                  ...post_attention_layernorm.weight
+  params/layer_i/mlp/wi_0|wi_1|wo/kernel         ...mlp.gate_proj|up_proj|down_proj.weight (transposed)
+  params/final_norm/scale                        model.norm.weight
+  params/logits/kernel [D, V] (untied only)      lm_head.weight [V, D]; tied: tie_word_embeddings
+Rotary: paxcli rotates the two halves of each head (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)
+with timescale theta^(2i/E), which is HF Llama's rotate_half convention: no permutation of
+q/k rows is needed (unlike Meta's interleaved original checkpoints). Gated MLP: paxcli's
+act(x wi_0) * (x wi_1) is HF's act(gate_proj x) * up_proj x.
+
+MaxText (under params/params/decoder/layers or layers_<i>; see paxcli.convert.maxtext for the
+rest): the llama2 block's pre_self_attention_layer_norm and post_self_attention_layer_norm are
+attention_norm and mlp_norm; the default block is the same layer with attention and MLP in parallel
+from its one pre_self_attention_norm (PARALLEL_BLOCK: a Llama-shaped layer that `--to hf` refuses).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from paxcli.errors import UserError
+from paxcli.models import hf_config
+from paxcli.models.family import Family, MaxTextBlock, Weight
+from paxcli.models.knobs import LM_KNOB
+
+RMS_EPS = LM_KNOB['NORM_EPSILON'].default   # HF's rms_norm_eps is NORM_EPSILON
+# config.json keys that are one LM knob each, both ways: import reads them into the knob,
+# export writes the knob's setting (read under its flat name, paxcli.models.lm.flat_view).
+_HF_KNOBS = {'vocab_size': 'VOCAB_SIZE', 'hidden_size': 'MODEL_DIMS', 'intermediate_size': 'HIDDEN_DIMS',
+             'num_hidden_layers': 'NUM_LAYERS', 'num_attention_heads': 'NUM_HEADS',
+             'num_key_value_heads': 'NUM_KV_HEADS', 'head_dim': 'DIMS_PER_HEAD',
+             'max_position_embeddings': 'MAX_SEQ_LEN', 'rms_norm_eps': 'NORM_EPSILON',
+             'rope_theta': 'ROTARY_MAX_TIMESCALE'}
+# Keys that leave the function alone only at one value (dropout is off in paxcli's own knobs).
+NEUTRAL_VALUES = {'attention_bias': False, 'mlp_bias': False, 'attention_dropout': 0.0, 'pruned_heads': {},
+                  'is_encoder_decoder': False, 'add_cross_attention': False, 'is_decoder': False,
+                  'tie_encoder_decoder': False, 'cross_attention_hidden_size': None, 'hidden_act': 'silu'}
+# Keys read into knobs: _HF_KNOBS, tie_word_embeddings, and the rotary ones.
+READ_KEYS = frozenset(_HF_KNOBS) | {'tie_word_embeddings', 'rope_scaling', 'rope_parameters'}
+# What every MaxText decoder block of the family sets the same way.
+_MAXTEXT_LAYER = {'NORM_TYPE': 'rmsnorm', 'USE_BIAS': False, 'POSITION_EMBEDDING': 'rotary'}
+
+
+class Llama(Family):
+  name = 'llama'
+  title = 'Llama'
+  description = 'Llama: RMSNorm, rotary positions, gated SiLU MLP, no biases (HF LlamaForCausalLM)'
+  # What every Llama sets the same way.
+  knobs = {'ACTIVATION': 'silu', 'USE_GATED_ACTIVATION': True, 'NORM_TYPE': 'rmsnorm', 'USE_BIAS': False,
+           'POSITION_EMBEDDING': 'rotary'}
+  hf_model_types = ('llama',)
+  hf_architectures = ('LlamaForCausalLM',)
+  maxtext_blocks = {
+      'llama2': MaxTextBlock(_MAXTEXT_LAYER),
+      'mistral': MaxTextBlock(_MAXTEXT_LAYER),
+      'mixtral': MaxTextBlock(_MAXTEXT_LAYER),
+      # Since 2024 MaxText's default decoder layer is attention and MLP in parallel from one RMSNorm.
+      'default': MaxTextBlock({'PARALLEL_BLOCK': True, **_MAXTEXT_LAYER}),
+  }
+  # MaxText layer parameter (below decoder/layers) -> (paxcli name below a layer, per-layer rank).
+  maxtext_layer_params = {
+      'self_attention/query/kernel': ('attention/query/kernel', 3),
+      'self_attention/key/kernel': ('attention/key/kernel', 3),
+      'self_attention/value/kernel': ('attention/value/kernel', 3),
+      'self_attention/out/kernel': ('attention/out/kernel', 3),
+      'mlp/wi_0/kernel': ('mlp/wi_0/kernel', 2),
+      'mlp/wi_1/kernel': ('mlp/wi_1/kernel', 2),
+      'mlp/wi/kernel': ('mlp/wi_0/kernel', 2),
+      'mlp/wo/kernel': ('mlp/wo/kernel', 2),
+      'pre_self_attention_layer_norm/scale': ('attention_norm/scale', 1),
+      'pre_self_attention_norm/scale': ('attention_norm/scale', 1),
+      'post_self_attention_layer_norm/scale': ('mlp_norm/scale', 1),
+  }
+
+  def misfit(self, model) -> list[str]:
+    """Why a paxcli model cannot be a Llama (empty when it can)."""
+    reasons = []
+    if model.norm_type != 'rmsnorm':
+      reasons.append(f'norm_type is {model.norm_type!r} (Llama uses RMSNorm: NORM_TYPE=\'rmsnorm\')')
+    if model.use_bias or model.attention_use_bias:
+      reasons.append('the layers have biases (Llama has none: USE_BIAS=False)')
+    if model.position_embedding != 'rotary':
+      reasons.append(f'positions are {model.position_embedding!r} (Llama uses rotary: POSITION_EMBEDDING=\'rotary\')')
+    pax_options = [('softmax_cap_logits', 'output logits are soft-capped'),
+                   ('atten_logit_cap', 'attention logits are soft-capped'),
+                   ('per_dim_scale', 'queries have learned per-dimension scales'),
+                   ('softmax_bias', 'the output logits have a bias'),
+                   ('scale_embedding_sqrt_depth', 'token embeddings are scaled by sqrt(MODEL_DIMS)')]
+    reasons += [f'{why} (Llama has no {name})' for name, why in pax_options if getattr(model, name, None)]
+    if getattr(model, 'tied_logits_bfloat16', False):
+      reasons.append('tied logits read a bfloat16 copy of the embedding (TIED_LOGITS_BFLOAT16=False to accept '
+                     'Llama\'s float32 one)')
+    if getattr(model, 'parallel_block', False):
+      reasons.append('attention and MLP run in parallel from one norm (PARALLEL_BLOCK; a Llama layer is sequential)')
+    if not model.use_gated_activation or model.activation not in ('silu', 'swish'):
+      reasons.append(f'the MLP is {"gated " if model.use_gated_activation else ""}{model.activation} '
+                     '(Llama uses gated SiLU: USE_GATED_ACTIVATION=True, ACTIVATION=\'silu\')')
+    if any(fields for _, fields in getattr(model, 'layer_kinds', None) or ()):
+      reasons.append(f'the layers are of several kinds (LAYER_PATTERN {tuple(model.layer_pattern)} with '
+                     'LAYER_KINDS; a Llama\'s layers are all alike)')
+    return reasons
+
+  def from_hf_config(self, config: dict, path: str) -> tuple[dict, list[str]]:
+    """paxcli knobs for a Llama config.json, and notes; a UserError naming every key paxcli cannot express."""
+    problems = hf_config.function_changing(config, READ_KEYS, NEUTRAL_VALUES, self.title)
+    rope = hf_config.rope_scaling(config, problems)
+    if problems:
+      raise UserError(f'{path}: this Llama config cannot be expressed in paxcli: ' + '; '.join(problems) + '.')
+    get = hf_config.Reader({**config, 'rope_theta': config.get('rope_theta', rope.pop('rope_theta', None))},
+                           f'{path}/config.json', 'a Llama config')
+    heads = get.int('num_attention_heads')
+    dims = get.int('hidden_size')
+    defaults = {'num_key_value_heads': heads, 'head_dim': dims // heads if dims % heads == 0 else None,
+                'max_position_embeddings': 2048, 'rope_theta': 10000.0, 'rms_norm_eps': RMS_EPS}
+    knobs = {}
+    for key, knob in _HF_KNOBS.items():
+      read = get.float if LM_KNOB[knob].type is float else get.int
+      knobs[knob] = read(key, defaults.get(key, hf_config.Reader.REQUIRED))
+    knobs.update(self.knobs, USE_REPEATED_LAYER=False, SEPARATE_EMBEDDING=not get.bool('tie_word_embeddings', False))
+    knobs.update(hf_config.rope_knobs(rope, hf_config.Reader(rope, f'{path}/config.json rope_scaling')))
+    if knobs['DIMS_PER_HEAD'] is None:
+      raise UserError(f'{path}/config.json: hidden_size {dims} is not a multiple of num_attention_heads {heads} '
+                      'and there is no head_dim.')
+    if heads % knobs['NUM_KV_HEADS']:
+      raise UserError(f'{path}/config.json: num_attention_heads {heads} is not a multiple of num_key_value_heads '
+                      f'{knobs["NUM_KV_HEADS"]}.')
+    return knobs, []
+
+  def to_hf_config(self, model, dtype: str = 'float32', token_ids: Optional[dict] = None) -> dict:
+    """config.json of a LlamaForCausalLM; token ids from the tokenizer (hf_tokenizer.token_ids)."""
+    settings = {key: getattr(model, LM_KNOB[knob].flat, None) for key, knob in _HF_KNOBS.items()}
+    return {
+        'architectures': ['LlamaForCausalLM'], 'model_type': 'llama', **settings,
+        'rms_norm_eps': float(settings['rms_norm_eps'] or RMS_EPS), 'rope_theta': float(settings['rope_theta']),
+        'hidden_act': 'silu', 'rope_scaling': hf_config.rope_scaling_of(model), 'attention_bias': False,
+        'mlp_bias': False, 'attention_dropout': 0.0,
+        'tie_word_embeddings': not model.separate_embedding, 'initializer_range': 0.02,
+        'torch_dtype': dtype, 'use_cache': True,
+        **(token_ids or {'bos_token_id': None, 'eos_token_id': None, 'pad_token_id': None}),
+    }
+
+  def hf_weights(self, model) -> list[Weight]:
+    """The weight map of an unrolled model (the module docstring's table)."""
+    d, f, v = model.model_dims, model.hidden_dims, model.vocab_size
+    h, k, e = model.num_heads, model.num_kv_heads, model.dims_per_head
+    linear, out_proj, same = hf_config.linear, hf_config.out_proj, hf_config.SAME
+    out = [Weight('model.embed_tokens.weight', 'params/embedding/embedding', (v, d), (v, d), *same)]
+    for i in range(model.num_layers):
+      hp, pp = f'model.layers.{i}.', f'params/layer_{i}/'
+      out += [
+          Weight(hp + 'input_layernorm.weight', pp + 'attention_norm/scale', (d,), (d,), *same),
+          Weight(hp + 'self_attn.q_proj.weight', pp + 'attention/query/kernel', (h * e, d), (d, h, e), *linear(d)),
+          Weight(hp + 'self_attn.k_proj.weight', pp + 'attention/key/kernel', (k * e, d), (d, k, e), *linear(d)),
+          Weight(hp + 'self_attn.v_proj.weight', pp + 'attention/value/kernel', (k * e, d), (d, k, e), *linear(d)),
+          Weight(hp + 'self_attn.o_proj.weight', pp + 'attention/out/kernel', (d, h * e), (h, e, d), *out_proj(d)),
+          Weight(hp + 'post_attention_layernorm.weight', pp + 'mlp_norm/scale', (d,), (d,), *same),
+          Weight(hp + 'mlp.gate_proj.weight', pp + 'mlp/wi_0/kernel', (f, d), (d, f), *linear(d)),
+          Weight(hp + 'mlp.up_proj.weight', pp + 'mlp/wi_1/kernel', (f, d), (d, f), *linear(d)),
+          Weight(hp + 'mlp.down_proj.weight', pp + 'mlp/wo/kernel', (d, f), (f, d), *linear(f)),
+      ]
+    out.append(Weight('model.norm.weight', 'params/final_norm/scale', (d,), (d,), *same))
+    if model.separate_embedding:
+      out.append(Weight('lm_head.weight', 'params/logits/kernel', (v, d), (d, v), *linear(d)))
+    return out
+
+
+LLAMA = Llama()

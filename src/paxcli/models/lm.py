@@ -1,0 +1,389 @@
+"""The decoder-only LM: TransformerLm (the network) and LanguageModel (network + loss + decoding),
+lm_config (their fiddle config from flat knob settings) and flat_view (a model read back under them).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import types
+from typing import Any, Optional
+
+import fiddle as fdl
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from paxcli.errors import UserError
+from paxcli.layers import lora, pipeline
+from paxcli.layers.activation_sharding import active_axis_size, constrain
+from paxcli.layers.base import (AUX_LOSS, NON_TRAINABLE, RANDOM, SUMMARIES, BaseLayer, LayerTpl, build_arguments,
+                                template_field)
+from paxcli.layers.transformer import Attention, Block, Mlp, Norm, dtype_of, fill_template, sinusoidal, soft_cap
+from paxcli.models import knobs, pattern
+from paxcli.models.base import DecodingModel, dtype_name
+from paxcli.models.flops import ModelFlops, stack_flops
+from paxcli.models.losses import fused_lm_loss
+from paxcli.models.validation import validate_lm
+
+REMAT_POLICIES = {
+    'save_nothing': lambda: jax.checkpoint_policies.nothing_saveable,
+    'save_everything': lambda: jax.checkpoint_policies.everything_saveable,
+    'save_dot_only': lambda: jax.checkpoint_policies.checkpoint_dots,
+    'save_dot_with_no_batch_dim': lambda: jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+    'save_qkv_out_proj': lambda: jax.checkpoint_policies.save_only_these_names(
+        'query_proj', 'key_proj', 'value_proj', 'out_proj'),
+}
+
+
+class TransformerLm(BaseLayer):
+  """Token embedding, optional learned or sinusoidal positions, a stack of blocks, final norm, logits.
+
+  Options Pax's lm_cloud models use, off by default: token embeddings scaled by
+  sqrt(model_dims) (`scale_embedding_sqrt_depth`), a bias on the output logits
+  (`softmax_bias`), output logits soft-capped by tanh (`softmax_cap_logits`).
+
+  The blocks come from `block_tpl` (attention, feed-forward and norm templates inside it)
+  and the final norm from `final_norm_tpl`; the LM fills model_dims, dropout and the compute
+  dtype into them. `__call__(ids, segment_ids=None, positions=None)` returns float32 logits.
+
+  With a `layer_pattern` (paxcli.models.pattern) the stack is groups of kinds: each kind is
+  block_tpl with its fields from `layer_kinds` ((kind, ((field, value), ...)), ...), and the
+  scan runs over groups (a LayerGroup applies one block of every kind in order).
+  """
+  vocab_size: int = 256
+  num_layers: int = 2
+  model_dims: int = 64
+  max_seq_len: int = 64
+  position_embedding: str = 'learned'
+  separate_embedding: bool = False
+  dropout_prob: float = 0.0
+  fprop_dtype: Any = 'float32'
+  scan_layers: bool = False
+  checkpoint_policy: str = 'save_nothing'
+  scale_embedding_sqrt_depth: bool = False
+  softmax_bias: bool = False
+  softmax_cap_logits: float = 0.0
+  tied_logits_bfloat16: bool = False
+  # Pipeline parallelism (paxcli.layers.pipeline; needs scan_layers): the stacked layers run as
+  # num_stages stages over num_microbatches microbatches (or microbatches of microbatch_size
+  # rows; neither: as many as stages), pipeline_repeats times round (circular). 1 stage: off.
+  num_stages: int = 1
+  num_microbatches: Optional[int] = None
+  microbatch_size: Optional[int] = None
+  pipeline_repeats: int = 1
+  # Layer kinds (paxcli.models.pattern): () is a uniform stack of block_tpl.
+  layer_pattern: tuple = ()
+  layer_kinds: tuple = ()
+  block_tpl: LayerTpl = template_field(Block)
+  final_norm_tpl: LayerTpl = template_field(Norm)
+
+  def _pipelined(self, x_BxLxD, segment_ids_BxL, positions_BxL, dtype, deterministic: bool):
+    """The scanned stack's weights (`layers`, [L, ...] or [groups, ...]) run by paxcli.layers.pipeline."""
+    schedule = pipeline_schedule(self, x_BxLxD.shape[0])
+    module = self._stack_unit(dtype, deterministic, remat=False)
+    variables = nn.meta.unbox(self.variables)
+    others = sorted(c for c, tree in variables.items() if c != 'params' and 'layers' in tree)
+    if others:
+      raise UserError(f'Pipelined layers may hold trainable weights only; these blocks also have {others}. '
+                      'Set NUM_STAGES=1.')
+    rng = None if deterministic else self.make_rng('dropout')
+
+    def layer_fn(params, x, extras, key):
+      rngs = {} if key is None else {'dropout': key, RANDOM: jax.random.fold_in(key, 1)}
+      return module.apply({'params': params}, x, extras.get('segment_ids'), extras['positions'], rngs=rngs)[0]
+
+    extras = {'positions': positions_BxL}
+    if segment_ids_BxL is not None:
+      extras['segment_ids'] = segment_ids_BxL
+    policy = None if self.checkpoint_policy == 'none' else REMAT_POLICIES[self.checkpoint_policy]()
+    return pipeline.run(layer_fn, variables['params']['layers'], x_BxLxD, extras, schedule, policy, rng)
+
+  def _kind_tpls(self, dtype, deterministic: bool) -> list:
+    """One filled block template per position of a group (one for a uniform stack)."""
+    return [fill_template(pattern.kind_template(self.block_tpl, fields) if fields else self.block_tpl, dtype,
+                          model_dims=self.model_dims, dropout_prob=self.dropout_prob, deterministic=deterministic)
+            for _, fields in pattern.kinds_in_order(self.layer_pattern, self.layer_kinds)]
+
+  def _block_kwargs(self, dtype, deterministic: bool, remat: bool = True) -> list[tuple[type, dict]]:
+    """Per position of a group, the block class (remat-wrapped per checkpoint_policy) and its arguments."""
+    out = []
+    for tpl in self._kind_tpls(dtype, deterministic):
+      cls = fdl.get_callable(tpl)
+      if remat and self.checkpoint_policy != 'none':
+        cls = nn.remat(cls, policy=REMAT_POLICIES[self.checkpoint_policy](), prevent_cse=not self.scan_layers)
+      out.append((cls, build_arguments(tpl, self)))
+    return out
+
+  def _stack_unit(self, dtype, deterministic: bool, remat: bool):
+    """What the scan (and the pipeline) repeats, unbound: the block of a uniform stack, else a LayerGroup."""
+    tpls = self._kind_tpls(dtype, deterministic)
+    if len(tpls) == 1:
+      block, kwargs = self._block_kwargs(dtype, deterministic, remat)[0]
+      return block(**kwargs, parent=None)
+    policy = self.checkpoint_policy if remat else 'none'
+    return LayerGroup(tuple(tpls), policy, parent=None)
+
+  @nn.compact
+  def __call__(self, ids_BxL, segment_ids_BxL=None, positions_BxL=None, deterministic: bool = True):
+    dtype = dtype_of(self.fprop_dtype) if isinstance(self.fprop_dtype, str) else self.fprop_dtype
+    pattern.check(self.num_layers, self.layer_pattern)   # also where no validation ran (describe, notebooks)
+    b, l = ids_BxL.shape
+    if positions_BxL is None:
+      positions_BxL = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32)[None], (b, l))
+    embed = nn.Embed(
+        self.vocab_size, self.model_dims, dtype=dtype,
+        embedding_init=nn.with_logical_partitioning(
+            nn.initializers.normal(self.model_dims ** -0.5), ('vocab', 'embed')),
+        name='embedding')
+    x_BxLxD = embed(ids_BxL)
+    if self.scale_embedding_sqrt_depth:
+      x_BxLxD = x_BxLxD * jnp.asarray(self.model_dims ** 0.5, dtype)
+    if self.position_embedding == 'sinusoidal':
+      x_BxLxD = x_BxLxD + sinusoidal(positions_BxL, self.model_dims).astype(dtype)
+    if self.position_embedding == 'learned':
+      pos = self.param('position_embedding',
+                       nn.with_logical_partitioning(nn.initializers.normal(0.02), (None, 'embed')),
+                       (self.max_seq_len, self.model_dims))
+      x_BxLxD = x_BxLxD + jnp.take(pos, positions_BxL, axis=0).astype(dtype)
+    x_BxLxD = nn.Dropout(self.dropout_prob, deterministic=deterministic)(x_BxLxD)
+    x_BxLxD = constrain(x_BxLxD, ('batch', 'length', 'embed'))
+
+    decoding = self.is_mutable_collection('cache') and not self.is_initializing()  # KV cache: no remat
+    # The pipeline runs in train and eval steps on a mesh with stages; init, decoding (KV cache) and
+    # plain `apply` (conversions, notebooks) run the stack unpipelined, on the same [L, ...] weights.
+    if (self.scan_layers and not decoding and not self.is_initializing()
+        and active_axis_size(pipeline.STAGE_AXIS) > 1 and pipeline_schedule(self, b)):
+      x_BxLxD = self._pipelined(x_BxLxD, segment_ids_BxL, positions_BxL, dtype, deterministic)
+    elif self.scan_layers:
+      x_BxLxD = self._scanned(x_BxLxD, segment_ids_BxL, positions_BxL, dtype, deterministic, remat=not decoding)
+    else:
+      blocks = self._block_kwargs(dtype, deterministic, remat=not decoding)
+      for i in range(self.num_layers):
+        block, block_kwargs = blocks[i % len(blocks)]
+        x_BxLxD, _ = block(**block_kwargs, name=f'layer_{i}')(x_BxLxD, segment_ids_BxL, positions_BxL)
+
+    final_norm = fill_template(self.final_norm_tpl, dtype)
+    x_BxLxD = fdl.get_callable(final_norm)(**build_arguments(final_norm, self), name='final_norm')(x_BxLxD)
+    if self.separate_embedding:
+      logits = nn.Dense(self.vocab_size, use_bias=self.softmax_bias, dtype=dtype,
+                        kernel_init=nn.with_logical_partitioning(
+                            nn.initializers.variance_scaling(1.0, 'fan_in', 'truncated_normal'),
+                            ('embed', 'vocab')),
+                        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ('vocab',)),
+                        name='logits')(x_BxLxD)
+    elif self.tied_logits_bfloat16:   # MaxText's attend_on_embedding: the table rounded to bfloat16
+      table_VxD = embed.embedding.astype(jnp.bfloat16)
+      logits = jnp.dot(x_BxLxD, table_VxD.T, preferred_element_type=dtype)
+    else:
+      logits = embed.attend(x_BxLxD)
+      if self.softmax_bias:
+        bias = self.param('logits_bias', nn.with_logical_partitioning(nn.initializers.zeros, ('vocab',)),
+                          (self.vocab_size,))
+        logits = logits + bias.astype(logits.dtype).reshape(1, 1, -1)
+    logits = constrain(logits, ('batch', 'length', 'vocab'))
+    return soft_cap(logits.astype(jnp.float32), self.softmax_cap_logits)
+
+  def _scanned(self, x_BxLxD, segment_ids_BxL, positions_BxL, dtype, deterministic: bool, remat: bool):
+    """One nn.scan over the stack (`layers`): over layers of a uniform stack, over groups of a pattern."""
+    blocks = self._block_kwargs(dtype, deterministic, remat)
+    if len(blocks) == 1:
+      unit, kwargs, length = blocks[0][0], blocks[0][1], self.num_layers
+    else:
+      policy = self.checkpoint_policy if remat else 'none'
+      unit, kwargs = LayerGroup, {'block_tpls': tuple(self._kind_tpls(dtype, deterministic)), 'policy': policy}
+      length = self.num_layers // len(blocks)
+    stack = nn.scan(unit, variable_axes={'params': 0, NON_TRAINABLE: 0, SUMMARIES: 0, AUX_LOSS: 0, 'cache': 0},
+                    split_rngs={'params': True, 'dropout': True, RANDOM: True},
+                    in_axes=(nn.broadcast, nn.broadcast), length=length,
+                    metadata_params={nn.PARTITION_NAME: 'layers'})
+    return stack(**kwargs, name='layers')(x_BxLxD, segment_ids_BxL, positions_BxL)[0]
+
+
+class LayerGroup(nn.Module):
+  """One group of a patterned stack: a block of each kind in order (`block_<j>`), each rematerialised
+  by `policy` ('none': not); returns (x, None) so that nn.scan can stack groups."""
+  block_tpls: tuple
+  policy: str = 'none'
+
+  @nn.compact
+  def __call__(self, x_BxLxD, segment_ids_BxL, positions_BxL):
+    for j, tpl in enumerate(self.block_tpls):
+      cls = fdl.get_callable(tpl)
+      if self.policy != 'none':
+        cls = nn.remat(cls, policy=REMAT_POLICIES[self.policy](), prevent_cse=False)
+      x_BxLxD, _ = cls(**build_arguments(tpl, self), name=f'block_{j}')(x_BxLxD, segment_ids_BxL, positions_BxL)
+    return x_BxLxD, None
+
+
+def pipeline_schedule(lm, batch: int):
+  """A TransformerLm's (config or layer) pipeline Schedule for a global batch; None: not pipelined.
+
+  Raises UserError for knobs that cannot work (see paxcli.layers.pipeline.schedule_for).
+  """
+  stages, repeats = getattr(lm, 'num_stages', 1), getattr(lm, 'pipeline_repeats', 1)
+  if stages == 1 and repeats == 1:
+    return None
+  if not lm.scan_layers:
+    raise UserError('Pipeline parallelism (NUM_STAGES > 1) needs USE_REPEATED_LAYER=True: the pipeline keeps '
+                    'the scanned layout [layers, ...], so checkpoints do not depend on the stage count.')
+  return pipeline.schedule_for(lm.num_layers, stages, repeats, batch, lm.num_microbatches, lm.microbatch_size,
+                               group=pattern.period(getattr(lm, 'layer_pattern', ())))
+
+
+def lm_config(**settings) -> fdl.Config:
+  """The LanguageModel config with its templates filled from flat settings: the LM knobs under
+  their flat names (paxcli.models.knobs.LM_KNOBS: num_heads, norm_type, ...), each missing one
+  at its knob's default.
+
+  Each setting lands in the template fields its row names: attention heads in
+  `lm_tpl.block_tpl.attention_tpl`, hidden dims and activation in `...ffn_tpl`, the norm
+  kind in `...norm_tpl` and `lm_tpl.final_norm_tpl`, the rest on `lm_tpl`.
+  """
+  block = fdl.Config(Block, attention_tpl=fdl.Config(Attention), ffn_tpl=fdl.Config(Mlp), norm_tpl=fdl.Config(Norm))
+  lm = fdl.Config(TransformerLm, block_tpl=block, final_norm_tpl=fdl.Config(Norm))
+  return knobs.fill(fdl.Config(LanguageModel, lm_tpl=lm), knobs.LM_KNOBS, settings)
+
+
+class LanguageModel(DecodingModel):
+  """A decoder-only LM: the network from `lm_tpl` (a TransformerLm by default) and lm_loss.
+
+  The network shares this model's scope, so its weights keep the names they had before
+  models became pluggable (embedding, layer_0/attention/query/kernel, ...), and
+  `LanguageModel(...)(ids)` returns logits like the network itself.
+  """
+  lm_tpl: LayerTpl = template_field(TransformerLm)
+  # LORA_BASE_DTYPE: the frozen base weights' dtype under LoRA (models.BaseModel.frozen_dtype).
+  lora_base_dtype: str = 'float32'
+
+  def setup(self):
+    self.create_child('lm', self.lm_tpl)
+    nn.share_scope(self, self.lm)
+
+  def __call__(self, ids_BxL, segment_ids_BxL=None, positions_BxL=None, deterministic: bool = True):
+    return self.lm(ids_BxL, segment_ids_BxL, positions_BxL, deterministic=deterministic)
+
+  def compute_predictions(self, input_batch: dict, deterministic: bool = True):
+    return self(input_batch['ids'], input_batch.get('segment_ids'), input_batch.get('positions'),
+                deterministic=deterministic)
+
+  def compute_loss(self, predictions, input_batch: dict):
+    loss, sums = fused_lm_loss(predictions, input_batch['labels'], input_batch['weights'])
+    weight = sums['weight_sum']
+    accuracy = sums['correct_sum'] / jnp.maximum(weight, 1e-8)
+    return loss, {'loss': (loss, weight), 'accuracy': (accuracy, weight)}
+
+  def dummy_batch(self, batch_size: int, seq_len: int) -> dict:
+    shape = (batch_size, seq_len)
+    return {'ids': np.zeros(shape, np.int32), 'labels': np.zeros(shape, np.int32),
+            'weights': np.zeros(shape, np.float32)}
+
+  def eval_summary(self, means: dict, weights: dict) -> dict:
+    out = dict(means)
+    out['log_pplx'] = means['loss']
+    out['perplexity'] = math.exp(min(means['loss'], 50.0))
+    out['num_tokens'] = weights['loss']
+    return out
+
+  # The network's settings, read by the engine where it needs them.
+  @property
+  def max_seq_len(self) -> int:
+    return self.lm_tpl.max_seq_len
+
+  @property
+  def vocab_size(self) -> int:
+    return self.lm_tpl.vocab_size
+
+  @property
+  def dropout_prob(self) -> float:
+    return self.lm_tpl.dropout_prob
+
+  @property
+  def compute_dtype(self) -> str:
+    return dtype_name(getattr(self.lm_tpl, 'fprop_dtype', None))
+
+  def validate(self) -> None:
+    validate_lm(self.lm_tpl)
+
+  @property
+  def lora(self) -> dict:
+    """LoRA settings (rank, alpha, targets, dropout) from the attention template; rank 0: off."""
+    s = knobs.read(self, knobs.LM_KNOBS)
+    return {'rank': s['lora_rank'] or 0, 'alpha': s['lora_alpha'], 'targets': tuple(s['lora_targets'] or ()),
+            'dropout': s['lora_dropout'] or 0.0}
+
+  @property
+  def has_dropout(self) -> bool:
+    return self.dropout_prob > 0 or (self.lora['rank'] > 0 and self.lora['dropout'] > 0)
+
+  def is_trainable(self, path: tuple) -> bool:
+    """With LoRA only the adapters train; otherwise everything."""
+    return not self.lora['rank'] or lora.is_adapter(str(path[-1]))
+
+  @property
+  def frozen_dtype(self) -> Optional[str]:
+    return self.lora_base_dtype if self.lora['rank'] else None
+
+  def pipeline_schedule(self, global_batch: int):
+    return pipeline_schedule(self.lm_tpl, global_batch)
+
+  def train_flops(self, seq_len: int) -> Optional[ModelFlops]:
+    """Training FLOPs per token, read through the knob table; None when a swapped-in layer
+    lacks one of the settings the count needs."""
+    s = knobs.read(self, knobs.LM_KNOBS)
+    if s['model_dims'] is None or s['vocab_size'] is None:
+      return None
+    kinds = kind_settings(self)   # one per position of a group: each kind's layers counted with its settings
+    total, head = None, s['model_dims'] * s['vocab_size']
+    for k in kinds:
+      count = stack_flops(s['num_layers'] // len(kinds), s['model_dims'], k['num_heads'], k['num_kv_heads'],
+                          k['dims_per_head'], k['hidden_dims'], k['use_gated_activation'], seq_len,
+                          head_params_per_token=head if total is None else 0.0)
+      if count is None:
+        return None
+      total = count if total is None else total + count
+    return total
+
+  # Decoding (see DecodingModel): the network's attention layers keep keys and values in the
+  # flax collection 'cache' when it is mutable (paxcli.layers.transformer.Attention).
+  def init_cache(self, params, batch: int, length: int):
+    """Zeros shaped by one forward pass of [batch, length] ids: its first call only sizes the cache."""
+    ids = jax.ShapeDtypeStruct((batch, length), jnp.int32)
+    shapes = jax.eval_shape(lambda p, x: self.apply({'params': p}, x, mutable=['cache'])[1]['cache'], params, ids)
+    return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+
+  def extend(self, params, cache, ids_BxL, positions_BxL):
+    segment_ids_BxL = (positions_BxL >= 0).astype(jnp.int32)  # segment 0: padding, never attended to
+    logits_BxLxV, mutated = self.apply({'params': params, 'cache': cache}, ids_BxL, segment_ids_BxL,
+                                       jnp.maximum(positions_BxL, 0), mutable=['cache'])
+    return logits_BxLxV, mutated['cache']
+
+  def with_fprop_dtype(self, dtype: str) -> 'LanguageModel':
+    if dtype == self.lm_tpl.fprop_dtype:
+      return self
+    lm = copy.deepcopy(self.lm_tpl)
+    lm.fprop_dtype = dtype
+    return self.clone(lm_tpl=lm)
+
+
+def kind_settings(model) -> list[dict]:
+  """The flat settings (knobs.read) of each position of a group: the model's, with each kind's block
+  fields; one entry for a uniform stack."""
+  lm = model.lm_tpl
+  kinds = pattern.kinds_in_order(getattr(lm, 'layer_pattern', ()), getattr(lm, 'layer_kinds', ()))
+  base = knobs.read(model, knobs.LM_KNOBS)
+  block = [k for k in knobs.LM_KNOBS if k.fields[0].startswith(knobs.BLOCK)]
+  out = []
+  for _, fields in kinds:
+    view = types.SimpleNamespace(lm_tpl=types.SimpleNamespace(block_tpl=pattern.kind_template(lm.block_tpl, fields)))
+    out.append({**base, **knobs.read(view, block)} if fields else base)
+  return out
+
+
+def flat_view(model):
+  """The LM's settings under the flat names of `lm_config` (num_heads, norm_type, ...), with
+  `apply` of the model: for code that reads an LM's shape (conversion, export). Each name reads
+  the first field of its knob (paxcli.models.knobs.LM_KNOBS), so `use_bias` is the MLP's and
+  `attention_use_bias` the attention's; a field a swapped-in layer lacks reads None."""
+  return types.SimpleNamespace(apply=model.apply, model=model, **knobs.read(model, knobs.LM_KNOBS))

@@ -1,0 +1,91 @@
+"""Layer patterns: a stack of NUM_LAYERS layers as groups of LAYER_PATTERN's kinds, and where each
+layer's weights live.
+
+A pattern is a tuple of kind names, the layers of one group in order: ('local', 'global') alternates
+two kinds, ('local',) * 5 + ('global',) is five local layers then one global. The stack is
+NUM_LAYERS / len(pattern) groups, scanned group by group and cut into pipeline stages by groups.
+Each kind is a block template: the LM's block_tpl with the kind's field overrides (LAYER_KINDS:
+knob values per kind, turned into block fields by paxcli.models.knobs.kind_fields). The kinds are
+where families differ layer by layer: attention windows, rotary bases, QK-norm, post-norms, an
+MoE feed-forward are each a field (or a swapped template) of one kind.
+
+Layouts (names under params/, and the same under every other collection):
+  unscanned                 layer_<i>/...                 every layer by its index, whatever its kind
+  scanned, one kind         layers/...          [L, ...]  (the uniform stack, as before patterns)
+  scanned, P kinds          layers/block_<j>/... [G, ...] position j of every group: layer i is
+                                                          block_<i % P> at row i // P
+
+No jax or flax here: converters and the LoRA exporter read layouts with it.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Mapping
+from typing import Any, Callable
+
+from paxcli.errors import UserError
+
+_BLOCK = re.compile(r'^block_(\d+)$')
+
+
+def period(pattern) -> int:
+  """Layers per group: the pattern's length, 1 for no pattern (a uniform stack)."""
+  return max(len(pattern or ()), 1)
+
+
+def kinds_in_order(pattern, kinds) -> list[tuple[str, tuple]]:
+  """[(kind, field overrides)] for each position of one group (one entry for no pattern: no overrides)."""
+  own = dict(kinds or ())
+  return [(kind, tuple(own.get(kind, ()))) for kind in pattern] if pattern else [('', ())]
+
+
+def kind_template(block_tpl, overrides):
+  """A copy of block_tpl with a kind's overrides ((dotted field below the block, value), ...) set."""
+  tpl = block_tpl.clone() if hasattr(block_tpl, 'clone') else copy.deepcopy(block_tpl)
+  for path, value in overrides:
+    *parents, name = path.split('.')
+    node = tpl
+    for part in parents:
+      node = getattr(node, part)
+    setattr(node, name, value)
+  return tpl
+
+
+def check(num_layers: int, pattern) -> None:
+  """One line for a pattern the stack cannot take."""
+  if pattern and any(not isinstance(k, str) or not k for k in pattern):
+    raise UserError(f'LAYER_PATTERN {tuple(pattern)} must name each kind with a non-empty string.')
+  if num_layers % period(pattern):
+    raise UserError(f'NUM_LAYERS {num_layers} is not a multiple of the {period(pattern)} kinds of LAYER_PATTERN '
+                    f'{tuple(pattern)}: the stack repeats whole groups.')
+
+
+def stacked_path(i: int, rest: str, pattern_period: int) -> tuple[str, int]:
+  """Where layer i's `rest` (a name below the layer) lives in the scanned layout, and its row."""
+  if pattern_period == 1:
+    return f'layers/{rest}' if rest else 'layers', i
+  prefix = f'layers/block_{i % pattern_period}'
+  return (f'{prefix}/{rest}' if rest else prefix), i // pattern_period
+
+
+def period_of(layers_tree: dict) -> int:
+  """The period of a scanned stack from its tree under `layers`: its block_<j> count, 1 for a uniform one."""
+  names = list(layers_tree)
+  return len(names) if names and all(_BLOCK.match(str(n)) for n in names) else 1
+
+
+def unstack(layers_tree: dict, num_layers: int, take: Callable[[Any, int], Any]) -> dict:
+  """{'layer_<i>': layer i's subtree} from a scanned stack's tree under `layers` (either layout);
+  take(leaf, row) reads one row of a stacked leaf."""
+  p = period_of(layers_tree)
+  out = {}
+  for i in range(num_layers):
+    tree = layers_tree if p == 1 else layers_tree[f'block_{i % p}']
+    out[f'layer_{i}'] = _map(tree, lambda x, row=i // p: take(x, row))
+  return out
+
+
+def _map(tree, fn):
+  return {k: _map(v, fn) for k, v in tree.items()} if isinstance(tree, Mapping) else fn(tree)

@@ -1,0 +1,78 @@
+"""Checks of an LM config that one layer alone cannot make: one line (UserError) each, before
+anything is built or compiled."""
+
+from __future__ import annotations
+
+import fiddle as fdl
+
+from paxcli.errors import UserError, at_least
+from paxcli.layers import lora
+from paxcli.layers.transformer import Attention, Mlp
+from paxcli.models import pattern
+
+
+def validate_lm(lm) -> None:
+  """Checks of a TransformerLm config that one layer alone cannot make."""
+  at_least(1, 'task.model.lm_tpl', lm, 'vocab_size', 'num_layers', 'model_dims', 'max_seq_len')
+  if not 0 <= lm.dropout_prob < 1:
+    raise UserError(f'task.model.lm_tpl.dropout_prob must be in [0, 1), got {lm.dropout_prob}.')
+  if getattr(getattr(lm, 'final_norm_tpl', None), 'epsilon', 1.0) <= 0:
+    raise UserError(f'NORM_EPSILON must be positive, got {lm.final_norm_tpl.epsilon}.')
+  if getattr(lm, 'softmax_cap_logits', 0.0) < 0:
+    raise UserError(f'SOFTMAX_CAP_LOGITS must be 0 (off) or positive, got {lm.softmax_cap_logits}.')
+  pattern.check(lm.num_layers, getattr(lm, 'layer_pattern', ()))
+  block = getattr(lm, 'block_tpl', None)
+  kinds = dict(pattern.kinds_in_order(getattr(lm, 'layer_pattern', ()), getattr(lm, 'layer_kinds', ())))
+  _validate_block(block, 'task.model.lm_tpl.block_tpl', '')
+  for kind, fields in kinds.items():   # each kind's own block, where its knobs changed something
+    if not fields:
+      continue
+    _validate_block(pattern.kind_template(block, fields), f"the {kind!r} layers' block", f'LAYER_KINDS[{kind!r}]: ')
+
+
+def _validate_block(block, where: str, label: str) -> None:
+  """Checks of one block template's attention and feed-forward (label: which kind, in front of each message)."""
+  attention = getattr(block, 'attention_tpl', None)
+  if attention is None or fdl.get_callable(attention) is not Attention:
+    return
+  at_least(1, f'{where}.attention_tpl', attention, 'num_heads', 'num_kv_heads', 'dims_per_head')
+  if attention.num_heads % attention.num_kv_heads:
+    raise UserError(f'{label}NUM_HEADS {attention.num_heads} must be a multiple of NUM_KV_HEADS '
+                    f'{attention.num_kv_heads}.')
+  if attention.atten_logit_cap < 0:
+    raise UserError(f'{label}ATTEN_LOGIT_CAP must be 0 (off) or positive, got {attention.atten_logit_cap}.')
+  if attention.rotary and attention.dims_per_head % 2:
+    raise UserError(f'{label}Rotary positions need an even DIMS_PER_HEAD, got {attention.dims_per_head}.')
+  _validate_rotary_scaling(attention)
+  validate_lora(attention)
+  ffn = block.ffn_tpl
+  if fdl.get_callable(ffn) is Mlp:
+    at_least(1, f'{where}.ffn_tpl', ffn, 'hidden_dims')
+
+
+def _validate_rotary_scaling(attention) -> None:
+  if getattr(attention, 'rotary_scaling', 'none') == 'none':
+    return
+  if not attention.rotary_scaling_factor >= 1:
+    raise UserError(f'ROTARY_SCALING_FACTOR must be at least 1, got {attention.rotary_scaling_factor}.')
+  if attention.rotary_scaling == 'llama3' and not (
+      0 < attention.rotary_low_freq_factor < attention.rotary_high_freq_factor and attention.rotary_original_max_len > 0):
+    raise UserError('ROTARY_SCALING llama3 needs 0 < ROTARY_LOW_FREQ_FACTOR < ROTARY_HIGH_FREQ_FACTOR and a positive '
+                    f'ROTARY_ORIGINAL_MAX_LEN; got {attention.rotary_low_freq_factor}, '
+                    f'{attention.rotary_high_freq_factor}, {attention.rotary_original_max_len}.')
+
+
+def validate_lora(attention) -> None:
+  """LORA_* knobs that cannot work (read from the attention template, which the knobs fill)."""
+  rank = getattr(attention, 'lora_rank', 0)
+  if rank < 0:
+    raise UserError(f'LORA_RANK must be 0 (off) or positive, got {rank}.')
+  if not rank:
+    return
+  unknown = [t for t in attention.lora_targets if t not in lora.TARGETS]
+  if unknown or not attention.lora_targets:
+    raise UserError(f'LORA_TARGETS {list(attention.lora_targets)}: choose some of {", ".join(lora.TARGETS)}.')
+  if attention.lora_alpha <= 0:
+    raise UserError(f'LORA_ALPHA must be positive, got {attention.lora_alpha}.')
+  if not 0 <= attention.lora_dropout < 1:
+    raise UserError(f'LORA_DROPOUT must be in [0, 1), got {attention.lora_dropout}.')

@@ -1,0 +1,129 @@
+"""Model families (paxcli.models.family, registry): every family's data is well-formed and its weight
+map covers its model exactly; the registry answers --from hf, --to hf, import-maxtext, recipes and
+describe; the old import paths of what moved into paxcli.models keep working with a warning."""
+
+import importlib
+import json
+import sys
+import warnings
+
+import jax
+import pytest
+
+from conftest import pax_main
+from paxcli import compat, experiment, gencode
+from paxcli.errors import UserError
+from paxcli.layers.base import instantiate
+from paxcli.models import LmExperiment, knobs, lm_config, registry
+from paxcli.models.llama import LLAMA
+from paxcli.models.lm import flat_view
+from paxcli.runtime import engine
+from paxcli.values import coerce
+
+SMALL = {'VOCAB_SIZE': 48, 'NUM_LAYERS': 2, 'MODEL_DIMS': 16, 'HIDDEN_DIMS': 40, 'NUM_HEADS': 4, 'NUM_KV_HEADS': 2,
+         'DIMS_PER_HEAD': 8, 'MAX_SEQ_LEN': 8}
+
+
+def _small_model(family, **more):
+  settings = knobs.flat_settings({**family.knobs, **SMALL, **more}, knobs.LM_KNOBS)
+  return instantiate(lm_config(**settings))
+
+
+@pytest.mark.parametrize('family', registry.FAMILIES, ids=lambda f: f.name)
+def test_a_family_is_well_formed(family):
+  assert family is registry.by_name(family.name) and family.title and family.description
+  for name, value in family.knobs.items():      # presets are knobs, of their declared types
+    assert coerce(value, knobs.LM_KNOB[name].type, name) == value
+  for block in family.maxtext_blocks.values():
+    assert set(block.knobs) <= set(knobs.LM_KNOB)
+  assert family.misfit(flat_view(_small_model(family))) == []   # the family's own presets fit it
+
+
+@pytest.mark.parametrize('family', [f for f in registry.FAMILIES if f.hf_model_types], ids=lambda f: f.name)
+@pytest.mark.parametrize('tied', [True, False])
+def test_the_hf_weight_map_covers_the_model_exactly(family, tied):
+  model = _small_model(family, SEPARATE_EMBEDDING=not tied)
+  params = jax.eval_shape(lambda r: engine.init_variables(model, r, 8)['params'], jax.random.key(0))
+  flat = {'params/' + '/'.join(map(str, engine.train_state.keys(p))): x.shape
+          for p, x in jax.tree_util.tree_flatten_with_path(engine.unbox(params))[0]}
+  weights = family.hf_weights(flat_view(model))
+  assert {w.paxcli: w.paxcli_shape for w in weights} == flat
+  assert len({w.hf for w in weights}) == len(weights)
+  config = family.to_hf_config(flat_view(model), 'float32', {})
+  assert config['model_type'] in family.hf_model_types
+  back, _ = family.from_hf_config(config, 'exported')   # config.json read back gives the model's knobs
+  assert {k: back[k] for k in SMALL} == SMALL and back['SEPARATE_EMBEDDING'] == (not tied)
+
+
+def test_an_unknown_model_type_names_the_families_paxcli_has():
+  with pytest.raises(UserError) as e:
+    registry.for_hf_config({'model_type': 'qwen3', 'architectures': ['Qwen3ForCausalLM']}, '/m')
+  assert str(e.value) == ("/m: model_type 'qwen3' (Qwen3ForCausalLM) is not one paxcli reads; its model families "
+                          "are llama (model_type 'llama': LlamaForCausalLM).")
+  assert registry.for_hf_config({'architectures': ['LlamaForCausalLM']}, '/m') is LLAMA   # no model_type
+  with pytest.raises(UserError, match="No model family 'lama'.*Did you mean 'llama'"):
+    registry.by_name('lama')
+
+
+def test_a_model_that_fits_no_family_says_why_for_each():
+  pax_lm = flat_view(instantiate(lm_config(**knobs.flat_settings(SMALL, knobs.LM_KNOBS))))
+  family, why = registry.fitting(pax_lm)
+  assert family is None and "norm_type is 'layernorm'" in why['llama'][0]
+  patterned = _small_model(LLAMA, LAYER_PATTERN=('a', 'b'), LAYER_KINDS={'a': {'NUM_KV_HEADS': 1}})
+  assert any('several kinds' in r for r in LLAMA.misfit(flat_view(patterned)))
+
+
+def test_recipes_take_the_family_presets():
+  recipes = experiment.import_all_recipes()
+  for name in ('default.StdlibDocsLm', 'bench.Llama1B', 'bench.LlamaTiny'):
+    exp = recipes[name]()
+    assert {k: exp.knobs()[k] for k in LLAMA.knobs} == LLAMA.knobs, name
+
+  @LLAMA.preset
+  class Mine(LmExperiment):
+    ACTIVATION = 'gelu'   # what the class sets itself stays
+  assert Mine.ACTIVATION == 'gelu' and Mine.NORM_TYPE == 'rmsnorm'
+
+
+def test_maxtext_blocks_come_from_the_family():
+  family, block = registry.maxtext_block('default')
+  assert family is LLAMA and block.knobs['PARALLEL_BLOCK'] is True
+  assert registry.maxtext_block('llama2')[0] is LLAMA and registry.maxtext_block('gemma2') is None
+  found, wrong = registry.maxtext_family({'NORM_TYPE': 'layernorm', 'USE_BIAS': False, 'POSITION_EMBEDDING': 'rotary'})
+  assert found is None and wrong == ["NORM_TYPE = 'layernorm' (MaxText: 'rmsnorm')"]
+
+
+def test_describe_names_the_family(capsys):
+  code, out, err = pax_main(['describe'], capsys)
+  assert code == 0, err
+  assert '# model family: llama (pax checkpoint convert --to hf writes its Hugging Face layout)' in out
+  code, out, err = pax_main(['describe', '--exp', 'lm_cloud.LmCloudSpmdTest', '--json'], capsys)
+  summary = json.loads(out)
+  assert summary['summary.family'] is None and 'not llama' in summary['summary.family_note']
+
+
+def test_old_import_paths_still_work_with_a_deprecation_warning():
+  for old, new in [('paxcli.families.lm', 'paxcli.models.lm_experiment'), ('paxcli.families.knobs', 'paxcli.models.knobs'),
+                   ('paxcli.families.base', 'paxcli.models.training'),
+                   ('paxcli.families.classifier', 'paxcli.models.classifier_experiment')]:
+    sys.modules.pop(old, None)
+    with pytest.warns(compat.PaxcliDeprecationWarning, match=f'{old} is now {new}'):
+      module = importlib.import_module(old)
+    assert module is importlib.import_module(new)
+  from paxcli.models import LmExperiment
+  from paxcli.models import LmExperiment as New
+  assert LmExperiment is New
+  with pytest.warns(DeprecationWarning, match='paxcli.models.Block is paxcli.layers.transformer.Block'):
+    from paxcli.models import Block
+  assert Block is importlib.import_module('paxcli.layers.transformer').Block
+  with warnings.catch_warnings():
+    warnings.simplefilter('error')   # the package's own names load without a warning, and without flax
+    from paxcli.models import BaseModel, DecodingModel, LanguageModel, lm_loss  # noqa: F401
+
+
+def test_recipes_written_before_the_move_still_read(tmp_path):
+  """A recipe `pax checkpoint convert --from hf` wrote into a job directory before paxcli.models: read as data."""
+  text = ('"""A Hugging Face Llama."""\n\nfrom paxcli.experiment import register\n'
+          'from paxcli.models import LmExperiment\n\n\n@register\nclass HfLlama(LmExperiment):\n'
+          '  NUM_LAYERS = 2\n')
+  assert gencode.knobs_of(text, 'HfLlama', 'old.py') == {'NUM_LAYERS': 2}

@@ -1,0 +1,33 @@
+"""The lock (constraints.txt) holds every package paxcli[test,docs] needs, at the version installed,
+and `make` installs with it."""
+
+import subprocess
+import sys
+
+from conftest import REPO
+
+sys.path.insert(0, str(REPO / 'tools'))
+import lock  # noqa: E402  (tools/lock.py)
+
+
+def _pins(text):
+  return dict(line.split('==', 1) for line in text.splitlines() if line and not line.startswith('#'))
+
+
+def test_the_lock_pins_what_is_installed():
+  locked = _pins((REPO / 'constraints.txt').read_text())
+  installed = _pins(lock.render(lock.closure('paxcli', lock.EXTRAS)))
+  missing = sorted(set(installed) - set(locked))
+  assert not missing, f'not in constraints.txt: {missing}; run `make lock` after adding a dependency'
+  differ = {k: (locked[k], v) for k, v in installed.items() if locked[k] != v}
+  assert not differ, (f'installed versions differ from the lock (locked, installed): {differ}; `make install` '
+                      'installs the locked ones, `make lock` (then the suite) locks the installed ones')
+  assert locked['torch'] == '2.13.0'   # the CPU wheel's version without its +cpu: pip takes the CPU wheel
+
+
+def test_make_installs_with_the_lock():
+  out = subprocess.run(['make', '-n', '-B', 'install'], cwd=REPO, capture_output=True, text=True, check=True).stdout
+  assert "pip install --quiet -c constraints.txt -e '.[test]'" in out
+  out = subprocess.run(['make', '-n', '-B', 'install', 'CONSTRAINTS='], cwd=REPO, capture_output=True, text=True,
+                       check=True).stdout
+  assert '-c ' not in out and "-e '.[test]'" in out
