@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from conftest import pax_main
+from paxcli.errors import UserError
 from paxcli.jobdir import layout
 from paxcli.jobdir import ledger
 from paxcli.loops.hooks import STEP, Chrono, Stopwatch
@@ -207,6 +208,7 @@ def _saved(state, scale):
 
 def test_fast_tier_keeps_few_restores_exactly_and_falls_back_from_damage(tiny_setup, tmp_path):
   from paxcli.jobdir import fast_tier
+  from paxcli.jobdir import format as job_format
   from paxcli.jobdir import restore
   from paxcli.runtime import engine
   setup, state = tiny_setup
@@ -231,6 +233,15 @@ def test_fast_tier_keeps_few_restores_exactly_and_falls_back_from_damage(tiny_se
       f.write(b'\xff' * 64)
   with pytest.raises(restore.DamagedCheckpoint, match='step 3'):
     tier.restore(3, {})
+  # A fast step a newer paxcli wrote is refused in one line, as a persistent one is (jobdir/format.py).
+  meta_path = layout.meta_file(tier.step_dir(2))
+  with open(meta_path) as f:
+    meta = json.load(f)
+  assert meta['format_version'] == job_format.FORMAT_VERSION
+  with open(meta_path, 'w') as f:
+    json.dump({**meta, 'format_version': job_format.FORMAT_VERSION + 1}, f)
+  with pytest.raises(UserError, match='fast checkpoint at step 2 .* Upgrade paxcli'):
+    tier.restore(2, {})
   tier.discard_after(2)
   assert tier.steps() == [2]
   tier.clear()

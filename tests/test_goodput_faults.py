@@ -56,13 +56,18 @@ class Launch:
     self.pids: dict[int, int] = {}
     threading.Thread(target=lambda: [self.lines.put(l) for l in self.proc.stdout], daemon=True).start()
 
+  def story(self) -> str:
+    """For a failure: the launcher's own lines (each failure and restart), then the output's tail."""
+    own = [l for l in self.seen if l.startswith('[launch]')]
+    return ''.join(own) + '...\n' + ''.join(self.seen)[-3000:]
+
   def next_line(self, deadline: float) -> str:
     while True:
-      assert time.monotonic() < deadline, ''.join(self.seen)[-4000:]
+      assert time.monotonic() < deadline, self.story()
       try:
         line = self.lines.get(timeout=1)
       except queue.Empty:
-        assert self.proc.poll() is None or not self.lines.empty(), ''.join(self.seen)[-4000:]
+        assert self.proc.poll() is None or not self.lines.empty(), self.story()
         continue
       self.seen.append(line)
       found = re.findall(r'p(\d) pid (\d+)', line)

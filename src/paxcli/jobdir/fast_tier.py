@@ -52,9 +52,10 @@ from orbax.checkpoint._src.serialization import type_handler_registry, type_hand
 from paxcli import files
 from paxcli.errors import UserError, shorten
 from paxcli.jobdir import checkpoint as ckpt
+from paxcli.jobdir import format as job_format
 from paxcli.jobdir import layout
 from paxcli.jobdir import restore as restore_lib
-from paxcli.runtime import engine
+from paxcli.runtime import train_state
 
 OWNER_MAX_BYTES = 1 << 16
 
@@ -129,7 +130,7 @@ def _agree(refusal: Optional[str]) -> None:
 def _bytes_per_save(setup) -> int:
   """Bytes of one fast save of this process: every distinct shard of the saved state it holds."""
   total = 0
-  for leaf in jax.tree.leaves(engine.saved_state(setup, setup.abstract_state)):
+  for leaf in jax.tree.leaves(train_state.saved_state(setup, setup.abstract_state)):
     indices = {tuple((s.start, s.stop, s.step) for s in idx)
                for idx in leaf.sharding.addressable_devices_indices_map(leaf.shape).values()}
     shard = leaf.sharding.shard_shape(leaf.shape)
@@ -270,7 +271,7 @@ class FastTier:
     """Starts writing step `step` (after the previous write has finished). A write that fails (a full or
     broken local disk) is reported in one line and training goes on: the step is then not complete on
     this process, so no restart uses it, and the persistent tier is untouched."""
-    items = dict(state=ocp.args.PyTreeSave(state), meta=ocp.args.JsonSave({**meta, 'fast_tier': self._signature}))
+    items = dict(state=ocp.args.PyTreeSave(state), meta=ocp.args.JsonSave(job_format.stamp({**meta, 'fast_tier': self._signature})))
     if input_state is not None:
       items[layout.INPUT] = grain.checkpoint.CheckpointSave(ckpt._Saved(input_state))  # pylint: disable=protected-access
     if self.wait():
@@ -309,14 +310,15 @@ class FastTier:
     """The state of fast step `step`, verified by its checksums. Every process restores it together and
     they fail together: a DamagedCheckpoint (or the like) on every process if any could not read its part."""
     setup, meta, error = self._setup, None, None
-    abstract = engine.saved_state(setup, setup.abstract_state)
+    abstract = train_state.saved_state(setup, setup.abstract_state)
     try:
       meta = self.meta(step)
     except restore_lib.DamagedCheckpoint as e:
       error = e
     restore_lib._agree(error, step, self.directory, 'resume from')  # pylint: disable=protected-access
-    # Other shapes are refused (UserError) alike on every process: their metas are the same.
-    restore_lib.check_shapes(meta, engine.shape_signature(abstract), flat_now, step, False, 'resume from')
+    # A newer format or other shapes are refused (UserError) alike on every process: their metas are the same.
+    job_format.check(meta, f'The fast checkpoint at step {step} in {self.directory}')
+    restore_lib.check_shapes(meta, train_state.shape_signature(abstract), flat_now, step, False, 'resume from')
     restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding, global_shape=a.shape,
                                                                dtype=a.dtype), abstract)
     try:
@@ -329,9 +331,9 @@ class FastTier:
     bad = restore_lib.checksum_mismatches(state, meta, saved_tree)
     if bad:
       raise restore_lib.DamagedCheckpoint(step, self.directory, bad)
-    if engine.has_frozen(setup):
+    if train_state.has_frozen(setup):
       base = restore_lib.checked_base(setup, meta)
-      state['params'] = engine.join_params(state['params'], restore_lib.base_params(setup, base, frozen_only=True))
+      state['params'] = train_state.join_params(state['params'], restore_lib.base_params(setup, base, frozen_only=True))
     return restore_lib.Restored(step, state, meta, params_only_checkpoint=False)
 
   def input_states(self, step: int) -> list[dict]:
