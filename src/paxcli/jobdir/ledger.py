@@ -60,17 +60,19 @@ PROGRESS_SECONDS = 2.0
 ENDED_BY_ITSELF = (0, 2, 3, 130)
 MAX_LEDGER_BYTES = 1 << 30
 MAX_LINE_BYTES = 1 << 16
-# The start of a `pax` command: the process's own start when it is recent (a fresh `pax` process,
-# whose interpreter start-up then counts), else the moment main() was entered (pax called in-process).
+# The start of a `pax` command: the process's own start when the command is the process (`pax ...`,
+# `python -m paxcli.cli.app ...`: its interpreter start-up and imports count, however long a loaded
+# machine makes them), else the moment main() was entered (pax called in-process, as tests do).
 _command_started: Optional[float] = None
+WHOLE_PROCESS_MAX_S = 3600.0  # sanity: a process start further back than this is not this command's
 
 
-def mark_command_start() -> None:
+def mark_command_start(whole_process: bool) -> None:
   """Called by the CLI's main(): the time this command started (see _command_started)."""
   global _command_started
   now = time.time()
-  began = process_started_at()
-  _command_started = began if began is not None and 0 <= now - began < 30 else now
+  began = process_started_at() if whole_process else None
+  _command_started = began if began is not None and 0 <= now - began < WHOLE_PROCESS_MAX_S else now
 
 
 def command_started() -> float:
