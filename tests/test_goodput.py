@@ -151,6 +151,17 @@ def test_account_adds_up_across_a_kill_a_launcher_and_a_later_run(tmp_path):
   assert ledger.furthest_step(*ledger.read(job)[:2]) == 24
 
 
+def test_a_pax_process_is_timed_from_its_own_start_and_an_in_process_call_from_main(monkeypatch):
+  """A `pax` process's interpreter start-up and imports are its start-up, however long a loaded machine
+  makes them (here 100 s); pax called in a long-lived process (a notebook, a test) starts at main()."""
+  monkeypatch.setattr(ledger, '_command_started', None)
+  monkeypatch.setattr(ledger, 'process_started_at', lambda: time.time() - 100.0)
+  ledger.mark_command_start(whole_process=True)
+  assert time.time() - ledger.command_started() == pytest.approx(100.0, abs=5.0)
+  ledger.mark_command_start(whole_process=False)
+  assert time.time() - ledger.command_started() < 5.0
+
+
 def test_pax_goodput_without_a_ledger_is_one_line(tmp_path, capsys):
   code, _, err = pax_main(['goodput', str(tmp_path)], capsys)
   assert code == 2 and 'No goodput ledger' in err and 'Traceback' not in err
