@@ -1,14 +1,21 @@
 """Attention kernels: causal softmax attention with grouped-query heads and segment ids.
 
-Two implementations of one function, `attention(q, k, v, segment_ids, impl)`:
+Three implementations of one function, `attention(q, k, v, segment_ids, impl)`:
   einsum       the reference: float32 logits [B, K, G, L, S] from einsums, masked and
                softmaxed in full. Simple and exact; memory grows with L x S.
   dot_product  `jax.nn.dot_product_attention`: cuDNN flash attention on NVIDIA GPUs for
                bfloat16/float16 (causal masking skips the upper triangle and no L x S
                logits are stored), XLA's implementation elsewhere.
-  auto         dot_product with cuDNN where it applies, else XLA's dot_product.
+  blockwise    the queries a block at a time (BLOCK_Q rows or more): a block sees only the keys up to
+               its last query (the upper triangle is never computed), its float32 logits
+               exist only while the block runs and are recomputed in the backward pass, so
+               memory holds one block's logits, not L x S. Soft-capped attention (Gemma 2,
+               Pax's atten_logit_cap) runs here: neither jax.nn.dot_product_attention nor
+               cuDNN's kernel in JAX 0.10 can cap logits, and the cap is applied per block.
+  auto         blockwise for capped logits; else dot_product with cuDNN where it applies,
+               else XLA's dot_product.
 
-Tests hold `dot_product` to the `einsum` reference, values and gradients.
+Tests hold `dot_product` and `blockwise` to the `einsum` reference, values and gradients.
 Shapes: B batch, L query length, S key length, H query heads, K kv heads,
 G = H // K query heads per kv head, E dims per head.
 """
@@ -24,23 +31,32 @@ from paxcli.options import ATTENTION_IMPLS as IMPLEMENTATIONS
 
 # cuDNN flash attention: half-precision inputs, head dims a multiple of 8 up to 256.
 _CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
+# The blockwise kernel's blocks: BLOCK_Q query rows, or L / MAX_BLOCKS for longer sequences (each block is
+# its own piece of the compiled program). One block's logits are [B, H, rows, <= L] float32. Small blocks
+# skip more of the upper triangle: on a CPU, 128 rows ran a capped step of 1,024 tokens 2x faster than
+# XLA's uncapped dot_product (benchmarks/soft_caps.py).
+BLOCK_Q = 128
+MAX_BLOCKS = 16
 
 
 def attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL: Optional[jax.Array] = None,
-              impl: str = 'auto', logit_cap: float = 0.0):
+              impl: str = 'auto', logit_cap: float = 0.0, scale: Optional[float] = None):
   """Causal attention; tokens attend only within their segment when segment_ids are given.
 
-  logit_cap > 0 soft-caps the logits (cap * tanh(logits / cap), Pax's atten_logit_cap), which
-  only the einsum kernel can do: it is used then, whatever `impl` says.
+  logit_cap > 0 soft-caps the logits (cap * tanh(logits / cap), Pax's atten_logit_cap, Gemma 2's
+  attn_logit_softcapping): the einsum kernel when `impl` asks for it, else the blockwise one.
+  `scale` multiplies the logits (None: 1/sqrt(E)).
 
   Returns [B, L, H, E] in the dtype of q.
   """
-  if impl == 'einsum' or logit_cap:
-    return einsum_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL, logit_cap)
   if impl not in IMPLEMENTATIONS:
     raise ValueError(f'attention impl {impl!r} is not one of {IMPLEMENTATIONS}')
+  if impl == 'einsum':
+    return einsum_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL, logit_cap, scale)
+  if logit_cap or impl == 'blockwise':
+    return blockwise_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL, logit_cap, scale)
   return dot_product_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL,
-                               implementation=kernel_for(q_BxLxHxE.dtype, q_BxLxHxE.shape[-1]))
+                               implementation=kernel_for(q_BxLxHxE.dtype, q_BxLxHxE.shape[-1]), scale=scale)
 
 
 def kernel_for(dtype, head_dim: int) -> str:
@@ -52,30 +68,67 @@ def kernel_for(dtype, head_dim: int) -> str:
   return 'cudnn'
 
 
-def dot_product_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL=None, implementation='xla'):
+def dot_product_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL=None, implementation='xla',
+                          scale: Optional[float] = None):
   mask_Bx1xLxS = None
   if segment_ids_BxL is not None:
     mask_Bx1xLxS = (segment_ids_BxL[:, :, None] == segment_ids_BxL[:, None, :])[:, None]
   return jax.nn.dot_product_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, mask=mask_Bx1xLxS, is_causal=True,
-                                      implementation=implementation)
+                                      implementation=implementation, scale=scale)
 
 
-def einsum_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL=None, logit_cap: float = 0.0):
+def einsum_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL=None, logit_cap: float = 0.0,
+                     scale: Optional[float] = None):
   """The reference: explicit float32 logits, masked (causal, same segment), softmaxed, applied to values."""
   b, l = q_BxLxHxE.shape[:2]
-  s = k_BxSxKxE.shape[1]
-  mask_BxLxS = jnp.broadcast_to(jnp.tril(jnp.ones((l, s), dtype=bool))[None], (b, l, s))
+  mask_BxLxS = _causal_mask(segment_ids_BxL, b, 0, l, k_BxSxKxE.shape[1])
+  return masked_einsum_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, mask_BxLxS, logit_cap, scale)
+
+
+def blockwise_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL=None, logit_cap: float = 0.0,
+                        scale: Optional[float] = None, block_q: Optional[int] = None):
+  """Causal self-attention (L == S) a block of `block_q` query rows at a time (module docstring).
+
+  Block i's queries [start, end) meet keys [0, end) only. With several blocks each one is
+  rematerialised (jax.checkpoint): its logits are made again in the backward pass instead of kept,
+  so no array of L x S logits exists in either pass. One block (L <= block_q) is the einsum kernel.
+  """
+  b, l = q_BxLxHxE.shape[:2]
+  if k_BxSxKxE.shape[1] != l:
+    raise ValueError(f'blockwise attention is self-attention: {l} queries, {k_BxSxKxE.shape[1]} keys')
+  block_q = block_q or max(BLOCK_Q, -(-l // MAX_BLOCKS))
+  if l <= block_q:
+    return einsum_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL, logit_cap, scale)
+  run = jax.checkpoint(_query_block, static_argnums=(4, 5, 6, 7))
+  outs = [run(q_BxLxHxE[:, start:start + block_q], k_BxSxKxE, v_BxSxKxE, segment_ids_BxL, start,
+              min(l, start + block_q), logit_cap, scale) for start in range(0, l, block_q)]
+  return jnp.concatenate(outs, axis=1)
+
+
+def _query_block(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL, start: int, end: int, logit_cap: float,
+                 scale: Optional[float]):
+  """Queries [start, end) against keys [0, end): the keys after the block's last query are never read."""
+  mask_BxTxS = _causal_mask(segment_ids_BxL, q_BxTxHxE.shape[0], start, end, end)
+  return masked_einsum_attention(q_BxTxHxE, k_BxSxKxE[:, :end], v_BxSxKxE[:, :end], mask_BxTxS, logit_cap, scale)
+
+
+def _causal_mask(segment_ids_BxL, b: int, start: int, end: int, s: int):
+  """[B, end - start, s]: query start + t may see key j <= start + t (of its own segment)."""
+  rows = jnp.arange(start, end)[:, None]
+  mask_BxTxS = jnp.broadcast_to((jnp.arange(s)[None, :] <= rows)[None], (b, end - start, s))
   if segment_ids_BxL is not None:
-    mask_BxLxS = mask_BxLxS & (segment_ids_BxL[:, :, None] == segment_ids_BxL[:, None, :])
-  return masked_einsum_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, mask_BxLxS, logit_cap)
+    mask_BxTxS = mask_BxTxS & (segment_ids_BxL[:, start:end, None] == segment_ids_BxL[:, None, :s])
+  return mask_BxTxS
 
 
-def masked_einsum_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, mask_BxLxS, logit_cap: float = 0.0):
+def masked_einsum_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, mask_BxLxS, logit_cap: float = 0.0,
+                            scale: Optional[float] = None):
   """Attention under any boolean mask (True: may attend); decoding uses it with its KV cache."""
   b, l, h, e = q_BxLxHxE.shape
   kv_heads = k_BxSxKxE.shape[2]
   groups = h // kv_heads
-  q_BxLxKxGxE = q_BxLxHxE.reshape(b, l, kv_heads, groups, e) * (e ** -0.5)
+  scale = e ** -0.5 if scale is None else scale
+  q_BxLxKxGxE = q_BxLxHxE.reshape(b, l, kv_heads, groups, e) * scale
   logits_BxKxGxLxS = jnp.einsum('blkge,bske->bkgls', q_BxLxKxGxE, k_BxSxKxE).astype(jnp.float32)
   if logit_cap:   # before the mask: the cap would lift the masked logits too
     logits_BxKxGxLxS = logit_cap * jnp.tanh(logits_BxKxGxLxS / logit_cap)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-from typing import Callable
+from typing import Callable, Optional
 
 import fiddle as fdl
 import flax.linen as nn
@@ -46,17 +46,25 @@ def _init(names):
 
 
 class Norm(nn.Module):
-  """LayerNorm or RMSNorm computed in float32, returned in `dtype`."""
+  """LayerNorm or RMSNorm computed in float32, returned in `dtype`.
+
+  `plus_one`: the normalised x is multiplied by (1 + scale), scale stored as it is and starting at 0
+  (Gemma's RMSNorm, praxis' RmsNorm without direct_scale); else by scale, starting at 1.
+  """
   kind: str = 'layernorm'
   use_bias: bool = True
   dtype: jnp.dtype = jnp.float32
   epsilon: float = 1e-6
+  plus_one: bool = False
 
   @nn.compact
   def __call__(self, x_BxLxD):
     x = x_BxLxD.astype(jnp.float32)
     dims = x.shape[-1]
-    scale = self.param('scale', nn.with_logical_partitioning(nn.initializers.ones, ('norm',)), (dims,))
+    init = nn.initializers.zeros if self.plus_one else nn.initializers.ones
+    scale = self.param('scale', nn.with_logical_partitioning(init, ('norm',)), (dims,))
+    if self.plus_one:
+      scale = 1.0 + scale
     if self.kind == 'rmsnorm':
       y = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.epsilon)
     else:
@@ -135,9 +143,10 @@ class Attention(nn.Module):
   `segment_ids_BxL` None: one segment per row (no packing). The kernel is
   `attention_ops.attention`; attention_impl: auto (cuDNN flash attention on GPUs), dot_product
   (jax.nn.dot_product_attention) or einsum (the reference).
-  Queries: 1/sqrt(E), times Pax's learned PerDimScale with `per_dim_scale` (softplus(w) /
-  softplus(0) per dimension, w starting at 0). `atten_logit_cap` > 0 soft-caps the logits
-  with tanh before the mask, as Pax's atten_logit_cap does (the einsum kernel then).
+  Queries: 1/sqrt(E), or 1/sqrt(query_pre_attn_scalar) when that is set (Gemma's), times Pax's
+  learned PerDimScale with `per_dim_scale` (softplus(w) / softplus(0) per dimension, w starting
+  at 0). `atten_logit_cap` > 0 soft-caps the logits with tanh before the mask, as Pax's
+  atten_logit_cap and Gemma 2's attn_logit_softcapping do (attention_ops: the blockwise kernel).
   """
   num_heads: int
   num_kv_heads: int
@@ -153,6 +162,7 @@ class Attention(nn.Module):
   rotary_original_max_len: int = 8192
   dtype: jnp.dtype = jnp.float32
   per_dim_scale: bool = False
+  query_pre_attn_scalar: Optional[float] = None
   atten_logit_cap: float = 0.0
   attention_impl: str = 'auto'
   # LoRA (paxcli.layers.lora): rank 0 is off; targets among query, key, value, output.
@@ -178,6 +188,10 @@ class Attention(nn.Module):
     y = y + self._lora(x, name, ('embed',), (heads, self.dims_per_head), (head_axis, 'head_dim'))
     y = constrain(y, ('batch', 'length', head_axis, 'head_dim'))
     return checkpoint_name(y, f'{name}_proj')
+
+  def _scale(self) -> float:
+    """The logits' factor: 1/sqrt(query_pre_attn_scalar), or 1/sqrt(E) when that is unset."""
+    return float(self.query_pre_attn_scalar or self.dims_per_head) ** -0.5
 
   def _per_dim_factor(self, e: int):
     """[1, 1, 1, E] softplus(w) / softplus(0): Pax's PerDimScale over the kernels' 1/sqrt(E)."""
@@ -205,10 +219,10 @@ class Attention(nn.Module):
         segment_ids_BxL = jnp.ones(x_BxLxD.shape[:2], jnp.int32)
       k_BxSxKxE, v_BxSxKxE, mask_BxLxS = self._decode_cache(k_BxSxKxE, v_BxSxKxE, segment_ids_BxL)
       out_BxLxHxE = attention_ops.masked_einsum_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, mask_BxLxS,
-                                                          self.atten_logit_cap)
+                                                          self.atten_logit_cap, self._scale())
     else:
       out_BxLxHxE = attention_ops.attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL,
-                                            self.attention_impl, self.atten_logit_cap)
+                                            self.attention_impl, self.atten_logit_cap, scale=self._scale())
     out_BxLxHxE = constrain(out_BxLxHxE, ('batch', 'length', 'heads', 'head_dim'))
     out = nn.DenseGeneral(
         features=x_BxLxD.shape[-1], axis=(-2, -1), use_bias=self.use_bias, dtype=self.dtype,
@@ -291,7 +305,9 @@ class Block(BaseLayer):
   Children (names fixed: checkpoints depend on them): attention_norm and mlp_norm from
   `norm_tpl`, attention from `attention_tpl`, mlp from `ffn_tpl`. `parallel`: attention and
   MLP both read the one attention_norm and their sum is added once (MaxText's default decoder
-  block, PaLM's parallel layer); there is no mlp_norm. The block fills the
+  block, PaLM's parallel layer); there is no mlp_norm. `post_norms`: the outputs of attention and
+  MLP are normalised too before they join the residual (post_attention_norm, post_mlp_norm: Gemma 2
+  and 3's four norms per layer, praxis' norm_policy 'primer_hybrid'). The block fills the
   compute dtype into each template (field `dtype` of a plain flax module, `fprop_dtype`
   of a BaseLayer) and model_dims into a feed-forward template's input_dims/output_dims,
   unless the template sets them itself.
@@ -300,6 +316,7 @@ class Block(BaseLayer):
   dropout_prob: float = 0.0
   deterministic: bool = True
   parallel: bool = False
+  post_norms: bool = False
   attention_tpl: LayerTpl = template_field(Attention)
   ffn_tpl: LayerTpl = template_field(Mlp)
   norm_tpl: LayerTpl = template_field(Norm)
@@ -310,6 +327,9 @@ class Block(BaseLayer):
     self.create_child('attention', fill_template(self.attention_tpl, compute, deterministic=self.deterministic))
     if not self.parallel:
       self.create_child('mlp_norm', fill_template(self.norm_tpl, compute))
+    if self.post_norms:
+      self.create_child('post_attention_norm', fill_template(self.norm_tpl, compute))
+      self.create_child('post_mlp_norm', fill_template(self.norm_tpl, compute))
     self.create_child('mlp', fill_template(self.ffn_tpl, compute, input_dims=self.model_dims,
                                            output_dims=self.model_dims, deterministic=self.deterministic))
     self.dropout = nn.Dropout(self.dropout_prob, deterministic=self.deterministic)
@@ -320,8 +340,12 @@ class Block(BaseLayer):
       h = self.attention(n_BxLxD, segment_ids_BxL, positions_BxL) + self.mlp(n_BxLxD)
       return constrain(x_BxLxD + self.dropout(h), ('batch', 'length', 'embed')), None
     h = self.attention(self.attention_norm(x_BxLxD), segment_ids_BxL, positions_BxL)
+    if self.post_norms:
+      h = self.post_attention_norm(h)
     x_BxLxD = x_BxLxD + self.dropout(h)
     h = self.mlp(self.mlp_norm(x_BxLxD))
+    if self.post_norms:
+      h = self.post_mlp_norm(h)
     x_BxLxD = x_BxLxD + self.dropout(h)
     return constrain(x_BxLxD, ('batch', 'length', 'embed')), None
 

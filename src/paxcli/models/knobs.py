@@ -176,7 +176,8 @@ LM_KNOBS: tuple[Knob, ...] = (
          'token embeddings x sqrt(MODEL_DIMS) (Pax scale_sqrt_depth)'),
     Knob('USE_SOFTMAX_BIAS', bool, False, LM + 'softmax_bias', "a bias on the output logits (Pax's softmax has one)"),
     Knob('SOFTMAX_CAP_LOGITS', float, 0.0, LM + 'softmax_cap_logits', '> 0: logits = cap * tanh(logits / cap); 0: off'),
-    Knob('ATTEN_LOGIT_CAP', float, 0.0, ATTENTION + 'atten_logit_cap', 'the same for attention logits, before the mask'),
+    Knob('ATTEN_LOGIT_CAP', float, 0.0, ATTENTION + 'atten_logit_cap',
+         "the same for attention logits, before the mask (Gemma 2's attn_logit_softcapping)"),
     Knob('USE_PER_DIM_SCALE', bool, False, ATTENTION + 'per_dim_scale', "learned per-dimension query scale (Pax's PerDimScale)"),
     Knob('TIED_LOGITS_BFLOAT16', bool, False, LM + 'tied_logits_bfloat16',
          "tied output logits against the embedding table rounded to bfloat16 (MaxText's attend_on_embedding)"),
@@ -184,8 +185,18 @@ LM_KNOBS: tuple[Knob, ...] = (
          "attention and MLP from one norm, added together (MaxText's default decoder_block); no mlp_norm",
          flat='parallel_block'),
     Knob('NORM_EPSILON', float, 1e-6, (NORM + 'epsilon', FINAL_NORM + 'epsilon'), flat='norm_epsilon'),
+    # Gemma 2 and 3's layer (paxcli.models.gemma); off by default.
+    Knob('NORM_PLUS_ONE', bool, False, (NORM + 'plus_one', FINAL_NORM + 'plus_one'),
+         "norms multiply by (1 + scale), scale stored as it is and starting at 0 (Gemma's RMSNorm)",
+         flat='norm_plus_one'),
+    Knob('POST_NORMS', bool, False, BLOCK + 'post_norms',
+         'attention and MLP outputs normalised too before the residual (four norms a layer, as Gemma 2 and 3)',
+         flat='post_norms'),
+    Knob('QUERY_PRE_ATTN_SCALAR', Optional[float], None, ATTENTION + 'query_pre_attn_scalar',
+         "queries x 1/sqrt(this) instead of 1/sqrt(DIMS_PER_HEAD) (Gemma's query_pre_attn_scalar); None: off"),
     Knob('ATTENTION_IMPL', AttentionImplName, 'auto', ATTENTION + 'attention_impl',
-         'auto: jax.nn.dot_product_attention (cuDNN flash attention on GPUs in bf16/fp16, XLA elsewhere); '
+         'auto: jax.nn.dot_product_attention (cuDNN flash attention on GPUs in bf16/fp16, XLA elsewhere), the '
+         'blockwise kernel for capped logits; blockwise: a block of queries at a time, logits never whole; '
          'einsum: the plain reference with explicit float32 logits'),
     # Pipeline parallelism (paxcli.layers.pipeline): NUM_STAGES > 1 needs USE_REPEATED_LAYER and a
     # four-entry ICI_MESH_SHAPE [stage, replica, data, mdl] whose stage entry (times DCN's) equals it.
