@@ -1,6 +1,6 @@
-"""Attention kernels: causal softmax attention with grouped-query heads and segment ids.
+"""Attention kernels: causal softmax attention with grouped-query heads, segment ids and sliding windows.
 
-Three implementations of one function, `attention(q, k, v, segment_ids, impl)`:
+Three implementations of one function, `attention(q, k, v, segment_ids, impl, window=w)`:
   einsum       the reference: float32 logits [B, K, G, L, S] from einsums, masked and
                softmaxed in full. Simple and exact; memory grows with L x S.
   dot_product  `jax.nn.dot_product_attention`: cuDNN flash attention on NVIDIA GPUs for
@@ -16,6 +16,11 @@ Three implementations of one function, `attention(q, k, v, segment_ids, impl)`:
                else XLA's dot_product.
 
 Tests hold `dot_product` and `blockwise` to the `einsum` reference, values and gradients.
+
+Sliding window (`window` w > 0, Hugging Face's sliding_window): query i attends key j when
+i - w < j <= i (and both are in one segment): the w most recent tokens, itself included. A window
+as long as the sequence or longer is full causal attention. The blockwise kernel reads only the
+keys a block's window reaches.
 Shapes: B batch, L query length, S key length, H query heads, K kv heads,
 G = H // K query heads per kv head, E dims per head.
 """
@@ -40,8 +45,9 @@ MAX_BLOCKS = 16
 
 
 def attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL: Optional[jax.Array] = None,
-              impl: str = 'auto', logit_cap: float = 0.0, scale: Optional[float] = None):
-  """Causal attention; tokens attend only within their segment when segment_ids are given.
+              impl: str = 'auto', logit_cap: float = 0.0, window: int = 0, scale: Optional[float] = None):
+  """Causal attention; tokens attend only within their segment when segment_ids are given, and
+  only to the `window` most recent tokens (themselves included) when window > 0.
 
   logit_cap > 0 soft-caps the logits (cap * tanh(logits / cap), Pax's atten_logit_cap, Gemma 2's
   attn_logit_softcapping): the einsum kernel when `impl` asks for it, else the blockwise one.
@@ -49,14 +55,28 @@ def attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL: Optional[jax.Arr
 
   Returns [B, L, H, E] in the dtype of q.
   """
+  window = effective_window(window, k_BxSxKxE.shape[1])
   if impl not in IMPLEMENTATIONS:
     raise ValueError(f'attention impl {impl!r} is not one of {IMPLEMENTATIONS}')
   if impl == 'einsum':
-    return einsum_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL, logit_cap, scale)
+    return einsum_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL, logit_cap, window, scale)
   if logit_cap or impl == 'blockwise':
-    return blockwise_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL, logit_cap, scale)
+    return blockwise_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL, logit_cap, window, scale)
   return dot_product_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL,
-                               implementation=kernel_for(q_BxLxHxE.dtype, q_BxLxHxE.shape[-1]), scale=scale)
+                               implementation=kernel_for(q_BxLxHxE.dtype, q_BxLxHxE.shape[-1]), window=window,
+                               scale=scale)
+
+
+def effective_window(window: int, length: int) -> int:
+  """The window that changes anything over `length` keys: 0 (full causal) when it reaches them all."""
+  return window if 0 < window < length else 0
+
+
+def visible(q_idx, k_idx, window: int = 0):
+  """Whether query index q_idx may attend key index k_idx (broadcasting): k <= q, and k > q - window
+  when window > 0 (Hugging Face's sliding_window_overlay on its causal mask)."""
+  mask = k_idx <= q_idx
+  return mask & (k_idx > q_idx - window) if window else mask
 
 
 def kernel_for(dtype, head_dim: int) -> str:
@@ -69,55 +89,63 @@ def kernel_for(dtype, head_dim: int) -> str:
 
 
 def dot_product_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL=None, implementation='xla',
-                          scale: Optional[float] = None):
+                          window: int = 0, scale: Optional[float] = None):
+  """jax.nn.dot_product_attention; a window is its local_window_size (w - 1 keys before, none after),
+  which cuDNN turns into its sliding_window_length w."""
   mask_Bx1xLxS = None
   if segment_ids_BxL is not None:
     mask_Bx1xLxS = (segment_ids_BxL[:, :, None] == segment_ids_BxL[:, None, :])[:, None]
   return jax.nn.dot_product_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, mask=mask_Bx1xLxS, is_causal=True,
+                                      local_window_size=(window - 1, 0) if window else None,
                                       implementation=implementation, scale=scale)
 
 
 def einsum_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL=None, logit_cap: float = 0.0,
-                     scale: Optional[float] = None):
-  """The reference: explicit float32 logits, masked (causal, same segment), softmaxed, applied to values."""
+                     window: int = 0, scale: Optional[float] = None):
+  """The reference: explicit float32 logits, masked (causal, same segment, window), softmaxed, applied to values."""
   b, l = q_BxLxHxE.shape[:2]
-  mask_BxLxS = _causal_mask(segment_ids_BxL, b, 0, l, k_BxSxKxE.shape[1])
+  mask_BxLxS = _causal_mask(segment_ids_BxL, b, 0, l, 0, k_BxSxKxE.shape[1], window)
   return masked_einsum_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, mask_BxLxS, logit_cap, scale)
 
 
 def blockwise_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL=None, logit_cap: float = 0.0,
-                        scale: Optional[float] = None, block_q: Optional[int] = None):
+                        window: int = 0, scale: Optional[float] = None, block_q: Optional[int] = None):
   """Causal self-attention (L == S) a block of `block_q` query rows at a time (module docstring).
 
-  Block i's queries [start, end) meet keys [0, end) only. With several blocks each one is
-  rematerialised (jax.checkpoint): its logits are made again in the backward pass instead of kept,
-  so no array of L x S logits exists in either pass. One block (L <= block_q) is the einsum kernel.
+  Block i's queries [start, end) meet keys [0, end) only, or [start - window + 1, end) with a window.
+  With several blocks each one is rematerialised (jax.checkpoint): its logits are made again in the
+  backward pass instead of kept, so no array of L x S logits exists in either pass. One block
+  (L <= block_q) is the einsum kernel.
   """
   b, l = q_BxLxHxE.shape[:2]
   if k_BxSxKxE.shape[1] != l:
     raise ValueError(f'blockwise attention is self-attention: {l} queries, {k_BxSxKxE.shape[1]} keys')
+  window = effective_window(window, l)
   block_q = block_q or max(BLOCK_Q, -(-l // MAX_BLOCKS))
   if l <= block_q:
-    return einsum_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL, logit_cap, scale)
-  run = jax.checkpoint(_query_block, static_argnums=(4, 5, 6, 7))
+    return einsum_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL, logit_cap, window, scale)
+  run = jax.checkpoint(_query_block, static_argnums=(4, 5, 6, 7, 8))
   outs = [run(q_BxLxHxE[:, start:start + block_q], k_BxSxKxE, v_BxSxKxE, segment_ids_BxL, start,
-              min(l, start + block_q), logit_cap, scale) for start in range(0, l, block_q)]
+              min(l, start + block_q), window, logit_cap, scale) for start in range(0, l, block_q)]
   return jnp.concatenate(outs, axis=1)
 
 
-def _query_block(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL, start: int, end: int, logit_cap: float,
-                 scale: Optional[float]):
-  """Queries [start, end) against keys [0, end): the keys after the block's last query are never read."""
-  mask_BxTxS = _causal_mask(segment_ids_BxL, q_BxTxHxE.shape[0], start, end, end)
-  return masked_einsum_attention(q_BxTxHxE, k_BxSxKxE[:, :end], v_BxSxKxE[:, :end], mask_BxTxS, logit_cap, scale)
+def _query_block(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL, start: int, end: int, window: int,
+                 logit_cap: float, scale: Optional[float]):
+  """Queries [start, end) against the keys they may see: [0, end), from start - window + 1 with a window."""
+  first = max(0, start - window + 1) if window else 0
+  mask_BxTxS = _causal_mask(segment_ids_BxL, q_BxTxHxE.shape[0], start, end, first, end, window)
+  return masked_einsum_attention(q_BxTxHxE, k_BxSxKxE[:, first:end], v_BxSxKxE[:, first:end], mask_BxTxS,
+                                 logit_cap, scale)
 
 
-def _causal_mask(segment_ids_BxL, b: int, start: int, end: int, s: int):
-  """[B, end - start, s]: query start + t may see key j <= start + t (of its own segment)."""
-  rows = jnp.arange(start, end)[:, None]
-  mask_BxTxS = jnp.broadcast_to((jnp.arange(s)[None, :] <= rows)[None], (b, end - start, s))
+def _causal_mask(segment_ids_BxL, b: int, start: int, end: int, first: int, stop: int, window: int = 0):
+  """[B, end - start, stop - first]: whether query start + t may see key first + j (attention_ops.visible,
+  and of its own segment)."""
+  mask_TxS = visible(jnp.arange(start, end)[:, None], jnp.arange(first, stop)[None, :], window)
+  mask_BxTxS = jnp.broadcast_to(mask_TxS[None], (b, end - start, stop - first))
   if segment_ids_BxL is not None:
-    mask_BxTxS = mask_BxTxS & (segment_ids_BxL[:, start:end, None] == segment_ids_BxL[:, None, :s])
+    mask_BxTxS = mask_BxTxS & (segment_ids_BxL[:, start:end, None] == segment_ids_BxL[:, None, first:stop])
   return mask_BxTxS
 
 

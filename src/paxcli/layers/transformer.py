@@ -147,6 +147,8 @@ class Attention(nn.Module):
   learned PerDimScale with `per_dim_scale` (softplus(w) / softplus(0) per dimension, w starting
   at 0). `atten_logit_cap` > 0 soft-caps the logits with tanh before the mask, as Pax's
   atten_logit_cap and Gemma 2's attn_logit_softcapping do (attention_ops: the blockwise kernel).
+  `sliding_window` w > 0: each token attends to the w most recent tokens of its segment, itself
+  included (Hugging Face's sliding_window; attention_ops.visible); 0 is full causal attention.
   """
   num_heads: int
   num_kv_heads: int
@@ -164,6 +166,7 @@ class Attention(nn.Module):
   per_dim_scale: bool = False
   query_pre_attn_scalar: Optional[float] = None
   atten_logit_cap: float = 0.0
+  sliding_window: int = 0
   attention_impl: str = 'auto'
   # LoRA (paxcli.layers.lora): rank 0 is off; targets among query, key, value, output.
   lora_rank: int = 0
@@ -222,7 +225,8 @@ class Attention(nn.Module):
                                                           self.atten_logit_cap, self._scale())
     else:
       out_BxLxHxE = attention_ops.attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL,
-                                            self.attention_impl, self.atten_logit_cap, scale=self._scale())
+                                            self.attention_impl, self.atten_logit_cap, self.sliding_window,
+                                            scale=self._scale())
     out_BxLxHxE = constrain(out_BxLxHxE, ('batch', 'length', 'heads', 'head_dim'))
     out = nn.DenseGeneral(
         features=x_BxLxD.shape[-1], axis=(-2, -1), use_bias=self.use_bias, dtype=self.dtype,
@@ -254,7 +258,7 @@ class Attention(nn.Module):
     index = self.variable('cache', 'cache_index', nn.with_logical_partitioning(jnp.zeros, ()), [], jnp.int32)
     b, l = segment_ids_BxL.shape
     if not initialized:
-      causal_LxS = jnp.tril(jnp.ones((l, l), dtype=bool))
+      causal_LxS = attention_ops.visible(jnp.arange(l)[:, None], jnp.arange(l)[None, :], self.sliding_window)
       return k_BxLxKxE, v_BxLxKxE, jnp.broadcast_to(causal_LxS[None], (b, l, l))
     i = index.value
     key.value = jax.lax.dynamic_update_slice(key.value, k_BxLxKxE.astype(key.value.dtype), (0, i, 0, 0))
@@ -262,7 +266,8 @@ class Attention(nn.Module):
     valid.value = jax.lax.dynamic_update_slice(valid.value, segment_ids_BxL != 0, (0, i))
     index.value = i + l
     s = key.value.shape[1]
-    visible_LxS = jnp.arange(s)[None, :] <= (i + jnp.arange(l))[:, None]
+    # Slots are time: a left-padded row's tokens are contiguous, so slot distance is position distance.
+    visible_LxS = attention_ops.visible((i + jnp.arange(l))[:, None], jnp.arange(s)[None, :], self.sliding_window)
     return key.value, value.value, visible_LxS[None] & valid.value[:, None, :]
 
 
