@@ -2,6 +2,7 @@
 included, as Hugging Face's sliding_window does; in every attention path (einsum, dot_product, the
 decoder's KV cache), per layer kind through LAYER_KINDS, and refused when it cannot work."""
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -57,13 +58,45 @@ def test_the_mask_is_transformers_sliding_window_mask(window):
   assert ours.sum(axis=1).max() == window   # the w most recent keys, the query's own included
 
 
-@pytest.mark.parametrize('impl', ['einsum', 'dot_product'])
+KERNELS = {
+    'einsum': lambda q, k, v, seg, w: attention_ops.attention(q, k, v, seg, 'einsum', window=w),
+    'auto': lambda q, k, v, seg, w: attention_ops.attention(q, k, v, seg, 'auto', window=w),   # local on a CPU
+    'xla_local_window_size': lambda q, k, v, seg, w: attention_ops.dot_product_attention(q, k, v, seg, window=w),
+}
+
+
+@pytest.mark.parametrize('kernel', list(KERNELS))
 @pytest.mark.parametrize('window', [1, 3, 5])
-def test_both_kernels_compute_the_window_within_segments(impl, window):
+def test_every_kernel_computes_the_window_within_segments(kernel, window):
   q, k, v = _qkv()
   segments = np.array([[1] * 7 + [2] * 5, [1] * 12], np.int32)   # row 0 packs two documents
-  out = attention_ops.attention(q, k, v, jnp.asarray(segments), impl, window=window)
+  out = KERNELS[kernel](q, k, v, jnp.asarray(segments), window)
   np.testing.assert_allclose(out, _numpy_attention(q, k, v, segments, window), atol=2e-5)
+
+
+@pytest.mark.parametrize('length, window, block', [(13, 4, 4), (40, 7, 8), (50, 17, 16), (33, 1, 8), (24, 23, 0)])
+@pytest.mark.parametrize('cap', [0.0, 3.0])
+def test_the_blockwise_kernel_equals_the_reference_values_and_gradients(length, window, block, cap):
+  """Lengths that are not a multiple of the block, windows shorter and longer than it, soft caps, packing."""
+  q, k, v = _qkv(l=length, seed=length)
+  segments = jnp.asarray([[1] * (length // 2) + [2] * (length - length // 2), [1] * length], jnp.int32)
+
+  def grads(fn):
+    return jax.grad(lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v))), argnums=(0, 1, 2))(q, k, v)
+
+  local = lambda q, k, v: attention_ops.local_attention(q, k, v, segments, window, cap, block)
+  ref = lambda q, k, v: attention_ops.einsum_attention(q, k, v, segments, cap, window)
+  np.testing.assert_allclose(local(q, k, v), ref(q, k, v), atol=2e-6)
+  for ours, theirs in zip(grads(local), grads(ref)):
+    np.testing.assert_allclose(ours, theirs, atol=1e-5)
+
+
+def test_the_blockwise_kernel_reads_about_a_window_of_keys_per_query():
+  """At 8,192 tokens and window 1,024 its logits are [L, 1,280], not [L, L]: the memory a step holds."""
+  q = jax.ShapeDtypeStruct((1, 8192, 2, 16), jnp.float32)
+  jaxpr = jax.make_jaxpr(lambda q: attention_ops.attention(q, q, q, None, 'auto', window=1024))(q)
+  shapes = [v.aval.shape for eq in jaxpr.jaxpr.eqns for v in eq.outvars]
+  assert max(np.prod(s) for s in shapes) == 8192 * 1280 * 2
 
 
 def test_window_one_is_each_tokens_own_value():
@@ -144,6 +177,49 @@ def test_cached_decoding_equals_full_recomputation_with_a_window(sets):
     assert r['decoded_ids'] == full_recompute_greedy(decoder.model, params, prompt.ids, 12)
     tf = teacher_forced_logprob(decoder.model, params, prompt.ids, r['decoded_ids'])
     assert r['logprob'] == pytest.approx(tf, abs=1e-4)
+
+
+def _model(**settings):
+  model = instantiate(lm_config(**{**SETTINGS, 'max_seq_len': 48, **settings}))
+  ids = jnp.zeros((1, 8), jnp.int32)
+  return model, model.init(jax.random.key(1), ids)['params']
+
+
+@pytest.mark.parametrize('settings', [dict(sliding_window=6),
+                                      dict(layer_pattern=('local', 'global'), scan_layers=True,
+                                           layer_kinds={'local': {'SLIDING_WINDOW': 6}})], ids=['uniform', 'local_global'])
+def test_extend_in_chunks_of_every_size_gives_the_full_forward_logits(settings):
+  """The rolling cache through DecodingModel.extend: chunks of 1 token, fewer than the window, and more than
+  it (the ring rewritten whole), one row left-padded by 3; every chunk's logits equal the plain forward pass's."""
+  model, params = _model(**settings)
+  rng = np.random.default_rng(2)
+  ids = rng.integers(1, 32, (2, 40)).astype(np.int32)
+  positions = np.stack([np.arange(40), np.arange(40) - 3]).astype(np.int32)   # row 1: 3 padding tokens, then 0..36
+  full = np.asarray(model.apply({'params': params}, jnp.asarray(ids)))
+  alone = np.asarray(model.apply({'params': params}, jnp.asarray(ids[1:, 3:])))
+  extend = jax.jit(model.extend)
+  cache = jax.tree.map(jnp.asarray, nn.meta.unbox(model.init_cache(params, 2, 40)))
+  start = 0
+  for size in (5, 1, 3, 9, 1, 1, 13, 2, 5):
+    logits, cache = extend(params, cache, jnp.asarray(ids[:, start:start + size]),
+                           jnp.asarray(np.where(positions[:, start:start + size] >= 0, positions[:, start:start + size], -1)))
+    np.testing.assert_allclose(logits[0], full[0, start:start + size], atol=2e-5)
+    real = slice(max(start, 3), start + size)
+    np.testing.assert_allclose(logits[1, real.start - start:], alone[0, real.start - 3:real.stop - 3], atol=2e-5)
+    start += size
+  assert start == 40
+
+
+def test_the_rolling_cache_holds_a_window_of_tokens_and_a_global_layer_all():
+  model, params = _model(layer_pattern=('local', 'global'), scan_layers=True, layer_kinds={'local': {'SLIDING_WINDOW': 6}})
+  cache = nn.meta.unbox(jax.eval_shape(lambda p: model.init_cache(p, 2, 4096), params))
+  local, full = cache['layers']['block_0']['attention'], cache['layers']['block_1']['attention']
+  assert local['cached_key'].shape == (1, 2, 6, 2, 4) and full['cached_key'].shape == (1, 2, 4096, 2, 4)
+  assert 'cached_position' in local and 'cached_position' not in full
+  # a window at least as long as the text keeps the plain cache
+  short, params = _model(sliding_window=64)
+  plain = nn.meta.unbox(jax.eval_shape(lambda p: short.init_cache(p, 2, 48), params))
+  assert plain['layer_0']['attention']['cached_key'].shape == (2, 48, 2, 4)
 
 
 # ---- bad input ------------------------------------------------------------------------------------------

@@ -14,13 +14,16 @@ Three implementations of one function, `attention(q, k, v, segment_ids, impl, wi
                cuDNN's kernel in JAX 0.10 can cap logits, and the cap is applied per block.
   auto         blockwise for capped logits; else dot_product with cuDNN where it applies,
                else XLA's dot_product.
+  local        (not a choice: what auto, dot_product and blockwise run for a window where cuDNN does not)
+               blockwise sliding-window attention, queries in blocks against the key blocks their window
+               reaches: time and memory O(L x window), not O(L x L); it also soft-caps.
 
-Tests hold `dot_product` and `blockwise` to the `einsum` reference, values and gradients.
+Tests hold `dot_product`, `blockwise` and `local` to the `einsum` reference, values and gradients.
 
 Sliding window (`window` w > 0, Hugging Face's sliding_window): query i attends key j when
 i - w < j <= i (and both are in one segment): the w most recent tokens, itself included. A window
-as long as the sequence or longer is full causal attention. The blockwise kernel reads only the
-keys a block's window reaches.
+as long as the sequence or longer is full causal attention.
+
 Shapes: B batch, L query length, S key length, H query heads, K kv heads,
 G = H // K query heads per kv head, E dims per head.
 """
@@ -50,21 +53,25 @@ def attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL: Optional[jax.Arr
   only to the `window` most recent tokens (themselves included) when window > 0.
 
   logit_cap > 0 soft-caps the logits (cap * tanh(logits / cap), Pax's atten_logit_cap, Gemma 2's
-  attn_logit_softcapping): the einsum kernel when `impl` asks for it, else the blockwise one.
-  `scale` multiplies the logits (None: 1/sqrt(E)).
+  attn_logit_softcapping): the einsum kernel when `impl` asks for it, else the blockwise one (the
+  local one with a window). `scale` multiplies the logits (None: 1/sqrt(E)).
 
   Returns [B, L, H, E] in the dtype of q.
   """
   window = effective_window(window, k_BxSxKxE.shape[1])
   if impl not in IMPLEMENTATIONS:
     raise ValueError(f'attention impl {impl!r} is not one of {IMPLEMENTATIONS}')
-  if impl == 'einsum':
+  self_attention = q_BxLxHxE.shape[1] == k_BxSxKxE.shape[1]
+  if impl == 'einsum' or (logit_cap and not self_attention):
     return einsum_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL, logit_cap, window, scale)
+  kernel = kernel_for(q_BxLxHxE.dtype, q_BxLxHxE.shape[-1])
+  if window and self_attention and (kernel != 'cudnn' or logit_cap or impl == 'blockwise'):
+    # XLA's local_window_size only masks [L, L] logits; the local kernel computes [L, ~w].
+    return local_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL, window, logit_cap, scale=scale)
   if logit_cap or impl == 'blockwise':
-    return blockwise_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL, logit_cap, window, scale)
-  return dot_product_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL,
-                               implementation=kernel_for(q_BxLxHxE.dtype, q_BxLxHxE.shape[-1]), window=window,
-                               scale=scale)
+    return blockwise_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL, logit_cap, scale)
+  return dot_product_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL, implementation=kernel,
+                               window=window, scale=scale)
 
 
 def effective_window(window: int, length: int) -> int:
@@ -100,52 +107,97 @@ def dot_product_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL=None,
                                       implementation=implementation, scale=scale)
 
 
+def local_block(window: int, length: int) -> int:
+  """Query block of the local kernel: about a quarter of the window (a power of two, 16 to 512), so that the
+  keys a block reads, ceil((w - 1) / c) + 1 blocks of c, stay within w + c; never longer than the sequence."""
+  block = 16
+  while block < 512 and block * 4 < window:
+    block *= 2
+  return min(block, length)
+
+
+def local_attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, segment_ids_BxL=None, window: int = 0,
+                    logit_cap: float = 0.0, block: int = 0, scale: Optional[float] = None):
+  """Sliding-window self-attention at O(window) per query: queries in blocks of c, each block against the
+  n = ceil((w - 1) / c) + 1 key blocks that end with its own, so logits are [L, n c] rather than [L, L].
+
+  The same function as einsum_attention with the window (causal, same segment, i - w < j <= i; logit_cap
+  before the mask), values and gradients, in memory and time linear in L.
+  """
+  b, l, h, e = q_BxLxHxE.shape
+  kv_heads = k_BxLxKxE.shape[2]
+  c = block or local_block(window, l)
+  n = -(-(window - 1) // c) + 1
+  blocks = -(-l // c)
+  pad_end = blocks * c - l
+  if segment_ids_BxL is None:
+    segment_ids_BxL = jnp.zeros((b, l), jnp.int32)
+
+  def key_blocks(x):
+    """[B, blocks, n c, ...]: for query block i, key blocks i - n + 1 .. i (zeros before the start)."""
+    pads = [(0, 0), ((n - 1) * c, pad_end)] + [(0, 0)] * (x.ndim - 2)
+    x = jnp.pad(x, pads).reshape(b, blocks + n - 1, c, *x.shape[2:])
+    return jnp.concatenate([x[:, o:o + blocks] for o in range(n)], axis=2)
+
+  k_BxNxSxKxE, v_BxNxSxKxE, seg_k_BxNxS = key_blocks(k_BxLxKxE), key_blocks(v_BxLxKxE), key_blocks(segment_ids_BxL)
+  q = jnp.pad(q_BxLxHxE, [(0, 0), (0, pad_end), (0, 0), (0, 0)]) * (e ** -0.5 if scale is None else scale)
+  q_BxNxCxKxGxE = q.reshape(b, blocks, c, kv_heads, h // kv_heads, e)
+  seg_q_BxNxC = jnp.pad(segment_ids_BxL, [(0, 0), (0, pad_end)]).reshape(b, blocks, c)
+  q_idx_NxCx1 = (jnp.arange(blocks)[:, None] * c + jnp.arange(c)[None, :])[:, :, None]
+  k_idx_Nx1xS = (jnp.arange(blocks)[:, None] * c + jnp.arange(n * c)[None, :] - (n - 1) * c)[:, None, :]
+  mask_NxCxS = visible(q_idx_NxCx1, k_idx_Nx1xS, window) & (k_idx_Nx1xS >= 0)
+  mask_BxNxCxS = mask_NxCxS[None] & (seg_q_BxNxC[:, :, :, None] == seg_k_BxNxS[:, :, None, :])
+  logits = jnp.einsum('bnckge,bnske->bnkgcs', q_BxNxCxKxGxE, k_BxNxSxKxE).astype(jnp.float32)
+  if logit_cap:
+    logits = logit_cap * jnp.tanh(logits / logit_cap)
+  logits = jnp.where(mask_BxNxCxS[:, :, None, None], logits, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(logits, axis=-1).astype(q_BxLxHxE.dtype)
+  out = jnp.einsum('bnkgcs,bnske->bnckge', probs, v_BxNxSxKxE).reshape(b, blocks * c, h, e)
+  return out[:, :l]
+
+
 def einsum_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL=None, logit_cap: float = 0.0,
                      window: int = 0, scale: Optional[float] = None):
   """The reference: explicit float32 logits, masked (causal, same segment, window), softmaxed, applied to values."""
   b, l = q_BxLxHxE.shape[:2]
-  mask_BxLxS = _causal_mask(segment_ids_BxL, b, 0, l, 0, k_BxSxKxE.shape[1], window)
+  mask_BxLxS = _causal_mask(segment_ids_BxL, b, 0, l, k_BxSxKxE.shape[1], window)
   return masked_einsum_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, mask_BxLxS, logit_cap, scale)
 
 
 def blockwise_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL=None, logit_cap: float = 0.0,
-                        window: int = 0, scale: Optional[float] = None, block_q: Optional[int] = None):
-  """Causal self-attention (L == S) a block of `block_q` query rows at a time (module docstring).
+                        scale: Optional[float] = None, block_q: Optional[int] = None):
+  """Causal self-attention (L == S) a block of `block_q` query rows at a time (module docstring); a
+  sliding window is local_attention's.
 
-  Block i's queries [start, end) meet keys [0, end) only, or [start - window + 1, end) with a window.
-  With several blocks each one is rematerialised (jax.checkpoint): its logits are made again in the
-  backward pass instead of kept, so no array of L x S logits exists in either pass. One block
-  (L <= block_q) is the einsum kernel.
+  Block i's queries [start, end) meet keys [0, end) only. With several blocks each one is
+  rematerialised (jax.checkpoint): its logits are made again in the backward pass instead of kept,
+  so no array of L x S logits exists in either pass. One block (L <= block_q) is the einsum kernel.
   """
   b, l = q_BxLxHxE.shape[:2]
   if k_BxSxKxE.shape[1] != l:
     raise ValueError(f'blockwise attention is self-attention: {l} queries, {k_BxSxKxE.shape[1]} keys')
-  window = effective_window(window, l)
   block_q = block_q or max(BLOCK_Q, -(-l // MAX_BLOCKS))
   if l <= block_q:
-    return einsum_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL, logit_cap, window, scale)
-  run = jax.checkpoint(_query_block, static_argnums=(4, 5, 6, 7, 8))
+    return einsum_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL, logit_cap, 0, scale)
+  run = jax.checkpoint(_query_block, static_argnums=(4, 5, 6, 7))
   outs = [run(q_BxLxHxE[:, start:start + block_q], k_BxSxKxE, v_BxSxKxE, segment_ids_BxL, start,
-              min(l, start + block_q), window, logit_cap, scale) for start in range(0, l, block_q)]
+              min(l, start + block_q), logit_cap, scale) for start in range(0, l, block_q)]
   return jnp.concatenate(outs, axis=1)
 
 
-def _query_block(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL, start: int, end: int, window: int,
-                 logit_cap: float, scale: Optional[float]):
-  """Queries [start, end) against the keys they may see: [0, end), from start - window + 1 with a window."""
-  first = max(0, start - window + 1) if window else 0
-  mask_BxTxS = _causal_mask(segment_ids_BxL, q_BxTxHxE.shape[0], start, end, first, end, window)
-  return masked_einsum_attention(q_BxTxHxE, k_BxSxKxE[:, first:end], v_BxSxKxE[:, first:end], mask_BxTxS,
-                                 logit_cap, scale)
+def _query_block(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL, start: int, end: int, logit_cap: float,
+                 scale: Optional[float]):
+  """Queries [start, end) against keys [0, end): the keys after the block's last query are never read."""
+  mask_BxTxS = _causal_mask(segment_ids_BxL, q_BxTxHxE.shape[0], start, end, end)
+  return masked_einsum_attention(q_BxTxHxE, k_BxSxKxE[:, :end], v_BxSxKxE[:, :end], mask_BxTxS, logit_cap, scale)
 
 
-def _causal_mask(segment_ids_BxL, b: int, start: int, end: int, first: int, stop: int, window: int = 0):
-  """[B, end - start, stop - first]: whether query start + t may see key first + j (attention_ops.visible,
-  and of its own segment)."""
-  mask_TxS = visible(jnp.arange(start, end)[:, None], jnp.arange(first, stop)[None, :], window)
-  mask_BxTxS = jnp.broadcast_to(mask_TxS[None], (b, end - start, stop - first))
+def _causal_mask(segment_ids_BxL, b: int, start: int, end: int, s: int, window: int = 0):
+  """[B, end - start, s]: whether query start + t may see key j (attention_ops.visible, and of its own segment)."""
+  mask_TxS = visible(jnp.arange(start, end)[:, None], jnp.arange(s)[None, :], window)
+  mask_BxTxS = jnp.broadcast_to(mask_TxS[None], (b, end - start, s))
   if segment_ids_BxL is not None:
-    mask_BxTxS = mask_BxTxS & (segment_ids_BxL[:, start:end, None] == segment_ids_BxL[:, None, first:stop])
+    mask_BxTxS = mask_BxTxS & (segment_ids_BxL[:, start:end, None] == segment_ids_BxL[:, None, :s])
   return mask_BxTxS
 
 
