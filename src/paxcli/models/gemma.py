@@ -222,7 +222,7 @@ class Gemma2(Family):
     out = {
         'architectures': [self.hf_architectures[0]], 'model_type': self.hf_model_types[0], **settings,
         'rms_norm_eps': float(settings['rms_norm_eps']),
-        'query_pre_attn_scalar': float(settings['query_pre_attn_scalar'] or settings['head_dim']),
+        'query_pre_attn_scalar': _number(settings['query_pre_attn_scalar'] or settings['head_dim']),
         'hidden_activation': _TANH_GELU, 'layer_types': types, 'sliding_window': int(window),
         'rope_parameters': self._rope_parameters(model, pattern), 'attention_bias': False,
         'attention_dropout': 0.0, 'tie_word_embeddings': True, 'initializer_range': 0.02,
@@ -260,6 +260,11 @@ class Gemma2(Family):
       else:
         out.append(w)
     return out
+
+
+def _number(x):
+  """An integral float as an int: transformers 5's Gemma configs type query_pre_attn_scalar int."""
+  return int(x) if float(x).is_integer() else float(x)
 
 
 def types_view(model, kind: str):
