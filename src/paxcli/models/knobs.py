@@ -179,7 +179,8 @@ LM_KNOBS: tuple[Knob, ...] = (
     Knob('SCALE_EMBEDDING_SQRT_DEPTH', bool, False, LM + 'scale_embedding_sqrt_depth',
          'token embeddings x sqrt(MODEL_DIMS) (Pax scale_sqrt_depth)'),
     Knob('USE_SOFTMAX_BIAS', bool, False, LM + 'softmax_bias', "a bias on the output logits (Pax's softmax has one)"),
-    Knob('SOFTMAX_CAP_LOGITS', float, 0.0, LM + 'softmax_cap_logits', '> 0: logits = cap * tanh(logits / cap); 0: off'),
+    Knob('SOFTMAX_CAP_LOGITS', float, 0.0, LM + 'softmax_cap_logits',
+         '> 0: logits = cap * tanh(logits / cap), inside the loss (LOSS_CHUNK_TOKENS); 0: off'),
     Knob('ATTEN_LOGIT_CAP', float, 0.0, ATTENTION + 'atten_logit_cap',
          "the same for attention logits, before the mask (Gemma 2's attn_logit_softcapping)"),
     Knob('SLIDING_WINDOW', int, 0, ATTENTION + 'sliding_window',
@@ -223,6 +224,10 @@ LM_KNOBS: tuple[Knob, ...] = (
          value=lambda s: tuple(s['lora_targets'])),
     Knob('LORA_DROPOUT', float, 0.0, (ATTENTION + 'lora_dropout', FFN + 'lora_dropout'),
          "dropout on the adapters' input, in training"),
+    # The loss (paxcli.models.losses.head_lm_loss): logits made a chunk of positions at a time, so that the
+    # [batch, length, vocab] logits never exist whole; the same loss and gradients.
+    Knob('LOSS_CHUNK_TOKENS', int, 4096, 'loss_chunk_tokens',
+         'the loss makes the logits for at most this many tokens per device at a time; 0: all at once'),
     Knob('LORA_BASE_DTYPE', DTypeName, 'float32', 'lora_base_dtype',
          'dtype the frozen base weights are kept in with LORA_RANK > 0 (bfloat16 halves their memory)'),
     # Layer kinds (paxcli.models.pattern): the stack repeats a group of kinds, each kind the block with
