@@ -125,3 +125,53 @@ def test_capped_attention_never_holds_the_whole_float32_logits():
   capped = lambda q, k, v: attention_ops.attention(q, k, v, None, 'auto', 50.0)
   assert _largest_float32(lambda q, k, v: attention_ops.attention(q, k, v, None, 'einsum', 50.0), q, k, v) >= whole
   assert _largest_float32(capped, q, k, v) <= whole // 4
+
+
+GEMMA_TOKENIZER_CONFIG = {'add_bos_token': True, 'add_eos_token': False, 'bos_token': '<bos>', 'eos_token': '<eos>',
+                          'pad_token': '<pad>', 'unk_token': '<unk>', 'tokenizer_class': 'GemmaTokenizer'}
+
+
+def _gemma_sentencepiece(path: str):
+  """A sentencepiece model with Gemma's layout: BPE, byte fallback, <pad> 0, <eos> 1, <bos> 2, <unk> 3."""
+  import io
+
+  import sentencepiece as spm
+  model = io.BytesIO()
+  text = ['The quick brown fox jumps over the lazy dog.', 'Q: What colour is the sky?\nA: The sky is blue.'] * 40
+  spm.SentencePieceTrainer.train(
+      sentence_iterator=iter(text), model_writer=model, vocab_size=300, model_type='bpe', byte_fallback=True,
+      pad_id=0, eos_id=1, bos_id=2, unk_id=3, pad_piece='<pad>', eos_piece='<eos>', bos_piece='<bos>',
+      unk_piece='<unk>', num_threads=1, minloglevel=2)
+  with open(path, 'wb') as f:
+    f.write(model.getvalue())
+
+
+@pytest.mark.slow
+def test_gemmas_sentencepiece_tokenizer_and_its_bos_rule_stay_with_the_job(tmp_path, capsys):
+  """A Gemma directory with tokenizer.model and add_bos_token: the job keeps the model as it is (ids as
+  sentencepiece gives them), and a text prompt starts with <bos>, as transformers' Gemma tokenizer adds it."""
+  import json as json_
+
+  import sentencepiece as spm
+
+  from paxcli.inputs import tokenizers
+  from paxcli.jobdir import layout
+  hf = tmp_path / 'hf'
+  hf_models.save(hf_models.build(dict(hf_models.REFERENCES['gemma2'].config, vocab_size=300)), str(hf))
+  _gemma_sentencepiece(str(hf / 'tokenizer.model'))
+  (hf / 'tokenizer_config.json').write_text(json_.dumps(GEMMA_TOKENIZER_CONFIG))
+  job = str(tmp_path / 'job')
+  code, _, err = pax_main(['checkpoint', 'convert', '--from', 'hf', str(hf), job, '--recipe', str(tmp_path / 'r.py'),
+                           '--no-verify'], capsys)
+  assert code == 0, err
+  kept = layout.tokenizer(job)
+  assert open(kept, 'rb').read() == (hf / 'tokenizer.model').read_bytes()
+  ours, theirs = tokenizers.load(kept), spm.SentencePieceProcessor(model_file=str(hf / 'tokenizer.model'))
+  assert (ours.bos_first, ours.bos_id, ours.eos_id) == (True, 2, 1)
+  text = 'The sky is blue, the fox is brown.'
+  assert ours.encode(text) == theirs.encode(text)
+  code, out, err = pax_main(['decode', '--exp', f'{tmp_path / "r.py"}:HfGemma2', '--job-log-dir', job, '--prompt', text,
+                             '--max-decode-steps', '2', '--json'], capsys)
+  assert code == 0, err
+  row = [json_.loads(line) for line in out.splitlines() if line.startswith('{')][0]
+  assert row['prompt_ids'] == [2] + theirs.encode(text)
