@@ -121,6 +121,8 @@ def build(config: dict, seed: int = 0):
 
 
 def save(model, directory: str) -> str:
+  import transformers
+  transformers.utils.logging.disable_progress_bar()   # its bars would land in a test's captured stderr
   model.save_pretrained(directory)
   return str(directory)
 

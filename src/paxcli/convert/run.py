@@ -84,12 +84,16 @@ def convert(source: str, output: str, *, fmt: Optional[str] = None, to: str = 'o
     else:
       recipe_text = None   # the job's experiment is --exp's
   try:
-    return _convert(src, out, source, output, fmt, to, exp, overrides, params_only, dtype, step, verify,
-                    kl_tolerance, max_shard_bytes, log, t0, recipe_path, recipe_text)
+    result = _convert(src, out, source, output, fmt, to, exp, overrides, params_only, dtype, step, verify,
+                      kl_tolerance, max_shard_bytes, log, t0, recipe_path, recipe_text)
   except BaseException:
     if recipe_created and os.path.isfile(recipe_path):
       os.remove(recipe_path)   # a failed import (or certification) leaves nothing behind
     raise
+  if recipe_path:
+    log(f'Wrote the recipe {recipe_path}; the converted job resumes with: pax train --exp {exp} '
+        f'--job-log-dir {output}')
+  return result
 
 
 def _convert(src, out, source, output, fmt, to, exp, overrides, params_only, dtype, step, verify, kl_tolerance,
@@ -318,8 +322,6 @@ def _write_recipe(src, recipe: Optional[str], output: str, force: bool, log) -> 
     if os.path.exists(tmp):
       os.remove(tmp)
     raise UserError(f'Cannot write the recipe {path}: {e.strerror}.') from None
-  log(f'Wrote the recipe {path}; the converted job resumes with: pax train --exp {path}:{class_name} '
-      f'--job-log-dir {output}')
   return path, text, created
 
 
