@@ -57,7 +57,7 @@ def test_released_config_and_transformers_5_spelling_read_alike():
 @pytest.mark.parametrize('family, change, named', [
     ('gemma2', {'hidden_activation': 'gelu'}, 'hidden_activation "gelu"'),
     ('gemma2', {'rope_scaling': {'rope_type': 'yarn', 'factor': 2.0}}, 'rope_scaling {"rope_type": "yarn"'),
-    ('gemma2', {'tie_word_embeddings': False}, 'tie_word_embeddings is false'),
+    ('gemma2', {'attention_bias': True}, 'attention_bias true'),
     ('gemma2', {'layer_types': ['sliding_attention', 'chunked_attention'], 'num_hidden_layers': 2}, 'layer_types must'),
     ('gemma3', {'attn_logit_softcapping': 50.0}, 'attn_logit_softcapping 50.0'),
     ('gemma3', {'quantization_config': {'quant_method': 'gptq'}}, 'quantization_config (unknown to paxcli'),

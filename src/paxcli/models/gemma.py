@@ -6,7 +6,8 @@ A Gemma layer is a Llama layer (paxcli.models.llama) with:
   flax's default, is transformers' gelu_pytorch_tanh); token embeddings x sqrt(hidden_size) rounded to
   the activation dtype (SCALE_EMBEDDING_SQRT_DEPTH); queries x 1/sqrt(query_pre_attn_scalar)
   (QUERY_PRE_ATTN_SCALAR); attention logits soft-capped at attn_logit_softcapping (ATTEN_LOGIT_CAP) and
-  the output logits at final_logit_softcapping (SOFTMAX_CAP_LOGITS); tied embeddings; and layers of two
+  the output logits at final_logit_softcapping (SOFTMAX_CAP_LOGITS); tied embeddings (every released
+  one; an untied lm_head is read and written too); and layers of two
   kinds, config.json's layer_types: 'sliding_attention' is paxcli's kind 'local' (SLIDING_WINDOW =
   sliding_window), 'full_attention' the kind 'global'. LAYER_PATTERN is the shortest group that repeats to
   layer_types ('local', 'global') for Gemma 2; a stack that repeats no shorter group is one group of all
@@ -17,7 +18,7 @@ Weight map: Llama's (paxcli.models.llama), except the norms
   params/layer_i/post_attention_norm/scale   model.layers.i.post_attention_layernorm.weight
   params/layer_i/mlp_norm/scale              model.layers.i.pre_feedforward_layernorm.weight
   params/layer_i/post_mlp_norm/scale         model.layers.i.post_feedforward_layernorm.weight
-and no lm_head (always tied).
+and lm_head only when untied (tie_word_embeddings false).
 
 config.json comes in two spellings, both read: transformers 5's (layer_types, rope_parameters, per layer
 type for Gemma 3) and the released checkpoints' (rope_theta, rope_scaling, rope_local_base_freq,
@@ -102,7 +103,7 @@ class Gemma2(Family):
                                                         'SCALE_EMBEDDING_SQRT_DEPTH=True'),
              ('position_embedding', 'rotary', "POSITION_EMBEDDING='rotary'"),
              ('use_gated_activation', True, 'USE_GATED_ACTIVATION=True'), ('activation', 'gelu', "ACTIVATION='gelu'"),
-             ('separate_embedding', False, 'SEPARATE_EMBEDDING=False'), ('use_bias', False, 'USE_BIAS=False'),
+             ('use_bias', False, 'USE_BIAS=False'),
              ('attention_use_bias', False, 'USE_ATTENTION_BIAS=False'), ('per_dim_scale', False,
                                                                         'USE_PER_DIM_SCALE=False'),
              ('softmax_bias', False, 'USE_SOFTMAX_BIAS=False'), ('tied_logits_bfloat16', False,
@@ -156,9 +157,7 @@ class Gemma2(Family):
       knobs[knob] = (get.int if key in _INTS else get.float)(key, defaults.get(key, hf_config.Reader.REQUIRED))
     if knobs['QUERY_PRE_ATTN_SCALAR'] is None:
       knobs['QUERY_PRE_ATTN_SCALAR'] = float(knobs['DIMS_PER_HEAD'])
-    if not get.bool('tie_word_embeddings', True):
-      raise UserError(f'{where}: tie_word_embeddings is false; paxcli\'s {self.title} ties its output layer to the '
-                      'embedding, as every released one does.')
+    knobs['SEPARATE_EMBEDDING'] = not get.bool('tie_word_embeddings', True)
     if heads % knobs['NUM_KV_HEADS']:
       raise UserError(f'{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads '
                       f'{knobs["NUM_KV_HEADS"]}.')
@@ -225,7 +224,7 @@ class Gemma2(Family):
         'query_pre_attn_scalar': _number(settings['query_pre_attn_scalar'] or settings['head_dim']),
         'hidden_activation': _TANH_GELU, 'layer_types': types, 'sliding_window': int(window),
         'rope_parameters': self._rope_parameters(model, pattern), 'attention_bias': False,
-        'attention_dropout': 0.0, 'tie_word_embeddings': True, 'initializer_range': 0.02,
+        'attention_dropout': 0.0, 'tie_word_embeddings': not model.separate_embedding, 'initializer_range': 0.02,
         'torch_dtype': dtype, 'use_cache': True,
         **(token_ids or {'bos_token_id': None, 'eos_token_id': None, 'pad_token_id': None}),
     }
