@@ -5,7 +5,10 @@
 The model is Gemma 2's layer (paxcli.models.gemma presets: four (1 + w) norms, gated tanh-GELU, sqrt(d)
 embeddings, local layers of window seq/2 alternating with global ones: Gemma-2's 4096 of 8192) at a
 CPU size. Rows:
-  no caps                 ATTEN_LOGIT_CAP=0, SOFTMAX_CAP_LOGITS=0: the baseline
+  no caps                 ATTEN_LOGIT_CAP=0, SOFTMAX_CAP_LOGITS=0: the baseline (global layers on
+                          jax.nn.dot_product_attention, XLA's on a CPU)
+  no caps, blockwise      the same on the blockwise kernel: what the caps themselves cost is the
+                          next row against this one
   caps 50 / 30            Gemma 2's caps as paxcli runs them: attention capped in the blockwise kernel
                           (global layers) and the window kernel (local ones); the final cap inside
                           the loss, whose logits are made a chunk at a time (paxcli.models.losses)
@@ -17,13 +20,12 @@ Goal: 'caps 50 / 30' within 10% of 'no caps'. Machines are shared and noisy: com
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from train_step import measure  # noqa: E402
+from train_step import report  # noqa: E402
 
 
 def gemma2_shape(seq: int) -> list[str]:
@@ -37,6 +39,7 @@ def gemma2_shape(seq: int) -> list[str]:
 
 VARIANTS = [
     ('no caps', ['ATTEN_LOGIT_CAP=0.0', 'SOFTMAX_CAP_LOGITS=0.0']),
+    ('no caps, blockwise attention', ['ATTEN_LOGIT_CAP=0.0', 'SOFTMAX_CAP_LOGITS=0.0', 'ATTENTION_IMPL=blockwise']),
     ('caps 50 / 30', []),
     ('caps, einsum attention', ['ATTENTION_IMPL=einsum']),
 ]
@@ -51,24 +54,9 @@ def main() -> None:
   parser.add_argument('--json', action='store_true', help='Print the rows as JSON instead of a table.')
   args = parser.parse_args()
   import jax
-  from rich.console import Console
-  from rich.table import Table
-  table = Table(title=f'Gemma-2-shaped train step, sequence {args.seq}, on {len(jax.devices())} x '
-                      f'{jax.devices()[0].device_kind}')
-  for col in ('variant', 'compile s', 'steps/s', 'tokens/s', 'vs no caps'):
-    table.add_column(col, justify='left' if col == 'variant' else 'right')
-  base, rows = None, []
-  for name, extra in VARIANTS:
-    r = measure(args.exp, gemma2_shape(args.seq) + args.overrides + extra, args.steps)
-    rows.append({'variant': name, **r})
-    base = base or r['steps_per_sec']
-    table.add_row(name, f"{r['compile_s']:.1f}", f"{r['steps_per_sec']:.3f}", f"{r['tokens_per_sec']:,.0f}",
-                  f"{r['steps_per_sec'] / base:.2f}x")
-  if args.json:
-    print(json.dumps(rows, indent=1))
-  else:
-    Console().print(table)
-
+  report(f'Gemma-2-shaped train step, sequence {args.seq}, on {len(jax.devices())} x {jax.devices()[0].device_kind}',
+         [(name, gemma2_shape(args.seq) + args.overrides + extra) for name, extra in VARIANTS], args.exp, args.steps,
+         args.json, 'vs no caps')
 
 if __name__ == '__main__':
   main()
