@@ -102,9 +102,8 @@ def test_the_blockwise_kernel_is_the_einsum_reference_values_and_gradients(cap):
     assert np.abs(ref(q, k, v) - attention_ops.einsum_attention(q, k, v, segments, 0.0, scale=0.1)).max() > 1e-2
 
 
-def _largest_float32(fn, *args):
-  """The most elements of any float32 value in fn's jaxpr, its gradient included."""
-  jaxpr = jax.make_jaxpr(jax.grad(lambda *a: jnp.sum(fn(*a)), argnums=(0, 1, 2)))(*args)
+def _largest_float32(jaxpr) -> int:
+  """The most elements of any float32 value in a jaxpr (its sub-jaxprs included)."""
   sizes = []
 
   def walk(jp):
@@ -116,6 +115,10 @@ def _largest_float32(fn, *args):
   return max(sizes)
 
 
+def _with_grad(fn, *args):
+  return jax.make_jaxpr(jax.grad(lambda *a: jnp.sum(fn(*a)), argnums=tuple(range(len(args)))))(*args)
+
+
 def test_capped_attention_never_holds_the_whole_float32_logits():
   """auto with a cap runs the blockwise kernel: no value of B x H x L x L float32 logits in either pass
   (the einsum reference has one)."""
@@ -123,8 +126,8 @@ def test_capped_attention_never_holds_the_whole_float32_logits():
   q, k, v = _qkv(l, e=8)
   whole = 2 * 4 * l * l
   capped = lambda q, k, v: attention_ops.attention(q, k, v, None, 'auto', 50.0)
-  assert _largest_float32(lambda q, k, v: attention_ops.attention(q, k, v, None, 'einsum', 50.0), q, k, v) >= whole
-  assert _largest_float32(capped, q, k, v) <= whole // 4
+  assert _largest_float32(_with_grad(lambda q, k, v: attention_ops.attention(q, k, v, None, 'einsum', 50.0), q, k, v)) >= whole
+  assert _largest_float32(_with_grad(capped, q, k, v)) <= whole // 4
 
 
 GEMMA_TOKENIZER_CONFIG = {'add_bos_token': True, 'add_eos_token': False, 'bos_token': '<bos>', 'eos_token': '<eos>',
@@ -175,3 +178,29 @@ def test_gemmas_sentencepiece_tokenizer_and_its_bos_rule_stay_with_the_job(tmp_p
   assert code == 0, err
   row = [json_.loads(line) for line in out.splitlines() if line.startswith('{')][0]
   assert row['prompt_ids'] == [2] + theirs.encode(text)
+
+
+def test_the_final_cap_runs_inside_the_chunked_loss_values_gradients_and_memory():
+  """Gemma 2's final cap (30) in paxcli.models.losses.head_lm_loss, a chunk of positions at a time: the loss
+  and gradients of the capped whole logits, and no float32 value of B x L x V in either pass."""
+  from paxcli.layers.transformer import soft_cap
+  from paxcli.models import losses
+  b, l, d, v = 2, 64, 16, 96
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.normal(size=(b, l, d)) * 3, jnp.float32)
+  table = jnp.asarray(rng.normal(size=(v, d)) * 3, jnp.float32)
+  labels = jnp.asarray(rng.integers(0, v, (b, l)), jnp.int32)
+  weights = jnp.ones((b, l), jnp.float32).at[1, 50:].set(0.0)
+
+  def chunked(x, w):
+    head = losses.Head(w, None, tied=True, dtype=jnp.float32, table_dtype=jnp.float32, cap=30.0)
+    return losses.head_lm_loss(x, head, labels, weights, chunk_tokens=32)[0]
+
+  def whole(x, w):
+    return losses.lm_loss(soft_cap(jnp.einsum('bld,vd->blv', x, w), 30.0), labels, weights)[0]
+
+  np.testing.assert_allclose(chunked(x, table), whole(x, table), rtol=1e-5)
+  for ours, theirs in zip(jax.grad(chunked, (0, 1))(x, table), jax.grad(whole, (0, 1))(x, table)):
+    np.testing.assert_allclose(ours, theirs, atol=1e-5)
+  assert abs(whole(x, table) - losses.lm_loss(jnp.einsum('bld,vd->blv', x, table), labels, weights)[0]) > 1e-2
+  assert _largest_float32(jax.make_jaxpr(jax.value_and_grad(chunked, (0, 1)))(x, table)) < b * l * v
