@@ -58,8 +58,6 @@ _READ = frozenset(_HF_KNOBS) | {
     'final_logit_softcapping', 'attn_logit_softcapping', 'cache_implementation'}
 # Fields a kind may set in a Gemma (its window and its rotary positions); the rest is one layer for all.
 _KIND_FIELDS = ('sliding_window', 'rotary_max_timescale', 'rotary_scaling', 'rotary_scaling_factor')
-_ROPE_KNOBS = {'rotary_max_timescale': 'ROTARY_MAX_TIMESCALE', 'rotary_scaling': 'ROTARY_SCALING',
-               'rotary_scaling_factor': 'ROTARY_SCALING_FACTOR'}
 
 
 def kind_setting(model, kind: str, field: str):
@@ -98,21 +96,24 @@ class Gemma2(Family):
   def misfit(self, model) -> list[str]:
     """Why a paxcli model cannot be one of the family (empty when it can)."""
     title, reasons = self.title, []
-    wants = [('norm_type', 'rmsnorm', "NORM_TYPE='rmsnorm'"), ('norm_plus_one', True, 'NORM_PLUS_ONE=True'),
-             ('post_norms', True, 'POST_NORMS=True'), ('scale_embedding_sqrt_depth', True,
-                                                        'SCALE_EMBEDDING_SQRT_DEPTH=True'),
+    wants = [('norm_type', 'rmsnorm', "NORM_TYPE='rmsnorm'"),
+             ('norm_plus_one', True, 'NORM_PLUS_ONE=True'),
+             ('post_norms', True, 'POST_NORMS=True'),
+             ('scale_embedding_sqrt_depth', True, 'SCALE_EMBEDDING_SQRT_DEPTH=True'),
              ('position_embedding', 'rotary', "POSITION_EMBEDDING='rotary'"),
-             ('use_gated_activation', True, 'USE_GATED_ACTIVATION=True'), ('activation', 'gelu', "ACTIVATION='gelu'"),
+             ('use_gated_activation', True, 'USE_GATED_ACTIVATION=True'),
+             ('activation', 'gelu', "ACTIVATION='gelu'"),
              ('use_bias', False, 'USE_BIAS=False'),
-             ('attention_use_bias', False, 'USE_ATTENTION_BIAS=False'), ('per_dim_scale', False,
-                                                                        'USE_PER_DIM_SCALE=False'),
-             ('softmax_bias', False, 'USE_SOFTMAX_BIAS=False'), ('tied_logits_bfloat16', False,
-                                                                 'TIED_LOGITS_BFLOAT16=False'),
-             ('parallel_block', False, 'PARALLEL_BLOCK=False'), ('qk_norm', self.qk_norm, f'USE_QK_NORM={self.qk_norm}')]
+             ('attention_use_bias', False, 'USE_ATTENTION_BIAS=False'),
+             ('per_dim_scale', False, 'USE_PER_DIM_SCALE=False'),
+             ('softmax_bias', False, 'USE_SOFTMAX_BIAS=False'),
+             ('tied_logits_bfloat16', False, 'TIED_LOGITS_BFLOAT16=False'),
+             ('parallel_block', False, 'PARALLEL_BLOCK=False'),
+             ('qk_norm', self.qk_norm, f'USE_QK_NORM={self.qk_norm}')]
     for flat, value, knob in wants:
       have = getattr(model, flat, None)
       if (bool(have) if isinstance(value, bool) else have) != value:
-        reasons.append(f'{flat} is {getattr(model, flat, None)!r} ({title} has {knob})')
+        reasons.append(f'{flat} is {have!r} ({title} has {knob})')
     if not self.soft_caps and (model.atten_logit_cap or model.softmax_cap_logits):
       reasons.append(f'logits are soft-capped ({title} has no soft caps: ATTEN_LOGIT_CAP=0, SOFTMAX_CAP_LOGITS=0)')
     pattern = tuple(model.layer_pattern or ())
@@ -268,7 +269,7 @@ def _number(x):
 
 def types_view(model, kind: str):
   """The model's rotary settings as the layers of `kind` have them (for hf_config.rope_scaling_of)."""
-  return types.SimpleNamespace(**{f: kind_setting(model, kind, f) for f in _ROPE_KNOBS})
+  return types.SimpleNamespace(**{f: kind_setting(model, kind, f) for f in _KIND_FIELDS[1:]})
 
 
 GEMMA2 = Gemma2()
