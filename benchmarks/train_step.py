@@ -56,30 +56,24 @@ def main() -> None:
   parser.add_argument('--set', action='append', default=[], dest='overrides')
   parser.add_argument('--json', action='store_true', help='Print the rows as JSON instead of a table.')
   args = parser.parse_args()
-  import jax
-  report(f'{args.exp}: train step on {len(jax.devices())} x {jax.devices()[0].device_kind}',
-         [(name, args.overrides + extra) for name, extra in VARIANTS], args.exp, args.steps, args.json)
-
-
-def report(title: str, variants: list, exp: str, steps: int, as_json: bool, base_name: str = 'vs baseline') -> list:
-  """Measure each (name, overrides) and print a table (or JSON) with each row's ratio to the first."""
   from rich.console import Console
   from rich.table import Table
-  table = Table(title=title)
-  for col in ('variant', 'compile s', 'steps/s', 'tokens/s', base_name, 'XLA FLOPs', 'XLA bytes'):
+  import jax
+  table = Table(title=f'{args.exp}: train step on {len(jax.devices())} x {jax.devices()[0].device_kind}')
+  for col in ('variant', 'compile s', 'steps/s', 'tokens/s', 'vs baseline', 'XLA FLOPs', 'XLA bytes'):
     table.add_column(col, justify='left' if col == 'variant' else 'right')
   base, rows = None, []
-  for name, overrides in variants:
-    r = measure(exp, overrides, steps)
+  for name, extra in VARIANTS:
+    r = measure(args.exp, args.overrides + extra, args.steps)
     rows.append({'variant': name, **r})
     base = base or r['steps_per_sec']
-    table.add_row(name, f"{r['compile_s']:.1f}", f"{r['steps_per_sec']:.3f}", f"{r['tokens_per_sec']:,.0f}",
+    table.add_row(name, f"{r['compile_s']:.1f}", f"{r['steps_per_sec']:.2f}", f"{r['tokens_per_sec']:,.0f}",
                   f"{r['steps_per_sec'] / base:.2f}x", f"{r['xla_flops']:,.0f}", f"{r['xla_bytes']:,.0f}")
-  if as_json:
+  if args.json:
     print(json.dumps(rows, indent=1))
   else:
     Console().print(table)
-  return rows
+
 
 if __name__ == '__main__':
   main()
