@@ -185,7 +185,7 @@ def _model(**settings):
   return model, model.init(jax.random.key(1), ids)['params']
 
 
-@pytest.mark.parametrize('settings', [dict(sliding_window=6),
+@pytest.mark.parametrize('settings', [pytest.param(dict(sliding_window=6), marks=pytest.mark.slow),
                                       dict(layer_pattern=('local', 'global'), scan_layers=True,
                                            layer_kinds={'local': {'SLIDING_WINDOW': 6}})], ids=['uniform', 'local_global'])
 def test_extend_in_chunks_of_every_size_gives_the_full_forward_logits(settings):
