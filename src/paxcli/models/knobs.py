@@ -153,6 +153,10 @@ LM_KNOBS: tuple[Knob, ...] = (
     Knob('USE_ATTENTION_BIAS', Optional[bool], None, ATTENTION + 'use_bias',
          "None: USE_BIAS; Pax's USE_BIAS is this one", flat='attention_use_bias',
          value=lambda s: s['use_bias'] if s['attention_use_bias'] is None else s['attention_use_bias']),
+    Knob('USE_QKV_BIAS', bool, False, ATTENTION + 'qkv_bias',
+         "a bias on the query, key and value projections only, whatever USE_ATTENTION_BIAS says (Qwen 2's)"),
+    Knob('USE_QK_NORM', bool, False, ATTENTION + 'qk_norm',
+         "RMSNorm over each head's query and key before rotary (Qwen 3's QK-norm; epsilon NORM_EPSILON)"),
     Knob('POSITION_EMBEDDING', PositionName, 'learned', LM + 'position_embedding',
          "'sinusoidal' is Pax's fixed PositionalEmbedding",
          derived=((ATTENTION + 'rotary', lambda s: s['position_embedding'] == 'rotary'),)),
@@ -175,17 +179,33 @@ LM_KNOBS: tuple[Knob, ...] = (
     Knob('SCALE_EMBEDDING_SQRT_DEPTH', bool, False, LM + 'scale_embedding_sqrt_depth',
          'token embeddings x sqrt(MODEL_DIMS) (Pax scale_sqrt_depth)'),
     Knob('USE_SOFTMAX_BIAS', bool, False, LM + 'softmax_bias', "a bias on the output logits (Pax's softmax has one)"),
-    Knob('SOFTMAX_CAP_LOGITS', float, 0.0, LM + 'softmax_cap_logits', '> 0: logits = cap * tanh(logits / cap); 0: off'),
-    Knob('ATTEN_LOGIT_CAP', float, 0.0, ATTENTION + 'atten_logit_cap', 'the same for attention logits, before the mask'),
+    Knob('SOFTMAX_CAP_LOGITS', float, 0.0, LM + 'softmax_cap_logits',
+         '> 0: logits = cap * tanh(logits / cap), inside the loss (LOSS_CHUNK_TOKENS); 0: off'),
+    Knob('ATTEN_LOGIT_CAP', float, 0.0, ATTENTION + 'atten_logit_cap',
+         "the same for attention logits, before the mask (Gemma 2's attn_logit_softcapping)"),
+    Knob('SLIDING_WINDOW', int, 0, ATTENTION + 'sliding_window',
+         '0: full causal attention; w > 0: each token attends to the w most recent tokens, itself included '
+         "(Hugging Face's sliding_window); per layer kind through LAYER_KINDS"),
     Knob('USE_PER_DIM_SCALE', bool, False, ATTENTION + 'per_dim_scale', "learned per-dimension query scale (Pax's PerDimScale)"),
     Knob('TIED_LOGITS_BFLOAT16', bool, False, LM + 'tied_logits_bfloat16',
          "tied output logits against the embedding table rounded to bfloat16 (MaxText's attend_on_embedding)"),
     Knob('PARALLEL_BLOCK', bool, False, BLOCK + 'parallel',
          "attention and MLP from one norm, added together (MaxText's default decoder_block); no mlp_norm",
          flat='parallel_block'),
-    Knob('NORM_EPSILON', float, 1e-6, (NORM + 'epsilon', FINAL_NORM + 'epsilon'), flat='norm_epsilon'),
+    Knob('NORM_EPSILON', float, 1e-6, (NORM + 'epsilon', FINAL_NORM + 'epsilon', ATTENTION + 'norm_epsilon'),
+         flat='norm_epsilon'),
+    # Gemma 2 and 3's layer (paxcli.models.gemma); off by default.
+    Knob('NORM_PLUS_ONE', bool, False, (NORM + 'plus_one', FINAL_NORM + 'plus_one', ATTENTION + 'norm_plus_one'),
+         "norms (QK-norm too) multiply by (1 + scale), scale stored as it is and starting at 0 (Gemma's RMSNorm)",
+         flat='norm_plus_one'),
+    Knob('POST_NORMS', bool, False, BLOCK + 'post_norms',
+         'attention and MLP outputs normalised too before the residual (four norms a layer, as Gemma 2 and 3)',
+         flat='post_norms'),
+    Knob('QUERY_PRE_ATTN_SCALAR', Optional[float], None, ATTENTION + 'query_pre_attn_scalar',
+         "queries x 1/sqrt(this) instead of 1/sqrt(DIMS_PER_HEAD) (Gemma's query_pre_attn_scalar); None: off"),
     Knob('ATTENTION_IMPL', AttentionImplName, 'auto', ATTENTION + 'attention_impl',
-         'auto: jax.nn.dot_product_attention (cuDNN flash attention on GPUs in bf16/fp16, XLA elsewhere); '
+         'auto: jax.nn.dot_product_attention (cuDNN flash attention on GPUs in bf16/fp16, XLA elsewhere), the '
+         'blockwise kernel for capped logits; blockwise: a block of queries at a time, logits never whole; '
          'einsum: the plain reference with explicit float32 logits'),
     # Pipeline parallelism (paxcli.layers.pipeline): NUM_STAGES > 1 needs USE_REPEATED_LAYER and a
     # four-entry ICI_MESH_SHAPE [stage, replica, data, mdl] whose stage entry (times DCN's) equals it.
@@ -204,6 +224,10 @@ LM_KNOBS: tuple[Knob, ...] = (
          value=lambda s: tuple(s['lora_targets'])),
     Knob('LORA_DROPOUT', float, 0.0, (ATTENTION + 'lora_dropout', FFN + 'lora_dropout'),
          "dropout on the adapters' input, in training"),
+    # The loss (paxcli.models.losses.head_lm_loss): logits made a chunk of positions at a time, so that the
+    # [batch, length, vocab] logits never exist whole; the same loss and gradients.
+    Knob('LOSS_CHUNK_TOKENS', int, 4096, 'loss_chunk_tokens',
+         'the loss makes the logits for at most this many tokens per device at a time; 0: all at once'),
     Knob('LORA_BASE_DTYPE', DTypeName, 'float32', 'lora_base_dtype',
          'dtype the frozen base weights are kept in with LORA_RANK > 0 (bfloat16 halves their memory)'),
     # Layer kinds (paxcli.models.pattern): the stack repeats a group of kinds, each kind the block with
