@@ -257,6 +257,13 @@ def validate_train(train) -> None:
   at_least(0, 'task.train', train, 'eval_interval_steps', 'save_max_to_keep', 'learning_rate',
            'clip_gradient_norm_to_value', 'loss_spike_factor')
   at_least(1, 'task.train', train, 'loss_spike_window')
+  at_least(0, 'task.train', train, 'local_checkpoint_interval_steps')
+  at_least(1, 'task.train', train, 'local_checkpoint_max_to_keep')
+  if bool(train.local_checkpoint_dir) != bool(train.local_checkpoint_interval_steps):
+    given, missing = (('LOCAL_CHECKPOINT_DIR', 'LOCAL_CHECKPOINT_EVERY (steps between fast saves)')
+                      if train.local_checkpoint_dir else ('LOCAL_CHECKPOINT_EVERY', 'LOCAL_CHECKPOINT_DIR (a local '
+                                                                                    'directory on each host)'))
+    raise UserError(f'{given} turns on the fast checkpoint tier, which also needs {missing}.')
   at_least(0, 'task.train.lr_schedule', train.lr_schedule, 'warmup_steps', 'decay_start', 'decay_end',
             'min_ratio')
 
