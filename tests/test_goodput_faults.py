@@ -159,22 +159,25 @@ def test_kill9_at_random_steps_finishes_with_the_uninterrupted_losses(tmp_path, 
 @pytest.mark.slow
 @pytest.mark.alone
 def test_a_stopped_process_is_a_hang_detected_and_restarted(tmp_path, capsys):
-  # 20 s: below the collectives' own give-up (a peer blocked in a gloo collective with a stopped process was
-  # seen to abort first, at a 60 s timeout on a loaded machine), so the launcher's heartbeat is what detects it.
-  steps, job, timeout = 14, str(tmp_path / 'job'), 20
+  # Every process stopped (a job wedged as a whole): no peer is left running to give up inside a gloo
+  # collective first (one stopped process of two was seen to make the other abort before a 60 s timeout on a
+  # loaded machine), so the launcher's heartbeat is what detects it, at any load.
+  steps, job, timeout = 14, str(tmp_path / 'job'), 45
   launch = Launch(job, steps, '--max-restarts', '1', '--heartbeat-timeout', str(timeout))
   deadline = time.monotonic() + 1200
   launch.wait_for_step(7, deadline)
-  stopped = launch.pids[1]
-  os.kill(stopped, signal.SIGSTOP)
+  stopped = list(launch.pids.values())
+  for pid in stopped:
+    os.kill(pid, signal.SIGSTOP)
   stopped_at = time.monotonic()
   try:
     detected = launch.wait_for('hung: no heartbeat for', deadline)
   finally:
-    try:
-      os.kill(stopped, signal.SIGCONT)   # the launcher SIGKILLs it; never leave a stopped process behind
-    except ProcessLookupError:
-      pass
+    for pid in stopped:   # the launcher SIGKILLs them; never leave a stopped process behind
+      try:
+        os.kill(pid, signal.SIGCONT)
+      except ProcessLookupError:
+        pass
   code, out, _ = launch.finish(timeout=900)
   assert code == 0, out[-4000:]
   line = next(l for l in out.splitlines() if 'hung: no heartbeat for' in l)
