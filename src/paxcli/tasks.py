@@ -77,6 +77,10 @@ class TrainConfig:
   # adapters of a fresh run start from instead of A random, B = 0.
   lora_init: Optional[str] = None
   trackers: Any = dataclasses.field(default_factory=TrackersConfig)
+  # A mixture-of-experts layer whose busiest expert takes at least this fraction of the tokens in each of
+  # router_collapse_steps consecutive steps gets a warning line naming it (paxcli.loops.router_watch).
+  router_collapse_fraction: float = 0.9
+  router_collapse_steps: int = 100
 
 
 @dataclasses.dataclass
