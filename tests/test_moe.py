@@ -261,10 +261,10 @@ def test_an_expert_axis_filled_by_the_devices_is_checked_once_known():
 def test_router_watch_warns_once_naming_the_layer():
   lines = []
   watch = RouterWatch(0.9, 3, lines.append)
-  layer = 'lm/layers/layer_1/mlp'
+  layer = 'layer_1/mlp'
   rows = [{'step': s, f'summary/{layer}/expert_load_max': 0.97, f'summary/{layer}/expert_load_min': 0.0,
-           'summary/lm/layers/layer_3/mlp/expert_load_max': 0.4,
-           'summary/lm/layers/layer_3/mlp/expert_load_min': 0.2} for s in range(1, 6)]
+           'summary/layer_3/mlp/expert_load_max': 0.4,
+           'summary/layer_3/mlp/expert_load_min': 0.2} for s in range(1, 6)]
   watch(rows[:2])
   assert not lines              # two steps: not yet
   watch(rows[2:])
@@ -273,6 +273,10 @@ def test_router_watch_warns_once_naming_the_layer():
   balanced = RouterWatch(0.9, 1, lines.append)
   balanced([{'step': 1, f'summary/{layer}/expert_load_max': 1.0, f'summary/{layer}/expert_load_min': 1.0}])
   assert len(lines) == 1
+  # a scanned stack's summaries, one row per group: layer = group x period + position in the group
+  from paxcli.models import pattern
+  spread = pattern.per_layer({'layers': {'block_1': {'mlp': {'expert_load_max': np.array([0.5, 0.7])}}}}, 2)
+  assert spread == {'layer_1': {'mlp': {'expert_load_max': 0.5}}, 'layer_3': {'mlp': {'expert_load_max': 0.7}}}
   assert totals(rows[0]) == {'moe/expert_load_min': 0.0, 'moe/expert_load_max': 0.97, 'moe/dropped_fraction': 0}
 
 
@@ -287,7 +291,7 @@ def test_a_collapsed_router_is_a_warning_in_the_train_log(tmp_path, capsys):
   code, out, err = pax_main(argv, capsys)
   assert code == 0, err
   text = out + err
-  assert 'warning: the router of lm/layers/layer_1/mlp has collapsed' in text, text
+  assert 'warning: the router of layer_1/mlp has collapsed' in text, text
   assert 'experts: load' in text
   rows = [json.loads(x) for x in (tmp_path / 'job' / 'train_metrics.jsonl').read_text().splitlines()]
   assert {'moe/expert_load_max', 'moe/expert_load_min', 'moe/dropped_fraction'} <= set(rows[-1])

@@ -76,6 +76,7 @@ def make_train_step(setup, batch_sharding, dropout_seed: int, compiler_options: 
   `compiler_options`: XLA options for this program only (a PGLE profile, for one).
   """
   model, tx = setup.model, setup.tx
+  layers_per_group = pattern.period(getattr(getattr(model, 'lm_tpl', None), 'layer_pattern', None))
   lr_fn = optim.learning_rate_fn(setup.train)
   deterministic = not model.has_dropout
   has_non_trainable = 'non_trainable' in setup.state_shardings
@@ -111,7 +112,8 @@ def make_train_step(setup, batch_sharding, dropout_seed: int, compiler_options: 
     if aux:
       metrics['model_loss'] = loss
       metrics.update({f'aux_loss/{k}': jnp.sum(v) for k, v in aux.items()})
-    for name, value in flatten_collection(pattern.per_layer(updates.get(SUMMARIES, {}))).items():
+    summaries = pattern.per_layer(updates.get(SUMMARIES, {}), layers_per_group)
+    for name, value in flatten_collection(summaries).items():
       metrics[f'summary/{name}'] = jnp.mean(value)
     new_state = {'step': state['step'] + 1, 'params': params, 'opt_state': opt_state}
     if has_non_trainable:

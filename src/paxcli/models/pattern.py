@@ -88,9 +88,10 @@ def unstack(layers_tree: dict, num_layers: int, take: Callable[[Any, int], Any])
   return out
 
 
-def per_layer(tree: dict) -> dict:
+def per_layer(tree: dict, pattern_period: int = 1) -> dict:
   """A collection's tree (summaries, aux losses) with a scanned stack's `layers` entry, whose leaves hold one
-  row per layer or group, spread into `layer_<i>` entries of one value each: reported alike, scanned or not."""
+  row per layer or group, spread into `layer_<i>` entries of one value each: reported alike, scanned or not.
+  pattern_period: the model's layers per group (a group's kinds without entries here are simply absent)."""
   if not isinstance(tree, Mapping) or not isinstance(tree.get('layers'), Mapping):
     return tree
   stacked = tree['layers']
@@ -98,7 +99,12 @@ def per_layer(tree: dict) -> dict:
   if not leaves or any(getattr(x, 'ndim', 0) != 1 for x in leaves):
     return tree
   out = {k: v for k, v in tree.items() if k != 'layers'}
-  out.update(unstack(stacked, leaves[0].shape[0] * period_of(stacked), lambda x, row: x[row]))
+  grouped = pattern_period > 1 and all(_BLOCK.match(str(n)) for n in stacked)
+  blocks = {int(_BLOCK.match(str(n)).group(1)): sub for n, sub in stacked.items()} if grouped else {0: stacked}
+  step = pattern_period if grouped else 1
+  for j, sub in blocks.items():   # group `row`, position j: layer row x period + j (as `unstack`)
+    for row in range(_leaves(sub)[0].shape[0]):
+      out[f'layer_{row * step + j}'] = _map(sub, lambda x, row=row: x[row])
   return out
 
 
