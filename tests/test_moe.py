@@ -296,6 +296,11 @@ def test_a_collapsed_router_is_a_warning_in_the_train_log(tmp_path, capsys):
   rows = [json.loads(x) for x in (tmp_path / 'job' / 'train_metrics.jsonl').read_text().splitlines()]
   assert {'moe/expert_load_max', 'moe/expert_load_min', 'moe/dropped_fraction'} <= set(rows[-1])
   assert any(k.startswith('aux_loss/') and k.endswith('load_balance_loss') for k in rows[-1])
+  assert {'summary/layer_1/mlp/expert_load_max', 'summary/layer_3/mlp/expert_load_max'} <= set(rows[-1])
+  from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+  events = EventAccumulator(str(tmp_path / 'job' / 'summaries' / 'train'))
+  events.Reload()
+  assert {'moe/expert_load_max', 'moe/expert_load_min', 'moe/dropped_fraction'} <= set(events.Tags()['scalars'])
 
 
 def test_knob_defaults_are_dense():
