@@ -307,3 +307,47 @@ def test_knob_defaults_are_dense():
   model = instantiate(lm_config())
   assert 'wi_0' in jax.eval_shape(lambda r: engine.unbox(model.init(r, jnp.zeros((1, 4), jnp.int32))['params']),
                                   jax.random.key(0))['layer_0']['mlp']
+
+
+# ---- counting and planning -----------------------------------------------------------------------------
+
+def test_flops_count_the_router_and_k_experts_not_all():
+  settings = dict(vocab_size=32, num_layers=2, model_dims=16, num_heads=2, dims_per_head=8, max_seq_len=8)
+  sparse = instantiate(lm_config(**settings, hidden_dims=12, num_experts=8, experts_per_token=2)).train_flops(8)
+  dense = instantiate(lm_config(**settings, hidden_dims=24)).train_flops(8)   # k x the expert width
+  assert sparse.matmul_params - dense.matmul_params == 2 * 16 * 8                # + the router, per layer
+  assert sparse.attention_per_token == dense.attention_per_token
+
+
+def test_describe_shows_total_and_active_parameters_at_mixtrals_size(capsys):
+  code, out, err = pax_main(['describe', '--exp', 'bench.Mixtral8x7B'], capsys)
+  assert code == 0, err
+  # Mixtral 8x7B's published figures: 46.7B parameters, 12.9B active
+  assert '# parameters: 46.7 G (46,702,792,704); active per token: 12.9 G (12,879,925,248' in out
+  code, out, err = pax_main(['describe', '--exp', 'bench.Qwen3Moe30BA3B', '--json'], capsys)
+  summary = json.loads(out)
+  assert code == 0 and round(summary['summary.parameters'] / 1e9, 1) == 30.5, err   # Qwen3-30B-A3B, no QK-norm
+  assert round(summary['summary.active_parameters'] / 1e9, 2) == 3.35
+  dense = pax_main(['describe', '--exp', 'bench.LlamaTiny'], capsys)[1]
+  assert 'active per token' not in dense
+
+
+def test_bench_mfu_compiles_an_expert_parallel_mesh(capsys):
+  sets = SETS + MOE + ['ICI_MESH_SHAPE=[1,1,2,4,1]']
+  code, out, err = pax_main(['bench', 'mfu', '--exp', EXP, *[a for s in sets for a in ('--set', s)], '--compile-only',
+                             '--json'], capsys)
+  assert code == 0, err
+  row = json.loads(out)[0]
+  assert row['mesh'] == 'stage=1 x replica=1 x data=2 x expert=4 x mdl=1' and row['status'] == 'compiled'
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('exp, devices', [('bench.Mixtral8x7B', 64), ('bench.Qwen3Moe30BA3B', 16)])
+def test_real_size_plans_fit_80_gib_per_device(exp, devices):
+  from conftest import run_pax
+  done = run_pax('bench', 'mfu', '--exp', exp, '--compile-only', '--num-devices', str(devices), '--device-memory',
+                 '80GiB', '--json', timeout=900)
+  assert done.returncode == 0, done.stderr[-2000:]
+  row = json.loads(done.stdout)[0]
+  assert row['devices'] == devices and row['status'] == 'compiled' and row['fits'] is True, row
+  assert row['memory_total_bytes'] < 80 * 2**30
