@@ -332,6 +332,7 @@ def test_describe_shows_total_and_active_parameters_at_mixtrals_size(capsys):
   assert 'active per token' not in dense
 
 
+@pytest.mark.slow
 def test_bench_mfu_compiles_an_expert_parallel_mesh(capsys):
   sets = SETS + MOE + ['ICI_MESH_SHAPE=[1,1,2,4,1]']
   code, out, err = pax_main(['bench', 'mfu', '--exp', EXP, *[a for s in sets for a in ('--set', s)], '--compile-only',
