@@ -352,3 +352,20 @@ def test_real_size_plans_fit_80_gib_per_device(exp, devices):
   row = json.loads(done.stdout)[0]
   assert row['devices'] == devices and row['status'] == 'compiled' and row['fits'] is True, row
   assert row['memory_total_bytes'] < 80 * 2**30
+
+
+@pytest.mark.slow
+def test_experts_combine_with_pipeline_stages():
+  """2 stages (each a group of a dense and an MoE layer) beside expert 4: the unpipelined loss and gradients.
+  Without the load-balancing loss, which the pipeline computes per microbatch (a mean of per-microbatch
+  products is not the whole batch's)."""
+  moe = ["LAYER_PATTERN=('dense', 'moe')",
+         "LAYER_KINDS={'moe': {'NUM_EXPERTS': 8, 'EXPERTS_PER_TOKEN': 2, 'LOAD_BALANCE_LOSS_WEIGHT': 0.0}}"]
+  reference = engine.build(config.resolve(EXP, SETS + moe + ['ICI_MESH_SHAPE=[1,1,2,4,1]']))
+  params = jax.device_get(engine.init_state(reference, 0)['params'])
+  (want, want_grads), _ = _loss_and_grads(reference, params, _batch())
+  piped = engine.build(config.resolve(EXP, SETS + moe + ['NUM_STAGES=2', 'ICI_MESH_SHAPE=[2,1,1,4,1]']))
+  (got, grads), _ = _loss_and_grads(piped, params, _batch())
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
