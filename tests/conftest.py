@@ -43,7 +43,11 @@ def _paxcli_cache(tmp_path_factory):
 def run_pax(*args, env=None, cwd=None, timeout=600):
   """Runs `pax` in a fresh process (a new user's shell); returns CompletedProcess."""
   full_env = dict(os.environ)
-  full_env.update(env or {})
+  for key, value in (env or {}).items():  # None unsets a variable
+    if value is None:
+      full_env.pop(key, None)
+    else:
+      full_env[key] = value
   return subprocess.run([sys.executable, '-m', 'paxcli.cli.app', *args], capture_output=True, text=True,
                         env=full_env, cwd=cwd, timeout=timeout)
 
