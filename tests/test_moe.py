@@ -253,6 +253,18 @@ def test_bad_moe_settings_are_one_line_before_any_compile(sets, message, tmp_pat
   assert not (tmp_path / 'job' / 'checkpoints').exists()
 
 
+def test_expert_axis_in_ici_and_dcn_meshes():
+  from paxcli.runtime import sharding
+  # 5 entries [stage, replica, data, expert, mdl]; a shorter shape beside one has expert (and stage) 1
+  assert sharding.mesh_shape([1, 1, 2, 2, 1], [1, 1, 1, 2, 1], 8) == ([1, 1, 2, 2, 1], [1, 1, 1, 2, 1])
+  assert sharding.mesh_shape([1, 4, 1], [1, 1, 1, 2, 1], 8) == ([1, 1, 4, 1, 1], [1, 1, 1, 2, 1])
+  assert sharding.expert_axis_size([1, 1, 2, 2, 1], [1, 1, 1, 2, 1]) == 4
+  assert sharding.expert_axis_size([1, 4, 1], None) == 1 and sharding.expert_axis_size([1, 1, 1, -1, 1], None) is None
+  mesh = sharding.make_mesh([1, 1, 2, 2, 1], [1, 1, 1, 2, 1])
+  assert dict(mesh.shape) == {'stage': 1, 'replica': 1, 'data': 2, 'expert': 4, 'mdl': 1}
+  assert sharding.batch_axes(mesh) == ('replica', 'data', 'expert') and sharding.data_parallel_size(mesh) == 8
+
+
 def test_an_expert_axis_filled_by_the_devices_is_checked_once_known():
   with pytest.raises(UserError, match=r'\(8, .*does not divide NUM_EXPERTS 4'):
     engine.build(config.resolve(EXP, SETS + ['NUM_EXPERTS=4', 'ICI_MESH_SHAPE=[1,1,1,-1,1]']))
