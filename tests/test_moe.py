@@ -78,15 +78,22 @@ def _reference(params, x, k, softmax, normalize, gated=True, activation=jax.nn.s
   return out
 
 
-@pytest.mark.parametrize('fields', [
-    dict(num_experts=4, experts_per_token=2, router_softmax='after_topk'),                   # Mixtral
-    dict(num_experts=8, experts_per_token=3, router_softmax='before_topk', normalize_topk=True),   # Qwen3-MoE
-    dict(num_experts=4, experts_per_token=1, router_softmax='before_topk', normalize_topk=False),  # Switch
-    dict(num_experts=4, experts_per_token=2, use_bias=True, gated=True),
-    dict(num_experts=4, experts_per_token=2, shared_hidden_dims=12, shared_gate=True),      # Qwen2-MoE
-], ids=['mixtral', 'qwen3', 'switch', 'bias', 'shared'])
-@pytest.mark.parametrize('dispatch', ['dropless', 'capacity'])
-def test_the_layer_computes_each_token_through_its_k_experts(fields, dispatch):
+LAYER_CASES = {
+    'mixtral': dict(num_experts=4, experts_per_token=2, router_softmax='after_topk'),
+    'qwen3': dict(num_experts=8, experts_per_token=3, router_softmax='before_topk', normalize_topk=True),
+    'switch': dict(num_experts=4, experts_per_token=1, router_softmax='before_topk', normalize_topk=False),
+    'bias': dict(num_experts=4, experts_per_token=2, use_bias=True, gated=True),
+    'shared': dict(num_experts=4, experts_per_token=2, shared_hidden_dims=12, shared_gate=True),   # Qwen2-MoE
+}
+DEFAULT_LAYER_CASES = {('dropless', 'mixtral'), ('dropless', 'qwen3'), ('dropless', 'bias'), ('dropless', 'shared'),
+                       ('capacity', 'mixtral'), ('capacity', 'switch')}
+
+
+@pytest.mark.parametrize('dispatch, case', [
+    pytest.param(d, c, id=f'{d}-{c}', marks=() if (d, c) in DEFAULT_LAYER_CASES else pytest.mark.slow)
+    for d in ('dropless', 'capacity') for c in LAYER_CASES])
+def test_the_layer_computes_each_token_through_its_k_experts(dispatch, case):
+  fields = LAYER_CASES[case]
   # capacity factor E / k: every expert has room for every token (capacity = L), so nothing is dropped
   factor = fields['num_experts'] / fields['experts_per_token']
   layer = _layer(dispatch=dispatch, capacity_factor=factor, **fields)
