@@ -116,9 +116,8 @@ class Mixtral8x7B(_MoeShape):
 @register
 class Qwen3Moe30BA3B(_MoeShape):
   """Qwen3-30B-A3B's shape: 48 x 2048, 128 experts of FFN 768, top-8 (softmax before top-k, the 8 renormalised),
-  GQA 32/4 heads of 128, vocab 151936; 30.5B parameters, 3.3B active; on 16 devices as data 4 x expert 4,
-  capacity-factor dispatch.
-  (Its QK-norm, a few thousand weights, is the Qwen 3 family's, not modelled here.)"""
+  GQA 32/4 heads of 128 with QK-norm, vocab 151936; 30.5B parameters, 3.3B active; on 16 devices as data 4 x
+  expert 4, capacity-factor dispatch."""
 
   NUM_LAYERS = 48
   MODEL_DIMS = 2048
@@ -131,6 +130,7 @@ class Qwen3Moe30BA3B(_MoeShape):
   EXPERTS_PER_TOKEN = 8
   ROUTER_SOFTMAX = 'before_topk'
   ROUTER_NORMALIZE_TOPK = True
+  USE_QK_NORM = True
   # Capacity dispatch: XLA:CPU computes ragged_dot as a dense product per group, so dropless with 32 experts
   # per device plans about 130 GiB of temporaries on CPU (docs/guides/moe.md); capacity plans 46.5 GiB.
   MOE_DISPATCH = 'capacity'
