@@ -56,13 +56,17 @@ def counts(exp: str, overrides: list[str]) -> tuple[int, int]:
 
 def dropped(exp: str, overrides: list[str]) -> float:
   """The dropped share of token choices over 3 steps of a short training run (0 for dropless or dense)."""
+  import io
   import tempfile
+
+  from rich.console import Console
 
   import paxcli
   with tempfile.TemporaryDirectory() as job:
     result = paxcli.train(exp, overrides=overrides + ['NUM_TRAIN_STEPS=3', 'SUMMARY_INTERVAL_STEPS=3',
                                                       'SAVE_INTERVAL_STEPS=3', 'EVAL_INTERVAL_STEPS=0',
-                                                      'DECODE_INTERVAL_STEPS=0'], job_dir=job)
+                                                      'DECODE_INTERVAL_STEPS=0'], job_dir=job,
+                          console=Console(file=io.StringIO()))   # its log is not the table's
   return float(result.get('moe/dropped_fraction', 0.0)) if isinstance(result, dict) else float('nan')
 
 
@@ -112,7 +116,7 @@ def main() -> None:
   if args.json:
     print(json.dumps({'steps': rows, 'plans': plans}, indent=1))
     return
-  console = Console()
+  console = Console(width=None if sys.stdout.isatty() else 160)
   console.print(steps)
   if plans:
     console.print(memory)
