@@ -123,7 +123,7 @@ class MoeFeedForward(BaseLayer):
       capacity = expert_capacity(l, self.num_experts, self.experts_per_token, self.capacity_factor)
       y_BxLxD, kept_BxLxK = capacity_dispatch(x_BxLxD.astype(compute), experts_BxLxK, weights_BxLxK, kernels, act,
                                               self.gated, capacity)
-      dropped = 1.0 - jnp.mean(kept_BxLxK.astype(jnp.float32))
+      dropped = jnp.mean(jnp.logical_not(kept_BxLxK).astype(jnp.float32))
     else:
       y_BxLxD = dropless(x_BxLxD.astype(compute), experts_BxLxK, weights_BxLxK, kernels, act, self.gated)
       dropped = jnp.zeros([], jnp.float32)
