@@ -55,6 +55,13 @@ QWEN3_06B = {
     'rope_scaling': None, 'rope_theta': 1000000, 'sliding_window': None, 'tie_word_embeddings': True,
     'torch_dtype': 'bfloat16', 'transformers_version': '4.51.0', 'use_cache': True, 'use_sliding_window': False,
     'vocab_size': 151936}
+# huggingface.co/mistralai/Mistral-7B-v0.1/config.json: a window of 4096 tokens in every layer.
+MISTRAL_7B = {
+    'architectures': ['MistralForCausalLM'], 'bos_token_id': 1, 'eos_token_id': 2, 'hidden_act': 'silu',
+    'hidden_size': 4096, 'initializer_range': 0.02, 'intermediate_size': 14336, 'max_position_embeddings': 32768,
+    'model_type': 'mistral', 'num_attention_heads': 32, 'num_hidden_layers': 32, 'num_key_value_heads': 8,
+    'rms_norm_eps': 1e-05, 'rope_theta': 10000.0, 'sliding_window': 4096, 'tie_word_embeddings': False,
+    'torch_dtype': 'bfloat16', 'transformers_version': '4.34.0.dev0', 'use_cache': True, 'vocab_size': 32000}
 
 TINY = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=128)
@@ -68,6 +75,9 @@ REFERENCES = {r.family: r for r in (
     # here, so both layouts of the output layer are held somewhere.
     Reference('qwen3', 'Qwen3ForCausalLM', QWEN3_06B, dict(TINY, head_dim=16, tie_word_embeddings=False),
               ('USE_QK_NORM = True', 'DIMS_PER_HEAD = 16', 'SEPARATE_EMBEDDING = True'), 'HfQwen3'),
+    # A window of 6 tokens, so that the tests' 33- to 64-token texts reach far beyond it.
+    Reference('mistral', 'MistralForCausalLM', MISTRAL_7B, dict(TINY, head_dim=8, sliding_window=6),
+              ('SLIDING_WINDOW = 6', 'ROTARY_MAX_TIMESCALE = 10000.0', 'SEPARATE_EMBEDDING = True'), 'HfMistral'),
 )}
 
 

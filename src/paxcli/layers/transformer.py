@@ -142,6 +142,8 @@ class Attention(nn.Module):
   (Qwen 2's layer: the output projection has none). `qk_norm`: each head's query and key go
   through an RMSNorm over E (`query_norm`, `key_norm`, epsilon `norm_epsilon`) before rotary
   (Qwen 3's layer).
+  `sliding_window` w > 0: each token attends to the w most recent tokens of its segment, itself
+  included (Hugging Face's sliding_window; attention_ops.visible); 0 is full causal attention.
   """
   num_heads: int
   num_kv_heads: int
@@ -158,6 +160,7 @@ class Attention(nn.Module):
   dtype: jnp.dtype = jnp.float32
   per_dim_scale: bool = False
   atten_logit_cap: float = 0.0
+  sliding_window: int = 0
   attention_impl: str = 'auto'
   qkv_bias: bool = False
   qk_norm: bool = False
@@ -213,12 +216,15 @@ class Attention(nn.Module):
       # Decoding: keys/values go into the KV cache; queries attend over all of it.
       if segment_ids_BxL is None:
         segment_ids_BxL = jnp.ones(x_BxLxD.shape[:2], jnp.int32)
-      k_BxSxKxE, v_BxSxKxE, mask_BxLxS = self._decode_cache(k_BxSxKxE, v_BxSxKxE, segment_ids_BxL)
-      out_BxLxHxE = attention_ops.masked_einsum_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, mask_BxLxS,
-                                                          self.atten_logit_cap)
+      if self._rolling(x_BxLxD.shape[1]):
+        out_BxLxHxE = self._rolling_cache(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL, positions_BxL)
+      else:
+        k_BxSxKxE, v_BxSxKxE, mask_BxLxS = self._decode_cache(k_BxSxKxE, v_BxSxKxE, segment_ids_BxL)
+        out_BxLxHxE = attention_ops.masked_einsum_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, mask_BxLxS,
+                                                            self.atten_logit_cap)
     else:
       out_BxLxHxE = attention_ops.attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL,
-                                            self.attention_impl, self.atten_logit_cap)
+                                            self.attention_impl, self.atten_logit_cap, self.sliding_window)
     out_BxLxHxE = constrain(out_BxLxHxE, ('batch', 'length', 'heads', 'head_dim'))
     out = nn.DenseGeneral(
         features=x_BxLxD.shape[-1], axis=(-2, -1), use_bias=self.use_bias, dtype=self.dtype,
@@ -250,7 +256,7 @@ class Attention(nn.Module):
     index = self.variable('cache', 'cache_index', nn.with_logical_partitioning(jnp.zeros, ()), [], jnp.int32)
     b, l = segment_ids_BxL.shape
     if not initialized:
-      causal_LxS = jnp.tril(jnp.ones((l, l), dtype=bool))
+      causal_LxS = attention_ops.visible(jnp.arange(l)[:, None], jnp.arange(l)[None, :], self.sliding_window)
       return k_BxLxKxE, v_BxLxKxE, jnp.broadcast_to(causal_LxS[None], (b, l, l))
     i = index.value
     key.value = jax.lax.dynamic_update_slice(key.value, k_BxLxKxE.astype(key.value.dtype), (0, i, 0, 0))
@@ -258,8 +264,75 @@ class Attention(nn.Module):
     valid.value = jax.lax.dynamic_update_slice(valid.value, segment_ids_BxL != 0, (0, i))
     index.value = i + l
     s = key.value.shape[1]
-    visible_LxS = jnp.arange(s)[None, :] <= (i + jnp.arange(l))[:, None]
+    # Slots are time: a left-padded row's tokens are contiguous, so slot distance is position distance.
+    visible_LxS = attention_ops.visible((i + jnp.arange(l))[:, None], jnp.arange(s)[None, :], self.sliding_window)
     return key.value, value.value, visible_LxS[None] & valid.value[:, None, :]
+
+
+  def _rolling(self, length: int) -> bool:
+    """Whether this layer's KV cache is the rolling one: a window shorter than the cache's length (the
+    first call, `init_cache`, has that length; later calls find the cache it made)."""
+    if self.has_variable('cache', 'cached_key'):
+      return self.has_variable('cache', 'cached_position')
+    return 0 < self.sliding_window < length
+
+  def _rolling_cache(self, q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, segment_ids_BxL, positions_BxL):
+    """Decoding attention of a windowed layer over a KV cache of W = sliding_window slots: memory bounded by
+    the window, however long the text. A ring: the token written n-th (cache_index counts them, as the
+    full cache's slots do) lives in slot n mod W, with its row's position and whether it is a real token;
+    what a query may see is computed from the stored positions (p - W < p' <= p), so the ring's order
+    never matters.
+
+    A call attends over the ring as it was and its own L keys, then keeps the last min(L, W) of them. For
+    L > W (a long prompt) the ring is unrolled into time order in front of the new keys and the blockwise
+    window kernel runs over both, so a prefill also costs O(L x W): a row's tokens are contiguous in its
+    cache (left padding only), so distance in the cache is distance in positions there.
+    """
+    w = self.sliding_window
+    initialized = self.has_variable('cache', 'cached_key')
+    b, l = segment_ids_BxL.shape
+    kv_shape = (b, w) + k_BxLxKxE.shape[2:]
+    kv_axes = ('batch', 'length', 'kv_heads', 'head_dim')
+    boxed = lambda axes: nn.with_logical_partitioning(jnp.zeros, axes)
+    key = self.variable('cache', 'cached_key', boxed(kv_axes), kv_shape, k_BxLxKxE.dtype)
+    value = self.variable('cache', 'cached_value', boxed(kv_axes), kv_shape, v_BxLxKxE.dtype)
+    valid = self.variable('cache', 'cached_valid', boxed(('batch', 'length')), (b, w), jnp.bool_)
+    position = self.variable('cache', 'cached_position', boxed(('batch', 'length')), (b, w), jnp.int32)
+    index = self.variable('cache', 'cache_index', boxed(()), [], jnp.int32)
+    if not initialized:   # init_cache: only the shapes of this call matter
+      return attention_ops.attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, segment_ids_BxL, 'einsum', 0.0, w)
+    i = index.value
+    k_BxLxKxE, v_BxLxKxE = k_BxLxKxE.astype(key.value.dtype), v_BxLxKxE.astype(value.value.dtype)
+    new_valid, new_position = segment_ids_BxL != 0, positions_BxL.astype(jnp.int32)
+    if l <= w:
+      keys = jnp.concatenate([key.value, k_BxLxKxE], axis=1)
+      values = jnp.concatenate([value.value, v_BxLxKxE], axis=1)
+      seen_BxS = jnp.concatenate([valid.value, new_valid], axis=1)
+      at_BxS = jnp.concatenate([position.value, new_position], axis=1)
+      mask_BxLxS = seen_BxS[:, None, :] & attention_ops.visible(new_position[:, :, None], at_BxS[:, None, :], w)
+      out = attention_ops.masked_einsum_attention(q_BxLxHxE, keys, values, mask_BxLxS, self.atten_logit_cap)
+    else:
+      oldest = -(i % w)   # ring slot i mod W holds the oldest token
+      timed = lambda ring, new: jnp.concatenate([jnp.roll(ring, oldest, axis=1), new], axis=1)
+      segments = timed(valid.value, new_valid).astype(jnp.int32)
+      queries = jnp.concatenate([jnp.zeros((b, w) + q_BxLxHxE.shape[2:], q_BxLxHxE.dtype), q_BxLxHxE], axis=1)
+      out = attention_ops.attention(queries, timed(key.value, k_BxLxKxE), timed(value.value, v_BxLxKxE), segments,
+                                    self.attention_impl, self.atten_logit_cap, w)[:, w:]
+    for var, new in ((key, k_BxLxKxE), (value, v_BxLxKxE), (valid, new_valid), (position, new_position)):
+      var.value = _ring_write(var.value, new, i)
+    index.value = i + l
+    return out
+
+
+def _ring_write(ring_BxW, new_BxL, i):
+  """The ring [B, W, ...] after writing the L new entries as the tokens i .. i + L - 1 (token n in slot n mod W);
+  of more than W only the last W stay."""
+  w, l = ring_BxW.shape[1], new_BxL.shape[1]
+  if l == 1:
+    return jax.lax.dynamic_update_slice_in_dim(ring_BxW, new_BxL, i % w, axis=1)
+  if l < w:
+    return ring_BxW.at[:, (i + jnp.arange(l)) % w].set(new_BxL)
+  return jnp.roll(new_BxL[:, l - w:], (i + l - w) % w, axis=1)
 
 
 class Mlp(nn.Module):

@@ -261,6 +261,9 @@ LM_KNOBS: tuple[Knob, ...] = (
     Knob('USE_SOFTMAX_BIAS', bool, False, LM + 'softmax_bias', "a bias on the output logits (Pax's softmax has one)"),
     Knob('SOFTMAX_CAP_LOGITS', float, 0.0, LM + 'softmax_cap_logits', '> 0: logits = cap * tanh(logits / cap); 0: off'),
     Knob('ATTEN_LOGIT_CAP', float, 0.0, ATTENTION + 'atten_logit_cap', 'the same for attention logits, before the mask'),
+    Knob('SLIDING_WINDOW', int, 0, ATTENTION + 'sliding_window',
+         '0: full causal attention; w > 0: each token attends to the w most recent tokens, itself included '
+         "(Hugging Face's sliding_window); per layer kind through LAYER_KINDS"),
     Knob('USE_PER_DIM_SCALE', bool, False, ATTENTION + 'per_dim_scale', "learned per-dimension query scale (Pax's PerDimScale)"),
     Knob('TIED_LOGITS_BFLOAT16', bool, False, LM + 'tied_logits_bfloat16',
          "tied output logits against the embedding table rounded to bfloat16 (MaxText's attend_on_embedding)"),

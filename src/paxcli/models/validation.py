@@ -27,7 +27,18 @@ def validate_lm(lm) -> None:
   for kind, fields in kinds.items():   # each kind's own block, where its knobs changed something
     if not fields:
       continue
+    _validate_window_target(block, fields, kind)
     _validate_block(pattern.kind_template(block, fields), f"the {kind!r} layers' block", f'LAYER_KINDS[{kind!r}]: ')
+
+
+def _validate_window_target(block, fields, kind: str) -> None:
+  """A kind's SLIDING_WINDOW needs paxcli's causal Attention: a swapped-in attention layer has no window."""
+  window = dict(fields).get('attention_tpl.sliding_window', 0)
+  attention = getattr(block, 'attention_tpl', None)
+  if window and (attention is None or fdl.get_callable(attention) is not Attention):
+    name = getattr(fdl.get_callable(attention), '__name__', 'none') if attention is not None else 'none'
+    raise UserError(f'LAYER_KINDS[{kind!r}] sets SLIDING_WINDOW {window}, but the attention layer is {name}, not '
+                    "paxcli's causal Attention: a sliding window needs causal attention.")
 
 
 def _validate_block(block, where: str, label: str) -> None:
@@ -39,6 +50,8 @@ def _validate_block(block, where: str, label: str) -> None:
   if attention.num_heads % attention.num_kv_heads:
     raise UserError(f'{label}NUM_HEADS {attention.num_heads} must be a multiple of NUM_KV_HEADS '
                     f'{attention.num_kv_heads}.')
+  if getattr(attention, 'sliding_window', 0) < 0:
+    raise UserError(f'{label}SLIDING_WINDOW must be 0 (full attention) or positive, got {attention.sliding_window}.')
   if attention.atten_logit_cap < 0:
     raise UserError(f'{label}ATTEN_LOGIT_CAP must be 0 (off) or positive, got {attention.atten_logit_cap}.')
   if attention.rotary and attention.dims_per_head % 2:
