@@ -83,6 +83,10 @@ class TrainConfig:
   local_checkpoint_interval_steps: int = 0
   local_checkpoint_max_to_keep: int = 2
   trackers: Any = dataclasses.field(default_factory=TrackersConfig)
+  # A mixture-of-experts layer whose busiest expert takes at least this fraction of the tokens in each of
+  # router_collapse_steps consecutive steps gets a warning line naming it (paxcli.loops.router_watch).
+  router_collapse_fraction: float = 0.9
+  router_collapse_steps: int = 100
 
 
 @dataclasses.dataclass

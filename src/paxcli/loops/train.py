@@ -49,6 +49,8 @@ from paxcli.loops.decode.training import TrainDecoder
 from paxcli.loops import goodput
 from paxcli.loops.evaluate import Evaluator, metrics_line
 from paxcli.loops.hooks import Chrono, Hooks, StepInfo, Window
+from paxcli.loops.router_watch import RouterWatch, load_note, totals
+from paxcli.models import pattern
 from paxcli.perf import flops
 from paxcli.perf import profiling
 from paxcli.runtime import distributed
@@ -72,10 +74,12 @@ def make_train_step(setup, batch_sharding, dropout_seed: int, compiler_options: 
 
   The model's fprop gives (loss, metrics); aux losses its layers add join the loss;
   non-trainable variables come back updated (the optimizer never sees them); layer
-  summaries come back in the metrics under 'summary/<layer path>/<name>'.
+  summaries come back in the metrics under 'summary/<layer path>/<name>', one per layer whether the
+  stack is scanned or not.
   `compiler_options`: XLA options for this program only (a PGLE profile, for one).
   """
   model, tx = setup.model, setup.tx
+  layers_per_group = pattern.period(getattr(getattr(model, 'lm_tpl', None), 'layer_pattern', None))
   lr_fn = optim.learning_rate_fn(setup.train)
   deterministic = not model.has_dropout
   has_non_trainable = 'non_trainable' in setup.state_shardings
@@ -111,8 +115,9 @@ def make_train_step(setup, batch_sharding, dropout_seed: int, compiler_options: 
     if aux:
       metrics['model_loss'] = loss
       metrics.update({f'aux_loss/{k}': jnp.sum(v) for k, v in aux.items()})
-    for name, value in flatten_collection(updates.get(SUMMARIES, {})).items():
-      metrics[f'summary/{name}'] = jnp.mean(value)  # scanned layers: the mean over layers
+    summaries = pattern.per_layer(updates.get(SUMMARIES, {}), layers_per_group)
+    for name, value in flatten_collection(summaries).items():
+      metrics[f'summary/{name}'] = jnp.mean(value)
     new_state = {'step': state['step'] + 1, 'params': params, 'opt_state': opt_state}
     if has_non_trainable:
       new_state['non_trainable'] = sync_non_trainable(updates[NON_TRAINABLE], setup)
@@ -237,7 +242,7 @@ class LossCheck:
     return rows
 
   def _check(self, step: int, metrics) -> dict:
-    values = {k: float(v) for k, v in metrics.items()}
+    values = {k: float(v) for k, v in jax.device_get(metrics).items()}   # one transfer for all
     if not math.isfinite(values['loss']):
       raise TrainingDiverged(f'The loss became {values["loss"]} at step {step}; stopping. No checkpoint of '
                              'this state was written. Lower the learning rate or check the input.')
@@ -257,8 +262,10 @@ class Summary:
   summary, with rates over the window's steady time, into TensorBoard and train_metrics.jsonl
   (process 0's `writer`) and the log. `last` is the latest summary (the run's return value)."""
 
-  def __init__(self, losses: LossCheck, chrono: Chrono, reporter: Reporter, writer, mfu_of, start_step: int):
+  def __init__(self, losses: LossCheck, chrono: Chrono, reporter: Reporter, writer, mfu_of, start_step: int,
+               router_watch: Optional[RouterWatch] = None):
     self._losses, self._chrono, self._reporter, self._writer, self._mfu_of = losses, chrono, reporter, writer, mfu_of
+    self._router_watch = router_watch
     self.last = {'step': start_step}
 
   def __call__(self, info: StepInfo) -> None:
@@ -267,7 +274,10 @@ class Summary:
     if rows and not any(r['tokens'] for r in rows):
       self._reporter.log(f"warning: steps {rows[0]['step']}-{rows[-1]['step']} had zero total weight (every "
                          'target token masked): their loss 0 means nothing was trained.')
+    if self._router_watch:
+      self._router_watch(rows)
     self.last = _summarize(info.step, rows, window, self._mfu_of)
+    self.last.update(totals(self.last))
     if self._writer:
       self._writer.scalars(info.step, {k: v for k, v in self.last.items() if k != 'step'})
     self._reporter.summary(self.last, self._chrono.eta(info.step, self.last['steps_per_sec']))
@@ -438,8 +448,7 @@ class Reporter:
     self._last = record
     if self.enabled and not self.interactive:
       accuracy = f"  accuracy {record['accuracy']:.4f}" if 'accuracy' in record else ''
-      aux = ''.join(f"  {k} {v:.4g}" for k, v in record.items() if k.startswith('aux_loss/'))
-      self.log(f"step {record['step']}: loss {record['loss']:.4f}{accuracy}{aux}  "
+      self.log(f"step {record['step']}: loss {record['loss']:.4f}{accuracy}{aux_note(record)}{load_note(record)}  "
                f"lr {record['learning_rate']:.3g}  grad_norm {record['grad_norm']:.3f}  "
                f"{record['steps_per_sec']:.2f} steps/s  {record['tokens_per_sec']:,.0f} tokens/s"
                f"{mfu_note(record)}{eta_note(eta_seconds)}{window_note(record)}")
@@ -469,6 +478,17 @@ def _summarize(step: int, rows: list[dict], window: Window, mfu_of=None) -> dict
   if mfu_of:
     out.update(mfu_of(out['steps_per_sec']))
   return out
+
+
+def aux_note(record: dict) -> str:
+  """'  load_balance_loss 0.0102' for each aux loss by name, summed over the layers that add it (each
+  layer's stays in TensorBoard and train_metrics.jsonl as aux_loss/<layer path>/<name>)."""
+  by_name: dict[str, float] = {}
+  for key, value in record.items():
+    if key.startswith('aux_loss/'):
+      name = key.rsplit('/', 1)[-1]
+      by_name[name] = by_name.get(name, 0.0) + value
+  return ''.join(f'  {name} {value:.4g}' for name, value in by_name.items())
 
 
 def mfu_note(record: dict) -> str:
@@ -603,7 +623,8 @@ def _train(resolved, job_dir: str, console, accounting: goodput.Goodput, verbose
   guard = LossGuard(train_cfg.loss_spike_factor, train_cfg.loss_spike_window, start.recent_losses)
   losses = LossCheck(guard, start.step, total, checkpointer)
   chrono = Chrono(start.step, total, accounting.stopwatch)
-  summary = Summary(losses, chrono, reporter, writer, mfu_of, start.step)
+  summary = Summary(losses, chrono, reporter, writer, mfu_of, start.step,
+                    RouterWatch(train_cfg.router_collapse_fraction, train_cfg.router_collapse_steps, log))
   stop = GracefulStop(enabled=jax.process_count() == 1)
   saver = Saver(checkpointer, losses, spec, start, setup, train_input, chrono)
   with Hooks() as hooks:
