@@ -20,6 +20,7 @@ DTypeName = Literal['float32', 'bfloat16', 'float16']
 CheckpointPolicyName = Literal['none', 'save_nothing', 'save_dot_only', 'save_dot_with_no_batch_dim',
                                'save_qkv_out_proj', 'save_everything']
 AttentionImplName = Literal['auto', 'dot_product', 'einsum']  # paxcli.layers.attention_ops
+Fp8Name = Literal['none', 'delayed', 'current']  # paxcli.layers.fp8
 OptimizerName = Literal['adam', 'adamw', 'adafactor', 'sgd']
 TrackerName = Literal['wandb', 'mlflow']  # paxcli.jobdir.trackers.NAMES
 ScheduleName = Literal['constant', 'linear_rampup_cosine_decay', 'linear_rampup_exponential_decay']
@@ -31,6 +32,7 @@ ROTARY_SCALINGS: tuple[str, ...] = typing.get_args(RotaryScalingName)
 DTYPES: tuple[str, ...] = typing.get_args(DTypeName)
 CHECKPOINT_POLICIES: tuple[str, ...] = typing.get_args(CheckpointPolicyName)
 ATTENTION_IMPLS: tuple[str, ...] = typing.get_args(AttentionImplName)
+FP8_MODES: tuple[str, ...] = typing.get_args(Fp8Name)
 OPTIMIZERS: tuple[str, ...] = typing.get_args(OptimizerName)
 SCHEDULES: tuple[str, ...] = typing.get_args(ScheduleName)
 
@@ -45,6 +47,7 @@ MODEL_FIELDS: dict[str, tuple[str, ...]] = {
     'fprop_dtype': DTYPES,
     'checkpoint_policy': CHECKPOINT_POLICIES,
     'attention_impl': ATTENTION_IMPLS,
+    'fp8': FP8_MODES,
 }
 
 
