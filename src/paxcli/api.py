@@ -63,7 +63,7 @@ class Run:
 def open_run(exp: Optional[str], overrides: Sequence[str] = (), job_dir: Optional[str] = None, *,
              with_job_dir: bool = True, processes: bool = True, coordinator: Optional[str] = None,
              num_processes: Optional[int] = None, process_id: Optional[int] = None,
-             log: Callable[[str], None] = print) -> Run:
+             log: Callable[[str], None] = print, timed: bool = False) -> Run:
   """Joins the run's processes, resolves the config, sets its PLATFORM_ENV and names its job directory.
 
   The order is JAX's: jax.distributed starts before any backend (experiments may ask jax
@@ -72,12 +72,14 @@ def open_run(exp: Optional[str], overrides: Sequence[str] = (), job_dir: Optiona
   (--coordinator ...; else a detected cluster). The job directory (`job_dir`, else
   ./runs/<experiment>) is made absolute once, here: orbax refuses relative paths and the
   rest of paxcli joins names onto it. A job directory with a checkpoint keeps its tokenizer
-  (jobdir.tokenizer.keep_trained).
+  (jobdir.tokenizer.keep_trained). FP8 on a device without fp8 units: one warning line (the products
+  are emulated), or, for a command that times the step (`timed`), a refusal in one line.
   """
   if processes:
     distributed.start(distributed.settings_from(coordinator, num_processes, process_id))
   resolved = resolve(exp, overrides)
   platform.apply_platform_env(resolved.experiment.PLATFORM_ENV, log=log)
+  check_fp8(resolved, timed)
   directory = None
   if with_job_dir:
     from paxcli.jobdir import tokenizer  # orbax and fiddle: for commands that open a job directory
@@ -94,6 +96,17 @@ def resolve(exp: Optional[str], overrides: Sequence[str] = ()):
   for message in resolved.warnings:
     warn(message)
   return resolved
+
+
+def check_fp8(resolved, timed: bool) -> None:
+  """FP8 where the device has no fp8 units: one warning line, or a UserError when `timed` (a speed
+  figure of emulated fp8 would mislead)."""
+  from paxcli.layers import fp8  # JAX
+  for mode in fp8.modes_of(resolved.flat()):
+    if timed and fp8.refusal(mode):
+      raise UserError(fp8.refusal(mode))
+    if fp8.emulation_note(mode):
+      warn(fp8.emulation_note(mode))
 
 
 def warn(message: str) -> None:
@@ -358,7 +371,7 @@ def bench_mfu(exp: Optional[str] = None, *, overrides: Sequence[str] = (), sweep
   console = _console(console)
   log = _printer(console)
   first = [f'{k}={v}' for k, v in bench.sweep_combinations(list(sweep))[0]]
-  open_run(exp, list(overrides) + first, with_job_dir=False, processes=False, log=log)
+  open_run(exp, list(overrides) + first, with_job_dir=False, processes=False, log=log, timed=not compile_only)
   with _progress(console) as progress:
     rows = bench.run_all(exp, list(overrides), list(sweep), steps=steps, warmup=warmup, compile_only=compile_only,
                          peak_tflops=peak_tflops, pgle=pgle, pgle_profile=pgle_profile, progress=progress,

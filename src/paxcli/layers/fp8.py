@@ -118,6 +118,11 @@ def has_fp8_units(device) -> bool:
   return False
 
 
+def modes_of(flat: dict) -> tuple[str, ...]:
+  """The FP8 modes other than 'none' a resolved config's flat fields (`Resolved.flat()`) set on its layers."""
+  return tuple(sorted({v for k, v in flat.items() if k.endswith('.fp8') and v not in (None, 'none')}))
+
+
 def emulation_note(mode: str, device=None) -> Optional[str]:
   """One line when FP8=`mode` runs emulated on `device` (the first device); None when it need not be said."""
   if mode == 'none':
@@ -125,5 +130,18 @@ def emulation_note(mode: str, device=None) -> Optional[str]:
   device = device or jax.devices()[0]
   if has_fp8_units(device):
     return None
-  return (f'warning: FP8={mode} on {device.device_kind} ({device.platform}), which has no fp8 matmul units: '
+  return (f'FP8={mode} on {device.device_kind} ({device.platform}), which has no fp8 matmul units: '
           'the products are emulated (the numerics of fp8, not its speed).')
+
+
+def refusal(mode: str, device=None) -> Optional[str]:
+  """The one line refusing to time FP8=`mode` where it would run emulated (a speed figure of emulated fp8
+  measures XLA's emulation, not fp8); None where the device has fp8 units."""
+  if mode == 'none':
+    return None
+  device = device or jax.devices()[0]
+  if has_fp8_units(device):
+    return None
+  return (f'FP8={mode}: {device.device_kind} ({device.platform}) has no fp8 matmul units, so its fp8 products '
+          'would be emulated and their timing says nothing about fp8. Time fp8 on an NVIDIA Ada/Hopper/Blackwell '
+          'GPU or an AMD MI300; here use --compile-only for its memory plan, or FP8=none.')
