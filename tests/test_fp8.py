@@ -5,6 +5,7 @@ precision. The 200-step comparison with bf16 is slow."""
 
 import json
 import os
+import shutil
 
 import flax.linen as nn
 import jax
@@ -20,6 +21,7 @@ EXP = 'default.StdlibDocsLm'
 TINY = ['NUM_LAYERS=2', 'MODEL_DIMS=32', 'HIDDEN_DIMS=64', 'NUM_HEADS=4', 'VOCAB_SIZE=512', 'MAX_SEQ_LEN=32',
         'PERCORE_BATCH_SIZE=1', 'SAVE_INTERVAL_STEPS=2', 'SUMMARY_INTERVAL_STEPS=2', 'EVAL_INTERVAL_STEPS=0',
         'DECODE_INTERVAL_STEPS=0', 'LEARNING_RATE=0.01', 'FP8=delayed', 'FP8_AMAX_HISTORY=4']
+ONE_DEVICE = {'XLA_FLAGS': ''}   # training runs in its own process on one CPU device: a quick compile
 
 
 def _sets(knobs):
@@ -112,7 +114,7 @@ def _arrays(path):
 def fp8_job(tmp_path_factory):
   """A tiny FP8=delayed run of 4 steps (checkpoints at 2 and 4) and the stderr of its training."""
   job = str(tmp_path_factory.mktemp('fp8') / 'job')
-  done = run_pax('train', '--exp', EXP, *_sets(TINY + ['NUM_TRAIN_STEPS=4']), '--job-log-dir', job)
+  done = run_pax('train', '--exp', EXP, *_sets(TINY + ['NUM_TRAIN_STEPS=4']), '--job-log-dir', job, env=ONE_DEVICE)
   assert done.returncode == 0, done.stderr[-3000:]
   return job, done.stderr
 
@@ -136,11 +138,13 @@ def test_checkpoints_hold_the_scaling_state_and_a_resumed_run_continues_bit_exac
   histories = {k: v for k, v in whole.items() if k.startswith('fp8/') and k.endswith('input_amax_history')}
   assert len(histories) == 2 * 7   # q, k, v, out and the MLP's three per layer
   assert all(np.count_nonzero(h) == 4 for h in histories.values())   # 4 steps of history, length 4
+  # the run stopped after its checkpoint at step 2 (a copy without step 4's), then the same command again
   resumed = str(tmp_path / 'job')
-  for steps in (2, 4):   # stops at step 2, then the same command with 4 steps resumes from that checkpoint
-    done = run_pax('train', '--exp', EXP, *_sets(TINY + [f'NUM_TRAIN_STEPS={steps}']), '--job-log-dir', resumed)
-    assert done.returncode == 0, done.stderr[-3000:]
-  assert 'Resum' in done.stderr or 'resum' in done.stderr, done.stderr[-2000:]
+  shutil.copytree(job, resumed)
+  shutil.rmtree(os.path.join(resumed, 'checkpoints', '4'))
+  done = run_pax('train', '--exp', EXP, *_sets(TINY + ['NUM_TRAIN_STEPS=4']), '--job-log-dir', resumed, env=ONE_DEVICE)
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert 'Resumed from step 2' in done.stdout, done.stdout[-2000:]
   again = _arrays(resumed)
   assert sorted(again) == sorted(whole)
   for name in whole:
@@ -201,20 +205,19 @@ def test_eval_decode_and_score_run_in_plain_or_fp8_precision_by_choice(fp8_job, 
 # ---- the default model, 200 steps ----------------------------------------------------------------
 
 # The fp8 run's final loss (the mean of its last two summaries) is within this fraction of bf16's.
-FP8_LOSS_MARGIN = 0.02
+FP8_LOSS_MARGIN = 0.01
 
 
 @pytest.mark.slow
-def test_fp8_trains_the_default_model_200_steps_within_two_percent_of_bf16(tmp_path):
+def test_fp8_trains_the_default_model_200_steps_within_one_percent_of_bf16(tmp_path):
   """The built-in default experiment's model (4 layers, d256, vocab 2048) at its 200 steps, bf16 and
   bf16 + FP8=delayed, on one CPU device; PERCORE_BATCH_SIZE 4 (the default 16 takes 15 minutes a run here)."""
   losses = {}
-  env = {'XLA_FLAGS': ''}
   for mode in ('none', 'delayed'):
     job = str(tmp_path / mode)
     done = run_pax('train', *_sets(['FPROP_DTYPE=bfloat16', f'FP8={mode}', 'PERCORE_BATCH_SIZE=4',
                                     'SAVE_INTERVAL_STEPS=1000', 'DECODE_INTERVAL_STEPS=0', 'EVAL_INTERVAL_STEPS=0']),
-                   '--job-log-dir', job, env=env, timeout=1800)
+                   '--job-log-dir', job, env=ONE_DEVICE, timeout=1800)
     assert done.returncode == 0, done.stderr[-3000:]
     records = [json.loads(line) for line in open(os.path.join(job, 'train_metrics.jsonl'))]
     assert records[-1]['step'] == 200
