@@ -191,6 +191,8 @@ def test_eval_decode_and_score_run_in_plain_or_fp8_precision_by_choice(fp8_job, 
     assert code == 0, err
     scores[' '.join(choice)] = json.loads(out.splitlines()[0])['token_logprobs']
     assert ('emulated' in err) == ('FP8=delayed' in choice), err
+    if choice[1] == 'FP8=none' and len(choice) == 2:
+      continue   # decode and eval: bf16 and fp8 suffice
     code, out, err = pax_main(['decode', *base, *choice, '--prompt-ids', '5,6,7', '--max-decode-steps', '3',
                                '-o', str(tmp_path / 'd.jsonl'), '--force'], capsys)
     assert code == 0, err
@@ -198,8 +200,8 @@ def test_eval_decode_and_score_run_in_plain_or_fp8_precision_by_choice(fp8_job, 
     assert code == 0 and json.loads(out)['step'] == 4, err
   plain, fp8_scores = np.array(scores['--set FP8=none']), np.array(scores['--set FP8=delayed'])
   assert not np.array_equal(plain, fp8_scores)   # fp8's products, not float32's ...
-  np.testing.assert_allclose(fp8_scores, plain, atol=0.05)   # ... of the same weights
-  np.testing.assert_allclose(scores['--set FP8=none --dtype bfloat16'], plain, atol=0.05)
+  np.testing.assert_allclose(fp8_scores, plain, rtol=0.1)   # ... of the same weights
+  np.testing.assert_allclose(scores['--set FP8=none --dtype bfloat16'], plain, rtol=0.05)
 
 
 # ---- the default model, 200 steps ----------------------------------------------------------------
