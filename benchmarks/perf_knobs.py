@@ -4,7 +4,7 @@
 
   accum  GRAD_ACCUM_STEPS 1, 2, 4, 8 at a fixed global batch: step time, tokens/s (of the global batch),
          and XLA's per-device memory plan (what `pax bench mfu --compile-only` prints).
-  loss   the LM loss alone, chunked (LOSS_CHUNK_TOKENS, the default 4096) against whole logits, at vocab 32k
+  loss   the LM loss alone, chunked (LOSS_CHUNK_TOKENS at its default) against whole logits, at vocab 32k
          and 256k for bench.Llama1B's 8 x 2,048 tokens per device: XLA's temporary memory for the loss's
          value and gradients (compile only), and the step time of both at a size this CPU runs
          (2 x 512 tokens); then the whole bench.Llama1B step and a 256k-vocabulary one, compile only,

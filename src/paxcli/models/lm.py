@@ -276,7 +276,7 @@ class LanguageModel(DecodingModel):
   lora_base_dtype: str = 'float32'
   # LOSS_CHUNK_TOKENS: the loss makes the logits at most this many tokens (per device) at a time
   # (paxcli.models.losses.head_lm_loss); 0: whole.
-  loss_chunk_tokens: int = 4096
+  loss_chunk_tokens: int = 2048
 
   def setup(self):
     self.create_child('lm', self.lm_tpl)
