@@ -79,7 +79,7 @@ def _loss_temp(vocab: int, rows: int, length: int, chunk_tokens: int, dims: int 
   return jax.jit(fn).lower(x, head, labels, weights).compile().memory_analysis().temp_size_in_bytes
 
 
-def _loss_seconds(vocab: int, rows: int, length: int, chunk_tokens: int, steps: int, dims: int = 2048) -> float:
+def _loss_seconds(vocab: int, rows: int, length: int, chunk_tokens: int, steps: int, dims: int = 512) -> float:
   import statistics
   import time
 
@@ -106,10 +106,10 @@ def _loss_seconds(vocab: int, rows: int, length: int, chunk_tokens: int, steps: 
 def loss_memory(steps: int, models: bool) -> tuple[list[Table], list[dict]]:
   from paxcli.models.knobs import LM_KNOBS
   default = next(k.default for k in LM_KNOBS if k.name == 'LOSS_CHUNK_TOKENS')
-  table = Table(title=f'The loss alone, whole logits vs chunked (LOSS_CHUNK_TOKENS={default}), d2048',
+  table = Table(title=f'The loss alone, whole logits vs chunked (LOSS_CHUNK_TOKENS={default})',
                 caption_justify='left',
-                caption='temp: XLA\'s temporaries for value + gradients at 8 x 2,048 tokens (compile only); '
-                        'ms: value + gradients at 2 x 512 tokens, median of the steps')
+                caption='temp: XLA\'s temporaries for value + gradients at 8 x 2,048 tokens, d2048 (compile only); '
+                        'ms: value + gradients at 2 x 512 tokens, d512, chunks of 256 tokens (32k), median')
   for col in ('vocab', 'temp whole', 'temp chunked', 'ratio', 'ms whole', 'ms chunked', 'time ratio'):
     table.add_column(col, justify='right')
   rows = []

@@ -123,25 +123,24 @@ def modes_of(flat: dict) -> tuple[str, ...]:
   return tuple(sorted({v for k, v in flat.items() if k.endswith('.fp8') and v not in (None, 'none')}))
 
 
+def _emulating(mode: str, device=None):
+  """The device (the first one by default) when FP8=`mode` would run emulated on it, else None."""
+  device = device or jax.devices()[0]
+  return None if mode == 'none' or has_fp8_units(device) else device
+
+
 def emulation_note(mode: str, device=None) -> Optional[str]:
   """One line when FP8=`mode` runs emulated on `device` (the first device); None when it need not be said."""
-  if mode == 'none':
-    return None
-  device = device or jax.devices()[0]
-  if has_fp8_units(device):
-    return None
-  return (f'FP8={mode} on {device.device_kind} ({device.platform}), which has no fp8 matmul units: '
-          'the products are emulated (the numerics of fp8, not its speed).')
+  device = _emulating(mode, device)
+  return device and (f'FP8={mode} on {device.device_kind} ({device.platform}), which has no fp8 matmul units: '
+                     'the products are emulated (the numerics of fp8, not its speed).')
 
 
 def refusal(mode: str, device=None) -> Optional[str]:
   """The one line refusing to time FP8=`mode` where it would run emulated (a speed figure of emulated fp8
   measures XLA's emulation, not fp8); None where the device has fp8 units."""
-  if mode == 'none':
-    return None
-  device = device or jax.devices()[0]
-  if has_fp8_units(device):
-    return None
-  return (f'FP8={mode}: {device.device_kind} ({device.platform}) has no fp8 matmul units, so its fp8 products '
-          'would be emulated and their timing says nothing about fp8. Time fp8 on an NVIDIA Ada/Hopper/Blackwell '
-          'GPU or an AMD MI300; here use --compile-only for its memory plan, or FP8=none.')
+  device = _emulating(mode, device)
+  return device and (f'FP8={mode}: {device.device_kind} ({device.platform}) has no fp8 matmul units, so its fp8 '
+                     'products would be emulated and their timing says nothing about fp8. Time fp8 on an NVIDIA '
+                     'Ada/Hopper/Blackwell GPU or an AMD MI300; here use --compile-only for its memory plan, or '
+                     'FP8=none.')
