@@ -151,6 +151,7 @@ def test_checkpoints_hold_the_scaling_state_and_a_resumed_run_continues_bit_exac
     np.testing.assert_array_equal(again[name], whole[name], err_msg=name)
 
 
+@pytest.mark.slow   # a certified conversion and transformers' import: over a minute here
 def test_hf_export_writes_the_plain_weights_and_transformers_reads_them(fp8_job, tmp_path, capsys):
   import torch
   import transformers
@@ -179,6 +180,7 @@ def test_hf_export_writes_the_plain_weights_and_transformers_reads_them(fp8_job,
   assert 1e-3 < np.abs(fp8_logits - theirs).max() < 0.5 * np.abs(theirs).max()
 
 
+@pytest.mark.slow   # seven commands, each compiling
 def test_eval_decode_and_score_run_in_plain_or_fp8_precision_by_choice(fp8_job, tmp_path, capsys):
   job, _ = fp8_job
   base = ['--exp', EXP, *_sets(TINY), '--job-log-dir', job]
