@@ -4,11 +4,11 @@
 
   accum  GRAD_ACCUM_STEPS 1, 2, 4, 8 at a fixed global batch: step time, tokens/s (of the global batch),
          and XLA's per-device memory plan (what `pax bench mfu --compile-only` prints).
-  loss   the LM loss alone, chunked (LOSS_CHUNK_TOKENS at its default) against whole logits, at vocab 32k
+  loss   the LM loss alone, chunked (LOSS_CHUNK_TOKENS=2048) against whole logits, at vocab 32k
          and 256k for bench.Llama1B's 8 x 2,048 tokens per device: XLA's temporary memory for the loss's
          value and gradients (compile only), and the step time of both at a size this CPU runs
          (2 x 512 tokens); then the whole bench.Llama1B step and a 256k-vocabulary one, compile only,
-         with LOSS_CHUNK_TOKENS=0 (before) and the default (after).
+         with LOSS_CHUNK_TOKENS=0 (before, the default) and 2048 (after).
   fp8    FP8 none / current / delayed: step time and memory plan. On a device without fp8 units the fp8
          rows are emulated (XLA converts to fp8 and back around float32 products): the column says so,
          and the ratio is the emulation's cost, not fp8's speed; on an H100 it is the real figure.
@@ -28,6 +28,7 @@ from rich.table import Table
 
 LLAMA1B_TOKENS = (8, 2048)   # bench.Llama1B's rows x length per device
 VOCABS = (32768, 262144)
+CHUNK_TOKENS = 2048   # LOSS_CHUNK_TOKENS measured (the knob is off, 0, by default)
 
 
 def _gib(n) -> str:
@@ -104,8 +105,7 @@ def _loss_seconds(vocab: int, rows: int, length: int, chunk_tokens: int, steps: 
 
 
 def loss_memory(steps: int, models: bool) -> tuple[list[Table], list[dict]]:
-  from paxcli.models.knobs import LM_KNOBS
-  default = next(k.default for k in LM_KNOBS if k.name == 'LOSS_CHUNK_TOKENS')
+  default = CHUNK_TOKENS
   table = Table(title=f'The loss alone, whole logits vs chunked (LOSS_CHUNK_TOKENS={default})',
                 caption_justify='left',
                 caption='temp: XLA\'s temporaries for value + gradients at 8 x 2,048 tokens, d2048 (compile only); '
@@ -124,7 +124,7 @@ def loss_memory(steps: int, models: bool) -> tuple[list[Table], list[dict]]:
   tables = [table]
   if models:
     model_table = Table(title='The whole train step, --compile-only on this host (1 device)', caption_justify='left',
-                        caption='before: LOSS_CHUNK_TOKENS=0 (the logits whole); after: the default')
+                        caption='before: LOSS_CHUNK_TOKENS=0 (the logits whole, the default); after: 2048')
     for col in ('experiment', 'temp before', 'temp after', 'total before', 'total after'):
       model_table.add_column(col, justify='right')
     for name, extra in (('bench.Llama1B', []), ('bench.Llama1B, vocab 256k', ['VOCAB_SIZE=262144'])):

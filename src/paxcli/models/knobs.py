@@ -218,9 +218,9 @@ LM_KNOBS: tuple[Knob, ...] = (
     Knob('FP8', Fp8Name, 'none', (ATTENTION + 'fp8', FFN + 'fp8'), "'none', 'delayed' or 'current' scaling"),
     Knob('FP8_AMAX_HISTORY', int, 1024, (ATTENTION + 'fp8_amax_history', FFN + 'fp8_amax_history'),
          "FP8='delayed': the steps whose largest |value| sets each tensor's scale"),
-    Knob('LOSS_CHUNK_TOKENS', int, 2048, 'loss_chunk_tokens',
+    Knob('LOSS_CHUNK_TOKENS', int, 0, 'loss_chunk_tokens',
          'the loss makes the logits of at most this many tokens per device at a time (proportionally fewer above '
-         'a 32k vocabulary); 0: all at once'),
+         'a 32k vocabulary; 2048 a good start); 0 (default): all at once'),
     Knob('LORA_BASE_DTYPE', DTypeName, 'float32', 'lora_base_dtype',
          'dtype the frozen base weights are kept in with LORA_RANK > 0 (bfloat16 halves their memory)'),
     # Layer kinds (paxcli.models.pattern): the stack repeats a group of kinds, each kind the block with

@@ -275,8 +275,9 @@ class LanguageModel(DecodingModel):
   # LORA_BASE_DTYPE: the frozen base weights' dtype under LoRA (models.BaseModel.frozen_dtype).
   lora_base_dtype: str = 'float32'
   # LOSS_CHUNK_TOKENS: the loss makes the logits at most this many tokens (per device) at a time
-  # (paxcli.models.losses.head_lm_loss); 0: whole.
-  loss_chunk_tokens: int = 2048
+  # (paxcli.models.losses.head_lm_loss); 0: whole. Off by default: the backward pass remakes each
+  # chunk's logits, a third more of the output layer's FLOPs (docs/guides/performance-knobs.md).
+  loss_chunk_tokens: int = 0
 
   def setup(self):
     self.create_child('lm', self.lm_tpl)
