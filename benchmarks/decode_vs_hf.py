@@ -13,7 +13,9 @@ max_new_tokens)`; after a warm-up run of each (compiles excluded), the best of `
 runs is reported. Both get the same threads: the process is pinned to `--threads` CPUs, torch
 gets `torch.set_num_threads`, XLA sizes its pool from the pinned CPUs. "same tokens" is the
 share of rows whose 256 greedy tokens agree exactly (float32 rounding may flip a near-tie late in
-a row; the first difference is reported).
+a row; the first difference is reported). The last column divides the CPU seconds (all threads) each
+side spent: on a machine other work loads, it shows the work done apart from waiting for a core
+(torch's and XLA's idle threads spin a little, so it is not exact either).
 
 Machines are shared and noisy: only the ratio within one run means anything.
 """
@@ -61,9 +63,9 @@ def time_paxcli(decoder, prompts, new_tokens: int, repeats: int):
   decoder.run(prompts, opts)  # compiles
   best = None
   for _ in range(repeats):
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     records, _ = decoder.run(prompts, opts)
-    elapsed = time.perf_counter() - start
+    elapsed = (time.perf_counter() - start, time.process_time() - cpu)
     best = elapsed if best is None else min(best, elapsed)
   return best, [r['decoded_ids'] for r in records]
 
@@ -76,9 +78,9 @@ def time_hf(model, ids, new_tokens: int, repeats: int):
     model.generate(ids, **kwargs)   # warm-up
     best = None
     for _ in range(repeats):
-      start = time.perf_counter()
+      start, cpu = time.perf_counter(), time.process_time()
       out = model.generate(ids, **kwargs)
-      elapsed = time.perf_counter() - start
+      elapsed = (time.perf_counter() - start, time.process_time() - cpu)
       best = elapsed if best is None else min(best, elapsed)
   return best, out[:, ids.shape[1]:].tolist()
 
@@ -124,17 +126,18 @@ def main() -> None:
                       f'{args.heads}/{args.kv_heads}, vocab {args.vocab}), {args.prompt_len}-token prompts, '
                       f'{args.new_tokens} new tokens, {args.threads} threads each, float32; best of {args.repeats}')
   for col in ('batch', 'paxcli tokens/s', 'transformers tokens/s', 'paxcli / transformers', 'same tokens',
-              'first difference'):
+              'first difference', 'tokens per CPU-s: paxcli / transformers'):
     table.add_column(col, justify='right')
   rng = np.random.default_rng(0)
   for b in [int(x) for x in args.batch_sizes.split(',')]:
     ids = rng.integers(3, args.vocab, (b, args.prompt_len))
-    pax_s, pax_ids = time_paxcli(decoder, [Prompt(row.tolist()) for row in ids], args.new_tokens, args.repeats)
-    hf_s, hf_ids = time_hf(hf_model, torch.as_tensor(ids), args.new_tokens, args.repeats)
+    (pax_s, pax_cpu), pax_ids = time_paxcli(decoder, [Prompt(row.tolist()) for row in ids], args.new_tokens,
+                                            args.repeats)
+    (hf_s, hf_cpu), hf_ids = time_hf(hf_model, torch.as_tensor(ids), args.new_tokens, args.repeats)
     same, first = agreement(pax_ids, hf_ids)
     pax_tps, hf_tps = b * args.new_tokens / pax_s, b * args.new_tokens / hf_s
     table.add_row(str(b), f'{pax_tps:,.1f}', f'{hf_tps:,.1f}', f'{pax_tps / hf_tps:.2f}x', f'{same:.0%}',
-                  '-' if first < 0 else f'token {first}')
+                  '-' if first < 0 else f'token {first}', f'{hf_cpu / pax_cpu:.2f}x')
     Console().print(f'batch {b}: paxcli {pax_tps:,.1f} tokens/s, transformers {hf_tps:,.1f} tokens/s')
   Console().print(table)
   Console().print(f'{jax.devices()[0].device_kind}, {os.cpu_count()} CPUs on the machine, load average '
