@@ -43,7 +43,11 @@ def _paxcli_cache(tmp_path_factory):
 def run_pax(*args, env=None, cwd=None, timeout=600):
   """Runs `pax` in a fresh process (a new user's shell); returns CompletedProcess."""
   full_env = dict(os.environ)
-  full_env.update(env or {})
+  for key, value in (env or {}).items():  # None unsets a variable
+    if value is None:
+      full_env.pop(key, None)
+    else:
+      full_env[key] = value
   return subprocess.run([sys.executable, '-m', 'paxcli.cli.app', *args], capture_output=True, text=True,
                         env=full_env, cwd=cwd, timeout=timeout)
 
@@ -58,3 +62,22 @@ def pax_main(argv, capsys):
     code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
   out = capsys.readouterr()
   return code, out.out, out.err
+
+
+@pytest.fixture(scope='session')
+def hf_reference(tmp_path_factory):
+  """family name -> (transformers' tiny model of it, the directory save_pretrained wrote), built once per
+  session from tests/hf_models.py REFERENCES."""
+  import types
+
+  import hf_models
+  made = {}
+
+  def get(family: str):
+    if family not in made:
+      ref = hf_models.REFERENCES[family]
+      model = hf_models.build(ref.config)
+      made[family] = types.SimpleNamespace(ref=ref, model=model,
+                                           hf=hf_models.save(model, str(tmp_path_factory.mktemp(f'hf-{family}'))))
+    return made[family]
+  return get

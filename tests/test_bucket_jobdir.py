@@ -79,6 +79,7 @@ def test_train_writes_its_whole_job_into_the_bucket(job):
   tags = {(e.step, v.tag) for e in events for v in e.summary.value}
   assert (10, 'loss') in tags
   assert not storage.exists(layout.lock(job.path))            # released at the end
+  assert json.loads(storage.read_text(layout.format_file(job.path)))['format_version'] >= 1
   assert os.listdir(job.cwd) == []                            # nothing local: no `gs:/...` directory
   assert f'checkpoints: {job.path}/checkpoints' in job.out
 

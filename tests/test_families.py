@@ -57,9 +57,11 @@ def test_the_hf_weight_map_covers_the_model_exactly(family, tied):
 
 def test_an_unknown_model_type_names_the_families_paxcli_has():
   with pytest.raises(UserError) as e:
-    registry.for_hf_config({'model_type': 'qwen3', 'architectures': ['Qwen3ForCausalLM']}, '/m')
-  assert str(e.value) == ("/m: model_type 'qwen3' (Qwen3ForCausalLM) is not one paxcli reads; its model families "
-                          "are llama (model_type 'llama': LlamaForCausalLM).")
+    registry.for_hf_config({'model_type': 'qwen3_moe', 'architectures': ['Qwen3MoeForCausalLM']}, '/m')
+  assert str(e.value) == ("/m: model_type 'qwen3_moe' (Qwen3MoeForCausalLM) is not one paxcli reads; its model "
+                          "families are llama (model_type 'llama': LlamaForCausalLM), qwen2 (model_type 'qwen2': "
+                          "Qwen2ForCausalLM), qwen3 (model_type 'qwen3': Qwen3ForCausalLM).")
+  assert registry.for_hf_config({'model_type': 'qwen2'}, '/m') is registry.by_name('qwen2')
   assert registry.for_hf_config({'architectures': ['LlamaForCausalLM']}, '/m') is LLAMA   # no model_type
   with pytest.raises(UserError, match="No model family 'lama'.*Did you mean 'llama'"):
     registry.by_name('lama')

@@ -487,8 +487,10 @@ def convert_checkpoint(source: str, output: str, *, fmt: Optional[str] = None, t
                        verify: bool = True, kl_tolerance: Optional[float] = None, max_shard_size: str = '5GB',
                        recipe: Optional[str] = None, merge_lora: bool = False, console=None) -> dict:
   """`pax checkpoint convert`: writes `source` (never modified) as `to` at `output`; returns what was
-  written. With verify, result['verify'] holds the KL between source and converted model on one
-  random batch and whether it is within kl_tolerance ('ok'); a failed check keeps the output."""
+  written. With verify the conversion certifies itself (paxcli.convert.certify): result['verify'] holds
+  what ran the source and the result (transformers or PEFT for Hugging Face files where installed, else
+  paxcli), max |Δ logit|, KL and top-1 agreement on fixed prompts; beyond kl_tolerance it is a UserError
+  and nothing is written."""
   from paxcli.convert import run as convert_run
   from paxcli.convert import safetensors_io
   positive_finite(kl_tolerance, '--kl-tolerance', 'a KL in nats')

@@ -440,29 +440,3 @@ def logits(module, params: dict, ids) -> np.ndarray:
   import jax.numpy as jnp
   params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
   return np.asarray(module.apply({'params': params}, jnp.asarray(ids)), np.float32)
-
-
-def compare(a: np.ndarray, b: np.ndarray) -> dict:
-  def log_softmax(x):
-    x = x - x.max(-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(-1, keepdims=True))
-  la, lb = log_softmax(a.astype(np.float64)), log_softmax(b.astype(np.float64))
-  kl = float(np.mean(np.sum(np.exp(la) * (la - lb), axis=-1)))
-  return {'max_abs_diff': float(np.max(np.abs(a - b))), 'kl': kl, 'max_abs_logit': float(np.max(np.abs(a)))}
-
-
-def random_ids(vocab: int, seq: int, seed: int = 0) -> np.ndarray:
-  return np.random.default_rng(seed).integers(0, vocab, (2, min(seq, 32)), dtype=np.int32)
-
-
-def verify(src_module, src_params: dict, tgt_module, tgt_params: dict, kl_tolerance: float,
-           vocab_size: int, seq_len: int) -> dict:
-  ids = random_ids(vocab_size, seq_len)
-  out = compare(logits(src_module, src_params, ids), logits(tgt_module, tgt_params, ids))
-  out['kl_tolerance'] = kl_tolerance
-  out['ok'] = bool(np.isfinite(out['kl']) and out['kl'] <= kl_tolerance)
-  return out
-
-
-def default_tolerance(dtype: Optional[str]) -> float:
-  return 1e-2 if dtype in ('bfloat16', 'float16') else 1e-5

@@ -10,33 +10,54 @@ PEFT's layout (peft.tuners.lora, saved by `save_pretrained`): `adapter_config.js
   base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight  [r, in]
   base_model.model.model.layers.{i}.self_attn.q_proj.lora_B.weight  [out, r]
 
-and the HF Llama module names of paxcli.models.llama (q/k/v/o_proj, mlp.gate/up/down_proj).
+where each module is the Hugging Face module of the adapted kernel in the model's family's weight map
+(paxcli.models.registry: Llama's and Qwen's are self_attn.q/k/v/o_proj and mlp.gate/up/down_proj).
 Ours are A [in..., r] and B [r, out...], so lora_A = A.reshape(-1, r).T, lora_B = B.reshape(r, -1).T.
+Both `--to peft` and `--merge-lora` certify what they write (paxcli.convert.certify).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Optional
 
 import jax
 import numpy as np
 
 from paxcli import files
-from paxcli.convert import core, safetensors_io
+from paxcli.convert import certify, core, hf, safetensors_io
 from paxcli.errors import UserError, shorten
 from paxcli.jobdir import checkpoint as ckpt
 from paxcli.jobdir import format as job_format
 from paxcli.jobdir import layout, restore
 from paxcli.layers import lora
 from paxcli.models import pattern
+from paxcli.models.lm import flat_view
 from paxcli.runtime import engine, train_state
 
-PEFT_MODULES = {'query': 'self_attn.q_proj', 'key': 'self_attn.k_proj', 'value': 'self_attn.v_proj',
-                'out': 'self_attn.o_proj', 'wi_0': 'mlp.gate_proj', 'wi_1': 'mlp.up_proj', 'wo': 'mlp.down_proj'}
-PEFT_PREFIX = 'base_model.model.model.layers.'
+PEFT_PREFIX = 'base_model.model.'   # PEFT's wrapper around the transformers model
 PEFT_CONFIG, PEFT_WEIGHTS = 'adapter_config.json', 'adapter_model.safetensors'
+_KERNEL = re.compile(r'params/layer_(\d+)/(?:attention|mlp)/(\w+)/kernel')
+
+
+def peft_modules(model) -> dict[tuple[int, str], str]:
+  """(layer, projection) -> the name PEFT gives that projection's adapter module: its kernel's Hugging Face
+  module in the family's weight map (base_model.model.model.layers.3.self_attn.q_proj for the query of a Llama's
+  layer 3). A model of no family with a Hugging Face layout is a UserError saying why."""
+  view = flat_view(model)
+  out = {}
+  for w in hf.family_of(view).hf_weights(view):
+    m = _KERNEL.fullmatch(w.paxcli)
+    if m and w.hf.endswith('.weight'):
+      out[int(m.group(1)), m.group(2)] = PEFT_PREFIX + w.hf[:-len('.weight')]
+  return out
+
+
+def _module_names(model) -> dict[str, str]:
+  """projection -> its module's own name (q_proj, ...), as PEFT's target_modules lists it."""
+  return {projection: name.rsplit('.', 1)[-1] for (_, projection), name in peft_modules(model).items()}
 
 
 def is_lora_run(src) -> bool:
@@ -45,11 +66,20 @@ def is_lora_run(src) -> bool:
 
 
 def _restored(src, exp: Optional[str], overrides: list):
-  """(resolved, model, params on the host: base and adapters) of a LoRA run's checkpoint."""
+  """(setup, params on the host: base and adapters) of a LoRA run's checkpoint."""
   resolved, _ = core.resolve_pair(src, exp, list(overrides))
   setup = engine.build(resolved)
   got = restore.restore(setup, src.job_dir, src.step, params_only=True, action='convert')
-  return resolved, setup.model, jax.tree.map(np.asarray, jax.device_get(got.state['params']))
+  return setup, jax.tree.map(np.asarray, jax.device_get(got.state['params']))
+
+
+def _lora_side(model, params) -> certify.Side:
+  return certify.paxcli_side('paxcli on the LoRA run (base + adapters)', model, params)
+
+
+def _fits(setup, log) -> bool:
+  leaves = jax.tree.leaves(setup.abstract_state['params'])
+  return certify.fits(sum(int(np.prod(x.shape, dtype=np.int64)) for x in leaves), log)
 
 
 def _scale(model) -> float:
@@ -60,16 +90,22 @@ def _scale(model) -> float:
 def merge_run(src, tmp: str, exp: Optional[str], overrides: list, verify: bool, log) -> Optional[dict]:
   """Writes into job directory `tmp` a params-only checkpoint of the run with every adapter merged
   (W + alpha/r A B, float32) and LORA_RANK=0: a plain model every command reads. Returns the
-  comparison of the LoRA and the merged model's logits on a random batch (None without verify)."""
-  _, model, params = _restored(src, exp, overrides)
+  certification of the merged model against the LoRA run's (None without verify); a UserError and nothing
+  written when they differ."""
+  lora_setup, params = _restored(src, exp, overrides)
+  model = lora_setup.model
   merged = lora.merge(params, _scale(model))
   _, plain = core.resolve_pair(src, exp, list(overrides) + ['LORA_RANK=0'])
   setup = engine.build(plain)
   abstract = {'step': setup.abstract_state['step'], 'params': setup.abstract_state['params']}
   state = jax.tree.map(lambda x, a: jax.device_put(np.asarray(x, a.dtype), a.sharding),
                        {'step': np.int32(src.step), 'params': merged}, abstract)
-  result = (core.verify(model, params, setup.model, merged, core.default_tolerance(None), model.vocab_size,
-                        model.max_seq_len) if verify else None)
+  result = None
+  if verify and _fits(lora_setup, log):
+    result = certify.certify(_lora_side(model, params),
+                             certify.paxcli_side('paxcli on the merged model', setup.model, merged),
+                             certify.prompts(model.vocab_size, model.max_seq_len), certify.default_tolerance(None))
+    certify.check(result)
   checkpointer = ckpt.Checkpointer(layout.checkpoints(tmp), max_to_keep=0, async_save=False)
   checkpointer.save(src.step, state, {'step': src.step, 'state_shapes': train_state.shape_signature(abstract),
                                       'config': {k: repr(v) for k, v in plain.flat().items()},
@@ -104,13 +140,17 @@ def _layer_adapters(params: dict):
           yield i, projection, weights[name], weights[projection + lora.SUFFIX_B]
 
 
-def export_peft(src, tmp: str, exp: Optional[str], overrides: list, log) -> dict:
-  """Writes the run's adapters into directory `tmp` as PEFT's adapter_config.json + adapter_model.safetensors."""
-  _, model, params = _restored(src, exp, overrides)
+def export_peft(src, tmp: str, exp: Optional[str], overrides: list, log, verify: bool = True,
+                tolerance: Optional[float] = None) -> dict:
+  """Writes the run's adapters into directory `tmp` as PEFT's adapter_config.json + adapter_model.safetensors,
+  then certifies them (_certify_peft; 'verify' in the result); a UserError when they differ from the run."""
+  setup, params = _restored(src, exp, overrides)
+  model = setup.model
   s = model.lora
+  names = peft_modules(model)
   tensors = {}
   for i, projection, a, b in _layer_adapters(params):
-    key = f'{PEFT_PREFIX}{i}.{PEFT_MODULES[projection]}'
+    key = names[i, projection]
     tensors[f'{key}.lora_A.weight'] = np.ascontiguousarray(a.reshape(-1, s['rank']).T)
     tensors[f'{key}.lora_B.weight'] = np.ascontiguousarray(b.reshape(s['rank'], -1).T)
   modules = sorted({k.split('.')[-3] for k in tensors})
@@ -131,7 +171,31 @@ def export_peft(src, tmp: str, exp: Optional[str], overrides: list, log) -> dict
   with open(os.path.join(tmp, PEFT_CONFIG), 'w', encoding='utf-8') as f:
     json.dump(config, f, indent=2)
   log(f'Wrote {len(tensors)} adapter arrays ({", ".join(modules)}; r={s["rank"]}, alpha={s["alpha"]:g}).')
-  return {'bytes_written': int(sum(x.nbytes for x in tensors.values())), 'arrays': len(tensors)}
+  out = {'bytes_written': int(sum(x.nbytes for x in tensors.values())), 'arrays': len(tensors)}
+  if verify and _fits(setup, log):
+    out['verify'] = _certify_peft(setup, params, tmp, certify.default_tolerance(None) if tolerance is None
+                                  else tolerance)
+    certify.check(out['verify'])
+  return out
+
+
+def _certify_peft(setup, params: dict, written: str, tolerance: float) -> dict:
+  """The LoRA run against the adapters in directory `written`: PEFT's LoRA on transformers' model of the base
+  where both are installed, else paxcli's own reading of the adapters (read_peft) on the base."""
+  model, view = setup.model, flat_view(setup.model)
+  ids = certify.prompts(view.vocab_size, view.max_seq_len)
+  if certify.have_peft():
+    result = certify.peft_side(hf.family_of(view), view, certify.base_weights(params, view.num_layers), written)
+  else:
+    adapters = read_peft(written, model, setup.abstract_state['params'])
+    result = certify.paxcli_side('paxcli on the base with the written adapters read back (PEFT or transformers is '
+                                 f'not installed; {certify.INSTALL_HINT})', model, _overlay(params, adapters))
+  return certify.certify(_lora_side(model, params), result, ids, tolerance)
+
+
+def _overlay(tree: dict, new: dict) -> dict:
+  """`tree` with the leaves of `new` (nested alike) in place of its own."""
+  return {k: (_overlay(v, new[k]) if isinstance(v, dict) else new[k]) if k in new else v for k, v in tree.items()}
 
 
 # adapter_config.json, as PEFT's LoraConfig writes it: what paxcli checks, and what it may ignore.
@@ -166,6 +230,7 @@ def read_peft(directory: str, model, abstract_params: dict) -> dict:
   trainable = train_state.split_trainable(model, abstract_params)[0]
   out, used = {}, set()
   period = pattern.period(getattr(getattr(model, 'lm_tpl', None), 'layer_pattern', ()))
+  names = peft_modules(model)
   for path_keys, leaf in _flat_paths(trainable):
     *scope, name = path_keys
     projection, part = (name[:-len(lora.SUFFIX_A)], 'A') if name.endswith(lora.SUFFIX_A) else \
@@ -177,7 +242,7 @@ def read_peft(directory: str, model, abstract_params: dict) -> dict:
             else (int(np.prod(per_layer[1:])), per_layer[0]))
     blocks = []
     for i in layers:
-      key = f'{PEFT_PREFIX}{i}.{PEFT_MODULES[projection]}.lora_{part}.weight'
+      key = f'{names[i, projection]}.lora_{part}.weight'
       if key not in have:
         raise UserError(f'{directory}: {PEFT_WEIGHTS} has no {key} (LORA_TARGETS={list(s["targets"])} needs it).')
       if have[key] != want:   # the same number of values in another shape is another adapter: never reshaped
@@ -204,12 +269,13 @@ def check_peft(directory: str, model) -> None:
   config = files.read_json(config_path, f'LORA_INIT: {PEFT_CONFIG}', MAX_PEFT_CONFIG_BYTES)
   if not isinstance(config, dict):
     raise UserError(f'{config_path}: a JSON {type(config).__name__}, not an object of LoraConfig fields.')
-  check_peft_config(config, config_path, model.lora)
+  check_peft_config(config, config_path, model.lora, _module_names(model))
 
 
-def check_peft_config(config: dict, path: str, settings: dict) -> None:
+def check_peft_config(config: dict, path: str, settings: dict, modules: dict) -> None:
   """UserError naming the first field of adapter_config.json that makes PEFT compute another function
-  than this run's LoRA (rank, alpha, targets, and everything PEFT_NEUTRAL lists); unknown fields too."""
+  than this run's LoRA (rank, alpha, targets, and everything PEFT_NEUTRAL lists); unknown fields too.
+  `modules`: projection -> the name of its module (q_proj, ...) in the model's family."""
   def shown(value) -> str:
     return shorten(json.dumps(value), 80)
 
@@ -225,15 +291,15 @@ def check_peft_config(config: dict, path: str, settings: dict) -> None:
   if unknown:
     raise UserError(f'{path}: {shorten(", ".join(unknown), 120)}: unknown to paxcli, so it may change what the '
                     'adapter computes. Not read; remove from the file what you know does not.')
-  _check_targets(config.get('target_modules'), path, settings['targets'])
+  _check_targets(config.get('target_modules'), path, settings['targets'], modules)
 
 
-def _check_targets(targets, path: str, lora_targets) -> None:
+def _check_targets(targets, path: str, lora_targets, modules: dict) -> None:
   """PEFT's target_modules (a list of module names, or 'all-linear') must be the projections
   LORA_TARGETS adapts: an adapter on another module would be dropped, changing the function."""
-  ours = {PEFT_MODULES[p].rsplit('.', 1)[-1] for p in PEFT_MODULES if lora.targets_projection(lora_targets, p)}
+  ours = {name for p, name in modules.items() if lora.targets_projection(lora_targets, p)}
   if targets == 'all-linear':
-    theirs = {name.rsplit('.', 1)[-1] for name in PEFT_MODULES.values()}
+    theirs = set(modules.values())
   elif isinstance(targets, list) and all(isinstance(t, str) for t in targets):
     theirs = {t.rsplit('.', 1)[-1] for t in targets}
   else:

@@ -15,7 +15,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, Trans
 
 from paxcli import config as cfg
 from paxcli import files, gencode
-from paxcli.convert import core, formats, hf, hf_tokenizer, lora, orbax_io, safetensors_io
+from paxcli.convert import certify, core, formats, hf, hf_tokenizer, lora, orbax_io, safetensors_io
 from paxcli.errors import UserError
 from paxcli.inputs import tokenizers
 from paxcli.jobdir import format as job_format
@@ -74,21 +74,26 @@ def convert(source: str, output: str, *, fmt: Optional[str] = None, to: str = 'o
   if to == 'hf':
     overrides.append('USE_REPEATED_LAYER=False')   # HF layers are unrolled
   recipe_path = recipe_text = None
+  recipe_created = False
   if (src.kind == 'hf' and not src.config) or (src.kind == 'paxml' and not exp):
     # The imported model's experiment is the recipe written for it (as pax import-maxtext does),
     # unless --exp names one; the converted job then resumes with --exp <recipe>:<class>.
-    recipe_path, recipe_text = _write_recipe(src, recipe, output, force, log)
+    recipe_path, recipe_text, recipe_created = _write_recipe(src, recipe, output, force, log)
     if not exp:
       exp = f'{recipe_path}:{_recipe_class(src)}'
     else:
       recipe_text = None   # the job's experiment is --exp's
   try:
-    return _convert(src, out, source, output, fmt, to, exp, overrides, params_only, dtype, step, verify,
-                    kl_tolerance, max_shard_bytes, log, t0, recipe_path, recipe_text)
+    result = _convert(src, out, source, output, fmt, to, exp, overrides, params_only, dtype, step, verify,
+                      kl_tolerance, max_shard_bytes, log, t0, recipe_path, recipe_text)
   except BaseException:
-    if recipe_path and not recipe and os.path.isfile(recipe_path):
-      os.remove(recipe_path)   # a failed import leaves nothing behind
+    if recipe_created and os.path.isfile(recipe_path):
+      os.remove(recipe_path)   # a failed import (or certification) leaves nothing behind
     raise
+  if recipe_path:
+    log(f'Wrote the recipe {recipe_path}; the converted job resumes with: pax train --exp {exp} '
+        f'--job-log-dir {output}')
+  return result
 
 
 def _convert(src, out, source, output, fmt, to, exp, overrides, params_only, dtype, step, verify, kl_tolerance,
@@ -129,32 +134,32 @@ def _convert(src, out, source, output, fmt, to, exp, overrides, params_only, dty
 
   bar = Progress(TextColumn('{task.description}'), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                  console=Console(stderr=True), transient=True)
-  with bar, out as tmp:
-    task = bar.add_task(f'converting to {to}', total=total)
-    advance = lambda n: bar.advance(task, n)
-    if to == 'orbax':
-      _write_orbax(tmp, src, items, target, params_only, read, advance)
-    elif to == 'safetensors':
-      _write_safetensors(tmp, src, items, target_res, read, advance, max_shard_bytes)
-    else:
-      hf.export(tmp, src, {i.name: i for i in items}, target.spec, read, dtype or 'float32',
-                max_shard_bytes, advance)
-    _carry_files(src, tmp, to, recipe_text, own_experiment=exp is None)
+  verify = verify and certify.fits(sum(int(np.prod(x.shape, dtype=np.int64)) for n, x in target.abstract.items()
+                                       if n.startswith('params/')), log)
+  report = None
+  with out as tmp:
+    with bar:
+      task = bar.add_task(f'converting to {to}', total=total)
+      advance = lambda n: bar.advance(task, n)
+      if to == 'orbax':
+        _write_orbax(tmp, src, items, target, params_only, read, advance)
+      elif to == 'safetensors':
+        _write_safetensors(tmp, src, items, target_res, read, advance, max_shard_bytes)
+      else:
+        hf.export(tmp, src, {i.name: i for i in items}, target.spec, read, dtype or 'float32',
+                  max_shard_bytes, advance)
+      _carry_files(src, tmp, to, recipe_text, own_experiment=exp is None)
+    if verify:   # before the output takes its name: a failed check leaves nothing behind
+      report = _certify(src, source_model, target, tmp, to,
+                        kl_tolerance if kl_tolerance is not None else certify.default_tolerance(dtype))
+      certify.check(report)
   stats['seconds'] = time.perf_counter() - t0
   result = {'source': storage.abspath(source), 'output': out.path, 'format': to, 'step': src.step,
             'params_only': params_only, 'dtype': dtype, 'experiment': target_res.name, **stats}
   if recipe_path:
     result['recipe'] = recipe_path
-  param_bytes = sum(int(np.prod(x.shape, dtype=np.int64)) * 4 for n, x in target.abstract.items()
-                    if n.startswith('params/'))
-  memory = platform.host_memory_bytes() or 0
-  if verify and memory and 3 * param_bytes > memory:
-    log(f'Not verifying: running both models needs about {3 * param_bytes / 2**30:.0f} GiB of host memory '
-        f'({memory / 2**30:.0f} GiB here); the conversion itself streamed.')
-    verify = False
-  if verify:
-    result['verify'] = _verify(src, source_model, target, out.path, to,
-                               kl_tolerance if kl_tolerance is not None else core.default_tolerance(dtype))
+  if report:
+    result['verify'] = report
   return result
 
 
@@ -168,7 +173,7 @@ def _convert_lora(src, out, to, exp, overrides, merge_lora, dtype, force, verify
   if to == 'peft' or (to == 'orbax' and dtype is None):
     with out as tmp:
       if to == 'peft':
-        result.update(lora.export_peft(src, tmp, exp, overrides, log))
+        result.update(lora.export_peft(src, tmp, exp, overrides, log, verify, kl_tolerance))
       else:
         result['verify'] = lora.merge_run(src, tmp, exp, overrides, verify, log)
         result['bytes_written'] = _bytes_under(tmp)
@@ -176,7 +181,7 @@ def _convert_lora(src, out, to, exp, overrides, merge_lora, dtype, force, verify
     return result
   merged = tempfile.mkdtemp(prefix=os.path.basename(out.path) + '.merging-', dir=storage.local_dir_beside(out.path))
   try:
-    lora.merge_run(src, merged, exp, overrides, False, log)
+    lora.merge_run(src, merged, exp, overrides, verify, log)
     return convert(merged, out.path, to=to, dtype=dtype, force=force, verify=verify, kl_tolerance=kl_tolerance,
                    max_shard_bytes=max_shard_bytes, log=log)
   finally:
@@ -276,8 +281,8 @@ def _recipe_class(src) -> str:
   return 'Hf' + ''.join(c for c in getattr(src, 'hf', src).family.title if c.isalnum())   # HfLlama
 
 
-def _write_recipe(src, recipe: Optional[str], output: str, force: bool, log) -> tuple[str, str]:
-  """Writes the recipe of an imported model (atomically); returns (path, text).
+def _write_recipe(src, recipe: Optional[str], output: str, force: bool, log) -> tuple[str, str, bool]:
+  """Writes the recipe of an imported model (atomically); returns (path, text, whether it is a new file).
 
   The text holds outside text (paths, config values) only as literals (gencode) and is checked
   for the generators' shape before it is written; the conversion reads it as data, never runs it.
@@ -307,6 +312,7 @@ def _write_recipe(src, recipe: Optional[str], output: str, force: bool, log) -> 
       raise UserError(f'The recipe {path} exists; pass --force to replace it or --recipe PATH.')
     log(f'Replacing the recipe {path} left by an earlier run of this import (the same text).')
   core.recipe_class(path, class_name, text)
+  created = not os.path.lexists(path)
   tmp = f'{path}.tmp-{os.getpid()}'
   try:
     with open(tmp, 'w', encoding='utf-8') as f:
@@ -316,9 +322,7 @@ def _write_recipe(src, recipe: Optional[str], output: str, force: bool, log) -> 
     if os.path.exists(tmp):
       os.remove(tmp)
     raise UserError(f'Cannot write the recipe {path}: {e.strerror}.') from None
-  log(f'Wrote the recipe {path}; the converted job resumes with: pax train --exp {path}:{class_name} '
-      f'--job-log-dir {output}')
-  return path, text
+  return path, text, created
 
 
 def files_text(path: str) -> str:
@@ -326,13 +330,25 @@ def files_text(path: str) -> str:
     return f.read(1 << 20)
 
 
-def _verify(src, source_model, target, out_path: str, to: str, tolerance: float) -> dict:
-  """Source and converted model on one random batch: max |Δ logits| and KL."""
-  src_params = core.load_params(src, [a.name for a in src.arrays()])
-  fmt = {'orbax': 'orbax', 'safetensors': 'safetensors', 'hf': 'hf'}[to]
-  got = formats.open_source(out_path, fmt)
-  if not got.paxcli_names:
-    got = got.paxcli_view(target.spec)
-  tgt_params = core.load_params(got, [a.name for a in got.arrays()])
-  return core.verify(source_model.module, src_params, target.module, tgt_params, tolerance,
-                     source_model.spec.vocab_size, min(source_model.spec.max_seq_len, target.spec.max_seq_len))
+def _certify(src, source_model, target, written: str, to: str, tolerance: float) -> dict:
+  """The source and the written result (directory `written`) on the fixed prompts (paxcli.convert.certify):
+  a Hugging Face side runs in transformers where it is installed, every other side in paxcli."""
+  hf_source = src.hf if isinstance(src, hf.PaxView) else None   # --from hf: the directory, under paxcli's names
+  missing = f'transformers is not installed; {certify.INSTALL_HINT}'
+  ids = certify.prompts(source_model.spec.vocab_size, min(source_model.spec.max_seq_len, target.spec.max_seq_len))
+  if hf_source is not None and certify.have_transformers():
+    reference = certify.transformers_side(hf_source.path, hf_source.family.hf_architectures[0], 'the source')
+  else:
+    what = 'paxcli on the source' + (f' ({hf_source.family.title} weights read by paxcli: {missing})'
+                                     if hf_source is not None else '')
+    reference = certify.paxcli_side(what, source_model.module, core.load_params(src, [a.name for a in src.arrays()]))
+  if to == 'hf' and certify.have_transformers():
+    result = certify.transformers_side(written, hf.family_of(target.spec).hf_architectures[0], 'the written result')
+  else:
+    got = formats.open_source(written, to)
+    if not got.paxcli_names:
+      got = got.paxcli_view(target.spec)
+    what = 'paxcli on the written result' + (f' (its Hugging Face files read by paxcli: {missing})' if to == 'hf'
+                                             else '')
+    result = certify.paxcli_side(what, target.module, core.load_params(got, [a.name for a in got.arrays()]))
+  return certify.certify(reference, result, ids, tolerance)

@@ -331,7 +331,7 @@ def _json_object(line: str, where: str, text_field: str) -> dict:
   try:
     record = parse_json(line, where)
   except UserError as e:
-    raise UserError(str(e).replace(f'{where}: not valid JSON (line 1, ', f'{where}: not JSON (')) from None
+    raise UserError(str(e).replace(f'{where}: not valid JSON (', f'{where}: not JSON (', 1)) from None
   if not isinstance(record, dict):
     raise UserError(f'{where}: a JSON object ({{"{text_field}": ...}}) per line is needed; this line holds '
                     f'a {type(record).__name__}.')

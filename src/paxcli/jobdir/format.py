@@ -19,6 +19,7 @@ from paxcli import __version__
 from paxcli import files
 from paxcli.errors import UserError
 from paxcli.jobdir import layout
+from paxcli.jobdir import storage
 
 FORMAT_VERSION = 1
 KEY = 'format_version'
@@ -50,12 +51,25 @@ def check(record: dict, what: str) -> None:
 def check_job(job_dir: str) -> None:
   """Refuses a job directory a newer paxcli wrote into (a missing format.json is format 0)."""
   path = layout.format_file(job_dir)
-  if os.path.lexists(path):
-    record = files.read_json(path, 'The job directory\'s format file', 64 * 1024)
-    check(record if isinstance(record, dict) else {KEY: None}, path)
+  what = 'The job directory\'s format file'
+  if storage.is_local(path):
+    if not os.path.lexists(path):
+      return
+    record = files.read_json(path, what, 64 * 1024)
+  elif storage.exists(path):   # a bucket job: the same bounded parse of the object's bytes
+    data = storage.read_bytes(path, 64 * 1024)
+    if len(data) > 64 * 1024:
+      raise UserError(f'{what} {path} is over 64 KiB: it was not written by paxcli.')
+    record = files.parse_json(data, f'{what} {path}')
+  else:
+    return
+  check(record if isinstance(record, dict) else {KEY: None}, path)
 
 
 def write_job(job_dir: str) -> None:
   """Marks a job directory with this paxcli's format (never lowering a newer one: check_job refused that)."""
-  files.atomic_write(layout.format_file(job_dir),
-                     json.dumps({KEY: FORMAT_VERSION, 'paxcli_version': __version__}).encode() + b'\n')
+  data = json.dumps({KEY: FORMAT_VERSION, 'paxcli_version': __version__}).encode() + b'\n'
+  if storage.is_local(job_dir):
+    files.atomic_write(layout.format_file(job_dir), data)
+  else:
+    storage.write_bytes(layout.format_file(job_dir), data)

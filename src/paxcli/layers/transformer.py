@@ -138,6 +138,10 @@ class Attention(nn.Module):
   Queries: 1/sqrt(E), times Pax's learned PerDimScale with `per_dim_scale` (softplus(w) /
   softplus(0) per dimension, w starting at 0). `atten_logit_cap` > 0 soft-caps the logits
   with tanh before the mask, as Pax's atten_logit_cap does (the einsum kernel then).
+  `qkv_bias`: the query, key and value projections have a bias even where `use_bias` is off
+  (Qwen 2's layer: the output projection has none). `qk_norm`: each head's query and key go
+  through an RMSNorm over E (`query_norm`, `key_norm`, epsilon `norm_epsilon`) before rotary
+  (Qwen 3's layer).
   """
   num_heads: int
   num_kv_heads: int
@@ -155,6 +159,9 @@ class Attention(nn.Module):
   per_dim_scale: bool = False
   atten_logit_cap: float = 0.0
   attention_impl: str = 'auto'
+  qkv_bias: bool = False
+  qk_norm: bool = False
+  norm_epsilon: float = 1e-6
   # LoRA (paxcli.layers.lora): rank 0 is off; targets among query, key, value, output.
   lora_rank: int = 0
   lora_alpha: float = 16.0
@@ -171,7 +178,7 @@ class Attention(nn.Module):
 
   def _proj(self, x, heads, head_axis, name):
     y = nn.DenseGeneral(
-        features=(heads, self.dims_per_head), axis=-1, use_bias=self.use_bias, dtype=self.dtype,
+        features=(heads, self.dims_per_head), axis=-1, use_bias=self.use_bias or self.qkv_bias, dtype=self.dtype,
         kernel_init=_init(('embed', head_axis, 'head_dim')),
         bias_init=nn.with_logical_partitioning(nn.initializers.zeros, (head_axis, 'head_dim')),
         name=name)(x)
@@ -191,6 +198,9 @@ class Attention(nn.Module):
     q_BxLxHxE = self._proj(x_BxLxD, self.num_heads, 'heads', 'query')
     k_BxSxKxE = self._proj(x_BxLxD, self.num_kv_heads, 'kv_heads', 'key')
     v_BxSxKxE = self._proj(x_BxLxD, self.num_kv_heads, 'kv_heads', 'value')
+    if self.qk_norm:
+      q_BxLxHxE = Norm('rmsnorm', False, self.dtype, self.norm_epsilon, name='query_norm')(q_BxLxHxE)
+      k_BxSxKxE = Norm('rmsnorm', False, self.dtype, self.norm_epsilon, name='key_norm')(k_BxSxKxE)
     if self.rotary:
       scaling = () if self.rotary_scaling == 'none' else (
           self.rotary_scaling, self.rotary_scaling_factor, self.rotary_low_freq_factor,

@@ -162,3 +162,5 @@ def out_proj(d: int):
 
 
 SAME = (lambda x: x, lambda w, shape: w.reshape(shape))
+# A bias [H, E] of paxcli's <-> nn.Linear's bias [H * E].
+FLAT = (lambda x: x.reshape(-1), lambda w, shape: w.reshape(shape))

@@ -46,11 +46,22 @@ NEUTRAL_VALUES = {'attention_bias': False, 'mlp_bias': False, 'attention_dropout
                   'tie_encoder_decoder': False, 'cross_attention_hidden_size': None, 'hidden_act': 'silu'}
 # Keys read into knobs: _HF_KNOBS, tie_word_embeddings, and the rotary ones.
 READ_KEYS = frozenset(_HF_KNOBS) | {'tie_word_embeddings', 'rope_scaling', 'rope_parameters'}
+# Neutral keys an export writes out (at their neutral value), where the family's config has them.
+_WRITTEN_NEUTRAL = ('attention_bias', 'mlp_bias', 'attention_dropout', 'use_sliding_window')
+# Why a model is not of a family, per attention feature: [False] it has the feature, [True] it lacks it.
+_FEATURES = {
+    'qkv_bias': {False: 'the query, key and value projections have biases ({title} has none: USE_QKV_BIAS=False)',
+                 True: '{title} has biases on the query, key and value projections only (USE_QKV_BIAS=True)'},
+    'qk_norm': {False: 'queries and keys are RMS-normalised per head ({title} has no QK-norm: USE_QK_NORM=False)',
+                True: '{title} RMS-normalises each head\'s query and key (USE_QK_NORM=True)'},
+}
 # What every MaxText decoder block of the family sets the same way.
 _MAXTEXT_LAYER = {'NORM_TYPE': 'rmsnorm', 'USE_BIAS': False, 'POSITION_EMBEDDING': 'rotary'}
 
 
 class Llama(Family):
+  """Llama, and the base of families that are Llama with a layer feature more (paxcli.models.qwen2, qwen3):
+  they set the class data below and add their weights to hf_weights."""
   name = 'llama'
   title = 'Llama'
   description = 'Llama: RMSNorm, rotary positions, gated SiLU MLP, no biases (HF LlamaForCausalLM)'
@@ -59,6 +70,12 @@ class Llama(Family):
            'POSITION_EMBEDDING': 'rotary'}
   hf_model_types = ('llama',)
   hf_architectures = ('LlamaForCausalLM',)
+  # config.json: keys read into knobs, keys harmless at one value, and what is taken where a key is missing.
+  hf_read_keys = READ_KEYS
+  hf_neutral = NEUTRAL_VALUES
+  hf_defaults = {'max_position_embeddings': 2048, 'rope_theta': 10000.0}
+  # Attention features (layers.transformer.Attention: qkv_bias, qk_norm) the family has (True) or lacks.
+  attention_features = {'qkv_bias': False, 'qk_norm': False}
   maxtext_blocks = {
       'llama2': MaxTextBlock(_MAXTEXT_LAYER),
       'mistral': MaxTextBlock(_MAXTEXT_LAYER),
@@ -82,50 +99,54 @@ class Llama(Family):
   }
 
   def misfit(self, model) -> list[str]:
-    """Why a paxcli model cannot be a Llama (empty when it can)."""
-    reasons = []
+    """Why a paxcli model cannot be one of the family (empty when it can)."""
+    reasons, title = [], self.title
     if model.norm_type != 'rmsnorm':
-      reasons.append(f'norm_type is {model.norm_type!r} (Llama uses RMSNorm: NORM_TYPE=\'rmsnorm\')')
+      reasons.append(f'norm_type is {model.norm_type!r} ({title} uses RMSNorm: NORM_TYPE=\'rmsnorm\')')
     if model.use_bias or model.attention_use_bias:
-      reasons.append('the layers have biases (Llama has none: USE_BIAS=False)')
+      reasons.append(f'the layers have biases ({title} has none: USE_BIAS=False)')
+    for name, has in self.attention_features.items():
+      if bool(getattr(model, name, False)) != has:
+        reasons.append(_FEATURES[name][has].format(title=title))
     if model.position_embedding != 'rotary':
-      reasons.append(f'positions are {model.position_embedding!r} (Llama uses rotary: POSITION_EMBEDDING=\'rotary\')')
+      reasons.append(f'positions are {model.position_embedding!r} ({title} uses rotary: POSITION_EMBEDDING=\'rotary\')')
     pax_options = [('softmax_cap_logits', 'output logits are soft-capped'),
                    ('atten_logit_cap', 'attention logits are soft-capped'),
                    ('per_dim_scale', 'queries have learned per-dimension scales'),
                    ('softmax_bias', 'the output logits have a bias'),
                    ('scale_embedding_sqrt_depth', 'token embeddings are scaled by sqrt(MODEL_DIMS)')]
-    reasons += [f'{why} (Llama has no {name})' for name, why in pax_options if getattr(model, name, None)]
+    reasons += [f'{why} ({title} has no {name})' for name, why in pax_options if getattr(model, name, None)]
     if getattr(model, 'tied_logits_bfloat16', False):
       reasons.append('tied logits read a bfloat16 copy of the embedding (TIED_LOGITS_BFLOAT16=False to accept '
-                     'Llama\'s float32 one)')
+                     f'{title}\'s float32 one)')
     if getattr(model, 'parallel_block', False):
-      reasons.append('attention and MLP run in parallel from one norm (PARALLEL_BLOCK; a Llama layer is sequential)')
+      reasons.append(f'attention and MLP run in parallel from one norm (PARALLEL_BLOCK; a {title} layer is sequential)')
     if not model.use_gated_activation or model.activation not in ('silu', 'swish'):
       reasons.append(f'the MLP is {"gated " if model.use_gated_activation else ""}{model.activation} '
-                     '(Llama uses gated SiLU: USE_GATED_ACTIVATION=True, ACTIVATION=\'silu\')')
+                     f'({title} uses gated SiLU: USE_GATED_ACTIVATION=True, ACTIVATION=\'silu\')')
     if any(fields for _, fields in getattr(model, 'layer_kinds', None) or ()):
       reasons.append(f'the layers are of several kinds (LAYER_PATTERN {tuple(model.layer_pattern)} with '
-                     'LAYER_KINDS; a Llama\'s layers are all alike)')
+                     f'LAYER_KINDS; a {title}\'s layers are all alike)')
     return reasons
 
   def from_hf_config(self, config: dict, path: str) -> tuple[dict, list[str]]:
     """paxcli knobs for a Llama config.json, and notes; a UserError naming every key paxcli cannot express."""
-    problems = hf_config.function_changing(config, READ_KEYS, NEUTRAL_VALUES, self.title)
+    problems = hf_config.function_changing(config, self.hf_read_keys, self.hf_neutral, self.title)
+    problems += self.hf_problems(config)
     rope = hf_config.rope_scaling(config, problems)
     if problems:
-      raise UserError(f'{path}: this Llama config cannot be expressed in paxcli: ' + '; '.join(problems) + '.')
+      raise UserError(f'{path}: this {self.title} config cannot be expressed in paxcli: ' + '; '.join(problems) + '.')
     get = hf_config.Reader({**config, 'rope_theta': config.get('rope_theta', rope.pop('rope_theta', None))},
-                           f'{path}/config.json', 'a Llama config')
+                           f'{path}/config.json', f'a {self.title} config')
     heads = get.int('num_attention_heads')
     dims = get.int('hidden_size')
     defaults = {'num_key_value_heads': heads, 'head_dim': dims // heads if dims % heads == 0 else None,
-                'max_position_embeddings': 2048, 'rope_theta': 10000.0, 'rms_norm_eps': RMS_EPS}
-    knobs = {}
+                'rms_norm_eps': RMS_EPS, **self.hf_defaults}
+    knobs = dict(self.knobs)   # the family's presets, under what config.json says
     for key, knob in _HF_KNOBS.items():
       read = get.float if LM_KNOB[knob].type is float else get.int
       knobs[knob] = read(key, defaults.get(key, hf_config.Reader.REQUIRED))
-    knobs.update(self.knobs, USE_REPEATED_LAYER=False, SEPARATE_EMBEDDING=not get.bool('tie_word_embeddings', False))
+    knobs.update(USE_REPEATED_LAYER=False, SEPARATE_EMBEDDING=not get.bool('tie_word_embeddings', False))
     knobs.update(hf_config.rope_knobs(rope, hf_config.Reader(rope, f'{path}/config.json rope_scaling')))
     if knobs['DIMS_PER_HEAD'] is None:
       raise UserError(f'{path}/config.json: hidden_size {dims} is not a multiple of num_attention_heads {heads} '
@@ -135,14 +156,19 @@ class Llama(Family):
                       f'{knobs["NUM_KV_HEADS"]}.')
     return knobs, []
 
+  def hf_problems(self, config: dict) -> list[str]:
+    """What else in config.json the family cannot express (keys it reads itself), each naming the key."""
+    return []
+
   def to_hf_config(self, model, dtype: str = 'float32', token_ids: Optional[dict] = None) -> dict:
-    """config.json of a LlamaForCausalLM; token ids from the tokenizer (hf_tokenizer.token_ids)."""
+    """config.json of a LlamaForCausalLM (of the family's architecture); token ids from the tokenizer
+    (hf_tokenizer.token_ids)."""
     settings = {key: getattr(model, LM_KNOB[knob].flat, None) for key, knob in _HF_KNOBS.items()}
     return {
-        'architectures': ['LlamaForCausalLM'], 'model_type': 'llama', **settings,
+        'architectures': [self.hf_architectures[0]], 'model_type': self.hf_model_types[0], **settings,
         'rms_norm_eps': float(settings['rms_norm_eps'] or RMS_EPS), 'rope_theta': float(settings['rope_theta']),
-        'hidden_act': 'silu', 'rope_scaling': hf_config.rope_scaling_of(model), 'attention_bias': False,
-        'mlp_bias': False, 'attention_dropout': 0.0,
+        'hidden_act': 'silu', 'rope_scaling': hf_config.rope_scaling_of(model),
+        **{key: value for key, value in self.hf_neutral.items() if key in _WRITTEN_NEUTRAL},
         'tie_word_embeddings': not model.separate_embedding, 'initializer_range': 0.02,
         'torch_dtype': dtype, 'use_cache': True,
         **(token_ids or {'bos_token_id': None, 'eos_token_id': None, 'pad_token_id': None}),
@@ -166,11 +192,16 @@ class Llama(Family):
           Weight(hp + 'mlp.gate_proj.weight', pp + 'mlp/wi_0/kernel', (f, d), (d, f), *linear(d)),
           Weight(hp + 'mlp.up_proj.weight', pp + 'mlp/wi_1/kernel', (f, d), (d, f), *linear(d)),
           Weight(hp + 'mlp.down_proj.weight', pp + 'mlp/wo/kernel', (d, f), (f, d), *linear(f)),
+          *self.hf_layer_weights(model, hp, pp),
       ]
     out.append(Weight('model.norm.weight', 'params/final_norm/scale', (d,), (d,), *same))
     if model.separate_embedding:
       out.append(Weight('lm_head.weight', 'params/logits/kernel', (v, d), (d, v), *linear(d)))
     return out
+
+  def hf_layer_weights(self, model, hp: str, pp: str) -> list[Weight]:
+    """The weights of one layer (HF prefix `hp`, paxcli prefix `pp`) that a family adds to Llama's."""
+    return []
 
 
 LLAMA = Llama()

@@ -13,9 +13,13 @@ from typing import Optional
 from paxcli.errors import UserError, did_you_mean, shorten
 from paxcli.models.family import Family, MaxTextBlock
 from paxcli.models.llama import LLAMA
+from paxcli.models.qwen2 import QWEN2
+from paxcli.models.qwen3 import QWEN3
 
 FAMILIES: tuple[Family, ...] = (
     LLAMA,
+    QWEN2,
+    QWEN3,
 )
 
 

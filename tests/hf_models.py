@@ -1,0 +1,137 @@
+"""Reference models for the Hugging Face family tests: built by transformers' own model classes from a
+family's released config.json at a reduced size, every weight random (norms around 1, biases around 0:
+a weight left at its initial value could hide a mapping that drops it), saved with save_pretrained.
+
+REFERENCES holds one entry per paxcli family with a Hugging Face layout; a family registers here (a
+released config.json, the sizes to cut it to, lines its --from hf recipe must hold) and
+tests/test_hf_families.py holds it against transformers: import, logits, greedy decoding, export,
+LoRA through PEFT, certification. conftest's `hf_reference` fixture builds each once per session.
+"""
+
+import dataclasses
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Reference:
+  family: str          # paxcli's family name (paxcli.models.registry)
+  architecture: str    # transformers' class for it
+  released: dict       # a released model's config.json: its function-defining keys as shipped
+  sizes: dict          # what replaces the released sizes for a test
+  recipe_lines: tuple  # lines the recipe `--from hf` writes must hold
+  recipe_class: str    # the experiment class of that recipe
+
+  @property
+  def config(self) -> dict:
+    return {**self.released, **self.sizes}
+
+
+# huggingface.co/meta-llama/Llama-3.2-1B/config.json. At head_dim 8 and rope_theta 5e5 the llama3 rope
+# scaling puts rotated pairs in all three of its bands (kept, smoothed, divided by factor).
+LLAMA32_1B = {
+    'architectures': ['LlamaForCausalLM'], 'attention_bias': False, 'attention_dropout': 0.0, 'bos_token_id': 128000,
+    'eos_token_id': 128001, 'head_dim': 64, 'hidden_act': 'silu', 'hidden_size': 2048, 'initializer_range': 0.02,
+    'intermediate_size': 8192, 'max_position_embeddings': 131072, 'mlp_bias': False, 'model_type': 'llama',
+    'num_attention_heads': 32, 'num_hidden_layers': 16, 'num_key_value_heads': 8, 'pretraining_tp': 1,
+    'rms_norm_eps': 1e-05, 'rope_scaling': {'factor': 32.0, 'high_freq_factor': 4.0, 'low_freq_factor': 1.0,
+                                            'original_max_position_embeddings': 8192, 'rope_type': 'llama3'},
+    'rope_theta': 500000.0, 'tie_word_embeddings': True, 'torch_dtype': 'bfloat16',
+    'transformers_version': '4.45.0.dev0', 'use_cache': True, 'vocab_size': 128256}
+# huggingface.co/Qwen/Qwen2.5-0.5B/config.json (tied embeddings, as the small Qwen 2.5 sizes are).
+QWEN25_05B = {
+    'architectures': ['Qwen2ForCausalLM'], 'attention_dropout': 0.0, 'bos_token_id': 151643, 'eos_token_id': 151643,
+    'hidden_act': 'silu', 'hidden_size': 896, 'initializer_range': 0.02, 'intermediate_size': 4864,
+    'max_position_embeddings': 32768, 'max_window_layers': 24, 'model_type': 'qwen2', 'num_attention_heads': 14,
+    'num_hidden_layers': 24, 'num_key_value_heads': 2, 'rms_norm_eps': 1e-06, 'rope_theta': 1000000.0,
+    'sliding_window': 32768, 'tie_word_embeddings': True, 'torch_dtype': 'bfloat16', 'transformers_version': '4.40.1',
+    'use_cache': True, 'use_sliding_window': False, 'vocab_size': 151936}
+# huggingface.co/Qwen/Qwen3-0.6B/config.json.
+QWEN3_06B = {
+    'architectures': ['Qwen3ForCausalLM'], 'attention_bias': False, 'attention_dropout': 0.0, 'bos_token_id': 151643,
+    'eos_token_id': 151645, 'head_dim': 128, 'hidden_act': 'silu', 'hidden_size': 1024, 'initializer_range': 0.02,
+    'intermediate_size': 3072, 'max_position_embeddings': 40960, 'max_window_layers': 28, 'model_type': 'qwen3',
+    'num_attention_heads': 16, 'num_hidden_layers': 28, 'num_key_value_heads': 8, 'rms_norm_eps': 1e-06,
+    'rope_scaling': None, 'rope_theta': 1000000, 'sliding_window': None, 'tie_word_embeddings': True,
+    'torch_dtype': 'bfloat16', 'transformers_version': '4.51.0', 'use_cache': True, 'use_sliding_window': False,
+    'vocab_size': 151936}
+
+TINY = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=128)
+REFERENCES = {r.family: r for r in (
+    Reference('llama', 'LlamaForCausalLM', LLAMA32_1B, dict(TINY, head_dim=8),
+              ("ROTARY_SCALING = 'llama3'", 'ROTARY_MAX_TIMESCALE = 500000.0', 'SEPARATE_EMBEDDING = False'),
+              'HfLlama'),
+    Reference('qwen2', 'Qwen2ForCausalLM', QWEN25_05B, TINY,
+              ('USE_QKV_BIAS = True', 'ROTARY_MAX_TIMESCALE = 1000000.0', 'SEPARATE_EMBEDDING = False'), 'HfQwen2'),
+    # Qwen3's head_dim stays its own setting (4 heads x 16 = 64 != hidden 32), as in the released sizes; untied
+    # here, so both layouts of the output layer are held somewhere.
+    Reference('qwen3', 'Qwen3ForCausalLM', QWEN3_06B, dict(TINY, head_dim=16, tie_word_embeddings=False),
+              ('USE_QK_NORM = True', 'DIMS_PER_HEAD = 16', 'SEPARATE_EMBEDDING = True'), 'HfQwen3'),
+)}
+
+
+def build(config: dict, seed: int = 0):
+  """transformers' model of config.json `config` (its own class for model_type), float32, random weights."""
+  import torch
+  import transformers
+  torch.manual_seed(seed)
+  settings = dict(config)
+  model = transformers.AutoModelForCausalLM.from_config(
+      transformers.AutoConfig.for_model(settings.pop('model_type'), **settings), dtype=torch.float32,
+      attn_implementation='eager')
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if name.endswith('norm.weight'):
+        p.copy_(1 + 0.3 * torch.randn_like(p))
+      else:
+        p.copy_((0.3 if name.endswith('bias') else 0.2) * torch.randn_like(p))
+  return model.eval()
+
+
+def save(model, directory: str) -> str:
+  import transformers
+  transformers.utils.logging.disable_progress_bar()   # its bars would land in a test's captured stderr
+  model.save_pretrained(directory)
+  return str(directory)
+
+
+def load(directory: str):
+  import torch
+  import transformers
+  return transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32,
+                                                           attn_implementation='eager').eval()
+
+
+def parameter_count(config: dict) -> int:
+  """transformers' count of a config.json's parameters (built on the meta device: no memory, no weights)."""
+  import torch
+  import transformers
+  settings = dict(config)
+  with torch.device('meta'):
+    model = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.for_model(settings.pop('model_type'), **settings))
+  return sum(p.numel() for p in model.parameters())   # tied weights once, as parameters() yields them
+
+
+def logits(model, ids) -> np.ndarray:
+  import torch
+  with torch.no_grad():
+    return model(input_ids=torch.as_tensor(np.asarray(ids), dtype=torch.long)).logits.float().numpy()
+
+
+def generate(model, prompt: list, steps: int) -> list:
+  """transformers' greedy generate() of `steps` new tokens (no end-of-text stop)."""
+  import torch
+  out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=steps, min_new_tokens=steps,
+                       eos_token_id=None, pad_token_id=0)
+  return out[0, len(prompt):].tolist()
+
+
+def log_likelihood(model, context: list, continuation: list) -> float:
+  """sum log p(continuation | context) under `model` (float64 softmax of its float32 logits)."""
+  x = logits(model, [context + continuation])[0].astype(np.float64)
+  x = x - x.max(-1, keepdims=True)
+  logp = x - np.log(np.exp(x).sum(-1, keepdims=True))
+  n = len(context)
+  return float(sum(logp[n - 1 + j, t] for j, t in enumerate(continuation)))
