@@ -12,7 +12,10 @@ so that every row's last prompt token sits in the same cache slot and one cache 
 serves the batch. Padding slots are marked invalid in the cache and never attended to:
 a prompt gets the same tokens in any batch as alone. One forward pass over the padded
 prompts fills the cache (prefill); each step then feeds one token per row at slot
-P + t (P the padded prompt length) and position p + t.
+P + t (P the padded prompt length, a power of two: see `padded_length`) and position p + t.
+Greedy and sampled batches run those steps in one compiled `jax.lax.while_loop` that records
+each row's tokens, logprobs and stop (EOS, budget) on the device; the host comes in only every
+STOP_CHECK_EVERY tokens when stop strings need the text. Beam search steps from the host.
 
 The cache is the model's: its leaves name their logical axes, which map onto the mesh
 by the activation table (the LM's [B, S, K, E] keys and values: batch over (replica,
