@@ -55,6 +55,35 @@ QWEN3_06B = {
     'rope_scaling': None, 'rope_theta': 1000000, 'sliding_window': None, 'tie_word_embeddings': True,
     'torch_dtype': 'bfloat16', 'transformers_version': '4.51.0', 'use_cache': True, 'use_sliding_window': False,
     'vocab_size': 151936}
+# huggingface.co/mistralai/Mistral-7B-v0.1/config.json: a window of 4096 tokens in every layer.
+MISTRAL_7B = {
+    'architectures': ['MistralForCausalLM'], 'bos_token_id': 1, 'eos_token_id': 2, 'hidden_act': 'silu',
+    'hidden_size': 4096, 'initializer_range': 0.02, 'intermediate_size': 14336, 'max_position_embeddings': 32768,
+    'model_type': 'mistral', 'num_attention_heads': 32, 'num_hidden_layers': 32, 'num_key_value_heads': 8,
+    'rms_norm_eps': 1e-05, 'rope_theta': 10000.0, 'sliding_window': 4096, 'tie_word_embeddings': False,
+    'torch_dtype': 'bfloat16', 'transformers_version': '4.34.0.dev0', 'use_cache': True, 'vocab_size': 32000}
+# huggingface.co/google/gemma-2-9b/config.json.
+GEMMA2_9B = {
+    'architectures': ['Gemma2ForCausalLM'], 'attention_bias': False, 'attention_dropout': 0.0,
+    'attn_logit_softcapping': 50.0, 'bos_token_id': 2, 'cache_implementation': 'hybrid', 'eos_token_id': 1,
+    'final_logit_softcapping': 30.0, 'head_dim': 256, 'hidden_act': 'gelu_pytorch_tanh',
+    'hidden_activation': 'gelu_pytorch_tanh', 'hidden_size': 3584, 'initializer_range': 0.02,
+    'intermediate_size': 14336, 'max_position_embeddings': 8192, 'model_type': 'gemma2', 'num_attention_heads': 16,
+    'num_hidden_layers': 42, 'num_key_value_heads': 8, 'pad_token_id': 0, 'query_pre_attn_scalar': 256,
+    'rms_norm_eps': 1e-06, 'rope_theta': 10000.0, 'sliding_window': 4096, 'sliding_window_size': 4096,
+    'torch_dtype': 'float32', 'transformers_version': '4.42.0.dev0', 'use_cache': True, 'vocab_size': 256000}
+# The text model of huggingface.co/google/gemma-3-4b-pt (config.json's text_config, with the defaults of
+# transformers' Gemma3TextConfig it leaves out spelled as the released Gemma 3 1B's config.json spells them).
+GEMMA3_4B = {
+    'architectures': ['Gemma3ForCausalLM'], 'attention_bias': False, 'attention_dropout': 0.0,
+    'attn_logit_softcapping': None, 'bos_token_id': 2, 'cache_implementation': 'hybrid', 'eos_token_id': 1,
+    'final_logit_softcapping': None, 'head_dim': 256, 'hidden_activation': 'gelu_pytorch_tanh', 'hidden_size': 2560,
+    'initializer_range': 0.02, 'intermediate_size': 10240, 'max_position_embeddings': 131072,
+    'model_type': 'gemma3_text', 'num_attention_heads': 8, 'num_hidden_layers': 34, 'num_key_value_heads': 4,
+    'pad_token_id': 0, 'query_pre_attn_scalar': 256, 'rms_norm_eps': 1e-06, 'rope_local_base_freq': 10000.0,
+    'rope_scaling': {'factor': 8.0, 'rope_type': 'linear'}, 'rope_theta': 1000000.0, 'sliding_window': 1024,
+    'sliding_window_pattern': 6, 'torch_dtype': 'bfloat16', 'transformers_version': '4.50.0.dev0',
+    'use_cache': True, 'vocab_size': 262208}
 
 TINY = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=128)
@@ -68,6 +97,18 @@ REFERENCES = {r.family: r for r in (
     # here, so both layouts of the output layer are held somewhere.
     Reference('qwen3', 'Qwen3ForCausalLM', QWEN3_06B, dict(TINY, head_dim=16, tie_word_embeddings=False),
               ('USE_QK_NORM = True', 'DIMS_PER_HEAD = 16', 'SEPARATE_EMBEDDING = True'), 'HfQwen3'),
+    # A window of 6 tokens, so that the tests' 33- to 64-token texts reach far beyond it.
+    Reference('mistral', 'MistralForCausalLM', MISTRAL_7B, dict(TINY, head_dim=8, sliding_window=6),
+              ('SLIDING_WINDOW = 6', 'ROTARY_MAX_TIMESCALE = 10000.0', 'SEPARATE_EMBEDDING = True'), 'HfMistral'),
+    # Windows of 5 and 7 tokens, shorter than the tests' prompts, so that the local layers differ from global ones.
+    Reference('gemma2', 'Gemma2ForCausalLM', GEMMA2_9B, dict(TINY, head_dim=16, num_hidden_layers=4, sliding_window=5,
+                                                              sliding_window_size=5),
+              ("LAYER_PATTERN = ('local', 'global')", "LAYER_KINDS = {'local': {'SLIDING_WINDOW': 5}}",
+               'ATTEN_LOGIT_CAP = 50.0', 'SOFTMAX_CAP_LOGITS = 30.0', 'QUERY_PRE_ATTN_SCALAR = 256.0',
+               'NORM_PLUS_ONE = True', 'POST_NORMS = True'), 'HfGemma2'),
+    Reference('gemma3', 'Gemma3ForCausalLM', GEMMA3_4B, dict(TINY, head_dim=16, num_hidden_layers=6, sliding_window=7),
+              ("LAYER_PATTERN = ('local', 'local', 'local', 'local', 'local', 'global')", 'USE_QK_NORM = True',
+               "ROTARY_SCALING = 'linear'", 'ROTARY_MAX_TIMESCALE = 1000000.0'), 'HfGemma3'),
 )}
 
 

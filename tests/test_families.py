@@ -25,7 +25,8 @@ SMALL = {'VOCAB_SIZE': 48, 'NUM_LAYERS': 2, 'MODEL_DIMS': 16, 'HIDDEN_DIMS': 40,
 
 
 def _small_model(family, **more):
-  settings = knobs.flat_settings({**family.knobs, **SMALL, **more}, knobs.LM_KNOBS)
+  period = len(family.knobs.get('LAYER_PATTERN', ()))   # whole groups of a family's layer pattern
+  settings = knobs.flat_settings({**family.knobs, **SMALL, 'NUM_LAYERS': max(2, period), **more}, knobs.LM_KNOBS)
   return instantiate(lm_config(**settings))
 
 
@@ -52,15 +53,18 @@ def test_the_hf_weight_map_covers_the_model_exactly(family, tied):
   config = family.to_hf_config(flat_view(model), 'float32', {})
   assert config['model_type'] in family.hf_model_types
   back, _ = family.from_hf_config(config, 'exported')   # config.json read back gives the model's knobs
-  assert {k: back[k] for k in SMALL} == SMALL and back['SEPARATE_EMBEDDING'] == (not tied)
+  assert {k: back[k] for k in SMALL if k != 'NUM_LAYERS'} == {k: v for k, v in SMALL.items() if k != 'NUM_LAYERS'}
+  assert back['NUM_LAYERS'] == flat_view(model).num_layers and back['SEPARATE_EMBEDDING'] == (not tied)
 
 
 def test_an_unknown_model_type_names_the_families_paxcli_has():
   with pytest.raises(UserError) as e:
     registry.for_hf_config({'model_type': 'qwen3_moe', 'architectures': ['Qwen3MoeForCausalLM']}, '/m')
   assert str(e.value) == ("/m: model_type 'qwen3_moe' (Qwen3MoeForCausalLM) is not one paxcli reads; its model "
-                          "families are llama (model_type 'llama': LlamaForCausalLM), qwen2 (model_type 'qwen2': "
-                          "Qwen2ForCausalLM), qwen3 (model_type 'qwen3': Qwen3ForCausalLM).")
+                          "families are llama (model_type 'llama': LlamaForCausalLM), mistral (model_type 'mistral': "
+                          "MistralForCausalLM), qwen2 (model_type 'qwen2': Qwen2ForCausalLM), qwen3 (model_type "
+                          "'qwen3': Qwen3ForCausalLM), gemma2 (model_type 'gemma2': Gemma2ForCausalLM), gemma3 "
+                          "(model_type 'gemma3_text': Gemma3ForCausalLM).")
   assert registry.for_hf_config({'model_type': 'qwen2'}, '/m') is registry.by_name('qwen2')
   assert registry.for_hf_config({'architectures': ['LlamaForCausalLM']}, '/m') is LLAMA   # no model_type
   with pytest.raises(UserError, match="No model family 'lama'.*Did you mean 'llama'"):

@@ -88,7 +88,7 @@ def test_export_to_hf_is_certified_and_transformers_loads_the_same_model(importe
   assert v['ok'] and v['reference'] == 'paxcli on the source' and v['top1_agreement'] == 1.0
   assert v['result'] == f'transformers {imported.ref.architecture} (float32) on the written result'
   config = json.load(open(os.path.join(back, 'config.json')))
-  assert config['architectures'] == [imported.ref.architecture] and config['model_type'] == imported.name
+  assert config['architectures'] == [imported.ref.architecture] and config['model_type'] == imported.ref.released['model_type']
   again = hf_models.load(back)
   assert type(again).__name__ == imported.ref.architecture
   ids = np.random.default_rng(8).integers(0, 128, (2, 33)).astype(np.int32)

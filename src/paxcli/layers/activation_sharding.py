@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Any, Optional, Sequence
+import math
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 ACTIVATION_RULES: dict[str, tuple[str, ...]] = {
-    'batch': ('replica', 'data'),
+    'batch': ('replica', 'data', 'expert'),   # expert: the batch outside the experts (paxcli.layers.moe)
     'length': (),
     'embed': (),
     'heads': ('mdl',),
@@ -36,6 +37,7 @@ ACTIVATION_RULES: dict[str, tuple[str, ...]] = {
     'mlp': ('mdl',),
     'vocab': ('mdl',),
     'stage': ('stage',),      # the pipeline's stage dimension (paxcli.layers.pipeline)
+    'exp': ('expert',),       # the experts of a mixture-of-experts layer (paxcli.layers.moe)
 }
 
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar('paxcli_activation_sharding', default=None)
@@ -75,10 +77,44 @@ def rules(mesh, overrides: Optional[dict] = None):
     _ACTIVE.reset(token)
 
 
+def active() -> Optional[tuple[Any, dict]]:
+  """(mesh, table) of the active `rules` context; None outside one."""
+  return _ACTIVE.get()
+
+
 def active_axis_size(axis: str) -> int:
   """The size of `axis` on the mesh of the active `rules` context (1 outside one, or if it has none)."""
   active = _ACTIVE.get()
   return dict(active[0].shape).get(axis, 1) if active is not None else 1
+
+
+def active_shards(names: Sequence[Optional[str]], shape: Sequence[int]) -> tuple[int, ...]:
+  """Into how many pieces the active `rules` split each dimension of an array (all 1 outside a context)."""
+  active = _ACTIVE.get()
+  if active is None:
+    return (1,) * len(shape)
+  mesh_shape = dict(active[0].shape)
+  spec = spec_for(names, shape, mesh_shape, active[1])
+  sizes = []
+  for entry in tuple(spec) + (None,) * (len(shape) - len(spec)):
+    axes = entry if isinstance(entry, tuple) else ((entry,) if entry else ())
+    sizes.append(math.prod(mesh_shape[a] for a in axes))
+  return tuple(sizes)
+
+
+def snapshot() -> Callable[[], contextlib.AbstractContextManager]:
+  """A context manager factory that re-enters the rules active now: for code traced after the step's
+  context has closed (a custom VJP's backward pass)."""
+  active = _ACTIVE.get()
+
+  @contextlib.contextmanager
+  def enter():
+    token = _ACTIVE.set(active)
+    try:
+      yield
+    finally:
+      _ACTIVE.reset(token)
+  return enter
 
 
 def constrain(x, names: Sequence[Optional[str]]):

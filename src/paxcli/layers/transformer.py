@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-from typing import Callable
+from typing import Callable, Optional
 
 import fiddle as fdl
 import flax.linen as nn
@@ -46,17 +46,25 @@ def _init(names):
 
 
 class Norm(nn.Module):
-  """LayerNorm or RMSNorm computed in float32, returned in `dtype`."""
+  """LayerNorm or RMSNorm computed in float32, returned in `dtype`.
+
+  `plus_one`: the normalised x is multiplied by (1 + scale), scale stored as it is and starting at 0
+  (Gemma's RMSNorm, praxis' RmsNorm without direct_scale); else by scale, starting at 1.
+  """
   kind: str = 'layernorm'
   use_bias: bool = True
   dtype: jnp.dtype = jnp.float32
   epsilon: float = 1e-6
+  plus_one: bool = False
 
   @nn.compact
   def __call__(self, x_BxLxD):
     x = x_BxLxD.astype(jnp.float32)
     dims = x.shape[-1]
-    scale = self.param('scale', nn.with_logical_partitioning(nn.initializers.ones, ('norm',)), (dims,))
+    init = nn.initializers.zeros if self.plus_one else nn.initializers.ones
+    scale = self.param('scale', nn.with_logical_partitioning(init, ('norm',)), (dims,))
+    if self.plus_one:
+      scale = 1.0 + scale
     if self.kind == 'rmsnorm':
       y = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.epsilon)
     else:
@@ -135,13 +143,16 @@ class Attention(nn.Module):
   `segment_ids_BxL` None: one segment per row (no packing). The kernel is
   `attention_ops.attention`; attention_impl: auto (cuDNN flash attention on GPUs), dot_product
   (jax.nn.dot_product_attention) or einsum (the reference).
-  Queries: 1/sqrt(E), times Pax's learned PerDimScale with `per_dim_scale` (softplus(w) /
-  softplus(0) per dimension, w starting at 0). `atten_logit_cap` > 0 soft-caps the logits
-  with tanh before the mask, as Pax's atten_logit_cap does (the einsum kernel then).
+  Queries: 1/sqrt(E), or 1/sqrt(query_pre_attn_scalar) when that is set (Gemma's), times Pax's
+  learned PerDimScale with `per_dim_scale` (softplus(w) / softplus(0) per dimension, w starting
+  at 0). `atten_logit_cap` > 0 soft-caps the logits with tanh before the mask, as Pax's
+  atten_logit_cap and Gemma 2's attn_logit_softcapping do (attention_ops: the blockwise kernel).
+  `sliding_window` w > 0: each token attends to the w most recent tokens of its segment, itself
+  included (Hugging Face's sliding_window; attention_ops.visible); 0 is full causal attention.
   `qkv_bias`: the query, key and value projections have a bias even where `use_bias` is off
   (Qwen 2's layer: the output projection has none). `qk_norm`: each head's query and key go
-  through an RMSNorm over E (`query_norm`, `key_norm`, epsilon `norm_epsilon`) before rotary
-  (Qwen 3's layer).
+  through an RMSNorm over E (`query_norm`, `key_norm`, epsilon `norm_epsilon`, x (1 + w) with
+  `norm_plus_one` as Gemma 3's) before rotary (Qwen 3's layer).
   """
   num_heads: int
   num_kv_heads: int
@@ -157,11 +168,14 @@ class Attention(nn.Module):
   rotary_original_max_len: int = 8192
   dtype: jnp.dtype = jnp.float32
   per_dim_scale: bool = False
+  query_pre_attn_scalar: Optional[float] = None
   atten_logit_cap: float = 0.0
+  sliding_window: int = 0
   attention_impl: str = 'auto'
   qkv_bias: bool = False
   qk_norm: bool = False
   norm_epsilon: float = 1e-6
+  norm_plus_one: bool = False
   # LoRA (paxcli.layers.lora): rank 0 is off; targets among query, key, value, output.
   lora_rank: int = 0
   lora_alpha: float = 16.0
@@ -186,6 +200,10 @@ class Attention(nn.Module):
     y = constrain(y, ('batch', 'length', head_axis, 'head_dim'))
     return checkpoint_name(y, f'{name}_proj')
 
+  def _scale(self) -> float:
+    """The logits' factor: 1/sqrt(query_pre_attn_scalar), or 1/sqrt(E) when that is unset."""
+    return float(self.query_pre_attn_scalar or self.dims_per_head) ** -0.5
+
   def _per_dim_factor(self, e: int):
     """[1, 1, 1, E] softplus(w) / softplus(0): Pax's PerDimScale over the kernels' 1/sqrt(E)."""
     w = self.param('per_dim_scale', nn.with_logical_partitioning(nn.initializers.zeros, ('head_dim',)), (e,))
@@ -199,8 +217,8 @@ class Attention(nn.Module):
     k_BxSxKxE = self._proj(x_BxLxD, self.num_kv_heads, 'kv_heads', 'key')
     v_BxSxKxE = self._proj(x_BxLxD, self.num_kv_heads, 'kv_heads', 'value')
     if self.qk_norm:
-      q_BxLxHxE = Norm('rmsnorm', False, self.dtype, self.norm_epsilon, name='query_norm')(q_BxLxHxE)
-      k_BxSxKxE = Norm('rmsnorm', False, self.dtype, self.norm_epsilon, name='key_norm')(k_BxSxKxE)
+      q_BxLxHxE = Norm('rmsnorm', False, self.dtype, self.norm_epsilon, self.norm_plus_one, name='query_norm')(q_BxLxHxE)
+      k_BxSxKxE = Norm('rmsnorm', False, self.dtype, self.norm_epsilon, self.norm_plus_one, name='key_norm')(k_BxSxKxE)
     if self.rotary:
       scaling = () if self.rotary_scaling == 'none' else (
           self.rotary_scaling, self.rotary_scaling_factor, self.rotary_low_freq_factor,
@@ -213,12 +231,16 @@ class Attention(nn.Module):
       # Decoding: keys/values go into the KV cache; queries attend over all of it.
       if segment_ids_BxL is None:
         segment_ids_BxL = jnp.ones(x_BxLxD.shape[:2], jnp.int32)
-      k_BxSxKxE, v_BxSxKxE, mask_BxLxS = self._decode_cache(k_BxSxKxE, v_BxSxKxE, segment_ids_BxL)
-      out_BxLxHxE = attention_ops.masked_einsum_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, mask_BxLxS,
-                                                          self.atten_logit_cap)
+      if self._rolling(x_BxLxD.shape[1]):
+        out_BxLxHxE = self._rolling_cache(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL, positions_BxL)
+      else:
+        k_BxSxKxE, v_BxSxKxE, mask_BxLxS = self._decode_cache(k_BxSxKxE, v_BxSxKxE, segment_ids_BxL)
+        out_BxLxHxE = attention_ops.masked_einsum_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, mask_BxLxS,
+                                                            self.atten_logit_cap, self._scale())
     else:
       out_BxLxHxE = attention_ops.attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL,
-                                            self.attention_impl, self.atten_logit_cap)
+                                            self.attention_impl, self.atten_logit_cap, self.sliding_window,
+                                            scale=self._scale())
     out_BxLxHxE = constrain(out_BxLxHxE, ('batch', 'length', 'heads', 'head_dim'))
     out = nn.DenseGeneral(
         features=x_BxLxD.shape[-1], axis=(-2, -1), use_bias=self.use_bias, dtype=self.dtype,
@@ -250,7 +272,7 @@ class Attention(nn.Module):
     index = self.variable('cache', 'cache_index', nn.with_logical_partitioning(jnp.zeros, ()), [], jnp.int32)
     b, l = segment_ids_BxL.shape
     if not initialized:
-      causal_LxS = jnp.tril(jnp.ones((l, l), dtype=bool))
+      causal_LxS = attention_ops.visible(jnp.arange(l)[:, None], jnp.arange(l)[None, :], self.sliding_window)
       return k_BxLxKxE, v_BxLxKxE, jnp.broadcast_to(causal_LxS[None], (b, l, l))
     i = index.value
     key.value = jax.lax.dynamic_update_slice(key.value, k_BxLxKxE.astype(key.value.dtype), (0, i, 0, 0))
@@ -258,8 +280,76 @@ class Attention(nn.Module):
     valid.value = jax.lax.dynamic_update_slice(valid.value, segment_ids_BxL != 0, (0, i))
     index.value = i + l
     s = key.value.shape[1]
-    visible_LxS = jnp.arange(s)[None, :] <= (i + jnp.arange(l))[:, None]
+    # Slots are time: a left-padded row's tokens are contiguous, so slot distance is position distance.
+    visible_LxS = attention_ops.visible((i + jnp.arange(l))[:, None], jnp.arange(s)[None, :], self.sliding_window)
     return key.value, value.value, visible_LxS[None] & valid.value[:, None, :]
+
+
+  def _rolling(self, length: int) -> bool:
+    """Whether this layer's KV cache is the rolling one: a window shorter than the cache's length (the
+    first call, `init_cache`, has that length; later calls find the cache it made)."""
+    if self.has_variable('cache', 'cached_key'):
+      return self.has_variable('cache', 'cached_position')
+    return 0 < self.sliding_window < length
+
+  def _rolling_cache(self, q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, segment_ids_BxL, positions_BxL):
+    """Decoding attention of a windowed layer over a KV cache of W = sliding_window slots: memory bounded by
+    the window, however long the text. A ring: the token written n-th (cache_index counts them, as the
+    full cache's slots do) lives in slot n mod W, with its row's position and whether it is a real token;
+    what a query may see is computed from the stored positions (p - W < p' <= p), so the ring's order
+    never matters.
+
+    A call attends over the ring as it was and its own L keys, then keeps the last min(L, W) of them. For
+    L > W (a long prompt) the ring is unrolled into time order in front of the new keys and the blockwise
+    window kernel runs over both, so a prefill also costs O(L x W): a row's tokens are contiguous in its
+    cache (left padding only), so distance in the cache is distance in positions there.
+    """
+    w = self.sliding_window
+    initialized = self.has_variable('cache', 'cached_key')
+    b, l = segment_ids_BxL.shape
+    kv_shape = (b, w) + k_BxLxKxE.shape[2:]
+    kv_axes = ('batch', 'length', 'kv_heads', 'head_dim')
+    boxed = lambda axes: nn.with_logical_partitioning(jnp.zeros, axes)
+    key = self.variable('cache', 'cached_key', boxed(kv_axes), kv_shape, k_BxLxKxE.dtype)
+    value = self.variable('cache', 'cached_value', boxed(kv_axes), kv_shape, v_BxLxKxE.dtype)
+    valid = self.variable('cache', 'cached_valid', boxed(('batch', 'length')), (b, w), jnp.bool_)
+    position = self.variable('cache', 'cached_position', boxed(('batch', 'length')), (b, w), jnp.int32)
+    index = self.variable('cache', 'cache_index', boxed(()), [], jnp.int32)
+    if not initialized:   # init_cache: only the shapes of this call matter
+      return attention_ops.attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, segment_ids_BxL, 'einsum', 0.0, w)
+    i = index.value
+    k_BxLxKxE, v_BxLxKxE = k_BxLxKxE.astype(key.value.dtype), v_BxLxKxE.astype(value.value.dtype)
+    new_valid, new_position = segment_ids_BxL != 0, positions_BxL.astype(jnp.int32)
+    if l <= w:
+      keys = jnp.concatenate([key.value, k_BxLxKxE], axis=1)
+      values = jnp.concatenate([value.value, v_BxLxKxE], axis=1)
+      seen_BxS = jnp.concatenate([valid.value, new_valid], axis=1)
+      at_BxS = jnp.concatenate([position.value, new_position], axis=1)
+      mask_BxLxS = seen_BxS[:, None, :] & attention_ops.visible(new_position[:, :, None], at_BxS[:, None, :], w)
+      out = attention_ops.masked_einsum_attention(q_BxLxHxE, keys, values, mask_BxLxS, self.atten_logit_cap,
+                                                 self._scale())
+    else:
+      oldest = -(i % w)   # ring slot i mod W holds the oldest token
+      timed = lambda ring, new: jnp.concatenate([jnp.roll(ring, oldest, axis=1), new], axis=1)
+      segments = timed(valid.value, new_valid).astype(jnp.int32)
+      queries = jnp.concatenate([jnp.zeros((b, w) + q_BxLxHxE.shape[2:], q_BxLxHxE.dtype), q_BxLxHxE], axis=1)
+      out = attention_ops.attention(queries, timed(key.value, k_BxLxKxE), timed(value.value, v_BxLxKxE), segments,
+                                    self.attention_impl, self.atten_logit_cap, w, self._scale())[:, w:]
+    for var, new in ((key, k_BxLxKxE), (value, v_BxLxKxE), (valid, new_valid), (position, new_position)):
+      var.value = _ring_write(var.value, new, i)
+    index.value = i + l
+    return out
+
+
+def _ring_write(ring_BxW, new_BxL, i):
+  """The ring [B, W, ...] after writing the L new entries as the tokens i .. i + L - 1 (token n in slot n mod W);
+  of more than W only the last W stay."""
+  w, l = ring_BxW.shape[1], new_BxL.shape[1]
+  if l == 1:
+    return jax.lax.dynamic_update_slice_in_dim(ring_BxW, new_BxL, i % w, axis=1)
+  if l < w:
+    return ring_BxW.at[:, (i + jnp.arange(l)) % w].set(new_BxL)
+  return jnp.roll(new_BxL[:, l - w:], (i + l - w) % w, axis=1)
 
 
 class Mlp(nn.Module):
@@ -301,7 +391,9 @@ class Block(BaseLayer):
   Children (names fixed: checkpoints depend on them): attention_norm and mlp_norm from
   `norm_tpl`, attention from `attention_tpl`, mlp from `ffn_tpl`. `parallel`: attention and
   MLP both read the one attention_norm and their sum is added once (MaxText's default decoder
-  block, PaLM's parallel layer); there is no mlp_norm. The block fills the
+  block, PaLM's parallel layer); there is no mlp_norm. `post_norms`: the outputs of attention and
+  MLP are normalised too before they join the residual (post_attention_norm, post_mlp_norm: Gemma 2
+  and 3's four norms per layer, praxis' norm_policy 'primer_hybrid'). The block fills the
   compute dtype into each template (field `dtype` of a plain flax module, `fprop_dtype`
   of a BaseLayer) and model_dims into a feed-forward template's input_dims/output_dims,
   unless the template sets them itself.
@@ -310,6 +402,7 @@ class Block(BaseLayer):
   dropout_prob: float = 0.0
   deterministic: bool = True
   parallel: bool = False
+  post_norms: bool = False
   attention_tpl: LayerTpl = template_field(Attention)
   ffn_tpl: LayerTpl = template_field(Mlp)
   norm_tpl: LayerTpl = template_field(Norm)
@@ -320,6 +413,9 @@ class Block(BaseLayer):
     self.create_child('attention', fill_template(self.attention_tpl, compute, deterministic=self.deterministic))
     if not self.parallel:
       self.create_child('mlp_norm', fill_template(self.norm_tpl, compute))
+    if self.post_norms:
+      self.create_child('post_attention_norm', fill_template(self.norm_tpl, compute))
+      self.create_child('post_mlp_norm', fill_template(self.norm_tpl, compute))
     self.create_child('mlp', fill_template(self.ffn_tpl, compute, input_dims=self.model_dims,
                                            output_dims=self.model_dims, deterministic=self.deterministic))
     self.dropout = nn.Dropout(self.dropout_prob, deterministic=self.deterministic)
@@ -330,8 +426,12 @@ class Block(BaseLayer):
       h = self.attention(n_BxLxD, segment_ids_BxL, positions_BxL) + self.mlp(n_BxLxD)
       return constrain(x_BxLxD + self.dropout(h), ('batch', 'length', 'embed')), None
     h = self.attention(self.attention_norm(x_BxLxD), segment_ids_BxL, positions_BxL)
+    if self.post_norms:
+      h = self.post_attention_norm(h)
     x_BxLxD = x_BxLxD + self.dropout(h)
     h = self.mlp(self.mlp_norm(x_BxLxD))
+    if self.post_norms:
+      h = self.post_mlp_norm(h)
     x_BxLxD = x_BxLxD + self.dropout(h)
     return constrain(x_BxLxD, ('batch', 'length', 'embed')), None
 

@@ -76,6 +76,7 @@ class Llama(Family):
   hf_defaults = {'max_position_embeddings': 2048, 'rope_theta': 10000.0}
   # Attention features (layers.transformer.Attention: qkv_bias, qk_norm) the family has (True) or lacks.
   attention_features = {'qkv_bias': False, 'qk_norm': False}
+  sliding_window = False   # whether the family's attention has a window (SLIDING_WINDOW > 0; paxcli.models.mistral)
   maxtext_blocks = {
       'llama2': MaxTextBlock(_MAXTEXT_LAYER),
       'mistral': MaxTextBlock(_MAXTEXT_LAYER),
@@ -119,15 +120,23 @@ class Llama(Family):
     if getattr(model, 'tied_logits_bfloat16', False):
       reasons.append('tied logits read a bfloat16 copy of the embedding (TIED_LOGITS_BFLOAT16=False to accept '
                      f'{title}\'s float32 one)')
+    if bool(getattr(model, 'sliding_window', 0)) != self.sliding_window:
+      reasons.append(self.window_misfit(model))
     if getattr(model, 'parallel_block', False):
       reasons.append(f'attention and MLP run in parallel from one norm (PARALLEL_BLOCK; a {title} layer is sequential)')
     if not model.use_gated_activation or model.activation not in ('silu', 'swish'):
       reasons.append(f'the MLP is {"gated " if model.use_gated_activation else ""}{model.activation} '
                      f'({title} uses gated SiLU: USE_GATED_ACTIVATION=True, ACTIVATION=\'silu\')')
+    if getattr(model, 'num_experts', None):
+      reasons.append(f'the MLP is a mixture of {model.num_experts} experts (NUM_EXPERTS; a {title} MLP is dense)')
     if any(fields for _, fields in getattr(model, 'layer_kinds', None) or ()):
       reasons.append(f'the layers are of several kinds (LAYER_PATTERN {tuple(model.layer_pattern)} with '
                      f'LAYER_KINDS; a {title}\'s layers are all alike)')
     return reasons
+
+  def window_misfit(self, model) -> str:
+    return (f'attention has a sliding window of {model.sliding_window} tokens ({self.title}\'s attention is full: '
+            'SLIDING_WINDOW=0)')
 
   def from_hf_config(self, config: dict, path: str) -> tuple[dict, list[str]]:
     """paxcli knobs for a Llama config.json, and notes; a UserError naming every key paxcli cannot express."""

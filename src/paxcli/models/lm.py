@@ -20,12 +20,12 @@ from paxcli.layers import lora, pipeline
 from paxcli.layers.activation_sharding import active_axis_size, constrain
 from paxcli.layers.base import (AUX_LOSS, NON_TRAINABLE, RANDOM, SUMMARIES, BaseLayer, LayerTpl, build_arguments,
                                 template_field)
-from paxcli.layers.transformer import Attention, Block, Mlp, Norm, dtype_of, fill_template, sinusoidal, soft_cap
+from paxcli.layers.transformer import Attention, Block, Mlp, Norm, dtype_of, fill_template, sinusoidal
 from paxcli.models import knobs, pattern
 from paxcli.models.base import DecodingModel, dtype_name
 from paxcli.models.flops import ModelFlops, stack_flops
-from paxcli.models.losses import fused_lm_loss
-from paxcli.models.validation import validate_lm
+from paxcli.models.losses import Head, head_lm_loss, token_scores
+from paxcli.models.validation import validate_expert_axis, validate_lm
 
 REMAT_POLICIES = {
     'save_nothing': lambda: jax.checkpoint_policies.nothing_saveable,
@@ -92,13 +92,19 @@ class TransformerLm(BaseLayer):
 
     def layer_fn(params, x, extras, key):
       rngs = {} if key is None else {'dropout': key, RANDOM: jax.random.fold_in(key, 1)}
-      return module.apply({'params': params}, x, extras.get('segment_ids'), extras['positions'], rngs=rngs)[0]
+      (out, _), side = module.apply({'params': params}, x, extras.get('segment_ids'), extras['positions'], rngs=rngs,
+                                    mutable=[SUMMARIES, AUX_LOSS])
+      return out, side
 
     extras = {'positions': positions_BxL}
     if segment_ids_BxL is not None:
       extras['segment_ids'] = segment_ids_BxL
     policy = None if self.checkpoint_policy == 'none' else REMAT_POLICIES[self.checkpoint_policy]()
-    return pipeline.run(layer_fn, variables['params']['layers'], x_BxLxD, extras, schedule, policy, rng)
+    x_BxLxD, side = pipeline.run(layer_fn, variables['params']['layers'], x_BxLxD, extras, schedule, policy, rng)
+    for collection, tree in side.items():   # what the layers reported, laid out as the scanned stack's
+      if tree and self.is_mutable_collection(collection):
+        self.put_variable(collection, 'layers', tree)
+    return x_BxLxD
 
   def _kind_tpls(self, dtype, deterministic: bool) -> list:
     """One filled block template per position of a group (one for a uniform stack)."""
@@ -126,7 +132,8 @@ class TransformerLm(BaseLayer):
     return LayerGroup(tuple(tpls), policy, parent=None)
 
   @nn.compact
-  def __call__(self, ids_BxL, segment_ids_BxL=None, positions_BxL=None, deterministic: bool = True):
+  def __call__(self, ids_BxL, segment_ids_BxL=None, positions_BxL=None, deterministic: bool = True,
+               features: bool = False):
     dtype = dtype_of(self.fprop_dtype) if isinstance(self.fprop_dtype, str) else self.fprop_dtype
     pattern.check(self.num_layers, self.layer_pattern)   # also where no validation ran (describe, notebooks)
     b, l = ids_BxL.shape
@@ -166,24 +173,22 @@ class TransformerLm(BaseLayer):
 
     final_norm = fill_template(self.final_norm_tpl, dtype)
     x_BxLxD = fdl.get_callable(final_norm)(**build_arguments(final_norm, self), name='final_norm')(x_BxLxD)
+    head = self._head(embed, dtype)
+    return (x_BxLxD, head) if features else head.logits(x_BxLxD)
+
+  def _head(self, embed, dtype) -> Head:
+    """The output projection (paxcli.models.losses.Head): the tied embedding table, or the `logits`
+    kernel [D, V] (SEPARATE_EMBEDDING), with its bias (USE_SOFTMAX_BIAS) and the final soft cap."""
     if self.separate_embedding:
-      logits = nn.Dense(self.vocab_size, use_bias=self.softmax_bias, dtype=dtype,
-                        kernel_init=nn.with_logical_partitioning(
-                            nn.initializers.variance_scaling(1.0, 'fan_in', 'truncated_normal'),
-                            ('embed', 'vocab')),
-                        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ('vocab',)),
-                        name='logits')(x_BxLxD)
-    elif self.tied_logits_bfloat16:   # MaxText's attend_on_embedding: the table rounded to bfloat16
-      table_VxD = embed.embedding.astype(jnp.bfloat16)
-      logits = jnp.dot(x_BxLxD, table_VxD.T, preferred_element_type=dtype)
-    else:
-      logits = embed.attend(x_BxLxD)
-      if self.softmax_bias:
-        bias = self.param('logits_bias', nn.with_logical_partitioning(nn.initializers.zeros, ('vocab',)),
-                          (self.vocab_size,))
-        logits = logits + bias.astype(logits.dtype).reshape(1, 1, -1)
-    logits = constrain(logits, ('batch', 'length', 'vocab'))
-    return soft_cap(logits.astype(jnp.float32), self.softmax_cap_logits)
+      w, bias = LogitsProjection(self.vocab_size, self.model_dims, self.softmax_bias, name='logits')()
+      return Head(w, bias, tied=False, dtype=dtype, table_dtype=dtype, cap=self.softmax_cap_logits)
+    bias = None
+    if self.softmax_bias:
+      bias = self.param('logits_bias', nn.with_logical_partitioning(nn.initializers.zeros, ('vocab',)),
+                        (self.vocab_size,))
+    # TIED_LOGITS_BFLOAT16: the table rounded to bfloat16 (MaxText's attend_on_embedding); else as Embed.attend
+    table_dtype = jnp.bfloat16 if self.tied_logits_bfloat16 else dtype
+    return Head(embed.embedding, bias, tied=True, dtype=dtype, table_dtype=table_dtype, cap=self.softmax_cap_logits)
 
   def _scanned(self, x_BxLxD, segment_ids_BxL, positions_BxL, dtype, deterministic: bool, remat: bool):
     """One nn.scan over the stack (`layers`): over layers of a uniform stack, over groups of a pattern."""
@@ -199,6 +204,23 @@ class TransformerLm(BaseLayer):
                     in_axes=(nn.broadcast, nn.broadcast), length=length,
                     metadata_params={nn.PARTITION_NAME: 'layers'})
     return stack(**kwargs, name='layers')(x_BxLxD, segment_ids_BxL, positions_BxL)[0]
+
+
+class LogitsProjection(nn.Module):
+  """The untied output projection's weights under the names nn.Dense gave them (kernel [D, V], bias [V]),
+  returned as arrays for paxcli.models.losses.Head."""
+  vocab_size: int
+  model_dims: int
+  use_bias: bool
+
+  @nn.compact
+  def __call__(self):
+    kernel = self.param('kernel', nn.with_logical_partitioning(
+        nn.initializers.variance_scaling(1.0, 'fan_in', 'truncated_normal'), ('embed', 'vocab')),
+        (self.model_dims, self.vocab_size))
+    bias = self.param('bias', nn.with_logical_partitioning(nn.initializers.zeros, ('vocab',)),
+                      (self.vocab_size,)) if self.use_bias else None
+    return kernel, bias
 
 
 class LayerGroup(nn.Module):
@@ -256,20 +278,26 @@ class LanguageModel(DecodingModel):
   lm_tpl: LayerTpl = template_field(TransformerLm)
   # LORA_BASE_DTYPE: the frozen base weights' dtype under LoRA (models.BaseModel.frozen_dtype).
   lora_base_dtype: str = 'float32'
+  # LOSS_CHUNK_TOKENS: the loss makes the logits at most this many tokens (per device) at a time
+  # (paxcli.models.losses.head_lm_loss); 0: whole.
+  loss_chunk_tokens: int = 4096
 
   def setup(self):
     self.create_child('lm', self.lm_tpl)
     nn.share_scope(self, self.lm)
 
-  def __call__(self, ids_BxL, segment_ids_BxL=None, positions_BxL=None, deterministic: bool = True):
-    return self.lm(ids_BxL, segment_ids_BxL, positions_BxL, deterministic=deterministic)
+  def __call__(self, ids_BxL, segment_ids_BxL=None, positions_BxL=None, deterministic: bool = True,
+               features: bool = False):
+    return self.lm(ids_BxL, segment_ids_BxL, positions_BxL, deterministic=deterministic, features=features)
 
   def compute_predictions(self, input_batch: dict, deterministic: bool = True):
+    """(final features [B, L, D], the output projection): the loss makes the logits from them."""
     return self(input_batch['ids'], input_batch.get('segment_ids'), input_batch.get('positions'),
-                deterministic=deterministic)
+                deterministic=deterministic, features=True)
 
   def compute_loss(self, predictions, input_batch: dict):
-    loss, sums = fused_lm_loss(predictions, input_batch['labels'], input_batch['weights'])
+    x_BxLxD, head = predictions
+    loss, sums = head_lm_loss(x_BxLxD, head, input_batch['labels'], input_batch['weights'], self.loss_chunk_tokens)
     weight = sums['weight_sum']
     accuracy = sums['correct_sum'] / jnp.maximum(weight, 1e-8)
     return loss, {'loss': (loss, weight), 'accuracy': (accuracy, weight)}
@@ -306,6 +334,9 @@ class LanguageModel(DecodingModel):
   def validate(self) -> None:
     validate_lm(self.lm_tpl)
 
+  def validate_mesh(self, axis_sizes: dict) -> None:
+    validate_expert_axis(self.lm_tpl, axis_sizes.get('expert', 1))
+
   @property
   def lora(self) -> dict:
     """LoRA settings (rank, alpha, targets, dropout) from the attention template; rank 0: off."""
@@ -339,11 +370,27 @@ class LanguageModel(DecodingModel):
     for k in kinds:
       count = stack_flops(s['num_layers'] // len(kinds), s['model_dims'], k['num_heads'], k['num_kv_heads'],
                           k['dims_per_head'], k['hidden_dims'], k['use_gated_activation'], seq_len,
-                          head_params_per_token=head if total is None else 0.0)
+                          head_params_per_token=head if total is None else 0.0, **_expert_settings(k))
       if count is None:
         return None
       total = count if total is None else total + count
     return total
+
+  def active_parameters(self, total: int) -> Optional[int]:
+    """Parameters a token's forward pass uses, of `total`: all but the experts it is not routed to
+    (each mixture-of-experts layer uses EXPERTS_PER_TOKEN of NUM_EXPERTS); None when not countable."""
+    s = knobs.read(self, knobs.LM_KNOBS)
+    kinds = kind_settings(self)
+    unused = 0
+    for k in kinds:
+      if not k.get('num_experts'):
+        continue
+      if k['hidden_dims'] is None or s['model_dims'] is None:
+        return None
+      d, f, gated = s['model_dims'], k['hidden_dims'], k['use_gated_activation']
+      per_expert = d * f * (3 if gated else 2) + ((f * (2 if gated else 1) + d) if k['use_bias'] else 0)
+      unused += (s['num_layers'] // len(kinds)) * (k['num_experts'] - k['experts_per_token']) * per_expert
+    return total - unused
 
   # Decoding (see DecodingModel): the network's attention layers keep keys and values in the
   # flax collection 'cache' when it is mutable (paxcli.layers.transformer.Attention).
@@ -359,12 +406,29 @@ class LanguageModel(DecodingModel):
                                        jnp.maximum(positions_BxL, 0), mutable=['cache'])
     return logits_BxLxV, mutated['cache']
 
+  def extend_scores(self, params, cache, ids_BxL, positions_BxL, targets_BxL):
+    """`extend`, returning per token the log-probability of `targets_BxL` and whether it is the argmax
+    (paxcli.models.losses.token_scores: the logits made a chunk at a time) instead of the logits."""
+    segment_ids_BxL = (positions_BxL >= 0).astype(jnp.int32)
+    (x_BxLxD, head), mutated = self.apply({'params': params, 'cache': cache}, ids_BxL, segment_ids_BxL,
+                                          jnp.maximum(positions_BxL, 0), features=True, mutable=['cache'])
+    logp_BxL, greedy_BxL = token_scores(x_BxLxD, head, targets_BxL, self.loss_chunk_tokens)
+    return logp_BxL, greedy_BxL, mutated['cache']
+
   def with_fprop_dtype(self, dtype: str) -> 'LanguageModel':
     if dtype == self.lm_tpl.fprop_dtype:
       return self
     lm = copy.deepcopy(self.lm_tpl)
     lm.fprop_dtype = dtype
     return self.clone(lm_tpl=lm)
+
+
+def _expert_settings(settings: dict) -> dict:
+  """stack_flops' expert arguments from one kind's flat settings (none for a dense feed-forward)."""
+  if not settings.get('num_experts'):
+    return {}
+  return {'num_experts': settings['num_experts'], 'experts_per_token': settings['experts_per_token'],
+          'shared_hidden_dims': settings['shared_hidden_dims'] or 0}
 
 
 def kind_settings(model) -> list[dict]:

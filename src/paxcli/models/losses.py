@@ -1,10 +1,18 @@
-"""The LM's loss: weighted softmax cross-entropy, plain (lm_loss) and fused (fused_lm_loss, a
-custom VJP that keeps no second float32 [B, L, V] array)."""
+"""The LM's loss: weighted softmax cross-entropy, plain (lm_loss), fused (fused_lm_loss, a custom VJP
+that keeps no second float32 [B, L, V] array) and chunked (head_lm_loss: from the final features and
+the output projection, a custom VJP whose [B, L, V] logits never exist whole)."""
 
 from __future__ import annotations
 
+from typing import Any, Optional
+
+import flax.struct
 import jax
 import jax.numpy as jnp
+
+from paxcli.layers import activation_sharding
+from paxcli.layers.activation_sharding import constrain
+from paxcli.layers.transformer import soft_cap
 
 
 def lm_loss(logits_BxLxV, labels_BxL, weights_BxL):
@@ -32,13 +40,8 @@ def fused_lm_loss(logits_BxLxV, labels_BxL, weights_BxL):
   from the logits in one elementwise pass, producing the logits' gradient directly.
   Logits may be bfloat16: they are read in float32 inside the fused reductions.
   """
-  weights = weights_BxL.astype(jnp.float32)
-  nll_BxL = _token_nll(logits_BxLxV, labels_BxL)
-  total_weight = jnp.sum(weights)
-  loss_sum = jnp.sum(nll_BxL * weights)
-  correct = jnp.sum((jnp.argmax(logits_BxLxV, axis=-1) == labels_BxL) * weights)
-  loss = loss_sum / jnp.maximum(total_weight, 1e-8)
-  return loss, {'loss_sum': loss_sum, 'correct_sum': correct, 'weight_sum': total_weight}
+  return _weighted(_token_nll(logits_BxLxV, labels_BxL), jnp.argmax(logits_BxLxV, axis=-1) == labels_BxL,
+                   weights_BxL)
 
 
 def _logsumexp_BxL(logits_BxLxV):
@@ -71,3 +74,140 @@ def _token_nll_bwd(residuals, g_BxL):
 
 
 _token_nll.defvjp(_token_nll_fwd, _token_nll_bwd)
+
+
+# ---- the loss whose logits never exist whole -------------------------------------------------------
+
+
+@flax.struct.dataclass
+class Head:
+  """The output projection as arrays, so that a loss can make logits a chunk of positions at a time.
+
+  `w` is the embedding table [V, D] (tied logits) or the logits kernel [D, V]; `bias` [V] or None.
+  `logits(x)` is the one place logits are made from the final features, whole (TransformerLm's output)
+  or in chunks (chunked_lm_loss, token_scores): float32, soft-capped by `cap` (0: not capped).
+  """
+  w: jax.Array
+  bias: Optional[jax.Array]
+  tied: bool = flax.struct.field(pytree_node=False)
+  dtype: Any = flax.struct.field(pytree_node=False)        # the compute dtype the product runs in
+  table_dtype: Any = flax.struct.field(pytree_node=False)  # tied: the table's dtype in the product
+  cap: float = flax.struct.field(pytree_node=False, default=0.0)
+
+  def logits(self, x_BxCxD):
+    x = x_BxCxD.astype(self.dtype)
+    if self.tied:   # the table rounded to table_dtype (MaxText's attend_on_embedding), else as Embed.attend
+      out = jnp.dot(x, self.w.astype(self.table_dtype).T, preferred_element_type=self.dtype)
+    else:
+      out = jax.lax.dot_general(x, self.w.astype(self.dtype), (((x.ndim - 1,), (0,)), ((), ())))
+    if self.bias is not None:
+      out = out + self.bias.astype(out.dtype).reshape(1, 1, -1)
+    out = constrain(out, ('batch', 'length', 'vocab'))
+    return soft_cap(out.astype(jnp.float32), self.cap)
+
+
+def chunk_length(batch: int, length: int, chunk_tokens: int) -> int:
+  """Positions per chunk of the loss: the longest divisor of `length` whose chunk of the batch as one
+  device holds it (its share under the active activation sharding) is at most `chunk_tokens` tokens
+  (at least 1); `length` itself (one chunk: the logits made whole) when that fits or chunk_tokens is 0."""
+  rows = max(1, batch // activation_sharding.active_shards(('batch',), (batch,))[0])
+  if not chunk_tokens or rows * length <= chunk_tokens:
+    return length
+  fits = [c for c in range(1, length + 1) if length % c == 0 and rows * c <= chunk_tokens]
+  return max(fits) if fits else 1
+
+
+def head_lm_loss(x_BxLxD, head: Head, labels_BxL, weights_BxL, chunk_tokens: int):
+  """`fused_lm_loss` of `head.logits(x)` (same value, gradients and metrics), with the logits made a
+  chunk of positions at a time (chunk_length) when they would be more than `chunk_tokens` tokens on a
+  device: the [B, L, V] logits never exist whole, in the forward pass or the backward."""
+  b, l = labels_BxL.shape
+  c = chunk_length(b, l, chunk_tokens)
+  if c == l:
+    return fused_lm_loss(head.logits(x_BxLxD), labels_BxL, weights_BxL)
+  nll_BxL, correct_BxL = _chunked_nll(l // c, activation_sharding.snapshot())(x_BxLxD, head, labels_BxL)
+  return _weighted(nll_BxL, correct_BxL, weights_BxL)
+
+
+def token_scores(x_BxLxD, head: Head, targets_BxL, chunk_tokens: int):
+  """(log-probability of each target [B, L] float32, whether it is the argmax [B, L]) with the logits made
+  a chunk of positions at a time as in head_lm_loss: for scoring, no gradient."""
+  n = l = targets_BxL.shape[1]
+  n //= chunk_length(targets_BxL.shape[0], l, chunk_tokens)
+
+  def one(x_c, y_c):
+    logits = head.logits(x_c)
+    return _label_logit_BxL(logits, y_c) - _logsumexp_BxL(logits), jnp.argmax(logits, axis=-1) == y_c
+
+  logp, greedy = jax.lax.map(lambda xs: one(*xs), (_chunks(x_BxLxD, n), _chunks(targets_BxL, n)))
+  return _unchunk(logp), _unchunk(greedy)
+
+
+def _weighted(nll_BxL, correct_BxL, weights_BxL):
+  weights = weights_BxL.astype(jnp.float32)
+  total_weight = jnp.sum(weights)
+  loss_sum = jnp.sum(nll_BxL * weights)
+  correct = jnp.sum(correct_BxL * weights)
+  loss = loss_sum / jnp.maximum(total_weight, 1e-8)
+  return loss, {'loss_sum': loss_sum, 'correct_sum': correct, 'weight_sum': total_weight}
+
+
+def _chunks(a_BxL, n: int):
+  """[B, L, ...] -> [n, B, L / n, ...]: chunk i holds positions i L/n .. (i + 1) L/n - 1 of every row."""
+  b, l = a_BxL.shape[:2]
+  return jnp.moveaxis(a_BxL.reshape(b, n, l // n, *a_BxL.shape[2:]), 1, 0)
+
+
+def _unchunk(a_NxBxC):
+  n, b, c = a_NxBxC.shape[:3]
+  return jnp.moveaxis(a_NxBxC, 0, 1).reshape(b, n * c, *a_NxBxC.shape[3:])
+
+
+def _chunked_nll(n: int, sharding_rules):
+  """(x, head, labels) -> (nll [B, L], correct [B, L] float32), a chunk at a time both ways.
+
+  The forward pass keeps the log-sum-exp per token; the backward pass makes each chunk's logits again
+  (the head's product: one more [B, C, D] x [D, V] matmul per chunk) and sends softmax - onehot back
+  through the head, adding up the head's gradients over chunks. The backward pass is traced after the
+  step's activation-sharding context has closed: `sharding_rules` re-enters the forward's.
+  """
+
+  def per_chunk(head, x_c, y_c):
+    logits = head.logits(x_c)
+    lse = _logsumexp_BxL(logits)
+    return lse - _label_logit_BxL(logits, y_c), lse, (jnp.argmax(logits, axis=-1) == y_c).astype(jnp.float32)
+
+  def forward(x_BxLxD, head, labels_BxL):
+    _, (nll, lse, correct) = jax.lax.scan(lambda carry, xs: (carry, per_chunk(head, *xs)), None,
+                                          (_chunks(x_BxLxD, n), _chunks(labels_BxL, n)))
+    return (_unchunk(nll), _unchunk(correct)), lse
+
+  @jax.custom_vjp
+  def nll(x_BxLxD, head, labels_BxL):
+    return forward(x_BxLxD, head, labels_BxL)[0]
+
+  def fwd(x_BxLxD, head, labels_BxL):
+    out, lse_NxBxC = forward(x_BxLxD, head, labels_BxL)
+    return out, (x_BxLxD, head, labels_BxL, lse_NxBxC)
+
+  def bwd(residuals, cotangents):
+    x_BxLxD, head, labels_BxL, lse_NxBxC = residuals
+    g_BxL = cotangents[0]   # `correct` has no gradient
+
+    def back(d_head, xs):
+      x_c, y_c, lse_c, g_c = xs
+      logits, vjp = jax.vjp(lambda h, x: h.logits(x), head, x_c)
+      vocab = logits.shape[-1]
+      onehot = y_c[..., None] == jax.lax.broadcasted_iota(y_c.dtype, (1, 1, vocab), 2)
+      d_logits = (jnp.exp(logits - lse_c[..., None]) - onehot.astype(jnp.float32)) * g_c[..., None]
+      dh, dx = vjp(d_logits)
+      return jax.tree.map(jnp.add, d_head, dh), dx
+
+    with sharding_rules():
+      zero = jax.tree.map(jnp.zeros_like, head)
+      d_head, dx_NxBxCxD = jax.lax.scan(back, zero, (_chunks(x_BxLxD, n), _chunks(labels_BxL, n), lse_NxBxC,
+                                                     _chunks(g_BxL, n)))
+    return _unchunk(dx_NxBxCxD), d_head, None
+
+  nll.defvjp(fwd, bwd)
+  return nll

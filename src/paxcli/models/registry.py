@@ -12,14 +12,20 @@ from typing import Optional
 
 from paxcli.errors import UserError, did_you_mean, shorten
 from paxcli.models.family import Family, MaxTextBlock
+from paxcli.models.gemma import GEMMA2
+from paxcli.models.gemma3 import GEMMA3
 from paxcli.models.llama import LLAMA
+from paxcli.models.mistral import MISTRAL
 from paxcli.models.qwen2 import QWEN2
 from paxcli.models.qwen3 import QWEN3
 
 FAMILIES: tuple[Family, ...] = (
     LLAMA,
+    MISTRAL,
     QWEN2,
     QWEN3,
+    GEMMA2,
+    GEMMA3,
 )
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import fiddle as fdl
 
 from paxcli.errors import UserError, at_least
-from paxcli.layers import lora
+from paxcli.layers import lora, moe
 from paxcli.layers.transformer import Attention, Mlp
 from paxcli.models import pattern
 
@@ -27,7 +27,18 @@ def validate_lm(lm) -> None:
   for kind, fields in kinds.items():   # each kind's own block, where its knobs changed something
     if not fields:
       continue
+    _validate_window_target(block, fields, kind)
     _validate_block(pattern.kind_template(block, fields), f"the {kind!r} layers' block", f'LAYER_KINDS[{kind!r}]: ')
+
+
+def _validate_window_target(block, fields, kind: str) -> None:
+  """A kind's SLIDING_WINDOW needs paxcli's causal Attention: a swapped-in attention layer has no window."""
+  window = dict(fields).get('attention_tpl.sliding_window', 0)
+  attention = getattr(block, 'attention_tpl', None)
+  if window and (attention is None or fdl.get_callable(attention) is not Attention):
+    name = getattr(fdl.get_callable(attention), '__name__', 'none') if attention is not None else 'none'
+    raise UserError(f'LAYER_KINDS[{kind!r}] sets SLIDING_WINDOW {window}, but the attention layer is {name}, not '
+                    "paxcli's causal Attention: a sliding window needs causal attention.")
 
 
 def _validate_block(block, where: str, label: str) -> None:
@@ -39,6 +50,8 @@ def _validate_block(block, where: str, label: str) -> None:
   if attention.num_heads % attention.num_kv_heads:
     raise UserError(f'{label}NUM_HEADS {attention.num_heads} must be a multiple of NUM_KV_HEADS '
                     f'{attention.num_kv_heads}.')
+  if getattr(attention, 'sliding_window', 0) < 0:
+    raise UserError(f'{label}SLIDING_WINDOW must be 0 (full attention) or positive, got {attention.sliding_window}.')
   if attention.atten_logit_cap < 0:
     raise UserError(f'{label}ATTEN_LOGIT_CAP must be 0 (off) or positive, got {attention.atten_logit_cap}.')
   if attention.rotary and attention.dims_per_head % 2:
@@ -48,6 +61,27 @@ def _validate_block(block, where: str, label: str) -> None:
   ffn = block.ffn_tpl
   if fdl.get_callable(ffn) is Mlp:
     at_least(1, f'{where}.ffn_tpl', ffn, 'hidden_dims')
+  if fdl.get_callable(ffn) is moe.MoeFeedForward:
+    moe.check_settings(ffn, label)
+
+
+def expert_counts(lm) -> list[tuple[str, int]]:
+  """(label, NUM_EXPERTS) of every kind of layer of a TransformerLm config whose feed-forward is a mixture
+  of experts (label: '' for the model's own block, "LAYER_KINDS['moe']: " for a kind's)."""
+  block = getattr(lm, 'block_tpl', None)
+  if block is None:
+    return []
+  blocks = [('', block)] + [(f'LAYER_KINDS[{kind!r}]: ', pattern.kind_template(block, fields))
+                            for kind, fields in pattern.kinds_in_order(getattr(lm, 'layer_pattern', ()),
+                                                                       getattr(lm, 'layer_kinds', ())) if fields]
+  return [(label, b.ffn_tpl.num_experts) for label, b in blocks
+          if fdl.get_callable(b.ffn_tpl) is moe.MoeFeedForward]
+
+
+def validate_expert_axis(lm, axis_size) -> None:
+  """One line when the mesh's expert axis (None: not known yet) does not divide a layer's experts."""
+  for label, experts in expert_counts(lm):
+    moe.check_expert_axis(experts, axis_size, label)
 
 
 def _validate_rotary_scaling(attention) -> None:

@@ -29,7 +29,7 @@ from paxcli.models.base import DecodingModel
 from paxcli.runtime import sharding
 
 MAX_ROWS = 64              # rows per batch by default ...
-TOKENS_PER_BATCH = 4096    # ... and at most this many tokens (the [rows, length, vocab] logits are held)
+TOKENS_PER_BATCH = 4096    # ... and at most this many tokens
 
 
 def bucket(length: int, max_len: int) -> int:
@@ -65,6 +65,8 @@ class Scorer:
 
     def score(params, ids_BxL, pos_BxL, targets_BxL):
       cache = nn.meta.unbox(model.init_cache(params, rows, length))
+      if hasattr(model, 'extend_scores'):   # the logits made a chunk at a time (LOSS_CHUNK_TOKENS)
+        return model.extend_scores(params, cache, ids_BxL, pos_BxL, targets_BxL)[:2]
       logits_BxLxV, _ = model.extend(params, cache, ids_BxL, pos_BxL)
       # log_softmax at the target only: no second [rows, length, vocab] array
       target_BxL = jnp.take_along_axis(logits_BxLxV, targets_BxL[..., None], axis=-1)[..., 0]
