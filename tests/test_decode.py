@@ -291,3 +291,51 @@ def test_dataset_rows_are_prompts(tmp_path, capsys):
   assert (tmp_path / 'job' / 'decoder_out' / 'eval' / 'pax_decode_step0_1.jsonl').exists()
   code, out, err = pax_main(CLI + ['--no-checkpoint', '--dataset', 'evl'], capsys)
   assert code != 0 and "Did you mean 'eval'" in err
+
+
+def _reference_stops(ids, eos_ids, stop, min_length, tok, prompt_ids):
+  """(ids, stop_reason) of a row that decoded `ids` unstopped, by the rules `_stop` applies token by token."""
+  from paxcli.loops.decode.decoder import continuation_text
+  for i, t in enumerate(ids):
+    if i + 1 < min_length:
+      continue
+    if t in eos_ids:
+      return ids[:i + 1], 'eos'
+    if any(s in continuation_text(tok, prompt_ids, ids[:i + 1]) for s in stop):
+      return ids[:i + 1], 'stop_string'
+  return ids, 'max_steps'
+
+
+def test_the_device_loop_stops_rows_as_the_token_by_token_rules_do_past_the_first_look(plain):
+  """Stop strings are looked for every STOP_CHECK_EVERY tokens: one reached after the first look still ends its
+  row at the right token, EOS on the device and min_length hold with it, and the other rows run on."""
+  from paxcli.loops.decode.decoder import STOP_CHECK_EVERY
+  steps = 20
+  assert steps > STOP_CHECK_EVERY + 2
+  free, _ = plain.run(PROMPTS, DecodeOptions(max_decode_steps=steps))
+  tok = _CharTokenizer()
+  # a text that a row first writes after the first look (the tiny model repeats itself: widen until one is)
+  row, text = next((n, tok.decode(r['decoded_ids'][j:j + w])) for w in range(2, 9) for n, r in enumerate(free)
+                   for j in range(STOP_CHECK_EVERY, steps - w + 1)
+                   if tok.decode(r['decoded_ids'][j:j + w]) not in tok.decode(r['decoded_ids'][:j + w - 1]))
+  eos = free[(row + 1) % len(free)]['decoded_ids'][4]
+  for min_length in (0, 6):
+    opts = DecodeOptions(max_decode_steps=steps, stop=(text,), eos_ids=(eos,), min_length=min_length)
+    got, _ = plain.run(PROMPTS, opts, tokenizer=tok)
+    for prompt, f, g in zip(PROMPTS, free, got):
+      want_ids, want_reason = _reference_stops(f['decoded_ids'], (eos,), (text,), min_length, tok, prompt.ids)
+      assert (g['decoded_ids'], g['stop_reason']) == (want_ids, want_reason)
+    reasons = {g['stop_reason'] for g in got}
+    assert 'eos' in reasons and any(g['stop_reason'] == 'stop_string' and g['num_decoded_tokens'] > STOP_CHECK_EVERY
+                                    for g in got)
+
+
+def test_prompts_of_near_lengths_share_one_compiled_loop(plain):
+  from paxcli.loops.decode.decoder import padded_length
+  assert [padded_length(n, 100) for n in (1, 16, 17, 33, 90)] == [16, 16, 32, 64, 100]
+  assert padded_length(40, 20) == 40   # no room to pad: the prompt's own length
+  opts = DecodeOptions(max_decode_steps=4)
+  plain.run([Prompt([3] * 9)], opts)
+  before = len(plain._fns)
+  plain.run([Prompt([3] * 12)], opts)
+  assert len(plain._fns) == before

@@ -209,6 +209,8 @@ def masked_einsum_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, mask_BxLxS, logit_c
   kv_heads = k_BxSxKxE.shape[2]
   groups = h // kv_heads
   scale = e ** -0.5 if scale is None else scale
+  if l == 1:
+    return _one_query_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, mask_BxLxS, logit_cap, scale)
   q_BxLxKxGxE = q_BxLxHxE.reshape(b, l, kv_heads, groups, e) * scale
   logits_BxKxGxLxS = jnp.einsum('blkge,bske->bkgls', q_BxLxKxGxE, k_BxSxKxE).astype(jnp.float32)
   if logit_cap:   # before the mask: the cap would lift the masked logits too
@@ -217,3 +219,18 @@ def masked_einsum_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, mask_BxLxS, logit_c
   probs = jax.nn.softmax(logits_BxKxGxLxS, axis=-1).astype(q_BxLxHxE.dtype)
   out_BxLxKxGxE = jnp.einsum('bkgls,bske->blkge', probs, v_BxSxKxE)
   return out_BxLxKxGxE.reshape(b, l, h, e)
+
+
+def _one_query_attention(q_Bx1xHxE, k_BxSxKxE, v_BxSxKxE, mask_Bx1xS, logit_cap: float, scale: float):
+  """masked_einsum_attention for one query per row (a decoding step) as products summed in place: the
+  einsums' batched dots over (b, k) would first transpose the whole [B, S, K, E] cache, every step."""
+  b, _, h, e = q_Bx1xHxE.shape
+  kv_heads = k_BxSxKxE.shape[2]
+  q_Bx1xKxGxE = q_Bx1xHxE.reshape(b, 1, kv_heads, h // kv_heads, e) * scale
+  logits_BxSxKxG = jnp.sum(q_Bx1xKxGxE * k_BxSxKxE[:, :, :, None], axis=-1, dtype=jnp.float32)
+  if logit_cap:
+    logits_BxSxKxG = logit_cap * jnp.tanh(logits_BxSxKxG / logit_cap)
+  logits_BxSxKxG = jnp.where(mask_Bx1xS[:, 0, :, None, None], logits_BxSxKxG, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(logits_BxSxKxG, axis=1).astype(q_Bx1xHxE.dtype)
+  out_BxKxGxE = jnp.sum(probs[..., None] * v_BxSxKxE[:, :, :, None], axis=1, dtype=jnp.float32)
+  return out_BxKxGxE.astype(q_Bx1xHxE.dtype).reshape(b, 1, h, e)

@@ -12,7 +12,10 @@ so that every row's last prompt token sits in the same cache slot and one cache 
 serves the batch. Padding slots are marked invalid in the cache and never attended to:
 a prompt gets the same tokens in any batch as alone. One forward pass over the padded
 prompts fills the cache (prefill); each step then feeds one token per row at slot
-P + t (P the padded prompt length) and position p + t.
+P + t (P the padded prompt length, a power of two: see `padded_length`) and position p + t.
+Greedy and sampled batches run those steps in one compiled `jax.lax.while_loop` that records
+each row's tokens, logprobs and stop (EOS, budget) on the device; the host comes in only every
+STOP_CHECK_EVERY tokens when stop strings need the text. Beam search steps from the host.
 
 The cache is the model's: its leaves name their logical axes, which map onto the mesh
 by the activation table (the LM's [B, S, K, E] keys and values: batch over (replica,
@@ -109,6 +112,13 @@ def select_tokens(logits_BxV, keys_Bx2, t, temperature, top_k: int, top_p, sampl
   return tok_B, jnp.take_along_axis(logp_BxV, tok_B[:, None], axis=-1)[:, 0]
 
 
+def padded_length(longest: int, room: int) -> int:
+  """The prompt length a batch is left-padded to: a power of two (at least 16), so that prompts of many
+  lengths share a few compiled shapes, but no longer than `room` (what MAX_SEQ_LEN leaves beside the
+  new tokens) unless the longest prompt is. Padding is never attended to: it changes no token."""
+  return max(longest, min(max(16, 1 << (longest - 1).bit_length()), room))
+
+
 class Decoder:
   """Jitted prefill and step functions of a model on its mesh; `run` decodes prompts."""
 
@@ -127,9 +137,9 @@ class Decoder:
     self._fns = {}
     self.compile_seconds = 0.0  # all compilations so far (each shape and strategy compiles once)
 
-  # -- jitted pieces, one compile per (rows, cache length, strategy) --
+  # -- jitted pieces, one compile per (rows, padded prompt length, cache length, strategy) --
   def _compiled(self, rows: int, prompt_len: int, length: int, opts: DecodeOptions):
-    key = (rows, prompt_len, length, opts.sampling, opts.top_k or 0, bool(opts.beam_size))
+    key = (rows, prompt_len, length, opts.sampling, opts.top_k or 0, bool(opts.beam_size), len(_eos(opts)))
     if key in self._fns:
       return self._fns[key]
     sds = jax.ShapeDtypeStruct
@@ -140,6 +150,7 @@ class Decoder:
     batch_sh = sharding.batch_sharding(self.mesh)
     params_sh = self.setup.state_shardings['params']
     top_k, sampling, beam = opts.top_k or 0, opts.sampling, opts.beam_size
+    steps = length - prompt_len
 
     def zeros(params):
       return nn.meta.unbox(model.init_cache(params, rows, length))
@@ -158,24 +169,52 @@ class Decoder:
       logits_Bx1xV, cache = model.extend(params, cache, tok_B[:, None], pos_B[:, None])
       return finish(logits_Bx1xV[:, 0], keys, t, temperature, top_p), cache
 
+    def start(params, cache, ids_BxP, pos_BxP, keys, temperature, top_p, stops):
+      """Prefill, then the first new token recorded (`Progress`)."""
+      (tok_B, lp_B), cache = prefill(params, cache, ids_BxP, pos_BxP, keys, temperature, top_p)
+      return _record(_progress(rows, steps), tok_B, lp_B, 0, stops), cache
+
+    def run_on(params, cache, state, keys, temperature, top_p, stops, until):
+      """Steps on device until every row has stopped or token `until` is recorded: no host in between."""
+      def go(carry):
+        state, _ = carry
+        return (state['t'] < until) & jnp.any(state['reason'] == LIVE)
+
+      def one(carry):
+        state, cache = carry
+        t = state['t'] + 1
+        (tok_B, lp_B), cache = step(params, cache, state['tok'], stops['lengths'] + t - 1, keys, t, temperature,
+                                    top_p)
+        return _record(state, tok_B, lp_B, t, stops), cache
+
+      return jax.lax.while_loop(go, one, (state, cache))
+
     # Compiled ahead of time, so that compilation is timed apart from decoding (compile_s).
-    start = time.perf_counter()
+    begin = time.perf_counter()
     ids_abs = sds((rows, prompt_len), jnp.int32)
     row_ints, keys_abs = sds((rows,), jnp.int32), sds((rows, 2), jnp.uint32)
     f32, i32 = sds((), jnp.float32), sds((), jnp.int32)
-    fns = {
-        'zeros': jax.jit(zeros, in_shardings=(params_sh,), out_shardings=cache_sh).lower(params_abs).compile(),
-        'prefill': jax.jit(prefill, in_shardings=(params_sh, cache_sh, batch_sh, batch_sh, rep, rep, rep),
-                           out_shardings=(rep, cache_sh), donate_argnums=(1,)).lower(
-                               params_abs, abstract, ids_abs, ids_abs, keys_abs, f32, f32).compile(),
-        'step': jax.jit(step, in_shardings=(params_sh, cache_sh, rep, rep, rep, rep, rep, rep),
-                        out_shardings=(rep, cache_sh), donate_argnums=(1,)).lower(
-                            params_abs, abstract, row_ints, row_ints, keys_abs, i32, f32, f32).compile(),
-    }
+    fns = {'zeros': jax.jit(zeros, in_shardings=(params_sh,), out_shardings=cache_sh).lower(params_abs).compile()}
     if beam:
+      fns['prefill'] = jax.jit(prefill, in_shardings=(params_sh, cache_sh, batch_sh, batch_sh, rep, rep, rep),
+                               out_shardings=(rep, cache_sh), donate_argnums=(1,)).lower(
+                                   params_abs, abstract, ids_abs, ids_abs, keys_abs, f32, f32).compile()
+      fns['step'] = jax.jit(step, in_shardings=(params_sh, cache_sh, rep, rep, rep, rep, rep, rep),
+                            out_shardings=(rep, cache_sh), donate_argnums=(1,)).lower(
+                                params_abs, abstract, row_ints, row_ints, keys_abs, i32, f32, f32).compile()
       fns['reorder'] = jax.jit(rows_reorder(row_axes), in_shardings=(cache_sh, rep), out_shardings=cache_sh,
                                donate_argnums=(0,)).lower(abstract, row_ints).compile()
-    self.compile_seconds += time.perf_counter() - start
+    else:
+      stops_abs = {'lengths': row_ints, 'budget': row_ints, 'min_length': i32,
+                   'eos': sds((len(_eos(opts)),), jnp.int32)}
+      state_abs = jax.eval_shape(lambda: _progress(rows, steps))
+      fns['start'] = jax.jit(start, in_shardings=(params_sh, cache_sh, batch_sh, batch_sh, rep, rep, rep, rep),
+                             out_shardings=(rep, cache_sh), donate_argnums=(1,)).lower(
+                                 params_abs, abstract, ids_abs, ids_abs, keys_abs, f32, f32, stops_abs).compile()
+      fns['run_on'] = jax.jit(run_on, in_shardings=(params_sh, cache_sh, rep, rep, rep, rep, rep, rep),
+                              out_shardings=(rep, cache_sh), donate_argnums=(1, 2)).lower(
+                                  params_abs, abstract, state_abs, keys_abs, f32, f32, stops_abs, i32).compile()
+    self.compile_seconds += time.perf_counter() - begin
     self._fns[key] = fns
     return fns
 
@@ -206,7 +245,7 @@ class Decoder:
   def _prepare(self, prompts, rows_prompt, rows, opts):
     """Left-padded ids, positions (-1 at padding) and step budgets for `rows` rows."""
     lengths = [len(prompts[i].ids) for i in rows_prompt]
-    plen = max(lengths)
+    plen = padded_length(max(lengths), self.max_seq_len - min(opts.max_decode_steps, self.max_seq_len - min(lengths)))
     ids = np.zeros((rows, plen), np.int32)
     pos = np.full((rows, plen), -1, np.int32)
     budget = np.zeros((rows,), np.int64)
@@ -229,53 +268,67 @@ class Decoder:
     return None
 
   def _sample_batch(self, prompts, indices, rows, opts, tokenizer, stats):
+    """Greedy or sampled rows, decoded on device: after the prefill one compiled loop runs the steps
+    and records each row's tokens and stop (EOS, budget) without the host; stop strings need the
+    text, so with them the loop returns every STOP_CHECK_EVERY tokens for the host to look."""
     ns = opts.num_samples
     row_prompt = [p for p in range(len(prompts)) for _ in range(ns)]
     row_sample = [s for _ in range(len(prompts)) for s in range(ns)]
+    n = len(row_prompt)
     ids, pos, budget, plen = self._prepare(prompts, row_prompt, rows, opts)
-    steps = int(budget[:len(row_prompt)].max())
+    budget[n:] = 0   # rows past the prompts (the data-parallel round-up) stop at once
+    steps = int(budget[:n].max())
     fns = self._compiled(rows, plen, plen + steps, opts)
     base = jax.random.PRNGKey(opts.seed)
     keys = np.stack([np.asarray(jax.random.fold_in(jax.random.fold_in(base, indices[row_prompt[r]]),
-                                                   row_sample[r])) if r < len(row_prompt) else np.zeros(2, np.uint32)
+                                                   row_sample[r])) if r < n else np.zeros(2, np.uint32)
                      for r in range(rows)]).astype(np.uint32)
     temperature = np.float32(opts.temperature if opts.temperature is not None else 1.0)
     top_p = np.float32(opts.top_p if opts.top_p is not None else 1.0)
+    lengths = np.array([len(prompts[p].ids) for p in row_prompt] + [0] * (rows - n), np.int32)
+    stops = {'lengths': lengths, 'budget': budget.astype(np.int32), 'min_length': np.int32(opts.min_length),
+             'eos': np.asarray(_eos(opts), np.int32)}
     batch_sh = sharding.batch_sharding(self.mesh)
     t0 = time.perf_counter()
     cache = fns['zeros'](self.params)
-    (tok, lp), cache = fns['prefill'](self.params, cache, sharding.from_host(ids, batch_sh),
-                                      sharding.from_host(pos, batch_sh), keys, temperature, top_p)
-    tok, lp = sharding.to_host(tok), sharding.to_host(lp)
+    state, cache = fns['start'](self.params, cache, sharding.from_host(ids, batch_sh),
+                                sharding.from_host(pos, batch_sh), keys, temperature, top_p, stops)
+    jax.block_until_ready(state)
     t1 = time.perf_counter()
     stats['prefill_tokens'] += int(sum(len(prompts[p].ids) for p in row_prompt))
     stats['prefill_s'] += t1 - t0
-    n = len(row_prompt)
-    out_ids = [[] for _ in range(n)]
-    out_lp = [[] for _ in range(n)]
-    reason: list = [None] * n
-    lengths = np.array([len(prompts[p].ids) for p in row_prompt] + [0] * (rows - n))
-    t = 0
+    check_text = bool(opts.stop) and tokenizer is not None
+    every = STOP_CHECK_EVERY if check_text else steps
+    checked = np.zeros(rows, np.int64)   # tokens of each row the host has read for stop strings
     while True:
-      for r in range(n):
-        if reason[r] is None:
-          out_ids[r].append(int(tok[r]))
-          out_lp[r].append(float(lp[r]))
-          reason[r] = self._stop(int(tok[r]), out_ids[r], tokenizer, opts, prompts[row_prompt[r]].ids)
-          if reason[r] is None and len(out_ids[r]) >= budget[r]:
-            reason[r] = 'max_steps'
-      if all(reason):
+      state, cache = fns['run_on'](self.params, cache, state, keys, temperature, top_p, stops,
+                                   np.int32(min(steps - 1, int(sharding.to_host(state['t'])) + every)))
+      host = {k: np.array(sharding.to_host(v)) for k, v in state.items()}   # writable: stop strings
+      if check_text and self._stop_strings(host, checked, n, prompts, row_prompt, tokenizer, opts):
+        state = {**state, 'reason': host['reason'], 'count': host['count']}
+      if not (host['reason'][:n] == LIVE).any():
         break
-      t += 1
-      ts = time.perf_counter()
-      (tok, lp), cache = fns['step'](self.params, cache, np.asarray(tok), np.asarray(lengths + t - 1, np.int32),
-                                     keys, np.int32(t), temperature, top_p)
-      tok, lp = sharding.to_host(tok), sharding.to_host(lp)
-      stats.setdefault('step_s', []).append(time.perf_counter() - ts)
-    stats['decode_tokens'] += sum(len(x) for x in out_ids)
+    stats['decode_tokens'] += int(host['count'][:n].sum())
     stats['decode_s'] += time.perf_counter() - t1
-    return [_record(prompts[row_prompt[r]], indices[row_prompt[r]], row_sample[r], out_ids[r], out_lp[r], reason[r],
-                    tokenizer, opts) for r in range(n)]
+    return [_row_record(prompts[row_prompt[r]], indices[row_prompt[r]], row_sample[r], host, r, tokenizer, opts)
+            for r in range(n)]
+
+  def _stop_strings(self, host, checked, n, prompts, row_prompt, tokenizer, opts) -> bool:
+    """Ends rows whose text reached a stop string among the tokens recorded since the last look (in
+    `host`, in place); True when one did. EOS on the same token wins, as in `_stop`."""
+    changed = False
+    for r in range(n):
+      end = int(host['count'][r])
+      for i in range(int(checked[r]), end):
+        if i + 1 < opts.min_length or (i + 1 == end and host['reason'][r] == EOS):
+          continue
+        text = continuation_text(tokenizer, prompts[row_prompt[r]].ids, host['ids'][r, :i + 1].tolist())
+        if any(s in text for s in opts.stop):
+          host['reason'][r], host['count'][r] = STOP_STRING, i + 1
+          changed = True
+          break
+      checked[r] = host['count'][r]
+    return changed
 
   def _beam_batch(self, prompts, indices, rows, opts, tokenizer, stats):
     k = opts.beam_size
@@ -351,11 +404,49 @@ class Decoder:
     for p in range(P):
       ranked = sorted(done[p], key=lambda h: -h[0])[:k]
       for rank, (norm, s, ids_, lps, why) in enumerate(ranked):
-        rec = _record(prompts[p], indices[p], 0, ids_, lps, why, tokenizer, opts)
+        rec = _record_of(prompts[p], indices[p], 0, ids_, lps, why, tokenizer, opts)
         rec['beam_rank'] = rank
         rec['score'] = norm
         records.append(rec)
     return records
+
+
+# Why a row stopped, as the device loop records it (0: still decoding).
+LIVE, EOS, MAX_STEPS, STOP_STRING = 0, 1, 2, 3
+REASONS = {EOS: 'eos', MAX_STEPS: 'max_steps', STOP_STRING: 'stop_string'}
+STOP_CHECK_EVERY = 16   # tokens the device loop decodes between the host's looks for stop strings
+
+
+def _eos(opts: DecodeOptions) -> tuple:
+  """The ids that end a row (none with ignore_eos)."""
+  return () if opts.ignore_eos else tuple(opts.eos_ids)
+
+
+def _progress(rows: int, steps: int) -> dict:
+  """The device loop's record of a batch: the last token `t` recorded, each row's tokens, model
+  logprobs, count and stop reason; `tok` the tokens to feed next."""
+  return {'t': jnp.int32(-1), 'tok': jnp.zeros((rows,), jnp.int32), 'ids': jnp.zeros((rows, steps), jnp.int32),
+          'lps': jnp.zeros((rows, steps), jnp.float32), 'count': jnp.zeros((rows,), jnp.int32),
+          'reason': jnp.full((rows,), LIVE, jnp.int32)}
+
+
+def _record(state: dict, tok_B, lp_B, t, stops: dict) -> dict:
+  """`state` with new token t of every row still decoding, and the rows it stops: EOS (from
+  min_length on), else the row's budget spent. Stopped rows keep what they had."""
+  live = state['reason'] == LIVE
+  n = t + 1
+  eos = jnp.any(tok_B[:, None] == stops['eos'][None, :], axis=-1) & (n >= stops['min_length'])
+  reason = jnp.where(eos, EOS, jnp.where(n >= stops['budget'], MAX_STEPS, LIVE))
+  return {'t': jnp.asarray(t, jnp.int32), 'tok': tok_B,
+          'ids': jax.lax.dynamic_update_index_in_dim(state['ids'], tok_B, t, axis=1),
+          'lps': jax.lax.dynamic_update_index_in_dim(state['lps'], lp_B, t, axis=1),
+          'count': jnp.where(live, n, state['count']), 'reason': jnp.where(live, reason, state['reason'])}
+
+
+def _row_record(prompt: Prompt, index: int, sample: int, host: dict, r: int, tokenizer, opts) -> dict:
+  count = int(host['count'][r])
+  return _record_of(prompt, index, sample, host['ids'][r, :count].tolist(), host['lps'][r, :count].tolist(),
+                    REASONS[int(host['reason'][r])], tokenizer, opts)
 
 
 def _length_norm(score: float, length: int, alpha: float) -> float:
@@ -375,7 +466,7 @@ def continuation_text(tokenizer, prompt_ids: Sequence[int], ids: Sequence[int]) 
   return whole[len(head):] if whole.startswith(head) else tokenizer.decode(ids)
 
 
-def _record(prompt: Prompt, index: int, sample: int, ids: list, lps: list, reason: str, tokenizer, opts) -> dict:
+def _record_of(prompt: Prompt, index: int, sample: int, ids: list, lps: list, reason: str, tokenizer, opts) -> dict:
   text = None
   if tokenizer is not None:
     shown = ids[:-1] if reason == 'eos' else ids
