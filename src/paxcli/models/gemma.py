@@ -109,7 +109,8 @@ class Gemma2(Family):
              ('softmax_bias', False, 'USE_SOFTMAX_BIAS=False'),
              ('tied_logits_bfloat16', False, 'TIED_LOGITS_BFLOAT16=False'),
              ('parallel_block', False, 'PARALLEL_BLOCK=False'),
-             ('qk_norm', self.qk_norm, f'USE_QK_NORM={self.qk_norm}')]
+             ('qk_norm', self.qk_norm, f'USE_QK_NORM={self.qk_norm}'),
+             ('pre_norms', True, 'PRE_NORMS=True'), ('qk_norm_after_rotary', False, 'QK_NORM_AFTER_ROTARY=False')]
     for flat, value, knob in wants:
       have = getattr(model, flat, None)
       if (bool(have) if isinstance(value, bool) else have) != value:
