@@ -5,6 +5,7 @@ from __future__ import annotations
 import keyword
 import os
 import re
+import shlex
 from typing import Any
 
 from paxcli import files, gencode
@@ -17,6 +18,25 @@ _INDENT = '  '
 TINY = ('NUM_LAYERS=2', 'MODEL_DIMS=64', 'HIDDEN_DIMS=128', 'NUM_HEADS=4', 'NUM_KV_HEADS=None',
         'DIMS_PER_HEAD=16', 'VOCAB_SIZE=256', 'MAX_SEQ_LEN=32', 'PERCORE_BATCH_SIZE=1',
         'ICI_MESH_SHAPE=None', 'DCN_MESH_SHAPE=None', 'NUM_TRAIN_STEPS=2')
+
+
+def tiny_overrides(knobs: dict) -> list[str]:
+  """TINY for a model's knobs: a stack of layer kinds keeps one whole group of its LAYER_PATTERN (Gemma 3
+  4B's 34 kinds are its group of six repeated and cut: the tiny check runs that group once)."""
+  pattern = tuple(knobs.get('LAYER_PATTERN') or ())
+  if len(pattern) <= 1:
+    return list(TINY)
+  group = next(pattern[:p] for p in range(1, len(pattern) + 1)
+               if all(pattern[i] == pattern[i % p] for i in range(len(pattern))))
+  layers = [f'NUM_LAYERS={len(group)}'] + ([f'LAYER_PATTERN={group!r}'.replace(' ', '')] if group != pattern else [])
+  return layers + list(TINY[1:])
+
+
+def _shell_word(text: str) -> str:
+  """One shell word, in double quotes where it holds single quotes and nothing a shell expands there."""
+  if "'" in text and not any(c in text for c in '"$`\\!'):
+    return f'"{text}"'
+  return shlex.quote(text)
 
 
 def default_stem(script_path: str) -> str:
@@ -92,7 +112,7 @@ def render(t: Translation, class_name: str, output_path: str) -> str:
   ]
   if t.unsupported:
     lines.append('trains, not that it matches MaxText):')
-  tiny = list(TINY) + (['UNSUPPORTED_FEATURES={}'] if t.unsupported else [])
+  tiny = [_shell_word(s) for s in tiny_overrides(t.knobs)] + (['UNSUPPORTED_FEATURES={}'] if t.unsupported else [])
   lines += [
       f'  pax train --exp {exp} \\',
       '    ' + ' '.join(f'--set {s}' for s in tiny[:5]) + ' \\',
