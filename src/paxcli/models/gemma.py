@@ -125,6 +125,21 @@ class Gemma2(Family):
   hf_model_types = ('gemma2',)
   hf_architectures = ('Gemma2ForCausalLM',)
   maxtext_blocks = {'gemma2': MaxTextBlock(MAXTEXT_GEMMA, from_config=_maxtext_gemma2)}
+  # MaxText gemma2 layer parameter -> (paxcli name below a layer, per-layer rank, position in the layer):
+  # a MaxText layer is a (local, global) pair, paxcli's layers 2i and 2i + 1 (models/gemma2.py).
+  maxtext_layer_params = {
+      f'{mt}_{kind}/{leaf}': (pax, rank, slot)
+      for slot, kind in enumerate(('local', 'global'))
+      for mt, leaf, pax, rank in (
+          ('self_attention', 'query/kernel', 'attention/query/kernel', 3),
+          ('self_attention', 'key/kernel', 'attention/key/kernel', 3),
+          ('self_attention', 'value/kernel', 'attention/value/kernel', 3),
+          ('self_attention', 'out/kernel', 'attention/out/kernel', 3),
+          ('mlp', 'wi_0/kernel', 'mlp/wi_0/kernel', 2), ('mlp', 'wi_1/kernel', 'mlp/wi_1/kernel', 2),
+          ('mlp', 'wo/kernel', 'mlp/wo/kernel', 2),
+          ('pre_self_attention_norm', 'scale', 'attention_norm/scale', 1),
+          ('post_self_attention_norm', 'scale', 'post_attention_norm/scale', 1),
+          ('pre_ffw_norm', 'scale', 'mlp_norm/scale', 1), ('post_ffw_norm', 'scale', 'post_mlp_norm/scale', 1))}
   qk_norm = False          # Gemma 3's layer normalises each head's query and key
   soft_caps = True         # Gemma 3 has none
   rope_per_kind = False    # Gemma 3: local and global layers have their own rotary base and scaling

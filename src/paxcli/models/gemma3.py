@@ -56,6 +56,7 @@ class Gemma3(Gemma2):
   hf_model_types = ('gemma3_text',)
   hf_architectures = ('Gemma3ForCausalLM',)
   maxtext_blocks = {'gemma3': MaxTextBlock(MAXTEXT_GEMMA, from_config=_maxtext_gemma3)}
+  maxtext_layer_params = {}   # --from maxtext reads no gemma3 checkpoints yet (import-maxtext does write recipes)
   qk_norm = True
   soft_caps = False
   rope_per_kind = True
