@@ -21,9 +21,17 @@ family's, paxcli.models.llama.Llama.maxtext_layer_params, the family the experim
     pre_self_attention_norm/scale (default block)  attention_norm/scale
     post_self_attention_layer_norm/scale (llama2)  mlp_norm/scale (the default block has none:
                                                    PARALLEL_BLOCK, one norm for attention and MLP)
+  A gemma2 decoder layer is a (local, global) pair (paxcli.models.gemma: maxtext_layer_params):
+    self_attention_local/..., mlp_local/..., pre_self_attention_norm_local, post_self_attention_norm_local,
+    pre_ffw_norm_local, post_ffw_norm_local (and _global)   -> layer 2i (2i + 1), or row i of
+                                                    params/layers/block_0 (block_1) of LAYER_PATTERN
 MaxText's attention does not divide the logits by sqrt(E): its query kernel is initialised
-divided by sqrt(E) instead, and so carries the factor paxcli's attention applies (1/sqrt(E)),
-which the conversion multiplies back in. Rotary: both rotate halves (x1, x2) with timescale
+divided by sqrt(E) instead, and so carries the factor paxcli's attention applies (1/sqrt(E), or
+1/sqrt(QUERY_PRE_ATTN_SCALAR)), which the conversion multiplies back in. MaxText's Gemma blocks store
+the embedding x sqrt(emb_dim) and divide the tied logits by sqrt(emb_dim) (normalize_embedding_logits):
+paxcli's SCALE_EMBEDDING_SQRT_DEPTH with the embedding / sqrt(D) (the bfloat16 copy tied logits read
+rounds the same where sqrt(D) is a power of two); their RMSNorm scales are plain: s - 1 under
+NORM_PLUS_ONE. Rotary: both rotate halves (x1, x2) with timescale
 max_timescale^(2i/E), the same convention; norms are RMSNorm with a plain scale in both. Tied
 output logits (logits_via_embedding) read a bfloat16 copy of the embedding in MaxText: the
 recipe's TIED_LOGITS_BFLOAT16.
