@@ -92,10 +92,10 @@ def test_the_blockwise_kernel_is_the_einsum_reference_values_and_gradients(cap):
   """Several blocks, the last one short, packing, Gemma's query scale and a soft cap that bites."""
   q, k, v = _qkv(45)
   segments = jnp.asarray(np.repeat([[1] * 20 + [2] * 25, [1] * 45], 1, axis=0), jnp.int32)
-  ours = lambda q, k, v: attention_ops.blockwise_attention(q, k, v, segments, cap, scale=0.1, block_q=16)
-  ref = lambda q, k, v: attention_ops.einsum_attention(q, k, v, segments, cap, scale=0.1)
+  ours = jax.jit(lambda q, k, v: attention_ops.blockwise_attention(q, k, v, segments, cap, scale=0.1, block_q=16))
+  ref = jax.jit(lambda q, k, v: attention_ops.einsum_attention(q, k, v, segments, cap, scale=0.1))
   np.testing.assert_allclose(ours(q, k, v), ref(q, k, v), atol=2e-6)
-  loss = lambda f: jax.grad(lambda *a: jnp.sum(jnp.sin(f(*a))), argnums=(0, 1, 2))(q, k, v)
+  loss = lambda f: jax.jit(jax.grad(lambda *a: jnp.sum(jnp.sin(f(*a))), argnums=(0, 1, 2)))(q, k, v)
   for a, b in zip(loss(ours), loss(ref)):
     np.testing.assert_allclose(a, b, atol=2e-5)
   if cap:   # the cap acts here: without it the function is another

@@ -185,7 +185,7 @@ def _model(**settings):
   return model, model.init(jax.random.key(1), ids)['params']
 
 
-@pytest.mark.parametrize('settings', [dict(sliding_window=6),
+@pytest.mark.parametrize('settings', [pytest.param(dict(sliding_window=6), marks=pytest.mark.slow),
                                       dict(layer_pattern=('local', 'global'), scan_layers=True,
                                            layer_kinds={'local': {'SLIDING_WINDOW': 6}})], ids=['uniform', 'local_global'])
 def test_extend_in_chunks_of_every_size_gives_the_full_forward_logits(settings):
@@ -200,7 +200,7 @@ def test_extend_in_chunks_of_every_size_gives_the_full_forward_logits(settings):
   extend = jax.jit(model.extend)
   cache = jax.tree.map(jnp.asarray, nn.meta.unbox(model.init_cache(params, 2, 40)))
   start = 0
-  for size in (5, 1, 3, 9, 1, 1, 13, 2, 5):
+  for size in (5, 1, 1, 13, 5, 1, 13, 1):   # three sizes: three compiles
     logits, cache = extend(params, cache, jnp.asarray(ids[:, start:start + size]),
                            jnp.asarray(np.where(positions[:, start:start + size] >= 0, positions[:, start:start + size], -1)))
     np.testing.assert_allclose(logits[0], full[0, start:start + size], atol=2e-5)

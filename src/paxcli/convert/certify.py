@@ -128,13 +128,18 @@ def have_peft() -> bool:
 
 @contextlib.contextmanager
 def _quiet_transformers():
-  """transformers' own warnings (generation defaults, ...) and loading bars kept out of the command's output."""
+  """transformers' and PEFT's own warnings (generation defaults, their deprecations, ...) and loading bars kept
+  out of the command's output."""
+  import warnings
+
   import transformers
   before, bars = transformers.logging.get_verbosity(), transformers.utils.logging.is_progress_bar_enabled()
   transformers.logging.set_verbosity_error()
   transformers.utils.logging.disable_progress_bar()
   try:
-    yield
+    with warnings.catch_warnings():
+      warnings.simplefilter('ignore', FutureWarning)
+      yield
   finally:
     transformers.logging.set_verbosity(before)
     if bars:
@@ -172,7 +177,7 @@ def hf_model(family, view, weights: dict):
     model = transformers.AutoModelForCausalLM.from_config(
         transformers.AutoConfig.for_model(config.pop('model_type'), **config), dtype=torch.float32,
         attn_implementation='eager')
-  state = {w.hf: torch.from_numpy(np.ascontiguousarray(w.to_hf(np.asarray(weights[w.paxcli], np.float32))))
+  state = {w.hf: torch.from_numpy(np.array(w.to_hf(np.asarray(weights[w.paxcli], np.float32)), order='C'))
            for w in family.hf_weights(view)}
   missing, unexpected = model.load_state_dict(state, strict=False)
   tied = {'lm_head.weight'} if not view.separate_embedding else set()
@@ -185,8 +190,9 @@ def peft_side(family, view, base: dict, adapters: str) -> Side:
   """PEFT's LoRA from directory `adapters` on transformers' model of the base weights `base`."""
   def run(ids):
     import peft
-    model = peft.PeftModel.from_pretrained(hf_model(family, view, base), adapters, is_trainable=False)
-    return _torch_logits(model, ids)
+    with _quiet_transformers():
+      model = peft.PeftModel.from_pretrained(hf_model(family, view, base), adapters, is_trainable=False)
+      return _torch_logits(model, ids)
   return Side(f'PEFT\'s LoRA from the written adapters on transformers {family.hf_architectures[0]} (float32) '
               'of the base', run)
 
