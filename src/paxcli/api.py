@@ -473,6 +473,15 @@ class _DataProgress:
 # ---- checkpoints and MaxText -----------------------------------------------------------------
 
 
+def goodput(job_dir: str) -> dict:
+  """`pax goodput`: where the job's wall time went, across its processes and restarts (jobdir/ledger.py)."""
+  from paxcli.jobdir import ledger
+  directory = path_arg(job_dir, 'JOB')
+  if not storage.isdir(directory):
+    raise UserError(f'{job_dir} is not a directory; give the job directory of a `pax train` run.')
+  return ledger.summarize(layout.job_dir_of(directory))
+
+
 def inspect_checkpoint(path: str, *, step: Optional[int] = None, fmt: Optional[str] = None) -> dict:
   """`pax checkpoint inspect`: a checkpoint's metadata, no array read: arrays (name, shape, dtype,
   bytes, sharding), totals and saved config. fmt: orbax, safetensors, hf, paxml (default: detected)."""

@@ -77,7 +77,10 @@ def summary_lines(s: dict) -> list[str]:
            if s['flops_per_token'] else s['flops_per_token_note'])
   family = (f"{s['family']} (pax checkpoint convert --to hf writes its Hugging Face layout)" if s.get('family')
             else f"none with a Hugging Face layout ({s.get('family_note')})")
-  return [f"# parameters: {count(s['parameters'])} ({s['parameters']:,})",
+  active = s.get('active_parameters')
+  sparse = (f"; active per token: {count(active)} ({active:,}: the experts a token is routed to)"
+            if active is not None and active != s['parameters'] else '')
+  return [f"# parameters: {count(s['parameters'])} ({s['parameters']:,}){sparse}",
           f'# FLOPs per token: {flops}',
           f'# global batch: {batch}',
           f'# devices needed: {devices}',

@@ -22,6 +22,16 @@
   trackers/wandb/           W&B's own files of the run (offline runs wait here for `wandb sync`; for a job
                             in a bucket, ./wandb on this machine)
   lm_eval/                  `pax lm-eval`'s results: results_step<k>_<n>.json (+ ..._samples_<task>.jsonl)
+  goodput/                  where the run's time went (jobdir/ledger.py; `pax goodput`): append-only
+    process_<i>.jsonl       ledgers, one per process and one of `pax launch`, and job.json, the job's
+    launch.jsonl            identity (a fast checkpoint tier holds it, so a remade job is told apart)
+    job.json
+  summaries/goodput/        the same, over time, for TensorBoard
+
+Outside the job directory, on each host: the fast checkpoint tier (LOCAL_CHECKPOINT_DIR;
+jobdir/fast_tier.py), named here too:
+  <local>/owner.json              the job that owns it (its path and identity)
+  <local>/process_<i>-of-<n>/<step>/  one process's own shards of a step (orbax, per process)
 
 Every function takes the job directory as a command holds it: made absolute, symlinks resolved,
 by `absolute` once where the command starts (orbax refuses relative paths, and a path resolved
@@ -236,3 +246,33 @@ def lm_eval_samples(results: str, task: str) -> str:
 def eval_claim(job_dir: str, step: int) -> str:
   """In a bucket, the claim of the follower evaluating `step` (a local job directory flocks the step instead)."""
   return os.path.join(job_dir, 'eval_claims', str(step))
+
+
+def goodput(job_dir: str) -> str:
+  """The goodput ledgers' directory (jobdir/ledger.py)."""
+  return os.path.join(job_dir, 'goodput')
+
+
+def goodput_ledger(job_dir: str, process: int) -> str:
+  """Process `process`'s append-only ledger of where its wall time went."""
+  return os.path.join(goodput(job_dir), f'process_{int(process)}.jsonl')
+
+
+def launch_ledger(job_dir: str) -> str:
+  """`pax launch`'s ledger of this job: its start and end, each failure it saw and each restart."""
+  return os.path.join(goodput(job_dir), 'launch.jsonl')
+
+
+def job_identity(job_dir: str) -> str:
+  """The job's identity (a random id made at its first start), which its fast tier records."""
+  return os.path.join(goodput(job_dir), 'job.json')
+
+
+def local_tier_owner(local_dir: str) -> str:
+  """The fast tier's record of the job it belongs to."""
+  return os.path.join(local_dir, 'owner.json')
+
+
+def local_tier_process(local_dir: str, process: int, count: int) -> str:
+  """One process's fast-tier checkpoints (orbax step directories) under LOCAL_CHECKPOINT_DIR."""
+  return os.path.join(local_dir, f'process_{int(process)}-of-{int(count)}')

@@ -33,9 +33,11 @@ from paxcli.convert import lora as convert_lora
 from paxcli.errors import UserError
 from paxcli.inputs import grain_input
 from paxcli.jobdir import checkpoint as ckpt
+from paxcli.jobdir import fast_tier
 from paxcli.jobdir import format as job_format
 from paxcli.jobdir import invocation
 from paxcli.jobdir import layout
+from paxcli.jobdir import ledger
 from paxcli.jobdir import lock as joblock
 from paxcli.jobdir import restore
 from paxcli.jobdir import storage
@@ -44,8 +46,11 @@ from paxcli.jobdir import tokenizer
 from paxcli.jobdir import trackers as track
 from paxcli.layers.base import AUX_LOSS, NON_TRAINABLE, RANDOM, SUMMARIES, flatten_collection
 from paxcli.loops.decode.training import TrainDecoder
+from paxcli.loops import goodput
 from paxcli.loops.evaluate import Evaluator, metrics_line
 from paxcli.loops.hooks import Chrono, Hooks, StepInfo, Window
+from paxcli.loops.router_watch import RouterWatch, load_note, totals
+from paxcli.models import pattern
 from paxcli.perf import flops
 from paxcli.perf import profiling
 from paxcli.runtime import distributed
@@ -69,10 +74,12 @@ def make_train_step(setup, batch_sharding, dropout_seed: int, compiler_options: 
 
   The model's fprop gives (loss, metrics); aux losses its layers add join the loss;
   non-trainable variables come back updated (the optimizer never sees them); layer
-  summaries come back in the metrics under 'summary/<layer path>/<name>'.
+  summaries come back in the metrics under 'summary/<layer path>/<name>', one per layer whether the
+  stack is scanned or not.
   `compiler_options`: XLA options for this program only (a PGLE profile, for one).
   """
   model, tx = setup.model, setup.tx
+  layers_per_group = pattern.period(getattr(getattr(model, 'lm_tpl', None), 'layer_pattern', None))
   lr_fn = optim.learning_rate_fn(setup.train)
   deterministic = not model.has_dropout
   has_non_trainable = 'non_trainable' in setup.state_shardings
@@ -108,8 +115,9 @@ def make_train_step(setup, batch_sharding, dropout_seed: int, compiler_options: 
     if aux:
       metrics['model_loss'] = loss
       metrics.update({f'aux_loss/{k}': jnp.sum(v) for k, v in aux.items()})
-    for name, value in flatten_collection(updates.get(SUMMARIES, {})).items():
-      metrics[f'summary/{name}'] = jnp.mean(value)  # scanned layers: the mean over layers
+    summaries = pattern.per_layer(updates.get(SUMMARIES, {}), layers_per_group)
+    for name, value in flatten_collection(summaries).items():
+      metrics[f'summary/{name}'] = jnp.mean(value)
     new_state = {'step': state['step'] + 1, 'params': params, 'opt_state': opt_state}
     if has_non_trainable:
       new_state['non_trainable'] = sync_non_trainable(updates[NON_TRAINABLE], setup)
@@ -234,7 +242,7 @@ class LossCheck:
     return rows
 
   def _check(self, step: int, metrics) -> dict:
-    values = {k: float(v) for k, v in metrics.items()}
+    values = {k: float(v) for k, v in jax.device_get(metrics).items()}   # one transfer for all
     if not math.isfinite(values['loss']):
       raise TrainingDiverged(f'The loss became {values["loss"]} at step {step}; stopping. No checkpoint of '
                              'this state was written. Lower the learning rate or check the input.')
@@ -254,8 +262,10 @@ class Summary:
   summary, with rates over the window's steady time, into TensorBoard and train_metrics.jsonl
   (process 0's `writer`) and the log. `last` is the latest summary (the run's return value)."""
 
-  def __init__(self, losses: LossCheck, chrono: Chrono, reporter: Reporter, writer, mfu_of, start_step: int):
+  def __init__(self, losses: LossCheck, chrono: Chrono, reporter: Reporter, writer, mfu_of, start_step: int,
+               router_watch: Optional[RouterWatch] = None):
     self._losses, self._chrono, self._reporter, self._writer, self._mfu_of = losses, chrono, reporter, writer, mfu_of
+    self._router_watch = router_watch
     self.last = {'step': start_step}
 
   def __call__(self, info: StepInfo) -> None:
@@ -264,7 +274,10 @@ class Summary:
     if rows and not any(r['tokens'] for r in rows):
       self._reporter.log(f"warning: steps {rows[0]['step']}-{rows[-1]['step']} had zero total weight (every "
                          'target token masked): their loss 0 means nothing was trained.')
+    if self._router_watch:
+      self._router_watch(rows)
     self.last = _summarize(info.step, rows, window, self._mfu_of)
+    self.last.update(totals(self.last))
     if self._writer:
       self._writer.scalars(info.step, {k: v for k, v in self.last.items() if k != 'step'})
     self._reporter.summary(self.last, self._chrono.eta(info.step, self.last['steps_per_sec']))
@@ -276,16 +289,27 @@ class Summary:
 
 class Saver:
   """Hook, every save_interval_steps, at the end and at a stop: a checkpoint of the state (never of
-  non-finite parameters) with the meta a resume reads (RunSpec, input position, recent losses)."""
+  non-finite parameters) with the meta a resume reads (RunSpec, input position, recent losses).
 
-  def __init__(self, checkpointer: ckpt.Checkpointer, losses: LossCheck, spec: RunSpec, start: Start, setup,
-               train_input):
+  The same hook saves the fast tier (jobdir/fast_tier.py) every LOCAL_CHECKPOINT_EVERY steps, with
+  `skip` the steps the persistent tier saves. Its time, less the wait for the step itself, is a
+  checkpoint stall on the clock.
+  """
+
+  def __init__(self, checkpointer, losses: LossCheck, spec: RunSpec, start: Start, setup, train_input,
+               chrono: Chrono, skip: Callable[[StepInfo], bool] = lambda info: False):
     self._checkpointer, self._losses, self._spec, self._start = checkpointer, losses, spec, start
-    self._setup = setup
+    self._setup, self._chrono, self._skip = setup, chrono, skip
     self._input_state = getattr(train_input, 'get_state', None)  # an input that keeps its own position
 
   def __call__(self, info: StepInfo) -> None:
+    if self._skip(info):
+      return
     self._losses.settle()  # the step's loss is checked before its state is saved
+    with self._chrono.phase('checkpoint'):
+      self._save(info)
+
+  def _save(self, info: StepInfo) -> None:
     if not params_finite(info.state['params']):
       raise TrainingDiverged(f'The parameters became non-finite at step {info.step} (the loss was still finite); '
                              'stopping without saving them. Lower the learning rate or clip gradients.')
@@ -297,6 +321,11 @@ class Saver:
         'input_layout': spec.input_layout, 'recent_losses': list(guard.recent), 'loss': guard.median(),
         'checksums': train_state.checksums(state), **({'base': spec.base} if spec.base else {})},
         input_state=self._input_state() if self._input_state else None)
+
+  def close(self) -> None:
+    """Waits for the last save (a stall at the end of the run) and closes the checkpointer."""
+    with self._chrono.phase('checkpoint'):
+      self._checkpointer.close()
 
 
 def params_finite(params) -> bool:
@@ -419,8 +448,7 @@ class Reporter:
     self._last = record
     if self.enabled and not self.interactive:
       accuracy = f"  accuracy {record['accuracy']:.4f}" if 'accuracy' in record else ''
-      aux = ''.join(f"  {k} {v:.4g}" for k, v in record.items() if k.startswith('aux_loss/'))
-      self.log(f"step {record['step']}: loss {record['loss']:.4f}{accuracy}{aux}  "
+      self.log(f"step {record['step']}: loss {record['loss']:.4f}{accuracy}{aux_note(record)}{load_note(record)}  "
                f"lr {record['learning_rate']:.3g}  grad_norm {record['grad_norm']:.3f}  "
                f"{record['steps_per_sec']:.2f} steps/s  {record['tokens_per_sec']:,.0f} tokens/s"
                f"{mfu_note(record)}{eta_note(eta_seconds)}{window_note(record)}")
@@ -450,6 +478,17 @@ def _summarize(step: int, rows: list[dict], window: Window, mfu_of=None) -> dict
   if mfu_of:
     out.update(mfu_of(out['steps_per_sec']))
   return out
+
+
+def aux_note(record: dict) -> str:
+  """'  load_balance_loss 0.0102' for each aux loss by name, summed over the layers that add it (each
+  layer's stays in TensorBoard and train_metrics.jsonl as aux_loss/<layer path>/<name>)."""
+  by_name: dict[str, float] = {}
+  for key, value in record.items():
+    if key.startswith('aux_loss/'):
+      name = key.rsplit('/', 1)[-1]
+      by_name[name] = by_name.get(name, 0.0) + value
+  return ''.join(f'  {name} {value:.4g}' for name, value in by_name.items())
 
 
 def mfu_note(record: dict) -> str:
@@ -491,14 +530,29 @@ def train(resolved, job_dir: str, console, verbose: bool = False, profile_steps=
   profiling.check_pgle(pgle, pgle_profile)
   joblock.check_writable(job_dir)  # makes the directory
   lock = joblock.lock_run(job_dir, _printer(console) if jax.process_index() == 0 else _silent)
+  accounting, status = None, 1
   try:
-    return _train(resolved, job_dir, console, verbose, profile_steps, pgle_profile, lock)
+    accounting = goodput.Goodput(job_dir, is_main=jax.process_index() == 0)
+    result = _train(resolved, job_dir, console, accounting, verbose, profile_steps, pgle_profile, lock)
+    status = 0
+    return result
+  except SystemExit as e:
+    status = e.code if isinstance(e.code, int) else 1
+    raise
+  except UserError as e:
+    status = e.exit_code
+    raise
+  except KeyboardInterrupt:
+    status = 130
+    raise
   finally:
+    if accounting is not None:
+      accounting.close(status)
     if lock is not None:
       lock.release()
 
 
-def _train(resolved, job_dir: str, console, verbose: bool = False, profile_steps=None,
+def _train(resolved, job_dir: str, console, accounting: goodput.Goodput, verbose: bool = False, profile_steps=None,
            pgle_profile: Optional[str] = None, lock=None) -> dict:
   is_main = jax.process_index() == 0
   log = _printer(console) if is_main else _silent
@@ -532,8 +586,14 @@ def _train(resolved, job_dir: str, console, verbose: bool = False, profile_steps
   latest = checkpointer.latest_step()
   if latest is not None and latest >= total:
     return _already_finished(job_dir, latest, spec, total, checkpointer, log)
-  state, start = (_resume(setup, job_dir, latest, spec, checkpointer, log) if latest is not None
-                  else (_fresh_state(setup, base, resolved.experiment.RANDOM_SEED, log), Start(0)))
+  fast = _open_fast_tier(train_cfg, job_dir, setup, log)
+  state, start = _resume_fast(fast, spec, latest, log)
+  if state is None:
+    state, start = (_resume(setup, job_dir, latest, spec, checkpointer, log) if latest is not None
+                    else (_fresh_state(setup, base, resolved.experiment.RANDOM_SEED, log), Start(0)))
+  if fast is not None:
+    fast.discard_after(start.step)
+  accounting.resumed(start.step, start.tier)
   if is_main:
     storage.write_text(layout.config(job_dir), resolved.as_text())
     _trim_replayed_metrics(job_dir, start.step, log)
@@ -541,7 +601,7 @@ def _train(resolved, job_dir: str, console, verbose: bool = False, profile_steps
   # ---- Input, step, evals ---------------------------------------------------------------------------
   if is_main:
     tokenizer.save_to_job_dir(train_input, job_dir)
-  _position_input(train_input, job_dir, start, log)
+  _position_input(train_input, job_dir, start, fast, log)
   batch_sharding = sharding.batch_sharding(setup.mesh)
   profiler = profiling.StepProfiler(job_dir, log, profile_steps, pgle_profile, start.step)
   train_step = TrainStep(setup, batch_sharding, resolved.experiment.RANDOM_SEED + 1, profiler)
@@ -562,34 +622,46 @@ def _train(resolved, job_dir: str, console, verbose: bool = False, profile_steps
   reporter = Reporter(console, total, start.step, enabled=is_main)
   guard = LossGuard(train_cfg.loss_spike_factor, train_cfg.loss_spike_window, start.recent_losses)
   losses = LossCheck(guard, start.step, total, checkpointer)
-  chrono = Chrono(start.step, total)
-  summary = Summary(losses, chrono, reporter, writer, mfu_of, start.step)
+  chrono = Chrono(start.step, total, accounting.stopwatch)
+  summary = Summary(losses, chrono, reporter, writer, mfu_of, start.step,
+                    RouterWatch(train_cfg.router_collapse_fraction, train_cfg.router_collapse_steps, log))
   stop = GracefulStop(enabled=jax.process_count() == 1)
+  saver = Saver(checkpointer, losses, spec, start, setup, train_input, chrono)
   with Hooks() as hooks:
     hooks.enter_context(tracked)  # entered first, so ended last: after the writers' final summaries
     hooks.add_before(profiler.before)
     hooks.add(train_step.profile, every=1, close=profiler.close)
     hooks.add(losses, every=1)
     hooks.add(summary, every=train_cfg.summary_interval_steps, at_end=True, close=summary.close)
-    hooks.add(Saver(checkpointer, losses, spec, start, setup, train_input), every=train_cfg.save_interval_steps, at_end=True,
-              on_stop=True, close=checkpointer.close)
+    hooks.add(accounting.summary_hook, every=train_cfg.summary_interval_steps, at_end=True)
+    hooks.add(saver, every=train_cfg.save_interval_steps, at_end=True, on_stop=True, close=saver.close)
+    if fast is not None:
+      hooks.add(Saver(fast, losses, spec, start, setup, train_input, chrono, skip=saver_due(train_cfg)),
+                every=fast.settings.every, close=fast.close)
     if evaluator:
       hooks.add(_eval_hook(evaluator, reporter, chrono), every=train_cfg.eval_interval_steps, close=evaluator.close)
     if decoder:
       hooks.add(_decode_hook(decoder, reporter, chrono), every=train_cfg.decode_interval_steps, at_end=True,
                 close=decoder.close)
     hooks.add(reporter, every=1, close=reporter.close)
+    hooks.add(accounting.step_hook, every=1)
     hooks.add(stop.hook(checkpointer, reporter, log, layout.checkpoints(job_dir)), on_stop=True)
     hooks.enter_context(stop)
     hooks.enter_context(chrono)
+    hooks.callback(accounting.heartbeat.close)  # the loop is over (closed first): no hang timeout for what follows
 
     # ---- Loop -------------------------------------------------------------------------------------
     for step in range(start.step + 1, total + 1):
-      batch = to_global(train_input.get_next(), batch_sharding, setup.global_batch)
+      with chrono.phase('data'):
+        batch = to_global(train_input.get_next(), batch_sharding, setup.global_batch)
       hooks.before(step)
       state, metrics = train_step(state, batch)
       hooks.after(StepInfo(step, state, metrics, last=step == total, stopping=stop.requested))
+  if fast is not None:
+    fast.clear()  # the run finished: its last persistent checkpoint supersedes the fast tier
   _log_done(job_dir, summary.last, train_cfg.save_max_to_keep, log)
+  if is_main:
+    log(accounting.line() + f' `pax goodput {job_dir}` has the table.')
   return summary.last
 
 
@@ -647,10 +719,12 @@ class RunSpec:
 @dataclasses.dataclass(frozen=True)
 class Start:
   """Where this invocation begins: the step it resumes from (0: a fresh run), the input batches
-  already consumed, and the recent losses the loss guard goes on from."""
+  already consumed, the recent losses the loss guard goes on from, and the checkpoint tier the
+  state came from ('fast', 'persistent'; None: a fresh run)."""
   step: int
   batches_consumed: int = 0
   recent_losses: tuple = ()
+  tier: Optional[str] = None
 
 
 def _fresh_state(setup, base: Optional[restore.BaseRef], seed: int, log) -> dict:
@@ -700,21 +774,64 @@ def _resume(setup, job_dir: str, step: int, spec: RunSpec, checkpointer, log) ->
   if layout_note:
     log(layout_note)
   log(f'Resumed from step {step} ({batches_consumed} batches consumed).')
+  _note_changes(meta, spec, log)
+  return restored.state, Start(step, batches_consumed, meta.get('recent_losses') or (), 'persistent')
+
+
+def _note_changes(meta: dict, spec: RunSpec, log) -> None:
   changed = config_differences(meta.get('config') or {}, spec.flat, prefixes=('',))
   if changed:
     log(f'Note: {len(changed)} setting(s) differ from the checkpoint\'s config (the run goes on '
         'with the new ones):\n  ' + '\n  '.join(changed))
-  return restored.state, Start(step, batches_consumed, meta.get('recent_losses') or ())
 
 
-def _position_input(train_input, job_dir: str, start: Start, log) -> None:
+def _open_fast_tier(train_cfg, job_dir: str, setup, log) -> Optional[fast_tier.FastTier]:
+  """The fast checkpoint tier when LOCAL_CHECKPOINT_DIR/EVERY are set: checked (writable, this job's,
+  room on its disk) before any training, every process alike."""
+  settings = fast_tier.Settings.of(train_cfg)
+  if settings is None:
+    return None
+  ledger.job_id(job_dir, create=jax.process_index() == 0)
+  distributed.barrier('paxcli:job-identity')
+  tier = fast_tier.open_tier(settings, job_dir, ledger.job_id(job_dir, create=False), setup, log)
+  log(f'Fast checkpoint tier: every {settings.every} steps to {tier.directory} on each host '
+      f'(the newest {settings.keep} kept; LOCAL_CHECKPOINT_*).')
+  return tier
+
+
+def _resume_fast(fast: Optional[fast_tier.FastTier], spec: RunSpec, persistent: Optional[int], log):
+  """(state, Start) from the newest fast step complete on every process and newer than the persistent
+  tier's latest, trying older ones after a damaged one; (None, None) when there is none."""
+  for step in fast_tier.choose(fast, persistent, log):
+    try:
+      restored = fast.restore(step, spec.flat)
+    except (restore.DamagedCheckpoint, restore.CheckpointGone, restore.CheckpointReadError) as e:
+      log(f'WARNING: {e} Trying an older checkpoint.')
+      continue
+    meta = restored.meta
+    batches = int(meta.get('batches_consumed', step))
+    against = f'the persistent tier has step {persistent}' if persistent is not None else 'no persistent one yet'
+    log(f'Resumed from step {step} of the fast checkpoint tier ({fast.directory}; {against}; '
+        f'{batches} batches consumed).')
+    _note_changes(meta, spec, log)
+    return restored.state, Start(step, batches, tuple(meta.get('recent_losses') or ()), 'fast')
+  return None, None
+
+
+def saver_due(train_cfg) -> Callable[[StepInfo], bool]:
+  """Whether the persistent Saver saves after this step (then the fast tier need not)."""
+  return lambda info: info.step % train_cfg.save_interval_steps == 0 or info.last or info.stopping
+
+
+def _position_input(train_input, job_dir: str, start: Start, fast: Optional[fast_tier.FastTier], log) -> None:
   """Puts the train input where the checkpoint left it: the input's own saved position when it
   keeps one (Grain: a read of a few documents, whatever the step), else by skipping the batches
   consumed (a re-read that grows with the step)."""
   if not start.step:
     return
   if hasattr(train_input, 'restore'):
-    saved = grain_input.read_states(storage.local_tree(layout.input_dir(layout.step_dir(job_dir, start.step))))
+    saved = (fast.input_states(start.step) if start.tier == 'fast' else
+             grain_input.read_states(storage.local_tree(layout.input_dir(layout.step_dir(job_dir, start.step)))))
     if saved:
       train_input.restore(saved, batches=start.batches_consumed)  # checked against the meta's count
       return
