@@ -6,7 +6,7 @@ import keyword
 import os
 import re
 import shlex
-from typing import Any
+from typing import Any, Optional
 
 from paxcli import files, gencode
 from paxcli.errors import UserError
@@ -37,6 +37,13 @@ def _shell_word(text: str) -> str:
   if "'" in text and not any(c in text for c in '"$`\\!'):
     return f'"{text}"'
   return shlex.quote(text)
+
+
+def cpu_check(exp: str, class_name: str, unsupported: bool, knobs: Optional[dict] = None) -> list[str]:
+  """The --set overrides and job directory of a recipe's tiny check on CPU (after `pax train --exp EXP`):
+  its own job directory, so that the full run never resumes the tiny one."""
+  tiny = [_shell_word(s) for s in tiny_overrides(knobs or {})] + (['UNSUPPORTED_FEATURES={}'] if unsupported else [])
+  return [f'--set {s}' for s in tiny] + [f'--job-log-dir runs/{class_name}_cpu_check']
 
 
 def default_stem(script_path: str) -> str:
@@ -112,12 +119,12 @@ def render(t: Translation, class_name: str, output_path: str) -> str:
   ]
   if t.unsupported:
     lines.append('trains, not that it matches MaxText):')
-  tiny = [_shell_word(s) for s in tiny_overrides(t.knobs)] + (['UNSUPPORTED_FEATURES={}'] if t.unsupported else [])
+  check = cpu_check(exp, class_name, bool(t.unsupported), t.knobs)
   lines += [
       f'  pax train --exp {exp} \\',
-      '    ' + ' '.join(f'--set {s}' for s in tiny[:5]) + ' \\',
-      '    ' + ' '.join(f'--set {s}' for s in tiny[5:10]) + ' \\',
-      '    ' + ' '.join(f'--set {s}' for s in tiny[10:]),
+      '    ' + ' '.join(check[:5]) + ' \\',
+      '    ' + ' '.join(check[5:10]) + ' \\',
+      '    ' + ' '.join(check[10:]),
   ]
   if t.unsupported:
     lines += ['', 'UNSUPPORTED_FEATURES lists what paxcli cannot reproduce; `pax train` refuses',
