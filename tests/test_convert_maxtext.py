@@ -158,3 +158,27 @@ def test_the_parallel_block_is_no_hugging_face_llama(tmp_path, capsys):
   code, _, err = pax_main(['checkpoint', 'convert', os.path.join(FIXTURES, 'default_unscanned_tied', 'run'),
                            str(tmp_path / 'hf'), '--from', 'maxtext', '--exp', exp, '--to', 'hf'], capsys)
   assert code != 0 and 'PARALLEL_BLOCK' in err and not os.path.exists(tmp_path / 'hf')
+
+
+@pytest.mark.slow   # five models built (~22 s on the loaded 2-core machine)
+def test_gemma2_pairs_unroll_and_each_gemma_knob_counts(tmp_path, capsys):
+  """A MaxText gemma2 layer is a (local, global) pair: 2 MaxText layers are paxcli's layers 0-3, unrolled
+  here (scanned, the parametrised test above). The recipe's Gemma knobs are each needed: without the
+  attention or final soft cap, the local window or the bfloat16 tied logits, MaxText's logits are missed."""
+  from paxcli import config
+  from paxcli.convert import core
+  name = 'gemma2_scanned'
+  exp = _recipe(name, tmp_path, capsys)
+  out_dir = str(tmp_path / 'px')
+  _ok(['checkpoint', 'convert', os.path.join(FIXTURES, name, 'run'), out_dir, '--from', 'maxtext', '--exp', exp,
+       '--set', 'USE_REPEATED_LAYER=False'], capsys)
+  ids, want = np.load(os.path.join(FIXTURES, 'ids.npy')), np.load(os.path.join(FIXTURES, name, 'logits.npy'))
+  from paxcli.convert import formats
+  src = formats.open_source(out_dir)
+  params = core.load_params(src, [a.name for a in src.arrays()])
+  assert 'layer_3' in params and 'layer_4' not in params and 'post_mlp_norm' in params['layer_1']
+  for change, same in (('USE_REPEATED_LAYER=False', True), ('ATTEN_LOGIT_CAP=0.0', False),
+                       ('SOFTMAX_CAP_LOGITS=0.0', False), ('LAYER_KINDS={}', False), ('TIED_LOGITS_BFLOAT16=False', False)):
+    model = core.build_model(config.resolve(exp, ['USE_REPEATED_LAYER=False', change])).module
+    error = np.abs(core.logits(model, params, ids) - want).max()
+    assert (error <= TOLERANCE) if same else (error > 1e-3), (change, error)

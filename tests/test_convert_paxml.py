@@ -94,38 +94,60 @@ def test_repeated_lm_cloud_checkpoint_converts_to_the_same_function(tmp_path, ca
   assert ('layers' in params) == scan and ('layer_1' in params) == (not scan)
 
 
-@pytest.mark.parametrize('name,scan', [('stacked', True), ('gpt3', False), ('repeated', False)])
-def test_each_fixture_reproduces_paxml_logits(name, scan):
-  """stacked: separate Q/K/V, gated SiLU; gpt3: learned positions, attention biases, LN eps 1e-5."""
-  from paxcli.convert import core, paxml
+def _paxcli_model(knobs, scan, **overrides):
+  """The paxcli model of a checkpoint's knobs (every LM knob; the layout asked for)."""
   from paxcli.layers.base import instantiate
   from paxcli.models import lm_config
+  from paxcli.models.knobs import LM_KNOBS, effective
+  values = {**knobs, 'MAX_SEQ_LEN': 16, 'USE_REPEATED_LAYER': scan, 'CHECKPOINT_POLICY': 'none', **overrides}
+  return instantiate(lm_config(**effective(values, LM_KNOBS)))
+
+
+def _converted_logits(name, scan, **overrides):
+  from paxcli.convert import core, paxml
   src = paxml.PaxmlSource(_fixture(name))
   knobs = src.knobs()
   assert knobs.pop('UNSUPPORTED_FEATURES') == {}
-  settings = {k.lower(): v for k, v in knobs.items()}
-  model = instantiate(lm_config(
-      vocab_size=knobs['VOCAB_SIZE'], num_layers=knobs['NUM_LAYERS'], model_dims=knobs['MODEL_DIMS'],
-      hidden_dims=knobs['HIDDEN_DIMS'], num_heads=knobs['NUM_HEADS'], num_kv_heads=knobs['NUM_HEADS'],
-      dims_per_head=knobs['DIMS_PER_HEAD'], max_seq_len=16, activation=knobs['ACTIVATION'],
-      use_gated_activation=knobs['USE_GATED_ACTIVATION'], norm_type=knobs['NORM_TYPE'],
-      use_bias=knobs['USE_BIAS'], position_embedding=knobs['POSITION_EMBEDDING'],
-      separate_embedding=knobs['SEPARATE_EMBEDDING'], scan_layers=scan, checkpoint_policy='none',
-      scale_embedding_sqrt_depth=knobs['SCALE_EMBEDDING_SQRT_DEPTH'], softmax_bias=knobs['USE_SOFTMAX_BIAS'],
-      softmax_cap_logits=settings['softmax_cap_logits'], atten_logit_cap=settings['atten_logit_cap'],
-      per_dim_scale=knobs['USE_PER_DIM_SCALE'], attention_use_bias=knobs['USE_ATTENTION_BIAS'],
-      norm_epsilon=knobs['NORM_EPSILON']))
+  model = _paxcli_model(knobs, scan, **overrides)
   view = src.paxcli_view(model)
   params = core.load_params(view, [a.name for a in view.arrays()])
-  ids, want = _paxml_logits(name)
-  got = np.asarray(model.apply({'params': params}, jnp.asarray(ids)))
+  ids, _ = _paxml_logits(name)
+  return np.asarray(model.apply({'params': params}, jnp.asarray(ids))), params, knobs
+
+
+@pytest.mark.parametrize('name,scan', [('stacked', True), ('gpt3', False), ('repeated', False),
+                                       ('qk_primer', False), ('qk_post', True)])
+def test_each_fixture_reproduces_paxml_logits(name, scan):
+  """stacked: separate Q/K/V, gated SiLU; gpt3: learned positions, attention biases, LN eps 1e-5;
+  qk_primer: QK norm (x (1 + scale)) after rotary, norms before and after each sub-layer; qk_post:
+  QK norm (direct scale), norms after each sub-layer only."""
+  got, params, knobs = _converted_logits(name, scan)
+  _, want = _paxml_logits(name)
   assert np.abs(got - want).max() <= TOLERANCE
   # Training moved every weight off its initial value, so the mappings above are exercised:
   # praxis LayerNorm scales (stored as scale - 1) and per-dim scales (initially 0) are not trivial.
   layer = params['layers' if scan else 'layer_0']
-  assert np.abs(np.asarray(layer['attention_norm']['scale']) - 1).mean() > 1e-2
+  norm = 'attention_norm' if knobs.get('PRE_NORMS', True) else 'post_attention_norm'
+  assert np.abs(np.asarray(layer[norm]['scale']) - 1).mean() > 1e-2
   if knobs['USE_PER_DIM_SCALE']:
     assert np.abs(np.asarray(layer['attention']['per_dim_scale'])).mean() > 1e-2
+  if knobs.get('USE_QK_NORM'):
+    assert np.abs(np.asarray(layer['attention']['query_norm']['scale']) - 1).mean() > 1e-2
+
+
+@pytest.mark.parametrize('name', ['qk_primer', 'qk_post'])
+def test_praxis_layer_variants_need_their_knobs(name):
+  """Each knob the praxis variants set changes the function (so the fixtures exercise them): QK norm
+  before rotary (Qwen 3's order), or paxcli's pre-norm block, is far from praxis' logits."""
+  _, want = _paxml_logits(name)
+  got, _, knobs = _converted_logits(name, False, QK_NORM_AFTER_ROTARY=False)
+  assert np.abs(got - want).max() > 1e-2
+  assert knobs['POST_NORMS'] and knobs.get('PRE_NORMS', True) == (name == 'qk_primer')
+  from paxcli.convert import paxml
+  src = paxml.PaxmlSource(_fixture(name))
+  view_of_prenorm = _paxcli_model(knobs, False, POST_NORMS=False, PRE_NORMS=True)
+  with pytest.raises(Exception, match='no place in the paxcli model|no Pax array maps'):
+    src.paxcli_view(view_of_prenorm)
 
 
 def test_fixture_features_are_the_ones_claimed():
@@ -168,6 +190,22 @@ def test_without_exp_writes_a_recipe_that_computes_the_same(tmp_path, capsys):
   assert np.abs(got - want).max() <= TOLERANCE
 
 
+@pytest.mark.parametrize('name', ['qk_primer', 'qk_post'])
+def test_praxis_qk_norm_and_post_norm_convert_to_a_recipe(name, tmp_path, capsys, monkeypatch):
+  """The user's command from a fresh shell (relative paths): the recipe it writes holds praxis'
+  layer as knobs and computes praxis' logits."""
+  monkeypatch.chdir(tmp_path)
+  shutil.copytree(os.path.join(FIXTURES, name), 'job')
+  _ok(['checkpoint', 'convert', 'job', 'out', '--from', 'paxml'], capsys)
+  recipe = tmp_path / 'paxml_out.py'
+  text = recipe.read_text()
+  assert 'USE_QK_NORM = True' in text and 'QK_NORM_AFTER_ROTARY = True' in text and 'POST_NORMS = True' in text
+  assert ('PRE_NORMS = False' in text) == (name == 'qk_post') and 'UNSUPPORTED_FEATURES = {}' in text
+  got, _ = _logits_of_output(str(tmp_path / 'out'), f'{recipe}:PaxLm')
+  _, want = _paxml_logits(name)
+  assert np.abs(got - want).max() <= TOLERANCE
+
+
 def test_an_experiment_of_another_function_is_refused(tmp_path, capsys):
   code, _, err = pax_main(['checkpoint', 'convert', _fixture('repeated'), str(tmp_path / 'o'), '--from', 'paxml',
                            '--exp', _recipe(tmp_path, cap=0.0)], capsys)
@@ -182,15 +220,26 @@ def _copy(tmp_path, name='repeated'):
 
 
 def test_unsupported_pax_features_are_named_not_converted(tmp_path, capsys):
+  """praxis' 'post_skip' (the norm after the residual sum, the original Transformer's) has no knob."""
   job = _copy(tmp_path)
   cfg = job / 'model_params.txt'
   cfg.write_text(cfg.read_text().replace("transformer_layer_params_tpl.norm_policy : 'pre'",
-                                         "transformer_layer_params_tpl.norm_policy : 'post'"))
+                                         "transformer_layer_params_tpl.norm_policy : 'post_skip'"))
   code, _, err = pax_main(['checkpoint', 'convert', str(job / STEP_DIR), str(tmp_path / 'o'), '--from', 'paxml',
                            '--exp', _recipe(tmp_path)], capsys)
-  assert code != 0 and 'post-norm' in err and 'UNSUPPORTED_FEATURES' in err
+  assert code != 0 and 'norm_policy post_skip' in err and 'UNSUPPORTED_FEATURES' in err
   from paxcli.convert import paxml
-  assert 'post-norm' in paxml.PaxmlSource(str(job)).knobs()['UNSUPPORTED_FEATURES']
+  assert 'norm_policy post_skip' in paxml.PaxmlSource(str(job)).knobs()['UNSUPPORTED_FEATURES']
+
+
+def test_a_layernorm_qk_norm_is_named_not_converted(tmp_path):
+  job = _copy(tmp_path, 'qk_post')
+  cfg = job / 'model_params.txt'
+  cfg.write_text(cfg.read_text().replace('tr_atten_tpl.ln_tpl.cls : type/praxis.layers.normalizations/RmsNorm',
+                                         'tr_atten_tpl.ln_tpl.cls : type/praxis.layers.normalizations/LayerNorm'))
+  from paxcli.convert import paxml
+  knobs = paxml.PaxmlSource(str(job)).knobs()
+  assert 'LayerNorm' in knobs['UNSUPPORTED_FEATURES']['QK norm'] and not knobs.get('USE_QK_NORM')
 
 
 @pytest.mark.parametrize('case', ['no_config', 'no_step', 'stray_array'])

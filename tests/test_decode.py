@@ -23,6 +23,9 @@ VARIANTS = {
     'gqa_rotary_rmsnorm_unrolled': ['NUM_KV_HEADS=2', 'POSITION_EMBEDDING="rotary"', 'NORM_TYPE="rmsnorm"',
                                     'USE_BIAS=False', 'ICI_MESH_SHAPE=[1,4,2]'],
     'learned_layernorm_scanned_remat': ['USE_REPEATED_LAYER=True', 'CHECKPOINT_POLICY="save_dot_only"'],
+    # praxis' norm_policy 'post' with QK norm after rotary (pax checkpoint convert --from paxml)
+    'praxis_post_norm_qk_norm': ['POSITION_EMBEDDING="rotary"', 'PRE_NORMS=False', 'POST_NORMS=True',
+                                 'USE_QK_NORM=True', 'QK_NORM_AFTER_ROTARY=True', 'USE_PER_DIM_SCALE=True'],
 }
 PROMPTS = [Prompt([1, 2, 3, 4, 5]), Prompt([7]), Prompt([9, 8, 7, 6, 5, 4, 3, 2, 1, 3, 40])]
 

@@ -269,8 +269,8 @@ def test_more_presets(tmp_path, name, dims):
             k['POSITION_EMBEDDING'], k['SEPARATE_EMBEDDING']) == ('gelu', False, 'layernorm', True, 'learned', False)
   if name == 'llama3-8b':
     assert k['ROTARY_MAX_TIMESCALE'] == 500000.0 and k['VOCAB_SIZE'] == 128256
-  if name == 'gemma2-9b':  # 21 MaxText layers, each a local+global pair
-    assert 'decoder_block_gemma2' in k['UNSUPPORTED_FEATURES']
+  if name == 'gemma2-9b':  # 21 MaxText layers, each a local+global pair: the Gemma 2 family's (test_maxtext_gemma)
+    assert k['UNSUPPORTED_FEATURES'] == {} and tuple(k['LAYER_PATTERN']) == ('local', 'global')
 
 
 def test_unknown_model_and_model_config(tmp_path):

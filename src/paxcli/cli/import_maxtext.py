@@ -119,7 +119,7 @@ def _print(result, path: Optional[str], class_name: str) -> None:
                   'not run.', style='dim')
   if path:
     exp = f'{path}:{class_name}'
-    check = ' '.join(maxtext_recipe.cpu_check(exp, class_name, bool(result.unsupported)))
+    check = ' '.join(maxtext_recipe.cpu_check(exp, class_name, bool(result.unsupported), result.knobs))
     console.print(f'wrote [bold]{escape(path)}[/] (class {class_name}). Check it on this CPU first (2 layers, 2 '
                   f'steps: seconds; it builds and trains, its docstring says more):\n'
                   f'  pax train --exp {escape(exp)} {escape(check)}\n'

@@ -21,9 +21,17 @@ family's, paxcli.models.llama.Llama.maxtext_layer_params, the family the experim
     pre_self_attention_norm/scale (default block)  attention_norm/scale
     post_self_attention_layer_norm/scale (llama2)  mlp_norm/scale (the default block has none:
                                                    PARALLEL_BLOCK, one norm for attention and MLP)
+  A gemma2 decoder layer is a (local, global) pair (paxcli.models.gemma: maxtext_layer_params):
+    self_attention_local/..., mlp_local/..., pre_self_attention_norm_local, post_self_attention_norm_local,
+    pre_ffw_norm_local, post_ffw_norm_local (and _global)   -> layer 2i (2i + 1), or row i of
+                                                    params/layers/block_0 (block_1) of LAYER_PATTERN
 MaxText's attention does not divide the logits by sqrt(E): its query kernel is initialised
-divided by sqrt(E) instead, and so carries the factor paxcli's attention applies (1/sqrt(E)),
-which the conversion multiplies back in. Rotary: both rotate halves (x1, x2) with timescale
+divided by sqrt(E) instead, and so carries the factor paxcli's attention applies (1/sqrt(E), or
+1/sqrt(QUERY_PRE_ATTN_SCALAR)), which the conversion multiplies back in. MaxText's Gemma blocks store
+the embedding x sqrt(emb_dim) and divide the tied logits by sqrt(emb_dim) (normalize_embedding_logits):
+paxcli's SCALE_EMBEDDING_SQRT_DEPTH with the embedding / sqrt(D) (the bfloat16 copy tied logits read
+rounds the same where sqrt(D) is a power of two); their RMSNorm scales are plain: s - 1 under
+NORM_PLUS_ONE. Rotary: both rotate halves (x1, x2) with timescale
 max_timescale^(2i/E), the same convention; norms are RMSNorm with a plain scale in both. Tied
 output logits (logits_via_embedding) read a bfloat16 copy of the embedding in MaxText: the
 recipe's TIED_LOGITS_BFLOAT16.
@@ -172,16 +180,23 @@ class MaxTextView(formats.SourceBase):
   def __init__(self, src: MaxTextSource, model):
     self.path, self.step, self.src = src.path, src.step, src
     family = src.family or registry.maxtext_family({k.name: getattr(model, k.flat, None) for k in LM_KNOBS})[0]
-    layer_params = family.maxtext_layer_params if family else {}
-    if pattern.period(getattr(model, 'layer_pattern', ())) > 1:
-      raise UserError(f'{src.path}: paxcli reads MaxText checkpoints into stacks of one layer kind only; the '
-                      f'experiment has LAYER_PATTERN {tuple(model.layer_pattern)}.')
+    # MaxText layer parameter -> (paxcli name below a layer, per-layer rank, position in a MaxText layer)
+    layer_params = {k: (v + (0,))[:3] for k, v in (family.maxtext_layer_params if family else {}).items()}
+    self._per = 1 + max((v[2] for v in layer_params.values()), default=0)   # paxcli layers a MaxText layer holds
+    self._period = pattern.period(getattr(model, 'layer_pattern', ()))
+    if self._period not in (1, self._per):
+      raise UserError(f'{src.path}: a MaxText {family.title if family else ""} layer holds {self._per} paxcli '
+                      f'layers; the experiment\'s LAYER_PATTERN {tuple(model.layer_pattern)} repeats every '
+                      f'{self._period}. Use the recipe pax import-maxtext writes.')
+    if model.num_layers % self._per:
+      raise UserError(f'{src.path}: NUM_LAYERS {model.num_layers} is not a whole number of MaxText layers of '
+                      f'{self._per} layers each.')
     params = {a.name[len(_PARAMS):]: a for a in src.arrays() if a.name.startswith(_PARAMS)}
     if not params:
       raise UserError(f'{src.path}: the checkpoint holds no {_PARAMS}... arrays (the parameters of a MaxText '
                       'train state or params-only checkpoint).')
     self._top = {}                       # paxcli name -> MaxText name
-    per_layer: dict[str, dict] = {}      # paxcli name below a layer -> {layer: MaxText name}
+    per_layer: dict[tuple, dict] = {}    # (paxcli name below a layer, slot) -> {MaxText layer: MaxText name}
     stacked: dict[str, tuple] = {}       # MaxText name -> (shape, per-layer rank)
     unknown = []
     for name, info in params.items():
@@ -192,51 +207,61 @@ class MaxTextView(formats.SourceBase):
       elif inner not in layer_params:
         unknown.append(f'{name} {list(info.shape)}')
       elif m:
-        per_layer.setdefault(layer_params[inner][0], {})[int(m.group(1))] = name
+        per_layer.setdefault((layer_params[inner][0], layer_params[inner][2]), {})[int(m.group(1))] = name
       else:
         stacked[name] = (tuple(info.shape), layer_params[inner][1])
     if unknown:
       raise UserError(f'{src.path}: parameters paxcli has no place for (a MaxText decoder block or feature '
                       'it does not build):\n  ' + '\n  '.join(unknown[:20]))
-    self._axis = _scan_axis(stacked, model.num_layers) if stacked else None
-    # paxcli name below a layer -> (MaxText name(s): one stacked name or one per layer, layer shape, dtype)
+    self._axis = _scan_axis(stacked, model.num_layers // self._per) if stacked else None
+    # (paxcli name below a layer, slot) -> (MaxText name(s): one stacked name or one per layer, MaxText
+    # layer count, layer shape, dtype)
     self._layers = {}
     for name, (shape, _) in stacked.items():
+      target, _, slot = layer_params[name[len('decoder/layers/'):]]
       layer_shape = shape[:self._axis] + shape[self._axis + 1:]
-      self._layers[layer_params[name[len('decoder/layers/'):]][0]] = (name, shape[self._axis], layer_shape,
-                                                                      params[name].dtype)
-    for target, layers in per_layer.items():
+      self._layers[target, slot] = (name, shape[self._axis], layer_shape, params[name].dtype)
+    for key, layers in per_layer.items():
       first = params[layers[min(layers)]]
-      self._layers[target] = ([layers.get(i) for i in range(max(layers) + 1)], len(layers), tuple(first.shape),
-                              first.dtype)
+      self._layers[key] = ([layers.get(i) for i in range(max(layers) + 1)], len(layers), tuple(first.shape),
+                           first.dtype)
     self._scanned = bool(model.scan_layers)
+    self._fixes = _Fixes(model)
     self._last = (None, None)
+
+  def _scanned_name(self, target: str, slot: int) -> str:
+    return f'params/layers/{target}' if self._period == 1 else f'params/layers/block_{slot}/{target}'
 
   def arrays(self):
     out = [ArrayInfo(p, tuple(self.src.info(_PARAMS + n).shape), self.src.info(_PARAMS + n).dtype)
            for p, n in self._top.items()]
-    for target, (_, count, shape, dtype) in self._layers.items():
-      if self._scanned:
+    for (target, slot), (_, count, shape, dtype) in self._layers.items():
+      if self._scanned and self._period == self._per:   # a row per MaxText layer
+        out.append(ArrayInfo(self._scanned_name(target, slot), (count,) + shape, dtype))
+      elif self._scanned:   # one kind of layer in both (self._per == 1)
         out.append(ArrayInfo(f'params/layers/{target}', (count,) + shape, dtype))
       else:
-        out += [ArrayInfo(f'params/layer_{i}/{target}', shape, dtype) for i in range(count)]
+        out += [ArrayInfo(f'params/layer_{i * self._per + slot}/{target}', shape, dtype) for i in range(count)]
     return out
 
   def read(self, name, index=None):
     if name in self._top:
-      x = self.src.read(_PARAMS + self._top[name])
+      x = self._fixes.top(name)(self.src.read(_PARAMS + self._top[name]))
       return x[index] if index is not None else x
     m = re.match(r'^params/layer_(\d+)/(.+)$', name)
     if m:
-      return self._layer(m.group(2), int(m.group(1)))
-    target = name[len('params/layers/'):]
+      i, slot = divmod(int(m.group(1)), self._per)
+      return self._layer(m.group(2), slot, i)
+    m = re.match(r'^params/layers/block_(\d+)/(.+)$', name)
+    target, slot = (m.group(2), int(m.group(1))) if m else (name[len('params/layers/'):], 0)
     if index is not None:
-      return self._layer(target, index)
-    return np.stack([self._layer(target, i) for i in range(self._layers[target][1])])
+      return self._layer(target, slot, index)
+    return np.stack([self._layer(target, slot, i) for i in range(self._layers[target, slot][1])])
 
-  def _layer(self, target: str, i: int) -> np.ndarray:
-    """Layer i of a paxcli layer parameter, from MaxText's stacked array (read once) or its layers_<i>."""
-    source, _, shape, _ = self._layers[target]
+  def _layer(self, target: str, slot: int, i: int) -> np.ndarray:
+    """MaxText layer i's paxcli layer parameter `target` at position `slot` in it, from MaxText's stacked
+    array (read once) or its layers_<i>."""
+    source, _, shape, _ = self._layers[target, slot]
     if isinstance(source, list):
       if source[i] is None:
         raise UserError(f'{self.src.path}: decoder/layers_{i} has no {target} (MaxText: the layers differ).')
@@ -245,21 +270,47 @@ class MaxTextView(formats.SourceBase):
       if self._last[0] != source:
         self._last = (source, self.src.read(_PARAMS + source))
       x = np.take(self._last[1], i, axis=self._axis)
-    return _fix(target, shape)(x)
+    return self._fixes.layer(target, shape)(x)
 
 
 def _same(x):
   return x
 
 
-def _fix(target: str, layer_shape: tuple) -> Callable:
-  """The value change from MaxText's parameter to paxcli's `target` (per layer): the query
-  kernel's sqrt(head_dim) (module docstring), in float32 (a bfloat16 kernel times sqrt(128) is no
-  longer a bfloat16 number; the writers cast to the target's dtype), nothing for the others."""
-  if target == 'attention/query/kernel':
-    scale = math.sqrt(layer_shape[-1])
-    return lambda x: np.asarray(x, np.float32) * np.float32(scale)
-  return _same
+class _Fixes:
+  """The value changes from MaxText's parameters to the paxcli model's (module docstring), in float32 where a
+  factor applies (a bfloat16 kernel times sqrt(128) is no longer a bfloat16 number; the writers cast to the
+  target's dtype): the query kernel's sqrt(QUERY_PRE_ATTN_SCALAR or head_dim); with NORM_PLUS_ONE each norm
+  scale s as s - 1; with SCALE_EMBEDDING_SQRT_DEPTH the embedding / sqrt(MODEL_DIMS) (MaxText's Gemma
+  blocks store it x sqrt(emb_dim) and divide the tied logits by sqrt(emb_dim) instead)."""
+
+  def __init__(self, model):
+    self.query_scalar = getattr(model, 'query_pre_attn_scalar', None)
+    self.plus_one = bool(getattr(model, 'norm_plus_one', False))
+    self.embedding_scale = bool(getattr(model, 'scale_embedding_sqrt_depth', False))
+    self.model_dims = model.model_dims
+
+  def top(self, target: str) -> Callable:
+    if target == 'params/embedding/embedding' and self.embedding_scale:
+      return _times(1 / math.sqrt(self.model_dims))
+    if target.endswith('norm/scale') and self.plus_one:
+      return _minus_one
+    return _same
+
+  def layer(self, target: str, layer_shape: tuple) -> Callable:
+    if target == 'attention/query/kernel':
+      return _times(math.sqrt(self.query_scalar or layer_shape[-1]))
+    if target.endswith('norm/scale') and self.plus_one:
+      return _minus_one
+    return _same
+
+
+def _times(factor: float) -> Callable:
+  return lambda x: np.asarray(x, np.float32) * np.float32(factor)
+
+
+def _minus_one(x):
+  return np.asarray(x, np.float32) - np.float32(1)
 
 
 formats.register_reader('maxtext', lambda path, step=None, target=None: MaxTextSource(path, step),

@@ -219,6 +219,7 @@ class PaxConfig:
     k['NUM_KV_HEADS'] = None
     k['DIMS_PER_HEAD'] = self.int(self.block + 'dim_per_head', max(k['MODEL_DIMS'] // k['NUM_HEADS'], 1))
     k['VOCAB_SIZE'] = self.int(lm + 'vocab_size')
+    self.qk_norm = self._qk_norm()
     self._layer_kinds()
     self._activation()
     self._norms()
@@ -234,7 +235,7 @@ class PaxConfig:
                       (self.ffn + 'cls', 'TransformerFeedForward')):
       if _cls(self.get(key)) != want:
         self.unsupported[f'layer {_cls(self.get(key))}'] = f'paxcli has only praxis\' {want} here ({key})'
-    self._off('post-norm', self.layer + 'norm_policy', 'paxcli blocks are pre-norm', ok=('pre',))
+    self._norm_policy()
     self._off('cross attention', self.layer + 'use_cross_attention', 'decoder-only model without cross attention')
     self._off('mixture of experts', self.block + 'num_experts', 'no MoE layers in paxcli')
     self._off('ngrammer', self.lm + 'ngrammer_tpl', 'no NGrammer in paxcli')
@@ -244,6 +245,20 @@ class PaxConfig:
     self._off('residual weight', self.ffn + 'residual_weight', 'residuals are added with weight 1',
               ok=(1, 1.0))
     self._off('residual droppath', self.block + 'residual_droppath_prob', 'no stochastic depth in paxcli')
+
+  def _norm_policy(self) -> None:
+    """praxis' norm_policy (the layer's; it sets the feed-forward's too): 'pre', 'primer_hybrid' (pre and post
+    norms: POST_NORMS), 'post' (the sublayer's output normalised, its input not: PRE_NORMS=False, POST_NORMS)."""
+    policy = self.get(self.layer + 'norm_policy') or 'pre'
+    self.norm_policy = policy
+    if policy not in ('pre', 'primer_hybrid', 'post'):
+      self.unsupported[f'norm_policy {policy}'] = (f'paxcli normalises before and/or after attention and MLP, not after '
+                                                   f'the residual ({self.layer}norm_policy = {policy!r})')
+      return
+    if policy != 'pre':
+      self.knobs['POST_NORMS'] = True
+    if policy == 'post':
+      self.knobs['PRE_NORMS'] = False
 
   def _activation(self) -> None:
     act_cls = _cls(self.get(self.ffn + 'activation_tpl.cls'))
@@ -265,6 +280,9 @@ class PaxConfig:
     kind = kinds['attention']
     if len(set(kinds.values())) > 1:
       self.unsupported['mixed norms'] = f'one norm kind for all norms in paxcli, Pax has {kinds}'
+    if self.qk_norm:   # always an RMSNorm in paxcli; its epsilon and scale parametrisation as the others'
+      norms['query/key'] = self.atten + 'ln_tpl.'
+      kinds['query/key'] = 'RmsNorm'
     self.knobs['NORM_TYPE'] = {'LayerNorm': 'layernorm', 'RmsNorm': 'rmsnorm'}.get(kind, 'layernorm')
     if kind not in ('LayerNorm', 'RmsNorm'):
       self.unsupported['norm'] = f'praxis {kind} has no paxcli equivalent'
@@ -273,16 +291,15 @@ class PaxConfig:
       self.unsupported['norm epsilons'] = f'one NORM_EPSILON for all norms in paxcli, Pax has {eps}'
     self.knobs['NORM_EPSILON'] = float(eps['attention'])
     self.direct_scale = {}
-    default_direct = kind == 'RmsNorm'   # praxis' defaults: LayerNorm (1 + scale), RmsNorm scale
-    for w, p in norms.items():
+    for w, p in norms.items():   # praxis' defaults: LayerNorm (1 + scale), RmsNorm scale
       direct = g(p + 'direct_scale')
-      self.direct_scale[w] = default_direct if direct is None else bool(direct)
+      self.direct_scale[w] = kinds[w] == 'RmsNorm' if direct is None else bool(direct)
       if g(p + 'use_scale') is False:
         self.unsupported[f'{w} norm without scale'] = 'paxcli norms always have a learned scale'
     ffn_bias = bool(g(self.ffn + 'has_bias', True))
     self.knobs['USE_BIAS'] = ffn_bias
     if kind == 'LayerNorm':
-      ln_bias = {w: g(p + 'use_bias', True) for w, p in norms.items()}
+      ln_bias = {w: g(p + 'use_bias', True) for w, p in norms.items() if w != 'query/key'}
       if set(ln_bias.values()) != {ffn_bias}:
         self.unsupported['norm bias'] = (f'USE_BIAS sets both feed-forward and LayerNorm biases in paxcli; '
                                          f'Pax has feed-forward bias {ffn_bias}, LayerNorm bias {ln_bias}')
@@ -333,10 +350,22 @@ class PaxConfig:
     self._off('logits scaled by head dims', a + 'scale_logits_by_head_dims', 'an extra 1/sqrt(H) on logits')
     self._off('relative bias', a + 'relative_bias_tpl', 'no relative position bias in paxcli')
     self._off('depthwise conv on QKV (Primer)', a + 'dconv_qkv', 'no dconv in paxcli')
-    self._off('QK norm', a + 'ln_tpl', 'no query/key norm in paxcli')
     self._off('attention extra logit', a + 'attention_extra_logit', 'no extra softmax logit in paxcli')
     self.combine_qkv = bool(g(a + 'combine_qkv'))
     self.nhd_post = bool(g(a + 'output_proj_use_nhd_shape'))
+
+  def _qk_norm(self) -> bool:
+    """praxis' QK norm (attention ln_tpl): each head's query and key normalised after rotary positions."""
+    a = self.atten
+    if self.get(a + 'ln_tpl') is None and self.get(a + 'ln_tpl.cls') is None:
+      return False
+    kind = _cls(self.get(a + 'ln_tpl.cls'))
+    if kind != 'RmsNorm':
+      self.unsupported['QK norm'] = f'paxcli normalises queries and keys with RMSNorm, Pax with {kind} ({a}ln_tpl)'
+      return False
+    self.knobs['USE_QK_NORM'] = True
+    self.knobs['QK_NORM_AFTER_ROTARY'] = bool(self.get(a + 'use_rotary_position_emb'))
+    return True
 
   def _softmax(self) -> None:
     g, k, s = self.get, self.knobs, self.softmax
@@ -630,10 +659,13 @@ class PaxView(formats.SourceBase):
     att = pre + 'self_attention.'
     parts = sub.split('/')
     leaf = lambda field: 'w' if field == 'kernel' else 'b'
-    if parts[0] in ('attention_norm', 'mlp_norm'):
-      prefix = pre + ('layer_norm.' if parts[0] == 'attention_norm' else 'ff_layer.layer_norm.')
-      return self._norm(name, shape, prefix, parts[1], 'attention' if parts[0] == 'attention_norm'
-                        else 'feed-forward', rep)
+    if parts[0] in _BLOCK_NORMS and (pax.norm_policy == 'primer_hybrid' or _BLOCK_NORMS[parts[0]][2] ==
+                                     {'pre': 'pre', 'post': 'post'}.get(pax.norm_policy)):
+      sub_layer, which, when = _BLOCK_NORMS[parts[0]]
+      norm = f'{when}_layer_norm' if pax.norm_policy == 'primer_hybrid' else 'layer_norm'
+      return self._norm(name, shape, f'{pre}{sub_layer}{norm}.', parts[1], which, rep)
+    if parts[0] == 'attention' and parts[1] in ('query_norm', 'key_norm'):
+      return self._norm(name, shape, f'{att}layer_norm_{parts[1][0]}.', parts[2], 'query/key', rep)
     if parts[0] == 'attention' and parts[1] in ('query', 'key', 'value'):
       if pax.combine_qkv:                                  # [(L,) 3, D, N, H]: one slice of it
         return self._entry(name, shape, att + 'combined_qkv.' + leaf(parts[2]), src_shape=lead + (3,) + shape,
@@ -695,6 +727,12 @@ class PaxView(formats.SourceBase):
       return read(index)
     x = read()
     return x[index] if index is not None else x
+
+
+# paxcli's block norms: (praxis sub-layer, which norm config, praxis' primer_hybrid name); praxis' 'pre'
+# and 'post' policies have one norm a sub-layer, `layer_norm`, before or after it.
+_BLOCK_NORMS = {'attention_norm': ('', 'attention', 'pre'), 'post_attention_norm': ('', 'attention', 'post'),
+                'mlp_norm': ('ff_layer.', 'feed-forward', 'pre'), 'post_mlp_norm': ('ff_layer.', 'feed-forward', 'post')}
 
 
 def _stacked(reads: list):

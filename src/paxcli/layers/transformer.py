@@ -152,7 +152,8 @@ class Attention(nn.Module):
   `qkv_bias`: the query, key and value projections have a bias even where `use_bias` is off
   (Qwen 2's layer: the output projection has none). `qk_norm`: each head's query and key go
   through an RMSNorm over E (`query_norm`, `key_norm`, epsilon `norm_epsilon`, x (1 + w) with
-  `norm_plus_one` as Gemma 3's) before rotary (Qwen 3's layer).
+  `norm_plus_one` as Gemma 3's) before rotary (Qwen 3's layer), or after it with
+  `qk_norm_after_rotary` (praxis' attention ln_tpl: the two differ where the scale does).
   """
   num_heads: int
   num_kv_heads: int
@@ -176,6 +177,7 @@ class Attention(nn.Module):
   qk_norm: bool = False
   norm_epsilon: float = 1e-6
   norm_plus_one: bool = False
+  qk_norm_after_rotary: bool = False
   # LoRA (paxcli.layers.lora): rank 0 is off; targets among query, key, value, output.
   lora_rank: int = 0
   lora_alpha: float = 16.0
@@ -213,6 +215,10 @@ class Attention(nn.Module):
     w = self.param('per_dim_scale', nn.with_logical_partitioning(nn.initializers.zeros, ('head_dim',)), (e,))
     return (jax.nn.softplus(w) / math.log(2.0)).reshape(1, 1, 1, e)  # softplus(0) = ln 2
 
+  def _qk_norm(self, q_BxLxHxE, k_BxSxKxE):
+    norm = lambda name: Norm('rmsnorm', False, self.dtype, self.norm_epsilon, self.norm_plus_one, name=name)
+    return norm('query_norm')(q_BxLxHxE), norm('key_norm')(k_BxSxKxE)
+
   @nn.compact
   def __call__(self, x_BxLxD, segment_ids_BxL, positions_BxL):
     if self.num_heads % self.num_kv_heads:
@@ -220,15 +226,16 @@ class Attention(nn.Module):
     q_BxLxHxE = self._proj(x_BxLxD, self.num_heads, 'heads', 'query')
     k_BxSxKxE = self._proj(x_BxLxD, self.num_kv_heads, 'kv_heads', 'key')
     v_BxSxKxE = self._proj(x_BxLxD, self.num_kv_heads, 'kv_heads', 'value')
-    if self.qk_norm:
-      q_BxLxHxE = Norm('rmsnorm', False, self.dtype, self.norm_epsilon, self.norm_plus_one, name='query_norm')(q_BxLxHxE)
-      k_BxSxKxE = Norm('rmsnorm', False, self.dtype, self.norm_epsilon, self.norm_plus_one, name='key_norm')(k_BxSxKxE)
+    if self.qk_norm and not self.qk_norm_after_rotary:
+      q_BxLxHxE, k_BxSxKxE = self._qk_norm(q_BxLxHxE, k_BxSxKxE)
     if self.rotary:
       scaling = () if self.rotary_scaling == 'none' else (
           self.rotary_scaling, self.rotary_scaling_factor, self.rotary_low_freq_factor,
           self.rotary_high_freq_factor, self.rotary_original_max_len)
       q_BxLxHxE = rotary(q_BxLxHxE, positions_BxL, self.rotary_max_timescale, scaling)
       k_BxSxKxE = rotary(k_BxSxKxE, positions_BxL, self.rotary_max_timescale, scaling)
+    if self.qk_norm and self.qk_norm_after_rotary:
+      q_BxLxHxE, k_BxSxKxE = self._qk_norm(q_BxLxHxE, k_BxSxKxE)
     if self.per_dim_scale:
       q_BxLxHxE = q_BxLxHxE * self._per_dim_factor(q_BxLxHxE.shape[-1]).astype(q_BxLxHxE.dtype)
     if self.is_mutable_collection('cache') and not self.is_initializing():
@@ -401,7 +408,9 @@ class Block(BaseLayer):
   MLP both read the one attention_norm and their sum is added once (MaxText's default decoder
   block, PaLM's parallel layer); there is no mlp_norm. `post_norms`: the outputs of attention and
   MLP are normalised too before they join the residual (post_attention_norm, post_mlp_norm: Gemma 2
-  and 3's four norms per layer, praxis' norm_policy 'primer_hybrid'). The block fills the
+  and 3's four norms per layer, praxis' norm_policy 'primer_hybrid'). `pre_norms` False: attention
+  and MLP read the residual stream as it is (no attention_norm, mlp_norm; with post_norms, praxis'
+  norm_policy 'post'). The block fills the
   compute dtype into each template (field `dtype` of a plain flax module, `fprop_dtype`
   of a BaseLayer) and model_dims into a feed-forward template's input_dims/output_dims,
   unless the template sets them itself.
@@ -411,15 +420,17 @@ class Block(BaseLayer):
   deterministic: bool = True
   parallel: bool = False
   post_norms: bool = False
+  pre_norms: bool = True
   attention_tpl: LayerTpl = template_field(Attention)
   ffn_tpl: LayerTpl = template_field(Mlp)
   norm_tpl: LayerTpl = template_field(Norm)
 
   def setup(self):
     compute = self.fprop_dtype or jnp.float32
-    self.create_child('attention_norm', fill_template(self.norm_tpl, compute))
+    if self.pre_norms or self.parallel:
+      self.create_child('attention_norm', fill_template(self.norm_tpl, compute))
     self.create_child('attention', fill_template(self.attention_tpl, compute, deterministic=self.deterministic))
-    if not self.parallel:
+    if self.pre_norms and not self.parallel:
       self.create_child('mlp_norm', fill_template(self.norm_tpl, compute))
     if self.post_norms:
       self.create_child('post_attention_norm', fill_template(self.norm_tpl, compute))
@@ -433,11 +444,12 @@ class Block(BaseLayer):
       n_BxLxD = self.attention_norm(x_BxLxD)
       h = self.attention(n_BxLxD, segment_ids_BxL, positions_BxL) + self.mlp(n_BxLxD)
       return constrain(x_BxLxD + self.dropout(h), ('batch', 'length', 'embed')), None
-    h = self.attention(self.attention_norm(x_BxLxD), segment_ids_BxL, positions_BxL)
+    pre = (lambda norm, x: norm(x)) if self.pre_norms else (lambda norm, x: x)
+    h = self.attention(pre(getattr(self, 'attention_norm', None), x_BxLxD), segment_ids_BxL, positions_BxL)
     if self.post_norms:
       h = self.post_attention_norm(h)
     x_BxLxD = x_BxLxD + self.dropout(h)
-    h = self.mlp(self.mlp_norm(x_BxLxD))
+    h = self.mlp(pre(getattr(self, 'mlp_norm', None), x_BxLxD))
     if self.post_norms:
       h = self.post_mlp_norm(h)
     x_BxLxD = x_BxLxD + self.dropout(h)

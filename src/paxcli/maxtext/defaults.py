@@ -186,6 +186,8 @@ def _gemma(emb, q, kv, mlp, layers, head_dim, block, **extra):
 
 _GEMMA2 = {'final_logits_soft_cap': 30.0, 'attn_logits_soft_cap': 50.0, 'sliding_window_size': 4096,
            'use_post_attn_norm': True, 'use_post_ffw_norm': True}
+_GEMMA3 = {'vocab_size': 262_144, 'sliding_window_size': 1024, 'use_post_attn_norm': True, 'use_post_ffw_norm': True,
+           'local_rope_max_timescale': 10_000, 'rope_max_timescale': 1_000_000, 'rope_linear_scaling_factor': 8.0}
 
 PRESETS: dict[str, dict[str, Any]] = {
     'llama2-7b': _llama(4096, 32, 32, 11008, 32, 32000),
@@ -205,6 +207,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     'gemma2-2b': _gemma(2304, 8, 4, 9216, 13, 256, 'gemma2', **_GEMMA2),
     'gemma2-9b': _gemma(3584, 16, 8, 14336, 21, 256, 'gemma2', **_GEMMA2),
     'gemma2-27b': _gemma(4608, 32, 16, 36864, 23, 128, 'gemma2', **_GEMMA2),
+    # Gemma 3 (text): one decoder layer each, five local to one global; rope per kind.
+    'gemma3-4b': _gemma(2560, 8, 4, 10240, 34, 256, 'gemma3', **_GEMMA3),
+    'gemma3-12b': _gemma(3840, 16, 8, 15360, 48, 256, 'gemma3', **_GEMMA3),
+    'gemma3-27b': _gemma(5376, 32, 16, 21504, 62, 128, 'gemma3', **_GEMMA3),
     'gpt3-175b': {
         'base_emb_dim': 12288, 'base_num_query_heads': 96, 'base_num_kv_heads': 96,
         'base_mlp_dim': 49152, 'base_num_decoder_layers': 96, 'head_dim': 128,
@@ -232,8 +238,6 @@ DEFAULT_BLOCK_2023 = ("MaxText's 2023 default decoder layer also has T5 relative
 _NEAREST = {'NORM_TYPE': 'rmsnorm', 'USE_BIAS': False, 'POSITION_EMBEDDING': 'rotary'}
 OTHER_DECODER_BLOCKS: dict[str, MaxTextBlock] = {
     'gemma': MaxTextBlock(_NEAREST, 'Gemma layers scale embeddings by sqrt(emb_dim) and store norm scales as 1+w'),
-    'gemma2': MaxTextBlock(_NEAREST, 'Gemma 2 alternates sliding-window and global attention, soft-caps logits '
-                                     'and adds post-attention/post-MLP norms'),
     'gpt3': MaxTextBlock({'NORM_TYPE': 'layernorm', 'USE_BIAS': True, 'POSITION_EMBEDDING': 'learned'}),
 }
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import keyword
 import os
 import re
-from typing import Any
+import shlex
+from typing import Any, Optional
 
 from paxcli import files, gencode
 from paxcli.errors import UserError
@@ -19,10 +20,29 @@ TINY = ('NUM_LAYERS=2', 'MODEL_DIMS=64', 'HIDDEN_DIMS=128', 'NUM_HEADS=4', 'NUM_
         'ICI_MESH_SHAPE=None', 'DCN_MESH_SHAPE=None', 'NUM_TRAIN_STEPS=2')
 
 
-def cpu_check(exp: str, class_name: str, unsupported: bool) -> list[str]:
+def tiny_overrides(knobs: dict) -> list[str]:
+  """TINY for a model's knobs: a stack of layer kinds keeps one whole group of its LAYER_PATTERN (Gemma 3
+  4B's 34 kinds are its group of six repeated and cut: the tiny check runs that group once)."""
+  pattern = tuple(knobs.get('LAYER_PATTERN') or ())
+  if len(pattern) <= 1:
+    return list(TINY)
+  group = next(pattern[:p] for p in range(1, len(pattern) + 1)
+               if all(pattern[i] == pattern[i % p] for i in range(len(pattern))))
+  layers = [f'NUM_LAYERS={len(group)}'] + ([f'LAYER_PATTERN={group!r}'.replace(' ', '')] if group != pattern else [])
+  return layers + list(TINY[1:])
+
+
+def _shell_word(text: str) -> str:
+  """One shell word, in double quotes where it holds single quotes and nothing a shell expands there."""
+  if "'" in text and not any(c in text for c in '"$`\\!'):
+    return f'"{text}"'
+  return shlex.quote(text)
+
+
+def cpu_check(exp: str, class_name: str, unsupported: bool, knobs: Optional[dict] = None) -> list[str]:
   """The --set overrides and job directory of a recipe's tiny check on CPU (after `pax train --exp EXP`):
   its own job directory, so that the full run never resumes the tiny one."""
-  tiny = list(TINY) + (['UNSUPPORTED_FEATURES={}'] if unsupported else [])
+  tiny = [_shell_word(s) for s in tiny_overrides(knobs or {})] + (['UNSUPPORTED_FEATURES={}'] if unsupported else [])
   return [f'--set {s}' for s in tiny] + [f'--job-log-dir runs/{class_name}_cpu_check']
 
 
@@ -99,7 +119,7 @@ def render(t: Translation, class_name: str, output_path: str) -> str:
   ]
   if t.unsupported:
     lines.append('trains, not that it matches MaxText):')
-  check = cpu_check(exp, class_name, bool(t.unsupported))
+  check = cpu_check(exp, class_name, bool(t.unsupported), t.knobs)
   lines += [
       f'  pax train --exp {exp} \\',
       '    ' + ' '.join(check[:5]) + ' \\',

@@ -539,20 +539,26 @@ def _activation_and_block(b: _Builder) -> None:
   b.put('POSITION_EMBEDDING', position, 'decoder_block, trainable_position_size')
   for knob, value in knobs.items():   # whatever else the family's block sets
     b.put(knob, value, 'decoder_block')
+  handled = set()
+  for knob, value, keys in (block.from_config(b.get, b.knobs) if block.from_config else ()):
+    b.put(knob, value, keys)
+    handled.update(k.strip() for k in keys.split(','))
   if position == 'rotary':
     b.direct('ROTARY_MAX_TIMESCALE', 'rope_max_timescale', 10000,
              raw=b.raw('rope_max_timescale') if 'rope_max_timescale' in b.config else '10000 (MaxText)')
   b.put('SEPARATE_EMBEDDING', not bool(b.get('logits_via_embedding')), 'logits_via_embedding')
   if b.get('logits_via_embedding'):
     b.put('TIED_LOGITS_BFLOAT16', True, 'logits_via_embedding')
-  if b.get('logits_via_embedding') and b.get('normalize_embedding_logits', False):
+  # MaxText's stored embedding x sqrt(emb_dim) and tied logits / sqrt(emb_dim) are Gemma's embedding scale.
+  gemma_scale = b.knobs.get('SCALE_EMBEDDING_SQRT_DEPTH', False)
+  if b.get('logits_via_embedding') and b.get('normalize_embedding_logits', False) and not gemma_scale:
     b.feature('normalize_embedding_logits', 'MaxText divides the tied output logits by '
                                             'sqrt(emb_dim) (normalize_embedding_logits); paxcli does not')
   dropout = b.real('dropout_rate', 0)
   if b.get('enable_dropout', True) is False:
     dropout = 0.0
   b.put('DROPOUT_PROB', dropout, 'dropout_rate, enable_dropout')
-  _model_features(b)
+  _model_features(b, handled)
 
 
 def _decoder_block(name: str):
@@ -574,8 +580,8 @@ def _norm_epsilon(b: _Builder) -> None:
           raw=f'(no such key yet: MaxText\'s norms used {_EARLY_NORM_EPSILON:g})')
 
 
-def _model_features(b: _Builder) -> None:
-  """MaxText settings that make a model paxcli cannot build."""
+def _model_features(b: _Builder, handled: set = frozenset()) -> None:
+  """MaxText settings that make a model paxcli cannot build (but those the decoder block has `handled`)."""
   checks = [
       ('num_experts', lambda v: int(v) > 1, 'mixture_of_experts',
        'MaxText runs {v} experts per MoE layer; paxcli has dense MLPs only'),
@@ -600,7 +606,7 @@ def _model_features(b: _Builder) -> None:
        'MaxText scales rotary positions (rope_type={v})'),
   ]
   for key, test, feature, why in checks:
-    if key not in b.config:
+    if key not in b.config or key in handled:
       continue
     value = b.get(key)
     try:

@@ -37,6 +37,10 @@ class MaxTextBlock:
   another model (None: it is the same)."""
   knobs: Mapping[str, Any]
   unsupported: Optional[str] = None
+  # The knobs the block takes from the run's MaxText config (soft caps, windows, rope per kind):
+  # from_config(get, knobs so far) -> [(knob, value, 'the MaxText keys it comes from'), ...]; those keys
+  # are then read, not unsupported.
+  from_config: Optional[Callable[[Callable, Mapping[str, Any]], list]] = None
 
 
 @dataclasses.dataclass(frozen=True)

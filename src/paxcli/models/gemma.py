@@ -33,7 +33,7 @@ from typing import Optional
 
 from paxcli.errors import UserError
 from paxcli.models import hf_config
-from paxcli.models.family import Family, Weight
+from paxcli.models.family import Family, MaxTextBlock, Weight
 from paxcli.models.knobs import LM_KNOB
 from paxcli.models.llama import LLAMA, NEUTRAL_VALUES as LLAMA_NEUTRAL
 
@@ -75,6 +75,43 @@ def shortest_period(items: list) -> tuple:
   return tuple(items)
 
 
+def pattern_for(group: tuple, num_layers: int) -> tuple:
+  """LAYER_PATTERN for `num_layers` layers repeating `group`: the group itself when it divides them, else
+  all the layers (Gemma 3 4B's 34 layers are five groups of six and four local layers more)."""
+  if num_layers % len(group) == 0:
+    return tuple(group)
+  return tuple(group[i % len(group)] for i in range(num_layers))
+
+
+def maxtext_gemma_knobs(get, knobs, local: dict, global_: Optional[dict] = None) -> list:
+  """What a MaxText gemma2/gemma3 decoder block takes from the run's config: the soft caps, the window of
+  the local layers, the post-norms. `local`/`global_` add each kind's own settings (Gemma 3's rope)."""
+  window = int(get('sliding_window_size', 0) or 0)
+  kinds = {'local': {**({'SLIDING_WINDOW': window} if window > 0 else {}), **local}}
+  if global_:
+    kinds['global'] = dict(global_)
+  out = [('ATTEN_LOGIT_CAP', float(get('attn_logits_soft_cap', 0.0) or 0.0), 'attn_logits_soft_cap'),
+         ('SOFTMAX_CAP_LOGITS', float(get('final_logits_soft_cap', 0.0) or 0.0), 'final_logits_soft_cap'),
+         ('LAYER_KINDS', kinds, 'sliding_window_size')]
+  post = (bool(get('use_post_attn_norm', False)), bool(get('use_post_ffw_norm', False)))
+  if post[0] == post[1]:   # one knob for both; MaxText's two differing stay unsupported
+    out.append(('POST_NORMS', post[0], 'use_post_attn_norm, use_post_ffw_norm'))
+  return out
+
+
+def _maxtext_gemma2(get, knobs) -> list:
+  # A MaxText gemma2 decoder layer is a (local, global) pair; the importer counts NUM_LAYERS in layers.
+  return [('LAYER_PATTERN', ('local', 'global'), 'decoder_block')] + maxtext_gemma_knobs(get, knobs, {})
+
+
+# What MaxText's gemma2 and gemma3 blocks share with Gemma's layer, in MaxText's parametrisation
+# translated: MaxText stores the embedding x sqrt(emb_dim) and divides the tied logits by sqrt(emb_dim)
+# (normalize_embedding_logits), which is Gemma's sqrt(d) embedding scale; its RMSNorm scale is plain (1 + w
+# with w = scale - 1); gated tanh-GELU.
+MAXTEXT_GEMMA = {'NORM_TYPE': 'rmsnorm', 'USE_BIAS': False, 'POSITION_EMBEDDING': 'rotary', 'NORM_PLUS_ONE': True,
+                 'SCALE_EMBEDDING_SQRT_DEPTH': True}
+
+
 class Gemma2(Family):
   name = 'gemma2'
   title = 'Gemma 2'
@@ -87,6 +124,22 @@ class Gemma2(Family):
            'LAYER_KINDS': {'local': {'SLIDING_WINDOW': 4096}}}
   hf_model_types = ('gemma2',)
   hf_architectures = ('Gemma2ForCausalLM',)
+  maxtext_blocks = {'gemma2': MaxTextBlock(MAXTEXT_GEMMA, from_config=_maxtext_gemma2)}
+  # MaxText gemma2 layer parameter -> (paxcli name below a layer, per-layer rank, position in the layer):
+  # a MaxText layer is a (local, global) pair, paxcli's layers 2i and 2i + 1 (models/gemma2.py).
+  maxtext_layer_params = {
+      f'{mt}_{kind}/{leaf}': (pax, rank, slot)
+      for slot, kind in enumerate(('local', 'global'))
+      for mt, leaf, pax, rank in (
+          ('self_attention', 'query/kernel', 'attention/query/kernel', 3),
+          ('self_attention', 'key/kernel', 'attention/key/kernel', 3),
+          ('self_attention', 'value/kernel', 'attention/value/kernel', 3),
+          ('self_attention', 'out/kernel', 'attention/out/kernel', 3),
+          ('mlp', 'wi_0/kernel', 'mlp/wi_0/kernel', 2), ('mlp', 'wi_1/kernel', 'mlp/wi_1/kernel', 2),
+          ('mlp', 'wo/kernel', 'mlp/wo/kernel', 2),
+          ('pre_self_attention_norm', 'scale', 'attention_norm/scale', 1),
+          ('post_self_attention_norm', 'scale', 'post_attention_norm/scale', 1),
+          ('pre_ffw_norm', 'scale', 'mlp_norm/scale', 1), ('post_ffw_norm', 'scale', 'post_mlp_norm/scale', 1))}
   qk_norm = False          # Gemma 3's layer normalises each head's query and key
   soft_caps = True         # Gemma 3 has none
   rope_per_kind = False    # Gemma 3: local and global layers have their own rotary base and scaling
@@ -109,7 +162,8 @@ class Gemma2(Family):
              ('softmax_bias', False, 'USE_SOFTMAX_BIAS=False'),
              ('tied_logits_bfloat16', False, 'TIED_LOGITS_BFLOAT16=False'),
              ('parallel_block', False, 'PARALLEL_BLOCK=False'),
-             ('qk_norm', self.qk_norm, f'USE_QK_NORM={self.qk_norm}')]
+             ('qk_norm', self.qk_norm, f'USE_QK_NORM={self.qk_norm}'),
+             ('pre_norms', True, 'PRE_NORMS=True'), ('qk_norm_after_rotary', False, 'QK_NORM_AFTER_ROTARY=False')]
     for flat, value, knob in wants:
       have = getattr(model, flat, None)
       if (bool(have) if isinstance(value, bool) else have) != value:

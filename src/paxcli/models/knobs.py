@@ -281,6 +281,12 @@ LM_KNOBS: tuple[Knob, ...] = (
     Knob('POST_NORMS', bool, False, BLOCK + 'post_norms',
          'attention and MLP outputs normalised too before the residual (four norms a layer, as Gemma 2 and 3)',
          flat='post_norms'),
+    # praxis' own layer variants (`pax checkpoint convert --from paxml`); off by default.
+    Knob('PRE_NORMS', bool, True, BLOCK + 'pre_norms',
+         "False: attention and MLP read the residual stream unnormalised (praxis' norm_policy 'post', "
+         'with POST_NORMS)', flat='pre_norms'),
+    Knob('QK_NORM_AFTER_ROTARY', bool, False, ATTENTION + 'qk_norm_after_rotary',
+         "USE_QK_NORM after rotary positions rather than before (praxis' ln_tpl on attention)"),
     Knob('QUERY_PRE_ATTN_SCALAR', Optional[float], None, ATTENTION + 'query_pre_attn_scalar',
          "queries x 1/sqrt(this) instead of 1/sqrt(DIMS_PER_HEAD) (Gemma's query_pre_attn_scalar); None: off"),
     Knob('ATTENTION_IMPL', AttentionImplName, 'auto', ATTENTION + 'attention_impl',

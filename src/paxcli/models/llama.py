@@ -124,6 +124,8 @@ class Llama(Family):
       reasons.append(self.window_misfit(model))
     if getattr(model, 'parallel_block', False):
       reasons.append(f'attention and MLP run in parallel from one norm (PARALLEL_BLOCK; a {title} layer is sequential)')
+    if not getattr(model, 'pre_norms', True) or getattr(model, 'qk_norm_after_rotary', False):
+      reasons.append(f'praxis\' norm placement (PRE_NORMS=False or QK_NORM_AFTER_ROTARY=True; {title} has neither)')
     if not model.use_gated_activation or model.activation not in ('silu', 'swish'):
       reasons.append(f'the MLP is {"gated " if model.use_gated_activation else ""}{model.activation} '
                      f'({title} uses gated SiLU: USE_GATED_ACTIVATION=True, ACTIVATION=\'silu\')')

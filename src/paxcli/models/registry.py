@@ -80,15 +80,17 @@ def maxtext_block(name: str) -> Optional[tuple[Family, MaxTextBlock]]:
 def maxtext_family(knobs: dict) -> tuple[Optional[Family], list[str]]:
   """The family whose MaxText layers an experiment's knobs compute (the knobs every one of its blocks
   sets), for `--from maxtext`; else None and what differs from the first family that reads MaxText."""
-  wrong = []
+  wrong, fits = [], []
   for family in FAMILIES:
     if not family.maxtext_layer_params:
       continue
     common = _common(block.knobs for block in family.maxtext_blocks.values())
     differ = [f'{k} = {knobs.get(k)!r} (MaxText: {v!r})' for k, v in common.items() if knobs.get(k) != v]
     if not differ:
-      return family, []
+      fits.append((len(common), family))
     wrong = wrong or differ
+  if fits:   # the family that says the most (Gemma 2's layer is Llama's knobs and more)
+    return max(fits, key=lambda f: f[0])[1], []
   return None, wrong
 
 
