@@ -64,6 +64,8 @@ def convert(source: str, output: str, *, fmt: Optional[str] = None, to: str = 'o
   out = core.Output(output, force, source)    # refuse an existing output before any work
   t0 = time.perf_counter()
   src = formats.open_source(source, fmt, step)
+  for note in getattr(src, 'load_notes', ()):   # what of the source is left out (a multimodal model's vision tower)
+    log(note)
   out.refuse_inputs(core.paths_read(src, overrides))   # a LoRA run's base, INIT_FROM, LORA_INIT
   if getattr(src, 'needs_experiment', None) and not exp:
     raise UserError(src.needs_experiment)
