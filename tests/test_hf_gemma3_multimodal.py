@@ -226,3 +226,26 @@ def test_the_imported_text_model_trains_with_lora_and_describes_as_gemma3(mm, ca
   _ok(['train', '--exp', mm.exp, *overrides, '--job-log-dir', sft], capsys)
   out, _ = _ok(['eval', '--exp', mm.exp, *overrides, '--job-log-dir', sft, '--json'], capsys)
   assert json.loads(out)['step'] == 2 and np.isfinite(json.loads(out)['results']['eval']['loss'])
+
+
+def test_inspect_lists_the_text_model_and_says_what_it_leaves_out(mm, capsys):
+  out, _ = _ok(['checkpoint', 'inspect', mm.new, '--json'], capsys)
+  info = json.loads(out)
+  names = [a['name'] for a in info['arrays']]
+  assert 'model.layers.0.self_attn.q_proj.weight' in names and not any('vision' in n for n in names)
+  assert len(info['notes']) == 1 and 'skips its vision tower and multimodal projector' in info['notes'][0]
+
+
+@pytest.mark.parametrize('text, says', [
+    ('{"model_type": "gemma3", "text_config": {"rms_norm_eps": NaN}}', 'config.json: NaN is not a JSON number.'),
+    ('{"model_type": "gemma3", "text_config": ' + '[' * 200 + ']' * 200 + '}', 'config.json: JSON nested'),
+    ('{"model_type": "gemma3",', 'config.json: not valid JSON (column '),
+])
+def test_config_json_is_parsed_bounded_and_strict(mm, tmp_path, capsys, text, says):
+  """config.json someone else wrote: no NaN, bounded nesting, one line for bad JSON (paxcli.files.parse_json)."""
+  directory = tmp_path / 'hf'
+  os.makedirs(directory)
+  shutil.copy(os.path.join(mm.old, 'model.safetensors'), directory)
+  (directory / 'config.json').write_text(text)
+  code, _, err = pax_main(['checkpoint', 'inspect', str(directory)], capsys)
+  assert code == 2 and 'Traceback' not in err and says in ' '.join(err.split()), err

@@ -45,6 +45,8 @@ def inspect(path: str, fmt: Optional[str] = None, step: Optional[int] = None) ->
   }
   if src.paxcli_names:
     out['has_optimizer_state'] = any(a.name.startswith('opt_state/') for a in arrays)
+  if getattr(src, 'load_notes', None):   # arrays of the source paxcli does not read (and so does not list)
+    out['notes'] = list(src.load_notes)
   return out
 
 
