@@ -128,14 +128,7 @@ def test_the_text_model_imports_certified_by_gemma3_for_conditional_generation(m
 
 def test_greedy_decoding_is_gemma3_for_conditional_generation_generate(mm, capsys):
   prompts = [[5, 17, 99, 3], [7, 7, 120, 64, 1, 88, 13]]
-  argv = ['decode', '--exp', mm.exp, '--job-log-dir', mm.job, '--max-decode-steps', '8', '--ignore-eos', '--json']
-  for prompt in prompts:
-    argv += ['--prompt-ids', ','.join(map(str, prompt))]
-  out, _ = _ok(argv, capsys)
-  rows = [json.loads(line) for line in out.splitlines() if line.startswith('{')]
-  assert [r['prompt_ids'] for r in rows] == prompts
-  for row, prompt in zip(rows, prompts):
-    assert row['decoded_ids'] == hf_models.generate(mm.model, prompt, 8), prompt
+  hf_models.check_decoding(pax_main, capsys, mm.exp, mm.job, mm.model, prompts, 8)
 
 
 def test_both_spellings_of_the_language_model_read_the_same_weights(mm):
