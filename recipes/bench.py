@@ -75,3 +75,64 @@ class LlamaTiny(_LlamaStyle):
   LR_WARMUP_STEPS = 10
   LR_DECAY_START = 10
   LR_DECAY_END = 100
+
+
+# ---- mixture-of-experts shapes at their real sizes, for planning (paxcli.layers.moe) ----------------
+# Synthetic data; `pax bench mfu --exp bench.Mixtral8x7B --compile-only --num-devices 64 --device-memory 80GiB`
+# plans the run on a CPU (docs/guides/moe.md). Scanned layers with full rematerialisation: the compiled
+# program stays small, and activations are one layer's. The experts are sharded over the `expert` mesh
+# axis and their model dimension over `data` (FSDP); every other weight over `data`.
+
+class _MoeShape(_LlamaStyle):
+  """What the MoE planning shapes share: bf16 activations, scanned and rematerialised layers."""
+
+  USE_REPEATED_LAYER = True
+  CHECKPOINT_POLICY = 'save_nothing'
+  ROTARY_MAX_TIMESCALE = 1_000_000.0
+  MAX_SEQ_LEN = 4096
+  PERCORE_BATCH_SIZE = 1
+  MOE_DISPATCH = 'dropless'
+  LOAD_BALANCE_LOSS_WEIGHT = 0.01
+
+
+@register
+class Mixtral8x7B(_MoeShape):
+  """Mixtral 8x7B's shape: 32 x 4096, 8 experts of FFN 14336, top-2 (softmax after top-k), GQA 32/8
+  heads, vocab 32000; 46.7B parameters, 12.9B active; on 64 devices as data 8 x expert 8."""
+
+  NUM_LAYERS = 32
+  MODEL_DIMS = 4096
+  HIDDEN_DIMS = 14336
+  NUM_HEADS = 32
+  NUM_KV_HEADS = 8
+  DIMS_PER_HEAD = 128
+  VOCAB_SIZE = 32000
+  NUM_EXPERTS = 8
+  EXPERTS_PER_TOKEN = 2
+  ROUTER_SOFTMAX = 'after_topk'
+  ICI_MESH_SHAPE = [1, 1, 8, 8, 1]
+
+
+@register
+class Qwen3Moe30BA3B(_MoeShape):
+  """Qwen3-30B-A3B's shape: 48 x 2048, 128 experts of FFN 768, top-8 (softmax before top-k, the 8 renormalised),
+  GQA 32/4 heads of 128 with QK-norm, vocab 151936; 30.5B parameters, 3.3B active; on 16 devices as data 4 x
+  expert 4, capacity-factor dispatch."""
+
+  NUM_LAYERS = 48
+  MODEL_DIMS = 2048
+  HIDDEN_DIMS = 768
+  NUM_HEADS = 32
+  NUM_KV_HEADS = 4
+  DIMS_PER_HEAD = 128
+  VOCAB_SIZE = 151936
+  NUM_EXPERTS = 128
+  EXPERTS_PER_TOKEN = 8
+  ROUTER_SOFTMAX = 'before_topk'
+  ROUTER_NORMALIZE_TOPK = True
+  USE_QK_NORM = True
+  # Capacity dispatch: XLA:CPU computes ragged_dot as a dense product per group, so dropless with 32 experts
+  # per device plans about 130 GiB of temporaries on CPU (docs/guides/moe.md); capacity plans 46.5 GiB.
+  MOE_DISPATCH = 'capacity'
+  EXPERT_CAPACITY_FACTOR = 1.25
+  ICI_MESH_SHAPE = [1, 1, 4, 4, 1]

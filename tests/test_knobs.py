@@ -39,23 +39,31 @@ def _field_names(cfg) -> set[str]:
   return {f.name for f in dataclasses.fields(fdl.get_callable(cfg))}
 
 
-@pytest.mark.parametrize('table, build', [
-    (knobs.LM_KNOBS, lambda: lm_config()),
-    (CLASSIFIER_KNOBS, lambda: ClassifierExperiment().model()),
-], ids=['lm', 'classifier'])
-def test_every_knob_names_layer_fields(table, build):
+def _applying(table, settings):
+  """The table's knobs whose fields are set with these settings (a `when` knob only where its layer is)."""
+  full = knobs.complete(settings, table)
+  return [k for k in table if k.applies(full)]
+
+
+@pytest.mark.parametrize('table, settings, build', [
+    (knobs.LM_KNOBS, {}, lambda: lm_config()),
+    (knobs.LM_KNOBS, {'num_experts': 4}, lambda: lm_config(num_experts=4)),
+    (CLASSIFIER_KNOBS, {}, lambda: ClassifierExperiment().model()),
+], ids=['lm', 'lm-moe', 'classifier'])
+def test_every_knob_names_layer_fields(table, settings, build):
   configs = dict(_layer_configs(build()))
-  for knob in table:
+  for knob in _applying(table, settings):
     for path in knob.fields + tuple(p for p, _ in knob.derived):
       parent, _, name = path.rpartition('.')
       owner = configs[parent + '.' if parent else '']
       assert name in _field_names(owner), f'{knob.name}: {fdl.get_callable(owner).__name__} has no field {name}'
 
 
-def test_every_field_of_the_lm_layers_is_a_knobs():
+@pytest.mark.parametrize('settings', [{}, {'num_experts': 4}], ids=['dense', 'moe'])
+def test_every_field_of_the_lm_layers_is_a_knobs(settings):
   """A new field in an LM layer needs its row in LM_KNOBS (or a line above saying who fills it)."""
   set_by_knobs = {p for k in knobs.LM_KNOBS for p in k.fields + tuple(p for p, _ in k.derived)}
-  for prefix, layer in _layer_configs(lm_config()):
+  for prefix, layer in _layer_configs(lm_config(**settings)):
     skip = FILLED_ELSEWHERE | (FILLED_BY_THE_LM if fdl.get_callable(layer) is Block else set())
     for name in _field_names(layer) - skip:
       assert prefix + name in set_by_knobs, f'{prefix}{name} is a layer field no knob of LM_KNOBS sets'
@@ -68,6 +76,7 @@ def test_lm_config_sets_each_knobs_fields_and_flat_view_reads_them_back():
   cfg = lm_config(**settings)
   values = knobs.effective({k.name: settings[k.flat] for k in knobs.LM_KNOBS if k.flat in settings}, knobs.LM_KNOBS)
   assert values['num_kv_heads'] == 6 and values['dims_per_head'] == 8 and values['attention_use_bias'] is True
+  assert values['num_experts'] is None and values['experts_per_token'] is None   # no MoE layer: no MoE fields
   for knob in knobs.LM_KNOBS:
     for path in knob.fields:
       assert knobs.get_path(cfg, path) == values[knob.flat], path

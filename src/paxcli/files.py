@@ -95,6 +95,15 @@ def copy_member(path: str, dest: str) -> None:
   os.replace(tmp, dest)
 
 
+def probe_writable(directory: str) -> None:
+  """Makes `directory` (if missing) and writes and removes a small file in it; OSError when it cannot."""
+  os.makedirs(directory, exist_ok=True)
+  probe = os.path.join(directory, f'.pax-write-test-{os.getpid()}')
+  with open(probe, 'w') as f:
+    f.write('ok')
+  os.remove(probe)
+
+
 def atomic_write(path: str, data: bytes, mode: Optional[int] = None) -> None:
   """Writes `data` through a temporary file in `path`'s directory (made if missing), then renames
   it onto `path`: a reader, or a process writing the same file beside this one, never sees half of it.

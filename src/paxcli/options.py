@@ -20,6 +20,8 @@ DTypeName = Literal['float32', 'bfloat16', 'float16']
 CheckpointPolicyName = Literal['none', 'save_nothing', 'save_dot_only', 'save_dot_with_no_batch_dim',
                                'save_qkv_out_proj', 'save_everything']
 AttentionImplName = Literal['auto', 'dot_product', 'blockwise', 'einsum']  # paxcli.layers.attention_ops
+MoeDispatchName = Literal['dropless', 'capacity']               # paxcli.layers.moe
+RouterSoftmaxName = Literal['before_topk', 'after_topk']        # paxcli.layers.moe.route
 OptimizerName = Literal['adam', 'adamw', 'adafactor', 'sgd']
 TrackerName = Literal['wandb', 'mlflow']  # paxcli.jobdir.trackers.NAMES
 ScheduleName = Literal['constant', 'linear_rampup_cosine_decay', 'linear_rampup_exponential_decay']
@@ -31,6 +33,8 @@ ROTARY_SCALINGS: tuple[str, ...] = typing.get_args(RotaryScalingName)
 DTYPES: tuple[str, ...] = typing.get_args(DTypeName)
 CHECKPOINT_POLICIES: tuple[str, ...] = typing.get_args(CheckpointPolicyName)
 ATTENTION_IMPLS: tuple[str, ...] = typing.get_args(AttentionImplName)
+MOE_DISPATCHES: tuple[str, ...] = typing.get_args(MoeDispatchName)
+ROUTER_SOFTMAXES: tuple[str, ...] = typing.get_args(RouterSoftmaxName)
 OPTIMIZERS: tuple[str, ...] = typing.get_args(OptimizerName)
 SCHEDULES: tuple[str, ...] = typing.get_args(ScheduleName)
 
@@ -45,6 +49,8 @@ MODEL_FIELDS: dict[str, tuple[str, ...]] = {
     'fprop_dtype': DTYPES,
     'checkpoint_policy': CHECKPOINT_POLICIES,
     'attention_impl': ATTENTION_IMPLS,
+    'dispatch': MOE_DISPATCHES,          # MoeFeedForward.dispatch
+    'router_softmax': ROUTER_SOFTMAXES,
 }
 
 

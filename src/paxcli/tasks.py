@@ -76,7 +76,17 @@ class TrainConfig:
   # LoRA: a PEFT adapter directory (adapter_config.json + adapter_model.safetensors, absolute) the
   # adapters of a fresh run start from instead of A random, B = 0.
   lora_init: Optional[str] = None
+  # The fast checkpoint tier (paxcli/jobdir/fast_tier.py): a local directory (absolute) on each host, a
+  # save every `local_checkpoint_interval_steps` (0: off) of each process's own shards, the newest
+  # `local_checkpoint_max_to_keep` kept.
+  local_checkpoint_dir: Optional[str] = None
+  local_checkpoint_interval_steps: int = 0
+  local_checkpoint_max_to_keep: int = 2
   trackers: Any = dataclasses.field(default_factory=TrackersConfig)
+  # A mixture-of-experts layer whose busiest expert takes at least this fraction of the tokens in each of
+  # router_collapse_steps consecutive steps gets a warning line naming it (paxcli.loops.router_watch).
+  router_collapse_fraction: float = 0.9
+  router_collapse_steps: int = 100
 
 
 @dataclasses.dataclass

@@ -16,6 +16,7 @@ from paxcli.cli import common
 from paxcli.cli import data as data_cmd
 from paxcli.cli import decode as decode_cmd
 from paxcli.cli import eval as eval_cmd
+from paxcli.cli import goodput as goodput_cmd
 from paxcli.cli import experiments as experiments_cmd
 from paxcli.cli import import_maxtext as import_maxtext_cmd
 from paxcli.cli import inspect_input as inspect_input_cmd
@@ -26,6 +27,7 @@ from paxcli.cli import tokenizer as tokenizer_cmd
 from paxcli.cli import train as train_cmd
 from paxcli.cli import version as version_cmd
 from paxcli.jobdir import invocation
+from paxcli.jobdir import ledger
 
 app = typer.Typer(
     name='pax',
@@ -43,7 +45,7 @@ app = typer.Typer(
 def _register_all() -> None:
   for module in (train_cmd, eval_cmd, decode_cmd, inspect_input_cmd, launch_cmd, experiments_cmd,
                  import_maxtext_cmd, checkpoint_cmd, version_cmd, bench_cmd, tokenizer_cmd, data_cmd,
-                 score_cmd, lm_eval_cmd):
+                 score_cmd, lm_eval_cmd, goodput_cmd):
     module.register(app)
 
 
@@ -58,6 +60,7 @@ _register_all()
 
 def main(argv: list[str] | None = None) -> None:
   """Console entry point: runs the app, turning UserError into one red line and exit 2."""
+  ledger.mark_command_start(whole_process=argv is None)  # goodput: the wall time starts here (or at the process start)
   argv = list(sys.argv[1:] if argv is None else argv)
   invocation.set_argv(argv)  # as the user typed it, for the job directory's invocations.txt
   argv = common.normalize_argv(argv)

@@ -3,32 +3,57 @@
 For testing multi-process runs on one machine (and for CPU work): each child gets
 PAX_COORDINATOR / PAX_NUM_PROCESSES / PAX_PROCESS_ID, its own fake CPU devices (or its
 share of the GPUs), and no proxy variables. Children's lines are streamed with a
-`[pN]` prefix. When a child fails, the others are stopped (SIGTERM, then SIGKILL after
+`[pN]` prefix, except gloo's `[Gloo] Rank N is connected to ...` start-up lines (one per process
+and collective group, most of a short run's output), which are counted and shown with --verbose.
+When a child fails, the others are stopped (SIGTERM, then SIGKILL after
 --grace seconds) instead of waiting for JAX's heartbeat timeout (100 s), and the
 launcher exits non-zero naming the process that died first.
+
+With --max-restarts N (torchrun's idea), a failure stops every process and starts them all
+again, up to N times; `pax train` resumes from the newest complete checkpoint of either tier.
+With --heartbeat-timeout S, a process that has done a step but then goes S seconds without
+another (a hang: a stopped process, a dead collective) is a failure too: each child touches
+PAX_HEARTBEAT_FILE after every step. Every start, failure and restart goes into the job's
+goodput ledger (goodput/launch.jsonl; the children say which job directory is theirs).
+
+Exit codes (what a cluster's retry policy keys on): 0 every process finished; otherwise that
+of the last failure: its exit code (2: the command was refused, 3: training diverged; these two
+are never restarted, they would fail again), 128+N for a process killed by signal N, 124 for a
+hang, 130 when the launcher itself was interrupted.
 
 Nothing here imports JAX (runtime.distributed and runtime.platform do not either); the children do.
 """
 
 from __future__ import annotations
 
+import atexit
+import dataclasses
 import os
 import queue
+import re
+import secrets
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import typer
 
 from paxcli.errors import UserError
+from paxcli.jobdir import layout
+from paxcli.jobdir import ledger
+from paxcli.jobdir import storage
 from paxcli.runtime import distributed
 from paxcli.runtime.platform import detect_platform
 
 _PREFIX = '[launch]'
+HUNG = 124           # the launcher's exit code after a hang
+NOT_RESTARTED = (2, 3)  # a refused command (UserError) and a diverged run fail the same way again
 
 
 def launch(
@@ -46,6 +71,17 @@ def launch(
     exit_wait: float = typer.Option(120.0, '--exit-wait', metavar='SECONDS', min=0.0,
                                     help='Seconds the others may run on after one process finished '
                                          'cleanly before they are stopped as hung.'),
+    verbose: bool = typer.Option(False, '--verbose', '-v',
+                                 help="Also show gloo's `[Gloo] Rank N is connected` start-up lines."),
+    max_restarts: int = typer.Option(0, '--max-restarts', metavar='N', min=0,
+                                     help='When a process dies or hangs, stop them all and start them all again, '
+                                          'up to N times (train resumes from its newest checkpoint). Exit codes 2 '
+                                          '(refused) and 3 (diverged) are never restarted.'),
+    heartbeat_timeout: Optional[float] = typer.Option(
+        None, '--heartbeat-timeout', metavar='SECONDS', min=1.0,
+        help='A process that has done a train step but then goes this long without another is hung: stop all '
+             '(and restart, with --max-restarts). Above the longest pause between steps (an eval, a save, a '
+             'recompilation). Default: off.'),
     command: Optional[List[str]] = typer.Argument(
         None, metavar='-- COMMAND', show_default=False,
         help='The pax command every process runs, after --: e.g. -- train --exp E --job-log-dir D.'),
@@ -55,8 +91,9 @@ def launch(
   Example: pax launch --processes 2 --devices-per-process 4 -- train --exp E --job-log-dir /tmp/run
   """
   argv = _child_argv(command or [], _multiprocess_commands(ctx.parent.command))
-  envs = _child_envs(processes, devices_per_process, port or free_port())
-  code = run_children(argv, envs, grace=grace, exit_wait=exit_wait)
+  make_envs = lambda: _child_envs(processes, devices_per_process, port or free_port())
+  code = run_job(argv, make_envs, grace=grace, exit_wait=exit_wait, max_restarts=max_restarts,
+                 heartbeat_timeout=heartbeat_timeout, end_at_exit=True, verbose=verbose)
   if code:
     raise typer.Exit(code)
 
@@ -117,13 +154,142 @@ def _even_gpu_share(n: int) -> int:
 # ---- running the children -----------------------------------------------------------------
 
 
+@dataclasses.dataclass(frozen=True)
+class Failure:
+  """The first process to fail in an attempt: which, its exit code (None: hung), and in words."""
+  index: int
+  code: Optional[int]
+  reason: str
+  steps: dict   # process index -> the last step its heartbeat reported
+
+  @property
+  def exit_code(self) -> int:
+    if self.code is None:
+      return HUNG
+    return self.code if self.code > 0 else 128 - self.code
+
+
 def run_children(argv: list[str], envs: list[dict[str, str]], grace: float = 5.0,
-                 exit_wait: float = 120.0) -> int:
-  """Starts one child per environment, streams output, returns the launcher's exit code."""
+                 exit_wait: float = 120.0, verbose: bool = False) -> int:
+  """Starts one child per environment, streams output, returns the launcher's exit code (no restarts)."""
+  return run_job(argv, lambda: envs, grace=grace, exit_wait=exit_wait, verbose=verbose)
+
+
+def run_job(argv: list[str], make_envs: Callable[[], list[dict[str, str]]], grace: float = 5.0,
+            exit_wait: float = 120.0, max_restarts: int = 0, heartbeat_timeout: Optional[float] = None,
+            end_at_exit: bool = False, verbose: bool = False) -> int:
+  """Runs the children, and again after each failure up to `max_restarts` times; the launcher's exit code.
+
+  end_at_exit: the ledger's `end` line is written when this process exits (`pax launch`: the job's
+  wall time then ends where the launcher's does), else now. verbose: gloo's connection lines are shown."""
+  lock, record = threading.Lock(), _LaunchRecord()
+  code = 0
+  for attempt in range(max_restarts + 1):
+    beats = tempfile.mkdtemp(prefix='pax-launch-')
+    try:
+      envs = [dict(env, **{distributed.ENV_LAUNCH: f'{record.id}:{attempt}',
+                           distributed.ENV_HEARTBEAT: os.path.join(beats, f'p{i}')})
+              for i, env in enumerate(make_envs())]
+      record.add('attempt', attempt=attempt, processes=len(envs))
+      failure = _attempt(argv, envs, grace, exit_wait, heartbeat_timeout, lock, verbose)
+      record.learn_job(beats)
+    except KeyboardInterrupt:
+      code = 130
+      break
+    finally:
+      shutil.rmtree(beats, ignore_errors=True)
+    if failure is None:
+      code = 0
+      break
+    code = failure.exit_code
+    record.add('failure', attempt=attempt, process=failure.index, reason=failure.reason,
+               steps={str(k): v for k, v in failure.steps.items()})
+    if failure.code in NOT_RESTARTED:
+      _say(lock, f'not restarting: exit code {failure.code} ({"refused" if failure.code == 2 else "diverged"}) '
+                 'would come back the same.')
+      break
+    if attempt < max_restarts:
+      _say(lock, f'restart {attempt + 1} of {max_restarts}: starting all {len(envs)} processes again.')
+    elif max_restarts:
+      _say(lock, f'no restarts left (--max-restarts {max_restarts}); giving up.')
+  if end_at_exit:  # as late as Python lets it
+    atexit.register(record.add, 'end', code=code)
+  else:
+    record.add('end', code=code)
+  return code
+
+
+class _LaunchRecord:
+  """The launcher's lines for the job's goodput ledger, kept until a child names its job directory."""
+
+  def __init__(self):
+    self.id = secrets.token_hex(6)
+    self.job_dir: Optional[str] = None
+    self._pending = [{'kind': 'launch', 'id': self.id, 't': ledger.command_started()}]
+
+  def add(self, kind: str, **fields) -> None:
+    self._pending.append({'kind': kind, 'id': self.id, 't': time.time(), **fields})
+    self.flush()
+
+  def learn_job(self, beats: str) -> None:
+    """The job directory a child wrote beside its heartbeat file (Heartbeat.note_job)."""
+    if self.job_dir is None:
+      for name in sorted(os.listdir(beats)):
+        if name.endswith('.job'):
+          with open(os.path.join(beats, name), encoding='utf-8') as f:
+            text = f.read(4096).strip()
+          if not storage.is_local(text) or (os.path.isabs(text) and os.path.isdir(text)):
+            self.job_dir = text   # as the child holds it (storage.absolute): a local path, or gs://...
+            break
+
+  def flush(self) -> None:
+    if self.job_dir is not None and self._pending:
+      try:
+        ledger.append(layout.launch_ledger(self.job_dir), self._pending)
+      except (OSError, UserError) as e:   # a full disk, an unreachable bucket: the job goes on without it
+        sys.stderr.write(f'{_PREFIX} could not write the goodput ledger ({e}); going on without it.\n')
+      self._pending = []
+
+
+def _attempt(argv: list[str], envs: list[dict[str, str]], grace: float, exit_wait: float,
+             heartbeat_timeout: Optional[float], lock: threading.Lock, verbose: bool = False) -> Optional[Failure]:
+  """One start of every child; None when all finished, else the first failure (all stopped by then)."""
   procs = [_spawn(argv, env) for env in envs]
-  lock = threading.Lock()
-  readers = [threading.Thread(target=_pump, args=(stream, out, f'[p{i}] ', lock), daemon=True)
+  hidden = _Hidden(verbose)
+  readers = [threading.Thread(target=_pump, args=(stream, out, f'[p{i}] ', lock, hidden), daemon=True)
              for i, p in enumerate(procs) for stream, out in ((p.stdout, sys.stdout), (p.stderr, sys.stderr))]
+  try:
+    return _supervise(procs, readers, envs, lock, grace, exit_wait, heartbeat_timeout)
+  finally:
+    if hidden.count:
+      _say(lock, f'{hidden.count} "[Gloo] Rank N is connected" line(s) hidden; --verbose shows them.')
+
+
+class _Hidden:
+  """Which children's lines the launcher leaves out (gloo's connection chatter unless verbose), counted.
+
+  gloo's threads write their `[Gloo] Rank N is connected to K peer ranks. Expected number of connected
+  peer ranks is : K` lines in pieces that interleave anywhere (`[Gloo] Rank [Gloo] Rank 12 is connected to
+  is connected to 33 ...`, then a line of the rest, or an empty one): a line is chatter when it holds one of
+  these pieces and nothing else.
+  """
+  PIECES = re.compile(r'\[Gloo\] Rank|is connected to|Expected number of connected peer ranks is ?:|peer ranks\.?|\d+|\s+')
+  MARKS = ('Gloo', 'is connected', 'peer ranks')
+
+  def __init__(self, verbose: bool):
+    self.verbose, self.count = verbose, 0
+
+  def __call__(self, line: str) -> bool:
+    if self.verbose or not any(m in line for m in self.MARKS) or self.PIECES.sub('', line):
+      return False
+    self.count += 1
+    return True
+
+
+def _supervise(procs, readers, envs, lock: threading.Lock, grace: float, exit_wait: float,
+               heartbeat_timeout: Optional[float]) -> Optional[Failure]:
+  """Waits for the children, stops them all when one fails or hangs; None when all finished, else the first
+  failure."""
   events: queue.Queue = queue.Queue()
   waiters = [threading.Thread(target=lambda i=i, p=p: events.put((i, p.wait())), daemon=True)
              for i, p in enumerate(procs)]
@@ -131,28 +297,68 @@ def run_children(argv: list[str], envs: list[dict[str, str]], grace: float = 5.0
     t.start()
   _say(lock, f'{len(procs)} processes, coordinator {envs[0].get("PAX_COORDINATOR", "?")}: ' +
        ', '.join(f'p{i} pid {p.pid}' for i, p in enumerate(procs)))
+  beats = _Heartbeats([env.get(distributed.ENV_HEARTBEAT) for env in envs], heartbeat_timeout)
   previous = signal.signal(signal.SIGTERM, _raise_interrupt) if _main_thread() else None
   try:
-    failure = _watch(procs, events, lock, exit_wait)
+    failure = _watch(procs, events, lock, exit_wait, beats)
   except KeyboardInterrupt:
     _stop(procs, grace, lock)
     _drain(readers)
     _say(lock, 'interrupted; stopped all processes.')
-    return 130
+    raise
   finally:
     if previous is not None:
       signal.signal(signal.SIGTERM, previous)
   if failure is None:
     _drain(readers)
-    return 0
-  index, code = failure
+    return None
+  failure = dataclasses.replace(failure, steps=beats.steps())
   _stop(procs, grace, lock)
   _drain(readers)
-  if code is None:
-    _say(lock, f'process p{index} (pid {procs[index].pid}) hung; stopped it and the others.')
-    return 1
-  _say(lock, f'process p{index} (pid {procs[index].pid}) {_describe_exit(code)}; stopped the other processes.')
-  return code if code > 0 else 128 - code
+  pid = procs[failure.index].pid
+  if failure.code is None:
+    _say(lock, f'process p{failure.index} (pid {pid}) {failure.reason}; stopped it and the others.')
+  else:
+    _say(lock, f'process p{failure.index} (pid {pid}) {failure.reason}; stopped the other processes.')
+  return failure
+
+
+class _Heartbeats:
+  """The children's heartbeat files: a child whose last beat is older than the timeout is hung.
+
+  A child is watched from its first beat on (after its first step: start-up and the first
+  compilation are not timed)."""
+
+  def __init__(self, paths: list[Optional[str]], timeout: Optional[float]):
+    self.paths, self.timeout = paths, timeout
+
+  def hung(self) -> Optional[tuple[int, float]]:
+    """(index, seconds since its beat) of the child silent longest past the timeout, or None."""
+    if not self.timeout:
+      return None
+    now, stale = time.time(), []
+    for i, path in enumerate(self.paths):
+      try:
+        silent = now - os.stat(path).st_mtime
+      except (OSError, TypeError):
+        continue
+      if silent > self.timeout:
+        stale.append((silent, i))
+    if not stale:
+      return None
+    silent, index = max(stale)
+    return index, silent
+
+  def steps(self) -> dict[int, int]:
+    """The last step each child's heartbeat reported."""
+    out = {}
+    for i, path in enumerate(self.paths):
+      try:
+        with open(path, 'rb') as f:
+          out[i] = int(f.read(64).split()[0])
+      except (OSError, TypeError, ValueError, IndexError):
+        continue
+    return out
 
 
 def _spawn(argv: list[str], env: dict[str, str]) -> subprocess.Popen:
@@ -183,11 +389,17 @@ def _die_with_parent_fn():
   return die_with_parent
 
 
-def _pump(stream, out, prefix: str, lock: threading.Lock) -> None:
-  """Copies a child's lines to our stdout/stderr with its prefix."""
+def _pump(stream, out, prefix: str, lock: threading.Lock, hide=lambda line: False) -> None:
+  """Copies a child's lines to our stdout/stderr with its prefix, except those `hide` takes (and an
+  empty line right after one: the end of a line it took, cut apart)."""
+  hid = False
   for raw in iter(stream.readline, b''):
     line = raw.decode('utf-8', errors='replace').rstrip('\r\n')
     with lock:
+      if hide(line) or (hid and not line.strip()):
+        hid = True
+        continue
+      hid = False
       try:
         out.write(prefix + line + '\n')
         out.flush()
@@ -196,8 +408,9 @@ def _pump(stream, out, prefix: str, lock: threading.Lock) -> None:
   stream.close()
 
 
-def _watch(procs, events: queue.Queue, lock: threading.Lock, exit_wait: float):
-  """Waits for every child; returns (index, code) of the first failure (code None: hung), or None."""
+def _watch(procs, events: queue.Queue, lock: threading.Lock, exit_wait: float,
+           beats: Optional[_Heartbeats] = None) -> Optional[Failure]:
+  """Waits for every child; returns the first failure (a non-zero exit or a hang), or None."""
   running = set(range(len(procs)))
   first_clean = None
   while running:
@@ -208,11 +421,15 @@ def _watch(procs, events: queue.Queue, lock: threading.Lock, exit_wait: float):
         hung = ', '.join(f'p{i}' for i in sorted(running))
         _say(lock, f'{hung} still running {exit_wait:g} s after another process finished; '
                    'stopping them as hung.')
-        return min(running), None
+        return Failure(min(running), None, f'still running {exit_wait:g} s after another finished', {})
+      silent = beats.hung() if beats is not None else None
+      if silent is not None and silent[0] in running:
+        return Failure(silent[0], None, f'hung: no heartbeat for {silent[1]:.1f} s (--heartbeat-timeout '
+                       f'{beats.timeout:g})', {})
       continue
     running.discard(index)
     if code != 0:
-      return index, code
+      return Failure(index, code, _describe_exit(code), {})
     first_clean = first_clean or time.monotonic()
   return None
 

@@ -2,7 +2,10 @@
 
   config.txt                the resolved config of the latest invocation
   format.json               the newest format written into it (jobdir/format.py)
+  recipe.py                 a generated recipe (knobs only) the job's experiment is read from, as data
   invocations.txt           one line per invocation: UTC time, paxcli version, command line
+  experiment.jsonl          one JSON line per `pax train` start or resume: the experiment and its --set
+                            overrides, which the commands reading the job use (jobdir/invocation.py)
   train.lock                the running trainer's lock (jobdir/lock.py)
   tokenizer/spm.model       the train input's sentencepiece model (decode and conversion read it)
   tokenizer/tokenizer.json  ... or its Hugging Face tokenizer, and beside either the
@@ -22,6 +25,16 @@
   trackers/wandb/           W&B's own files of the run (offline runs wait here for `wandb sync`; for a job
                             in a bucket, ./wandb on this machine)
   lm_eval/                  `pax lm-eval`'s results: results_step<k>_<n>.json (+ ..._samples_<task>.jsonl)
+  goodput/                  where the run's time went (jobdir/ledger.py; `pax goodput`): append-only
+    process_<i>.jsonl       ledgers, one per process and one of `pax launch`, and job.json, the job's
+    launch.jsonl            identity (a fast checkpoint tier holds it, so a remade job is told apart)
+    job.json
+  summaries/goodput/        the same, over time, for TensorBoard
+
+Outside the job directory, on each host: the fast checkpoint tier (LOCAL_CHECKPOINT_DIR;
+jobdir/fast_tier.py), named here too:
+  <local>/owner.json              the job that owns it (its path and identity)
+  <local>/process_<i>-of-<n>/<step>/  one process's own shards of a step (orbax, per process)
 
 Every function takes the job directory as a command holds it: made absolute, symlinks resolved,
 by `absolute` once where the command starts (orbax refuses relative paths, and a path resolved
@@ -67,6 +80,17 @@ def format_file(job_dir: str) -> str:
 
 def invocations(job_dir: str) -> str:
   return os.path.join(job_dir, 'invocations.txt')
+
+
+def made(job_dir: str) -> str:
+  """How the job was made: experiment.jsonl (paxcli.jobdir.invocation.record_made)."""
+  return os.path.join(job_dir, 'experiment.jsonl')
+
+
+def recipe_copy(job_dir: str) -> str:
+  """The recipe the job's experiment was read from, kept as data (RECIPE_COPY): a conversion's, or a
+  generated recipe a run trained with (jobdir.invocation.record_made)."""
+  return os.path.join(job_dir, RECIPE_COPY)
 
 
 def lock(job_dir: str) -> str:
@@ -236,3 +260,33 @@ def lm_eval_samples(results: str, task: str) -> str:
 def eval_claim(job_dir: str, step: int) -> str:
   """In a bucket, the claim of the follower evaluating `step` (a local job directory flocks the step instead)."""
   return os.path.join(job_dir, 'eval_claims', str(step))
+
+
+def goodput(job_dir: str) -> str:
+  """The goodput ledgers' directory (jobdir/ledger.py)."""
+  return os.path.join(job_dir, 'goodput')
+
+
+def goodput_ledger(job_dir: str, process: int) -> str:
+  """Process `process`'s append-only ledger of where its wall time went."""
+  return os.path.join(goodput(job_dir), f'process_{int(process)}.jsonl')
+
+
+def launch_ledger(job_dir: str) -> str:
+  """`pax launch`'s ledger of this job: its start and end, each failure it saw and each restart."""
+  return os.path.join(goodput(job_dir), 'launch.jsonl')
+
+
+def job_identity(job_dir: str) -> str:
+  """The job's identity (a random id made at its first start), which its fast tier records."""
+  return os.path.join(goodput(job_dir), 'job.json')
+
+
+def local_tier_owner(local_dir: str) -> str:
+  """The fast tier's record of the job it belongs to."""
+  return os.path.join(local_dir, 'owner.json')
+
+
+def local_tier_process(local_dir: str, process: int, count: int) -> str:
+  """One process's fast-tier checkpoints (orbax step directories) under LOCAL_CHECKPOINT_DIR."""
+  return os.path.join(local_dir, f'process_{int(process)}-of-{int(count)}')

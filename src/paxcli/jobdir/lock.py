@@ -45,8 +45,9 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from paxcli import files
 from paxcli.errors import UserError, shorten
-from paxcli.jobdir import layout, storage
+from paxcli.jobdir import layout, ledger, storage
 
 LEASE_S = 60.0   # a bucket lock not renewed for this long belongs to a trainer that is gone
 
@@ -76,11 +77,7 @@ def check_writable(job_dir: str) -> None:
     what = 'is a file' if probe == path else f'is under {probe}, which is a file'
     raise UserError(f'Job directory {shown} {what}, not a directory. Choose another --job-log-dir.')
   try:
-    os.makedirs(path, exist_ok=True)
-    test = os.path.join(path, f'.pax-write-test-{os.getpid()}')
-    with open(test, 'w') as f:
-      f.write('ok')
-    os.remove(test)
+    files.probe_writable(path)
   except OSError as e:
     reason = {errno.EACCES: 'is not writable (permission denied)', errno.EROFS: 'is on a read-only file system',
               errno.ENOSPC: 'is on a full disk (no space left)'}.get(e.errno, f'cannot be written ({e.strerror})')
@@ -89,12 +86,7 @@ def check_writable(job_dir: str) -> None:
 
 def _start_time(pid: int) -> Optional[str]:
   """The kernel's start time of `pid` (clock ticks since boot; Linux), to tell a reused pid apart."""
-  try:
-    with open(f'/proc/{pid}/stat', 'rb') as f:
-      stat = f.read().decode('utf-8', 'replace')
-    return stat.rsplit(')', 1)[1].split()[19]
-  except (OSError, IndexError):
-    return None
+  return ledger.start_ticks(pid)
 
 
 def pid_alive(pid: int, start_time: Optional[str] = None) -> bool:

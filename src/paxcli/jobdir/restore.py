@@ -86,7 +86,11 @@ def saved_metadata(job_dir: str, step: int):
 
 
 def _saved_tree(job_dir: str, step: int):
-  path = layout.state_dir(layout.step_dir(job_dir, step))
+  return state_metadata(layout.state_dir(layout.step_dir(job_dir, step)))
+
+
+def state_metadata(path: str):
+  """orbax's metadata tree of the state item in directory `path` (shapes and dtypes, no arrays read)."""
   with _no_missing_metadata_warning():
     metadata = ocp.PyTreeCheckpointer().metadata(path)
   return getattr(metadata, 'item_metadata', metadata)
@@ -128,9 +132,18 @@ def check_shapes(meta: dict, shapes_now: dict, flat_now: dict, step: int, params
                  if saved.get(k) != now.get(k)]
   lines = '\n  '.join((diffs or ['(no knob or model field differs; the code may have changed)'])[:20])
   shapes = '\n  '.join(shape_diffs[:8] + ([f'... {len(shape_diffs) - 8} more'] if len(shape_diffs) > 8 else []))
-  raise UserError(f'Cannot {action} the checkpoint at step {step}: this configuration has other shapes than '
-                  f'the one it was saved with.\nConfig differences:\n  {lines}\nShapes (checkpoint -> now):\n'
-                  f'  {shapes}')
+  raise ShapeMismatch(f'Cannot {action} the checkpoint at step {step}: this configuration has other shapes than '
+                      f'the one it was saved with.\nConfig differences:\n  {lines}\nShapes (checkpoint -> now):\n'
+                      f'  {shapes}', diffs)
+
+
+class ShapeMismatch(UserError):
+  """A checkpoint whose arrays have other shapes than the configuration reading it; `differences`: the
+  knobs and model fields that differ (config_differences)."""
+
+  def __init__(self, message: str, differences: list[str]):
+    super().__init__(message)
+    self.differences = differences
 
 
 class DamagedCheckpoint(UserError):
@@ -338,19 +351,28 @@ def _restore_step(setup, job_dir: str, step: int, params_only: bool, flat_now: O
     error = _failure(e, step, directory, 'its arrays', action)
   _agree(error, step, directory, action)  # every process goes on, falls back or stops together
   state = dict(state)
-  saved_sums = meta.get('checksums')
-  if saved_sums:
-    saved_sums = dict(saved_sums)
-    now = checksums(_as_saved_dtypes(state, saved_dtypes(saved_tree), saved_sums))
-    bad = sorted(k for k, v in now.items() if k in saved_sums and saved_sums[k] != v)
-    if bad:
-      more = f' and {len(bad) - 3} more' if len(bad) > 3 else ''
-      raise damaged(f'{len(bad)} array(s) differ from the checksums saved with it ({", ".join(bad[:3])}{more})')
+  bad = checksum_mismatches(state, meta, saved_tree)
+  if bad:
+    raise damaged(bad)
   if base is not None:
     state['params'] = train_state.join_params(state['params'], base_params(setup, base, frozen_only=True))
   if not params_only and not has_opt:
     state['opt_state'] = init_opt_state(setup, state['params'])
   return Restored(step, state, meta, params_only_checkpoint=not has_opt)
+
+
+def checksum_mismatches(state: dict, meta: dict, saved_tree) -> Optional[str]:
+  """Why restored `state` is not what was saved (its arrays against the checksums in `meta`), or None."""
+  saved_sums = meta.get('checksums')
+  if not saved_sums:
+    return None
+  saved_sums = dict(saved_sums)
+  now = checksums(_as_saved_dtypes(state, saved_dtypes(saved_tree), saved_sums))
+  bad = sorted(k for k, v in now.items() if k in saved_sums and saved_sums[k] != v)
+  if not bad:
+    return None
+  more = f' and {len(bad) - 3} more' if len(bad) > 3 else ''
+  return f'{len(bad)} array(s) differ from the checksums saved with it ({", ".join(bad[:3])}{more})'
 
 
 def weights(setup, resolved, job_dir: str, step: Optional[int], action: str, fallback: bool, log=print) -> tuple:

@@ -28,7 +28,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 ACTIVATION_RULES: dict[str, tuple[str, ...]] = {
-    'batch': ('replica', 'data'),
+    'batch': ('replica', 'data', 'expert'),   # expert: the batch outside the experts (paxcli.layers.moe)
     'length': (),
     'embed': (),
     'heads': ('mdl',),
@@ -37,6 +37,7 @@ ACTIVATION_RULES: dict[str, tuple[str, ...]] = {
     'mlp': ('mdl',),
     'vocab': ('mdl',),
     'stage': ('stage',),      # the pipeline's stage dimension (paxcli.layers.pipeline)
+    'exp': ('expert',),       # the experts of a mixture-of-experts layer (paxcli.layers.moe)
 }
 
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar('paxcli_activation_sharding', default=None)
@@ -74,6 +75,11 @@ def rules(mesh, overrides: Optional[dict] = None):
     yield
   finally:
     _ACTIVE.reset(token)
+
+
+def active() -> Optional[tuple[Any, dict]]:
+  """(mesh, table) of the active `rules` context; None outside one."""
+  return _ACTIVE.get()
 
 
 def active_axis_size(axis: str) -> int:

@@ -110,9 +110,11 @@ def _names(x, lead: tuple) -> tuple:
 
 def run(layer_fn: Callable, stacked_params, x_BxLxD, extras: dict, schedule: Schedule,
         policy=None, rng=None):
-  """The layer stack applied to x by the pipeline; equal to applying the L layers in order.
+  """(x after the layer stack, side) by the pipeline; x equal to applying the L layers in order.
 
-  layer_fn(params_of_one_layer, x_mbxLxD, extras_of_the_microbatch, rng_or_None) -> x.
+  layer_fn(params_of_one_layer, x_mbxLxD, extras_of_the_microbatch, rng_or_None) -> (x, side), side a
+  tree of arrays a layer reports (its aux losses and summaries); the returned side is stacked [L, ...]
+  like the scanned stack's, each layer's the mean over the microbatches.
   stacked_params: the [L, ...] stack; extras: [B, ...] arrays (segment ids, positions) each
   layer needs for its rows; policy: a jax.checkpoint policy (None: no rematerialisation).
   """
@@ -130,22 +132,32 @@ def run(layer_fn: Callable, stacked_params, x_BxLxD, extras: dict, schedule: Sch
 
     def one_layer(h, w_j):
       w, j = w_j
-      return layer(w, h, stage_extras, None if key is None else jax.random.fold_in(key, j)), None
+      return layer(w, h, stage_extras, None if key is None else jax.random.fold_in(key, j))
 
     per_stage = jax.tree.leaves(w_Lps)[0].shape[0]
-    return jax.lax.scan(one_layer, x, (w_Lps, jnp.arange(per_stage)))[0]
+    return jax.lax.scan(one_layer, x, (w_Lps, jnp.arange(per_stage)))   # (x, side [Lps, ...])
 
   stages = jax.vmap(stage_fn, spmd_axis_name=STAGE_AXIS)
+  side_shapes = jax.eval_shape(lambda: stages(
+      weights, jnp.zeros(s_count, jnp.int32), jnp.zeros((s_count,) + inputs.shape[1:], inputs.dtype),
+      {k: jnp.zeros((s_count,) + v.shape[1:], v.dtype) for k, v in extras_m.items()},
+      None if rng is None else jax.random.split(rng, s_count))[1])
+  # Per stage and repeat, each layer's side summed over the microbatches that really ran there.
+  side_acc = jax.tree.map(lambda a: jnp.zeros(a.shape[:1] + (r_count,) + a.shape[1:], a.dtype), side_shapes)
 
   def iteration(carry, t):
-    state, ring = carry
+    state, ring, acc = carry
     rel = t - stage_ids                                  # how far each stage is into the schedule
     repeat = jnp.clip(rel // m_count, 0, r_count - 1)
     micro = rel % m_count
     stage_extras = {k: jnp.take(v, micro, axis=0) for k, v in extras_m.items()}
     stage_extras = {k: constrain(v, _names(v, (STAGE_AXIS,))) for k, v in stage_extras.items()}
     keys = None if rng is None else jax.vmap(lambda s: jax.random.fold_in(jax.random.fold_in(rng, t), s))(stage_ids)
-    out = constrain(stages(weights, repeat, state, stage_extras, keys), _names(state, (STAGE_AXIS,)))
+    out, side = stages(weights, repeat, state, stage_extras, keys)
+    out = constrain(out, _names(state, (STAGE_AXIS,)))
+    ran_SxR = ((rel >= 0) & (rel < r_count * m_count))[:, None] & (repeat[:, None] == jnp.arange(r_count)[None])
+    acc = jax.tree.map(lambda a, v: a + jnp.where(ran_SxR.reshape(ran_SxR.shape + (1,) * (v.ndim - 1)),
+                                                  v[:, None], 0).astype(a.dtype), acc, side)
     last = out[s_count - 1]
     if ring_size:   # the last stage's output waits M - S iterations before going back to the first
       slot = t % ring_size
@@ -158,7 +170,7 @@ def run(layer_fn: Callable, stacked_params, x_BxLxD, extras: dict, schedule: Sch
     shifted = jnp.roll(out, 1, axis=0)                   # stage s gets stage s - 1's output
     first = (stage_ids == 0).reshape((s_count,) + (1,) * (out.ndim - 1))
     state = constrain(jnp.where(first, nxt[None], shifted), _names(out, (STAGE_AXIS,)))
-    return (state, ring), last
+    return (state, ring, acc), last
 
   if policy is not None:
     iteration = jax.checkpoint(iteration, policy=policy, prevent_cse=False)
@@ -166,6 +178,8 @@ def run(layer_fn: Callable, stacked_params, x_BxLxD, extras: dict, schedule: Sch
   state = jnp.zeros((s_count,) + micro_shape, inputs.dtype).at[0].set(inputs[0])
   state = constrain(state, _names(state, (STAGE_AXIS,)))
   ring = jnp.zeros((ring_size,) + micro_shape, inputs.dtype)
-  _, lasts = jax.lax.scan(iteration, (state, ring), jnp.arange(schedule.iterations))
+  (_, _, side_acc), lasts = jax.lax.scan(iteration, (state, ring, side_acc), jnp.arange(schedule.iterations))
   outputs = lasts[schedule.iterations - m_count:]      # the final repeat's last-stage outputs, in order
-  return _from_microbatches(constrain(outputs, _names(outputs, (None,))))
+  # [S, R, Lps, ...] -> [L, ...]: layer (r * S + s) * Lps + j, as stage_view laid the weights out.
+  side = jax.tree.map(lambda a: jnp.swapaxes(a, 0, 1).reshape((-1,) + a.shape[3:]) / m_count, side_acc)
+  return _from_microbatches(constrain(outputs, _names(outputs, (None,)))), side

@@ -246,6 +246,7 @@ def check_combination(exp: Optional[str], overrides: list[str], combo: list, com
       platform.check_supported(exp_obj)
     task = engine.build_task(resolved.task)
     engine.validate_model(task.model)
+    engine.validate_mesh(task.model, exp_obj.ICI_MESH_SHAPE, exp_obj.DCN_MESH_SHAPE)
     engine.validate_train(task.train)
     num_devices = len(jax.devices())
     sharding.mesh_shape(exp_obj.ICI_MESH_SHAPE, exp_obj.DCN_MESH_SHAPE, num_devices)

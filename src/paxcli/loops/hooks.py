@@ -4,16 +4,19 @@ The loop holds the order; hooks hold the work (levanter's `add_hook(fn, every=N)
 decode, checkpointing, summaries, profiling, the loss check and the graceful stop are each a
 function of one `StepInfo`, run after the steps they are due at. `Chrono` is the loop's single
 timing object (big_vision's `chrono`): the summary window, compilation and evals timed apart,
-and the time left.
+and the time left; its `Stopwatch` puts every wall second of the process in one goodput category
+(paxcli/jobdir/ledger.py), switched by the phases the loop and its hooks enter.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 import time
 from typing import Any, Callable, Optional
 
+from paxcli.jobdir.ledger import PROCESS_CATEGORIES
 from paxcli.perf import flops
 
 
@@ -86,30 +89,133 @@ class Window:
     return max(self.elapsed - self.compile_seconds - self.paused_seconds, 1e-6)
 
 
-class Chrono:
-  """The loop's clock: summary windows, compilation and evals timed apart, and the time left.
+STEP = 'step'  # a step's own work: productive, or recomputed, once the step is done
 
-  Compilation is read from JAX's own monitoring spans (flops.CompileTimer) while the clock is
-  entered; `paused()` times an eval or decode (and what it compiles) apart from the steps.
+
+class Stopwatch:
+  """Every wall second of one process since `started`, in exactly one category at a time.
+
+  The process starts in 'startup'; `switch` closes the open interval and opens another, `phase` opens
+  one for a block and goes back. Compilation that ends inside an interval (JAX's monitoring spans,
+  flops.CompileTimer) moves from it to 'compile', except in 'eval', which keeps its own. The work of
+  step k (the STEP intervals since the step before) becomes 'recomputed' when k is at or below
+  `furthest_before`, the furthest step an earlier run of the job reached, else 'productive'.
+  `snapshot` (from any thread) gives the closed seconds and the open interval for the ledger.
   """
 
-  def __init__(self, first_step: int, total_steps: int):
-    self.total_steps = total_steps
+  def __init__(self, started: Optional[float] = None, furthest_before: int = 0, now: Callable[[], float] = time.time):
+    self._now = now
+    self._lock = threading.Lock()
     self._compile = flops.CompileTimer()
-    self._start, self._step, self._paused = time.perf_counter(), first_step, 0.0
+    self.closed = dict.fromkeys(PROCESS_CATEGORIES, 0.0)
+    self.current, self.since = 'startup', now() if started is None else started
+    self.started = self.since
+    self.furthest_before = furthest_before
+    self.step: Optional[int] = None   # the last step done
+    self.steps = {'productive': 0, 'recomputed': 0}
+    self._step_work = 0.0              # STEP seconds since the last step done
 
-  def __enter__(self) -> Chrono:
+  def __enter__(self) -> Stopwatch:
     self._compile.__enter__()
     return self
 
   def __exit__(self, *exc) -> bool:
     return self._compile.__exit__(*exc)
 
+  def switch(self, category: str) -> str:
+    """Closes the open interval and opens one of `category`; returns the category it closed."""
+    if category != STEP and category not in PROCESS_CATEGORIES:
+      raise ValueError(f'unknown goodput category {category!r}')
+    with self._lock:
+      previous = self._close(self._now())
+      self.current, self._compile.ignoring = category, category == 'eval'
+    return previous
+
+  @contextlib.contextmanager
+  def phase(self, category: str):
+    previous = self.switch(category)
+    try:
+      yield
+    finally:
+      self.switch(previous)
+
+  def step_done(self, step: int) -> None:
+    """Step `step` and its hooks are done: its work is productive or recomputed."""
+    with self._lock:
+      self._close(self._now())
+      kind = self._kind(step)
+      self.closed[kind] += self._step_work
+      self.steps[kind] += 1
+      self._step_work, self.step = 0.0, step
+
+  def _kind(self, step: int) -> str:
+    return 'recomputed' if step <= self.furthest_before else 'productive'
+
+  def _close(self, now: float) -> str:
+    seconds = max(now - self.since, 0.0)
+    compiled = min(self._compile.take(), seconds)
+    self.closed['compile'] += compiled
+    if self.current == STEP:
+      self._step_work += seconds - compiled
+    else:
+      self.closed[self.current] += seconds - compiled
+    self.since = now
+    return self.current
+
+  def snapshot(self) -> dict:
+    """{'t', 'closed', 'open': [category, since], 'step', 'steps'}: the ledger's progress line. The work
+    of the step in flight counts as that step's; the open interval's seconds are not in `closed`."""
+    with self._lock:
+      return self._snapshot(self._now())
+
+  def _snapshot(self, now: float) -> dict:
+    closed = dict(self.closed)
+    upcoming = self._kind((self.step or 0) + 1)
+    closed[upcoming] += self._step_work
+    current = upcoming if self.current == STEP else self.current
+    return {'t': now, 'closed': closed, 'open': [current, self.since], 'step': self.step, 'steps': dict(self.steps)}
+
+  def finish(self) -> dict:
+    """Closes the open interval: the snapshot's `closed` then adds up to its `t` - started."""
+    with self._lock:
+      now = self._now()
+      self._close(now)
+      return self._snapshot(now)
+
+
+class Chrono:
+  """The loop's clock: summary windows, compilation and evals timed apart, and the time left.
+
+  Compilation is read from JAX's own monitoring spans (flops.CompileTimer) while the clock is
+  entered; `paused()` times an eval or decode (and what it compiles) apart from the steps. Entering
+  the clock ends the process's start-up on its `stopwatch`; `phase` times data waits and saves there.
+  """
+
+  def __init__(self, first_step: int, total_steps: int, stopwatch: Optional[Stopwatch] = None):
+    self.total_steps = total_steps
+    self.stopwatch = stopwatch or Stopwatch()
+    self._compile = flops.CompileTimer()
+    self._start, self._step, self._paused = time.perf_counter(), first_step, 0.0
+
+  def __enter__(self) -> Chrono:
+    self._compile.__enter__()
+    self.stopwatch.switch(STEP)
+    return self
+
+  def __exit__(self, *exc) -> bool:
+    self.stopwatch.switch('shutdown')
+    return self._compile.__exit__(*exc)
+
+  def phase(self, category: str):
+    """A block of the loop timed as `category` ('data', 'checkpoint') for goodput."""
+    return self.stopwatch.phase(category)
+
   @contextlib.contextmanager
   def paused(self):
     start, self._compile.ignoring = time.perf_counter(), True
     try:
-      yield
+      with self.stopwatch.phase('eval'):
+        yield
     finally:
       self._compile.ignoring = False
       self._paused += time.perf_counter() - start

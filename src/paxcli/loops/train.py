@@ -14,6 +14,8 @@ import dataclasses
 import functools
 import math
 import os
+import re
+import shutil
 import signal
 import statistics
 import sys
@@ -30,12 +32,14 @@ from rich.table import Table
 from paxcli import optim
 from paxcli.config import config_differences
 from paxcli.convert import lora as convert_lora
-from paxcli.errors import UserError
+from paxcli.errors import UserError, shorten
 from paxcli.inputs import grain_input
 from paxcli.jobdir import checkpoint as ckpt
+from paxcli.jobdir import fast_tier
 from paxcli.jobdir import format as job_format
 from paxcli.jobdir import invocation
 from paxcli.jobdir import layout
+from paxcli.jobdir import ledger
 from paxcli.jobdir import lock as joblock
 from paxcli.jobdir import restore
 from paxcli.jobdir import storage
@@ -44,8 +48,11 @@ from paxcli.jobdir import tokenizer
 from paxcli.jobdir import trackers as track
 from paxcli.layers.base import AUX_LOSS, NON_TRAINABLE, RANDOM, SUMMARIES, flatten_collection
 from paxcli.loops.decode.training import TrainDecoder
-from paxcli.loops.evaluate import Evaluator, metrics_line
+from paxcli.loops import goodput
+from paxcli.loops.evaluate import DATA_FIELDS, Evaluator, metrics_line
 from paxcli.loops.hooks import Chrono, Hooks, StepInfo, Window
+from paxcli.loops.router_watch import RouterWatch, load_note, totals
+from paxcli.models import pattern
 from paxcli.perf import flops
 from paxcli.perf import profiling
 from paxcli.runtime import distributed
@@ -69,10 +76,12 @@ def make_train_step(setup, batch_sharding, dropout_seed: int, compiler_options: 
 
   The model's fprop gives (loss, metrics); aux losses its layers add join the loss;
   non-trainable variables come back updated (the optimizer never sees them); layer
-  summaries come back in the metrics under 'summary/<layer path>/<name>'.
+  summaries come back in the metrics under 'summary/<layer path>/<name>', one per layer whether the
+  stack is scanned or not.
   `compiler_options`: XLA options for this program only (a PGLE profile, for one).
   """
   model, tx = setup.model, setup.tx
+  layers_per_group = pattern.period(getattr(getattr(model, 'lm_tpl', None), 'layer_pattern', None))
   lr_fn = optim.learning_rate_fn(setup.train)
   deterministic = not model.has_dropout
   has_non_trainable = 'non_trainable' in setup.state_shardings
@@ -108,8 +117,9 @@ def make_train_step(setup, batch_sharding, dropout_seed: int, compiler_options: 
     if aux:
       metrics['model_loss'] = loss
       metrics.update({f'aux_loss/{k}': jnp.sum(v) for k, v in aux.items()})
-    for name, value in flatten_collection(updates.get(SUMMARIES, {})).items():
-      metrics[f'summary/{name}'] = jnp.mean(value)  # scanned layers: the mean over layers
+    summaries = pattern.per_layer(updates.get(SUMMARIES, {}), layers_per_group)
+    for name, value in flatten_collection(summaries).items():
+      metrics[f'summary/{name}'] = jnp.mean(value)
     new_state = {'step': state['step'] + 1, 'params': params, 'opt_state': opt_state}
     if has_non_trainable:
       new_state['non_trainable'] = sync_non_trainable(updates[NON_TRAINABLE], setup)
@@ -234,7 +244,7 @@ class LossCheck:
     return rows
 
   def _check(self, step: int, metrics) -> dict:
-    values = {k: float(v) for k, v in metrics.items()}
+    values = {k: float(v) for k, v in jax.device_get(metrics).items()}   # one transfer for all
     if not math.isfinite(values['loss']):
       raise TrainingDiverged(f'The loss became {values["loss"]} at step {step}; stopping. No checkpoint of '
                              'this state was written. Lower the learning rate or check the input.')
@@ -254,8 +264,10 @@ class Summary:
   summary, with rates over the window's steady time, into TensorBoard and train_metrics.jsonl
   (process 0's `writer`) and the log. `last` is the latest summary (the run's return value)."""
 
-  def __init__(self, losses: LossCheck, chrono: Chrono, reporter: Reporter, writer, mfu_of, start_step: int):
+  def __init__(self, losses: LossCheck, chrono: Chrono, reporter: Reporter, writer, mfu_of, start_step: int,
+               router_watch: Optional[RouterWatch] = None):
     self._losses, self._chrono, self._reporter, self._writer, self._mfu_of = losses, chrono, reporter, writer, mfu_of
+    self._router_watch = router_watch
     self.last = {'step': start_step}
 
   def __call__(self, info: StepInfo) -> None:
@@ -264,7 +276,10 @@ class Summary:
     if rows and not any(r['tokens'] for r in rows):
       self._reporter.log(f"warning: steps {rows[0]['step']}-{rows[-1]['step']} had zero total weight (every "
                          'target token masked): their loss 0 means nothing was trained.')
+    if self._router_watch:
+      self._router_watch(rows)
     self.last = _summarize(info.step, rows, window, self._mfu_of)
+    self.last.update(totals(self.last))
     if self._writer:
       self._writer.scalars(info.step, {k: v for k, v in self.last.items() if k != 'step'})
     self._reporter.summary(self.last, self._chrono.eta(info.step, self.last['steps_per_sec']))
@@ -276,16 +291,27 @@ class Summary:
 
 class Saver:
   """Hook, every save_interval_steps, at the end and at a stop: a checkpoint of the state (never of
-  non-finite parameters) with the meta a resume reads (RunSpec, input position, recent losses)."""
+  non-finite parameters) with the meta a resume reads (RunSpec, input position, recent losses).
 
-  def __init__(self, checkpointer: ckpt.Checkpointer, losses: LossCheck, spec: RunSpec, start: Start, setup,
-               train_input):
+  The same hook saves the fast tier (jobdir/fast_tier.py) every LOCAL_CHECKPOINT_EVERY steps, with
+  `skip` the steps the persistent tier saves. Its time, less the wait for the step itself, is a
+  checkpoint stall on the clock.
+  """
+
+  def __init__(self, checkpointer, losses: LossCheck, spec: RunSpec, start: Start, setup, train_input,
+               chrono: Chrono, skip: Callable[[StepInfo], bool] = lambda info: False):
     self._checkpointer, self._losses, self._spec, self._start = checkpointer, losses, spec, start
-    self._setup = setup
+    self._setup, self._chrono, self._skip = setup, chrono, skip
     self._input_state = getattr(train_input, 'get_state', None)  # an input that keeps its own position
 
   def __call__(self, info: StepInfo) -> None:
+    if self._skip(info):
+      return
     self._losses.settle()  # the step's loss is checked before its state is saved
+    with self._chrono.phase('checkpoint'):
+      self._save(info)
+
+  def _save(self, info: StepInfo) -> None:
     if not params_finite(info.state['params']):
       raise TrainingDiverged(f'The parameters became non-finite at step {info.step} (the loss was still finite); '
                              'stopping without saving them. Lower the learning rate or clip gradients.')
@@ -297,6 +323,11 @@ class Saver:
         'input_layout': spec.input_layout, 'recent_losses': list(guard.recent), 'loss': guard.median(),
         'checksums': train_state.checksums(state), **({'base': spec.base} if spec.base else {})},
         input_state=self._input_state() if self._input_state else None)
+
+  def close(self) -> None:
+    """Waits for the last save (a stall at the end of the run) and closes the checkpointer."""
+    with self._chrono.phase('checkpoint'):
+      self._checkpointer.close()
 
 
 def params_finite(params) -> bool:
@@ -419,8 +450,7 @@ class Reporter:
     self._last = record
     if self.enabled and not self.interactive:
       accuracy = f"  accuracy {record['accuracy']:.4f}" if 'accuracy' in record else ''
-      aux = ''.join(f"  {k} {v:.4g}" for k, v in record.items() if k.startswith('aux_loss/'))
-      self.log(f"step {record['step']}: loss {record['loss']:.4f}{accuracy}{aux}  "
+      self.log(f"step {record['step']}: loss {record['loss']:.4f}{accuracy}{aux_note(record)}{load_note(record)}  "
                f"lr {record['learning_rate']:.3g}  grad_norm {record['grad_norm']:.3f}  "
                f"{record['steps_per_sec']:.2f} steps/s  {record['tokens_per_sec']:,.0f} tokens/s"
                f"{mfu_note(record)}{eta_note(eta_seconds)}{window_note(record)}")
@@ -452,6 +482,17 @@ def _summarize(step: int, rows: list[dict], window: Window, mfu_of=None) -> dict
   return out
 
 
+def aux_note(record: dict) -> str:
+  """'  load_balance_loss 0.0102' for each aux loss by name, summed over the layers that add it (each
+  layer's stays in TensorBoard and train_metrics.jsonl as aux_loss/<layer path>/<name>)."""
+  by_name: dict[str, float] = {}
+  for key, value in record.items():
+    if key.startswith('aux_loss/'):
+      name = key.rsplit('/', 1)[-1]
+      by_name[name] = by_name.get(name, 0.0) + value
+  return ''.join(f'  {name} {value:.4g}' for name, value in by_name.items())
+
+
 def mfu_note(record: dict) -> str:
   if 'mfu' not in record:
     return ''
@@ -478,28 +519,75 @@ def window_note(record: dict) -> str:
 
 
 def train(resolved, job_dir: str, console, verbose: bool = False, profile_steps=None, pgle: Optional[str] = None,
-          pgle_profile: Optional[str] = None) -> dict:
+          pgle_profile: Optional[str] = None, made: Optional[invocation.Made] = None,
+          force_resume: bool = False) -> dict:
   """Trains (or resumes) the resolved experiment in job_dir. Returns the last summary.
 
   The job directory is checked first and locked for the run (`paxcli/jobdir/lock.py`): a
   second trainer on it is refused. profile_steps: (A, B) to trace steps A..B with
   jax.profiler; pgle/pgle_profile: see paxcli.perf.profiling. The experiment's PLATFORM_ENV is
-  applied before this, by the command's `api.open_run`, ahead of JAX's backend start.
+  applied before this, by the command's `api.open_run`, ahead of JAX's backend start. `made`:
+  how the job is made (experiment and --set), recorded for the commands that read it. A resume
+  whose data, tokenizer or model shape differ from the checkpoint's is refused unless force_resume
+  (shapes always: no weights fit them). A start refused before its first step leaves no directory
+  it made.
   """
   platform.check_supported(resolved.experiment)  # refusals first: a refused run leaves no job directory
   engine.validate(resolved)                       # the settings, as `pax describe` checks them
   profiling.check_pgle(pgle, pgle_profile)
+  made_here = _missing_ancestor(job_dir)
   joblock.check_writable(job_dir)  # makes the directory
   lock = joblock.lock_run(job_dir, _printer(console) if jax.process_index() == 0 else _silent)
+  accounting, status, refused = None, 1, False
   try:
-    return _train(resolved, job_dir, console, verbose, profile_steps, pgle_profile, lock)
+    accounting = goodput.Goodput(job_dir, is_main=jax.process_index() == 0)
+    result = _train(resolved, job_dir, console, accounting, verbose, profile_steps, pgle_profile, lock, made,
+                    force_resume)
+    status = 0
+    return result
+  except SystemExit as e:
+    status = e.code if isinstance(e.code, int) else 1
+    raise
+  except UserError as e:
+    status = e.exit_code
+    refused = made_here is not None and jax.process_index() == 0
+    raise
+  except KeyboardInterrupt:
+    status = 130
+    raise
   finally:
+    if accounting is not None:
+      accounting.close(status)
     if lock is not None:
       lock.release()
+    if refused:
+      _remove_refused(job_dir, made_here)
 
 
-def _train(resolved, job_dir: str, console, verbose: bool = False, profile_steps=None,
-           pgle_profile: Optional[str] = None, lock=None) -> dict:
+def _missing_ancestor(path: str) -> Optional[str]:
+  """The outermost directory of a local `path` (itself included) that does not exist yet, else None (a
+  bucket has no directories to leave behind)."""
+  if not storage.is_local(path):
+    return None
+  missing = None
+  while not os.path.lexists(path):
+    missing, path = path, os.path.dirname(path)
+  return missing
+
+
+def _remove_refused(job_dir: str, top: str) -> None:
+  """Removes what a start refused before its first checkpoint made: `top`, the outermost directory of
+  job_dir that this command created (it did not exist when the command started), with the lock and
+  goodput ledger it wrote."""
+  checkpoints = layout.checkpoints(job_dir)
+  if os.path.isdir(checkpoints) and os.listdir(checkpoints):
+    return   # never the case before the first step; kept should it be
+  shutil.rmtree(top, ignore_errors=True)
+
+
+def _train(resolved, job_dir: str, console, accounting: goodput.Goodput, verbose: bool = False, profile_steps=None,
+           pgle_profile: Optional[str] = None, lock=None, made: Optional[invocation.Made] = None,
+           force_resume: bool = False) -> dict:
   is_main = jax.process_index() == 0
   log = _printer(console) if is_main else _silent
   distributed.log_topology(_printer(console))
@@ -514,11 +602,13 @@ def _train(resolved, job_dir: str, console, verbose: bool = False, profile_steps
     raise UserError('LORA_RANK > 0 trains adapters on frozen base weights: set INIT_FROM to the base checkpoint '
                     '(a job directory or checkpoint step; `pax checkpoint convert HF_DIR OUT --from hf` makes one).')
   spec = RunSpec.of(resolved, setup, base)
+  _check_same_run(job_dir, spec, resolved.train_dataset().name, force_resume)   # before any data is read
   _log_run(resolved, setup, job_dir, log)
   if verbose and is_main:
     _print_weights(console, setup)
   train_input = infeed.build_input(resolved.train_dataset(), setup)  # before any state: missing data stops at once
   tokenizer.check_kept(train_input, job_dir)
+  tokenizer.check_base(train_input, train_cfg.init_from)
 
   # ---- Job directory: resume or start -------------------------------------------------------------
   job_format.check_job(job_dir)   # a newer paxcli's job directory is refused before anything is written
@@ -532,8 +622,14 @@ def _train(resolved, job_dir: str, console, verbose: bool = False, profile_steps
   latest = checkpointer.latest_step()
   if latest is not None and latest >= total:
     return _already_finished(job_dir, latest, spec, total, checkpointer, log)
-  state, start = (_resume(setup, job_dir, latest, spec, checkpointer, log) if latest is not None
-                  else (_fresh_state(setup, base, resolved.experiment.RANDOM_SEED, log), Start(0)))
+  fast = _open_fast_tier(train_cfg, job_dir, setup, log)
+  state, start = _resume_fast(fast, spec, latest, job_dir, log)
+  if state is None:
+    state, start = (_resume(setup, job_dir, latest, spec, checkpointer, log) if latest is not None
+                    else (_fresh_state(setup, base, resolved.experiment.RANDOM_SEED, log), Start(0)))
+  if fast is not None:
+    fast.discard_after(start.step)
+  accounting.resumed(start.step, start.tier)
   if is_main:
     storage.write_text(layout.config(job_dir), resolved.as_text())
     _trim_replayed_metrics(job_dir, start.step, log)
@@ -541,7 +637,7 @@ def _train(resolved, job_dir: str, console, verbose: bool = False, profile_steps
   # ---- Input, step, evals ---------------------------------------------------------------------------
   if is_main:
     tokenizer.save_to_job_dir(train_input, job_dir)
-  _position_input(train_input, job_dir, start, log)
+  _position_input(train_input, job_dir, start, fast, log)
   batch_sharding = sharding.batch_sharding(setup.mesh)
   profiler = profiling.StepProfiler(job_dir, log, profile_steps, pgle_profile, start.step)
   train_step = TrainStep(setup, batch_sharding, resolved.experiment.RANDOM_SEED + 1, profiler)
@@ -553,6 +649,9 @@ def _train(resolved, job_dir: str, console, verbose: bool = False, profile_steps
   decoder = (TrainDecoder(resolved, setup, job_dir, train_cfg)
              if getattr(train_cfg, 'decode_interval_steps', 0) and train_cfg.decode_prompts else None)
 
+  if is_main and made is not None:  # the run starts: how it is made, for its readers (a follower waits for it)
+    invocation.record_made(job_dir, made)
+
   # ---- Hooks --------------------------------------------------------------------------------------
   tracked = _open_trackers(resolved, job_dir, train_cfg, spec, log) if is_main else track.Trackers()
   if evaluator:
@@ -562,34 +661,47 @@ def _train(resolved, job_dir: str, console, verbose: bool = False, profile_steps
   reporter = Reporter(console, total, start.step, enabled=is_main)
   guard = LossGuard(train_cfg.loss_spike_factor, train_cfg.loss_spike_window, start.recent_losses)
   losses = LossCheck(guard, start.step, total, checkpointer)
-  chrono = Chrono(start.step, total)
-  summary = Summary(losses, chrono, reporter, writer, mfu_of, start.step)
+  chrono = Chrono(start.step, total, accounting.stopwatch)
+  summary = Summary(losses, chrono, reporter, writer, mfu_of, start.step,
+                    RouterWatch(train_cfg.router_collapse_fraction, train_cfg.router_collapse_steps, log))
   stop = GracefulStop(enabled=jax.process_count() == 1)
+  saver = Saver(checkpointer, losses, spec, start, setup, train_input, chrono)
   with Hooks() as hooks:
     hooks.enter_context(tracked)  # entered first, so ended last: after the writers' final summaries
     hooks.add_before(profiler.before)
     hooks.add(train_step.profile, every=1, close=profiler.close)
     hooks.add(losses, every=1)
     hooks.add(summary, every=train_cfg.summary_interval_steps, at_end=True, close=summary.close)
-    hooks.add(Saver(checkpointer, losses, spec, start, setup, train_input), every=train_cfg.save_interval_steps, at_end=True,
-              on_stop=True, close=checkpointer.close)
-    if evaluator:
-      hooks.add(_eval_hook(evaluator, reporter, chrono), every=train_cfg.eval_interval_steps, close=evaluator.close)
+    hooks.add(accounting.summary_hook, every=train_cfg.summary_interval_steps, at_end=True)
+    hooks.add(saver, every=train_cfg.save_interval_steps, at_end=True, on_stop=True, close=saver.close)
+    if fast is not None:
+      hooks.add(Saver(fast, losses, spec, start, setup, train_input, chrono, skip=saver_due(train_cfg)),
+                every=fast.settings.every, close=fast.close)
+    if evaluator:  # and at the end: a run of 40 steps, evaluated every 100, still reports its held-out loss
+      hooks.add(_eval_hook(evaluator, reporter, chrono), every=train_cfg.eval_interval_steps, at_end=True,
+                close=evaluator.close)
     if decoder:
       hooks.add(_decode_hook(decoder, reporter, chrono), every=train_cfg.decode_interval_steps, at_end=True,
                 close=decoder.close)
     hooks.add(reporter, every=1, close=reporter.close)
+    hooks.add(accounting.step_hook, every=1)
     hooks.add(stop.hook(checkpointer, reporter, log, layout.checkpoints(job_dir)), on_stop=True)
     hooks.enter_context(stop)
     hooks.enter_context(chrono)
+    hooks.callback(accounting.heartbeat.close)  # the loop is over (closed first): no hang timeout for what follows
 
     # ---- Loop -------------------------------------------------------------------------------------
     for step in range(start.step + 1, total + 1):
-      batch = to_global(train_input.get_next(), batch_sharding, setup.global_batch)
+      with chrono.phase('data'):
+        batch = to_global(train_input.get_next(), batch_sharding, setup.global_batch)
       hooks.before(step)
       state, metrics = train_step(state, batch)
       hooks.after(StepInfo(step, state, metrics, last=step == total, stopping=stop.requested))
+  if fast is not None:
+    fast.clear()  # the run finished: its last persistent checkpoint supersedes the fast tier
   _log_done(job_dir, summary.last, train_cfg.save_max_to_keep, log)
+  if is_main:
+    log(accounting.line() + f' `pax goodput {job_dir}` has the table.')
   return summary.last
 
 
@@ -612,8 +724,11 @@ def _log_run(resolved, setup, job_dir: str, log) -> None:
   log(f'Experiment {resolved.name} -> {job_dir}')
   log(f'Devices: {len(devices)} x {devices[0].device_kind} ({jax.default_backend()}), '
       f'{jax.process_count()} process(es); mesh {sharding.describe_mesh(setup.mesh)}')
-  log(f'Parameters: {train_state.param_count(setup.abstract_state):,}; global batch '
-      f'{setup.infeed.describe()} x {setup.seq_len} tokens')
+  total = train_state.param_count(setup.abstract_state)
+  frozen = train_state.has_frozen(setup)
+  trainable = train_state.param_count(train_state.saved_state(setup, setup.abstract_state)) if frozen else total
+  counts = f'{trainable:,} trainable (LoRA adapters) of {total:,}' if frozen else f'{total:,}'
+  log(f'Parameters: {counts}; global batch {setup.infeed.describe()} x {setup.seq_len} tokens')
 
 
 def _log_done(job_dir: str, last: dict, keep: int, log) -> None:
@@ -647,10 +762,12 @@ class RunSpec:
 @dataclasses.dataclass(frozen=True)
 class Start:
   """Where this invocation begins: the step it resumes from (0: a fresh run), the input batches
-  already consumed, and the recent losses the loss guard goes on from."""
+  already consumed, the recent losses the loss guard goes on from, and the checkpoint tier the
+  state came from ('fast', 'persistent'; None: a fresh run)."""
   step: int
   batches_consumed: int = 0
   recent_losses: tuple = ()
+  tier: Optional[str] = None
 
 
 def _fresh_state(setup, base: Optional[restore.BaseRef], seed: int, log) -> dict:
@@ -700,21 +817,112 @@ def _resume(setup, job_dir: str, step: int, spec: RunSpec, checkpointer, log) ->
   if layout_note:
     log(layout_note)
   log(f'Resumed from step {step} ({batches_consumed} batches consumed).')
+  _note_changes(meta, spec, job_dir, log)
+  return restored.state, Start(step, batches_consumed, meta.get('recent_losses') or (), 'persistent')
+
+
+def _note_changes(meta: dict, spec: RunSpec, job_dir: str, log) -> None:
   changed = config_differences(meta.get('config') or {}, spec.flat, prefixes=('',))
+  changed = [c for c in changed if not _kept_tokenizer(c, job_dir)]
   if changed:
     log(f'Note: {len(changed)} setting(s) differ from the checkpoint\'s config (the run goes on '
         'with the new ones):\n  ' + '\n  '.join(changed))
-  return restored.state, Start(step, batches_consumed, meta.get('recent_losses') or ())
 
 
-def _position_input(train_input, job_dir: str, start: Start, log) -> None:
+def _kept_tokenizer(difference: str, job_dir: str) -> bool:
+  """Whether a config difference is only an own-data input reading the job's kept tokenizer (None in
+  the run that trained it, its copy in the job directory since: jobdir.tokenizer.keep_trained)."""
+  return difference.split(':', 1)[0].endswith('.tokenizer') and difference.endswith(
+      f'checkpoint None -> now {repr(tokenizer.kept(job_dir))}')
+
+
+# What a run trains on, in its resolved config: the data and tokenizer knobs, and the fields of the
+# train input that name its data (evaluate.DATA_FIELDS) and its tokenizer.
+TRAINS_ON_KNOBS = ('TRAIN_DATA', 'TOKENIZER', 'TEXT_FIELD')
+TRAINS_ON_FIELDS = DATA_FIELDS + ('tokenizer', 'spm_model')
+
+
+def _check_same_run(job_dir: str, spec: RunSpec, train_name: str, force_resume: bool) -> None:
+  """One line, before any data is read, when job_dir's latest checkpoint was trained on other data or
+  another tokenizer than this command gives (unless force_resume), or has other shapes: this is
+  another run, and belongs in a directory of its own."""
+  steps = ckpt.complete_steps(layout.checkpoints(job_dir))
+  try:
+    meta = restore.read_meta(job_dir, steps[-1]) if steps else None
+  except UserError:
+    return  # the resume says what is wrong with it, and falls back to an older one
+  if not meta:
+    return
+  try:
+    restore.check_shapes(meta, spec.shapes, spec.flat, steps[-1], False, 'resume from')
+  except restore.ShapeMismatch as e:
+    raise UserError(f'{job_dir} holds a run whose train state has other shapes than this one\'s '
+                    f'({"; ".join(e.differences[:3]) or "the code changed"}): give this run a new --job-log-dir.') from None
+  saved = meta.get('config') or {}
+  keys = [f'knobs.{k}' for k in TRAINS_ON_KNOBS] + [f'datasets.{train_name}.{f}' for f in TRAINS_ON_FIELDS]
+  changed = [f'{k.split(".", 1)[1] if k.startswith("knobs.") else k}: {_shown(saved[k])} -> {_shown(spec.flat[k])}'
+             for k in keys
+             if k in saved and k in spec.flat and saved[k] != spec.flat[k]
+             and not _kept_tokenizer(f'{k}: checkpoint {saved[k]} -> now {spec.flat[k]}', job_dir)]
+  if changed and not force_resume:
+    raise UserError(f'{job_dir} holds a run trained on other data than this command gives ({"; ".join(changed[:3])}'
+                    f'): give this run a new --job-log-dir, or pass --force-resume to go on training that one on '
+                    'these settings.')
+
+
+def _shown(saved: str) -> str:
+  """A saved config value for a one-line message: a class by its name, anything long shortened."""
+  match = re.fullmatch(r"<class '(?:[\w.]+\.)?(\w+)'>", saved)
+  return match.group(1) if match else shorten(saved, 80)
+
+
+def _open_fast_tier(train_cfg, job_dir: str, setup, log) -> Optional[fast_tier.FastTier]:
+  """The fast checkpoint tier when LOCAL_CHECKPOINT_DIR/EVERY are set: checked (writable, this job's,
+  room on its disk) before any training, every process alike."""
+  settings = fast_tier.Settings.of(train_cfg)
+  if settings is None:
+    return None
+  ledger.job_id(job_dir, create=jax.process_index() == 0)
+  distributed.barrier('paxcli:job-identity')
+  tier = fast_tier.open_tier(settings, job_dir, ledger.job_id(job_dir, create=False), setup, log)
+  log(f'Fast checkpoint tier: every {settings.every} steps to {tier.directory} on each host '
+      f'(the newest {settings.keep} kept; LOCAL_CHECKPOINT_*).')
+  return tier
+
+
+def _resume_fast(fast: Optional[fast_tier.FastTier], spec: RunSpec, persistent: Optional[int], job_dir: str, log):
+  """(state, Start) from the newest fast step complete on every process and newer than the persistent
+  tier's latest, trying older ones after a damaged one; (None, None) when there is none."""
+  for step in fast_tier.choose(fast, persistent, log):
+    try:
+      restored = fast.restore(step, spec.flat)
+    except (restore.DamagedCheckpoint, restore.CheckpointGone, restore.CheckpointReadError) as e:
+      log(f'WARNING: {e} Trying an older checkpoint.')
+      continue
+    meta = restored.meta
+    batches = int(meta.get('batches_consumed', step))
+    against = f'the persistent tier has step {persistent}' if persistent is not None else 'no persistent one yet'
+    log(f'Resumed from step {step} of the fast checkpoint tier ({fast.directory}; {against}; '
+        f'{batches} batches consumed).')
+    _note_changes(meta, spec, job_dir, log)
+    return restored.state, Start(step, batches, tuple(meta.get('recent_losses') or ()), 'fast')
+  return None, None
+
+
+def saver_due(train_cfg) -> Callable[[StepInfo], bool]:
+  """Whether the persistent Saver saves after this step (then the fast tier need not)."""
+  return lambda info: info.step % train_cfg.save_interval_steps == 0 or info.last or info.stopping
+
+
+def _position_input(train_input, job_dir: str, start: Start, fast: Optional[fast_tier.FastTier], log) -> None:
   """Puts the train input where the checkpoint left it: the input's own saved position when it
   keeps one (Grain: a read of a few documents, whatever the step), else by skipping the batches
   consumed (a re-read that grows with the step)."""
   if not start.step:
     return
   if hasattr(train_input, 'restore'):
-    saved = grain_input.read_states(storage.local_tree(layout.input_dir(layout.step_dir(job_dir, start.step))))
+    saved = (fast.input_states(start.step) if start.tier == 'fast' else
+             grain_input.read_states(storage.local_tree(layout.input_dir(layout.step_dir(job_dir, start.step)))))
     if saved:
       train_input.restore(saved, batches=start.batches_consumed)  # checked against the meta's count
       return

@@ -47,6 +47,10 @@ class BaseModel(BaseLayer):
   def validate(self) -> None:
     """Raises paxcli.errors.UserError for settings that cannot work."""
 
+  def validate_mesh(self, axis_sizes: dict) -> None:
+    """Raises paxcli.errors.UserError for settings the mesh cannot hold; axis_sizes: mesh axis -> size
+    (None: a size the devices will fill, not known yet)."""
+
   def pipeline_schedule(self, global_batch: int):
     """The pipeline's Schedule (paxcli.layers.pipeline) at this global batch; None: not pipelined."""
     return None

@@ -19,7 +19,10 @@ from typing import Optional
 #   + per layer 12 x H x E x S attention (Q.K^T and probs.V, forward and backward),
 #     halved for causal masking.
 #
-# The token-embedding lookup, norms, softmax, biases and the optimizer are not counted.
+# A mixture-of-experts layer counts its active weights only: the router (D x E) and the k experts a
+# token goes to (plus a shared expert), not all E. The token-embedding lookup, norms, softmax, biases,
+# the optimizer, and the dispatch of tokens to experts (the capacity mode's one-hot einsums, the
+# dropless mode's sorts) are not counted.
 # PaLM's figure (appendix B) counts attention in full, without the causal halving; it is
 # reported beside ours (`palm_per_token`) and is what XLA counts for the einsum attention,
 # which computes every logit. paxcli.perf.flops turns these into MFU.
@@ -50,15 +53,19 @@ class ModelFlops:
 
 
 def stack_flops(layers, model_dims, heads, kv_heads, dims_per_head, hidden_dims, gated, seq_len: int,
-                head_params_per_token: float = 0.0, causal: bool = True) -> Optional[ModelFlops]:
+                head_params_per_token: float = 0.0, causal: bool = True, num_experts: int = 0,
+                experts_per_token: int = 1, shared_hidden_dims: int = 0) -> Optional[ModelFlops]:
   """The FLOPs of a stack of causal attention + MLP blocks and an output head; None when a
-  setting is unknown (None: a swapped-in layer without it)."""
+  setting is unknown (None: a swapped-in layer without it). num_experts > 0: each MLP is a mixture
+  of experts of hidden_dims each, experts_per_token of them active (and a shared one of shared_hidden_dims)."""
   if any(v is None for v in (layers, model_dims, heads, kv_heads, dims_per_head, hidden_dims, gated)):
     return None
   d, e = model_dims, dims_per_head
   qkv = d * e * (heads + 2 * kv_heads)
   out = heads * e * d
   mlp = d * hidden_dims * (3 if gated else 2)
+  if num_experts:
+    mlp = mlp * experts_per_token + d * num_experts + d * shared_hidden_dims * (3 if gated else 2)
   attention = 12.0 * layers * heads * e * seq_len
   return ModelFlops(matmul_params=layers * (qkv + out + mlp) + head_params_per_token,
                     attention_per_token=attention / 2 if causal else attention,

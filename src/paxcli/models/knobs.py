@@ -12,6 +12,11 @@ The flat name of a knob is the keyword `paxcli.models.lm.lm_config` takes and th
 first field unless the row says otherwise. A knob whose fields take a value computed from
 other knobs (NUM_KV_HEADS None: as many as NUM_HEADS) says how in `value`.
 
+A knob may swap a whole template (NUM_EXPERTS > 0 puts the mixture-of-experts layer where the dense
+MLP was): its `template` names the template's path and the layer class from all settings, set before
+any field. Such a knob must come before the knobs that set fields inside that template in its table
+(fill sets them in table order), and a field only the swapped-in layer has is set `when` it is there.
+
 This module imports no jax or flax: experiments import it when their class is created and
 recipes must stay importable without them (`pax experiments` lists them quickly).
 """
@@ -22,8 +27,8 @@ import dataclasses
 from typing import Any, Callable, Mapping, Optional
 
 from paxcli.errors import UserError, did_you_mean
-from paxcli.options import (ActivationName, AttentionImplName, CheckpointPolicyName, DTypeName, NormName,
-                            PositionName, RotaryScalingName)
+from paxcli.options import (ActivationName, AttentionImplName, CheckpointPolicyName, DTypeName, MoeDispatchName,
+                            NormName, PositionName, RotaryScalingName, RouterSoftmaxName)
 from paxcli.values import coerce
 
 Settings = Mapping[str, Any]   # flat name -> value, every knob of a table present
@@ -42,6 +47,11 @@ class Knob:
   value: Optional[Callable[[Settings], Any]] = None
   # Further fields that follow from this knob: (path, value from all settings).
   derived: tuple[tuple[str, Callable[[Settings], Any]], ...] = ()
+  # The fields are set only where this holds (from all settings): fields of a layer another knob's
+  # template swaps in. None: always.
+  when: Optional[Callable[[Settings], bool]] = None
+  # A whole template this knob swaps: (path, a Template from all settings), set before its fields.
+  template: Optional[tuple[str, Callable[[Settings], 'Template']]] = None
 
   def __post_init__(self):
     if isinstance(self.fields, str):
@@ -51,6 +61,26 @@ class Knob:
 
   def field_value(self, settings: Settings) -> Any:
     return self.value(settings) if self.value else settings[self.flat]
+
+  def applies(self, settings: Settings) -> bool:
+    """Whether the fields are set at all with these settings (`when`)."""
+    return self.when is None or bool(self.when(settings))
+
+
+@dataclasses.dataclass(frozen=True)
+class Template:
+  """A knob's value that swaps a whole template: the layer class, set as a fresh fiddle config of it
+  wherever it lands (so that no two layers share one config object)."""
+  cls: type
+
+  def config(self):
+    import fiddle as fdl  # pure Python; kept out of the module's imports like everything a table does not need
+    return fdl.Config(self.cls)
+
+
+def settable(value: Any) -> Any:
+  """What a field is set to for a knob's value: a Template becomes a fresh config of its class."""
+  return value.config() if isinstance(value, Template) else value
 
 
 def declare(table: tuple[Knob, ...]):
@@ -84,6 +114,10 @@ def assignments(settings: Settings, table: tuple[Knob, ...]) -> list[tuple[str, 
   """(field path, value) for every field the table sets, from complete settings."""
   out = []
   for knob in table:
+    if knob.template:
+      out.append((knob.template[0], knob.template[1](settings)))
+    if not knob.applies(settings):
+      continue
     value = knob.field_value(settings)
     out += [(path, value) for path in knob.fields]
     out += [(path, fn(settings)) for path, fn in knob.derived]
@@ -91,10 +125,11 @@ def assignments(settings: Settings, table: tuple[Knob, ...]) -> list[tuple[str, 
 
 
 def effective(knob_values: Mapping[str, Any], table: tuple[Knob, ...]) -> dict[str, Any]:
-  """Flat name -> the value its fields get (NUM_KV_HEADS None reads as NUM_HEADS), from knob values
-  by UPPERCASE name (defaults for the missing): a model's settings without building it."""
+  """Flat name -> the value its fields get (NUM_KV_HEADS None reads as NUM_HEADS; None for a knob whose
+  fields are not set, as `read` finds them), from knob values by UPPERCASE name (defaults for the
+  missing): a model's settings without building it."""
   settings = complete(flat_settings(knob_values, table), table)
-  return {k.flat: k.field_value(settings) for k in table}
+  return {k.flat: k.field_value(settings) if k.applies(settings) else None for k in table}
 
 
 def fill(config, table: tuple[Knob, ...], settings: Settings):
@@ -105,7 +140,7 @@ def fill(config, table: tuple[Knob, ...], settings: Settings):
     node = config
     for part in parents:
       node = getattr(node, part)
-    setattr(node, name, value)
+    setattr(node, name, settable(value))
   return config
 
 
@@ -133,11 +168,56 @@ FFN = BLOCK + 'ffn_tpl.'
 NORM = BLOCK + 'norm_tpl.'
 FINAL_NORM = LM + 'final_norm_tpl.'
 
+def _feed_forward(settings: Settings) -> Template:
+  """The feed-forward layer NUM_EXPERTS picks: the dense Mlp, or the mixture of experts."""
+  from paxcli.layers import moe, transformer  # flax: only where a model config is filled
+  return Template(moe.MoeFeedForward if settings['num_experts'] else transformer.Mlp)
+
+
+def _moe(settings: Settings) -> bool:
+  return bool(settings['num_experts'])
+
+
+# The mixture-of-experts feed-forward (paxcli.layers.moe). NUM_EXPERTS swaps the template, so it comes
+# before every knob that sets a feed-forward field (HIDDEN_DIMS, ACTIVATION, USE_BIAS, LORA_*), whose
+# fields the MoE layer has too; the rest exist only in the MoE layer (`when`).
+MOE_KNOBS: tuple[Knob, ...] = (
+    Knob('NUM_EXPERTS', int, 0, FFN + 'num_experts', '0: a dense MLP; E > 0: E expert MLPs of HIDDEN_DIMS each, '
+         'EXPERTS_PER_TOKEN of them per token (per layer kind with LAYER_KINDS)', when=_moe,
+         template=(BLOCK + 'ffn_tpl', _feed_forward)),
+    Knob('EXPERTS_PER_TOKEN', int, 2, FFN + 'experts_per_token', 'k of top-k routing', when=_moe),
+    Knob('MOE_DISPATCH', MoeDispatchName, 'dropless', FFN + 'dispatch',
+         "'dropless': tokens sorted by expert, grouped matmuls (ragged_dot); 'capacity': GShard's dispatch and "
+         'combine einsums, tokens over EXPERT_CAPACITY_FACTOR dropped (what Pax trained with)', flat='moe_dispatch',
+         when=_moe),
+    Knob('EXPERT_CAPACITY_FACTOR', float, 1.25, FFN + 'capacity_factor',
+         "'capacity' only: each expert takes ceil(factor x sequence length x k / E) tokens of a sequence",
+         flat='capacity_factor', when=_moe),
+    Knob('ROUTER_SOFTMAX', RouterSoftmaxName, 'before_topk', FFN + 'router_softmax',
+         "'after_topk': softmax over the k chosen logits (Mixtral); 'before_topk': over all experts, then the "
+         'k largest (Qwen3-MoE, GShard)', when=_moe),
+    Knob('ROUTER_NORMALIZE_TOPK', bool, True, FFN + 'normalize_topk',
+         "'before_topk': rescale the k weights to sum to 1 (Qwen3's norm_topk_prob)", flat='normalize_topk',
+         when=_moe),
+    Knob('LOAD_BALANCE_LOSS_WEIGHT', float, 0.01, FFN + 'load_balance_weight',
+         'weight of the Switch/GShard load-balancing loss (1 when balanced); 0: off', flat='load_balance_weight',
+         when=_moe),
+    Knob('ROUTER_Z_LOSS_WEIGHT', float, 0.0, FFN + 'z_loss_weight', 'weight of the router z-loss; 0: off',
+         flat='z_loss_weight', when=_moe),
+    Knob('SHARED_EXPERT_HIDDEN_DIMS', int, 0, FFN + 'shared_hidden_dims',
+         'a dense MLP of this width beside the experts, for every token; 0: none', flat='shared_hidden_dims',
+         when=_moe),
+    Knob('SHARED_EXPERT_GATE', bool, False, FFN + 'shared_gate',
+         "the shared expert's output scaled by a learned sigmoid gate per token (Qwen2-MoE)", flat='shared_gate',
+         when=_moe),
+)
+
 LM_KNOBS: tuple[Knob, ...] = (
     Knob('VOCAB_SIZE', int, 256, LM + 'vocab_size'),
     Knob('NUM_LAYERS', int, 2, LM + 'num_layers'),
     Knob('MODEL_DIMS', int, 64, LM + 'model_dims'),
-    Knob('HIDDEN_DIMS', int, 256, FFN + 'hidden_dims'),
+    *MOE_KNOBS,
+    Knob('HIDDEN_DIMS', int, 256, FFN + 'hidden_dims', 'the MLP hidden units; per expert with NUM_EXPERTS'),
     Knob('NUM_HEADS', int, 4, ATTENTION + 'num_heads'),
     Knob('NUM_KV_HEADS', Optional[int], None, ATTENTION + 'num_kv_heads',
          'None: same as NUM_HEADS; fewer: grouped-query attention',
@@ -256,8 +336,19 @@ def kind_fields(settings: Settings) -> tuple[tuple[str, tuple[tuple[str, Any], .
   out = []
   for kind in dict.fromkeys(pattern):
     own = {**settings, **_kind_settings(kind, kinds.get(kind) or {})}
-    changed = tuple((path, value) for path, value in _block_assignments(own) if base.get(path) != value)
-    out.append((kind, changed))
+    out.append((kind, _changed(_block_assignments(own), base)))
+  return tuple(out)
+
+
+def _changed(assigned: list[tuple[str, Any]], base: dict) -> tuple[tuple[str, Any], ...]:
+  """The assignments whose value differs from the base's, and every one inside a template that was swapped
+  (the fresh template has none of the base's fields)."""
+  out, swapped = [], []
+  for path, value in assigned:
+    if base.get(path) != value or any(path.startswith(p + '.') for p in swapped):
+      out.append((path, value))
+      if isinstance(value, Template):
+        swapped.append(path)
   return tuple(out)
 
 

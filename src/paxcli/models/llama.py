@@ -127,6 +127,8 @@ class Llama(Family):
     if not model.use_gated_activation or model.activation not in ('silu', 'swish'):
       reasons.append(f'the MLP is {"gated " if model.use_gated_activation else ""}{model.activation} '
                      f'({title} uses gated SiLU: USE_GATED_ACTIVATION=True, ACTIVATION=\'silu\')')
+    if getattr(model, 'num_experts', None):
+      reasons.append(f'the MLP is a mixture of {model.num_experts} experts (NUM_EXPERTS; a {title} MLP is dense)')
     if any(fields for _, fields in getattr(model, 'layer_kinds', None) or ()):
       reasons.append(f'the layers are of several kinds (LAYER_PATTERN {tuple(model.layer_pattern)} with '
                      f'LAYER_KINDS; a {title}\'s layers are all alike)')

@@ -25,7 +25,7 @@ from paxcli.models import knobs, pattern
 from paxcli.models.base import DecodingModel, dtype_name
 from paxcli.models.flops import ModelFlops, stack_flops
 from paxcli.models.losses import Head, head_lm_loss, token_scores
-from paxcli.models.validation import validate_lm
+from paxcli.models.validation import validate_expert_axis, validate_lm
 
 REMAT_POLICIES = {
     'save_nothing': lambda: jax.checkpoint_policies.nothing_saveable,
@@ -92,13 +92,19 @@ class TransformerLm(BaseLayer):
 
     def layer_fn(params, x, extras, key):
       rngs = {} if key is None else {'dropout': key, RANDOM: jax.random.fold_in(key, 1)}
-      return module.apply({'params': params}, x, extras.get('segment_ids'), extras['positions'], rngs=rngs)[0]
+      (out, _), side = module.apply({'params': params}, x, extras.get('segment_ids'), extras['positions'], rngs=rngs,
+                                    mutable=[SUMMARIES, AUX_LOSS])
+      return out, side
 
     extras = {'positions': positions_BxL}
     if segment_ids_BxL is not None:
       extras['segment_ids'] = segment_ids_BxL
     policy = None if self.checkpoint_policy == 'none' else REMAT_POLICIES[self.checkpoint_policy]()
-    return pipeline.run(layer_fn, variables['params']['layers'], x_BxLxD, extras, schedule, policy, rng)
+    x_BxLxD, side = pipeline.run(layer_fn, variables['params']['layers'], x_BxLxD, extras, schedule, policy, rng)
+    for collection, tree in side.items():   # what the layers reported, laid out as the scanned stack's
+      if tree and self.is_mutable_collection(collection):
+        self.put_variable(collection, 'layers', tree)
+    return x_BxLxD
 
   def _kind_tpls(self, dtype, deterministic: bool) -> list:
     """One filled block template per position of a group (one for a uniform stack)."""
@@ -328,6 +334,9 @@ class LanguageModel(DecodingModel):
   def validate(self) -> None:
     validate_lm(self.lm_tpl)
 
+  def validate_mesh(self, axis_sizes: dict) -> None:
+    validate_expert_axis(self.lm_tpl, axis_sizes.get('expert', 1))
+
   @property
   def lora(self) -> dict:
     """LoRA settings (rank, alpha, targets, dropout) from the attention template; rank 0: off."""
@@ -361,11 +370,27 @@ class LanguageModel(DecodingModel):
     for k in kinds:
       count = stack_flops(s['num_layers'] // len(kinds), s['model_dims'], k['num_heads'], k['num_kv_heads'],
                           k['dims_per_head'], k['hidden_dims'], k['use_gated_activation'], seq_len,
-                          head_params_per_token=head if total is None else 0.0)
+                          head_params_per_token=head if total is None else 0.0, **_expert_settings(k))
       if count is None:
         return None
       total = count if total is None else total + count
     return total
+
+  def active_parameters(self, total: int) -> Optional[int]:
+    """Parameters a token's forward pass uses, of `total`: all but the experts it is not routed to
+    (each mixture-of-experts layer uses EXPERTS_PER_TOKEN of NUM_EXPERTS); None when not countable."""
+    s = knobs.read(self, knobs.LM_KNOBS)
+    kinds = kind_settings(self)
+    unused = 0
+    for k in kinds:
+      if not k.get('num_experts'):
+        continue
+      if k['hidden_dims'] is None or s['model_dims'] is None:
+        return None
+      d, f, gated = s['model_dims'], k['hidden_dims'], k['use_gated_activation']
+      per_expert = d * f * (3 if gated else 2) + ((f * (2 if gated else 1) + d) if k['use_bias'] else 0)
+      unused += (s['num_layers'] // len(kinds)) * (k['num_experts'] - k['experts_per_token']) * per_expert
+    return total - unused
 
   # Decoding (see DecodingModel): the network's attention layers keep keys and values in the
   # flax collection 'cache' when it is mutable (paxcli.layers.transformer.Attention).
@@ -396,6 +421,14 @@ class LanguageModel(DecodingModel):
     lm = copy.deepcopy(self.lm_tpl)
     lm.fprop_dtype = dtype
     return self.clone(lm_tpl=lm)
+
+
+def _expert_settings(settings: dict) -> dict:
+  """stack_flops' expert arguments from one kind's flat settings (none for a dense feed-forward)."""
+  if not settings.get('num_experts'):
+    return {}
+  return {'num_experts': settings['num_experts'], 'experts_per_token': settings['experts_per_token'],
+          'shared_hidden_dims': settings['shared_hidden_dims'] or 0}
 
 
 def kind_settings(model) -> list[dict]:

@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from typing import Any, Callable
 
 from paxcli.errors import UserError
+from paxcli.models.knobs import settable
 
 _BLOCK = re.compile(r'^block_(\d+)$')
 
@@ -49,7 +50,7 @@ def kind_template(block_tpl, overrides):
     node = tpl
     for part in parents:
       node = getattr(node, part)
-    setattr(node, name, value)
+    setattr(node, name, settable(value))
   return tpl
 
 
@@ -85,6 +86,30 @@ def unstack(layers_tree: dict, num_layers: int, take: Callable[[Any, int], Any])
     tree = layers_tree if p == 1 else layers_tree[f'block_{i % p}']
     out[f'layer_{i}'] = _map(tree, lambda x, row=i // p: take(x, row))
   return out
+
+
+def per_layer(tree: dict, pattern_period: int = 1) -> dict:
+  """A collection's tree (summaries, aux losses) with a scanned stack's `layers` entry, whose leaves hold one
+  row per layer or group, spread into `layer_<i>` entries of one value each: reported alike, scanned or not.
+  pattern_period: the model's layers per group (a group's kinds without entries here are simply absent)."""
+  if not isinstance(tree, Mapping) or not isinstance(tree.get('layers'), Mapping):
+    return tree
+  stacked = tree['layers']
+  leaves = _leaves(stacked)
+  if not leaves or any(getattr(x, 'ndim', 0) != 1 for x in leaves):
+    return tree
+  out = {k: v for k, v in tree.items() if k != 'layers'}
+  grouped = pattern_period > 1 and all(_BLOCK.match(str(n)) for n in stacked)
+  blocks = {int(_BLOCK.match(str(n)).group(1)): sub for n, sub in stacked.items()} if grouped else {0: stacked}
+  step = pattern_period if grouped else 1
+  for j, sub in blocks.items():   # group `row`, position j: layer row x period + j (as `unstack`)
+    for row in range(_leaves(sub)[0].shape[0]):
+      out[f'layer_{row * step + j}'] = _map(sub, lambda x, row=row: x[row])
+  return out
+
+
+def _leaves(tree) -> list:
+  return [x for v in tree.values() for x in _leaves(v)] if isinstance(tree, Mapping) else [tree]
 
 
 def _map(tree, fn):

@@ -51,6 +51,12 @@ class TrainingExperiment(Experiment):
   WANDB_ENTITY: Optional[str] = None          # None: $WANDB_ENTITY, else your W&B default
   MLFLOW_TRACKING_URI: Optional[str] = None   # None: $MLFLOW_TRACKING_URI, else MLflow's default
   MLFLOW_EXPERIMENT: Optional[str] = None     # None: $MLFLOW_EXPERIMENT_NAME, else 'paxcli'
+  # A fast tier of checkpoints on each host's local disk (paxcli/jobdir/fast_tier.py;
+  # docs/guides/goodput-and-restarts.md): each process saves its own shards there beside the persistent
+  # checkpoints, and a restart resumes from the newest step complete on every process in either tier.
+  LOCAL_CHECKPOINT_DIR: Optional[str] = None  # a host-local directory, one per job; None: no fast tier
+  LOCAL_CHECKPOINT_EVERY: int = 0             # steps between fast-tier saves (with the directory set); 0: none
+  LOCAL_CHECKPOINT_KEEP: int = 2              # the newest fast-tier steps kept on each host
 
   def model(self) -> fdl.Config:
     """The model's fiddle config (a paxcli.models.base.BaseModel)."""
@@ -65,6 +71,10 @@ class TrainingExperiment(Experiment):
         summary_interval_steps=self.SUMMARY_INTERVAL_STEPS,
         eval_interval_steps=self.EVAL_INTERVAL_STEPS,
         init_from=os.path.abspath(os.path.expanduser(self.INIT_FROM)) if self.INIT_FROM else None,
+        local_checkpoint_dir=(os.path.abspath(os.path.expanduser(self.LOCAL_CHECKPOINT_DIR))
+                              if self.LOCAL_CHECKPOINT_DIR else None),
+        local_checkpoint_interval_steps=self.LOCAL_CHECKPOINT_EVERY,
+        local_checkpoint_max_to_keep=self.LOCAL_CHECKPOINT_KEEP,
         learning_rate=self.LEARNING_RATE,
         clip_gradient_norm_to_value=self.CLIP_GRADIENT_NORM_TO_VALUE,
         optimizer=fdl.Config(OptimizerConfig, name=self.OPTIMIZER, beta1=self.ADAM_BETA1,

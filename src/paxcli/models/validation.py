@@ -6,7 +6,7 @@ from __future__ import annotations
 import fiddle as fdl
 
 from paxcli.errors import UserError, at_least
-from paxcli.layers import lora
+from paxcli.layers import lora, moe
 from paxcli.layers.transformer import Attention, Mlp
 from paxcli.models import pattern
 
@@ -61,6 +61,27 @@ def _validate_block(block, where: str, label: str) -> None:
   ffn = block.ffn_tpl
   if fdl.get_callable(ffn) is Mlp:
     at_least(1, f'{where}.ffn_tpl', ffn, 'hidden_dims')
+  if fdl.get_callable(ffn) is moe.MoeFeedForward:
+    moe.check_settings(ffn, label)
+
+
+def expert_counts(lm) -> list[tuple[str, int]]:
+  """(label, NUM_EXPERTS) of every kind of layer of a TransformerLm config whose feed-forward is a mixture
+  of experts (label: '' for the model's own block, "LAYER_KINDS['moe']: " for a kind's)."""
+  block = getattr(lm, 'block_tpl', None)
+  if block is None:
+    return []
+  blocks = [('', block)] + [(f'LAYER_KINDS[{kind!r}]: ', pattern.kind_template(block, fields))
+                            for kind, fields in pattern.kinds_in_order(getattr(lm, 'layer_pattern', ()),
+                                                                       getattr(lm, 'layer_kinds', ())) if fields]
+  return [(label, b.ffn_tpl.num_experts) for label, b in blocks
+          if fdl.get_callable(b.ffn_tpl) is moe.MoeFeedForward]
+
+
+def validate_expert_axis(lm, axis_size) -> None:
+  """One line when the mesh's expert axis (None: not known yet) does not divide a layer's experts."""
+  for label, experts in expert_counts(lm):
+    moe.check_expert_axis(experts, axis_size, label)
 
 
 def _validate_rotary_scaling(attention) -> None:

@@ -40,6 +40,11 @@ from paxcli.runtime.platform import detect_platform
 ENV_COORDINATOR = 'PAX_COORDINATOR'
 ENV_NUM_PROCESSES = 'PAX_NUM_PROCESSES'
 ENV_PROCESS_ID = 'PAX_PROCESS_ID'
+# Set by `pax launch` for its children: which launch and attempt (0, then one per restart) a process
+# belongs to (its goodput ledger records them), and the file it touches after each step for the
+# launcher's hang detection (--heartbeat-timeout).
+ENV_LAUNCH = 'PAX_LAUNCH'
+ENV_HEARTBEAT = 'PAX_HEARTBEAT_FILE'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,6 +188,52 @@ def barrier(name: str) -> None:
     multihost_utils.sync_global_devices(name)
 
 
+def launch_attempt(environ: Optional[Mapping[str, str]] = None) -> Optional[tuple[str, int]]:
+  """(launch id, attempt) of a process `pax launch` started, else None."""
+  value = (os.environ if environ is None else environ).get(ENV_LAUNCH, '')
+  lid, _, attempt = value.partition(':')
+  return (lid, int(attempt)) if lid.isalnum() and attempt.isdigit() else None
+
+
+class Heartbeat:
+  """The file `pax launch` watches for this process (PAX_HEARTBEAT_FILE); a no-op without it.
+
+  `beat(step)` rewrites it with the step just done (a few bytes, on the launcher's local temporary
+  directory): its modification time is the launcher's sign of life, and the step tells it how far
+  the process got when it failed. The first beat (after the first step, compilation included)
+  arms the launcher's timeout. `note_job(job_dir)` tells the launcher whose ledger to write to.
+  """
+
+  def __init__(self, path: Optional[str] = None):
+    self.path = path if path is not None else os.environ.get(ENV_HEARTBEAT) or None
+    self._fd: Optional[int] = None
+
+  def note_job(self, job_dir: str) -> None:
+    if self.path:
+      with open(self.path + '.job', 'w', encoding='utf-8') as f:
+        f.write(job_dir)
+
+  def beat(self, step: int) -> None:
+    if not self.path:
+      return
+    if self._fd is None:
+      self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o600)
+    data = f'{int(step):<20d}\n'.encode()  # fixed width: rewritten in place, never half a number
+    os.pwrite(self._fd, data, 0)
+
+  def close(self) -> None:
+    """No more beats: the file goes, and the launcher stops timing this process (its loop is over; the
+    last save and its exit may take long)."""
+    if self._fd is not None:
+      os.close(self._fd)
+      self._fd = None
+    if self.path:
+      try:
+        os.remove(self.path)
+      except FileNotFoundError:
+        pass
+
+
 def child_environment(base: Mapping[str, str], coordinator: str, num_processes: int, process_id: int,
                       cpu_devices: Optional[int] = None,
                       visible_devices: Optional[list[int]] = None) -> dict[str, str]:
@@ -191,7 +242,7 @@ def child_environment(base: Mapping[str, str], coordinator: str, num_processes: 
   Proxy variables are dropped: processes talk over 127.0.0.1, and a proxy setting can
   make `jax.distributed.initialize` hang (JAX warns about any *_proxy variable).
   """
-  env = {k: v for k, v in base.items() if '_proxy' not in k.lower()}
+  env = {k: v for k, v in base.items() if '_proxy' not in k.lower() and k not in (ENV_LAUNCH, ENV_HEARTBEAT)}
   env[ENV_COORDINATOR] = coordinator
   env[ENV_NUM_PROCESSES] = str(num_processes)
   env[ENV_PROCESS_ID] = str(process_id)

@@ -68,6 +68,8 @@ def build(resolved, mesh=None) -> Setup:
   task = validate(resolved)
   mesh = mesh or sharding.make_mesh(exp.ICI_MESH_SHAPE, exp.DCN_MESH_SHAPE)
   model, train = task.model, task.train
+  if hasattr(model, 'validate_mesh'):
+    model.validate_mesh(dict(mesh.shape))   # a -1 filled in: the sizes are now known
   gbs = global_batch_size(exp.PERCORE_BATCH_SIZE, mesh.size)
   infeed = plan_infeed(mesh, gbs)
   schedule = plan_pipeline(model, mesh, gbs)
@@ -103,9 +105,16 @@ def validate(resolved):
   sharding.check_mesh_shapes(exp.ICI_MESH_SHAPE, exp.DCN_MESH_SHAPE)
   task = build_task(resolved.task)
   validate_model(task.model)
+  validate_mesh(task.model, exp.ICI_MESH_SHAPE, exp.DCN_MESH_SHAPE)
   validate_train(task.train)
   check_buildable(task.model, _seq_len(resolved, task.model))
   return task
+
+
+def validate_mesh(model, ici, dcn) -> None:
+  """The model's checks against the mesh the shapes make (model.validate_mesh), before any device is used."""
+  if hasattr(model, 'validate_mesh'):
+    model.validate_mesh({sharding.EXPERT_AXIS: sharding.expert_axis_size(ici, dcn)})
 
 
 def _seq_len(resolved, model) -> Optional[int]:
@@ -256,7 +265,16 @@ def validate_train(train) -> None:
   at_least(1, 'task.train', train, 'num_train_steps', 'save_interval_steps', 'summary_interval_steps')
   at_least(0, 'task.train', train, 'eval_interval_steps', 'save_max_to_keep', 'learning_rate',
            'clip_gradient_norm_to_value', 'loss_spike_factor')
-  at_least(1, 'task.train', train, 'loss_spike_window')
+  at_least(1, 'task.train', train, 'loss_spike_window', 'router_collapse_steps')
+  if not 0 < train.router_collapse_fraction <= 1:
+    raise UserError(f'task.train.router_collapse_fraction must be in (0, 1], got {train.router_collapse_fraction}.')
+  at_least(0, 'task.train', train, 'local_checkpoint_interval_steps')
+  at_least(1, 'task.train', train, 'local_checkpoint_max_to_keep')
+  if bool(train.local_checkpoint_dir) != bool(train.local_checkpoint_interval_steps):
+    given, missing = (('LOCAL_CHECKPOINT_DIR', 'LOCAL_CHECKPOINT_EVERY (steps between fast saves)')
+                      if train.local_checkpoint_dir else ('LOCAL_CHECKPOINT_EVERY', 'LOCAL_CHECKPOINT_DIR (a local '
+                                                                                    'directory on each host)'))
+    raise UserError(f'{given} turns on the fast checkpoint tier, which also needs {missing}.')
   at_least(0, 'task.train.lr_schedule', train.lr_schedule, 'warmup_steps', 'decay_start', 'decay_end',
             'min_ratio')
 
@@ -388,6 +406,8 @@ def summary(resolved) -> dict:
                                 'of devices')
   params = jax.eval_shape(lambda rng: init_variables(model, rng, seq_len)['params'], jax.random.key(0))
   out['parameters'] = param_count({'params': unbox(params)})
+  active = getattr(model, 'active_parameters', None)
+  out['active_parameters'] = active(out['parameters']) if active else None
   per_token = flops.for_model(model, seq_len) if seq_len else None
   out['flops_per_token'] = per_token.per_token if per_token else None
   if per_token is None:

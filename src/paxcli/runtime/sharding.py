@@ -4,9 +4,12 @@ Mesh axes are Pax's: `replica` (pure data parallelism), `data` (data parallelism
 also shards weights, FSDP style) and `mdl` (tensor parallelism over heads, mlp, vocab).
 A four-entry shape, Pax's pipeline form `[stage, replica, data, mdl]`, adds a leading
 `stage` axis for pipeline parallelism (paxcli.layers.pipeline); three entries have none.
+A five-entry shape `[stage, replica, data, expert, mdl]` adds an `expert` axis for expert
+parallelism (paxcli.layers.moe): expert weights are sharded over it, and so is the batch
+outside the experts, so that it is data parallelism for every other layer.
 ICI_MESH_SHAPE gives the mesh within a slice; DCN_MESH_SHAPE, when set, is an outer
 factor across slices (processes or groups of processes), so the global mesh is their
-element-wise product (a three-entry shape beside a four-entry one has stage 1).
+element-wise product (a shorter shape beside a longer one has stage 1 and expert 1).
 """
 
 from __future__ import annotations
@@ -24,13 +27,16 @@ from paxcli.layers.activation_sharding import spec_for
 
 MESH_AXES = ('replica', 'data', 'mdl')
 STAGE_AXIS = 'stage'
+EXPERT_AXIS = 'expert'
 PIPELINE_MESH_AXES = (STAGE_AXIS,) + MESH_AXES
-BATCH_AXES = ('replica', 'data')
+EXPERT_MESH_AXES = (STAGE_AXIS, 'replica', 'data', EXPERT_AXIS, 'mdl')
+AXES_BY_LENGTH = {3: MESH_AXES, 4: PIPELINE_MESH_AXES, 5: EXPERT_MESH_AXES}
+BATCH_AXES = ('replica', 'data', EXPERT_AXIS)   # a mesh without an expert axis: (replica, data)
 
 # logical axis -> mesh axes, tried in order. A mesh axis is used only if it divides
 # the dimension and no earlier dimension of the same array took it.
 DEFAULT_RULES: dict[str, tuple[str, ...]] = {
-    'batch': ('replica', 'data'),
+    'batch': BATCH_AXES,
     'vocab': ('mdl',),
     'embed': ('data',),
     'mlp': ('mdl',),
@@ -38,6 +44,7 @@ DEFAULT_RULES: dict[str, tuple[str, ...]] = {
     'kv_heads': ('mdl',),
     'head_dim': (),
     'layers': (STAGE_AXIS,),   # the scanned layer stack: stages hold consecutive layers
+    'exp': (EXPERT_AXIS,),     # the experts of a mixture-of-experts layer
     'norm': (),
 }
 
@@ -45,14 +52,15 @@ DEFAULT_RULES: dict[str, tuple[str, ...]] = {
 def mesh_shape(ici: Optional[Sequence[int]], dcn: Optional[Sequence[int]], num_devices: int) -> tuple[list[int], list[int]]:
   """Resolves ICI/DCN shapes (None: all devices on `data`; one -1: fill) or raises UserError.
 
-  Both come back with the same number of entries: 3, or 4 when either has a stage entry.
+  Both come back with the same number of entries: 3, 4 when either has a stage entry, 5 when
+  either has an expert entry.
   """
   check_mesh_shapes(ici, dcn)
   dcn = list(dcn) if dcn is not None else None
   ici = list(ici) if ici is not None else [1, -1, 1]
   dcn = dcn if dcn is not None else [1] * len(ici)
-  if len(ici) != len(dcn):  # a three-entry shape beside a four-entry one: no stages there
-    ici, dcn = ([1] + ici, dcn) if len(ici) == 3 else (ici, [1] + dcn)
+  length = max(len(ici), len(dcn))   # a shorter shape has stage 1 (and expert 1) there
+  ici, dcn = _lengthen(ici, length), _lengthen(dcn, length)
   if -1 in dcn:
     raise UserError('DCN_MESH_SHAPE may not contain -1.')
   known = math.prod(s for s in ici if s != -1) * math.prod(dcn)
@@ -79,15 +87,31 @@ def mesh_shape(ici: Optional[Sequence[int]], dcn: Optional[Sequence[int]], num_d
   return ici, dcn
 
 
+def _lengthen(shape: list[int], length: int) -> list[int]:
+  """A 3- or 4-entry shape written with `length` entries: stage 1 in front, expert 1 before mdl."""
+  if len(shape) == 3 and length > 3:
+    shape = [1] + shape
+  if len(shape) == 4 and length == 5:
+    shape = shape[:3] + [1] + shape[3:]
+  return shape
+
+
+def expert_axis_size(ici: Optional[Sequence[int]], dcn: Optional[Sequence[int]]) -> Optional[int]:
+  """The expert axis of the mesh these shapes make: 1 without one, None while it is a -1 (devices fill it)."""
+  entries = [list(s)[3] for s in (ici, dcn) if s is not None and len(s) == 5]
+  return None if -1 in entries else math.prod(entries)
+
+
 def check_mesh_shapes(ici: Optional[Sequence[int]], dcn: Optional[Sequence[int]]) -> None:
   """UserError for an ICI or DCN mesh shape no number of devices fills (checked without devices)."""
   for name, shape in (('ICI_MESH_SHAPE', ici), ('DCN_MESH_SHAPE', dcn)):
     if shape is None:
       continue
     shape = list(shape)
-    if len(shape) not in (3, 4):
-      raise UserError(f'{name} must have 3 entries for the axes {MESH_AXES}, or 4 for '
-                      f'{PIPELINE_MESH_AXES} (pipeline parallelism), got {shape}.')
+    if len(shape) not in AXES_BY_LENGTH:
+      raise UserError(f'{name} must have 3 entries for the axes {MESH_AXES}, 4 for '
+                      f'{PIPELINE_MESH_AXES} (pipeline parallelism) or 5 for {EXPERT_MESH_AXES} (expert '
+                      f'parallelism), got {shape}.')
     if any(s == 0 or s < -1 for s in shape) or shape.count(-1) > 1:
       raise UserError(f'{name} {shape}: entries must be positive, with at most one -1 (fill).')
   if dcn is not None and -1 in list(dcn):
@@ -105,7 +129,7 @@ def make_mesh(ici: Optional[Sequence[int]], dcn: Optional[Sequence[int]] = None,
       array = np.array(devices).reshape(ici)
   else:
     array = _hybrid_mesh(ici, dcn, devices)
-  return Mesh(array, PIPELINE_MESH_AXES if len(ici) == 4 else MESH_AXES)
+  return Mesh(array, AXES_BY_LENGTH[len(ici)])
 
 
 def _hybrid_mesh(ici: list[int], dcn: list[int], devices) -> np.ndarray:
@@ -168,13 +192,18 @@ def logical_to_sharding(logical_tree, abstract_tree, mesh: Mesh, rules: Optional
   return jax.tree.map(one, logical_tree, abstract_tree, is_leaf=lambda x: isinstance(x, (tuple, P)) or x is None)
 
 
+def batch_axes(mesh: Mesh) -> tuple[str, ...]:
+  """The mesh axes the batch is sharded over: (replica, data), and expert where the mesh has it."""
+  return tuple(a for a in BATCH_AXES if a in mesh.shape)
+
+
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-  """Batch dimension over (replica, data); the rest replicated."""
-  return NamedSharding(mesh, P(BATCH_AXES))
+  """Batch dimension over (replica, data[, expert]); the rest replicated."""
+  return NamedSharding(mesh, P(batch_axes(mesh)))
 
 
 def data_parallel_size(mesh: Mesh) -> int:
-  return mesh.shape['replica'] * mesh.shape['data']
+  return math.prod(mesh.shape[a] for a in batch_axes(mesh))
 
 
 def num_stages(mesh: Mesh) -> int:
