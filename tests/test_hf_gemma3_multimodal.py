@@ -209,17 +209,38 @@ def _refused_in(directory, config, capsys) -> str:
 
 
 @pytest.mark.slow
-def test_the_imported_text_model_trains_with_lora_and_describes_as_gemma3(mm, capsys):
+def test_the_imported_text_model_trains_with_lora_and_peft_on_its_causal_lm_gives_pax_scores(mm, capsys):
+  """describe says gemma3; LoRA trains and evaluates; --to peft does not name the multimodal source as the base
+  (PEFT would find none of the adapters' modules there) and, with --base-model the base's --to hf export
+  (Gemma3ForCausalLM), PEFT's LoRA scores a continuation as `pax score` does."""
+  peft = pytest.importorskip('peft')
   out, _ = _ok(['describe', '--exp', mm.exp], capsys)
   assert '# model family: gemma3' in out
-  sft = str(mm.work / 'sft')
-  sets = [f'INIT_FROM={mm.job!r}', 'LORA_RANK=4', 'LORA_ALPHA=8.0', 'NUM_TRAIN_STEPS=2', 'MAX_SEQ_LEN=32',
-          'PERCORE_BATCH_SIZE=1']
+  sft, base_hf = str(mm.work / 'sft'), str(mm.work / 'base-hf')
+  sets = [f'INIT_FROM={mm.job!r}', 'LORA_RANK=4', 'LORA_ALPHA=8.0', 'LEARNING_RATE=0.01', 'NUM_TRAIN_STEPS=2',
+          'MAX_SEQ_LEN=32', 'PERCORE_BATCH_SIZE=1', 'LORA_TARGETS=("query","key","value","output","mlp")']
   overrides = [a for s in sets for a in ('--set', s)]
   _ok(['train', '--exp', mm.exp, *overrides, '--job-log-dir', sft], capsys)
   out, _ = _ok(['eval', '--exp', mm.exp, *overrides, '--job-log-dir', sft, '--json'], capsys)
   assert json.loads(out)['step'] == 2 and np.isfinite(json.loads(out)['results']['eval']['loss'])
-
+  _, err = _ok(['checkpoint', 'convert', sft, str(mm.work / 'peft-default'), '--to', 'peft', '--exp', mm.exp], capsys)
+  assert 'is a Gemma3ForConditionalGeneration, whose modules are named otherwise' in ' '.join(err.split())
+  config = json.load(open(mm.work / 'peft-default' / 'adapter_config.json'))
+  assert config['base_model_name_or_path'] != mm.old
+  _ok(['checkpoint', 'convert', mm.job, base_hf, '--to', 'hf'], capsys)
+  adapters = str(mm.work / 'peft')
+  out, _ = _ok(['checkpoint', 'convert', sft, adapters, '--to', 'peft', '--exp', mm.exp, '--base-model', base_hf,
+                '--json'], capsys)
+  assert json.loads(out)['verify']['ok']
+  context, continuation = [3, 9, 27, 81, 115, 100], [17, 4, 66]
+  requests = mm.work / 'requests.jsonl'
+  requests.write_text(json.dumps({'context_ids': context, 'continuation_ids': continuation}) + '\n')
+  out, _ = _ok(['score', str(requests), '--exp', mm.exp, *overrides, '--job-log-dir', sft, '--json'], capsys)
+  ours = [json.loads(line) for line in out.splitlines() if line.startswith('{')][0]['logprob']
+  tuned = peft.PeftModel.from_pretrained(hf_models.load(base_hf), adapters).eval()
+  theirs = hf_models.log_likelihood(tuned, context, continuation)
+  assert abs(ours - theirs) < 1e-4, (ours, theirs)
+  assert abs(theirs - hf_models.log_likelihood(mm.model, context, continuation)) > 1e-3   # the adapters act
 
 def test_inspect_lists_the_text_model_and_says_what_it_leaves_out(mm, capsys):
   out, _ = _ok(['checkpoint', 'inspect', mm.new, '--json'], capsys)

@@ -74,6 +74,20 @@ def is_hf(path: str) -> bool:
       bool(safetensors_io.files_of(path)) or bool([n for n in os.listdir(path) if n.endswith('.bin')]))
 
 
+def other_layout(path: str) -> Optional[str]:
+  """The architecture of the Hugging Face directory `path` when its modules are named otherwise than in what
+  `--to hf` writes for its family (a Gemma3ForConditionalGeneration's text model sits under a prefix); None when
+  they are named alike or the directory cannot be read as a model paxcli knows."""
+  try:
+    config = HfSource(path).native
+  except (UserError, OSError):
+    return None
+  family, model_type = registry.for_hf_config(config, path), config.get('model_type')
+  if model_type and model_type != family.hf_model_types[0]:
+    return str((config.get('architectures') or [model_type])[0])[:60]
+  return None
+
+
 class HfSource(formats.SourceBase):
   """A Hugging Face directory; names are HF's. paxcli_view(model) gives paxcli names."""
   kind = 'hf'
