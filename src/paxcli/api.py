@@ -70,7 +70,7 @@ class Run:
 def open_run(exp: Optional[str], overrides: Sequence[str] = (), job_dir: Optional[str] = None, *,
              with_job_dir: bool = True, processes: bool = True, coordinator: Optional[str] = None,
              num_processes: Optional[int] = None, process_id: Optional[int] = None,
-             log: Callable[[str], None] = print, remembered: bool = True) -> Run:
+             log: Callable[[str], None] = print, remembered: bool = True, timed: bool = False) -> Run:
   """Joins the run's processes, resolves the config, sets its PLATFORM_ENV and names its job directory.
 
   The order is JAX's: jax.distributed starts before any backend (experiments may ask jax
@@ -83,6 +83,8 @@ def open_run(exp: Optional[str], overrides: Sequence[str] = (), job_dir: Optiona
   with (jobdir.invocation.read_made) come first, `exp` and `overrides` given here on top, in one
   line on `log`. A job directory with a checkpoint keeps its tokenizer (jobdir.tokenizer.keep_trained);
   a run from INIT_FROM reads with the base's (jobdir.tokenizer.adopt_base).
+  FP8 on a device without fp8 units: one warning line (the products are emulated), or, for a command
+  that times the step (`timed`), a refusal in one line.
   """
   if processes:
     distributed.start(distributed.settings_from(coordinator, num_processes, process_id))
@@ -94,6 +96,7 @@ def open_run(exp: Optional[str], overrides: Sequence[str] = (), job_dir: Optiona
       exp, overrides, made = as_made(directory, exp, overrides, log)
   resolved = resolve(exp, overrides)
   platform.apply_platform_env(resolved.experiment.PLATFORM_ENV, log=log)
+  check_fp8(resolved, timed)
   if with_job_dir:
     from paxcli.jobdir import tokenizer  # orbax and fiddle: for commands that open a job directory
     tokenizer.keep_trained(resolved.datasets, directory)
@@ -145,6 +148,17 @@ def resolve(exp: Optional[str], overrides: Sequence[str] = ()):
   for message in resolved.warnings:
     warn(message)
   return resolved
+
+
+def check_fp8(resolved, timed: bool) -> None:
+  """FP8 where the device has no fp8 units: one warning line, or a UserError when `timed` (a speed
+  figure of emulated fp8 would mislead)."""
+  from paxcli.layers import fp8  # JAX
+  for mode in fp8.modes_of(resolved.flat()):
+    if timed and fp8.refusal(mode):
+      raise UserError(fp8.refusal(mode))
+    if fp8.emulation_note(mode):
+      warn(fp8.emulation_note(mode))
 
 
 def warn(message: str) -> None:
@@ -480,7 +494,7 @@ def bench_mfu(exp: Optional[str] = None, *, overrides: Sequence[str] = (), job_d
   if job_dir is not None:   # the job's experiment and settings, with `exp` and `overrides` on top
     exp, overrides, _ = as_made(path_arg(job_dir, '--job-log-dir'), exp, overrides, log)
   first = [f'{k}={v}' for k, v in bench.sweep_combinations(list(sweep))[0]]
-  open_run(exp, list(overrides) + first, with_job_dir=False, processes=False, log=log)
+  open_run(exp, list(overrides) + first, with_job_dir=False, processes=False, log=log, timed=not compile_only)
   with _progress(console) as progress:
     rows = bench.run_all(exp, list(overrides), list(sweep), steps=steps, warmup=warmup, compile_only=compile_only,
                          peak_tflops=peak_tflops, pgle=pgle, pgle_profile=pgle_profile, progress=progress,

@@ -43,11 +43,13 @@ _LAYERS_RE = re.compile(r'(^|/)layers(/|$)')
 
 
 def saved_overrides(name: str, config: dict) -> list[str]:
-  """--set overrides that rebuild the saved run: its knobs, then dotted model fields it changed."""
-  knobs = [f'{k[len("knobs."):]}={v}' for k, v in config.items() if k.startswith('knobs.')]
+  """--set overrides that rebuild the saved run: its knobs, then dotted model fields it changed. FP8
+  is left out (none): fp8 products are a way to run the weights, not part of them, so a conversion
+  writes, and certifies, the plain model's function (paxcli.layers.fp8)."""
+  knobs = [f'{k[len("knobs."):]}={v}' for k, v in config.items() if k.startswith('knobs.') and k != 'knobs.FP8']
   base = {k: repr(v) for k, v in cfg.resolve(name, knobs).flat().items()}
   extra = [f'{k}={v}' for k, v in config.items()
-           if k.startswith('task.model.') and not k.endswith('__fn_or_cls__') and base.get(k, v) != v]
+           if k.startswith('task.model.') and not k.endswith(('__fn_or_cls__', '.fp8')) and base.get(k, v) != v]
   return knobs + extra
 
 

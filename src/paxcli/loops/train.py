@@ -47,6 +47,8 @@ from paxcli.jobdir import summaries
 from paxcli.jobdir import tokenizer
 from paxcli.jobdir import trackers as track
 from paxcli.layers.base import AUX_LOSS, NON_TRAINABLE, RANDOM, SUMMARIES, flatten_collection
+from paxcli.layers.fp8 import FP8_STATE
+from paxcli.loops import accumulate
 from paxcli.loops.decode.training import TrainDecoder
 from paxcli.loops import goodput
 from paxcli.loops.evaluate import DATA_FIELDS, Evaluator, metrics_line
@@ -74,61 +76,91 @@ class TrainingDiverged(UserError):
 def make_train_step(setup, batch_sharding, dropout_seed: int, compiler_options: Optional[dict] = None):
   """The jitted step: (state, batch) -> (state, metrics); state is donated.
 
-  The model's fprop gives (loss, metrics); aux losses its layers add join the loss;
-  non-trainable variables come back updated (the optimizer never sees them); layer
-  summaries come back in the metrics under 'summary/<layer path>/<name>', one per layer whether the
-  stack is scanned or not.
+  The model's fprop gives (loss, metrics); aux losses its layers add join the loss; with
+  GRAD_ACCUM_STEPS > 1 the batch runs as that many microbatches (paxcli.loops.accumulate);
+  non-trainable variables come back updated (the optimizer never sees them), and so does fp8
+  scaling state; layer summaries come back in the metrics under 'summary/<layer path>/<name>', one
+  per layer whether the stack is scanned or not.
   `compiler_options`: XLA options for this program only (a PGLE profile, for one).
   """
   model, tx = setup.model, setup.tx
-  layers_per_group = pattern.period(getattr(getattr(model, 'lm_tpl', None), 'layer_pattern', None))
   lr_fn = optim.learning_rate_fn(setup.train)
-  deterministic = not model.has_dropout
   has_non_trainable = 'non_trainable' in setup.state_shardings
+  gradients = step_gradients(setup, dropout_seed)
 
   def step_fn(state, batch):
-    rngs = step_rngs(dropout_seed, state['step'])
-    # Frozen params (LoRA's base) are closed over: no gradient is computed for them and the
-    # optimizer never sees them.
+    done = gradients(state, batch)
     trainable, frozen = train_state.split_trainable(model, state['params'])
-
-    def loss_fn(trainable):
-      variables = {'params': train_state.join_params(trainable, frozen)}
-      if has_non_trainable:
-        variables[NON_TRAINABLE] = state['non_trainable']
-      with setup.activation_sharding():
-        (loss, model_metrics), updates = model.apply(
-            variables, batch, deterministic=deterministic, method='fprop', rngs=rngs,
-            mutable=[NON_TRAINABLE, SUMMARIES, AUX_LOSS])
-      aux = flatten_collection(updates.get(AUX_LOSS, {}))
-      total = loss + sum(jnp.sum(v) for v in aux.values()) if aux else loss
-      return total, (loss, model_metrics, aux, updates)
-
-    (total, (loss, model_metrics, aux, updates)), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable)
+    grads = done.grads
     param_updates, opt_state = tx.update(grads, state['opt_state'], trainable)
     params = train_state.join_params(optax.apply_updates(trainable, param_updates), frozen)
-    metrics = {k: v for k, (v, _) in model_metrics.items()}
+    metrics = {k: v for k, (v, _) in done.metrics.items()}
     metrics.update({
-        'loss': total,
+        'loss': done.total,
         'grad_norm': optax.tree.norm(grads) if hasattr(optax, 'tree') else optax.global_norm(grads),
         'learning_rate': lr_fn(state['step']),
-        'tokens': model.count_in(model_metrics),
+        'tokens': model.count_in(done.metrics),
     })
-    if aux:
-      metrics['model_loss'] = loss
-      metrics.update({f'aux_loss/{k}': jnp.sum(v) for k, v in aux.items()})
-    summaries = pattern.per_layer(updates.get(SUMMARIES, {}), layers_per_group)
-    for name, value in flatten_collection(summaries).items():
-      metrics[f'summary/{name}'] = jnp.mean(value)
-    new_state = {'step': state['step'] + 1, 'params': params, 'opt_state': opt_state}
+    if done.aux:
+      metrics['model_loss'] = done.loss
+      metrics.update({f'aux_loss/{k}': v for k, v in done.aux.items()})
+    metrics.update({f'summary/{k}': v for k, v in done.summaries.items()})
+    new_state = {'step': state['step'] + 1, 'params': params, 'opt_state': opt_state, **done.carried}
     if has_non_trainable:
-      new_state['non_trainable'] = sync_non_trainable(updates[NON_TRAINABLE], setup)
+      new_state['non_trainable'] = sync_non_trainable(done.carried['non_trainable'], setup)
     return new_state, metrics
 
   replicated = jax.sharding.NamedSharding(setup.mesh, jax.sharding.PartitionSpec())
   return jax.jit(step_fn, in_shardings=(setup.state_shardings, batch_sharding),
                  out_shardings=(setup.state_shardings, replicated), donate_argnums=(0,),
                  compiler_options=compiler_options or None)
+
+
+def step_gradients(setup, dropout_seed: int) -> Callable[[dict, dict], accumulate.Pass]:
+  """(state, batch) -> the step's accumulate.Pass: gradients of the trainable params over the whole
+  batch (GRAD_ACCUM_STEPS microbatches of it), the loss and metrics, and the state collections carried
+  on (non_trainable, fp8)."""
+  model = setup.model
+  layers_per_group = pattern.period(getattr(getattr(model, 'lm_tpl', None), 'layer_pattern', None))
+  deterministic = not model.has_dropout
+  has_non_trainable = 'non_trainable' in setup.state_shardings
+  accum_steps = getattr(setup.train, 'grad_accum_steps', 1)
+
+  def gradients(state, batch):
+    rngs = step_rngs(dropout_seed, state['step'])
+    # Frozen params (LoRA's base) are closed over: no gradient is computed for them and the
+    # optimizer never sees them.
+    trainable, frozen = train_state.split_trainable(model, state['params'])
+
+    def one_pass(carried, batch, rngs) -> accumulate.Pass:
+      def loss_fn(trainable, fp8_state):
+        variables = {'params': train_state.join_params(trainable, frozen)}
+        if has_non_trainable:
+          variables[NON_TRAINABLE] = carried['non_trainable']
+        if fp8_state is not None:
+          variables[FP8_STATE] = fp8_state
+        with setup.activation_sharding():
+          (loss, model_metrics), updates = model.apply(
+              variables, batch, deterministic=deterministic, method='fprop', rngs=rngs,
+              mutable=[NON_TRAINABLE, SUMMARIES, AUX_LOSS])
+        aux = flatten_collection(updates.get(AUX_LOSS, {}))
+        total = loss + sum(jnp.sum(v) for v in aux.values()) if aux else loss
+        return total, (loss, model_metrics, aux, updates)
+
+      # fp8 delayed scaling's state comes back as its own "gradient": its next value (paxcli.layers.fp8)
+      (total, (loss, model_metrics, aux, updates)), (grads, fp8_next) = jax.value_and_grad(
+          loss_fn, argnums=(0, 1), has_aux=True)(trainable, carried.get('fp8'))
+      summaries = flatten_collection(pattern.per_layer(updates.get(SUMMARIES, {}), layers_per_group))
+      nxt = {'fp8': fp8_next} if fp8_next is not None else {}
+      if has_non_trainable:
+        nxt['non_trainable'] = train_state.unbox(updates[NON_TRAINABLE])
+      return accumulate.Pass(grads, total, loss, model_metrics, {k: jnp.sum(v) for k, v in aux.items()},
+                             {k: jnp.mean(v) for k, v in summaries.items()}, nxt)  # scanned layers: the mean
+
+    carried = {k: state[k] for k in ('non_trainable', 'fp8') if k in state}
+    return accumulate.run(one_pass, carried, batch, rngs, accum_steps, setup.mesh)
+
+  return gradients
 
 
 def step_rngs(seed: int, step) -> dict:
