@@ -176,3 +176,18 @@ def log_likelihood(model, context: list, continuation: list) -> float:
   logp = x - np.log(np.exp(x).sum(-1, keepdims=True))
   n = len(context)
   return float(sum(logp[n - 1 + j, t] for j, t in enumerate(continuation)))
+
+
+def check_decoding(pax_main, capsys, exp: str, job: str, model, prompts: list, steps: int) -> None:
+  """`pax decode --json` of `prompts` (lists of token ids) from job `job` picks, token by token, what transformers'
+  greedy generate() of `model` picks (`steps` new tokens, no end-of-text stop)."""
+  import json
+  argv = ['decode', '--exp', exp, '--job-log-dir', job, '--max-decode-steps', str(steps), '--ignore-eos', '--json']
+  for prompt in prompts:
+    argv += ['--prompt-ids', ','.join(map(str, prompt))]
+  code, out, err = pax_main(argv, capsys)
+  assert code == 0, err
+  rows = [json.loads(line) for line in out.splitlines() if line.startswith('{')]
+  assert [r['prompt_ids'] for r in rows] == prompts
+  for row, prompt in zip(rows, prompts):
+    assert row['decoded_ids'] == generate(model, prompt, steps), prompt

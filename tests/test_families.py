@@ -64,7 +64,7 @@ def test_an_unknown_model_type_names_the_families_paxcli_has():
                           "families are llama (model_type 'llama': LlamaForCausalLM), mistral (model_type 'mistral': "
                           "MistralForCausalLM), qwen2 (model_type 'qwen2': Qwen2ForCausalLM), qwen3 (model_type "
                           "'qwen3': Qwen3ForCausalLM), gemma2 (model_type 'gemma2': Gemma2ForCausalLM), gemma3 "
-                          "(model_type 'gemma3_text': Gemma3ForCausalLM).")
+                          "(model_type 'gemma3_text', 'gemma3': Gemma3ForCausalLM, Gemma3ForConditionalGeneration).")
   assert registry.for_hf_config({'model_type': 'qwen2'}, '/m') is registry.by_name('qwen2')
   assert registry.for_hf_config({'architectures': ['LlamaForCausalLM']}, '/m') is LLAMA   # no model_type
   with pytest.raises(UserError, match="No model family 'lama'.*Did you mean 'llama'"):

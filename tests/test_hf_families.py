@@ -70,15 +70,7 @@ def test_import_is_certified_by_transformers_and_gives_its_logits(imported):
 
 def test_greedy_decoding_is_transformers_generate(imported, capsys):
   prompts = [[5, 17, 99, 3], [42], [7, 7, 120, 64, 1, 88, 13]]
-  argv = ['decode', '--exp', imported.exp, '--job-log-dir', imported.job, '--max-decode-steps', '8', '--ignore-eos',
-          '--json']
-  for prompt in prompts:
-    argv += ['--prompt-ids', ','.join(map(str, prompt))]
-  out, _ = _ok(argv, capsys)
-  rows = [json.loads(line) for line in out.splitlines() if line.startswith('{')]
-  assert [r['prompt_ids'] for r in rows] == prompts
-  for row, prompt in zip(rows, prompts):
-    assert row['decoded_ids'] == hf_models.generate(imported.model, prompt, 8), prompt
+  hf_models.check_decoding(pax_main, capsys, imported.exp, imported.job, imported.model, prompts, 8)
 
 
 def test_export_to_hf_is_certified_and_transformers_loads_the_same_model(imported, capsys):

@@ -66,15 +66,7 @@ def test_greedy_decoding_is_transformers_generate_far_past_the_window(imported, 
   """Prompts shorter and longer than the window, 20 new tokens: the rolling cache of 6 slots wraps
   several times, and every token is the one transformers' generate() picks."""
   prompts = [[5, 17, 99, 3], [42], [7, 7, 120, 64, 1, 88, 13, 9, 30, 2, 77]]
-  argv = ['decode', '--exp', imported.exp, '--job-log-dir', imported.job, '--max-decode-steps', '20', '--ignore-eos',
-          '--json']
-  for prompt in prompts:
-    argv += ['--prompt-ids', ','.join(map(str, prompt))]
-  out, _ = _ok(argv, capsys)
-  rows = [json.loads(line) for line in out.splitlines() if line.startswith('{')]
-  assert [r['prompt_ids'] for r in rows] == prompts
-  for row, prompt in zip(rows, prompts):
-    assert row['decoded_ids'] == hf_models.generate(imported.model, prompt, 20), prompt
+  hf_models.check_decoding(pax_main, capsys, imported.exp, imported.job, imported.model, prompts, 20)
 
 
 def test_export_to_hf_loads_back_in_transformers_as_the_same_model(imported, capsys):

@@ -43,6 +43,8 @@ def inspect_command(
                 f'({_size(tot["parameter_bytes"])}); largest array {_size(tot["largest_array_bytes"])}'
                 + ('' if 'has_optimizer_state' not in info else
                    '; optimizer state: ' + ('yes' if info['has_optimizer_state'] else 'no (params only)')))
+  for note in info.get('notes', ()):
+    console.print(note, highlight=False, markup=False)
   cfg = info.get('config') or {}
   shown = {k: v for k, v in cfg.items() if k.startswith(('knobs.', 'unsupported.'))} or cfg
   if shown:

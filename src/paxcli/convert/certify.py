@@ -154,8 +154,9 @@ def _torch_logits(model, ids: np.ndarray) -> np.ndarray:
 
 
 def transformers_side(directory: str, architecture: str, label: str) -> Side:
-  """transformers' model of the Hugging Face directory `directory` (its own class for config.json); `label`
-  says which side it is (the source, the written result)."""
+  """transformers' model of the Hugging Face directory `directory` (its own class for config.json's model_type:
+  Gemma3ForConditionalGeneration for a multimodal Gemma 3, run on the text prompts); `label` says which side it
+  is (the source, the written result). The report names the class that ran."""
   def run(ids):
     import torch
     import transformers
@@ -163,8 +164,10 @@ def transformers_side(directory: str, architecture: str, label: str) -> Side:
       model = transformers.AutoModelForCausalLM.from_pretrained(
           directory, dtype=torch.float32, use_safetensors=True, local_files_only=True, trust_remote_code=False,
           attn_implementation='eager')
+      side.what = f'transformers {type(model).__name__} (float32) on {label}'
       return _torch_logits(model, ids)
-  return Side(f'transformers {architecture} (float32) on {label}', run)
+  side = Side(f'transformers {architecture} (float32) on {label}', run)
+  return side
 
 
 def hf_model(family, view, weights: dict):

@@ -7,6 +7,7 @@ here are the reading of safetensors under paxcli's names, the export and the imp
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -73,6 +74,20 @@ def is_hf(path: str) -> bool:
       bool(safetensors_io.files_of(path)) or bool([n for n in os.listdir(path) if n.endswith('.bin')]))
 
 
+def other_layout(path: str) -> Optional[str]:
+  """The architecture of the Hugging Face directory `path` when its modules are named otherwise than in what
+  `--to hf` writes for its family (a Gemma3ForConditionalGeneration's text model sits under a prefix); None when
+  they are named alike or the directory cannot be read as a model paxcli knows."""
+  try:
+    config = HfSource(path).native
+  except (UserError, OSError):
+    return None
+  family, model_type = registry.for_hf_config(config, path), config.get('model_type')
+  if model_type and model_type != family.hf_model_types[0]:
+    return str((config.get('architectures') or [model_type])[0])[:60]
+  return None
+
+
 class HfSource(formats.SourceBase):
   """A Hugging Face directory; names are HF's. paxcli_view(model) gives paxcli names."""
   kind = 'hf'
@@ -81,10 +96,7 @@ class HfSource(formats.SourceBase):
   def __init__(self, path: str, step: Optional[int] = None, target=None):
     self.path = path
     text = files.read_text(files.member(path, 'config.json', 'config'), 'config.json', 16 << 20)
-    try:
-      self.native = json.loads(text)
-    except (ValueError, RecursionError) as e:
-      raise UserError(f'{path}/config.json is not valid JSON ({str(e)[:100]}).') from None
+    self.native = files.parse_json(text, f'{path}/config.json')
     if not isinstance(self.native, dict):
       raise UserError(f'{path}/config.json is a JSON {type(self.native).__name__}, not an object.')
     if not safetensors_io.files_of(path):
@@ -94,17 +106,25 @@ class HfSource(formats.SourceBase):
     self.step = self._st.step if step is None else step
     self.family = registry.for_hf_config(self.native, path)
     self._knobs = None
+    # The arrays the family reads, under its names (a multimodal checkpoint's text model; paxcli.models.gemma3),
+    # and what it says of those it leaves out (printed by the conversion, kept in the recipe's NOTES).
+    self._names, self.load_notes = self.family.hf_checkpoint_names(
+        self.native, [a.name for a in self._st.arrays()], path)
+    self._file_name = {ours: theirs for theirs, ours in self._names.items()}
 
   def arrays(self):
-    return self._st.arrays()
+    return [dataclasses.replace(a, name=self._names[a.name]) for a in self._st.arrays() if a.name in self._names]
 
   def read(self, name, index=None):
-    return self._st.read(name, index)
+    if name not in self._file_name:
+      raise KeyError(name)
+    return self._st.read(self._file_name[name], index)
 
   def knobs(self) -> dict:
     """The knobs of config.json, checked against the weights' shapes before any model is built."""
     if self._knobs is None:
-      knobs, self.notes = self.family.from_hf_config(self.native, self.path)
+      knobs, notes = self.family.from_hf_config(self.native, self.path)
+      self.notes = [*self.load_notes, *notes]
       problems = shape_problems({a.name: a for a in self.arrays()}, _model_of(knobs), self.family)
       if problems:
         raise UserError(f'{self.path}: the weights do not match its config.json:\n  ' + '\n  '.join(problems[:20]))

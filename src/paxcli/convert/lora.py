@@ -207,6 +207,12 @@ def _base_model(base: dict, given: Optional[str], log) -> str:
     return os.path.abspath(given) if os.path.isdir(given) else given
   checkpoint = layout.step_dir(base['job_dir'], base['step'])
   origin = core.hf_origin(checkpoint)
+  other = origin and hf.other_layout(origin)
+  if other:   # PEFT would look for the adapters' modules under other names there, and silently apply none
+    log(f'base_model_name_or_path: {checkpoint}, the paxcli base: the Hugging Face model it was converted from '
+        f'({origin}) is a {other}, whose modules are named otherwise than the adapters\'; pass --base-model with '
+        'the directory `pax checkpoint convert BASE DIR --to hf` writes from the base.')
+    return checkpoint
   if origin:
     log(f'base_model_name_or_path: {origin}, the Hugging Face model the base was converted from '
         '(--base-model names another).')

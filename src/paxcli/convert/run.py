@@ -45,6 +45,8 @@ def inspect(path: str, fmt: Optional[str] = None, step: Optional[int] = None) ->
   }
   if src.paxcli_names:
     out['has_optimizer_state'] = any(a.name.startswith('opt_state/') for a in arrays)
+  if getattr(src, 'load_notes', None):   # arrays of the source paxcli does not read (and so does not list)
+    out['notes'] = list(src.load_notes)
   return out
 
 
@@ -65,6 +67,8 @@ def convert(source: str, output: str, *, fmt: Optional[str] = None, to: str = 'o
   out = core.Output(output, force, source)    # refuse an existing output before any work
   t0 = time.perf_counter()
   src = formats.open_source(source, fmt, step)
+  for note in getattr(src, 'load_notes', ()):   # what of the source is left out (a multimodal model's vision tower)
+    log(note)
   out.refuse_inputs(core.paths_read(src, overrides))   # a LoRA run's base, INIT_FROM, LORA_INIT
   if getattr(src, 'needs_experiment', None) and not exp:
     raise UserError(src.needs_experiment)

@@ -89,5 +89,11 @@ class Family:
   def hf_weights(self, model) -> list[Weight]:
     return []
 
+  def hf_checkpoint_names(self, config: dict, names: list[str], where: str) -> tuple[dict[str, str], list[str]]:
+    """The arrays of a Hugging Face directory (`names`, as its safetensors hold them) that the family reads,
+    each under the name hf_weights gives it (file name -> that name), and notes on the arrays it leaves out.
+    A family whose checkpoints nest the model under a prefix (Gemma 3's multimodal one) overrides this."""
+    return {n: n for n in names}, []
+
   def __repr__(self) -> str:
     return f'<family {self.name}>'
