@@ -173,17 +173,40 @@ def hf_model(family, view, weights: dict):
   import torch
   import transformers
   config = family.to_hf_config(view, 'float32', None)
+  settings = dict(config)
   with _quiet_transformers():
     model = transformers.AutoModelForCausalLM.from_config(
-        transformers.AutoConfig.for_model(config.pop('model_type'), **config), dtype=torch.float32,
+        transformers.AutoConfig.for_model(settings.pop('model_type'), **settings), dtype=torch.float32,
         attn_implementation='eager')
   state = {w.hf: torch.from_numpy(np.array(w.to_hf(np.asarray(weights[w.paxcli], np.float32)), order='C'))
            for w in family.hf_weights(view)}
+  if set(state) - set(model.state_dict()):
+    # The checkpoint's names are not the module's (transformers 5 fuses per-expert weights as it loads them):
+    # transformers' own loading reads them, from a temporary directory.
+    return _through_files(config, state)
   missing, unexpected = model.load_state_dict(state, strict=False)
   tied = {'lm_head.weight'} if not view.separate_embedding else set()
   if unexpected or set(missing) - tied:   # a bug of the weight map, never the user's input
     raise AssertionError(f'{family.title} weight map against transformers: missing {missing}, unexpected {unexpected}')
   return model
+
+
+def _through_files(config: dict, state: dict):
+  """transformers' model of config.json `config` and the checkpoint arrays `state`, loaded by from_pretrained."""
+  import json
+  import os
+  import tempfile
+
+  import safetensors.torch
+  import torch
+  import transformers
+  with tempfile.TemporaryDirectory(prefix='paxcli-certify-') as directory, _quiet_transformers():
+    with open(os.path.join(directory, 'config.json'), 'w', encoding='utf-8') as f:
+      json.dump(config, f)
+    safetensors.torch.save_file(state, os.path.join(directory, 'model.safetensors'), metadata={'format': 'pt'})
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        directory, dtype=torch.float32, use_safetensors=True, local_files_only=True, trust_remote_code=False,
+        attn_implementation='eager')
 
 
 def peft_side(family, view, base: dict, adapters: str) -> Side:
