@@ -167,6 +167,21 @@ def save(model, directory: str) -> str:
   return str(directory)
 
 
+def with_config(made, directory, **changes) -> str:
+  """A copy of a reference's save_pretrained directory whose config.json has `changes` (None removes a key)."""
+  import json
+  import os
+  import shutil
+  shutil.copytree(made.hf, directory)
+  path = os.path.join(directory, 'config.json')
+  with open(path) as f:
+    config = json.load(f)
+  config.update(changes)
+  with open(path, 'w') as f:
+    json.dump({k: v for k, v in config.items() if v is not None}, f)
+  return str(directory)
+
+
 def load(directory: str):
   import torch
   import transformers

@@ -66,15 +66,6 @@ def test_fused_expert_tensors_read_as_the_per_expert_ones(hf_reference, tmp_path
     np.testing.assert_array_equal(a.read(name), b.read(name))
 
 
-def _with_config(made, directory, **changes):
-  shutil.copytree(made.hf, directory)
-  path = os.path.join(directory, 'config.json')
-  config = json.load(open(path))
-  config.update(changes)
-  json.dump({k: v for k, v in config.items() if v is not None}, open(path, 'w'))
-  return str(directory)
-
-
 @pytest.mark.parametrize('family, changes, named', [
     ('qwen3_moe', {'decoder_sparse_step': 2, 'mlp_only_layers': [1]},
      ['decoder_sparse_step 2 (paxcli\'s Qwen3-MoE: 1)', 'mlp_only_layers [1] (paxcli\'s Qwen3-MoE: [])']),
@@ -84,7 +75,7 @@ def _with_config(made, directory, **changes):
      ['router_jitter_noise 0.1 (paxcli\'s Mixtral: 0.0)']),
 ])
 def test_a_moe_config_paxcli_cannot_express_is_refused_by_name(hf_reference, tmp_path, capsys, family, changes, named):
-  source = _with_config(hf_reference(family), tmp_path / 'hf', **changes)
+  source = hf_models.with_config(hf_reference(family), tmp_path / 'hf', **changes)
   err = _refused(['checkpoint', 'convert', '--from', 'hf', source, str(tmp_path / 'job')], capsys)
   title = {'qwen3_moe': 'Qwen3-MoE', 'mixtral': 'Mixtral'}[family]
   assert f'this {title} config cannot be expressed in paxcli' in err
@@ -95,11 +86,11 @@ def test_a_moe_config_paxcli_cannot_express_is_refused_by_name(hf_reference, tmp
 
 def test_a_zero_window_and_too_many_experts_per_token_are_one_line(hf_reference, tmp_path, capsys):
   made = hf_reference('mixtral')
-  err = _refused(['checkpoint', 'convert', '--from', 'hf', _with_config(made, tmp_path / 'w', sliding_window=0),
-                  str(tmp_path / 'j')], capsys)
+  windowless = hf_models.with_config(made, tmp_path / 'w', sliding_window=0)
+  err = _refused(['checkpoint', 'convert', '--from', 'hf', windowless, str(tmp_path / 'j')], capsys)
   assert 'sliding_window is 0; a Mixtral config has a positive whole number of tokens or null' in err
-  err = _refused(['checkpoint', 'convert', '--from', 'hf', _with_config(made, tmp_path / 'k', num_experts_per_tok=5),
-                  str(tmp_path / 'j')], capsys)
+  overfull = hf_models.with_config(made, tmp_path / 'k', num_experts_per_tok=5)
+  err = _refused(['checkpoint', 'convert', '--from', 'hf', overfull, str(tmp_path / 'j')], capsys)
   assert 'num_experts_per_tok 5 is more than num_local_experts 4' in err
 
 

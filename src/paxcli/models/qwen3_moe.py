@@ -33,8 +33,8 @@ class Qwen3Moe(Experts, Qwen3):
            'ROUTER_NORMALIZE_TOPK': True}
   hf_model_types = ('qwen3_moe',)
   hf_architectures = ('Qwen3MoeForCausalLM',)
-  hf_read_keys = (Qwen3.hf_read_keys | TRAINING_ONLY_KEYS
-                  | {'num_experts', 'num_local_experts', 'num_experts_per_tok', 'moe_intermediate_size', 'norm_topk_prob'})
+  hf_read_keys = Qwen3.hf_read_keys | TRAINING_ONLY_KEYS | {
+      'num_experts', 'num_local_experts', 'num_experts_per_tok', 'moe_intermediate_size', 'norm_topk_prob'}
   hf_neutral = {**Qwen3.hf_neutral, 'decoder_sparse_step': 1, 'mlp_only_layers': []}
   # transformers' Qwen3MoeConfig defaults, for keys a config.json leaves out.
   hf_defaults = {**Qwen3.hf_defaults, 'num_key_value_heads': 4}
