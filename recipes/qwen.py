@@ -16,8 +16,8 @@ Qwen3Moe30BA3B: Qwen3-30B-A3B (48 x 2048, 32 heads x 128, 4 KV heads, QK-norm, 1
 Each takes its family's presets (paxcli.models.qwen2, qwen3: gated SiLU, RMSNorm 1e-6, rotary base
 1e6, Qwen 2's q/k/v biases or Qwen 3's QK-norm; paxcli.models.qwen3_moe's experts). LoRA on the MoE
 model adapts attention (the default LORA_TARGETS); its experts take no adapters. The sequence length
-is a training choice, not the model's (rotary positions have no table): 4096 here; the released models were trained to 32k
-(Qwen 2.5) and 40k (Qwen 3). Data: synthetic unless TRAIN_DATA is set; with text, TOKENIZER should be
+is a training choice, not the model's (rotary positions have no table): 4096 here; the released models
+were trained to 32k (Qwen 2.5) and 40k (Qwen 3). Data: synthetic unless TRAIN_DATA is set; with text, TOKENIZER should be
 the model's own tokenizer.json (its chat template comes with it).
 """
 
