@@ -181,9 +181,9 @@ def hf_model(family, view, weights: dict):
   state = {w.hf: torch.from_numpy(np.array(w.to_hf(np.asarray(weights[w.paxcli], np.float32)), order='C'))
            for w in family.hf_weights(view)}
   if set(state) - set(model.state_dict()):
-    # The checkpoint's names are not the module's (transformers 5 fuses per-expert weights as it loads them):
-    # transformers' own loading reads them, from a temporary directory.
-    return _through_files(config, state)
+    # The checkpoint's names are not the module's (transformers 5 fuses per-expert weights as it loads them).
+    del model
+    return _converted_on_load(config, state)
   missing, unexpected = model.load_state_dict(state, strict=False)
   tied = {'lm_head.weight'} if not view.separate_embedding else set()
   if unexpected or set(missing) - tied:   # a bug of the weight map, never the user's input
@@ -191,22 +191,16 @@ def hf_model(family, view, weights: dict):
   return model
 
 
-def _through_files(config: dict, state: dict):
-  """transformers' model of config.json `config` and the checkpoint arrays `state`, loaded by from_pretrained."""
-  import json
-  import os
-  import tempfile
-
-  import safetensors.torch
+def _converted_on_load(config: dict, state: dict):
+  """transformers' model of config.json `config` from checkpoint arrays `state`, through from_pretrained's own
+  renaming and fusing of checkpoint names (what it does to a directory's files, here to arrays in memory)."""
   import torch
   import transformers
-  with tempfile.TemporaryDirectory(prefix='paxcli-certify-') as directory, _quiet_transformers():
-    with open(os.path.join(directory, 'config.json'), 'w', encoding='utf-8') as f:
-      json.dump(config, f)
-    safetensors.torch.save_file(state, os.path.join(directory, 'model.safetensors'), metadata={'format': 'pt'})
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        directory, dtype=torch.float32, use_safetensors=True, local_files_only=True, trust_remote_code=False,
-        attn_implementation='eager')
+  settings = dict(config)
+  hf_config = transformers.AutoConfig.for_model(settings.pop('model_type'), **settings)
+  with _quiet_transformers():
+    return getattr(transformers, config['architectures'][0]).from_pretrained(
+        None, config=hf_config, state_dict=state, dtype=torch.float32, attn_implementation='eager')
 
 
 def peft_side(family, view, base: dict, adapters: str) -> Side:
