@@ -20,8 +20,9 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
+# The big install (JAX, TensorFlow, torch CPU for the tests: minutes) shows pip's progress.
 $(STAMP): pyproject.toml $(CONSTRAINTS) | $(BIN)/python
-	$(BIN)/python -m pip install --quiet $(PIN) -e '.[test]'
+	$(BIN)/python -m pip install --progress-bar on $(PIN) -e '.[test]'
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -4,8 +4,9 @@ Import the model once, then fine-tune it; the loss counts the completions only (
 weigh 0: paxcli.inputs.sft):
 
   pax checkpoint convert --from hf ./Llama-3.2-1B ./llama
-  pax train --exp finetune.LlamaSft --set BASE="'./llama'" --set TRAIN_DATA="'sft.jsonl'" \\
-      --set EVAL_DATA="'sft_eval.jsonl'" --job-log-dir ./llama_sft
+  pax train --exp finetune.LlamaSft --set BASE=./llama --set TRAIN_DATA=sft.jsonl \\
+      --set EVAL_DATA=sft_eval.jsonl --job-log-dir ./llama_sft
+  pax eval --job-log-dir ./llama_sft       # the job's experiment and settings, from its directory
 
 each line of sft.jsonl being {"prompt": "...", "completion": "..."} (or {"messages": [...]}).
 BASE is the converted job directory: the model's knobs are read from the recipe the import
@@ -24,8 +25,10 @@ completion loss on the eval pairs is 14.1 for the random base and 0.005 after th
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import shlex
 import sys
 from typing import Optional
 
@@ -148,6 +151,7 @@ def write_tokenizer(directory: str, texts: list[str], vocab_size: int) -> None:
   tok.pre_tokenizer = hf.pre_tokenizers.ByteLevel(add_prefix_space=False)
   tok.decoder = hf.decoders.ByteLevel()
   tok.train_from_iterator(texts, hf.trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL),
+                                                        show_progress=False,
                                                         initial_alphabet=hf.pre_tokenizers.ByteLevel.alphabet()))
   tok.post_processor = hf.processors.TemplateProcessing(single=f'{SPECIAL[0]} $A', pair=f'{SPECIAL[0]} $A $B',
                                                         special_tokens=[(SPECIAL[0], 0)])
@@ -199,11 +203,48 @@ def write_example(directory: str) -> dict:
   return paths
 
 
-if __name__ == '__main__':
-  if len(sys.argv) != 2:
-    sys.exit('usage: python -m paxcli.recipes.finetune DIR   (writes the tiny example into DIR)')
-  out = os.path.abspath(sys.argv[1])
+def main(argv: Optional[list[str]] = None) -> int:
+  """`python -m paxcli.recipes.finetune DIR`: writes the tiny example into DIR and prints what to run next."""
+  parser = argparse.ArgumentParser(
+      prog='python -m paxcli.recipes.finetune',
+      description='Write the tiny fine-tuning example into DIR: a random 2-layer Llama in Hugging Face\'s layout '
+                  '(DIR/hf) and prompt/completion files (DIR/sft.jsonl, DIR/sft_eval.jsonl); then print the '
+                  'commands that import, fine-tune and use it.')
+  parser.add_argument('directory', metavar='DIR', help='where to write the example (a new or empty directory)')
+  parser.add_argument('--force', action='store_true', help='write into DIR although it holds files (files of the '
+                      "example's names are replaced)")
+  args = parser.parse_args(argv)
+  out = os.path.abspath(args.directory)
+  if os.path.lexists(out) and not os.path.isdir(out):
+    parser.exit(2, f'error: {args.directory} is a file; give a new or empty directory.\n')
+  if os.path.isdir(out) and os.listdir(out) and not args.force:
+    parser.exit(2, f'error: {args.directory} holds files already; give a new or empty directory, or --force to '
+                   "write the example into it (files of the example's names are replaced).\n")
   made = write_example(out)
-  print(f'pax checkpoint convert --from hf {made["hf"]} {out}/llama\n'
-        f'pax train --exp finetune.TinyLlamaSft --set BASE="\'{out}/llama\'" --set TRAIN_DATA="\'{made["train"]}\'" '
-        f'--set EVAL_DATA="\'{made["eval"]}\'" --job-log-dir {out}/sft')
+  print(next_steps(out, made))
+  return 0
+
+
+def next_steps(out: str, made: dict) -> str:
+  """What was written, and the commands that import, fine-tune and use it (paths as typed from here)."""
+  here = lambda path: path if os.path.relpath(path).startswith('..') else os.path.relpath(path)
+  q = lambda path: shlex.quote(here(path))
+  base, job = os.path.join(out, 'llama'), os.path.join(out, 'sft')
+  return '\n'.join([
+      f'Wrote the tiny example into {here(out)}:',
+      f'  {here(made["hf"])}: a random 2-layer Llama in Hugging Face\'s layout (config.json, model.safetensors, '
+      'tokenizer.json)',
+      f'  {here(made["train"])}, {here(made["eval"])}: prompt/completion pairs to train on and to hold out',
+      '',
+      'Import the model, fine-tune it (under a minute on a CPU), then use the job by its directory:',
+      f'  pax checkpoint convert --from hf {q(made["hf"])} {q(base)}',
+      f'  pax train --exp finetune.TinyLlamaSft --set BASE={q(base)} --set TRAIN_DATA={q(made["train"])} '
+      f'--set EVAL_DATA={q(made["eval"])} --job-log-dir {q(job)}',
+      f'  pax eval --job-log-dir {q(job)}',
+      f'  pax decode --job-log-dir {q(job)} --prompt \'Q: What colour is the snow?\'',
+      f'  pax checkpoint convert {q(job)} {q(job + "_hf")} --to hf     # for transformers',
+  ])
+
+
+if __name__ == '__main__':
+  sys.exit(main())

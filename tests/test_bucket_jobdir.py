@@ -23,7 +23,8 @@ TRAIN = ['train', *TINY, '--set', 'task.train.num_train_steps=10', '--set', 'tas
 
 
 def _one_line(err: str) -> str:
-  lines = [l for l in err.strip().splitlines() if l.strip()]
+  """The one line of an error, after the line naming the job's own settings (`... (as trained ...)`)."""
+  lines = [l for l in err.strip().splitlines() if l.strip() and '(as trained' not in l]
   assert len(lines) == 1 and 'Traceback' not in err, err[-3000:]
   return lines[0]
 

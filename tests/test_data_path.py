@@ -119,8 +119,8 @@ def test_train_killed_resumes_then_eval_and_decode_read_the_job(shell):
   evaluated = json.loads(pax(shell, 'eval', '--set', 'TRAIN_DATA=prepared', *TINY, '--job-log-dir', 'job',
                              '--json').stdout)
   assert evaluated
-  bare = pax(shell, 'eval', *TINY, '--job-log-dir', 'job')   # without the trainer's --set: said, not silent
-  assert 'reads other data than the checkpoint was trained on' in bare.stdout + bare.stderr
+  bare = pax(shell, 'eval', *TINY, '--job-log-dir', 'job', '--json')   # without the trainer's --set: the job's own
+  assert json.loads(bare.stdout)['results'] == evaluated['results'] and '(as trained)' in bare.stderr
   decoded = pax(shell, 'decode', '--job-log-dir', 'job', *TINY, '--prompt', 'the quick', '--max-decode-steps', '8',
                 '--json').stdout
   assert 'the quick' in decoded

@@ -27,7 +27,7 @@ def test_the_lock_pins_what_is_installed():
 
 def test_make_installs_with_the_lock():
   out = subprocess.run(['make', '-n', '-B', 'install'], cwd=REPO, capture_output=True, text=True, check=True).stdout
-  assert "pip install --quiet -c constraints.txt -e '.[test]'" in out
+  assert "pip install --progress-bar on -c constraints.txt -e '.[test]'" in out   # pip's progress shown
   out = subprocess.run(['make', '-n', '-B', 'install', 'CONSTRAINTS='], cwd=REPO, capture_output=True, text=True,
                        check=True).stdout
   assert '-c ' not in out and "-e '.[test]'" in out

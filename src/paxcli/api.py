@@ -26,23 +26,29 @@ the loops) are imported inside the functions that use them: `pax import-maxtext`
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import glob
 import importlib.util
 import logging
 import os
+import re
+import shlex
 import time
+import warnings
 from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 from rich.console import Console
 from rich.markup import escape
 
-from paxcli import files
+from paxcli import experiment, files
 from paxcli.errors import UserError
-from paxcli.jobdir import layout, storage
+from paxcli.jobdir import invocation, layout, storage
 from paxcli.maxtext import recipe as maxtext_recipe
 from paxcli.maxtext.shell import read_script
 from paxcli.maxtext.translate import Options, Translation, translate
 from paxcli.runtime import distributed, platform
+from paxcli.values import parse_value
 
 if TYPE_CHECKING:  # fiddle, for a type only
   from paxcli.config import Resolved
@@ -58,33 +64,81 @@ class Run:
   """What a command opens before its loop: the resolved config and its job directory."""
   resolved: Resolved
   job_dir: Optional[str]   # absolute, symlinks resolved; None for a command without one
+  made: Optional[invocation.Made] = None   # how the job was made, as its directory records it
 
 
 def open_run(exp: Optional[str], overrides: Sequence[str] = (), job_dir: Optional[str] = None, *,
              with_job_dir: bool = True, processes: bool = True, coordinator: Optional[str] = None,
              num_processes: Optional[int] = None, process_id: Optional[int] = None,
-             log: Callable[[str], None] = print) -> Run:
+             log: Callable[[str], None] = print, remembered: bool = True, timed: bool = False) -> Run:
   """Joins the run's processes, resolves the config, sets its PLATFORM_ENV and names its job directory.
 
   The order is JAX's: jax.distributed starts before any backend (experiments may ask jax
   for device counts while resolving), and PLATFORM_ENV's XLA flags are set before the
   command's loop starts the backend. `processes`: the command runs on several processes
   (--coordinator ...; else a detected cluster). The job directory (`job_dir`, else
-  ./runs/<experiment>) is made absolute once, here: orbax refuses relative paths and the
-  rest of paxcli joins names onto it. A job directory with a checkpoint keeps its tokenizer
-  (jobdir.tokenizer.keep_trained).
+  ./runs/<experiment>, or ./runs/<experiment>_on_<data> for --set TRAIN_DATA=...) is made
+  absolute once, here: orbax refuses relative paths and the rest of paxcli joins names onto it.
+  `remembered` (every command but train): the experiment and --set overrides the job was trained
+  with (jobdir.invocation.read_made) come first, `exp` and `overrides` given here on top, in one
+  line on `log`. A job directory with a checkpoint keeps its tokenizer (jobdir.tokenizer.keep_trained);
+  a run from INIT_FROM reads with the base's (jobdir.tokenizer.adopt_base).
+  FP8 on a device without fp8 units: one warning line (the products are emulated), or, for a command
+  that times the step (`timed`), a refusal in one line.
   """
   if processes:
     distributed.start(distributed.settings_from(coordinator, num_processes, process_id))
+  directory = made = None
+  if with_job_dir:
+    directory = path_arg(job_dir or default_job_dir(exp, overrides), '--job-log-dir')
+    storage.check_reachable(directory)   # a bucket that cannot be used: one line, before any compile
+    if remembered:
+      exp, overrides, made = as_made(directory, exp, overrides, log)
   resolved = resolve(exp, overrides)
   platform.apply_platform_env(resolved.experiment.PLATFORM_ENV, log=log)
-  directory = None
+  check_fp8(resolved, timed)
   if with_job_dir:
     from paxcli.jobdir import tokenizer  # orbax and fiddle: for commands that open a job directory
-    directory = path_arg(job_dir or default_job_dir(resolved.experiment.registered_name()), '--job-log-dir')
-    storage.check_reachable(directory)   # a bucket that cannot be used: one line, before any compile
     tokenizer.keep_trained(resolved.datasets, directory)
-  return Run(resolved, directory)
+    tokenizer.adopt_base(resolved.datasets, resolved.task.train)
+  return Run(resolved, directory, made)
+
+
+def as_made(directory: str, exp: Optional[str], overrides: Sequence[str],
+            log: Callable[[str], None]) -> tuple[Optional[str], list[str], Optional[invocation.Made]]:
+  """(experiment, overrides, record) a command reading job `directory` runs with: the job's own experiment
+  and --set overrides with `overrides` after them (they win), said in one line; `exp` and `overrides` as
+  given when the job records none, or when `exp` names another experiment (said too)."""
+  made = invocation.read_made(directory) or invocation.made_by_config(directory)
+  if made is None:
+    return exp, list(overrides), None
+  job = _shown(directory)
+  if exp and experiment.canonical_name(exp) != made.experiment:
+    log(f'Note: {job} was trained with {made.command()}; using --exp {exp} as given, without those settings.')
+    return exp, list(overrides), made
+  if not exp and not _trusted(directory, made.experiment):
+    raise UserError(f'{job} was trained with the experiment {made.experiment}, code that paxcli imports only when '
+                    f'you name it: add --exp {shlex.quote(made.experiment)} (the job\'s --set settings then apply).')
+  given = ' '.join(f'--set {shlex.quote(o)}' for o in overrides)
+  laid_out = {invocation.key_of(o) for o in overrides} & set(invocation.LAYOUT_KNOBS)
+  used = made.without_layout() if laid_out else made   # a mesh given here replaces the job's whole layout
+  left_out = ', without its mesh and pipeline settings' if used != made else ''
+  log(f'{job}: {used.command()} (as trained{left_out})' + (f'; given here, on top: {given}' if given else '') + '.')
+  return made.experiment, [*used.overrides, *overrides], made
+
+
+def _trusted(directory: str, name: str) -> bool:
+  """Whether the experiment a job records may be resolved on its word (convert.core.trusted_in)."""
+  from paxcli.convert import core  # fiddle
+  return core.trusted_in(directory, name, None) is not None
+
+
+def _shown(path: str) -> str:
+  """A path as the user would type it here: relative when under the working directory."""
+  if not storage.is_local(path):
+    return path
+  relative = os.path.relpath(path)
+  return path if relative.startswith('..') else relative
 
 
 def resolve(exp: Optional[str], overrides: Sequence[str] = ()):
@@ -96,14 +150,49 @@ def resolve(exp: Optional[str], overrides: Sequence[str] = ()):
   return resolved
 
 
+def check_fp8(resolved, timed: bool) -> None:
+  """FP8 where the device has no fp8 units: one warning line, or a UserError when `timed` (a speed
+  figure of emulated fp8 would mislead)."""
+  from paxcli.layers import fp8  # JAX
+  for mode in fp8.modes_of(resolved.flat()):
+    if timed and fp8.refusal(mode):
+      raise UserError(fp8.refusal(mode))
+    if fp8.emulation_note(mode):
+      warn(fp8.emulation_note(mode))
+
+
 def warn(message: str) -> None:
   """One `warning:` line on stderr, whatever the command's console: stdout stays the command's output."""
   Console(stderr=True, highlight=False, soft_wrap=True).print(f'[bold yellow]warning:[/] {escape(message)}',
                                                               markup=True)
 
 
-def default_job_dir(exp_name: str) -> str:
-  return os.path.join('runs', exp_name.replace(':', '_').replace('/', '_'))
+def default_job_dir(exp: Optional[str], overrides: Sequence[str] = ()) -> str:
+  """./runs/<experiment>, or ./runs/<experiment>_on_<data> when --set TRAIN_DATA=... names the data
+  (own-data runs of one experiment keep apart, and from its built-in run)."""
+  name = experiment.lookup(exp).registered_name().replace(':', '_').replace('/', '_')
+  data = next((o.split('=', 1)[1] for o in reversed(overrides) if invocation.key_of(o) == 'TRAIN_DATA'), None)
+  return os.path.join('runs', f'{name}_on_{data_name(data)}' if data else name)
+
+
+def data_name(raw: str) -> str:
+  """A short name for the data a --set TRAIN_DATA=... value names: `my/*.jsonl` -> my, `sft.jsonl` ->
+  sft, `data/train-*.parquet` -> train, a {glob: weight} mixture -> its names joined by +."""
+  value = parse_value(raw)
+  globs = list(value)[:3] if isinstance(value, dict) else [value]
+  names = [_glob_name(str(g)) for g in globs]
+  joined = '+'.join(n for n in names if n) or 'data'
+  return re.sub(r'[^A-Za-z0-9._+-]', '_', joined)[:60]
+
+
+def _glob_name(pattern: str) -> str:
+  for part in reversed([p for p in pattern.replace('\\', '/').split('/') if p not in ('', '.', '..', '~')]):
+    stem = re.sub(r'[*?\[\]{}]', '', part)
+    stem = re.sub(r'(\.(jsonl|json|txt|text|parquet|tfrecords?|array_?record|gz|zst|bz2|xz|zip))+$', '', stem,
+                  flags=re.IGNORECASE).strip('-_.')
+    if stem:
+      return stem
+  return ''
 
 
 def path_arg(path: Optional[str], option: str) -> Optional[str]:
@@ -158,11 +247,13 @@ def _printer(console: Console) -> Callable[[str], None]:
 
 def train(exp: Optional[str] = None, *, overrides: Sequence[str] = (), job_dir: Optional[str] = None,
           verbose: bool = False, profile_steps: Optional[str] = None, pgle: Optional[str] = None,
-          pgle_profile: Optional[str] = None, coordinator: Optional[str] = None,
+          pgle_profile: Optional[str] = None, force_resume: bool = False, coordinator: Optional[str] = None,
           num_processes: Optional[int] = None, process_id: Optional[int] = None, console=None) -> dict:
   """`pax train`: trains (or resumes) `exp` in `job_dir`; returns the last summary (step, loss, rates).
 
-  profile_steps: 'A-B' traces steps A to B with jax.profiler into <job_dir>/profile.
+  profile_steps: 'A-B' traces steps A to B with jax.profiler into <job_dir>/profile. The job
+  directory records `exp` and `overrides` (experiment.jsonl) for the commands that read it. A job
+  directory whose run was trained on other data or another tokenizer is refused unless force_resume.
   """
   from paxcli.loops import train as train_loop
   from paxcli.perf import profiling
@@ -170,9 +261,13 @@ def train(exp: Optional[str] = None, *, overrides: Sequence[str] = (), job_dir: 
   pgle_profile = path_arg(pgle_profile, '--pgle-profile')
   console = _console(console)
   run = open_run(exp, overrides, job_dir, coordinator=coordinator, num_processes=num_processes,
-                 process_id=process_id, log=console.print)
+                 process_id=process_id, log=console.print, remembered=False)
+  if job_dir is None and any(invocation.key_of(o) == 'TRAIN_DATA' for o in overrides):
+    _printer(console)(f'Job directory {_shown(run.job_dir)}, named after TRAIN_DATA (--job-log-dir picks another).')
+  made = invocation.Made(experiment.canonical_name(exp),
+                         invocation.portable_overrides(overrides, invocation.strings_in(run.resolved.flat())))
   return train_loop.train(run.resolved, run.job_dir, console, verbose=verbose, profile_steps=steps, pgle=pgle,
-                          pgle_profile=pgle_profile)
+                          pgle_profile=pgle_profile, made=made, force_resume=force_resume)
 
 
 def evaluate(exp: Optional[str] = None, *, overrides: Sequence[str] = (), job_dir: Optional[str] = None,
@@ -191,9 +286,12 @@ def evaluate(exp: Optional[str] = None, *, overrides: Sequence[str] = (), job_di
     raise UserError('--step N picks a checkpoint; --no-checkpoint evaluates fresh weights. Give one of them.')
   import jax
 
-  from paxcli.jobdir import invocation, restore
+  from paxcli.jobdir import restore
   from paxcli.loops import evaluate as eval_loop
   console = _console(console)
+  if follow and not exp:
+    _await_trainer(path_arg(job_dir or default_job_dir(exp, overrides), '--job-log-dir'), timeout, poll,
+                   eval_loop.TRAINER_START_GRACE_S, _printer(console))
   run = open_run(exp, overrides, job_dir, coordinator=coordinator, num_processes=num_processes,
                  process_id=process_id, log=_printer(console))
   record = None
@@ -202,12 +300,42 @@ def evaluate(exp: Optional[str] = None, *, overrides: Sequence[str] = (), job_di
   if record and storage.isdir(run.job_dir):  # never made here: a follower records at its first evaluation
     record()
     record = None
-  if follow:
-    return eval_loop.follow(run.resolved, run.job_dir, console, timeout=timeout, poll_seconds=poll,
-                            on_result=on_result, on_first=record)
-  if not no_checkpoint:  # a mistyped job directory is refused before any work
-    restore.choose_step(run.job_dir, step=step, purpose='evaluate')
-  return eval_loop.evaluate(run.resolved, run.job_dir, console, use_checkpoint=not no_checkpoint, step=step)
+  with _naming_the_job(run):
+    if follow:
+      return eval_loop.follow(run.resolved, run.job_dir, console, timeout=timeout, poll_seconds=poll,
+                              on_result=on_result, on_first=record)
+    if not no_checkpoint:  # a mistyped job directory is refused before any work
+      restore.choose_step(run.job_dir, step=step, purpose='evaluate')
+    return eval_loop.evaluate(run.resolved, run.job_dir, console, use_checkpoint=not no_checkpoint, step=step)
+
+
+def _await_trainer(directory: str, timeout: Optional[float], poll: float, grace: float, log) -> None:
+  """A follower started before its trainer: waits until the job records its experiment (or has a complete
+  checkpoint: a job trained before records were kept; or `timeout` / `grace` seconds pass), so that it
+  evaluates what the trainer trains."""
+  from paxcli.jobdir import checkpoint as ckpt  # orbax
+  deadline = time.monotonic() + (timeout if timeout is not None else grace)
+  said = False
+  while not storage.isfile(layout.made(directory)) and not ckpt.complete_steps(layout.checkpoints(directory)):
+    if time.monotonic() >= deadline:
+      return
+    if not said:
+      log(f'Waiting for a trainer to start in {_shown(directory)} (it records the experiment to evaluate).')
+      said = True
+    time.sleep(min(poll, max(0.0, deadline - time.monotonic())))
+
+
+@contextlib.contextmanager
+def _naming_the_job(run: Run):
+  """A checkpoint this command's config cannot read (other shapes): the error's first line says how the
+  job was made, the experiment and settings that do read it."""
+  from paxcli.jobdir import restore  # orbax
+  try:
+    yield
+  except restore.ShapeMismatch as e:
+    if run.made is None:
+      raise
+    raise UserError(f'{_shown(run.job_dir)} was trained with {run.made.command()}; {e}') from None
 
 
 def decode(exp: Optional[str] = None, *, overrides: Sequence[str] = (), job_dir: Optional[str] = None,
@@ -246,10 +374,11 @@ def decode(exp: Optional[str] = None, *, overrides: Sequence[str] = (), job_dir:
   run = open_run(exp, overrides, job_dir, coordinator=coordinator, num_processes=num_processes,
                  process_id=process_id, log=log)
   from paxcli.loops.decode import command  # JAX
-  return command.decode(run.resolved, run.job_dir, opts, texts=list(prompt), prompts_file=prompts_file,
-                        prompt_ids=list(prompt_ids), dataset=dataset, num_prompts=num_prompts, step=step,
-                        use_checkpoint=not no_checkpoint, dtype=dtype, output=output, log=log, progress=progress,
-                        force=force)
+  with _naming_the_job(run):
+    return command.decode(run.resolved, run.job_dir, opts, texts=list(prompt), prompts_file=prompts_file,
+                          prompt_ids=list(prompt_ids), dataset=dataset, num_prompts=num_prompts, step=step,
+                          use_checkpoint=not no_checkpoint, dtype=dtype, output=output, log=log, progress=progress,
+                          force=force)
 
 
 def score(requests_file: str, exp: Optional[str] = None, *, overrides: Sequence[str] = (),
@@ -276,9 +405,10 @@ def score(requests_file: str, exp: Optional[str] = None, *, overrides: Sequence[
   run = open_run(exp, overrides, job_dir, coordinator=coordinator, num_processes=num_processes,
                  process_id=process_id, log=log)
   from paxcli.loops.score import command  # JAX
-  return command.score(run.resolved, run.job_dir, read, requests_file, step=step, use_checkpoint=not no_checkpoint,
-                       dtype=dtype, batch_size=batch_size, output=output, log=log, progress=progress,
-                       force=force)
+  with _naming_the_job(run):
+    return command.score(run.resolved, run.job_dir, read, requests_file, step=step,
+                         use_checkpoint=not no_checkpoint, dtype=dtype, batch_size=batch_size, output=output,
+                         log=log, progress=progress, force=force)
 
 
 def lm_eval(tasks: Sequence[str], exp: Optional[str] = None, *, overrides: Sequence[str] = (),
@@ -314,9 +444,11 @@ def lm_eval(tasks: Sequence[str], exp: Optional[str] = None, *, overrides: Seque
   run = open_run(exp, overrides, job_dir, coordinator=coordinator, num_processes=num_processes,
                  process_id=process_id, log=log)
   from paxcli.loops.harness import command  # JAX and lm_eval
-  return command.lm_eval_run(run.resolved, run.job_dir, tasks, include_path=include_path, num_fewshot=num_fewshot,
-                             limit=limit, batch_size=batch_size, step=step, dtype=dtype, gen_kwargs=gen_kwargs,
-                             log_samples=log_samples, seed=seed, output=output, log=log, progress=progress)
+  with _naming_the_job(run):
+    return command.lm_eval_run(run.resolved, run.job_dir, tasks, include_path=include_path,
+                               num_fewshot=num_fewshot, limit=limit, batch_size=batch_size, step=step, dtype=dtype,
+                               gen_kwargs=gen_kwargs, log_samples=log_samples, seed=seed, output=output, log=log,
+                               progress=progress)
 
 
 # ---- describe, bench, inputs -----------------------------------------------------------------
@@ -333,14 +465,16 @@ def describe(exp: Optional[str] = None, *, overrides: Sequence[str] = ()) -> dic
           'pipeline': engine.pipeline_note(resolved), 'text': resolved.as_text()}
 
 
-def bench_mfu(exp: Optional[str] = None, *, overrides: Sequence[str] = (), sweep: Sequence[str] = (),
+def bench_mfu(exp: Optional[str] = None, *, overrides: Sequence[str] = (), job_dir: Optional[str] = None,
+              sweep: Sequence[str] = (),
               steps: int = 10, warmup: int = 2, compile_only: bool = False, num_devices: Optional[int] = None,
               peak_tflops: Optional[float] = None, device_memory: Optional[str] = None,
               plot: Optional[str] = None, pgle: Optional[str] = None, pgle_profile: Optional[str] = None,
               console=None, force: bool = False) -> list[dict]:
   """`pax bench mfu`: one row per sweep combination (step time, tokens/s, TFLOP/s per device, MFU, HFU,
   memory). sweep: 'KNOB=a,b,c' strings; plot: a PNG of the rows, written after they all ran (over an
-  existing file only with force)."""
+  existing file only with force). job_dir: the experiment and --set overrides that job was trained with
+  (`exp` and `overrides` on top)."""
   from paxcli.convert.safetensors_io import parse_size
   from paxcli.loops import bench
   plot, pgle_profile = output_arg(plot, '--plot'), path_arg(pgle_profile, '--pgle-profile')
@@ -357,8 +491,10 @@ def bench_mfu(exp: Optional[str] = None, *, overrides: Sequence[str] = (), sweep
     platform.fake_cpu_devices(num_devices, '--num-devices')
   console = _console(console)
   log = _printer(console)
+  if job_dir is not None:   # the job's experiment and settings, with `exp` and `overrides` on top
+    exp, overrides, _ = as_made(path_arg(job_dir, '--job-log-dir'), exp, overrides, log)
   first = [f'{k}={v}' for k, v in bench.sweep_combinations(list(sweep))[0]]
-  open_run(exp, list(overrides) + first, with_job_dir=False, processes=False, log=log)
+  open_run(exp, list(overrides) + first, with_job_dir=False, processes=False, log=log, timed=not compile_only)
   with _progress(console) as progress:
     rows = bench.run_all(exp, list(overrides), list(sweep), steps=steps, warmup=warmup, compile_only=compile_only,
                          peak_tflops=peak_tflops, pgle=pgle, pgle_profile=pgle_profile, progress=progress,
@@ -376,22 +512,29 @@ def _progress(console: Console):
                   console=console, transient=True, disable=not console.is_terminal)
 
 
-def inspect_input(path: Optional[str] = None, *, exp: Optional[str] = None, overrides: Sequence[str] = (),
-                  split: str = 'train', num_batches: int = 3, num_examples: int = 2, host_index: int = 0,
-                  num_hosts: int = 1, check_sharding: bool = False, console=None,
+def inspect_input(exp: Optional[str] = None, *, path: Optional[str] = None, overrides: Sequence[str] = (),
+                  job_dir: Optional[str] = None, split: str = 'train', num_batches: int = 3, num_examples: int = 2,
+                  host_index: int = 0, num_hosts: int = 1, check_sharding: bool = False, console=None,
                   on_batch: Optional[Callable[[str, dict], None]] = None) -> dict:
   """`pax inspect-input`: batches of an experiment's input as one host of `num_hosts` reads them.
 
   Returns {'input': name, 'batches': [{'batch', 'host', 'num_hosts', 'features': stats, 'examples'}],
   'throughput': {...}}; on_batch(input name, batch) is called with each batch as it is read.
   With check_sharding: the report of every host's examples (report['ok'] is False when hosts
-  overlap). With `path` (a TFRecord file or glob), no experiment: the file's features and first
-  records.
+  overlap). With `job_dir`: the input of that job, with the experiment, --set overrides and
+  tokenizer it was trained with (`exp` and `overrides` on top). With `path` (a TFRecord file or
+  glob), no experiment: the file's features and first records. (A path as the first argument, as
+  before, still works, with a DeprecationWarning.)
   """
   from paxcli.loops import inspect_input as ii
+  if exp is not None and path is None and _names_a_file(exp):
+    warnings.warn('paxcli.inspect_input(PATH) is deprecated: its first argument is the experiment, as in every '
+                  'paxcli function; pass the file as path=PATH.', DeprecationWarning, stacklevel=2)
+    exp, path = None, exp
   if path is not None:
     return ii.inspect_file(path, max(num_examples, 1))
-  run = open_run(exp, overrides, with_job_dir=False, processes=False, log=_printer(_console(console)))
+  run = open_run(exp, overrides, job_dir, with_job_dir=job_dir is not None, processes=False,
+                 log=_printer(_console(console)))
   cfg = ii.select_dataset(run.resolved, split)
   batch_size = ii.host_batch_size(run.resolved)
   if check_sharding:
@@ -410,6 +553,13 @@ def inspect_input(path: Optional[str] = None, *, exp: Optional[str] = None, over
           'examples_per_sec': rows / max(seconds, 1e-9),
           'input_ended': len(batches) < num_batches}  # read_batches stops early only at a finite input's end
   return {'input': cfg.name, 'batches': batches, 'throughput': rate}
+
+
+def _names_a_file(name: str) -> bool:
+  """Whether inspect_input's first argument, given the old way, is a file (or glob) and not an experiment
+  (`name`, `module.Class` or `path/file.py:Class`)."""
+  return ':' not in name and ('/' in name or os.path.exists(name) or glob.has_magic(name)
+                              or name.lower().endswith(('.tfrecord', '.tfrecords', '.tfr')))
 
 
 # ---- prepared data ---------------------------------------------------------------------------
@@ -494,12 +644,14 @@ def convert_checkpoint(source: str, output: str, *, fmt: Optional[str] = None, t
                        exp: Optional[str] = None, overrides: Sequence[str] = (), step: Optional[int] = None,
                        params_only: bool = False, dtype: Optional[str] = None, force: bool = False,
                        verify: bool = True, kl_tolerance: Optional[float] = None, max_shard_size: str = '5GB',
-                       recipe: Optional[str] = None, merge_lora: bool = False, console=None) -> dict:
+                       recipe: Optional[str] = None, merge_lora: bool = False, base_model: Optional[str] = None,
+                       console=None) -> dict:
   """`pax checkpoint convert`: writes `source` (never modified) as `to` at `output`; returns what was
   written. With verify the conversion certifies itself (paxcli.convert.certify): result['verify'] holds
   what ran the source and the result (transformers or PEFT for Hugging Face files where installed, else
   paxcli), max |Δ logit|, KL and top-1 agreement on fixed prompts; beyond kl_tolerance it is a UserError
-  and nothing is written."""
+  and nothing is written. base_model (to='peft'): the Hugging Face id or directory written as
+  base_model_name_or_path."""
   from paxcli.convert import run as convert_run
   from paxcli.convert import safetensors_io
   positive_finite(kl_tolerance, '--kl-tolerance', 'a KL in nats')
@@ -510,7 +662,7 @@ def convert_checkpoint(source: str, output: str, *, fmt: Optional[str] = None, t
   return convert_run.convert(source, output, fmt=fmt, to=to, exp=exp, overrides=list(overrides),
                              params_only=params_only, dtype=dtype, step=step, force=force, verify=verify,
                              kl_tolerance=kl_tolerance, max_shard_bytes=max_shard_bytes, recipe=recipe,
-                             merge_lora=merge_lora, log=_printer(_console(console)))
+                             merge_lora=merge_lora, base_model=base_model, log=_printer(_console(console)))
 
 
 def _quiet_absl() -> None:

@@ -18,7 +18,7 @@ import fiddle as fdl
 
 from paxcli import values as ptypes
 from paxcli.errors import UserError, did_you_mean, shorten
-from paxcli.experiment import Experiment, instantiate
+from paxcli.experiment import Experiment, instantiate, maxtext_hint
 
 
 @dataclasses.dataclass
@@ -112,8 +112,9 @@ def set_path(root: dict[str, Any], key: str, raw: Any) -> None:
   """Applies one dotted override (`task.train.learning_rate`) or raises UserError."""
   parts = key.split('.')
   if parts[0] not in root:
+    hint = maxtext_hint(key, str(raw)) or did_you_mean(parts[0], root)
     raise UserError(f'Unknown override {shorten(repr(key))}: paths start with {" or ".join(sorted(root))}, '
-                    f'and knobs are UPPERCASE.{did_you_mean(parts[0], root)}')
+                    f'and knobs are UPPERCASE.{hint}')
   node, path = root[parts[0]], parts[0]
   if isinstance(node, dict):  # datasets.<name>
     if len(parts) < 2 or parts[1] not in node:

@@ -104,8 +104,8 @@ class Experiment:
     types = self.knob_types()
     name = compat.new_knob(name) if name not in types else name
     if name not in types:
-      raise UserError(f'Unknown knob {shorten(repr(name))} for experiment {type(self).__name__}.'
-                      f'{did_you_mean(name, types)}')
+      hint = maxtext_hint(name, str(raw)) if name.lower() in MAXTEXT_SPELLINGS else did_you_mean(name, types)
+      raise UserError(f'Unknown knob {shorten(repr(name))} for experiment {type(self).__name__}.{hint}')
     value = ptypes.parse_value(raw) if isinstance(raw, str) else raw
     setattr(self, name, ptypes.coerce(value, types[name], name))
 
@@ -257,6 +257,41 @@ def lookup(name: Optional[str]) -> type[Experiment]:
                         '(`pax experiments` lists them.)')
   cls.check_knobs()
   return cls
+
+
+# MaxText's spellings of settings a MaxText user types by habit (`--set steps=10`), and paxcli's knob
+# for each: named in the error, as a did-you-mean that spelling alone would not find.
+MAXTEXT_SPELLINGS = {
+    'steps': 'NUM_TRAIN_STEPS', 'per_device_batch_size': 'PERCORE_BATCH_SIZE', 'learning_rate': 'LEARNING_RATE',
+    'base_emb_dim': 'MODEL_DIMS', 'emb_dim': 'MODEL_DIMS', 'base_mlp_dim': 'HIDDEN_DIMS', 'mlp_dim': 'HIDDEN_DIMS',
+    'base_num_decoder_layers': 'NUM_LAYERS', 'num_decoder_layers': 'NUM_LAYERS', 'base_num_query_heads': 'NUM_HEADS',
+    'num_query_heads': 'NUM_HEADS', 'base_num_kv_heads': 'NUM_KV_HEADS', 'num_kv_heads': 'NUM_KV_HEADS',
+    'head_dim': 'DIMS_PER_HEAD', 'max_target_length': 'MAX_SEQ_LEN', 'vocab_size': 'VOCAB_SIZE',
+    'checkpoint_period': 'SAVE_INTERVAL_STEPS', 'eval_interval': 'EVAL_INTERVAL_STEPS',
+    'log_period': 'SUMMARY_INTERVAL_STEPS', 'dataset_path': 'TRAIN_DATA', 'tokenizer_path': 'TOKENIZER',
+    'dtype': 'FPROP_DTYPE', 'remat_policy': 'CHECKPOINT_POLICY', 'scan_layers': 'USE_REPEATED_LAYER',
+    'adam_b1': 'ADAM_BETA1', 'adam_b2': 'ADAM_BETA2', 'adam_eps': 'ADAM_EPSILON', 'adam_weight_decay': 'WEIGHT_DECAY',
+    'gradient_clipping_threshold': 'CLIP_GRADIENT_NORM_TO_VALUE', 'load_parameters_path': 'INIT_FROM',
+    'warmup_steps': 'LR_WARMUP_STEPS', 'opt_type': 'OPTIMIZER', 'lora_rank': 'LORA_RANK',
+}
+
+
+def maxtext_hint(key: str, value: str = '...') -> str:
+  """' MaxText's steps is NUM_TRAIN_STEPS in paxcli: --set NUM_TRAIN_STEPS=10.' for a MaxText spelling, else ''."""
+  knob = MAXTEXT_SPELLINGS.get(key.strip().lower())
+  return f" MaxText's {key.strip()} is {knob} in paxcli: --set {knob}={shorten(value, 80)}." if knob else ''
+
+
+def canonical_name(name: Optional[str]) -> str:
+  """An experiment name the user gave (None: the default) as it means the same from any directory:
+  `path/file.py:Class` with the path made absolute, a registered experiment by its registered name
+  (`StdlibDocsLm` -> `default.StdlibDocsLm`), anything else as given. What a job directory records."""
+  name = name or DEFAULT_EXPERIMENT
+  if ':' in name:
+    path, class_name = name.rsplit(':', 1)
+    return f'{os.path.abspath(os.path.expanduser(path))}:{class_name}'
+  registered = lookup(name).__dict__.get('_registered_name')
+  return registered if registered in _REGISTRY else name
 
 
 def instantiate(name: Optional[str], overrides: list[str] = ()) -> tuple[Experiment, list[tuple[str, Any]]]:

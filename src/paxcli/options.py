@@ -20,6 +20,7 @@ DTypeName = Literal['float32', 'bfloat16', 'float16']
 CheckpointPolicyName = Literal['none', 'save_nothing', 'save_dot_only', 'save_dot_with_no_batch_dim',
                                'save_qkv_out_proj', 'save_everything']
 AttentionImplName = Literal['auto', 'dot_product', 'blockwise', 'einsum']  # paxcli.layers.attention_ops
+Fp8Name = Literal['none', 'delayed', 'current']                # paxcli.layers.fp8
 MoeDispatchName = Literal['dropless', 'capacity']               # paxcli.layers.moe
 RouterSoftmaxName = Literal['before_topk', 'after_topk']        # paxcli.layers.moe.route
 OptimizerName = Literal['adam', 'adamw', 'adafactor', 'sgd']
@@ -35,6 +36,7 @@ CHECKPOINT_POLICIES: tuple[str, ...] = typing.get_args(CheckpointPolicyName)
 ATTENTION_IMPLS: tuple[str, ...] = typing.get_args(AttentionImplName)
 MOE_DISPATCHES: tuple[str, ...] = typing.get_args(MoeDispatchName)
 ROUTER_SOFTMAXES: tuple[str, ...] = typing.get_args(RouterSoftmaxName)
+FP8_MODES: tuple[str, ...] = typing.get_args(Fp8Name)
 OPTIMIZERS: tuple[str, ...] = typing.get_args(OptimizerName)
 SCHEDULES: tuple[str, ...] = typing.get_args(ScheduleName)
 
@@ -51,6 +53,7 @@ MODEL_FIELDS: dict[str, tuple[str, ...]] = {
     'attention_impl': ATTENTION_IMPLS,
     'dispatch': MOE_DISPATCHES,          # MoeFeedForward.dispatch
     'router_softmax': ROUTER_SOFTMAXES,
+    'fp8': FP8_MODES,
 }
 
 

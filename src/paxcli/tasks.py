@@ -63,6 +63,9 @@ class TrainConfig:
   decode_prompts: Any = ()        # texts (or lists of ids for models without a tokenizer)
   decode_max_steps: int = 32
   learning_rate: float = 1e-3
+  # The global batch run as this many microbatches inside each step (paxcli.loops.accumulate); the
+  # gradient is the whole batch's. It must divide each data-parallel shard's rows.
+  grad_accum_steps: int = 1
   clip_gradient_norm_to_value: float = 1.0  # 0: no clipping
   # A finite loss above loss_spike_factor x the median of the last loss_spike_window step losses
   # stops the run like a NaN (exit 3, no checkpoint of that state). 0: off.

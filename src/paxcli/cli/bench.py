@@ -17,6 +17,8 @@ bench_app = typer.Typer(help='Benchmarks: `pax bench mfu` times the train step (
 def mfu(
     exp: Optional[str] = common.exp_option(),
     overrides: List[str] = common.set_option(),
+    job_log_dir: Optional[str] = typer.Option(None, '--job-log-dir', metavar='DIR', help='Bench the experiment '
+                                              'and --set settings this job was trained with (--exp/--set on top).'),
     sweep: List[str] = typer.Option([], '--sweep', metavar='KNOB=a,b,c', help='KNOB=a,b,c: one row per value; repeat the option '
                                     'for every combination (e.g. --sweep PERCORE_BATCH_SIZE=4,8,16).'),
     steps: int = typer.Option(10, '--steps', min=1, help='Timed steps after warm-up.'),
@@ -50,7 +52,7 @@ def mfu(
   if plot:  # checked before any row runs, written after the table: a failing plot never loses the numbers
     bench.check_plot_path(plot, force)
   err = common.console(stderr=True)
-  rows = api.bench_mfu(exp, overrides=overrides, sweep=sweep, steps=steps, warmup=warmup, compile_only=compile_only,
+  rows = api.bench_mfu(exp, overrides=overrides, job_dir=job_log_dir, sweep=sweep, steps=steps, warmup=warmup, compile_only=compile_only,
                        num_devices=num_devices, peak_tflops=peak_tflops, device_memory=device_memory, pgle=pgle,
                        pgle_profile=pgle_profile, console=err)
   if json_out:

@@ -82,6 +82,10 @@ def convert_command(
     recipe: Optional[str] = typer.Option(None, '--recipe', help='--from hf, or paxml without --exp: recipe '
                                          'file to write (default: beside the output, hf_<output>.py or '
                                          'paxml_<output>.py).'),
+    base_model: Optional[str] = typer.Option(
+        None, '--base-model', metavar='HF_ID_OR_DIR', help='--to peft: the Hugging Face model the adapters '
+        'apply to, written as base_model_name_or_path (what AutoPeftModelForCausalLM loads). Default: the '
+        'directory the base was converted from with --from hf, when it is still there.'),
     json_out: bool = typer.Option(False, '--json', help='Print the result as JSON.'),
 ) -> None:
   """Convert a checkpoint to another layout (--set USE_REPEATED_LAYER=..., mesh), dtype, experiment or format."""
@@ -90,7 +94,7 @@ def convert_command(
   result = api.convert_checkpoint(source, output, fmt=fmt, to=to, exp=exp, overrides=overrides, step=step,
                                   params_only=params_only, dtype=dtype, force=force, verify=verify,
                                   kl_tolerance=kl_tolerance, max_shard_size=max_shard_size, recipe=recipe,
-                                  merge_lora=merge_lora, console=console)
+                                  merge_lora=merge_lora, base_model=base_model, console=console)
   v = result.get('verify')
   if json_out:
     typer.echo(json.dumps(result, indent=1))

@@ -99,6 +99,11 @@ def counting_bar(console, label: str):
   return bar
 
 
+def count(n: int, noun: str) -> str:
+  """'1 result', '2 results', '1,024 windows': a number with its noun in the right number."""
+  return f'{n:,} {noun}' + ('' if n == 1 else 's')
+
+
 def error(message: str) -> None:
   from rich.console import Console
   Console(stderr=True, highlight=False, soft_wrap=True).print(f'[bold red]error:[/] {message}',
@@ -133,7 +138,7 @@ def run_app(app: typer.Typer, argv: list[str]) -> None:
     hint = habit_hint(command, argv)
     if hint:
       raise UserError(hint)
-    command(args=argv, prog_name='pax')  # standalone: usage errors print and exit 2 themselves
+    code = command.main(args=argv, prog_name='pax', standalone_mode=False)
   except UserError as e:
     # fiddle appends its build context to errors raised while building a config.
     error(_escape(_cap_lines(str(e).split('\n\nFiddle context:')[0])))
@@ -141,6 +146,29 @@ def run_app(app: typer.Typer, argv: list[str]) -> None:
   except KeyboardInterrupt:
     error('interrupted.')
     sys.exit(130)
+  except Exception as e:  # noqa: BLE001 - click's own (typer vendors click): a usage error, an abort
+    if not (hasattr(e, 'format_message') and isinstance(getattr(e, 'exit_code', None), int)):
+      if type(e).__name__ != 'Abort':
+        raise
+      error('interrupted.')
+      sys.exit(130)
+    if type(e).__name__ == 'NoArgsIsHelpError':   # `pax`, `pax launch` alone: their help, as before
+      e.show()
+    else:
+      _usage_error(e)
+    sys.exit(e.exit_code)
+  if isinstance(code, int) and code:   # typer.Exit(N) inside a command
+    sys.exit(code)
+
+
+def _usage_error(e) -> None:
+  """A usage error as every other error: the command's usage line, then one `error:` line."""
+  ctx = getattr(e, 'ctx', None)
+  if ctx is not None:
+    hint = f"Try '{ctx.command_path} {ctx.help_option_names[0]}' for help." if ctx.help_option_names else ''
+    sys.stderr.write(f'{ctx.get_usage()}\n{hint}\n\n')
+    sys.stderr.flush()
+  error(_escape(e.format_message()))
 
 
 _PAXML_MODES = {'train': 'train', 'eval': 'eval', 'decode': 'decode', 'decode_once': 'decode'}

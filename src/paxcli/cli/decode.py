@@ -87,7 +87,7 @@ def _report(decoded, json_out: bool, err) -> None:
     sys.stdout.flush()
     return
   common.console().print(results_table(decoded.records, decoded.step, decoded.has_text))
-  err.print(speed_line(decoded.stats) + f'\nWrote {len(decoded.records)} results to {decoded.path}',
+  err.print(speed_line(decoded.stats) + f'\nWrote {common.count(len(decoded.records), "result")} to {decoded.path}',
             highlight=False)
 
 
@@ -103,17 +103,22 @@ def results_table(records: Sequence[dict], step: int, has_text: bool):
   from rich.table import Table  # rich's tables and bars: not at `pax --help`
   from rich.text import Text
   table = Table(title=f'Decoded at step {step}', show_lines=True)
-  table.add_column('#', justify='right')
+  table.add_column('prompt #', justify='right')
+  # several continuations of a prompt: their own column (beam rank, or sample index), one number each
+  second = 'beam' if any('beam_rank' in r for r in records) else 'sample' if any(
+      r.get('sample_index') for r in records) else None
+  if second:
+    table.add_column(second, justify='right')
   table.add_column('prompt', overflow='fold', ratio=1)
   table.add_column('continuation', overflow='fold', ratio=2)
   table.add_column('logprob', justify='right')
   table.add_column('stop')
   for r in records:
-    tag = f"{r['prompt_index']}" + (f".{r['beam_rank']}" if 'beam_rank' in r else
-                                    f".{r['sample_index']}" if r['sample_index'] else '')
+    numbers = [str(r['prompt_index'])] + ([str(r['beam_rank'] if second == 'beam' else r['sample_index'])]
+                                          if second else [])
     prompt = r['prompt'] if has_text and r['prompt'] is not None else ' '.join(map(str, r['prompt_ids']))
     cont = r['decoded'] if has_text else ' '.join(map(str, r['decoded_ids']))
-    table.add_row(tag, Text(prompt), Text(cont, style='bold'), f"{r['logprob']:.2f}", r['stop_reason'])
+    table.add_row(*numbers, Text(prompt), Text(cont, style='bold'), f"{r['logprob']:.2f}", r['stop_reason'])
   return table
 
 

@@ -81,6 +81,7 @@ def _print(result, path: Optional[str], class_name: str) -> None:
   from rich.table import Table
 
   from paxcli.maxtext import defaults as mt
+  from paxcli.maxtext import recipe as maxtext_recipe
 
   console = Console(highlight=False, soft_wrap=True)
   if not console.is_terminal:
@@ -117,8 +118,12 @@ def _print(result, path: Optional[str], class_name: str) -> None:
     console.print(f'note: {len(info.skipped)} other command(s) in the script were skipped, '
                   'not run.', style='dim')
   if path:
-    console.print(f'wrote [bold]{escape(path)}[/] (class {class_name}); run: '
-                  f'pax train --exp {escape(path)}:{class_name}')
+    exp = f'{path}:{class_name}'
+    check = ' '.join(maxtext_recipe.cpu_check(exp, class_name, bool(result.unsupported)))
+    console.print(f'wrote [bold]{escape(path)}[/] (class {class_name}). Check it on this CPU first (2 layers, 2 '
+                  f'steps: seconds; it builds and trains, its docstring says more):\n'
+                  f'  pax train --exp {escape(exp)} {escape(check)}\n'
+                  f'then the full run: pax train --exp {escape(exp)}')
 
 
 def _short(value) -> str:

@@ -16,6 +16,9 @@ def inspect_input(
                                                     'without an experiment.'),
     exp: Optional[str] = common.exp_option(),
     overrides: List[str] = common.set_option(),
+    job_log_dir: Optional[str] = typer.Option(None, '--job-log-dir', metavar='DIR', help='Show the input of this '
+                                              'job: the experiment, --set settings and tokenizer it was trained '
+                                              'with (--exp/--set on top).'),
     split: str = typer.Option('train', '--split', metavar='NAME', help='train, eval, or an input name.'),
     num_batches: int = typer.Option(3, '--num-batches', '-n', metavar='N', min=1, help='Batches to read.'),
     num_examples: int = typer.Option(2, '--num-examples', metavar='N', min=0, help='Examples of each batch to decode.'),
@@ -29,7 +32,7 @@ def inspect_input(
   from paxcli import api
   console = common.console()
   if path is not None:
-    _emit_file(console, api.inspect_input(path, num_examples=num_examples), json_out)
+    _emit_file(console, api.inspect_input(path=path, num_examples=num_examples), json_out)
     return
 
   def emit(name: str, record: dict) -> None:  # each batch as it is read
@@ -38,7 +41,7 @@ def inspect_input(
     else:
       _print_batch(console, name, record)
 
-  report = api.inspect_input(exp=exp, overrides=overrides, split=split, num_batches=num_batches,
+  report = api.inspect_input(exp, overrides=overrides, job_dir=job_log_dir, split=split, num_batches=num_batches,
                              num_examples=num_examples, host_index=host_index, num_hosts=num_hosts,
                              check_sharding=check_sharding, console=common.console(stderr=True), on_batch=emit)
   if check_sharding:

@@ -3,7 +3,9 @@
 For testing multi-process runs on one machine (and for CPU work): each child gets
 PAX_COORDINATOR / PAX_NUM_PROCESSES / PAX_PROCESS_ID, its own fake CPU devices (or its
 share of the GPUs), and no proxy variables. Children's lines are streamed with a
-`[pN]` prefix. When a child fails, the others are stopped (SIGTERM, then SIGKILL after
+`[pN]` prefix, except gloo's `[Gloo] Rank N is connected to ...` start-up lines (one per process
+and collective group, most of a short run's output), which are counted and shown with --verbose.
+When a child fails, the others are stopped (SIGTERM, then SIGKILL after
 --grace seconds) instead of waiting for JAX's heartbeat timeout (100 s), and the
 launcher exits non-zero naming the process that died first.
 
@@ -28,6 +30,7 @@ import atexit
 import dataclasses
 import os
 import queue
+import re
 import secrets
 import shutil
 import signal
@@ -68,6 +71,8 @@ def launch(
     exit_wait: float = typer.Option(120.0, '--exit-wait', metavar='SECONDS', min=0.0,
                                     help='Seconds the others may run on after one process finished '
                                          'cleanly before they are stopped as hung.'),
+    verbose: bool = typer.Option(False, '--verbose', '-v',
+                                 help="Also show gloo's `[Gloo] Rank N is connected` start-up lines."),
     max_restarts: int = typer.Option(0, '--max-restarts', metavar='N', min=0,
                                      help='When a process dies or hangs, stop them all and start them all again, '
                                           'up to N times (train resumes from its newest checkpoint). Exit codes 2 '
@@ -88,7 +93,7 @@ def launch(
   argv = _child_argv(command or [], _multiprocess_commands(ctx.parent.command))
   make_envs = lambda: _child_envs(processes, devices_per_process, port or free_port())
   code = run_job(argv, make_envs, grace=grace, exit_wait=exit_wait, max_restarts=max_restarts,
-                 heartbeat_timeout=heartbeat_timeout, end_at_exit=True)
+                 heartbeat_timeout=heartbeat_timeout, end_at_exit=True, verbose=verbose)
   if code:
     raise typer.Exit(code)
 
@@ -165,18 +170,18 @@ class Failure:
 
 
 def run_children(argv: list[str], envs: list[dict[str, str]], grace: float = 5.0,
-                 exit_wait: float = 120.0) -> int:
+                 exit_wait: float = 120.0, verbose: bool = False) -> int:
   """Starts one child per environment, streams output, returns the launcher's exit code (no restarts)."""
-  return run_job(argv, lambda: envs, grace=grace, exit_wait=exit_wait)
+  return run_job(argv, lambda: envs, grace=grace, exit_wait=exit_wait, verbose=verbose)
 
 
 def run_job(argv: list[str], make_envs: Callable[[], list[dict[str, str]]], grace: float = 5.0,
             exit_wait: float = 120.0, max_restarts: int = 0, heartbeat_timeout: Optional[float] = None,
-            end_at_exit: bool = False) -> int:
+            end_at_exit: bool = False, verbose: bool = False) -> int:
   """Runs the children, and again after each failure up to `max_restarts` times; the launcher's exit code.
 
   end_at_exit: the ledger's `end` line is written when this process exits (`pax launch`: the job's
-  wall time then ends where the launcher's does), else now."""
+  wall time then ends where the launcher's does), else now. verbose: gloo's connection lines are shown."""
   lock, record = threading.Lock(), _LaunchRecord()
   code = 0
   for attempt in range(max_restarts + 1):
@@ -186,7 +191,7 @@ def run_job(argv: list[str], make_envs: Callable[[], list[dict[str, str]]], grac
                            distributed.ENV_HEARTBEAT: os.path.join(beats, f'p{i}')})
               for i, env in enumerate(make_envs())]
       record.add('attempt', attempt=attempt, processes=len(envs))
-      failure = _attempt(argv, envs, grace, exit_wait, heartbeat_timeout, lock)
+      failure = _attempt(argv, envs, grace, exit_wait, heartbeat_timeout, lock, verbose)
       record.learn_job(beats)
     except KeyboardInterrupt:
       code = 130
@@ -247,11 +252,44 @@ class _LaunchRecord:
 
 
 def _attempt(argv: list[str], envs: list[dict[str, str]], grace: float, exit_wait: float,
-             heartbeat_timeout: Optional[float], lock: threading.Lock) -> Optional[Failure]:
+             heartbeat_timeout: Optional[float], lock: threading.Lock, verbose: bool = False) -> Optional[Failure]:
   """One start of every child; None when all finished, else the first failure (all stopped by then)."""
   procs = [_spawn(argv, env) for env in envs]
-  readers = [threading.Thread(target=_pump, args=(stream, out, f'[p{i}] ', lock), daemon=True)
+  hidden = _Hidden(verbose)
+  readers = [threading.Thread(target=_pump, args=(stream, out, f'[p{i}] ', lock, hidden), daemon=True)
              for i, p in enumerate(procs) for stream, out in ((p.stdout, sys.stdout), (p.stderr, sys.stderr))]
+  try:
+    return _supervise(procs, readers, envs, lock, grace, exit_wait, heartbeat_timeout)
+  finally:
+    if hidden.count:
+      _say(lock, f'{hidden.count} "[Gloo] Rank N is connected" line(s) hidden; --verbose shows them.')
+
+
+class _Hidden:
+  """Which children's lines the launcher leaves out (gloo's connection chatter unless verbose), counted.
+
+  gloo's threads write their `[Gloo] Rank N is connected to K peer ranks. Expected number of connected
+  peer ranks is : K` lines in pieces that interleave anywhere (`[Gloo] Rank [Gloo] Rank 12 is connected to
+  is connected to 33 ...`, then a line of the rest, or an empty one): a line is chatter when it holds one of
+  these pieces and nothing else.
+  """
+  PIECES = re.compile(r'\[Gloo\] Rank|is connected to|Expected number of connected peer ranks is ?:|peer ranks\.?|\d+|\s+')
+  MARKS = ('Gloo', 'is connected', 'peer ranks')
+
+  def __init__(self, verbose: bool):
+    self.verbose, self.count = verbose, 0
+
+  def __call__(self, line: str) -> bool:
+    if self.verbose or not any(m in line for m in self.MARKS) or self.PIECES.sub('', line):
+      return False
+    self.count += 1
+    return True
+
+
+def _supervise(procs, readers, envs, lock: threading.Lock, grace: float, exit_wait: float,
+               heartbeat_timeout: Optional[float]) -> Optional[Failure]:
+  """Waits for the children, stops them all when one fails or hangs; None when all finished, else the first
+  failure."""
   events: queue.Queue = queue.Queue()
   waiters = [threading.Thread(target=lambda i=i, p=p: events.put((i, p.wait())), daemon=True)
              for i, p in enumerate(procs)]
@@ -351,11 +389,17 @@ def _die_with_parent_fn():
   return die_with_parent
 
 
-def _pump(stream, out, prefix: str, lock: threading.Lock) -> None:
-  """Copies a child's lines to our stdout/stderr with its prefix."""
+def _pump(stream, out, prefix: str, lock: threading.Lock, hide=lambda line: False) -> None:
+  """Copies a child's lines to our stdout/stderr with its prefix, except those `hide` takes (and an
+  empty line right after one: the end of a line it took, cut apart)."""
+  hid = False
   for raw in iter(stream.readline, b''):
     line = raw.decode('utf-8', errors='replace').rstrip('\r\n')
     with lock:
+      if hide(line) or (hid and not line.strip()):
+        hid = True
+        continue
+      hid = False
       try:
         out.write(prefix + line + '\n')
         out.flush()

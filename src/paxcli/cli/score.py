@@ -55,9 +55,11 @@ def summary_line(scored) -> str:
   """Requests and tokens per second (compilation apart: the scorer compiles ahead of time), and the file."""
   s = scored.stats
   seconds = max(s['seconds'], 1e-9)
-  return (f'Scored {s["requests"]} requests ({s["windows"]} windows, {s["tokens"]:,} tokens) at step {scored.step}: '
-          f'{s["requests"] / seconds:,.1f} requests/s, {s["tokens"] / seconds:,.0f} tokens/s; compilation '
-          f'{s["compile_s"]:.1f} s, not in the rates\nWrote {len(scored.records)} results to {scored.path}')
+  count = common.count
+  return (f'Scored {count(s["requests"], "request")} ({count(s["windows"], "window")}, {count(s["tokens"], "token")}) '
+          f'at step {scored.step}: {s["requests"] / seconds:,.1f} requests/s, {s["tokens"] / seconds:,.0f} tokens/s; '
+          f'compilation {s["compile_s"]:.1f} s, not in the rates\nWrote {count(len(scored.records), "result")} to '
+          f'{scored.path}')
 
 
 def register(app: typer.Typer) -> None:

@@ -21,6 +21,9 @@ def train(
     profile_steps: Optional[str] = common.profile_steps_option(),
     pgle: Optional[str] = common.pgle_option(),
     pgle_profile: Optional[str] = common.pgle_profile_option(),
+    force_resume: bool = typer.Option(
+        False, '--force-resume', help='Go on training the run in --job-log-dir although this command gives it '
+        'other data or another tokenizer (refused otherwise: such a run belongs in a new job directory).'),
 ) -> None:
   """Train an experiment (default: the built-in stdlib-docstrings LM). Resumes from the job directory.
 
@@ -30,8 +33,8 @@ def train(
   """
   from paxcli import api
   api.train(exp, overrides=overrides, job_dir=job_log_dir, verbose=verbose, profile_steps=profile_steps, pgle=pgle,
-            pgle_profile=pgle_profile, coordinator=coordinator, num_processes=num_processes, process_id=process_id,
-            console=common.console())
+            pgle_profile=pgle_profile, force_resume=force_resume, coordinator=coordinator,
+            num_processes=num_processes, process_id=process_id, console=common.console())
 
 
 def describe(

@@ -25,6 +25,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 
 from paxcli import config as cfg
 from paxcli import experiment, files, gencode
+from paxcli import values as ptypes
 from paxcli.convert import formats
 from paxcli.errors import UserError, shorten
 from paxcli.inputs import tokenizers
@@ -42,11 +43,13 @@ _LAYERS_RE = re.compile(r'(^|/)layers(/|$)')
 
 
 def saved_overrides(name: str, config: dict) -> list[str]:
-  """--set overrides that rebuild the saved run: its knobs, then dotted model fields it changed."""
-  knobs = [f'{k[len("knobs."):]}={v}' for k, v in config.items() if k.startswith('knobs.')]
+  """--set overrides that rebuild the saved run: its knobs, then dotted model fields it changed. FP8
+  is left out (none): fp8 products are a way to run the weights, not part of them, so a conversion
+  writes, and certifies, the plain model's function (paxcli.layers.fp8)."""
+  knobs = [f'{k[len("knobs."):]}={v}' for k, v in config.items() if k.startswith('knobs.') and k != 'knobs.FP8']
   base = {k: repr(v) for k, v in cfg.resolve(name, knobs).flat().items()}
   extra = [f'{k}={v}' for k, v in config.items()
-           if k.startswith('task.model.') and not k.endswith('__fn_or_cls__') and base.get(k, v) != v]
+           if k.startswith('task.model.') and not k.endswith(('__fn_or_cls__', '.fp8')) and base.get(k, v) != v]
   return knobs + extra
 
 
@@ -70,6 +73,59 @@ def carry_tokenizer(src, job: str) -> None:
                       layout.tokenizer_config(job))
 
 
+MAX_BASES = 8   # a fine-tune of a fine-tune of ...: followed this far back
+MAX_META_BYTES = 64 << 20
+
+
+def longest_context(src) -> Optional[int]:
+  """The longest MAX_SEQ_LEN of the models a run descends from (INIT_FROM, that run's INIT_FROM, ...), by
+  their checkpoints' saved configs; None for a run from scratch. A fine-tune trains on rows of its own
+  MAX_SEQ_LEN, shorter than the context its base takes, and an export keeps the base's."""
+  config, seen, longest = getattr(src, 'config', None) or {}, set(), None
+  while len(seen) < MAX_BASES:
+    path = _saved(config.get('task.train.init_from'))
+    if not isinstance(path, str) or not path or path in seen:
+      break
+    seen.add(path)
+    meta = base_meta(path)
+    config = meta.get('config') if isinstance(meta, dict) and isinstance(meta.get('config'), dict) else {}
+    length = _saved(config.get('knobs.MAX_SEQ_LEN'))
+    if isinstance(length, int) and not isinstance(length, bool):
+      longest = max(longest or 0, length)
+  return longest
+
+
+def base_meta(path: str) -> Optional[dict]:
+  """The metadata of the checkpoint an INIT_FROM path names (a job directory: its latest complete step),
+  read bounded; None when there is none."""
+  from paxcli.jobdir import checkpoint as ckpt   # orbax: only for conversions of fine-tunes
+  job, step = layout.split(path)
+  steps = ckpt.complete_steps(layout.checkpoints(job)) if step is None else [step]
+  meta = layout.meta_file(layout.step_dir(job, steps[-1])) if steps else None
+  if meta is None or not storage.isfile(meta):
+    return None
+  data = storage.read_bytes(meta, MAX_META_BYTES)
+  if len(data) > MAX_META_BYTES:
+    raise UserError(f'{meta} is over {MAX_META_BYTES:,} bytes; is it checkpoint metadata?')
+  return files.parse_json(data, f'checkpoint metadata {meta}')
+
+
+def hf_origin(path: str) -> Optional[str]:
+  """The Hugging Face model directory the checkpoint `path` names was converted from (--from hf), when it
+  is still there; else None."""
+  meta = base_meta(path) or {}
+  origin = meta.get('converted_from') if isinstance(meta.get('converted_from'), dict) else {}
+  where = origin.get('path')
+  if origin.get('format') == 'hf' and isinstance(where, str) and os.path.isfile(os.path.join(where, 'config.json')):
+    return where
+  return None
+
+
+def _saved(text):
+  """A value of a saved config (its repr), parsed as a literal; None when it is not one."""
+  return ptypes.parse_value(text) if isinstance(text, str) else None
+
+
 def recipe_class(path: str, class_name: str, text: str, where: Optional[str] = None):
   """The experiment class of a recipe as convert writes it, made from its knobs (the text is
   parsed, never run) and served for `path:class_name` in this process."""
@@ -89,7 +145,13 @@ def source_dir(src) -> str:
 
 
 def trusted_experiment(src, name: str, exp: Optional[str]) -> Optional[str]:
-  """`name` (an experiment a checkpoint's metadata names) when it may be resolved, else None.
+  """`name` (an experiment a checkpoint's metadata names) when it may be resolved, else None (trusted_in)."""
+  return trusted_in(source_dir(src), name, exp)
+
+
+def trusted_in(directory: str, name: str, exp: Optional[str]) -> Optional[str]:
+  """`name` (an experiment the files of `directory`, a job or checkpoint directory, name) when it may be
+  resolved, else None.
 
   Metadata never chooses code to import: it may name a registered experiment (paxcli's
   recipes, or one registered by a file --exp loaded), the experiment --exp names (the user
@@ -104,7 +166,7 @@ def trusted_experiment(src, name: str, exp: Optional[str]) -> Optional[str]:
     return name
   if ':' in name:
     class_name = name.rsplit(':', 1)[1]
-    copy = files.member(source_dir(src), layout.RECIPE_COPY, 'recipe')
+    copy = files.member(directory, layout.RECIPE_COPY, 'recipe')
     if class_name.isidentifier() and os.path.isfile(copy):
       try:
         recipe_class(name.rsplit(':', 1)[0], class_name, files.read_text(copy, 'recipe', 1 << 20), copy)

@@ -156,10 +156,19 @@ class PaxView(formats.SourceBase):
 formats.register_reader('hf', lambda path, step=None, target=None: HfSource(path, step), detect=is_hf)
 
 
+def with_context(config: dict, max_positions: Optional[int]) -> dict:
+  """config.json with max_position_embeddings at least max_positions: a fine-tune trained on shorter rows
+  than its base keeps the base's context, so transformers sees the model it was imported as."""
+  if max_positions and (config.get('max_position_embeddings') or 0) < max_positions:
+    config = {**config, 'max_position_embeddings': max_positions}
+  return config
+
+
 def export(directory: str, src, items_by_name: dict, model, read, dtype: str, max_shard_bytes: int,
-           on_bytes) -> None:
+           on_bytes, max_positions: Optional[int] = None) -> None:
   """Writes model.safetensors (+ shards and index), config.json, generation_config.json and, when the
-  run has a tokenizer, the tokenizer files transformers reads (hf_tokenizer) into directory."""
+  run has a tokenizer, the tokenizer files transformers reads (hf_tokenizer) into directory.
+  max_positions: a fine-tune's base's longest context (core.longest_context), when longer than its rows."""
   family = family_of(model)
   entries = family.hf_weights(model)
   fns = {w.hf: (w.paxcli, w.to_hf) for w in entries}
@@ -177,11 +186,11 @@ def export(directory: str, src, items_by_name: dict, model, read, dtype: str, ma
   ids = hf_tokenizer.token_ids(tokenizer)   # the special ids of the tokenizer the model was trained with
   safetensors_io.write(directory, arrays, fill, {'format': 'pt', 'step': src.step}, max_shard_bytes, on_bytes)
   with open(os.path.join(directory, 'config.json'), 'w', encoding='utf-8') as f:
-    json.dump(family.to_hf_config(model, dtype, ids), f, indent=2)
+    json.dump(with_context(family.to_hf_config(model, dtype, ids), max_positions), f, indent=2)
   with open(os.path.join(directory, 'generation_config.json'), 'w', encoding='utf-8') as f:
     json.dump({k: v for k, v in ids.items() if v is not None}, f, indent=2)
   if tokenizer:
-    hf_tokenizer.write(directory, tokenizer, model.max_seq_len)
+    hf_tokenizer.write(directory, tokenizer, max(model.max_seq_len, max_positions or 0))
 
 
 def recipe_text(class_name: str, knobs: dict, source: str, notes: list[str], title: str = 'Llama') -> str:

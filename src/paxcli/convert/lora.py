@@ -141,9 +141,13 @@ def _layer_adapters(params: dict):
 
 
 def export_peft(src, tmp: str, exp: Optional[str], overrides: list, log, verify: bool = True,
-                tolerance: Optional[float] = None) -> dict:
+                tolerance: Optional[float] = None, base_model: Optional[str] = None) -> dict:
   """Writes the run's adapters into directory `tmp` as PEFT's adapter_config.json + adapter_model.safetensors,
-  then certifies them (_certify_peft; 'verify' in the result); a UserError when they differ from the run."""
+  then certifies them (_certify_peft; 'verify' in the result); a UserError when they differ from the run.
+
+  base_model_name_or_path (what PEFT loads the adapters onto): `base_model` (a Hugging Face id, or a
+  directory, made absolute), else the directory the base was converted from (--from hf) when it is still
+  there, else the paxcli base checkpoint, said in a line: PEFT cannot load that one."""
   setup, params = _restored(src, exp, overrides)
   model = setup.model
   s = model.lora
@@ -154,15 +158,14 @@ def export_peft(src, tmp: str, exp: Optional[str], overrides: list, log, verify:
     tensors[f'{key}.lora_A.weight'] = np.ascontiguousarray(a.reshape(-1, s['rank']).T)
     tensors[f'{key}.lora_B.weight'] = np.ascontiguousarray(b.reshape(s['rank'], -1).T)
   modules = sorted({k.split('.')[-3] for k in tensors})
-  base = src.meta['base']
+  base_model_path = _base_model(src.meta['base'], base_model, log)
   config = {
       'peft_type': 'LORA', 'task_type': 'CAUSAL_LM', 'r': s['rank'], 'lora_alpha': s['alpha'],
       'lora_dropout': s['dropout'], 'target_modules': modules, 'bias': 'none', 'fan_in_fan_out': False,
       'use_rslora': False, 'use_dora': False, 'init_lora_weights': True, 'inference_mode': True,
       'modules_to_save': None, 'layers_to_transform': None, 'layers_pattern': None, 'rank_pattern': {},
       'alpha_pattern': {}, 'revision': None,
-      # The paxcli checkpoint the adapters were trained on; replace it with the HF id of that model.
-      'base_model_name_or_path': layout.step_dir(base['job_dir'], base['step']),
+      'base_model_name_or_path': base_model_path,
   }
   arrays = [(name, x.shape, x.dtype.name) for name, x in sorted(tensors.items())]
   written = safetensors_io.write(tmp, arrays, lambda name, put: put(tensors[name]), {'format': 'pt'},
@@ -196,6 +199,21 @@ def _certify_peft(setup, params: dict, written: str, tolerance: float) -> dict:
 def _overlay(tree: dict, new: dict) -> dict:
   """`tree` with the leaves of `new` (nested alike) in place of its own."""
   return {k: (_overlay(v, new[k]) if isinstance(v, dict) else new[k]) if k in new else v for k, v in tree.items()}
+
+
+def _base_model(base: dict, given: Optional[str], log) -> str:
+  """base_model_name_or_path of the adapters of a run on checkpoint `base` (its meta's BaseRef)."""
+  if given:
+    return os.path.abspath(given) if os.path.isdir(given) else given
+  checkpoint = layout.step_dir(base['job_dir'], base['step'])
+  origin = core.hf_origin(checkpoint)
+  if origin:
+    log(f'base_model_name_or_path: {origin}, the Hugging Face model the base was converted from '
+        '(--base-model names another).')
+    return origin
+  log(f'base_model_name_or_path: {checkpoint}, the paxcli base, which PEFT cannot load: pass --base-model with '
+      'the Hugging Face id or directory of that model.')
+  return checkpoint
 
 
 # adapter_config.json, as PEFT's LoraConfig writes it: what paxcli checks, and what it may ignore.

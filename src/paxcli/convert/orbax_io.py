@@ -20,7 +20,7 @@ import numpy as np
 from paxcli.convert import formats
 from paxcli.convert.formats import ArrayInfo
 from paxcli.errors import UserError
-from paxcli.jobdir import layout, storage
+from paxcli.jobdir import invocation, layout, storage
 
 
 def is_orbax(path: str) -> bool:
@@ -157,14 +157,12 @@ class OrbaxSource(PyTreeDir):
     self.config = self.meta.get('config')
 
   def experiment_name(self) -> Optional[str]:
+    """A conversion's output names its experiment in its meta; a trained job in its record of how it was
+    made (jobdir.invocation), or, trained by an older paxcli, at the head of its config.txt."""
     if self.meta.get('experiment'):
       return self.meta['experiment']
-    path = layout.config(self.job_dir)
-    if storage.exists(path):
-      first = storage.read_text(path, 1 << 16).split('\n', 1)[0]
-      if first.startswith('# experiment:'):
-        return first.split(':', 1)[1].strip()
-    return None
+    made = invocation.read_made(self.job_dir) or invocation.made_by_config(self.job_dir)
+    return made.experiment if made else None
 
   def extra_files(self) -> dict:
     from paxcli.jobdir import tokenizer

@@ -19,7 +19,7 @@ from paxcli.convert import certify, core, formats, hf, hf_tokenizer, lora, orbax
 from paxcli.errors import UserError
 from paxcli.inputs import tokenizers
 from paxcli.jobdir import format as job_format
-from paxcli.jobdir import layout, storage
+from paxcli.jobdir import invocation, layout, storage
 from paxcli.runtime import platform
 
 TARGETS = ('orbax', 'safetensors', 'hf', 'peft')
@@ -52,7 +52,8 @@ def convert(source: str, output: str, *, fmt: Optional[str] = None, to: str = 'o
             overrides: tuple = (), params_only: bool = False, dtype: Optional[str] = None,
             step: Optional[int] = None, force: bool = False, verify: bool = True,
             kl_tolerance: Optional[float] = None, max_shard_bytes: int = 5 << 30,
-            recipe: Optional[str] = None, merge_lora: bool = False, log=print) -> dict:
+            recipe: Optional[str] = None, merge_lora: bool = False, base_model: Optional[str] = None,
+            log=print) -> dict:
   if to not in TARGETS:
     raise UserError(f'Unknown output format {to!r}; choose one of {", ".join(TARGETS)}.'
                     f'{formats.did_you_mean(to, TARGETS)}')
@@ -68,9 +69,11 @@ def convert(source: str, output: str, *, fmt: Optional[str] = None, to: str = 'o
   if getattr(src, 'needs_experiment', None) and not exp:
     raise UserError(src.needs_experiment)
   overrides = list(overrides)
+  if base_model is not None and to != 'peft':
+    raise UserError('--base-model names the model PEFT adapters apply to: it goes with --to peft.')
   if merge_lora or to == 'peft' or lora.is_lora_run(src):
     return _convert_lora(src, out, to, exp, overrides, merge_lora, dtype, force, verify, kl_tolerance,
-                         max_shard_bytes, log, t0)
+                         max_shard_bytes, log, t0, base_model)
   if to == 'hf':
     overrides.append('USE_REPEATED_LAYER=False')   # HF layers are unrolled
   recipe_path = recipe_text = None
@@ -142,12 +145,13 @@ def _convert(src, out, source, output, fmt, to, exp, overrides, params_only, dty
       task = bar.add_task(f'converting to {to}', total=total)
       advance = lambda n: bar.advance(task, n)
       if to == 'orbax':
-        _write_orbax(tmp, src, items, target, params_only, read, advance)
+        _write_orbax(tmp, src, items, target, params_only, read, advance,
+                     _made(src, target_res, exp, overrides))
       elif to == 'safetensors':
         _write_safetensors(tmp, src, items, target_res, read, advance, max_shard_bytes)
       else:
         hf.export(tmp, src, {i.name: i for i in items}, target.spec, read, dtype or 'float32',
-                  max_shard_bytes, advance)
+                  max_shard_bytes, advance, max_positions=core.longest_context(src))
       _carry_files(src, tmp, to, recipe_text, own_experiment=exp is None)
     if verify:   # before the output takes its name: a failed check leaves nothing behind
       report = _certify(src, source_model, target, tmp, to,
@@ -164,7 +168,7 @@ def _convert(src, out, source, output, fmt, to, exp, overrides, params_only, dty
 
 
 def _convert_lora(src, out, to, exp, overrides, merge_lora, dtype, force, verify, kl_tolerance, max_shard_bytes,
-                  log, t0) -> dict:
+                  log, t0, base_model: Optional[str] = None) -> dict:
   """A LoRA run's checkpoint: its adapters in PEFT's format (--to peft), merged into a plain checkpoint
   (--merge-lora), or merged and then converted like any checkpoint (--to hf, safetensors, --dtype)."""
   lora.resolve_lora_target(to, merge_lora, src)
@@ -173,7 +177,8 @@ def _convert_lora(src, out, to, exp, overrides, merge_lora, dtype, force, verify
   if to == 'peft' or (to == 'orbax' and dtype is None):
     with out as tmp:
       if to == 'peft':
-        result.update(lora.export_peft(src, tmp, exp, overrides, log, verify, kl_tolerance))
+        result.update(lora.export_peft(src, tmp, exp, overrides, log, verify, kl_tolerance,
+                                         base_model))
       else:
         result['verify'] = lora.merge_run(src, tmp, exp, overrides, verify, log)
         result['bytes_written'] = _bytes_under(tmp)
@@ -208,7 +213,17 @@ def _meta(src, target, params_only: bool) -> dict:
   return meta
 
 
-def _write_orbax(tmp: str, src, items, target, params_only: bool, read, advance) -> None:
+def _made(src, target_res, exp, overrides) -> invocation.Made:
+  """How the converted job is made, for the commands that read it: the source job's own record with
+  this conversion's --set after it when it keeps the source's experiment, else the target's experiment."""
+  job = getattr(src, 'job_dir', None)
+  own = invocation.read_made(job) if job and not exp else None
+  if own is not None:
+    return invocation.Made(own.experiment, own.overrides + tuple(overrides))
+  return invocation.Made(target_res.name, tuple(overrides))
+
+
+def _write_orbax(tmp: str, src, items, target, params_only: bool, read, advance, made: invocation.Made) -> None:
   def fill(state_dir):
     w = orbax_io.StateWriter(state_dir)
     for item in items:
@@ -234,6 +249,7 @@ def _write_orbax(tmp: str, src, items, target, params_only: bool, read, advance)
   with open(layout.config(tmp), 'w', encoding='utf-8') as f:
     f.write(target.resolved.as_text())
   job_format.write_job(tmp)
+  invocation.record_made(tmp, made)
 
 
 def _write_safetensors(tmp, src, items, target_res, read, advance, max_shard_bytes) -> None:

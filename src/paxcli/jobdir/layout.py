@@ -2,7 +2,10 @@
 
   config.txt                the resolved config of the latest invocation
   format.json               the newest format written into it (jobdir/format.py)
+  recipe.py                 a generated recipe (knobs only) the job's experiment is read from, as data
   invocations.txt           one line per invocation: UTC time, paxcli version, command line
+  experiment.jsonl          one JSON line per `pax train` start or resume: the experiment and its --set
+                            overrides, which the commands reading the job use (jobdir/invocation.py)
   train.lock                the running trainer's lock (jobdir/lock.py)
   tokenizer/spm.model       the train input's sentencepiece model (decode and conversion read it)
   tokenizer/tokenizer.json  ... or its Hugging Face tokenizer, and beside either the
@@ -77,6 +80,17 @@ def format_file(job_dir: str) -> str:
 
 def invocations(job_dir: str) -> str:
   return os.path.join(job_dir, 'invocations.txt')
+
+
+def made(job_dir: str) -> str:
+  """How the job was made: experiment.jsonl (paxcli.jobdir.invocation.record_made)."""
+  return os.path.join(job_dir, 'experiment.jsonl')
+
+
+def recipe_copy(job_dir: str) -> str:
+  """The recipe the job's experiment was read from, kept as data (RECIPE_COPY): a conversion's, or a
+  generated recipe a run trained with (jobdir.invocation.record_made)."""
+  return os.path.join(job_dir, RECIPE_COPY)
 
 
 def lock(job_dir: str) -> str:

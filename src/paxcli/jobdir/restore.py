@@ -132,9 +132,18 @@ def check_shapes(meta: dict, shapes_now: dict, flat_now: dict, step: int, params
                  if saved.get(k) != now.get(k)]
   lines = '\n  '.join((diffs or ['(no knob or model field differs; the code may have changed)'])[:20])
   shapes = '\n  '.join(shape_diffs[:8] + ([f'... {len(shape_diffs) - 8} more'] if len(shape_diffs) > 8 else []))
-  raise UserError(f'Cannot {action} the checkpoint at step {step}: this configuration has other shapes than '
-                  f'the one it was saved with.\nConfig differences:\n  {lines}\nShapes (checkpoint -> now):\n'
-                  f'  {shapes}')
+  raise ShapeMismatch(f'Cannot {action} the checkpoint at step {step}: this configuration has other shapes than '
+                      f'the one it was saved with.\nConfig differences:\n  {lines}\nShapes (checkpoint -> now):\n'
+                      f'  {shapes}', diffs)
+
+
+class ShapeMismatch(UserError):
+  """A checkpoint whose arrays have other shapes than the configuration reading it; `differences`: the
+  knobs and model fields that differ (config_differences)."""
+
+  def __init__(self, message: str, differences: list[str]):
+    super().__init__(message)
+    self.differences = differences
 
 
 class DamagedCheckpoint(UserError):

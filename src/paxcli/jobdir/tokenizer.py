@@ -12,6 +12,11 @@ Once the job directory holds a checkpoint, its tokenizer is the one the weights 
 and is never replaced: own-data inputs that would train one (no TOKENIZER) read it instead
 (`keep_trained`), since a data file changed since would train another and change every id; a
 run whose input names another tokenizer is refused in one line (`check_kept`).
+
+A run that starts from INIT_FROM's weights reads with the tokenizer that checkpoint's job directory
+carries (an imported model's, as shipped): its embeddings learned those ids. Own-data inputs without
+TOKENIZER read with it (`adopt_base`) instead of training a new one on the data; an input that names
+another is refused in one line (`check_base`).
 """
 
 from __future__ import annotations
@@ -80,6 +85,11 @@ def local_file(job_dir: str) -> Optional[str]:
   return storage.local_copy(layout.tokenizer(job_dir)) if storage.isfile(layout.tokenizer(job_dir)) else None
 
 
+def kept(job_dir: Optional[str]) -> Optional[str]:
+  """The tokenizer file own-data inputs of job_dir read (keep_trained), None before its first checkpoint."""
+  return _trained_with(job_dir)
+
+
 def keep_trained(datasets: dict, job_dir: Optional[str]) -> None:
   """Own-data inputs (fiddle configs, edited in place) without a tokenizer of their own read the
   job directory's when it has a checkpoint, rather than training one on the data as it is now."""
@@ -93,12 +103,43 @@ def check_kept(train_input, job_dir: str) -> None:
   """UserError when the job directory has a checkpoint and a tokenizer and the train input
   names another one: its ids would not be the ones the weights learned."""
   kept = _trained_with(job_dir)
-  source = train_input.tokenizer_file() if hasattr(train_input, 'tokenizer_file') else None
-  if kept and source and not (tokenizers.kind_of(source) == tokenizers.kind_of(kept) and _same_bytes(source, kept)):
+  source = _input_tokenizer(train_input)
+  if kept and source and not _same_tokenizer(source, kept):
     shown = layout.tokenizer(job_dir)
     raise UserError(f'{job_dir} was trained with the tokenizer {shown}; this run\'s input uses {source}, which '
                     f'differs, and would change every id: resume with --set TOKENIZER={kept}, or give a new '
                     '--job-log-dir.')
+
+
+def base_tokenizer(init_from: Optional[str]) -> Optional[str]:
+  """The tokenizer file the job directory INIT_FROM names (or holds the step of) carries, else None."""
+  return local_file(layout.split(init_from)[0]) if init_from else None
+
+
+def adopt_base(datasets: dict, train_cfg) -> None:
+  """Own-data inputs (fiddle configs, edited in place) without a tokenizer of their own read with the
+  one INIT_FROM's job carries, rather than training one on the data whose ids the base never saw."""
+  base = base_tokenizer(getattr(train_cfg, 'init_from', None))
+  for cfg in datasets.values() if base else ():
+    if fdl.get_callable(cfg) is FileLmInput and not cfg.tokenizer:
+      cfg.tokenizer = base
+
+
+def check_base(train_input, init_from: Optional[str]) -> None:
+  """UserError when INIT_FROM's job carries a tokenizer and the train input reads with another one."""
+  base, source = base_tokenizer(init_from), _input_tokenizer(train_input)
+  if base and source and not _same_tokenizer(source, base):
+    raise UserError(f'INIT_FROM={init_from} carries the tokenizer {base}, the ids its embeddings learned; this '
+                    f'run\'s input reads with {source}, which differs and would give every id another meaning: '
+                    f'leave TOKENIZER unset (your TRAIN_DATA then reads with the base\'s) or set TOKENIZER={base}.')
+
+
+def _input_tokenizer(train_input) -> Optional[str]:
+  return train_input.tokenizer_file() if hasattr(train_input, 'tokenizer_file') else None
+
+
+def _same_tokenizer(a: str, b: str) -> bool:
+  return tokenizers.kind_of(a) == tokenizers.kind_of(b) and _same_bytes(a, b)
 
 
 def _same_bytes(a: str, b: str) -> bool:

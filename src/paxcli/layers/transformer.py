@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from paxcli.layers import attention_ops, lora
+from paxcli.layers import attention_ops, fp8, lora
 from paxcli.layers.activation_sharding import constrain
 from paxcli.layers.base import BaseLayer, LayerTpl, template_field
 from paxcli.options import ACTIVATIONS
@@ -182,6 +182,9 @@ class Attention(nn.Module):
   lora_targets: tuple = ('query', 'value')
   lora_dropout: float = 0.0
   deterministic: bool = True  # the LoRA dropout's; the block fills it in
+  # fp8 projections (paxcli.layers.fp8): 'none', 'delayed' or 'current' scaling.
+  fp8: str = 'none'
+  fp8_amax_history: int = 1024
 
   def _lora(self, x, projection, in_names, out_shape, out_names):
     """The LoRA term of `projection`, or 0 when it is not adapted."""
@@ -193,6 +196,7 @@ class Attention(nn.Module):
   def _proj(self, x, heads, head_axis, name):
     y = nn.DenseGeneral(
         features=(heads, self.dims_per_head), axis=-1, use_bias=self.use_bias or self.qkv_bias, dtype=self.dtype,
+        dot_general_cls=fp8.dot_general_cls(self.fp8, self.fp8_amax_history),
         kernel_init=_init(('embed', head_axis, 'head_dim')),
         bias_init=nn.with_logical_partitioning(nn.initializers.zeros, (head_axis, 'head_dim')),
         name=name)(x)
@@ -244,6 +248,7 @@ class Attention(nn.Module):
     out_BxLxHxE = constrain(out_BxLxHxE, ('batch', 'length', 'heads', 'head_dim'))
     out = nn.DenseGeneral(
         features=x_BxLxD.shape[-1], axis=(-2, -1), use_bias=self.use_bias, dtype=self.dtype,
+        dot_general_cls=fp8.dot_general_cls(self.fp8, self.fp8_amax_history),
         kernel_init=_init(('heads', 'head_dim', 'embed')),
         bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ('embed',)),
         name='out')(out_BxLxHxE)
@@ -365,9 +370,12 @@ class Mlp(nn.Module):
   lora_targets: tuple = ('query', 'value')
   lora_dropout: float = 0.0
   deterministic: bool = True  # the LoRA dropout's; the block fills it in
+  fp8: str = 'none'           # fp8 products (paxcli.layers.fp8), as Attention's
+  fp8_amax_history: int = 1024
 
   def _dense(self, x, features, names, name):
     y = nn.Dense(features, use_bias=self.use_bias, dtype=self.dtype, kernel_init=_init(names),
+                 dot_general_cls=fp8.dot_general_cls(self.fp8, self.fp8_amax_history),
                  bias_init=nn.with_logical_partitioning(nn.initializers.zeros, names[-1:]),
                  name=name)(x)
     if self.lora_rank and lora.targets_projection(self.lora_targets, name):

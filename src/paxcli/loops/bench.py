@@ -26,6 +26,7 @@ import jax
 from paxcli import config, files
 from paxcli.errors import UserError
 from paxcli.jobdir import storage
+from paxcli.layers import fp8
 from paxcli.loops.train import make_train_step
 from paxcli.perf import flops
 from paxcli.perf import profiling
@@ -93,8 +94,14 @@ def example_batch(data_cfg, setup) -> dict:
 
 def measure(resolved, steps: int = 10, warmup: int = 2, compile_only: bool = False,
             peak_tflops: Optional[float] = None, pgle_profile: Optional[str] = None,
-            on_step: Optional[Callable[[int, int], None]] = None, device_memory: Optional[int] = None) -> dict:
-  """One configuration: a row of figures (see module doc). Raises on errors other than OOM."""
+            on_step: Optional[Callable[[int, int], None]] = None, device_memory: Optional[int] = None,
+            emulated_fp8: bool = False) -> dict:
+  """One configuration: a row of figures (see module doc). Raises on errors other than OOM. FP8 on a
+  device without fp8 units is refused unless compile_only or `emulated_fp8` (benchmarks/fp8.py: a figure
+  labelled emulated)."""
+  modes = fp8.modes_of(resolved.flat())
+  if not (compile_only or emulated_fp8) and any(fp8.refusal(m) for m in modes):
+    raise UserError(fp8.refusal(modes[0]))
   setup = engine.build(resolved)
   devices = jax.devices()
   tokens = setup.global_batch * setup.seq_len
@@ -116,7 +123,8 @@ def measure(resolved, steps: int = 10, warmup: int = 2, compile_only: bool = Fal
       'palm_flops_per_step': model_flops.palm_per_token * tokens,
       'peak_tflops': peak.tflops, 'peak_source': peak.source, 'peak_measured': peak.measured,
       'device_memory_bytes': device_bytes, 'device_memory_source': device_bytes_source,
-      'pgle': bool(pgle_profile),
+      'pgle': bool(pgle_profile), 'fp8': '+'.join(modes) or 'none',
+      'fp8_emulated': any(fp8.emulation_note(m) for m in modes),
   }
   if setup.pipeline is not None:  # the idle share of a pipelined step, (S-1)/(R*M+S-1)
     row.update({'pipeline': setup.pipeline.describe(), 'pipeline_bubble': setup.pipeline.bubble})

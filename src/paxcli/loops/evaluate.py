@@ -26,8 +26,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from rich.table import Table
 
-from paxcli.config import config_differences
-from paxcli.errors import UserError
+from paxcli.errors import UserError, shorten
 from paxcli.inputs.base import EndOfInput, padding_like
 from paxcli.jobdir import checkpoint as ckpt
 from paxcli.jobdir import layout
@@ -267,18 +266,24 @@ def _evaluate_step(resolved, setup, evaluator, job_dir: str, step: int, fallback
   return step, results
 
 
-DATA_KNOBS = ('knobs.TRAIN_DATA', 'knobs.EVAL_DATA', 'knobs.TEXT_FIELD', 'knobs.TOKENIZER')
+# The fields of an input config that name its data (a glob, a TFRecord pattern, a SeqIO mixture, a TFDS
+# name, ...): what a run trains and evaluates on, as the resolved config holds it (paths made absolute).
+DATA_FIELDS = ('__fn_or_cls__', 'data', 'split', 'text_field', 'file_pattern', 'lm_feature', 'mixture_name',
+               'mixture_or_task', 'split_name', 'tfds_name', 'data_dir')
 
 
 def _data_note(meta: dict, flat_now: dict) -> Optional[str]:
-  """A note when the data knobs differ from the checkpoint's: `pax eval` without the trainer's
-  `--set TRAIN_DATA=...` evaluates the experiment's own inputs, with another tokenizer, and its
-  numbers mean nothing for the run (the shapes match, so nothing else says so)."""
-  changed = config_differences(meta.get('config') or {}, flat_now, prefixes=DATA_KNOBS)
-  if not changed:
+  """A note when the inputs read other data than the checkpoint's config names: `pax eval` of a job
+  with --exp and without the trainer's `--set TRAIN_DATA=...` evaluates the experiment's own inputs,
+  and its numbers mean nothing for the run (the shapes match, so nothing else says so)."""
+  saved = meta.get('config') or {}
+  keys = sorted(k for k in set(saved) & set(flat_now)
+                if k.startswith('datasets.') and k.rsplit('.', 1)[1] in DATA_FIELDS and saved[k] != flat_now[k])
+  if not keys:
     return None
+  changed = [f'{k}: checkpoint {shorten(saved[k], 80)} -> now {shorten(flat_now[k], 80)}' for k in keys[:3]]
   return ('Note: this eval reads other data than the checkpoint was trained on (' + '; '.join(changed) +
-          '); for the run\'s own eval data give `pax eval` the --set of its `pax train`.')
+          '); for the run\'s own eval data leave out --exp (the job\'s own experiment and --set apply).')
 
 
 def evaluated_steps(job_dir: str, names) -> set[int]:

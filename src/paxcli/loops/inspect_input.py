@@ -70,17 +70,26 @@ def _num(x):
 
 
 def examples(inp, batch: dict, count: int) -> list[dict[str, Any]]:
-  """The first `count` rows: token ids and, when the input has a vocabulary, text."""
-  ids = batch.get('labels', batch.get('ids'))
+  """The first `count` rows: the token ids the model reads (`ids`, whose first token of each document
+  `labels` lacks) and, when the input has a vocabulary, their text."""
+  ids = batch.get('ids', batch.get('labels'))
   if ids is None or not np.issubdtype(np.asarray(ids).dtype, np.integer):
     return [{k: _show(v[i]) for k, v in batch.items()} for i in range(min(count, _rows(batch)))]
-  weights = batch.get('weights')
-  lengths = ([int(np.max(np.nonzero(w)[0]) + 1) if np.any(w) else 0 for w in weights]
-             if weights is not None else [ids.shape[1]] * ids.shape[0])
   rows = min(count, ids.shape[0])
-  texts = inp.ids_to_strings(ids[:rows], lengths[:rows])
+  lengths = [_length(batch, i, ids.shape[1]) for i in range(rows)]
+  texts = inp.ids_to_strings(ids[:rows], lengths)
   return [{'row': i, 'length': lengths[i], 'text': texts[i], 'ids': [int(t) for t in ids[i][:lengths[i]]]}
           for i in range(rows)]
+
+
+def _length(batch: dict, row: int, width: int) -> int:
+  """Where a row's real tokens end: after its last document (segment ids), else after its last
+  weighted position (a prompt of weight 0 inside still counts), else the whole row."""
+  for key in ('segment_ids', 'weights'):
+    if key in batch:
+      real = np.nonzero(np.asarray(batch[key][row]))[0]
+      return int(real[-1]) + 1 if real.size else 0
+  return width
 
 
 def _rows(batch):

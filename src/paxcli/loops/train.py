@@ -14,6 +14,8 @@ import dataclasses
 import functools
 import math
 import os
+import re
+import shutil
 import signal
 import statistics
 import sys
@@ -30,7 +32,7 @@ from rich.table import Table
 from paxcli import optim
 from paxcli.config import config_differences
 from paxcli.convert import lora as convert_lora
-from paxcli.errors import UserError
+from paxcli.errors import UserError, shorten
 from paxcli.inputs import grain_input
 from paxcli.jobdir import checkpoint as ckpt
 from paxcli.jobdir import fast_tier
@@ -45,9 +47,11 @@ from paxcli.jobdir import summaries
 from paxcli.jobdir import tokenizer
 from paxcli.jobdir import trackers as track
 from paxcli.layers.base import AUX_LOSS, NON_TRAINABLE, RANDOM, SUMMARIES, flatten_collection
+from paxcli.layers.fp8 import FP8_STATE
+from paxcli.loops import accumulate
 from paxcli.loops.decode.training import TrainDecoder
 from paxcli.loops import goodput
-from paxcli.loops.evaluate import Evaluator, metrics_line
+from paxcli.loops.evaluate import DATA_FIELDS, Evaluator, metrics_line
 from paxcli.loops.hooks import Chrono, Hooks, StepInfo, Window
 from paxcli.loops.router_watch import RouterWatch, load_note, totals
 from paxcli.models import pattern
@@ -72,61 +76,91 @@ class TrainingDiverged(UserError):
 def make_train_step(setup, batch_sharding, dropout_seed: int, compiler_options: Optional[dict] = None):
   """The jitted step: (state, batch) -> (state, metrics); state is donated.
 
-  The model's fprop gives (loss, metrics); aux losses its layers add join the loss;
-  non-trainable variables come back updated (the optimizer never sees them); layer
-  summaries come back in the metrics under 'summary/<layer path>/<name>', one per layer whether the
-  stack is scanned or not.
+  The model's fprop gives (loss, metrics); aux losses its layers add join the loss; with
+  GRAD_ACCUM_STEPS > 1 the batch runs as that many microbatches (paxcli.loops.accumulate);
+  non-trainable variables come back updated (the optimizer never sees them), and so does fp8
+  scaling state; layer summaries come back in the metrics under 'summary/<layer path>/<name>', one
+  per layer whether the stack is scanned or not.
   `compiler_options`: XLA options for this program only (a PGLE profile, for one).
   """
   model, tx = setup.model, setup.tx
-  layers_per_group = pattern.period(getattr(getattr(model, 'lm_tpl', None), 'layer_pattern', None))
   lr_fn = optim.learning_rate_fn(setup.train)
-  deterministic = not model.has_dropout
   has_non_trainable = 'non_trainable' in setup.state_shardings
+  gradients = step_gradients(setup, dropout_seed)
 
   def step_fn(state, batch):
-    rngs = step_rngs(dropout_seed, state['step'])
-    # Frozen params (LoRA's base) are closed over: no gradient is computed for them and the
-    # optimizer never sees them.
+    done = gradients(state, batch)
     trainable, frozen = train_state.split_trainable(model, state['params'])
-
-    def loss_fn(trainable):
-      variables = {'params': train_state.join_params(trainable, frozen)}
-      if has_non_trainable:
-        variables[NON_TRAINABLE] = state['non_trainable']
-      with setup.activation_sharding():
-        (loss, model_metrics), updates = model.apply(
-            variables, batch, deterministic=deterministic, method='fprop', rngs=rngs,
-            mutable=[NON_TRAINABLE, SUMMARIES, AUX_LOSS])
-      aux = flatten_collection(updates.get(AUX_LOSS, {}))
-      total = loss + sum(jnp.sum(v) for v in aux.values()) if aux else loss
-      return total, (loss, model_metrics, aux, updates)
-
-    (total, (loss, model_metrics, aux, updates)), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable)
+    grads = done.grads
     param_updates, opt_state = tx.update(grads, state['opt_state'], trainable)
     params = train_state.join_params(optax.apply_updates(trainable, param_updates), frozen)
-    metrics = {k: v for k, (v, _) in model_metrics.items()}
+    metrics = {k: v for k, (v, _) in done.metrics.items()}
     metrics.update({
-        'loss': total,
+        'loss': done.total,
         'grad_norm': optax.tree.norm(grads) if hasattr(optax, 'tree') else optax.global_norm(grads),
         'learning_rate': lr_fn(state['step']),
-        'tokens': model.count_in(model_metrics),
+        'tokens': model.count_in(done.metrics),
     })
-    if aux:
-      metrics['model_loss'] = loss
-      metrics.update({f'aux_loss/{k}': jnp.sum(v) for k, v in aux.items()})
-    summaries = pattern.per_layer(updates.get(SUMMARIES, {}), layers_per_group)
-    for name, value in flatten_collection(summaries).items():
-      metrics[f'summary/{name}'] = jnp.mean(value)
-    new_state = {'step': state['step'] + 1, 'params': params, 'opt_state': opt_state}
+    if done.aux:
+      metrics['model_loss'] = done.loss
+      metrics.update({f'aux_loss/{k}': v for k, v in done.aux.items()})
+    metrics.update({f'summary/{k}': v for k, v in done.summaries.items()})
+    new_state = {'step': state['step'] + 1, 'params': params, 'opt_state': opt_state, **done.carried}
     if has_non_trainable:
-      new_state['non_trainable'] = sync_non_trainable(updates[NON_TRAINABLE], setup)
+      new_state['non_trainable'] = sync_non_trainable(done.carried['non_trainable'], setup)
     return new_state, metrics
 
   replicated = jax.sharding.NamedSharding(setup.mesh, jax.sharding.PartitionSpec())
   return jax.jit(step_fn, in_shardings=(setup.state_shardings, batch_sharding),
                  out_shardings=(setup.state_shardings, replicated), donate_argnums=(0,),
                  compiler_options=compiler_options or None)
+
+
+def step_gradients(setup, dropout_seed: int) -> Callable[[dict, dict], accumulate.Pass]:
+  """(state, batch) -> the step's accumulate.Pass: gradients of the trainable params over the whole
+  batch (GRAD_ACCUM_STEPS microbatches of it), the loss and metrics, and the state collections carried
+  on (non_trainable, fp8)."""
+  model = setup.model
+  layers_per_group = pattern.period(getattr(getattr(model, 'lm_tpl', None), 'layer_pattern', None))
+  deterministic = not model.has_dropout
+  has_non_trainable = 'non_trainable' in setup.state_shardings
+  accum_steps = getattr(setup.train, 'grad_accum_steps', 1)
+
+  def gradients(state, batch):
+    rngs = step_rngs(dropout_seed, state['step'])
+    # Frozen params (LoRA's base) are closed over: no gradient is computed for them and the
+    # optimizer never sees them.
+    trainable, frozen = train_state.split_trainable(model, state['params'])
+
+    def one_pass(carried, batch, rngs) -> accumulate.Pass:
+      def loss_fn(trainable, fp8_state):
+        variables = {'params': train_state.join_params(trainable, frozen)}
+        if has_non_trainable:
+          variables[NON_TRAINABLE] = carried['non_trainable']
+        if fp8_state is not None:
+          variables[FP8_STATE] = fp8_state
+        with setup.activation_sharding():
+          (loss, model_metrics), updates = model.apply(
+              variables, batch, deterministic=deterministic, method='fprop', rngs=rngs,
+              mutable=[NON_TRAINABLE, SUMMARIES, AUX_LOSS])
+        aux = flatten_collection(updates.get(AUX_LOSS, {}))
+        total = loss + sum(jnp.sum(v) for v in aux.values()) if aux else loss
+        return total, (loss, model_metrics, aux, updates)
+
+      # fp8 delayed scaling's state comes back as its own "gradient": its next value (paxcli.layers.fp8)
+      (total, (loss, model_metrics, aux, updates)), (grads, fp8_next) = jax.value_and_grad(
+          loss_fn, argnums=(0, 1), has_aux=True)(trainable, carried.get('fp8'))
+      summaries = flatten_collection(pattern.per_layer(updates.get(SUMMARIES, {}), layers_per_group))
+      nxt = {'fp8': fp8_next} if fp8_next is not None else {}
+      if has_non_trainable:
+        nxt['non_trainable'] = train_state.unbox(updates[NON_TRAINABLE])
+      return accumulate.Pass(grads, total, loss, model_metrics, {k: jnp.sum(v) for k, v in aux.items()},
+                             {k: jnp.mean(v) for k, v in summaries.items()}, nxt)  # scanned layers: the mean
+
+    carried = {k: state[k] for k in ('non_trainable', 'fp8') if k in state}
+    return accumulate.run(one_pass, carried, batch, rngs, accum_steps, setup.mesh)
+
+  return gradients
 
 
 def step_rngs(seed: int, step) -> dict:
@@ -517,23 +551,30 @@ def window_note(record: dict) -> str:
 
 
 def train(resolved, job_dir: str, console, verbose: bool = False, profile_steps=None, pgle: Optional[str] = None,
-          pgle_profile: Optional[str] = None) -> dict:
+          pgle_profile: Optional[str] = None, made: Optional[invocation.Made] = None,
+          force_resume: bool = False) -> dict:
   """Trains (or resumes) the resolved experiment in job_dir. Returns the last summary.
 
   The job directory is checked first and locked for the run (`paxcli/jobdir/lock.py`): a
   second trainer on it is refused. profile_steps: (A, B) to trace steps A..B with
   jax.profiler; pgle/pgle_profile: see paxcli.perf.profiling. The experiment's PLATFORM_ENV is
-  applied before this, by the command's `api.open_run`, ahead of JAX's backend start.
+  applied before this, by the command's `api.open_run`, ahead of JAX's backend start. `made`:
+  how the job is made (experiment and --set), recorded for the commands that read it. A resume
+  whose data, tokenizer or model shape differ from the checkpoint's is refused unless force_resume
+  (shapes always: no weights fit them). A start refused before its first step leaves no directory
+  it made.
   """
   platform.check_supported(resolved.experiment)  # refusals first: a refused run leaves no job directory
   engine.validate(resolved)                       # the settings, as `pax describe` checks them
   profiling.check_pgle(pgle, pgle_profile)
+  made_here = _missing_ancestor(job_dir)
   joblock.check_writable(job_dir)  # makes the directory
   lock = joblock.lock_run(job_dir, _printer(console) if jax.process_index() == 0 else _silent)
-  accounting, status = None, 1
+  accounting, status, refused = None, 1, False
   try:
     accounting = goodput.Goodput(job_dir, is_main=jax.process_index() == 0)
-    result = _train(resolved, job_dir, console, accounting, verbose, profile_steps, pgle_profile, lock)
+    result = _train(resolved, job_dir, console, accounting, verbose, profile_steps, pgle_profile, lock, made,
+                    force_resume)
     status = 0
     return result
   except SystemExit as e:
@@ -541,6 +582,7 @@ def train(resolved, job_dir: str, console, verbose: bool = False, profile_steps=
     raise
   except UserError as e:
     status = e.exit_code
+    refused = made_here is not None and jax.process_index() == 0
     raise
   except KeyboardInterrupt:
     status = 130
@@ -550,10 +592,34 @@ def train(resolved, job_dir: str, console, verbose: bool = False, profile_steps=
       accounting.close(status)
     if lock is not None:
       lock.release()
+    if refused:
+      _remove_refused(job_dir, made_here)
+
+
+def _missing_ancestor(path: str) -> Optional[str]:
+  """The outermost directory of a local `path` (itself included) that does not exist yet, else None (a
+  bucket has no directories to leave behind)."""
+  if not storage.is_local(path):
+    return None
+  missing = None
+  while not os.path.lexists(path):
+    missing, path = path, os.path.dirname(path)
+  return missing
+
+
+def _remove_refused(job_dir: str, top: str) -> None:
+  """Removes what a start refused before its first checkpoint made: `top`, the outermost directory of
+  job_dir that this command created (it did not exist when the command started), with the lock and
+  goodput ledger it wrote."""
+  checkpoints = layout.checkpoints(job_dir)
+  if os.path.isdir(checkpoints) and os.listdir(checkpoints):
+    return   # never the case before the first step; kept should it be
+  shutil.rmtree(top, ignore_errors=True)
 
 
 def _train(resolved, job_dir: str, console, accounting: goodput.Goodput, verbose: bool = False, profile_steps=None,
-           pgle_profile: Optional[str] = None, lock=None) -> dict:
+           pgle_profile: Optional[str] = None, lock=None, made: Optional[invocation.Made] = None,
+           force_resume: bool = False) -> dict:
   is_main = jax.process_index() == 0
   log = _printer(console) if is_main else _silent
   distributed.log_topology(_printer(console))
@@ -568,11 +634,13 @@ def _train(resolved, job_dir: str, console, accounting: goodput.Goodput, verbose
     raise UserError('LORA_RANK > 0 trains adapters on frozen base weights: set INIT_FROM to the base checkpoint '
                     '(a job directory or checkpoint step; `pax checkpoint convert HF_DIR OUT --from hf` makes one).')
   spec = RunSpec.of(resolved, setup, base)
+  _check_same_run(job_dir, spec, resolved.train_dataset().name, force_resume)   # before any data is read
   _log_run(resolved, setup, job_dir, log)
   if verbose and is_main:
     _print_weights(console, setup)
   train_input = infeed.build_input(resolved.train_dataset(), setup)  # before any state: missing data stops at once
   tokenizer.check_kept(train_input, job_dir)
+  tokenizer.check_base(train_input, train_cfg.init_from)
 
   # ---- Job directory: resume or start -------------------------------------------------------------
   job_format.check_job(job_dir)   # a newer paxcli's job directory is refused before anything is written
@@ -587,7 +655,7 @@ def _train(resolved, job_dir: str, console, accounting: goodput.Goodput, verbose
   if latest is not None and latest >= total:
     return _already_finished(job_dir, latest, spec, total, checkpointer, log)
   fast = _open_fast_tier(train_cfg, job_dir, setup, log)
-  state, start = _resume_fast(fast, spec, latest, log)
+  state, start = _resume_fast(fast, spec, latest, job_dir, log)
   if state is None:
     state, start = (_resume(setup, job_dir, latest, spec, checkpointer, log) if latest is not None
                     else (_fresh_state(setup, base, resolved.experiment.RANDOM_SEED, log), Start(0)))
@@ -612,6 +680,9 @@ def _train(resolved, job_dir: str, console, accounting: goodput.Goodput, verbose
                if train_cfg.eval_interval_steps and resolved.eval_datasets() else None)
   decoder = (TrainDecoder(resolved, setup, job_dir, train_cfg)
              if getattr(train_cfg, 'decode_interval_steps', 0) and train_cfg.decode_prompts else None)
+
+  if is_main and made is not None:  # the run starts: how it is made, for its readers (a follower waits for it)
+    invocation.record_made(job_dir, made)
 
   # ---- Hooks --------------------------------------------------------------------------------------
   tracked = _open_trackers(resolved, job_dir, train_cfg, spec, log) if is_main else track.Trackers()
@@ -638,8 +709,9 @@ def _train(resolved, job_dir: str, console, accounting: goodput.Goodput, verbose
     if fast is not None:
       hooks.add(Saver(fast, losses, spec, start, setup, train_input, chrono, skip=saver_due(train_cfg)),
                 every=fast.settings.every, close=fast.close)
-    if evaluator:
-      hooks.add(_eval_hook(evaluator, reporter, chrono), every=train_cfg.eval_interval_steps, close=evaluator.close)
+    if evaluator:  # and at the end: a run of 40 steps, evaluated every 100, still reports its held-out loss
+      hooks.add(_eval_hook(evaluator, reporter, chrono), every=train_cfg.eval_interval_steps, at_end=True,
+                close=evaluator.close)
     if decoder:
       hooks.add(_decode_hook(decoder, reporter, chrono), every=train_cfg.decode_interval_steps, at_end=True,
                 close=decoder.close)
@@ -684,8 +756,11 @@ def _log_run(resolved, setup, job_dir: str, log) -> None:
   log(f'Experiment {resolved.name} -> {job_dir}')
   log(f'Devices: {len(devices)} x {devices[0].device_kind} ({jax.default_backend()}), '
       f'{jax.process_count()} process(es); mesh {sharding.describe_mesh(setup.mesh)}')
-  log(f'Parameters: {train_state.param_count(setup.abstract_state):,}; global batch '
-      f'{setup.infeed.describe()} x {setup.seq_len} tokens')
+  total = train_state.param_count(setup.abstract_state)
+  frozen = train_state.has_frozen(setup)
+  trainable = train_state.param_count(train_state.saved_state(setup, setup.abstract_state)) if frozen else total
+  counts = f'{trainable:,} trainable (LoRA adapters) of {total:,}' if frozen else f'{total:,}'
+  log(f'Parameters: {counts}; global batch {setup.infeed.describe()} x {setup.seq_len} tokens')
 
 
 def _log_done(job_dir: str, last: dict, keep: int, log) -> None:
@@ -774,15 +849,63 @@ def _resume(setup, job_dir: str, step: int, spec: RunSpec, checkpointer, log) ->
   if layout_note:
     log(layout_note)
   log(f'Resumed from step {step} ({batches_consumed} batches consumed).')
-  _note_changes(meta, spec, log)
+  _note_changes(meta, spec, job_dir, log)
   return restored.state, Start(step, batches_consumed, meta.get('recent_losses') or (), 'persistent')
 
 
-def _note_changes(meta: dict, spec: RunSpec, log) -> None:
+def _note_changes(meta: dict, spec: RunSpec, job_dir: str, log) -> None:
   changed = config_differences(meta.get('config') or {}, spec.flat, prefixes=('',))
+  changed = [c for c in changed if not _kept_tokenizer(c, job_dir)]
   if changed:
     log(f'Note: {len(changed)} setting(s) differ from the checkpoint\'s config (the run goes on '
         'with the new ones):\n  ' + '\n  '.join(changed))
+
+
+def _kept_tokenizer(difference: str, job_dir: str) -> bool:
+  """Whether a config difference is only an own-data input reading the job's kept tokenizer (None in
+  the run that trained it, its copy in the job directory since: jobdir.tokenizer.keep_trained)."""
+  return difference.split(':', 1)[0].endswith('.tokenizer') and difference.endswith(
+      f'checkpoint None -> now {repr(tokenizer.kept(job_dir))}')
+
+
+# What a run trains on, in its resolved config: the data and tokenizer knobs, and the fields of the
+# train input that name its data (evaluate.DATA_FIELDS) and its tokenizer.
+TRAINS_ON_KNOBS = ('TRAIN_DATA', 'TOKENIZER', 'TEXT_FIELD')
+TRAINS_ON_FIELDS = DATA_FIELDS + ('tokenizer', 'spm_model')
+
+
+def _check_same_run(job_dir: str, spec: RunSpec, train_name: str, force_resume: bool) -> None:
+  """One line, before any data is read, when job_dir's latest checkpoint was trained on other data or
+  another tokenizer than this command gives (unless force_resume), or has other shapes: this is
+  another run, and belongs in a directory of its own."""
+  steps = ckpt.complete_steps(layout.checkpoints(job_dir))
+  try:
+    meta = restore.read_meta(job_dir, steps[-1]) if steps else None
+  except UserError:
+    return  # the resume says what is wrong with it, and falls back to an older one
+  if not meta:
+    return
+  try:
+    restore.check_shapes(meta, spec.shapes, spec.flat, steps[-1], False, 'resume from')
+  except restore.ShapeMismatch as e:
+    raise UserError(f'{job_dir} holds a run whose train state has other shapes than this one\'s '
+                    f'({"; ".join(e.differences[:3]) or "the code changed"}): give this run a new --job-log-dir.') from None
+  saved = meta.get('config') or {}
+  keys = [f'knobs.{k}' for k in TRAINS_ON_KNOBS] + [f'datasets.{train_name}.{f}' for f in TRAINS_ON_FIELDS]
+  changed = [f'{k.split(".", 1)[1] if k.startswith("knobs.") else k}: {_shown(saved[k])} -> {_shown(spec.flat[k])}'
+             for k in keys
+             if k in saved and k in spec.flat and saved[k] != spec.flat[k]
+             and not _kept_tokenizer(f'{k}: checkpoint {saved[k]} -> now {spec.flat[k]}', job_dir)]
+  if changed and not force_resume:
+    raise UserError(f'{job_dir} holds a run trained on other data than this command gives ({"; ".join(changed[:3])}'
+                    f'): give this run a new --job-log-dir, or pass --force-resume to go on training that one on '
+                    'these settings.')
+
+
+def _shown(saved: str) -> str:
+  """A saved config value for a one-line message: a class by its name, anything long shortened."""
+  match = re.fullmatch(r"<class '(?:[\w.]+\.)?(\w+)'>", saved)
+  return match.group(1) if match else shorten(saved, 80)
 
 
 def _open_fast_tier(train_cfg, job_dir: str, setup, log) -> Optional[fast_tier.FastTier]:
@@ -799,7 +922,7 @@ def _open_fast_tier(train_cfg, job_dir: str, setup, log) -> Optional[fast_tier.F
   return tier
 
 
-def _resume_fast(fast: Optional[fast_tier.FastTier], spec: RunSpec, persistent: Optional[int], log):
+def _resume_fast(fast: Optional[fast_tier.FastTier], spec: RunSpec, persistent: Optional[int], job_dir: str, log):
   """(state, Start) from the newest fast step complete on every process and newer than the persistent
   tier's latest, trying older ones after a damaged one; (None, None) when there is none."""
   for step in fast_tier.choose(fast, persistent, log):
@@ -813,7 +936,7 @@ def _resume_fast(fast: Optional[fast_tier.FastTier], spec: RunSpec, persistent: 
     against = f'the persistent tier has step {persistent}' if persistent is not None else 'no persistent one yet'
     log(f'Resumed from step {step} of the fast checkpoint tier ({fast.directory}; {against}; '
         f'{batches} batches consumed).')
-    _note_changes(meta, spec, log)
+    _note_changes(meta, spec, job_dir, log)
     return restored.state, Start(step, batches, tuple(meta.get('recent_losses') or ()), 'fast')
   return None, None
 

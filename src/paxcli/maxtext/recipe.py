@@ -19,6 +19,13 @@ TINY = ('NUM_LAYERS=2', 'MODEL_DIMS=64', 'HIDDEN_DIMS=128', 'NUM_HEADS=4', 'NUM_
         'ICI_MESH_SHAPE=None', 'DCN_MESH_SHAPE=None', 'NUM_TRAIN_STEPS=2')
 
 
+def cpu_check(exp: str, class_name: str, unsupported: bool) -> list[str]:
+  """The --set overrides and job directory of a recipe's tiny check on CPU (after `pax train --exp EXP`):
+  its own job directory, so that the full run never resumes the tiny one."""
+  tiny = list(TINY) + (['UNSUPPORTED_FEATURES={}'] if unsupported else [])
+  return [f'--set {s}' for s in tiny] + [f'--job-log-dir runs/{class_name}_cpu_check']
+
+
 def default_stem(script_path: str) -> str:
   """`2xv4-128.sh` -> `2xv4_128`: the script's name as a Python module name part."""
   stem = os.path.splitext(os.path.basename(script_path))[0]
@@ -92,12 +99,12 @@ def render(t: Translation, class_name: str, output_path: str) -> str:
   ]
   if t.unsupported:
     lines.append('trains, not that it matches MaxText):')
-  tiny = list(TINY) + (['UNSUPPORTED_FEATURES={}'] if t.unsupported else [])
+  check = cpu_check(exp, class_name, bool(t.unsupported))
   lines += [
       f'  pax train --exp {exp} \\',
-      '    ' + ' '.join(f'--set {s}' for s in tiny[:5]) + ' \\',
-      '    ' + ' '.join(f'--set {s}' for s in tiny[5:10]) + ' \\',
-      '    ' + ' '.join(f'--set {s}' for s in tiny[10:]),
+      '    ' + ' '.join(check[:5]) + ' \\',
+      '    ' + ' '.join(check[5:10]) + ' \\',
+      '    ' + ' '.join(check[10:]),
   ]
   if t.unsupported:
     lines += ['', 'UNSUPPORTED_FEATURES lists what paxcli cannot reproduce; `pax train` refuses',

@@ -27,8 +27,8 @@ import dataclasses
 from typing import Any, Callable, Mapping, Optional
 
 from paxcli.errors import UserError, did_you_mean
-from paxcli.options import (ActivationName, AttentionImplName, CheckpointPolicyName, DTypeName, MoeDispatchName,
-                            NormName, PositionName, RotaryScalingName, RouterSoftmaxName)
+from paxcli.options import (ActivationName, AttentionImplName, CheckpointPolicyName, DTypeName, Fp8Name,
+                            MoeDispatchName, NormName, PositionName, RotaryScalingName, RouterSoftmaxName)
 from paxcli.values import coerce
 
 Settings = Mapping[str, Any]   # flat name -> value, every knob of a table present
@@ -306,8 +306,15 @@ LM_KNOBS: tuple[Knob, ...] = (
          "dropout on the adapters' input, in training"),
     # The loss (paxcli.models.losses.head_lm_loss): logits made a chunk of positions at a time, so that the
     # [batch, length, vocab] logits never exist whole; the same loss and gradients.
-    Knob('LOSS_CHUNK_TOKENS', int, 4096, 'loss_chunk_tokens',
-         'the loss makes the logits for at most this many tokens per device at a time; 0: all at once'),
+    # fp8 projections (paxcli.layers.fp8): attention q/k/v/out and the MLP multiply in fp8 (e4m3 forward,
+    # e5m2 gradients); weights stay as they are. 'delayed': scales from an amax history kept in the train
+    # state; 'current': from each tensor itself. On devices without fp8 units it is emulated (one warning).
+    Knob('FP8', Fp8Name, 'none', (ATTENTION + 'fp8', FFN + 'fp8'), "'none', 'delayed' or 'current' scaling"),
+    Knob('FP8_AMAX_HISTORY', int, 1024, (ATTENTION + 'fp8_amax_history', FFN + 'fp8_amax_history'),
+         "FP8='delayed': the steps whose largest |value| sets each tensor's scale"),
+    Knob('LOSS_CHUNK_TOKENS', int, 0, 'loss_chunk_tokens',
+         'the loss makes the logits of at most this many tokens per device at a time (proportionally fewer above '
+         'a 32k vocabulary; 2048 a good start); 0 (default): all at once'),
     Knob('LORA_BASE_DTYPE', DTypeName, 'float32', 'lora_base_dtype',
          'dtype the frozen base weights are kept in with LORA_RANK > 0 (bfloat16 halves their memory)'),
     # Layer kinds (paxcli.models.pattern): the stack repeats a group of kinds, each kind the block with

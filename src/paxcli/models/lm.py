@@ -17,6 +17,7 @@ import numpy as np
 
 from paxcli.errors import UserError
 from paxcli.layers import lora, pipeline
+from paxcli.layers.fp8 import FP8_STATE
 from paxcli.layers.activation_sharding import active_axis_size, constrain
 from paxcli.layers.base import (AUX_LOSS, NON_TRAINABLE, RANDOM, SUMMARIES, BaseLayer, LayerTpl, build_arguments,
                                 template_field)
@@ -199,7 +200,8 @@ class TransformerLm(BaseLayer):
       policy = self.checkpoint_policy if remat else 'none'
       unit, kwargs = LayerGroup, {'block_tpls': tuple(self._kind_tpls(dtype, deterministic)), 'policy': policy}
       length = self.num_layers // len(blocks)
-    stack = nn.scan(unit, variable_axes={'params': 0, NON_TRAINABLE: 0, SUMMARIES: 0, AUX_LOSS: 0, 'cache': 0},
+    stack = nn.scan(unit, variable_axes={'params': 0, NON_TRAINABLE: 0, SUMMARIES: 0, AUX_LOSS: 0, 'cache': 0,
+                                         FP8_STATE: 0},
                     split_rngs={'params': True, 'dropout': True, RANDOM: True},
                     in_axes=(nn.broadcast, nn.broadcast), length=length,
                     metadata_params={nn.PARTITION_NAME: 'layers'})
@@ -279,8 +281,9 @@ class LanguageModel(DecodingModel):
   # LORA_BASE_DTYPE: the frozen base weights' dtype under LoRA (models.BaseModel.frozen_dtype).
   lora_base_dtype: str = 'float32'
   # LOSS_CHUNK_TOKENS: the loss makes the logits at most this many tokens (per device) at a time
-  # (paxcli.models.losses.head_lm_loss); 0: whole.
-  loss_chunk_tokens: int = 4096
+  # (paxcli.models.losses.head_lm_loss); 0: whole. Off by default: the backward pass remakes each
+  # chunk's logits, a third more of the output layer's FLOPs (docs/guides/performance-knobs.md).
+  loss_chunk_tokens: int = 0
 
   def setup(self):
     self.create_child('lm', self.lm_tpl)

@@ -94,6 +94,10 @@ class Head:
   table_dtype: Any = flax.struct.field(pytree_node=False)  # tied: the table's dtype in the product
   cap: float = flax.struct.field(pytree_node=False, default=0.0)
 
+  @property
+  def vocab(self) -> int:
+    return self.w.shape[0] if self.tied else self.w.shape[-1]
+
   def logits(self, x_BxCxD):
     x = x_BxCxD.astype(self.dtype)
     if self.tied:   # the table rounded to table_dtype (MaxText's attend_on_embedding), else as Embed.attend
@@ -106,14 +110,23 @@ class Head:
     return soft_cap(out.astype(jnp.float32), self.cap)
 
 
-def chunk_length(batch: int, length: int, chunk_tokens: int) -> int:
+# LOSS_CHUNK_TOKENS counts tokens at this vocabulary or below; a larger vocabulary gets proportionally fewer
+# tokens a chunk, so that a chunk's logits stay as large (2,048 x 32,768 float32: 256 MiB) whatever the vocabulary.
+CHUNK_VOCAB = 32768
+
+
+def chunk_length(batch: int, length: int, chunk_tokens: int, vocab: int = CHUNK_VOCAB) -> int:
   """Positions per chunk of the loss: the longest divisor of `length` whose chunk of the batch as one
   device holds it (its share under the active activation sharding) is at most `chunk_tokens` tokens
-  (at least 1); `length` itself (one chunk: the logits made whole) when that fits or chunk_tokens is 0."""
-  rows = max(1, batch // activation_sharding.active_shards(('batch',), (batch,))[0])
-  if not chunk_tokens or rows * length <= chunk_tokens:
+  (x CHUNK_VOCAB / `vocab` above that vocabulary; at least 1 position); `length` itself (one chunk: the
+  logits made whole) when that fits or chunk_tokens is 0."""
+  if not chunk_tokens:
     return length
-  fits = [c for c in range(1, length + 1) if length % c == 0 and rows * c <= chunk_tokens]
+  budget = max(1, chunk_tokens * CHUNK_VOCAB // vocab) if vocab > CHUNK_VOCAB else chunk_tokens
+  rows = max(1, batch // activation_sharding.active_shards(('batch',), (batch,))[0])
+  if rows * length <= budget:
+    return length
+  fits = [c for c in range(1, length + 1) if length % c == 0 and rows * c <= budget]
   return max(fits) if fits else 1
 
 
@@ -122,7 +135,7 @@ def head_lm_loss(x_BxLxD, head: Head, labels_BxL, weights_BxL, chunk_tokens: int
   chunk of positions at a time (chunk_length) when they would be more than `chunk_tokens` tokens on a
   device: the [B, L, V] logits never exist whole, in the forward pass or the backward."""
   b, l = labels_BxL.shape
-  c = chunk_length(b, l, chunk_tokens)
+  c = chunk_length(b, l, chunk_tokens, head.vocab)
   if c == l:
     return fused_lm_loss(head.logits(x_BxLxD), labels_BxL, weights_BxL)
   nll_BxL, correct_BxL = _chunked_nll(l // c, activation_sharding.snapshot())(x_BxLxD, head, labels_BxL)
@@ -133,7 +146,7 @@ def token_scores(x_BxLxD, head: Head, targets_BxL, chunk_tokens: int):
   """(log-probability of each target [B, L] float32, whether it is the argmax [B, L]) with the logits made
   a chunk of positions at a time as in head_lm_loss: for scoring, no gradient."""
   n = l = targets_BxL.shape[1]
-  n //= chunk_length(targets_BxL.shape[0], l, chunk_tokens)
+  n //= chunk_length(targets_BxL.shape[0], l, chunk_tokens, head.vocab)
 
   def one(x_c, y_c):
     logits = head.logits(x_c)

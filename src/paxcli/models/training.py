@@ -36,6 +36,10 @@ class TrainingExperiment(Experiment):
   LR_MIN_RATIO: float = 0.1
 
   NUM_TRAIN_STEPS: int = 100
+  # Gradient accumulation: each step's global batch (PERCORE_BATCH_SIZE x devices) runs as this many
+  # microbatches, scanned inside the one compiled step; the gradient is the whole batch's, the
+  # activations one microbatch's. It must divide PERCORE_BATCH_SIZE's rows per data-parallel shard.
+  GRAD_ACCUM_STEPS: int = 1
   SAVE_INTERVAL_STEPS: int = 100
   SUMMARY_INTERVAL_STEPS: int = 10
   EVAL_INTERVAL_STEPS: int = 0  # 0: no eval during training
@@ -76,6 +80,7 @@ class TrainingExperiment(Experiment):
         local_checkpoint_interval_steps=self.LOCAL_CHECKPOINT_EVERY,
         local_checkpoint_max_to_keep=self.LOCAL_CHECKPOINT_KEEP,
         learning_rate=self.LEARNING_RATE,
+        grad_accum_steps=self.GRAD_ACCUM_STEPS,
         clip_gradient_norm_to_value=self.CLIP_GRADIENT_NORM_TO_VALUE,
         optimizer=fdl.Config(OptimizerConfig, name=self.OPTIMIZER, beta1=self.ADAM_BETA1,
                              beta2=self.ADAM_BETA2, epsilon=self.ADAM_EPSILON,

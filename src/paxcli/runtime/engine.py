@@ -4,7 +4,7 @@ The engine knows models only through paxcli.models.BaseModel's methods (fprop,
 dummy_batch, validate, ...); it never names a model family or its loss.
 
 The train state is a dict {'step', 'params', 'opt_state'}, plus 'non_trainable' when the
-model declares non-trainable variables. Its shardings are derived
+model declares non-trainable variables and 'fp8' for fp8 delayed scaling's state (paxcli.layers.fp8). Its shardings are derived
 from shapes: `jax.eval_shape(init)` gives the abstract state with logical axis names
 on params; one table (sharding.py) turns names and shapes into NamedShardings; `init`
 is then jitted with those out_shardings, so no array ever exists unsharded. Which
@@ -29,6 +29,7 @@ from paxcli import optim, options
 from paxcli.errors import UserError, at_least
 from paxcli.layers import activation_sharding
 from paxcli.layers.base import NON_TRAINABLE, RANDOM, instantiate, mean_sync_mask
+from paxcli.layers.fp8 import FP8_STATE
 from paxcli.models import flops, pattern, registry
 from paxcli.models.lm import flat_view
 from paxcli.runtime import platform, sharding, train_state
@@ -72,7 +73,8 @@ def build(resolved, mesh=None) -> Setup:
     model.validate_mesh(dict(mesh.shape))   # a -1 filled in: the sizes are now known
   gbs = global_batch_size(exp.PERCORE_BATCH_SIZE, mesh.size)
   infeed = plan_infeed(mesh, gbs)
-  schedule = plan_pipeline(model, mesh, gbs)
+  accum = check_accumulation(train, infeed.rows, mesh)
+  schedule = plan_pipeline(model, mesh, infeed.rows // accum)
   tx = optim.make_optimizer(train)
   seq_len = getattr(resolved.train_dataset(), 'seq_len', None) or getattr(model, 'max_seq_len', None)
   rules = dict(task.sharding_rules or {})
@@ -91,6 +93,8 @@ def build(resolved, mesh=None) -> Setup:
     state_shardings['non_trainable'] = sharding.logical_to_sharding(
         nt_logical, abstract_unboxed['non_trainable'], mesh, rules)
     mean_sync = mean_sync_mask(boxed['non_trainable'])
+  if 'fp8' in boxed:   # fp8 scaling state (paxcli.layers.fp8): scales and amax histories, replicated
+    state_shardings['fp8'] = jax.tree.map(lambda _: replicated, abstract_unboxed['fp8'])
   abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                           abstract_unboxed, state_shardings)
   return Setup(mesh, model, train, tx, rules, abstract, state_shardings, logical, seq_len, infeed.rows,
@@ -179,6 +183,19 @@ def _gib(n: int) -> str:
   return f'{n / 2**30:,.1f} GiB' if n >= 2**30 / 10 else f'{n / 2**20:,.1f} MiB'
 
 
+def check_accumulation(train, global_batch: int, mesh) -> int:
+  """GRAD_ACCUM_STEPS (task.train.grad_accum_steps), checked against the batch each data-parallel shard
+  holds: a UserError, before anything compiles, unless it splits into that many equal microbatches."""
+  steps = getattr(train, 'grad_accum_steps', 1)
+  per_shard = global_batch // sharding.data_parallel_size(mesh)
+  if steps < 1 or per_shard % steps:
+    raise UserError(f'GRAD_ACCUM_STEPS={steps} must divide the batch of each data-parallel shard: {per_shard} '
+                    f'rows (the global batch {global_batch} over {sharding.data_parallel_size(mesh)} shards of the '
+                    f'mesh {sharding.describe_mesh(mesh)}). Choose a divisor of {per_shard}, or change '
+                    'PERCORE_BATCH_SIZE.')
+  return steps
+
+
 def plan_pipeline(model, mesh, global_batch: int):
   """The model's pipeline Schedule, checked against the mesh's `stage` axis (None: no pipeline)."""
   schedule = model.pipeline_schedule(global_batch) if hasattr(model, 'pipeline_schedule') else None
@@ -265,7 +282,7 @@ def validate_train(train) -> None:
   at_least(1, 'task.train', train, 'num_train_steps', 'save_interval_steps', 'summary_interval_steps')
   at_least(0, 'task.train', train, 'eval_interval_steps', 'save_max_to_keep', 'learning_rate',
            'clip_gradient_norm_to_value', 'loss_spike_factor')
-  at_least(1, 'task.train', train, 'loss_spike_window', 'router_collapse_steps')
+  at_least(1, 'task.train', train, 'loss_spike_window', 'router_collapse_steps', 'grad_accum_steps')
   if not 0 < train.router_collapse_fraction <= 1:
     raise UserError(f'task.train.router_collapse_fraction must be in (0, 1], got {train.router_collapse_fraction}.')
   at_least(0, 'task.train', train, 'local_checkpoint_interval_steps')
@@ -289,17 +306,19 @@ def make_init(model, tx, seq_len: int):
              'opt_state': tx.init(split_trainable(model, unbox(params))[0])}
     if variables.get('non_trainable'):
       state['non_trainable'] = variables['non_trainable']
+    if variables.get(FP8_STATE):
+      state['fp8'] = variables[FP8_STATE]
     return state
 
   return init
 
 
 def init_variables(model, rng, seq_len: int) -> dict:
-  """The model's variables from one fprop of its dummy batch: params and non_trainable only."""
+  """The model's variables from one fprop of its dummy batch: params, non_trainable and fp8 state only."""
   check_buildable(model, seq_len)   # every trace of init comes here: nothing unbounded is built
   batch = jax.tree.map(jnp.asarray, model.dummy_batch(1, seq_len))
   variables = model.init({'params': rng, 'dropout': rng, RANDOM: rng}, batch, method='fprop')
-  return {k: v for k, v in variables.items() if k in ('params', NON_TRAINABLE)}
+  return {k: v for k, v in variables.items() if k in ('params', NON_TRAINABLE, FP8_STATE)}
 
 
 def _opt_state_shardings(opt_abstract, params_abstract, param_shardings, mesh):
@@ -366,6 +385,8 @@ def _init_through_scan(setup: Setup):
              'opt_state': setup.tx.init(split_trainable(model, params)[0])}
     if variables.get('non_trainable'):
       state['non_trainable'] = variables['non_trainable']
+    if variables.get(FP8_STATE):
+      state['fp8'] = variables[FP8_STATE]
     return state
 
   try:
