@@ -84,8 +84,13 @@ def test_a_moe_config_paxcli_cannot_express_is_refused_by_name(hf_reference, tmp
   assert sorted(os.listdir(tmp_path)) == ['hf']   # nothing written
 
 
-def test_a_zero_window_and_too_many_experts_per_token_are_one_line(hf_reference, tmp_path, capsys):
+def test_a_mixtral_with_a_sliding_window_converts_certified_and_a_bad_one_is_one_line(hf_reference, tmp_path, capsys):
+  """sliding_window null in the releases; a number is the window (transformers' Mixtral attends within it)."""
   made = hf_reference('mixtral')
+  windowed = hf_models.with_config(made, tmp_path / 'six', sliding_window=6)
+  out, _ = _ok(['checkpoint', 'convert', '--from', 'hf', windowed, str(tmp_path / 'job6'), '--recipe',
+                str(tmp_path / 'six.py'), '--json'], capsys)
+  assert json.loads(out)['verify']['ok'] and '  SLIDING_WINDOW = 6\n' in (tmp_path / 'six.py').read_text()
   windowless = hf_models.with_config(made, tmp_path / 'w', sliding_window=0)
   err = _refused(['checkpoint', 'convert', '--from', 'hf', windowless, str(tmp_path / 'j')], capsys)
   assert 'sliding_window is 0; a Mixtral config has a positive whole number of tokens or null' in err
