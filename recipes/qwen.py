@@ -10,11 +10,14 @@ into it.
 Qwen25_05B: Qwen2.5-0.5B (24 x 896, 14 heads, 2 KV heads, FFN 4864, tied embeddings), 494,032,768.
 Qwen25_7B:  Qwen2.5-7B (28 x 3584, 28 heads, 4 KV heads, FFN 18944, vocab 152064, untied), 7,615,616,512.
 Qwen3_8B:   Qwen3-8B (36 x 4096, 32 heads x 128, 8 KV heads, FFN 12288, QK-norm, untied), 8,190,735,360.
+Qwen3Moe30BA3B: Qwen3-30B-A3B (48 x 2048, 32 heads x 128, 4 KV heads, QK-norm, 128 experts of FFN 768 with
+            8 per token, renormalised, untied), 30,532,122,624 (3.3B active per token).
 
 Each takes its family's presets (paxcli.models.qwen2, qwen3: gated SiLU, RMSNorm 1e-6, rotary base
-1e6, Qwen 2's q/k/v biases or Qwen 3's QK-norm). The sequence length is a training choice, not the
-model's (rotary positions have no table): 4096 here; the released models were trained to 32k
-(Qwen 2.5) and 40k (Qwen 3). Data: synthetic unless TRAIN_DATA is set; with text, TOKENIZER should be
+1e6, Qwen 2's q/k/v biases or Qwen 3's QK-norm; paxcli.models.qwen3_moe's experts). LoRA on the MoE
+model adapts attention (the default LORA_TARGETS); its experts take no adapters. The sequence length
+is a training choice, not the model's (rotary positions have no table): 4096 here; the released models
+were trained to 32k (Qwen 2.5) and 40k (Qwen 3). Data: synthetic unless TRAIN_DATA is set; with text, TOKENIZER should be
 the model's own tokenizer.json (its chat template comes with it).
 """
 
@@ -22,6 +25,7 @@ from paxcli.experiment import register
 from paxcli.models import LmExperiment
 from paxcli.models.qwen2 import QWEN2
 from paxcli.models.qwen3 import QWEN3
+from paxcli.models.qwen3_moe import QWEN3_MOE
 
 
 class _Qwen(LmExperiment):
@@ -82,3 +86,19 @@ class Qwen3_8B(_Qwen):
   DIMS_PER_HEAD = 128
   VOCAB_SIZE = 151936
   SEPARATE_EMBEDDING = True
+
+
+@register
+@QWEN3_MOE.preset   # Qwen 3's layer, 128 experts top-8, softmax before top-k, renormalised (paxcli.models.qwen3_moe)
+class Qwen3Moe30BA3B(_Qwen):
+  """Qwen3-30B-A3B: 48 x 2048, 32 heads x 128, 4 KV heads, 128 experts of FFN 768 (8 per token), vocab 151936."""
+
+  NUM_LAYERS = 48
+  MODEL_DIMS = 2048
+  HIDDEN_DIMS = 768
+  NUM_HEADS = 32
+  NUM_KV_HEADS = 4
+  DIMS_PER_HEAD = 128
+  VOCAB_SIZE = 151936
+  SEPARATE_EMBEDDING = True
+  MOE_DISPATCH = 'dropless'

@@ -21,6 +21,7 @@ class Reference:
   sizes: dict          # what replaces the released sizes for a test
   recipe_lines: tuple  # lines the recipe `--from hf` writes must hold
   recipe_class: str    # the experiment class of that recipe
+  experts: bool = False  # a mixture of experts: LoRA adapts attention only (experts take no adapters)
 
   @property
   def config(self) -> dict:
@@ -85,6 +86,27 @@ GEMMA3_4B = {
     'sliding_window_pattern': 6, 'torch_dtype': 'bfloat16', 'transformers_version': '4.50.0.dev0',
     'use_cache': True, 'vocab_size': 262208}
 
+# huggingface.co/mistralai/Mixtral-8x7B-v0.1/config.json: 8 experts, 2 per token, no sliding window.
+MIXTRAL_8X7B = {
+    'architectures': ['MixtralForCausalLM'], 'attention_dropout': 0.0, 'bos_token_id': 1, 'eos_token_id': 2,
+    'hidden_act': 'silu', 'hidden_size': 4096, 'initializer_range': 0.02, 'intermediate_size': 14336,
+    'max_position_embeddings': 32768, 'model_type': 'mixtral', 'num_attention_heads': 32, 'num_experts_per_tok': 2,
+    'num_hidden_layers': 32, 'num_key_value_heads': 8, 'num_local_experts': 8, 'output_router_logits': False,
+    'rms_norm_eps': 1e-05, 'rope_theta': 1e6, 'router_aux_loss_coef': 0.02, 'sliding_window': None,
+    'tie_word_embeddings': False, 'torch_dtype': 'bfloat16', 'transformers_version': '4.36.0.dev0', 'use_cache': True,
+    'vocab_size': 32000}
+# huggingface.co/Qwen/Qwen3-30B-A3B/config.json: 128 experts of 768, 8 per token, renormalised; QK-norm.
+QWEN3_30B_A3B = {
+    'architectures': ['Qwen3MoeForCausalLM'], 'attention_bias': False, 'attention_dropout': 0.0,
+    'bos_token_id': 151643, 'decoder_sparse_step': 1, 'eos_token_id': 151645, 'head_dim': 128, 'hidden_act': 'silu',
+    'hidden_size': 2048, 'initializer_range': 0.02, 'intermediate_size': 6144, 'max_position_embeddings': 40960,
+    'max_window_layers': 48, 'mlp_only_layers': [], 'model_type': 'qwen3_moe', 'moe_intermediate_size': 768,
+    'norm_topk_prob': True, 'num_attention_heads': 32, 'num_experts': 128, 'num_experts_per_tok': 8,
+    'num_hidden_layers': 48, 'num_key_value_heads': 4, 'output_router_logits': False, 'rms_norm_eps': 1e-06,
+    'rope_scaling': None, 'rope_theta': 1000000.0, 'router_aux_loss_coef': 0.001, 'sliding_window': None,
+    'tie_word_embeddings': False, 'torch_dtype': 'bfloat16', 'transformers_version': '4.51.0', 'use_cache': True,
+    'use_sliding_window': False, 'vocab_size': 151936}
+
 TINY = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=128)
 REFERENCES = {r.family: r for r in (
@@ -109,6 +131,14 @@ REFERENCES = {r.family: r for r in (
     Reference('gemma3', 'Gemma3ForCausalLM', GEMMA3_4B, dict(TINY, head_dim=16, num_hidden_layers=6, sliding_window=7),
               ("LAYER_PATTERN = ('local', 'local', 'local', 'local', 'local', 'global')", 'USE_QK_NORM = True',
                "ROTARY_SCALING = 'linear'", 'ROTARY_MAX_TIMESCALE = 1000000.0'), 'HfGemma3'),
+    Reference('mixtral', 'MixtralForCausalLM', MIXTRAL_8X7B, dict(TINY, head_dim=8, num_local_experts=4),
+              ('NUM_EXPERTS = 4', 'EXPERTS_PER_TOKEN = 2', "ROUTER_SOFTMAX = 'after_topk'", 'SLIDING_WINDOW = 0',
+               'SEPARATE_EMBEDDING = True'), 'HfMixtral', experts=True),
+    # 8 experts, 4 per token: the renormalised top-k weights differ from the softmax's (norm_topk_prob matters).
+    Reference('qwen3_moe', 'Qwen3MoeForCausalLM', QWEN3_30B_A3B,
+              dict(TINY, head_dim=8, num_experts=8, num_experts_per_tok=4, moe_intermediate_size=24),
+              ('NUM_EXPERTS = 8', 'EXPERTS_PER_TOKEN = 4', 'HIDDEN_DIMS = 24', "ROUTER_SOFTMAX = 'before_topk'",
+               'ROUTER_NORMALIZE_TOPK = True', 'USE_QK_NORM = True'), 'HfQwen3MoE', experts=True),
 )}
 
 
@@ -134,6 +164,21 @@ def save(model, directory: str) -> str:
   import transformers
   transformers.utils.logging.disable_progress_bar()   # its bars would land in a test's captured stderr
   model.save_pretrained(directory)
+  return str(directory)
+
+
+def with_config(made, directory, **changes) -> str:
+  """A copy of a reference's save_pretrained directory whose config.json has `changes` (None removes a key)."""
+  import json
+  import os
+  import shutil
+  shutil.copytree(made.hf, directory)
+  path = os.path.join(directory, 'config.json')
+  with open(path) as f:
+    config = json.load(f)
+  config.update(changes)
+  with open(path, 'w') as f:
+    json.dump({k: v for k, v in config.items() if v is not None}, f)
   return str(directory)
 
 

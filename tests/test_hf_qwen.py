@@ -5,7 +5,6 @@ adds no BOS, ChatML chat template) stays with the job and gives transformers' id
 
 import json
 import os
-import shutil
 
 import pytest
 
@@ -45,16 +44,6 @@ def test_the_released_size_recipes_count_the_released_parameters(exp, released, 
   assert described['summary.family'] == released['model_type']
 
 
-def _with_config(made, directory, **changes):
-  """A copy of the reference directory whose config.json has `changes` (None removes a key)."""
-  shutil.copytree(made.hf, directory)
-  path = os.path.join(directory, 'config.json')
-  config = json.load(open(path))
-  config.update(changes)
-  json.dump({k: v for k, v in config.items() if v is not None}, open(path, 'w'))
-  return str(directory)
-
-
 @pytest.mark.parametrize('family, changes, named, unnamed', [
     ('qwen2', {'use_sliding_window': True, 'attn_logit_softcapping': 50.0, 'use_cache': False},
      ['use_sliding_window true with sliding_window', 'attn_logit_softcapping (unknown to paxcli'],
@@ -66,7 +55,7 @@ def _with_config(made, directory, **changes):
 ])
 def test_a_qwen_config_paxcli_cannot_express_is_refused_by_name(hf_reference, tmp_path, capsys, family, changes,
                                                                  named, unnamed):
-  source = _with_config(hf_reference(family), tmp_path / 'hf', **changes)
+  source = hf_models.with_config(hf_reference(family), tmp_path / 'hf', **changes)
   err = _refused(['checkpoint', 'convert', '--from', 'hf', source, str(tmp_path / 'job')], capsys)
   assert f'this {family.capitalize()} config cannot be expressed in paxcli' in err
   for name in named:

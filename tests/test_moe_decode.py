@@ -3,8 +3,9 @@
 A tiny MixtralForCausalLM with random weights; the same weights in a paxcli LM of Llama's shape with
 NUM_EXPERTS 4, EXPERTS_PER_TOKEN 2 and the softmax after top-k (Mixtral's router): the logits agree,
 and paxcli's Decoder (prefill, then one token at a time through the KV cache, the experts sharded
-over the expert mesh axis) gives transformers' greedy `generate` token for token. (The Mixtral family
-itself, --from hf/--to hf, is #30 item 3; this fixes the layer's semantics it will map onto.)
+over the expert mesh axis) gives transformers' greedy `generate` token for token. The weights go through
+the Mixtral family's map of transformers' in-memory (fused) expert names (paxcli.models.moe_family); the
+family's --from hf/--to hf is held in tests/test_hf_families.py.
 """
 
 import numpy as np
@@ -21,6 +22,7 @@ from paxcli.loops.decode.options import DecodeOptions  # noqa: E402
 from paxcli.loops.decode.prompts import Prompt  # noqa: E402
 from paxcli.models.lm import flat_view  # noqa: E402
 from paxcli.models.llama import LLAMA  # noqa: E402
+from paxcli.models.mixtral import MIXTRAL  # noqa: E402
 from paxcli.runtime import engine  # noqa: E402
 
 V, D, F, L, H, KV, E, K = 64, 16, 24, 2, 4, 2, 4, 2
@@ -45,25 +47,15 @@ def _mixtral():
 
 
 def _paxcli_params(setup, hf_model) -> dict:
-  """The HF weights in paxcli's tree: Llama's map for attention, norms and embeddings; the experts by hand."""
+  """The HF weights in paxcli's tree through the Mixtral family's map of transformers' own (fused) names."""
   state = {k: v.detach().numpy() for k, v in hf_model.state_dict().items()}
   params = jax.tree.map(lambda a: None, setup.abstract_state['params'])   # every weight comes from HF
-  view = flat_view(setup.model)
-  for w in LLAMA.hf_weights(view):
-    if '/mlp/' in w.paxcli:
-      continue
+  for w in MIXTRAL.hf_read_weights(flat_view(setup.model), state):
     path = w.paxcli.split('/')[1:]
     node = params
     for part in path[:-1]:
       node = node[part]
     node[path[-1]] = np.asarray(w.from_hf(state[w.hf], w.paxcli_shape), np.float32)
-  for i in range(L):
-    hp, mlp = f'model.layers.{i}.mlp.', params[f'layer_{i}']['mlp']
-    gate_up = state[hp + 'experts.gate_up_proj']                   # [E, 2F, D]: gate rows, then up rows
-    mlp['router'] = state[hp + 'gate.weight'].T
-    mlp['wi_0'] = np.swapaxes(gate_up[:, :F], 1, 2)
-    mlp['wi_1'] = np.swapaxes(gate_up[:, F:], 1, 2)
-    mlp['wo'] = np.swapaxes(state[hp + 'experts.down_proj'], 1, 2)  # [E, D, F] -> [E, F, D]
   shapes = jax.tree.map(lambda a: a.shape, setup.abstract_state['params'])
   assert jax.tree.map(np.shape, params) == shapes
   return params

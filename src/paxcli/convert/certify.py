@@ -176,17 +176,34 @@ def hf_model(family, view, weights: dict):
   import torch
   import transformers
   config = family.to_hf_config(view, 'float32', None)
+  settings = dict(config)
   with _quiet_transformers():
     model = transformers.AutoModelForCausalLM.from_config(
-        transformers.AutoConfig.for_model(config.pop('model_type'), **config), dtype=torch.float32,
+        transformers.AutoConfig.for_model(settings.pop('model_type'), **settings), dtype=torch.float32,
         attn_implementation='eager')
   state = {w.hf: torch.from_numpy(np.array(w.to_hf(np.asarray(weights[w.paxcli], np.float32)), order='C'))
            for w in family.hf_weights(view)}
+  if set(state) - set(model.state_dict()):
+    # The checkpoint's names are not the module's (transformers 5 fuses per-expert weights as it loads them).
+    del model
+    return _converted_on_load(config, state)
   missing, unexpected = model.load_state_dict(state, strict=False)
   tied = {'lm_head.weight'} if not view.separate_embedding else set()
   if unexpected or set(missing) - tied:   # a bug of the weight map, never the user's input
     raise AssertionError(f'{family.title} weight map against transformers: missing {missing}, unexpected {unexpected}')
   return model
+
+
+def _converted_on_load(config: dict, state: dict):
+  """transformers' model of config.json `config` from checkpoint arrays `state`, through from_pretrained's own
+  renaming and fusing of checkpoint names (what it does to a directory's files, here to arrays in memory)."""
+  import torch
+  import transformers
+  settings = dict(config)
+  hf_config = transformers.AutoConfig.for_model(settings.pop('model_type'), **settings)
+  with _quiet_transformers():
+    return getattr(transformers, config['architectures'][0]).from_pretrained(
+        None, config=hf_config, state_dict=state, dtype=torch.float32, attn_implementation='eager')
 
 
 def peft_side(family, view, base: dict, adapters: str) -> Side:

@@ -14,6 +14,8 @@ import re
 import types
 from typing import Optional
 
+import numpy as np
+
 from paxcli import files, gencode
 from paxcli.convert import formats, hf_tokenizer, safetensors_io
 from paxcli.convert.formats import ArrayInfo
@@ -54,7 +56,7 @@ def shape_problems(have: dict, model, family) -> list[str]:
   if layers and model.num_layers != len(layers):   # before listing 9 names for each of a million layers
     return [f'config.json says num_hidden_layers {model.num_layers}; the weights hold {len(layers)} layers']
   problems = []
-  entries = family.hf_weights(model)
+  entries = family.hf_read_weights(model, have)
   for w in entries:
     if w.hf not in have:
       problems.append(f'{w.hf}: missing (expected {list(w.hf_shape)})')
@@ -152,17 +154,22 @@ class PaxView(formats.SourceBase):
     self.extra_files = hf.extra_files
     have = {a.name: a for a in hf.arrays()}
     problems = shape_problems(have, model, hf.family)
-    self._map = {w.paxcli: (w.hf, w.paxcli_shape, w.from_hf, have[w.hf].dtype)
-                 for w in hf.family.hf_weights(model) if not problems}
     if problems:
       raise UserError(f'{hf.path}: the weights do not match its config.json:\n  ' + '\n  '.join(problems[:20]))
+    self._map = {}   # paxcli name -> the weights it is read from (several: the rows of per-expert arrays)
+    for w in hf.family.hf_read_weights(model, have):
+      self._map.setdefault(w.paxcli, []).append(w)
+    self._dtypes = {name: have[ws[0].hf].dtype for name, ws in self._map.items()}
 
   def arrays(self):
-    return [ArrayInfo(p, shape, dtype) for p, (_, shape, _, dtype) in self._map.items()]
+    return [ArrayInfo(p, ws[0].paxcli_shape, self._dtypes[p]) for p, ws in self._map.items()]
 
   def read(self, name, index=None):
-    hf_name, shape, back, _ = self._map[name]
-    x = back(self.hf.read(hf_name), shape)
+    ws = self._map[name]
+    if ws[0].part is None:
+      x = ws[0].from_hf(self.hf.read(ws[0].hf), ws[0].paxcli_shape)
+    else:
+      x = np.stack([w.from_hf(self.hf.read(w.hf), w.paxcli_shape) for w in ws])
     return x[index] if index is not None else x
 
 
@@ -186,10 +193,14 @@ def export(directory: str, src, items_by_name: dict, model, read, dtype: str, ma
   entries = family.hf_weights(model)
   fns = {w.hf: (w.paxcli, w.to_hf) for w in entries}
   arrays = [(w.hf, w.hf_shape, items_by_name[w.paxcli].dtype) for w in entries]
+  last = {}   # the paxcli array read last: the per-expert rows of one array are written one after another
 
   def fill(hf_name, put):
     pax_name, to_hf = fns[hf_name]
-    put(to_hf(read(items_by_name[pax_name])))
+    if pax_name not in last:
+      last.clear()
+      last[pax_name] = read(items_by_name[pax_name])
+    put(to_hf(last[pax_name]))
 
   tokenizer = src.extra_files().get('tokenizer')
   ids = hf_tokenizer.token_ids(tokenizer)   # the special ids of the tokenizer the model was trained with

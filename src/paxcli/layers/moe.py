@@ -91,6 +91,10 @@ class MoeFeedForward(BaseLayer):
   lora_targets: tuple = ('query', 'value')
   lora_dropout: float = 0.0
   deterministic: bool = True
+  # The dense Mlp's fp8 fields, so that FP8 fills either: the shared expert takes them; the experts' grouped
+  # products stay in the compute dtype.
+  fp8: str = 'none'
+  fp8_amax_history: int = 1024
 
   def _kernels(self, d: int) -> dict:
     e, f = self.num_experts, self.hidden_dims
@@ -135,7 +139,8 @@ class MoeFeedForward(BaseLayer):
 
   def _shared(self, x_BxLxD, compute):
     """The shared expert every token goes through, sigmoid-gated per token with shared_gate."""
-    out = Mlp(self.shared_hidden_dims, self.activation, self.gated, self.use_bias, compute, name='shared')(x_BxLxD)
+    out = Mlp(self.shared_hidden_dims, self.activation, self.gated, self.use_bias, compute, fp8=self.fp8,
+              fp8_amax_history=self.fp8_amax_history, name='shared')(x_BxLxD)
     if self.shared_gate:
       w = self.param('shared_gate', nn.with_logical_partitioning(
           nn.initializers.variance_scaling(1.0, 'fan_in', 'truncated_normal'), ('embed', None)),

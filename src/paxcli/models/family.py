@@ -46,13 +46,18 @@ class MaxTextBlock:
 @dataclasses.dataclass(frozen=True)
 class Weight:
   """One array of the HF weight map: names and shapes on both sides, and the two value transforms
-  (to_hf(paxcli array) -> HF array; from_hf(HF array, paxcli shape) -> paxcli array)."""
+  (to_hf(paxcli array) -> HF array; from_hf(HF array, paxcli shape) -> paxcli array).
+
+  With `part` e, the HF array is row e of the paxcli array (HF's per-expert weights of paxcli's
+  [experts, ...] kernels): to_hf takes the whole paxcli array and gives row e's HF array, from_hf gives
+  row e (paxcli_shape is the whole array's), and the rows of one paxcli name are read in order and stacked."""
   hf: str
   paxcli: str
   hf_shape: tuple
   paxcli_shape: tuple
   to_hf: Callable
   from_hf: Callable
+  part: Optional[int] = None
 
 
 class Family:
@@ -94,6 +99,11 @@ class Family:
     each under the name hf_weights gives it (file name -> that name), and notes on the arrays it leaves out.
     A family whose checkpoints nest the model under a prefix (Gemma 3's multimodal one) overrides this."""
     return {n: n for n in names}, []
+
+  def hf_read_weights(self, model, names) -> list[Weight]:
+    """The weight map that reads a directory holding the HF arrays `names`: hf_weights, unless the family
+    reads another spelling some transformers release writes (fused expert tensors, say)."""
+    return self.hf_weights(model)
 
   def __repr__(self) -> str:
     return f'<family {self.name}>'

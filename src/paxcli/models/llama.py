@@ -76,7 +76,8 @@ class Llama(Family):
   hf_defaults = {'max_position_embeddings': 2048, 'rope_theta': 10000.0}
   # Attention features (layers.transformer.Attention: qkv_bias, qk_norm) the family has (True) or lacks.
   attention_features = {'qkv_bias': False, 'qk_norm': False}
-  sliding_window = False   # whether the family's attention has a window (SLIDING_WINDOW > 0; paxcli.models.mistral)
+  # Whether the family's attention has a window (SLIDING_WINDOW > 0; paxcli.models.mistral); None: either.
+  sliding_window: Optional[bool] = False
   maxtext_blocks = {
       'llama2': MaxTextBlock(_MAXTEXT_LAYER),
       'mistral': MaxTextBlock(_MAXTEXT_LAYER),
@@ -120,7 +121,7 @@ class Llama(Family):
     if getattr(model, 'tied_logits_bfloat16', False):
       reasons.append('tied logits read a bfloat16 copy of the embedding (TIED_LOGITS_BFLOAT16=False to accept '
                      f'{title}\'s float32 one)')
-    if bool(getattr(model, 'sliding_window', 0)) != self.sliding_window:
+    if self.sliding_window is not None and bool(getattr(model, 'sliding_window', 0)) != self.sliding_window:
       reasons.append(self.window_misfit(model))
     if getattr(model, 'parallel_block', False):
       reasons.append(f'attention and MLP run in parallel from one norm (PARALLEL_BLOCK; a {title} layer is sequential)')
@@ -129,12 +130,17 @@ class Llama(Family):
     if not model.use_gated_activation or model.activation not in ('silu', 'swish'):
       reasons.append(f'the MLP is {"gated " if model.use_gated_activation else ""}{model.activation} '
                      f'({title} uses gated SiLU: USE_GATED_ACTIVATION=True, ACTIVATION=\'silu\')')
-    if getattr(model, 'num_experts', None):
-      reasons.append(f'the MLP is a mixture of {model.num_experts} experts (NUM_EXPERTS; a {title} MLP is dense)')
+    reasons += self.mlp_misfit(model)
     if any(fields for _, fields in getattr(model, 'layer_kinds', None) or ()):
       reasons.append(f'the layers are of several kinds (LAYER_PATTERN {tuple(model.layer_pattern)} with '
                      f'LAYER_KINDS; a {title}\'s layers are all alike)')
     return reasons
+
+  def mlp_misfit(self, model) -> list[str]:
+    """Why the model's feed-forward is not the family's (a dense MLP here)."""
+    if getattr(model, 'num_experts', None):
+      return [f'the MLP is a mixture of {model.num_experts} experts (NUM_EXPERTS; a {self.title} MLP is dense)']
+    return []
 
   def window_misfit(self, model) -> str:
     return (f'attention has a sliding window of {model.sliding_window} tokens ({self.title}\'s attention is full: '
@@ -200,15 +206,20 @@ class Llama(Family):
           Weight(hp + 'self_attn.v_proj.weight', pp + 'attention/value/kernel', (k * e, d), (d, k, e), *linear(d)),
           Weight(hp + 'self_attn.o_proj.weight', pp + 'attention/out/kernel', (d, h * e), (h, e, d), *out_proj(d)),
           Weight(hp + 'post_attention_layernorm.weight', pp + 'mlp_norm/scale', (d,), (d,), *same),
-          Weight(hp + 'mlp.gate_proj.weight', pp + 'mlp/wi_0/kernel', (f, d), (d, f), *linear(d)),
-          Weight(hp + 'mlp.up_proj.weight', pp + 'mlp/wi_1/kernel', (f, d), (d, f), *linear(d)),
-          Weight(hp + 'mlp.down_proj.weight', pp + 'mlp/wo/kernel', (d, f), (f, d), *linear(f)),
+          *self.hf_mlp_weights(model, i, hp, pp),
           *self.hf_layer_weights(model, hp, pp),
       ]
     out.append(Weight('model.norm.weight', 'params/final_norm/scale', (d,), (d,), *same))
     if model.separate_embedding:
       out.append(Weight('lm_head.weight', 'params/logits/kernel', (v, d), (d, v), *linear(d)))
     return out
+
+  def hf_mlp_weights(self, model, layer: int, hp: str, pp: str) -> list[Weight]:
+    """Layer `layer`'s feed-forward weights: the gated MLP (a mixture of experts in paxcli.models.moe_families)."""
+    d, f, linear = model.model_dims, model.hidden_dims, hf_config.linear
+    return [Weight(hp + 'mlp.gate_proj.weight', pp + 'mlp/wi_0/kernel', (f, d), (d, f), *linear(d)),
+            Weight(hp + 'mlp.up_proj.weight', pp + 'mlp/wi_1/kernel', (f, d), (d, f), *linear(d)),
+            Weight(hp + 'mlp.down_proj.weight', pp + 'mlp/wo/kernel', (d, f), (f, d), *linear(f))]
 
   def hf_layer_weights(self, model, hp: str, pp: str) -> list[Weight]:
     """The weights of one layer (HF prefix `hp`, paxcli prefix `pp`) that a family adds to Llama's."""

@@ -16,8 +16,10 @@ from paxcli.models.gemma import GEMMA2
 from paxcli.models.gemma3 import GEMMA3
 from paxcli.models.llama import LLAMA
 from paxcli.models.mistral import MISTRAL
+from paxcli.models.mixtral import MIXTRAL
 from paxcli.models.qwen2 import QWEN2
 from paxcli.models.qwen3 import QWEN3
+from paxcli.models.qwen3_moe import QWEN3_MOE
 
 FAMILIES: tuple[Family, ...] = (
     LLAMA,
@@ -26,6 +28,8 @@ FAMILIES: tuple[Family, ...] = (
     QWEN3,
     GEMMA2,
     GEMMA3,
+    MIXTRAL,
+    QWEN3_MOE,
 )
 
 

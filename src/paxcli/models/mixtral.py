@@ -1,0 +1,70 @@
+"""The Mixtral family: Hugging Face `MixtralForCausalLM` (Mixtral 8x7B, 8x22B and their fine-tunes).
+
+A Mixtral layer is a Mistral layer (paxcli.models.mistral: Llama's attention, norms and rotary
+convention) whose MLP is num_local_experts gated SiLU experts (NUM_EXPERTS) of intermediate_size
+(HIDDEN_DIMS), num_experts_per_tok (EXPERTS_PER_TOKEN) of them per token, weighted by a softmax over
+the chosen experts' router logits (ROUTER_SOFTMAX='after_topk'; the softmax over all experts with the
+top k rescaled to sum to 1 is the same function, and exports as Mixtral too). Every layer is sparse.
+Weight map: Llama's attention and norms, and the experts of paxcli.models.moe_family under
+model.layers.i.block_sparse_moe (w1 gate, w3 up, w2 down).
+
+config.json: sliding_window is null in every released Mixtral (full attention; SLIDING_WINDOW=0, also
+where the key is missing, as in transformers' MixtralConfig); a number is read into SLIDING_WINDOW.
+router_jitter_noise must be 0 (transformers adds noise to the router in training only, but refusing it
+keeps a fine-tune from meaning another thing); output_router_logits and router_aux_loss_coef steer
+transformers' training loss only and are read as moot.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from paxcli.errors import UserError
+from paxcli.models import hf_config
+from paxcli.models.llama import Llama
+from paxcli.models.mistral import Mistral
+from paxcli.models.moe_family import TRAINING_ONLY_KEYS, Experts
+
+
+class Mixtral(Experts, Mistral):
+  name = 'mixtral'
+  title = 'Mixtral'
+  description = ('Mixtral: a Mistral layer whose MLP is 8 experts, 2 per token, softmax over the chosen '
+                 '(NUM_EXPERTS, EXPERTS_PER_TOKEN; HF MixtralForCausalLM)')
+  knobs = {**Llama.knobs, 'NUM_EXPERTS': 8, 'EXPERTS_PER_TOKEN': 2, 'ROUTER_SOFTMAX': 'after_topk',
+           'ROTARY_MAX_TIMESCALE': 1e6}
+  hf_model_types = ('mixtral',)
+  hf_architectures = ('MixtralForCausalLM',)
+  hf_read_keys = Mistral.hf_read_keys | TRAINING_ONLY_KEYS | {'num_local_experts', 'num_experts_per_tok'}
+  hf_neutral = {**Mistral.hf_neutral, 'router_jitter_noise': 0.0}
+  # transformers' MixtralConfig defaults, for keys a config.json leaves out.
+  hf_defaults = {'max_position_embeddings': 4096 * 32, 'rope_theta': 1e6, 'num_key_value_heads': 8}
+  sliding_window = None   # null (full attention) in the released models; a window converts too
+  hf_moe_prefix = 'block_sparse_moe'
+  hf_expert_names = ('w1', 'w3', 'w2')
+  hf_experts_key = 'num_local_experts'
+
+  def router_misfit(self, model) -> list[str]:
+    if model.router_softmax == 'before_topk' and not model.normalize_topk:
+      return [f'the router\'s top-{model.experts_per_token} weights are not rescaled to sum to 1 (Mixtral\'s are a '
+              'softmax over the chosen experts: ROUTER_SOFTMAX=\'after_topk\')']
+    return []
+
+  def from_hf_config(self, config: dict, path: str) -> tuple[dict, list[str]]:
+    knobs, notes = Llama.from_hf_config(self, config, path)
+    window = config.get('sliding_window')
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+      raise UserError(f'{path}/config.json: sliding_window is {hf_config.shown(window)}; a Mixtral config has a '
+                      'positive whole number of tokens or null (full attention).')
+    knobs['SLIDING_WINDOW'] = window or 0
+    get = hf_config.Reader(config, f'{path}/config.json', 'a Mixtral config')
+    knobs.update(self.moe_knobs_from_hf(get, config), ROUTER_SOFTMAX='after_topk')
+    return knobs, notes
+
+  def to_hf_config(self, model, dtype: str = 'float32', token_ids: Optional[dict] = None) -> dict:
+    return {**Llama.to_hf_config(self, model, dtype, token_ids), 'sliding_window': int(model.sliding_window) or None,
+            'num_local_experts': int(model.num_experts), 'num_experts_per_tok': int(model.experts_per_token),
+            'router_jitter_noise': 0.0, 'output_router_logits': False}
+
+
+MIXTRAL = Mixtral()
