@@ -39,6 +39,11 @@ class Goodput:
     self.heartbeat = distributed.Heartbeat()
     self.heartbeat.note_job(job_dir)
     self._is_main, self._writer = is_main, None   # made at the first summary: a refused start writes none
+    self.began = False   # past the start's refusals: the run's directory is its record from here on
+
+  def begin(self) -> None:
+    """The run is set up and starts training: a failure from here on keeps its job directory."""
+    self.began = True
 
   def resumed(self, step: int, tier: Optional[str]) -> None:
     """The step this incarnation goes on from, and the tier it came from (None: a fresh start)."""

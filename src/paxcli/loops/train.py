@@ -582,7 +582,8 @@ def train(resolved, job_dir: str, console, verbose: bool = False, profile_steps=
     raise
   except UserError as e:
     status = e.exit_code
-    refused = made_here is not None and jax.process_index() == 0
+    # A start refused before training leaves no directory; a run that failed while training keeps its record.
+    refused = made_here is not None and jax.process_index() == 0 and not (accounting and accounting.began)
     raise
   except KeyboardInterrupt:
     status = 130
@@ -683,6 +684,7 @@ def _train(resolved, job_dir: str, console, accounting: goodput.Goodput, verbose
 
   if is_main and made is not None:  # the run starts: how it is made, for its readers (a follower waits for it)
     invocation.record_made(job_dir, made)
+  accounting.begin()
 
   # ---- Hooks --------------------------------------------------------------------------------------
   tracked = _open_trackers(resolved, job_dir, train_cfg, spec, log) if is_main else track.Trackers()
