@@ -74,8 +74,14 @@ def test_every_kernel_computes_the_window_within_segments(kernel, window):
   np.testing.assert_allclose(out, _numpy_attention(q, k, v, segments, window), atol=2e-5)
 
 
-@pytest.mark.parametrize('length, window, block', [(13, 4, 4), (40, 7, 8), (50, 17, 16), (33, 1, 8), (24, 23, 0)])
-@pytest.mark.parametrize('cap', [0.0, 3.0])
+# Two cases in the default suite (one uncapped, one capped, several blocks each); the rest are slow.
+_KERNEL_CASES = [(length, window, block, cap) for length, window, block in
+                 [(13, 4, 4), (40, 7, 8), (50, 17, 16), (33, 1, 8), (24, 23, 0)] for cap in (0.0, 3.0)]
+_KERNEL_DEFAULT = {(13, 4, 4, 0.0), (40, 7, 8, 3.0)}
+
+
+@pytest.mark.parametrize('length, window, block, cap', [
+    c if c in _KERNEL_DEFAULT else pytest.param(*c, marks=pytest.mark.slow) for c in _KERNEL_CASES])
 def test_the_blockwise_kernel_equals_the_reference_values_and_gradients(length, window, block, cap):
   """Lengths that are not a multiple of the block, windows shorter and longer than it, soft caps, packing."""
   q, k, v = _qkv(l=length, seed=length)
@@ -142,6 +148,7 @@ def _reach(**settings):
   return [t for t in range(12) if moved[t] > 1e-6]
 
 
+@pytest.mark.slow
 def test_two_windowed_layers_see_back_two_windows_less_two():
   """Window 3: a layer's token t reads t-2..t, so after two layers token 0 reaches positions 0..4, not 5
   (both kernels, unscanned and scanned); without a window it reaches every position."""
@@ -163,9 +170,10 @@ def test_a_window_per_layer_kind():
 PROMPTS = [Prompt([1, 2, 3, 4, 5]), Prompt([7]), Prompt([9, 8, 7, 6, 5, 4, 3, 2, 1, 3, 40])]
 
 
-@pytest.mark.parametrize('sets', [['SLIDING_WINDOW=4'],
-                                  ['NUM_LAYERS=4', 'USE_REPEATED_LAYER=True', "LAYER_PATTERN=('local', 'global')",
-                                   "LAYER_KINDS={'local': {'SLIDING_WINDOW': 3}}"]], ids=['uniform', 'local_global'])
+@pytest.mark.parametrize('sets', [
+    pytest.param(['SLIDING_WINDOW=4'], id='uniform', marks=pytest.mark.slow),   # local_global has windowed layers too
+    pytest.param(['NUM_LAYERS=4', 'USE_REPEATED_LAYER=True', "LAYER_PATTERN=('local', 'global')",
+                  "LAYER_KINDS={'local': {'SLIDING_WINDOW': 3}}"], id='local_global')])
 def test_cached_decoding_equals_full_recomputation_with_a_window(sets):
   """Left-padded prompts of 1, 5 and 11 tokens in one batch, 12 new tokens (past the window): greedy tokens
   equal re-running the windowed model on the whole prefix; logprobs equal the teacher-forced ones."""
