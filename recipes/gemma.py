@@ -19,26 +19,18 @@ so Gemma 3 4B's LAYER_PATTERN lists all 34 layers (one group; the stack is scann
 """
 
 from paxcli.experiment import register
-from paxcli.models import LmExperiment
+from paxcli.recipes._released import ReleasedLm
 from paxcli.models.gemma import GEMMA2
 from paxcli.models.gemma3 import GEMMA3
 
 
-class _Gemma(LmExperiment):
+class _Gemma(ReleasedLm):
   """What the Gemma recipes share besides the family presets."""
 
   NORM_EPSILON = 1e-6
   QUERY_PRE_ATTN_SCALAR = 256.0
   DIMS_PER_HEAD = 256
   MAX_SEQ_LEN = 4096
-  PERCORE_BATCH_SIZE = 1
-  FPROP_DTYPE = 'bfloat16'
-  USE_REPEATED_LAYER = True
-  CHECKPOINT_POLICY = 'save_nothing'
-  ICI_MESH_SHAPE = None   # all devices data-parallel (FSDP-style sharding: set a mesh for your hosts)
-  OPTIMIZER = 'adamw'
-  LEARNING_RATE = 1e-5
-  WEIGHT_DECAY = 0.0
 
 
 @register

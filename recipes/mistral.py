@@ -16,13 +16,13 @@ table): 8192 here, two windows. Data: synthetic unless TRAIN_DATA is set.
 """
 
 from paxcli.experiment import register
-from paxcli.models import LmExperiment
+from paxcli.recipes._released import ReleasedLm
 from paxcli.models.mistral import MISTRAL
 
 
 @register
 @MISTRAL.preset   # Llama's layer with SLIDING_WINDOW = 4096 (paxcli.models.mistral)
-class Mistral7B(LmExperiment):
+class Mistral7B(ReleasedLm):
   """Mistral-7B-v0.1: 32 x 4096, 32 heads x 128, 8 KV heads, FFN 14336, vocab 32000, window 4096."""
 
   NUM_LAYERS = 32
@@ -36,11 +36,3 @@ class Mistral7B(LmExperiment):
   NORM_EPSILON = 1e-5
   ROTARY_MAX_TIMESCALE = 10000.0
   MAX_SEQ_LEN = 8192
-  PERCORE_BATCH_SIZE = 1
-  FPROP_DTYPE = 'bfloat16'
-  USE_REPEATED_LAYER = True
-  CHECKPOINT_POLICY = 'save_nothing'
-  ICI_MESH_SHAPE = None   # all devices data-parallel (FSDP-style sharding: set a mesh for your hosts)
-  OPTIMIZER = 'adamw'
-  LEARNING_RATE = 1e-5
-  WEIGHT_DECAY = 0.0

@@ -16,13 +16,13 @@ bench.Mixtral8x7B is the same shape with a plan for 64 devices (docs/guides/moe.
 """
 
 from paxcli.experiment import register
-from paxcli.models import LmExperiment
+from paxcli.recipes._released import ReleasedLm
 from paxcli.models.mixtral import MIXTRAL
 
 
 @register
 @MIXTRAL.preset   # Llama's attention, 8 experts top-2 with the softmax after top-k (paxcli.models.mixtral)
-class Mixtral8x7B(LmExperiment):
+class Mixtral8x7B(ReleasedLm):
   """Mixtral-8x7B-v0.1: 32 x 4096, 32 heads x 128, 8 KV heads, 8 experts of FFN 14336 (2 per token), vocab 32000."""
 
   NUM_LAYERS = 32
@@ -37,11 +37,4 @@ class Mixtral8x7B(LmExperiment):
   SLIDING_WINDOW = 0
   MOE_DISPATCH = 'dropless'
   MAX_SEQ_LEN = 4096
-  PERCORE_BATCH_SIZE = 1
-  FPROP_DTYPE = 'bfloat16'
-  USE_REPEATED_LAYER = True
-  CHECKPOINT_POLICY = 'save_nothing'
   ICI_MESH_SHAPE = None   # all devices data-parallel; set an expert axis for your hosts (docs/guides/moe.md)
-  OPTIMIZER = 'adamw'
-  LEARNING_RATE = 1e-5
-  WEIGHT_DECAY = 0.0

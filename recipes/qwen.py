@@ -22,25 +22,17 @@ the model's own tokenizer.json (its chat template comes with it).
 """
 
 from paxcli.experiment import register
-from paxcli.models import LmExperiment
+from paxcli.recipes._released import ReleasedLm
 from paxcli.models.qwen2 import QWEN2
 from paxcli.models.qwen3 import QWEN3
 from paxcli.models.qwen3_moe import QWEN3_MOE
 
 
-class _Qwen(LmExperiment):
+class _Qwen(ReleasedLm):
   """What the Qwen recipes share besides the family presets."""
 
   NORM_EPSILON = 1e-6
   MAX_SEQ_LEN = 4096
-  PERCORE_BATCH_SIZE = 1
-  FPROP_DTYPE = 'bfloat16'
-  USE_REPEATED_LAYER = True
-  CHECKPOINT_POLICY = 'save_nothing'
-  ICI_MESH_SHAPE = None   # all devices data-parallel (FSDP-style sharding: set a mesh for your hosts)
-  OPTIMIZER = 'adamw'
-  LEARNING_RATE = 1e-5
-  WEIGHT_DECAY = 0.0
 
 
 @register
