@@ -174,7 +174,7 @@ def test_merged_equals_unmerged_and_eval_decode_apply_the_adapters(runs, capsys)
   hf_dir = str(work / 'hf')
   code, out, err = pax_main(['checkpoint', 'convert', tuned, hf_dir, '--to', 'hf'], capsys)
   assert code == 0, err
-  assert 'Verified' in err and ': ok' in err and os.path.isfile(os.path.join(hf_dir, 'config.json'))
+  assert 'Certified on ' in ' '.join(err.split()) and ': ok' in err and os.path.isfile(os.path.join(hf_dir, 'config.json'))
   code, out, err = pax_main(['checkpoint', 'convert', tuned, str(work / 'plain')], capsys)
   assert code != 0 and '--merge-lora' in err and 'Traceback' not in err
 

@@ -102,8 +102,12 @@ def keep_trained(datasets: dict, job_dir: Optional[str]) -> None:
 def check_kept(train_input, job_dir: str) -> None:
   """UserError when the job directory has a checkpoint and a tokenizer and the train input
   names another one: its ids would not be the ones the weights learned."""
+  check_named(_input_tokenizer(train_input), job_dir)
+
+
+def check_named(source: Optional[str], job_dir: str) -> None:
+  """check_kept for a tokenizer file a command names (source; None names none)."""
   kept = _trained_with(job_dir)
-  source = _input_tokenizer(train_input)
   if kept and source and not _same_tokenizer(source, kept):
     shown = layout.tokenizer(job_dir)
     raise UserError(f'{job_dir} was trained with the tokenizer {shown}; this run\'s input uses {source}, which '
