@@ -146,6 +146,9 @@ class MaxTextSource(formats.SourceBase):
                       f'UNSUPPORTED_FEATURES name what paxcli does not build ({items}). The converted '
                       'model would compute another function; to convert anyway, accepting the difference, '
                       'add --set UNSUPPORTED_FEATURES={}.')
+    if experiment.knobs().get('NUM_EXPERTS'):
+      raise UserError(f'{type(experiment).__name__} is a mixture of experts: --from maxtext reads no MaxText MoE '
+                      '(mixtral) checkpoints yet; pax import-maxtext writes the recipe to train one from scratch.')
     self.family, wrong = registry.maxtext_family(experiment.knobs())
     if self.family is None:
       raise UserError(f'{type(experiment).__name__} does not compute a MaxText decoder: '

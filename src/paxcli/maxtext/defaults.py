@@ -158,6 +158,26 @@ SNAPSHOTS: tuple[Snapshot, ...] = (
 SNAPSHOT_BY_NAME = {s.name: s for s in SNAPSHOTS}
 
 
+# MaxText's mixture-of-experts defaults by date (base.yml history; the dated snapshots above predate them):
+# megablox False from 2024-06-05 and True from 2024-07-01 (it chose the sparse, dropless path until
+# sparse_matmul did); capacity_factor -1.0 (no dropping) since 2024-08-14; load_balance_loss_weight 0.01
+# from 2024-08-31 and 0.0 since 2025-12-26; sparse_matmul True since 2025-01-15.
+MOE_DEFAULT_CHANGES: tuple[tuple[str, str, Any], ...] = (
+    ('2024-06-05', 'megablox', False), ('2024-07-01', 'megablox', True),
+    ('2024-08-14', 'capacity_factor', -1.0), ('2024-08-31', 'load_balance_loss_weight', 0.01),
+    ('2025-01-15', 'sparse_matmul', True), ('2025-12-26', 'load_balance_loss_weight', 0.0),
+)
+
+
+def moe_defaults(date: Optional[str]) -> dict[str, Any]:
+  """MaxText's MoE defaults on an ISO date (None: today's MaxText), the keys base.yml had then."""
+  values: dict[str, Any] = {}
+  for since, key, value in MOE_DEFAULT_CHANGES:
+    if date is None or date >= since:
+      values[key] = value
+  return values
+
+
 def snapshot_at(date: str) -> Snapshot:
   """The base.yml snapshot in force on an ISO date (the first one before its start)."""
   chosen = SNAPSHOTS[0]
@@ -201,6 +221,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     'mixtral-8x7b': _llama(4096, 32, 8, 14336, 32, 32000, rope_max_timescale=1_000_000,
                            decoder_block='mixtral', base_moe_mlp_dim=14336, num_experts=8,
                            num_experts_per_tok=2),
+    'mixtral-8x22b': _llama(6144, 48, 8, 16384, 56, 32768, rope_max_timescale=1_000_000,
+                            decoder_block='mixtral', base_moe_mlp_dim=16384, num_experts=8,
+                            num_experts_per_tok=2),
     'gemma-2b': _gemma(2048, 8, 1, 16384, 18, 256, 'gemma'),
     'gemma-7b': _gemma(3072, 16, 16, 24576, 28, 256, 'gemma'),
     # Gemma 2: MaxText counts a (local, global) attention pair as one decoder layer.
@@ -233,7 +256,7 @@ DEFAULT_BLOCK_2023 = ("MaxText's 2023 default decoder layer also has T5 relative
                       'query/key norms; paxcli builds a parallel layer with rotary positions')
 
 # The decoder blocks a paxcli model family computes are that family's (paxcli.models.registry:
-# llama2, mistral, mixtral and default are the Llama family's). These are the others: the knobs
+# llama2, mistral and default are the Llama family's, mixtral the Mixtral family's). These are the others: the knobs
 # nearest to them, and why paxcli's layer would be a different model.
 _NEAREST = {'NORM_TYPE': 'rmsnorm', 'USE_BIAS': False, 'POSITION_EMBEDDING': 'rotary'}
 OTHER_DECODER_BLOCKS: dict[str, MaxTextBlock] = {

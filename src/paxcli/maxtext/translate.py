@@ -342,6 +342,9 @@ class _Builder:
     self.era = era
     snap, snap_reason = choose_snapshot(era, script_keys | set(base), self.options)
     self.snapshot = snap
+    # MaxText's MoE keys came after the last dated snapshot: their defaults of the run's date (today's without one)
+    when = self.options.date or 'today'
+    self._layer(mt.moe_defaults(self.options.date), f'MaxText MoE defaults ({when})')
     self._layer(snap.values, f'base.yml {snap.name}')
     defaults_name = f'{snap.name} (from {snap.start}): {snap.description}'
     self.base_keys = set(base)
@@ -540,9 +543,13 @@ def _activation_and_block(b: _Builder) -> None:
   for knob, value in knobs.items():   # whatever else the family's block sets
     b.put(knob, value, 'decoder_block')
   handled = set()
-  for knob, value, keys in (block.from_config(b.get, b.knobs) if block.from_config else ()):
-    b.put(knob, value, keys)
+  for knob, value, keys, *after in (block.from_config(b.get, b.knobs) if block.from_config else ()):
+    b.put(knob, value, keys, after=after[0] if after else '')
     handled.update(k.strip() for k in keys.split(','))
+  if b.knobs.get('MOE_DISPATCH') == 'capacity':
+    b.notes.append('capacity_factor: where an expert overflows, MaxText keeps the earlier tokens (each token\'s k '
+                   'choices together); paxcli keeps every first choice before any second one (GShard\'s order), '
+                   'so the dropped tokens can differ, not how many an expert takes.')
   if position == 'rotary':
     b.direct('ROTARY_MAX_TIMESCALE', 'rope_max_timescale', 10000,
              raw=b.raw('rope_max_timescale') if 'rope_max_timescale' in b.config else '10000 (MaxText)')
@@ -585,6 +592,9 @@ def _model_features(b: _Builder, handled: set = frozenset()) -> None:
   checks = [
       ('num_experts', lambda v: int(v) > 1, 'mixture_of_experts',
        'MaxText runs {v} experts per MoE layer; paxcli has dense MLPs only'),
+      ('use_random_routing', bool, 'random_routing', 'MaxText routes each token to random experts'),
+      ('ragged_buffer_factor', lambda v: v is not None and float(v) > 0, 'moe_token_dropping',
+       'MaxText drops routed tokens past ragged_buffer_factor={v} x the balanced share of a device'),
       ('sliding_window_size', lambda v: v and int(v) > 0, 'sliding_window_attention',
        'MaxText limits attention to a window of {v} tokens'),
       ('attn_logits_soft_cap', lambda v: v and float(v) > 0, 'logit_soft_capping',
@@ -783,25 +793,45 @@ def _mesh(b: _Builder) -> None:
   per_slice, slices, how = _devices(b, dcn_fixed, -1 in nets['dcn'].values())
   ici = _resolve(nets['ici'], per_slice, 'ici')
   dcn = _resolve(nets['dcn'], slices, 'dcn')
-  pax_ici = _fold(b, ici, 'ici')
-  pax_dcn = _fold(b, dcn, 'dcn')
+  experts = b.knobs.get('NUM_EXPERTS', 0)
+  expert_axis = bool(experts) and any(n.get('expert', 1) != 1 for n in (ici, dcn))
+  if expert_axis:
+    _check_expert_parallelism(experts, ici.get('expert', 1), dcn.get('expert', 1))
+  pax_ici = _fold(b, ici, 'ici', expert_axis)
+  pax_dcn = _fold(b, dcn, 'dcn', expert_axis)
   if -1 in pax_ici:
     b.notes.append(f'ICI_MESH_SHAPE {pax_ici}: -1 fills the remaining devices when paxcli '
                    'trains (give --num-devices N, or --topology and --num-slices, to resolve it now).')
   after = f'{pax_ici} ({how})' if how else ''
-  b.put('ICI_MESH_SHAPE', pax_ici, 'ici_data, ici_fsdp, ici_tensor',
+  keys = ', {net}_expert' if expert_axis else ''
+  b.put('ICI_MESH_SHAPE', pax_ici, 'ici_data, ici_fsdp, ici_tensor' + keys.format(net='ici'),
         raw=_mesh_raw(nets['ici'], 'ici'), after=after, source=_mesh_source(b, 'ici'))
-  b.put('DCN_MESH_SHAPE', pax_dcn, 'dcn_data, dcn_fsdp, dcn_tensor',
+  b.put('DCN_MESH_SHAPE', pax_dcn, 'dcn_data, dcn_fsdp, dcn_tensor' + keys.format(net='dcn'),
         raw=_mesh_raw(nets['dcn'], 'dcn'), after=f'{pax_dcn}' if -1 in nets['dcn'].values() else '',
         source=_mesh_source(b, 'dcn'))
 
 
-def _fold(b: _Builder, values: dict[str, int], net: str) -> list[int]:
-  shape = [1, 1, 1]
+def _check_expert_parallelism(experts: int, ici: int, dcn: int) -> None:
+  """One line when MaxText's expert parallelism (-1: filled later) does not divide the experts."""
+  if ici != -1 and dcn != -1 and experts % (ici * dcn):
+    raise UserError(f'ici_expert_parallelism={ici} x dcn_expert_parallelism={dcn} = {ici * dcn} does not divide '
+                    f'num_experts={experts}: every device of the expert axis holds the same number of experts.')
+
+
+# With an expert axis, paxcli's five-entry mesh [stage, replica, data, expert, mdl]: where each of the three
+# Pax axes of _AXIS_FOLD goes, and the expert axis.
+_EXPERT_MESH = {0: 1, 1: 2, 2: 4, 'expert': 3}
+
+
+def _fold(b: _Builder, values: dict[str, int], net: str, expert_axis: bool = False) -> list[int]:
+  """Pax's [replica, data, mdl] of a network's MaxText axes, or [stage 1, replica, data, expert, mdl] where
+  the model's experts are sharded over MaxText's expert axis."""
+  shape = [1] * (5 if expert_axis else 3)
   for axis, value in values.items():
-    index = _AXIS_FOLD[axis]
-    if axis not in ('data', 'fsdp', 'tensor') and value != 1:
-      target = f'{_PAX_AXES[index]} ({"ICI" if net == "ici" else "DCN"}_MESH_SHAPE[{index}])'
+    pax_axis = _AXIS_FOLD[axis]
+    index = (_EXPERT_MESH['expert' if axis == 'expert' else pax_axis]) if expert_axis else pax_axis
+    if axis not in ('data', 'fsdp', 'tensor') and value != 1 and not (expert_axis and axis == 'expert'):
+      target = f'{_PAX_AXES[pax_axis]} ({"ICI" if net == "ici" else "DCN"}_MESH_SHAPE[{index}])'
       message = (f'{net}_{axis}_parallelism={value}: Pax has no {axis} mesh axis; folded into '
                  f'{target} so the mesh keeps its size.')
       b.warnings.append(message)

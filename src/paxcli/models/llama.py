@@ -1,5 +1,5 @@
-"""The Llama family: Hugging Face `LlamaForCausalLM`, MaxText's llama2/mistral/mixtral and default decoder
-blocks, and paxcli's own Llama-shaped recipes (default.StdlibDocsLm, bench.Llama1B).
+"""The Llama family: Hugging Face `LlamaForCausalLM`, MaxText's llama2/mistral and default decoder
+blocks (mixtral is the Mixtral family's), and paxcli's own Llama-shaped recipes (default.StdlibDocsLm, bench.Llama1B).
 
 Weight map (paxcli unrolled names -> `LlamaForCausalLM` keys; HF stores nn.Linear weights [out, in],
 paxcli kernels [in, ...]):
@@ -56,7 +56,7 @@ _FEATURES = {
                 True: '{title} RMS-normalises each head\'s query and key (USE_QK_NORM=True)'},
 }
 # What every MaxText decoder block of the family sets the same way.
-_MAXTEXT_LAYER = {'NORM_TYPE': 'rmsnorm', 'USE_BIAS': False, 'POSITION_EMBEDDING': 'rotary'}
+MAXTEXT_LAYER = {'NORM_TYPE': 'rmsnorm', 'USE_BIAS': False, 'POSITION_EMBEDDING': 'rotary'}
 
 
 class Llama(Family):
@@ -79,11 +79,10 @@ class Llama(Family):
   # Whether the family's attention has a window (SLIDING_WINDOW > 0; paxcli.models.mistral); None: either.
   sliding_window: Optional[bool] = False
   maxtext_blocks = {
-      'llama2': MaxTextBlock(_MAXTEXT_LAYER),
-      'mistral': MaxTextBlock(_MAXTEXT_LAYER),
-      'mixtral': MaxTextBlock(_MAXTEXT_LAYER),
+      'llama2': MaxTextBlock(MAXTEXT_LAYER),
+      'mistral': MaxTextBlock(MAXTEXT_LAYER),
       # Since 2024 MaxText's default decoder layer is attention and MLP in parallel from one RMSNorm.
-      'default': MaxTextBlock({'PARALLEL_BLOCK': True, **_MAXTEXT_LAYER}),
+      'default': MaxTextBlock({'PARALLEL_BLOCK': True, **MAXTEXT_LAYER}),
   }
   # MaxText layer parameter (below decoder/layers) -> (paxcli name below a layer, per-layer rank).
   maxtext_layer_params = {

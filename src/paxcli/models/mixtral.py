@@ -21,9 +21,10 @@ from typing import Optional
 
 from paxcli.errors import UserError
 from paxcli.models import hf_config
-from paxcli.models.llama import Llama
+from paxcli.models.family import MaxTextBlock
+from paxcli.models.llama import MAXTEXT_LAYER, Llama
 from paxcli.models.mistral import Mistral
-from paxcli.models.moe_family import TRAINING_ONLY_KEYS, Experts
+from paxcli.models.moe_family import TRAINING_ONLY_KEYS, Experts, maxtext_moe_knobs
 
 
 class Mixtral(Experts, Mistral):
@@ -43,6 +44,11 @@ class Mixtral(Experts, Mistral):
   hf_moe_prefix = 'block_sparse_moe'
   hf_expert_names = ('w1', 'w3', 'w2')
   hf_experts_key = 'num_local_experts'
+  # MaxText's mixtral decoder block: Llama's layer with routed experts (paxcli.models.moe_family:
+  # maxtext_moe_knobs reads num_experts, num_experts_per_tok, capacity_factor, sparse_matmul and the
+  # load-balancing weight). --from maxtext reads no MoE checkpoints yet: no layer parameters.
+  maxtext_blocks = {'mixtral': MaxTextBlock(MAXTEXT_LAYER, from_config=maxtext_moe_knobs)}
+  maxtext_layer_params = {}
 
   def router_misfit(self, model) -> list[str]:
     if model.router_softmax == 'before_topk' and not model.normalize_topk:

@@ -17,6 +17,8 @@ holding that spelling is read too (hf_read_weights).
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from paxcli.errors import UserError
@@ -106,3 +108,100 @@ def _in_mlp(w: Weight, fused: dict) -> bool:
 
 def _written_per_expert(x):
   raise AssertionError('the fused expert spelling is read only; --to hf writes the per-expert one')
+
+
+# ---- MaxText's routed MoE (decoder_block=mixtral; MaxText layers/moe.py RoutedMoE) ------------------------
+
+# The MaxText keys maxtext_moe_knobs reads (and so are not listed as untranslated).
+MAXTEXT_MOE_KEYS = ('num_experts', 'num_experts_per_tok', 'capacity_factor', 'sparse_matmul', 'megablox',
+                    'load_balance_loss_weight', 'base_moe_mlp_dim')
+
+
+def _maxtext_number(get, key: str, fallback, whole: bool):
+  value = get(key, fallback)
+  if value is None or value == '':
+    value = fallback
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or (whole and not float(value).is_integer()):
+    raise UserError(f'{key}={value!r} must be a {"whole " if whole else ""}number.')
+  return int(value) if whole else float(value)
+
+
+def _maxtext_flag(get, key: str, fallback: bool) -> bool:
+  value = get(key, fallback)
+  if not isinstance(value, bool):
+    raise UserError(f'{key}={value!r} must be true or false.')
+  return value
+
+
+def maxtext_capacity(length: int, num_experts: int, k: int, factor: float) -> int:
+  """MaxText's expert capacity per sequence (RoutedMoE.generate_masks): int(max(ceil(L k / E) x factor, factor))."""
+  return int(max(math.ceil(length * k / num_experts) * factor, factor))
+
+
+def paxcli_capacity(length: int, num_experts: int, k: int, factor: float) -> int:
+  """paxcli's (paxcli.layers.moe.expert_capacity, which imports flax): ceil(factor x L k / E), in [1, L]."""
+  return max(1, min(length, math.ceil(factor * length * k / num_experts)))
+
+
+def capacity_factor_for(length: int, num_experts: int, k: int, capacity: int) -> float:
+  """The EXPERT_CAPACITY_FACTOR that gives paxcli `capacity` slots at sequence length `length`: capacity x E / (L k)
+  where that rounds back, else half a slot less (ceil then lands on `capacity` whatever the float rounding)."""
+  exact = capacity * num_experts / (length * k)
+  if paxcli_capacity(length, num_experts, k, exact) == capacity:
+    return exact
+  return (capacity - 0.5) * num_experts / (length * k)
+
+
+def maxtext_moe_knobs(get, knobs) -> list:
+  """What a MaxText decoder block of routed experts (mixtral) takes from the run's config, as rows
+  (knob, value, MaxText keys[, how it was computed]); one line for settings MaxText would compute otherwise or
+  refuse. `knobs` holds the sizes so far (NUM_LAYERS, HIDDEN_DIMS, MAX_SEQ_LEN).
+
+  num_experts 1 (base.yml's) is a dense MLP: a softmax over one expert weighs it 1. MaxText's dispatch:
+  sparse_matmul (megablox or ragged_dot grouped matmuls) computes every choice, and so does its dense path with
+  capacity_factor < 0; the dense path with capacity_factor > 0 drops what overflows a capacity per sequence.
+  Its load-balancing loss is k when balanced and averaged over layers; paxcli's is 1 when balanced and summed
+  over layers, so the weight is scaled by k / layers for the same total."""
+  experts = _maxtext_number(get, 'num_experts', 1, whole=True)
+  k = _maxtext_number(get, 'num_experts_per_tok', 1, whole=True)
+  moe_mlp = _maxtext_number(get, 'base_moe_mlp_dim', -1, whole=True)
+  if experts < 1 or k < 1:
+    raise UserError(f'num_experts={experts} and num_experts_per_tok={k} must be at least 1.')
+  if k > experts:
+    raise UserError(f'num_experts_per_tok={k} is more than num_experts={experts}: each token picks k of the experts.')
+  factor = _maxtext_number(get, 'capacity_factor', -1.0, whole=False)
+  sparse = _maxtext_flag(get, 'sparse_matmul', _maxtext_flag(get, 'megablox', True))
+  weight = _maxtext_number(get, 'load_balance_loss_weight', 0.0, whole=False)
+  if experts == 1:
+    return []
+  if moe_mlp > 0 and moe_mlp != get('base_mlp_dim'):
+    raise UserError(f'base_moe_mlp_dim={moe_mlp} differs from base_mlp_dim={get("base_mlp_dim")}: MaxText refuses '
+                    'that in a model whose every layer is a mixture of experts (set them equal).')
+  if not sparse and factor == 0:
+    raise UserError('capacity_factor=0 with sparse_matmul=false: a capacity of 0 tokens per expert (MaxText reads '
+                    'only a negative factor as dropless). Set capacity_factor=-1 for dropless, or a positive factor.')
+  if weight < 0:
+    raise UserError(f'load_balance_loss_weight={weight} must be 0 (off) or positive.')
+  layers = knobs['NUM_LAYERS']
+  out = [('NUM_EXPERTS', experts, 'num_experts'), ('EXPERTS_PER_TOKEN', k, 'num_experts_per_tok'),
+         ('ROUTER_SOFTMAX', 'after_topk', 'decoder_block', 'softmax over the chosen k router logits, as MaxText'),
+         ('LOAD_BALANCE_LOSS_WEIGHT', weight * k / layers, 'load_balance_loss_weight',
+          f'{weight * k / layers:g} (= {weight:g} x k {k} / {layers} layers: MaxText averages over layers a loss of '
+          'k when balanced, paxcli sums one of 1)' if weight else '')]
+  if sparse or factor < 0:
+    how = 'sparse_matmul=true: grouped matmuls' if sparse else 'capacity_factor < 0: no dropping'
+    return out + [('MOE_DISPATCH', 'dropless', 'sparse_matmul, capacity_factor', f'dropless ({how})')]
+  length = knobs['MAX_SEQ_LEN']
+  capacity = maxtext_capacity(length, experts, k, factor)
+  if capacity < 1:
+    raise UserError(f'capacity_factor={factor:g} gives each expert {capacity} tokens of a {length}-token sequence '
+                    f'(MaxText: int(max(ceil({length} x {k} / {experts}) x {factor:g}, {factor:g}))): every token '
+                    'would be dropped. Raise it, or set capacity_factor=-1 for dropless.')
+  slots = min(capacity, length)   # an expert takes at most every token of a sequence
+  ours = factor if paxcli_capacity(length, experts, k, factor) == slots else capacity_factor_for(length, experts, k,
+                                                                                                  slots)
+  after = f'{slots} tokens per expert per {length}-token sequence, as MaxText'
+  if ours != factor:
+    after = f'{ours:.6g} ({after}; paxcli rounds ceil(factor x L k / E), MaxText int(ceil(L k / E) x factor))'
+  return out + [('MOE_DISPATCH', 'capacity', 'sparse_matmul, capacity_factor', 'capacity (sparse_matmul=false)'),
+                ('EXPERT_CAPACITY_FACTOR', ours, 'capacity_factor', after)]
