@@ -78,7 +78,7 @@ def test_strict_fails_on_unknown_keys_and_missing_mesh_axes(tmp_path, capsys):
   assert code == 0, err
   assert 'WARNING' in out and out_file.exists()
   exp = lookup(f'{out_file}:MaxTextUnsupportedAxes')()
-  assert set(exp.UNSUPPORTED_FEATURES) == {'sequence_parallelism', 'mixture_of_experts'}
+  assert set(exp.UNSUPPORTED_FEATURES) == {'sequence_parallelism'}
 
 
 def test_bad_input_is_one_clear_line(tmp_path, capsys):
