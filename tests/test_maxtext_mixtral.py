@@ -164,7 +164,7 @@ def test_the_recipe_trains_with_experts_sharded_four_ways(keys, tmp_path, capsys
   sets = [a for s in TINY + ['ICI_MESH_SHAPE=[1,1,2,4,1]', 'SUMMARY_INTERVAL_STEPS=1'] for a in ('--set', s)]
   code, out, err = pax_main(['train', '--exp', EXP, *sets, '--job-log-dir', 'runs/tiny'], capsys)
   assert code == 0, err
-  assert 'Done: step 2' in out
+  assert 'Done: step 2' in out and 'mesh stage=1 x replica=1 x data=2 x expert=4 x mdl=1' in out
   metrics = [json.loads(line) for line in (tmp_path / 'runs/tiny/train_metrics.jsonl').read_text().splitlines()]
   assert metrics and all(math.isfinite(m['loss']) for m in metrics if 'loss' in m)
   assert any(re.search('expert_load_max', k) for m in metrics for k in m), metrics[-1].keys()
