@@ -184,3 +184,12 @@ def test_the_real_size_recipe_plans_on_64_devices(tmp_path, capsys, monkeypatch)
   assert row['status'] == 'compiled' and row['devices'] == 64 and row['fits'] is True, row
   assert row['memory_total_bytes'] < 80 * 2**30
   assert row['mesh'] == 'stage=1 x replica=1 x data=8 x expert=8 x mdl=1'
+
+
+def test_from_maxtext_refuses_a_mixtral_recipe_in_one_line(tmp_path, capsys):
+  """--from maxtext reads no MaxText MoE checkpoints: a Mixtral recipe (here the llama2 fixture's script with
+  decoder_block=mixtral and 4 experts) is refused before anything is read or written."""
+  from test_convert_maxtext import _convert_into_edited_recipe
+  code, err = _convert_into_edited_recipe('llama2_scanned', 'decoder_block=llama2',
+                                          'decoder_block=mixtral num_experts=4 num_experts_per_tok=2', tmp_path, capsys)
+  assert code == 2 and 'reads no MaxText MoE (mixtral) checkpoints' in err and len(err.strip().splitlines()) == 1, err
