@@ -98,6 +98,7 @@ def test_maxtext_blocks_come_from_the_family():
   assert family is LLAMA and block.knobs['PARALLEL_BLOCK'] is True
   assert registry.maxtext_block('llama2')[0] is LLAMA and registry.maxtext_block('gemma2')[0].name == 'gemma2'
   assert registry.maxtext_block('gemma3')[0].name == 'gemma3' and registry.maxtext_block('gpt3') is None
+  assert registry.maxtext_block('mixtral')[0].name == 'mixtral'
   found, wrong = registry.maxtext_family({'NORM_TYPE': 'layernorm', 'USE_BIAS': False, 'POSITION_EMBEDDING': 'rotary'})
   assert found is None and wrong == ["NORM_TYPE = 'layernorm' (MaxText: 'rmsnorm')"]
 
