@@ -256,8 +256,8 @@ DEFAULT_BLOCK_2023 = ("MaxText's 2023 default decoder layer also has T5 relative
                       'query/key norms; paxcli builds a parallel layer with rotary positions')
 
 # The decoder blocks a paxcli model family computes are that family's (paxcli.models.registry:
-# llama2, mistral and default are the Llama family's, mixtral the Mixtral family's). These are the others: the knobs
-# nearest to them, and why paxcli's layer would be a different model.
+# llama2, mistral and default are the Llama family's, mixtral the Mixtral family's). These are the
+# others: the knobs nearest to them, and why paxcli's layer would be a different model.
 _NEAREST = {'NORM_TYPE': 'rmsnorm', 'USE_BIAS': False, 'POSITION_EMBEDDING': 'rotary'}
 OTHER_DECODER_BLOCKS: dict[str, MaxTextBlock] = {
     'gemma': MaxTextBlock(_NEAREST, 'Gemma layers scale embeddings by sqrt(emb_dim) and store norm scales as 1+w'),

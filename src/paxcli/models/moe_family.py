@@ -112,11 +112,6 @@ def _written_per_expert(x):
 
 # ---- MaxText's routed MoE (decoder_block=mixtral; MaxText layers/moe.py RoutedMoE) ------------------------
 
-# The MaxText keys maxtext_moe_knobs reads (and so are not listed as untranslated).
-MAXTEXT_MOE_KEYS = ('num_experts', 'num_experts_per_tok', 'capacity_factor', 'sparse_matmul', 'megablox',
-                    'load_balance_loss_weight', 'base_moe_mlp_dim')
-
-
 def _maxtext_number(get, key: str, fallback, whole: bool):
   value = get(key, fallback)
   if value is None or value == '':
