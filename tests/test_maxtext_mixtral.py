@@ -131,10 +131,11 @@ def test_explicit_experts_and_the_8x22b_preset(tmp_path, capsys):
 
 
 def test_experts_on_a_block_without_them_stay_unsupported(tmp_path, capsys):
-  """num_experts on MaxText's llama2 block: not the Mixtral family's layer, named as before."""
+  """num_experts on MaxText's llama2 block: paxcli builds that block with a dense MLP, and says so."""
   script = tmp_path / 'l.sh'
   script.write_text('python3 MaxText/train.py MaxText/configs/base.yml model_name=llama2-7b num_experts=8 run_name=x\n')
-  assert 'mixture_of_experts' in _knobs(script, capsys)['UNSUPPORTED_FEATURES']
+  knobs = _knobs(script, capsys)
+  assert 'decoder_block=mixtral' in knobs['UNSUPPORTED_FEATURES']['mixture_of_experts'] and 'NUM_EXPERTS' not in knobs
 
 
 @pytest.mark.parametrize('keys, message', [

@@ -591,7 +591,7 @@ def _model_features(b: _Builder, handled: set = frozenset()) -> None:
   """MaxText settings that make a model paxcli cannot build (but those the decoder block has `handled`)."""
   checks = [
       ('num_experts', lambda v: int(v) > 1, 'mixture_of_experts',
-       'MaxText runs {v} experts per MoE layer; paxcli has dense MLPs only'),
+       'num_experts={v} on a decoder block paxcli builds with a dense MLP (it reads experts of decoder_block=mixtral)'),
       ('use_random_routing', bool, 'random_routing', 'MaxText routes each token to random experts'),
       ('ragged_buffer_factor', lambda v: v is not None and float(v) > 0, 'moe_token_dropping',
        'MaxText drops routed tokens past ragged_buffer_factor={v} x the balanced share of a device'),
