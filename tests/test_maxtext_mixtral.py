@@ -84,14 +84,17 @@ def test_the_recipe_holds_the_knobs_as_literals_and_describes_mixtral(tmp_path, 
   assert '# parameters: 46.7 G (46,702,792,704); active per token: 12.9 G (12,879,925,248' in out
 
 
-@pytest.mark.parametrize('keys, dispatch', [
-    (('sparse_matmul=true', 'capacity_factor=1.25'), 'dropless'),    # the sparse path never drops
-    (('sparse_matmul=false', 'capacity_factor=-1'), 'dropless'),     # the dense path without a capacity
-    (('sparse_matmul=false', 'megablox=false'), 'dropless'),         # base.yml's capacity_factor -1
-    (('sparse_matmul=false', 'capacity_factor=1.25'), 'capacity'),
+@pytest.mark.parametrize('keys, args, dispatch', [
+    (('sparse_matmul=true', 'capacity_factor=1.25'), (), 'dropless'),    # the sparse path never drops
+    (('sparse_matmul=false', 'capacity_factor=-1'), (), 'dropless'),     # the dense path without a capacity
+    (('sparse_matmul=false', 'megablox=false'), (), 'dropless'),         # base.yml's capacity_factor -1
+    (('sparse_matmul=false', 'capacity_factor=1.25'), (), 'capacity'),
+    # before sparse_matmul (2025-01-15) megablox chose the sparse path; since, sparse_matmul (true by default)
+    (('megablox=false', 'capacity_factor=1.25'), ('--maxtext-date', '2024-12-01'), 'capacity'),
+    (('megablox=false', 'capacity_factor=1.25'), (), 'dropless'),
 ])
-def test_dispatch(keys, dispatch, tmp_path, capsys):
-  assert _knobs(_script(tmp_path, *keys), capsys)['MOE_DISPATCH'] == dispatch
+def test_dispatch(keys, args, dispatch, tmp_path, capsys):
+  assert _knobs(_script(tmp_path, *keys), capsys, *args)['MOE_DISPATCH'] == dispatch
 
 
 @pytest.mark.parametrize('length, factor', [(4096, 1.25), (4096, 1.1), (100, 1.1), (36, 2.0), (4096, 0.3)])
