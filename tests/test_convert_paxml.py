@@ -98,9 +98,9 @@ def _paxcli_model(knobs, scan, **overrides):
   """The paxcli model of a checkpoint's knobs (every LM knob; the layout asked for)."""
   from paxcli.layers.base import instantiate
   from paxcli.models import lm_config
-  from paxcli.models.knobs import LM_KNOBS, effective
+  from paxcli.models.knobs import LM_KNOBS, flat_settings
   values = {**knobs, 'MAX_SEQ_LEN': 16, 'USE_REPEATED_LAYER': scan, 'CHECKPOINT_POLICY': 'none', **overrides}
-  return instantiate(lm_config(**effective(values, LM_KNOBS)))
+  return instantiate(lm_config(**flat_settings(values, LM_KNOBS)))
 
 
 def _converted_logits(name, scan, **overrides):
