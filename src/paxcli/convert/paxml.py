@@ -454,23 +454,21 @@ class PaxConfig:
                 if len(kinds) % p == 0 and kinds == kinds[:p] * (len(kinds) // p))
 
   def _moe_capacity(self, kind: dict, experts: int) -> None:
-    """Dropless where praxis never drops a token: a capacity factor of at least the number of experts gives every
-    expert room for its whole group (C = int(group x factor / E) rounded up to 4, and a token picks an expert once).
-    Otherwise praxis drops tokens over capacity in num_groups groups of the batch's tokens, which paxcli's capacity
-    dispatch (per sequence, C = ceil(factor x L x k / E)) follows only approximately: listed as unsupported."""
+    """praxis' capacity: the batch's tokens in num_groups groups, an expert taking int(factor x group / E) tokens
+    of one, rounded up to a multiple of 4 (MOE_GROUPS, EXPERT_CAPACITY_RULE 'praxis'). A factor of at least the
+    number of experts gives every expert room for its whole group (a token picks an expert once): dropless then,
+    the same function without the dispatch's one-hot tensors."""
     m = self.block + 'moe_layer_tpl.'
-    factor = self.float(m + 'unadjusted_expert_capacity_factor', 2.0)
+    factor = self.float(m + 'unadjusted_expert_capacity_factor', 0.0)
     if factor >= experts:
       kind['MOE_DISPATCH'] = 'dropless'
       return
-    kind['MOE_DISPATCH'] = 'capacity'
-    kind['EXPERT_CAPACITY_FACTOR'] = max(factor, 1e-6) / 2   # praxis counts slots per token, paxcli per choice
-    fixed = self.get(m + 'expert_capacity_dim')
-    self.unsupported['MoE expert capacity'] = (
-        f'praxis drops tokens over capacity in {self.get(self.block + "num_groups")} group(s) of the batch\'s tokens; '
-        'paxcli\'s capacity dispatch drops per sequence (equal when no token is dropped; a factor of at least '
-        f'num_experts never drops) ({m}unadjusted_expert_capacity_factor = {factor!r}'
-        + (f', expert_capacity_dim = {fixed!r})' if fixed else ')'))
+    kind.update(MOE_DISPATCH='capacity', EXPERT_CAPACITY_FACTOR=factor or 1.0, EXPERT_CAPACITY_RULE='praxis',
+                MOE_GROUPS=self.int(self.block + 'num_groups', 1))
+    self._off('MoE fixed capacity', m + 'expert_capacity_dim', 'paxcli derives the capacity from the factor alone')
+    if not factor:
+      self.unsupported['MoE capacity factor'] = f'paxcli needs a capacity factor ({m}unadjusted_expert_capacity_factor)'
+    self._off('MoE minimum group size', self.block + 'min_group_size', 'paxcli routes in MOE_GROUPS groups')
 
   def _moe_ffn(self, kind: dict) -> None:
     """The experts' MLP where it differs from the dense layers' (hidden units, activation, gating), and its norm,
