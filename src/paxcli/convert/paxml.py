@@ -438,9 +438,10 @@ class PaxConfig:
     raw = self.get(key)
     if raw in (None, '', '()', '[]'):
       return set()
-    text = raw if isinstance(raw, str) else repr(raw)
-    text = re.sub(r'np\.int\d+\((-?\d+)\)', r'\1', text.replace('array(', '').replace(')', '').strip()
-                  ) if len(text) < 100_000 else ''
+    text = (raw if isinstance(raw, str) else repr(raw)).strip()
+    text = re.sub(r'np\.int\d+\((-?\d+)\)', r'\1', text) if len(text) < 100_000 else ''
+    wrapped = re.fullmatch(r'array\((.*)\)', text)   # a numpy array's repr
+    text = wrapped.group(1) if wrapped else text
     if not re.fullmatch(r'[\[(]\s*(-?\d+\s*,\s*)*(-?\d+\s*,?\s*)?[\])]', text):
       raise UserError(f'{self.where(key)}: {key} is {shorten(repr(raw), 60)}; paxcli reads a list of layer indices.')
     return {int(n) for n in re.findall(r'-?\d+', text) if 0 <= int(n) < self.per_block}

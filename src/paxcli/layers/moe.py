@@ -23,9 +23,9 @@ Dispatch, by `dispatch`:
               C = ceil(capacity_factor x L x k / E) of a group's tokens (`capacity_rule` 'praxis':
               int(capacity_factor x L / E) rounded up to 4), first choices before second
               ones, in token order; the rest are dropped (they pass through the residual alone) and
-              counted. A decoding step (one token a sequence) routes each sequence alone. Dispatch and combine are einsums over one-hot [B, L, E, C] masks, and the
-              expert inputs [E, B, C, D] are constrained to the `expert` axis, which GSPMD lowers to
-              all-to-all. This is what Pax's GShard layers (praxis TransformerFeedForwardMoe) train with.
+              counted. A decoding step (one token a sequence) routes each sequence alone. Dispatch
+              and combine are einsums over one-hot [B, L, E, C] masks, and the expert inputs
+              [E, B, C, D] are constrained to the `expert` axis, which GSPMD lowers to all-to-all. This is what Pax's GShard layers (praxis TransformerFeedForwardMoe) train with.
 
 Aux losses (layers.base AUX_LOSS; each weighted by its knob, 0: not added):
   load_balance_loss  E x sum_e f_e P_e, f_e the share of the token choices routed to e and P_e the
@@ -199,7 +199,7 @@ def _ffn(h_in, kernels: dict, act, gated: bool, matmul, bias):
 def expert_capacity(length: int, num_experts: int, k: int, factor: float, rule: str = 'paxcli') -> int:
   """Slots per expert in a group of `length` tokens, at least 1 and at most the group: 'paxcli' ceil(factor x
   length x k / E); 'praxis' int(factor x length / E) rounded up to a multiple of 4 (praxis' top-2 gating with
-  unadjusted_expert_capacity_factor; it leaves an expert no slot where that is 0, paxcli one)."""
+  unadjusted_expert_capacity_factor; where that is 0, praxis leaves an expert no slot and this gives it one)."""
   if rule == 'praxis':
     slots = int(length * factor / num_experts)
     return max(1, min(length, (slots + 3) // 4 * 4))
