@@ -103,7 +103,9 @@ def _paxcli_model(knobs, scan, **overrides):
   return instantiate(lm_config(**flat_settings(values, LM_KNOBS)))
 
 
-def _converted_logits(name, scan, **overrides):
+def _converted_logits(name, scan, with_dropped=False, **overrides):
+  """(logits, params, knobs) of a fixture converted in-process; with_dropped: and the MoE layers'
+  dropped_fraction summaries."""
   from paxcli.convert import core, paxml
   src = paxml.PaxmlSource(_fixture(name))
   knobs = src.knobs()
@@ -112,7 +114,17 @@ def _converted_logits(name, scan, **overrides):
   view = src.paxcli_view(model)
   params = core.load_params(view, [a.name for a in view.arrays()])
   ids, _ = _paxml_logits(name)
-  return np.asarray(model.apply({'params': params}, jnp.asarray(ids))), params, knobs
+  logits, state = model.apply({'params': params}, jnp.asarray(ids), mutable=['summaries'])
+  dropped = [float(np.max(v)) for p, v in _flat(state) if p.endswith('dropped_fraction')]
+  return (np.asarray(logits), params, knobs) + ((dropped,) if with_dropped else ())
+
+
+def _flat(tree, prefix=''):
+  for k, v in tree.items():
+    if hasattr(v, 'items'):
+      yield from _flat(v, f'{prefix}{k}/')
+    else:
+      yield f'{prefix}{k}', v
 
 
 @pytest.mark.parametrize('name,scan', [('stacked', True), ('gpt3', False), ('repeated', False),
@@ -263,35 +275,12 @@ def test_paxml_errors(case, tmp_path, capsys):
 # ---- praxis' mixture of experts (GShard: StackedTransformer num_experts / moe_layers, TransformerFeedForwardMoe) ----
 
 
-def _moe_logits(name, scan, **overrides):
-  """Logits of a converted MoE fixture, and the layers' dropped_fraction summaries."""
-  from paxcli.convert import core, paxml
-  src = paxml.PaxmlSource(_fixture(name))
-  knobs = src.knobs()
-  assert knobs.pop('UNSUPPORTED_FEATURES') == {}
-  model = _paxcli_model(knobs, scan, **overrides)
-  view = src.paxcli_view(model)
-  params = core.load_params(view, [a.name for a in view.arrays()])
-  ids, _ = _paxml_logits(name)
-  logits, state = model.apply({'params': params}, jnp.asarray(ids), mutable=['summaries'])
-  dropped = [float(np.max(v)) for p, v in _flat(state) if p.endswith('dropped_fraction')]
-  return np.asarray(logits), params, knobs, dropped
-
-
-def _flat(tree, prefix=''):
-  for k, v in tree.items():
-    if isinstance(v, dict) or hasattr(v, 'items'):
-      yield from _flat(v, f'{prefix}{k}/')
-    else:
-      yield f'{prefix}{k}', v
-
-
 @pytest.mark.parametrize('name,scan', [('moe', True), ('moe', False), ('moe_capacity', False)])
 def test_praxis_moe_reproduces_paxml_logits(name, scan):
   """moe: layer 1 of 2 a mixture of experts (a LAYER_PATTERN ('dense', 'moe'); gated SiLU experts of 48 units,
   narrower than the dense MLP) at a capacity factor that never drops (dropless); moe_capacity: every layer MoE,
   praxis' default capacity factor 2.0 in 4 routing groups of half a sequence, where praxis drops tokens: paxcli drops the same."""
-  got, params, knobs, dropped = _moe_logits(name, scan)
+  got, params, knobs, dropped = _converted_logits(name, scan, with_dropped=True)
   _, want = _paxml_logits(name)
   assert np.abs(got - want).max() <= TOLERANCE
   if name == 'moe':
@@ -320,7 +309,7 @@ def test_praxis_moe_reproduces_paxml_logits(name, scan):
 def test_praxis_moe_needs_its_knobs(name, overrides):
   """Each knob the conversion sets changes the function: paxcli's own capacity grouping or rule, or another
   routing, is far from praxis' logits."""
-  got, _, _, _ = _moe_logits(name, False, **overrides)
+  got, _, _ = _converted_logits(name, False, **overrides)
   _, want = _paxml_logits(name)
   assert np.abs(got - want).max() > 1e-3
 
