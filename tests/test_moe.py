@@ -269,6 +269,8 @@ def test_experts_sharded_n_ways_give_the_same_loss_and_gradients(ep_references, 
      'does not divide NUM_EXPERTS 6'),
     (["LAYER_KINDS={'moe': {'NUM_EXPERTS': 4}}", "MOE_DISPATCH='capacity'", 'EXPERT_CAPACITY_FACTOR=0'],
      'EXPERT_CAPACITY_FACTOR must be positive'),
+    (["LAYER_KINDS={'moe': {'NUM_EXPERTS': 4}}", "MOE_DISPATCH='capacity'", 'MOE_GROUPS=-1'],
+     'MOE_GROUPS must be 0'),
 ])
 def test_bad_moe_settings_are_one_line_before_any_compile(sets, message, tmp_path, capsys):
   argv = ['train', '--exp', EXP, *[a for s in SETS + ["LAYER_PATTERN=('dense', 'moe')"] + sets for a in ('--set', s)],
