@@ -98,12 +98,14 @@ def _paxcli_model(knobs, scan, **overrides):
   """The paxcli model of a checkpoint's knobs (every LM knob; the layout asked for)."""
   from paxcli.layers.base import instantiate
   from paxcli.models import lm_config
-  from paxcli.models.knobs import LM_KNOBS, effective
+  from paxcli.models.knobs import LM_KNOBS, flat_settings
   values = {**knobs, 'MAX_SEQ_LEN': 16, 'USE_REPEATED_LAYER': scan, 'CHECKPOINT_POLICY': 'none', **overrides}
-  return instantiate(lm_config(**effective(values, LM_KNOBS)))
+  return instantiate(lm_config(**flat_settings(values, LM_KNOBS)))
 
 
-def _converted_logits(name, scan, **overrides):
+def _converted_logits(name, scan, with_dropped=False, **overrides):
+  """(logits, params, knobs) of a fixture converted in-process; with_dropped: and the MoE layers'
+  dropped_fraction summaries."""
   from paxcli.convert import core, paxml
   src = paxml.PaxmlSource(_fixture(name))
   knobs = src.knobs()
@@ -112,7 +114,17 @@ def _converted_logits(name, scan, **overrides):
   view = src.paxcli_view(model)
   params = core.load_params(view, [a.name for a in view.arrays()])
   ids, _ = _paxml_logits(name)
-  return np.asarray(model.apply({'params': params}, jnp.asarray(ids))), params, knobs
+  logits, state = model.apply({'params': params}, jnp.asarray(ids), mutable=['summaries'])
+  dropped = [float(np.max(v)) for p, v in _flat(state) if p.endswith('dropped_fraction')]
+  return (np.asarray(logits), params, knobs) + ((dropped,) if with_dropped else ())
+
+
+def _flat(tree, prefix=''):
+  for k, v in tree.items():
+    if hasattr(v, 'items'):
+      yield from _flat(v, f'{prefix}{k}/')
+    else:
+      yield f'{prefix}{k}', v
 
 
 @pytest.mark.parametrize('name,scan', [('stacked', True), ('gpt3', False), ('repeated', False),
@@ -258,3 +270,112 @@ def test_paxml_errors(case, tmp_path, capsys):
     want = 'relative_bias.wrb: [32] has no place in the paxcli model'
   code, _, err = pax_main(argv, capsys)
   assert code != 0 and want in err and 'Traceback' not in err
+
+
+# ---- praxis' mixture of experts (GShard: StackedTransformer num_experts / moe_layers, TransformerFeedForwardMoe) ----
+
+
+@pytest.mark.parametrize('name,scan', [('moe', True), ('moe', False), ('moe_capacity', False)])
+def test_praxis_moe_reproduces_paxml_logits(name, scan):
+  """moe: layer 1 of 2 a mixture of experts (a LAYER_PATTERN ('dense', 'moe'); gated SiLU experts of 48 units,
+  narrower than the dense MLP) at a capacity factor that never drops (dropless); moe_capacity: every layer MoE,
+  praxis' default capacity factor 2.0 in 4 routing groups of half a sequence, where praxis drops tokens: paxcli drops the same."""
+  got, params, knobs, dropped = _converted_logits(name, scan, with_dropped=True)
+  _, want = _paxml_logits(name)
+  assert np.abs(got - want).max() <= TOLERANCE
+  if name == 'moe':
+    kind = knobs['LAYER_KINDS']['moe']
+    assert knobs['LAYER_PATTERN'] == ('dense', 'moe') and 'NUM_EXPERTS' not in knobs
+    assert (kind['NUM_EXPERTS'], kind['EXPERTS_PER_TOKEN'], kind['HIDDEN_DIMS'], kind['MOE_DISPATCH']) == \
+        (4, 2, 48, 'dropless')
+    mlp = params['layers']['block_1']['mlp'] if scan else params['layer_1']['mlp']
+    assert 'wi_1' in mlp and mlp['wi_0'].shape[-1] == 48 and not np.any(np.asarray(mlp['bo']))
+    assert dropped == [0.0]
+  else:
+    assert (knobs['MOE_DISPATCH'], knobs['EXPERT_CAPACITY_RULE'], knobs['MOE_GROUPS'],
+            knobs['EXPERT_CAPACITY_FACTOR']) == ('capacity', 'praxis', 4, 2.0)
+    assert len(dropped) == 2 and min(dropped) > 0.1   # the capacity semantics are exercised
+  # Training moved the router off its initial value in each MoE layer.
+  router = params['layer_1']['mlp']['router'] if not scan else params['layers']['block_1']['mlp']['router']
+  assert np.abs(np.asarray(router)).mean() > 1e-2
+
+
+@pytest.mark.parametrize('name,overrides', [
+    ('moe_capacity', {'MOE_GROUPS': 0}),                            # a group per sequence, not praxis' 4 of 8 tokens
+    ('moe_capacity', {'EXPERT_CAPACITY_RULE': 'paxcli'}),           # ceil(2.0 x 8 x 2 / 4) = 8 slots, not 4
+    ('moe', {'LAYER_KINDS': {'moe': {'NUM_EXPERTS': 4, 'HIDDEN_DIMS': 48, 'ROUTER_SOFTMAX': 'after_topk',
+                                     'ROUTER_NORMALIZE_TOPK': False, 'EXPERTS_PER_TOKEN': 1}}}),   # top-1
+])
+def test_praxis_moe_needs_its_knobs(name, overrides):
+  """Each knob the conversion sets changes the function: paxcli's own capacity grouping or rule, or another
+  routing, is far from praxis' logits."""
+  got, _, _ = _converted_logits(name, False, **overrides)
+  _, want = _paxml_logits(name)
+  assert np.abs(got - want).max() > 1e-3
+
+
+def _convert_moe_from_a_fresh_shell(tmp_path, capsys, monkeypatch):
+  """The user's command (relative paths, no --exp): the recipe written beside out/."""
+  monkeypatch.chdir(tmp_path)
+  shutil.copytree(os.path.join(FIXTURES, 'moe_capacity'), 'old_pax_job')
+  _ok(['checkpoint', 'convert', 'old_pax_job', 'out/px', '--from', 'paxml'], capsys)
+  return tmp_path / 'out' / 'paxml_px.py'
+
+
+def test_praxis_moe_converts_to_a_recipe(tmp_path, capsys, monkeypatch):
+  """The recipe holds praxis' routing as knobs, and its model computes praxis' logits from the converted job."""
+  recipe = _convert_moe_from_a_fresh_shell(tmp_path, capsys, monkeypatch)
+  text = recipe.read_text()
+  assert "MOE_DISPATCH = 'capacity'" in text and 'MOE_GROUPS = 4' in text and 'UNSUPPORTED_FEATURES = {}' in text
+  assert "EXPERT_CAPACITY_RULE = 'praxis'" in text and 'NUM_EXPERTS = 4' in text
+  got, _ = _logits_of_output(str(tmp_path / 'out' / 'px'), f'{recipe}:PaxLm')
+  _, want = _paxml_logits('moe_capacity')
+  assert np.abs(got - want).max() <= TOLERANCE
+
+
+@pytest.mark.slow
+def test_praxis_moe_converted_job_evaluates_and_decodes(tmp_path, capsys, monkeypatch):
+  """pax eval and pax decode (KV cache) on the converted job, as a user runs them next."""
+  _convert_moe_from_a_fresh_shell(tmp_path, capsys, monkeypatch)
+  exp = 'out/paxml_px.py:PaxLm'
+  out, _ = _ok(['eval', '--exp', exp, '--job-log-dir', 'out/px', '--json'], capsys)
+  result = json.loads(out.strip().splitlines()[-1])
+  assert result['step'] == 4 and 0 < result['results']['eval']['loss'] < 10
+  out, _ = _ok(['decode', '--exp', exp, '--job-log-dir', 'out/px', '--prompt-ids', '3,5,7', '--max-decode-steps', '4',
+                '--json'], capsys)
+  line = json.loads(out.strip().splitlines()[-1])
+  assert line['num_decoded_tokens'] == 4 and all(0 <= t < 64 for t in line['decoded_ids'])
+
+
+@pytest.mark.parametrize('field,value,feature', [
+    ("moe_layer_tpl.second_expert_policy : 'all'", "moe_layer_tpl.second_expert_policy : 'sampling'",
+     'MoE second expert'),
+    ('moe_layer_tpl.gating_logit_cap : 0.0', 'moe_layer_tpl.gating_logit_cap : 10.0', 'MoE gating logit cap'),
+    ("stacked_transformer_tpl.gating_func : 'top2'", "stacked_transformer_tpl.gating_func : 'expert_choice'",
+     'MoE gating'),
+])
+def test_praxis_moe_gating_paxcli_lacks_is_refused(field, value, feature, tmp_path, capsys):
+  """A routing paxcli cannot follow (a sampled second expert, capped router logits, expert-choice gating) is
+  refused in one line naming praxis' field, and listed for a recipe written without --exp."""
+  job = _copy(tmp_path, 'moe')
+  cfg = job / 'model_params.txt'
+  assert field in cfg.read_text()
+  cfg.write_text(cfg.read_text().replace(field, value))
+  from paxcli.convert import paxml
+  knobs = paxml.PaxmlSource(str(job)).knobs()
+  recipe = tmp_path / 'pax_moe.py'
+  recipe.write_text(_moe_recipe(knobs))
+  code, _, err = pax_main(['checkpoint', 'convert', str(job), str(tmp_path / 'o'), '--from', 'paxml', '--exp',
+                           f'{recipe}:PaxMoe'], capsys)
+  praxis_key = value.split(' : ')[0]
+  assert code != 0 and feature in err and praxis_key in err and 'Traceback' not in err
+  assert len(err.strip().splitlines()) == 1 and not os.path.exists(tmp_path / 'o')
+  assert feature in knobs['UNSUPPORTED_FEATURES']
+
+
+def _moe_recipe(knobs):
+  """A recipe of the knobs the checkpoint needs (the unsupported features not accepted)."""
+  lines = ['from paxcli.experiment import register', 'from paxcli.models import LmExperiment', '', '',
+           '@register', 'class PaxMoe(LmExperiment):', '  MAX_SEQ_LEN = 16']
+  lines += [f'  {k} = {v!r}' for k, v in knobs.items() if k != 'UNSUPPORTED_FEATURES']
+  return '\n'.join(lines) + '\n'

@@ -126,6 +126,25 @@ def test_capacity_drops_tokens_over_capacity_and_counts_them():
   np.testing.assert_array_equal(y[:, 2:], 0.0)
 
 
+def test_praxis_capacity_groups_the_batch_tokens():
+  """MOE_GROUPS / EXPERT_CAPACITY_RULE 'praxis': the batch's tokens in G groups (across sequences), each expert
+  int(factor x group / E) slots rounded up to 4; a decoding step routes each sequence alone; G must divide."""
+  assert [moe.expert_capacity(n, 4, 2, 2.0, 'praxis') for n in (16, 24, 2, 1)] == [8, 12, 2, 1]
+  assert moe.routing_groups(2, 16, 4) == 4 and moe.routing_groups(2, 16, 0) == 2 and moe.routing_groups(3, 1, 4) == 3
+  with pytest.raises(UserError, match='MOE_GROUPS 4 does not divide the 1 x 6 tokens'):
+    moe.routing_groups(1, 6, 4)
+  layer = _layer(num_experts=4, experts_per_token=1, dispatch='capacity', capacity_factor=1.0, capacity_groups=1,
+                 capacity_rule='praxis')
+  x = jnp.abs(_x(b=2, l=8)) + 0.1
+  params = _init(layer, x)
+  params['router'] = jnp.zeros_like(params['router']).at[:, 0].set(10.0)   # every token's first choice: expert 0
+  y, side = _apply(layer, params, x)
+  # one group of 16 tokens: int(1.0 x 16 / 4) = 4 slots, all taken by the first sequence's first 4 tokens
+  y = np.asarray(y)
+  assert np.all(np.abs(y[0, :4]) > 0) and np.all(y[0, 4:] == 0) and np.all(y[1] == 0)
+  assert float(side[SUMMARIES]['dropped_fraction']) == pytest.approx(12 / 16)
+
+
 def test_second_choices_yield_to_first_choices_for_capacity():
   # two tokens, both choosing expert 0 second and expert 1/2 first: room for one of each in expert 0
   experts = jnp.asarray([[[1, 0], [2, 0], [0, 3]]], jnp.int32)
@@ -250,6 +269,8 @@ def test_experts_sharded_n_ways_give_the_same_loss_and_gradients(ep_references, 
      'does not divide NUM_EXPERTS 6'),
     (["LAYER_KINDS={'moe': {'NUM_EXPERTS': 4}}", "MOE_DISPATCH='capacity'", 'EXPERT_CAPACITY_FACTOR=0'],
      'EXPERT_CAPACITY_FACTOR must be positive'),
+    (["LAYER_KINDS={'moe': {'NUM_EXPERTS': 4}}", "MOE_DISPATCH='capacity'", 'MOE_GROUPS=-1'],
+     'MOE_GROUPS must be 0'),
 ])
 def test_bad_moe_settings_are_one_line_before_any_compile(sets, message, tmp_path, capsys):
   argv = ['train', '--exp', EXP, *[a for s in SETS + ["LAYER_PATTERN=('dense', 'moe')"] + sets for a in ('--set', s)],

@@ -23,6 +23,7 @@ AttentionImplName = Literal['auto', 'dot_product', 'blockwise', 'einsum']  # pax
 Fp8Name = Literal['none', 'delayed', 'current']                # paxcli.layers.fp8
 MoeDispatchName = Literal['dropless', 'capacity']               # paxcli.layers.moe
 RouterSoftmaxName = Literal['before_topk', 'after_topk']        # paxcli.layers.moe.route
+CapacityRuleName = Literal['paxcli', 'praxis']                   # paxcli.layers.moe.expert_capacity
 OptimizerName = Literal['adam', 'adamw', 'adafactor', 'sgd']
 TrackerName = Literal['wandb', 'mlflow']  # paxcli.jobdir.trackers.NAMES
 ScheduleName = Literal['constant', 'linear_rampup_cosine_decay', 'linear_rampup_exponential_decay']
@@ -36,6 +37,7 @@ CHECKPOINT_POLICIES: tuple[str, ...] = typing.get_args(CheckpointPolicyName)
 ATTENTION_IMPLS: tuple[str, ...] = typing.get_args(AttentionImplName)
 MOE_DISPATCHES: tuple[str, ...] = typing.get_args(MoeDispatchName)
 ROUTER_SOFTMAXES: tuple[str, ...] = typing.get_args(RouterSoftmaxName)
+CAPACITY_RULES: tuple[str, ...] = typing.get_args(CapacityRuleName)
 FP8_MODES: tuple[str, ...] = typing.get_args(Fp8Name)
 OPTIMIZERS: tuple[str, ...] = typing.get_args(OptimizerName)
 SCHEDULES: tuple[str, ...] = typing.get_args(ScheduleName)
@@ -53,6 +55,7 @@ MODEL_FIELDS: dict[str, tuple[str, ...]] = {
     'attention_impl': ATTENTION_IMPLS,
     'dispatch': MOE_DISPATCHES,          # MoeFeedForward.dispatch
     'router_softmax': ROUTER_SOFTMAXES,
+    'capacity_rule': CAPACITY_RULES,
     'fp8': FP8_MODES,
 }
 

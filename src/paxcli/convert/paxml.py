@@ -227,6 +227,7 @@ class PaxConfig:
     self._attention()
     self._softmax()
     self._training_only()
+    self._moe()
     dtype = str(g('model.fprop_dtype') or '')
     self.fprop_dtype = 'bfloat16' if dtype.endswith('bfloat16') else 'float32'
 
@@ -237,7 +238,6 @@ class PaxConfig:
         self.unsupported[f'layer {_cls(self.get(key))}'] = f'paxcli has only praxis\' {want} here ({key})'
     self._norm_policy()
     self._off('cross attention', self.layer + 'use_cross_attention', 'decoder-only model without cross attention')
-    self._off('mixture of experts', self.block + 'num_experts', 'no MoE layers in paxcli')
     self._off('ngrammer', self.lm + 'ngrammer_tpl', 'no NGrammer in paxcli')
     self._off('post-attention ngrammer', self.lm + 'post_attention_ngrammer_tpls', 'no NGrammer in paxcli')
     self._off('ngrammer', self.layer + 'ngrammer_tpl', 'no NGrammer in paxcli')
@@ -399,6 +399,100 @@ class PaxConfig:
     if probs:
       self.unsupported['dropout'] = (f'Pax drops out {", ".join(k.rsplit(".", 1)[-1] for k in probs)}; '
                                      'paxcli one DROPOUT_PROB on embeddings and residuals')
+
+  def _moe(self) -> None:
+    """praxis' GShard MoE (the stack's num_experts and moe_layers: TransformerFeedForwardMoe in those layers of
+    each block) as paxcli's MoE layer, in every layer or as the kind 'moe' of a LAYER_PATTERN. Its top-2 gating
+    is a softmax over all experts, the best two renormalised to sum to 1 (praxis' legacy_mtf_behavior):
+    ROUTER_SOFTMAX 'before_topk' with ROUTER_NORMALIZE_TOPK."""
+    b, m = self.block, self.block + 'moe_layer_tpl.'
+    experts = self.int(b + 'num_experts', 0, minimum=0)
+    sparse = self._moe_layers()
+    if not experts or not sparse:
+      return
+    kind = {'NUM_EXPERTS': experts, 'EXPERTS_PER_TOKEN': 2, 'ROUTER_SOFTMAX': 'before_topk',
+            'ROUTER_NORMALIZE_TOPK': True, 'ROUTER_Z_LOSS_WEIGHT': 0.0,
+            'LOAD_BALANCE_LOSS_WEIGHT': self.float(m + 'moe_load_balance_loss_weight', 1.0)}
+    if _cls(self.get(m + 'cls')) != 'TransformerFeedForwardMoe':
+      self.unsupported[f'MoE layer {_cls(self.get(m + "cls"))}'] = (f'paxcli reads praxis\' TransformerFeedForwardMoe '
+                                                                   f'({m}cls)')
+    self._off('MoE gating', b + 'gating_func', 'paxcli routes as praxis\' top2 gating', ok=('top2', None))
+    self._off('MoE second expert', m + 'second_expert_policy', 'paxcli takes the second-best expert (\'all\')',
+              ok=('all', None))
+    self._off('MoE gating logit cap', m + 'gating_logit_cap', 'no cap on router logits in paxcli')
+    self._off('MoE sentence routing', m + 'moe_gating_embedding_level', 'paxcli routes each token',
+              ok=('token', None))
+    self._off('MoE residual weight', m + 'residual_weight', 'residuals are added with weight 1', ok=(1, 1.0, None))
+    self._moe_capacity(kind, experts)
+    self._moe_ffn(kind)
+    pattern = self._moe_pattern(sparse)
+    if pattern is None:
+      self.knobs.update(kind)
+    else:
+      self.knobs['LAYER_PATTERN'] = pattern
+      self.knobs['LAYER_KINDS'] = {'moe': kind}
+
+  def _moe_layers(self) -> set[int]:
+    """The layers of a block that praxis makes MoE (moe_layers: a list of indices as model_params.txt writes it)."""
+    key = self.block + 'moe_layers'
+    raw = self.get(key)
+    if raw in (None, '', '()', '[]'):
+      return set()
+    text = (raw if isinstance(raw, str) else repr(raw)).strip()
+    text = re.sub(r'np\.int\d+\((-?\d+)\)', r'\1', text) if len(text) < 100_000 else ''
+    wrapped = re.fullmatch(r'array\((.*)\)', text)   # a numpy array's repr
+    text = wrapped.group(1) if wrapped else text
+    if not re.fullmatch(r'[\[(]\s*(-?\d+\s*,\s*)*(-?\d+\s*,?\s*)?[\])]', text):
+      raise UserError(f'{self.where(key)}: {key} is {shorten(repr(raw), 60)}; paxcli reads a list of layer indices.')
+    return {int(n) for n in re.findall(r'-?\d+', text) if 0 <= int(n) < self.per_block}
+
+  def _moe_pattern(self, sparse: set[int]) -> Optional[tuple]:
+    """LAYER_PATTERN of one block's dense and MoE layers at its shortest period (None: every layer is MoE)."""
+    kinds = tuple('moe' if i in sparse else 'dense' for i in range(self.per_block))
+    if set(kinds) == {'moe'}:
+      return None
+    return next(kinds[:p] for p in range(1, len(kinds) + 1)
+                if len(kinds) % p == 0 and kinds == kinds[:p] * (len(kinds) // p))
+
+  def _moe_capacity(self, kind: dict, experts: int) -> None:
+    """praxis' capacity: the batch's tokens in num_groups groups, an expert taking int(factor x group / E) tokens
+    of one, rounded up to a multiple of 4 (MOE_GROUPS, EXPERT_CAPACITY_RULE 'praxis'). A factor of at least the
+    number of experts gives every expert room for its whole group (a token picks an expert once): dropless then,
+    the same function without the dispatch's one-hot tensors."""
+    m = self.block + 'moe_layer_tpl.'
+    factor = self.float(m + 'unadjusted_expert_capacity_factor', 0.0)
+    if factor >= experts:
+      kind['MOE_DISPATCH'] = 'dropless'
+      return
+    kind.update(MOE_DISPATCH='capacity', EXPERT_CAPACITY_FACTOR=factor or 1.0, EXPERT_CAPACITY_RULE='praxis',
+                MOE_GROUPS=self.int(self.block + 'num_groups', 1))
+    self._off('MoE fixed capacity', m + 'expert_capacity_dim', 'paxcli derives the capacity from the factor alone')
+    if not factor:
+      self.unsupported['MoE capacity factor'] = f'paxcli needs a capacity factor ({m}unadjusted_expert_capacity_factor)'
+    self._off('MoE minimum group size', self.block + 'min_group_size', 'paxcli routes in MOE_GROUPS groups')
+
+  def _moe_ffn(self, kind: dict) -> None:
+    """The experts' MLP where it differs from the dense layers' (hidden units, activation, gating), and its norm,
+    which paxcli shares with theirs."""
+    g, m = self.get, self.block + 'moe_layer_tpl.'
+    hidden = self.int(m + 'hidden_dims', 0, minimum=0)
+    if hidden and hidden != self.knobs['HIDDEN_DIMS']:
+      kind['HIDDEN_DIMS'] = hidden
+    names = {'GELU': 'gelu', 'ReLU': 'relu', 'SiLU': 'silu', 'Swish': 'swish'}
+    act = _cls(g(m + 'activation_tpl.cls', 'praxis.layers.activations.ReLU'))
+    if act not in names or (act == 'GELU' and g(m + 'activation_tpl.approximate') is False):
+      self.unsupported['MoE activation'] = f'praxis {act} has no paxcli equivalent ({m}activation_tpl.cls)'
+    elif names[act] != self.knobs['ACTIVATION']:
+      kind['ACTIVATION'] = names[act]
+    gated = bool(g(m + 'use_gated_activation'))   # praxis: act(x wi_gate_0) * (x wi_0)
+    if gated != self.knobs['USE_GATED_ACTIVATION']:
+      kind['USE_GATED_ACTIVATION'] = gated
+    for field, default in (('cls', None), ('epsilon', 1e-6), ('direct_scale', None), ('use_bias', True),
+                           ('use_scale', True)):
+      mine, dense = g(m + 'ln_tpl.' + field, default), g(self.ffn + 'ln_tpl.' + field, default)
+      if mine != dense:
+        self.unsupported['MoE norm'] = (f'paxcli\'s MoE layers share the dense layers\' norm settings; praxis\' '
+                                        f'{m}ln_tpl.{field} = {mine!r}, {self.ffn}ln_tpl.{field} = {dense!r}')
 
   # ---- Pax array names ----
 
@@ -605,11 +699,15 @@ class PaxView(formats.SourceBase):
     self._map: dict[str, tuple[tuple, Callable[..., np.ndarray], str]] = {}
     self._used: set[str] = set()
     self._problems: list[str] = []
-    for name, shape in _param_shapes(model).items():
+    shapes = _param_shapes(model)
+    period = len({n.split('/')[2] for n in shapes if re.match(r'^params/layers/block_\d+/', n)}) or 1
+    for name, shape in shapes.items():
       rel = name[len('params/'):]
-      if rel.startswith('layers/'):
+      if rel.startswith('layers/'):   # row r of layers/block_<j>/... is layer r x period + j (models.pattern)
         sub = rel[len('layers/'):]
-        per = [self._layer(f'params/layer_{i}/{sub}', i, sub, shape[1:]) for i in range(shape[0])]
+        j, sub = (int(sub.split('/', 1)[0][len('block_'):]), sub.split('/', 1)[1]) if period > 1 else (0, sub)
+        rows = [r * period + j for r in range(shape[0])]
+        per = [self._layer(f'params/layer_{i}/{sub}', i, sub, shape[1:]) for i in rows]
         if None not in per:
           self._map[name] = (shape, _stacked([p[1] for p in per]), per[0][2])
         continue
@@ -681,6 +779,8 @@ class PaxView(formats.SourceBase):
       return self._entry(name, shape, att + 'post.b', src_shape=lead + shape, sel=sel)
     if parts[0] == 'attention' and parts[1] == 'per_dim_scale':
       return self._entry(name, shape, att + 'per_dim_scale.per_dim_scale', src_shape=lead + shape, sel=sel)
+    if parts[0] == 'mlp' and len(parts) == 2:   # the MoE layer's router and expert weights
+      return self._moe(name, shape, f'{pre}ff_layer.', parts[1], lead, sel)
     if parts[0] == 'mlp':
       gated = pax.knobs['USE_GATED_ACTIVATION']   # praxis: act(x W_gate) * (x W1); paxcli act(wi_0) * wi_1
       ffn = {'wi_0': 'ffn_layer1_gate' if gated else 'ffn_layer1', 'wi_1': 'ffn_layer1', 'wo': 'ffn_layer2'}
@@ -688,6 +788,19 @@ class PaxView(formats.SourceBase):
       return self._entry(name, shape, f'{pre}ff_layer.{ffn[parts[1]]}.{part}', src_shape=lead + shape, sel=sel)
     self._problems.append(f'{name}: in the paxcli model, but no Pax array maps to it')
     return None
+
+  def _moe(self, name, shape, ff, leaf, lead, sel):
+    """praxis' gate [D, E] is the router; wi_0 [E, D, F] and wo_0 [E, F, D] are wi_0 and wo, or with the gated
+    activation act(x wi_gate_0) * (x wi_0) paxcli's act(x wi_0) * (x wi_1). praxis' experts have no biases:
+    paxcli's (USE_BIAS, which the dense layers' feed-forward and norms need) start at zero."""
+    gated = f'{ff}wi_gate_0' in self._have
+    pax_leaf = {'router': 'gate', 'wi_0': 'wi_gate_0' if gated else 'wi_0', 'wi_1': 'wi_0', 'wo': 'wo_0'}.get(leaf)
+    if pax_leaf is None and leaf in ('bi_0', 'bi_1', 'bo'):
+      return tuple(shape), lambda: np.zeros(shape, np.float32), 'float32'
+    if pax_leaf is None:
+      self._problems.append(f'{name}: in the paxcli model, but no Pax array maps to it')
+      return None
+    return self._entry(name, shape, ff + pax_leaf, src_shape=lead + tuple(shape), sel=sel)
 
   def _norm(self, name, shape, prefix, leaf, which, rep):
     lead, sel = ((), ()) if rep is None else ((self.pax.x_times,), (rep,))

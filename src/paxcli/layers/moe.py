@@ -18,12 +18,14 @@ Dispatch, by `dispatch`:
               batch is sharded, experts are sharded over the `expert` mesh axis and the token copies
               travel there and back by all-to-all, in buffers sized for the worst case (all of a
               device's tokens on one device's experts), so that nothing is ever dropped.
-  'capacity'  GShard's: each sequence is one group; expert e takes at most
-              C = ceil(capacity_factor x L x k / E) of a group's tokens, first choices before second
+  'capacity'  GShard's: each sequence is one group (or, with `capacity_groups` G, the batch's B x L
+              tokens in G groups, praxis' num_groups); expert e takes at most
+              C = ceil(capacity_factor x L x k / E) of a group's tokens (`capacity_rule` 'praxis':
+              int(capacity_factor x L / E) rounded up to 4), first choices before second
               ones, in token order; the rest are dropped (they pass through the residual alone) and
-              counted. Dispatch and combine are einsums over one-hot [B, L, E, C] masks, and the
-              expert inputs [E, B, C, D] are constrained to the `expert` axis, which GSPMD lowers to
-              all-to-all. This is what Pax's GShard layers (praxis TransformerFeedForwardMoe) train with.
+              counted. A decoding step (one token a sequence) routes each sequence alone. Dispatch
+              and combine are einsums over one-hot [B, L, E, C] masks, and the expert inputs
+              [E, B, C, D] are constrained to the `expert` axis, which GSPMD lowers to all-to-all. This is what Pax's GShard layers (praxis TransformerFeedForwardMoe) train with.
 
 Aux losses (layers.base AUX_LOSS; each weighted by its knob, 0: not added):
   load_balance_loss  E x sum_e f_e P_e, f_e the share of the token choices routed to e and P_e the
@@ -78,6 +80,8 @@ class MoeFeedForward(BaseLayer):
   use_bias: bool = False
   dispatch: str = 'dropless'
   capacity_factor: float = 1.25
+  capacity_groups: int = 0          # 'capacity': 0, each sequence a group; G, the batch's tokens in G groups
+  capacity_rule: str = 'paxcli'     # 'paxcli' or 'praxis' (expert_capacity)
   router_softmax: str = 'before_topk'
   normalize_topk: bool = True
   load_balance_weight: float = 0.01
@@ -124,9 +128,13 @@ class MoeFeedForward(BaseLayer):
     kernels = {k: v.astype(compute) for k, v in self._kernels(d).items()}
     act = _ACTIVATIONS[self.activation]
     if self.dispatch == 'capacity':
-      capacity = expert_capacity(l, self.num_experts, self.experts_per_token, self.capacity_factor)
-      y_BxLxD, kept_BxLxK = capacity_dispatch(x_BxLxD.astype(compute), experts_BxLxK, weights_BxLxK, kernels, act,
-                                              self.gated, capacity)
+      groups = routing_groups(b, l, self.capacity_groups)
+      as_groups = lambda t: t.reshape((groups, b * l // groups) + t.shape[2:])
+      capacity = expert_capacity(b * l // groups, self.num_experts, self.experts_per_token, self.capacity_factor,
+                                 self.capacity_rule)
+      y_GxSxD, kept_BxLxK = capacity_dispatch(as_groups(x_BxLxD.astype(compute)), as_groups(experts_BxLxK),
+                                              as_groups(weights_BxLxK), kernels, act, self.gated, capacity)
+      y_BxLxD = y_GxSxD.reshape(b, l, d)
       dropped = jnp.mean(jnp.logical_not(kept_BxLxK).astype(jnp.float32))
     else:
       y_BxLxD = dropless(x_BxLxD.astype(compute), experts_BxLxK, weights_BxLxK, kernels, act, self.gated)
@@ -188,9 +196,25 @@ def _ffn(h_in, kernels: dict, act, gated: bool, matmul, bias):
 
 # ---- capacity-factor dispatch (GShard) -------------------------------------------------------------
 
-def expert_capacity(length: int, num_experts: int, k: int, factor: float) -> int:
-  """Slots per expert per sequence: ceil(factor x L x k / E), at least 1 and at most L."""
+def expert_capacity(length: int, num_experts: int, k: int, factor: float, rule: str = 'paxcli') -> int:
+  """Slots per expert in a group of `length` tokens, at least 1 and at most the group: 'paxcli' ceil(factor x
+  length x k / E); 'praxis' int(factor x length / E) rounded up to a multiple of 4 (praxis' top-2 gating with
+  unadjusted_expert_capacity_factor; where that is 0, praxis leaves an expert no slot and this gives it one)."""
+  if rule == 'praxis':
+    slots = int(length * factor / num_experts)
+    return max(1, min(length, (slots + 3) // 4 * 4))
   return max(1, min(length, math.ceil(factor * length * k / num_experts)))
+
+
+def routing_groups(batch: int, length: int, groups: int) -> int:
+  """How many groups the capacity dispatch routes the batch's tokens in: `groups` (praxis' num_groups), or one
+  group a sequence where it is 0 or one token a sequence is decoded (each sequence's capacity is then its own)."""
+  if not groups or length == 1:
+    return batch
+  if (batch * length) % groups:
+    raise UserError(f'MOE_GROUPS {groups} does not divide the {batch} x {length} tokens of a batch into equal '
+                    'routing groups; pick a divisor of the batch\'s tokens, or 0 (a group each sequence).')
+  return groups
 
 
 def capacity_masks(experts_BxLxK, weights_BxLxK, num_experts: int, capacity: int):
@@ -355,6 +379,9 @@ def check_settings(ffn, label: str = '') -> None:
   if not ffn.capacity_factor > 0:
     raise UserError(f'{label}EXPERT_CAPACITY_FACTOR must be positive (each expert takes capacity factor x '
                     f'tokens x k / E tokens of a sequence), got {ffn.capacity_factor}.')
+  if getattr(ffn, 'capacity_groups', 0) < 0:
+    raise UserError(f'{label}MOE_GROUPS must be 0 (a routing group each sequence) or positive, got '
+                    f'{ffn.capacity_groups}.')
   if ffn.hidden_dims < 1 or ffn.shared_hidden_dims < 0:
     raise UserError(f'{label}HIDDEN_DIMS must be positive and SHARED_EXPERT_HIDDEN_DIMS 0 or positive, got '
                     f'{ffn.hidden_dims} and {ffn.shared_hidden_dims}.')

@@ -27,8 +27,8 @@ import dataclasses
 from typing import Any, Callable, Mapping, Optional
 
 from paxcli.errors import UserError, did_you_mean
-from paxcli.options import (ActivationName, AttentionImplName, CheckpointPolicyName, DTypeName, Fp8Name,
-                            MoeDispatchName, NormName, PositionName, RotaryScalingName, RouterSoftmaxName)
+from paxcli.options import (ActivationName, AttentionImplName, CapacityRuleName, CheckpointPolicyName, DTypeName,
+                            Fp8Name, MoeDispatchName, NormName, PositionName, RotaryScalingName, RouterSoftmaxName)
 from paxcli.values import coerce
 
 Settings = Mapping[str, Any]   # flat name -> value, every knob of a table present
@@ -193,6 +193,13 @@ MOE_KNOBS: tuple[Knob, ...] = (
     Knob('EXPERT_CAPACITY_FACTOR', float, 1.25, FFN + 'capacity_factor',
          "'capacity' only: each expert takes ceil(factor x sequence length x k / E) tokens of a sequence",
          flat='capacity_factor', when=_moe),
+    Knob('MOE_GROUPS', int, 0, FFN + 'capacity_groups',
+         "'capacity' only: the batch's tokens in this many routing groups, each with its own expert capacity "
+         "(praxis' num_groups); 0: each sequence is a group", flat='capacity_groups', when=_moe),
+    Knob('EXPERT_CAPACITY_RULE', CapacityRuleName, 'paxcli', FFN + 'capacity_rule',
+         "'capacity' only: 'paxcli' ceil(factor x group x k / E) slots an expert; 'praxis' int(factor x group / E) "
+         "rounded up to a multiple of 4 (praxis' unadjusted_expert_capacity_factor)", flat='capacity_rule',
+         when=_moe),
     Knob('ROUTER_SOFTMAX', RouterSoftmaxName, 'before_topk', FFN + 'router_softmax',
          "'after_topk': softmax over the k chosen logits (Mixtral); 'before_topk': over all experts, then the "
          'k largest (Qwen3-MoE, GShard)', when=_moe),
