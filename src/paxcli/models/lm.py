@@ -213,7 +213,8 @@ class TransformerLm(BaseLayer):
   def decoding_logits_table(self):
     """The tied table [D, V] as decoding reads it (LOGITS_TABLE): transposed, in its product's dtype."""
     dtype = dtype_of(self.fprop_dtype) if isinstance(self.fprop_dtype, str) else self.fprop_dtype
-    return self.get_variable('params', 'embedding')['embedding'].astype(self._table_dtype(dtype)).T
+    table = nn.meta.unbox(self.get_variable('params', 'embedding')['embedding'])
+    return table.astype(self._table_dtype(dtype)).T
 
   def _scanned(self, x_BxLxD, segment_ids_BxL, positions_BxL, dtype, deterministic: bool, remat: bool):
     """One nn.scan over the stack (`layers`): over layers of a uniform stack, over groups of a pattern."""

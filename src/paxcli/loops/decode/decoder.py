@@ -121,12 +121,15 @@ def first_argmax(x_BxV):
   return jnp.min(jnp.where(hit, jnp.arange(x_BxV.shape[-1], dtype=jnp.int32), x_BxV.shape[-1]), axis=-1)
 
 
-def cache_length(slots: int, length: int) -> int:
+FIRST_CACHE = 128   # the shortest KV cache greedy and sampled batches decode with (cache_length)
+
+
+def cache_length(slots: int, length: int, first: int = 0) -> int:
   """The KV cache a batch decodes with while its steps fill `slots` slots: the next power of two, at least
-  FIRST_CACHE, at most the whole `length`. Every step attends over the whole cache, so early steps should not
-  read slots no token has reached: the device loop is compiled for each length a batch reaches, and the cache
-  grows between its runs (`grown`)."""
-  return min(length, max(FIRST_CACHE, 1 << (slots - 1).bit_length()))
+  `first` (the decoder's, FIRST_CACHE by default), at most the whole `length`. Every step attends over the
+  whole cache, so early steps should not read slots no token has reached: the device loop is compiled for
+  each length a batch reaches, and the cache grows between its runs (`grown`)."""
+  return min(length, max(first, 1 << (slots - 1).bit_length()))
 
 
 def grown(cache, abstract):
@@ -156,7 +159,7 @@ def padded_length(longest: int, room: int) -> int:
 class Decoder:
   """Jitted prefill and step functions of a model on its mesh; `run` decodes prompts."""
 
-  def __init__(self, setup, params, dtype: Optional[str] = None):
+  def __init__(self, setup, params, dtype: Optional[str] = None, first_cache: int = FIRST_CACHE):
     self.setup = setup
     self.mesh = setup.mesh
     model = setup.model
@@ -170,6 +173,7 @@ class Decoder:
     self.replicated = NamedSharding(self.mesh, PartitionSpec())
     self._fns = {}
     self.compile_seconds = 0.0  # all compilations so far (each shape and strategy compiles once)
+    self.first_cache = first_cache   # the shortest cache greedy and sampled batches start with (cache_length)
 
   def _lazy(self, fns, what: str, *args):
     """fns[what][args]: a piece compiled on first use (the device loop for a cache length, a cache's growth),
@@ -202,7 +206,7 @@ class Decoder:
     steps = length - prompt_len
     # Greedy and sampled rows start with the cache their first steps need and grow it (cache_length); beam
     # search, stepping from the host, allocates it whole.
-    first = length if beam else cache_length(prompt_len + 1, length)
+    first = length if beam else cache_length(prompt_len + 1, length, self.first_cache)
     abstract, cache_sh, row_axes = layout(first)
 
     def zeros(params):
@@ -359,10 +363,10 @@ class Decoder:
     check_text = bool(opts.stop) and tokenizer is not None
     every = STOP_CHECK_EVERY if check_text else steps
     checked = np.zeros(rows, np.int64)   # tokens of each row the host has read for stop strings
-    compiled_before, t, slots = self.compile_seconds, 0, cache_length(plen + 1, plen + steps)
+    compiled_before, t, slots = self.compile_seconds, 0, cache_length(plen + 1, plen + steps, self.first_cache)
     while True:
       if plen + t + 1 > slots:   # the next step's slot is past the cache: grow it
-        more = cache_length(plen + t + 1, plen + steps)
+        more = cache_length(plen + t + 1, plen + steps, self.first_cache)
         cache, slots = self._lazy(fns, 'grow', slots, more)(cache), more
       until = min(steps - 1, t + every, slots - plen)   # step t fills slot plen + t - 1
       state, cache = self._lazy(fns, 'run_on', slots)(self.params, cache, state, keys, temperature, top_p, stops,
@@ -480,7 +484,6 @@ class Decoder:
 LIVE, EOS, MAX_STEPS, STOP_STRING = 0, 1, 2, 3
 REASONS = {EOS: 'eos', MAX_STEPS: 'max_steps', STOP_STRING: 'stop_string'}
 STOP_CHECK_EVERY = 16   # tokens the device loop decodes between the host's looks for stop strings
-FIRST_CACHE = 128       # the shortest KV cache greedy and sampled batches decode with (cache_length)
 
 
 def _eos(opts: DecodeOptions) -> tuple:
