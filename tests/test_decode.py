@@ -414,7 +414,8 @@ def test_stop_strings_end_rows_across_a_growing_cache():
   free, _ = decoder.run(PROMPTS, DecodeOptions(**sampled))
   tok = _CharTokenizer()
   for start in (20, 52):   # a text a row first writes after the cache's first growth (token 16), its second (48)
-    text = next(tok.decode(r['decoded_ids'][j:j + w]) for w in range(2, 12) for r in free for j in range(start, steps - w)
+    text = next(tok.decode(r['decoded_ids'][j:j + w]) for w in range(2, 12) for r in free
+                for j in range(start, steps - w)
                 if tok.decode(r['decoded_ids'][j:j + w]) not in tok.decode(r['decoded_ids'][:j + w - 1]))
     got, _ = decoder.run(PROMPTS, DecodeOptions(stop=(text,), **sampled), tokenizer=tok)
     for prompt, f, g in zip(PROMPTS, free, got):

@@ -297,8 +297,9 @@ class Attention(nn.Module):
     s = key.value.shape[-1]
     # Slots are time: a left-padded row's tokens are contiguous, so slot distance is position distance.
     visible_LxS = attention_ops.visible((i + jnp.arange(l))[:, None], jnp.arange(s)[None, :], self.sliding_window)
-    return attention_ops.cached_attention(q_BxLxHxE, key.value, value.value, visible_LxS[None] & valid.value[:, None, :],
-                                          self.atten_logit_cap, self._scale())
+    mask_BxLxS = visible_LxS[None] & valid.value[:, None, :]
+    return attention_ops.cached_attention(q_BxLxHxE, key.value, value.value, mask_BxLxS, self.atten_logit_cap,
+                                          self._scale())
 
   def _rolling(self, length: int) -> bool:
     """Whether this layer's KV cache is the rolling one: a window shorter than the cache's length (the

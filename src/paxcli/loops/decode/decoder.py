@@ -15,7 +15,10 @@ prompts fills the cache (prefill); each step then feeds one token per row at slo
 P + t (P the padded prompt length, a power of two: see `padded_length`) and position p + t.
 Greedy and sampled batches run those steps in one compiled `jax.lax.while_loop` that records
 each row's tokens, logprobs and stop (EOS, budget) on the device; the host comes in only every
-STOP_CHECK_EVERY tokens when stop strings need the text. Beam search steps from the host.
+STOP_CHECK_EVERY tokens when stop strings need the text, and when the cache must grow: a step
+attends over the whole cache, so a batch starts with the power of two of slots its first steps
+need (at least FIRST_CACHE) and the cache doubles between runs of the loop, each length compiled
+once (`cache_length`, `grown`). Beam search steps from the host over a cache allocated whole.
 
 The cache is the model's: its leaves name their logical axes, which map onto the mesh
 by the activation table (the LM's [B, S, K, E] keys and values: batch over (replica,
