@@ -342,3 +342,101 @@ def test_prompts_of_near_lengths_share_one_compiled_loop(plain):
   before = len(plain._fns)
   plain.run([Prompt([3] * 12)], opts)
   assert len(plain._fns) == before
+
+
+# ---- the decoding step's fast paths: each must decode the tokens of the plain one -----------------------------
+
+def test_first_argmax_is_argmax_on_ties_nan_and_infinities():
+  import jax.numpy as jnp
+  from paxcli.loops.decode.decoder import first_argmax
+  rows = np.array([[1.0, 3.0, 3.0, 2.0], [-np.inf] * 4, [0.0, np.nan, 5.0, np.nan], [2.0, 2.0, 2.0, 2.0],
+                   [-1.0, -np.inf, np.inf, np.inf]], np.float32)
+  rows = np.concatenate([rows, np.random.default_rng(0).standard_normal((64, 4)).astype(np.float32)])
+  np.testing.assert_array_equal(np.asarray(first_argmax(jnp.asarray(rows))), np.argmax(rows, axis=-1))
+
+
+@pytest.mark.parametrize('l, cap', [(1, 0.0), (1, 5.0), (6, 0.0)])
+def test_heads_major_cached_attention_is_the_masked_reference(l, cap):
+  """attention_ops.cached_attention (keys [B, K, E, S], values [B, K, S, E]) against masked_einsum_attention
+  over the same cache laid out [B, S, K, E], one query (a step) and several (a prefill), capped or not."""
+  import jax.numpy as jnp
+  from paxcli.layers import attention_ops
+  r = np.random.default_rng(l)
+  b, s, h, k, e = 3, 20, 6, 2, 8
+  q = jnp.asarray(r.standard_normal((b, l, h, e)), jnp.float32)
+  keys, values = (jnp.asarray(r.standard_normal((b, s, k, e)), jnp.float32) for _ in range(2))
+  mask = jnp.asarray(r.random((b, l, s)) < 0.6)
+  want = attention_ops.masked_einsum_attention(q, keys, values, mask, cap, 0.3)
+  got = attention_ops.cached_attention(q, keys.transpose(0, 2, 3, 1), values.transpose(0, 2, 1, 3), mask, cap, 0.3)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6)
+
+
+GROWING = {
+    'gqa_rotary_unrolled': ['NUM_KV_HEADS=2', 'POSITION_EMBEDDING="rotary"', 'NORM_TYPE="rmsnorm"', 'USE_BIAS=False'],
+    'window_local_global_scanned': ['NUM_KV_HEADS=2', 'POSITION_EMBEDDING="rotary"', 'NUM_LAYERS=4',
+                                    'USE_REPEATED_LAYER=True', "LAYER_PATTERN=('local', 'global')",
+                                    "LAYER_KINDS={'local': {'SLIDING_WINDOW': 5}}"],
+}
+
+
+@pytest.mark.parametrize('sets', list(GROWING.values()), ids=list(GROWING))
+def test_a_cache_grown_as_it_fills_decodes_the_tokens_of_one_allocated_whole(sets):
+  """Prompts of 1, 5 and 11 tokens left-padded to 16 in one batch, 100 greedy tokens each: a decoder that starts
+  with a 32-slot cache and grows it to 64 and 116 between runs of its device loop (first_cache 16) gives the
+  tokens and log-probabilities of one whose cache holds all 116 slots from the start, and of re-running the
+  model on every prefix. The windowed layers' rolling caches keep their size as the full ones grow."""
+  from paxcli.loops.decode.decoder import cache_length
+  assert [cache_length(n, 116, 16) for n in (17, 33, 64, 65, 116)] == [32, 64, 64, 116, 116]
+  setup = engine.build(config.resolve('paxcli.models.LmExperiment', TINY + ['MAX_SEQ_LEN=128'] + sets))
+  params = engine.init_state(setup, 3)['params']
+  opts = DecodeOptions(max_decode_steps=100)
+  whole, grown = Decoder(setup, params, first_cache=4096), Decoder(setup, params, first_cache=16)
+  want, _ = whole.run(PROMPTS, opts)
+  got, stats = grown.run(PROMPTS, opts)
+  assert [sorted(fns['run_on']) for fns in whole._fns.values()] == [[(116,)]]
+  assert [sorted(fns['run_on']) for fns in grown._fns.values()] == [[(32,), (64,), (116,)]]
+  assert stats['decode_tokens'] == 300
+  for prompt, w, g in zip(PROMPTS, want, got):
+    assert g['decoded_ids'] == w['decoded_ids'] == full_recompute_greedy(grown.model, params, prompt.ids, 100)
+    np.testing.assert_allclose(g['token_logprobs'], w['token_logprobs'], atol=1e-5)
+
+
+def test_stop_strings_end_rows_across_a_growing_cache():
+  """Stop strings looked for every STOP_CHECK_EVERY tokens while the cache grows under the loop (first_cache
+  16: 32, 64 and 116 slots): each row ends where the token-by-token rules end it. Sampled rows (the same draws
+  with and without stop strings), since a tiny model's greedy text soon repeats itself."""
+  setup = engine.build(config.resolve('paxcli.models.LmExperiment', TINY + ['MAX_SEQ_LEN=128'] +
+                                      GROWING['gqa_rotary_unrolled']))
+  params = engine.init_state(setup, 4)['params']
+  decoder = Decoder(setup, params, first_cache=16)
+  steps = 100
+  sampled = dict(max_decode_steps=steps, temperature=1.0, seed=7)
+  free, _ = decoder.run(PROMPTS, DecodeOptions(**sampled))
+  tok = _CharTokenizer()
+  for start in (20, 52):   # a text a row first writes after the cache's first growth (token 16), its second (48)
+    text = next(tok.decode(r['decoded_ids'][j:j + w]) for w in range(2, 12) for r in free
+                for j in range(start, steps - w)
+                if tok.decode(r['decoded_ids'][j:j + w]) not in tok.decode(r['decoded_ids'][:j + w - 1]))
+    got, _ = decoder.run(PROMPTS, DecodeOptions(stop=(text,), **sampled), tokenizer=tok)
+    for prompt, f, g in zip(PROMPTS, free, got):
+      assert (g['decoded_ids'], g['stop_reason']) == _reference_stops(f['decoded_ids'], (), (text,), 0, tok, prompt.ids)
+    assert any(g['stop_reason'] == 'stop_string' and g['num_decoded_tokens'] > start for g in got)
+
+
+def test_the_transposed_logits_table_decodes_as_the_tied_table(plain, monkeypatch):
+  """On a CPU the cache holds the tied embedding table transposed (made once by init_cache); decoding with it
+  gives the tokens and log-probabilities of the product with the table itself (what accelerators run)."""
+  import jax
+  from paxcli.models import lm
+  cache = plain.model.init_cache(plain.params, 2, 8)
+  table = np.asarray(jax.tree.leaves(plain.params['embedding'])[0])
+  np.testing.assert_array_equal(np.asarray(cache[lm.LOGITS_TABLE].value), table.T)
+  opts = DecodeOptions(max_decode_steps=12)
+  transposed, _ = plain.run(PROMPTS, opts)
+  monkeypatch.setattr(lm, 'transposed_table_for_decoding', lambda: False)
+  tied = Decoder(plain.setup, plain.params)
+  assert lm.LOGITS_TABLE not in tied.model.init_cache(plain.params, 2, 8)
+  got, _ = tied.run(PROMPTS, opts)
+  for t, g in zip(transposed, got):
+    assert t['decoded_ids'] == g['decoded_ids']
+    np.testing.assert_allclose(t['token_logprobs'], g['token_logprobs'], atol=1e-6)

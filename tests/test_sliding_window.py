@@ -222,12 +222,13 @@ def test_the_rolling_cache_holds_a_window_of_tokens_and_a_global_layer_all():
   model, params = _model(layer_pattern=('local', 'global'), scan_layers=True, layer_kinds={'local': {'SLIDING_WINDOW': 6}})
   cache = nn.meta.unbox(jax.eval_shape(lambda p: model.init_cache(p, 2, 4096), params))
   local, full = cache['layers']['block_0']['attention'], cache['layers']['block_1']['attention']
-  assert local['cached_key'].shape == (1, 2, 6, 2, 4) and full['cached_key'].shape == (1, 2, 4096, 2, 4)
+  # the full cache is heads-major: keys [layers, B, K, E, S]
+  assert local['cached_key'].shape == (1, 2, 6, 2, 4) and full['cached_key'].shape == (1, 2, 2, 4, 4096)
   assert 'cached_position' in local and 'cached_position' not in full
   # a window at least as long as the text keeps the plain cache
   short, params = _model(sliding_window=64)
   plain = nn.meta.unbox(jax.eval_shape(lambda p: short.init_cache(p, 2, 48), params))
-  assert plain['layer_0']['attention']['cached_key'].shape == (2, 48, 2, 4)
+  assert plain['layer_0']['attention']['cached_key'].shape == (2, 2, 4, 48)
 
 
 # ---- bad input ------------------------------------------------------------------------------------------

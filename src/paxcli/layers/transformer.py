@@ -245,9 +245,7 @@ class Attention(nn.Module):
       if self._rolling(x_BxLxD.shape[1]):
         out_BxLxHxE = self._rolling_cache(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL, positions_BxL)
       else:
-        k_BxSxKxE, v_BxSxKxE, mask_BxLxS = self._decode_cache(k_BxSxKxE, v_BxSxKxE, segment_ids_BxL)
-        out_BxLxHxE = attention_ops.masked_einsum_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, mask_BxLxS,
-                                                            self.atten_logit_cap, self._scale())
+        out_BxLxHxE = self._decode_cache(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL)
     else:
       out_BxLxHxE = attention_ops.attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL,
                                             self.attention_impl, self.atten_logit_cap, self.sliding_window,
@@ -262,40 +260,46 @@ class Attention(nn.Module):
     out = out + self._lora(out_BxLxHxE, 'out', ('heads', 'head_dim'), (x_BxLxD.shape[-1],), ('embed',))
     return checkpoint_name(constrain(out, ('batch', 'length', 'embed')), 'out_proj')
 
-  def _decode_cache(self, k_BxLxKxE, v_BxLxKxE, segment_ids_BxL):
-    """KV cache for decoding (flax collection 'cache', used when it is mutable).
+  def _decode_cache(self, q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, segment_ids_BxL):
+    """Attention of L new tokens over the KV cache for decoding (flax collection 'cache', used when it is
+    mutable), after writing their keys and values into it.
 
     The first call (the model's `init_cache`) only sizes the cache from its input: [B, S] ids
     give S slots. Every later call writes its L new keys/values at slot `index` (the same
     for all rows: prompts are left-padded), marks which slots hold real tokens (segment id
-    != 0) and returns the whole cache with the mask of what each new query may see: real
-    slots up to its own. Prefill is one call with the prompts; a decode step one with L=1.
+    != 0) and attends over the whole cache: each query sees the real slots up to its own. Prefill is
+    one call with the prompts; a decode step one with L=1. The cache is heads-major (keys
+    [B, K, E, S], values [B, K, S, E]), which attention_ops.cached_attention reads in place.
     Each entry carries its logical axes, so that the decoder can shard the cache and move
-    its rows (beam search) without knowing these names.
+    its rows (beam search) without knowing these names; zero slots appended at the end of
+    the 'length' axes are empty slots (a decoder may grow a cache so).
     """
     initialized = self.has_variable('cache', 'cached_key')
-    kv_axes = ('batch', 'length', 'kv_heads', 'head_dim')
-    key = self.variable('cache', 'cached_key', nn.with_logical_partitioning(jnp.zeros, kv_axes),
-                        k_BxLxKxE.shape, k_BxLxKxE.dtype)
-    value = self.variable('cache', 'cached_value', nn.with_logical_partitioning(jnp.zeros, kv_axes),
-                          v_BxLxKxE.shape, v_BxLxKxE.dtype)
-    valid = self.variable('cache', 'cached_valid', nn.with_logical_partitioning(jnp.zeros, ('batch', 'length')),
-                          segment_ids_BxL.shape, jnp.bool_)
-    index = self.variable('cache', 'cache_index', nn.with_logical_partitioning(jnp.zeros, ()), [], jnp.int32)
-    b, l = segment_ids_BxL.shape
-    if not initialized:
+    b, l, kv_heads, e = k_BxLxKxE.shape
+    boxed = lambda axes: nn.with_logical_partitioning(jnp.zeros, axes)
+    key = self.variable('cache', 'cached_key', boxed(('batch', 'kv_heads', 'head_dim', 'length')),
+                        (b, kv_heads, e, l), k_BxLxKxE.dtype)
+    value = self.variable('cache', 'cached_value', boxed(('batch', 'kv_heads', 'length', 'head_dim')),
+                          (b, kv_heads, l, e), v_BxLxKxE.dtype)
+    valid = self.variable('cache', 'cached_valid', boxed(('batch', 'length')), segment_ids_BxL.shape, jnp.bool_)
+    index = self.variable('cache', 'cache_index', boxed(()), [], jnp.int32)
+    k_BxKxExL = k_BxLxKxE.transpose(0, 2, 3, 1).astype(key.value.dtype)
+    v_BxKxLxE = v_BxLxKxE.transpose(0, 2, 1, 3).astype(value.value.dtype)
+    if not initialized:   # init_cache: only the shapes of this call matter
       causal_LxS = attention_ops.visible(jnp.arange(l)[:, None], jnp.arange(l)[None, :], self.sliding_window)
-      return k_BxLxKxE, v_BxLxKxE, jnp.broadcast_to(causal_LxS[None], (b, l, l))
+      return attention_ops.cached_attention(q_BxLxHxE, k_BxKxExL, v_BxKxLxE, jnp.broadcast_to(causal_LxS, (b, l, l)),
+                                            self.atten_logit_cap, self._scale())
     i = index.value
-    key.value = jax.lax.dynamic_update_slice(key.value, k_BxLxKxE.astype(key.value.dtype), (0, i, 0, 0))
-    value.value = jax.lax.dynamic_update_slice(value.value, v_BxLxKxE.astype(value.value.dtype), (0, i, 0, 0))
+    key.value = jax.lax.dynamic_update_slice(key.value, k_BxKxExL, (0, 0, 0, i))
+    value.value = jax.lax.dynamic_update_slice(value.value, v_BxKxLxE, (0, 0, i, 0))
     valid.value = jax.lax.dynamic_update_slice(valid.value, segment_ids_BxL != 0, (0, i))
     index.value = i + l
-    s = key.value.shape[1]
+    s = key.value.shape[-1]
     # Slots are time: a left-padded row's tokens are contiguous, so slot distance is position distance.
     visible_LxS = attention_ops.visible((i + jnp.arange(l))[:, None], jnp.arange(s)[None, :], self.sliding_window)
-    return key.value, value.value, visible_LxS[None] & valid.value[:, None, :]
-
+    mask_BxLxS = visible_LxS[None] & valid.value[:, None, :]
+    return attention_ops.cached_attention(q_BxLxHxE, key.value, value.value, mask_BxLxS, self.atten_logit_cap,
+                                          self._scale())
 
   def _rolling(self, length: int) -> bool:
     """Whether this layer's KV cache is the rolling one: a window shorter than the cache's length (the

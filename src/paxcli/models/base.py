@@ -100,7 +100,11 @@ class DecodingModel(BaseModel):
         A fresh cache for `batch` rows of up to `length` tokens. Each leaf is boxed with its
         logical axes (`nn.with_logical_partitioning`): the decoder shards it with the
         activation table, and a leaf with a 'batch' axis holds one entry per row there (beam
-        search moves rows along it); the others are shared by all rows.
+        search moves rows along it); the others are shared by all rows. The cache for a
+        longer length must be this one with zeros appended at the end of the axes that grow
+        with it (the others the same): the decoder starts short and grows a cache so as a
+        batch fills it (paxcli.loops.decode.decoder.grown). A leaf may hold what the steps
+        read of the params in another form (the LM's transposed logits table on a CPU).
     extend(params, cache, ids_BxL, positions_BxL) -> (logits_BxLxV float32, cache)
         Feeds L more tokens per row into the next L cache slots, the same slots for every
         row. positions_BxL is each token's position in its own row, -1 for padding: a

@@ -38,6 +38,17 @@ REMAT_POLICIES = {
 }
 
 
+# The cache entry holding the tied embedding table transposed ([D, V]) while decoding on a CPU: made once per
+# cache (init_cache) rather than read transposed by every step's logits, which on a CPU ran at about two
+# thirds of the speed (XNNPACK's product at batch 1 and 16, benchmarks/decode_vs_hf.py). Accelerators read
+# either layout at the same speed, so they keep no copy of the table.
+LOGITS_TABLE = 'logits_table'
+
+
+def transposed_table_for_decoding() -> bool:
+  return jax.default_backend() == 'cpu'
+
+
 class TransformerLm(BaseLayer):
   """Token embedding, optional learned or sinusoidal positions, a stack of blocks, final norm, logits.
 
@@ -187,9 +198,23 @@ class TransformerLm(BaseLayer):
     if self.softmax_bias:
       bias = self.param('logits_bias', nn.with_logical_partitioning(nn.initializers.zeros, ('vocab',)),
                         (self.vocab_size,))
-    # TIED_LOGITS_BFLOAT16: the table rounded to bfloat16 (MaxText's attend_on_embedding); else as Embed.attend
-    table_dtype = jnp.bfloat16 if self.tied_logits_bfloat16 else dtype
+    table_dtype = self._table_dtype(dtype)
+    if self.is_mutable_collection('cache') and transposed_table_for_decoding():
+      table = self.variable('cache', LOGITS_TABLE, nn.with_logical_partitioning(jnp.zeros, ('embed', 'vocab')),
+                            (self.model_dims, self.vocab_size), table_dtype)
+      return Head(table.value, bias, tied=False, dtype=dtype, table_dtype=table_dtype, cap=self.softmax_cap_logits)
     return Head(embed.embedding, bias, tied=True, dtype=dtype, table_dtype=table_dtype, cap=self.softmax_cap_logits)
+
+  def _table_dtype(self, dtype):
+    """The tied table's dtype in the logits' product. TIED_LOGITS_BFLOAT16: rounded to bfloat16 (MaxText's
+    attend_on_embedding); else the compute dtype, as Embed.attend."""
+    return jnp.bfloat16 if self.tied_logits_bfloat16 else dtype
+
+  def decoding_logits_table(self):
+    """The tied table [D, V] as decoding reads it (LOGITS_TABLE): transposed, in its product's dtype."""
+    dtype = dtype_of(self.fprop_dtype) if isinstance(self.fprop_dtype, str) else self.fprop_dtype
+    table = nn.meta.unbox(self.get_variable('params', 'embedding')['embedding'])
+    return table.astype(self._table_dtype(dtype)).T
 
   def _scanned(self, x_BxLxD, segment_ids_BxL, positions_BxL, dtype, deterministic: bool, remat: bool):
     """One nn.scan over the stack (`layers`): over layers of a uniform stack, over groups of a pattern."""
@@ -401,7 +426,11 @@ class LanguageModel(DecodingModel):
     """Zeros shaped by one forward pass of [batch, length] ids: its first call only sizes the cache."""
     ids = jax.ShapeDtypeStruct((batch, length), jnp.int32)
     shapes = jax.eval_shape(lambda p, x: self.apply({'params': p}, x, mutable=['cache'])[1]['cache'], params, ids)
-    return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+    cache = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+    if LOGITS_TABLE in cache:   # the transposed tied table, made here once for all of the cache's steps
+      table = self.apply({'params': params}, method=lambda lm: lm.lm.decoding_logits_table())
+      cache[LOGITS_TABLE] = cache[LOGITS_TABLE].replace_boxed(table)
+    return cache
 
   def extend(self, params, cache, ids_BxL, positions_BxL):
     segment_ids_BxL = (positions_BxL >= 0).astype(jnp.int32)  # segment 0: padding, never attended to

@@ -15,7 +15,10 @@ prompts fills the cache (prefill); each step then feeds one token per row at slo
 P + t (P the padded prompt length, a power of two: see `padded_length`) and position p + t.
 Greedy and sampled batches run those steps in one compiled `jax.lax.while_loop` that records
 each row's tokens, logprobs and stop (EOS, budget) on the device; the host comes in only every
-STOP_CHECK_EVERY tokens when stop strings need the text. Beam search steps from the host.
+STOP_CHECK_EVERY tokens when stop strings need the text, and when the cache must grow: a step
+attends over the whole cache, so a batch starts with the power of two of slots its first steps
+need (at least FIRST_CACHE) and the cache doubles between runs of the loop, each length compiled
+once (`cache_length`, `grown`). Beam search steps from the host over a cache allocated whole.
 
 The cache is the model's: its leaves name their logical axes, which map onto the mesh
 by the activation table (the LM's [B, S, K, E] keys and values: batch over (replica,
@@ -39,6 +42,7 @@ logprob / ((5 + length) / 6) ** length_penalty (Pax's length_norm_alpha).
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Callable, Optional, Sequence
 
 import flax.linen as nn
@@ -90,7 +94,7 @@ def select_tokens(logits_BxV, keys_Bx2, t, temperature, top_k: int, top_p, sampl
   """Next token per row and its model logprob. top_k is static (0: off); top_p, temperature traced."""
   logp_BxV = jax.nn.log_softmax(logits_BxV, axis=-1)
   if not sampling:
-    tok_B = jnp.argmax(logits_BxV, axis=-1)
+    tok_B = first_argmax(logits_BxV)
   else:
     x = logits_BxV / jnp.maximum(temperature, 1e-6)
     neg = jnp.finfo(jnp.float32).min
@@ -112,6 +116,42 @@ def select_tokens(logits_BxV, keys_Bx2, t, temperature, top_k: int, top_p, sampl
   return tok_B, jnp.take_along_axis(logp_BxV, tok_B[:, None], axis=-1)[:, 0]
 
 
+def first_argmax(x_BxV):
+  """jnp.argmax over the last axis (the first index of the largest value; of the first NaN if any) as two
+  plain reductions: XLA's CPU argmax, one reduction over (value, index) pairs, took a tenth of a decoding
+  step at batch 16 with a 32k vocabulary."""
+  hit = (x_BxV == jnp.max(x_BxV, axis=-1, keepdims=True)) | jnp.isnan(x_BxV)
+  return jnp.min(jnp.where(hit, jnp.arange(x_BxV.shape[-1], dtype=jnp.int32), x_BxV.shape[-1]), axis=-1)
+
+
+FIRST_CACHE = 128   # the shortest KV cache greedy and sampled batches decode with (cache_length)
+
+
+def cache_length(slots: int, length: int, first: int = 0) -> int:
+  """The KV cache a batch decodes with while its steps fill `slots` slots: the next power of two, at least
+  `first` (the decoder's, FIRST_CACHE by default), at most the whole `length`. Every step attends over the
+  whole cache, so early steps should not read slots no token has reached: the device loop is compiled for
+  each length a batch reaches, and the cache grows between its runs (`grown`)."""
+  return min(length, max(first, 1 << (slots - 1).bit_length()))
+
+
+def grown(cache, abstract):
+  """`cache` with its leaves zero-padded at the end to the shapes of `abstract`, the same model's cache for more
+  slots (DecodingModel.init_cache): the axes that grow with the length gain empty slots, the rest stay."""
+  def pad(x, target):
+    return x if x.shape == target.shape else jnp.pad(x, [(0, n - m) for m, n in zip(x.shape, target.shape)])
+
+  return jax.tree.map(pad, cache, abstract)
+
+
+def _quietly_donating(lower: Callable, *args):
+  """lower(*args) without JAX's warning that some donated buffers were not reused: a cache's growth reuses those
+  of the leaves that keep their shape (the others cannot be)."""
+  with warnings.catch_warnings():
+    warnings.filterwarnings('ignore', message='Some donated buffers were not usable')
+    return lower(*args)
+
+
 def padded_length(longest: int, room: int) -> int:
   """The prompt length a batch is left-padded to: a power of two (at least 16), so that prompts of many
   lengths share a few compiled shapes, but no longer than `room` (what MAX_SEQ_LEN leaves beside the
@@ -122,7 +162,7 @@ def padded_length(longest: int, room: int) -> int:
 class Decoder:
   """Jitted prefill and step functions of a model on its mesh; `run` decodes prompts."""
 
-  def __init__(self, setup, params, dtype: Optional[str] = None):
+  def __init__(self, setup, params, dtype: Optional[str] = None, first_cache: int = FIRST_CACHE):
     self.setup = setup
     self.mesh = setup.mesh
     model = setup.model
@@ -136,6 +176,16 @@ class Decoder:
     self.replicated = NamedSharding(self.mesh, PartitionSpec())
     self._fns = {}
     self.compile_seconds = 0.0  # all compilations so far (each shape and strategy compiles once)
+    self.first_cache = first_cache   # the shortest cache greedy and sampled batches start with (cache_length)
+
+  def _lazy(self, fns, what: str, *args):
+    """fns[what][args]: a piece compiled on first use (the device loop for a cache length, a cache's growth),
+    its compile timed apart."""
+    if args not in fns[what]:
+      begin = time.perf_counter()
+      fns[what][args] = fns['lower_' + what](*args).compile()
+      self.compile_seconds += time.perf_counter() - begin
+    return fns[what][args]
 
   # -- jitted pieces, one compile per (rows, padded prompt length, cache length, strategy) --
   def _compiled(self, rows: int, prompt_len: int, length: int, opts: DecodeOptions):
@@ -145,15 +195,25 @@ class Decoder:
     sds = jax.ShapeDtypeStruct
     params_abs = jax.tree.map(lambda x: sds(x.shape, x.dtype), self.params)
     model, rep = self.model, self.replicated
-    abstract, cache_sh, row_axes = cache_layout(
-        jax.eval_shape(lambda p: model.init_cache(p, rows, length), params_abs), self.mesh)
+    layouts = {}
+
+    def layout(slots: int):
+      """(abstract cache, its shardings, row axes) of a cache of `slots` slots."""
+      if slots not in layouts:
+        layouts[slots] = cache_layout(jax.eval_shape(lambda p: model.init_cache(p, rows, slots), params_abs), self.mesh)
+      return layouts[slots]
+
     batch_sh = sharding.batch_sharding(self.mesh)
     params_sh = self.setup.state_shardings['params']
     top_k, sampling, beam = opts.top_k or 0, opts.sampling, opts.beam_size
     steps = length - prompt_len
+    # Greedy and sampled rows start with the cache their first steps need and grow it (cache_length); beam
+    # search, stepping from the host, allocates it whole.
+    first = length if beam else cache_length(prompt_len + 1, length, self.first_cache)
+    abstract, cache_sh, row_axes = layout(first)
 
     def zeros(params):
-      return nn.meta.unbox(model.init_cache(params, rows, length))
+      return nn.meta.unbox(model.init_cache(params, rows, first))
 
     def finish(logits_BxV, keys, t, temperature, top_p):
       if beam:
@@ -211,9 +271,15 @@ class Decoder:
       fns['start'] = jax.jit(start, in_shardings=(params_sh, cache_sh, batch_sh, batch_sh, rep, rep, rep, rep),
                              out_shardings=(rep, cache_sh), donate_argnums=(1,)).lower(
                                  params_abs, abstract, ids_abs, ids_abs, keys_abs, f32, f32, stops_abs).compile()
-      fns['run_on'] = jax.jit(run_on, in_shardings=(params_sh, cache_sh, rep, rep, rep, rep, rep, rep),
-                              out_shardings=(rep, cache_sh), donate_argnums=(1, 2)).lower(
-                                  params_abs, abstract, state_abs, keys_abs, f32, f32, stops_abs, i32).compile()
+      # Per cache length, compiled as a batch reaches it (`_lazy`): the device loop, and the growth to it.
+      fns['run_on'], fns['grow'] = {}, {}
+      fns['lower_run_on'] = lambda slots: jax.jit(
+          run_on, in_shardings=(params_sh, layout(slots)[1], rep, rep, rep, rep, rep, rep),
+          out_shardings=(rep, layout(slots)[1]), donate_argnums=(1, 2)).lower(
+              params_abs, layout(slots)[0], state_abs, keys_abs, f32, f32, stops_abs, i32)
+      fns['lower_grow'] = lambda slots, more: _quietly_donating(jax.jit(
+          lambda cache: grown(cache, layout(more)[0]), in_shardings=(layout(slots)[1],),
+          out_shardings=layout(more)[1], donate_argnums=(0,)).lower, layout(slots)[0])
     self.compile_seconds += time.perf_counter() - begin
     self._fns[key] = fns
     return fns
@@ -300,16 +366,22 @@ class Decoder:
     check_text = bool(opts.stop) and tokenizer is not None
     every = STOP_CHECK_EVERY if check_text else steps
     checked = np.zeros(rows, np.int64)   # tokens of each row the host has read for stop strings
+    compiled_before, t, slots = self.compile_seconds, 0, cache_length(plen + 1, plen + steps, self.first_cache)
     while True:
-      state, cache = fns['run_on'](self.params, cache, state, keys, temperature, top_p, stops,
-                                   np.int32(min(steps - 1, int(sharding.to_host(state['t'])) + every)))
+      if plen + t + 1 > slots:   # the next step's slot is past the cache: grow it
+        more = cache_length(plen + t + 1, plen + steps, self.first_cache)
+        cache, slots = self._lazy(fns, 'grow', slots, more)(cache), more
+      until = min(steps - 1, t + every, slots - plen)   # step t fills slot plen + t - 1
+      state, cache = self._lazy(fns, 'run_on', slots)(self.params, cache, state, keys, temperature, top_p, stops,
+                                                      np.int32(until))
       host = {k: np.array(sharding.to_host(v)) for k, v in state.items()}   # writable: stop strings
+      t = int(host['t'])
       if check_text and self._stop_strings(host, checked, n, prompts, row_prompt, tokenizer, opts):
         state = {**state, 'reason': host['reason'], 'count': host['count']}
       if not (host['reason'][:n] == LIVE).any():
         break
     stats['decode_tokens'] += int(host['count'][:n].sum())
-    stats['decode_s'] += time.perf_counter() - t1
+    stats['decode_s'] += time.perf_counter() - t1 - (self.compile_seconds - compiled_before)
     return [_row_record(prompts[row_prompt[r]], indices[row_prompt[r]], row_sample[r], host, r, tokenizer, opts)
             for r in range(n)]
 
