@@ -94,7 +94,12 @@ class Browser:
     """Polls a JavaScript expression until it is truthy (real time); returns its value, or None."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-      value = self.evaluate(expression)
+      try:
+        value = self.evaluate(expression)
+      except RuntimeError as e:   # asked while the page navigates (a click just landed): ask again
+        if 'navigated or closed' not in str(e):
+          raise
+        value = None
       if value:
         return value
       time.sleep(0.25)
