@@ -21,6 +21,17 @@ def parse_value(raw: str) -> Any:
     return text
 
 
+def saved_literal(text: Any) -> Any:
+  """A saved config's value (its repr, from checkpoint metadata) as a Python value; None where it is not a
+  literal, or longer than any path's repr (the text is received: bounded before it is parsed)."""
+  if not isinstance(text, str) or len(text) >= 4096:
+    return None
+  try:
+    return ast.literal_eval(text)
+  except (ValueError, SyntaxError, MemoryError, RecursionError):
+    return None
+
+
 def type_name(tp: Any) -> str:
   origin = typing.get_origin(tp)
   if origin is Literal:

@@ -456,21 +456,12 @@ def paths_read(src, overrides=()) -> list[tuple[str, str]]:
   config = getattr(src, 'config', None) or {}
   settings = {'task.train.init_from': 'INIT_FROM', 'task.train.lora_init': 'LORA_INIT'}
   for key, knob in settings.items():
-    found.append((_literal(config.get(key) if isinstance(config, dict) else None), f'the run\'s {knob}'))
+    found.append((ptypes.saved_literal(config.get(key) if isinstance(config, dict) else None), f'the run\'s {knob}'))
   for override in overrides:
     key, _, value = str(override).partition('=')
     if key.strip() in (*settings, *settings.values()):
-      found.append((_literal(value), f'the {key.strip()} given'))
+      found.append((ptypes.saved_literal(value), f'the {key.strip()} given'))
   return [(path, what) for path, what in found if isinstance(path, str) and path]
-
-
-def _literal(text):
-  """A saved config's value (its repr) as a Python value; None where it is not a literal."""
-  import ast
-  try:
-    return ast.literal_eval(text) if isinstance(text, str) else None
-  except (ValueError, SyntaxError, MemoryError, RecursionError):
-    return None
 
 
 def progress(total_bytes: int, description: str):

@@ -9,7 +9,6 @@ decode, the profiler and the graceful stop.
 
 from __future__ import annotations
 
-import ast
 import collections
 import dataclasses
 import functools
@@ -31,6 +30,7 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, 
 from rich.table import Table
 
 from paxcli import optim
+from paxcli import values as ptypes
 from paxcli.config import config_differences
 from paxcli.convert import lora as convert_lora
 from paxcli.errors import UserError, shorten
@@ -901,20 +901,12 @@ def _check_same_run(job_dir: str, spec: RunSpec, train_name: str, force_resume: 
              and not _kept_tokenizer(f'{k}: checkpoint {saved[k]} -> now {spec.flat[k]}', job_dir)]
   for k in keys:   # another tokenizer changes every id: refused in its own words, --force-resume or not
     if k.rsplit('.', 1)[1] in ('TOKENIZER', 'tokenizer', 'spm_model') and saved.get(k) != spec.flat.get(k):
-      named = _literal(spec.flat.get(k))
+      named = ptypes.saved_literal(spec.flat.get(k))
       tokenizer.check_named(named if isinstance(named, str) and storage.isfile(named) else None, job_dir)
   if changed and not force_resume:
     raise UserError(f'{job_dir} holds a run trained on other data than this command gives ({"; ".join(changed[:3])}'
                     f'): give this run a new --job-log-dir, or pass --force-resume to go on training that one on '
                     'these settings.')
-
-
-def _literal(saved: Optional[str]):
-  """A saved config value (its repr) as the Python literal it shows, else None."""
-  try:
-    return ast.literal_eval(saved) if saved and len(saved) < 4096 else None
-  except (ValueError, SyntaxError, MemoryError, RecursionError):
-    return None
 
 
 def _shown(saved: str) -> str:
