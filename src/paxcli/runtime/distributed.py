@@ -141,8 +141,9 @@ def check_tpu_environment(environ: Optional[Mapping[str, str]] = None, on_tpu: O
   if not set_here:
     return
   if not (platform_mod.tpu_vm() if on_tpu is None else on_tpu):
-    log(f'Note: {", ".join(set_here)} {"is" if len(set_here) == 1 else "are"} set, but this machine has no TPU, '
-        'so JAX does not read them: running as one process (several processes on CPU or GPU: --coordinator, '
+    one = len(set_here) == 1
+    log(f'Note: {", ".join(set_here)} {"is" if one else "are"} set, but this machine has no TPU, so JAX does not '
+        f'read {"it" if one else "them"}: running as one process (several processes on CPU or GPU: --coordinator, '
         '--num-processes and --process-id, or pax launch).')
     return
   hosts_var = next((k for k in TPU_HOSTS_VARS if environ.get(k)), None)
