@@ -21,6 +21,8 @@ import re
 import shlex
 from typing import Optional
 
+import yaml
+
 from paxcli.errors import UserError
 from paxcli.runtime.topology import Slice
 
@@ -122,7 +124,6 @@ def manifest(tpu: Slice, command: list[str], image: str, name: str, max_restarts
 
 def to_yaml(doc: dict, command: list[str], tpu: Slice) -> str:
   """The manifest as YAML, after a comment saying what it runs and how to start it."""
-  import yaml
   shown = shlex.join(command).encode('unicode_escape').decode('ascii')  # one comment line, whatever it holds
   head = (f'# pax {shown}\n'
           f'# on {tpu.describe()}, one pod per TPU host ({chips_per_host(tpu)} chips each); written by '

@@ -26,6 +26,10 @@ import re
 from typing import Optional
 
 from paxcli.errors import UserError, did_you_mean
+from paxcli.runtime import platform
+
+# jax is imported where the devices are made: `pax launch --k8s` reads slice names here in a launcher
+# that never starts JAX.
 
 GIB = 1024 ** 3
 
@@ -215,12 +219,16 @@ def _matches(version: str, pattern: str) -> bool:
 
 
 @contextlib.contextmanager
-def _quiet_libtpu_env(tpu: Slice):
-  """libtpu, loaded on a machine that is not a TPU VM, asks the environment for the VM's accelerator
-  type and workers and logs an error line for each it misses; they do not change a compile-only
-  topology, so they are named for the load (the slice planned, this host) and restored after."""
-  given = {'TPU_ACCELERATOR_TYPE': tpu.name,
-           'TPU_WORKER_HOSTNAMES': 'localhost'}
+def _libtpu_load_env(tpu: Slice):
+  """The environment libtpu loads in, on a machine that is not a TPU VM, set for the load and restored
+  after. libtpu asks it for the VM's accelerator type and workers and logs an error line for each it
+  misses (they do not change a compile-only topology: named here as the slice planned and this host);
+  and it takes a lock file (/tmp/libtpu_lockfile) that guards the chips of a TPU VM, which would stop a
+  second plan running beside the first on the same machine (ALLOW_MULTIPLE_LIBTPU_LOAD lifts it; there
+  are no chips to guard)."""
+  given = {'TPU_ACCELERATOR_TYPE': tpu.name, 'TPU_WORKER_HOSTNAMES': 'localhost'}
+  if not platform.tpu_attached():
+    given['ALLOW_MULTIPLE_LIBTPU_LOAD'] = '1'
   added = [k for k in given if k not in os.environ]
   for k in added:
     os.environ[k] = given[k]
@@ -237,7 +245,7 @@ def compile_devices(tpu: Slice) -> list:
   bounds = (1, 1, 1) if tpu.chips == 1 else (2, 2, 1)   # chips per host, as Cloud TPU's VMs have them
   config = 'megacore' if GENERATIONS[tpu.generation].megacore else 'default'
   try:
-    with _quiet_libtpu_env(tpu):
+    with _libtpu_load_env(tpu):
       topo = topologies.get_topology_desc(platform='tpu', topology_name=tpu.topology_name, chip_config_name=config,
                                           chips_per_host_bounds=bounds, num_slices=tpu.num_slices, wrap=tpu.wrap)
   except Exception as e:  # libtpu's own errors (a libtpu that cannot load, a topology it refuses)
