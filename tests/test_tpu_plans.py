@@ -122,3 +122,23 @@ def test_compile_only_plan_for_a_v4_slice_is_counted_by_the_tpu_compiler(tmp_pat
   cpu_row = json.loads(cpu.stdout)[0]
   assert cpu_row['compiler'] == 'XLA:CPU' and cpu_row['params'] == row['params']
   assert cpu_row['memory_total_bytes'] != row['memory_total_bytes']
+
+
+def test_libtpu_missing_or_not_the_one_jax_names_is_said_in_one_line(monkeypatch):
+  wanted = topology.libtpu_for_jax()
+  assert wanted and wanted.startswith('libtpu==')   # read from the installed jax's own tpu extra
+  monkeypatch.setattr(topology, 'libtpu_version', lambda: None)
+  with pytest.raises(UserError, match=r"libtpu, which is not installed here: pip install 'paxcli\[tpu\]' \(libtpu=="):
+    topology.check_libtpu(pytest.fail)
+  monkeypatch.setattr(topology, 'libtpu_version', lambda: '0.0.1')
+  lines = []
+  assert topology.check_libtpu(lines.append) == 'libtpu 0.0.1'
+  assert lines == [f"Note: libtpu 0.0.1 is installed; jax {__import__('jax').__version__} was released with "
+                   f"{wanted}. If the compile fails or counts oddly: pip install '{wanted}'."]
+
+
+def test_only_the_experiments_libtpu_flags_reach_the_tpu_compiler():
+  env = {'tpu': {'LIBTPU_INIT_ARGS': '--xla_tpu_enable_latency_hiding_scheduler=true', 'XLA_FLAGS': '--x'},
+         'gpu': {'LIBTPU_INIT_ARGS': 'no'}}
+  assert topology.libtpu_env(env) == {'LIBTPU_INIT_ARGS': '--xla_tpu_enable_latency_hiding_scheduler=true'}
+  assert topology.libtpu_env({}) == {}
