@@ -1,8 +1,8 @@
 """Pipeline parallelism on 8 fake CPU devices: step time and the bubble, against the formula;
-with --plans, Pax's four C4 runs planned at full size.
+with --plans, Pax's four C4 runs planned at full size, by XLA:CPU and by the TPU's own compiler.
 
   .venv/bin/python benchmarks/pipeline.py [--steps 5] [--cases 2x4x1,4x8x2] [--set K=V ...]
-  .venv/bin/python benchmarks/pipeline.py --plans [--device-memory 32GB]
+  .venv/bin/python benchmarks/pipeline.py --plans [--device-memory 32GB] [--compilers cpu,tpu]
 
 One row per stages x microbatches x circular repeats (S x M x R, mesh [S, 1, 8 / S, 1]), and
 the same model unpipelined (all 8 devices on `data`). Every pipeline iteration runs all S
@@ -15,11 +15,13 @@ included) spent in bubble iterations; the formula (S - 1) / (R * M + S - 1) coun
 pipeline's loop alone, so the measured share sits a little below it. Step times are the
 fastest of --steps (the machine is shared and noisy): compare within one run.
 
---plans compiles the train step of each of recipes/c4.py's four runs for its real device count
-(`pax bench mfu --compile-only --num-devices N`, one process each: the device count is fixed
-when jax starts), weights abstract, and prints compile seconds and XLA's per-device memory
-against TPU v4's 32 GiB; then, for a run that does not fit as Pax configured it, the largest
-PERCORE_BATCH_SIZE tried that does.
+--plans compiles the train step of each of recipes/c4.py's four runs for its real device count,
+weights abstract, twice: on fake CPU devices (`pax bench mfu --compile-only --num-devices N`, one
+process each: the device count is fixed when jax starts), counted by XLA:CPU, and for the TPU v4
+slice Pax ran it on (`--topology v4-N [--num-slices 2]`), counted by XLA:TPU (libtpu, the tpu
+extra); it prints compile seconds and each compiler's per-device memory against TPU v4's 32 GiB.
+For a run that does not fit by the TPU's count as Pax configured it, the largest PERCORE_BATCH_SIZE
+tried that does.
 """
 
 from __future__ import annotations
@@ -39,9 +41,11 @@ MODEL = ['NUM_LAYERS=8', 'MODEL_DIMS=128', 'HIDDEN_DIMS=512', 'NUM_HEADS=4', 'DI
          'MAX_SEQ_LEN=64', 'PERCORE_BATCH_SIZE=4', 'USE_REPEATED_LAYER=True']   # global batch 32
 # (stages, microbatches, circular repeats); the mesh is [S, 1, 8 / S, 1].
 CASES = [(2, 2, 1), (2, 4, 1), (2, 8, 1), (4, 4, 1), (4, 8, 1), (2, 4, 2), (4, 4, 2)]
-# Pax's four C4 runs at their real device counts, and the per-chip batches tried when one does not fit.
-PLANS = [('c4.C4Spmd1BAdam4Replicas', 4), ('c4.C4Spmd16BAdam32Replicas', 32),
-         ('c4.C4SpmdPipelineGpt3SmallAdam64Replicas', 64), ('c4.C4Spmd22BAdam2xv4_128', 128)]
+# Pax's four C4 runs at their real device counts, the TPU v4 slices Pax ran them on (type, slices), and
+# the per-chip batches tried when one does not fit.
+PLANS = [('c4.C4Spmd1BAdam4Replicas', 4, ('v4-8', 1)), ('c4.C4Spmd16BAdam32Replicas', 32, ('v4-64', 1)),
+         ('c4.C4SpmdPipelineGpt3SmallAdam64Replicas', 64, ('v4-128', 1)),
+         ('c4.C4Spmd22BAdam2xv4_128', 128, ('v4-128', 2))]
 SMALLER_BATCHES = (12, 8, 4)
 
 
@@ -55,42 +59,51 @@ def percore(overrides: list[str]) -> float:
   return float(next(o.split('=', 1)[1] for o in reversed(MODEL + overrides) if o.startswith('PERCORE_BATCH_SIZE=')))
 
 
-def plan(exp: str, devices: int, device_memory: str, overrides: list[str] = ()) -> dict:
-  """One compile-only row of `pax bench mfu` for `exp` on `devices` fake devices, in its own process."""
+def plan(exp: str, devices: int, device_memory: str, overrides: list[str] = (), topology=None) -> dict:
+  """One compile-only row of `pax bench mfu` for `exp`, in its own process: on `devices` fake CPU
+  devices, or with topology=(type, slices) for that TPU slice by the TPU's compiler."""
   sets = [a for o in overrides for a in ('--set', o)]
-  cmd = [sys.executable, '-m', 'paxcli.cli.app', 'bench', 'mfu', '--exp', exp, '--compile-only', '--num-devices',
-         str(devices), '--device-memory', device_memory, '--json', *sets]
+  where = (['--topology', topology[0], '--num-slices', str(topology[1])] if topology
+           else ['--num-devices', str(devices)])
+  cmd = [sys.executable, '-m', 'paxcli.cli.app', 'bench', 'mfu', '--exp', exp, '--compile-only', *where,
+         '--device-memory', device_memory, '--json', *sets]
   done = subprocess.run(cmd, capture_output=True, text=True, env=ENVIRON)
   if done.returncode:
     raise SystemExit(f'{" ".join(cmd)} failed:\n{done.stderr[-3000:]}')
   return json.loads(done.stdout)[0]
 
 
-def plans(device_memory: str) -> None:
+def plans(device_memory: str, compilers: list[str]) -> None:
   from rich.console import Console
   from rich.table import Table
 
   from paxcli.loops import bench
-  table = Table(title=f"Pax's C4 runs at full size: compile-only on fake CPU devices, {device_memory} per device",
-                caption="memory: XLA:CPU's buffer assignment for one device (arguments + temporaries)",
-                caption_justify='left')
-  for col in ('experiment', 'devices', 'mesh', 'params', 'global batch', 'compile s', 'args', 'temp', 'total', 'fits'):
+  table = Table(title=f"Pax's C4 runs at full size: compile-only, {device_memory} per device",
+                caption='memory: the compiler\'s buffer assignment for one device; total = arguments + temporaries '
+                        '+ outputs not aliased to arguments + code. XLA:CPU on fake CPU devices; XLA:TPU from libtpu '
+                        'for the TPU v4 slice (no TPU used)', caption_justify='left')
+  for col in ('experiment', 'devices', 'mesh', 'params', 'global batch', 'compiler', 'compile s', 'args', 'temp',
+              'total', 'fits'):
     table.add_column(col, justify='right')
-  for exp, devices in PLANS:
-    rows = [({}, plan(exp, devices, device_memory))]
-    for percore in SMALLER_BATCHES if not rows[0][1].get('fits') else ():
-      smaller = plan(exp, devices, device_memory, [f'PERCORE_BATCH_SIZE={percore}'])
-      rows.append(({'PERCORE_BATCH_SIZE': percore}, smaller))
-      if rows[-1][1].get('fits'):
+  for exp, devices, topology in PLANS:
+    runs = [({}, c, plan(exp, devices, device_memory, topology=topology if c == 'tpu' else None)) for c in compilers]
+    deciding = runs[-1][2]   # the TPU's count where it was asked for
+    for percore in SMALLER_BATCHES if not deciding.get('fits') else ():
+      sets = {'PERCORE_BATCH_SIZE': percore}
+      smaller = plan(exp, devices, device_memory, [f'PERCORE_BATCH_SIZE={percore}'],
+                     topology if compilers[-1] == 'tpu' else None)
+      runs.append((sets, compilers[-1], smaller))
+      if smaller.get('fits'):
         break
-    for sets, r in rows:
+    for sets, _, r in runs:
       name = exp + ''.join(f' {k}={v}' for k, v in sets.items())
-      table.add_row(name, str(devices), r['mesh'], bench._count(r['params']), f"{r['global_batch']:,}",
-                    f"{r['compile_seconds']:.1f}", bench._bytes(r.get('memory_argument_bytes')),
-                    bench._bytes(r.get('memory_temp_bytes')), bench._bytes(r.get('memory_total_bytes')),
-                    'yes' if r.get('fits') else 'NO')
-      print(f'{name}: {r["status"]}', file=sys.stderr, flush=True)
-  Console(width=200).print(table)
+      table.add_row(name, str(r['devices']), r['mesh'], bench._count(r['params']), f"{r['global_batch']:,}",
+                    r['compiler'].split(' (')[0], f"{r['compile_seconds']:.1f}",
+                    bench._bytes(r.get('memory_argument_bytes')), bench._bytes(r.get('memory_temp_bytes')),
+                    bench._bytes(r.get('memory_total_bytes')), 'yes' if r.get('fits') else 'NO')
+      print(f'{name} by {r["compiler"]}: {r["status"]}, {bench._bytes(r.get("memory_total_bytes"))}',
+            file=sys.stderr, flush=True)
+  Console(width=220).print(table)
 
 
 def main() -> None:
@@ -100,9 +113,11 @@ def main() -> None:
   parser.add_argument('--cases', default=None, help='e.g. "2x4x1,4x8x2": stages x microbatches x repeats')
   parser.add_argument('--plans', action='store_true', help="Pax's four C4 runs at full size instead")
   parser.add_argument('--device-memory', default='32GB', help='memory per device for --plans (TPU v4: 32GB)')
+  parser.add_argument('--compilers', default='cpu,tpu', help='--plans: cpu (fake CPU devices), tpu (libtpu for '
+                      'the v4 slice) or both, in that order')
   args = parser.parse_args()
   if args.plans:
-    plans(args.device_memory)
+    plans(args.device_memory, [c.strip() for c in args.compilers.split(',') if c.strip()])
     return
   cases = CASES if not args.cases else [tuple(int(v) for v in c.split('x')) for c in args.cases.split(',')]
   import jax

@@ -1,7 +1,7 @@
 """Pax's C4 runs (paxml/tasks/lm/params/c4.py and c4_multislice.py), ported value by value.
 
   pax describe --exp c4.C4Spmd1BAdam4Replicas           # 1.10B parameters, as Pax's
-  pax bench mfu --exp c4.C4Spmd16BAdam32Replicas --compile-only --num-devices 32 --device-memory 32GB
+  pax bench mfu --exp c4.C4Spmd16BAdam32Replicas --compile-only --topology v4-64   # XLA:TPU's memory, no TPU
   pax train --exp c4.C4Spmd1BAdam4Replicas --set C4_DATA_DIR=gs://my-bucket/tfds \\
       --set C4_VOCABULARY=/data/t5/sentencepiece.model --job-log-dir gs://...   # on a TPU v4-8
 

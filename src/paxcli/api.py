@@ -470,16 +470,28 @@ def bench_mfu(exp: Optional[str] = None, *, overrides: Sequence[str] = (), job_d
               steps: int = 10, warmup: int = 2, compile_only: bool = False, num_devices: Optional[int] = None,
               peak_tflops: Optional[float] = None, device_memory: Optional[str] = None,
               plot: Optional[str] = None, pgle: Optional[str] = None, pgle_profile: Optional[str] = None,
-              console=None, force: bool = False) -> list[dict]:
+              console=None, force: bool = False, topology: Optional[str] = None, num_slices: int = 1) -> list[dict]:
   """`pax bench mfu`: one row per sweep combination (step time, tokens/s, TFLOP/s per device, MFU, HFU,
   memory). sweep: 'KNOB=a,b,c' strings; plot: a PNG of the rows, written after they all ran (over an
   existing file only with force). job_dir: the experiment and --set overrides that job was trained with
-  (`exp` and `overrides` on top)."""
+  (`exp` and `overrides` on top). topology (with compile_only): a TPU slice name such as 'v4-128'
+  (`num_slices` of them), compiled for by libtpu without a TPU (paxcli.runtime.topology)."""
   from paxcli.convert.safetensors_io import parse_size
   from paxcli.loops import bench
+  from paxcli.runtime import topology as tpu_topology
   plot, pgle_profile = output_arg(plot, '--plot'), path_arg(pgle_profile, '--pgle-profile')
   memory_bytes = parse_size(device_memory, '--device-memory') if device_memory is not None else None
   positive_finite(peak_tflops, '--peak-tflops', 'TFLOP/s per device')
+  tpu = None
+  if topology is not None or num_slices != 1:
+    if topology is None:
+      raise UserError('--num-slices counts slices of a --topology: give the slice too, e.g. --topology v4-128.')
+    if not compile_only:
+      raise UserError(f'--topology {topology} plans for TPUs this machine does not have, so no step can run: '
+                      'add --compile-only.')
+    if num_devices:
+      raise UserError('--topology and --num-devices both choose the devices to compile for: give one.')
+    tpu = tpu_topology.parse(topology, num_slices)
   if plot:
     bench.check_plot_path(plot, force)
   if num_devices:
@@ -498,7 +510,7 @@ def bench_mfu(exp: Optional[str] = None, *, overrides: Sequence[str] = (), job_d
   with _progress(console) as progress:
     rows = bench.run_all(exp, list(overrides), list(sweep), steps=steps, warmup=warmup, compile_only=compile_only,
                          peak_tflops=peak_tflops, pgle=pgle, pgle_profile=pgle_profile, progress=progress,
-                         log=log, device_memory=memory_bytes)
+                         log=log, device_memory=memory_bytes, tpu=tpu)
   if plot:
     bench.plot(rows, plot)
     log(f'Plot written to {plot}.')

@@ -28,6 +28,7 @@ from paxcli.cli import train as train_cmd
 from paxcli.cli import version as version_cmd
 from paxcli.jobdir import invocation
 from paxcli.jobdir import ledger
+from paxcli.runtime import platform
 
 app = typer.Typer(
     name='pax',
@@ -64,6 +65,7 @@ def main(argv: list[str] | None = None) -> None:
   argv = list(sys.argv[1:] if argv is None else argv)
   invocation.set_argv(argv)  # as the user typed it, for the job directory's invocations.txt
   argv = common.normalize_argv(argv)
+  platform.cpu_without_tpu()  # libtpu installed to plan for TPUs, on a machine without one
   common.run_app(app, argv)
 
 

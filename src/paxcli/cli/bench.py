@@ -27,6 +27,12 @@ def mfu(
                                       'against the device\'s memory; run no step.'),
     num_devices: Optional[int] = typer.Option(None, '--num-devices', min=1, metavar='N', help='Make N fake CPU devices '
                                               '(to check a large mesh plan on a laptop; with --compile-only).'),
+    topology: Optional[str] = typer.Option(None, '--topology', metavar='TYPE', help='With --compile-only: compile '
+                                           'for this TPU slice (v4-128, v5p-256, v5e-16 or v5litepod-16, v6e-256) '
+                                           "with the TPU's own compiler, no TPU needed (libtpu: pip install "
+                                           "'paxcli[tpu]'); memory against its HBM."),
+    num_slices: int = typer.Option(1, '--num-slices', min=1, metavar='N', help='With --topology: N such slices '
+                                   'joined over DCN (multislice; DCN_MESH_SHAPE multiplies to N).'),
     peak_tflops: Optional[float] = typer.Option(None, '--peak-tflops', help='Peak TFLOP/s per device to '
                                                 'divide by (default: the table by device kind, or measured).'),
     device_memory: Optional[str] = typer.Option(None, '--device-memory', metavar='SIZE', help='Memory per device '
@@ -45,6 +51,7 @@ def mfu(
     pax bench mfu --exp bench.Llama1B
     pax bench mfu --exp E --sweep PERCORE_BATCH_SIZE=4,8,16 --sweep CHECKPOINT_POLICY=none,save_dot_only --plot mfu.png
     pax bench mfu --exp lm_cloud.LmCloudSpmd2B --compile-only --num-devices 64 --set "ICI_MESH_SHAPE=[1,64,1]"
+    pax bench mfu --exp c4.C4Spmd16BAdam32Replicas --compile-only --topology v4-64
   """
   from paxcli import api
   from paxcli.loops import bench
@@ -54,7 +61,7 @@ def mfu(
   err = common.console(stderr=True)
   rows = api.bench_mfu(exp, overrides=overrides, job_dir=job_log_dir, sweep=sweep, steps=steps, warmup=warmup, compile_only=compile_only,
                        num_devices=num_devices, peak_tflops=peak_tflops, device_memory=device_memory, pgle=pgle,
-                       pgle_profile=pgle_profile, console=err)
+                       pgle_profile=pgle_profile, console=err, topology=topology, num_slices=num_slices)
   if json_out:
     typer.echo(json.dumps(rows, indent=1, default=str))
   else:

@@ -49,6 +49,8 @@ from paxcli.jobdir import layout
 from paxcli.jobdir import ledger
 from paxcli.jobdir import storage
 from paxcli.runtime import distributed
+from paxcli.runtime import jobset
+from paxcli.runtime import topology as tpu_topology
 from paxcli.runtime.platform import detect_platform
 
 _PREFIX = '[launch]'
@@ -58,7 +60,8 @@ NOT_RESTARTED = (2, 3)  # a refused command (UserError) and a diverged run fail 
 
 def launch(
     ctx: typer.Context,
-    processes: int = typer.Option(..., '--processes', '-n', metavar='N', min=1, help='How many local processes to start.'),
+    processes: Optional[int] = typer.Option(None, '--processes', '-n', metavar='N', min=1,
+                                            help='How many local processes to start.'),
     devices_per_process: Optional[int] = typer.Option(
         None, '--devices-per-process', metavar='K', min=1,
         help='Devices per process. CPU: fake devices (--xla_force_host_platform_device_count); '
@@ -82,20 +85,74 @@ def launch(
         help='A process that has done a train step but then goes this long without another is hung: stop all '
              '(and restart, with --max-restarts). Above the longest pause between steps (an eval, a save, a '
              'recompilation). Default: off.'),
+    k8s: bool = typer.Option(False, '--k8s', help='Start nothing: print a Kubernetes JobSet (GKE TPU slices) that runs '
+                             'the command on every host of --topology (--max-restarts: its restarts).'),
+    topology: Optional[str] = typer.Option(None, '--topology', metavar='TYPE', help='With --k8s: the TPU slice, '
+                                           'e.g. v5p-128, v4-64, v5litepod-16, v6e-256.'),
+    num_slices: int = typer.Option(1, '--num-slices', metavar='N', min=1, help='With --k8s: N slices over DCN.'),
+    image: Optional[str] = typer.Option(None, '--image', metavar='IMAGE', help='With --k8s: the container image, '
+                                        'with paxcli[tpu] installed.'),
+    name: Optional[str] = typer.Option(None, '--name', metavar='NAME', help='With --k8s: the JobSet name '
+                                       '(default pax-<experiment>).'),
+    env: List[str] = typer.Option([], '--env', metavar='KEY=VALUE', help='With --k8s: an environment variable of '
+                                  'every pod (repeat; e.g. LIBTPU_INIT_ARGS=...).'),
     command: Optional[List[str]] = typer.Argument(
         None, metavar='-- COMMAND', show_default=False,
         help='The pax command every process runs, after --: e.g. -- train --exp E --job-log-dir D.'),
 ) -> None:
-  """Run one pax command as N local processes (jax.distributed on 127.0.0.1), e.g. to test multi-host runs.
+  """Run one pax command as N local processes (jax.distributed on 127.0.0.1), e.g. to test multi-host runs;
+  with --k8s, print a JobSet that runs it on a TPU slice on Kubernetes instead.
 
-  Example: pax launch --processes 2 --devices-per-process 4 -- train --exp E --job-log-dir /tmp/run
+  \b
+  Examples:
+    pax launch --processes 2 --devices-per-process 4 -- train --exp E --job-log-dir /tmp/run
+    pax launch --k8s --topology v5p-128 --image IMAGE -- train --exp E --job-log-dir gs://B/run > jobset.yaml
   """
-  argv = _child_argv(command or [], _multiprocess_commands(ctx.parent.command))
+  runnable = _multiprocess_commands(ctx.parent.command)
+  if k8s:
+    print_jobset(command or [], runnable, topology, num_slices, image, name, env, max_restarts)
+    return
+  given = [o for o, v in (('--topology', topology), ('--image', image), ('--name', name), ('--env', env),
+                          ('--num-slices', num_slices != 1)) if v]
+  if given:
+    raise UserError(f'{", ".join(given)} describe(s) a Kubernetes job: add --k8s (or leave them out to start '
+                    'local processes).')
+  if processes is None:
+    raise UserError('Give --processes N, the local processes to start (or --k8s to write a Kubernetes JobSet).')
+  argv = _child_argv(command or [], runnable)
   make_envs = lambda: _child_envs(processes, devices_per_process, port or free_port())
   code = run_job(argv, make_envs, grace=grace, exit_wait=exit_wait, max_restarts=max_restarts,
                  heartbeat_timeout=heartbeat_timeout, end_at_exit=True, verbose=verbose)
   if code:
     raise typer.Exit(code)
+
+
+def print_jobset(command: list[str], runnable: set[str], topology: Optional[str], num_slices: int,
+                 image: Optional[str], name: Optional[str], env: list[str], max_restarts: int) -> None:
+  """`pax launch --k8s`: the JobSet YAML on stdout (paxcli.runtime.jobset), notes on stderr."""
+  command = _child_argv(command, runnable)[3:]   # checked as a local launch checks it; the pax arguments
+  if not topology or not image:
+    raise UserError('--k8s needs --topology (the TPU slice, e.g. v5p-128) and --image (a container image with '
+                    "paxcli[tpu] installed).")
+  tpu = tpu_topology.parse(topology, num_slices)
+  if tpu.generation not in jobset.GKE_ACCELERATOR:
+    raise UserError(f'--topology {topology}: GKE has no {tpu.generation} node pools paxcli knows.')
+  flags = [a for a in command if a.split('=', 1)[0] in ('--coordinator', '--num-processes', '--process-id')]
+  if flags:
+    raise UserError(f'{flags[0].split("=", 1)[0]} in a --k8s command: JAX reads the pods\' own environment '
+                    '(TPU_WORKER_HOSTNAMES, TPU_WORKER_ID, MEGASCALE_*) on GKE; leave it out.')
+  variables = {}
+  for item in env:
+    key, sep, value = item.partition('=')
+    if not sep or not re.fullmatch(r'[A-Za-z_][A-Za-z0-9_]*', key):
+      raise UserError(f'--env {item!r} is not KEY=VALUE (e.g. --env LIBTPU_INIT_ARGS=--xla_tpu_...).')
+    variables[key] = value
+  name = jobset.check_name(name) if name else jobset.default_name(command)
+  note = jobset.job_dir_note(command)
+  if note:
+    print(note, file=sys.stderr)
+  doc = jobset.manifest(tpu, command, image, name, max_restarts=max_restarts, env=variables)
+  sys.stdout.write(jobset.to_yaml(doc, command, tpu))
 
 
 def _child_argv(command: list[str], runnable: set[str]) -> list[str]:

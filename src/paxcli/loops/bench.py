@@ -9,6 +9,7 @@ A configuration that runs out of memory is a row that says so; the sweep goes on
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import itertools
 import math
@@ -35,6 +36,7 @@ from paxcli.runtime import engine
 from paxcli.runtime import infeed
 from paxcli.runtime import platform
 from paxcli.runtime import sharding
+from paxcli.runtime import topology
 from paxcli.runtime.sharding import to_global
 
 GIB = 1024 ** 3
@@ -95,15 +97,17 @@ def example_batch(data_cfg, setup) -> dict:
 def measure(resolved, steps: int = 10, warmup: int = 2, compile_only: bool = False,
             peak_tflops: Optional[float] = None, pgle_profile: Optional[str] = None,
             on_step: Optional[Callable[[int, int], None]] = None, device_memory: Optional[int] = None,
-            emulated_fp8: bool = False) -> dict:
+            emulated_fp8: bool = False, target: Optional['Target'] = None) -> dict:
   """One configuration: a row of figures (see module doc). Raises on errors other than OOM. FP8 on a
   device without fp8 units is refused unless compile_only or `emulated_fp8` (benchmarks/fp8.py: a figure
-  labelled emulated)."""
+  labelled emulated). `target`: compile-only devices of a TPU slice (`--topology`) instead of this
+  machine's."""
   modes = fp8.modes_of(resolved.flat())
   if not (compile_only or emulated_fp8) and any(fp8.refusal(m) for m in modes):
     raise UserError(fp8.refusal(modes[0]))
-  setup = engine.build(resolved)
-  devices = jax.devices()
+  exp = resolved.experiment
+  devices = target.devices if target else jax.devices()
+  setup = engine.build(resolved, sharding.make_mesh(exp.ICI_MESH_SHAPE, exp.DCN_MESH_SHAPE, devices) if target else None)
   tokens = setup.global_batch * setup.seq_len
   model_flops = flops.for_model(setup.model, setup.seq_len)
   if model_flops is None:
@@ -112,11 +116,16 @@ def measure(resolved, steps: int = 10, warmup: int = 2, compile_only: bool = Fal
     peak = flops.Peak(None, 'not measured (--compile-only)')  # no step runs: no MFU to divide
   else:
     peak = flops.device_peak(devices[0], flops.compute_dtype(setup.model), peak_tflops)
-  device_bytes, device_bytes_source = ((device_memory, '--device-memory') if device_memory
-                                       else flops.device_memory_bytes(devices[0]))
+  if device_memory:
+    device_bytes, device_bytes_source = device_memory, '--device-memory'
+  elif target:
+    device_bytes, device_bytes_source = target.memory_bytes, target.memory_source
+  else:
+    device_bytes, device_bytes_source = flops.device_memory_bytes(devices[0])
   row = {
       'status': 'ok', 'devices': len(devices), 'device_kind': devices[0].device_kind,
-      'platform': jax.default_backend(), 'mesh': sharding.describe_mesh(setup.mesh),
+      'platform': devices[0].platform, 'mesh': sharding.describe_mesh(setup.mesh),
+      'compiler': target.compiler if target else f'XLA:{devices[0].platform.upper()}',
       'params': engine.param_count(setup.abstract_state), 'global_batch': setup.global_batch,
       'seq_len': setup.seq_len, 'tokens_per_step': tokens,
       'model_flops_per_step': model_flops.per_step(tokens),
@@ -199,16 +208,43 @@ def _first_line(e: BaseException) -> str:
   return text[0][:300] if text else type(e).__name__
 
 
+@dataclasses.dataclass(frozen=True)
+class Target:
+  """Compile-only devices of a TPU slice (`--topology`), the memory of each and the compiler that counts."""
+  slice: topology.Slice
+  devices: list
+  compiler: str
+
+  @property
+  def memory_bytes(self) -> int:
+    return self.slice.memory_bytes
+
+  @property
+  def memory_source(self) -> str:
+    return f'TPU {self.slice.generation}: {_bytes(self.memory_bytes)} HBM per chip'
+
+
+def tpu_target(tpu: topology.Slice, platform_env: dict, log: Callable[[str], None]) -> Target:
+  """The slice's compile-only devices from libtpu; the experiment's LIBTPU_INIT_ARGS reach its compiler
+  (libtpu reads them when it loads, here)."""
+  version = topology.check_libtpu(log)
+  for key, value in topology.libtpu_env(platform_env).items():
+    os.environ[key] = (os.environ.get(key, '') + ' ' + value).strip()
+    log(f"Set {key} for the TPU compiler (the experiment's PLATFORM_ENV).")
+  devices = topology.compile_devices(tpu)
+  return Target(tpu, devices, f'XLA:TPU ({version}, ahead of time for {tpu.describe()})')
+
+
 def run_all(exp: Optional[str], overrides: list[str], sweeps: list[str], *, steps: int, warmup: int,
             compile_only: bool, peak_tflops: Optional[float], pgle: Optional[str] = None,
             pgle_profile: Optional[str] = None, progress=None, log: Callable[[str], None] = print,
-            device_memory: Optional[int] = None) -> list[dict]:
+            device_memory: Optional[int] = None, tpu: Optional[topology.Slice] = None) -> list[dict]:
   """Every sweep combination (and, with PGLE, each without and with it), one row each.
 
   PGLE here is the explicit workflow for both --pgle auto (into a temporary file) and
   --pgle-profile PATH: a few steps are profiled, then the step compiled with the profile.
   The first combination's PLATFORM_ENV is the caller's to apply, before jax starts a backend
-  (paxcli.api.open_run).
+  (paxcli.api.open_run). `tpu`: compile for that slice with the TPU's compiler (compile-only).
   """
   rows = []
   combos = sweep_combinations(sweeps)
@@ -217,8 +253,9 @@ def run_all(exp: Optional[str], overrides: list[str], sweeps: list[str], *, step
     jax.config.update('jax_enable_pgle', False)  # the rows without PGLE must be without it
     pgle_profile = os.path.join(tempfile.mkdtemp(prefix='paxcli-pgle-'), 'profile.pb')
   pgle_variants = [None, pgle_profile] if pgle_profile else [None]
-  resolved_all = [check_combination(exp, overrides, combo, compile_only, log if i == 0 else (lambda m: None))
+  resolved_all = [check_combination(exp, overrides, combo, compile_only, log if i == 0 else (lambda m: None), tpu)
                   for i, combo in enumerate(combos)]  # the first's warnings stand for all
+  target = tpu_target(tpu, resolved_all[0].experiment.PLATFORM_ENV, log) if tpu else None
   for combo, resolved in zip(combos, resolved_all):
     sets = [f'{k}={v}' for k, v in combo]
     for pgle in pgle_variants:
@@ -228,7 +265,7 @@ def run_all(exp: Optional[str], overrides: list[str], sweeps: list[str], *, step
       on_step = (lambda done, total, t=task: progress.update(t, completed=done)) if progress else None
       if pgle and not _exists(pgle):
         _record_pgle_profile(resolved, pgle, log)
-      row = measure(resolved, steps, warmup, compile_only, peak_tflops, pgle, on_step, device_memory)
+      row = measure(resolved, steps, warmup, compile_only, peak_tflops, pgle, on_step, device_memory, target=target)
       row.update({'experiment': resolved.name, 'sweep': dict(combo)})
       rows.append(row)
       if progress:
@@ -236,9 +273,11 @@ def run_all(exp: Optional[str], overrides: list[str], sweeps: list[str], *, step
   return rows
 
 
-def check_combination(exp: Optional[str], overrides: list[str], combo: list, compile_only: bool, log):
+def check_combination(exp: Optional[str], overrides: list[str], combo: list, compile_only: bool, log,
+                      tpu: Optional[topology.Slice] = None):
   """The resolved config of one sweep combination, or a UserError naming it: every combination is
-  checked (knobs, allowed values, model settings, mesh, batch) before the first row runs."""
+  checked (knobs, allowed values, model settings, mesh, batch) before the first row runs, against
+  the TPU slice `tpu` where one is planned for."""
   sets = [f'{k}={v}' for k, v in combo]
   where = f' (--sweep combination {", ".join(sets)})' if sets else ''
   try:
@@ -256,7 +295,9 @@ def check_combination(exp: Optional[str], overrides: list[str], combo: list, com
     engine.validate_model(task.model)
     engine.validate_mesh(task.model, exp_obj.ICI_MESH_SHAPE, exp_obj.DCN_MESH_SHAPE)
     engine.validate_train(task.train)
-    num_devices = len(jax.devices())
+    num_devices = tpu.num_devices if tpu else len(jax.devices())
+    if tpu:
+      topology.check_mesh(tpu, exp_obj.ICI_MESH_SHAPE, exp_obj.DCN_MESH_SHAPE)
     sharding.mesh_shape(exp_obj.ICI_MESH_SHAPE, exp_obj.DCN_MESH_SHAPE, num_devices)
     infeed.global_batch_size(exp_obj.PERCORE_BATCH_SIZE, num_devices)
   except UserError as e:
@@ -350,7 +391,8 @@ def table(rows: list[dict], compile_only: bool):
 
 def _caption(rows: list[dict], compile_only: bool) -> str:
   r = rows[0]
-  lines = [f"mesh {r['mesh']}; device memory: {r['device_memory_source']}"]
+  lines = [f"mesh {r['mesh']}; device memory: {r['device_memory_source']}; memory and XLA FLOPs counted by "
+           f"{r['compiler']}"]
   if r.get('pipeline'):
     lines.append(f"pipeline: {r['pipeline']} (MFU counts the model's FLOPs only: the bubble is lost time)")
   if not compile_only:

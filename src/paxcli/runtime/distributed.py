@@ -35,6 +35,7 @@ import warnings
 from typing import Callable, Mapping, Optional
 
 from paxcli.errors import UserError
+from paxcli.runtime import platform as platform_mod
 from paxcli.runtime.platform import detect_platform
 
 ENV_COORDINATOR = 'PAX_COORDINATOR'
@@ -119,6 +120,75 @@ def detected_cluster() -> Optional[str]:
   return None
 
 
+# The environment JAX reads on a TPU pod beside the VM's metadata (jax._src.clusters.cloud_tpu_cluster): GKE
+# gives every pod of a slice the slice's hosts and its own index; across slices (multislice) every process
+# also needs the slice count, its slice and the address of slice 0's first host.
+TPU_HOSTS_VARS = ('TPU_PROCESS_ADDRESSES', 'TPU_WORKER_HOSTNAMES')   # JAX reads the first one set
+MEGASCALE_VARS = ('MEGASCALE_COORDINATOR_ADDRESS', 'MEGASCALE_NUM_SLICES', 'MEGASCALE_SLICE_ID')
+
+
+def check_tpu_environment(environ: Optional[Mapping[str, str]] = None, on_tpu: Optional[bool] = None,
+                          log: Callable[[str], None] = print) -> None:
+  """A TPU pod's environment that is partial, said in one line before JAX reads it.
+
+  Refused (UserError) where it names several hosts or slices but not this process's place among them
+  (JAX would fail on it, or every slice would take id 0 and wait for the others forever); a line on
+  `log` where this machine has no TPU, so JAX reads none of it and the command runs as one process.
+  `on_tpu`: JAX's own test (libtpu and a TPU attached; platform.tpu_vm()) unless given.
+  """
+  environ = os.environ if environ is None else environ
+  set_here = [k for k in (*TPU_HOSTS_VARS, 'TPU_WORKER_ID', *MEGASCALE_VARS) if environ.get(k)]
+  if not set_here:
+    return
+  if not (platform_mod.tpu_vm() if on_tpu is None else on_tpu):
+    one = len(set_here) == 1
+    log(f'Note: {", ".join(set_here)} {"is" if one else "are"} set, but this machine has no TPU, so JAX does not '
+        f'read {"it" if one else "them"}: running as one process (several processes on CPU or GPU: --coordinator, '
+        '--num-processes and --process-id, or pax launch).')
+    return
+  hosts_var = next((k for k in TPU_HOSTS_VARS if environ.get(k)), None)
+  if hosts_var:   # GKE: the pod's environment is all JAX has
+    hosts = environ[hosts_var].split(',')
+    _check_index(environ, 'TPU_WORKER_ID', len(hosts), f'{hosts_var} lists {len(hosts)} host(s)',
+                 'GKE sets both for every pod of a TPU slice')
+  slices = _whole(environ, 'MEGASCALE_NUM_SLICES')
+  if slices is not None and slices < 1:
+    raise UserError(f'MEGASCALE_NUM_SLICES={environ["MEGASCALE_NUM_SLICES"]!r} must be 1 or more.')
+  if hosts_var and any(environ.get(k) for k in MEGASCALE_VARS):   # on a TPU VM the metadata holds the rest
+    if slices is None:
+      raise UserError(f'{", ".join(k for k in MEGASCALE_VARS if environ.get(k))} set without MEGASCALE_NUM_SLICES: '
+                      'JAX would count one slice. Set all three MEGASCALE_* variables for a multislice job.')
+    if slices > 1:
+      _check_index(environ, 'MEGASCALE_SLICE_ID', slices, f'MEGASCALE_NUM_SLICES is {slices}',
+                   'without it every slice takes id 0 and waits for the others')
+      if not environ.get('MEGASCALE_COORDINATOR_ADDRESS'):
+        raise UserError(f'MEGASCALE_NUM_SLICES is {slices} but MEGASCALE_COORDINATOR_ADDRESS is not set: each slice '
+                        "would start its own coordinator and wait for the others' processes forever. Set it to "
+                        "slice 0's first host on every host.")
+  elif slices is not None and environ.get('MEGASCALE_SLICE_ID'):
+    _check_index(environ, 'MEGASCALE_SLICE_ID', slices, f'MEGASCALE_NUM_SLICES is {slices}', '')
+
+
+def _whole(environ: Mapping[str, str], key: str) -> Optional[int]:
+  value = environ.get(key)
+  if not value:
+    return None
+  try:
+    return int(value)
+  except ValueError:
+    raise UserError(f'{key}={value!r} is not a whole number.') from None
+
+
+def _check_index(environ: Mapping[str, str], key: str, count: int, because: str, why: str) -> None:
+  """`key` names this process's place among `count`: set, whole, 0 to count - 1."""
+  index = _whole(environ, key)
+  if index is None:
+    raise UserError(f'{because} but {key} is not set, so this process cannot tell which one it is'
+                    f'{f" ({why})" if why else ""}: set {key} (0 to {count - 1}) on every host.')
+  if not 0 <= index < count:
+    raise UserError(f'{key}={index} is out of range: {because}, so it runs from 0 to {count - 1}.')
+
+
 def start(settings: Settings, log: Callable[[str], None] = print,
           platform: Optional[str] = None) -> bool:
   """Starts jax.distributed when several processes are asked for or a cluster is found.
@@ -133,6 +203,7 @@ def start(settings: Settings, log: Callable[[str], None] = print,
     return False
   cluster = None
   if not settings.given:
+    check_tpu_environment(log=log)
     cluster = detected_cluster()
     if cluster is None:
       return False
@@ -152,10 +223,19 @@ def start(settings: Settings, log: Callable[[str], None] = print,
     raise UserError(f'Connecting to the coordinator {settings.coordinator or "(detected)"} failed: '
                     f'{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}. '
                     'Check that every process was started with the same --coordinator and '
-                    '--num-processes, and that process 0 is running.') from None
+                    '--num-processes, and that process 0 is running.' + _pod_hint(cluster)) from None
   if cluster:
     log(f'Detected a {cluster} cluster; started JAX distributed.')
   return True
+
+
+def _pod_hint(cluster: Optional[str]) -> str:
+  """For a TPU pod JAX detected: the hosts wait for each other, so a command started on one worker only
+  (a plain `ssh` to it) waits until JAX's timeout."""
+  if not cluster or 'Tpu' not in cluster:
+    return ''
+  return (' On a TPU pod every host runs the same command at once: gcloud compute tpus tpu-vm ssh NAME '
+          "--worker=all --command='pax train ...' (and for several slices, on every slice).")
 
 
 def _check_backend_not_started() -> None:

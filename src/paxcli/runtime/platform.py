@@ -7,6 +7,7 @@ plugins.
 
 from __future__ import annotations
 
+import glob
 import importlib.util
 import os
 import sys
@@ -47,20 +48,79 @@ def _default_xla_flags(flags, log) -> None:
     log(f'XLA_FLAGS: added GPU defaults {" ".join(added)}')
 
 
+# PCI device ids of TPU chips under Google's vendor id (0x1ae0), as JAX counts chips
+# (jax._src.hardware_utils): v3, an unnamed one, v4, v5p, v5e, v6e, TPU7x. Other Google devices
+# (the gVNIC network card of any Cloud VM) share the vendor id.
+GOOGLE_PCI_VENDOR = '0x1ae0'
+TPU_PCI_DEVICES = ('0x0027', '0x0056', '0x005e', '0x0062', '0x0063', '0x006f', '0x0076')
+
+
 def detect_platform() -> str:
-  """'cpu', 'gpu' or 'tpu' (or what JAX_PLATFORMS names first), without starting a backend."""
+  """'cpu', 'gpu' or 'tpu' (or what JAX_PLATFORMS names first), without starting a backend. libtpu
+  alone is not a TPU: it is also installed to compile for TPUs elsewhere (`pax bench mfu --topology`)."""
   explicit = os.environ.get('JAX_PLATFORMS', '').split(',')[0].strip().lower()
   if explicit:
     return 'gpu' if explicit in ('cuda', 'rocm', 'gpu') else explicit
-  if importlib.util.find_spec('libtpu') is not None:
+  if tpu_vm():
     return 'tpu'
+  if _has_gpu_plugin():
+    return 'gpu'
+  return 'cpu'
+
+
+def tpu_vm() -> bool:
+  """What JAX calls running in a Cloud TPU VM (jax._src.cloud_tpu_init): libtpu installed and a TPU attached.
+  Only there does JAX read a TPU pod's environment (its cluster detection)."""
+  return _has_libtpu() and tpu_attached()
+
+
+def _has_libtpu() -> bool:
+  return importlib.util.find_spec('libtpu') is not None
+
+
+def _has_gpu_plugin() -> bool:
   for plugin in ('jax_cuda13_plugin', 'jax_cuda12_plugin', 'jax_plugins.xla_cuda12'):
     try:
       if importlib.util.find_spec(plugin) is not None:
-        return 'gpu'
+        return True
     except ModuleNotFoundError:
       continue
-  return 'cpu'
+  return False
+
+
+def tpu_attached() -> bool:
+  """A TPU chip on this machine: the device files libtpu opens (/dev/accel*, /dev/vfio/N), or a TPU
+  among the PCI devices (a container may show one and not the other)."""
+  if glob.glob('/dev/accel*') or any(name.isdigit() for name in _listdir('/dev/vfio')):
+    return True
+  for vendor in glob.glob('/sys/bus/pci/devices/*/vendor'):
+    if _read(vendor) == GOOGLE_PCI_VENDOR and _read(os.path.join(os.path.dirname(vendor), 'device')) in TPU_PCI_DEVICES:
+      return True
+  return False
+
+
+def _listdir(path: str) -> list[str]:
+  try:
+    return os.listdir(path)
+  except OSError:
+    return []
+
+
+def _read(path: str) -> str:
+  try:
+    with open(path, encoding='ascii', errors='replace') as f:
+      return f.read(64).strip()
+  except OSError:
+    return ''
+
+
+def cpu_without_tpu() -> None:
+  """JAX_PLATFORMS=cpu where libtpu is installed but the machine has no TPU (and no GPU plugin), unless
+  JAX_PLATFORMS is set. JAX would load libtpu there only to find no chip, printing five lines of libtpu
+  warnings, and then run on the CPU: this goes there directly. Runs before JAX starts a backend."""
+  if os.environ.get('JAX_PLATFORMS') or not _has_libtpu() or _has_gpu_plugin() or tpu_attached():
+    return
+  os.environ['JAX_PLATFORMS'] = 'cpu'
 
 
 def host_memory_bytes() -> int | None:
