@@ -121,6 +121,10 @@ def as_made(directory: str, exp: Optional[str], overrides: Sequence[str],
                     f'only when you name it: add --exp {printable(shlex.quote(made.experiment))} (the job\'s --set '
                     'settings then apply).')
   made, refused = made.replayable(experiment.lookup(made.experiment).replayable)
+  try:   # each knob it sets, parsed and checked now: a bad value is one line naming the record
+    experiment.instantiate(made.experiment, list(made.overrides))
+  except UserError as e:
+    raise UserError(f'{_shown(layout.made(directory))} (the job\'s record): {e}') from None
   given = ' '.join(f'--set {shlex.quote(o)}' for o in overrides)
   laid_out = {invocation.key_of(o) for o in overrides} & set(invocation.LAYOUT_KNOBS)
   used = made.without_layout() if laid_out else made   # a mesh given here replaces the job's whole layout
