@@ -313,3 +313,12 @@ def test_lm_eval_says_first_that_a_task_file_is_code(capsys):
   assert tasks_help.startswith('--tasks TASKS A task YAML file is code'), tasks_help[:200]
   guide = (REPO / 'docs' / 'guides' / 'lm-eval.md').read_text()
   assert guide.split('## Tasks\n\n', 1)[1].startswith('**A task file is code.**')
+
+
+@pytest.mark.slow   # a train start up to its first step: about a minute on 2 loaded cores
+def test_a_step_past_the_devices_memory_is_one_line(tmp_path, capsys):
+  """Of the same kind: settings that pass every check but ask a step for more memory than the device holds
+  (XLA's RESOURCE_EXHAUSTED, here hundreds of GB) end in one line saying what to lower, not a traceback."""
+  code, _, err = pax_main(['train', '--exp', EXP, *_sets([*TINY, 'PERCORE_BATCH_SIZE=4096', 'VOCAB_SIZE=1048576']),
+                           '--job-log-dir', str(tmp_path / 'job')], capsys)
+  _one_line(code, err, 'The device ran out of memory (RESOURCE_EXHAUSTED', 'lower PERCORE_BATCH_SIZE')
