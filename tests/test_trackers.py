@@ -231,21 +231,25 @@ def test_a_jobs_tracker_record_chooses_a_run_id_never_a_destination(tmp_path, ca
   code, out, err = pax_main([*args, '--set', 'NUM_TRAIN_STEPS=2'], capsys)
   assert code == 0, err
   first = json.loads((job / 'trackers' / 'mlflow.json').read_text())['run_id']
+  from paxcli.jobdir import trackers
+  client = MlflowClient(store)   # a run of another experiment of the same store, named with this store's digest
+  foreign = client.create_run(client.create_experiment('someone-elses')).info.run_id
   hostile = [{'run_id': first, 'tracking_uri': f'sqlite:///{outside}/mlflow.db', 'experiment': 'paxcli'},
              {'run_id': first, 'tracking_uri': 'http://127.0.0.1:9/', 'experiment': 'paxcli'},
-             {'run_id': '../../../etc/passwd', 'place': 'x'}, {'run_id': 'a' * 65}]
+             {'run_id': '../../../etc/passwd', 'place': 'x'}, {'run_id': 'a' * 65},
+             {'run_id': foreign, 'place': trackers.place('mlflow', store, 'paxcli')}]
   for steps, record in enumerate(hostile, start=3):
     (job / 'trackers' / 'mlflow.json').write_text(json.dumps(record))
     code, out, err = pax_main([*args, '--set', f'NUM_TRAIN_STEPS={steps}'], capsys)
     assert code == 0, err
     said = ' '.join((out + err).split())
-    assert ('was logged to another store or experiment' in said if 'tracking_uri' in record
-            else 'is not a run id' in said), said
+    why = ('was logged to another store or experiment' if 'tracking_uri' in record else
+           'belongs to another experiment' if record['run_id'] == foreign else 'is not a run id')
+    assert why in said, said
     assert 'MLflow: started run' in said and f'at {store}' in said, said
     kept = json.loads((job / 'trackers' / 'mlflow.json').read_text())
     assert set(kept) == {'run_id', 'place'} and kept['run_id'] != first
   assert not outside.exists()
-  client = MlflowClient(store)
   runs = client.search_runs([client.get_experiment_by_name('paxcli').experiment_id])
   assert len(runs) == 1 + len(hostile) and all(r.info.status == 'FINISHED' for r in runs)
   # the record as paxcli writes it continues its run at the same destination

@@ -114,7 +114,8 @@ def as_made(directory: str, exp: Optional[str], overrides: Sequence[str],
     return exp, list(overrides), None
   job = _shown(directory)
   if exp and experiment.canonical_name(exp) != made.experiment:
-    log(f'Note: {job} was trained with {made.command()}; using --exp {exp} as given, without those settings.')
+    log(printable(f'Note: {job} was trained with {shorten(made.command(), 2000)}; using --exp {exp} as given, without '
+                  'those settings.'))
     return exp, list(overrides), made
   if not exp and not _trusted(directory, made.experiment):
     raise UserError(f'{job} was trained with the experiment {printable(made.experiment)}, code that paxcli imports '
