@@ -50,6 +50,7 @@ class LlamaSft(LmExperiment):
   """Fine-tunes the model imported into BASE (a job directory) on TRAIN_DATA, completions only."""
 
   BASE: Optional[str] = None   # the job directory `pax checkpoint convert --from hf` wrote
+  replayed = frozenset({'BASE'})   # the weights it starts from, read: a job's record may name them
   MAX_SEQ_LEN = 512
   PERCORE_BATCH_SIZE = 1
   LEARNING_RATE = 2e-5

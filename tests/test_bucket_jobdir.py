@@ -212,6 +212,30 @@ def test_bad_bucket_input_is_one_line(job, server, tmp_path, capsys):
   assert 'Cannot reach the bucket gs://pax-tests' in line and 'compil' not in result.stdout
 
 
+def test_a_bucket_ledger_writes_each_run_apart_and_never_rewrites_the_others(job, capsys):
+  """Issue 37, 7: in a bucket, where an object cannot be appended to, each run of a process writes its own
+  few lines to an object of its own: a progress line every 2 s costs this run's lines, not the job's history
+  (the trainer's own object, and an earlier run's, keep their generation); `pax goodput` reads them all."""
+  from paxcli.jobdir import layout, ledger
+  storage = _storage()
+  [trained] = [n for n in storage.listdir(layout.goodput(job.path)) if n.startswith('process_0.')]
+  assert layout.goodput_process(trained) == 0 and trained != 'process_0.jsonl'
+  path = storage.join(layout.goodput(job.path), trained)
+  before = storage.info(path)['generation']
+  later = ledger.Ledger(job.path, 0)
+  assert later.path == layout.goodput_ledger_part(job.path, 0, later.inc)
+  later.write('start', t=time.time(), pid=1, host='h', process=0, processes=1)
+  for _ in range(3):
+    later.write('progress', t=time.time(), closed=dict.fromkeys(ledger.PROCESS_CATEGORIES, 0.0),
+                open=['startup', time.time()], step=10, steps={})
+  later.close(t=time.time() + 1, closed=dict.fromkeys(ledger.PROCESS_CATEGORIES, 0.0), step=10, steps={}, status=0)
+  assert storage.info(path)['generation'] == before
+  assert [json.loads(line)['kind'] for line in storage.read_text(later.path).splitlines()] == ['start', 'end']
+  code, out, err = pax_main(['goodput', job.path, '--json'], capsys)
+  assert code == 0, err
+  assert json.loads(out)['incarnations'] == 2
+
+
 def _kill_when_complete(cmd, env, job, step, timeout=600):
   """Starts `cmd`, SIGKILLs it once checkpoint `step` is complete in the bucket; returns its exit code."""
   from paxcli.jobdir import checkpoint, layout

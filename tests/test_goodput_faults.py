@@ -248,4 +248,5 @@ def test_a_bucket_job_keeps_its_ledger_there_and_its_fast_tier_local(tmp_path, c
     assert restart['tier'] == 'fast' and account['step'] == 8 and account['steps']['productive'] <= 8
     assert sum(account['seconds'].values()) == pytest.approx(account['wall_seconds'], rel=1e-9)
     from paxcli.jobdir import layout, storage
-    assert storage.isfile(layout.goodput_ledger(job, 0)) and not os.listdir(local)
+    runs = [n for n in storage.listdir(layout.goodput(job)) if layout.goodput_process(n) == 0]
+    assert len(runs) == 2 and not os.listdir(local)   # each run of process 0 its own object in the bucket

@@ -42,7 +42,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from paxcli import experiment, files
-from paxcli.errors import UserError
+from paxcli.errors import UserError, printable, shorten
 from paxcli.jobdir import invocation, layout, storage
 from paxcli.maxtext import recipe as maxtext_recipe
 from paxcli.maxtext.shell import read_script
@@ -114,17 +114,35 @@ def as_made(directory: str, exp: Optional[str], overrides: Sequence[str],
     return exp, list(overrides), None
   job = _shown(directory)
   if exp and experiment.canonical_name(exp) != made.experiment:
-    log(f'Note: {job} was trained with {made.command()}; using --exp {exp} as given, without those settings.')
+    log(printable(f'Note: {job} was trained with {shorten(made.command(), 2000)}; using --exp {exp} as given, without '
+                  'those settings.'))
     return exp, list(overrides), made
   if not exp and not _trusted(directory, made.experiment):
-    raise UserError(f'{job} was trained with the experiment {made.experiment}, code that paxcli imports only when '
-                    f'you name it: add --exp {shlex.quote(made.experiment)} (the job\'s --set settings then apply).')
+    raise UserError(f'{job} was trained with the experiment {printable(made.experiment)}, code that paxcli imports '
+                    f'only when you name it: add --exp {printable(shlex.quote(made.experiment))} (the job\'s --set '
+                    'settings then apply).')
+  made, refused = made.replayable(experiment.lookup(made.experiment).replayable)
+  try:   # each knob it sets, parsed and checked now: a bad value is one line naming the record
+    experiment.instantiate(made.experiment, list(made.overrides))
+  except UserError as e:
+    raise UserError(f'{_shown(layout.made(directory))} (the job\'s record): {e}') from None
   given = ' '.join(f'--set {shlex.quote(o)}' for o in overrides)
   laid_out = {invocation.key_of(o) for o in overrides} & set(invocation.LAYOUT_KNOBS)
   used = made.without_layout() if laid_out else made   # a mesh given here replaces the job's whole layout
   left_out = ', without its mesh and pipeline settings' if used != made else ''
-  log(f'{job}: {used.command()} (as trained{left_out})' + (f'; given here, on top: {given}' if given else '') + '.')
+  log(printable(f'{job}: {shorten(used.command(), 2000)} (as trained{left_out})'
+                + (f'; given here, on top: {given}' if given else '') + '.'))
+  if refused:
+    log(_refused_note(job, refused))
   return made.experiment, [*used.overrides, *overrides], made
+
+
+def _refused_note(job: str, keys: Sequence[str]) -> str:
+  """The one line that says which settings of a job's record were left out, and why."""
+  names = ', '.join(printable(shorten(k, 60)) for k in keys[:8]) + (f' and {len(keys) - 8} more' if len(keys) > 8 else '')
+  return (f'Note: {job}\'s record also sets {names}; paxcli takes settings of the process or the machine (environment, '
+          'paths outside the job, endpoints, trackers) only from your own command line, so not these (add --set to '
+          'use one).')
 
 
 def _trusted(directory: str, name: str) -> bool:

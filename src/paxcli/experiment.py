@@ -29,6 +29,7 @@ _KNOB_RE = re.compile(r'^[A-Z][A-Z0-9_]*$')
 _REGISTRY: dict[str, type['Experiment']] = {}
 RECIPES_PACKAGE = 'paxcli.recipes'
 DEFAULT_EXPERIMENT = 'default.StdlibDocsLm'
+MODEL_FIELDS = 'task.model.'   # dotted overrides of the model's own config: what it computes (Experiment.replayable)
 
 
 class Experiment:
@@ -48,6 +49,14 @@ class Experiment:
   # rather than silently training a different model; `--set UNSUPPORTED_FEATURES={}`
   # accepts the difference.
   UNSUPPORTED_FEATURES: dict[str, str] = {}
+
+  # The knobs of this class that a job's record (experiment.jsonl) may set when a command reads the job
+  # (`replayable`): what the model computes, how it trains, the data it reads. Every other knob is taken
+  # only from the command line: those that act on the process or the machine (PLATFORM_ENV: environment
+  # variables, XLA flags, dump and cache paths, endpoints), tracker destinations, paths written outside the
+  # job, and any knob nobody classified (deny by default). A class that declares knobs lists its model and
+  # data ones here (a knob table's are listed by paxcli.models.knobs.declare).
+  replayed = frozenset({'ICI_MESH_SHAPE', 'DCN_MESH_SHAPE', 'PERCORE_BATCH_SIZE', 'RANDOM_SEED', 'UNSUPPORTED_FEATURES'})
 
   def task(self):
     """Returns a fiddle config of `paxcli.tasks.Task`."""
@@ -108,6 +117,15 @@ class Experiment:
       raise UserError(f'Unknown knob {shorten(repr(name))} for experiment {type(self).__name__}.{hint}')
     value = ptypes.parse_value(raw) if isinstance(raw, str) else raw
     setattr(self, name, ptypes.coerce(value, types[name], name))
+
+  @classmethod
+  def replayable(cls, key: str) -> bool:
+    """Whether a job's record may set the override `key` (a knob, or a dotted config path): a knob some class
+    of the hierarchy lists in `replayed` (under its current name), or a field of the model (task.model...)."""
+    if not _KNOB_RE.match(key):
+      return key.startswith(MODEL_FIELDS) and '..' not in key
+    name = compat.RENAMED_KNOBS.get(key, key)
+    return any(name in klass.__dict__.get('replayed', ()) for klass in cls.__mro__)
 
   @classmethod
   def registered_name(cls) -> str:

@@ -61,6 +61,31 @@ def read_text(path: str, what: str, max_bytes: int) -> str:
     raise UserError(f'Cannot read {what} {shorten(path, 200)}: not UTF-8 text (byte {e.start}).') from None
 
 
+def bounded_lines(f, max_bytes: int):
+  """The lines of a binary file object, each with its newline (the last may lack one), read at most
+  `max_bytes` + 1 bytes at a time: a longer line is yielded as None, read past in bounded pieces and
+  never held whole (a file someone else wrote may hold one line of gigabytes)."""
+  while True:
+    line = f.readline(max_bytes + 1)
+    if not line:
+      return
+    if len(line) <= max_bytes:
+      yield line
+      continue
+    if not line.endswith(b'\n'):
+      del line
+      rest_of_line(f)
+    yield None
+
+
+def rest_of_line(f) -> None:
+  """Reads past the end of the current line of a binary file object, a bounded piece at a time."""
+  while True:
+    part = f.readline(1 << 20)
+    if not part or part.endswith(b'\n'):
+      return
+
+
 def member(directory: str, name: str, what: str = 'file') -> str:
   """The resolved path of `name`, a file of the model or checkpoint directory `directory`.
 

@@ -147,6 +147,9 @@ def run_app(app: typer.Typer, argv: list[str]) -> None:
     error('interrupted.')
     sys.exit(130)
   except Exception as e:  # noqa: BLE001 - click's own (typer vendors click): a usage error, an abort
+    if _out_of_device_memory(e):
+      error(_escape(_OUT_OF_MEMORY.format(shorten(str(e).strip().splitlines()[0], 300))))
+      sys.exit(UserError.exit_code)
     if not (hasattr(e, 'format_message') and isinstance(getattr(e, 'exit_code', None), int)):
       if type(e).__name__ != 'Abort':
         raise
@@ -159,6 +162,17 @@ def run_app(app: typer.Typer, argv: list[str]) -> None:
     sys.exit(e.exit_code)
   if isinstance(code, int) and code:   # typer.Exit(N) inside a command
     sys.exit(code)
+
+
+_OUT_OF_MEMORY = ('The device ran out of memory ({}). The settings ask for more than it holds: lower '
+                  'PERCORE_BATCH_SIZE or MAX_SEQ_LEN, shard over more devices (ICI_MESH_SHAPE), or keep less for the '
+                  'backward pass (CHECKPOINT_POLICY); `pax bench mfu --compile-only` shows what a step needs.')
+
+
+def _out_of_device_memory(e: BaseException) -> bool:
+  """XLA's RESOURCE_EXHAUSTED (a step, an array or a compilation past the device's memory): a setting too
+  large for the machine, said in one line like every other, not a traceback."""
+  return type(e).__name__ in ('JaxRuntimeError', 'XlaRuntimeError') and 'RESOURCE_EXHAUSTED' in str(e)
 
 
 def _usage_error(e) -> None:

@@ -7,6 +7,7 @@ import json
 import typer
 
 from paxcli.cli import common
+from paxcli.errors import printable
 
 NAMES = {'productive': 'productive steps', 'recomputed': 'recomputed steps (after restarts)', 'startup': 'start-up',
          'compile': 'compilation', 'data': 'data waits', 'checkpoint': 'checkpoint stalls', 'eval': 'eval/decode',
@@ -25,13 +26,13 @@ def goodput(
   """
   from paxcli import api
   account = api.goodput(job_dir)
-  if json_out:
-    typer.echo(json.dumps(account, indent=1))
+  if json_out:   # the ledger's numbers are bounded (jobdir/ledger.py): never NaN or Infinity, which are not JSON
+    typer.echo(json.dumps(account, indent=1, allow_nan=False))
     return
   from rich.table import Table
   console = common.console()
   wall = account['wall_seconds']
-  t = Table(title=f"Goodput of {account['job_dir']}: {account['goodput']:.1%} of {_clock(wall)} wall time",
+  t = Table(title=f"Goodput of {_text(account['job_dir'])}: {account['goodput']:.1%} of {_clock(wall)} wall time",
             caption=_caption(account), caption_justify='left')
   for col, just in (('where the time went', 'left'), ('seconds', 'right'), ('share', 'right')):
     t.add_column(col, justify=just)
@@ -45,7 +46,7 @@ def goodput(
       r.add_column(col, justify='left' if col == 'reason' else 'right', overflow='fold')
     for i, one in enumerate(account['restarts'], 1):
       resumed = '-' if one['resumed_step'] is None else f"{one['resumed_step']} ({one['tier'] or 'fresh'})"
-      r.add_row(str(i), one['reason'], f"{one['gap_seconds']:.1f}", _or_dash(one['reached_step']), resumed,
+      r.add_row(str(i), _text(one['reason']), f"{one['gap_seconds']:.1f}", _or_dash(one['reached_step']), resumed,
                 _or_dash(one['redone_steps']))
     console.print(r)
 
@@ -58,6 +59,13 @@ def _caption(account: dict) -> str:
   if account.get('lines_skipped'):
     lines.append(f"{account['lines_skipped']} unreadable ledger line(s) skipped (a killed process's last line).")
   return '\n'.join(lines)
+
+
+def _text(value) -> str:
+  """A string from a ledger (a launcher's failure reason) or a path, as text in a rich table: its markup
+  escaped and its control characters written out, so that a ledger never draws on the terminal."""
+  from rich.markup import escape
+  return escape(printable(value))
 
 
 def _clock(seconds: float) -> str:

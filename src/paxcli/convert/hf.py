@@ -55,6 +55,10 @@ def shape_problems(have: dict, model, family) -> list[str]:
   layers = {int(m.group(1)) for m in map(_LAYER.match, have) if m}
   if layers and model.num_layers != len(layers):   # before listing 9 names for each of a million layers
     return [f'config.json says num_hidden_layers {model.num_layers}; the weights hold {len(layers)} layers']
+  experts = {int(m.group(1)) for m in map(_EXPERT.search, have) if m}
+  fused = any(n.endswith('.experts.gate_up_proj') for n in have)   # every expert of a layer in one array
+  if getattr(model, 'num_experts', 0) and not fused and model.num_experts != len(experts):  # before 3 names an expert
+    return [f'config.json says {model.num_experts:,} experts a layer; the weights hold {len(experts)}']
   problems = []
   entries = family.hf_read_weights(model, have)
   for w in entries:
@@ -69,6 +73,7 @@ def shape_problems(have: dict, model, family) -> list[str]:
 
 
 _LAYER = re.compile(r'model\.layers\.(\d+)\.')
+_EXPERT = re.compile(r'\.experts\.(\d+)\.')
 
 
 def is_hf(path: str) -> bool:

@@ -36,7 +36,7 @@ import re
 from typing import Iterator, Optional, Sequence
 
 from paxcli.errors import UserError, shorten
-from paxcli.files import check_regular_file, member, parse_json
+from paxcli.files import check_regular_file, member, parse_json, rest_of_line
 from paxcli.inputs import bounds, sft
 from paxcli.inputs.tfrecord import import_tf
 
@@ -257,7 +257,7 @@ def _lines(path: str, errors: Optional[list[str]] = None) -> Iterator[tuple[int,
         n += 1
         if len(line) > limit and not line.endswith(b'\n'):
           del line
-          _rest_of_line(f)
+          rest_of_line(f)
           _bad(errors, f'{path} line {n}: a line of more than {limit:,} bytes{" (after gunzip)" if f is not raw else ""}; '
                        f'paxcli reads lines of at most that (PAXCLI_MAX_LINE_BYTES raises the bound).')
           continue
@@ -272,14 +272,6 @@ def _lines(path: str, errors: Optional[list[str]] = None) -> Iterator[tuple[int,
         yield n, box
     except (OSError, EOFError) as e:  # a truncated or corrupt .gz
       raise UserError(f'{path}: cannot read it ({e}).') from None
-
-
-def _rest_of_line(f) -> None:
-  """Reads past the end of the current line, a bounded piece at a time."""
-  while True:
-    part = f.readline(1 << 20)
-    if not part or part.endswith(b'\n'):
-      return
 
 
 def _bad(errors: Optional[list[str]], message: str) -> None:

@@ -20,7 +20,7 @@ import json
 import os
 import shlex
 import sys
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from paxcli import __version__, files, gencode
 from paxcli.errors import UserError, shorten
@@ -59,6 +59,13 @@ class Made:
   def without_layout(self) -> Made:
     """The record without its mesh and pipeline settings (LAYOUT_KNOBS)."""
     return Made(self.experiment, tuple(o for o in self.overrides if key_of(o) not in LAYOUT_KNOBS))
+
+  def replayable(self, allowed: Callable[[str], bool]) -> tuple[Made, tuple[str, ...]]:
+    """(the record with only the overrides whose key `allowed` admits, the keys of those left out, once each):
+    a record read back sets model and data knobs only (Experiment.replayable)."""
+    kept = tuple(o for o in self.overrides if allowed(key_of(o)))
+    left = tuple(dict.fromkeys(key_of(o) for o in self.overrides if not allowed(key_of(o))))
+    return Made(self.experiment, kept), left
 
   def command(self) -> str:
     """`--exp E --set A=1 ...`: what to type to use them."""

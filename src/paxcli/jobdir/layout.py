@@ -27,8 +27,8 @@
   lm_eval/                  `pax lm-eval`'s results: results_step<k>_<n>.json (+ ..._samples_<task>.jsonl)
   goodput/                  where the run's time went (jobdir/ledger.py; `pax goodput`): append-only
     process_<i>.jsonl       ledgers, one per process and one of `pax launch`, and job.json, the job's
-    launch.jsonl            identity (a fast checkpoint tier holds it, so a remade job is told apart)
-    job.json
+    launch.jsonl            identity (a fast checkpoint tier holds it, so a remade job is told apart);
+    job.json                in a bucket, process_<i>.<run>.jsonl: each run of a process its own object
   summaries/goodput/        the same, over time, for TensorBoard
 
 Outside the job directory, on each host: the fast checkpoint tier (LOCAL_CHECKPOINT_DIR;
@@ -51,6 +51,7 @@ command, loop and test as a string, and a path made here is the same string whoe
 from __future__ import annotations
 
 import os
+import re
 from typing import Callable, Optional
 
 from paxcli.jobdir import storage
@@ -270,6 +271,21 @@ def goodput(job_dir: str) -> str:
 def goodput_ledger(job_dir: str, process: int) -> str:
   """Process `process`'s append-only ledger of where its wall time went."""
   return os.path.join(goodput(job_dir), f'process_{int(process)}.jsonl')
+
+
+def goodput_ledger_part(job_dir: str, process: int, incarnation: str) -> str:
+  """In a bucket, where an object cannot be appended to: one object for each `pax train` process's run
+  (incarnation), beside the process's own ledger, so that a write never rewrites earlier runs' lines."""
+  return os.path.join(goodput(job_dir), f'process_{int(process)}.{incarnation}.jsonl')
+
+
+_GOODPUT_PROCESS = re.compile(r'process_(\d{1,9})(?:\.[0-9a-f]{1,32})?\.jsonl')
+
+
+def goodput_process(name: str) -> Optional[int]:
+  """The process whose ledger (or ledger part) a file of goodput/ is, from its name; None for another file."""
+  m = _GOODPUT_PROCESS.fullmatch(name)
+  return int(m.group(1)) if m else None
 
 
 def launch_ledger(job_dir: str) -> str:

@@ -107,26 +107,24 @@ class Ledger:
   """One process's append-only ledger: a line per event, flushed at once; `keep_flushing` adds a
   progress line every PROGRESS_SECONDS from a thread, so that a kill loses at most those seconds.
 
-  In a bucket, where an object cannot be appended to, the file is rewritten whole at each line
-  (storage.write_bytes), with only this run's last progress line kept: earlier lines are as read.
+  In a bucket, where an object cannot be appended to, this run (incarnation) writes an object of its own
+  (layout.goodput_ledger_part), rewritten at each line with its few lines (its start, resume and end, and
+  its last progress line only): a write costs this run's lines, never the job's history.
   """
 
-  def __init__(self, path: str):
-    self.path = path
+  def __init__(self, job_dir: str, process: int):
     self.inc = secrets.token_hex(6)
+    self._local = storage.is_local(job_dir)
+    self.path = (layout.goodput_ledger(job_dir, process) if self._local
+                 else layout.goodput_ledger_part(job_dir, process, self.inc))
     self._lock = threading.Lock()
     self._stop = threading.Event()
     self._thread: Optional[threading.Thread] = None
     self._closed, self._failed = False, False
-    self._local = storage.is_local(path)
     if self._local:
-      os.makedirs(os.path.dirname(path), exist_ok=True)
-      self._file = open(path, 'a', encoding='utf-8')
+      os.makedirs(os.path.dirname(self.path), exist_ok=True)
+      self._file = open(self.path, 'a', encoding='utf-8')
     else:
-      try:
-        self._before = storage.read_bytes(path, MAX_LEDGER_BYTES)
-      except FileNotFoundError:
-        self._before = b''
       self._lines, self._progress = [], ''
 
   def write(self, kind: str, **fields) -> None:
@@ -143,7 +141,7 @@ class Ledger:
       else:
         self._lines.append(line)
         self._progress = '' if kind == 'end' else self._progress
-      storage.write_bytes(self.path, self._before + ''.join(self._lines + [self._progress]).encode())
+      storage.write_bytes(self.path, ''.join(self._lines + [self._progress]).encode())
 
   def keep_flushing(self, snapshot: Callable[[], dict], every: float = PROGRESS_SECONDS) -> None:
     def run():
@@ -230,10 +228,13 @@ class Launch:
 
 def read(job_dir: str) -> tuple[dict[int, list[Incarnation]], dict[str, Launch], int]:
   """({process: incarnations in start order}, {launch id: launch}, lines skipped) of a job directory."""
-  processes, skipped = {}, [0]
+  by_process, skipped = {}, [0]
   for name in sorted(storage.listdir(layout.goodput(job_dir))):
-    if name.startswith('process_') and name.endswith('.jsonl') and name[8:-6].isdigit():
-      processes[int(name[8:-6])] = incarnations(_records(storage.join(layout.goodput(job_dir), name), skipped))
+    process = layout.goodput_process(name)
+    if process is not None:   # its ledger, and in a bucket each run's own part
+      by_process.setdefault(process, []).append(storage.join(layout.goodput(job_dir), name))
+  processes = {p: incarnations(r for path in paths for r in _records(path, skipped))
+               for p, paths in by_process.items()}
   launches = {}
   if storage.isfile(layout.launch_ledger(job_dir)):
     launches = _launches(_records(layout.launch_ledger(job_dir), skipped))
@@ -241,37 +242,42 @@ def read(job_dir: str) -> tuple[dict[int, list[Incarnation]], dict[str, Launch],
 
 
 def _records(path: str, skipped: list[int]):
-  """The well-formed lines of one ledger file, one at a time; skipped[0] counts those that are not."""
+  """The well-formed lines of one ledger file, one at a time, read a bounded line at a time (a line over
+  MAX_LINE_BYTES is skipped without being held); skipped[0] counts those that are not well formed."""
   size = storage.regular_file_size(path)
   if size is None:
     raise UserError(f'{path} is not a file; a goodput ledger is one.')
   if size > MAX_LEDGER_BYTES:
     raise UserError(f'{path} is {size:,} bytes; paxcli reads goodput ledgers of at most {MAX_LEDGER_BYTES:,}.')
-  for raw in _lines(path):
-    if len(raw) > MAX_LINE_BYTES or not raw.endswith(b'\n'):
-      skipped[0] += 1
-      continue
-    try:
-      record = files.parse_json(raw, path, max_depth=4)
-    except UserError:
-      skipped[0] += 1
-      continue
-    if isinstance(record, dict) and isinstance(record.get('kind'), str) and _number(record.get('t')) is not None:
-      yield record
-    else:
-      skipped[0] += 1
+  with storage.open_binary(path) as f:
+    for raw in files.bounded_lines(f, MAX_LINE_BYTES):
+      record = _record(raw, path)
+      if record is None:
+        skipped[0] += 1
+      else:
+        yield record
 
 
-def _lines(path: str):
-  if storage.is_local(path):
-    with open(path, 'rb') as f:
-      yield from f
-  else:
-    yield from storage.read_bytes(path, MAX_LEDGER_BYTES).splitlines(keepends=True)
+def _record(raw: Optional[bytes], path: str) -> Optional[dict]:
+  """One ledger line as a record with a kind and a time, or None (cut short, too long, not one)."""
+  if raw is None or not raw.endswith(b'\n'):
+    return None
+  try:
+    record = files.parse_json(raw, path, max_depth=4)
+  except UserError:
+    return None
+  ok = isinstance(record, dict) and isinstance(record.get('kind'), str) and _number(record.get('t')) is not None
+  return record if ok else None
+
+
+# Every time and duration a ledger holds is seconds (since the epoch, or of a run): beyond this (three
+# centuries) a number is no time paxcli wrote, and sums of such numbers could overflow to infinity.
+MAX_SECONDS = 1e10
 
 
 def _number(value) -> Optional[float]:
-  ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+  ok = (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        and abs(value) <= MAX_SECONDS)
   return float(value) if ok else None
 
 
@@ -283,8 +289,11 @@ def _seconds(closed) -> dict:
           if k in PROCESS_CATEGORIES and v is not None}
 
 
+MAX_STEPS = 2**31 - 1   # a step or a count of steps (the train state's step is an int32)
+
+
 def _int(value) -> Optional[int]:
-  return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+  return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_STEPS else None
 
 
 def incarnations(records) -> list[Incarnation]:
@@ -304,7 +313,8 @@ def incarnations(records) -> list[Incarnation]:
     if r['kind'] in ('progress', 'end'):
       closed = _seconds(r.get('closed'))
       if r['kind'] == 'progress':  # the open interval was lost if nothing follows: account up to its start
-        since = _number((r.get('open') or [None, None])[1]) if isinstance(r.get('open'), list) else None
+        opened = r.get('open')
+        since = _number(opened[1]) if isinstance(opened, list) and len(opened) == 2 else None
         got.last = since if since is not None else float(r['t'])
       else:
         got.last, got.status = float(r['t']), _int(r.get('status')) if _int(r.get('status')) is not None else 1

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import io
 import logging
 import os
 import posixpath
@@ -330,6 +331,18 @@ def read_bytes(path: str, max_bytes: Optional[int] = None) -> bytes:
     if max_bytes is None:
       return fs.cat_file(path)
     return fs.cat_file(path, start=0, end=max_bytes + 1)
+
+
+@contextlib.contextmanager
+def open_binary(path: str):
+  """A file object to read `path` from a piece at a time (a bucket's object is fetched in blocks, never
+  whole): for files read line by line with files.bounded_lines."""
+  if is_local(path):
+    with open(path, 'rb') as f:
+      yield f
+    return
+  with _reporting(path), _fs().open(path, 'rb', block_size=1 << 20, cache_type='readahead') as f:
+    yield io.BufferedReader(f, 1 << 20)   # fsspec's readline takes no size: a bounded readline needs io's
 
 
 def read_text(path: str, max_bytes: Optional[int] = None) -> str:

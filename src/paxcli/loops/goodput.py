@@ -32,7 +32,7 @@ class Goodput:
     self._history = ledger.read(job_dir)
     self.stopwatch = Stopwatch(started or ledger.command_started(), ledger.furthest_step(*self._history[:2]))
     self.stopwatch.__enter__()  # compilation from here on is timed apart
-    self.ledger = ledger.Ledger(layout.goodput_ledger(job_dir, jax.process_index()))
+    self.ledger = ledger.Ledger(job_dir, jax.process_index())
     self.ledger.write('start', **ledger.start_fields(self.stopwatch.started, jax.process_index(),
                                                      jax.process_count()))
     self.ledger.keep_flushing(self.stopwatch.snapshot)

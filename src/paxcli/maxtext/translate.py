@@ -420,6 +420,8 @@ class _Builder:
   def put(self, knob: str, value: Any, key: str = '', raw: Optional[str] = None,
           after: str = '', source: Optional[str] = None) -> None:
     self.knobs[knob] = value
+    if knob in LM_KNOB and key:   # a size or count the model would be built from: bounded here, naming the key
+      LM_KNOB[knob].check(value, f'{key.split(",")[0].strip()}: ')
     first = key.split(',')[0].strip() if key else ''
     self.rows.append(Row(knob, value, key, raw if raw is not None else (self.raw(first) if first else ''),
                          after, source or (self.src(first) if first else 'paxcli')))

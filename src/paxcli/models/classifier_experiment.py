@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import fiddle as fdl
 
-from paxcli.models.knobs import Knob, declare, fill, flat_settings
+from paxcli.models.knobs import MAX_COUNT, Knob, declare, fill, flat_settings
 from paxcli.models.training import TrainingExperiment
 from paxcli.options import ActivationName, NormName
 
@@ -19,7 +19,7 @@ CLASSIFIER_KNOBS: tuple[Knob, ...] = (
     Knob('VOCAB_SIZE', int, 256, 'vocab_size'),
     Knob('NUM_CLASSES', int, 8, 'num_classes'),
     Knob('MODEL_DIMS', int, 64, 'model_dims'),
-    Knob('NUM_LAYERS', int, 2, 'num_layers'),
+    Knob('NUM_LAYERS', int, 2, 'num_layers', maximum=MAX_COUNT),
     Knob('MAX_SEQ_LEN', int, 64, 'max_seq_len'),
     Knob('NUM_HEADS', int, 4, (_ATTENTION + 'num_heads', _ATTENTION + 'num_kv_heads'),
          derived=((_ATTENTION + 'dims_per_head', lambda s: s['model_dims'] // s['num_heads']),)),

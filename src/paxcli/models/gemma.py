@@ -257,7 +257,8 @@ class Gemma2(Family):
     elif layer_type == 'sliding_attention' and self.rope_per_kind:
       rope = {'rope_type': 'default', 'rope_theta': config.get('rope_local_base_freq', 10000.0)}
     else:
-      rope = {**(config.get('rope_scaling') or {}), 'rope_theta': config.get('rope_theta', 10000.0)}
+      scaling = config.get('rope_scaling') or {}
+      rope = {**scaling, 'rope_theta': config.get('rope_theta', 10000.0)} if isinstance(scaling, dict) else scaling
     rope = hf_config.rope_scaling({'rope_scaling': rope}, problems)
     if rope['rope_type'] == 'llama3':
       problems.append(f'rope_scaling {hf_config.shown(rope)} (paxcli\'s {self.title} scales rotary positions '

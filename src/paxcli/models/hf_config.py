@@ -15,7 +15,7 @@ from typing import Optional
 import numpy as np
 
 from paxcli.errors import UserError, shorten
-from paxcli.models.knobs import LM_KNOB
+from paxcli.models.knobs import LM_KNOB, MAX_COUNT, MAX_INT32
 
 
 # config.json keys that do not change the function a model computes (bookkeeping, generation
@@ -85,7 +85,7 @@ def rope_scaling(config: dict, problems: list) -> dict:
     problems.append(f'rope_scaling {shown(rope)} (an object with rope_type and factor was expected)')
     return {'rope_type': 'default'}
   kind = rope.get('rope_type', rope.get('type', 'default'))
-  if kind not in ROPE_TYPES:
+  if not isinstance(kind, str) or kind not in ROPE_TYPES:
     problems.append(f'rope_scaling {shown(rope)} (paxcli scales rotary positions as '
                     f'{", ".join(repr(k) for k in ROPE_TYPES)} only)')
     return {'rope_type': 'default'}
@@ -111,6 +111,12 @@ def shown(value) -> str:
   return shorten(json.dumps(value), 60)
 
 
+# config.json's counts of what a model is built from one by one (layers, experts, under each family's spelling):
+# read at most MAX_COUNT, before any list of layers or weight names is made from them. Every other integer is
+# a size, at most MAX_INT32 (the knobs' bounds, paxcli.models.knobs).
+COUNT_KEYS = frozenset({'num_hidden_layers', 'num_experts', 'num_local_experts', 'n_routed_experts'})
+
+
 class Reader:
   """Values of a config.json, checked: a missing, wrong-typed or out-of-range one is a UserError."""
   REQUIRED = object()
@@ -131,7 +137,12 @@ class Reader:
     if value is None:
       return fallback
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-      raise UserError(f'{self.where}: {key} is {str(json.dumps(value))[:60]}; it must be a positive integer.')
+      raise UserError(f'{self.where}: {key} is {shorten(json.dumps(value), 60)}; it must be a positive integer.')
+    maximum = MAX_COUNT if key in COUNT_KEYS else MAX_INT32
+    if value > maximum:
+      raise UserError(f'{self.where}: {key} is {shorten(f"{value:,}", 60)}; paxcli reads at most {maximum:,} '
+                      f'({"a model of more cannot be built here" if key in COUNT_KEYS else "a 32-bit size"}). '
+                      'Is this the model\'s config.json?')
     return value
 
   def float(self, key: str, default=REQUIRED):
@@ -139,7 +150,7 @@ class Reader:
     if value is None:
       return fallback
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < float('inf'):
-      raise UserError(f'{self.where}: {key} is {str(json.dumps(value))[:60]}; it must be a positive number.')
+      raise UserError(f'{self.where}: {key} is {shorten(json.dumps(value), 60)}; it must be a positive number.')
     return float(value)
 
   def bool(self, key: str, default=REQUIRED):
@@ -147,7 +158,7 @@ class Reader:
     if value is None:
       return fallback
     if not isinstance(value, bool):
-      raise UserError(f'{self.where}: {key} is {str(json.dumps(value))[:60]}; it must be true or false.')
+      raise UserError(f'{self.where}: {key} is {shorten(json.dumps(value), 60)}; it must be true or false.')
     return value
 
 

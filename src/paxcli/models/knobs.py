@@ -33,6 +33,15 @@ from paxcli.values import coerce
 
 Settings = Mapping[str, Any]   # flat name -> value, every knob of a table present
 
+# The largest value a model knob may have (Knob.maximum), checked wherever settings become a model (`complete`),
+# whatever gave them: --set, a job's record, a recipe, a Hugging Face, paxml or MaxText config. An integer
+# knob is a size or a count, and JAX indexes arrays with 32-bit integers; a float knob is used in float32 (or
+# less), where a larger number is infinity. Layers and experts are counts a model is built from one by one:
+# more than MAX_COUNT cannot be built here, and a config that says so is refused before anything is listed.
+MAX_INT32 = 2**31 - 1
+MAX_FLOAT32 = 3.4028234663852886e38
+MAX_COUNT = 1 << 16
+
 
 @dataclasses.dataclass(frozen=True)
 class Knob:
@@ -52,6 +61,8 @@ class Knob:
   when: Optional[Callable[[Settings], bool]] = None
   # A whole template this knob swaps: (path, a Template from all settings), set before its fields.
   template: Optional[tuple[str, Callable[[Settings], 'Template']]] = None
+  # The largest value (see MAX_INT32); None: the bound of the knob's type (none for other types).
+  maximum: Optional[float] = None
 
   def __post_init__(self):
     if isinstance(self.fields, str):
@@ -65,6 +76,19 @@ class Knob:
   def applies(self, settings: Settings) -> bool:
     """Whether the fields are set at all with these settings (`when`)."""
     return self.when is None or bool(self.when(settings))
+
+  def check(self, value: Any, label: str = '') -> None:
+    """UserError when `value` is over the knob's bound (MAX_INT32, MAX_FLOAT32, or its own `maximum`)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+      return
+    limit = self.maximum if self.maximum is not None else MAX_INT32 if isinstance(value, int) else MAX_FLOAT32
+    if abs(value) <= limit:
+      return
+    why = ('more cannot be built here' if self.maximum is not None else 'JAX indexes arrays with 32-bit integers'
+           if isinstance(value, int) else 'the model computes in float32, where a larger number is infinity')
+    shown = (lambda x: f'{x:,}' if isinstance(x, int) else f'{x:.3g}')
+    raise UserError(f'{label}{self.name} is {shown(value)}; paxcli builds models with {self.name} of at most '
+                    f'{shown(limit)}{"" if isinstance(limit, int) else " in magnitude"} ({why}).')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +108,9 @@ def settable(value: Any) -> Any:
 
 
 def declare(table: tuple[Knob, ...]):
-  """Class decorator: declares the table's knobs (annotation and default) on an experiment class."""
+  """Class decorator: declares the table's knobs (annotation and default) on an experiment class. They are
+  model knobs (each sets fields of the model's config and nothing else), so a job's record may set them
+  (Experiment.replayed)."""
   def apply(cls):
     annotations = cls.__dict__.get('__annotations__')
     if annotations is None:
@@ -92,6 +118,7 @@ def declare(table: tuple[Knob, ...]):
     for knob in table:
       annotations[knob.name] = knob.type
       setattr(cls, knob.name, knob.default)
+    cls.replayed = frozenset(cls.__dict__.get('replayed', ())) | {knob.name for knob in table}
     return cls
   return apply
 
@@ -107,6 +134,9 @@ def complete(settings: Settings, table: tuple[Knob, ...]) -> dict[str, Any]:
   unknown = sorted(set(settings) - set(known))
   if unknown:
     raise TypeError(f'unexpected model settings {unknown}; the knob table has {sorted(known)}')
+  for knob in table:
+    if knob.flat in settings:
+      knob.check(settings[knob.flat])
   return {**known, **settings}
 
 
@@ -184,7 +214,7 @@ def _moe(settings: Settings) -> bool:
 MOE_KNOBS: tuple[Knob, ...] = (
     Knob('NUM_EXPERTS', int, 0, FFN + 'num_experts', '0: a dense MLP; E > 0: E expert MLPs of HIDDEN_DIMS each, '
          'EXPERTS_PER_TOKEN of them per token (per layer kind with LAYER_KINDS)', when=_moe,
-         template=(BLOCK + 'ffn_tpl', _feed_forward)),
+         template=(BLOCK + 'ffn_tpl', _feed_forward), maximum=MAX_COUNT),
     Knob('EXPERTS_PER_TOKEN', int, 2, FFN + 'experts_per_token', 'k of top-k routing', when=_moe),
     Knob('MOE_DISPATCH', MoeDispatchName, 'dropless', FFN + 'dispatch',
          "'dropless': tokens sorted by expert, grouped matmuls (ragged_dot); 'capacity': GShard's dispatch and "
@@ -221,7 +251,7 @@ MOE_KNOBS: tuple[Knob, ...] = (
 
 LM_KNOBS: tuple[Knob, ...] = (
     Knob('VOCAB_SIZE', int, 256, LM + 'vocab_size'),
-    Knob('NUM_LAYERS', int, 2, LM + 'num_layers'),
+    Knob('NUM_LAYERS', int, 2, LM + 'num_layers', maximum=MAX_COUNT),
     Knob('MODEL_DIMS', int, 64, LM + 'model_dims'),
     *MOE_KNOBS,
     Knob('HIDDEN_DIMS', int, 256, FFN + 'hidden_dims', 'the MLP hidden units; per expert with NUM_EXPERTS'),
@@ -385,6 +415,7 @@ def _kind_settings(kind: str, knob_values: Mapping[str, Any]) -> dict[str, Any]:
       raise UserError(f'LAYER_KINDS[{kind!r}] sets {name}, which is not a per-layer knob; a kind may set '
                       f'{", ".join(per_layer)}.')
     out[knob.flat] = coerce(raw, knob.type, f'LAYER_KINDS[{kind!r}][{name!r}]')
+    knob.check(out[knob.flat], f'LAYER_KINDS[{kind!r}]: ')
   return out
 
 

@@ -61,6 +61,13 @@ class TrainingExperiment(Experiment):
   LOCAL_CHECKPOINT_DIR: Optional[str] = None  # a host-local directory, one per job; None: no fast tier
   LOCAL_CHECKPOINT_EVERY: int = 0             # steps between fast-tier saves (with the directory set); 0: none
   LOCAL_CHECKPOINT_KEEP: int = 2              # the newest fast-tier steps kept on each host
+  # What a job's record may set (Experiment.replayed): the optimizer, the schedule, the loop and the weights a
+  # run starts from. Not the trackers' destinations and run name, nor the fast tier (a path on this machine).
+  replayed = frozenset({
+      'OPTIMIZER', 'LEARNING_RATE', 'ADAM_BETA1', 'ADAM_BETA2', 'ADAM_EPSILON', 'WEIGHT_DECAY',
+      'CLIP_GRADIENT_NORM_TO_VALUE', 'LR_SCHEDULE', 'LR_WARMUP_STEPS', 'LR_DECAY_START', 'LR_DECAY_END', 'LR_MIN_RATIO',
+      'NUM_TRAIN_STEPS', 'GRAD_ACCUM_STEPS', 'SAVE_INTERVAL_STEPS', 'SUMMARY_INTERVAL_STEPS', 'EVAL_INTERVAL_STEPS',
+      'INIT_FROM'})
 
   def model(self) -> fdl.Config:
     """The model's fiddle config (a paxcli.models.base.BaseModel)."""

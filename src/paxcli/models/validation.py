@@ -56,13 +56,25 @@ def _validate_block(block, where: str, label: str) -> None:
     raise UserError(f'{label}ATTEN_LOGIT_CAP must be 0 (off) or positive, got {attention.atten_logit_cap}.')
   if attention.rotary and attention.dims_per_head % 2:
     raise UserError(f'{label}Rotary positions need an even DIMS_PER_HEAD, got {attention.dims_per_head}.')
+  scalar = getattr(attention, 'query_pre_attn_scalar', None)
+  if scalar is not None and scalar < 0:
+    raise UserError(f'{label}QUERY_PRE_ATTN_SCALAR must be positive (queries x 1/sqrt of it), or None, got {scalar}.')
+  _validate_fp8(attention, label)
   _validate_rotary_scaling(attention)
   validate_lora(attention)
   ffn = block.ffn_tpl
+  _validate_fp8(ffn, label)
   if fdl.get_callable(ffn) is Mlp:
     at_least(1, f'{where}.ffn_tpl', ffn, 'hidden_dims')
   if fdl.get_callable(ffn) is moe.MoeFeedForward:
     moe.check_settings(ffn, label)
+
+
+def _validate_fp8(layer, label: str) -> None:
+  """FP8='delayed' scales from a history of at least one step."""
+  if getattr(layer, 'fp8', 'none') == 'delayed' and getattr(layer, 'fp8_amax_history', 1) < 1:
+    raise UserError(f'{label}FP8_AMAX_HISTORY must be at least 1 (the steps whose largest value sets a scale) with '
+                    f"FP8='delayed', got {layer.fp8_amax_history}.")
 
 
 def expert_counts(lm) -> list[tuple[str, int]]:
