@@ -16,6 +16,7 @@ import typer.main
 
 from paxcli import compat
 from paxcli.errors import UserError, shorten
+from paxcli.runtime import distributed
 
 EXP_HELP = ('Experiment: a registered name (`pax experiments`), `module.Class`, or '
             '`path/file.py:Class`. Default: the built-in default.StdlibDocsLm.')
@@ -147,6 +148,11 @@ def run_app(app: typer.Typer, argv: list[str]) -> None:
     error('interrupted.')
     sys.exit(130)
   except Exception as e:  # noqa: BLE001 - click's own (typer vendors click): a usage error, an abort
+    lost = distributed.lost_peer(e)
+    if lost:   # the process that went away (or `pax launch`) says what happened to it
+      error(_escape(f'another process of this run is gone ({lost}); stopping. Its own output, or pax launch, '
+                    'says which and why.'))
+      sys.exit(1)
     if not (hasattr(e, 'format_message') and isinstance(getattr(e, 'exit_code', None), int)):
       if type(e).__name__ != 'Abort':
         raise

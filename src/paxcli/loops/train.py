@@ -357,10 +357,14 @@ class Saver:
         'checksums': train_state.checksums(state), **({'base': spec.base} if spec.base else {})},
         input_state=self._input_state() if self._input_state else None)
 
-  def close(self) -> None:
-    """Waits for the last save (a stall at the end of the run) and closes the checkpointer."""
+  def exit(self, kind, error, traceback) -> None:
+    """The close of the hooks' exit stack: waits for the last save (a stall at the end of the run) and
+    closes the checkpointer. After a failure (a lost peer process, a divergence) the save in flight is still
+    waited for, but old checkpoints are left for the next start to remove: choosing them is a collective the
+    other processes may no longer join."""
+    del error, traceback
     with self._chrono.phase('checkpoint'):
-      self._checkpointer.close()
+      self._checkpointer.close(rotate=kind is None)
 
 
 def params_finite(params) -> bool:
@@ -708,7 +712,8 @@ def _train(resolved, job_dir: str, console, accounting: goodput.Goodput, verbose
     hooks.add(losses, every=1)
     hooks.add(summary, every=train_cfg.summary_interval_steps, at_end=True, close=summary.close)
     hooks.add(accounting.summary_hook, every=train_cfg.summary_interval_steps, at_end=True)
-    hooks.add(saver, every=train_cfg.save_interval_steps, at_end=True, on_stop=True, close=saver.close)
+    hooks.add(saver, every=train_cfg.save_interval_steps, at_end=True, on_stop=True)
+    hooks.push(saver.exit)
     if fast is not None:
       hooks.add(Saver(fast, losses, spec, start, setup, train_input, chrono, skip=saver_due(train_cfg)),
                 every=fast.settings.every, close=fast.close)
