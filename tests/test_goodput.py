@@ -198,6 +198,25 @@ def test_a_job_that_died_says_so_and_which_process_in_its_restart_table(tmp_path
   assert json.loads(out)['ended']['state'] == 'died'
 
 
+def test_each_restart_is_its_own_attempts_failure(tmp_path):
+  """The launcher records a failure and starts the next attempt within the kernel's 10 ms resolution of a
+  process start: by time alone a restart read the failure before its own (seen as the wrong process)."""
+  job = str(tmp_path / 'job')
+  launch, p0 = layout.launch_ledger(job), layout.goodput_ledger(job, 0)
+  _line(launch, kind='launch', id='L', t=100.0)
+  for attempt, (start, failed, process) in enumerate([(100.5, 110.0, 1), (110.0, 120.0, 0), (120.0, None, None)]):
+    _line(p0, kind='start', inc=str(attempt), t=start, launch='L', attempt=attempt)
+    if failed is None:
+      _line(p0, kind='end', inc=str(attempt), t=130.0, closed=_closed(startup=10.0), step=9, steps={}, status=0)
+      continue
+    _line(p0, kind='progress', inc=str(attempt), t=failed - 1, closed=_closed(startup=1.0), open=['productive', failed - 1],
+          step=3, steps={})
+    _line(launch, kind='failure', id='L', t=failed, attempt=attempt, process=process, reason=f'p{process} failed',
+          steps={})
+  _line(launch, kind='end', id='L', t=130.5, code=0)
+  assert [(r['process'], r['reason']) for r in ledger.summarize(job)['restarts']] == [(1, 'p1 failed'), (0, 'p0 failed')]
+
+
 def test_how_a_job_ended(tmp_path):
   """finished, died (a launcher's failure, a crash, a kill without an end line), running (a live process)."""
   job = str(tmp_path / 'finished')

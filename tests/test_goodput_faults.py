@@ -23,6 +23,7 @@ from typing import Optional
 import numpy as np
 import pytest
 
+import injected
 from conftest import pax_main, run_pax
 from paxcli.jobdir import checkpoint, layout
 from test_multiprocess import _losses
@@ -204,35 +205,6 @@ def test_a_stopped_process_is_a_hang_detected_and_restarted(tmp_path, capsys):
   assert account['steps']['productive'] <= steps and account['steps']['recomputed'] == restart['redone_steps']
 
 
-# A sitecustomize.py for the processes of a launch: process 1 reaches each persistent save
-# PAXCLI_TEST_SAVE_LAG seconds after process 0 (its Saver hook waits first), the order a loaded machine or
-# a restart gives, in which process 0 has begun to delete an old step while process 1 looks at the directory.
-LAGGING_SAVES = """
-import importlib.abc, importlib.util, os, sys, time
-
-class _Lag(importlib.abc.MetaPathFinder):
-  def find_spec(self, name, path, target=None):
-    if name != 'paxcli.loops.train':
-      return None
-    sys.meta_path.remove(self)
-    spec = importlib.util.find_spec(name)
-    run = spec.loader.exec_module
-
-    def exec_module(module):
-      run(module)
-      save = module.Saver.__call__
-      def late(self, info):
-        time.sleep(float(os.environ['PAXCLI_TEST_SAVE_LAG']))
-        return save(self, info)
-      module.Saver.__call__ = late
-    spec.loader.exec_module = exec_module
-    return spec
-
-if os.environ.get('PAX_PROCESS_ID') == '1':
-  sys.meta_path.insert(0, _Lag())
-"""
-
-
 @pytest.mark.slow
 @pytest.mark.alone
 def test_restarts_at_many_steps_keep_the_processes_agreed_on_their_checkpoints(tmp_path, capsys):
@@ -246,11 +218,7 @@ def test_restarts_at_many_steps_keep_the_processes_agreed_on_their_checkpoints(t
   losses of an uninterrupted run and the checkpoints retention keeps."""
   steps, job = 16, str(tmp_path / 'job')
   kills, victims = [3, 5, 6, 8, 9, 11], [1, 0, 1, 0, 1, 1]
-  lagging = tmp_path / 'lagging'
-  lagging.mkdir()
-  (lagging / 'sitecustomize.py').write_text(LAGGING_SAVES)
-  env = {'PYTHONPATH': os.pathsep.join(filter(None, [str(lagging), os.environ.get('PYTHONPATH')])),
-         'PAXCLI_TEST_SAVE_LAG': '2'}
+  env = injected.env(tmp_path, injected.LATE_SAVES, PAXCLI_TEST_SAVE_LAG='2')
   sets = ('--set', 'task.train.save_interval_steps=2', '--set', 'task.train.save_max_to_keep=2')
   restarts = len(kills) - 1
   launch = Launch(job, steps, '--max-restarts', str(restarts), '--heartbeat-timeout', '300', sets=sets, env=env)

@@ -18,6 +18,7 @@ import time
 import numpy as np
 import pytest
 
+import injected
 from conftest import pax_main, run_pax
 from paxcli import config
 from paxcli.runtime import distributed
@@ -214,6 +215,28 @@ def test_launcher_stops_the_others_when_one_process_dies(tmp_path):
   assert not any('Traceback' in line or line.startswith('[p0]   File ') for line in survivor), text[-3000:]
   assert '[Gloo] Rank' not in text and 'is connected to' not in text, text[-3000:]
   assert 'line(s) hidden; --verbose shows them' in text
+
+
+@pytest.mark.slow
+@pytest.mark.alone  # 2 jax.distributed processes
+def test_a_process_whose_peer_dies_in_a_collective_says_so_in_one_line(tmp_path):
+  """Issue 38: p1 is killed (`kill -9`, by itself, right after dispatching step 3) while p0 is in that step's
+  gloo collectives. p0 says in one line that another process is gone, instead of gloo's 70-line traceback,
+  and exits at once (not held by JAX's shutdown barrier until the launcher kills it); the launcher names p1."""
+  env = injected.env(tmp_path, injected.DIES_IN_A_STEP, PAXCLI_TEST_DIE_AT='3')
+  done = run_pax('launch', '--processes', '2', '--grace', '60', '--', 'train', '--set', 'NUM_LAYERS=1',
+                 '--set', 'MODEL_DIMS=32', '--set', 'HIDDEN_DIMS=64', '--set', 'NUM_HEADS=2', '--set', 'MAX_SEQ_LEN=16',
+                 '--set', 'PERCORE_BATCH_SIZE=2', '--set', 'NUM_TRAIN_STEPS=100', '--set', 'SAVE_INTERVAL_STEPS=1000',
+                 '--job-log-dir', str(tmp_path / 'job'), env=env, timeout=900)
+  text = done.stdout + done.stderr
+  assert done.returncode == 137, text[-3000:]
+  assert re.search(r'process p1 \(pid \d+\) was killed by SIGKILL \(exit code -9\); stopped the other', text), text[-3000:]
+  survivor = [line for line in text.splitlines() if line.startswith('[p0] ') and not line.startswith('[p0] step ')]
+  said = [line for line in survivor if 'error:' in line]
+  assert len(said) == 1 and said[0].startswith('[p0] error: another process of this run is gone (Gloo '), text[-3000:]
+  assert 'Connection reset by peer' in said[0] or 'Connection closed by peer' in said[0], said
+  assert not any('Traceback' in line or line.startswith('[p0]   File ') for line in survivor), text[-3000:]
+  assert 'did not stop within' not in text, text[-3000:]   # p0 ended by itself, at once
 
 
 def test_launcher_refuses_commands_that_cannot_run_on_several_processes(capsys):

@@ -6,6 +6,7 @@ rich is imported where a line is printed, never at start-up: it would double `pa
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import shlex
 import sys
@@ -152,7 +153,7 @@ def run_app(app: typer.Typer, argv: list[str]) -> None:
     if lost:   # the process that went away (or `pax launch`) says what happened to it
       error(_escape(f'another process of this run is gone ({lost}); stopping. Its own output, or pax launch, '
                     'says which and why.'))
-      sys.exit(1)
+      _exit_now(1)
     if not (hasattr(e, 'format_message') and isinstance(getattr(e, 'exit_code', None), int)):
       if type(e).__name__ != 'Abort':
         raise
@@ -165,6 +166,15 @@ def run_app(app: typer.Typer, argv: list[str]) -> None:
     sys.exit(e.exit_code)
   if isinstance(code, int) and code:   # typer.Exit(N) inside a command
     sys.exit(code)
+
+
+def _exit_now(code: int) -> None:
+  """Ends the process at once. With another process of the run gone, JAX's exit handlers would wait for it
+  at the distributed runtime's shutdown barrier, then abort with a screen of fatal logs; what this process
+  had to write (its goodput ledger's end, its lock) was written as the error unwound."""
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(code)
 
 
 def _usage_error(e) -> None:

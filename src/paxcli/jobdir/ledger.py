@@ -419,8 +419,7 @@ def account(incs: list[Incarnation], launches: dict[str, Launch], furthest: Call
 
 def _restart(previous: Incarnation, inc: Incarnation, gap: float, launches: dict[str, Launch], reached: int) -> dict:
   """One restart: why (the launcher's record of it, if any), the gap, and the steps it cost."""
-  failure = next((f for lid in {previous.launch, inc.launch} if lid in launches
-                  for f in launches[lid].failures if previous.start <= f['t'] <= inc.start + 1), None)
+  failure = _failure_of(previous, launches, [inc.launch], inc.start + 1)
   resumed = inc.resumed or {}
   redone = reached - resumed['step'] if resumed.get('step') is not None else None
   reason = failure['reason'] if failure else ('killed (no end record)' if previous.status is None
@@ -429,6 +428,21 @@ def _restart(previous: Incarnation, inc: Incarnation, gap: float, launches: dict
           'reason': reason, 'reached_step': reached,
           'resumed_step': resumed.get('step'), 'tier': resumed.get('tier'),
           'redone_steps': max(redone, 0) if redone is not None else None}
+
+
+def _failure_of(inc: Incarnation, launches: dict[str, Launch], also: list, until: float) -> Optional[dict]:
+  """`pax launch`'s record of the failure that ended `inc`: the one of its launch and attempt; without
+  those, the last one recorded from its start to `until` by its launch or those in `also`. (By time
+  alone, the failure that ended the attempt before can read as this one's: the launcher records it and
+  starts the next attempt within the kernel's 10 ms resolution of a process start.)"""
+  launch = launches.get(inc.launch) if inc.launch else None
+  if launch is not None and inc.attempt is not None:
+    found = [f for f in launch.failures if f['attempt'] == inc.attempt]
+    if found:
+      return found[-1]
+  window = [f for lid in dict.fromkeys([inc.launch, *also]) if lid in launches for f in launches[lid].failures
+            if inc.start <= f['t'] <= until]
+  return window[-1] if window else None
 
 
 # How a job's last run ended, by the status its processes' `end` lines give (or `pax launch`'s exit code).
@@ -471,7 +485,7 @@ def _launch_ending(launch: Launch, newest: Incarnation) -> dict:
     return _ended('running', None, None, newest.step)
   if launch.code == 0:
     return _ended('finished', None, None, newest.step)
-  failure = launch.failures[-1] if launch.failures and launch.failures[-1]['t'] >= newest.start else None
+  failure = _failure_of(newest, {launch.id: launch}, [], launch.end)
   state = ENDED_AS.get(launch.code, 'died')
   if failure is None:
     return _ended(state, None, f'pax launch exited with code {launch.code}' if state == 'died' else None,

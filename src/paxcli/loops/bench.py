@@ -9,14 +9,12 @@ A configuration that runs out of memory is a row that says so; the sweep goes on
 
 from __future__ import annotations
 
-import contextlib
 import io
 import itertools
 import math
 import os
 import re
 import statistics
-import sys
 import tempfile
 import textwrap
 import time
@@ -32,6 +30,7 @@ from paxcli.layers import fp8
 from paxcli.loops.train import make_train_step
 from paxcli.perf import flops
 from paxcli.perf import profiling
+from paxcli.perf import xla_log
 from paxcli.perf.profiling import pgle_compiler_options
 from paxcli.runtime import engine
 from paxcli.runtime import infeed
@@ -135,7 +134,7 @@ def measure(resolved, steps: int = 10, warmup: int = 2, compile_only: bool = Fal
   step = make_train_step(setup, batch_sharding, resolved.experiment.RANDOM_SEED + 1)
   start = time.perf_counter()
   try:
-    with xla_notes(row):
+    with xla_log.rematerialized(row):
       lowered = step.lower(setup.abstract_state, abstract_batch(setup, batch_sharding, host_batch))
       options = None
       if pgle_profile:
@@ -162,47 +161,6 @@ def measure(resolved, steps: int = 10, warmup: int = 2, compile_only: bool = Fal
                      f'({device_bytes_source})'}
   return _run(row, setup, compiled, to_global(host_batch, batch_sharding, setup.global_batch), steps, warmup,
               on_step)
-
-
-# XLA's SPMD partitioner, when it has no cheaper way from one sharding of an array to another, warns (a raw
-# C++ log line of several hundred characters, per array) and replicates the array on every device, then
-# cuts it to the new sharding.
-_REMAT = re.compile(r'Involuntary full rematerialization\. The compiler cannot go from sharding (\{[^}]*\}) '
-                    r'to (\{[^}]*\}) efficiently for HLO operation \S+ = (\w+\[[\d,]*\])')
-REMAT_KEPT = 20
-
-
-@contextlib.contextmanager
-def xla_notes(row: dict):
-  """XLA's full-rematerialization warnings of a compile, taken out of the terminal into `row`
-  ('xla_rematerialized': the count, 'xla_rematerialized_examples': the first few {'array', 'from', 'to'}),
-  which the table's caption explains in a line. Anything else the compile logs is shown as it was."""
-  text = ''
-  try:
-    with files.held_stderr() as held:
-      try:
-        yield
-      finally:
-        text = held()
-  finally:   # a compile that fails shows what it logged all the same
-    found = [m for m in map(_REMAT.search, text.splitlines()) if m]
-    if found:
-      row['xla_rematerialized'] = len(found)
-      row['xla_rematerialized_examples'] = [{'array': m.group(3), 'from': m.group(1), 'to': m.group(2)}
-                                            for m in found[:REMAT_KEPT]]
-    sys.stderr.write(''.join(line for line in text.splitlines(keepends=True) if not _REMAT.search(line)))
-    sys.stderr.flush()
-
-
-def remat_note(row: dict) -> Optional[str]:
-  """The caption's line for a row whose compile rematerialized arrays in full."""
-  n = row.get('xla_rematerialized')
-  if not n:
-    return None
-  first = row['xla_rematerialized_examples'][0]
-  return (f"XLA resharded {n} array(s) by full rematerialization (each made whole on every device, then cut to the "
-          f"new sharding: memory and communication the step could do without), e.g. {first['array']} from "
-          f"{first['from']} to {first['to']}; --json lists them.")
 
 
 def _run(row: dict, setup, compiled, batch, steps: int, warmup: int, on_step) -> dict:
@@ -398,7 +356,7 @@ def _caption(rows: list[dict], compile_only: bool) -> str:
   if r.get('pipeline'):
     lines.append(f"pipeline: {r['pipeline']} (MFU counts the model's FLOPs only: the bubble is lost time)")
   for row in rows:
-    note = remat_note(row)
+    note = xla_log.remat_note(row)
     if note:
       lines.append(note if len(rows) == 1 else f"{', '.join(f'{k}={v}' for k, v in row.get('sweep', {}).items())}: {note}")
   if not compile_only:
