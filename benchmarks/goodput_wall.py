@@ -43,7 +43,8 @@ def processor() -> str:
 def one_run(exp: str, steps: int, work: str, index: int) -> dict:
   job = os.path.join(work, f'job{index}')
   cmd = [sys.executable, '-m', 'paxcli.cli.app', 'launch', '-n', '1', '--', 'train', '--exp', exp, *TINY,
-         '--set', f'task.train.num_train_steps={steps}', '--set', f'task.train.save_interval_steps={max(steps // 2, 1)}',
+         '--set', f'task.train.num_train_steps={steps}',
+         '--set', f'task.train.save_interval_steps={max(steps // 2, 1)}',
          '--job-log-dir', job]
   began = time.time()
   done = subprocess.run(cmd, capture_output=True, text=True)

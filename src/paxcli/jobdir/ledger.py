@@ -380,8 +380,8 @@ def summarize(job_dir: str, live: Optional[tuple[int, Incarnation]] = None, hist
   per_process = {p: account(incs, launches, lambda t: furthest_step(processes, launches, t))
                  for p, incs in sorted(processes.items())}
   job = per_process.get(0) or next(iter(per_process.values()))
-  return {'job_dir': job_dir, **job, 'ended': ending(processes, launches), 'processes': {str(p): {k: v for k, v in a.items() if k != 'restarts'}
-                                                   for p, a in per_process.items()},
+  return {'job_dir': job_dir, **job, 'ended': ending(processes, launches),
+          'processes': {str(p): {k: v for k, v in a.items() if k != 'restarts'} for p, a in per_process.items()},
           'lines_skipped': skipped}
 
 

@@ -358,7 +358,8 @@ def _caption(rows: list[dict], compile_only: bool) -> str:
   for row in rows:
     note = xla_log.remat_note(row)
     if note:
-      lines.append(note if len(rows) == 1 else f"{', '.join(f'{k}={v}' for k, v in row.get('sweep', {}).items())}: {note}")
+      label = ', '.join(f'{k}={v}' for k, v in row.get('sweep', {}).items())
+      lines.append(note if len(rows) == 1 else f'{label}: {note}')
   if not compile_only:
     lines.append(f"MFU = model FLOPs (paxcli.perf.flops, causal attention halved) / step time / devices / peak; "
                  f"HFU uses XLA's cost analysis. Peak: {r['peak_source']}")

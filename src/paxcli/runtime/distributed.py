@@ -30,6 +30,7 @@ from here in a launcher that never starts JAX (its children do).
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 import warnings
@@ -217,8 +218,6 @@ def agreed(value):
   import jax
   if jax.process_count() == 1:
     return value
-  import json
-
   import numpy as np
   from jax.experimental import multihost_utils
   data = np.frombuffer(json.dumps(value).encode(), np.uint8) if jax.process_index() == 0 else np.zeros(0, np.uint8)
