@@ -110,6 +110,15 @@ def test_describe_names_the_family(capsys):
   code, out, err = pax_main(['describe', '--exp', 'lm_cloud.LmCloudSpmdTest', '--json'], capsys)
   summary = json.loads(out)
   assert summary['summary.family'] is None and 'not llama' in summary['summary.family_note']
+  # Issue 38: one reason shared by every family is said once, with the families named together.
+  code, out, err = pax_main(['describe', '--exp', 'lm_cloud.LmCloudSpmdTest'], capsys)
+  (line,) = [l for l in out.splitlines() if l.startswith('# model family:')]
+  names = [f.name for f in registry.FAMILIES if f.hf_model_types]
+  assert line == ('# model family: none with a Hugging Face layout (not ' + ', '.join(names[:-1]) + f' or {names[-1]}: '
+                  "norm_type is 'layernorm' (each has NORM_TYPE='rmsnorm'))"), line
+  code, out, err = pax_main(['describe', '--exp', 'lm_cloud.LmCloudSpmdTest', '--set', 'NORM_TYPE=rmsnorm'], capsys)
+  (line,) = [l for l in out.splitlines() if l.startswith('# model family:')]
+  assert line.count('the layers have biases') == 1 and line.count('norm_plus_one is False') == 1 and len(line) < 300
 
 
 def test_old_import_paths_still_work_with_a_deprecation_warning():

@@ -346,11 +346,10 @@ def test_a_million_layers_in_the_config_is_refused_before_building(tmp_path):
   # Under the bound on a count in a config (65,536; a million is refused as it is read: test_received_job),
   # the layers are counted against the weights' before 9 names a layer are listed.
   src = make_hf(tmp_path / 'hf', {**CONFIG, 'num_hidden_layers': 60000})
-  t0 = time.time()
-  r = run_pax('checkpoint', 'convert', src, str(tmp_path / 'out'), '--from', 'hf', timeout=120)
+  r = run_pax('checkpoint', 'convert', src, str(tmp_path / 'out'), '--from', 'hf', timeout=600)  # a hang guard
   assert r.returncode == 2 and 'Traceback' not in r.stderr, r.stderr[-3000:]
   assert 'config.json says num_hidden_layers 60000; the weights hold 2 layers' in ' '.join(r.stderr.split())
-  assert time.time() - t0 < 60
+  assert not (tmp_path / 'out').exists()   # refused from the config and the weights' names: nothing was built
 
 
 def test_an_interrupted_import_does_not_block_the_rerun(tmp_path):

@@ -667,7 +667,9 @@ def inspect_checkpoint(path: str, *, step: Optional[int] = None, fmt: Optional[s
   bytes, sharding), totals and saved config. fmt: orbax, safetensors, hf, paxml (default: detected)."""
   from paxcli.convert import run as convert_run
   _quiet_absl()
-  return convert_run.inspect(path_arg(path, 'PATH'), fmt, step)
+  path = path_arg(path, 'PATH')
+  storage.check_reachable(path, 'PATH')   # a bucket that cannot be used: one line, before anything is read
+  return convert_run.inspect(path, fmt, step)
 
 
 def convert_checkpoint(source: str, output: str, *, fmt: Optional[str] = None, to: str = 'orbax',
@@ -688,6 +690,7 @@ def convert_checkpoint(source: str, output: str, *, fmt: Optional[str] = None, t
   max_shard_bytes = safetensors_io.parse_size(max_shard_size)  # before any work
   source, output = path_arg(source, 'SOURCE'), path_arg(output, 'OUTPUT')
   recipe = path_arg(recipe, '--recipe')
+  storage.check_reachable(source, 'SOURCE')
   _quiet_absl()
   return convert_run.convert(source, output, fmt=fmt, to=to, exp=exp, overrides=list(overrides),
                              params_only=params_only, dtype=dtype, step=step, force=force, verify=verify,

@@ -6,6 +6,7 @@ user gives is checked with `os.stat` first (which neither blocks nor reads).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -371,3 +372,18 @@ def _write_all(fd: int, data: bytes) -> None:
   view = memoryview(data)
   while view:
     view = view[os.write(fd, view):]
+
+
+@contextlib.contextmanager
+def held_stderr():
+  """File descriptor 2 sent to a temporary file for the block (what C++ libraries log there, which no
+  Python setting reaches); yields a function returning its text, for the caller to show if it matters."""
+  sys.stderr.flush()
+  saved = os.dup(2)
+  with tempfile.TemporaryFile(mode='w+b') as tmp:
+    os.dup2(tmp.fileno(), 2)
+    try:
+      yield lambda: (tmp.seek(0), tmp.read().decode('utf-8', 'replace'))[1]
+    finally:
+      os.dup2(saved, 2)
+      os.close(saved)

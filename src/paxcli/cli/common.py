@@ -6,6 +6,7 @@ rich is imported where a line is printed, never at start-up: it would double `pa
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import shlex
 import sys
@@ -16,6 +17,7 @@ import typer.main
 
 from paxcli import compat
 from paxcli.errors import UserError, shorten
+from paxcli.runtime import distributed
 
 EXP_HELP = ('Experiment: a registered name (`pax experiments`), `module.Class`, or '
             '`path/file.py:Class`. Default: the built-in default.StdlibDocsLm.')
@@ -150,6 +152,11 @@ def run_app(app: typer.Typer, argv: list[str]) -> None:
     if _out_of_device_memory(e):
       error(_escape(_OUT_OF_MEMORY.format(shorten(str(e).strip().splitlines()[0], 300))))
       sys.exit(UserError.exit_code)
+    lost = distributed.lost_peer(e)
+    if lost:   # the process that went away (or `pax launch`) says what happened to it
+      error(_escape(f'another process of this run is gone ({lost}); stopping. Its own output, or pax launch, '
+                    'says which and why.'))
+      _exit_now(1)
     if not (hasattr(e, 'format_message') and isinstance(getattr(e, 'exit_code', None), int)):
       if type(e).__name__ != 'Abort':
         raise
@@ -173,6 +180,15 @@ def _out_of_device_memory(e: BaseException) -> bool:
   """XLA's RESOURCE_EXHAUSTED (a step, an array or a compilation past the device's memory): a setting too
   large for the machine, said in one line like every other, not a traceback."""
   return type(e).__name__ in ('JaxRuntimeError', 'XlaRuntimeError') and 'RESOURCE_EXHAUSTED' in str(e)
+
+
+def _exit_now(code: int) -> None:
+  """Ends the process at once. With another process of the run gone, JAX's exit handlers would wait for it
+  at the distributed runtime's shutdown barrier, then abort with a screen of fatal logs; what this process
+  had to write (its goodput ledger's end, its lock) was written as the error unwound."""
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(code)
 
 
 def _usage_error(e) -> None:

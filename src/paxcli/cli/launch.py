@@ -282,7 +282,7 @@ class _LaunchRecord:
   def __init__(self):
     self.id = secrets.token_hex(6)
     self.job_dir: Optional[str] = None
-    self._pending = [{'kind': 'launch', 'id': self.id, 't': ledger.command_started()}]
+    self._pending = [{'kind': 'launch', 'id': self.id, 't': ledger.command_started(), **ledger.whereabouts()}]
 
   def add(self, kind: str, **fields) -> None:
     self._pending.append({'kind': kind, 'id': self.id, 't': time.time(), **fields})

@@ -184,9 +184,8 @@ def register_seqio_task(vocab_size: int, name: str = 'stdlib_docs') -> str:
   """Registers a seqio task over the local corpus files and our own sentencepiece model."""
   import functools
 
-  from paxcli.inputs.tfrecord import import_tf
-  tf = import_tf()  # before seqio, which imports tensorflow itself
-  import seqio
+  from paxcli.inputs.tfrecord import import_seqio, import_tf
+  tf, seqio = import_tf(), import_seqio()
   if name in seqio.TaskRegistry.names():
     return name
   paths = write_tfrecords(vocab_size)

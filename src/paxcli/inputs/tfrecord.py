@@ -12,17 +12,16 @@ padded to seq_len, or to the longest in the batch when seq_len is 0).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import glob
 import os
 import random
 import sys
-import tempfile
 from typing import Iterator, Optional
 
 import numpy as np
 
+from paxcli.files import held_stderr
 from paxcli.errors import UserError
 from paxcli.inputs.base import StreamInput, decode_rows
 
@@ -30,8 +29,14 @@ KINDS = ('int64', 'float', 'bytes')
 _TF = None  # tensorflow, once imported quietly
 
 
+# TensorFlow and seqio are the `tf` extra: the default run and the file inputs (JSONL, Parquet, text, Grain,
+# prepared shards) do without them, and they are most of an install's size.
+TF_EXTRA = ("TFRecord files, SeqIO tasks, C4 and gs:// data files are read with TensorFlow{}, which this "
+            "install does not have: pip install 'paxcli[tf]' (make install has it).")
+
+
 def import_tf():
-  """tensorflow, for tf.data only: never allowed to take a GPU from jax.
+  """tensorflow, for tf.data only: never allowed to take a GPU from jax; without it, one line naming the extra.
 
   TensorFlow's C++ start-up logs (oneDNN, "no CUDA drivers", cuInit) go to stderr before
   any log level applies; they are held back during the import and shown only if the
@@ -40,32 +45,38 @@ def import_tf():
   global _TF
   if _TF is None:
     os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
-    with _quiet_stderr() as captured:
+    with held_stderr() as captured:
       try:
         import tensorflow as tf
         try:
           tf.config.set_visible_devices([], 'GPU')
         except RuntimeError:  # tensorflow already started its devices elsewhere
           pass
+      except ModuleNotFoundError as e:
+        if e.name != 'tensorflow':
+          sys.stderr.write(captured())
+          raise
+        tf = None
       except BaseException:
         sys.stderr.write(captured())
         raise
+    if tf is None:
+      raise UserError(TF_EXTRA.format(''))
     _TF = tf
   return _TF
 
 
-@contextlib.contextmanager
-def _quiet_stderr():
-  """Sends file descriptor 2 to a temporary file; yields a function returning its text."""
-  sys.stderr.flush()
-  saved = os.dup(2)
-  with tempfile.TemporaryFile(mode='w+b') as tmp:
-    os.dup2(tmp.fileno(), 2)
-    try:
-      yield lambda: (tmp.seek(0), tmp.read().decode('utf-8', 'replace'))[1]
-    finally:
-      os.dup2(saved, 2)
-      os.close(saved)
+def import_seqio():
+  """seqio, after tensorflow (which it imports itself: import_tf's quiet start goes first); without it, one
+  line naming the extra."""
+  import_tf()
+  try:
+    import seqio
+  except ModuleNotFoundError as e:
+    if e.name != 'seqio':
+      raise
+    raise UserError(TF_EXTRA.format(' and seqio')) from None
+  return seqio
 
 
 def expand_files(pattern: str) -> list[str]:

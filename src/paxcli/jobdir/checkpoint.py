@@ -34,6 +34,7 @@ import orbax.checkpoint as ocp
 from paxcli.errors import UserError
 from paxcli.jobdir import format as job_format
 from paxcli.jobdir import layout, storage
+from paxcli.runtime import distributed
 
 _MARKERS = layout.COMMIT_MARKERS
 _TMP_RE = re.compile(r'^(\d+)\.orbax-checkpoint-tmp')
@@ -234,14 +235,21 @@ class Checkpointer:
   Retention (max_to_keep=K): the K newest complete checkpoints, and also the one saved
   with the lowest loss (meta 'loss'), so that a run whose loss ran away keeps the last
   checkpoint from before it. Old ones are removed after the next save has finished.
+
+  With several processes, which steps exist and which to delete are process 0's view, sent to
+  the others (distributed.agreed), never each process's own listing: process 0 alone deletes,
+  and a process listing the directory while it does sees fewer steps, skips a deletion the
+  others make, and the processes then meet in different orbax barriers (`sync_global_devices
+  name mismatch`, seen after a restart under `pax launch`). orbax's own list of steps is
+  process 0's too (single_host_load_and_broadcast).
   """
 
   def __init__(self, directory: str, max_to_keep: int, async_save: bool = True, before_save=None):
     self.directory = directory if not storage.is_local(directory) else os.path.abspath(directory)
     self._before_save = before_save   # raises to stop a save (a trainer that lost its bucket lock)
     self.max_to_keep = max_to_keep or None
-    options = ocp.CheckpointManagerOptions(max_to_keep=None, create=True,
-                                           enable_async_checkpointing=async_save)
+    options = ocp.CheckpointManagerOptions(max_to_keep=None, create=True, enable_async_checkpointing=async_save,
+                                           single_host_load_and_broadcast=True)
     self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS + (layout.INPUT,))
     _quiet_no_space_logs()
     _quiet_closed_loop_callbacks()
@@ -251,7 +259,8 @@ class Checkpointer:
     self.latest_saved = self.latest_step()  # the newest step saved (complete, or being written)
 
   def latest_step(self) -> Optional[int]:
-    steps = complete_steps(self.directory)
+    """The newest complete step, as process 0 sees it (a collective with several processes)."""
+    steps = distributed.agreed(complete_steps(self.directory) if jax.process_index() == 0 else None)
     return steps[-1] if steps else None
 
   def save(self, step: int, state: Any, meta: dict, input_state: Optional[bytes] = None) -> None:
@@ -301,20 +310,26 @@ class Checkpointer:
     return self._losses[step]
 
   def _rotate(self) -> None:
-    """Removes complete checkpoints beyond the newest max_to_keep, except the best by loss."""
+    """Removes complete checkpoints beyond the newest max_to_keep, except the best by loss: the steps
+    process 0 chose, on every process (a collective with several processes)."""
     if not self.max_to_keep:
       return
+    for s in distributed.agreed(self._old_steps() if jax.process_index() == 0 else None):
+      self._manager.delete(s)
+      self._losses.pop(s, None)
+
+  def _old_steps(self) -> list[int]:
+    """The complete steps beyond the newest max_to_keep, less the best by loss, that orbax knows of (it
+    refuses to delete others; a step it does not list is left in place)."""
     steps = complete_steps(self.directory)
     old = steps[:-self.max_to_keep]
     if not old:
-      return
+      return []
     losses = {s: self._loss_of(s) for s in steps}
     known = [s for s in steps if losses[s] is not None]
     best = min(known, key=lambda s: (losses[s], -s)) if known else None
-    for s in old:
-      if s != best:
-        self._manager.delete(s)
-        self._losses.pop(s, None)
+    listed = set(self._manager.all_steps())
+    return [s for s in old if s != best and s in listed]
 
   def wait(self) -> None:
     self._finish()
@@ -324,7 +339,9 @@ class Checkpointer:
     self._manager.reload()
     self.latest_saved = self.latest_step()
 
-  def close(self) -> None:
+  def close(self, rotate: bool = True) -> None:
+    """Waits for the save in flight, removes old checkpoints (unless rotate=False: a run that failed leaves
+    that to its next start) and closes orbax's manager."""
     if self._failed:  # a write already failed: do not raise (or wait on) it again while unwinding
       try:
         self._manager.close()
@@ -332,5 +349,6 @@ class Checkpointer:
         pass
       return
     self._finish()
-    self._rotate()
+    if rotate:
+      self._rotate()
     self._manager.close()

@@ -219,6 +219,27 @@ def check_reachable(path: str, option: str = '--job-log-dir') -> None:
     raise
   except Exception as e:
     raise BucketError(f'{option} {shorten(path, 200)}: {_explain(path, e)}') from None
+  _start_tensorstore_auth(bucket)
+
+
+TENSORSTORE_PROBE_S = 60
+
+
+def _start_tensorstore_auth(bucket: str) -> None:
+  """Has tensorstore (orbax's arrays) find its credentials now, with what its C++ logging prints meanwhile
+  held back: its INFO line naming the credentials it chose ("Using credentials at ...", "Using
+  GOOGLE_AUTH_TOKEN_FOR_TESTING") goes to the terminal before any log setting applies, once per process.
+  Shown after all when tensorstore cannot reach the bucket (its words then say why), and orbax's own
+  error follows at the first save or restore."""
+  import tensorstore as ts
+  with files.held_stderr() as held:
+    try:
+      ts.KvStore.open({'driver': 'gcs', 'bucket': bucket}).result().read('paxcli-credentials-probe').result(
+          timeout=TENSORSTORE_PROBE_S)
+      said = ''
+    except Exception:  # noqa: BLE001 - orbax reports it where it matters; tensorstore's lines say why now
+      said = held()
+  sys.stderr.write(said)
 
 
 @contextlib.contextmanager

@@ -31,6 +31,7 @@ from paxcli.layers import fp8
 from paxcli.loops.train import make_train_step
 from paxcli.perf import flops
 from paxcli.perf import profiling
+from paxcli.perf import xla_log
 from paxcli.perf.profiling import pgle_compiler_options
 from paxcli.runtime import engine
 from paxcli.runtime import infeed
@@ -142,11 +143,12 @@ def measure(resolved, steps: int = 10, warmup: int = 2, compile_only: bool = Fal
   step = make_train_step(setup, batch_sharding, resolved.experiment.RANDOM_SEED + 1)
   start = time.perf_counter()
   try:
-    lowered = step.lower(setup.abstract_state, abstract_batch(setup, batch_sharding, host_batch))
-    options = None
-    if pgle_profile:
-      options = pgle_compiler_options(pgle_profile)
-    compiled = lowered.compile(options) if options else lowered.compile()
+    with xla_log.rematerialized(row):
+      lowered = step.lower(setup.abstract_state, abstract_batch(setup, batch_sharding, host_batch))
+      options = None
+      if pgle_profile:
+        options = pgle_compiler_options(pgle_profile)
+      compiled = lowered.compile(options) if options else lowered.compile()
   except Exception as e:  # XLA reports memory exhaustion at compile time on some backends
     if not is_out_of_memory(e):
       raise
@@ -395,6 +397,11 @@ def _caption(rows: list[dict], compile_only: bool) -> str:
            f"{r['compiler']}"]
   if r.get('pipeline'):
     lines.append(f"pipeline: {r['pipeline']} (MFU counts the model's FLOPs only: the bubble is lost time)")
+  for row in rows:
+    note = xla_log.remat_note(row)
+    if note:
+      label = ', '.join(f'{k}={v}' for k, v in row.get('sweep', {}).items())
+      lines.append(note if len(rows) == 1 else f'{label}: {note}')
   if not compile_only:
     lines.append(f"MFU = model FLOPs (paxcli.perf.flops, causal attention halved) / step time / devices / peak; "
                  f"HFU uses XLA's cost analysis. Peak: {r['peak_source']}")

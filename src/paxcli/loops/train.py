@@ -58,6 +58,7 @@ from paxcli.loops.router_watch import RouterWatch, load_note, totals
 from paxcli.models import pattern
 from paxcli.perf import flops
 from paxcli.perf import profiling
+from paxcli.perf import xla_log
 from paxcli.runtime import distributed
 from paxcli.runtime import engine
 from paxcli.runtime import infeed
@@ -201,13 +202,24 @@ class TrainStep:
   """The jitted step, and the profiler around it: `profiler.before(step)` starts a trace ahead of a
   step; the `profile` hook stops it, and recompiles the step with a PGLE profile once measured."""
 
-  def __init__(self, setup, batch_sharding, dropout_seed: int, profiler: profiling.StepProfiler):
+  def __init__(self, setup, batch_sharding, dropout_seed: int, profiler: profiling.StepProfiler,
+               log: Callable[[str], None] = print):
     self._make = functools.partial(make_train_step, setup, batch_sharding, dropout_seed)
     self._profiler = profiler
     self._fn = self._make(profiler.pgle_options)
+    self._log, self._compiled = log, False
 
   def __call__(self, state, batch):
-    return self._fn(state, batch)
+    if self._compiled:
+      return self._fn(state, batch)
+    found = {}   # the first call compiles: XLA's full-rematerialization warnings become one line
+    with xla_log.rematerialized(found):
+      out = self._fn(state, batch)
+    self._compiled = True
+    note = xla_log.remat_note(found, 'pax bench mfu --json lists them')
+    if note:
+      self._log(note)
+    return out
 
   def profile(self, info: StepInfo) -> None:
     """Hook, every step (a no-op outside the traced steps)."""
@@ -357,10 +369,14 @@ class Saver:
         'checksums': train_state.checksums(state), **({'base': spec.base} if spec.base else {})},
         input_state=self._input_state() if self._input_state else None)
 
-  def close(self) -> None:
-    """Waits for the last save (a stall at the end of the run) and closes the checkpointer."""
+  def exit(self, kind, error, traceback) -> None:
+    """The close of the hooks' exit stack: waits for the last save (a stall at the end of the run) and
+    closes the checkpointer. After a failure (a lost peer process, a divergence) the save in flight is still
+    waited for, but old checkpoints are left for the next start to remove: choosing them is a collective the
+    other processes may no longer join."""
+    del error, traceback
     with self._chrono.phase('checkpoint'):
-      self._checkpointer.close()
+      self._checkpointer.close(rotate=kind is None)
 
 
 def params_finite(params) -> bool:
@@ -674,7 +690,7 @@ def _train(resolved, job_dir: str, console, accounting: goodput.Goodput, verbose
   _position_input(train_input, job_dir, start, fast, log)
   batch_sharding = sharding.batch_sharding(setup.mesh)
   profiler = profiling.StepProfiler(job_dir, log, profile_steps, pgle_profile, start.step)
-  train_step = TrainStep(setup, batch_sharding, resolved.experiment.RANDOM_SEED + 1, profiler)
+  train_step = TrainStep(setup, batch_sharding, resolved.experiment.RANDOM_SEED + 1, profiler, log)
   if profiler.pgle_options:
     log(f'PGLE: compiling the train step with the profile {pgle_profile}.')
   mfu_of = _mfu(setup, log)
@@ -708,7 +724,8 @@ def _train(resolved, job_dir: str, console, accounting: goodput.Goodput, verbose
     hooks.add(losses, every=1)
     hooks.add(summary, every=train_cfg.summary_interval_steps, at_end=True, close=summary.close)
     hooks.add(accounting.summary_hook, every=train_cfg.summary_interval_steps, at_end=True)
-    hooks.add(saver, every=train_cfg.save_interval_steps, at_end=True, on_stop=True, close=saver.close)
+    hooks.add(saver, every=train_cfg.save_interval_steps, at_end=True, on_stop=True)
+    hooks.push(saver.exit)
     if fast is not None:
       hooks.add(Saver(fast, losses, spec, start, setup, train_input, chrono, skip=saver_due(train_cfg)),
                 every=fast.settings.every, close=fast.close)

@@ -8,6 +8,7 @@ instance), one line in FAMILIES, and its tests (docs/development/adding-a-family
 
 from __future__ import annotations
 
+import re
 from typing import Optional
 
 from paxcli.errors import UserError, did_you_mean, shorten
@@ -71,6 +72,29 @@ def fitting(model) -> tuple[Optional[Family], dict[str, list[str]]]:
       return family, why
     why[family.name] = reasons
   return None, why
+
+
+_SETTING = re.compile(r"\b[A-Z][A-Z0-9_]*=(?:'[^']*'|[^\s);,]+)")
+
+
+def why_none(why: dict[str, list[str]]) -> str:
+  """`fitting`'s reasons in one short line: families refused for the same reason are named together, with
+  the setting they share ("not llama, mistral or qwen2: norm_type is 'layernorm' (each has NORM_TYPE='rmsnorm')"),
+  not the same words once per family."""
+  groups: dict[str, list[tuple[str, str]]] = {}
+  for name, reasons in why.items():
+    core, _, detail = reasons[0].partition(' (')
+    groups.setdefault(core, []).append((name, detail))
+  parts = []
+  for core, refused in groups.items():
+    names = [n for n, _ in refused]
+    listed = names[0] if len(names) == 1 else ', '.join(names[:-1]) + ' or ' + names[-1]
+    settings = {tuple(_SETTING.findall(d)) for _, d in refused}
+    (shared,) = settings if len(settings) == 1 else ((),)
+    detail = (f' ({refused[0][1]}' if len(names) == 1 and refused[0][1]
+              else f' (each has {", ".join(shared)})' if shared else '')
+    parts.append(f'not {listed}: {core}{detail}')
+  return '; '.join(parts)
 
 
 def maxtext_block(name: str) -> Optional[tuple[Family, MaxTextBlock]]:

@@ -30,7 +30,9 @@ from here in a launcher that never starts JAX (its children do).
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import re
 import warnings
 from typing import Callable, Mapping, Optional
 
@@ -266,6 +268,45 @@ def barrier(name: str) -> None:
   if jax.process_count() > 1:
     from jax.experimental import multihost_utils
     multihost_utils.sync_global_devices(name)
+
+
+# What a collective raises on CPU (gloo) when another process of the run is gone (killed, crashed, stopped):
+# its end of a connection closed. The source location gloo puts in front is left out of the line shown.
+_PEER_GONE = re.compile(r'Gloo [\w -]+ failed: .*(Connection reset by peer|Connection closed by peer|Broken pipe)')
+_GLOO_SOURCE = re.compile(r'\[[^\]]*gloo[^\]]*\.cc:\d+\] ')
+
+
+def lost_peer(error: BaseException) -> Optional[str]:
+  """gloo's words, in one line, when `error` (or what caused it) is a collective failing because another
+  process of the run went away; None for any other error. The process that went away says why itself (or
+  `pax launch`, naming it): a traceback of the one left behind adds nothing."""
+  seen = set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    lines = str(error).strip().splitlines()
+    if lines and _PEER_GONE.search(lines[0]):
+      return _GLOO_SOURCE.sub('', lines[0].split(': ', 1)[-1] if lines[0].startswith('UNKNOWN: ') else lines[0])
+    error = error.__cause__ or error.__context__
+  return None
+
+
+def agreed(value):
+  """Process 0's `value` (anything JSON holds), returned on every process: for a decision every process must
+  take alike, such as which checkpoint steps to delete, where each one looking for itself (listing a
+  directory process 0 is changing) could decide otherwise. A collective with several processes (all call
+  it; the others' `value` is ignored); `value` itself with one."""
+  import jax
+  if jax.process_count() == 1:
+    return value
+  import numpy as np
+  from jax.experimental import multihost_utils
+  data = np.frombuffer(json.dumps(value).encode(), np.uint8) if jax.process_index() == 0 else np.zeros(0, np.uint8)
+  size = int(multihost_utils.broadcast_one_to_all(np.array(data.size, np.int32)))
+  # Sent padded to a power of two: each size is its own compilation of the broadcast, so only a few are made.
+  padded = np.zeros(max(256, 1 << (size - 1).bit_length()), np.uint8)
+  padded[:data.size] = data
+  got = np.asarray(multihost_utils.broadcast_one_to_all(padded))
+  return json.loads(bytes(got[:size]).decode())
 
 
 def launch_attempt(environ: Optional[Mapping[str, str]] = None) -> Optional[tuple[str, int]]:

@@ -474,7 +474,7 @@ def family_of(model) -> dict:
   family, why = registry.fitting(flat_view(model))
   if family:
     return {'family': family.name}
-  return {'family': None, 'family_note': '; '.join(f'not {name}: {reasons[0]}' for name, reasons in why.items())}
+  return {'family': None, 'family_note': registry.why_none(why)}
 
 
 def weights_table(setup: Setup) -> list[tuple[str, str, str, str, str]]:
