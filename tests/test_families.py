@@ -17,6 +17,7 @@ from paxcli.layers.base import instantiate
 from paxcli.models import LmExperiment, knobs, lm_config, registry
 from paxcli.models.llama import LLAMA
 from paxcli.models.lm import flat_view
+from paxcli.models.weight_map import WeightMap
 from paxcli.runtime import engine
 from paxcli.values import coerce
 
@@ -47,9 +48,8 @@ def test_the_hf_weight_map_covers_the_model_exactly(family, tied):
   params = jax.eval_shape(lambda r: engine.init_variables(model, r, 8)['params'], jax.random.key(0))
   flat = {'params/' + '/'.join(map(str, engine.train_state.keys(p))): x.shape
           for p, x in jax.tree_util.tree_flatten_with_path(engine.unbox(params))[0]}
-  weights = family.hf_weights(flat_view(model))
-  assert {w.paxcli: w.paxcli_shape for w in weights} == flat
-  assert len({w.hf for w in weights}) == len(weights)
+  wmap = WeightMap(family.hf_weights(flat_view(model)))   # its rows tile every array they name
+  assert wmap.paxcli_shapes == flat
   config = family.to_hf_config(flat_view(model), 'float32', {})
   assert config['model_type'] in family.hf_model_types
   back, _ = family.from_hf_config(config, 'exported')   # config.json read back gives the model's knobs
@@ -75,8 +75,10 @@ def test_an_unknown_model_type_names_the_families_paxcli_has():
 
 def test_a_model_that_fits_no_family_says_why_for_each():
   pax_lm = flat_view(instantiate(lm_config(**knobs.flat_settings(SMALL, knobs.LM_KNOBS))))
-  family, why = registry.fitting(pax_lm)
-  assert family is None and "norm_type is 'layernorm'" in why['llama'][0]
+  found, why = registry.fits(pax_lm)
+  assert found == [] and "norm_type is 'layernorm'" in why['llama'][0]
+  with pytest.raises(UserError, match="fits none of the Hugging Face layouts paxcli writes: llama: norm_type"):
+    registry.of_model(pax_lm)
   patterned = _small_model(LLAMA, LAYER_PATTERN=('a', 'b'), LAYER_KINDS={'a': {'NUM_KV_HEADS': 1}})
   assert any('several kinds' in r for r in LLAMA.misfit(flat_view(patterned)))
 

@@ -11,6 +11,7 @@ import shutil
 import pytest
 
 import hf_models
+from paxcli.errors import UserError
 from conftest import pax_main
 
 pytest.importorskip('transformers')
@@ -108,16 +109,21 @@ def test_a_paxcli_moe_model_that_is_neither_family_says_why():
 
   def view(family, **more):
     return types.SimpleNamespace(**knobs.effective({**family.knobs, **more}, knobs.LM_KNOBS))
-  assert registry.fitting(view(MIXTRAL))[0] is MIXTRAL
-  assert registry.fitting(view(MIXTRAL, ROUTER_SOFTMAX='before_topk', ROUTER_NORMALIZE_TOPK=True))[0] is MIXTRAL
-  assert registry.fitting(view(MIXTRAL, SLIDING_WINDOW=4096))[0] is MIXTRAL
-  assert registry.fitting(view(QWEN3_MOE, ROUTER_NORMALIZE_TOPK=False))[0] is QWEN3_MOE
-  family, why = registry.fitting(view(MIXTRAL, MOE_DISPATCH='capacity', SHARED_EXPERT_HIDDEN_DIMS=64))
-  assert family is None
+  assert registry.fits(view(MIXTRAL))[0] == [MIXTRAL]
+  assert registry.fits(view(MIXTRAL, ROUTER_SOFTMAX='before_topk', ROUTER_NORMALIZE_TOPK=True))[0] == [MIXTRAL]
+  assert registry.fits(view(MIXTRAL, SLIDING_WINDOW=4096))[0] == [MIXTRAL]
+  assert registry.fits(view(QWEN3_MOE, ROUTER_NORMALIZE_TOPK=False))[0] == [QWEN3_MOE]
+  found, why = registry.fits(view(MIXTRAL, MOE_DISPATCH='capacity', SHARED_EXPERT_HIDDEN_DIMS=64))
+  assert found == []
   assert any('capacity dispatch drops tokens' in r for r in why['mixtral'])
   assert any('a shared expert of 64 units' in r for r in why['mixtral'])
   assert any('the MLP is a mixture of 8 experts' in r for r in why['llama'])
-  _, why = registry.fitting(view(MIXTRAL, ROUTER_SOFTMAX='before_topk', ROUTER_NORMALIZE_TOPK=False))
+  _, why = registry.fits(view(MIXTRAL, ROUTER_SOFTMAX='before_topk', ROUTER_NORMALIZE_TOPK=False))
   assert any('not rescaled to sum to 1' in r for r in why['mixtral'])
-  assert registry.fitting(view(QWEN3_MOE, NUM_EXPERTS=0))[0].name == 'qwen3'   # a dense Qwen 3
-  assert any('the MLP is dense' in r for r in QWEN3_MOE.misfit(view(QWEN3_MOE, NUM_EXPERTS=0)))
+  dense = view(QWEN3_MOE, NUM_EXPERTS=0)   # a dense Qwen 3 that still records qwen3_moe (MODEL_FAMILY)
+  assert registry.fits(dense)[0] == [registry.by_name('qwen3')] and dense.family == 'qwen3_moe'
+  assert any('the MLP is dense' in r for r in QWEN3_MOE.misfit(dense))
+  with pytest.raises(UserError, match=r"is a Qwen3-MoE \(its MODEL_FAMILY 'qwen3_moe'\) but does not compute .*the MLP is "
+                     'dense'):
+    registry.of_model(dense)
+  assert registry.of_model(dense, 'qwen3') is registry.by_name('qwen3')   # --family qwen3

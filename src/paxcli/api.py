@@ -645,13 +645,14 @@ def convert_checkpoint(source: str, output: str, *, fmt: Optional[str] = None, t
                        params_only: bool = False, dtype: Optional[str] = None, force: bool = False,
                        verify: bool = True, kl_tolerance: Optional[float] = None, max_shard_size: str = '5GB',
                        recipe: Optional[str] = None, merge_lora: bool = False, base_model: Optional[str] = None,
-                       console=None) -> dict:
+                       family: Optional[str] = None, console=None) -> dict:
   """`pax checkpoint convert`: writes `source` (never modified) as `to` at `output`; returns what was
   written. With verify the conversion certifies itself (paxcli.convert.certify): result['verify'] holds
   what ran the source and the result (transformers or PEFT for Hugging Face files where installed, else
   paxcli), max |Δ logit|, KL and top-1 agreement on fixed prompts; beyond kl_tolerance it is a UserError
   and nothing is written. base_model (to='peft'): the Hugging Face id or directory written as
-  base_model_name_or_path."""
+  base_model_name_or_path. family (to='hf' or 'peft'): the model family written, for a model that records none
+  (MODEL_FAMILY) or another; checked against what the model computes."""
   from paxcli.convert import run as convert_run
   from paxcli.convert import safetensors_io
   positive_finite(kl_tolerance, '--kl-tolerance', 'a KL in nats')
@@ -662,7 +663,8 @@ def convert_checkpoint(source: str, output: str, *, fmt: Optional[str] = None, t
   return convert_run.convert(source, output, fmt=fmt, to=to, exp=exp, overrides=list(overrides),
                              params_only=params_only, dtype=dtype, step=step, force=force, verify=verify,
                              kl_tolerance=kl_tolerance, max_shard_bytes=max_shard_bytes, recipe=recipe,
-                             merge_lora=merge_lora, base_model=base_model, log=_printer(_console(console)))
+                             merge_lora=merge_lora, base_model=base_model, family=family,
+                             log=_printer(_console(console)))
 
 
 def _quiet_absl() -> None:

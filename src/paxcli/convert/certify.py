@@ -31,6 +31,7 @@ import numpy as np
 from paxcli.errors import UserError
 from paxcli.layers import lora as lora_layer
 from paxcli.models import pattern
+from paxcli.models.weight_map import WeightMap
 
 PROMPT_ROWS, PROMPT_LEN, PROMPT_SEED = 2, 64, 0
 INSTALL_HINT = "pip install 'paxcli[hf]' to run transformers' own model"
@@ -181,8 +182,9 @@ def hf_model(family, view, weights: dict):
     model = transformers.AutoModelForCausalLM.from_config(
         transformers.AutoConfig.for_model(settings.pop('model_type'), **settings), dtype=torch.float32,
         attn_implementation='eager')
-  state = {w.hf: torch.from_numpy(np.array(w.to_hf(np.asarray(weights[w.paxcli], np.float32)), order='C'))
-           for w in family.hf_weights(view)}
+  wmap = WeightMap(family.hf_weights(view))
+  state = {name: torch.from_numpy(np.array(wmap.to_hf(name, lambda p: np.asarray(weights[p], np.float32)), order='C'))
+           for name in wmap.hf_shapes}
   if set(state) - set(model.state_dict()):
     # The checkpoint's names are not the module's (transformers 5 fuses per-expert weights as it loads them).
     del model

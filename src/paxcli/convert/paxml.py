@@ -38,6 +38,7 @@ from paxcli import files, gencode
 from paxcli.convert import formats
 from paxcli.convert.formats import ArrayInfo
 from paxcli.errors import UserError, shorten
+from paxcli.models import registry
 from paxcli.models.knobs import LM_KNOB, LM_KNOBS, effective
 from paxcli.runtime import engine
 
@@ -663,6 +664,9 @@ class PaxmlSource(formats.SourceBase):
     lengths = [n for n in (seq, pax.learned_rows) if n]   # the input's, within a learned table
     knobs['MAX_SEQ_LEN'] = min(lengths) if lengths else 2048
     knobs['FPROP_DTYPE'] = pax.fprop_dtype
+    family = registry.of_knobs(knobs)   # a Pax model computing one family's function is one of it
+    if family is not None and not pax.unsupported:
+      knobs['MODEL_FAMILY'] = family.name
     knobs['UNSUPPORTED_FEATURES'] = dict(pax.unsupported)
     return knobs
 

@@ -20,6 +20,7 @@ from paxcli.errors import UserError
 from paxcli.inputs import tokenizers
 from paxcli.jobdir import format as job_format
 from paxcli.jobdir import invocation, layout, storage
+from paxcli.models import registry
 from paxcli.runtime import platform
 
 TARGETS = ('orbax', 'safetensors', 'hf', 'peft')
@@ -55,7 +56,7 @@ def convert(source: str, output: str, *, fmt: Optional[str] = None, to: str = 'o
             step: Optional[int] = None, force: bool = False, verify: bool = True,
             kl_tolerance: Optional[float] = None, max_shard_bytes: int = 5 << 30,
             recipe: Optional[str] = None, merge_lora: bool = False, base_model: Optional[str] = None,
-            log=print) -> dict:
+            family: Optional[str] = None, log=print) -> dict:
   if to not in TARGETS:
     raise UserError(f'Unknown output format {to!r}; choose one of {", ".join(TARGETS)}.'
                     f'{formats.did_you_mean(to, TARGETS)}')
@@ -75,9 +76,14 @@ def convert(source: str, output: str, *, fmt: Optional[str] = None, to: str = 'o
   overrides = list(overrides)
   if base_model is not None and to != 'peft':
     raise UserError('--base-model names the model PEFT adapters apply to: it goes with --to peft.')
+  if family is not None:
+    if to not in ('hf', 'peft'):
+      raise UserError(f'--family names the Hugging Face layout written: it goes with --to hf or --to peft, not --to {to}.')
+    registry.by_name(family, '--family: ')   # a misspelt name is one line before any work
+    overrides.append(f'MODEL_FAMILY={family!r}')   # the written model is one of it (checked: registry.of_model)
   if merge_lora or to == 'peft' or lora.is_lora_run(src):
     return _convert_lora(src, out, to, exp, overrides, merge_lora, dtype, force, verify, kl_tolerance,
-                         max_shard_bytes, log, t0, base_model)
+                         max_shard_bytes, log, t0, base_model, family)
   if to == 'hf':
     overrides.append('USE_REPEATED_LAYER=False')   # HF layers are unrolled
   recipe_path = recipe_text = None
@@ -120,7 +126,10 @@ def _convert(src, out, source, output, fmt, to, exp, overrides, params_only, dty
     source_res = target_res
   target = core.build_model(target_res)
   if to == 'hf':
-    hf.family_of(target.spec)   # before any array is read: a UserError when no family's layout fits
+    family = hf.family_of(target.spec)   # before any array is read: a UserError when the model is of no family
+    if not target.spec.family:
+      log(f'The model records no family (MODEL_FAMILY); it computes a {family.title}\'s function only: writing '
+          f'{family.hf_architectures[0]} (--family names another).')
   source_model = core.build_model(source_res)
   src_arrays = src.arrays()
   has_opt = any(a.name.startswith('opt_state/') for a in src_arrays)
@@ -172,7 +181,7 @@ def _convert(src, out, source, output, fmt, to, exp, overrides, params_only, dty
 
 
 def _convert_lora(src, out, to, exp, overrides, merge_lora, dtype, force, verify, kl_tolerance, max_shard_bytes,
-                  log, t0, base_model: Optional[str] = None) -> dict:
+                  log, t0, base_model: Optional[str] = None, family: Optional[str] = None) -> dict:
   """A LoRA run's checkpoint: its adapters in PEFT's format (--to peft), merged into a plain checkpoint
   (--merge-lora), or merged and then converted like any checkpoint (--to hf, safetensors, --dtype)."""
   lora.resolve_lora_target(to, merge_lora, src)
@@ -192,7 +201,7 @@ def _convert_lora(src, out, to, exp, overrides, merge_lora, dtype, force, verify
   try:
     lora.merge_run(src, merged, exp, overrides, verify, log)
     return convert(merged, out.path, to=to, dtype=dtype, force=force, verify=verify, kl_tolerance=kl_tolerance,
-                   max_shard_bytes=max_shard_bytes, log=log)
+                   max_shard_bytes=max_shard_bytes, family=family, log=log)
   finally:
     shutil.rmtree(merged, ignore_errors=True)
 

@@ -107,6 +107,19 @@ def rope_knobs(rope: dict, get: 'Reader') -> dict:
   return knobs
 
 
+def sliding_window(config: dict, path: str, default: Optional[int], title: str) -> int:
+  """SLIDING_WINDOW of config.json's sliding_window, the one reader of it: null is full attention (0), a missing
+  key the family's default (its transformers config class's; None: full attention); anything but a positive
+  whole number of tokens or null is one line."""
+  window = config['sliding_window'] if 'sliding_window' in config else default
+  if window is None:
+    return 0
+  if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+    raise UserError(f'{path}/config.json: sliding_window is {shown(window)}; a {title} config has a positive whole '
+                    'number of tokens or null (full attention).')
+  return window
+
+
 def shown(value) -> str:
   return shorten(json.dumps(value), 60)
 

@@ -53,7 +53,8 @@ class Qwen2(Llama):
   hf_read_keys = READ_KEYS | WINDOW_KEYS
   hf_neutral = {**QWEN_NEUTRAL, 'use_sliding_window': False}
   # transformers' Qwen2Config defaults, for keys a config.json leaves out.
-  hf_defaults = {'max_position_embeddings': 32768, 'rope_theta': 10000.0, 'num_key_value_heads': 32}
+  hf_defaults = {'max_position_embeddings': 32768, 'rope_theta': 10000.0, 'num_key_value_heads': 32,
+                 'rms_norm_eps': 1e-6}
   attention_features = {'qkv_bias': True, 'qk_norm': False}
   maxtext_blocks = {}
   maxtext_layer_params = {}
