@@ -128,8 +128,8 @@ def _convert(src, out, source, output, fmt, to, exp, overrides, params_only, dty
   if to == 'hf':
     family = hf.family_of(target.spec)   # before any array is read: a UserError when the model is of no family
     if not target.spec.family:
-      log(f'The model records no family (MODEL_FAMILY); it computes a {family.title}\'s function only: writing '
-          f'{family.hf_architectures[0]} (--family names another).')
+      log(f'The model records no family (MODEL_FAMILY): writing it as a {family.title} '
+          f'({family.hf_architectures[0]}), the family its function places it in; --family names another.')
   source_model = core.build_model(source_res)
   src_arrays = src.arrays()
   has_opt = any(a.name.startswith('opt_state/') for a in src_arrays)

@@ -9,8 +9,8 @@ blockwise window kernel and decoding a rolling KV cache of `sliding_window` slot
 config.json: sliding_window is read into SLIDING_WINDOW (hf_config.sliding_window); a missing key is
 transformers' default, 4096, and null is full attention (Mistral 7B v0.2/v0.3): such a model records
 the Mistral family and `--to hf` writes it back as MistralForCausalLM with sliding_window null. (It
-computes a Llama's function too: a model that records no family and has no window needs `--to hf
---family`.) The other keys are
+computes a Llama's function too: a model that records no family and has no window is placed as the
+Llama the Mistral family is built on.) The other keys are
 Llama's (rope_theta, rope scaling, GQA, tie_word_embeddings); a key that would change the function
 and that paxcli does not read (layer_types, for one: MistralForCausalLM ignores it, Ministral reads
 it) is refused by name.

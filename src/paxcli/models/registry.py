@@ -20,6 +20,7 @@ from paxcli.models.knobs import LM_KNOBS, effective
 from paxcli.models.llama import LLAMA
 from paxcli.models.mistral import MISTRAL
 from paxcli.models.mixtral import MIXTRAL
+from paxcli.models.phi3 import PHI3
 from paxcli.models.qwen2 import QWEN2
 from paxcli.models.qwen3 import QWEN3
 from paxcli.models.qwen3_moe import QWEN3_MOE
@@ -27,6 +28,7 @@ from paxcli.models.qwen3_moe import QWEN3_MOE
 FAMILIES: tuple[Family, ...] = (
     LLAMA,
     MISTRAL,
+    PHI3,
     QWEN2,
     QWEN3,
     GEMMA2,
@@ -79,9 +81,10 @@ def fits(model) -> tuple[list[Family], dict[str, list[str]]]:
 
 def of_model(model, chosen: Optional[str] = None) -> Family:
   """The family `model` (a flat view) is written as by --to hf and --to peft: `chosen` (--family), else the one it
-  records (MODEL_FAMILY), each checked against the model's function; a model that records none (a checkpoint
-  from before MODEL_FAMILY, a recipe without presets) is the one family whose function it computes. One line
-  (UserError) saying why otherwise."""
+  records (MODEL_FAMILY), each checked against the model's function. A model that records none (a checkpoint
+  from before MODEL_FAMILY, a recipe without presets) is placed by its function: the family that computes it,
+  where a family built on another (Mistral on Llama, Phi-3 on Mistral: a subclass) yields to the one it is built
+  on, since what it adds is a layout only a record can tell. One line (UserError) saying why otherwise."""
   name = chosen or getattr(model, 'family', None)
   if name:
     family = by_name(name, '--family: ' if chosen else 'MODEL_FAMILY: ')
@@ -92,10 +95,11 @@ def of_model(model, chosen: Optional[str] = None) -> Family:
                       'so the Hugging Face layout would hold another model: ' + '; '.join(reasons) + '.')
     return family
   found, why = fits(model)
-  if len(found) == 1:
-    return found[0]
+  general = [f for f in found if not any(g is not f and isinstance(f, type(g)) for g in found)]
+  if len(general) == 1:
+    return general[0]
   if found:
-    listed = ', '.join(f.name for f in found)
+    listed = ', '.join(f.name for f in general)
     raise UserError(f'This model records no family (MODEL_FAMILY) and computes the function of several ({listed}): '
                     f'pass --family with the one it is (--family {found[0].name}, say), or set MODEL_FAMILY in its '
                     'recipe.')

@@ -82,6 +82,30 @@ def fuse(hf: str, axis: int, rows: Iterable[Weight]) -> list[Weight]:
   return out
 
 
+def fuse_named(rows: Iterable[Weight], fused: dict[str, tuple[str, ...]], axis: int = 0) -> list[Weight]:
+  """`rows` with every group `<prefix><part>` of one entry of `fused` (fused name -> its parts, in order) made
+  the pieces of the one HF array `<prefix><fused name>` (fuse), where the group's first row was; the other rows
+  as they are. A family whose checkpoints fuse what another keeps apart (Phi-3's qkv_proj, gate_up_proj) is
+  that family's map with this applied."""
+  rows = list(rows)
+  by_name = {r.hf: r for r in rows}
+  firsts = {parts[0]: (name, parts) for name, parts in fused.items()}
+  taken, out = set(), []
+  for row in rows:
+    if row.hf in taken:
+      continue
+    first = next((suffix for suffix in firsts if row.hf.endswith(suffix)), None)
+    if first is None:
+      out.append(row)
+      continue
+    name, parts = firsts[first]
+    prefix = row.hf[:-len(first)]
+    group = [by_name[prefix + part] for part in parts]
+    taken.update(r.hf for r in group)
+    out += fuse(prefix + name, axis, group)
+  return out
+
+
 def _check_tiles(name: str, rows: list, piece_of, shape_of) -> None:
   """The rows of one array cover it exactly: one whole row, or pieces along one axis without gap or overlap,
   all of one whole shape. A failure is a bug in a family's map (three rows naming one array whole would
