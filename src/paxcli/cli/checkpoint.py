@@ -27,9 +27,8 @@ def inspect_command(
   if json_out:
     typer.echo(json.dumps(info, indent=1))
     return
-  from rich.table import Table
   console = common.console()
-  t = Table(title=f'{info["format"]} checkpoint {info["path"]}  step {info["step"]}'
+  t = common.table(title=f'{info["format"]} checkpoint {info["path"]}  step {info["step"]}'
             + (f'  experiment {info["experiment"]}' if info.get('experiment') else ''))
   for col, just in (('name', 'left'), ('shape', 'right'), ('dtype', 'left'), ('bytes', 'right'),
                     ('sharding', 'left')):

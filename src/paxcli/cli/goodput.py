@@ -28,10 +28,9 @@ def goodput(
   if json_out:
     typer.echo(json.dumps(account, indent=1))
     return
-  from rich.table import Table
   console = common.console()
   wall = account['wall_seconds']
-  t = Table(title=f"Goodput of {account['job_dir']}: {account['goodput']:.1%} of {_clock(wall)} wall time",
+  t = common.table(title=f"Goodput of {account['job_dir']}: {account['goodput']:.1%} of {_clock(wall)} wall time",
             caption=_caption(account), caption_justify='left')
   for col, just in (('where the time went', 'left'), ('seconds', 'right'), ('share', 'right')):
     t.add_column(col, justify=just)
@@ -40,7 +39,7 @@ def goodput(
   t.add_row('wall time', f'{wall:,.1f}', '100.0%' if wall else '-', style='bold')
   console.print(t)
   if account['restarts']:
-    r = Table(title='Restarts')
+    r = common.table(title='Restarts')
     for col in ('#', 'reason', 'gap s', 'reached step', 'resumed from', 'steps redone'):
       r.add_column(col, justify='left' if col == 'reason' else 'right', overflow='fold')
     for i, one in enumerate(account['restarts'], 1):

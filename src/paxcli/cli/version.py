@@ -6,7 +6,7 @@ import json
 
 import typer
 
-from paxcli import __version__
+from paxcli import version as paxcli_version
 from paxcli.cli import common
 
 _PACKAGES = ('jax', 'jaxlib', 'flax', 'optax', 'orbax-checkpoint', 'fiddle', 'tensorflow', 'seqio')
@@ -15,14 +15,14 @@ _PACKAGES = ('jax', 'jaxlib', 'flax', 'optax', 'orbax-checkpoint', 'fiddle', 'te
 def version_callback(value: bool) -> None:
   """`pax --version`: one line, no JAX import (stays fast)."""
   if value:
-    typer.echo(f'paxcli {__version__}')
+    typer.echo(f'paxcli {paxcli_version.current()}')
     raise typer.Exit()
 
 
 def version(json_out: bool = typer.Option(False, '--json', help='Print as JSON.')) -> None:
   """Print the versions of paxcli, JAX and its libraries, and the devices JAX sees."""
   from importlib import metadata  # 25 ms of imports (email, zipfile, csv): not for `pax --help`
-  versions = {'paxcli': __version__}
+  versions = {'paxcli': paxcli_version.current()}
   for name in _PACKAGES:
     try:
       versions[name] = metadata.version(name)

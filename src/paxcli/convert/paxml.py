@@ -863,8 +863,7 @@ def _stacked(reads: list):
 def _param_shapes(model) -> dict[str, tuple]:
   """'params/...' -> shape of the model's parameters (jax.eval_shape: no memory)."""
   import jax   # only here: reading and inspecting checkpoints never starts jax
-  import jax.numpy as jnp
-  ids = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+  ids = jax.ShapeDtypeStruct((1, 1), jax.numpy.int32)
   model = getattr(model, 'model', model)   # models.flat_view(...) carries the module
   boxed = jax.eval_shape(lambda r, x: model.init({'params': r, 'dropout': r}, x)['params'],
                          jax.random.key(0), ids)

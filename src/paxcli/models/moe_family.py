@@ -127,12 +127,17 @@ def maxtext_capacity(length: int, num_experts: int, k: int, factor: float) -> in
   return int(max(math.ceil(length * k / num_experts) * factor, factor))
 
 
+def _expert_capacity(length: int, num_experts: int, k: int, factor: float) -> int:
+  """paxcli's capacity rounding (paxcli.layers.moe: flax, imported only where a capacity run needs it)."""
+  from paxcli.layers.moe import expert_capacity
+  return expert_capacity(length, num_experts, k, factor)
+
+
 def capacity_factor_for(length: int, num_experts: int, k: int, capacity: int) -> float:
   """The EXPERT_CAPACITY_FACTOR that gives paxcli `capacity` slots at sequence length `length`: capacity x E / (L k)
   where that rounds back, else half a slot less (ceil then lands on `capacity` whatever the float rounding)."""
-  from paxcli.layers.moe import expert_capacity   # paxcli's rounding; flax only for capacity dispatch
   exact = capacity * num_experts / (length * k)
-  if expert_capacity(length, num_experts, k, exact) == capacity:
+  if _expert_capacity(length, num_experts, k, exact) == capacity:
     return exact
   return (capacity - 0.5) * num_experts / (length * k)
 
@@ -183,8 +188,7 @@ def maxtext_moe_knobs(get, knobs) -> list:
                     f'(MaxText: int(max(ceil({length} x {k} / {experts}) x {factor:g}, {factor:g}))): every token '
                     'would be dropped. Raise it, or set capacity_factor=-1 for dropless.')
   slots = min(capacity, length)   # an expert takes at most every token of a sequence
-  from paxcli.layers.moe import expert_capacity   # paxcli's rounding; flax only for capacity dispatch
-  ours = factor if expert_capacity(length, experts, k, factor) == slots else capacity_factor_for(length, experts, k,
+  ours = factor if _expert_capacity(length, experts, k, factor) == slots else capacity_factor_for(length, experts, k,
                                                                                                   slots)
   after = f'{slots} tokens per expert per {length}-token sequence, as MaxText'
   if ours != factor:
