@@ -152,3 +152,43 @@ def test_a_model_that_records_no_family_is_placed_by_its_function_or_asked_for_o
                                       r'\(llama, twin\): pass --family'):
     registry.of_model(plain)
   assert 'pass --family' in registry.summary(plain)['family_note'] and registry.summary(plain)['family'] is None
+
+
+LLAMA_SHAPED = ['MODEL_DIMS=32', 'HIDDEN_DIMS=64', 'NUM_HEADS=4', 'NUM_KV_HEADS=2', 'PERCORE_BATCH_SIZE=1',
+                'MAX_SEQ_LEN=16', 'VOCAB_SIZE=64', 'NUM_LAYERS=1', 'NORM_TYPE="rmsnorm"', 'USE_GATED_ACTIVATION=True',
+                'ACTIVATION="silu"', 'POSITION_EMBEDDING="rotary"', 'USE_BIAS=False', 'SEPARATE_EMBEDDING=True',
+                'NUM_TRAIN_STEPS=1']
+
+
+def test_a_natively_trained_model_is_written_as_the_family_it_records_or_is_given(tmp_path, capsys):
+  """A run of a recipe without presets records no family: --to hf writes the family its function places it in
+  (Llama, before Mistral and Phi-3, which are built on it), saying so; --family names another that computes it,
+  certified by transformers' own class for it; one that does not is one line."""
+  import json
+
+  from conftest import pax_main
+  job = str(tmp_path / 'job')
+  code, _, err = pax_main(['train', '--exp', 'lm_cloud.LmCloudSpmdTest', *[a for s in LLAMA_SHAPED for a in ('--set', s)],
+                           '--job-log-dir', job], capsys)
+  assert code == 0, err
+
+  def convert(out, *more):
+    code, stdout, err = pax_main(['checkpoint', 'convert', job, str(tmp_path / out), '--to', 'hf', '--json', *more],
+                                 capsys)
+    return code, (json.loads(stdout) if code == 0 else None), ' '.join(err.split())
+  code, result, err = convert('placed')
+  assert code == 0, err
+  assert 'The model records no family (MODEL_FAMILY): writing it as a Llama (LlamaForCausalLM)' in err
+  assert result['verify']['ok'] and result['verify']['result'].startswith('transformers LlamaForCausalLM')
+  code, result, err = convert('mistral', '--family', 'mistral')
+  assert code == 0, err
+  written = json.load(open(tmp_path / 'mistral' / 'config.json'))
+  assert written['architectures'] == ['MistralForCausalLM'] and written['sliding_window'] is None
+  assert result['verify']['ok'] and 'MistralForCausalLM' in result['verify']['result']
+  code, _, err = convert('qwen2', '--family', 'qwen2')
+  assert code == 2 and "is a Qwen2 (--family qwen2) but does not compute a Qwen2's function" in err, err
+  assert 'USE_QKV_BIAS=True' in err and not (tmp_path / 'qwen2').exists()
+  code, _, err = convert('typo', '--family', 'lama')
+  assert code == 2 and "--family: No model family 'lama'" in err and "Did you mean 'llama'" in err
+  code, _, err = pax_main(['checkpoint', 'convert', job, str(tmp_path / 'o'), '--family', 'llama'], capsys)
+  assert code == 2 and '--family names the Hugging Face layout written: it goes with --to hf or --to peft' in err

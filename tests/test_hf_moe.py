@@ -7,6 +7,7 @@ paxcli MoE model that is not one of the families says why."""
 import json
 import os
 import shutil
+import types
 
 import pytest
 
@@ -65,6 +66,26 @@ def test_fused_expert_tensors_read_as_the_per_expert_ones(hf_reference, tmp_path
   import numpy as np
   for name in names:
     np.testing.assert_array_equal(a.read(name), b.read(name))
+
+
+@pytest.mark.parametrize('family', ['mixtral', 'qwen3_moe'])
+def test_the_fused_expert_spelling_is_written_too(hf_reference, family):
+  """The fused spelling is an ordinary weight map (paxcli.models.weight_map), both ways: transformers' own fused
+  tensors read into paxcli's arrays and written back are those tensors, bit for bit."""
+  import numpy as np
+
+  from paxcli.models import knobs, registry
+  from paxcli.models.weight_map import WeightMap
+  made = hf_reference(family)
+  theirs = {k: v.detach().numpy() for k, v in made.model.state_dict().items()}
+  fam = registry.by_name(family)
+  view = types.SimpleNamespace(**knobs.effective(fam.from_hf_config(made.ref.config, '/m')[0], knobs.LM_KNOBS))
+  wmap = WeightMap(fam.hf_read_weights(view, list(theirs)))
+  ours = {name: wmap.from_hf(name, theirs.__getitem__) for name in wmap.paxcli_shapes}
+  fused = [n for n in wmap.hf_shapes if n.endswith(('experts.gate_up_proj', 'experts.down_proj'))]
+  assert len(fused) == 2 * view.num_layers
+  for name in wmap.hf_shapes:
+    np.testing.assert_array_equal(wmap.to_hf(name, ours.__getitem__), theirs[name])
 
 
 @pytest.mark.parametrize('family, changes, named', [
