@@ -141,6 +141,8 @@ def test_a_model_that_records_no_family_is_placed_by_its_function_or_asked_for_o
   assert registry.fits(plain)[0] == [llama, mistral, phi3] and registry.of_model(plain) is llama
   assert registry.of_model(_view({**llama.knobs, 'MODEL_FAMILY': 'phi3'})) is phi3   # recorded: what it records
   assert registry.summary(plain) == {'family': 'llama', 'family_recorded': False}
+  assert registry.of_knobs({**llama.knobs, 'MODEL_FAMILY': None}) is llama   # what --from paxml records
+  assert registry.of_knobs({'NORM_TYPE': 'layernorm'}) is None
 
   class Twin(registry.Family):   # computes a Llama's function, built on no family
     name, title, hf_model_types, hf_architectures = 'twin', 'Twin', ('twin',), ('TwinForCausalLM',)

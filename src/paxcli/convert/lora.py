@@ -64,14 +64,14 @@ class Target:
     return self.module.rsplit('.', 1)[-1]
 
 
-def peft_modules(model) -> dict[tuple[int, str], Target]:
+def peft_modules(model, family: Optional[str] = None) -> dict[tuple[int, str], Target]:
   """(layer, projection) -> where PEFT keeps that projection's adapter: its kernel's Hugging Face module in the
   weight map of the model's family (base_model.model.model.layers.3.self_attn.q_proj for the query of a Llama's
-  layer 3; the qkv_proj rows of a Phi-3's). A model of no family with a Hugging Face layout is a UserError saying
-  why."""
+  layer 3; the qkv_proj rows of a Phi-3's; `family`: --family's). A model of no family with a Hugging Face layout
+  is a UserError saying why."""
   view = flat_view(model)
   out = {}
-  for w in hf.family_of(view).hf_weights(view):
+  for w in hf.family_of(view, family).hf_weights(view):
     m = _KERNEL.fullmatch(w.paxcli)
     if not m or not w.hf.endswith('.weight') or w.paxcli_piece is not None:   # stacked experts take no adapters
       continue
@@ -171,7 +171,8 @@ def _layer_adapters(params: dict):
 
 
 def export_peft(src, tmp: str, exp: Optional[str], overrides: list, log, verify: bool = True,
-                tolerance: Optional[float] = None, base_model: Optional[str] = None) -> dict:
+                tolerance: Optional[float] = None, base_model: Optional[str] = None,
+                family: Optional[str] = None) -> dict:
   """Writes the run's adapters into directory `tmp` as PEFT's adapter_config.json + adapter_model.safetensors,
   then certifies them (_certify_peft; 'verify' in the result); a UserError when they differ from the run.
 
@@ -181,7 +182,7 @@ def export_peft(src, tmp: str, exp: Optional[str], overrides: list, log, verify:
   setup, params = _restored(src, exp, overrides)
   model = setup.model
   s = model.lora
-  names = peft_modules(model)
+  names = peft_modules(model, family)
   by_module = {}   # module -> [(target, A, B)] of its projections, in their order in the module
   for i, projection, a, b in _layer_adapters(params):
     target = names[i, projection]
@@ -214,7 +215,7 @@ def export_peft(src, tmp: str, exp: Optional[str], overrides: list, log, verify:
   out = {'bytes_written': int(sum(x.nbytes for x in tensors.values())), 'arrays': len(tensors)}
   if verify and _fits(setup, log):
     out['verify'] = _certify_peft(setup, params, tmp, certify.default_tolerance(None) if tolerance is None
-                                  else tolerance)
+                                  else tolerance, family)
     certify.check(out['verify'])
   return out
 
@@ -235,13 +236,13 @@ def _peft_pair(parts: list, rank: int) -> tuple[np.ndarray, np.ndarray]:
   return np.ascontiguousarray(lora_a), lora_b
 
 
-def _certify_peft(setup, params: dict, written: str, tolerance: float) -> dict:
+def _certify_peft(setup, params: dict, written: str, tolerance: float, family: Optional[str] = None) -> dict:
   """The LoRA run against the adapters in directory `written`: PEFT's LoRA on transformers' model of the base
   where both are installed, else paxcli's own reading of the adapters (read_peft) on the base."""
   model, view = setup.model, flat_view(setup.model)
   ids = certify.prompts(view.vocab_size, view.max_seq_len)
   if certify.have_peft():
-    result = certify.peft_side(hf.family_of(view), view, certify.base_weights(params, view.num_layers), written)
+    result = certify.peft_side(hf.family_of(view, family), view, certify.base_weights(params, view.num_layers), written)
   else:
     adapters = read_peft(written, model, setup.abstract_state['params'])
     result = certify.paxcli_side('paxcli on the base with the written adapters read back (PEFT or transformers is '

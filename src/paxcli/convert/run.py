@@ -98,7 +98,7 @@ def convert(source: str, output: str, *, fmt: Optional[str] = None, to: str = 'o
       recipe_text = None   # the job's experiment is --exp's
   try:
     result = _convert(src, out, source, output, fmt, to, exp, overrides, params_only, dtype, step, verify,
-                      kl_tolerance, max_shard_bytes, log, t0, recipe_path, recipe_text)
+                      kl_tolerance, max_shard_bytes, log, t0, recipe_path, recipe_text, family)
   except BaseException:
     if recipe_created and os.path.isfile(recipe_path):
       os.remove(recipe_path)   # a failed import (or certification) leaves nothing behind
@@ -110,7 +110,7 @@ def convert(source: str, output: str, *, fmt: Optional[str] = None, to: str = 'o
 
 
 def _convert(src, out, source, output, fmt, to, exp, overrides, params_only, dtype, step, verify, kl_tolerance,
-             max_shard_bytes, log, t0, recipe_path, recipe_text):
+             max_shard_bytes, log, t0, recipe_path, recipe_text, family=None):
   if hasattr(src, 'check_experiment'):   # paxml: the experiment must compute the Pax model's function
     src.check_experiment(cfg.resolve(exp, list(overrides)).experiment, log)
   source_res, target_res = core.resolve_pair(src, exp, overrides)
@@ -126,10 +126,10 @@ def _convert(src, out, source, output, fmt, to, exp, overrides, params_only, dty
     source_res = target_res
   target = core.build_model(target_res)
   if to == 'hf':
-    family = hf.family_of(target.spec)   # before any array is read: a UserError when the model is of no family
-    if not target.spec.family:
-      log(f'The model records no family (MODEL_FAMILY): writing it as a {family.title} '
-          f'({family.hf_architectures[0]}), the family its function places it in; --family names another.')
+    written = hf.family_of(target.spec, family)   # before any array is read: one line when the model is of none
+    if not family and not target.spec.family:
+      log(f'The model records no family (MODEL_FAMILY): writing it as a {written.title} '
+          f'({written.hf_architectures[0]}), the family its function places it in; --family names another.')
   source_model = core.build_model(source_res)
   src_arrays = src.arrays()
   has_opt = any(a.name.startswith('opt_state/') for a in src_arrays)
@@ -168,7 +168,7 @@ def _convert(src, out, source, output, fmt, to, exp, overrides, params_only, dty
       _carry_files(src, tmp, to, recipe_text, own_experiment=exp is None)
     if verify:   # before the output takes its name: a failed check leaves nothing behind
       report = _certify(src, source_model, target, tmp, to,
-                        kl_tolerance if kl_tolerance is not None else certify.default_tolerance(dtype))
+                        kl_tolerance if kl_tolerance is not None else certify.default_tolerance(dtype), family)
       certify.check(report)
   stats['seconds'] = time.perf_counter() - t0
   result = {'source': storage.abspath(source), 'output': out.path, 'format': to, 'step': src.step,
@@ -191,7 +191,7 @@ def _convert_lora(src, out, to, exp, overrides, merge_lora, dtype, force, verify
     with out as tmp:
       if to == 'peft':
         result.update(lora.export_peft(src, tmp, exp, overrides, log, verify, kl_tolerance,
-                                         base_model))
+                                       base_model, family))
       else:
         result['verify'] = lora.merge_run(src, tmp, exp, overrides, verify, log)
         result['bytes_written'] = _bytes_under(tmp)
@@ -359,7 +359,7 @@ def files_text(path: str) -> str:
     return f.read(1 << 20)
 
 
-def _certify(src, source_model, target, written: str, to: str, tolerance: float) -> dict:
+def _certify(src, source_model, target, written: str, to: str, tolerance: float, family=None) -> dict:
   """The source and the written result (directory `written`) on the fixed prompts (paxcli.convert.certify):
   a Hugging Face side runs in transformers where it is installed, every other side in paxcli."""
   hf_source = src.hf if isinstance(src, hf.PaxView) else None   # --from hf: the directory, under paxcli's names
@@ -372,7 +372,8 @@ def _certify(src, source_model, target, written: str, to: str, tolerance: float)
                                      if hf_source is not None else '')
     reference = certify.paxcli_side(what, source_model.module, core.load_params(src, [a.name for a in src.arrays()]))
   if to == 'hf' and certify.have_transformers():
-    result = certify.transformers_side(written, hf.family_of(target.spec).hf_architectures[0], 'the written result')
+    result = certify.transformers_side(written, hf.family_of(target.spec, family).hf_architectures[0],
+                                       'the written result')
   else:
     got = formats.open_source(written, to)
     if not got.paxcli_names:

@@ -270,13 +270,13 @@ def _tokenizer_bytes(directory: str, manifest: Manifest) -> bytes:
     return f.read(MAX_TOKENIZER_BYTES + 1)
 
 
-@contextlib.contextmanager
 def _array_record():
   """array_record's module: its wheels are Linux and macOS only, so it is imported where a shard is read or written."""
   from array_record.python import array_record_module
   return array_record_module
 
 
+@contextlib.contextmanager
 def array_records(path: str):
   """An open ArrayRecordReader of `path`; a file that is not one (random bytes, a truncated shard) is a
   UserError naming it. The reader's close() raises on such a file too, which must not hide that line."""

@@ -95,7 +95,7 @@ def of_model(model, chosen: Optional[str] = None) -> Family:
                       'so the Hugging Face layout would hold another model: ' + '; '.join(reasons) + '.')
     return family
   found, why = fits(model)
-  general = [f for f in found if not any(g is not f and isinstance(f, type(g)) for g in found)]
+  general = _placed(found)
   if len(general) == 1:
     return general[0]
   if found:
@@ -111,11 +111,17 @@ def of_model(model, chosen: Optional[str] = None) -> Family:
                   + '; '.join(f'{name}: {", ".join(reasons)}' for name, reasons in why.items()) + '.')
 
 
+def _placed(found: list[Family]) -> list[Family]:
+  """The families of `found` that are built on none other of them (Llama, of Llama, Mistral and Phi-3)."""
+  return [f for f in found if not any(g is not f and isinstance(f, type(g)) for g in found)]
+
+
 def of_knobs(knob_values: dict) -> Optional[Family]:
-  """The one family whose function a model of these knobs (UPPERCASE names) computes, or None (none, or several):
-  what an import from a format that names no family (--from paxml) records."""
-  found, _ = fits(types.SimpleNamespace(**effective(knob_values, LM_KNOBS)))
-  return found[0] if len(found) == 1 else None
+  """The family a model of these knobs (UPPERCASE names) is placed in by its function (as of_model places a model
+  that records none), or None (none, or unrelated ones): what an import from a format that names no family
+  (--from paxml) records."""
+  placed = _placed(fits(types.SimpleNamespace(**effective(knob_values, LM_KNOBS)))[0])
+  return placed[0] if len(placed) == 1 else None
 
 
 def summary(model) -> dict:
