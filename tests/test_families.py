@@ -98,6 +98,10 @@ def test_describe_names_the_family(capsys):
   code, out, err = pax_main(['describe'], capsys)
   assert code == 0, err
   assert '# model family: llama (pax checkpoint convert --to hf writes its Hugging Face layout)' in out
+  code, out, err = pax_main(['describe', '--set', 'USE_BIAS=True'], capsys)   # recorded, and no longer a Llama
+  assert code == 0, err
+  assert ("# model family: llama (MODEL_FAMILY); --to hf refuses it: it does not compute a Llama's function (the "
+          'layers have biases (Llama has none: USE_BIAS=False))') in out
   code, out, err = pax_main(['describe', '--exp', 'lm_cloud.LmCloudSpmdTest', '--json'], capsys)
   summary = json.loads(out)
   assert summary['summary.family'] is None and 'not llama' in summary['summary.family_note']

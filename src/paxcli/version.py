@@ -5,13 +5,19 @@ paxcli.__version__ is this, for users; paxcli's own modules read it here, below 
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 
 @functools.cache
 def current() -> str:
   """The version, read on first use; a source tree never installed says so."""
+  return of('paxcli') or '0+unknown (not installed)'
+
+
+def of(distribution: str) -> Optional[str]:
+  """An installed distribution's version (`pax version` lists JAX's too), None when it is not installed."""
   from importlib import metadata  # 25 ms of imports (email, zipfile, csv): not for `pax --help`
   try:
-    return metadata.version('paxcli')
+    return metadata.version(distribution)
   except metadata.PackageNotFoundError:
-    return '0+unknown (not installed)'
+    return None

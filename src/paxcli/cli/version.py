@@ -21,13 +21,7 @@ def version_callback(value: bool) -> None:
 
 def version(json_out: bool = typer.Option(False, '--json', help='Print as JSON.')) -> None:
   """Print the versions of paxcli, JAX and its libraries, and the devices JAX sees."""
-  from importlib import metadata  # 25 ms of imports (email, zipfile, csv): not for `pax --help`
-  versions = {'paxcli': paxcli_version.current()}
-  for name in _PACKAGES:
-    try:
-      versions[name] = metadata.version(name)
-    except metadata.PackageNotFoundError:
-      versions[name] = None
+  versions = {'paxcli': paxcli_version.current(), **{name: paxcli_version.of(name) for name in _PACKAGES}}
   import jax  # the devices JAX sees: only this command starts it
   devices = jax.devices()
   info = {'versions': versions, 'backend': jax.default_backend(), 'process_count': jax.process_count(),

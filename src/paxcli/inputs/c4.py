@@ -28,7 +28,7 @@ import sentencepiece as spm
 from paxcli.errors import UserError
 from paxcli.files import atomic_write
 from paxcli.inputs.corpus import cache_root
-from paxcli.inputs.seqio_input import SeqIOInput
+from paxcli.inputs.seqio_input import SeqIOInput, seqio_module
 from paxcli.inputs.tfrecord import import_tf
 
 TFDS_NAME = 'c4/en:3.0.1'
@@ -147,7 +147,7 @@ def split_to_length(dataset, sequence_length: dict, output_features: dict):
 def register_task(tfds_name: str, data_dir: Optional[str], vocabulary: str, concat_batch: int = CONCAT_BATCH) -> str:
   """The seqio task of Pax's C4 LM input over these files and this vocabulary; returns its name."""
   import_tf()  # before seqio, which imports tensorflow itself
-  import seqio
+  seqio = seqio_module()
   data_dir = resolve_data_dir(data_dir)
   key = '|'.join([tfds_name, data_dir, vocabulary, str(concat_batch)])
   name = 'paxcli_c4_' + hashlib.sha256(key.encode()).hexdigest()[:12]

@@ -24,7 +24,7 @@ _DECODER_KEYS = {'decoder_input_tokens': 'ids', 'decoder_target_tokens': 'labels
                  'decoder_positions': 'positions'}
 
 
-def _seqio():
+def seqio_module():
   """seqio (and the TensorFlow it imports), where a seqio input is used: optional, and seconds to import."""
   import seqio
   return seqio
@@ -32,7 +32,7 @@ def _seqio():
 
 def get_mixture_or_task(name: str):
   import_tf()  # first: hides GPUs from tensorflow and quiets its start-up logs
-  seqio = _seqio()
+  seqio = seqio_module()
   try:
     return seqio.get_mixture_or_task(name)
   except ValueError:
@@ -65,7 +65,7 @@ class SeqIOInput(TfDataInput):
       raise UserError(f'SeqIOInput {self.name!r} needs task_feature_lengths, e.g. {{"targets": 128}}.')
 
   def _converter(self):
-    seqio = _seqio()
+    seqio = seqio_module()
     if self.feature_converter == 'decoder':
       return seqio.DecoderFeatureConverter(pack=self.pack)
     if self.feature_converter == 'enc_dec':
@@ -73,7 +73,7 @@ class SeqIOInput(TfDataInput):
     raise UserError(f"SeqIOInput feature_converter must be 'decoder' or 'enc_dec', got {self.feature_converter!r}.")
 
   def dataset(self, skip_batches: int = 0):
-    seqio = _seqio()
+    seqio = seqio_module()
     import_tf()
     shuffle = self.is_training if self.shuffle is None else self.shuffle
     ds = seqio.get_dataset(

@@ -129,11 +129,16 @@ def summary(model) -> dict:
   whether the model names it (MODEL_FAMILY) rather than being placed by its function, 'family_note': why --to hf
   would refuse it, where it would}."""
   recorded = getattr(model, 'family', None)
+  if recorded:
+    family = by_name(recorded, 'MODEL_FAMILY: ')
+    reasons = family.misfit(model)
+    if reasons:
+      return {'family': recorded, 'family_recorded': True, 'family_note': (
+          f'--to hf refuses it: it does not compute a {family.title}\'s function ({"; ".join(reasons)})')}
+    return {'family': recorded, 'family_recorded': True}
   try:
     family = of_model(model)
   except UserError as e:
-    if recorded:
-      return {'family': recorded, 'family_recorded': True, 'family_note': str(e)}
     found, why = fits(model)
     if found:
       return {'family': None, 'family_recorded': False, 'family_note': str(e)}

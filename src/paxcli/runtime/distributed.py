@@ -166,8 +166,7 @@ def start(settings: Settings, log: Callable[[str], None] = print,
 
 
 def _check_backend_not_started() -> None:
-  from jax._src import xla_bridge
-  if xla_bridge.backends_are_initialized():
+  if _jax()._src.xla_bridge.backends_are_initialized():
     raise UserError('JAX already started its backend in this Python process, so it cannot join '
                     'several processes any more; run the command in a fresh process.')
 
