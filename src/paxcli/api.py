@@ -48,7 +48,10 @@ from paxcli.maxtext import recipe as maxtext_recipe
 from paxcli.maxtext.shell import read_script
 from paxcli.maxtext.translate import Options, Translation, translate
 from paxcli.runtime import distributed, platform
-from paxcli.values import parse_value
+from paxcli.loops.decode.options import DecodeOptions, check_text  # no JAX: options fail before start-up
+from paxcli.loops.decode.output import check_output  # no JAX
+from paxcli.loops.score import requests  # no JAX: a bad file is one line before start-up
+from paxcli.values import parse_size, parse_value
 
 if TYPE_CHECKING:  # fiddle, for a type only
   from paxcli.config import Resolved
@@ -240,7 +243,6 @@ def output_arg(path: Optional[str], option: str, buckets: bool = False) -> Optio
 def _check_output(output: Optional[str], force: bool, inputs: Sequence[Optional[str]]) -> None:
   """Before start-up: an --output that cannot take the results is one line now, not after the work."""
   if output:
-    from paxcli.loops.decode.output import check_output  # no JAX
     check_output(output, force, inputs=[p for p in inputs if p])
 
 
@@ -372,7 +374,6 @@ def decode(exp: Optional[str] = None, *, overrides: Sequence[str] = (), job_dir:
   `.stats` (decode rates), `.step` (the checkpoint decoded) and `.path` (the file written; None on
   processes other than 0). progress: a factory `progress(total)` of context managers yielding
   `advance(n)`, or None."""
-  from paxcli.loops.decode.options import DecodeOptions, check_text  # no JAX: options fail before start-up
   opts = DecodeOptions(
       max_decode_steps=max_decode_steps, temperature=temperature, top_k=top_k, top_p=top_p,
       num_samples=num_samples, seed=seed, beam_size=beam_size, length_penalty=length_penalty,
@@ -417,7 +418,6 @@ def score(requests_file: str, exp: Optional[str] = None, *, overrides: Sequence[
     raise UserError('--step N picks a checkpoint; --no-checkpoint scores fresh weights. Give one of them.')
   requests_file, output = path_arg(requests_file, 'REQUESTS'), output_arg(output, '--output', buckets=True)
   _check_output(output, force, [requests_file])
-  from paxcli.loops.score import requests  # no JAX: a bad file is one line before start-up
   read = requests.read_requests(requests_file)
   log = _printer(_console(console))
   run = open_run(exp, overrides, job_dir, coordinator=coordinator, num_processes=num_processes,
@@ -494,7 +494,6 @@ def bench_mfu(exp: Optional[str] = None, *, overrides: Sequence[str] = (), job_d
   existing file only with force). job_dir: the experiment and --set overrides that job was trained with
   (`exp` and `overrides` on top). topology (with compile_only): a TPU slice name such as 'v4-128'
   (`num_slices` of them), compiled for by libtpu without a TPU (paxcli.runtime.topology)."""
-  from paxcli.convert.safetensors_io import parse_size
   from paxcli.loops import bench
   from paxcli.runtime import topology as tpu_topology
   plot, pgle_profile = output_arg(plot, '--plot'), path_arg(pgle_profile, '--pgle-profile')
@@ -537,9 +536,15 @@ def bench_mfu(exp: Optional[str] = None, *, overrides: Sequence[str] = (), job_d
 
 def _progress(console: Console):
   """A transient progress bar on `console`, shown only on a terminal."""
-  from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-  return Progress(TextColumn('[bold]{task.description}'), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console, transient=True, disable=not console.is_terminal)
+  bars = _rich_progress()
+  return bars.Progress(bars.TextColumn('[bold]{task.description}'), bars.BarColumn(), bars.MofNCompleteColumn(),
+                       bars.TimeElapsedColumn(), console=console, transient=True, disable=not console.is_terminal)
+
+
+def _rich_progress():
+  """rich's progress bars, imported by the commands that draw one."""
+  import rich.progress
+  return rich.progress
 
 
 def inspect_input(exp: Optional[str] = None, *, path: Optional[str] = None, overrides: Sequence[str] = (),
@@ -627,10 +632,11 @@ class _DataProgress:
   """rich progress bars for `prepare.Progress`: one per phase, documents counted and tokens/s."""
 
   def __init__(self, console: Console):
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-    self._progress = Progress(TextColumn('[bold]{task.description}'), BarColumn(), MofNCompleteColumn(),
-                              TextColumn('{task.fields[rate]}'), TimeElapsedColumn(), console=console,
-                              transient=True, disable=not console.is_terminal)
+    bars = _rich_progress()
+    self._progress = bars.Progress(bars.TextColumn('[bold]{task.description}'), bars.BarColumn(),
+                                   bars.MofNCompleteColumn(), bars.TextColumn('{task.fields[rate]}'),
+                                   bars.TimeElapsedColumn(), console=console, transient=True,
+                                   disable=not console.is_terminal)
 
   def __enter__(self):
     self._progress.__enter__()
@@ -677,17 +683,17 @@ def convert_checkpoint(source: str, output: str, *, fmt: Optional[str] = None, t
                        params_only: bool = False, dtype: Optional[str] = None, force: bool = False,
                        verify: bool = True, kl_tolerance: Optional[float] = None, max_shard_size: str = '5GB',
                        recipe: Optional[str] = None, merge_lora: bool = False, base_model: Optional[str] = None,
-                       console=None) -> dict:
+                       family: Optional[str] = None, console=None) -> dict:
   """`pax checkpoint convert`: writes `source` (never modified) as `to` at `output`; returns what was
   written. With verify the conversion certifies itself (paxcli.convert.certify): result['verify'] holds
   what ran the source and the result (transformers or PEFT for Hugging Face files where installed, else
   paxcli), max |Δ logit|, KL and top-1 agreement on fixed prompts; beyond kl_tolerance it is a UserError
   and nothing is written. base_model (to='peft'): the Hugging Face id or directory written as
-  base_model_name_or_path."""
+  base_model_name_or_path. family (to='hf' or 'peft'): the model family written, for a model that records none
+  (MODEL_FAMILY) or another; checked against what the model computes."""
   from paxcli.convert import run as convert_run
-  from paxcli.convert import safetensors_io
   positive_finite(kl_tolerance, '--kl-tolerance', 'a KL in nats')
-  max_shard_bytes = safetensors_io.parse_size(max_shard_size)  # before any work
+  max_shard_bytes = parse_size(max_shard_size)  # before any work
   source, output = path_arg(source, 'SOURCE'), path_arg(output, 'OUTPUT')
   recipe = path_arg(recipe, '--recipe')
   storage.check_reachable(source, 'SOURCE')
@@ -695,7 +701,8 @@ def convert_checkpoint(source: str, output: str, *, fmt: Optional[str] = None, t
   return convert_run.convert(source, output, fmt=fmt, to=to, exp=exp, overrides=list(overrides),
                              params_only=params_only, dtype=dtype, step=step, force=force, verify=verify,
                              kl_tolerance=kl_tolerance, max_shard_bytes=max_shard_bytes, recipe=recipe,
-                             merge_lora=merge_lora, base_model=base_model, log=_printer(_console(console)))
+                             merge_lora=merge_lora, base_model=base_model, family=family,
+                             log=_printer(_console(console)))
 
 
 def _quiet_absl() -> None:

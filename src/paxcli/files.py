@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import re
 import stat
 import sys
@@ -114,7 +115,6 @@ def copy_member(path: str, dest: str) -> None:
   st = os.stat(path)
   if not stat.S_ISREG(st.st_mode):
     raise UserError(f'{shorten(path, 200)} is not a regular file; not copied.')
-  import shutil
   tmp = f'{dest}.tmp-{os.getpid()}'
   shutil.copyfile(path, tmp)
   os.chmod(tmp, stat.S_IMODE(st.st_mode) & 0o644)

@@ -81,22 +81,51 @@ def normalize_argv(argv: list[str]) -> list[str]:
 def console(stderr: bool = False, wide: bool = False):
   """A rich Console; wide when the output is a file or pipe, so tables are not cut (160 columns, or
   with `wide` as wide as a table's rows need: one line per row)."""
-  from rich.console import Console
   stream = sys.stderr if stderr else sys.stdout
-  return Console(stderr=stderr, width=None if stream.isatty() else (100_000 if wide else 160))
+  return rich_console(stderr=stderr, width=None if stream.isatty() else (100_000 if wide else 160))
+
+
+# rich, loaded by the command that prints (`pax --help` loads none of it): one place for each part.
+
+def rich_console(**settings):
+  from rich.console import Console
+  return Console(**settings)
+
+
+def table(*args, **settings):
+  """A rich Table."""
+  from rich.table import Table
+  return Table(*args, **settings)
+
+
+def text(*args, **settings):
+  """A rich Text: printed as it is, never read as markup."""
+  from rich.text import Text
+  return Text(*args, **settings)
+
+
+def escape(value: str) -> str:
+  """`value` with rich's markup escaped, for printing text others wrote."""
+  from rich.markup import escape as rich_escape
+  return rich_escape(value)
+
+
+def progress(console, label: str):
+  """A transient rich bar labelled `label`, with its count and elapsed time."""
+  from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+  return Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console,
+                  transient=True)
 
 
 def counting_bar(console, label: str):
   """A context factory for the loops' `progress` argument: bar(total) yields advance(n), drawing a
   transient rich bar labelled `label` (decode's prompts, score's windows)."""
-  from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
   @contextlib.contextmanager
   def bar(total: int):
-    with Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console,
-                  transient=True) as progress:
-      task = progress.add_task(label, total=total)
-      yield lambda n: progress.advance(task, n)
+    with progress(console, label) as shown:
+      task = shown.add_task(label, total=total)
+      yield lambda n: shown.advance(task, n)
 
   return bar
 
@@ -107,9 +136,7 @@ def count(n: int, noun: str) -> str:
 
 
 def error(message: str) -> None:
-  from rich.console import Console
-  Console(stderr=True, highlight=False, soft_wrap=True).print(f'[bold red]error:[/] {message}',
-                                                              markup=True)
+  rich_console(stderr=True, highlight=False, soft_wrap=True).print(f'[bold red]error:[/] {message}', markup=True)
 
 
 def tidy_help(command) -> None:
@@ -143,7 +170,7 @@ def run_app(app: typer.Typer, argv: list[str]) -> None:
     code = command.main(args=argv, prog_name='pax', standalone_mode=False)
   except UserError as e:
     # fiddle appends its build context to errors raised while building a config.
-    error(_escape(_cap_lines(str(e).split('\n\nFiddle context:')[0])))
+    error(escape(_cap_lines(str(e).split('\n\nFiddle context:')[0])))
     sys.exit(e.exit_code)
   except KeyboardInterrupt:
     error('interrupted.')
@@ -198,7 +225,7 @@ def _usage_error(e) -> None:
     hint = f"Try '{ctx.command_path} {ctx.help_option_names[0]}' for help." if ctx.help_option_names else ''
     sys.stderr.write(f'{ctx.get_usage()}\n{hint}\n\n')
     sys.stderr.flush()
-  error(_escape(e.format_message()))
+  error(escape(e.format_message()))
 
 
 _PAXML_MODES = {'train': 'train', 'eval': 'eval', 'decode': 'decode', 'decode_once': 'decode'}
@@ -266,11 +293,6 @@ def _paxml_hint(argv: list[str]) -> Optional[str]:
 def _cap_lines(text: str, limit: int = 500) -> str:
   """No line of an error longer than about `limit` characters (values the user typed are echoed)."""
   return '\n'.join(shorten(line, limit) for line in text.split('\n'))
-
-
-def _escape(text: str) -> str:
-  from rich.markup import escape
-  return escape(text)
 
 
 PROFILE_STEPS_HELP = 'Trace steps A-B (e.g. 10-15) with jax.profiler into <job>/profile (TensorBoard, XProf).'

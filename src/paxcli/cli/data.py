@@ -69,20 +69,18 @@ def show_command(
   if json_out:
     typer.echo(json.dumps(info, indent=1))
     return
-  from rich.markup import escape
-  from rich.table import Table
   console = common.console()
   config = f' with {info["tokenizer_config"]}' if info.get('tokenizer_config') else ''
   console.print(f'{info["path"]}: tokenizer {info["tokenizer"]}{config} ({info["vocab_size"]:,} tokens, EOS '
                 f'{info["eos_id"]}), text field {info["text_field"]!r}', highlight=False, markup=False)
-  t = Table()
+  t = common.table()
   for col, just in (('split', 'left'), ('shard', 'left'), ('records', 'right'), ('tokens', 'right')):
     t.add_column(col, justify=just, overflow='fold')
   for split, shards in info['shards'].items():
     for shard in shards:
-      t.add_row(escape(split), escape(shard['name']), f'{shard["records"]:,}', f'{shard["tokens"]:,}')
+      t.add_row(common.escape(split), common.escape(shard['name']), f'{shard["records"]:,}', f'{shard["tokens"]:,}')
     total = info['totals'][split]
-    t.add_row(escape(split), f'[bold]{total["shards"]} shard(s)', f'[bold]{total["records"]:,}', f'[bold]{total["tokens"]:,}',
+    t.add_row(common.escape(split), f'[bold]{total["shards"]} shard(s)', f'[bold]{total["records"]:,}', f'[bold]{total["tokens"]:,}',
               end_section=True)
   console.print(t)
   sources = info['sources']

@@ -29,10 +29,9 @@ def goodput(
   if json_out:   # the ledger's numbers are bounded (jobdir/ledger.py): never NaN or Infinity, which are not JSON
     typer.echo(json.dumps(account, indent=1, allow_nan=False))
     return
-  from rich.table import Table
   console = common.console()
   wall = account['wall_seconds']
-  t = Table(title=f"Goodput of {_text(account['job_dir'])}: {account['goodput']:.1%} of {_clock(wall)} wall time",
+  t = common.table(title=f"Goodput of {_text(account['job_dir'])}: {account['goodput']:.1%} of {_clock(wall)} wall time",
             caption=_caption(account), caption_justify='left')
   for col, just in (('where the time went', 'left'), ('seconds', 'right'), ('share', 'right')):
     t.add_column(col, justify=just)
@@ -43,7 +42,7 @@ def goodput(
   ended = account.get('ended') or {}
   died = ended.get('state') in ('died', 'diverged', 'refused')
   if account['restarts'] or died:
-    r = Table(title='Restarts, and the failure that ended the job' if died and account['restarts']
+    r = common.table(title='Restarts, and the failure that ended the job' if died and account['restarts']
               else 'The failure that ended the job' if died else 'Restarts')
     for col in ('#', 'process', 'reason', 'gap s', 'reached step', 'resumed from', 'steps redone'):
       r.add_column(col, justify='left' if col in ('process', 'reason') else 'right', overflow='fold')
@@ -77,8 +76,7 @@ def _caption(account: dict) -> str:
 def _text(value) -> str:
   """A string from a ledger (a launcher's failure reason) or a path, as text in a rich table: its markup
   escaped and its control characters written out, so that a ledger never draws on the terminal."""
-  from rich.markup import escape
-  return escape(printable(value))
+  return common.escape(printable(value))
 
 
 def _ending(ended: dict) -> str:

@@ -229,10 +229,15 @@ class Model:
     return [n for n in self.abstract if not params_only or n == 'step' or n.startswith('params/')]
 
 
+def _jax():
+  """jax, where a model is built or run: reading checkpoints, recipes and metadata imports none."""
+  import jax
+  return jax
+
+
 def build_model(resolved) -> Model:
   """The model and the abstract train state of an experiment, without a mesh."""
-  import jax
-
+  jax = _jax()
   from paxcli import optim
   from paxcli.models.lm import flat_view
   from paxcli.runtime import engine
@@ -489,7 +494,7 @@ def load_params(src, names: list[str]) -> dict:
 
 
 def logits(module, params: dict, ids) -> np.ndarray:
-  import jax
-  import jax.numpy as jnp
+  jax = _jax()
+  jnp = jax.numpy
   params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
   return np.asarray(module.apply({'params': params}, jnp.asarray(ids)), np.float32)

@@ -20,6 +20,7 @@ from paxcli.errors import UserError
 from paxcli.inputs import tokenizers
 from paxcli.jobdir import format as job_format
 from paxcli.jobdir import invocation, layout, storage
+from paxcli.models import registry
 from paxcli.runtime import platform
 
 TARGETS = ('orbax', 'safetensors', 'hf', 'peft')
@@ -55,7 +56,7 @@ def convert(source: str, output: str, *, fmt: Optional[str] = None, to: str = 'o
             step: Optional[int] = None, force: bool = False, verify: bool = True,
             kl_tolerance: Optional[float] = None, max_shard_bytes: int = 5 << 30,
             recipe: Optional[str] = None, merge_lora: bool = False, base_model: Optional[str] = None,
-            log=print) -> dict:
+            family: Optional[str] = None, log=print) -> dict:
   if to not in TARGETS:
     raise UserError(f'Unknown output format {to!r}; choose one of {", ".join(TARGETS)}.'
                     f'{formats.did_you_mean(to, TARGETS)}')
@@ -75,9 +76,14 @@ def convert(source: str, output: str, *, fmt: Optional[str] = None, to: str = 'o
   overrides = list(overrides)
   if base_model is not None and to != 'peft':
     raise UserError('--base-model names the model PEFT adapters apply to: it goes with --to peft.')
+  if family is not None:
+    if to not in ('hf', 'peft'):
+      raise UserError(f'--family names the Hugging Face layout written: it goes with --to hf or --to peft, not --to {to}.')
+    registry.by_name(family, '--family: ')   # a misspelt name is one line before any work
+    overrides.append(f'MODEL_FAMILY={family!r}')   # the written model is one of it (checked: registry.of_model)
   if merge_lora or to == 'peft' or lora.is_lora_run(src):
     return _convert_lora(src, out, to, exp, overrides, merge_lora, dtype, force, verify, kl_tolerance,
-                         max_shard_bytes, log, t0, base_model)
+                         max_shard_bytes, log, t0, base_model, family)
   if to == 'hf':
     overrides.append('USE_REPEATED_LAYER=False')   # HF layers are unrolled
   recipe_path = recipe_text = None
@@ -92,7 +98,7 @@ def convert(source: str, output: str, *, fmt: Optional[str] = None, to: str = 'o
       recipe_text = None   # the job's experiment is --exp's
   try:
     result = _convert(src, out, source, output, fmt, to, exp, overrides, params_only, dtype, step, verify,
-                      kl_tolerance, max_shard_bytes, log, t0, recipe_path, recipe_text)
+                      kl_tolerance, max_shard_bytes, log, t0, recipe_path, recipe_text, family)
   except BaseException:
     if recipe_created and os.path.isfile(recipe_path):
       os.remove(recipe_path)   # a failed import (or certification) leaves nothing behind
@@ -104,7 +110,7 @@ def convert(source: str, output: str, *, fmt: Optional[str] = None, to: str = 'o
 
 
 def _convert(src, out, source, output, fmt, to, exp, overrides, params_only, dtype, step, verify, kl_tolerance,
-             max_shard_bytes, log, t0, recipe_path, recipe_text):
+             max_shard_bytes, log, t0, recipe_path, recipe_text, family=None):
   if hasattr(src, 'check_experiment'):   # paxml: the experiment must compute the Pax model's function
     src.check_experiment(cfg.resolve(exp, list(overrides)).experiment, log)
   source_res, target_res = core.resolve_pair(src, exp, overrides)
@@ -120,7 +126,10 @@ def _convert(src, out, source, output, fmt, to, exp, overrides, params_only, dty
     source_res = target_res
   target = core.build_model(target_res)
   if to == 'hf':
-    hf.family_of(target.spec)   # before any array is read: a UserError when no family's layout fits
+    written = hf.family_of(target.spec, family)   # before any array is read: one line when the model is of none
+    if not family and not target.spec.family:
+      log(f'The model records no family (MODEL_FAMILY): writing it as a {written.title} '
+          f'({written.hf_architectures[0]}), the family its function places it in; --family names another.')
   source_model = core.build_model(source_res)
   src_arrays = src.arrays()
   has_opt = any(a.name.startswith('opt_state/') for a in src_arrays)
@@ -159,7 +168,7 @@ def _convert(src, out, source, output, fmt, to, exp, overrides, params_only, dty
       _carry_files(src, tmp, to, recipe_text, own_experiment=exp is None)
     if verify:   # before the output takes its name: a failed check leaves nothing behind
       report = _certify(src, source_model, target, tmp, to,
-                        kl_tolerance if kl_tolerance is not None else certify.default_tolerance(dtype))
+                        kl_tolerance if kl_tolerance is not None else certify.default_tolerance(dtype), family)
       certify.check(report)
   stats['seconds'] = time.perf_counter() - t0
   result = {'source': storage.abspath(source), 'output': out.path, 'format': to, 'step': src.step,
@@ -172,7 +181,7 @@ def _convert(src, out, source, output, fmt, to, exp, overrides, params_only, dty
 
 
 def _convert_lora(src, out, to, exp, overrides, merge_lora, dtype, force, verify, kl_tolerance, max_shard_bytes,
-                  log, t0, base_model: Optional[str] = None) -> dict:
+                  log, t0, base_model: Optional[str] = None, family: Optional[str] = None) -> dict:
   """A LoRA run's checkpoint: its adapters in PEFT's format (--to peft), merged into a plain checkpoint
   (--merge-lora), or merged and then converted like any checkpoint (--to hf, safetensors, --dtype)."""
   lora.resolve_lora_target(to, merge_lora, src)
@@ -182,7 +191,7 @@ def _convert_lora(src, out, to, exp, overrides, merge_lora, dtype, force, verify
     with out as tmp:
       if to == 'peft':
         result.update(lora.export_peft(src, tmp, exp, overrides, log, verify, kl_tolerance,
-                                         base_model))
+                                       base_model, family))
       else:
         result['verify'] = lora.merge_run(src, tmp, exp, overrides, verify, log)
         result['bytes_written'] = _bytes_under(tmp)
@@ -192,7 +201,7 @@ def _convert_lora(src, out, to, exp, overrides, merge_lora, dtype, force, verify
   try:
     lora.merge_run(src, merged, exp, overrides, verify, log)
     return convert(merged, out.path, to=to, dtype=dtype, force=force, verify=verify, kl_tolerance=kl_tolerance,
-                   max_shard_bytes=max_shard_bytes, log=log)
+                   max_shard_bytes=max_shard_bytes, family=family, log=log)
   finally:
     shutil.rmtree(merged, ignore_errors=True)
 
@@ -350,7 +359,7 @@ def files_text(path: str) -> str:
     return f.read(1 << 20)
 
 
-def _certify(src, source_model, target, written: str, to: str, tolerance: float) -> dict:
+def _certify(src, source_model, target, written: str, to: str, tolerance: float, family=None) -> dict:
   """The source and the written result (directory `written`) on the fixed prompts (paxcli.convert.certify):
   a Hugging Face side runs in transformers where it is installed, every other side in paxcli."""
   hf_source = src.hf if isinstance(src, hf.PaxView) else None   # --from hf: the directory, under paxcli's names
@@ -363,7 +372,8 @@ def _certify(src, source_model, target, written: str, to: str, tolerance: float)
                                      if hf_source is not None else '')
     reference = certify.paxcli_side(what, source_model.module, core.load_params(src, [a.name for a in src.arrays()]))
   if to == 'hf' and certify.have_transformers():
-    result = certify.transformers_side(written, hf.family_of(target.spec).hf_architectures[0], 'the written result')
+    result = certify.transformers_side(written, hf.family_of(target.spec, family).hf_architectures[0],
+                                       'the written result')
   else:
     got = formats.open_source(written, to)
     if not got.paxcli_names:

@@ -29,6 +29,7 @@ import dataclasses
 import glob
 import gzip
 import hashlib
+import importlib.util
 import io
 import itertools
 import os
@@ -38,6 +39,7 @@ from typing import Iterator, Optional, Sequence
 from paxcli.errors import UserError, shorten
 from paxcli.files import check_regular_file, member, parse_json, rest_of_line
 from paxcli.inputs import bounds, sft
+from paxcli.inputs.prepared import array_records
 from paxcli.inputs.tfrecord import import_tf
 
 EVAL_BUCKETS = 20
@@ -383,11 +385,8 @@ def _read_array_record(path: str, text_field: str, errors: Optional[list[str]] =
   if is_remote(path):
     raise UserError(f'{path}: ArrayRecord files are read from local disks only; copy them first.')
   check_regular_file(path, 'data file')
-  try:  # optional: array-record has wheels for Linux and macOS only
-    import array_record.python.array_record_module  # noqa: F401
-  except ImportError:
-    raise UserError('Reading ArrayRecord files needs the array-record package (pip install array-record).') from None
-  from paxcli.inputs.prepared import array_records
+  if importlib.util.find_spec('array_record') is None:  # optional: array-record has wheels for Linux and macOS only
+    raise UserError('Reading ArrayRecord files needs the array-record package (pip install array-record).')
   with array_records(path) as reader:
     total = reader.num_records()
     for start in range(0, total, 1024):

@@ -20,9 +20,11 @@ import sys
 from typing import Iterator, Optional
 
 import numpy as np
+import sentencepiece as spm
 
 from paxcli.files import held_stderr
 from paxcli.errors import UserError
+from paxcli.files import check_regular_file
 from paxcli.inputs.base import StreamInput, decode_rows
 
 KINDS = ('int64', 'float', 'bytes')
@@ -88,7 +90,6 @@ def expand_files(pattern: str) -> list[str]:
 
 def read_examples(path: str, limit: Optional[int] = None) -> Iterator[dict[str, tuple[str, list]]]:
   """Parsed tf.train.Examples of one file: {feature: (kind, values)}; UserError if not TFRecord."""
-  from paxcli.files import check_regular_file
   check_regular_file(path, 'TFRecord file')  # before tensorflow: a FIFO or /dev/zero is refused at once
   tf = import_tf()
   dataset = tf.data.TFRecordDataset(path)
@@ -220,7 +221,6 @@ class TFRecordInput(TfDataInput):
     if not self.spm_model:
       return super().ids_to_strings(ids, lengths)
     if self._sp is None:
-      import sentencepiece as spm
       self._sp = spm.SentencePieceProcessor(model_file=self.spm_model)
     return decode_rows(self._sp.decode, ids, lengths)
 

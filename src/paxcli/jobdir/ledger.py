@@ -51,6 +51,7 @@ from paxcli import files
 from paxcli.errors import UserError
 from paxcli.jobdir import layout
 from paxcli.jobdir import storage
+from paxcli.runtime import distributed  # no JAX: its module imports it inside functions only
 
 PROCESS_CATEGORIES = ('productive', 'recomputed', 'startup', 'compile', 'data', 'checkpoint', 'eval', 'shutdown')
 CATEGORIES = PROCESS_CATEGORIES + ('restart',)
@@ -170,7 +171,6 @@ class Ledger:
 
 def start_fields(started: float, process: int, processes: int) -> dict:
   """The `start` line of this incarnation, with the launch attempt it belongs to (from `pax launch`)."""
-  from paxcli.runtime import distributed  # no JAX: its module imports it inside functions only
   launch = distributed.launch_attempt()
   return {'t': started, **whereabouts(), 'process': process,
           'processes': processes, **({'launch': launch[0], 'attempt': launch[1]} if launch else {})}

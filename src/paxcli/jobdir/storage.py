@@ -20,9 +20,11 @@ What a local file system gives for free is made explicit for a bucket:
 from __future__ import annotations
 
 import contextlib
+import datetime
 import errno
 import hashlib
 import io
+import json
 import logging
 import os
 import posixpath
@@ -200,7 +202,6 @@ def _once(method: str, url: str, *args, **params):
   if request is None:
     return sync(fs.loop, fs._call, method, url, *args, json_out=True, **params)
   _, _, _, contents = sync(fs.loop, request, fs, method, url, *args, **params)
-  import json
   return json.loads(contents) if contents else {}
 
 
@@ -338,7 +339,6 @@ def mtime(path: str) -> float:
 
 
 def _timestamp(text: str) -> float:
-  import datetime
   return datetime.datetime.fromisoformat(text.replace('Z', '+00:00')).timestamp()
 
 
@@ -436,7 +436,6 @@ def write_if_generation(path: str, data: bytes, generation: int) -> Optional[int
   Returns the new generation, or None when another writer came first (GCS's ifGenerationMatch, on
   a multipart upload: the kind every GCS server checks preconditions on).
   """
-  import json
   bucket, key = _key(path)
   fs = _fs()
   boundary = '==paxcli=='

@@ -10,6 +10,7 @@ A configuration that runs out of memory is a row that says so; the sweep goes on
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import io
 import itertools
 import math
@@ -23,6 +24,8 @@ from typing import Callable, Optional
 
 import fiddle as fdl
 import jax
+
+from rich.table import Table
 
 from paxcli import config, files
 from paxcli.errors import UserError
@@ -353,7 +356,6 @@ def _pct(v) -> str:
 
 def table(rows: list[dict], compile_only: bool):
   """A rich Table with one row per configuration."""
-  from rich.table import Table
   keys = list(dict.fromkeys(k for r in rows for k in r.get('sweep', {})))
   title = f"{rows[0]['experiment']}: {rows[0]['devices']} x {rows[0]['device_kind']} ({rows[0]['platform']})"
   t = Table(title=title, caption=_caption(rows, compile_only), caption_justify='left')
@@ -440,10 +442,8 @@ def plot_axes(rows: list[dict]) -> tuple[Optional[str], list[str]]:
 
 def check_plot_path(path: str, force: bool = False) -> None:
   """Before any row runs: matplotlib is there and the PNG can be written (files.check_output)."""
-  try:
-    import matplotlib  # noqa: F401  (optional: only --plot needs it)
-  except ImportError:
-    raise UserError('--plot needs matplotlib: pip install matplotlib') from None
+  if importlib.util.find_spec('matplotlib') is None:   # optional: only --plot needs it
+    raise UserError('--plot needs matplotlib: pip install matplotlib')
   files.check_output(path, '--plot', force=force)
 
 

@@ -10,6 +10,7 @@ import numpy as np
 
 from paxcli.errors import UserError, did_you_mean
 from paxcli.inputs.base import EndOfInput
+from paxcli.inputs.tfrecord import expand_files, read_examples
 
 MAX_EVAL_BATCHES = 100_000  # a guard for --check-sharding on an eval input that never ends
 
@@ -170,7 +171,6 @@ def check_sharding(cfg, batch_size: int, num_hosts: int, num_batches: int) -> di
 
 def inspect_file(pattern: str, num_examples: int, scan: int = 1000) -> dict[str, Any]:
   """A raw TFRecord file of tf.train.Example: feature kinds, lengths seen, first records."""
-  from paxcli.inputs.tfrecord import expand_files, read_examples
   files = expand_files(pattern)
   kinds: dict[str, str] = {}
   lengths: dict[str, list[int]] = {}

@@ -358,6 +358,10 @@ LM_KNOBS: tuple[Knob, ...] = (
     Knob('LOSS_CHUNK_TOKENS', int, 0, 'loss_chunk_tokens',
          'the loss makes the logits of at most this many tokens per device at a time (proportionally fewer above '
          'a 32k vocabulary; 2048 a good start); 0 (default): all at once'),
+    Knob('MODEL_FAMILY', Optional[str], None, 'family',
+         "the model family the model is (paxcli.models.registry: 'llama', 'qwen3', ...), which --to hf and --to "
+         'peft write and pax describe names; the family presets and every import set it. None: placed by its '
+         'function where exactly one family computes it', flat='family'),
     Knob('LORA_BASE_DTYPE', DTypeName, 'float32', 'lora_base_dtype',
          'dtype the frozen base weights are kept in with LORA_RANK > 0 (bfloat16 halves their memory)'),
     # Layer kinds (paxcli.models.pattern): the stack repeats a group of kinds, each kind the block with

@@ -99,6 +99,13 @@ def _as_int(flag_value, env_value, flag: str, env: str) -> Optional[int]:
     raise UserError(f'{env}={env_value!r} is not a whole number (it sets {flag}).') from None
 
 
+def _jax():
+  """jax, imported where a function needs it: this module runs before JAX is configured (pax --help, the
+  platform's environment) and imports no JAX itself."""
+  import jax
+  return jax
+
+
 def detected_cluster() -> Optional[str]:
   """The name of a cluster environment JAX can configure itself from, or None.
 
@@ -198,7 +205,7 @@ def start(settings: Settings, log: Callable[[str], None] = print,
   Must run before anything starts a JAX backend (jax.devices(), any computation).
   Returns True when the distributed runtime is (now) running.
   """
-  import jax
+  jax = _jax()
   if jax.distributed.is_initialized():
     return True  # e.g. a second command in the same Python process
   if settings.single:
@@ -241,15 +248,14 @@ def _pod_hint(cluster: Optional[str]) -> str:
 
 
 def _check_backend_not_started() -> None:
-  from jax._src import xla_bridge
-  if xla_bridge.backends_are_initialized():
+  if _jax()._src.xla_bridge.backends_are_initialized():
     raise UserError('JAX already started its backend in this Python process, so it cannot join '
                     'several processes any more; run the command in a fresh process.')
 
 
 def topology_line() -> str:
   """'process i of n: L local of G devices (platform)': what each process logs once."""
-  import jax
+  jax = _jax()
   devices = jax.devices()
   return (f'Process {jax.process_index()} of {jax.process_count()}: {jax.local_device_count()} local '
           f'of {len(devices)} {jax.default_backend()} devices ({devices[0].device_kind}).')
@@ -257,14 +263,14 @@ def topology_line() -> str:
 
 def log_topology(log: Callable[[str], None]) -> None:
   """Logs the topology line from every process of a multi-process run (one line each)."""
-  import jax
+  jax = _jax()
   if jax.process_count() > 1:
     log(topology_line())
 
 
 def barrier(name: str) -> None:
   """Waits until every process gets here (no-op for one process)."""
-  import jax
+  jax = _jax()
   if jax.process_count() > 1:
     from jax.experimental import multihost_utils
     multihost_utils.sync_global_devices(name)
