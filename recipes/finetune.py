@@ -145,7 +145,7 @@ def example_records(n: int, seed: int) -> list[dict]:
 
 def write_tokenizer(directory: str, texts: list[str], vocab_size: int) -> None:
   """A Llama-3-style tokenizer.json (byte-level BPE; BOS added before each text) trained on `texts`,
-  and the tokenizer_config.json beside it (special tokens, a chat template kept as data)."""
+  the tokenizer_config.json beside it (special tokens) and its chat template (chat_template.jinja)."""
   import tokenizers as hf   # the tokenizers library: paxcli reads tokenizer.json files with it
   tok = hf.Tokenizer(hf.models.BPE())
   tok.pre_tokenizer = hf.pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -157,9 +157,11 @@ def write_tokenizer(directory: str, texts: list[str], vocab_size: int) -> None:
                                                         special_tokens=[(SPECIAL[0], 0)])
   tok.save(os.path.join(directory, 'tokenizer.json'))
   config = {'tokenizer_class': 'PreTrainedTokenizerFast', 'bos_token': SPECIAL[0], 'eos_token': SPECIAL[1],
-            'chat_template': CHAT_TEMPLATE, 'model_max_length': TINY_CONFIG['max_position_embeddings']}
+            'model_max_length': TINY_CONFIG['max_position_embeddings']}
   with open(os.path.join(directory, 'tokenizer_config.json'), 'w', encoding='utf-8') as f:
     json.dump(config, f, indent=1)
+  with open(os.path.join(directory, 'chat_template.jinja'), 'w', encoding='utf-8') as f:
+    f.write(CHAT_TEMPLATE)   # where transformers 5's save_pretrained writes a template
 
 
 def write_tiny_llama(directory: str, seed: int = 0, config: Optional[dict] = None) -> None:

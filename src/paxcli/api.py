@@ -567,7 +567,7 @@ def _names_a_file(name: str) -> bool:
 
 def data_prepare(sources: Sequence[str], output: str, *, tokenizer: Optional[str] = None, vocab_size: int = 2048,
                  text_field: str = 'text', num_shards: Optional[int] = None, eval_split: bool = True,
-                 workers: Optional[int] = None, console=None) -> dict:
+                 workers: Optional[int] = None, chat_template: str = '', console=None) -> dict:
   """`pax data prepare`: `sources` (globs) tokenized into ArrayRecord shards in `output`
   (paxcli.loops.prepare); returns the summary (documents, records, tokens and shards per split,
   documents/s and tokens/s of the tokenizing). Run again after a kill: it resumes."""
@@ -578,7 +578,8 @@ def data_prepare(sources: Sequence[str], output: str, *, tokenizer: Optional[str
     raise UserError(f'--num-shards must be at least 1, got {num_shards}.')
   console = _console(console)
   options = prepare.Options(tuple(sources), path_arg(output, 'OUT'), path_arg(tokenizer, '--tokenizer'),
-                            vocab_size, text_field, num_shards, eval_split, max(1, workers or _cpus()))
+                            vocab_size, text_field, num_shards, eval_split, max(1, workers or _cpus()),
+                            chat_template)
   with _DataProgress(console) as bars:
     return prepare.prepare(options, bars, _printer(console))
 

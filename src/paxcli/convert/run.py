@@ -285,6 +285,9 @@ def _carry_files(src, tmp: str, to: str, recipe_text: Optional[str], own_experim
     files.copy_member(tok, os.path.join(tmp, hf_tokenizer.EXPORT_NAMES[tokenizers.kind_of(tok)]))
   if to == 'hf':
     return
+  config = tokenizers.folded_config_bytes(tok) if tok and to != 'orbax' else None
+  if config is not None:   # special tokens and chat templates, beside the tokenizer as in a job
+    files.atomic_write(os.path.join(tmp, tokenizers.CONFIG_NAME), config, 0o644)
   if recipe_text is None and own_experiment and getattr(src, 'config', None):
     copy = files.member(core.source_dir(src), layout.RECIPE_COPY, 'recipe')
     if os.path.isfile(copy):

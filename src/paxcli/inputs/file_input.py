@@ -55,6 +55,9 @@ class FileLmInput(StreamInput):
   seq_len: int = 128
   text_field: str = 'text'
   tokenizer: Optional[str] = None  # a sentencepiece .model or a tokenizer.json; None: trained
+  # chat records: '' the tokenizer's own template (its default), refused when it ships none unless the
+  # tokenizer is trained here; a name of another it ships; 'paxcli' paxcli's own format (inputs.sft)
+  chat_template: str = ''
   tokenizer_data: Optional[Data] = None  # what a trained tokenizer learns from; None: `data`
   vocab_size: int = 0  # the model's: the tokenizer must fit in it; 0: no check
   shuffle_buffer: int = 1024  # rows, when training
@@ -69,7 +72,9 @@ class FileLmInput(StreamInput):
     self.sources = [(documents.expand(glob), weight) for glob, weight in sources(self.data, self.name)]
     self._tok = tokenizers.load_for_documents(self.tokenizer or auto_tokenizer(
         self.tokenizer_data or self.data, self.text_field, self.vocab_size or DEFAULT_VOCAB_SIZE))
-    self._chat = chat_template.of_tokenizer(self._tok)   # None: paxcli's own (inputs.sft)
+    self._chat = chat_template.of_tokenizer(self._tok, self.chat_template)   # None: paxcli's own (inputs.sft)
+    # a tokenizer trained on the data has no format but paxcli's; any other shipping none is asked to choose
+    self._own_chat = self.chat_template == chat_template.OWN or (self.tokenizer is None and self._chat is None)
     self.eos_id = self._tok.eos_id
     if self.vocab_size and self._tok.vocab_size > self.vocab_size:
       raise UserError(f'The tokenizer {self._tok.path} has {self._tok.vocab_size} tokens, more than the model\'s '
@@ -132,6 +137,8 @@ class FileLmInput(StreamInput):
     """A document's training pairs: a chat through the model's own template when it ships one."""
     if self._chat is not None and doc.messages is not None:
       return self._chat.example(doc.messages, self._tok, doc.where)
+    if doc.messages is not None and not self._own_chat:
+      raise chat_template.no_template(doc.where, self._tok, f'CHAT_TEMPLATE={chat_template.OWN}')
     return packing.tokenize(doc.chunks, self._tok.encode_many([c.text for c in doc.chunks]), self.eos_id,
                             self._tok.bos_id if self._tok.bos_first else None)
 

@@ -40,6 +40,10 @@ class LmExperiment(TrainingExperiment):
   EVAL_DATA: Optional[Union[str, dict[str, float]]] = None  # None: 1 in 20 TRAIN_DATA documents (by text hash)
   TEXT_FIELD: str = 'text'        # the JSONL / Parquet / tf.train.Example field that holds the text
   TOKENIZER: Optional[str] = None  # a sentencepiece .model or a tokenizer.json; None: trained on TRAIN_DATA
+  # Chat records ({"messages": [...]}): '' the tokenizer's own chat template (its default), refused in one line
+  # when it ships none, unless paxcli trained the tokenizer; a name of another template it ships; 'paxcli' for
+  # paxcli's own <|user|>/<|assistant|> format
+  CHAT_TEMPLATE: str = ''
   # TRAIN_DATA naming a prepared directory (`pax data prepare`) is read with Grain (paxcli.inputs.grain_input):
   # Grain worker processes per process; 0: a prefetch thread, which keeps 39x ahead of one H100 on Llama1B
   # (benchmarks/input_resume.py) while each worker costs 1-6 s at every start: more for many GPUs per host
@@ -99,7 +103,8 @@ class LmExperiment(TrainingExperiment):
     if _prepared_data(train):
       return self._prepared_datasets(train, evals)
     common = dict(seq_len=self.MAX_SEQ_LEN, text_field=self.TEXT_FIELD, tokenizer=anchored(self.TOKENIZER),
-                  tokenizer_data=train, vocab_size=self.VOCAB_SIZE, seed=self.RANDOM_SEED)
+                  tokenizer_data=train, vocab_size=self.VOCAB_SIZE, seed=self.RANDOM_SEED,
+                  chat_template=self.CHAT_TEMPLATE)
     return [
         fdl.Config(FileLmInput, name='train', is_training=True, data=train, split='all' if evals else 'train',
                    **common),
@@ -116,6 +121,9 @@ class LmExperiment(TrainingExperiment):
     if self.TOKENIZER:
       raise UserError(f'TOKENIZER is set, but {train} is prepared data: its ids come from its own tokenizer '
                       f'({prepared.MANIFEST} names it); leave TOKENIZER unset.')
+    if self.CHAT_TEMPLATE:
+      raise UserError(f'CHAT_TEMPLATE is set, but {train} is prepared data: its chats were rendered when it was '
+                      'prepared (pax data prepare --chat-template); leave CHAT_TEMPLATE unset.')
     if evals is not None and not _prepared_data(evals):
       raise UserError(f'TRAIN_DATA {train} is prepared data; EVAL_DATA must be a prepared directory too '
                       f'(`pax data prepare`), got {evals!r}.')
