@@ -107,6 +107,8 @@ def convert_command(
     if v:
       from paxcli.convert import certify
       console.print(certify.line(v), highlight=False, markup=False)
+    if result.get('next'):   # what to run after an import
+      console.print(result['next'], highlight=False, markup=False, soft_wrap=True)   # a command to copy: one line
 
 
 def _size(n: int) -> str:
