@@ -638,7 +638,7 @@ def inspect_checkpoint(path: str, *, step: Optional[int] = None, fmt: Optional[s
   bytes, sharding), totals and saved config. fmt: orbax, safetensors, hf, paxml (default: detected)."""
   from paxcli.convert import run as convert_run
   _quiet_absl()
-  return convert_run.inspect(path_arg(path, 'PATH'), fmt, step)
+  return convert_run.inspect(path_arg(_hub_model(path, fmt), 'PATH'), fmt, step)
 
 
 def convert_checkpoint(source: str, output: str, *, fmt: Optional[str] = None, to: str = 'orbax',
@@ -657,13 +657,22 @@ def convert_checkpoint(source: str, output: str, *, fmt: Optional[str] = None, t
   from paxcli.convert import safetensors_io
   positive_finite(kl_tolerance, '--kl-tolerance', 'a KL in nats')
   max_shard_bytes = safetensors_io.parse_size(max_shard_size)  # before any work
-  source, output = path_arg(source, 'SOURCE'), path_arg(output, 'OUTPUT')
+  source, output = path_arg(_hub_model(source, fmt), 'SOURCE'), path_arg(output, 'OUTPUT')
   recipe = path_arg(recipe, '--recipe')
   _quiet_absl()
   return convert_run.convert(source, output, fmt=fmt, to=to, exp=exp, overrides=list(overrides),
                              params_only=params_only, dtype=dtype, step=step, force=force, verify=verify,
                              kl_tolerance=kl_tolerance, max_shard_bytes=max_shard_bytes, recipe=recipe,
                              merge_lora=merge_lora, base_model=base_model, log=_printer(_console(console)))
+
+
+def _hub_model(source: str, fmt: Optional[str]) -> str:
+  """A Hugging Face source as transformers reads it: a local path as it is, else a Hub id (Org/name) from
+  the local cache, downloaded there when missing (paxcli.inputs.hub)."""
+  if fmt not in (None, 'hf') or not source:
+    return source
+  from paxcli.inputs import hub
+  return hub.model_dir(source)
 
 
 def _quiet_absl() -> None:
