@@ -36,10 +36,10 @@ class Experiment:
 
   # Mesh: axes ('replica', 'data', 'mdl'). None means every device on `data`.
   ICI_MESH_SHAPE: Optional[list[int]] = None
-  DCN_MESH_SHAPE: Optional[list[int]] = None
+  DCN_MESH_SHAPE: Optional[list[int]] = None  # the mesh across slices or hosts (times ICI_MESH_SHAPE); None: one
   # Examples per device per step; below 1 means fewer infeed hosts than processes.
   PERCORE_BATCH_SIZE: float = 4
-  RANDOM_SEED: int = 1234
+  RANDOM_SEED: int = 1234  # seeds initialisation, dropout and the data order: the same seed, the same run
   # Environment variables set before jax starts, per platform ('cpu', 'gpu', 'tpu'),
   # e.g. {'tpu': {'LIBTPU_INIT_ARGS': '...'}, 'gpu': {'XLA_FLAGS': '...'}}.
   PLATFORM_ENV: dict[str, dict[str, str]] = {}

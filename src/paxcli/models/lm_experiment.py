@@ -29,7 +29,7 @@ class LmExperiment(TrainingExperiment):
 
   DECODE_INTERVAL_STEPS: int = 0  # 0: no decoding during training; else greedy on DECODE_PROMPTS
   DECODE_PROMPTS: list = []       # texts, or lists of token ids for models without a tokenizer
-  DECODE_MAX_STEPS: int = 32
+  DECODE_MAX_STEPS: int = 32      # tokens decoded for each prompt during training
   # LoRA (LORA_RANK > 0): a PEFT adapter directory (`pax checkpoint convert --to peft` writes one) the adapters
   # start from; None: A random, B = 0.
   LORA_INIT: Optional[str] = None
