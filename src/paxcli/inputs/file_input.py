@@ -76,9 +76,7 @@ class FileLmInput(StreamInput):
     # a tokenizer trained on the data has no format but paxcli's; any other shipping none is asked to choose
     self._own_chat = self.chat_template == chat_template.OWN or (self.tokenizer is None and self._chat is None)
     self.eos_id = self._tok.eos_id
-    if self.vocab_size and self._tok.vocab_size > self.vocab_size:
-      raise UserError(f'The tokenizer {self._tok.path} has {self._tok.vocab_size} tokens, more than the model\'s '
-                      f'{self.vocab_size}: set VOCAB_SIZE={self._tok.vocab_size} (or more).')
+    tokenizers.check_fits(self._tok.vocab_size, self.vocab_size, self._tok.path, not self.infeed_host_index)
     for files, _ in self.sources:
       self._check_has_documents(files)
 
@@ -184,6 +182,30 @@ def sources(data: Data, name: str = 'data', what: tuple[str, str] = ('glob', 'gl
       out.append((key, float(weight)))
     return out
   raise UserError(f'Input {name!r}: give the data as a {what[0]} or as {{{what[0]}: weight}}; got {shorten(repr(data), 80)}.')
+
+
+def sample_prompts(data: Data, text_field: str, split: str, count: int = 4, most: int = 1000) -> list[str]:
+  """Up to `count` prompts from the first `most` documents of `data` on one side of the split, for decoding
+  while training on them: a prompt/completion record's prompt, else a text document's first words (a
+  chat, whose prompt needs the model's template, gives none). [] when the data cannot be read (its
+  input says why, in one line, when it is built)."""
+  prompts, seen = [], 0
+  try:
+    for glob, _ in sources(data):
+      for path in documents.expand(glob):
+        for doc in documents.read_split(path, text_field, split):
+          seen += 1
+          if len(prompts) == count or seen > most:
+            return prompts
+          if doc.messages is None:
+            prompts.append(doc.chunks[0].text if len(doc.chunks) > 1 else _first_words(doc.chunks[0].text))
+  except UserError:
+    return []
+  return [p for p in prompts if p.strip()]
+
+
+def _first_words(text: str, words: int = 6, chars: int = 48) -> str:
+  return ' '.join(text[:4 * chars].split()[:words])[:chars]
 
 
 def _mixed(streams: list[Iterator], weights: list[float], rng: np.random.Generator) -> Iterator:

@@ -28,7 +28,9 @@ class LmExperiment(TrainingExperiment):
   """
 
   DECODE_INTERVAL_STEPS: int = 0  # 0: no decoding during training; else greedy on DECODE_PROMPTS
-  DECODE_PROMPTS: list = []       # texts, or lists of token ids for models without a tokenizer
+  # texts, or lists of token ids for models without a tokenizer; with TRAIN_DATA and not set with --set, up to
+  # four prompts of the held-out data (a prompt/completion's prompt, a text's first words)
+  DECODE_PROMPTS: list = []
   DECODE_MAX_STEPS: int = 32      # tokens decoded for each prompt during training
   # LoRA (LORA_RANK > 0): a PEFT adapter directory (`pax checkpoint convert --to peft` writes one) the adapters
   # start from; None: A random, B = 0.
@@ -76,10 +78,25 @@ class LmExperiment(TrainingExperiment):
   def train_config(self) -> fdl.Config:
     train = super().train_config()
     train.decode_interval_steps = self.DECODE_INTERVAL_STEPS
-    train.decode_prompts = list(self.DECODE_PROMPTS)
+    train.decode_prompts = list(self.DECODE_PROMPTS) if not self._own_data_decodes() else self._own_data_prompts()
     train.decode_max_steps = self.DECODE_MAX_STEPS
     train.lora_init = os.path.abspath(os.path.expanduser(self.LORA_INIT)) if self.LORA_INIT else None
     return train
+
+  def _own_data_decodes(self) -> bool:
+    """Whether decoding while training takes its prompts from TRAIN_DATA: a recipe's own DECODE_PROMPTS belong
+    to its own data (the stdlib's, the default's), so a run on the user's files decodes the user's prompts
+    unless DECODE_PROMPTS is set for it (--set, or an instance's own)."""
+    return bool(self.TRAIN_DATA and self.DECODE_INTERVAL_STEPS and 'DECODE_PROMPTS' not in vars(self))
+
+  def _own_data_prompts(self) -> list:
+    """Prompts from the held-out side of the user's data (EVAL_DATA, else TRAIN_DATA's eval split); none for
+    prepared data, whose records are ids."""
+    from paxcli.inputs.file_input import anchored, sample_prompts
+    if _prepared_data(anchored(self.TRAIN_DATA)):
+      return []
+    data = anchored(self.EVAL_DATA or self.TRAIN_DATA)
+    return sample_prompts(data, self.TEXT_FIELD, 'all' if self.EVAL_DATA else 'eval')
 
   def datasets(self) -> list:
     """The user's files when TRAIN_DATA is set, else synthetic LM data; override for real inputs
