@@ -111,7 +111,7 @@ def test_a_chat_without_a_template_is_one_line_unless_chat_template_names_paxcli
   bare = tmp_path / 'bare'
   bare.mkdir()
   (bare / 'tokenizer.json').write_bytes(open(os.path.join(one, 'tokenizer.json'), 'rb').read())
-  args = ['inspect-input', '--set', f'TRAIN_DATA={_chat_file(tmp_path)!r}', '--set', 'VOCAB_SIZE=512',
+  args = ['inspect-input', '--set', f'TRAIN_DATA={_chat_file(tmp_path)!r}', '--set', 'VOCAB_SIZE=352',
           '--set', 'MAX_SEQ_LEN=64', '--set', 'PERCORE_BATCH_SIZE=1', '--set', 'ICI_MESH_SHAPE=[1,1,1]',
           '--set', f'TOKENIZER={str(bare / "tokenizer.json")!r}', '--num-batches', '1', '--json']
   code, out, err = pax_main(args, capsys)

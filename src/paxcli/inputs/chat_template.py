@@ -6,8 +6,9 @@ record ({"messages": [...]}) read with such a tokenizer becomes exactly the toke
 `apply_chat_template(messages, tokenize=True)` gives: the template's text, tokenized once, its
 special tokens (BOS, headers, end-of-turn) as the template writes them and no BOS or EOS added
 besides. CHAT_TEMPLATE names another of the templates the tokenizer ships, or OWN, paxcli's own
-format (paxcli.inputs.sft), which is also what a tokenizer paxcli trains on the data reads chats
-with. A chat met with any other tokenizer that ships no template stops with one line
+format (paxcli.inputs.sft), which is also what a tokenizer paxcli trained reads chats with
+(tokenizers.SentencePieceTokenizer.trained_here: on the data at first use, `pax tokenizer train`, a
+job's copy of either). A chat met with any other tokenizer that ships no template stops with one line
 (`no_template`): training a released model on a format it never saw is no silent default.
 
 The template is code of the model's authors, so it is only ever compiled by jinja2's

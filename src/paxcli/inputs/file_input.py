@@ -73,8 +73,8 @@ class FileLmInput(StreamInput):
     self._tok = tokenizers.load_for_documents(self.tokenizer or auto_tokenizer(
         self.tokenizer_data or self.data, self.text_field, self.vocab_size or DEFAULT_VOCAB_SIZE))
     self._chat = chat_template.of_tokenizer(self._tok, self.chat_template)   # None: paxcli's own (inputs.sft)
-    # a tokenizer trained on the data has no format but paxcli's; any other shipping none is asked to choose
-    self._own_chat = self.chat_template == chat_template.OWN or (self.tokenizer is None and self._chat is None)
+    # a tokenizer paxcli trained has no format but paxcli's; any other shipping none is asked to choose
+    self._own_chat = self.chat_template == chat_template.OWN or (self._chat is None and self._tok.trained_here())
     self.eos_id = self._tok.eos_id
     tokenizers.check_fits(self._tok.vocab_size, self.vocab_size, self._tok.path, not self.infeed_host_index)
     for files, _ in self.sources:

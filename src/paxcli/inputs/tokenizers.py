@@ -194,6 +194,18 @@ class SentencePieceTokenizer:
             for k, i in (('bos', self.bos_id), ('eos', self.eos_id), ('pad', self.pad_id),
                          ('unk', _id_or_none(self._sp.unk_id())))}
 
+  def trained_here(self) -> bool:
+    """Whether train_sentencepiece made this model (its trainer's settings are in the model: Unigram with
+    byte fallback, pad 0, eos 1, unk 2, no BOS, one thread, lines in order): a tokenizer whose only chat
+    format is paxcli's own, whoever names it (TOKENIZER, a job's kept copy)."""
+    from sentencepiece import sentencepiece_model_pb2   # protobuf's classes: only when a chat asks
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(self._sp.serialized_model_proto())
+    spec = proto.trainer_spec
+    return ((spec.model_type, spec.byte_fallback, spec.hard_vocab_limit, spec.num_threads, spec.shuffle_input_sentence,
+             spec.max_sentence_length, spec.pad_id, spec.eos_id, spec.unk_id, spec.bos_id)
+            == (1, True, False, 1, False, _MAX_LINE_BYTES, 0, 1, 2, -1))
+
   def encode(self, text: str) -> list[int]:
     return list(self._sp.encode(utf8_text(text)))
 
@@ -270,6 +282,10 @@ class HfTokenizer:
     """{'bos_token', 'eos_token', 'pad_token'} -> the token's text, or None."""
     return {f'{k}_token': (self._tok.id_to_token(i) if i is not None else None)
             for k, i in (('bos', self.bos_id), ('eos', self.eos_id), ('pad', self.pad_id))}
+
+  def trained_here(self) -> bool:
+    """paxcli trains sentencepiece models only."""
+    return False
 
   def encode(self, text: str) -> list[int]:
     return list(self._tok.encode(utf8_text(text), add_special_tokens=False).ids)

@@ -31,7 +31,6 @@ import fiddle as fdl
 from paxcli import files
 from paxcli.errors import UserError
 from paxcli.inputs import tokenizers
-from paxcli.inputs.chat_template import OWN
 from paxcli.inputs.file_input import FileLmInput
 from paxcli.inputs.tokenizers import Tokenizer
 from paxcli.jobdir import checkpoint, layout, storage
@@ -110,8 +109,6 @@ def keep_trained(datasets: dict, job_dir: Optional[str]) -> None:
   for cfg in datasets.values() if kept else ():
     if fdl.get_callable(cfg) is FileLmInput and not cfg.tokenizer:
       cfg.tokenizer = kept
-      if not cfg.chat_template and not tokenizers.chat_templates(kept):
-        cfg.chat_template = OWN   # the one the input trained: its chats were read in paxcli's format
 
 
 def check_kept(train_input, job_dir: str) -> None:

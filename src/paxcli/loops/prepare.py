@@ -323,9 +323,7 @@ def write(paths: list[str], plan: dict, options: Options, tokenizer: str, progre
       advance(1, len(record) // 5 if record else 0)
       yield record
 
-  # a tokenizer trained on the data (no --tokenizer) reads chats in paxcli's format, the only one it has
-  chat = (options.chat_template, options.chat_template == chat_template.OWN or not options.tokenizer)
-  with _Tokenizers(tokenizer, options.workers, chat) as encode:
+  with _Tokenizers(tokenizer, options.workers, options.chat_template) as encode:
     for split, ranges in todo.items():
       if not ranges:
         continue
@@ -365,13 +363,13 @@ class _Tokenizers:
   """Documents -> records, in order: in this process (1 worker) or in a pool of spawned processes,
   at most 2 batches per worker in flight (Pool.imap would read the whole input ahead)."""
 
-  def __init__(self, tokenizer: str, workers: int, chat: tuple[str, bool]):
+  def __init__(self, tokenizer: str, workers: int, chat: str):
     self.tokenizer, self.workers, self.chat, self.pool = tokenizer, workers, chat, None
 
   def __enter__(self):
-    _init_worker(self.tokenizer, *self.chat)
+    _init_worker(self.tokenizer, self.chat)
     if self.workers > 1:
-      self.pool = multiprocessing.get_context('spawn').Pool(self.workers, _init_worker, (self.tokenizer, *self.chat))
+      self.pool = multiprocessing.get_context('spawn').Pool(self.workers, _init_worker, (self.tokenizer, self.chat))
     return self.encode
 
   def __exit__(self, *exc):
@@ -424,11 +422,12 @@ _worker_chat = None  # the tokenizer's shipped chat template, if any (chat_templ
 _worker_own_chat = False  # chats without a template are read in paxcli's format (else refused)
 
 
-def _init_worker(path: str, chat_name: str = '', own_chat: bool = False) -> None:
+def _init_worker(path: str, chat_name: str = '') -> None:
   global _worker_tokenizer, _worker_chat, _worker_own_chat
   _worker_tokenizer = tokenizers.load(path)
   _worker_chat = chat_template.of_tokenizer(_worker_tokenizer, chat_name)
-  _worker_own_chat = own_chat or chat_name == chat_template.OWN
+  # a tokenizer paxcli trained (here, on the train side, or before) has no chat format but paxcli's
+  _worker_own_chat = chat_name == chat_template.OWN or (_worker_chat is None and _worker_tokenizer.trained_here())
 
 
 def _encode_batch(batch: list[tuple]) -> list[Optional[bytes]]:
