@@ -540,6 +540,8 @@ def inspect_input(exp: Optional[str] = None, *, path: Optional[str] = None, over
   if check_sharding:
     return ii.check_sharding(cfg, batch_size, num_hosts, num_batches)
   inp = ii.build(cfg, batch_size, num_hosts, host_index)
+  for note in getattr(inp, 'notes', ()):   # what the input chose that the user should hear (VOCAB_SIZE)
+    _printer(_console(console))(note)
   batches, seconds, rows = [], 0.0, 0
   for i, batch, took in ii.read_batches(inp, num_batches):
     seconds += took

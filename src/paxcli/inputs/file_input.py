@@ -76,7 +76,8 @@ class FileLmInput(StreamInput):
     # a tokenizer paxcli trained has no format but paxcli's; any other shipping none is asked to choose
     self._own_chat = self.chat_template == chat_template.OWN or (self._chat is None and self._tok.trained_here())
     self.eos_id = self._tok.eos_id
-    tokenizers.check_fits(self._tok.vocab_size, self.vocab_size, self._tok.path, not self.infeed_host_index)
+    note = tokenizers.check_fits(self._tok.vocab_size, self.vocab_size, self._tok.path)
+    self.notes = [note] if note else []   # what the command says once the run's checks pass (NOTES)
     for files, _ in self.sources:
       self._check_has_documents(files)
 

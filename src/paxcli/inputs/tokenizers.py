@@ -27,7 +27,6 @@ import io
 import json
 import os
 import re
-import sys
 from typing import Iterable, Iterator, NamedTuple, Optional
 
 import numpy as np
@@ -318,26 +317,25 @@ def load(path: str) -> Tokenizer:
 # A model's vocabulary padded past its tokenizer (Qwen 2.5's 151,936 rows for 151,665 tokens, T5's 32,128 for
 # 32,100: a multiple of 64 or 128 runs faster) is deliberate; past this share unused it is a mismatch.
 UNUSED_SHARE_SAID = 0.1
-_SAID: set = set()
 
 
-def check_fits(pieces: int, vocab_size: int, what: str, first_process: bool = True) -> None:
+def check_fits(pieces: int, vocab_size: int, what: str) -> Optional[str]:
   """UserError when a tokenizer of `pieces` tokens (`what`: its file) has more than the model's VOCAB_SIZE;
-  one line (once per process, on the first) when a tenth or more of the model's ids are no token of it:
-  the model keeps VOCAB_SIZE (its shape is the knob's, as checkpoints and conversions read it), and the
-  line says what it costs and how to fit it."""
+  a note to print (one line) when a tenth or more of the model's ids are no token of it: the model keeps
+  VOCAB_SIZE (its shape is the knob's, as checkpoints and conversions read it), and the line says what it
+  costs and how to fit it. None when there is nothing to say."""
   if not vocab_size:
-    return
+    return None
   if pieces > vocab_size:
     raise UserError(f'The tokenizer {what} has {pieces} tokens, more than the model\'s {vocab_size}: set '
                     f'VOCAB_SIZE={pieces} (or more).')
   unused = vocab_size - pieces
-  if unused >= UNUSED_SHARE_SAID * vocab_size and first_process and (what, vocab_size) not in _SAID:
-    _SAID.add((what, vocab_size))
-    fit = -(-pieces // 128) * 128
-    print(f'The tokenizer {what} has {pieces:,} tokens and VOCAB_SIZE is {vocab_size:,}: {unused:,} ids are no token '
+  if unused < UNUSED_SHARE_SAID * vocab_size:
+    return None
+  fit = -(-pieces // 128) * 128
+  return (f'The tokenizer {what} has {pieces:,} tokens and VOCAB_SIZE is {vocab_size:,}: {unused:,} ids are no token '
           f'(their embedding rows and logits only learn not to be chosen). Set VOCAB_SIZE={pieces} to fit it, or '
-          f'{fit} (a multiple of 128, faster on accelerators).', file=sys.stderr)
+          f'{fit} (a multiple of 128, faster on accelerators).')
 
 
 def load_for_documents(path: str) -> Tokenizer:

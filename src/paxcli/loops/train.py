@@ -643,6 +643,8 @@ def _train(resolved, job_dir: str, console, accounting: goodput.Goodput, verbose
   train_input = infeed.build_input(resolved.train_dataset(), setup)  # before any state: missing data stops at once
   tokenizer.check_kept(train_input, job_dir)
   tokenizer.check_base(train_input, train_cfg.init_from)
+  for note in getattr(train_input, 'notes', ()):   # what the input chose that the user should hear (VOCAB_SIZE)
+    log(note)
 
   # ---- Job directory: resume or start -------------------------------------------------------------
   job_format.check_job(job_dir)   # a newer paxcli's job directory is refused before anything is written
