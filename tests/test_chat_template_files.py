@@ -100,6 +100,15 @@ def test_a_named_template_it_does_not_ship_and_a_link_out_are_one_line(saved, tm
     tokenizers.chat_templates(str(tmp_path / 'tokenizer.json'))
 
 
+def test_a_named_template_whose_name_climbs_out_is_refused_before_it_names_a_file(saved, tmp_path):
+  one, _ = saved
+  (tmp_path / 'tokenizer.json').write_bytes(open(os.path.join(one, 'tokenizer.json'), 'rb').read())
+  (tmp_path / 'tokenizer_config.json').write_text(json.dumps(
+      {'chat_template': [{'name': 'default', 'template': CHATML}, {'name': '../../evil', 'template': '{{ 1 }}'}]}))
+  with pytest.raises(UserError, match=r"'\.\./\.\./evil' is no chat template name"):
+    tokenizers.chat_templates(str(tmp_path / 'tokenizer.json'))
+
+
 def _chat_file(tmp_path):
   data = tmp_path / 'chat.jsonl'
   data.write_text(''.join(json.dumps({'messages': MESSAGES}) + '\n' for _ in range(4)))

@@ -126,6 +126,8 @@ def _config_templates(value, source: str) -> dict[str, Template]:
   for entry in value:
     if not (isinstance(entry, dict) and isinstance(entry.get('name'), str) and isinstance(entry.get('template'), str)):
       raise UserError(f'{source}: chat_template must be {shape}; got an entry {shorten(repr(entry), 80)}.')
+    if not _TEMPLATE_NAME.match(entry['name']):   # it names a file when the template is written out (--to hf)
+      raise UserError(f'{source}: {shorten(entry["name"], 80)!r} is no chat template name (letters, digits, _ . -).')
     out[entry['name']] = Template(entry['template'], source)
   return out
 
