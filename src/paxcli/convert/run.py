@@ -91,6 +91,7 @@ def convert(source: str, output: str, *, fmt: Optional[str] = None, to: str = 'o
       exp = f'{recipe_path}:{_recipe_class(src)}'
     else:
       recipe_text = None   # the job's experiment is --exp's
+      recipe_path = recipe_path if recipe else None   # nothing kept in the output: nothing to say of it
   try:
     result = _convert(src, out, source, output, fmt, to, exp, overrides, params_only, dtype, step, verify,
                       kl_tolerance, max_shard_bytes, log, t0, recipe_path, recipe_text)
@@ -99,19 +100,22 @@ def convert(source: str, output: str, *, fmt: Optional[str] = None, to: str = 'o
       os.remove(recipe_path)   # a failed import (or certification) leaves nothing behind
     raise
   if recipe_path:   # printed last, after what was written and its certification (the CLI's `next`)
-    result['next'] = next_step(src, out.path, to, recipe_path if recipe_created or recipe else None, exp)
+    kept = recipe_text is not None and to in ('orbax', 'safetensors')   # _carry_files wrote it into the output
+    result['next'] = next_step(src, out.path, to, recipe_path if recipe_created or recipe else None, exp, kept)
   return result
 
 
-def next_step(src, output: str, to: str, recipe_file: Optional[str], exp: str) -> str:
+def next_step(src, output: str, to: str, recipe_file: Optional[str], exp: str, kept: bool) -> str:
   """What to run after an import, paths as typed from here: a fine-tune of an --from hf import goes to a
-  new job directory with the import as its BASE (which it only reads); a Pax run continues in place."""
+  new job directory with the import as its BASE (which it only reads); a Pax run continues in place.
+  `kept`: the output holds the recipe (not so with --exp, whose experiment the job then is)."""
   shown = lambda path: shlex.quote(path if os.path.relpath(path).startswith('..') else os.path.relpath(path))
   exp = f'{shown(exp.rsplit(":", 1)[0])}:{_recipe_class(src)}'
-  said = [f'Wrote the recipe {shown(recipe_file)}.'] if recipe_file else []
-  if to == 'orbax' or to == 'safetensors':
+  said = [f'Wrote the recipe {shown(recipe_file)} (--exp {shown(recipe_file)}:{_recipe_class(src)}).'] \
+      if recipe_file else []
+  if kept:
     said.append(f'The recipe (the model\'s knobs, read as data) is kept in {shown(layout.recipe_copy(output))}.')
-  if to != 'orbax':
+  if to != 'orbax' or not kept:
     return ' '.join(said)
   if src.kind == 'paxml':
     return ' '.join(said + [f'The converted job continues the Pax run with: pax train --exp {exp} '
