@@ -575,6 +575,8 @@ def inspect_input(exp: Optional[str] = None, *, path: Optional[str] = None, over
   if check_sharding:
     return ii.check_sharding(cfg, batch_size, num_hosts, num_batches)
   inp = ii.build(cfg, batch_size, num_hosts, host_index)
+  for note in getattr(inp, 'notes', ()):   # what the input chose that the user should hear (VOCAB_SIZE)
+    _printer(_console(console))(note)
   batches, seconds, rows = [], 0.0, 0
   for i, batch, took in ii.read_batches(inp, num_batches):
     seconds += took
@@ -602,7 +604,7 @@ def _names_a_file(name: str) -> bool:
 
 def data_prepare(sources: Sequence[str], output: str, *, tokenizer: Optional[str] = None, vocab_size: int = 2048,
                  text_field: str = 'text', num_shards: Optional[int] = None, eval_split: bool = True,
-                 workers: Optional[int] = None, console=None) -> dict:
+                 workers: Optional[int] = None, chat_template: str = '', console=None) -> dict:
   """`pax data prepare`: `sources` (globs) tokenized into ArrayRecord shards in `output`
   (paxcli.loops.prepare); returns the summary (documents, records, tokens and shards per split,
   documents/s and tokens/s of the tokenizing). Run again after a kill: it resumes."""
@@ -613,7 +615,8 @@ def data_prepare(sources: Sequence[str], output: str, *, tokenizer: Optional[str
     raise UserError(f'--num-shards must be at least 1, got {num_shards}.')
   console = _console(console)
   options = prepare.Options(tuple(sources), path_arg(output, 'OUT'), path_arg(tokenizer, '--tokenizer'),
-                            vocab_size, text_field, num_shards, eval_split, max(1, workers or _cpus()))
+                            vocab_size, text_field, num_shards, eval_split, max(1, workers or _cpus()),
+                            chat_template)
   with _DataProgress(console) as bars:
     return prepare.prepare(options, bars, _printer(console))
 
@@ -673,7 +676,7 @@ def inspect_checkpoint(path: str, *, step: Optional[int] = None, fmt: Optional[s
   bytes, sharding), totals and saved config. fmt: orbax, safetensors, hf, paxml (default: detected)."""
   from paxcli.convert import run as convert_run
   _quiet_absl()
-  path = path_arg(path, 'PATH')
+  path = path_arg(_hub_model(path, fmt), 'PATH')
   storage.check_reachable(path, 'PATH')   # a bucket that cannot be used: one line, before anything is read
   return convert_run.inspect(path, fmt, step)
 
@@ -694,7 +697,7 @@ def convert_checkpoint(source: str, output: str, *, fmt: Optional[str] = None, t
   from paxcli.convert import run as convert_run
   positive_finite(kl_tolerance, '--kl-tolerance', 'a KL in nats')
   max_shard_bytes = parse_size(max_shard_size)  # before any work
-  source, output = path_arg(source, 'SOURCE'), path_arg(output, 'OUTPUT')
+  source, output = path_arg(_hub_model(source, fmt), 'SOURCE'), path_arg(output, 'OUTPUT')
   recipe = path_arg(recipe, '--recipe')
   storage.check_reachable(source, 'SOURCE')
   _quiet_absl()
@@ -703,6 +706,15 @@ def convert_checkpoint(source: str, output: str, *, fmt: Optional[str] = None, t
                              kl_tolerance=kl_tolerance, max_shard_bytes=max_shard_bytes, recipe=recipe,
                              merge_lora=merge_lora, base_model=base_model, family=family,
                              log=_printer(_console(console)))
+
+
+def _hub_model(source: str, fmt: Optional[str]) -> str:
+  """A Hugging Face source as transformers reads it: a local path as it is, else a Hub id (Org/name) from
+  the local cache, downloaded there when missing (paxcli.inputs.hub)."""
+  if fmt not in (None, 'hf') or not source:
+    return source
+  from paxcli.inputs import hub
+  return hub.model_dir(source)
 
 
 def _quiet_absl() -> None:

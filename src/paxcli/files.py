@@ -93,20 +93,37 @@ def member(directory: str, name: str, what: str = 'file') -> str:
 
   The files of a directory someone gives you stay in it: an absolute name, a name that climbs
   out (`../x`) or a symlink that resolves outside the directory (`tokenizer.model ->
-  /etc/shadow`) is a UserError. A symlink to another file inside the directory is fine. The
+  /etc/shadow`) is a UserError. A symlink to another file inside the directory is fine, and so is a
+  link of a Hugging Face cache snapshot into its repository's blobs/ (huggingface_hub's layout). The
   path returned may not exist (the caller checks); it is the resolved one, so that what is
-  opened is what was checked.
+  opened is what was checked (in a Hub snapshot, the link's own path: its blob's name says nothing).
   """
   base = os.path.realpath(directory)
   shown = shorten(name, 200)
   if not name or os.path.isabs(name) or '\0' in name:
     raise UserError(f'{shorten(directory, 200)}: {what} {shown!r} is not a file name inside the directory.')
   path = os.path.realpath(os.path.join(base, name))
-  if os.path.commonpath([base, path]) != base or path == base:
+  hub = _hub_repository(base)   # a Hub cache snapshot's files link into its repository's blobs/
+  inside, named = hub or base, os.path.normpath(os.path.join(base, name))
+  if os.path.commonpath([inside, path]) != inside or path == base or os.path.commonpath([base, named]) != base:
     link = ' (a symlink)' if os.path.islink(os.path.join(base, name)) else ''
     raise UserError(f'{shorten(directory, 200)}: {what} {shown!r}{link} resolves to {shorten(path, 200)}, outside '
                     'the directory; paxcli reads only files inside it.')
-  return path
+  return named if hub else path   # a blob's name says nothing (tokenizer.json's kind, what lies beside it)
+
+
+def _hub_repository(directory: str) -> Optional[str]:
+  """The repository's directory of the Hugging Face cache (`.../models--Org--name`) when `directory` is one
+  of its snapshots (`snapshots/<commit>`) or inside one: huggingface_hub writes a snapshot's files as links
+  into the repository's `blobs/`. Else None."""
+  at = directory
+  while os.path.dirname(at) != at:
+    parent = os.path.dirname(at)
+    root = os.path.dirname(parent)
+    if os.path.basename(parent) == 'snapshots' and os.path.basename(root).startswith(('models--', 'datasets--')):
+      return root
+    at = parent
+  return None
 
 
 def copy_member(path: str, dest: str) -> None:

@@ -9,14 +9,15 @@ import typer
 
 from paxcli.cli import common
 
-app = typer.Typer(help='Inspect and convert checkpoints (orbax, safetensors, Hugging Face Llama, paxml, MaxText).',
+app = typer.Typer(help='Inspect and convert checkpoints (orbax, safetensors, Hugging Face, paxml, MaxText).',
                   no_args_is_help=True)
 
 
 @app.command('inspect')
 def inspect_command(
     path: str = typer.Argument(..., help='Job directory, checkpoint step directory, .safetensors file or '
-                               'directory, Hugging Face directory, paxml checkpoint or MaxText run/checkpoint.'),
+                               'directory, Hugging Face directory or Hub id (Org/name: from the Hugging Face cache, '
+                               'downloaded if missing), paxml checkpoint or MaxText run/checkpoint.'),
     step: Optional[int] = typer.Option(None, '--step', help='Checkpoint step (default: the latest).'),
     fmt: Optional[str] = typer.Option(None, '--from', help='Format (default: detected).'),
     json_out: bool = typer.Option(False, '--json', help='Print JSON.'),
@@ -109,6 +110,8 @@ def convert_command(
     if v:
       from paxcli.convert import certify
       console.print(certify.line(v), highlight=False, markup=False)
+    if result.get('next'):   # what to run after an import
+      console.print(result['next'], highlight=False, markup=False, soft_wrap=True)   # a command to copy: one line
 
 
 def _size(n: int) -> str:

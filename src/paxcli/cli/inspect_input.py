@@ -62,16 +62,21 @@ def inspect_input(
 
 def _print_batch(console, name: str, record: dict) -> None:
   table = common.table(title=f"{name}: batch {record['batch']} (host {record['host']} of {record['num_hosts']})")
-  for col in ('feature', 'shape', 'dtype', 'min', 'max', 'padding'):
+  for col in ('feature', 'shape', 'dtype', 'min', 'max', 'padding', 'weight 0'):
     table.add_column(col, justify='left' if col in ('feature', 'dtype') else 'right')
   for s in record['features']:
+    unweighted = '' if s.get('unweighted') is None else f"{100 * s['unweighted']:.1f}%"
     table.add_row(s['feature'], str(tuple(s['shape'])), s['dtype'], str(s['min']), str(s['max']),
-                  f"{100 * s['padding']:.1f}%")
+                  f"{100 * s['padding']:.1f}%", unweighted)
   console.print(table)
+  console.print('padding: after the documents of a row; weight 0: inside them but not trained on (prompts, chat '
+                'headers).', highlight=False)
   for ex in record['examples']:
     if 'text' in ex:
       console.print(f"[bold]row {ex['row']}[/] ({ex['length']} tokens): {common.escape(ex['text'])!s}")
       console.print(f"  ids: {ex['ids'][:48]}{' ...' if len(ex['ids']) > 48 else ''}", highlight=False)
+      if ex.get('trained'):   # the targets of weight 1: what the row teaches the model to say
+        console.print('  trained on: ' + ' | '.join(repr(t) for t in ex['trained']), highlight=False, markup=False)
     else:
       console.print(ex, highlight=False)
 

@@ -35,7 +35,7 @@ import jax
 import numpy as np
 
 from paxcli import files
-from paxcli.convert import certify, core, hf, safetensors_io
+from paxcli.convert import certify, core, hf, hf_tokenizer, safetensors_io
 from paxcli.errors import UserError, shorten
 from paxcli.jobdir import checkpoint as ckpt
 from paxcli.jobdir import format as job_format
@@ -209,9 +209,13 @@ def export_peft(src, tmp: str, exp: Optional[str], overrides: list, log, verify:
   os.rename(os.path.join(tmp, written[0]), os.path.join(tmp, PEFT_WEIGHTS))
   with open(os.path.join(tmp, PEFT_CONFIG), 'w', encoding='utf-8') as f:
     json.dump(config, f, indent=2)
+  tok = src.extra_files().get('tokenizer')
+  if tok:   # beside the adapters, as TRL saves them: AutoTokenizer (its chat templates too) reads the directory
+    hf_tokenizer.export(tmp, tok, max(flat_view(model).max_seq_len, core.longest_context(src) or 0))
   fused = ''.join(f'; {m}: r={r}, alpha={s["alpha"] * (r // s["rank"]):g} (its {r // s["rank"]} adapted projections\' '
                   'adapters side by side: the same update)' for m, r in ranks.items())
-  log(f'Wrote {len(tensors)} adapter arrays ({", ".join(modules)}; r={s["rank"]}, alpha={s["alpha"]:g}{fused}).')
+  log(f'Wrote {len(tensors)} adapter arrays ({", ".join(modules)}; r={s["rank"]}, alpha={s["alpha"]:g}{fused})'
+      f'{" and the tokenizer" if tok else ""}.')
   out = {'bytes_written': int(sum(x.nbytes for x in tensors.values())), 'arrays': len(tensors)}
   if verify and _fits(setup, log):
     out['verify'] = _certify_peft(setup, params, tmp, certify.default_tolerance(None) if tolerance is None

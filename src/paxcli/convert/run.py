@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import tempfile
 import time
@@ -89,13 +90,14 @@ def convert(source: str, output: str, *, fmt: Optional[str] = None, to: str = 'o
   recipe_path = recipe_text = None
   recipe_created = False
   if (src.kind == 'hf' and not src.config) or (src.kind == 'paxml' and not exp):
-    # The imported model's experiment is the recipe written for it (as pax import-maxtext does),
-    # unless --exp names one; the converted job then resumes with --exp <recipe>:<class>.
-    recipe_path, recipe_text, recipe_created = _write_recipe(src, recipe, output, force, log)
+    # The imported model's experiment is the recipe written for it (as pax import-maxtext does), kept in
+    # the output (layout.RECIPE_COPY) and a file of its own only where --recipe asks; --exp names another.
+    recipe_path, recipe_text, recipe_created = _write_recipe(src, recipe, out.path, force, log)
     if not exp:
       exp = f'{recipe_path}:{_recipe_class(src)}'
     else:
       recipe_text = None   # the job's experiment is --exp's
+      recipe_path = recipe_path if recipe else None   # nothing kept in the output: nothing to say of it
   try:
     result = _convert(src, out, source, output, fmt, to, exp, overrides, params_only, dtype, step, verify,
                       kl_tolerance, max_shard_bytes, log, t0, recipe_path, recipe_text, family)
@@ -103,10 +105,30 @@ def convert(source: str, output: str, *, fmt: Optional[str] = None, to: str = 'o
     if recipe_created and os.path.isfile(recipe_path):
       os.remove(recipe_path)   # a failed import (or certification) leaves nothing behind
     raise
-  if recipe_path:
-    log(f'Wrote the recipe {recipe_path}; the converted job resumes with: pax train --exp {exp} '
-        f'--job-log-dir {output}')
+  if recipe_path:   # printed last, after what was written and its certification (the CLI's `next`)
+    kept = recipe_text is not None and to in ('orbax', 'safetensors')   # _carry_files wrote it into the output
+    result['next'] = next_step(src, out.path, to, recipe_path if recipe_created or recipe else None, exp, kept)
   return result
+
+
+def next_step(src, output: str, to: str, recipe_file: Optional[str], exp: str, kept: bool) -> str:
+  """What to run after an import, paths as typed from here: a fine-tune of an --from hf import goes to a
+  new job directory with the import as its BASE (which it only reads); a Pax run continues in place.
+  `kept`: the output holds the recipe (not so with --exp, whose experiment the job then is)."""
+  shown = lambda path: shlex.quote(path if os.path.relpath(path).startswith('..') else os.path.relpath(path))
+  exp = f'{shown(exp.rsplit(":", 1)[0])}:{_recipe_class(src)}'
+  said = [f'Wrote the recipe {shown(recipe_file)} (--exp {shown(recipe_file)}:{_recipe_class(src)}).'] \
+      if recipe_file else []
+  if kept:
+    said.append(f'The recipe (the model\'s knobs, read as data) is kept in {shown(layout.recipe_copy(output))}.')
+  if to != 'orbax' or not kept:
+    return ' '.join(said)
+  if src.kind == 'paxml':
+    return ' '.join(said + [f'The converted job continues the Pax run with: pax train --exp {exp} '
+                            f'--job-log-dir {shown(output)}'])
+  return ' '.join(said + [f'Fine-tune it into a new job directory (the import stays as it is): pax train --exp '
+                          f'finetune.Sft --set BASE={shown(output)} --set TRAIN_DATA=YOUR_DATA.jsonl '
+                          f'--job-log-dir {shown(output + "_sft")}'])
 
 
 def _convert(src, out, source, output, fmt, to, exp, overrides, params_only, dtype, step, verify, kl_tolerance,
@@ -294,6 +316,9 @@ def _carry_files(src, tmp: str, to: str, recipe_text: Optional[str], own_experim
     files.copy_member(tok, os.path.join(tmp, hf_tokenizer.EXPORT_NAMES[tokenizers.kind_of(tok)]))
   if to == 'hf':
     return
+  config = tokenizers.folded_config_bytes(tok) if tok and to != 'orbax' else None
+  if config is not None:   # special tokens and chat templates, beside the tokenizer as in a job
+    files.atomic_write(os.path.join(tmp, tokenizers.CONFIG_NAME), config, 0o644)
   if recipe_text is None and own_experiment and getattr(src, 'config', None):
     copy = files.member(core.source_dir(src), layout.RECIPE_COPY, 'recipe')
     if os.path.isfile(copy):
@@ -311,7 +336,9 @@ def _recipe_class(src) -> str:
 
 
 def _write_recipe(src, recipe: Optional[str], output: str, force: bool, log) -> tuple[str, str, bool]:
-  """Writes the recipe of an imported model (atomically); returns (path, text, whether it is a new file).
+  """The recipe of an imported model: its text, served in this process for its path (core.recipe_class);
+  written (atomically) only to `recipe` (--recipe), or beside an output in a bucket; else the path is the
+  output's own copy (layout.RECIPE_COPY). Returns (path, text, whether it is a new file).
 
   The text holds outside text (paths, config values) only as literals (gencode) and is checked
   for the generators' shape before it is written; the conversion reads it as data, never runs it.
@@ -319,13 +346,18 @@ def _write_recipe(src, recipe: Optional[str], output: str, force: bool, log) -> 
   interrupted run of the same import).
   """
   prefix, class_name = src.kind, _recipe_class(src)
-  path = os.path.abspath(recipe or os.path.join(storage.local_dir_beside(output),
-                                                f'{prefix}_{os.path.basename(output)}.py'.replace('-', '_')))
   if src.kind == 'paxml':
     text = src.recipe_text(class_name)
   else:
     hf_src = getattr(src, 'hf', src)
     text = hf.recipe_text(class_name, dict(src.knobs()), src.path, getattr(hf_src, 'notes', []), hf_src.family.title)
+  if recipe is None and storage.is_local(output):   # kept in the output only (_carry_files): no file beside it
+    path = layout.recipe_copy(output)
+    gencode.check_shape(text, path)
+    core.recipe_class(path, class_name, text)
+    return path, text, False
+  path = os.path.abspath(recipe or os.path.join(storage.local_dir_beside(output),
+                                                f'{prefix}_{os.path.basename(output)}.py'.replace('-', '_')))
   gencode.check_shape(text, path)   # a bug of ours, never outside text, could fail this
   # Read back as the job's experiment: a regular file, never a device, the source or a file in it.
   files.check_output(path, 'the recipe', force=True, inputs=[src.path], streams=False)

@@ -650,6 +650,8 @@ def _train(resolved, job_dir: str, console, accounting: goodput.Goodput, verbose
   if verbose and is_main:
     _print_weights(console, setup)
   train_input = _train_input(resolved, setup, job_dir)  # before any state: missing data stops at once
+  for note in getattr(train_input, 'notes', ()):   # what the input chose that the user should hear (VOCAB_SIZE)
+    log(note)
 
   # ---- Job directory: resume or start -------------------------------------------------------------
   checkpointer = _open_job_dir(job_dir, setup.train, lock, log, is_main)
