@@ -48,6 +48,8 @@ from paxcli.maxtext import recipe as maxtext_recipe
 from paxcli.maxtext.shell import read_script
 from paxcli.maxtext.translate import Options, Translation, translate
 from paxcli.runtime import distributed, platform
+from paxcli.runtime import topology as tpu_topology
+from paxcli.inputs import hub
 from paxcli.loops.decode.options import DecodeOptions, check_text  # no JAX: options fail before start-up
 from paxcli.loops.decode.output import check_output  # no JAX
 from paxcli.loops.score import requests  # no JAX: a bad file is one line before start-up
@@ -495,7 +497,6 @@ def bench_mfu(exp: Optional[str] = None, *, overrides: Sequence[str] = (), job_d
   (`exp` and `overrides` on top). topology (with compile_only): a TPU slice name such as 'v4-128'
   (`num_slices` of them), compiled for by libtpu without a TPU (paxcli.runtime.topology)."""
   from paxcli.loops import bench
-  from paxcli.runtime import topology as tpu_topology
   plot, pgle_profile = output_arg(plot, '--plot'), path_arg(pgle_profile, '--pgle-profile')
   memory_bytes = parse_size(device_memory, '--device-memory') if device_memory is not None else None
   positive_finite(peak_tflops, '--peak-tflops', 'TFLOP/s per device')
@@ -713,7 +714,6 @@ def _hub_model(source: str, fmt: Optional[str]) -> str:
   the local cache, downloaded there when missing (paxcli.inputs.hub)."""
   if fmt not in (None, 'hf') or not source:
     return source
-  from paxcli.inputs import hub
   return hub.model_dir(source)
 
 

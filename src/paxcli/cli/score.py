@@ -61,8 +61,7 @@ def summary_table(records: list[dict]):
   """A rich table of the first requests (context, continuation, log-likelihood, tokens, greedy) and a
   total row: the summed log-likelihood, its mean per token with the perplexity it gives, the share of
   greedy requests and the truncated ones. The JSONL keeps every field, token_logprobs included."""
-  from rich.table import Table
-  table = Table(title='pax score', title_justify='left')
+  table = common.table(title='pax score', title_justify='left')
   for col, just in (('line', 'right'), ('context', 'left'), ('continuation', 'left'), ('logprob', 'right'),
                     ('tokens', 'right'), ('greedy', 'center')):
     table.add_column(col, justify=just, overflow='fold')

@@ -385,8 +385,14 @@ def _json_object(line: str, where: str, text_field: str) -> dict:
   return record
 
 
+def _pyarrow():
+  """pyarrow, with its ipc and parquet modules: slow to import (0.3 s), so only for Parquet and Arrow files."""
+  import pyarrow, pyarrow.ipc, pyarrow.parquet  # noqa: E401 - one import, three modules
+  return pyarrow
+
+
 def _read_parquet(path: str, text_field: str, errors: Optional[list[str]] = None) -> Iterator[Document]:
-  import pyarrow.parquet as pq  # slow to import (0.3 s): only for Parquet files
+  pq = _pyarrow().parquet
   with _open(path) as f:
     try:
       parquet = pq.ParquetFile(io.BytesIO(f.read()) if is_remote(path) else f)
@@ -453,7 +459,7 @@ def _read_array_record(path: str, text_field: str, errors: Optional[list[str]] =
 def _read_arrow(path: str, text_field: str, errors: Optional[list[str]] = None) -> Iterator[Document]:
   """An Arrow IPC file (the stream format `datasets` writes, or the file format), memory-mapped: a row is
   read into Python only once its bytes are known to be within the document bound."""
-  import pyarrow as pa   # only for .arrow files
+  pa = _pyarrow()
   if is_remote(path):
     raise UserError(f'{path}: Arrow files are read from local disks only; copy them first.')
   check_regular_file(path, 'data file')
@@ -487,7 +493,6 @@ def _read_arrow(path: str, text_field: str, errors: Optional[list[str]] = None) 
 
 def _arrow_batches(pa, source, path: str):
   """(the record batches, the column names) of an Arrow IPC stream or file."""
-  import pyarrow.ipc   # noqa: F401 - pa.ipc
   try:
     reader = pa.ipc.open_stream(source)
     return iter(reader), reader.schema.names

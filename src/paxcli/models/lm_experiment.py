@@ -9,7 +9,7 @@ from typing import Optional, Union
 import fiddle as fdl
 
 from paxcli.errors import UserError
-from paxcli.inputs import prepared
+from paxcli.inputs import file_input, prepared
 from paxcli.inputs.synthetic import SyntheticLmInput
 from paxcli.models.knobs import LM_KNOBS, declare, flat_settings
 from paxcli.models.training import TrainingExperiment
@@ -96,11 +96,10 @@ class LmExperiment(TrainingExperiment):
   def _own_data_prompts(self) -> list:
     """Prompts from the held-out side of the user's data (EVAL_DATA, else TRAIN_DATA's eval split); none for
     prepared data, whose records are ids."""
-    from paxcli.inputs.file_input import anchored, sample_prompts
-    if _prepared_data(anchored(self.TRAIN_DATA)):
+    if _prepared_data(file_input.anchored(self.TRAIN_DATA)):
       return []
-    data = anchored(self.EVAL_DATA or self.TRAIN_DATA)
-    return sample_prompts(data, self.TEXT_FIELD, 'all' if self.EVAL_DATA else 'eval')
+    data = file_input.anchored(self.EVAL_DATA or self.TRAIN_DATA)
+    return file_input.sample_prompts(data, self.TEXT_FIELD, 'all' if self.EVAL_DATA else 'eval')
 
   def datasets(self) -> list:
     """The user's files when TRAIN_DATA is set, else synthetic LM data; override for real inputs
@@ -119,17 +118,16 @@ class LmExperiment(TrainingExperiment):
       return []
     if not self.TRAIN_DATA:
       raise UserError('EVAL_DATA and TOKENIZER need TRAIN_DATA (a glob of your training files).')
-    from paxcli.inputs.file_input import FileLmInput, anchored
-    train, evals = anchored(self.TRAIN_DATA), anchored(self.EVAL_DATA)
+    train, evals = file_input.anchored(self.TRAIN_DATA), file_input.anchored(self.EVAL_DATA)
     if _prepared_data(train):
       return self._prepared_datasets(train, evals)
-    common = dict(seq_len=self.MAX_SEQ_LEN, text_field=self.TEXT_FIELD, tokenizer=anchored(self.TOKENIZER),
+    common = dict(seq_len=self.MAX_SEQ_LEN, text_field=self.TEXT_FIELD, tokenizer=file_input.anchored(self.TOKENIZER),
                   tokenizer_data=train, vocab_size=self.VOCAB_SIZE, seed=self.RANDOM_SEED,
                   chat_template=self.CHAT_TEMPLATE)
     return [
-        fdl.Config(FileLmInput, name='train', is_training=True, data=train, split='all' if evals else 'train',
+        fdl.Config(file_input.FileLmInput, name='train', is_training=True, data=train, split='all' if evals else 'train',
                    **common),
-        fdl.Config(FileLmInput, name='eval', is_training=False, repeat=False, reset_for_eval=True,
+        fdl.Config(file_input.FileLmInput, name='eval', is_training=False, repeat=False, reset_for_eval=True,
                    data=evals or train, split='all' if evals else 'eval', **common),
     ]
 
@@ -137,7 +135,6 @@ class LmExperiment(TrainingExperiment):
     """Grain inputs over a prepared directory or a {directory: weight} mixture of them: the train
     split, and for eval EVAL_DATA (prepared too) or the directories' own eval splits; none when
     one of them has none."""
-    from paxcli.inputs import file_input
     from paxcli.inputs.grain_input import GrainLmInput  # grain: only for runs on prepared data
     if self.TOKENIZER:
       raise UserError(f'TOKENIZER is set, but {train} is prepared data: its ids come from its own tokenizer '
