@@ -16,6 +16,7 @@ import typer.main
 
 from paxcli import compat
 from paxcli.errors import UserError, shorten
+from paxcli.runtime import distributed
 
 EXP_HELP = ('Experiment: a registered name (`pax experiments`), `module.Class`, or '
             '`path/file.py:Class`. Default: the built-in default.StdlibDocsLm.')
@@ -28,6 +29,9 @@ COORDINATOR_HELP = ('Several processes (one per host): HOST:PORT of process 0, w
                     'one process runs.')
 NUM_PROCESSES_HELP = 'Several processes: how many in all. 1 means one process, even on a cluster.'
 PROCESS_ID_HELP = 'Several processes: this process\'s index, 0 to N-1 (0 runs the coordinator).'
+HEARTBEAT_HELP = ('Several processes: when another process dies or its host drops off the network for this long, '
+                  'every process stops with one line naming it (exit code 124), for a scheduler or `pax launch '
+                  '--max-restarts` to restart the job. Default: 100.')
 
 
 def exp_option():
@@ -55,6 +59,11 @@ def num_processes_option():
 def process_id_option():
   return typer.Option(None, '--process-id', metavar='I', envvar='PAX_PROCESS_ID', help=PROCESS_ID_HELP, min=0,
                       rich_help_panel='Several processes')
+
+
+def heartbeat_timeout_option():
+  return typer.Option(None, '--heartbeat-timeout', metavar='SECONDS', envvar='PAX_HEARTBEAT_TIMEOUT',
+                      help=HEARTBEAT_HELP, min=1.0, rich_help_panel='Several processes')
 
 
 def normalize_argv(argv: list[str]) -> list[str]:
@@ -131,7 +140,20 @@ def tidy_help(command) -> None:
 
 
 def run_app(app: typer.Typer, argv: list[str]) -> None:
-  """Runs the app; a UserError becomes one red line and its exit code, never a traceback."""
+  """Runs the app; a UserError becomes one red line and its exit code, never a traceback. The other
+  processes of a multi-process run are told how this one ends (distributed.say_exit)."""
+  try:
+    _run_app(app, argv)
+  except SystemExit as e:
+    distributed.say_exit(e.code if isinstance(e.code, int) else (0 if e.code is None else 1))
+    raise
+  except BaseException as e:
+    distributed.say_exit(1, f'{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ""}')
+    raise
+  distributed.say_exit(0)
+
+
+def _run_app(app: typer.Typer, argv: list[str]) -> None:
   try:
     command = typer.main.get_command(app)
     tidy_help(command)
@@ -141,7 +163,9 @@ def run_app(app: typer.Typer, argv: list[str]) -> None:
     code = command.main(args=argv, prog_name='pax', standalone_mode=False)
   except UserError as e:
     # fiddle appends its build context to errors raised while building a config.
-    error(_escape(_cap_lines(str(e).split('\n\nFiddle context:')[0])))
+    message = _cap_lines(str(e).split('\n\nFiddle context:')[0])
+    distributed.say_exit(e.exit_code, message.splitlines()[0] if message else '')
+    error(_escape(message))
     sys.exit(e.exit_code)
   except KeyboardInterrupt:
     error('interrupted.')

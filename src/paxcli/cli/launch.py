@@ -32,6 +32,7 @@ import os
 import queue
 import re
 import secrets
+import shlex
 import shutil
 import signal
 import socket
@@ -44,6 +45,7 @@ from typing import Callable, List, Optional
 
 import typer
 
+from paxcli.cli import launch_slurm
 from paxcli.errors import UserError
 from paxcli.jobdir import layout
 from paxcli.jobdir import ledger
@@ -53,12 +55,14 @@ from paxcli.runtime.platform import detect_platform
 
 _PREFIX = '[launch]'
 HUNG = 124           # the launcher's exit code after a hang
+PREEMPTED = (143, 138)   # a process stopped by SIGTERM or SIGUSR1 after saving the step every process agreed on
 NOT_RESTARTED = (2, 3)  # a refused command (UserError) and a diverged run fail the same way again
 
 
 def launch(
     ctx: typer.Context,
-    processes: int = typer.Option(..., '--processes', '-n', metavar='N', min=1, help='How many local processes to start.'),
+    processes: Optional[int] = typer.Option(None, '--processes', '-n', metavar='N', min=1,
+                                            help='How many local processes to start (not with --slurm).'),
     devices_per_process: Optional[int] = typer.Option(
         None, '--devices-per-process', metavar='K', min=1,
         help='Devices per process. CPU: fake devices (--xla_force_host_platform_device_count); '
@@ -69,37 +73,119 @@ def launch(
     grace: float = typer.Option(5.0, '--grace', metavar='SECONDS', min=0.0,
                                 help='Seconds between SIGTERM and SIGKILL when stopping processes.'),
     exit_wait: float = typer.Option(120.0, '--exit-wait', metavar='SECONDS', min=0.0,
-                                    help='Seconds the others may run on after one process finished '
-                                         'cleanly before they are stopped as hung.'),
+                                    help='Seconds the others may run on after one process ended (finished, or '
+                                         'stopped for a preemption) before they are stopped as hung.'),
     verbose: bool = typer.Option(False, '--verbose', '-v',
                                  help="Also show gloo's `[Gloo] Rank N is connected` start-up lines."),
     max_restarts: int = typer.Option(0, '--max-restarts', metavar='N', min=0,
                                      help='When a process dies or hangs, stop them all and start them all again, '
-                                          'up to N times (train resumes from its newest checkpoint). Exit codes 2 '
-                                          '(refused) and 3 (diverged) are never restarted.'),
+                                          'up to N times (train resumes from its newest checkpoint); with --slurm, '
+                                          'requeue the job. Exit codes 2 (refused) and 3 (diverged) are never '
+                                          'restarted.'),
     heartbeat_timeout: Optional[float] = typer.Option(
         None, '--heartbeat-timeout', metavar='SECONDS', min=1.0,
-        help='A process that has done a train step but then goes this long without another is hung: stop all '
-             '(and restart, with --max-restarts). Above the longest pause between steps (an eval, a save, a '
-             'recompilation). Default: off.'),
+        help='A process that has done a train step but then goes this long without another is hung, and so is a '
+             'process whose peer died or went off the network: stop all (and restart, with --max-restarts). Above '
+             'the longest pause between steps (an eval, a save, a recompilation). Default: off locally; the '
+             "processes' own 100 s."),
+    slurm: bool = typer.Option(False, '--slurm', rich_help_panel='SLURM',
+                               help='Write an sbatch script running the command on --nodes nodes of a SLURM cluster '
+                                    '(into <job-log-dir>/slurm/) and show it; --submit submits it.'),
+    nodes: Optional[int] = typer.Option(None, '--nodes', metavar='N', min=1, rich_help_panel='SLURM',
+                                        help='Nodes of the SLURM job.'),
+    tasks_per_node: int = typer.Option(1, '--tasks-per-node', metavar='T', min=1, rich_help_panel='SLURM',
+                                       help='Processes per node: 1 (a process per node, driving all its devices) '
+                                            'or one per device.'),
+    gpus_per_node: Optional[int] = typer.Option(None, '--gpus-per-node', metavar='G', min=1,
+                                                rich_help_panel='SLURM', help='GPUs to allocate on each node.'),
+    time_limit: Optional[str] = typer.Option(None, '--time', metavar='LIMIT', rich_help_panel='SLURM',
+                                             help="SLURM's time limit (HH:MM:SS); the job saves and requeues "
+                                                  '--warn-before seconds ahead of it.'),
+    partition: Optional[str] = typer.Option(None, '--partition', metavar='NAME', rich_help_panel='SLURM'),
+    account: Optional[str] = typer.Option(None, '--account', metavar='NAME', rich_help_panel='SLURM'),
+    job_name: Optional[str] = typer.Option(None, '--job-name', metavar='NAME', rich_help_panel='SLURM',
+                                           help='Default: pax-<command>.'),
+    sbatch_options: List[str] = typer.Option([], '--sbatch-option', metavar='--OPT=VALUE', rich_help_panel='SLURM',
+                                             help='Another #SBATCH line, repeatable (e.g. --qos=high).'),
+    env: List[str] = typer.Option([], '--env', metavar='KEY=VALUE', rich_help_panel='SLURM',
+                                  help='A variable exported for every process, repeatable.'),
+    warn_before: int = typer.Option(120, '--warn-before', metavar='SECONDS', min=1, rich_help_panel='SLURM',
+                                    help='SLURM signals SIGUSR1 this long before the time limit: the processes save '
+                                         'the step they agree on and the job requeues.'),
+    submit: bool = typer.Option(False, '--submit', rich_help_panel='SLURM', help='Submit the script with sbatch.'),
+    dry_run: bool = typer.Option(False, '--dry-run', rich_help_panel='SLURM',
+                                 help='Print the script; write and submit nothing.'),
     command: Optional[List[str]] = typer.Argument(
         None, metavar='-- COMMAND', show_default=False,
         help='The pax command every process runs, after --: e.g. -- train --exp E --job-log-dir D.'),
 ) -> None:
-  """Run one pax command as N local processes (jax.distributed on 127.0.0.1), e.g. to test multi-host runs.
+  """Run one pax command as N local processes (jax.distributed on 127.0.0.1), e.g. to test multi-host runs;
+  or, with --slurm, on N nodes of a SLURM cluster.
 
   Example: pax launch --processes 2 --devices-per-process 4 -- train --exp E --job-log-dir /tmp/run
+
+  Example: pax launch --slurm --nodes 4 --gpus-per-node 8 --time 4:00:00 --submit -- train --exp E --job-log-dir
+  /shared/runs/e
   """
-  argv = _child_argv(command or [], _multiprocess_commands(ctx.parent.command))
-  make_envs = lambda: _child_envs(processes, devices_per_process, port or free_port())
+  local_only = {'--processes': processes is not None, '--port': port is not None, '--grace': grace != 5.0,
+                '--verbose': verbose}
+  slurm_only = {'--nodes': nodes is not None, '--tasks-per-node': tasks_per_node != 1, '--gpus-per-node': gpus_per_node,
+                '--time': time_limit, '--partition': partition, '--account': account, '--job-name': job_name,
+                '--sbatch-option': sbatch_options, '--env': env, '--warn-before': warn_before != 120,
+                '--submit': submit, '--dry-run': dry_run}
+  runnable = _multiprocess_commands(ctx.parent.command)
+  if slurm:
+    _refuse(local_only, 'run local processes; --slurm counts --nodes x --tasks-per-node')
+    if nodes is None:
+      raise UserError('--slurm needs --nodes N (and --tasks-per-node T for a process per device).')
+    if gpus_per_node and devices_per_process:
+      raise UserError('--devices-per-process sets fake CPU devices; with --gpus-per-node each process drives its '
+                      'share of the node\'s GPUs (--tasks-per-node).')
+    job = launch_slurm.Job(nodes, tasks_per_node, gpus_per_node, devices_per_process, time_limit, partition, account,
+                           job_name, tuple(sbatch_options), tuple(env), warn_before, max_restarts, heartbeat_timeout,
+                           exit_wait)
+    _slurm(job, _command(command or [], runnable), submit, dry_run)
+    return
+  _refuse(slurm_only, 'go with --slurm')
+  if processes is None:
+    raise UserError('Give --processes N (local processes), or --slurm --nodes N for a SLURM job.')
+  argv = [sys.executable, '-m', 'paxcli.cli.app', *_command(command or [], runnable)]
+  make_envs = lambda: _child_envs(processes, devices_per_process, port or free_port(), heartbeat_timeout)
   code = run_job(argv, make_envs, grace=grace, exit_wait=exit_wait, max_restarts=max_restarts,
                  heartbeat_timeout=heartbeat_timeout, end_at_exit=True, verbose=verbose)
   if code:
     raise typer.Exit(code)
 
 
-def _child_argv(command: list[str], runnable: set[str]) -> list[str]:
-  """`python -m paxcli.cli.app COMMAND...`, after checking that COMMAND is one of `runnable`."""
+def _refuse(given: dict, why: str) -> None:
+  names = [name for name, value in given.items() if value]
+  if names:
+    raise UserError(f'{", ".join(names)} {"does" if len(names) == 1 else "do"} not go with this launch: those options '
+                    f'{why}.')
+
+
+def _slurm(job: launch_slurm.Job, command: list[str], submit: bool, dry_run: bool) -> None:
+  """Writes (or with dry_run prints) the sbatch script, shows it, and submits it if asked."""
+  from paxcli import api   # the default job directory names the experiment: imported here, not for `pax --help`
+  command, job_dir = launch_slurm.with_job_dir(command, api.default_job_dir)
+  if dry_run:
+    sys.stdout.write(launch_slurm.script(job, command, job_dir))
+    return
+  path = launch_slurm.write(job, command, job_dir)
+  with open(path, encoding='utf-8') as f:
+    sys.stdout.write(f.read())
+  sys.stdout.write(f'\nWrote {path}\n')
+  if not submit:
+    sys.stdout.write(f'Submit it with: sbatch {shlex.quote(path)}   (or this command with --submit)\n')
+    return
+  job_id = launch_slurm.submit(path)
+  out = os.path.join(os.path.dirname(path), f'{os.path.basename(path)[:-len(".sbatch")]}-{job_id}.out')
+  sys.stdout.write(f'Submitted SLURM job {job_id}. Its output: {out}\n'
+                   f'  squeue -j {job_id}     pax goodput {shlex.quote(job_dir)}     scancel {job_id}\n')
+
+
+def _command(command: list[str], runnable: set[str]) -> list[str]:
+  """COMMAND... (after `--`, without a leading `pax`), after checking that it is one of `runnable`."""
   if command[:1] == ['pax']:
     command = command[1:]
   if not command:
@@ -108,7 +194,7 @@ def _child_argv(command: list[str], runnable: set[str]) -> list[str]:
   if command[0] not in runnable:
     raise UserError(f'`pax {command[0]}` cannot run as several processes; pax launch runs: '
                     f'{", ".join(sorted(runnable))}.')
-  return [sys.executable, '-m', 'paxcli.cli.app', *command]
+  return command
 
 
 def _multiprocess_commands(group) -> set[str]:
@@ -125,7 +211,8 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
-def _child_envs(n: int, devices_per_process: Optional[int], port: int) -> list[dict[str, str]]:
+def _child_envs(n: int, devices_per_process: Optional[int], port: int,
+                heartbeat_timeout: Optional[float] = None) -> list[dict[str, str]]:
   platform = detect_platform()
   cpu_devices, visible = devices_per_process, [None] * n
   if platform == 'tpu':
@@ -136,7 +223,8 @@ def _child_envs(n: int, devices_per_process: Optional[int], port: int) -> list[d
     cpu_devices, visible = None, [list(range(i * per, (i + 1) * per)) for i in range(n)]
   coordinator = f'127.0.0.1:{port}'
   return [distributed.child_environment(os.environ, coordinator, n, i, cpu_devices=cpu_devices,
-                                        visible_devices=visible[i]) for i in range(n)]
+                                        visible_devices=visible[i], heartbeat_timeout=heartbeat_timeout)
+          for i in range(n)]
 
 
 def _even_gpu_share(n: int) -> int:
@@ -182,8 +270,9 @@ def run_job(argv: list[str], make_envs: Callable[[], list[dict[str, str]]], grac
 
   end_at_exit: the ledger's `end` line is written when this process exits (`pax launch`: the job's
   wall time then ends where the launcher's does), else now. verbose: gloo's connection lines are shown."""
-  lock, record = threading.Lock(), _LaunchRecord()
+  lock, record = threading.RLock(), _LaunchRecord()   # re-entrant: the SIGTERM handler speaks too
   code = 0
+  _PREEMPTION.clear()
   for attempt in range(max_restarts + 1):
     beats = tempfile.mkdtemp(prefix='pax-launch-')
     try:
@@ -207,6 +296,9 @@ def run_job(argv: list[str], make_envs: Callable[[], list[dict[str, str]]], grac
     if failure.code in NOT_RESTARTED:
       _say(lock, f'not restarting: exit code {failure.code} ({"refused" if failure.code == 2 else "diverged"}) '
                  'would come back the same.')
+      break
+    if _PREEMPTION.is_set():
+      _say(lock, 'not restarting: the launcher itself was asked to stop (SIGTERM).')
       break
     if attempt < max_restarts:
       _say(lock, f'restart {attempt + 1} of {max_restarts}: starting all {len(envs)} processes again.')
@@ -298,7 +390,7 @@ def _supervise(procs, readers, envs, lock: threading.Lock, grace: float, exit_wa
   _say(lock, f'{len(procs)} processes, coordinator {envs[0].get("PAX_COORDINATOR", "?")}: ' +
        ', '.join(f'p{i} pid {p.pid}' for i, p in enumerate(procs)))
   beats = _Heartbeats([env.get(distributed.ENV_HEARTBEAT) for env in envs], heartbeat_timeout)
-  previous = signal.signal(signal.SIGTERM, _raise_interrupt) if _main_thread() else None
+  previous = signal.signal(signal.SIGTERM, _forward(procs, lock)) if _main_thread() else None
   try:
     failure = _watch(procs, events, lock, exit_wait, beats)
   except KeyboardInterrupt:
@@ -428,10 +520,28 @@ def _watch(procs, events: queue.Queue, lock: threading.Lock, exit_wait: float,
                        f'{beats.timeout:g})', {})
       continue
     running.discard(index)
+    if code in PREEMPTED:   # they agreed on a step and save it: the others end by themselves
+      return _preempted(index, code, running, events, lock, exit_wait)
     if code != 0:
       return Failure(index, code, _describe_exit(code), {})
     first_clean = first_clean or time.monotonic()
   return None
+
+
+def _preempted(index: int, code: int, running: set, events: queue.Queue, lock: threading.Lock,
+               exit_wait: float) -> Failure:
+  """A process stopped for a preemption after saving: the others stopped at the same step and are saving
+  it too, so they get up to `exit_wait` seconds to end by themselves before they are stopped."""
+  _say(lock, f'p{index} stopped for preemption (exit code {code}); waiting for the other processes to save '
+             'the same step and end.')
+  deadline = time.monotonic() + exit_wait
+  while running and time.monotonic() < deadline:
+    try:
+      other, _ = events.get(timeout=0.25)
+    except queue.Empty:
+      continue
+    running.discard(other)
+  return Failure(index, code, f'stopped for preemption (exit code {code})', {})
 
 
 def _stop(procs, grace: float, lock: threading.Lock) -> None:
@@ -485,8 +595,22 @@ def _say(lock: threading.Lock, message: str) -> None:
     sys.stderr.flush()
 
 
-def _raise_interrupt(signum, frame):
-  raise KeyboardInterrupt
+# Set when the launcher got SIGTERM (a preemption of the machine it runs on): no restart after it.
+_PREEMPTION = threading.Event()
+
+
+def _forward(procs, lock: threading.Lock):
+  """The launcher's SIGTERM handler: a preemption of the job, handed to every process (they agree on a step,
+  save it and exit 143; the launcher waits for them as for any preemption, then exits the same)."""
+
+  def handle(signum, frame):
+    del frame
+    _PREEMPTION.set()
+    for p in procs:
+      if p.poll() is None:
+        _signal(p, signum)
+    _say(lock, 'SIGTERM: passed to every process, to save and stop.')
+  return handle
 
 
 def _main_thread() -> bool:

@@ -171,11 +171,14 @@ class Ledger:
 
 
 def start_fields(started: float, process: int, processes: int) -> dict:
-  """The `start` line of this incarnation, with the launch attempt it belongs to (from `pax launch`)."""
+  """The `start` line of this incarnation, with the launch attempt it belongs to (from `pax launch`) and the
+  SLURM job and its requeue count (SLURM_RESTART_COUNT) where SLURM started it."""
   from paxcli.runtime import distributed  # no JAX: its module imports it inside functions only
   launch = distributed.launch_attempt()
+  job, requeues = os.environ.get('SLURM_JOB_ID', ''), os.environ.get('SLURM_RESTART_COUNT', '0')
   return {'t': started, 'pid': os.getpid(), 'host': socket.gethostname(), 'process': process,
-          'processes': processes, **({'launch': launch[0], 'attempt': launch[1]} if launch else {})}
+          'processes': processes, **({'launch': launch[0], 'attempt': launch[1]} if launch else {}),
+          **({'slurm_job': job, 'requeue': int(requeues)} if job.isdigit() and requeues.isdigit() else {})}
 
 
 def append(path: str, records: list[dict]) -> None:
@@ -216,6 +219,7 @@ class Incarnation:
   steps: dict = dataclasses.field(default_factory=dict)
   status: Optional[int] = None   # exit status; None: it never wrote an end (killed)
   resumed: Optional[dict] = None  # {'step', 'tier'}
+  slurm: Optional[tuple] = None  # (SLURM job id, its requeue count) where SLURM started it
 
 
 @dataclasses.dataclass
@@ -296,7 +300,9 @@ def incarnations(records) -> list[Incarnation]:
       continue
     if r['kind'] == 'start':
       launch = r.get('launch') if isinstance(r.get('launch'), str) else None
-      found[inc] = Incarnation(inc, float(r['t']), launch, _int(r.get('attempt')), last=float(r['t']))
+      job = r.get('slurm_job') if isinstance(r.get('slurm_job'), str) and r['slurm_job'].isdigit() else None
+      found[inc] = Incarnation(inc, float(r['t']), launch, _int(r.get('attempt')), last=float(r['t']),
+                               slurm=(job[:20], _int(r.get('requeue'))) if job else None)
       continue
     got = found.get(inc)
     if got is None or got.status is not None:  # nothing counts after an incarnation's end
@@ -409,6 +415,8 @@ def _restart(previous: Incarnation, inc: Incarnation, gap: float, launches: dict
   redone = reached - resumed['step'] if resumed.get('step') is not None else None
   reason = failure['reason'] if failure else ('killed (no end record)' if previous.status is None
                                               else f'exited with status {previous.status}')
+  if inc.slurm and inc.slurm[1]:
+    reason = f'requeued by SLURM (job {inc.slurm[0]}, requeue {inc.slurm[1]}): {reason}'
   return {'at': previous.last, 'gap_seconds': gap, 'reason': reason, 'reached_step': reached,
           'resumed_step': resumed.get('step'), 'tier': resumed.get('tier'),
           'redone_steps': max(redone, 0) if redone is not None else None}
