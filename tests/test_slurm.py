@@ -9,24 +9,17 @@ import json
 import os
 import re
 import subprocess
-import sys
 import time
 
-import numpy as np
 import pytest
 
 import slurm_cluster
-from conftest import run_pax
+import tiny_runs
+from tiny_runs import PAX, TINY, assert_same_losses, cpu_devices, losses
 
 pytestmark = [pytest.mark.slow, pytest.mark.alone]   # several jax.distributed processes on 2 cores
 
-PAX = [sys.executable, '-m', 'paxcli.cli.app']
-TINY = ['--exp', 'lm_cloud.LmCloudSpmdTest', '--set', 'NUM_LAYERS=2', '--set', 'MODEL_DIMS=32',
-        '--set', 'HIDDEN_DIMS=64', '--set', 'NUM_HEADS=4', '--set', 'DIMS_PER_HEAD=8',
-        '--set', 'MAX_SEQ_LEN=16', '--set', 'VOCAB_SIZE=64', '--set', 'task.train.summary_interval_steps=1',
-        '--set', 'task.train.save_interval_steps=3']
 REFERENCE_STEPS = 30
-RTOL = 1e-5   # float32 reductions in another order across processes
 
 
 @pytest.fixture(scope='module')
@@ -42,31 +35,12 @@ def cluster(tmp_path_factory):
 @pytest.fixture(scope='module')
 def one_process(tmp_path_factory):
   """The uninterrupted reference: 1 process x 8 devices, global batch 8."""
-  job = tmp_path_factory.mktemp('one') / 'job'
-  result = run_pax('train', *TINY, '--set', 'ICI_MESH_SHAPE=[1,8,1]', '--set', 'PERCORE_BATCH_SIZE=1',
-                   '--set', f'task.train.num_train_steps={REFERENCE_STEPS}', '--job-log-dir', str(job), timeout=900)
-  assert result.returncode == 0, result.stderr[-3000:]
-  return losses(job)
-
-
-def losses(job_dir) -> dict[int, float]:
-  """step -> loss of train_metrics.jsonl, each step written once."""
-  with open(os.path.join(job_dir, 'train_metrics.jsonl')) as f:
-    records = [json.loads(line) for line in f]
-  steps = [r['step'] for r in records]
-  assert len(steps) == len(set(steps)), f'metrics written more than once: {steps}'
-  return {r['step']: r['loss'] for r in records}
-
-
-def assert_same_losses(got: dict, want: dict, steps) -> None:
-  np.testing.assert_allclose([got[s] for s in steps], [want[s] for s in steps], rtol=RTOL)
+  return tiny_runs.one_process(tmp_path_factory.mktemp('one') / 'job', REFERENCE_STEPS)
 
 
 def env_with(cluster, devices: int, **extra) -> dict:
   """The jobs' environment: fake CPU devices per process, no SLURM_* of ours."""
-  env = cluster.env(**extra)
-  env['XLA_FLAGS'] = f'--xla_force_host_platform_device_count={devices}'
-  return env
+  return cpu_devices(cluster.env(**extra), devices)
 
 
 def launch_slurm(cluster, args: list[str], cwd, env=None) -> tuple[int, str]:

@@ -435,6 +435,8 @@ class GracefulStop:
     name = signal.Signals(signum).name
     if self.several:   # JAX's preemption notifier listens for SIGTERM: the warning becomes a notice
       self.signal_name = self.signal_name or name
+      sys.stderr.write(f'{name}: a preemption warning; every process saves the step they agree on and stops.\n')
+      sys.stderr.flush()
       os.kill(os.getpid(), signal.SIGTERM)
       return
     if self.signal_name is not None:  # the second one: no traceback from orbax's threads over the bar
