@@ -3,7 +3,7 @@
     net = Network.start(tmp_path, ['node1', 'node2'])   # root only; see `unavailable()`
     net.run('node1', ['hostname'])                      # a command on node1 (nsenter into its namespaces)
     net.cut('node2'); net.mend('node2')                 # the link of node2 down / up again
-    net.netem('node2', 'delay 200ms loss 20%')          # a slow, lossy link (tc netem)
+    net.impair('node2', loss=2, rate='20mbit')          # a lossy (nftables), slow (tc tbf) link; None: mended
     net.stop()
 
 A hub namespace (hostname `ctl`, 10.77.0.1) holds a bridge; host i (10.77.0.(10+i)) has one end of a
@@ -14,11 +14,17 @@ own /etc/hosts (a bind mount in its private mount namespace) naming every host.
 
 Processes are entered with `nsenter --net --uts --mount`, not `ip netns exec`, which remounts /sys
 (slurmd 22.05 then refuses to start).
+
+A bad link is made with what every kernel here has: nftables' random drop for loss and tc's token bucket
+(tbf) for a slow link that queues. (`tc netem` would do both, but sch_netem is often not built: this
+machine's kernel has CONFIG_NET_SCH_NETEM unset.) The tools come from Debian's iproute2 and nftables
+packages, installed where missing (`ensure_packages`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import os
 import shlex
 import shutil
@@ -31,13 +37,47 @@ SUBNET = '10.77.0'
 HUB = 'ctl'
 
 
+PACKAGES = {'unshare': 'util-linux', 'nsenter': 'util-linux', 'ip': 'iproute2', 'tc': 'iproute2', 'nft': 'nftables'}
+SBIN = ('/usr/sbin', '/usr/bin', '/sbin', '/bin')
+
+
+def which(name: str) -> Optional[str]:
+  for d in SBIN:
+    path = os.path.join(d, name)
+    if os.access(path, os.X_OK):
+      return path
+  return shutil.which(name)
+
+
+def ensure_packages(packages: dict[str, str]) -> Optional[str]:
+  """Installs the Debian packages of the tools {tool: package} that are missing (as root, with apt-get); why
+  it cannot (None: every tool is there). CI's machine is a clean one: nothing is installed before the tests."""
+  missing = lambda: sorted({pkg for tool, pkg in packages.items() if which(tool) is None})
+  if not missing():
+    return None
+  if os.geteuid() != 0:
+    return f'needs root to install {", ".join(missing())}'
+  if shutil.which('apt-get') is None:
+    return f'needs {", ".join(missing())} (no apt-get here to install them)'
+  env = dict(os.environ, DEBIAN_FRONTEND='noninteractive')
+  with open('/tmp/paxcli-tests-apt.lock', 'w') as lock:   # one installer at a time (xdist workers)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if missing():
+      for argv in (['apt-get', 'update', '-qq'],
+                   ['apt-get', 'install', '-y', '-qq', '--no-install-recommends', *missing()]):
+        done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=900)
+        if done.returncode:
+          return f'`{" ".join(argv)}` failed: {(done.stderr or done.stdout).strip()[-300:]}'
+  return None
+
+
 def unavailable() -> Optional[str]:
-  """Why this machine cannot run the namespace tests (None: it can)."""
+  """Why this machine cannot run the namespace tests (None: it can, its tools installed)."""
   if os.geteuid() != 0:
     return 'needs root (network namespaces and veth links)'
-  for tool in ('unshare', 'nsenter', 'ip', 'tc'):
-    if shutil.which(tool) is None:
-      return f'needs `{tool}` (util-linux, iproute2)'
+  reason = ensure_packages(PACKAGES)
+  if reason:
+    return reason
   probe = subprocess.run(['unshare', '--net', '--uts', '--mount', 'true'], capture_output=True, text=True)
   if probe.returncode:
     return f'cannot make namespaces here: {probe.stderr.strip()[:200]}'
@@ -106,12 +146,22 @@ class Network:
   def mend(self, name: str) -> None:
     self.run(HUB, ['ip', 'link', 'set', f'v{name}', 'up'])
 
-  def netem(self, name: str, spec: Optional[str]) -> None:
-    """tc netem on host `name`'s link (both ends: delay and loss each way); None removes it."""
+  def impair(self, name: str, loss: int = 0, rate: Optional[str] = None) -> None:
+    """Host `name`'s link drops `loss` percent of packets each way (nftables, on its eth0) and carries at most
+    `rate` each way (tc tbf: packets queue, up to a second). impair(name) mends both."""
+    self.run(name, ['nft', 'delete', 'table', 'inet', 'paxtest'], check=False)
     for where, dev in ((name, 'eth0'), (HUB, f'v{name}')):
       self.run(where, ['tc', 'qdisc', 'del', 'dev', dev, 'root'], check=False)
-      if spec:
-        self.run(where, ['tc', 'qdisc', 'add', 'dev', dev, 'root', 'netem', *spec.split()])
+      if rate:
+        self.run(where, ['tc', 'qdisc', 'add', 'dev', dev, 'root', 'tbf', 'rate', rate, 'burst', '32kbit',
+                         'latency', '1s'])
+    if loss:
+      drop = 'drop' if loss >= 100 else f'numgen random mod 100 < {loss} drop'
+      rules = (f'table inet paxtest {{\n'
+               f'  chain in {{ type filter hook input priority 0; iifname "eth0" {drop}; }}\n'
+               f'  chain out {{ type filter hook output priority 0; oifname "eth0" {drop}; }}\n'
+               '}\n')
+      self.run(name, ['nft', '-f', '-'], input=rules)
 
   def stop(self) -> None:
     for holder in self.holders.values():

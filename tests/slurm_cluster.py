@@ -15,10 +15,8 @@ the test's own. Jobs run as root (as the tests do). The packages come from Debia
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import os
 import re
-import shutil
 import signal
 import subprocess
 import time
@@ -27,43 +25,13 @@ from typing import Callable, Optional
 import cluster_net
 
 PACKAGES = {'slurmctld': 'slurmctld', 'slurmd': 'slurmd', 'sbatch': 'slurm-client', 'munged': 'munge'}
-SBIN = ('/usr/sbin', '/usr/bin')
 CPUS_PER_NODE = 8   # what each slurmd says it has (config_overrides): tasks are processes, not cores
-
-
-def _which(name: str) -> Optional[str]:
-  for d in SBIN:
-    path = os.path.join(d, name)
-    if os.access(path, os.X_OK):
-      return path
-  return shutil.which(name)
-
-
-def ensure_packages() -> Optional[str]:
-  """Installs SLURM and munge from Debian's archive where missing; why it cannot (None: ready)."""
-  missing = sorted({pkg for tool, pkg in PACKAGES.items() if _which(tool) is None})
-  if not missing:
-    return None
-  if os.geteuid() != 0:
-    return f'needs root to install {", ".join(missing)}'
-  if shutil.which('apt-get') is None:
-    return f'needs {", ".join(missing)} (no apt-get here to install them)'
-  env = dict(os.environ, DEBIAN_FRONTEND='noninteractive')
-  with open('/tmp/paxcli-tests-apt.lock', 'w') as lock:   # one installer at a time (xdist workers)
-    fcntl.flock(lock, fcntl.LOCK_EX)
-    missing = sorted({pkg for tool, pkg in PACKAGES.items() if _which(tool) is None})
-    if missing:
-      for argv in (['apt-get', 'update', '-qq'],
-                   ['apt-get', 'install', '-y', '-qq', '--no-install-recommends', *missing]):
-        done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=900)
-        if done.returncode:
-          return f'`{" ".join(argv)}` failed: {(done.stderr or done.stdout).strip()[-300:]}'
-  return None
+_which = cluster_net.which
 
 
 def unavailable() -> Optional[str]:
   """Why this machine cannot run a SLURM cluster (None: it can, packages installed)."""
-  return cluster_net.unavailable() or ensure_packages()
+  return cluster_net.unavailable() or cluster_net.ensure_packages(PACKAGES)
 
 
 @dataclasses.dataclass
