@@ -149,14 +149,11 @@ SchedulerParameters=sched_interval=1
         daemon.kill()
         daemon.wait(timeout=10)
     for name in self.nodes:   # tasks and slurmstepd left in a node's namespaces: killed, by their ids
-      holder = self.net.holders.get(name)
-      if holder is not None:
-        for pid in _pids_in_netns(holder.pid):
-          if pid != holder.pid:
-            try:
-              os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-              pass
+      for pid in pids_on(self, name):
+        try:
+          os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+          pass
     self.net.stop()
 
   # ---- clients ----
@@ -208,15 +205,16 @@ def _wait_for(ready: Callable[[], bool], timeout: float, what: str, process: Opt
     time.sleep(0.3)
 
 
-def _pids_in_netns(holder_pid: int) -> list[int]:
-  """The processes in the network namespace of `holder_pid`."""
+def pids_on(cluster: Cluster, node: str) -> list[int]:
+  """The processes running on `node` (in its network namespace), but the one holding it."""
+  holder = cluster.net.holders.get(node)
   try:
-    target = os.readlink(f'/proc/{holder_pid}/ns/net')
-  except OSError:
+    target = os.readlink(f'/proc/{holder.pid}/ns/net')
+  except (AttributeError, OSError):
     return []
   pids = []
   for entry in os.listdir('/proc'):
-    if entry.isdigit():
+    if entry.isdigit() and int(entry) != holder.pid:
       try:
         if os.readlink(f'/proc/{entry}/ns/net') == target:
           pids.append(int(entry))

@@ -8,6 +8,7 @@ is a tiny model for a few steps; the losses of a job are held to one process on 
 import json
 import os
 import re
+import signal
 import subprocess
 import time
 
@@ -183,26 +184,84 @@ def test_sbatch_export_none_runs_pax_by_its_interpreter(cluster, tmp_path):
 # ---- preemption and requeue ------------------------------------------------------------------------
 
 
-def test_scancel_signal_term_saves_requeues_and_resumes_losing_no_step(cluster, one_process, tmp_path):
-  """`scancel --signal=TERM`: every process saves the step they agree on, exits 143, the script requeues the
-  job, and it resumes from that step (0 steps lost) to the losses of an uninterrupted run; `pax goodput` counts
-  the requeue."""
+def train_pid(cluster, node: str) -> int:
+  """The pid of the `pax train` process running on `node` (in its network namespace)."""
+  pids = [pid for pid in slurm_cluster.pids_on(cluster, node)
+          if b'paxcli.cli.app\x00train' in open(f'/proc/{pid}/cmdline', 'rb').read()]
+  assert len(pids) == 1, pids
+  return pids[0]
+
+
+def test_preemption_of_one_node_then_scancel_signal_term_requeue_and_lose_no_step(cluster, one_process, tmp_path):
+  """SIGTERM to the process on node2 alone, then `scancel --signal=TERM` to the job: each time every process saves
+  the step they agree on and exits 143, the script requeues the job, and it resumes from that step (0 steps lost)
+  to the losses of an uninterrupted run; `pax goodput` counts both requeues."""
   job = tmp_path / 'job'
   job_id, _ = launch_slurm(cluster, ['--nodes', '2', '--devices-per-process', '4', '--submit', '--', 'train',
                                      *TINY, '--set', 'PERCORE_BATCH_SIZE=1', '--set', 'task.train.save_interval_steps=100',
                                      '--set', f'task.train.num_train_steps={REFERENCE_STEPS}', '--job-log-dir', 'job'],
                            tmp_path, env=env_with(cluster, 4))
-  wait_for_text(cluster, job, job_id, r'step 6:')
+  wait_for_text(cluster, job, job_id, r'step 5:')
+  os.kill(train_pid(cluster, 'node2'), signal.SIGTERM)
+  first = int(wait_for_text(cluster, job, job_id, r'Resumed from step (\d+) ').group(1))
+  wait_for_text(cluster, job, job_id, rf'step {first + 4}:')
   cluster.run(['scancel', '--signal=TERM', str(job_id)])
   state = cluster.wait(job_id, finished, timeout=1500)
   text = output(job, job_id)
-  assert state['JobState'] == 'COMPLETED' and state['Restarts'] == '1', text[-4000:]
-  saved = int(re.search(r'all agreed to stop after step (\d+); saved a checkpoint at step \1', text).group(1))
-  assert 'stopped for preemption after saving (exit code 143); requeueing.' in text
-  assert f'Resumed from step {saved} ' in text, text[-4000:]
+  assert state['JobState'] == 'COMPLETED' and state['Restarts'] == '2', text[-4000:]
+  saved = [int(s) for s in re.findall(r'all agreed to stop after step (\d+); saved a checkpoint at step \1', text)]
+  resumed = [int(s) for s in re.findall(r'Resumed from step (\d+) ', text)]
+  assert saved == resumed and saved[0] == first, (saved, resumed)
+  assert text.count('stopped for preemption after saving (exit code 143); requeueing.') == 2
   assert_same_losses(losses(job), one_process, range(1, REFERENCE_STEPS + 1))
   account = json.loads(subprocess.run([*PAX, 'goodput', str(job), '--json'], capture_output=True, text=True,
                                       check=True).stdout)
-  [restart] = account['restarts']
-  assert restart['reason'].startswith(f'requeued by SLURM (job {job_id}, requeue 1)'), restart
-  assert restart['resumed_step'] == saved and restart['redone_steps'] == 0, restart
+  assert [r['reason'].split(':')[0] for r in account['restarts']] == [
+      f'requeued by SLURM (job {job_id}, requeue {i})' for i in (1, 2)], account['restarts']
+  assert [(r['resumed_step'], r['redone_steps']) for r in account['restarts']] == [(s, 0) for s in saved]
+
+
+def test_time_limit_warning_usr1_saves_and_requeues(cluster, tmp_path):
+  """`--time 3 --warn-before 60`: SLURM signals SIGUSR1 60 s before the limit (its check runs every 30 s); the
+  processes save the step they agree on and the job requeues with a new time limit, resuming from that step."""
+  job = tmp_path / 'job'
+  job_id, shown = launch_slurm(cluster, ['--nodes', '2', '--devices-per-process', '4', '--time', '3',
+                                         '--warn-before', '60', '--submit', '--', 'train', *TINY,
+                                         '--set', 'task.train.save_interval_steps=100000', *tiny_runs.steps(100000),
+                                         '--job-log-dir', 'job'], tmp_path, env=env_with(cluster, 4))
+  assert '#SBATCH --time=3\n' in shown and '#SBATCH --signal=USR1@60\n' in shown
+  saved = int(wait_for_text(cluster, job, job_id, r'all agreed to stop after step (\d+); saved', 600).group(1))
+  wait_for_text(cluster, job, job_id, rf'Resumed from step {saved} ', 600)
+  cluster.run(['scancel', str(job_id)])
+  text = output(job, job_id)
+  assert 'SIGUSR1: a preemption warning; every process saves the step they agree on and stops.' in text
+  assert 'stopped for preemption after saving (exit code 143); requeueing.' in text
+  assert 'TIMEOUT' not in text and 'DUE TO TIME LIMIT' not in text, text[-3000:]
+
+
+def test_a_cut_link_stops_the_job_and_slurm_brings_it_back_from_the_fast_tier(cluster, one_process, tmp_path):
+  """node2's link goes down mid-run: both processes end within --heartbeat-timeout, each with one line naming
+  the other host; the script requeues the failed job (--max-restarts 1) and, the link back, it resumes from the
+  newest step of the fast checkpoint tier to the losses of an uninterrupted run."""
+  job = tmp_path / 'job'
+  job_id, _ = launch_slurm(cluster, ['--nodes', '2', '--devices-per-process', '4', '--max-restarts', '1',
+                                     '--heartbeat-timeout', '15', '--submit', '--', 'train', *TINY,
+                                     '--set', 'PERCORE_BATCH_SIZE=1', '--set', 'task.train.save_interval_steps=100',
+                                     '--set', f'LOCAL_CHECKPOINT_DIR={tmp_path}/local', '--set', 'LOCAL_CHECKPOINT_EVERY=2',
+                                     '--set', f'task.train.num_train_steps={REFERENCE_STEPS}', '--job-log-dir', 'job'],
+                           tmp_path, env=env_with(cluster, 4))
+  wait_for_text(cluster, job, job_id, r'step 7:')
+  cluster.net.cut('node2')
+  try:
+    wait_for_text(cluster, job, job_id, r'error: lost process 1 on node2: no heartbeat', 300)
+  finally:
+    cluster.net.mend('node2')
+  state = cluster.wait(job_id, finished, timeout=1500)
+  text = output(job, job_id)
+  assert state['JobState'] == 'COMPLETED' and state['Restarts'] == '1', text[-4000:]
+  assert re.search(r'error: cannot reach the coordinator, process 0 at node1:\d+, for 15 s', text), text[-4000:]
+  assert '[pax-slurm] exit code 124; failure 1 of at most 1 requeued.' in text
+  assert 'Traceback' not in text and 'Check failure' not in text
+  step = int(re.search(r'Resumed from step (\d+) of the fast checkpoint tier', text).group(1))
+  assert step >= 6 and step % 2 == 0
+  assert_same_losses(losses(job), one_process, range(1, REFERENCE_STEPS + 1))
