@@ -8,7 +8,9 @@
 
 slurmctld runs on the hub host `ctl` of a tests/cluster_net.py network, one slurmd on each node host
 (`node1`, `node2`, ...), each in its own network and UTS namespace; munged runs with a key and socket of
-the test's own. Jobs run as root (as the tests do). The packages come from Debian's archive
+the test's own. Jobs run as root (as the tests do). Two partitions: `debug` (the default) and `urgent`,
+whose jobs preempt debug's (PreemptMode=REQUEUE: SIGTERM, 60 s of grace, then the job is requeued). A
+requeued job may start again 10 s later (cred_expire; SLURM's default is 120 s). The packages come from Debian's archive
 (`ensure_packages`, run as root with apt-get, as CI's clean machine needs).
 """
 
@@ -118,7 +120,10 @@ KillWait=10
 MinJobAge=600
 InactiveLimit=0
 SchedulerParameters=sched_interval=1
-{nodes}PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
+{nodes}PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP PriorityTier=1 GraceTime=60
+PartitionName=urgent Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=10
 {extra}""")
 
   def _daemon(self, host: Optional[str], argv: list[str], name: str) -> subprocess.Popen:

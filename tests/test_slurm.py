@@ -68,6 +68,18 @@ def wait_for_text(cluster, job_dir, job_id: int, pattern: str, timeout: float = 
     time.sleep(0.5)
 
 
+def resumed_from(cluster, job_dir, job_id: int, starts: int, timeout: float = 900) -> int:
+  """The step the `starts`-th requeue of the job resumed from, once it did."""
+  deadline = time.monotonic() + timeout
+  while True:
+    found = re.findall(r'Resumed from step (\d+) ', output(job_dir, job_id))
+    if len(found) >= starts:
+      return int(found[starts - 1])
+    assert not finished(cluster.job(job_id)), output(job_dir, job_id)[-3000:]
+    assert time.monotonic() < deadline, output(job_dir, job_id)[-3000:]   # a hang guard only
+    time.sleep(0.5)
+
+
 def finished(job: dict) -> bool:
   return job.get('JobState') in ('COMPLETED', 'FAILED', 'CANCELLED', 'TIMEOUT', 'NODE_FAIL', 'OUT_OF_MEMORY')
 
@@ -192,32 +204,36 @@ def train_pid(cluster, node: str) -> int:
   return pids[0]
 
 
-def test_preemption_of_one_node_then_scancel_signal_term_requeue_and_lose_no_step(cluster, one_process, tmp_path):
-  """SIGTERM to the process on node2 alone, then `scancel --signal=TERM` to the job: each time every process saves
-  the step they agree on and exits 143, the script requeues the job, and it resumes from that step (0 steps lost)
-  to the losses of an uninterrupted run; `pax goodput` counts both requeues."""
+def test_preemptions_of_one_node_by_scancel_and_by_a_higher_priority_job_lose_no_step(cluster, one_process, tmp_path):
+  """Three preemptions of one job: SIGTERM to the process on node2 alone, `scancel --signal=TERM`, and a job of a
+  higher-priority partition that needs both nodes (SLURM's PreemptMode=REQUEUE: SIGTERM, grace, its own requeue).
+  Each time every process saves the step they agree on and exits 143, the job is requeued and resumes from that
+  step (0 steps lost); the losses are those of an uninterrupted run; `pax goodput` counts the three requeues."""
   job = tmp_path / 'job'
   job_id, _ = launch_slurm(cluster, ['--nodes', '2', '--devices-per-process', '4', '--submit', '--', 'train',
                                      *TINY, '--set', 'PERCORE_BATCH_SIZE=1', '--set', 'task.train.save_interval_steps=100',
                                      '--set', f'task.train.num_train_steps={REFERENCE_STEPS}', '--job-log-dir', 'job'],
                            tmp_path, env=env_with(cluster, 4))
-  wait_for_text(cluster, job, job_id, r'step 5:')
-  os.kill(train_pid(cluster, 'node2'), signal.SIGTERM)
-  first = int(wait_for_text(cluster, job, job_id, r'Resumed from step (\d+) ').group(1))
-  wait_for_text(cluster, job, job_id, rf'step {first + 4}:')
-  cluster.run(['scancel', '--signal=TERM', str(job_id)])
+  preempt = [lambda: os.kill(train_pid(cluster, 'node2'), signal.SIGTERM),
+             lambda: cluster.run(['scancel', '--signal=TERM', str(job_id)]),
+             lambda: cluster.sbatch(['--partition=urgent', '--exclusive', '-N', '2', '-o', f'{tmp_path}/urgent.out',
+                                     '--wrap=sleep 1'], cwd=str(tmp_path))]
+  resumed = 0
+  for starts, event in enumerate(preempt, start=1):
+    wait_for_text(cluster, job, job_id, rf'step {resumed + 4}:')
+    event()
+    resumed = resumed_from(cluster, job, job_id, starts)
   state = cluster.wait(job_id, finished, timeout=1500)
   text = output(job, job_id)
-  assert state['JobState'] == 'COMPLETED' and state['Restarts'] == '2', text[-4000:]
+  assert state['JobState'] == 'COMPLETED' and state['Restarts'] == '3', text[-4000:]
   saved = [int(s) for s in re.findall(r'all agreed to stop after step (\d+); saved a checkpoint at step \1', text)]
-  resumed = [int(s) for s in re.findall(r'Resumed from step (\d+) ', text)]
-  assert saved == resumed and saved[0] == first, (saved, resumed)
-  assert text.count('stopped for preemption after saving (exit code 143); requeueing.') == 2
+  assert saved == [int(s) for s in re.findall(r'Resumed from step (\d+) ', text)] and saved[-1] == resumed, text[-4000:]
+  assert text.count('stopped for preemption after saving (exit code 143); requeueing.') == 3
   assert_same_losses(losses(job), one_process, range(1, REFERENCE_STEPS + 1))
   account = json.loads(subprocess.run([*PAX, 'goodput', str(job), '--json'], capture_output=True, text=True,
                                       check=True).stdout)
   assert [r['reason'].split(':')[0] for r in account['restarts']] == [
-      f'requeued by SLURM (job {job_id}, requeue {i})' for i in (1, 2)], account['restarts']
+      f'requeued by SLURM (job {job_id}, requeue {i})' for i in (1, 2, 3)], account['restarts']
   assert [(r['resumed_step'], r['redone_steps']) for r in account['restarts']] == [(s, 0) for s in saved]
 
 
