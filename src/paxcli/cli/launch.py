@@ -1,4 +1,5 @@
-"""`pax launch`: N local processes of one pax command, joined by jax.distributed on 127.0.0.1.
+"""`pax launch`: N local processes of one pax command, joined by jax.distributed on 127.0.0.1; or, with
+--slurm, the sbatch script that runs it on N nodes of a SLURM cluster (cli/launch_slurm.py).
 
 For testing multi-process runs on one machine (and for CPU work): each child gets
 PAX_COORDINATOR / PAX_NUM_PROCESSES / PAX_PROCESS_ID, its own fake CPU devices (or its
@@ -13,13 +14,18 @@ With --max-restarts N (torchrun's idea), a failure stops every process and start
 again, up to N times; `pax train` resumes from the newest complete checkpoint of either tier.
 With --heartbeat-timeout S, a process that has done a step but then goes S seconds without
 another (a hang: a stopped process, a dead collective) is a failure too: each child touches
-PAX_HEARTBEAT_FILE after every step. Every start, failure and restart goes into the job's
+PAX_HEARTBEAT_FILE after every step; the children watch each other with the same timeout
+(PAX_HEARTBEAT_TIMEOUT: runtime/peers.py). Every start, failure and restart goes into the job's
 goodput ledger (goodput/launch.jsonl; the children say which job directory is theirs).
+
+A child that exits 143 or 138 stopped for a preemption after saving the step all of them agreed on
+(loops/train.py): the others get --exit-wait seconds to finish saving it before they are stopped. The
+launcher's own SIGTERM is passed to every child the same way, and is never followed by a restart.
 
 Exit codes (what a cluster's retry policy keys on): 0 every process finished; otherwise that
 of the last failure: its exit code (2: the command was refused, 3: training diverged; these two
 are never restarted, they would fail again), 128+N for a process killed by signal N, 124 for a
-hang, 130 when the launcher itself was interrupted.
+hang, 143 after a preemption, 130 when the launcher itself was interrupted.
 
 Nothing here imports JAX (runtime.distributed and runtime.platform do not either); the children do.
 """

@@ -53,7 +53,7 @@ class Job:
   sbatch_options: tuple = ()
   env: tuple = ()                        # KEY=VALUE, exported for every process
   warn_before: int = 120                 # seconds: SIGUSR1 before the time limit
-  max_restarts: int = 3                  # requeues after failures (preemptions are always requeued)
+  max_restarts: int = 0                  # requeues after failures (preemptions are always requeued)
   heartbeat_timeout: Optional[float] = None
   exit_wait: float = 120.0               # srun --wait: the others' time to end after one task ended
 

@@ -142,8 +142,8 @@ class Watch:
       verdict = self._verdict
       if verdict is None and time.monotonic() - self._reached > self.timeout:
         verdict = Verdict(f'cannot reach the coordinator, process 0 at {self.coordinator}, for {self.timeout:g} s '
-                          f'(--heartbeat-timeout): its host is down or unreachable from {socket.gethostname()}; '
-                          'stopping.')
+                          '(--heartbeat-timeout): it stopped, or its host is down or unreachable from '
+                          f'{socket.gethostname()}; stopping.')
       if verdict is not None:
         # A peer's failure may be this process's too (the same refusal, the same NaN): it gets the grace to
         # end by itself, in its own words.
@@ -180,7 +180,7 @@ class Watch:
         self._seen[peer] = (beats.get(peer, ''), now)
       elif now - since > self.timeout:
         found = (f'lost process {peer} on {self._host(peer)}: no heartbeat for {now - since:.0f} s '
-                 f'(--heartbeat-timeout {self.timeout:g}); its host is down or unreachable')
+                 f'(--heartbeat-timeout {self.timeout:g}): it stopped, or its host is down or unreachable')
         self._set('lost', found)
         time.sleep(2 * self.every)   # the others read it before the coordinator goes
         return Verdict(f'{found}; stopping.')
