@@ -1,6 +1,6 @@
 """SLURM and a real network, measured on the tests' cluster (root only): what a job waits for and what a fault costs.
 
-  sudo .venv/bin/python benchmarks/cluster.py [--timeouts 10,30] [--steps 40]
+  sudo .venv/bin/python benchmarks/cluster.py [--timeouts 10,30] [--steps 40] [--parts start,preempt,kill,cut]
 
 Brings up Debian's slurmctld, two slurmd nodes (each in its own network namespace) and munge, as
 tests/test_slurm.py does, and a tiny LM on 2 processes x 4 fake CPU devices (`pax launch --slurm`):
@@ -140,7 +140,8 @@ def cut_link(work: str, timeout: int) -> float:
   try:
     procs = [net.popen(host, [*PAX, 'train', *TINY, '--set', 'task.train.num_train_steps=100000',
                               '--coordinator', 'node1:12400', '--num-processes', '2', '--process-id', str(i),
-                              '--heartbeat-timeout', str(timeout), '--job-log-dir', os.path.join(work, f'cut-{timeout}')],
+                              '--heartbeat-timeout', str(timeout),
+                              '--job-log-dir', os.path.join(work, f'cut-{timeout}')],
                        env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
              for i, host in enumerate(['node1', 'node2'])]
     while 'step 3:' not in procs[0].stdout.readline():
@@ -158,7 +159,9 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--timeouts', default='10,30', help='--heartbeat-timeout values for the cut link')
   parser.add_argument('--steps', type=int, default=40)
+  parser.add_argument('--parts', default='start,preempt,kill,cut', help='which of the measures to run')
   args = parser.parse_args()
+  parts = set(args.parts.split(','))
   reason = slurm_cluster.unavailable()
   if reason:
     sys.exit(f'cannot bring up the cluster here: {reason}')
@@ -169,35 +172,47 @@ def main() -> None:
   env = cluster.env(XLA_FLAGS='--xla_force_host_platform_device_count=4', JAX_PLATFORMS='cpu',
                     JAX_COMPILATION_CACHE_DIR=os.path.join(work, 'xla-cache'),
                     JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0')
+  rows = {}
   try:
-    cold = start_to_first_step(cluster, work, env, 'cold')
-    warm = start_to_first_step(cluster, work, env, 'warm')
-    preempted = preemption(cluster, work, env, args.steps)
-    killed = kill_9(cluster, work, env, args.steps)
+    if 'start' in parts:
+      rows['cold'] = start_to_first_step(cluster, work, env, 'cold')
+      rows['warm'] = start_to_first_step(cluster, work, env, 'warm')
+    if 'preempt' in parts:
+      rows['preempted'] = preemption(cluster, work, env, args.steps)
+    if 'kill' in parts:
+      rows['killed'] = kill_9(cluster, work, env, args.steps)
   finally:
     cluster.stop()
-  cuts = {int(t): cut_link(work, int(t)) for t in args.timeouts.split(',')}
+  cuts = {int(t): cut_link(work, int(t)) for t in args.timeouts.split(',')} if 'cut' in parts else {}
   console = Console()
-  t = Table(title=f'SLURM 22.05, 2 nodes x 1 process x 4 CPU devices, a tiny LM, on {processor()}')
-  for col in ('', 'job running s', 'JAX distributed s', 'first step s'):
-    t.add_column(col, justify='right' if col else 'left')
-  for name, row in (('sbatch to first step, cold XLA cache', cold), ('sbatch to first step, warm', warm)):
-    t.add_row(name, f"{row['running']:.1f}", f"{row['distributed']:.1f}", f"{row['first step']:.1f}")
-  console.print(t)
-  t = Table(title='What a fault costs')
-  for col in ('fault', 'furthest step', 'resumed from', 'steps lost', 'others stopped s', 'to first new step s'):
-    t.add_column(col, justify='left' if col == 'fault' else 'right')
-  t.add_row('scancel --signal=TERM at step 8', str(preempted['reached']), str(preempted['resumed']),
-            str(preempted['lost']), '-', f"{preempted['to first new step']:.1f}")
-  t.add_row('kill -9 of node2\'s process at step 12 (fast tier every 5)', str(killed['reached']),
-            str(killed['resumed']), str(killed['lost']), f"{killed['stopped']:.1f}", f"{killed['to first new step']:.1f}")
-  console.print(t)
-  t = Table(title='A cut link: seconds to every process stopped')
-  t.add_column('--heartbeat-timeout', justify='right')
-  t.add_column('cut to all stopped s', justify='right')
-  for timeout, seconds in cuts.items():
-    t.add_row(str(timeout), f'{seconds:.1f}')
-  console.print(t)
+  if 'cold' in rows:
+    t = Table(title=f'SLURM 22.05, 2 nodes x 1 process x 4 CPU devices, a tiny LM, on {processor()}')
+    for col in ('', 'job running s', 'JAX distributed s', 'first step s'):
+      t.add_column(col, justify='right' if col else 'left')
+    for name, row in (('sbatch to first step, cold XLA cache', rows['cold']),
+                      ('sbatch to first step, warm', rows['warm'])):
+      t.add_row(name, f"{row['running']:.1f}", f"{row['distributed']:.1f}", f"{row['first step']:.1f}")
+    console.print(t)
+  if 'preempted' in rows or 'killed' in rows:
+    t = Table(title=f'What a fault costs, on {processor()}')
+    for col in ('fault', 'furthest step', 'resumed from', 'steps lost', 'others stopped s', 'to first new step s'):
+      t.add_column(col, justify='left' if col == 'fault' else 'right')
+    if 'preempted' in rows:
+      row = rows['preempted']
+      t.add_row('scancel --signal=TERM at step 8', str(row['reached']), str(row['resumed']), str(row['lost']), '-',
+                f"{row['to first new step']:.1f}")
+    if 'killed' in rows:
+      row = rows['killed']
+      t.add_row("kill -9 of node2's process at step 12 (fast tier every 5)", str(row['reached']), str(row['resumed']),
+                str(row['lost']), f"{row['stopped']:.1f}", f"{row['to first new step']:.1f}")
+    console.print(t)
+  if cuts:
+    t = Table(title=f'A cut link: seconds to every process stopped, on {processor()}')
+    t.add_column('--heartbeat-timeout', justify='right')
+    t.add_column('cut to all stopped s', justify='right')
+    for timeout, seconds in cuts.items():
+      t.add_row(str(timeout), f'{seconds:.1f}')
+    console.print(t)
 
 
 if __name__ == '__main__':

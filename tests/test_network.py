@@ -96,4 +96,5 @@ def test_a_lost_link_ends_every_process_with_one_line_naming_the_other_host(net,
   assert re.fullmatch(rf'error: lost process 1 on node2: no heartbeat for \d+ s \(--heartbeat-timeout {TIMEOUT}\): '
                       r'it stopped, or its host is down or unreachable; stopping\.', errors[0]), errors
   assert errors[1] == (f'error: cannot reach the coordinator, process 0 at node1:{port}, for {TIMEOUT} s '
-                       '(--heartbeat-timeout): it stopped, or its host is down or unreachable from node2; stopping.'), errors
+                       '(--heartbeat-timeout): it stopped, or its host is down or unreachable from node2; '
+                       'stopping.'), errors

@@ -116,7 +116,7 @@ def test_dry_run_prints_the_script_and_writes_nothing(capsys, tmp_path, monkeypa
                f'#SBATCH --output={job}/slurm/%x-%j.out', '#SBATCH --requeue', '#SBATCH --signal=USR1@120',
                '#SBATCH --qos=high', 'export NCCL_DEBUG=WARN'):
     assert line + '\n' in out, line
-  assert (f'srun --export=ALL --wait=120 {sys.executable} -m paxcli.cli.app train --exp lm_cloud.LmCloudSpmdTest '
+  assert (f'srun --export=ALL {sys.executable} -m paxcli.cli.app train --exp lm_cloud.LmCloudSpmdTest '
           f'--job-log-dir {job}\n') in out
   assert 'if [ $failed -gt 2 ]; then' in out and '138|143)' in out and '2|3|130)' in out
   assert not (tmp_path / 'runs').exists()
@@ -143,7 +143,8 @@ def test_the_script_is_written_into_the_job_directory_with_the_default_experimen
 @pytest.mark.parametrize('argv, message', [
     (['--slurm', '--', 'train'], '--slurm needs --nodes N'),
     (['--slurm', '--nodes', '2', '--processes', '2', '--', 'train'], '--processes does not go with this launch'),
-    (['--slurm', '--nodes', '2', '--port', '9', '--grace', '1', '--', 'train'], '--port, --grace do not go'),
+    (['--slurm', '--nodes', '2', '--port', '9', '--grace', '1', '--exit-wait', '5', '--', 'train'],
+     '--port, --grace, --exit-wait do not go'),
     (['--processes', '2', '--nodes', '2', '--', 'train'], '--nodes does not go with this launch: those options go '
                                                           'with --slurm'),
     (['--', 'train'], 'Give --processes N (local processes), or --slurm --nodes N'),

@@ -27,12 +27,19 @@ def steps(n: int) -> list[str]:
   return ['--set', f'task.train.num_train_steps={n}']
 
 
+_REFERENCES: dict[int, dict[int, float]] = {}
+
+
 def one_process(job_dir, n: int) -> dict[int, float]:
-  """The reference: n steps on 1 process x 8 devices, global batch 8 (PERCORE_BATCH_SIZE=1); its losses."""
+  """The reference: n steps on 1 process x 8 devices, global batch 8 (PERCORE_BATCH_SIZE=1); its losses, trained
+  once per pytest process for each n (in `job_dir` the first time)."""
+  if n in _REFERENCES:
+    return _REFERENCES[n]
   result = run_pax('train', *TINY, '--set', 'ICI_MESH_SHAPE=[1,8,1]', '--set', 'PERCORE_BATCH_SIZE=1', *steps(n),
                    '--job-log-dir', str(job_dir), timeout=900)
   assert result.returncode == 0, result.stderr[-3000:]
-  return losses(job_dir)
+  _REFERENCES[n] = losses(job_dir)
+  return _REFERENCES[n]
 
 
 def losses(job_dir) -> dict[int, float]:

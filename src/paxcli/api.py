@@ -77,9 +77,10 @@ def open_run(exp: Optional[str], overrides: Sequence[str] = (), job_dir: Optiona
   The order is JAX's: jax.distributed starts before any backend (experiments may ask jax
   for device counts while resolving), and PLATFORM_ENV's XLA flags are set before the
   command's loop starts the backend. `processes`: the command runs on several processes
-  (--coordinator ...; else a detected cluster), each watching the others (--heartbeat-timeout). The job directory (`job_dir`, else
-  ./runs/<experiment>, or ./runs/<experiment>_on_<data> for --set TRAIN_DATA=...) is made
-  absolute once, here: orbax refuses relative paths and the rest of paxcli joins names onto it.
+  (--coordinator ...; else a detected cluster), each watching the others (--heartbeat-timeout). The
+  job directory (`job_dir`, else ./runs/<experiment>, or ./runs/<experiment>_on_<data> for --set
+  TRAIN_DATA=...) is made absolute once, here: orbax refuses relative paths and the rest of paxcli
+  joins names onto it.
   `remembered` (every command but train): the experiment and --set overrides the job was trained
   with (jobdir.invocation.read_made) come first, `exp` and `overrides` given here on top, in one
   line on `log`. A job directory with a checkpoint keeps its tokenizer (jobdir.tokenizer.keep_trained);
@@ -264,7 +265,8 @@ def train(exp: Optional[str] = None, *, overrides: Sequence[str] = (), job_dir: 
   pgle_profile = path_arg(pgle_profile, '--pgle-profile')
   console = _console(console)
   run = open_run(exp, overrides, job_dir, coordinator=coordinator, num_processes=num_processes,
-                 process_id=process_id, heartbeat_timeout=heartbeat_timeout, log=_printer(console), remembered=False)
+                 process_id=process_id, heartbeat_timeout=heartbeat_timeout, log=_printer(console),
+                 remembered=False)
   if job_dir is None and any(invocation.key_of(o) == 'TRAIN_DATA' for o in overrides):
     _printer(console)(f'Job directory {_shown(run.job_dir)}, named after TRAIN_DATA (--job-log-dir picks another).')
   made = invocation.Made(experiment.canonical_name(exp),

@@ -140,17 +140,17 @@ def tidy_help(command) -> None:
 
 
 def run_app(app: typer.Typer, argv: list[str]) -> None:
-  """Runs the app; a UserError becomes one red line and its exit code, never a traceback. The other
-  processes of a multi-process run are told how this one ends (distributed.say_exit)."""
+  """Runs the app; a UserError becomes one red line and its exit code, never a traceback. In a multi-process
+  run the others are told how this process ends, and a failure ends it at once (distributed.end_command)."""
   try:
     _run_app(app, argv)
   except SystemExit as e:
-    distributed.say_exit(e.code if isinstance(e.code, int) else (0 if e.code is None else 1))
+    distributed.end_command(e.code if isinstance(e.code, int) else (0 if e.code is None else 1))
     raise
-  except BaseException as e:
-    distributed.say_exit(1, f'{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ""}')
+  except Exception as e:  # noqa: BLE001 - shown by end_command in a multi-process run, else by Python
+    distributed.end_command(1, error=e)
     raise
-  distributed.say_exit(0)
+  distributed.end_command(0)
 
 
 def _run_app(app: typer.Typer, argv: list[str]) -> None:

@@ -107,8 +107,10 @@ def launch(
     time_limit: Optional[str] = typer.Option(None, '--time', metavar='LIMIT', rich_help_panel='SLURM',
                                              help="SLURM's time limit (HH:MM:SS); the job saves and requeues "
                                                   '--warn-before seconds ahead of it.'),
-    partition: Optional[str] = typer.Option(None, '--partition', metavar='NAME', rich_help_panel='SLURM'),
-    account: Optional[str] = typer.Option(None, '--account', metavar='NAME', rich_help_panel='SLURM'),
+    partition: Optional[str] = typer.Option(None, '--partition', metavar='NAME', rich_help_panel='SLURM',
+                                            help="SLURM partition. Default: the cluster's."),
+    account: Optional[str] = typer.Option(None, '--account', metavar='NAME', rich_help_panel='SLURM',
+                                          help='SLURM account to charge.'),
     job_name: Optional[str] = typer.Option(None, '--job-name', metavar='NAME', rich_help_panel='SLURM',
                                            help='Default: pax-<command>.'),
     sbatch_options: List[str] = typer.Option([], '--sbatch-option', metavar='--OPT=VALUE', rich_help_panel='SLURM',
@@ -134,7 +136,7 @@ def launch(
   /shared/runs/e
   """
   local_only = {'--processes': processes is not None, '--port': port is not None, '--grace': grace != 5.0,
-                '--verbose': verbose}
+                '--exit-wait': exit_wait != 120.0, '--verbose': verbose}
   slurm_only = {'--nodes': nodes is not None, '--tasks-per-node': tasks_per_node != 1, '--gpus-per-node': gpus_per_node,
                 '--time': time_limit, '--partition': partition, '--account': account, '--job-name': job_name,
                 '--sbatch-option': sbatch_options, '--env': env, '--warn-before': warn_before != 120,
@@ -148,8 +150,7 @@ def launch(
       raise UserError('--devices-per-process sets fake CPU devices; with --gpus-per-node each process drives its '
                       'share of the node\'s GPUs (--tasks-per-node).')
     job = launch_slurm.Job(nodes, tasks_per_node, gpus_per_node, devices_per_process, time_limit, partition, account,
-                           job_name, tuple(sbatch_options), tuple(env), warn_before, max_restarts, heartbeat_timeout,
-                           exit_wait)
+                           job_name, tuple(sbatch_options), tuple(env), warn_before, max_restarts, heartbeat_timeout)
     _slurm(job, _command(command or [], runnable), submit, dry_run)
     return
   _refuse(slurm_only, 'go with --slurm')

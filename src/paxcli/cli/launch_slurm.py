@@ -55,7 +55,6 @@ class Job:
   warn_before: int = 120                 # seconds: SIGUSR1 before the time limit
   max_restarts: int = 0                  # requeues after failures (preemptions are always requeued)
   heartbeat_timeout: Optional[float] = None
-  exit_wait: float = 120.0               # srun --wait: the others' time to end after one task ended
 
   def check(self) -> None:
     for option, value in (('--partition', self.partition), ('--account', self.account), ('--job-name', self.name)):
@@ -111,7 +110,8 @@ def script(job: Job, argv: list[str], job_dir: str, interpreter: str = sys.execu
   where = files_dir(job_dir)
   name = job.name or f'pax-{argv[0]}'
   lines = ['#!/bin/bash',
-           f'# Written by `pax launch --slurm` (paxcli {__version__}). Submit it with: sbatch {shlex.quote(_path(where, name))}',
+           f'# Written by `pax launch --slurm` (paxcli {__version__}). Submit it with: sbatch '
+           f'{shlex.quote(_path(where, name))}',
            f'# {job.nodes} node(s) x {job.tasks_per_node} process(es); each process is one `pax {argv[0]}` of the job.',
            f'#SBATCH --job-name={name}',
            f'#SBATCH --nodes={job.nodes}',
@@ -136,22 +136,24 @@ def script(job: Job, argv: list[str], job_dir: str, interpreter: str = sys.execu
   failures = shlex.quote(f'{where}/{name}') + '-$SLURM_JOB_ID.failures'
   lines += [
       'restart=${SLURM_RESTART_COUNT:-0}',
-      'echo "[pax-slurm] job $SLURM_JOB_ID, start $((restart + 1)): $SLURM_JOB_NUM_NODES node(s) ($SLURM_JOB_NODELIST)"',
+      'echo "[pax-slurm] job $SLURM_JOB_ID, start $((restart + 1)): $SLURM_JOB_NUM_NODES node(s)'
+      ' ($SLURM_JOB_NODELIST)"',
       "trap 'echo \"[pax-slurm] SIGTERM: the processes save the step they agree on and stop\"' TERM",
-      '# One process per task. --export=ALL: this environment (PATH or not) reaches every process. --wait: after',
-      '# one process ends, the others have that long to end by themselves (a preemption: saving the same step).',
-      f'srun --export=ALL --wait={int(job.exit_wait)} {command}',
+      '# One process per task. --export=ALL: this environment (PATH or not) reaches every process. A process',
+      '# killed by a signal ends the step at once; after one that exits, the others end by themselves (a',
+      '# preemption: saving the same step; a failure: they stop within --heartbeat-timeout, naming it).',
+      f'srun --export=ALL {command}',
       'code=$?',
       'case $code in',
       '  0) echo "[pax-slurm] finished."; exit 0 ;;',
-      f'  {"|".join(str(c) for c in NEVER_REQUEUED[1:])}) echo "[pax-slurm] exit code $code: not requeued (it would end the '
-      'same way)."; exit $code ;;',
-      f'  {"|".join(str(c) for c in PREEMPTED)}) echo "[pax-slurm] stopped for preemption after saving (exit code $code); '
-      'requeueing." ;;',
+      f'  {_cases(NEVER_REQUEUED[1:])}) echo "[pax-slurm] exit code $code: not requeued (it would end the same way)."; '
+      'exit $code ;;',
+      f'  {_cases(PREEMPTED)}) echo "[pax-slurm] stopped for preemption after saving (exit code $code); requeueing." ;;',
       f'  *) failed=$(( $(cat {failures} 2>/dev/null || echo 0) + 1 ))',
       f'     echo $failed > {failures}',
       f'     if [ $failed -gt {job.max_restarts} ]; then',
-      f'       echo "[pax-slurm] exit code $code; failure $failed, past --max-restarts {job.max_restarts}: not requeued."',
+      f'       echo "[pax-slurm] exit code $code; failure $failed, past --max-restarts {job.max_restarts}: not '
+      'requeued."',
       '       exit $code',
       '     fi',
       f'     echo "[pax-slurm] exit code $code; failure $failed of at most {job.max_restarts} requeued." ;;',
@@ -161,6 +163,10 @@ def script(job: Job, argv: list[str], job_dir: str, interpreter: str = sys.execu
       'exit $code',
       '']
   return '\n'.join(lines)
+
+
+def _cases(codes) -> str:
+  return '|'.join(str(c) for c in codes)
 
 
 def _path(where: str, name: str) -> str:
@@ -198,5 +204,6 @@ def submit(path: str) -> str:
     raise UserError(f'sbatch is not on PATH here: run `sbatch {path}` on a machine of the cluster.')
   done = subprocess.run([sbatch, '--parsable', path], capture_output=True, text=True, timeout=120)
   if done.returncode:
-    raise UserError(f'sbatch {path} failed: {(done.stderr or done.stdout).strip().splitlines()[-1:] or done.returncode}')
+    said = (done.stderr or done.stdout).strip().splitlines()
+    raise UserError(f'sbatch {path} failed: {said[-1] if said else f"exit code {done.returncode}"}')
   return done.stdout.strip().split(';')[0]

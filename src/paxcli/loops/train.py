@@ -402,9 +402,9 @@ class GracefulStop:
   at its own moment, or only some of them, so they agree on the step through JAX's preemption sync point
   (jax.experimental.multihost_utils.reached_preemption_sync_point): JAX's runtime catches SIGTERM itself and
   tells every process; each reports its step and all stop after the same one, the step after the furthest
-  process's, and save it. SIGUSR1 is handed to that same path as a SIGTERM. The counter given to JAX is the
-  step within this invocation (1, 2, ...), so a signal during start-up stops the first step. Ctrl-C on
-  several processes is an interrupt without a save.
+  process's, and save it. SIGUSR1 is handed to that same path as a SIGTERM. A signal during start-up (before
+  every process set its counter to the step it resumes from) stops the first step
+  (distributed.preemption_counter_from). Ctrl-C on several processes is an interrupt without a save.
 
   A second signal (Ctrl-C again, one process) exits at once, in one line, without waiting for a save in
   flight: orbax's temporary directory is left behind and set aside (never used) at the next start. `hook`

@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
+import traceback
 import warnings
 from typing import Callable, Mapping, Optional
 
@@ -224,6 +226,37 @@ def say_exit(code: int, reason: str = '') -> None:
   """Tells the other processes how this one ends (the first call counts); a no-op without a watch."""
   if _watch is not None:
     _watch.exiting(code, reason)
+
+
+def end_command(code: int, error: Optional[BaseException] = None) -> None:
+  """The end of a command of a multi-process run (a no-op in one process): the others are told how it ends.
+  After a failure this process ends here and now (os._exit): JAX's shutdown at exit would wait at a barrier
+  for every process, and the others stop because of this one. `error`, an exception not yet shown: a
+  collective whose peer went away is said in one line naming it (exit code 124), anything else as its
+  traceback."""
+  if _watch is None:
+    return
+  if error is not None:
+    lost = _watch.collective_loss(error)
+    code = peers.LOST if lost else 1
+    if lost:
+      sys.stderr.write(f'error: {lost}\n')
+    else:
+      traceback.print_exception(type(error), error, error.__traceback__)
+    say_exit(code, lost or f'{type(error).__name__}: {_first_line(error)}')
+  say_exit(code)
+  if code not in peers.PEERS_STOP_TOO:
+    for stream in (sys.stdout, sys.stderr):
+      try:
+        stream.flush()
+      except (OSError, ValueError):
+        pass
+    os._exit(code)
+
+
+def _first_line(error: BaseException) -> str:
+  text = str(error).strip()
+  return text.splitlines()[0][:300] if text else ''
 
 
 def _check_backend_not_started() -> None:

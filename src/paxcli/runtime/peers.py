@@ -9,7 +9,9 @@ main thread is doing (a step, a compilation, a save):
 - process 0 sees a peer whose beats stop for `timeout` seconds, and names it (process, host) to everyone;
 - a process whose own beats cannot reach the coordinator for `timeout` seconds names the coordinator;
 - a process that ends in failure says so on its way out (`exiting`), and the others stop at once with
-  its reason instead of waiting out the timeout.
+  its reason instead of waiting out the timeout;
+- a collective that fails because its peer went away (gloo: `Connection reset by peer`) is said in one
+  line naming that process and host (`collective_loss`), not a traceback.
 
 Each then prints one `error:` line and exits with LOST (124). JAX's own heartbeat timeout is set above
 this one (`jax_heartbeat_seconds`), so its abort never comes first. A scheduler (or `pax launch
@@ -21,11 +23,12 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import os
+import re
 import socket
 import sys
 import threading
 import time
-from typing import Callable, Optional
+from typing import Optional
 
 LOST = 124
 DEFAULT_TIMEOUT = 100.0   # JAX's own heartbeat timeout, which this one replaces
@@ -34,7 +37,15 @@ PEERS_STOP_TOO = (0, 138, 143)
 # A peer's exit code this process takes over: a refusal and a divergence would come back the same.
 SAME_AGAIN = (2, 3)
 FAILED_PEER_GRACE = 10.0
+EXIT_SAY_SECONDS = 5.0
+START_BARRIER_MS = 300_000
 _PREFIX = 'paxcli/peers/'
+# A collective that failed because the process at the other end went away: gloo's read or write errors
+# name its address ('Gloo AllGather failed: [...pair.cc:538] Read error [10.0.0.2]:57476: Connection reset by
+# peer').
+_PEER_GONE = re.compile(r'(?:gloo|nccl)[^\n]*?(connection reset by peer|connection closed by peer|broken pipe|'
+                        r'connection refused|remote process exited|timed out)', re.IGNORECASE)
+_PEER_ADDRESS = re.compile(r'\[([0-9A-Fa-f.:]+)\]:\d+')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,34 +89,32 @@ def beat_every(timeout: float) -> float:
 class Watch:
   """See the module docstring. `client`: jax.distributed's client (its key-value store)."""
 
-  def __init__(self, client, process: int, count: int, timeout: float, coordinator: str,
-               stderr=None, exit_fn: Callable[[int], None] = os._exit):
+  def __init__(self, client, process: int, count: int, timeout: float, coordinator: str):
     self.client, self.process, self.count, self.timeout = client, process, count, timeout
     self.coordinator = coordinator
     self.every = beat_every(timeout)
-    self._stderr = stderr or sys.stderr
-    self._exit = exit_fn
     self._stop = threading.Event()
     self._reached = time.monotonic()   # when this process last reached the coordinator
     self._hosts: dict[int, str] = {}
     self._seen: dict[int, tuple[str, float]] = {}   # process 0: peer -> (its last beat, when it changed)
     self._done: set[int] = set()
-    self._on_lost: list[Callable[[int], None]] = []
     self._verdict: Optional[Verdict] = None
     self._said = False
 
   def start(self) -> 'Watch':
-    self._set(f'host/{self.process}', socket.gethostname())
+    """Publishes this process's host and address, reads every other's (all at once: a barrier), and starts
+    watching."""
+    self._set(f'host/{self.process}', f'{socket.gethostname()} {_address_towards(self.coordinator)}')
+    self.client.wait_at_barrier(_PREFIX + 'hosts', START_BARRIER_MS)
+    for key, value in self.client.key_value_dir_get(_PREFIX + 'host/'):
+      if _index(key) is not None:
+        self._hosts[_index(key)] = value[:200]
     now = time.monotonic()
     self._seen = {i: ('', now) for i in range(self.count) if i != self.process}
     for target, name in ((self._beat, 'paxcli-peers-beat'), (self._watch, 'paxcli-peers-watch')):
       threading.Thread(target=target, name=name, daemon=True).start()
     atexit.register(self.stop)
     return self
-
-  def on_lost(self, callback: Callable[[int], None]) -> None:
-    """`callback(exit_code)` runs (for a few seconds at most) before this process exits for a lost peer."""
-    self._on_lost.append(callback)
 
   def exiting(self, code: int, reason: str = '') -> None:
     """Tells the others how this process ends (code 0, 138 and 143 do not stop them: they end the same way).
@@ -114,13 +123,31 @@ class Watch:
       return
     self._said = True
     self._stop.set()
-    try:
-      self._set(f'exit/{self.process}', f'{int(code)} {reason}'.strip()[:500])
-    except Exception:  # pylint: disable=broad-except
-      pass   # the coordinator is gone: the others find out by themselves
+
+    def say():
+      try:
+        self._set(f'exit/{self.process}', f'{int(code)} {reason}'.strip()[:500])
+      except Exception:  # pylint: disable=broad-except
+        pass   # the coordinator is gone: the others find out by themselves
+    # An unreachable coordinator can hold the call for long: the exit does not wait on it.
+    said = threading.Thread(target=say, name='paxcli-peers-exit', daemon=True)
+    said.start()
+    said.join(EXIT_SAY_SECONDS)
 
   def stop(self) -> None:
     self._stop.set()
+
+  def collective_loss(self, error: BaseException) -> Optional[str]:
+    """One line for an error of a collective whose peer went away (the process and host it names), else None."""
+    found = _PEER_GONE.search(str(error))
+    if found is None:
+      return None
+    address = next(iter(_PEER_ADDRESS.findall(found.group(0))), None)
+    why = found.group(1).lower()
+    there = [p for p, v in self._hosts.items() if address and v.split(' ')[-1] == address and p != self.process]
+    who = (f'process {there[0]} on {self._host(there[0])}' if len(there) == 1 else
+           f'the process at {address}' if address else 'a peer process')
+    return f'lost {who}: a collective failed ({why}); it stopped, or its host is down or unreachable; stopping.'
 
   # ---- the threads ----
 
@@ -152,7 +179,7 @@ class Watch:
         self._lost(verdict)
         return
 
-  def _judge(self) -> Optional[str]:
+  def _judge(self) -> Optional[Verdict]:
     """What stops this process, from the key-value store: a peer that failed, or (process 0) a peer silent
     for longer than the timeout, or (the others) what process 0 found."""
     for key, value in self.client.key_value_dir_get(_PREFIX + 'exit/'):
@@ -188,15 +215,11 @@ class Watch:
 
   def _lost(self, verdict: Verdict) -> None:
     try:
-      self._stderr.write(f'error: {verdict.message}\n')
-      self._stderr.flush()
+      sys.stderr.write(f'error: {verdict.message}\n')
+      sys.stderr.flush()
     except (OSError, ValueError):
       pass
-    for callback in self._on_lost:
-      done = threading.Thread(target=callback, args=(verdict.code,), daemon=True)
-      done.start()
-      done.join(5)
-    self._exit(verdict.code)
+    os._exit(verdict.code)   # the main thread may be blocked in a collective for good
 
   # ---- the key-value store ----
 
@@ -208,6 +231,21 @@ class Watch:
     return kv_get(self.client, _PREFIX + key)
 
   def _host(self, peer: int) -> str:
-    if peer not in self._hosts:
-      self._hosts[peer] = (self._get(f'host/{peer}') or '?')[:100]
-    return self._hosts[peer]
+    """'node2 (10.0.0.2)': the host of process `peer`, as it published it at the start."""
+    name, _, address = self._hosts.get(peer, '?').partition(' ')
+    return f'{name} ({address})' if address and address != name else name
+
+
+def _address_towards(coordinator: str) -> str:
+  """This host's address on the way to the coordinator (no packet is sent), or its name's."""
+  host, _, port = coordinator.rpartition(':')
+  try:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+      s.connect((host.strip('[]'), int(port)))
+      return s.getsockname()[0]
+  except (OSError, ValueError):
+    try:
+      return socket.gethostbyname(socket.gethostname())
+    except OSError:
+      return '?'
+
