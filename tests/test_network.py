@@ -59,12 +59,13 @@ def test_two_hosts_over_a_slow_lossy_link_train_like_one_process(net, tmp_path):
   assert_same_losses(losses(tmp_path / 'job'), reference, range(1, 7))
 
 
-@pytest.mark.parametrize('fault', ['cut', 'drop'])
-def test_a_lost_link_ends_every_process_with_one_line_naming_the_other_host(net, tmp_path, fault):
-  """The link of node2 goes down (or drops every packet, the link up) at step 3: process 0 (node1) names
-  process 1 on node2, process 1 names the coordinator on node1, both within the timeout and a few beats, exit
-  code 124."""
-  port = 12302 if fault == 'cut' else 12303
+@pytest.mark.parametrize('fault', ['cut', 'drop', 'kill'])
+def test_a_lost_link_or_process_ends_every_other_process_with_one_line_naming_it(net, tmp_path, fault):
+  """At step 3 the link of node2 goes down, or drops every packet (the link up), or its process is killed
+  (`kill -9`): process 0 (node1) names process 1 on node2, and process 1, if alive, names the coordinator on
+  node1; each within the timeout and a few beats (a killed peer's reset connection: at once), exit code 124,
+  no traceback."""
+  port = {'cut': 12302, 'drop': 12303, 'kill': 12304}[fault]
   procs = start(net, tmp_path / 'job', port, [*tiny_runs.steps(100000), '--set', 'task.train.save_interval_steps=1000'])
   try:
     progress = ''
@@ -74,8 +75,10 @@ def test_a_lost_link_ends_every_process_with_one_line_naming_the_other_host(net,
     cut = time.monotonic()
     if fault == 'cut':
       net.cut('node2')
-    else:
+    elif fault == 'drop':
       net.impair('node2', loss=100)
+    else:
+      procs[1].kill()
     outs = [p.communicate(timeout=300) for p in procs]   # a hang guard only
     stopped = time.monotonic() - cut
   finally:
@@ -85,16 +88,19 @@ def test_a_lost_link_ends_every_process_with_one_line_naming_the_other_host(net,
     net.mend('node2')
     net.impair('node2')
   print(f'{fault}: every process stopped {stopped:.1f} s after it (--heartbeat-timeout {TIMEOUT})')
+  survivors = procs if fault != 'kill' else procs[:1]
   errors = []
-  for p, (_, err) in zip(procs, outs):
+  for p, (_, err) in zip(survivors, outs):
     assert p.returncode == 124, err[-3000:]
     assert 'Traceback' not in err and 'Check failure' not in err and '*** ' not in err, err[-3000:]
     lines = [line for line in err.splitlines() if line.startswith('error:')]
     assert len(lines) == 1, err[-3000:]
     assert err.rstrip().endswith(lines[0]), err[-3000:]   # the last word: nothing after it
     errors.append(lines[0])
-  assert re.fullmatch(rf'error: lost process 1 on node2: no heartbeat for \d+ s \(--heartbeat-timeout {TIMEOUT}\): '
-                      r'it stopped, or its host is down or unreachable; stopping\.', errors[0]), errors
-  assert errors[1] == (f'error: cannot reach the coordinator, process 0 at node1:{port}, for {TIMEOUT} s '
-                       '(--heartbeat-timeout): it stopped, or its host is down or unreachable from node2; '
-                       'stopping.'), errors
+  assert re.fullmatch(r'error: lost process 1 on node2 \(10\.77\.0\.12\): (no heartbeat for \d+ s '
+                      rf'\(--heartbeat-timeout {TIMEOUT}\)|a collective failed \([a-z ]+\)): it stopped, or its host '
+                      r'is down or unreachable; stopping\.', errors[0]), errors
+  if fault != 'kill':
+    assert errors[1] == (f'error: cannot reach the coordinator, process 0 at node1:{port}, for {TIMEOUT} s '
+                         '(--heartbeat-timeout): it stopped, or its host is down or unreachable from node2; '
+                         'stopping.'), errors

@@ -147,7 +147,7 @@ class Watch:
     there = [p for p, v in self._hosts.items() if address and v.split(' ')[-1] == address and p != self.process]
     who = (f'process {there[0]} on {self._host(there[0])}' if len(there) == 1 else
            f'the process at {address}' if address else 'a peer process')
-    return f'lost {who}: a collective failed ({why}); it stopped, or its host is down or unreachable; stopping.'
+    return f'lost {who}: a collective failed ({why}): it stopped, or its host is down or unreachable; stopping.'
 
   # ---- the threads ----
 
