@@ -19,32 +19,15 @@ import numpy as np
 import pytest
 
 from conftest import pax_main, run_pax
+from tiny_runs import RTOL, TINY, losses as _losses, assert_same_losses as _close
 from paxcli import config
 from paxcli.runtime import distributed
 from paxcli.runtime import infeed
 from paxcli.runtime import sharding
 from paxcli.errors import UserError
 
-TINY = ['--exp', 'lm_cloud.LmCloudSpmdTest', '--set', 'NUM_LAYERS=2', '--set', 'MODEL_DIMS=32',
-        '--set', 'HIDDEN_DIMS=64', '--set', 'NUM_HEADS=4', '--set', 'DIMS_PER_HEAD=8',
-        '--set', 'MAX_SEQ_LEN=16', '--set', 'VOCAB_SIZE=64', '--set', 'task.train.summary_interval_steps=1',
-        '--set', 'task.train.save_interval_steps=3']
 TWO_SLICES = ['--set', 'ICI_MESH_SHAPE=[1,4,1]', '--set', 'DCN_MESH_SHAPE=[2,1,1]']
 LAUNCH_2x4 = ['launch', '--processes', '2', '--devices-per-process', '4', '--grace', '2', '--']
-# float32 reductions run in another order across processes: agree to 1e-5 relative.
-RTOL = 1e-5
-
-
-def _losses(job_dir) -> dict[int, float]:
-  with open(os.path.join(job_dir, 'train_metrics.jsonl')) as f:
-    records = [json.loads(line) for line in f]
-  steps = [r['step'] for r in records]
-  assert len(steps) == len(set(steps)), f'metrics written more than once: {steps}'
-  return {r['step']: r['loss'] for r in records}
-
-
-def _close(a: dict, b: dict, steps) -> None:
-  np.testing.assert_allclose([a[s] for s in steps], [b[s] for s in steps], rtol=RTOL)
 
 
 @pytest.fixture(scope='module')
