@@ -75,15 +75,17 @@ class Run:
 def open_run(exp: Optional[str], overrides: Sequence[str] = (), job_dir: Optional[str] = None, *,
              with_job_dir: bool = True, processes: bool = True, coordinator: Optional[str] = None,
              num_processes: Optional[int] = None, process_id: Optional[int] = None,
+             heartbeat_timeout: Optional[float] = None,
              log: Callable[[str], None] = print, remembered: bool = True, timed: bool = False) -> Run:
   """Joins the run's processes, resolves the config, sets its PLATFORM_ENV and names its job directory.
 
   The order is JAX's: jax.distributed starts before any backend (experiments may ask jax
   for device counts while resolving), and PLATFORM_ENV's XLA flags are set before the
   command's loop starts the backend. `processes`: the command runs on several processes
-  (--coordinator ...; else a detected cluster). The job directory (`job_dir`, else
-  ./runs/<experiment>, or ./runs/<experiment>_on_<data> for --set TRAIN_DATA=...) is made
-  absolute once, here: orbax refuses relative paths and the rest of paxcli joins names onto it.
+  (--coordinator ...; else a detected cluster), each watching the others (--heartbeat-timeout). The
+  job directory (`job_dir`, else ./runs/<experiment>, or ./runs/<experiment>_on_<data> for --set
+  TRAIN_DATA=...) is made absolute once, here: orbax refuses relative paths and the rest of paxcli
+  joins names onto it.
   `remembered` (every command but train): the experiment and --set overrides the job was trained
   with (jobdir.invocation.read_made) come first, `exp` and `overrides` given here on top, in one
   line on `log`. A job directory with a checkpoint keeps its tokenizer (jobdir.tokenizer.keep_trained);
@@ -92,7 +94,8 @@ def open_run(exp: Optional[str], overrides: Sequence[str] = (), job_dir: Optiona
   that times the step (`timed`), a refusal in one line.
   """
   if processes:
-    distributed.start(distributed.settings_from(coordinator, num_processes, process_id))
+    distributed.start(distributed.settings_from(coordinator, num_processes, process_id, heartbeat_timeout),
+                      log=log, command=invocation.command_line())
   directory = made = None
   if with_job_dir:
     directory = path_arg(job_dir or default_job_dir(exp, overrides), '--job-log-dir')
@@ -270,7 +273,8 @@ def _printer(console: Console) -> Callable[[str], None]:
 def train(exp: Optional[str] = None, *, overrides: Sequence[str] = (), job_dir: Optional[str] = None,
           verbose: bool = False, profile_steps: Optional[str] = None, pgle: Optional[str] = None,
           pgle_profile: Optional[str] = None, force_resume: bool = False, coordinator: Optional[str] = None,
-          num_processes: Optional[int] = None, process_id: Optional[int] = None, console=None) -> dict:
+          num_processes: Optional[int] = None, process_id: Optional[int] = None,
+          heartbeat_timeout: Optional[float] = None, console=None) -> dict:
   """`pax train`: trains (or resumes) `exp` in `job_dir`; returns the last summary (step, loss, rates).
 
   profile_steps: 'A-B' traces steps A to B with jax.profiler into <job_dir>/profile. The job
@@ -283,7 +287,8 @@ def train(exp: Optional[str] = None, *, overrides: Sequence[str] = (), job_dir: 
   pgle_profile = path_arg(pgle_profile, '--pgle-profile')
   console = _console(console)
   run = open_run(exp, overrides, job_dir, coordinator=coordinator, num_processes=num_processes,
-                 process_id=process_id, log=console.print, remembered=False)
+                 process_id=process_id, heartbeat_timeout=heartbeat_timeout, log=_printer(console),
+                 remembered=False)
   if job_dir is None and any(invocation.key_of(o) == 'TRAIN_DATA' for o in overrides):
     _printer(console)(f'Job directory {_shown(run.job_dir)}, named after TRAIN_DATA (--job-log-dir picks another).')
   made = invocation.Made(experiment.canonical_name(exp),

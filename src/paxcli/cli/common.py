@@ -6,7 +6,6 @@ rich is imported where a line is printed, never at start-up: it would double `pa
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 import shlex
 import sys
@@ -30,6 +29,9 @@ COORDINATOR_HELP = ('Several processes (one per host): HOST:PORT of process 0, w
                     'one process runs.')
 NUM_PROCESSES_HELP = 'Several processes: how many in all. 1 means one process, even on a cluster.'
 PROCESS_ID_HELP = 'Several processes: this process\'s index, 0 to N-1 (0 runs the coordinator).'
+HEARTBEAT_HELP = ('Several processes: when another process dies or its host drops off the network for this long, '
+                  'every process stops with one line naming it (exit code 124), for a scheduler or `pax launch '
+                  '--max-restarts` to restart the job. Default: 100.')
 
 
 def exp_option():
@@ -57,6 +59,11 @@ def num_processes_option():
 def process_id_option():
   return typer.Option(None, '--process-id', metavar='I', envvar='PAX_PROCESS_ID', help=PROCESS_ID_HELP, min=0,
                       rich_help_panel='Several processes')
+
+
+def heartbeat_timeout_option():
+  return typer.Option(None, '--heartbeat-timeout', metavar='SECONDS', envvar='PAX_HEARTBEAT_TIMEOUT',
+                      help=HEARTBEAT_HELP, min=1.0, rich_help_panel='Several processes')
 
 
 def normalize_argv(argv: list[str]) -> list[str]:
@@ -160,7 +167,20 @@ def tidy_help(command) -> None:
 
 
 def run_app(app: typer.Typer, argv: list[str]) -> None:
-  """Runs the app; a UserError becomes one red line and its exit code, never a traceback."""
+  """Runs the app; a UserError becomes one red line and its exit code, never a traceback. In a multi-process
+  run the others are told how this process ends, and a failure ends it at once (distributed.end_command)."""
+  try:
+    _run_app(app, argv)
+  except SystemExit as e:
+    distributed.end_command(e.code if isinstance(e.code, int) else (0 if e.code is None else 1))
+    raise
+  except Exception as e:  # noqa: BLE001 - shown by end_command in a multi-process run, else by Python
+    distributed.end_command(1, error=e)
+    raise
+  distributed.end_command(0)
+
+
+def _run_app(app: typer.Typer, argv: list[str]) -> None:
   try:
     command = typer.main.get_command(app)
     tidy_help(command)
@@ -170,20 +190,17 @@ def run_app(app: typer.Typer, argv: list[str]) -> None:
     code = command.main(args=argv, prog_name='pax', standalone_mode=False)
   except UserError as e:
     # fiddle appends its build context to errors raised while building a config.
-    error(escape(_cap_lines(str(e).split('\n\nFiddle context:')[0])))
+    message = _cap_lines(str(e).split('\n\nFiddle context:')[0])
+    distributed.say_exit(e.exit_code, message.splitlines()[0] if message else '')
+    error(escape(message))
     sys.exit(e.exit_code)
   except KeyboardInterrupt:
     error('interrupted.')
     sys.exit(130)
   except Exception as e:  # noqa: BLE001 - click's own (typer vendors click): a usage error, an abort
     if _out_of_device_memory(e):
-      error(_escape(_OUT_OF_MEMORY.format(shorten(str(e).strip().splitlines()[0], 300))))
+      error(escape(_OUT_OF_MEMORY.format(shorten(str(e).strip().splitlines()[0], 300))))
       sys.exit(UserError.exit_code)
-    lost = distributed.lost_peer(e)
-    if lost:   # the process that went away (or `pax launch`) says what happened to it
-      error(_escape(f'another process of this run is gone ({lost}); stopping. Its own output, or pax launch, '
-                    'says which and why.'))
-      _exit_now(1)
     if not (hasattr(e, 'format_message') and isinstance(getattr(e, 'exit_code', None), int)):
       if type(e).__name__ != 'Abort':
         raise
@@ -207,15 +224,6 @@ def _out_of_device_memory(e: BaseException) -> bool:
   """XLA's RESOURCE_EXHAUSTED (a step, an array or a compilation past the device's memory): a setting too
   large for the machine, said in one line like every other, not a traceback."""
   return type(e).__name__ in ('JaxRuntimeError', 'XlaRuntimeError') and 'RESOURCE_EXHAUSTED' in str(e)
-
-
-def _exit_now(code: int) -> None:
-  """Ends the process at once. With another process of the run gone, JAX's exit handlers would wait for it
-  at the distributed runtime's shutdown barrier, then abort with a screen of fatal logs; what this process
-  had to write (its goodput ledger's end, its lock) was written as the error unwound."""
-  sys.stdout.flush()
-  sys.stderr.flush()
-  os._exit(code)
 
 
 def _usage_error(e) -> None:

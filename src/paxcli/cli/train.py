@@ -18,6 +18,7 @@ def train(
     coordinator: Optional[str] = common.coordinator_option(),
     num_processes: Optional[int] = common.num_processes_option(),
     process_id: Optional[int] = common.process_id_option(),
+    heartbeat_timeout: Optional[float] = common.heartbeat_timeout_option(),
     profile_steps: Optional[str] = common.profile_steps_option(),
     pgle: Optional[str] = common.pgle_option(),
     pgle_profile: Optional[str] = common.pgle_profile_option(),
@@ -34,7 +35,8 @@ def train(
   from paxcli import api
   api.train(exp, overrides=overrides, job_dir=job_log_dir, verbose=verbose, profile_steps=profile_steps, pgle=pgle,
             pgle_profile=pgle_profile, force_resume=force_resume, coordinator=coordinator,
-            num_processes=num_processes, process_id=process_id, console=common.console())
+            num_processes=num_processes, process_id=process_id, heartbeat_timeout=heartbeat_timeout,
+            console=common.console())
 
 
 def describe(

@@ -229,6 +229,20 @@ class _Saved:
     return self._data
 
 
+class Manager(ocp.CheckpointManager):
+  """orbax's CheckpointManager, without its own look at JAX's preemption sync point.
+
+  The train loop asks JAX at every step, with the step it runs (loops/train.py, GracefulStop). orbax asks
+  too, with the step of a save, and also from the thread that finishes an async save: a step or two late,
+  which sets JAX's counter back while its protocol may be reading it, and could put the agreed step behind
+  every process (then never reached). Nothing of orbax's that paxcli uses depends on the answer.
+  """
+
+  def reached_preemption(self, step: int) -> bool:
+    del step
+    return False
+
+
 class Checkpointer:
   """orbax's CheckpointManager with our items, completeness rules and retention.
 
@@ -250,7 +264,7 @@ class Checkpointer:
     self.max_to_keep = max_to_keep or None
     options = ocp.CheckpointManagerOptions(max_to_keep=None, create=True, enable_async_checkpointing=async_save,
                                            single_host_load_and_broadcast=True)
-    self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS + (layout.INPUT,))
+    self._manager = Manager(self.directory, options=options, item_names=ITEMS + (layout.INPUT,))
     _quiet_no_space_logs()
     _quiet_closed_loop_callbacks()
     self._losses: dict[int, Optional[float]] = {}

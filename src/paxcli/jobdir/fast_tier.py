@@ -224,7 +224,7 @@ class FastTier:
                                            enable_async_checkpointing=True, save_root_metadata=False,
                                            enable_per_process_directory_creation=True, cleanup_tmp_directories=False,
                                            enable_background_delete=False)
-    self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers={
+    self._manager = ckpt.Manager(self.directory, options=options, item_handlers={
         layout.STATE: self._handler(), layout.META: ocp.JsonCheckpointHandler(multiprocessing_options=self._mp),
         layout.INPUT: grain.checkpoint.CheckpointHandler()})
 

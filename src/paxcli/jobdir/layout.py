@@ -25,6 +25,8 @@
   trackers/wandb/           W&B's own files of the run (offline runs wait here for `wandb sync`; for a job
                             in a bucket, ./wandb on this machine)
   lm_eval/                  `pax lm-eval`'s results: results_step<k>_<n>.json (+ ..._samples_<task>.jsonl)
+  slurm/                    `pax launch --slurm`'s sbatch script (<name>.sbatch), SLURM's output of each job
+                            (<name>-<job id>.out, every requeue appended) and its failure counts
   goodput/                  where the run's time went (jobdir/ledger.py; `pax goodput`): append-only
     process_<i>.jsonl       ledgers, one per process and one of `pax launch`, and job.json, the job's
     launch.jsonl            identity (a fast checkpoint tier holds it, so a remade job is told apart);
@@ -261,6 +263,10 @@ def lm_eval_samples(results: str, task: str) -> str:
 def eval_claim(job_dir: str, step: int) -> str:
   """In a bucket, the claim of the follower evaluating `step` (a local job directory flocks the step instead)."""
   return os.path.join(job_dir, 'eval_claims', str(step))
+
+
+def slurm(job_dir: str) -> str:
+  return storage.join(job_dir, 'slurm')
 
 
 def goodput(job_dir: str) -> str:

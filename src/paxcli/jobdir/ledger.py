@@ -170,10 +170,13 @@ class Ledger:
 
 
 def start_fields(started: float, process: int, processes: int) -> dict:
-  """The `start` line of this incarnation, with the launch attempt it belongs to (from `pax launch`)."""
+  """The `start` line of this incarnation, with the launch attempt it belongs to (from `pax launch`) and the
+  SLURM job and its requeue count (SLURM_RESTART_COUNT) where SLURM started it."""
   launch = distributed.launch_attempt()
+  job, requeues = os.environ.get('SLURM_JOB_ID', ''), os.environ.get('SLURM_RESTART_COUNT', '0')
   return {'t': started, **whereabouts(), 'process': process,
-          'processes': processes, **({'launch': launch[0], 'attempt': launch[1]} if launch else {})}
+          'processes': processes, **({'launch': launch[0], 'attempt': launch[1]} if launch else {}),
+          **({'slurm_job': job, 'requeue': int(requeues)} if job.isdigit() and requeues.isdigit() else {})}
 
 
 def whereabouts() -> dict:
@@ -221,6 +224,7 @@ class Incarnation:
   status: Optional[int] = None   # exit status; None: it never wrote an end (killed, or running)
   resumed: Optional[dict] = None  # {'step', 'tier'}
   where: Optional[tuple] = None   # (host, pid, kernel start ticks) of its process, to tell running from killed
+  slurm: Optional[tuple] = None  # (SLURM job id, its requeue count) where SLURM started it
 
 
 @dataclasses.dataclass
@@ -313,8 +317,9 @@ def incarnations(records) -> list[Incarnation]:
       continue
     if r['kind'] == 'start':
       launch = r.get('launch') if isinstance(r.get('launch'), str) else None
+      job = r.get('slurm_job') if isinstance(r.get('slurm_job'), str) and r['slurm_job'].isdigit() else None
       found[inc] = Incarnation(inc, float(r['t']), launch, _int(r.get('attempt')), last=float(r['t']),
-                               where=_where(r))
+                               where=_where(r), slurm=(job[:20], _int(r.get('requeue'))) if job else None)
       continue
     got = found.get(inc)
     if got is None or got.status is not None:  # nothing counts after an incarnation's end
@@ -434,6 +439,8 @@ def _restart(previous: Incarnation, inc: Incarnation, gap: float, launches: dict
   redone = reached - resumed['step'] if resumed.get('step') is not None else None
   reason = failure['reason'] if failure else ('killed (no end record)' if previous.status is None
                                               else f'exited with status {previous.status}')
+  if inc.slurm and inc.slurm[1]:
+    reason = f'requeued by SLURM (job {inc.slurm[0]}, requeue {inc.slurm[1]}): {reason}'
   return {'at': previous.last, 'gap_seconds': gap, 'process': failure['process'] if failure else None,
           'reason': reason, 'reached_step': reached,
           'resumed_step': resumed.get('step'), 'tier': resumed.get('tier'),

@@ -25,6 +25,7 @@ from typing import Callable, Optional
 import jax
 import jax.numpy as jnp
 import optax
+from jax.experimental import multihost_utils
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
                            TimeRemainingColumn)
 from rich.table import Table
@@ -410,47 +411,75 @@ def _decode_hook(decoder: TrainDecoder, reporter: Reporter, chrono: Chrono) -> C
 
 
 class GracefulStop:
-  """SIGTERM (preemption) or a first Ctrl-C asks the loop to save and stop after the step.
+  """A preemption signal (SIGTERM, or SIGUSR1: SLURM's warning before a time limit) or a first Ctrl-C asks
+  the loop to save and stop after a step; the run then exits with the signal's code (143, 138, 130).
 
-  Only with one process: several processes must agree on the step to save at, which a
-  signal to one of them cannot give. A second signal (Ctrl-C again) exits at once, in
-  one line, without waiting for a save in flight: orbax's temporary directory is left
-  behind and set aside (never used) at the next start. `hook` ends the run once the
-  step's checkpoint is saved (the Saver hook saves at a stop).
+  One process: the signal stops it after the step in flight. Several processes: a signal reaches each host
+  at its own moment, or only some of them, so they agree on the step through JAX's preemption sync point
+  (jax.experimental.multihost_utils.reached_preemption_sync_point): JAX's runtime catches SIGTERM itself and
+  tells every process; each reports its step and all stop after the same one, the step after the furthest
+  process's, and save it. SIGUSR1 is handed to that same path as a SIGTERM. A signal during start-up (before
+  every process set its counter to the step it resumes from) stops the first step
+  (distributed.preemption_counter_from). Ctrl-C on several processes is an interrupt without a save.
+
+  A second signal (Ctrl-C again, one process) exits at once, in one line, without waiting for a save in
+  flight: orbax's temporary directory is left behind and set aside (never used) at the next start. `hook`
+  ends the run once the step's checkpoint is saved (the Saver hook saves at a stop).
   """
 
-  SIGNALS = {'SIGTERM': 143, 'SIGINT': 130}
+  SIGNALS = {'SIGTERM': 143, 'SIGINT': 130, 'SIGUSR1': 138}
+  AGREED = 143   # several processes: the code of a stop they agreed on, whichever signal started it
 
-  def __init__(self, enabled: bool):
-    self.enabled = enabled and threading.current_thread() is threading.main_thread()
+  def __init__(self, processes: int, start_step: int = 0):
+    self.several = processes > 1
+    self.enabled = threading.current_thread() is threading.main_thread()
     self.signal_name: Optional[str] = None
+    # Several processes: JAX's counters start here; a notice during start-up stops the first step.
+    self._agreed = self.several and distributed.preemption_counter_from(start_step)
     self._previous = {}
 
   def __enter__(self):
     if self.enabled:
-      for name in self.SIGNALS:
+      names = ('SIGUSR1',) if self.several else tuple(self.SIGNALS)   # JAX's runtime keeps SIGTERM
+      for name in names:
         signum = getattr(signal, name)
         self._previous[signum] = signal.signal(signum, self._handle)
     return self
 
   def _handle(self, signum, frame):
     del frame
+    name = signal.Signals(signum).name
+    if self.several:   # JAX's preemption notifier listens for SIGTERM: the warning becomes a notice
+      self.signal_name = self.signal_name or name
+      sys.stderr.write(f'{name}: a preemption warning; every process saves the step they agree on and stops.\n')
+      sys.stderr.flush()
+      os.kill(os.getpid(), signal.SIGTERM)
+      return
     if self.signal_name is not None:  # the second one: no traceback from orbax's threads over the bar
-      sys.stderr.write(f'\nerror: {signal.Signals(signum).name} again: stopping without waiting for the save. '
+      sys.stderr.write(f'\nerror: {name} again: stopping without waiting for the save. '
                        'An unfinished checkpoint is set aside at the next start; run the same command to resume '
                        'from the last complete one.\n')
       sys.stderr.flush()
-      os._exit(self.SIGNALS.get(signal.Signals(signum).name, 130))
-    self.signal_name = signal.Signals(signum).name
+      os._exit(self.SIGNALS.get(name, 130))
+    self.signal_name = name
 
   def __exit__(self, *exc):
     for signum, handler in self._previous.items():
       signal.signal(signum, handler)
     return False
 
+  def requested(self, step: int) -> bool:
+    """Whether this invocation stops after `step`. Several processes: asked at every step, of every
+    process (JAX's sync point is a step: the furthest process's, plus one)."""
+    if not self.several:
+      return self.signal_name is not None
+    if not self._agreed:
+      self._agreed = multihost_utils.reached_preemption_sync_point(step)
+    return self._agreed
+
   @property
-  def requested(self) -> bool:
-    return self.signal_name is not None
+  def exit_code(self) -> int:
+    return self.AGREED if self.several else self.SIGNALS[self.signal_name]
 
   def hook(self, checkpointer: ckpt.Checkpointer, reporter: Reporter, log, directory: str):
     """Hook, at a stop: waits for the step's checkpoint, says so, and exits with the signal's code."""
@@ -458,9 +487,11 @@ class GracefulStop:
     def stop(info: StepInfo) -> None:
       checkpointer.wait()
       reporter.close()
-      log(f'Stopped by {self.signal_name} after step {info.step}; saved a checkpoint at step {info.step} in '
-          f'{directory}. Run the same command to resume.')
-      raise SystemExit(self.SIGNALS[self.signal_name])
+      why = (f'Stopped by {self.signal_name}' if not self.several else
+             'Stopped for preemption: a signal reached this or another process, and all agreed to stop')
+      log(f'{why} after step {info.step}; saved a checkpoint at step {info.step} in {directory}. '
+          'Run the same command to resume.')
+      raise SystemExit(self.exit_code)
     return stop
 
 
@@ -684,7 +715,7 @@ def _train(resolved, job_dir: str, console, accounting: goodput.Goodput, verbose
         batch = to_global(train_input.get_next(), batch_sharding, setup.global_batch)
       hooks.before(step)
       state, metrics = train_step(state, batch)
-      hooks.after(StepInfo(step, state, metrics, last=step == total, stopping=stop.requested))
+      hooks.after(StepInfo(step, state, metrics, last=step == total, stopping=stop.requested(step)))
   _finish(run, summary.last)
   return summary.last
 
@@ -779,7 +810,7 @@ def _begin(hooks: Hooks, run: _Run, train_step: TrainStep, profiler, made) -> tu
   chrono = Chrono(start.step, train_cfg.num_train_steps, run.accounting.stopwatch)
   summary = Summary(losses, chrono, reporter, writer, mfu_of, start.step,
                     RouterWatch(train_cfg.router_collapse_fraction, train_cfg.router_collapse_steps, log))
-  stop = GracefulStop(enabled=jax.process_count() == 1)
+  stop = GracefulStop(jax.process_count(), start.step)
   saver = Saver(run.checkpointer, losses, run.spec, start, setup, run.train_input, chrono)
   hooks.add_before(profiler.before)
   hooks.add(train_step.profile, every=1, close=profiler.close)
