@@ -126,8 +126,9 @@ def _as_int(flag_value, env_value, flag: str, env: str) -> Optional[int]:
 
 def _jax():
   """jax, imported where a function needs it: this module runs before JAX is configured (pax --help, the
-  platform's environment) and imports no JAX itself."""
-  import jax
+  platform's environment) and imports no JAX itself. With it, its multihost utilities and its distributed
+  client's state (jax._src.distributed: the key-value store, which no public module hands out)."""
+  import jax, jax._src.distributed, jax.experimental.multihost_utils  # noqa: E401 - one import, three modules
   return jax
 
 
@@ -296,7 +297,7 @@ _watch: Optional[peers.Watch] = None
 def _watch_peers(timeout: Optional[float]) -> None:
   """Starts this process's watch of the others (runtime/peers.py) when there are others."""
   global _watch
-  from jax._src import distributed as jax_distributed   # its client: the key-value store
+  jax_distributed = _jax()._src.distributed   # its client: the key-value store
   state = jax_distributed.global_state   # not jax.process_count(): that would start the backend here
   if state.num_processes > 1 and _watch is None:
     _watch = peers.Watch(state.client, state.process_id, state.num_processes, timeout or peers.DEFAULT_TIMEOUT,
@@ -370,8 +371,7 @@ def barrier(name: str) -> None:
   """Waits until every process gets here (no-op for one process)."""
   jax = _jax()
   if jax.process_count() > 1:
-    from jax.experimental import multihost_utils
-    multihost_utils.sync_global_devices(name)
+    jax.experimental.multihost_utils.sync_global_devices(name)
 
 
 def agreed(value):
@@ -379,11 +379,11 @@ def agreed(value):
   take alike, such as which checkpoint steps to delete, where each one looking for itself (listing a
   directory process 0 is changing) could decide otherwise. A collective with several processes (all call
   it; the others' `value` is ignored); `value` itself with one."""
-  import jax
+  jax = _jax()
   if jax.process_count() == 1:
     return value
   import numpy as np
-  from jax.experimental import multihost_utils
+  multihost_utils = jax.experimental.multihost_utils
   data = np.frombuffer(json.dumps(value).encode(), np.uint8) if jax.process_index() == 0 else np.zeros(0, np.uint8)
   size = int(multihost_utils.broadcast_one_to_all(np.array(data.size, np.int32)))
   # Sent padded to a power of two: each size is its own compilation of the broadcast, so only a few are made.
@@ -391,6 +391,8 @@ def agreed(value):
   padded[:data.size] = data
   got = np.asarray(multihost_utils.broadcast_one_to_all(padded))
   return json.loads(bytes(got[:size]).decode())
+
+
 # Where JAX's runtime posts a preemption notice (xla/tsl preemption_sync_manager.cc, kPreemptionNoticeKey).
 PREEMPTION_NOTICE_KEY = 'RECEIVED_PREEMPTION_NOTICE'
 
@@ -401,10 +403,10 @@ def preemption_counter_from(step: int) -> bool:
   whether a preemption notice came before that, while start-up ran: JAX then set its sync point from
   counters below `step`, never reached. The same answer on every process (process 0 looks, after all set
   their counters). False where JAX's preemption service is off."""
-  from jax._src import distributed as jax_distributed
-  from jax.experimental import multihost_utils
+  jax = _jax()
+  jax_distributed = jax._src.distributed
   try:
-    multihost_utils.reached_preemption_sync_point(step)
+    jax.experimental.multihost_utils.reached_preemption_sync_point(step)
   except RuntimeError:   # jax_enable_preemption_service is off
     return False
   barrier('paxcli:preemption-counter-set')
