@@ -151,19 +151,25 @@ class Ledger:
         try:
           self.write('progress', **snapshot())
         except Exception as e:  # pylint: disable=broad-except
-          if not self._failed:  # a full disk or an unreachable bucket: said once, and training goes on
-            self._failed = True
-            print(f'WARNING: could not write the goodput ledger {self.path} ({type(e).__name__}: {e}); '
-                  'training goes on, its account may miss time.', file=sys.stderr, flush=True)
+          self._warn(e)   # a full disk or an unreachable bucket: said once, and training goes on
     self._thread = threading.Thread(target=run, name='paxcli-goodput-ledger', daemon=True)
     self._thread.start()
+
+  def _warn(self, e: BaseException) -> None:
+    if not self._failed:
+      self._failed = True
+      print(f'WARNING: could not write the goodput ledger {self.path} ({type(e).__name__}: {e}); '
+            'training goes on, its account may miss time.', file=sys.stderr, flush=True)
 
   def close(self, **end) -> None:
     """Stops the progress thread and writes the `end` line."""
     self._stop.set()
     if self._thread is not None:
       self._thread.join(timeout=5)
-    self.write('end', **end)
+    try:
+      self.write('end', **end)
+    except storage.BucketError as e:   # the bucket does not answer: said once, as for a progress line
+      self._warn(e)
     with self._lock:
       self._closed = True
       if self._local:
@@ -233,7 +239,7 @@ def read(job_dir: str) -> tuple[dict[int, list[Incarnation]], dict[str, Launch],
   processes, skipped = {}, [0]
   for name in sorted(storage.listdir(layout.goodput(job_dir))):
     if name.startswith('process_') and name.endswith('.jsonl') and name[8:-6].isdigit():
-      processes[int(name[8:-6])] = incarnations(_records(storage.join(layout.goodput(job_dir), name), skipped))
+      processes[int(name[8:-6])] = incarnations(_records(layout.entry(layout.goodput(job_dir), name), skipped))
   launches = {}
   if storage.isfile(layout.launch_ledger(job_dir)):
     launches = _launches(_records(layout.launch_ledger(job_dir), skipped))
@@ -264,7 +270,7 @@ def _records(path: str, skipped: list[int]):
 
 def _lines(path: str):
   if storage.is_local(path):
-    with open(path, 'rb') as f:
+    with files.open_regular(path, 'goodput ledger') as f:
       yield from f
   else:
     yield from storage.read_bytes(path, MAX_LEDGER_BYTES).splitlines(keepends=True)
