@@ -227,12 +227,15 @@ def test_the_tier_keeps_what_was_put_in_its_directory_during_a_run(tmp_path):
   assert sorted(os.listdir(tmp_path / 'tier')) == ['process_0-of-1']   # its owner record gone with its mark
 
 
-def test_a_bucket_path_for_the_tier_is_refused(trained, tmp_path, capsys):
+@pytest.mark.parametrize('tier, phrase', [('gs://bucket/tier', "each host's own disk"),
+                                          ('gs:/bucket/tier', 'did you mean gs://bucket/tier')])
+def test_a_bucket_path_for_the_tier_is_refused(tier, phrase, trained, tmp_path, capsys, monkeypatch):
   job = _copy(trained, tmp_path)
-  code, out, err = _train(capsys, job, 'gs://bucket/tier')
+  monkeypatch.chdir(tmp_path)
+  code, out, err = _train(capsys, job, tier)
   line = _error_line(code, err)
-  assert 'LOCAL_CHECKPOINT_DIR=gs://bucket/tier' in line and 'local' in line
-  assert not os.path.exists('gs:') and not os.path.exists(os.path.join(job, 'gs:'))
+  assert f'LOCAL_CHECKPOINT_DIR={tier}' in line and phrase in line, line
+  assert not os.path.exists(tmp_path / 'gs:')   # never a local directory named after the scheme
 
 
 # ---- 4: reads stay inside ----------------------------------------------------------------------------
@@ -261,8 +264,7 @@ def test_a_part_of_a_job_linked_out_is_refused_naming_it(command, rel, trained, 
   """Each reader meets the one member check (layout): `pax goodput` its ledgers, `pax eval` the record, the
   format and the checkpoint, `pax train` (a resume) all of them and the metrics it trims."""
   readers = {'goodput': {'goodput/process_0.jsonl', 'goodput'},
-             'eval': {'experiment.jsonl', 'format.json', 'checkpoints', 'checkpoints/4', 'checkpoints/4/meta/metadata',
-                      'state file'}}
+             'eval': {'experiment.jsonl', 'checkpoints', 'checkpoints/4', 'checkpoints/4/meta/metadata', 'state file'}}
   if command in readers and rel not in readers[command]:
     pytest.skip(f'pax {command} does not read {rel}')
   job = _copy(trained, tmp_path)

@@ -6,6 +6,7 @@ rich is imported where a line is printed, never at start-up: it would double `pa
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import shlex
 import sys
@@ -130,8 +131,12 @@ def tidy_help(command) -> None:
     tidy_help(sub)
 
 
-def run_app(app: typer.Typer, argv: list[str]) -> None:
-  """Runs the app; a UserError becomes one red line and its exit code, never a traceback."""
+def run_app(app: typer.Typer, argv: list[str], whole_process: bool = False) -> None:
+  """Runs the app; a UserError becomes one red line and its exit code, never a traceback.
+
+  `whole_process`: the command is this process (`pax ...`), which may then end at once after a bucket
+  stopped answering (`_end_now`).
+  """
   try:
     command = typer.main.get_command(app)
     tidy_help(command)
@@ -142,6 +147,8 @@ def run_app(app: typer.Typer, argv: list[str]) -> None:
   except UserError as e:
     # fiddle appends its build context to errors raised while building a config.
     error(_escape(_cap_lines(str(e).split('\n\nFiddle context:')[0])))
+    if whole_process:
+      _end_now(e.exit_code)
     sys.exit(e.exit_code)
   except KeyboardInterrupt:
     error('interrupted.')
@@ -159,6 +166,19 @@ def run_app(app: typer.Typer, argv: list[str]) -> None:
     sys.exit(e.exit_code)
   if isinstance(code, int) and code:   # typer.Exit(N) inside a command
     sys.exit(code)
+
+
+def _end_now(code: int) -> None:
+  """Ends the process at once when it gave up on a bucket that stopped answering (storage.give_up): the
+  libraries' own threads (orbax's writes of the abandoned save) would otherwise hold the interpreter's exit
+  for as long as each of their requests takes to time out, minutes after the one line was said."""
+  from paxcli.jobdir import storage   # no heavy import: storage is paxcli's own module
+  if not storage.gave_up():
+    return
+  for stream in (sys.stdout, sys.stderr):
+    with contextlib.suppress(Exception):
+      stream.flush()
+  os._exit(code)
 
 
 def _usage_error(e) -> None:

@@ -25,6 +25,7 @@ import os
 import re
 import sys
 import time
+import warnings
 from typing import Any, Optional
 
 import grain.checkpoint
@@ -193,6 +194,8 @@ def _quiet_bucket_failure_logs() -> None:
       logger.addFilter(_BucketFailureFilter())
   for name in ('gcsfs', 'fsspec'):   # gcsfs logs each request it gives up on, with its traceback
     logging.getLogger(name).setLevel(logging.CRITICAL)
+  # The coroutines of a save abandoned when its bucket stopped answering, collected at exit.
+  warnings.filterwarnings('ignore', message=r"coroutine '.*' was never awaited", category=RuntimeWarning)
 
 
 def _quiet_no_space_logs() -> None:
@@ -350,6 +353,7 @@ class Checkpointer:
   def _bucket_failure(self, step: Optional[int], e: BaseException) -> BucketSaveError:
     """The one line of a save the bucket did not take: the step, the bucket, why, the step to resume from.
     Nothing is asked of the bucket here (it does not answer): the last complete step is the one known."""
+    storage.give_up(self.directory)
     if isinstance(e, BucketSaveError):
       return e
     if isinstance(e, TimeoutError) or 'DEADLINE_EXCEEDED' in str(e):

@@ -244,6 +244,8 @@ def _check_entries(path: str, mark: dict) -> None:
       continue
     st = os.lstat(entry)
     _refuse_link(entry, st)
+    if name.startswith('.tmp-') and stat.S_ISREG(st.st_mode):
+      continue   # a rewrite of the mark a kill cut short (files.atomic_write): left alone, never read
     if _entry_step(name) not in listed or not stat.S_ISDIR(st.st_mode):
       raise UserError(f'{shorten(entry, 200)} is in the fast checkpoint tier, but the tier did not write it '
                       '(its mark lists no such step); the tier deletes only what it wrote. Move it out, or give '

@@ -29,6 +29,7 @@ import contextlib
 import errno
 import hashlib
 import logging
+import math
 import os
 import posixpath
 import re
@@ -161,6 +162,12 @@ def absolute(path: str, option: str = 'path') -> str:
   return normal
 
 
+def _named(option: str, path: str) -> str:
+  """How a message names the path it is about: `--job-log-dir gs://b/x`, or a knob's `INIT_FROM=gs://b/x`."""
+  shown = shorten(''.join(c if c.isprintable() else c.encode('unicode_escape').decode() for c in path), 200)
+  return f'{option}={shown}' if option[:1].isalpha() and option.isupper() else f'{option} {shown}'
+
+
 def check_scheme_typo(path: str, option: str = 'path') -> None:
   """One line for a local-looking path that is a bucket path misspelt (`gs:/bucket/run`: one slash),
   before any work: it would otherwise become a directory named `gs:` under the current one."""
@@ -168,7 +175,7 @@ def check_scheme_typo(path: str, option: str = 'path') -> None:
   if match:
     kind = match.group('scheme').lower()
     rest = path[match.end():].lstrip('/\\')
-    raise UserError(f'{option} {shorten(path, 200)} is a misspelt bucket path (a bucket path is '
+    raise UserError(f'{_named(option, path)} is a misspelt bucket path (a bucket path is '
                     f'{kind}://BUCKET/PATH, two slashes); did you mean {shorten(f"{kind}://{rest}", 200)}? '
                     f'(A local directory of that name: write ./{shorten(path, 160)}.)')
 
@@ -177,18 +184,18 @@ def check_bucket_path(normal: str, given: str, option: str) -> None:
   """A bucket path's name and characters: every object of a job must live under its one prefix, for
   tensorstore (which parses a gs:// path as a URL) and gcsfs alike, so the characters a URL gives meaning
   to are refused, as are `..` and control characters; the bucket's name follows GCS's rules."""
-  shown = shorten(given, 200)
+  shown = _named(option, given)
   bucket, _, key = normal.split('://', 1)[1].partition('/')
   if not _BUCKET_RE.match(bucket) or '..' in bucket:
-    raise UserError(f'{option} {shown}: {shorten(bucket, 80)!r} is not a bucket name (3 to 222 lowercase letters, '
+    raise UserError(f'{shown}: {shorten(bucket, 80)!r} is not a bucket name (3 to 222 lowercase letters, '
                     "digits, '-', '_' and '.', starting and ending with a letter or a digit).")
   parts = key.split('/') if key else []
   if '..' in parts:
-    raise UserError(f'{option} {shown}: a bucket path has no `..` in it.')
+    raise UserError(f'{shown}: a bucket path has no `..` in it.')
   bad = sorted({c for c in key if c in _URL_MEANING or ord(c) < 0x20 or ord(c) == 0x7f})
   if bad:
     said = ' '.join(repr(c) for c in bad)
-    raise UserError(f'{option} {shown}: a bucket path cannot hold {said}: a URL gives them meaning (or no object '
+    raise UserError(f'{shown}: a bucket path cannot hold {said}: a URL gives them meaning (or no object '
                     'name holds them), and the arrays (tensorstore) and the other files (gcsfs) of the job would '
                     'land under different prefixes. Use letters, digits and - _ . = + , @ : ~ in its name.')
 
@@ -280,6 +287,8 @@ def _explain(path: str, e: BaseException) -> str:
     return (f'The bucket {where} refuses access ({shorten(text, 160)}): the credentials paxcli found (application '
             'default credentials, GOOGLE_APPLICATION_CREDENTIALS or the VM\'s service account) may not read and '
             'write it.')
+  if isinstance(e, TimeoutError) and text == type(e).__name__:   # fsspec's and asyncio's timeouts say nothing more
+    text = f'no answer within {STALL_S:.0f} s'
   return f'Cannot reach the bucket {where} ({type(e).__name__}: {shorten(text, 160)}).'
 
 
@@ -312,9 +321,31 @@ def check_reachable(path: str, option: str = '--job-log-dir') -> None:
     raise BucketError(f'{option} {shorten(path, 200)}: {_explain(path, e)}') from None
 
 
+_GIVEN_UP: dict[str, float] = {}   # bucket -> when this process gave up on it (time.monotonic)
+
+
+def give_up(path: str) -> None:
+  """The command ends because the bucket of `path` stopped answering (said in one line): its requests for the
+  next STALL_S (the last metrics, the ledger's end, the lease's release) fail at once instead of each waiting
+  out its retries and timeouts, so that the end takes seconds, not minutes."""
+  if not is_local(path):
+    _GIVEN_UP[bucket_of(path)] = time.monotonic()
+
+
+def gave_up() -> bool:
+  """Whether this process gave up on a bucket (the command ends: cli.common ends the process at once)."""
+  return bool(_GIVEN_UP)
+
+
+def _given_up(path: str) -> bool:
+  return not is_local(path) and time.monotonic() - _GIVEN_UP.get(bucket_of(path), -math.inf) < STALL_S
+
+
 @contextlib.contextmanager
 def _reporting(path: str):
   """A failed bucket request as one line naming the bucket; local errors pass unchanged."""
+  if _given_up(path):
+    raise BucketError(f'{shorten(path, 200)}: not written; the bucket {bucket_of(path)} stopped answering.')
   try:
     yield
   except (FileNotFoundError, FileExistsError, UserError):

@@ -959,6 +959,7 @@ def _naming_the_step(step: int, checkpointer: ckpt.Checkpointer):
   except ckpt.BucketSaveError:
     raise
   except storage.BucketError as e:
+    storage.give_up(checkpointer.directory)
     last = checkpointer.last_complete
     raise storage.BucketError(f'{str(e).rstrip(".")}, at step {step}. The last complete checkpoint is '
                               + (f'step {last}' if last is not None else 'none yet') + '; the trainer stops here. '
