@@ -31,7 +31,6 @@ from jax.experimental import multihost_utils
 
 from paxcli import files
 from paxcli.config import config_differences
-from paxcli import files
 from paxcli.errors import UserError, shorten
 from paxcli.jobdir import checkpoint as ckpt
 from paxcli.jobdir import format as job_format
