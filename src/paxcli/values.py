@@ -165,3 +165,20 @@ def coerce(value: Any, tp: Any, name: str) -> Any:
     if typing.get_origin(tp) is Literal and isinstance(value, str):
       hint = did_you_mean(value, [a for a in typing.get_args(tp) if isinstance(a, str)])
     raise UserError(f'{name} must be {type_name(tp)}, got {shorten(repr(value))}.{hint}') from None
+
+
+def parse_size(text: str, option: str = '--max-shard-size') -> int:
+  """'5GB', '500MiB', '1024' -> bytes (at least 1); UserError for anything else (0, negative, inf, nan)."""
+  given, text = text, text.strip().upper().replace('IB', 'B')
+  number, mult = text, 1
+  for unit, size in (('TB', 1 << 40), ('GB', 1 << 30), ('MB', 1 << 20), ('KB', 1 << 10), ('B', 1)):
+    if text.endswith(unit):
+      number, mult = text[:-len(unit)], size
+      break
+  try:
+    value = float(number) * mult
+  except ValueError:
+    value = float('nan')
+  if not (value >= 1 and value < 1 << 60):  # NaN fails both
+    raise UserError(f'{option} {given!r}: give a positive size such as 5GB, 500MB or a number of bytes.')
+  return int(value)

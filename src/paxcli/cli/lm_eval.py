@@ -74,14 +74,12 @@ def lm_eval_command(
 
 def _bars(console):
   """progress(label, total) for the model's requests: a transient rich bar per kind."""
-  from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
   @contextlib.contextmanager
   def bar(label: str, total: int):
-    with Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console,
-                  transient=True) as progress:
-      task = progress.add_task(label, total=total)
-      yield lambda n: progress.advance(task, n)
+    with common.progress(console, label) as shown:
+      task = shown.add_task(label, total=total)
+      yield lambda n: shown.advance(task, n)
 
   return bar
 

@@ -38,6 +38,7 @@ from paxcli import files, gencode
 from paxcli.convert import formats
 from paxcli.convert.formats import ArrayInfo
 from paxcli.errors import UserError, shorten
+from paxcli.models import registry
 from paxcli.models.knobs import LM_KNOB, LM_KNOBS, MAX_COUNT, MAX_INT32, effective
 from paxcli.runtime import engine
 
@@ -664,6 +665,9 @@ class PaxmlSource(formats.SourceBase):
     lengths = [n for n in (seq, pax.learned_rows) if n]   # the input's, within a learned table
     knobs['MAX_SEQ_LEN'] = min(lengths) if lengths else 2048
     knobs['FPROP_DTYPE'] = pax.fprop_dtype
+    family = registry.of_knobs(knobs)   # a Pax model computing one family's function is one of it
+    if family is not None and not pax.unsupported:
+      knobs['MODEL_FAMILY'] = family.name
     knobs['UNSUPPORTED_FEATURES'] = dict(pax.unsupported)
     return knobs
 
@@ -860,8 +864,7 @@ def _stacked(reads: list):
 def _param_shapes(model) -> dict[str, tuple]:
   """'params/...' -> shape of the model's parameters (jax.eval_shape: no memory)."""
   import jax   # only here: reading and inspecting checkpoints never starts jax
-  import jax.numpy as jnp
-  ids = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+  ids = jax.ShapeDtypeStruct((1, 1), jax.numpy.int32)
   model = getattr(model, 'model', model)   # models.flat_view(...) carries the module
   boxed = jax.eval_shape(lambda r, x: model.init({'params': r, 'dropout': r}, x)['params'],
                          jax.random.key(0), ids)

@@ -22,7 +22,7 @@ import shlex
 import sys
 from typing import Callable, Optional, Sequence
 
-from paxcli import __version__, files, gencode
+from paxcli import files, gencode, version
 from paxcli.errors import UserError, shorten
 from paxcli.jobdir import layout, storage
 from paxcli.values import parse_value
@@ -47,7 +47,7 @@ def record(job_dir: str) -> None:
   """Appends `<UTC time>  paxcli <version>  <command line>` to job_dir/invocations.txt."""
   storage.makedirs(job_dir)
   now = datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%dT%H:%M:%SZ')
-  storage.append_text(layout.invocations(job_dir), f'{now}  paxcli {__version__}  {command_line()}\n')
+  storage.append_text(layout.invocations(job_dir), f'{now}  paxcli {version.current()}  {command_line()}\n')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +89,7 @@ def record_made(job_dir: str, made: Made) -> None:
   `pax import-maxtext`) is kept beside it (layout.RECIPE_COPY), which readers of the job read as data."""
   _keep_recipe(job_dir, made.experiment)
   now = datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%dT%H:%M:%SZ')
-  line = json.dumps({'time': now, 'paxcli': __version__, 'experiment': made.experiment,
+  line = json.dumps({'time': now, 'paxcli': version.current(), 'experiment': made.experiment,
                      'overrides': list(made.overrides)})
   storage.makedirs(job_dir)
   storage.append_text(layout.made(job_dir), line + '\n')   # one line, whole: a local append is one write

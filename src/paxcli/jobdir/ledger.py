@@ -51,6 +51,7 @@ from paxcli import files
 from paxcli.errors import UserError
 from paxcli.jobdir import layout
 from paxcli.jobdir import storage
+from paxcli.runtime import distributed  # no JAX: its module imports it inside functions only
 
 PROCESS_CATEGORIES = ('productive', 'recomputed', 'startup', 'compile', 'data', 'checkpoint', 'eval', 'shutdown')
 CATEGORIES = PROCESS_CATEGORIES + ('restart',)
@@ -149,19 +150,25 @@ class Ledger:
         try:
           self.write('progress', **snapshot())
         except Exception as e:  # pylint: disable=broad-except
-          if not self._failed:  # a full disk or an unreachable bucket: said once, and training goes on
-            self._failed = True
-            print(f'WARNING: could not write the goodput ledger {self.path} ({type(e).__name__}: {e}); '
-                  'training goes on, its account may miss time.', file=sys.stderr, flush=True)
+          self._warn(e)   # a full disk or an unreachable bucket: said once, and training goes on
     self._thread = threading.Thread(target=run, name='paxcli-goodput-ledger', daemon=True)
     self._thread.start()
+
+  def _warn(self, e: BaseException) -> None:
+    if not self._failed:
+      self._failed = True
+      print(f'WARNING: could not write the goodput ledger {self.path} ({type(e).__name__}: {e}); '
+            'training goes on, its account may miss time.', file=sys.stderr, flush=True)
 
   def close(self, **end) -> None:
     """Stops the progress thread and writes the `end` line."""
     self._stop.set()
     if self._thread is not None:
       self._thread.join(timeout=5)
-    self.write('end', **end)
+    try:
+      self.write('end', **end)
+    except storage.BucketError as e:   # the bucket does not answer: said once, as for a progress line
+      self._warn(e)
     with self._lock:
       self._closed = True
       if self._local:
@@ -169,11 +176,19 @@ class Ledger:
 
 
 def start_fields(started: float, process: int, processes: int) -> dict:
-  """The `start` line of this incarnation, with the launch attempt it belongs to (from `pax launch`)."""
-  from paxcli.runtime import distributed  # no JAX: its module imports it inside functions only
+  """The `start` line of this incarnation, with the launch attempt it belongs to (from `pax launch`) and the
+  SLURM job and its requeue count (SLURM_RESTART_COUNT) where SLURM started it."""
   launch = distributed.launch_attempt()
-  return {'t': started, 'pid': os.getpid(), 'host': socket.gethostname(), 'process': process,
-          'processes': processes, **({'launch': launch[0], 'attempt': launch[1]} if launch else {})}
+  job, requeues = os.environ.get('SLURM_JOB_ID', ''), os.environ.get('SLURM_RESTART_COUNT', '0')
+  return {'t': started, **whereabouts(), 'process': process,
+          'processes': processes, **({'launch': launch[0], 'attempt': launch[1]} if launch else {}),
+          **({'slurm_job': job, 'requeue': int(requeues)} if job.isdigit() and requeues.isdigit() else {})}
+
+
+def whereabouts() -> dict:
+  """This process's host, pid and kernel start time, in a start line: what tells a process without an end
+  line that still runs from one that was killed (a pid alone may have been reused)."""
+  return {'pid': os.getpid(), 'host': socket.gethostname(), 'ticks': start_ticks(os.getpid())}
 
 
 def append(path: str, records: list[dict]) -> None:
@@ -212,8 +227,10 @@ class Incarnation:
   last: Optional[float] = None   # the end of what is accounted: its end, or its last progress (a kill)
   step: Optional[int] = None     # the last step done
   steps: dict = dataclasses.field(default_factory=dict)
-  status: Optional[int] = None   # exit status; None: it never wrote an end (killed)
+  status: Optional[int] = None   # exit status; None: it never wrote an end (killed, or running)
   resumed: Optional[dict] = None  # {'step', 'tier'}
+  where: Optional[tuple] = None   # (host, pid, kernel start ticks) of its process, to tell running from killed
+  slurm: Optional[tuple] = None  # (SLURM job id, its requeue count) where SLURM started it
 
 
 @dataclasses.dataclass
@@ -224,6 +241,7 @@ class Launch:
   end: Optional[float] = None
   code: Optional[int] = None
   failures: list = dataclasses.field(default_factory=list)
+  where: Optional[tuple] = None   # as Incarnation's
 
 
 def read(job_dir: str) -> tuple[dict[int, list[Incarnation]], dict[str, Launch], int]:
@@ -232,7 +250,7 @@ def read(job_dir: str) -> tuple[dict[int, list[Incarnation]], dict[str, Launch],
   for name in sorted(storage.listdir(layout.goodput(job_dir))):
     process = layout.goodput_process(name)
     if process is not None:   # its ledger, and in a bucket each run's own part
-      by_process.setdefault(process, []).append(storage.join(layout.goodput(job_dir), name))
+      by_process.setdefault(process, []).append(layout.entry(layout.goodput(job_dir), name))
   processes = {p: incarnations(r for path in paths for r in _records(path, skipped))
                for p, paths in by_process.items()}
   launches = {}
@@ -305,7 +323,9 @@ def incarnations(records) -> list[Incarnation]:
       continue
     if r['kind'] == 'start':
       launch = r.get('launch') if isinstance(r.get('launch'), str) else None
-      found[inc] = Incarnation(inc, float(r['t']), launch, _int(r.get('attempt')), last=float(r['t']))
+      job = r.get('slurm_job') if isinstance(r.get('slurm_job'), str) and r['slurm_job'].isdigit() else None
+      found[inc] = Incarnation(inc, float(r['t']), launch, _int(r.get('attempt')), last=float(r['t']),
+                               where=_where(r), slurm=(job[:20], _int(r.get('requeue'))) if job else None)
       continue
     got = found.get(inc)
     if got is None or got.status is not None:  # nothing counts after an incarnation's end
@@ -328,6 +348,13 @@ def incarnations(records) -> list[Incarnation]:
   return sorted(found.values(), key=lambda i: i.start)
 
 
+def _where(record: dict) -> Optional[tuple]:
+  host, pid, ticks = record.get('host'), _int(record.get('pid')), record.get('ticks')
+  if not isinstance(host, str) or len(host) > 255 or pid is None:
+    return None
+  return host, pid, ticks if isinstance(ticks, str) and ticks.isdigit() and len(ticks) < 32 else None
+
+
 def _launches(records) -> dict[str, Launch]:
   out: dict[str, Launch] = {}
   for r in records:
@@ -335,11 +362,11 @@ def _launches(records) -> dict[str, Launch]:
     if not isinstance(lid, str):
       continue
     if r['kind'] == 'launch':
-      out[lid] = Launch(lid, float(r['t']))
+      out[lid] = Launch(lid, float(r['t']), where=_where(r))
     elif lid in out and r['kind'] == 'failure':
       beats = r.get('steps') if isinstance(r.get('steps'), dict) else {}
       out[lid].failures.append({'t': float(r['t']), 'attempt': _int(r.get('attempt')),
-                                'reason': str(r.get('reason', ''))[:300],
+                                'process': _int(r.get('process')), 'reason': str(r.get('reason', ''))[:300],
                                 'step': max((v for v in beats.values() if _int(v) is not None), default=None)})
     elif lid in out and r['kind'] == 'end':
       out[lid].end, out[lid].code = float(r['t']), _int(r.get('code'))
@@ -374,8 +401,8 @@ def summarize(job_dir: str, live: Optional[tuple[int, Incarnation]] = None, hist
   per_process = {p: account(incs, launches, lambda t: furthest_step(processes, launches, t))
                  for p, incs in sorted(processes.items())}
   job = per_process.get(0) or next(iter(per_process.values()))
-  return {'job_dir': job_dir, **job, 'processes': {str(p): {k: v for k, v in a.items() if k != 'restarts'}
-                                                   for p, a in per_process.items()},
+  return {'job_dir': job_dir, **job, 'ended': ending(processes, launches),
+          'processes': {str(p): {k: v for k, v in a.items() if k != 'restarts'} for p, a in per_process.items()},
           'lines_skipped': skipped}
 
 
@@ -413,12 +440,90 @@ def account(incs: list[Incarnation], launches: dict[str, Launch], furthest: Call
 
 def _restart(previous: Incarnation, inc: Incarnation, gap: float, launches: dict[str, Launch], reached: int) -> dict:
   """One restart: why (the launcher's record of it, if any), the gap, and the steps it cost."""
-  failure = next((f for lid in {previous.launch, inc.launch} if lid in launches
-                  for f in launches[lid].failures if previous.start <= f['t'] <= inc.start + 1), None)
+  failure = _failure_of(previous, launches, [inc.launch], inc.start + 1)
   resumed = inc.resumed or {}
   redone = reached - resumed['step'] if resumed.get('step') is not None else None
   reason = failure['reason'] if failure else ('killed (no end record)' if previous.status is None
                                               else f'exited with status {previous.status}')
-  return {'at': previous.last, 'gap_seconds': gap, 'reason': reason, 'reached_step': reached,
+  if inc.slurm and inc.slurm[1]:
+    reason = f'requeued by SLURM (job {inc.slurm[0]}, requeue {inc.slurm[1]}): {reason}'
+  return {'at': previous.last, 'gap_seconds': gap, 'process': failure['process'] if failure else None,
+          'reason': reason, 'reached_step': reached,
           'resumed_step': resumed.get('step'), 'tier': resumed.get('tier'),
           'redone_steps': max(redone, 0) if redone is not None else None}
+
+
+def _failure_of(inc: Incarnation, launches: dict[str, Launch], also: list, until: float) -> Optional[dict]:
+  """`pax launch`'s record of the failure that ended `inc`: the one of its launch and attempt; without
+  those, the last one recorded from its start to `until` by its launch or those in `also`. (By time
+  alone, the failure that ended the attempt before can read as this one's: the launcher records it and
+  starts the next attempt within the kernel's 10 ms resolution of a process start.)"""
+  launch = launches.get(inc.launch) if inc.launch else None
+  if launch is not None and inc.attempt is not None:
+    found = [f for f in launch.failures if f['attempt'] == inc.attempt]
+    if found:
+      return found[-1]
+  window = [f for lid in dict.fromkeys([inc.launch, *also]) if lid in launches for f in launches[lid].failures
+            if inc.start <= f['t'] <= until]
+  return window[-1] if window else None
+
+
+# How a job's last run ended, by the status its processes' `end` lines give (or `pax launch`'s exit code).
+ENDED_AS = {0: 'finished', 2: 'refused', 3: 'diverged', 130: 'interrupted'}
+
+
+def ending(processes: dict[int, list[Incarnation]], launches: dict[str, Launch]) -> dict:
+  """How the job's last run ended: {'state', 'process', 'reason', 'step'}.
+
+  state: finished, refused, diverged, interrupted; died (a process failed or was killed and nothing
+  restarted it: `process` and `reason` say which and how); running (no end yet). A process without
+  an end line is running if its pid is alive on this host with the same start time, killed if not;
+  one on another host cannot be told apart from here (`reason` says so).
+  """
+  last = {p: incs[-1] for p, incs in processes.items() if incs}
+  newest = max(last.values(), key=lambda i: i.start)
+  launch = launches.get(newest.launch) if newest.launch else None
+  if launch is not None:
+    return _launch_ending(launch, newest)
+  for p, inc in sorted(last.items()):
+    if inc.status is not None and inc.status not in ENDED_AS:
+      return _ended('died', p, f'exited with status {inc.status}', inc.step)
+  unended = [(p, i, _alive(i.where)) for p, i in sorted(last.items()) if i.status is None]
+  for p, inc, alive in unended:
+    if alive is False:
+      return _ended('died', p, 'was killed (its ledger has no end line)', inc.step)
+  if unended:
+    elsewhere = any(alive is None for _, _, alive in unended)
+    return _ended('running', None, 'no end line yet: running on another host, or killed there' if elsewhere
+                  else None, newest.step)
+  statuses = {i.status for i in last.values()}
+  return _ended(next((ENDED_AS[s] for s in (3, 2, 130) if s in statuses), 'finished'), None, None, newest.step)
+
+
+def _launch_ending(launch: Launch, newest: Incarnation) -> dict:
+  """The ending of a run under `pax launch`: its exit code, and the failure of its last attempt."""
+  if launch.end is None:
+    if _alive(launch.where) is False:
+      return _ended('died', None, 'pax launch was killed (its ledger has no end line)', newest.step)
+    return _ended('running', None, None, newest.step)
+  if launch.code == 0:
+    return _ended('finished', None, None, newest.step)
+  failure = _failure_of(newest, {launch.id: launch}, [], launch.end)
+  state = ENDED_AS.get(launch.code, 'died')
+  if failure is None:
+    return _ended(state, None, f'pax launch exited with code {launch.code}' if state == 'died' else None,
+                  newest.step)
+  reason = failure['reason'] + ('; pax launch did not restart it' if state == 'died' else '')
+  return _ended(state, failure['process'], reason, failure['step'] if failure['step'] is not None else newest.step)
+
+
+def _ended(state: str, process: Optional[int], reason: Optional[str], step: Optional[int]) -> dict:
+  return {'state': state, 'process': process, 'reason': reason, 'step': step}
+
+
+def _alive(where: Optional[tuple]) -> Optional[bool]:
+  """Whether the process a start line names still runs; None when it ran on another host (or is unknown)."""
+  if where is None or where[0] != socket.gethostname():
+    return None
+  ticks = start_ticks(where[1])
+  return ticks is not None and (where[2] is None or ticks == where[2])

@@ -39,7 +39,7 @@ import threading
 import time
 from typing import Any, Callable, Mapping, Optional
 
-from paxcli import __version__, files
+from paxcli import files, version
 from paxcli.errors import UserError, printable, shorten
 from paxcli.jobdir import layout, storage
 
@@ -212,7 +212,7 @@ class _Wandb:
     if directory:
       os.makedirs(directory, exist_ok=True)
     config = {k: _literal(v) for k, v in identity.config.items()}
-    config['paxcli'] = {'job_dir': identity.job_dir, 'experiment': identity.experiment, 'version': __version__,
+    config['paxcli'] = {'job_dir': identity.job_dir, 'experiment': identity.experiment, 'version': version.current(),
                         'command': identity.command}
     try:
       self.run = wandb.init(
@@ -250,7 +250,6 @@ class _Mlflow:
   PARAMS_PER_BATCH = 100  # MLflow's limit for one log_batch
 
   def __init__(self, settings, identity: Identity, log):
-    from mlflow.tracking import MlflowClient
     record = read_record(identity.job_dir, self.name, log)
     uri = _absolute_uri(settings.mlflow_tracking_uri or os.environ.get('MLFLOW_TRACKING_URI')
                         or _mlflow_default_uri())
@@ -263,7 +262,7 @@ class _Mlflow:
           'MLFLOW_TRACKING_URI and MLFLOW_EXPERIMENT_NAME, as knobs or environment variables, say where a run goes).')
     self.identity = identity
     try:
-      self.client = MlflowClient(tracking_uri=uri)
+      self.client = _mlflow().tracking.MlflowClient(tracking_uri=uri)
       self.run_id, existing = self._run(record.run_id if same_place else None, experiment, settings, log)
     except Exception as e:  # MlflowException, and whatever its store raises (connection errors)
       raise UserError(f'MLflow could not start a run in experiment {experiment!r} at {uri}: '
@@ -291,7 +290,7 @@ class _Mlflow:
         log(f'MLflow: the job\'s run {run_id} belongs to another experiment of the store than {experiment!r}; starting '
             'a new run.')
     tags = {'paxcli.job_dir': self.identity.job_dir, 'paxcli.experiment': self.identity.experiment,
-            'paxcli.version': __version__, 'paxcli.command': self.identity.command[:5000]}
+            'paxcli.version': version.current(), 'paxcli.command': self.identity.command[:5000]}
     run = client.create_run(experiment_id, run_name=settings.run_name or storage.basename(self.identity.job_dir),
                             tags=tags)
     return run.info.run_id, None
@@ -299,10 +298,10 @@ class _Mlflow:
   def start(self) -> None:
     """The config: as parameters (a resumed run keeps its first values; a changed one becomes a
     `changed.<key>` tag, since MLflow refuses to change a parameter), and as the artifact config.txt."""
-    from mlflow.entities import Param, RunTag
+    entities = _mlflow().entities
     old = self.params or {}
-    new = [Param(k[:250], v[:6000]) for k, v in self.identity.config.items() if k[:250] not in old]
-    changed = [RunTag(f'changed.{k}'[:250], v[:5000]) for k, v in self.identity.config.items()
+    new = [entities.Param(k[:250], v[:6000]) for k, v in self.identity.config.items() if k[:250] not in old]
+    changed = [entities.RunTag(f'changed.{k}'[:250], v[:5000]) for k, v in self.identity.config.items()
                if k[:250] in old and old[k[:250]] != v[:6000]]
     for start in range(0, len(new), self.PARAMS_PER_BATCH):
       self.client.log_batch(self.run_id, params=new[start:start + self.PARAMS_PER_BATCH])
@@ -311,9 +310,8 @@ class _Mlflow:
     self.client.log_text(self.run_id, self.identity.config_text, storage.basename(layout.config(self.identity.job_dir)))
 
   def log(self, step: int, values: dict) -> None:
-    from mlflow.entities import Metric
     now = int(time.time() * 1000)
-    metrics = [Metric(_mlflow_key(k), v, now, step) for k, v in values.items()]
+    metrics = [_mlflow().entities.Metric(_mlflow_key(k), v, now, step) for k, v in values.items()]
     for start in range(0, len(metrics), 1000):  # MLflow's limit of metrics per log_batch
       self.client.log_batch(self.run_id, metrics=metrics[start:start + 1000])
 
@@ -324,9 +322,15 @@ class _Mlflow:
 _BACKENDS = {'wandb': _Wandb, 'mlflow': _Mlflow}
 
 
+def _mlflow():
+  """mlflow (its tracking client and entities), imported where an MLflow run is used: optional, and slow to import."""
+  import mlflow.entities
+  import mlflow.tracking
+  return mlflow
+
+
 def _mlflow_default_uri() -> str:
-  from mlflow.tracking import get_tracking_uri
-  return get_tracking_uri()
+  return _mlflow().tracking.get_tracking_uri()
 
 
 def _absolute_uri(uri: str) -> str:

@@ -531,6 +531,9 @@ def _activation_and_block(b: _Builder) -> None:
   elif block.unsupported:
     b.feature(f'decoder_block_{name}', block.unsupported)
   knobs = dict(block.knobs)
+  owner = registry.maxtext_block(name)
+  if owner and not block.unsupported:   # the model is one of the family whose block it is
+    b.put('MODEL_FAMILY', owner[0].name, 'decoder_block')
   if knobs.pop('PARALLEL_BLOCK', False):
     if b.snapshot.start < mt.DEFAULT_BLOCK_SINCE and not b.options.base_config:
       b.feature(f'decoder_block_{name}', mt.DEFAULT_BLOCK_2023)

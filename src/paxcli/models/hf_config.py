@@ -38,6 +38,9 @@ HARMLESS_KEYS = frozenset({
     'begin_suppress_tokens'})
 # rope_scaling types (HF's rope_type, or type in older configs) -> paxcli's ROTARY_SCALING.
 ROPE_TYPES = {'default': 'none', 'linear': 'linear', 'llama3': 'llama3'}
+# Keys of transformers 5's rope_parameters that leave the rotation alone at one value: every dimension of a head
+# rotated (Phi-3's partial_rotary_factor; Phi-4-mini's 0.75 rotates a part of each head only, and is refused).
+ROPE_NEUTRAL = {'partial_rotary_factor': 1.0}
 LLAMA3_ROPE_KEYS = {'factor': 'ROTARY_SCALING_FACTOR', 'low_freq_factor': 'ROTARY_LOW_FREQ_FACTOR',
                     'high_freq_factor': 'ROTARY_HIGH_FREQ_FACTOR',
                     'original_max_position_embeddings': 'ROTARY_ORIGINAL_MAX_LEN'}
@@ -90,7 +93,7 @@ def rope_scaling(config: dict, problems: list) -> dict:
                     f'{", ".join(repr(k) for k in ROPE_TYPES)} only)')
     return {'rope_type': 'default'}
   known = {'rope_type', 'type', 'rope_theta', 'factor'} | (set(LLAMA3_ROPE_KEYS) if kind == 'llama3' else set())
-  unknown = sorted(set(rope) - known)
+  unknown = sorted(k for k in set(rope) - known if rope[k] != ROPE_NEUTRAL.get(k, object()))
   if unknown:
     problems.append(f'rope_scaling {shown(rope)} (paxcli does not read its {", ".join(unknown)})')
   return {**rope, 'rope_type': kind}
@@ -105,6 +108,19 @@ def rope_knobs(rope: dict, get: 'Reader') -> dict:
     for key, knob in LLAMA3_ROPE_KEYS.items():
       knobs[knob] = (get.int if LM_KNOB[knob].type is int else get.float)(key)
   return knobs
+
+
+def sliding_window(config: dict, path: str, default: Optional[int], title: str) -> int:
+  """SLIDING_WINDOW of config.json's sliding_window, the one reader of it: null is full attention (0), a missing
+  key the family's default (its transformers config class's; None: full attention); anything but a positive
+  whole number of tokens or null is one line."""
+  window = config['sliding_window'] if 'sliding_window' in config else default
+  if window is None:
+    return 0
+  if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+    raise UserError(f'{path}/config.json: sliding_window is {shown(window)}; a {title} config has a positive whole '
+                    'number of tokens or null (full attention).')
+  return window
 
 
 def shown(value) -> str:

@@ -8,7 +8,7 @@ import fiddle as fdl
 from paxcli.errors import UserError, at_least
 from paxcli.layers import lora, moe
 from paxcli.layers.transformer import Attention, Mlp
-from paxcli.models import pattern
+from paxcli.models import pattern, registry
 
 
 def validate_lm(lm) -> None:
@@ -29,6 +29,12 @@ def validate_lm(lm) -> None:
       continue
     _validate_window_target(block, fields, kind)
     _validate_block(pattern.kind_template(block, fields), f"the {kind!r} layers' block", f'LAYER_KINDS[{kind!r}]: ')
+
+
+def validate_family(name) -> None:
+  """MODEL_FAMILY names a family paxcli has (or is None)."""
+  if name is not None:
+    registry.by_name(name, 'MODEL_FAMILY: ')
 
 
 def _validate_window_target(block, fields, kind: str) -> None:

@@ -467,14 +467,11 @@ def summary(resolved) -> dict:
 
 
 def family_of(model) -> dict:
-  """{'family': the name of the model family whose Hugging Face layout the model fits (paxcli.models.registry),
-  or None and 'family_note': why it fits none}."""
+  """registry.summary of a language model: {'family': the model family it records (MODEL_FAMILY), or the one
+  whose function it computes, or None; 'family_recorded'; 'family_note': why --to hf would refuse it}."""
   if not hasattr(model, 'lm_tpl'):
     return {'family': None, 'family_note': f'{type(model).__name__} is not a language model of a family'}
-  family, why = registry.fitting(flat_view(model))
-  if family:
-    return {'family': family.name}
-  return {'family': None, 'family_note': '; '.join(f'not {name}: {reasons[0]}' for name, reasons in why.items())}
+  return registry.summary(flat_view(model))
 
 
 def weights_table(setup: Setup) -> list[tuple[str, str, str, str, str]]:
