@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
+
 
 @functools.cache
 def vector_isa() -> str:
@@ -26,14 +28,10 @@ def vector_isa() -> str:
 
 
 def _numpy_features():
-  try:
-    from numpy._core._multiarray_umath import __cpu_features__
-  except ImportError:
-    try:
-      from numpy.core._multiarray_umath import __cpu_features__
-    except ImportError:
-      return None
-  return dict(__cpu_features__)
+  """numpy's own CPUID reading (numpy 2: numpy._core, loaded with numpy); None where it is not there."""
+  core = getattr(np, '_core', None) or getattr(np, 'core', None)
+  features = getattr(getattr(core, '_multiarray_umath', None), '__cpu_features__', None)
+  return dict(features) if features is not None else None
 
 
 def _proc_flags() -> dict:
