@@ -297,7 +297,7 @@ class Attention(nn.Module):
     index.value = i_B + l
     s = key.value.shape[-1]
     # Slots are time: a left-padded row's tokens are contiguous, so slot distance is position distance.
-    slot_BxL = i_B[:, None] + jnp.arange(l)
+    slot_BxL = i_B[:, None] + jnp.arange(l)[None, :]
     visible_BxLxS = attention_ops.visible(slot_BxL[:, :, None], jnp.arange(s)[None, None, :], self.sliding_window)
     mask_BxLxS = visible_BxLxS & valid.value[:, None, :]
     return attention_ops.cached_attention(q_BxLxHxE, key.value, value.value, mask_BxLxS, self.atten_logit_cap,
