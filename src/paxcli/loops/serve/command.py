@@ -12,7 +12,9 @@ requests (new ones get 503), lets those taken finish (at most `drain_timeout` se
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import signal
 import socket
 import threading
 from typing import Callable, Optional
@@ -93,6 +95,9 @@ def serve(resolved, job_dir: str, opts: ServeOptions, resolve_with: Callable[[li
     engine.stop(drain=True, timeout=opts.drain_timeout)
     if template is not None:
       template.close()
+  done = engine.metrics.outcomes
+  log(f'Stopped: {done["done"]:,} requests answered, {done["released"]:,} ended early by their clients, '
+      f'{done["refused"]:,} refused.')
 
 
 def chat_prompt(tokenizer, template) -> Callable[[list[dict]], list[int]]:
@@ -156,6 +161,19 @@ def _run(app, sock: socket.socket, opts: ServeOptions, engine: Engine, on_ready:
     def handle_exit(self, sig, frame):
       engine.refuse()   # new requests get 503 while uvicorn waits for the running ones
       super().handle_exit(sig, frame)
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+      """uvicorn's handlers, without its raising the signal again at the end: a drained server exits 0."""
+      if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+      before = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+      try:
+        yield
+      finally:
+        for sig, handler in before.items():
+          signal.signal(sig, handler)
 
     async def startup(self, sockets=None):
       await super().startup(sockets=sockets)
