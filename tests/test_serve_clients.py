@@ -148,11 +148,12 @@ def test_a_shipped_chat_template_renders_as_transformers_does(trained):
   config_path = os.path.join(chat_job, 'tokenizer', 'tokenizer_config.json')
   config = json.load(open(config_path)) if os.path.exists(config_path) else {}
   json.dump({**config, 'chat_template': template}, open(config_path, 'w'))
-  hf_config = os.path.join(hf, 'tokenizer_config.json')
-  json.dump({**json.load(open(hf_config)), 'chat_template': template}, open(hf_config, 'w'))
   messages = [{'role': 'system', 'content': 'Docstrings. '}, {'role': 'user', 'content': 'Return the number of'}]
-  ids = AutoTokenizer.from_pretrained(hf).apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                              return_dict=False)
+  # The export splits special tokens' texts (split_special_tokens: plain text is read as sentencepiece reads it);
+  # a chat model's tokenizer reads a template's `</s>` as that token, as paxcli's template renderer does.
+  hf_tok = AutoTokenizer.from_pretrained(hf, split_special_tokens=False)
+  ids = hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False,
+                                   chat_template=template)
   record = paxcli.decode(EXP, overrides=KNOBS, job_dir=chat_job, prompt_ids=[','.join(map(str, ids))],
                          max_decode_steps=10, console=QUIET, output=str(base / 'chat.jsonl'))[0]
   server = Server(['--job-log-dir', chat_job], cwd=str(base))

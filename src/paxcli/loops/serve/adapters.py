@@ -35,6 +35,7 @@ from paxcli.jobdir import layout, restore
 from paxcli.layers import lora
 from paxcli.runtime import engine as engine_lib
 from paxcli.runtime import train_state
+from paxcli.values import saved_literal
 
 
 @dataclasses.dataclass
@@ -125,7 +126,7 @@ def _read_adapter(name: str, job_dir: str, step: int, meta: dict, mesh, digest: 
                     f'(content {str(named.get("digest"))[:12]}), not on {base_name} (content {digest[:12]}): '
                     'one server serves the adapters of one base.')
   config = meta.get('config') if isinstance(meta.get('config'), dict) else {}
-  rank, alpha, targets = (config.get(f'knobs.{k}') for k in ('LORA_RANK', 'LORA_ALPHA', 'LORA_TARGETS'))
+  rank, alpha, targets = (saved_literal(config.get(f'knobs.{k}')) for k in ('LORA_RANK', 'LORA_ALPHA', 'LORA_TARGETS'))
   if not (isinstance(rank, int) and 0 < rank <= 65536 and isinstance(alpha, (int, float)) and math.isfinite(alpha)
           and isinstance(targets, (list, tuple)) and targets and all(t in lora.TARGETS for t in targets)):
     raise UserError(f'{where}: its checkpoint at step {step} does not record LORA_RANK, LORA_ALPHA and LORA_TARGETS '
@@ -152,7 +153,7 @@ def _stack(setup, found: list[_Adapter], rank: int) -> tuple[dict, dict]:
   """Every adapter weight of the served model, all adapters stacked (index 0: zeros), on the axis after the
   stacked layers' (its lead); each adapter padded to `rank` and scaled by its alpha / rank."""
   abstract = traverse_util.flatten_dict(setup.abstract_state['params'], sep='/')
-  logical = traverse_util.flatten_dict(setup.logical, sep='/', is_leaf=lambda x: isinstance(x, tuple))
+  logical = traverse_util.flatten_dict(setup.logical, sep='/', is_leaf=lambda _, x: isinstance(x, tuple))
   rep = NamedSharding(setup.mesh, PartitionSpec())
   stacked, leads = {}, {}
   for path, a in abstract.items():
