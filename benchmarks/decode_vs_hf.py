@@ -46,13 +46,14 @@ def paxcli_decoder(config: dict, state_dict: dict):
   from paxcli.loops.decode.decoder import Decoder
   from paxcli.models.lm import flat_view
   from paxcli.models.llama import LLAMA
+  from paxcli.models.weight_map import WeightMap
   from paxcli.runtime import engine
 
   knobs, _ = LLAMA.from_hf_config(config, 'benchmark')
   setup = engine.build(cfg.resolve('default.StdlibDocsLm', [f'{k}={v!r}' for k, v in knobs.items()]))
-  flat = {}
-  for w in LLAMA.hf_weights(flat_view(setup.model)):
-    flat[w.paxcli[len('params/'):]] = w.from_hf(state_dict[w.hf].numpy(), w.paxcli_shape).astype(np.float32)
+  wmap = WeightMap(LLAMA.hf_weights(flat_view(setup.model)))
+  flat = {name[len('params/'):]: wmap.from_hf(name, lambda hf: state_dict[hf].numpy()).astype(np.float32)
+          for name in wmap.paxcli_shapes}
   params = jax.device_put(nest(flat), setup.state_shardings['params'])
   return Decoder(setup, params)
 

@@ -30,6 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 FLAGS = ['--headless', '--no-sandbox', '--disable-gpu', '--no-first-run', '--disable-background-networking',
          '--disable-component-update', '--disable-sync', '--disable-quic', '--hide-scrollbars']
 # The newcomer's questions and the pages that answer them, each linked from the front page.
+# Pages with long command lines and comments, checked for code that would hide past the page's width.
+WIDE_PAGES = ('tutorials/fine-tune/', 'guides/model-families/', 'guides/checkpoints/', 'tutorials/own-data/')
 ANSWERS = {'install/': 'Install', 'tutorials/own-data/': 'Your own data',
            'tutorials/fine-tune/': 'Fine-tune a released model', 'reference/job-directory/': 'Job directory'}
 
@@ -174,6 +176,14 @@ def check(site: Path, out: Path, browser: Browser) -> list[tuple[str, bool, str]
     browser.open(url + 'reference/knobs/')
     knobs = browser.evaluate('[...document.querySelectorAll("article td code")].map(c => c.textContent)')
     rows.append(('knob reference (generated) lists NUM_LAYERS', 'NUM_LAYERS' in knobs, f'{len(knobs)} code cells'))
+    broken = browser.evaluate('[...document.querySelectorAll("article td:first-child code")]'
+                              '.filter(c => c.getClientRects().length > 1).map(c => c.textContent)')
+    rows.append(('knob names stay on one line at 1280 px', not broken, ', '.join(broken[:5])))
+    for page in WIDE_PAGES:   # a code line wider than the page wraps: nothing hides behind a scroll bar
+      browser.open(url + page)
+      hidden = browser.evaluate('[...document.querySelectorAll("article pre > code")]'
+                                '.filter(c => c.scrollWidth > c.clientWidth + 1).length')
+      rows.append((f'code blocks of {page} fit 1280 px', hidden == 0, f'{hidden} blocks scroll'))
     browser.open(url)
     browser.evaluate('(i => { i.focus(); i.value = "fine-tune"; i.dispatchEvent(new Event("input", {bubbles: true})); })'
                      '(document.querySelector("input.md-search__input"))')

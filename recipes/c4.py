@@ -122,6 +122,9 @@ class C4SpmdAdam(LmExperiment):
   # Pax's default: the residual stream's model dimension sharded over `mdl` between layers (a_bld
   # [batch, None, mdl]), which halves what a [*, *, 2] mesh keeps for the backward pass.
   TRAINING_OPTIMIZED_SHARDING: bool = True
+  # What a job's record may set (Experiment.replayed): all of this class's knobs (C4 is read, never written).
+  replayed = frozenset({'ADAM_CLIP_THRESHOLD', 'CHECKPOINT_MAX_TO_KEEP', 'C4_TFDS_NAME', 'C4_DATA_DIR', 'C4_VOCABULARY',
+                        'TRAINING_SEED', 'TRAINING_OPTIMIZED_SHARDING'})
 
   def task(self) -> fdl.Config:
     task = super().task()
@@ -276,6 +279,7 @@ class C4SpmdPipelineGpt3AdamOrgHP(C4SpmdAdam):
 
   POSITION_EMBEDDING = 'learned'
   TRAINABLE_PE_MAX_SEQ_LEN: int = 16384
+  replayed = frozenset({'TRAINABLE_PE_MAX_SEQ_LEN'})   # a model knob: a job's record may set it
   NORM_EPSILON = 1e-5
   USE_ATTENTION_BIAS = True
   USE_PER_DIM_SCALE = False

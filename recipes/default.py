@@ -14,6 +14,7 @@ says); on a GPU it takes seconds. It keeps the latest 3 checkpoints (every 50 st
 import fiddle as fdl
 
 from paxcli.experiment import register
+from paxcli.inputs.corpus import StdlibDocsInput
 from paxcli.models import LmExperiment
 from paxcli.models.llama import LLAMA
 
@@ -50,7 +51,6 @@ class StdlibDocsLm(LmExperiment):
   DECODE_MAX_STEPS = 24
 
   def datasets(self) -> list:
-    from paxcli.inputs.corpus import StdlibDocsInput
     common = dict(seq_len=self.MAX_SEQ_LEN, vocab_size=self.VOCAB_SIZE, seed=self.RANDOM_SEED)
     return [
         fdl.Config(StdlibDocsInput, name='train', split='train', is_training=True, **common),

@@ -1,35 +1,40 @@
-"""Supervised fine-tuning of an imported model (a Hugging Face Llama) on prompt/completion JSONL.
+"""Supervised fine-tuning of an imported model, any family (Llama, Qwen, Gemma, Mistral, ...), on
+prompt/completion or chat JSONL.
 
-Import the model once, then fine-tune it; the loss counts the completions only (the prompts
-weigh 0: paxcli.inputs.sft):
+Import the model once, then fine-tune it into a new job directory; the loss counts the completions
+(or the assistant turns of a chat) only (paxcli.inputs.sft, paxcli.inputs.chat_template):
 
-  pax checkpoint convert --from hf ./Llama-3.2-1B ./llama
-  pax train --exp finetune.LlamaSft --set BASE=./llama --set TRAIN_DATA=sft.jsonl \\
-      --set EVAL_DATA=sft_eval.jsonl --job-log-dir ./llama_sft
-  pax eval --job-log-dir ./llama_sft       # the job's experiment and settings, from its directory
+  pax checkpoint convert --from hf Qwen/Qwen2.5-0.5B-Instruct ./qwen
+  pax train --exp finetune.Sft --set BASE=./qwen --set TRAIN_DATA=sft.jsonl \\
+      --set EVAL_DATA=sft_eval.jsonl --job-log-dir ./qwen_sft
+  pax eval --job-log-dir ./qwen_sft       # the job's experiment and settings, from its directory
 
-each line of sft.jsonl being {"prompt": "...", "completion": "..."} (or {"messages": [...]}).
-BASE is the converted job directory: the model's knobs are read from the recipe the import
-wrote there (as data, never run), its parameters start the run (INIT_FROM; BASE is only read)
-and its tokenizer as shipped (tokenizer.json or tokenizer.model, with tokenizer_config.json's
-special tokens) reads the data. Every one of these can still be set with --set; MAX_SEQ_LEN
-is the fine-tune's own (BASE's is the model's longest context).
+each line of sft.jsonl being {"prompt": "...", "completion": "..."} (or {"messages": [...]}, read
+through the model's own chat template). The commands are the same for every family: BASE is the
+converted job directory; the model's knobs are read from the recipe the import kept there (as data,
+never run), its parameters start the run (INIT_FROM; BASE is only read) and its tokenizer as shipped
+(tokenizer.json or tokenizer.model, with its special tokens and chat templates) reads the data. Every
+one of these can still be set with --set; MAX_SEQ_LEN is the fine-tune's own (BASE's is the model's
+longest context). LlamaSft and TinyLlamaSft are the names these had when only Llama was covered.
 
-A tiny example that runs on a CPU in well under a minute: `python -m paxcli.recipes.finetune DIR`
-writes a random 2-layer Llama in Hugging Face's layout (safetensors, config.json with Llama 3's
-rope_scaling, a Llama-3-style tokenizer.json) and prompt/completion files into DIR, and prints
-the commands above for them with the TinyLlamaSft settings. Measured on 1 CPU device: the
-completion loss on the eval pairs is 14.1 for the random base and 0.005 after the 60 steps
-(33 s for the train command, 8 s of it compiling).
+A tiny example that runs on a CPU in about a minute: `python -m paxcli.recipes.finetune DIR
+[--family NAME]` writes a random model of the family (Llama by default: 2 layers, config.json with
+Llama 3's rope_scaling) in Hugging Face's layout, a tokenizer in the family's style (its special
+tokens and chat template) and prompt/completion and chat files into DIR, and prints the commands above
+for them with the TinySft settings. Measured on 1 CPU device (Llama): the completion loss on the eval
+pairs is 14.1 for the random base and 0.005 after the 60 steps (33 s for the train command, 8 s of it
+compiling).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shlex
 import sys
+import types
 from typing import Optional
 
 import numpy as np
@@ -38,18 +43,19 @@ from paxcli import files, gencode
 from paxcli.errors import UserError
 from paxcli.experiment import register
 from paxcli.jobdir import layout
-from paxcli.models import LmExperiment
-from paxcli.models.knobs import LM_KNOB
+from paxcli.models import LmExperiment, registry
+from paxcli.models.knobs import LM_KNOB, LM_KNOBS, effective
 
 # Knobs of the base that belong to the fine-tune instead (the model's longest context is no row length).
 OWN_KNOBS = ('MAX_SEQ_LEN',)
 
 
 @register
-class LlamaSft(LmExperiment):
+class Sft(LmExperiment):
   """Fine-tunes the model imported into BASE (a job directory) on TRAIN_DATA, completions only."""
 
   BASE: Optional[str] = None   # the job directory `pax checkpoint convert --from hf` wrote
+  replayed = frozenset({'BASE'})   # the weights it starts from, read: a job's record may name them
   MAX_SEQ_LEN = 512
   PERCORE_BATCH_SIZE = 1
   LEARNING_RATE = 2e-5
@@ -103,7 +109,12 @@ def base_knobs(job_dir: str) -> dict:
 
 
 @register
-class TinyLlamaSft(LlamaSft):
+class LlamaSft(Sft):
+  """Sft under the name it had when the tutorial covered Llama only (any family's BASE works)."""
+
+
+@register
+class TinySft(Sft):
   """The example's settings: rows of 64 tokens, a high learning rate, 60 steps (under a minute on CPU)."""
 
   MAX_SEQ_LEN = 64
@@ -115,6 +126,11 @@ class TinyLlamaSft(LlamaSft):
   EVAL_INTERVAL_STEPS = 30
   SUMMARY_INTERVAL_STEPS = 10
   ICI_MESH_SHAPE = None
+
+
+@register
+class TinyLlamaSft(TinySft):
+  """TinySft under its earlier name."""
 
 
 # ---- the tiny example -----------------------------------------------------------------------------
@@ -133,6 +149,39 @@ CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ 
                  "{% if m['role'] == 'assistant' %}<|eot_id|>{% endif %}\n{% endfor %}")
 
 
+@dataclasses.dataclass(frozen=True)
+class Style:
+  """How a family's released tokenizers read text: their special tokens (ids 0, 1, ...), the BOS put
+  before every text (None: none), the end-of-text token and the chat template (in the shape of the
+  released one: ChatML for Qwen, turns for Gemma, [INST] for Mistral)."""
+  special: tuple[str, ...]
+  bos: Optional[str]
+  eos: str
+  template: str
+
+
+STYLES = {
+    'llama': Style(SPECIAL, SPECIAL[0], SPECIAL[1], CHAT_TEMPLATE),
+    'qwen': Style(('<|endoftext|>', '<|im_start|>', '<|im_end|>'), None, '<|im_end|>',
+                  "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
+                  "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"),
+    'gemma': Style(('<pad>', '<eos>', '<bos>', '<start_of_turn>', '<end_of_turn>'), '<bos>', '<eos>',
+                   "{{ bos_token }}{% for m in messages %}{% set role = 'model' if m['role'] == 'assistant' "
+                   "else m['role'] %}{{ '<start_of_turn>' + role + '\n' + m['content'] | trim + '<end_of_turn>\n' }}"
+                   "{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"),
+    'mistral': Style(('<unk>', '<s>', '</s>'), '<s>', '</s>',
+                     "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}{{ '[INST] ' + m['content'] "
+                     "+ ' [/INST]' }}{% elif m['role'] == 'assistant' %}{{ m['content'] + eos_token }}{% endif %}"
+                     "{% endfor %}"),
+}
+FAMILY_STYLE = {'llama': 'llama', 'qwen2': 'qwen', 'qwen3': 'qwen', 'qwen3_moe': 'qwen', 'gemma2': 'gemma',
+                'gemma3': 'gemma', 'mistral': 'mistral', 'mixtral': 'mistral'}
+# The sizes of the example's models of every family but Llama (whose config.json is TINY_CONFIG): the
+# family's own knobs (paxcli.models.registry) at these sizes, a layer pattern's length of layers, 4 experts.
+TINY_KNOBS = {'NUM_LAYERS': 2, 'MODEL_DIMS': 64, 'HIDDEN_DIMS': 128, 'NUM_HEADS': 4, 'NUM_KV_HEADS': 2,
+              'DIMS_PER_HEAD': 16, 'VOCAB_SIZE': 384, 'MAX_SEQ_LEN': 256}
+
+
 def example_records(n: int, seed: int) -> list[dict]:
   """Prompt/completion pairs of a task a tiny model learns fast: name the colour of a thing."""
   things = {'sky': 'blue', 'grass': 'green', 'snow': 'white', 'coal': 'black', 'blood': 'red',
@@ -143,23 +192,28 @@ def example_records(n: int, seed: int) -> list[dict]:
           for t in (names[i] for i in rng.integers(0, len(names), n))]
 
 
-def write_tokenizer(directory: str, texts: list[str], vocab_size: int) -> None:
-  """A Llama-3-style tokenizer.json (byte-level BPE; BOS added before each text) trained on `texts`,
-  and the tokenizer_config.json beside it (special tokens, a chat template kept as data)."""
+def write_tokenizer(directory: str, texts: list[str], vocab_size: int, style: Style = STYLES['llama']) -> None:
+  """A tokenizer.json (byte-level BPE; the style's BOS added before each text) trained on `texts`, with the
+  style's special tokens first, the tokenizer_config.json beside it (special tokens) and its chat template
+  (chat_template.jinja, where transformers 5's save_pretrained writes one)."""
   import tokenizers as hf   # the tokenizers library: paxcli reads tokenizer.json files with it
   tok = hf.Tokenizer(hf.models.BPE())
   tok.pre_tokenizer = hf.pre_tokenizers.ByteLevel(add_prefix_space=False)
   tok.decoder = hf.decoders.ByteLevel()
-  tok.train_from_iterator(texts, hf.trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL),
+  tok.train_from_iterator(texts, hf.trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(style.special),
                                                         show_progress=False,
                                                         initial_alphabet=hf.pre_tokenizers.ByteLevel.alphabet()))
-  tok.post_processor = hf.processors.TemplateProcessing(single=f'{SPECIAL[0]} $A', pair=f'{SPECIAL[0]} $A $B',
-                                                        special_tokens=[(SPECIAL[0], 0)])
+  if style.bos:
+    bos = style.special.index(style.bos)
+    tok.post_processor = hf.processors.TemplateProcessing(single=f'{style.bos} $A', pair=f'{style.bos} $A $B',
+                                                          special_tokens=[(style.bos, bos)])
   tok.save(os.path.join(directory, 'tokenizer.json'))
-  config = {'tokenizer_class': 'PreTrainedTokenizerFast', 'bos_token': SPECIAL[0], 'eos_token': SPECIAL[1],
-            'chat_template': CHAT_TEMPLATE, 'model_max_length': TINY_CONFIG['max_position_embeddings']}
+  config = {'tokenizer_class': 'PreTrainedTokenizerFast', 'bos_token': style.bos, 'eos_token': style.eos,
+            'model_max_length': TINY_CONFIG['max_position_embeddings']}
   with open(os.path.join(directory, 'tokenizer_config.json'), 'w', encoding='utf-8') as f:
     json.dump(config, f, indent=1)
+  with open(os.path.join(directory, 'chat_template.jinja'), 'w', encoding='utf-8') as f:
+    f.write(style.template)
 
 
 def write_tiny_llama(directory: str, seed: int = 0, config: Optional[dict] = None) -> None:
@@ -190,14 +244,54 @@ def write_tiny_llama(directory: str, seed: int = 0, config: Optional[dict] = Non
     json.dump(config, fh, indent=1)
 
 
-def write_example(directory: str) -> dict:
-  """The tiny HF Llama (DIR/hf) and its train/eval prompt/completion files; returns their paths."""
+def write_tiny_model(directory: str, family: str, style: Style, seed: int = 0) -> None:
+  """A random model of `family` in Hugging Face's layout: config.json as paxcli's export writes it for the
+  family's knobs at TINY_KNOBS' sizes, and model.safetensors of every array its weight map names (Llama:
+  write_tiny_llama's TINY_CONFIG, Llama 3's rope_scaling)."""
+  if family == 'llama':
+    return write_tiny_llama(directory, seed)
+  from paxcli.convert import safetensors_io   # numpy only; the example's writer, not the recipe's
+  fam = registry.by_name(family)
+  knobs = {**fam.knobs, **TINY_KNOBS}
+  if fam.knobs.get('LAYER_PATTERN'):
+    knobs['NUM_LAYERS'] = len(fam.knobs['LAYER_PATTERN'])
+  if fam.knobs.get('NUM_EXPERTS'):
+    knobs.update(NUM_EXPERTS=4, EXPERTS_PER_TOKEN=2)
+  model = types.SimpleNamespace(**effective(knobs, LM_KNOBS))
+  ids = {'bos_token_id': style.special.index(style.bos) if style.bos else None,
+         'eos_token_id': style.special.index(style.eos), 'pad_token_id': None}
+  config = fam.to_hf_config(model, 'float32', ids)
+  rng = np.random.default_rng(seed)
+  norm = 0.0 if getattr(model, 'norm_plus_one', False) else 1.0   # Gemma stores a norm's scale less 1
+  weights = {w.hf: (norm + 0.1 * rng.standard_normal(w.hf_shape) if w.hf.endswith('norm.weight')
+                    else rng.standard_normal(w.hf_shape) * (0.5 if 'embed' in w.hf else 1 / np.sqrt(w.hf_shape[-1])))
+             .astype(np.float32) for w in fam.hf_weights(model)}
+  os.makedirs(directory, exist_ok=True)
+  safetensors_io.write(directory, [(n, x.shape, 'float32') for n, x in weights.items()],
+                       lambda name, put: put(weights[name]), {'format': 'pt'}, 1 << 30)
+  with open(os.path.join(directory, 'config.json'), 'w', encoding='utf-8') as fh:
+    json.dump(config, fh, indent=1)
+
+
+def chat_records(records: list[dict]) -> list[dict]:
+  """The pairs as one-turn chats: what a chat model is fine-tuned on, through its own template."""
+  return [{'messages': [{'role': 'user', 'content': r['prompt'].split('Q: ', 1)[-1].split('\n')[0]},
+                        {'role': 'assistant', 'content': r['completion'].strip()}]} for r in records]
+
+
+def write_example(directory: str, family: str = 'llama') -> dict:
+  """The tiny model of `family` (DIR/hf) and its train/eval prompt/completion and chat files; returns their paths."""
+  if family not in FAMILY_STYLE:
+    raise UserError(f'--family {family!r}: choose one of {", ".join(FAMILY_STYLE)}.')
+  style = STYLES[FAMILY_STYLE[family]]
   hf_dir = os.path.join(directory, 'hf')
   train, evals = example_records(400, seed=0), example_records(40, seed=1)
-  write_tiny_llama(hf_dir)
-  write_tokenizer(hf_dir, [r['prompt'] + r['completion'] for r in train], TINY_CONFIG['vocab_size'])
-  paths = {'hf': hf_dir, 'train': os.path.join(directory, 'sft.jsonl'), 'eval': os.path.join(directory, 'sft_eval.jsonl')}
-  for name, records in (('train', train), ('eval', evals)):
+  write_tiny_model(hf_dir, family, style)
+  write_tokenizer(hf_dir, [r['prompt'] + r['completion'] for r in train], TINY_CONFIG['vocab_size'], style)
+  paths = {'hf': hf_dir, 'train': os.path.join(directory, 'sft.jsonl'), 'eval': os.path.join(directory, 'sft_eval.jsonl'),
+           'chat': os.path.join(directory, 'chat.jsonl'), 'chat_eval': os.path.join(directory, 'chat_eval.jsonl')}
+  for name, records in (('train', train), ('eval', evals), ('chat', chat_records(train)),
+                        ('chat_eval', chat_records(evals))):
     with open(paths[name], 'w', encoding='utf-8') as f:
       f.writelines(json.dumps(r) + '\n' for r in records)
   return paths
@@ -207,10 +301,13 @@ def main(argv: Optional[list[str]] = None) -> int:
   """`python -m paxcli.recipes.finetune DIR`: writes the tiny example into DIR and prints what to run next."""
   parser = argparse.ArgumentParser(
       prog='python -m paxcli.recipes.finetune',
-      description='Write the tiny fine-tuning example into DIR: a random 2-layer Llama in Hugging Face\'s layout '
-                  '(DIR/hf) and prompt/completion files (DIR/sft.jsonl, DIR/sft_eval.jsonl); then print the '
-                  'commands that import, fine-tune and use it.')
+      description='Write the tiny fine-tuning example into DIR: a random model of the family in Hugging Face\'s '
+                  'layout with a tokenizer in the family\'s style (DIR/hf), prompt/completion files (DIR/sft.jsonl, '
+                  'DIR/sft_eval.jsonl) and the same pairs as chats (DIR/chat.jsonl, DIR/chat_eval.jsonl); then '
+                  'print the commands that import, fine-tune and use it.')
   parser.add_argument('directory', metavar='DIR', help='where to write the example (a new or empty directory)')
+  parser.add_argument('--family', default='llama', choices=list(FAMILY_STYLE), help='the model family (default: '
+                      'llama)')
   parser.add_argument('--force', action='store_true', help='write into DIR although it holds files (files of the '
                       "example's names are replaced)")
   args = parser.parse_args(argv)
@@ -220,25 +317,28 @@ def main(argv: Optional[list[str]] = None) -> int:
   if os.path.isdir(out) and os.listdir(out) and not args.force:
     parser.exit(2, f'error: {args.directory} holds files already; give a new or empty directory, or --force to '
                    "write the example into it (files of the example's names are replaced).\n")
-  made = write_example(out)
-  print(next_steps(out, made))
+  made = write_example(out, args.family)
+  print(next_steps(out, made, args.family))
   return 0
 
 
-def next_steps(out: str, made: dict) -> str:
+def next_steps(out: str, made: dict, family: str = 'llama') -> str:
   """What was written, and the commands that import, fine-tune and use it (paths as typed from here)."""
   here = lambda path: path if os.path.relpath(path).startswith('..') else os.path.relpath(path)
   q = lambda path: shlex.quote(here(path))
-  base, job = os.path.join(out, 'llama'), os.path.join(out, 'sft')
+  base, job = os.path.join(out, family), os.path.join(out, 'sft')
+  title = registry.by_name(family).title
   return '\n'.join([
       f'Wrote the tiny example into {here(out)}:',
-      f'  {here(made["hf"])}: a random 2-layer Llama in Hugging Face\'s layout (config.json, model.safetensors, '
-      'tokenizer.json)',
+      f'  {here(made["hf"])}: a random {title} in Hugging Face\'s layout (config.json, model.safetensors, '
+      'tokenizer.json, chat_template.jinja)',
       f'  {here(made["train"])}, {here(made["eval"])}: prompt/completion pairs to train on and to hold out',
+      f'  {here(made["chat"])}, {here(made["chat_eval"])}: the same as chats, for the model\'s chat template',
       '',
-      'Import the model, fine-tune it (under a minute on a CPU), then use the job by its directory:',
+      'Import the model, fine-tune it into a new job directory (about a minute on a CPU), then use the job by its '
+      'directory:',
       f'  pax checkpoint convert --from hf {q(made["hf"])} {q(base)}',
-      f'  pax train --exp finetune.TinyLlamaSft --set BASE={q(base)} --set TRAIN_DATA={q(made["train"])} '
+      f'  pax train --exp finetune.TinySft --set BASE={q(base)} --set TRAIN_DATA={q(made["train"])} '
       f'--set EVAL_DATA={q(made["eval"])} --job-log-dir {q(job)}',
       f'  pax eval --job-log-dir {q(job)}',
       f'  pax decode --job-log-dir {q(job)} --prompt \'Q: What colour is the snow?\'',

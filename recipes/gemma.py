@@ -4,8 +4,8 @@ into it.
 
   pax describe --exp gemma.Gemma3_4B                       # 3,880,263,168 parameters, as released
   pax checkpoint convert --from hf gemma-2-9b/ runs/gemma2-9b --recipe gemma2_9b.py
-  pax train --exp gemma.Gemma2_9B --set INIT_FROM="'runs/gemma2-9b'" --set LORA_RANK=16 \
-      --set TRAIN_DATA="'chat.jsonl'" --set TOKENIZER="'gemma-2-9b/tokenizer.json'"
+  pax train --exp gemma.Gemma2_9B --set INIT_FROM=runs/gemma2-9b --set LORA_RANK=16 \
+      --set TRAIN_DATA=chat.jsonl --set TOKENIZER=gemma-2-9b/tokenizer.json
 
 Gemma2_9B: gemma-2-9b (42 x 3584, 16 heads x 256, 8 KV heads, FFN 14336, vocab 256000; local window
            4096 alternating with global layers; soft caps 50 and 30), 9,241,705,984.

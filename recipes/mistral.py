@@ -4,8 +4,8 @@ into it.
 
   pax describe --exp mistral.Mistral7B                       # 7,241,732,096 parameters, as released
   pax checkpoint convert --from hf Mistral-7B-v0.1/ runs/mistral-7b --recipe mistral_7b.py
-  pax train --exp mistral.Mistral7B --set INIT_FROM="'runs/mistral-7b'" --set LORA_RANK=16 \
-      --set TRAIN_DATA="'chat.jsonl'" --set TOKENIZER="'Mistral-7B-v0.1/tokenizer.json'"
+  pax train --exp mistral.Mistral7B --set INIT_FROM=runs/mistral-7b --set LORA_RANK=16 \
+      --set TRAIN_DATA=chat.jsonl --set TOKENIZER=Mistral-7B-v0.1/tokenizer.json
 
 Mistral7B: 32 x 4096, 32 heads x 128, 8 KV heads, FFN 14336, vocab 32000, untied output layer,
 rotary base 10000, RMSNorm 1e-5, and a sliding window of 4096 tokens in every layer (the family's

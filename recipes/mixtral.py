@@ -4,8 +4,8 @@ into it.
 
   pax describe --exp mixtral.Mixtral8x7B                   # 46,702,792,704 parameters, as released
   pax checkpoint convert --from hf Mixtral-8x7B-v0.1/ runs/mixtral --recipe mixtral_8x7b.py
-  pax train --exp mixtral.Mixtral8x7B --set INIT_FROM="'runs/mixtral'" --set LORA_RANK=16 \
-      --set TRAIN_DATA="'chat.jsonl'" --set TOKENIZER="'Mixtral-8x7B-v0.1/tokenizer.json'"
+  pax train --exp mixtral.Mixtral8x7B --set INIT_FROM=runs/mixtral --set LORA_RANK=16 \
+      --set TRAIN_DATA=chat.jsonl --set TOKENIZER=Mixtral-8x7B-v0.1/tokenizer.json
 
 Mixtral8x7B: 32 x 4096, 32 heads x 128, 8 KV heads, 8 experts of FFN 14336 with 2 per token (softmax
 over the chosen two), vocab 32000, untied output layer, rotary base 1e6, RMSNorm 1e-5, full attention

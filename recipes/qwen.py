@@ -4,8 +4,8 @@ into it.
 
   pax describe --exp qwen.Qwen3_8B                         # 8,190,735,360 parameters, as released
   pax checkpoint convert --from hf Qwen3-8B/ runs/qwen3-8b --recipe qwen3_8b.py
-  pax train --exp qwen.Qwen3_8B --set INIT_FROM="'runs/qwen3-8b'" --set LORA_RANK=16 \
-      --set TRAIN_DATA="'chat.jsonl'" --set TOKENIZER="'Qwen3-8B/tokenizer.json'"
+  pax train --exp qwen.Qwen3_8B --set INIT_FROM=runs/qwen3-8b --set LORA_RANK=16 \
+      --set TRAIN_DATA=chat.jsonl --set TOKENIZER=Qwen3-8B/tokenizer.json
 
 Qwen25_05B: Qwen2.5-0.5B (24 x 896, 14 heads, 2 KV heads, FFN 4864, tied embeddings), 494,032,768.
 Qwen25_7B:  Qwen2.5-7B (28 x 3584, 28 heads, 4 KV heads, FFN 18944, vocab 152064, untied), 7,615,616,512.

@@ -11,6 +11,8 @@ start-up takes a few seconds longer (tensorflow and seqio load).
 import fiddle as fdl
 
 from paxcli.experiment import register
+from paxcli.inputs.corpus import register_seqio_task
+from paxcli.inputs.seqio_input import SeqIOInput
 from paxcli.recipes.default import StdlibDocsLm
 
 
@@ -19,8 +21,6 @@ class StdlibDocsSeqIOLm(StdlibDocsLm):
   """The default LM fed by SeqIOInput (seqio task over local TFRecords, packed)."""
 
   def datasets(self) -> list:
-    from paxcli.inputs.corpus import register_seqio_task
-    from paxcli.inputs.seqio_input import SeqIOInput
     task = register_seqio_task(self.VOCAB_SIZE)
     lengths = {'targets': self.MAX_SEQ_LEN}
     return [

@@ -3,9 +3,11 @@ family's released config.json at a reduced size, every weight random (norms arou
 a weight left at its initial value could hide a mapping that drops it), saved with save_pretrained.
 
 REFERENCES holds one entry per paxcli family with a Hugging Face layout; a family registers here (a
-released config.json, the sizes to cut it to, lines its --from hf recipe must hold) and
+released config.json, the sizes to cut it to, lines its --from hf recipe must hold, what it refuses) and
 tests/test_hf_families.py holds it against transformers: import, logits, greedy decoding, export,
-LoRA through PEFT, certification. conftest's `hf_reference` fixture builds each once per session.
+LoRA through PEFT, certification; tests/test_family_contract.py holds its config.json defaults against
+transformers' config class, its refusals, and its parameter count at the released size.
+conftest's `hf_reference` fixture builds each once per session.
 """
 
 import dataclasses
@@ -21,6 +23,8 @@ class Reference:
   sizes: dict          # what replaces the released sizes for a test
   recipe_lines: tuple  # lines the recipe `--from hf` writes must hold
   recipe_class: str    # the experiment class of that recipe
+  # What the family refuses: (changes to `released`, the texts its one-line error must hold), one or more.
+  refusals: tuple = ()
   experts: bool = False  # a mixture of experts: LoRA adapts attention only (experts take no adapters)
 
   @property
@@ -107,38 +111,68 @@ QWEN3_30B_A3B = {
     'tie_word_embeddings': False, 'torch_dtype': 'bfloat16', 'transformers_version': '4.51.0', 'use_cache': True,
     'use_sliding_window': False, 'vocab_size': 151936}
 
+# huggingface.co/microsoft/Phi-3-mini-4k-instruct/config.json: fused qkv_proj and gate_up_proj, a window of 2047.
+PHI3_MINI_4K = {
+    'architectures': ['Phi3ForCausalLM'], 'attention_dropout': 0.0,
+    'auto_map': {'AutoConfig': 'configuration_phi3.Phi3Config', 'AutoModelForCausalLM': 'modeling_phi3.Phi3ForCausalLM'},
+    'bos_token_id': 1, 'embd_pdrop': 0.0, 'eos_token_id': 32000, 'hidden_act': 'silu', 'hidden_size': 3072,
+    'initializer_range': 0.02, 'intermediate_size': 8192, 'max_position_embeddings': 4096, 'model_type': 'phi3',
+    'num_attention_heads': 32, 'num_hidden_layers': 32, 'num_key_value_heads': 32,
+    'original_max_position_embeddings': 4096, 'pad_token_id': 32000, 'resid_pdrop': 0.0, 'rms_norm_eps': 1e-05,
+    'rope_scaling': None, 'rope_theta': 10000.0, 'sliding_window': 2047, 'tie_word_embeddings': False,
+    'torch_dtype': 'bfloat16', 'transformers_version': '4.40.2', 'use_cache': True, 'attention_bias': False,
+    'vocab_size': 32064}
+
 TINY = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=128)
 REFERENCES = {r.family: r for r in (
     Reference('llama', 'LlamaForCausalLM', LLAMA32_1B, dict(TINY, head_dim=8),
-              ("ROTARY_SCALING = 'llama3'", 'ROTARY_MAX_TIMESCALE = 500000.0', 'SEPARATE_EMBEDDING = False'),
-              'HfLlama'),
+              ("ROTARY_SCALING = 'llama3'", 'ROTARY_MAX_TIMESCALE = 500000.0', 'SEPARATE_EMBEDDING = False',
+               "MODEL_FAMILY = 'llama'"), 'HfLlama',
+              refusals=(({'mlp_bias': True, 'rope_scaling': {'rope_type': 'yarn', 'factor': 4.0}},
+                         ('mlp_bias true (paxcli\'s Llama: false)', 'rope_scaling {"rope_type": "yarn"')),)),
     Reference('qwen2', 'Qwen2ForCausalLM', QWEN25_05B, TINY,
-              ('USE_QKV_BIAS = True', 'ROTARY_MAX_TIMESCALE = 1000000.0', 'SEPARATE_EMBEDDING = False'), 'HfQwen2'),
+              ('USE_QKV_BIAS = True', 'ROTARY_MAX_TIMESCALE = 1000000.0', 'SEPARATE_EMBEDDING = False'), 'HfQwen2',
+              refusals=(({'use_sliding_window': True}, ('use_sliding_window true with sliding_window',)),)),
     # Qwen3's head_dim stays its own setting (4 heads x 16 = 64 != hidden 32), as in the released sizes; untied
     # here, so both layouts of the output layer are held somewhere.
     Reference('qwen3', 'Qwen3ForCausalLM', QWEN3_06B, dict(TINY, head_dim=16, tie_word_embeddings=False),
-              ('USE_QK_NORM = True', 'DIMS_PER_HEAD = 16', 'SEPARATE_EMBEDDING = True'), 'HfQwen3'),
+              ('USE_QK_NORM = True', 'DIMS_PER_HEAD = 16', 'SEPARATE_EMBEDDING = True'), 'HfQwen3',
+              refusals=(({'attention_bias': True}, ('attention_bias true (paxcli\'s Qwen3: false)',)),)),
     # A window of 6 tokens, so that the tests' 33- to 64-token texts reach far beyond it.
     Reference('mistral', 'MistralForCausalLM', MISTRAL_7B, dict(TINY, head_dim=8, sliding_window=6),
-              ('SLIDING_WINDOW = 6', 'ROTARY_MAX_TIMESCALE = 10000.0', 'SEPARATE_EMBEDDING = True'), 'HfMistral'),
+              ('SLIDING_WINDOW = 6', 'ROTARY_MAX_TIMESCALE = 10000.0', 'SEPARATE_EMBEDDING = True'), 'HfMistral',
+              refusals=(({'layer_types': ['sliding_attention', 'full_attention']}, ('layer_types (unknown',)),)),
+    # Phi-3's fused qkv_proj with GQA (2 key/value heads), and a window of 6 tokens as Mistral's.
+    Reference('phi3', 'Phi3ForCausalLM', PHI3_MINI_4K,
+              dict(TINY, sliding_window=6, pad_token_id=0, eos_token_id=2),
+              ('SLIDING_WINDOW = 6', "MODEL_FAMILY = 'phi3'", 'SEPARATE_EMBEDDING = True', 'NORM_EPSILON = 1e-05'),
+              'HfPhi3',
+              refusals=(({'partial_rotary_factor': 0.75}, ('partial_rotary_factor 0.75 (paxcli\'s Phi-3: 1.0)',)),
+                        ({'rope_scaling': {'type': 'longrope', 'short_factor': [1.0] * 4, 'long_factor': [1.0] * 4}},
+                         ('rope_scaling {"type": "longrope"',)),
+                        ({'auto_map': {'AutoModelForCausalLM': 'modeling_mine.Mine'}}, ('auto_map {"AutoModelFor',)))),
     # Windows of 5 and 7 tokens, shorter than the tests' prompts, so that the local layers differ from global ones.
     Reference('gemma2', 'Gemma2ForCausalLM', GEMMA2_9B, dict(TINY, head_dim=16, num_hidden_layers=4, sliding_window=5,
                                                               sliding_window_size=5),
               ("LAYER_PATTERN = ('local', 'global')", "LAYER_KINDS = {'local': {'SLIDING_WINDOW': 5}}",
                'ATTEN_LOGIT_CAP = 50.0', 'SOFTMAX_CAP_LOGITS = 30.0', 'QUERY_PRE_ATTN_SCALAR = 256.0',
-               'NORM_PLUS_ONE = True', 'POST_NORMS = True'), 'HfGemma2'),
+               'NORM_PLUS_ONE = True', 'POST_NORMS = True'), 'HfGemma2',
+              refusals=(({'hidden_activation': 'gelu'}, ('hidden_activation "gelu"',)),)),
     Reference('gemma3', 'Gemma3ForCausalLM', GEMMA3_4B, dict(TINY, head_dim=16, num_hidden_layers=6, sliding_window=7),
               ("LAYER_PATTERN = ('local', 'local', 'local', 'local', 'local', 'global')", 'USE_QK_NORM = True',
-               "ROTARY_SCALING = 'linear'", 'ROTARY_MAX_TIMESCALE = 1000000.0'), 'HfGemma3'),
+               "ROTARY_SCALING = 'linear'", 'ROTARY_MAX_TIMESCALE = 1000000.0'), 'HfGemma3',
+              refusals=(({'attn_logit_softcapping': 50.0}, ('attn_logit_softcapping 50.0',)),)),
     Reference('mixtral', 'MixtralForCausalLM', MIXTRAL_8X7B, dict(TINY, head_dim=8, num_local_experts=4),
               ('NUM_EXPERTS = 4', 'EXPERTS_PER_TOKEN = 2', "ROUTER_SOFTMAX = 'after_topk'", 'SLIDING_WINDOW = 0',
-               'SEPARATE_EMBEDDING = True'), 'HfMixtral', experts=True),
+               'SEPARATE_EMBEDDING = True'), 'HfMixtral', experts=True,
+              refusals=(({'router_jitter_noise': 0.1}, ('router_jitter_noise 0.1 (paxcli\'s Mixtral: 0.0)',)),)),
     # 8 experts, 4 per token: the renormalised top-k weights differ from the softmax's (norm_topk_prob matters).
     Reference('qwen3_moe', 'Qwen3MoeForCausalLM', QWEN3_30B_A3B,
               dict(TINY, head_dim=8, num_experts=8, num_experts_per_tok=4, moe_intermediate_size=24),
               ('NUM_EXPERTS = 8', 'EXPERTS_PER_TOKEN = 4', 'HIDDEN_DIMS = 24', "ROUTER_SOFTMAX = 'before_topk'",
-               'ROUTER_NORMALIZE_TOPK = True', 'USE_QK_NORM = True'), 'HfQwen3MoE', experts=True),
+               'ROUTER_NORMALIZE_TOPK = True', 'USE_QK_NORM = True'), 'HfQwen3MoE', experts=True,
+              refusals=(({'decoder_sparse_step': 2}, ('decoder_sparse_step 2 (paxcli\'s Qwen3-MoE: 1)',)),)),
 )}
 
 

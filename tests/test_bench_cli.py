@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from conftest import pax_main
+from conftest import pax_main, run_pax
 from paxcli.maxtext.recipe import TINY as MAXTEXT_TINY
 
 TINY_BENCH = ['--exp', 'bench.LlamaTiny', '--set', 'NUM_LAYERS=1', '--set', 'MODEL_DIMS=32', '--set',
@@ -118,3 +118,54 @@ def test_compile_only_of_a_recipe_with_unsupported_features_warns(tmp_path, caps
   # timing steps of a different model is still refused
   code, out, err = pax_main(['bench', 'mfu', '--exp', f'{recipe}:MaxText2xv4_128', *sets, '--steps', '1'], capsys)
   assert code == 2 and 'UNSUPPORTED_FEATURES={}' in err
+
+
+MOE_ON_8 = ['--exp', 'bench.Qwen3Moe30BA3B', '--set', 'NUM_LAYERS=1', '--set', 'MODEL_DIMS=64', '--set', 'HIDDEN_DIMS=32',
+            '--set', 'NUM_HEADS=4', '--set', 'NUM_KV_HEADS=2', '--set', 'DIMS_PER_HEAD=16', '--set', 'VOCAB_SIZE=256',
+            '--set', 'NUM_EXPERTS=8', '--set', 'EXPERTS_PER_TOKEN=2', '--set', 'MAX_SEQ_LEN=64',
+            '--set', 'ICI_MESH_SHAPE=[1,1,2,4,1]']
+
+
+@pytest.mark.slow   # a compile of 8 devices in a fresh process: half a minute on a loaded machine
+def test_xla_full_rematerialization_is_one_line_of_the_caption():
+  """Issue 38: XLA's raw `Involuntary full rematerialization` warning (C++ logging, several hundred characters
+  an array) is taken out of the terminal and said in one line under the table, with the array and both
+  shardings. A tiny MoE on data 2 x expert 4 reshards its activations so. A fresh process as a user's, with
+  XLA's warnings shown (the suite hides them) and no compilation cache (a cached program logs nothing)."""
+  env = {'TF_CPP_MIN_LOG_LEVEL': None, 'JAX_ENABLE_COMPILATION_CACHE': 'false'}
+  done = run_pax('bench', 'mfu', *MOE_ON_8, '--compile-only', '--num-devices', '8', env=env, timeout=900)
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert 'Involuntary full rematerialization' not in done.stdout + done.stderr, done.stderr[-3000:]
+  flat = ' '.join(done.stdout.split())
+  assert ('XLA resharded 1 array(s) by full rematerialization (each made whole on every device, then cut to the '
+          'new sharding: memory and communication the step could do without), e.g. bf16[1,64,64] from '
+          '{devices=[8,1,1]<=[8]} to {devices=[1,1,2,4]<=[8] last_tile_dim_replicate}; --json lists them.') in flat, flat
+
+
+@pytest.mark.slow   # the same compile, and one train step
+def test_train_says_the_full_rematerialization_in_one_line(tmp_path):
+  env = {'TF_CPP_MIN_LOG_LEVEL': None, 'JAX_ENABLE_COMPILATION_CACHE': 'false'}
+  done = run_pax('train', *MOE_ON_8, '--set', 'NUM_TRAIN_STEPS=1', '--job-log-dir', str(tmp_path / 'job'), env=env,
+                 timeout=900)
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert 'Involuntary full rematerialization' not in done.stdout + done.stderr, done.stderr[-3000:]
+  assert done.stdout.count('XLA resharded 1 array(s) by full rematerialization') == 1, done.stdout[-3000:]
+  assert 'pax bench mfu --json lists them.' in done.stdout
+
+
+def test_full_rematerialization_warnings_become_the_rows_fields(capsys):
+  """The warnings a compile logs are read into the row; any other line it logs is shown as it was."""
+  import os
+  from paxcli.perf import xla_log
+  row = {}
+  line = ('W1129 00:43:35.528118   25314 spmd_partitioner.cc:656] [SPMD] Involuntary full rematerialization. The '
+          'compiler cannot go from sharding {devices=[16,1,1]<=[16]} to {devices=[1,1,4,4]<=[16] '
+          'last_tile_dim_replicate} efficiently for HLO operation %fake_parameter.2 = bf16[1,4096,2048]{2,1,0} '
+          'parameter(2), sharding={devices=[16,1,1]<=[16]}. As the last resort, SPMD will replicate the tensor.\n')
+  with xla_log.rematerialized(row):
+    os.write(2, (line * 2 + 'E1129 another line XLA logged\n').encode())
+  assert row['xla_rematerialized'] == 2
+  assert row['xla_rematerialized_examples'][0] == {'array': 'bf16[1,4096,2048]', 'from': '{devices=[16,1,1]<=[16]}',
+                                                   'to': '{devices=[1,1,4,4]<=[16] last_tile_dim_replicate}'}
+  assert capsys.readouterr().err == 'E1129 another line XLA logged\n'
+  assert xla_log.remat_note({}) is None and 'XLA resharded 2 array(s)' in xla_log.remat_note(row)

@@ -35,7 +35,7 @@ def test_bench_gpu_without_a_gpu_stops_in_one_line():
 
 def test_make_bench_gpu_is_the_script():
   text = (REPO / 'Makefile').read_text()
-  assert 'bench-gpu: $(STAMP)\n\t$(BIN)/python benchmarks/gpu.py' in text
+  assert 'bench-gpu: $(RUNTIME)\n\t$(BIN)/python benchmarks/gpu.py' in text
 
 
 @pytest.fixture(scope='module')

@@ -167,7 +167,7 @@ def test_a_bad_or_hostile_template_is_one_line_naming_the_file(tmp_path, templat
 def test_inspect_input_shows_the_rendered_chat_and_a_bad_template_is_one_line(llama3, tmp_path, capsys):
   data = tmp_path / 'chat.jsonl'
   data.write_text(''.join(json.dumps({'messages': MESSAGES}) + '\n' for _ in range(3)))
-  args = ['inspect-input', '--set', f'TRAIN_DATA={str(data)!r}', '--set', 'VOCAB_SIZE=512', '--set', 'MAX_SEQ_LEN=64',
+  args = ['inspect-input', '--set', f'TRAIN_DATA={str(data)!r}', '--set', 'VOCAB_SIZE=352', '--set', 'MAX_SEQ_LEN=64',
           '--set', 'PERCORE_BATCH_SIZE=1', '--set', 'ICI_MESH_SHAPE=[1,1,1]', '--num-batches', '1', '--json']
   code, out, err = pax_main([*args, '--set', f'TOKENIZER={os.path.join(llama3, "tokenizer.json")!r}'], capsys)
   assert code == 0, err

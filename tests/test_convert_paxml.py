@@ -193,7 +193,8 @@ def test_inspect_lists_paxml_arrays(capsys):
 def test_without_exp_writes_a_recipe_that_computes_the_same(tmp_path, capsys):
   out_dir = str(tmp_path / 'gpt3px')
   _ok(['checkpoint', 'convert', _fixture('gpt3'), out_dir, '--from', 'paxml'], capsys)
-  recipe = tmp_path / 'paxml_gpt3px.py'
+  recipe = tmp_path / 'gpt3px' / 'recipe.py'   # kept in the job, nothing written beside it
+  assert not list(tmp_path.glob('*.py'))
   text = recipe.read_text()
   assert "POSITION_EMBEDDING = 'learned'" in text and 'NORM_EPSILON = 1e-05' in text
   assert 'MAX_SEQ_LEN = 16' in text and 'USE_REPEATED_LAYER = True' in text   # Pax's input and layout
@@ -209,7 +210,7 @@ def test_praxis_qk_norm_and_post_norm_convert_to_a_recipe(name, tmp_path, capsys
   monkeypatch.chdir(tmp_path)
   shutil.copytree(os.path.join(FIXTURES, name), 'job')
   _ok(['checkpoint', 'convert', 'job', 'out', '--from', 'paxml'], capsys)
-  recipe = tmp_path / 'paxml_out.py'
+  recipe = tmp_path / 'out' / 'recipe.py'
   text = recipe.read_text()
   assert 'USE_QK_NORM = True' in text and 'QK_NORM_AFTER_ROTARY = True' in text and 'POST_NORMS = True' in text
   assert ('PRE_NORMS = False' in text) == (name == 'qk_post') and 'UNSUPPORTED_FEATURES = {}' in text
@@ -315,11 +316,11 @@ def test_praxis_moe_needs_its_knobs(name, overrides):
 
 
 def _convert_moe_from_a_fresh_shell(tmp_path, capsys, monkeypatch):
-  """The user's command (relative paths, no --exp): the recipe written beside out/."""
+  """The user's command (relative paths, no --exp): the recipe kept in the job."""
   monkeypatch.chdir(tmp_path)
   shutil.copytree(os.path.join(FIXTURES, 'moe_capacity'), 'old_pax_job')
   _ok(['checkpoint', 'convert', 'old_pax_job', 'out/px', '--from', 'paxml'], capsys)
-  return tmp_path / 'out' / 'paxml_px.py'
+  return tmp_path / 'out' / 'px' / 'recipe.py'
 
 
 def test_praxis_moe_converts_to_a_recipe(tmp_path, capsys, monkeypatch):
@@ -337,7 +338,7 @@ def test_praxis_moe_converts_to_a_recipe(tmp_path, capsys, monkeypatch):
 def test_praxis_moe_converted_job_evaluates_and_decodes(tmp_path, capsys, monkeypatch):
   """pax eval and pax decode (KV cache) on the converted job, as a user runs them next."""
   _convert_moe_from_a_fresh_shell(tmp_path, capsys, monkeypatch)
-  exp = 'out/paxml_px.py:PaxLm'
+  exp = 'out/px/recipe.py:PaxLm'
   out, _ = _ok(['eval', '--exp', exp, '--job-log-dir', 'out/px', '--json'], capsys)
   result = json.loads(out.strip().splitlines()[-1])
   assert result['step'] == 4 and 0 < result['results']['eval']['loss'] < 10

@@ -139,8 +139,9 @@ def test_prepare_keeps_the_shipped_tokenizer_config_for_the_input_and_the_job(tm
       f.write(json.dumps({'text': r['prompt'] + r['completion']}) + '\n')
   out = str(tmp_path / 'prepared')
   api.data_prepare([str(tmp_path / 'docs.jsonl')], out, tokenizer=str(tok_dir / 'tokenizer.json'), workers=1)
-  with open(tok_dir / tokenizers.CONFIG_NAME) as shipped, open(os.path.join(out, 'tokenizer', tokenizers.CONFIG_NAME)) as kept:
-    assert json.load(kept) == json.load(shipped)
+  # the shipped config, its chat_template.jinja folded in: one file carries both
+  expected = dict(json.load(open(tok_dir / tokenizers.CONFIG_NAME)), chat_template=finetune.CHAT_TEMPLATE)
+  assert json.load(open(os.path.join(out, 'tokenizer', tokenizers.CONFIG_NAME))) == expected
   assert api.data_show(out)['tokenizer_config'] == 'tokenizer/tokenizer_config.json'
   inp = GrainLmInput(name='train', is_training=True, data=out, seq_len=64, batch_size=4, num_infeed_hosts=1,
                      infeed_host_index=0)
@@ -152,8 +153,7 @@ def test_prepare_keeps_the_shipped_tokenizer_config_for_the_input_and_the_job(tm
   assert kept.bos_id in inp.get_next()['ids']
   job = str(tmp_path / 'job')
   job_tokenizer.save_to_job_dir(inp, job)
-  with open(layout.tokenizer_config(job)) as f:
-    assert f.read() == open(tok_dir / tokenizers.CONFIG_NAME).read()
+  assert json.load(open(layout.tokenizer_config(job))) == expected
   inp.close()
 
 

@@ -37,6 +37,19 @@ def test_every_knob_is_in_the_knob_reference(site):
     assert not missing, (cls.__name__, missing)
 
 
+def test_every_knob_of_the_reference_says_what_it_does():
+  """Each row of the knob reference ends in a description: a comment beside or above the knob, or its
+  knob table's doc (LEARNING_RATE once had none)."""
+  import importlib.util
+  spec = importlib.util.spec_from_file_location('reference', REPO / 'docs' / 'hooks' / 'reference.py')
+  reference = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(reference)
+  rows = [line for line in reference.knobs_page().splitlines() if line.startswith('| `')]
+  assert len(rows) > 100
+  bare = [row.split('|')[1].strip() for row in rows if not row.rstrip().rstrip('|').rsplit('|', 1)[-1].strip()]
+  assert not bare, bare
+
+
 def test_every_command_and_option_is_in_the_command_reference(site):
   from paxcli.cli.app import app
   page = (site / 'reference' / 'commands' / 'index.html').read_text()

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import textwrap
 
 import pytest
@@ -221,3 +222,24 @@ def test_seqio_recipe_trains_and_evaluates(tmp_path, capsys):
   assert [r['step'] for r in records] == [2, 4] and all(5 < r['loss'] < 9 for r in records)
   evals = [json.loads(line) for line in open(tmp_path / 's' / 'eval_metrics.jsonl')]
   assert evals[0]['step'] == 4 and evals[0]['num_examples'] > 100  # the whole validation split
+
+
+def test_inspect_input_tells_padding_from_prompts_and_shows_what_a_row_trains_on(tmp_path, capsys):
+  """Prompt tokens weigh 0 but are no padding (issue 38, item 9): `padding` is the share after the
+  documents, `unweighted` the share inside them that the loss skips, and each example lists the text
+  it is trained to say (its completions)."""
+  data = tmp_path / 'pairs.jsonl'
+  data.write_text(''.join(json.dumps({'prompt': f'Q: What is {i} plus one? A:', 'completion': f' {i + 1}.'}) + '\n'
+                          for i in range(40)))
+  args = ['inspect-input', '--set', f'TRAIN_DATA={str(data)!r}', '--set', f'EVAL_DATA={str(data)!r}', '--set',
+          'VOCAB_SIZE=320', '--set', 'MAX_SEQ_LEN=128', '--set', 'PERCORE_BATCH_SIZE=1', '--set', 'ICI_MESH_SHAPE=[1,1,1]',
+          '--num-batches', '1']
+  code, out, err = pax_main([*args, '--json'], capsys)
+  assert code == 0, err
+  record = json.loads(out.splitlines()[0])
+  features = {f['feature']: f for f in record['features']}
+  assert features['labels']['padding'] < 0.2 and features['labels']['unweighted'] > 0.4   # prompts: most tokens
+  trained = record['examples'][0]['trained']
+  assert trained and all(re.fullmatch(r' ?\d+\.</s>', t) for t in trained), trained   # completion and EOS
+  code, out, err = pax_main(args, capsys)
+  assert code == 0 and 'weight 0' in out and 'trained on:' in out, err

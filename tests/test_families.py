@@ -17,6 +17,7 @@ from paxcli.layers.base import instantiate
 from paxcli.models import LmExperiment, knobs, lm_config, registry
 from paxcli.models.llama import LLAMA
 from paxcli.models.lm import flat_view
+from paxcli.models.weight_map import WeightMap
 from paxcli.runtime import engine
 from paxcli.values import coerce
 
@@ -47,9 +48,8 @@ def test_the_hf_weight_map_covers_the_model_exactly(family, tied):
   params = jax.eval_shape(lambda r: engine.init_variables(model, r, 8)['params'], jax.random.key(0))
   flat = {'params/' + '/'.join(map(str, engine.train_state.keys(p))): x.shape
           for p, x in jax.tree_util.tree_flatten_with_path(engine.unbox(params))[0]}
-  weights = family.hf_weights(flat_view(model))
-  assert {w.paxcli: w.paxcli_shape for w in weights} == flat
-  assert len({w.hf for w in weights}) == len(weights)
+  wmap = WeightMap(family.hf_weights(flat_view(model)))   # its rows tile every array they name
+  assert wmap.paxcli_shapes == flat
   config = family.to_hf_config(flat_view(model), 'float32', {})
   assert config['model_type'] in family.hf_model_types
   back, _ = family.from_hf_config(config, 'exported')   # config.json read back gives the model's knobs
@@ -57,26 +57,17 @@ def test_the_hf_weight_map_covers_the_model_exactly(family, tied):
   assert back['NUM_LAYERS'] == flat_view(model).num_layers and back['SEPARATE_EMBEDDING'] == (not tied)
 
 
-def test_an_unknown_model_type_names_the_families_paxcli_has():
-  with pytest.raises(UserError) as e:
-    registry.for_hf_config({'model_type': 'deepseek_v3', 'architectures': ['DeepseekV3ForCausalLM']}, '/m')
-  assert str(e.value) == ("/m: model_type 'deepseek_v3' (DeepseekV3ForCausalLM) is not one paxcli reads; its model "
-                          "families are llama (model_type 'llama': LlamaForCausalLM), mistral (model_type 'mistral': "
-                          "MistralForCausalLM), qwen2 (model_type 'qwen2': Qwen2ForCausalLM), qwen3 (model_type "
-                          "'qwen3': Qwen3ForCausalLM), gemma2 (model_type 'gemma2': Gemma2ForCausalLM), gemma3 "
-                          "(model_type 'gemma3_text', 'gemma3': Gemma3ForCausalLM, Gemma3ForConditionalGeneration), "
-                          "mixtral (model_type 'mixtral': MixtralForCausalLM), qwen3_moe (model_type 'qwen3_moe': "
-                          "Qwen3MoeForCausalLM).")
-  assert registry.for_hf_config({'model_type': 'qwen2'}, '/m') is registry.by_name('qwen2')
-  assert registry.for_hf_config({'architectures': ['LlamaForCausalLM']}, '/m') is LLAMA   # no model_type
+def test_a_misspelt_family_is_one_line_with_a_suggestion():
   with pytest.raises(UserError, match="No model family 'lama'.*Did you mean 'llama'"):
     registry.by_name('lama')
 
 
 def test_a_model_that_fits_no_family_says_why_for_each():
   pax_lm = flat_view(instantiate(lm_config(**knobs.flat_settings(SMALL, knobs.LM_KNOBS))))
-  family, why = registry.fitting(pax_lm)
-  assert family is None and "norm_type is 'layernorm'" in why['llama'][0]
+  found, why = registry.fits(pax_lm)
+  assert found == [] and "norm_type is 'layernorm'" in why['llama'][0]
+  with pytest.raises(UserError, match="fits none of the Hugging Face layouts paxcli writes: llama: norm_type"):
+    registry.of_model(pax_lm)
   patterned = _small_model(LLAMA, LAYER_PATTERN=('a', 'b'), LAYER_KINDS={'a': {'NUM_KV_HEADS': 1}})
   assert any('several kinds' in r for r in LLAMA.misfit(flat_view(patterned)))
 
@@ -107,9 +98,22 @@ def test_describe_names_the_family(capsys):
   code, out, err = pax_main(['describe'], capsys)
   assert code == 0, err
   assert '# model family: llama (pax checkpoint convert --to hf writes its Hugging Face layout)' in out
+  code, out, err = pax_main(['describe', '--set', 'USE_BIAS=True'], capsys)   # recorded, and no longer a Llama
+  assert code == 0, err
+  assert ("# model family: llama (MODEL_FAMILY); --to hf refuses it: it does not compute a Llama's function (the "
+          'layers have biases (Llama has none: USE_BIAS=False))') in out
   code, out, err = pax_main(['describe', '--exp', 'lm_cloud.LmCloudSpmdTest', '--json'], capsys)
   summary = json.loads(out)
   assert summary['summary.family'] is None and 'not llama' in summary['summary.family_note']
+  # Issue 38: one reason shared by every family is said once, with the families named together.
+  code, out, err = pax_main(['describe', '--exp', 'lm_cloud.LmCloudSpmdTest'], capsys)
+  (line,) = [l for l in out.splitlines() if l.startswith('# model family:')]
+  names = [f.name for f in registry.FAMILIES if f.hf_model_types]
+  assert line == ('# model family: none with a Hugging Face layout (not ' + ', '.join(names[:-1]) + f' or {names[-1]}: '
+                  "norm_type is 'layernorm' (each has NORM_TYPE='rmsnorm'))"), line
+  code, out, err = pax_main(['describe', '--exp', 'lm_cloud.LmCloudSpmdTest', '--set', 'NORM_TYPE=rmsnorm'], capsys)
+  (line,) = [l for l in out.splitlines() if l.startswith('# model family:')]
+  assert line.count('the layers have biases') == 1 and line.count('norm_plus_one is False') == 1 and len(line) < 300
 
 
 def test_old_import_paths_still_work_with_a_deprecation_warning():

@@ -83,12 +83,12 @@ print(sum(float(logp[i - 1, whole[i]]) for i in range(len(head), len(whole))))
 
 
 def test_lora_on_the_imported_model_keeps_its_tokenizer_and_its_peft_adapter_loads(example, tmp_path):
-  """The issue's path: `--exp hf_llama.py:HfLlama --set INIT_FROM=llama --set LORA_RANK=4 --set
+  """The issue's path: `--exp llama/recipe.py:HfLlama --set INIT_FROM=llama --set LORA_RANK=4 --set
   TRAIN_DATA=...` trains on the imported tokenizer's ids (no new sentencepiece); another TOKENIZER is
   refused; the adapter, written with --base-model, is what AutoPeftModelForCausalLM loads, and PEFT's
   log-likelihood of a text is `pax score`'s of the job given by its directory."""
   cwd, _, _ = example
-  lora = ['train', '--exp', 'ex/hf_llama.py:HfLlama', '--set', 'INIT_FROM=ex/llama', '--set', 'LORA_RANK=4',
+  lora = ['train', '--exp', 'ex/llama/recipe.py:HfLlama', '--set', 'INIT_FROM=ex/llama', '--set', 'LORA_RANK=4',
           '--set', 'TRAIN_DATA=ex/sft.jsonl', '--set', 'EVAL_DATA=ex/sft_eval.jsonl', '--set', 'MAX_SEQ_LEN=64',
           '--set', 'PERCORE_BATCH_SIZE=1', '--set', 'NUM_TRAIN_STEPS=20', '--set', 'LEARNING_RATE=3e-3']
   other = str(tmp_path / 'other.json')

@@ -96,7 +96,7 @@ def test_the_finetune_example_has_its_own_arguments_and_says_what_to_run(tmp_pat
   assert lines[0] == 'Wrote the tiny example into ex:' and '"\'' not in r.stdout
   commands = [line.strip() for line in lines if line.strip().startswith('pax ')]
   assert commands[:2] == ['pax checkpoint convert --from hf ex/hf ex/llama',
-                          'pax train --exp finetune.TinyLlamaSft --set BASE=ex/llama --set TRAIN_DATA=ex/sft.jsonl '
+                          'pax train --exp finetune.TinySft --set BASE=ex/llama --set TRAIN_DATA=ex/sft.jsonl '
                           '--set EVAL_DATA=ex/sft_eval.jsonl --job-log-dir ex/sft']
   assert 'pax eval --job-log-dir ex/sft' in commands
   (tmp_path / 'ex' / 'mine.txt').write_text('keep me')

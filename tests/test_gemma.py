@@ -72,7 +72,7 @@ def test_what_a_gemma_cannot_be_is_refused_by_name(family, change, named):
 def test_each_gemma_fits_its_own_family_and_not_the_other():
   view = lambda knobs: types.SimpleNamespace(**effective(knobs, LM_KNOBS))
   gemma2, gemma3 = view(_knobs(hf_models.GEMMA2_9B)), view(_knobs(hf_models.GEMMA3_4B))
-  assert registry.fitting(gemma2)[0].name == 'gemma2' and registry.fitting(gemma3)[0].name == 'gemma3'
+  assert registry.fits(gemma2)[0] == [registry.by_name('gemma2')] and registry.fits(gemma3)[0] == [registry.by_name('gemma3')]
   assert any('USE_QK_NORM=False' in r for r in registry.by_name('gemma2').misfit(gemma3))
   assert any('no soft caps' in r for r in registry.by_name('gemma3').misfit(gemma2))
   # rotary bases per kind are Gemma 3's: Gemma 2's layers differ only in their window

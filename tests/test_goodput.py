@@ -7,6 +7,7 @@ test_goodput_faults.py (slow).
 """
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -147,19 +148,116 @@ def test_account_adds_up_across_a_kill_a_launcher_and_a_later_run(tmp_path):
   assert account['lines_skipped'] == 1 and account['incarnations'] == 3
   (restart,) = account['restarts']
   assert restart['reason'] == 'was killed by SIGKILL (exit code -9)' and restart['gap_seconds'] == 5.0
+  assert restart['process'] == 1
   assert (restart['reached_step'], restart['resumed_step'], restart['tier'], restart['redone_steps']) == (13, 10, 'fast', 3)
   assert ledger.furthest_step(*ledger.read(job)[:2]) == 24
+
+
+def _launched_job(job, code, failures=(), end=True):
+  """A job of one `pax launch` (two processes, started at 100): one attempt per failure ((time, process,
+  reason) each), and after them one that finishes, unless the launcher gave up (a non-zero `code`) or has not
+  ended (`end` False)."""
+  launch = layout.launch_ledger(job)
+  _line(launch, kind='launch', id='L', t=100.0, host='elsewhere', pid=1, ticks='1')
+  attempts = list(failures) + ([(None, None, None)] if code == 0 or not end else [])
+  for attempt, (t, process, reason) in enumerate(attempts):
+    for p in (0, 1):
+      path = layout.goodput_ledger(job, p)
+      _line(path, kind='start', inc=f'{attempt}-{p}', t=101.0 + 20 * attempt, launch='L', attempt=attempt)
+      if t is not None:
+        _line(path, kind='progress', inc=f'{attempt}-{p}', t=t - 1, closed=_closed(startup=2.0),
+              open=['productive', t - 1], step=5 + attempt, steps={})
+      elif end:
+        _line(path, kind='end', inc=f'{attempt}-{p}', t=190.0, closed=_closed(startup=2.0), step=9, steps={}, status=0)
+    if t is not None:
+      _line(launch, kind='failure', id='L', t=t, attempt=attempt, process=process, reason=reason,
+            steps={'0': 5 + attempt})
+  if end:
+    _line(launch, kind='end', id='L', t=191.0, code=code)
+
+
+def test_a_job_that_died_says_so_and_which_process_in_its_restart_table(tmp_path, capsys):
+  """Issue 38: `pax goodput` of a job whose last failure nothing restarted says that it died, which process
+  failed and how, in its caption and as the last row of its restart table; each restart names its process."""
+  job = str(tmp_path / 'job')
+  _launched_job(job, 137, failures=((118.0, 1, 'was killed by SIGKILL (exit code -9)'),
+                                    (139.0, 0, 'exited with code 1')))
+  account = ledger.summarize(job)
+  assert [(r['process'], r['reason']) for r in account['restarts']] == [(1, 'was killed by SIGKILL (exit code -9)')]
+  assert account['ended'] == {'state': 'died', 'process': 0, 'step': 6,
+                              'reason': 'exited with code 1; pax launch did not restart it'}
+  code, out, err = pax_main(['goodput', job], capsys)
+  flat = ' '.join(out.split())
+  assert code == 0, err
+  assert 'The job died at step 6: p0 exited with code 1; pax launch did not restart it.' in flat, out
+  assert 'Restarts, and the failure that ended the job' in flat, out
+  rows = [[cell.strip() for cell in line.split('│')[1:-1]] for line in out.splitlines() if line.startswith('│')]
+  assert rows[-2][:3] == ['1', 'p1', 'was killed by SIGKILL (exit code -9)'], out
+  assert rows[-1][:3] == ['died', 'p0', 'exited with code 1; pax launch did not restart it'], out
+  code, out, _ = pax_main(['goodput', job, '--json'], capsys)
+  assert json.loads(out)['ended']['state'] == 'died'
+
+
+def test_each_restart_is_its_own_attempts_failure(tmp_path):
+  """The launcher records a failure and starts the next attempt within the kernel's 10 ms resolution of a
+  process start: by time alone a restart read the failure before its own (seen as the wrong process)."""
+  job = str(tmp_path / 'job')
+  launch, p0 = layout.launch_ledger(job), layout.goodput_ledger(job, 0)
+  _line(launch, kind='launch', id='L', t=100.0)
+  for attempt, (start, failed, process) in enumerate([(100.5, 110.0, 1), (110.0, 120.0, 0), (120.0, None, None)]):
+    _line(p0, kind='start', inc=str(attempt), t=start, launch='L', attempt=attempt)
+    if failed is None:
+      _line(p0, kind='end', inc=str(attempt), t=130.0, closed=_closed(startup=10.0), step=9, steps={}, status=0)
+      continue
+    _line(p0, kind='progress', inc=str(attempt), t=failed - 1, closed=_closed(startup=1.0), open=['productive', failed - 1],
+          step=3, steps={})
+    _line(launch, kind='failure', id='L', t=failed, attempt=attempt, process=process, reason=f'p{process} failed',
+          steps={})
+  _line(launch, kind='end', id='L', t=130.5, code=0)
+  assert [(r['process'], r['reason']) for r in ledger.summarize(job)['restarts']] == [(1, 'p1 failed'), (0, 'p0 failed')]
+
+
+def test_how_a_job_ended(tmp_path):
+  """finished, died (a launcher's failure, a crash, a kill without an end line), running (a live process)."""
+  job = str(tmp_path / 'finished')
+  _launched_job(job, 0, failures=((118.0, 1, 'was killed by SIGKILL (exit code -9)'),))
+  assert ledger.summarize(job)['ended'] == {'state': 'finished', 'process': None, 'reason': None, 'step': 9}
+  job = str(tmp_path / 'refused')
+  _launched_job(job, 2, failures=((118.0, 0, 'exited with code 2'),))
+  assert ledger.summarize(job)['ended']['state'] == 'refused'
+  job = str(tmp_path / 'launcher-running')
+  _launched_job(job, None, end=False)
+  assert ledger.summarize(job)['ended']['state'] == 'running'   # on another host: cannot be told from here
+  # No launcher: a process's exit status, or a process without an end line (gone, or running here).
+  here = ledger.whereabouts()
+  job = str(tmp_path / 'crashed')
+  _line(layout.goodput_ledger(job, 0), kind='start', inc='a', t=100.0, **here)
+  _line(layout.goodput_ledger(job, 0), kind='end', inc='a', t=110.0, closed=_closed(startup=10.0), step=3, status=1)
+  assert ledger.summarize(job)['ended'] == {'state': 'died', 'process': 0, 'reason': 'exited with status 1', 'step': 3}
+  job = str(tmp_path / 'running')
+  _line(layout.goodput_ledger(job, 0), kind='start', inc='a', t=100.0, **here)
+  assert ledger.summarize(job)['ended']['state'] == 'running'
+  gone = subprocess.run([sys.executable, '-c', 'import os; print(os.getpid())'], capture_output=True, text=True)
+  job = str(tmp_path / 'killed')
+  _line(layout.goodput_ledger(job, 1), kind='start', inc='a', t=100.0, host=here['host'], pid=int(gone.stdout),
+        ticks='1')
+  _line(layout.goodput_ledger(job, 1), kind='progress', inc='a', t=104.0, closed=_closed(startup=3.0),
+        open=['productive', 103.0], step=2, steps={})
+  assert ledger.summarize(job)['ended'] == {'state': 'died', 'process': 1, 'step': 2,
+                                            'reason': 'was killed (its ledger has no end line)'}
 
 
 def test_a_pax_process_is_timed_from_its_own_start_and_an_in_process_call_from_main(monkeypatch):
   """A `pax` process's interpreter start-up and imports are its start-up, however long a loaded machine
   makes them (here 100 s); pax called in a long-lived process (a notebook, a test) starts at main()."""
   monkeypatch.setattr(ledger, '_command_started', None)
-  monkeypatch.setattr(ledger, 'process_started_at', lambda: time.time() - 100.0)
+  process_start = time.time() - 100.0
+  monkeypatch.setattr(ledger, 'process_started_at', lambda: process_start)
   ledger.mark_command_start(whole_process=True)
-  assert time.time() - ledger.command_started() == pytest.approx(100.0, abs=5.0)
+  assert ledger.command_started() == process_start
+  before = time.time()
   ledger.mark_command_start(whole_process=False)
-  assert time.time() - ledger.command_started() < 5.0
+  assert before <= ledger.command_started() <= time.time()
 
 
 def test_pax_goodput_without_a_ledger_is_one_line(tmp_path, capsys):
@@ -169,27 +267,40 @@ def test_pax_goodput_without_a_ledger_is_one_line(tmp_path, capsys):
   assert code == 2 and 'is not a directory' in err
 
 
+def _ledger_lines(path) -> list[dict]:
+  with open(path) as f:
+    return [json.loads(line) for line in f]
+
+
 def test_a_real_run_accounts_for_its_wall_time(tmp_path, capsys):
-  """`pax launch -n 1 -- train`, timed from outside: the ledger's figures add up to that wall time
-  (the launcher records its own start and end, so the trainer's interpreter exit is inside too)."""
+  """`pax launch -n 1 -- train`: the ledger's parts add up to the span its own records cover (the launcher's
+  start line to its end line, the trainer's start line to its end line), and a clock outside the launcher
+  saw at least that much. How much the ledger misses of the outside time (the interpreter's exit after the
+  last line, seconds on a loaded machine) is measured by benchmarks/goodput_wall.py, not asserted."""
   job = str(tmp_path / 'job')
   cmd = [sys.executable, '-m', 'paxcli.cli.app', 'launch', '-n', '1', '--', 'train', *TINY,
          '--set', 'task.train.num_train_steps=6', '--set', 'task.train.save_interval_steps=3',
          '--set', 'task.train.eval_interval_steps=3', '--job-log-dir', job]
   began = time.time()
   result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-  wall = time.time() - began
+  outside = time.time() - began
   assert result.returncode == 0, result.stderr[-3000:]
   assert '[p0] Goodput ' in result.stdout and f'pax goodput {job}' in result.stdout
   code, out, err = pax_main(['goodput', job, '--json'], capsys)
   assert code == 0, err
   account = json.loads(out)
   seconds = account['seconds']
-  assert sum(seconds.values()) == pytest.approx(account['wall_seconds'], rel=1e-9)
-  # Within 1%, give or take the launcher's own interpreter exit after its last line (tenths of a second on a
-  # loaded machine, a share of this short run); the long fault test (test_goodput_faults.py) checks 1% alone.
-  assert account['wall_seconds'] == pytest.approx(wall, rel=0.01, abs=0.3), (account['wall_seconds'], wall)
-  assert account['wall_seconds'] <= wall
+  launcher = _ledger_lines(layout.launch_ledger(job))
+  (start,), (end,) = ([r for r in launcher if r['kind'] == kind] for kind in ('launch', 'end'))
+  assert math.fsum(seconds.values()) == pytest.approx(end['t'] - start['t'], abs=1e-6)
+  assert account['wall_seconds'] == pytest.approx(math.fsum(seconds.values()), abs=1e-6)
+  trainer = _ledger_lines(layout.goodput_ledger(job, 0))
+  (began_line,), (ended_line,) = ([r for r in trainer if r['kind'] == kind] for kind in ('start', 'end'))
+  assert math.fsum(ended_line['closed'].values()) == pytest.approx(ended_line['t'] - began_line['t'], abs=1e-6)
+  # The launcher's start is the kernel's start time of its process, to the kernel's 10 ms: the outside clock,
+  # started before it, may read up to that much less.
+  assert account['wall_seconds'] <= outside + 0.02, (account['wall_seconds'], outside)
+  assert account['ended'] == {'state': 'finished', 'process': None, 'reason': None, 'step': 6}
   assert seconds['productive'] > 0 and seconds['startup'] > 0 and seconds['compile'] > 0
   assert seconds['checkpoint'] > 0 and seconds['eval'] > 0 and seconds['shutdown'] > 0 and seconds['restart'] == 0
   assert account['steps'] == {'productive': 6, 'recomputed': 0}

@@ -18,11 +18,14 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Optional
 
 import numpy as np
 import pytest
 
+import injected
 from conftest import pax_main, run_pax
+from paxcli.jobdir import checkpoint, layout
 from test_multiprocess import _losses
 
 TINY = ['--exp', 'lm_cloud.LmCloudSpmdTest', '--set', 'NUM_LAYERS=1', '--set', 'MODEL_DIMS=32',
@@ -44,13 +47,14 @@ def _reference(tmp_path, steps: int) -> dict[int, float]:
 class Launch:
   """`pax launch` of 2 processes in the background, its lines read as they come."""
 
-  def __init__(self, job: str, steps: int, *flags: str):
+  def __init__(self, job: str, steps: int, *flags: str, sets: tuple = (), env: Optional[dict] = None):
     self.cmd = [sys.executable, '-m', 'paxcli.cli.app', 'launch', '--processes', '2', '--devices-per-process', '4',
                 '--grace', '2', *flags, '--', 'train', *TINY, '--set', f'task.train.num_train_steps={steps}',
                 '--set', f'LOCAL_CHECKPOINT_DIR={job}-local', '--set', f'LOCAL_CHECKPOINT_EVERY={EVERY}',
-                '--job-log-dir', job]
+                *sets, '--job-log-dir', job]
     self.began = time.time()
-    self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                 env={**os.environ, **(env or {})})
     self.lines: queue.Queue = queue.Queue()
     self.seen: list[str] = []
     self.pids: dict[int, int] = {}
@@ -137,9 +141,14 @@ def test_kill9_at_random_steps_finishes_with_the_uninterrupted_losses(tmp_path, 
   assert 'has step 18 on some processes but not all' in out and '[p0] Resumed from step 16 (' in out, note
 
   account = _account(job, capsys)
-  # Every second: the figures add up to the wall time the test saw, within 1%.
-  assert sum(account['seconds'].values()) == pytest.approx(account['wall_seconds'], rel=1e-9)
-  assert account['wall_seconds'] == pytest.approx(wall, rel=0.01), (account['wall_seconds'], wall, note)
+  # Every second: the figures add up to the span the launcher's ledger covers, which the outside clock saw
+  # whole (give or take the kernel's 10 ms on the launcher's start); how close they are is
+  # benchmarks/goodput_wall.py's question.
+  with open(layout.launch_ledger(job)) as f:
+    launcher = [json.loads(line) for line in f]
+  (start,), (end,) = ([r for r in launcher if r['kind'] == kind] for kind in ('launch', 'end'))
+  assert sum(account['seconds'].values()) == pytest.approx(end['t'] - start['t'], abs=1e-6)
+  assert account['wall_seconds'] <= wall + 0.02, (account['wall_seconds'], wall, note)
   restarts = account['restarts']
   assert [r['reason'] for r in restarts] == ['was killed by SIGKILL (exit code -9)'] * 3, note
   assert [r['resumed_step'] for r in restarts] == resumed and [r['tier'] for r in restarts] == ['fast', 'fast', 'persistent']
@@ -182,8 +191,10 @@ def test_a_stopped_process_is_a_hang_detected_and_restarted(tmp_path, capsys):
   assert code == 0, out[-4000:]
   line = next(l for l in out.splitlines() if 'hung: no heartbeat for' in l)
   assert f'(--heartbeat-timeout {timeout})' in line and 'restart 1 of 1' in out
-  # Detected once the timeout had passed, within a few seconds of it (a heartbeat per step, polled 4 times a second).
-  assert timeout - 2 <= detected - stopped_at <= timeout + 20, (detected - stopped_at, line)
+  # Detected by the launcher's heartbeat, once the timeout had passed: never sooner (the silence it reports
+  # is past the timeout, and so is the time since the stop, give or take the last beat's lead).
+  assert float(re.search(r'no heartbeat for ([\d.]+) s', line).group(1)) > timeout, line
+  assert detected - stopped_at >= timeout - 2, (detected - stopped_at, line)
   resumed = int(re.search(r'\[p0\] Resumed from step (\d+) of the fast checkpoint tier', out).group(1))
   assert resumed % EVERY == 0 and resumed >= 6, out[-3000:]
   account = _account(job, capsys)
@@ -192,6 +203,57 @@ def test_a_stopped_process_is_a_hang_detected_and_restarted(tmp_path, capsys):
   assert restart['gap_seconds'] >= timeout - 2 and account['step'] == steps
   # Steps run after a stopped process's last ledger line are counted neither way (as after a kill -9).
   assert account['steps']['productive'] <= steps and account['steps']['recomputed'] == restart['redone_steps']
+
+
+@pytest.mark.slow
+@pytest.mark.alone
+def test_restarts_at_many_steps_keep_the_processes_agreed_on_their_checkpoints(tmp_path, capsys):
+  """Issue 38: after a restart, the first save that deleted an old step stopped both processes with
+  `sync_global_devices name mismatch` (process 0 in orbax's deletion barrier, process 1 in its save
+  barrier): each process chose the steps to delete from its own listing of the directory, while process 0,
+  which alone deletes, was already deleting. Here one process is killed (`kill -9`) at many steps, each
+  process in turn, around saves and deletions (a persistent save every 2 steps keeping 2, a fast one every
+  3), under `pax launch --max-restarts`, with process 1 late at every save. The last kill is one too many:
+  `pax goodput` says the job died, and by which process; the same command then finishes the job with the
+  losses of an uninterrupted run and the checkpoints retention keeps."""
+  steps, job = 16, str(tmp_path / 'job')
+  kills, victims = [3, 5, 6, 8, 9, 11], [1, 0, 1, 0, 1, 1]
+  env = injected.env(tmp_path, injected.LATE_SAVES, PAXCLI_TEST_SAVE_LAG='2')
+  sets = ('--set', 'task.train.save_interval_steps=2', '--set', 'task.train.save_max_to_keep=2')
+  restarts = len(kills) - 1
+  launch = Launch(job, steps, '--max-restarts', str(restarts), '--heartbeat-timeout', '300', sets=sets, env=env)
+  deadline = time.monotonic() + 2400
+  reached = []
+  for i, (at, victim) in enumerate(zip(kills, victims)):
+    reached.append(launch.wait_for_step(at, deadline))
+    os.kill(launch.pids[victim], signal.SIGKILL)
+    if i < restarts:
+      launch.wait_for(f'restart {i + 1} of {restarts}', deadline)
+  code, out, _ = launch.finish(timeout=600)
+  note = f'kills at steps {reached} of processes {victims}\n'
+  assert 'sync_global_devices' not in out and 'Traceback' not in out, note + launch.story()
+  assert code == 137 and f'no restarts left (--max-restarts {restarts}); giving up' in out, note + launch.story()
+  assert len(re.findall(r'\[p0\] Resumed from step', out)) == restarts, note + launch.story()
+
+  account = _account(job, capsys)
+  assert [r['process'] for r in account['restarts']] == victims[:-1], (account['restarts'], note)
+  ended = account['ended']
+  assert ended['state'] == 'died' and ended['process'] == victims[-1], (ended, note)
+  assert ended['reason'].startswith('was killed by SIGKILL (exit code -9)'), ended
+  code, table, _ = pax_main(['goodput', job], capsys)
+  flat = ' '.join(table.split())
+  assert code == 0 and f"The job died at step {ended['step']}: p{victims[-1]} was killed by SIGKILL" in flat, table
+  assert 'the failure that ended the job' in flat, table
+
+  again = Launch(job, steps, '--max-restarts', '0', sets=sets, env=env)
+  code, out, _ = again.finish(timeout=900)
+  assert code == 0 and 'sync_global_devices' not in out, again.story()
+  losses, reference = _losses(job), _reference(tmp_path, steps)
+  np.testing.assert_allclose([losses[s] for s in range(1, steps + 1)], [reference[s] for s in range(1, steps + 1)],
+                             rtol=RTOL, err_msg=note)
+  kept = checkpoint.complete_steps(layout.checkpoints(job))
+  assert kept[-2:] == [steps - 2, steps] and len(kept) <= 3, kept   # the newest 2, and the best by loss if older
+  assert _account(job, capsys)['ended']['state'] == 'finished'
 
 
 def _kill_at_step_5(cmd: list[str]) -> None:
@@ -248,4 +310,5 @@ def test_a_bucket_job_keeps_its_ledger_there_and_its_fast_tier_local(tmp_path, c
     assert restart['tier'] == 'fast' and account['step'] == 8 and account['steps']['productive'] <= 8
     assert sum(account['seconds'].values()) == pytest.approx(account['wall_seconds'], rel=1e-9)
     from paxcli.jobdir import layout, storage
-    assert storage.isfile(layout.goodput_ledger(job, 0)) and not os.listdir(local)
+    runs = [n for n in storage.listdir(layout.goodput(job)) if layout.goodput_process(n) == 0]
+    assert len(runs) == 2 and not os.listdir(local)   # each run of process 0 its own object in the bucket

@@ -165,7 +165,7 @@ def test_shipped_tokenizer_gives_the_ids_of_tokenizers_and_autotokenizer(shipped
 def test_the_shipped_tokenizer_and_chat_template_stay_with_the_converted_model_and_the_job(shipped, tmp_path, capsys):
   hf_dir = tmp_path / 'hf'
   write_hf(hf_dir, LLAMA3)
-  for name in ('tokenizer.json', 'tokenizer_config.json'):
+  for name in ('tokenizer.json', 'tokenizer_config.json', 'chat_template.jinja'):
     (hf_dir / name).write_bytes(open(os.path.join(shipped, name), 'rb').read())
   job = str(tmp_path / 'job')
   _ok(['checkpoint', 'convert', '--from', 'hf', str(hf_dir), job, '--recipe', str(tmp_path / 'r.py'), '--no-verify'],
@@ -174,7 +174,8 @@ def test_the_shipped_tokenizer_and_chat_template_stay_with_the_converted_model_a
   assert open(layout.tokenizer(job), 'rb').read() == (hf_dir / 'tokenizer.json').read_bytes()
   kept = json.load(open(layout.tokenizer_config(job)))
   assert kept['chat_template'] == finetune.CHAT_TEMPLATE and kept['eos_token']['content'] == '<|eot_id|>'
-  # and out again: an HF export carries the chat template as text
+  # and out again: an HF export carries the chat template as text, where transformers 5 writes it
   out = str(tmp_path / 'back')
   _ok(['checkpoint', 'convert', job, out, '--to', 'hf', '--no-verify'], capsys)
-  assert json.load(open(os.path.join(out, 'tokenizer_config.json')))['chat_template'] == finetune.CHAT_TEMPLATE
+  assert open(os.path.join(out, 'chat_template.jinja')).read() == finetune.CHAT_TEMPLATE
+  assert 'chat_template' not in json.load(open(os.path.join(out, 'tokenizer_config.json')))

@@ -110,16 +110,25 @@ def test_config_keys_paxcli_cannot_express_are_refused_by_name(tmp_path, capsys)
   assert family.from_hf_config(dict(REF.config, sliding_window=None), '/m')[0]['SLIDING_WINDOW'] == 0
 
 
-def test_the_window_decides_which_family_exports_a_model():
-  """A windowed model is a Mistral and no Llama; a full-attention one the reverse (the same function as
-  Mistral's v0.2/v0.3 with sliding_window null, written as LlamaForCausalLM)."""
+def test_the_window_decides_which_family_a_model_that_records_none_is():
+  """A windowed model computes a Mistral's function and no Llama's; a full-attention one both (Mistral's v0.2/v0.3
+  have sliding_window null): recorded, it is what it records; without a record, the family Mistral is built on."""
   import types as t
 
+  from paxcli.errors import UserError
   from paxcli.models import knobs, registry
-  for window, family in ((6, 'mistral'), (0, 'llama')):
-    model = t.SimpleNamespace(**knobs.effective({**registry.by_name('mistral').knobs, 'SLIDING_WINDOW': window},
-                                                knobs.LM_KNOBS))
-    found, why = registry.fitting(model)
-    assert found.name == family, why
-  assert any('sliding window of 6 tokens' in r for r in registry.by_name('llama').misfit(
-      t.SimpleNamespace(**knobs.effective({**registry.by_name('llama').knobs, 'SLIDING_WINDOW': 6}, knobs.LM_KNOBS))))
+
+  def view(family, **more):
+    return t.SimpleNamespace(**knobs.effective({**registry.by_name(family).knobs, **more}, knobs.LM_KNOBS))
+  mistral, llama = registry.by_name('mistral'), registry.by_name('llama')
+  assert registry.fits(view('mistral', SLIDING_WINDOW=6))[0] == [mistral, registry.by_name('phi3')]
+  assert registry.fits(view('mistral', SLIDING_WINDOW=0))[0][:2] == [llama, mistral]   # and Phi-3, built on Mistral
+  assert registry.of_model(view('mistral', SLIDING_WINDOW=6, MODEL_FAMILY=None)) is mistral
+  assert registry.of_model(view('mistral', SLIDING_WINDOW=0)) is mistral   # Mistral v0.3: MistralForCausalLM
+  assert mistral.to_hf_config(view('mistral', SLIDING_WINDOW=0))['sliding_window'] is None
+  assert registry.of_model(view('mistral', SLIDING_WINDOW=0, MODEL_FAMILY=None)) is llama
+  assert registry.of_model(view('llama', MODEL_FAMILY=None), 'mistral') is mistral   # --family mistral
+  assert any('sliding window of 6 tokens' in r for r in llama.misfit(view('llama', SLIDING_WINDOW=6)))
+  with pytest.raises(UserError, match=r"is a Llama \(--family llama\) but does not compute a Llama's function.*sliding "
+                                      'window of 6 tokens'):
+    registry.of_model(view('mistral', SLIDING_WINDOW=6), 'llama')

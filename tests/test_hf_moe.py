@@ -7,10 +7,12 @@ paxcli MoE model that is not one of the families says why."""
 import json
 import os
 import shutil
+import types
 
 import pytest
 
 import hf_models
+from paxcli.errors import UserError
 from conftest import pax_main
 
 pytest.importorskip('transformers')
@@ -66,6 +68,26 @@ def test_fused_expert_tensors_read_as_the_per_expert_ones(hf_reference, tmp_path
     np.testing.assert_array_equal(a.read(name), b.read(name))
 
 
+@pytest.mark.parametrize('family', ['mixtral', 'qwen3_moe'])
+def test_the_fused_expert_spelling_is_written_too(hf_reference, family):
+  """The fused spelling is an ordinary weight map (paxcli.models.weight_map), both ways: transformers' own fused
+  tensors read into paxcli's arrays and written back are those tensors, bit for bit."""
+  import numpy as np
+
+  from paxcli.models import knobs, registry
+  from paxcli.models.weight_map import WeightMap
+  made = hf_reference(family)
+  theirs = {k: v.detach().numpy() for k, v in made.model.state_dict().items()}
+  fam = registry.by_name(family)
+  view = types.SimpleNamespace(**knobs.effective(fam.from_hf_config(made.ref.config, '/m')[0], knobs.LM_KNOBS))
+  wmap = WeightMap(fam.hf_read_weights(view, list(theirs)))
+  ours = {name: wmap.from_hf(name, theirs.__getitem__) for name in wmap.paxcli_shapes}
+  fused = [n for n in wmap.hf_shapes if n.endswith(('experts.gate_up_proj', 'experts.down_proj'))]
+  assert len(fused) == 2 * view.num_layers
+  for name in wmap.hf_shapes:
+    np.testing.assert_array_equal(wmap.to_hf(name, ours.__getitem__), theirs[name])
+
+
 @pytest.mark.parametrize('family, changes, named', [
     ('qwen3_moe', {'decoder_sparse_step': 2, 'mlp_only_layers': [1]},
      ['decoder_sparse_step 2 (paxcli\'s Qwen3-MoE: 1)', 'mlp_only_layers [1] (paxcli\'s Qwen3-MoE: [])']),
@@ -108,16 +130,21 @@ def test_a_paxcli_moe_model_that_is_neither_family_says_why():
 
   def view(family, **more):
     return types.SimpleNamespace(**knobs.effective({**family.knobs, **more}, knobs.LM_KNOBS))
-  assert registry.fitting(view(MIXTRAL))[0] is MIXTRAL
-  assert registry.fitting(view(MIXTRAL, ROUTER_SOFTMAX='before_topk', ROUTER_NORMALIZE_TOPK=True))[0] is MIXTRAL
-  assert registry.fitting(view(MIXTRAL, SLIDING_WINDOW=4096))[0] is MIXTRAL
-  assert registry.fitting(view(QWEN3_MOE, ROUTER_NORMALIZE_TOPK=False))[0] is QWEN3_MOE
-  family, why = registry.fitting(view(MIXTRAL, MOE_DISPATCH='capacity', SHARED_EXPERT_HIDDEN_DIMS=64))
-  assert family is None
+  assert registry.fits(view(MIXTRAL))[0] == [MIXTRAL]
+  assert registry.fits(view(MIXTRAL, ROUTER_SOFTMAX='before_topk', ROUTER_NORMALIZE_TOPK=True))[0] == [MIXTRAL]
+  assert registry.fits(view(MIXTRAL, SLIDING_WINDOW=4096))[0] == [MIXTRAL]
+  assert registry.fits(view(QWEN3_MOE, ROUTER_NORMALIZE_TOPK=False))[0] == [QWEN3_MOE]
+  found, why = registry.fits(view(MIXTRAL, MOE_DISPATCH='capacity', SHARED_EXPERT_HIDDEN_DIMS=64))
+  assert found == []
   assert any('capacity dispatch drops tokens' in r for r in why['mixtral'])
   assert any('a shared expert of 64 units' in r for r in why['mixtral'])
   assert any('the MLP is a mixture of 8 experts' in r for r in why['llama'])
-  _, why = registry.fitting(view(MIXTRAL, ROUTER_SOFTMAX='before_topk', ROUTER_NORMALIZE_TOPK=False))
+  _, why = registry.fits(view(MIXTRAL, ROUTER_SOFTMAX='before_topk', ROUTER_NORMALIZE_TOPK=False))
   assert any('not rescaled to sum to 1' in r for r in why['mixtral'])
-  assert registry.fitting(view(QWEN3_MOE, NUM_EXPERTS=0))[0].name == 'qwen3'   # a dense Qwen 3
-  assert any('the MLP is dense' in r for r in QWEN3_MOE.misfit(view(QWEN3_MOE, NUM_EXPERTS=0)))
+  dense = view(QWEN3_MOE, NUM_EXPERTS=0)   # a dense Qwen 3 that still records qwen3_moe (MODEL_FAMILY)
+  assert registry.fits(dense)[0] == [registry.by_name('qwen3')] and dense.family == 'qwen3_moe'
+  assert any('the MLP is dense' in r for r in QWEN3_MOE.misfit(dense))
+  with pytest.raises(UserError, match=r"is a Qwen3-MoE \(its MODEL_FAMILY 'qwen3_moe'\) but does not compute .*the MLP is "
+                     'dense'):
+    registry.of_model(dense)
+  assert registry.of_model(dense, 'qwen3') is registry.by_name('qwen3')   # --family qwen3

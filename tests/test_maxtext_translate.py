@@ -271,6 +271,8 @@ def test_more_presets(tmp_path, name, dims):
     assert k['ROTARY_MAX_TIMESCALE'] == 500000.0 and k['VOCAB_SIZE'] == 128256
   if name == 'gemma2-9b':  # 21 MaxText layers, each a local+global pair: the Gemma 2 family's (test_maxtext_gemma)
     assert k['UNSUPPORTED_FEATURES'] == {} and tuple(k['LAYER_PATTERN']) == ('local', 'global')
+  # the recipe records the family whose decoder block the model is (MODEL_FAMILY); gpt3's is none of them
+  assert k.get('MODEL_FAMILY') == {'gemma2-9b': 'gemma2', 'gpt3-175b': None}.get(name, 'llama')
 
 
 def test_unknown_model_and_model_config(tmp_path):

@@ -21,6 +21,7 @@ from paxcli.loops.decode.decoder import Decoder  # noqa: E402
 from paxcli.loops.decode.options import DecodeOptions  # noqa: E402
 from paxcli.loops.decode.prompts import Prompt  # noqa: E402
 from paxcli.models.lm import flat_view  # noqa: E402
+from paxcli.models.weight_map import WeightMap  # noqa: E402
 from paxcli.models.llama import LLAMA  # noqa: E402
 from paxcli.models.mixtral import MIXTRAL  # noqa: E402
 from paxcli.runtime import engine  # noqa: E402
@@ -50,12 +51,13 @@ def _paxcli_params(setup, hf_model) -> dict:
   """The HF weights in paxcli's tree through the Mixtral family's map of transformers' own (fused) names."""
   state = {k: v.detach().numpy() for k, v in hf_model.state_dict().items()}
   params = jax.tree.map(lambda a: None, setup.abstract_state['params'])   # every weight comes from HF
-  for w in MIXTRAL.hf_read_weights(flat_view(setup.model), state):
-    path = w.paxcli.split('/')[1:]
+  wmap = WeightMap(MIXTRAL.hf_read_weights(flat_view(setup.model), state))
+  for name in wmap.paxcli_shapes:
+    path = name.split('/')[1:]
     node = params
     for part in path[:-1]:
       node = node[part]
-    node[path[-1]] = np.asarray(w.from_hf(state[w.hf], w.paxcli_shape), np.float32)
+    node[path[-1]] = np.asarray(wmap.from_hf(name, state.__getitem__), np.float32)
   shapes = jax.tree.map(lambda a: a.shape, setup.abstract_state['params'])
   assert jax.tree.map(np.shape, params) == shapes
   return params

@@ -220,3 +220,26 @@ def test_two_processes_write_the_scores_of_one(tmp_path):
   for a, b in zip(one_r, two_r):
     assert a['is_greedy'] == b['is_greedy']
     np.testing.assert_allclose(a['token_logprobs'], b['token_logprobs'], atol=1e-5)
+
+
+def test_the_command_prints_a_table_of_the_scores_and_their_total_then_the_file(job, tmp_path, capsys):
+  """`pax score` (issue 38, item 10): a rich table of the first requests and a total row (summed
+  log-likelihood, per token and its perplexity, greedy share), then the file for the rest."""
+  requests = tmp_path / 'table.jsonl'
+  lines = [{'context': 'The cat', 'continuation': ' sat on the mat.'}] * 3 + [{'text': CORPUS[1]}]
+  requests.write_text(''.join(json.dumps(x) + '\n' for x in lines))
+  out_file = tmp_path / 'scores.jsonl'
+  code, out, err = pax_main(['score', str(requests), '--exp', EXP, *SETS, '--job-log-dir', job, '--no-checkpoint',
+                             '-o', str(out_file)], capsys)
+  assert code == 0, err
+  records = [json.loads(x) for x in out_file.read_text().splitlines()]
+  total = sum(r['logprob'] for r in records)
+  tokens = sum(r['num_tokens'] for r in records)
+  for shown in ('pax score', 'continuation', ' sat on the mat.', '(whole text)', '4 requests', f'{total:.4f}',
+                f'{total / tokens:.4f}/token', 'perplexity'):
+    assert shown in out, (shown, out)
+  assert f'Wrote 4 results to {out_file}' in ' '.join(err.split())
+  code, out, err = pax_main(['score', str(requests), '--exp', EXP, *SETS, '--job-log-dir', job, '--no-checkpoint',
+                             '-o', str(tmp_path / 'again.jsonl'), '--json'], capsys)
+  assert code == 0 and [json.loads(x)['logprob'] for x in out.splitlines()] == [r['logprob'] for r in records]
+  assert 'perplexity' in err   # with --json the table goes to stderr: stdout stays the records

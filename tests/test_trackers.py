@@ -59,7 +59,8 @@ def _identity(job, steps):
 
 def test_a_summary_writer_sends_its_scalars_to_both_and_a_reopened_job_continues_their_runs(tmp_path, local_modes):
   """The writer's scalars reach W&B and MLflow under `<writer>/<tag>` at their steps; opening the
-  trackers again for the same job continues the same runs (the ids kept in <job>/trackers/)."""
+  trackers again for the same job, at the same destination, continues the same runs (the ids kept in
+  <job>/trackers/, with only a digest of where they went)."""
   from mlflow.tracking import MlflowClient
 
   from paxcli.jobdir import trackers
@@ -74,9 +75,10 @@ def test_a_summary_writer_sends_its_scalars_to_both_and_a_reopened_job_continues
       for step, loss in run:
         writer.scalars(step, {'loss': loss, 'aux_loss/moe': 2 * loss})
       writer.close()
-    settings = TrackersConfig(names=['wandb', 'mlflow'])  # the second opening names no store or project
   wandb_id = json.load(open(os.path.join(job, 'trackers', 'wandb.json')))['run_id']
-  mlflow_id = json.load(open(os.path.join(job, 'trackers', 'mlflow.json')))['run_id']
+  record = json.load(open(os.path.join(job, 'trackers', 'mlflow.json')))
+  mlflow_id = record['run_id']
+  assert set(record) == {'run_id', 'place'} and store not in json.dumps(record)   # an id, never a destination
   assert [ln.split(' run ')[0] for ln in lines] == ['W&B: started', 'MLflow: started', 'W&B: continues',
                                                     'MLflow: continues'], lines
   history = {}
@@ -105,9 +107,10 @@ def test_wandb_and_mlflow_log_tensorboards_scalars_and_a_resume_continues_their_
                              '--job-log-dir', job], capsys)
   assert code == 0, err
   first = out + err
-  # The resume names neither the store nor the project: the job's records do.
-  code, out, err = pax_main(['train', '--exp', EXP, *_sets('NUM_TRAIN_STEPS=6', trackers), '--job-log-dir', job],
-                            capsys)
+  # The resume names the same store and project (the job keeps only the runs' ids): it continues the runs.
+  code, out, err = pax_main(['train', '--exp', EXP, *_sets('NUM_TRAIN_STEPS=6', trackers,
+                                                           f'MLFLOW_TRACKING_URI={store!r}', "WANDB_PROJECT='tiny'"),
+                             '--job-log-dir', job], capsys)
   assert code == 0, err
   wandb_run = json.load(open(os.path.join(job, 'trackers', 'wandb.json')))
   mlflow_run = json.load(open(os.path.join(job, 'trackers', 'mlflow.json')))
@@ -215,3 +218,63 @@ def test_a_damaged_run_record_starts_a_new_run_and_says_so(tmp_path, local_modes
   run_id = json.load(open(os.path.join(job, 'trackers', 'mlflow.json')))['run_id']
   assert lines[1].startswith(f'MLflow: started run {run_id}')
   assert MlflowClient(store).get_run(run_id).info.status == 'FINISHED'
+
+
+def test_a_jobs_tracker_record_chooses_a_run_id_never_a_destination(tmp_path, capsys, local_modes, monkeypatch):
+  """Issue 37, 2: a received job's trackers/mlflow.json naming another store (a database outside the job, a
+  server) or a run id that is no id is not followed: the resume logs where this invocation says, in a new
+  run, and says so in a line; nothing is made outside."""
+  from mlflow.tracking import MlflowClient
+  store, job, outside = (tmp_path / 'mlruns').as_uri(), tmp_path / 'job', tmp_path / 'outside'
+  monkeypatch.setenv('MLFLOW_TRACKING_URI', store)
+  args = ['train', '--exp', EXP, *_sets("TRACKERS=['mlflow']", 'EVAL_INTERVAL_STEPS=0'), '--job-log-dir', str(job)]
+  code, out, err = pax_main([*args, '--set', 'NUM_TRAIN_STEPS=2'], capsys)
+  assert code == 0, err
+  first = json.loads((job / 'trackers' / 'mlflow.json').read_text())['run_id']
+  from paxcli.jobdir import trackers
+  client = MlflowClient(store)   # a run of another experiment of the same store, named with this store's digest
+  foreign = client.create_run(client.create_experiment('someone-elses')).info.run_id
+  hostile = [{'run_id': first, 'tracking_uri': f'sqlite:///{outside}/mlflow.db', 'experiment': 'paxcli'},
+             {'run_id': first, 'tracking_uri': 'http://127.0.0.1:9/', 'experiment': 'paxcli'},
+             {'run_id': '../../../etc/passwd', 'place': 'x'}, {'run_id': 'a' * 65},
+             {'run_id': foreign, 'place': trackers.place('mlflow', store, 'paxcli')}]
+  for steps, record in enumerate(hostile, start=3):
+    (job / 'trackers' / 'mlflow.json').write_text(json.dumps(record))
+    code, out, err = pax_main([*args, '--set', f'NUM_TRAIN_STEPS={steps}'], capsys)
+    assert code == 0, err
+    said = ' '.join((out + err).split())
+    why = ('was logged to another store or experiment' if 'tracking_uri' in record else
+           'belongs to another experiment' if record['run_id'] == foreign else 'is not a run id')
+    assert why in said, said
+    assert 'MLflow: started run' in said and f'at {store}' in said, said
+    kept = json.loads((job / 'trackers' / 'mlflow.json').read_text())
+    assert set(kept) == {'run_id', 'place'} and kept['run_id'] != first
+  assert not outside.exists()
+  runs = client.search_runs([client.get_experiment_by_name('paxcli').experiment_id])
+  assert len(runs) == 1 + len(hostile) and all(r.info.status == 'FINISHED' for r in runs)
+  # the record as paxcli writes it continues its run at the same destination
+  code, out, err = pax_main([*args, '--set', 'NUM_TRAIN_STEPS=8'], capsys)
+  assert code == 0 and f"MLflow: continues run {kept['run_id']}" in out + err, out + err
+
+
+def test_a_wandb_record_naming_a_project_or_entity_is_not_followed(tmp_path, local_modes):
+  """The W&B record's project and entity (as older paxcli wrote them, or planted) are not where the run goes:
+  this invocation's project is, in a new run; the record then holds the id and a digest only."""
+  from paxcli.jobdir import trackers
+  from paxcli.tasks import TrackersConfig
+  job = tmp_path / 'job'
+  (job / 'trackers').mkdir(parents=True)
+  (job / 'trackers' / 'wandb.json').write_text(json.dumps({'run_id': 'abcd1234', 'project': 'theirs',
+                                                           'entity': 'someone-else'}))
+  lines = []
+  with trackers.open_trackers(TrackersConfig(names=['wandb'], wandb_project='mine'), _identity(str(job), 2),
+                              lines.append):
+    pass
+  assert lines[0].startswith("W&B: the job's run abcd1234 was logged to another project or entity than this "
+                             "invocation's ('mine')"), lines
+  kept = json.loads((job / 'trackers' / 'wandb.json').read_text())
+  assert set(kept) == {'run_id', 'place'} and kept['run_id'] != 'abcd1234'
+  assert lines[1].startswith(f"W&B: started run {kept['run_id']}") and 'project mine' in lines[1], lines
+  [part] = glob.glob(os.path.join(job, 'trackers', 'wandb', 'offline-run-*'))
+  [run] = [r['run'] for r in _wandb_records(part) if r['type'] == 'run']
+  assert run['project'] == 'mine' and run.get('entity', '') in ('', None), run

@@ -7,7 +7,7 @@ They are looked up on first use, so `import paxcli` (and `pax --help`) loads non
 
 import importlib
 
-from paxcli import compat
+from paxcli import compat, version
 
 _API = ('train', 'evaluate', 'decode', 'score', 'lm_eval', 'serve', 'describe', 'bench_mfu', 'inspect_input', 'inspect_checkpoint',
         'convert_checkpoint', 'import_maxtext')
@@ -16,19 +16,9 @@ _API = ('train', 'evaluate', 'decode', 'score', 'lm_eval', 'serve', 'describe', 
 compat.install()  # old module names (paxcli.lm, paxcli.families.*) keep working, with a warning
 
 
-def _version() -> str:
-  """The installed distribution's version (pyproject.toml's, one place); a source tree that was never
-  installed says so."""
-  from importlib import metadata
-  try:
-    return metadata.version('paxcli')
-  except metadata.PackageNotFoundError:
-    return '0+unknown (not installed)'
-
-
 def __getattr__(name: str):
-  if name == '__version__':  # read from package metadata on first use (importlib.metadata costs ~10 ms)
-    globals()['__version__'] = _version()
+  if name == '__version__':  # read from package metadata on first use (paxcli.version)
+    globals()['__version__'] = version.current()
     return globals()['__version__']
   if name in _API:  # PEP 562: paxcli.api is imported on first use only
     return getattr(importlib.import_module('paxcli.api'), name)

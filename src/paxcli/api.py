@@ -43,13 +43,18 @@ from rich.console import Console
 from rich.markup import escape
 
 from paxcli import experiment, files
-from paxcli.errors import UserError
+from paxcli.errors import UserError, printable, shorten
 from paxcli.jobdir import invocation, layout, storage
 from paxcli.maxtext import recipe as maxtext_recipe
 from paxcli.maxtext.shell import read_script
 from paxcli.maxtext.translate import Options, Translation, translate
 from paxcli.runtime import distributed, platform
-from paxcli.values import parse_value
+from paxcli.runtime import topology as tpu_topology
+from paxcli.inputs import hub
+from paxcli.loops.decode.options import DecodeOptions, check_text  # no JAX: options fail before start-up
+from paxcli.loops.decode.output import check_output  # no JAX
+from paxcli.loops.score import requests  # no JAX: a bad file is one line before start-up
+from paxcli.values import parse_size, parse_value
 
 if TYPE_CHECKING:  # fiddle, for a type only
   from paxcli.config import Resolved
@@ -71,15 +76,17 @@ class Run:
 def open_run(exp: Optional[str], overrides: Sequence[str] = (), job_dir: Optional[str] = None, *,
              with_job_dir: bool = True, processes: bool = True, coordinator: Optional[str] = None,
              num_processes: Optional[int] = None, process_id: Optional[int] = None,
+             heartbeat_timeout: Optional[float] = None,
              log: Callable[[str], None] = print, remembered: bool = True, timed: bool = False) -> Run:
   """Joins the run's processes, resolves the config, sets its PLATFORM_ENV and names its job directory.
 
   The order is JAX's: jax.distributed starts before any backend (experiments may ask jax
   for device counts while resolving), and PLATFORM_ENV's XLA flags are set before the
   command's loop starts the backend. `processes`: the command runs on several processes
-  (--coordinator ...; else a detected cluster). The job directory (`job_dir`, else
-  ./runs/<experiment>, or ./runs/<experiment>_on_<data> for --set TRAIN_DATA=...) is made
-  absolute once, here: orbax refuses relative paths and the rest of paxcli joins names onto it.
+  (--coordinator ...; else a detected cluster), each watching the others (--heartbeat-timeout). The
+  job directory (`job_dir`, else ./runs/<experiment>, or ./runs/<experiment>_on_<data> for --set
+  TRAIN_DATA=...) is made absolute once, here: orbax refuses relative paths and the rest of paxcli
+  joins names onto it.
   `remembered` (every command but train): the experiment and --set overrides the job was trained
   with (jobdir.invocation.read_made) come first, `exp` and `overrides` given here on top, in one
   line on `log`. A job directory with a checkpoint keeps its tokenizer (jobdir.tokenizer.keep_trained);
@@ -88,7 +95,8 @@ def open_run(exp: Optional[str], overrides: Sequence[str] = (), job_dir: Optiona
   that times the step (`timed`), a refusal in one line.
   """
   if processes:
-    distributed.start(distributed.settings_from(coordinator, num_processes, process_id))
+    distributed.start(distributed.settings_from(coordinator, num_processes, process_id, heartbeat_timeout),
+                      log=log, command=invocation.command_line())
   directory = made = None
   if with_job_dir:
     directory = path_arg(job_dir or default_job_dir(exp, overrides), '--job-log-dir')
@@ -115,17 +123,35 @@ def as_made(directory: str, exp: Optional[str], overrides: Sequence[str],
     return exp, list(overrides), None
   job = _shown(directory)
   if exp and experiment.canonical_name(exp) != made.experiment:
-    log(f'Note: {job} was trained with {made.command()}; using --exp {exp} as given, without those settings.')
+    log(printable(f'Note: {job} was trained with {shorten(made.command(), 2000)}; using --exp {exp} as given, without '
+                  'those settings.'))
     return exp, list(overrides), made
   if not exp and not _trusted(directory, made.experiment):
-    raise UserError(f'{job} was trained with the experiment {made.experiment}, code that paxcli imports only when '
-                    f'you name it: add --exp {shlex.quote(made.experiment)} (the job\'s --set settings then apply).')
+    raise UserError(f'{job} was trained with the experiment {printable(made.experiment)}, code that paxcli imports '
+                    f'only when you name it: add --exp {printable(shlex.quote(made.experiment))} (the job\'s --set '
+                    'settings then apply).')
+  made, refused = made.replayable(experiment.lookup(made.experiment).replayable)
+  try:   # each knob it sets, parsed and checked now: a bad value is one line naming the record
+    experiment.instantiate(made.experiment, list(made.overrides))
+  except UserError as e:
+    raise UserError(f'{_shown(layout.made(directory))} (the job\'s record): {e}') from None
   given = ' '.join(f'--set {shlex.quote(o)}' for o in overrides)
   laid_out = {invocation.key_of(o) for o in overrides} & set(invocation.LAYOUT_KNOBS)
   used = made.without_layout() if laid_out else made   # a mesh given here replaces the job's whole layout
   left_out = ', without its mesh and pipeline settings' if used != made else ''
-  log(f'{job}: {used.command()} (as trained{left_out})' + (f'; given here, on top: {given}' if given else '') + '.')
+  log(printable(f'{job}: {shorten(used.command(), 2000)} (as trained{left_out})'
+                + (f'; given here, on top: {given}' if given else '') + '.'))
+  if refused:
+    log(_refused_note(job, refused))
   return made.experiment, [*used.overrides, *overrides], made
+
+
+def _refused_note(job: str, keys: Sequence[str]) -> str:
+  """The one line that says which settings of a job's record were left out, and why."""
+  names = ', '.join(printable(shorten(k, 60)) for k in keys[:8]) + (f' and {len(keys) - 8} more' if len(keys) > 8 else '')
+  return (f'Note: {job}\'s record also sets {names}; paxcli takes settings of the process or the machine (environment, '
+          'paths outside the job, endpoints, trackers) only from your own command line, so not these (add --set to '
+          'use one).')
 
 
 def _trusted(directory: str, name: str) -> bool:
@@ -223,7 +249,6 @@ def output_arg(path: Optional[str], option: str, buckets: bool = False) -> Optio
 def _check_output(output: Optional[str], force: bool, inputs: Sequence[Optional[str]]) -> None:
   """Before start-up: an --output that cannot take the results is one line now, not after the work."""
   if output:
-    from paxcli.loops.decode.output import check_output  # no JAX
     check_output(output, force, inputs=[p for p in inputs if p])
 
 
@@ -249,7 +274,8 @@ def _printer(console: Console) -> Callable[[str], None]:
 def train(exp: Optional[str] = None, *, overrides: Sequence[str] = (), job_dir: Optional[str] = None,
           verbose: bool = False, profile_steps: Optional[str] = None, pgle: Optional[str] = None,
           pgle_profile: Optional[str] = None, force_resume: bool = False, coordinator: Optional[str] = None,
-          num_processes: Optional[int] = None, process_id: Optional[int] = None, console=None) -> dict:
+          num_processes: Optional[int] = None, process_id: Optional[int] = None,
+          heartbeat_timeout: Optional[float] = None, console=None) -> dict:
   """`pax train`: trains (or resumes) `exp` in `job_dir`; returns the last summary (step, loss, rates).
 
   profile_steps: 'A-B' traces steps A to B with jax.profiler into <job_dir>/profile. The job
@@ -262,7 +288,8 @@ def train(exp: Optional[str] = None, *, overrides: Sequence[str] = (), job_dir: 
   pgle_profile = path_arg(pgle_profile, '--pgle-profile')
   console = _console(console)
   run = open_run(exp, overrides, job_dir, coordinator=coordinator, num_processes=num_processes,
-                 process_id=process_id, log=console.print, remembered=False)
+                 process_id=process_id, heartbeat_timeout=heartbeat_timeout, log=_printer(console),
+                 remembered=False)
   if job_dir is None and any(invocation.key_of(o) == 'TRAIN_DATA' for o in overrides):
     _printer(console)(f'Job directory {_shown(run.job_dir)}, named after TRAIN_DATA (--job-log-dir picks another).')
   made = invocation.Made(experiment.canonical_name(exp),
@@ -355,7 +382,6 @@ def decode(exp: Optional[str] = None, *, overrides: Sequence[str] = (), job_dir:
   `.stats` (decode rates), `.step` (the checkpoint decoded) and `.path` (the file written; None on
   processes other than 0). progress: a factory `progress(total)` of context managers yielding
   `advance(n)`, or None."""
-  from paxcli.loops.decode.options import DecodeOptions, check_text  # no JAX: options fail before start-up
   opts = DecodeOptions(
       max_decode_steps=max_decode_steps, temperature=temperature, top_k=top_k, top_p=top_p,
       num_samples=num_samples, seed=seed, beam_size=beam_size, length_penalty=length_penalty,
@@ -400,7 +426,6 @@ def score(requests_file: str, exp: Optional[str] = None, *, overrides: Sequence[
     raise UserError('--step N picks a checkpoint; --no-checkpoint scores fresh weights. Give one of them.')
   requests_file, output = path_arg(requests_file, 'REQUESTS'), output_arg(output, '--output', buckets=True)
   _check_output(output, force, [requests_file])
-  from paxcli.loops.score import requests  # no JAX: a bad file is one line before start-up
   read = requests.read_requests(requests_file)
   log = _printer(_console(console))
   run = open_run(exp, overrides, job_dir, coordinator=coordinator, num_processes=num_processes,
@@ -515,9 +540,7 @@ def bench_mfu(exp: Optional[str] = None, *, overrides: Sequence[str] = (), job_d
   existing file only with force). job_dir: the experiment and --set overrides that job was trained with
   (`exp` and `overrides` on top). topology (with compile_only): a TPU slice name such as 'v4-128'
   (`num_slices` of them), compiled for by libtpu without a TPU (paxcli.runtime.topology)."""
-  from paxcli.convert.safetensors_io import parse_size
   from paxcli.loops import bench
-  from paxcli.runtime import topology as tpu_topology
   plot, pgle_profile = output_arg(plot, '--plot'), path_arg(pgle_profile, '--pgle-profile')
   memory_bytes = parse_size(device_memory, '--device-memory') if device_memory is not None else None
   positive_finite(peak_tflops, '--peak-tflops', 'TFLOP/s per device')
@@ -558,9 +581,15 @@ def bench_mfu(exp: Optional[str] = None, *, overrides: Sequence[str] = (), job_d
 
 def _progress(console: Console):
   """A transient progress bar on `console`, shown only on a terminal."""
-  from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-  return Progress(TextColumn('[bold]{task.description}'), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console, transient=True, disable=not console.is_terminal)
+  bars = _rich_progress()
+  return bars.Progress(bars.TextColumn('[bold]{task.description}'), bars.BarColumn(), bars.MofNCompleteColumn(),
+                       bars.TimeElapsedColumn(), console=console, transient=True, disable=not console.is_terminal)
+
+
+def _rich_progress():
+  """rich's progress bars, imported by the commands that draw one."""
+  import rich.progress
+  return rich.progress
 
 
 def inspect_input(exp: Optional[str] = None, *, path: Optional[str] = None, overrides: Sequence[str] = (),
@@ -591,6 +620,8 @@ def inspect_input(exp: Optional[str] = None, *, path: Optional[str] = None, over
   if check_sharding:
     return ii.check_sharding(cfg, batch_size, num_hosts, num_batches)
   inp = ii.build(cfg, batch_size, num_hosts, host_index)
+  for note in getattr(inp, 'notes', ()):   # what the input chose that the user should hear (VOCAB_SIZE)
+    _printer(_console(console))(note)
   batches, seconds, rows = [], 0.0, 0
   for i, batch, took in ii.read_batches(inp, num_batches):
     seconds += took
@@ -618,7 +649,7 @@ def _names_a_file(name: str) -> bool:
 
 def data_prepare(sources: Sequence[str], output: str, *, tokenizer: Optional[str] = None, vocab_size: int = 2048,
                  text_field: str = 'text', num_shards: Optional[int] = None, eval_split: bool = True,
-                 workers: Optional[int] = None, console=None) -> dict:
+                 workers: Optional[int] = None, chat_template: str = '', console=None) -> dict:
   """`pax data prepare`: `sources` (globs) tokenized into ArrayRecord shards in `output`
   (paxcli.loops.prepare); returns the summary (documents, records, tokens and shards per split,
   documents/s and tokens/s of the tokenizing). Run again after a kill: it resumes."""
@@ -629,7 +660,8 @@ def data_prepare(sources: Sequence[str], output: str, *, tokenizer: Optional[str
     raise UserError(f'--num-shards must be at least 1, got {num_shards}.')
   console = _console(console)
   options = prepare.Options(tuple(sources), path_arg(output, 'OUT'), path_arg(tokenizer, '--tokenizer'),
-                            vocab_size, text_field, num_shards, eval_split, max(1, workers or _cpus()))
+                            vocab_size, text_field, num_shards, eval_split, max(1, workers or _cpus()),
+                            chat_template)
   with _DataProgress(console) as bars:
     return prepare.prepare(options, bars, _printer(console))
 
@@ -648,10 +680,11 @@ class _DataProgress:
   """rich progress bars for `prepare.Progress`: one per phase, documents counted and tokens/s."""
 
   def __init__(self, console: Console):
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-    self._progress = Progress(TextColumn('[bold]{task.description}'), BarColumn(), MofNCompleteColumn(),
-                              TextColumn('{task.fields[rate]}'), TimeElapsedColumn(), console=console,
-                              transient=True, disable=not console.is_terminal)
+    bars = _rich_progress()
+    self._progress = bars.Progress(bars.TextColumn('[bold]{task.description}'), bars.BarColumn(),
+                                   bars.MofNCompleteColumn(), bars.TextColumn('{task.fields[rate]}'),
+                                   bars.TimeElapsedColumn(), console=console, transient=True,
+                                   disable=not console.is_terminal)
 
   def __enter__(self):
     self._progress.__enter__()
@@ -688,7 +721,9 @@ def inspect_checkpoint(path: str, *, step: Optional[int] = None, fmt: Optional[s
   bytes, sharding), totals and saved config. fmt: orbax, safetensors, hf, paxml (default: detected)."""
   from paxcli.convert import run as convert_run
   _quiet_absl()
-  return convert_run.inspect(path_arg(path, 'PATH'), fmt, step)
+  path = path_arg(_hub_model(path, fmt), 'PATH')
+  storage.check_reachable(path, 'PATH')   # a bucket that cannot be used: one line, before anything is read
+  return convert_run.inspect(path, fmt, step)
 
 
 def convert_checkpoint(source: str, output: str, *, fmt: Optional[str] = None, to: str = 'orbax',
@@ -696,24 +731,34 @@ def convert_checkpoint(source: str, output: str, *, fmt: Optional[str] = None, t
                        params_only: bool = False, dtype: Optional[str] = None, force: bool = False,
                        verify: bool = True, kl_tolerance: Optional[float] = None, max_shard_size: str = '5GB',
                        recipe: Optional[str] = None, merge_lora: bool = False, base_model: Optional[str] = None,
-                       console=None) -> dict:
+                       family: Optional[str] = None, console=None) -> dict:
   """`pax checkpoint convert`: writes `source` (never modified) as `to` at `output`; returns what was
   written. With verify the conversion certifies itself (paxcli.convert.certify): result['verify'] holds
   what ran the source and the result (transformers or PEFT for Hugging Face files where installed, else
   paxcli), max |Δ logit|, KL and top-1 agreement on fixed prompts; beyond kl_tolerance it is a UserError
   and nothing is written. base_model (to='peft'): the Hugging Face id or directory written as
-  base_model_name_or_path."""
+  base_model_name_or_path. family (to='hf' or 'peft'): the model family written, for a model that records none
+  (MODEL_FAMILY) or another; checked against what the model computes."""
   from paxcli.convert import run as convert_run
-  from paxcli.convert import safetensors_io
   positive_finite(kl_tolerance, '--kl-tolerance', 'a KL in nats')
-  max_shard_bytes = safetensors_io.parse_size(max_shard_size)  # before any work
-  source, output = path_arg(source, 'SOURCE'), path_arg(output, 'OUTPUT')
+  max_shard_bytes = parse_size(max_shard_size)  # before any work
+  source, output = path_arg(_hub_model(source, fmt), 'SOURCE'), path_arg(output, 'OUTPUT')
   recipe = path_arg(recipe, '--recipe')
+  storage.check_reachable(source, 'SOURCE')
   _quiet_absl()
   return convert_run.convert(source, output, fmt=fmt, to=to, exp=exp, overrides=list(overrides),
                              params_only=params_only, dtype=dtype, step=step, force=force, verify=verify,
                              kl_tolerance=kl_tolerance, max_shard_bytes=max_shard_bytes, recipe=recipe,
-                             merge_lora=merge_lora, base_model=base_model, log=_printer(_console(console)))
+                             merge_lora=merge_lora, base_model=base_model, family=family,
+                             log=_printer(_console(console)))
+
+
+def _hub_model(source: str, fmt: Optional[str]) -> str:
+  """A Hugging Face source as transformers reads it: a local path as it is, else a Hub id (Org/name) from
+  the local cache, downloaded there when missing (paxcli.inputs.hub)."""
+  if fmt not in (None, 'hf') or not source:
+    return source
+  return hub.model_dir(source)
 
 
 def _quiet_absl() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import re
 from typing import Iterable
 
 
@@ -47,3 +48,13 @@ def at_least(low, prefix: str, obj, *fields: str) -> None:
     if value < low:
       hint = ' (0 turns it off)' if low == 0 and field == 'eval_interval_steps' else ''
       raise UserError(f'{prefix}.{field} must be at least {low}, got {value}{hint}.')
+
+
+_CONTROL = re.compile(r'[\x00-\x1f\x7f-\x9f\u2028\u2029]')
+
+
+def printable(text: object) -> str:
+  """`text` with its control characters (line breaks too) written as escapes (`\\x1b`, `\\n`): text that came
+  from a file or a record is printed as one line of text, never as terminal control sequences (colours,
+  links, a cleared screen)."""
+  return _CONTROL.sub(lambda m: repr(m.group())[1:-1], str(text))

@@ -29,6 +29,7 @@ _KNOB_RE = re.compile(r'^[A-Z][A-Z0-9_]*$')
 _REGISTRY: dict[str, type['Experiment']] = {}
 RECIPES_PACKAGE = 'paxcli.recipes'
 DEFAULT_EXPERIMENT = 'default.StdlibDocsLm'
+MODEL_FIELDS = 'task.model.'   # dotted overrides of the model's own config: what it computes (Experiment.replayable)
 
 
 class Experiment:
@@ -36,10 +37,10 @@ class Experiment:
 
   # Mesh: axes ('replica', 'data', 'mdl'). None means every device on `data`.
   ICI_MESH_SHAPE: Optional[list[int]] = None
-  DCN_MESH_SHAPE: Optional[list[int]] = None
+  DCN_MESH_SHAPE: Optional[list[int]] = None  # the mesh across slices or hosts (times ICI_MESH_SHAPE); None: one
   # Examples per device per step; below 1 means fewer infeed hosts than processes.
   PERCORE_BATCH_SIZE: float = 4
-  RANDOM_SEED: int = 1234
+  RANDOM_SEED: int = 1234  # seeds initialisation, dropout and the data order: the same seed, the same run
   # Environment variables set before jax starts, per platform ('cpu', 'gpu', 'tpu'),
   # e.g. {'tpu': {'LIBTPU_INIT_ARGS': '...'}, 'gpu': {'XLA_FLAGS': '...'}}.
   PLATFORM_ENV: dict[str, dict[str, str]] = {}
@@ -48,6 +49,14 @@ class Experiment:
   # rather than silently training a different model; `--set UNSUPPORTED_FEATURES={}`
   # accepts the difference.
   UNSUPPORTED_FEATURES: dict[str, str] = {}
+
+  # The knobs of this class that a job's record (experiment.jsonl) may set when a command reads the job
+  # (`replayable`): what the model computes, how it trains, the data it reads. Every other knob is taken
+  # only from the command line: those that act on the process or the machine (PLATFORM_ENV: environment
+  # variables, XLA flags, dump and cache paths, endpoints), tracker destinations, paths written outside the
+  # job, and any knob nobody classified (deny by default). A class that declares knobs lists its model and
+  # data ones here (a knob table's are listed by paxcli.models.knobs.declare).
+  replayed = frozenset({'ICI_MESH_SHAPE', 'DCN_MESH_SHAPE', 'PERCORE_BATCH_SIZE', 'RANDOM_SEED', 'UNSUPPORTED_FEATURES'})
 
   def task(self):
     """Returns a fiddle config of `paxcli.tasks.Task`."""
@@ -110,6 +119,15 @@ class Experiment:
     setattr(self, name, ptypes.coerce(value, types[name], name))
 
   @classmethod
+  def replayable(cls, key: str) -> bool:
+    """Whether a job's record may set the override `key` (a knob, or a dotted config path): a knob some class
+    of the hierarchy lists in `replayed` (under its current name), or a field of the model (task.model...)."""
+    if not _KNOB_RE.match(key):
+      return key.startswith(MODEL_FIELDS) and '..' not in key
+    name = compat.RENAMED_KNOBS.get(key, key)
+    return any(name in klass.__dict__.get('replayed', ()) for klass in cls.__mro__)
+
+  @classmethod
   def registered_name(cls) -> str:
     # From the class itself, never inherited: an unregistered subclass is not its parent.
     return cls.__dict__.get('_registered_name', f'{cls.__module__}.{cls.__qualname__}')
@@ -157,7 +175,7 @@ def _load_file(path: str, class_name: str) -> type[Experiment]:
   if known is not None:
     return known
   if not os.path.isfile(path):
-    raise UserError(f'Experiment file {shorten(repr(path))} does not exist.')
+    raise UserError(f'Experiment file {shorten(repr(path))} does not exist.{_kept_recipe_hint(path, class_name)}')
   module_name = '_paxcli_user_' + re.sub(r'\W', '_', os.path.abspath(path))
   if module_name not in sys.modules:
     spec = importlib.util.spec_from_file_location(module_name, path)
@@ -185,6 +203,20 @@ def _load_file(path: str, class_name: str) -> type[Experiment]:
   if cls.__module__ == module_name:  # `runs/my_experiments.MyLm`, not the internal module name
     cls._registered_name = f'{os.path.splitext(os.path.basename(path))[0]}.{cls.__qualname__}'
   return cls
+
+
+def _kept_recipe_hint(path: str, class_name: str) -> str:
+  """For a recipe an import wrote beside its output before 0.3 (out/hf_base.py for out/base): where the
+  output keeps it now (out/base/recipe.py), when that is there."""
+  match = re.fullmatch(r'(?:hf|paxml)_(.+)\.py', os.path.basename(path))
+  if not match:
+    return ''
+  directory = os.path.dirname(path)
+  for name in dict.fromkeys((match.group(1), match.group(1).replace('_', '-'))):
+    kept = os.path.join(directory, name, 'recipe.py')
+    if os.path.isfile(kept):
+      return f' An import keeps its recipe in the job it writes now: --exp {shorten(kept)}:{class_name}.'
+  return ''
 
 
 def _class_from_module(module, class_name: str, where: str) -> type[Experiment]:

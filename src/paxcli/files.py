@@ -6,8 +6,10 @@ user gives is checked with `os.stat` first (which neither blocks nor reads).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import re
 import stat
 import sys
@@ -19,6 +21,16 @@ from paxcli.errors import UserError, shorten
 _KINDS = ((stat.S_ISDIR, 'a directory'), (stat.S_ISFIFO, 'a FIFO (named pipe)'),
           (stat.S_ISCHR, 'a character device'), (stat.S_ISBLK, 'a block device'),
           (stat.S_ISSOCK, 'a socket'))
+
+
+_URL_LIKE = re.compile(r'^(?:[A-Za-z][A-Za-z0-9+.-]*:|gs//)', re.IGNORECASE)
+
+
+def path_knob(value: str) -> str:
+  """A path knob's value as a config holds it (INIT_FROM, LOCAL_CHECKPOINT_DIR...): a local path made
+  absolute (`~` expanded); a URL, or what may be one misspelt (`gs:/bucket/x`, `gs//bucket/x`), as written,
+  for the job directory's storage to read or refuse in one line (never a local `gs:` directory)."""
+  return value if _URL_LIKE.match(value) else os.path.abspath(os.path.expanduser(value))
 
 
 def kind_of(mode: int) -> str:
@@ -45,6 +57,21 @@ def check_regular_file(path: str, what: str, max_bytes: int | None = None) -> in
   return st.st_size
 
 
+def open_regular(path: str, what: str = 'file'):
+  """`path` opened for reading in binary when it is a regular file (FileNotFoundError when missing; a
+  UserError for a FIFO, a device, a directory): opened without waiting (a FIFO would wait for a writer
+  forever), then checked on the descriptor, so that what is read is what was checked."""
+  fd = os.open(path, os.O_RDONLY | getattr(os, 'O_NONBLOCK', 0) | getattr(os, 'O_CLOEXEC', 0))
+  try:
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+      raise UserError(f'{what} {shorten(path, 200)} is {kind_of(mode)}, not a regular file.')
+  except BaseException:
+    os.close(fd)
+    raise
+  return os.fdopen(fd, 'rb')
+
+
 def read_text(path: str, what: str, max_bytes: int) -> str:
   """The UTF-8 text of a regular file of at most `max_bytes` bytes, or UserError."""
   check_regular_file(path, what, max_bytes)
@@ -61,25 +88,86 @@ def read_text(path: str, what: str, max_bytes: int) -> str:
     raise UserError(f'Cannot read {what} {shorten(path, 200)}: not UTF-8 text (byte {e.start}).') from None
 
 
+def bounded_lines(f, max_bytes: int):
+  """The lines of a binary file object, each with its newline (the last may lack one), read at most
+  `max_bytes` + 1 bytes at a time: a longer line is yielded as None, read past in bounded pieces and
+  never held whole (a file someone else wrote may hold one line of gigabytes)."""
+  while True:
+    line = f.readline(max_bytes + 1)
+    if not line:
+      return
+    if len(line) <= max_bytes:
+      yield line
+      continue
+    if not line.endswith(b'\n'):
+      del line
+      rest_of_line(f)
+    yield None
+
+
+def rest_of_line(f) -> None:
+  """Reads past the end of the current line of a binary file object, a bounded piece at a time."""
+  while True:
+    part = f.readline(1 << 20)
+    if not part or part.endswith(b'\n'):
+      return
+
+
 def member(directory: str, name: str, what: str = 'file') -> str:
   """The resolved path of `name`, a file of the model or checkpoint directory `directory`.
 
   The files of a directory someone gives you stay in it: an absolute name, a name that climbs
   out (`../x`) or a symlink that resolves outside the directory (`tokenizer.model ->
-  /etc/shadow`) is a UserError. A symlink to another file inside the directory is fine. The
+  /etc/shadow`) is a UserError. A symlink to another file inside the directory is fine, and so is a
+  link of a Hugging Face cache snapshot into its repository's blobs/ (huggingface_hub's layout). The
   path returned may not exist (the caller checks); it is the resolved one, so that what is
-  opened is what was checked.
+  opened is what was checked (in a Hub snapshot, the link's own path: its blob's name says nothing).
   """
   base = os.path.realpath(directory)
   shown = shorten(name, 200)
   if not name or os.path.isabs(name) or '\0' in name:
     raise UserError(f'{shorten(directory, 200)}: {what} {shown!r} is not a file name inside the directory.')
   path = os.path.realpath(os.path.join(base, name))
-  if os.path.commonpath([base, path]) != base or path == base:
-    link = ' (a symlink)' if os.path.islink(os.path.join(base, name)) else ''
-    raise UserError(f'{shorten(directory, 200)}: {what} {shown!r}{link} resolves to {shorten(path, 200)}, outside '
-                    'the directory; paxcli reads only files inside it.')
-  return path
+  hub = _hub_repository(base)   # a Hub cache snapshot's files link into its repository's blobs/
+  inside, named = hub or base, os.path.normpath(os.path.join(base, name))
+  if os.path.commonpath([inside, path]) != inside or path == base or os.path.commonpath([base, named]) != base:
+    raise UserError(f'{shorten(directory, 200)}: {what} {shown!r}{_link_in(base, name)} resolves to '
+                    f'{shorten(path, 200)}, outside the directory; paxcli reads and writes only files inside it.')
+  return named if hub else path   # a blob's name says nothing (tokenizer.json's kind, what lies beside it)
+
+
+def _hub_repository(directory: str) -> Optional[str]:
+  """The repository's directory of the Hugging Face cache (`.../models--Org--name`) when `directory` is one
+  of its snapshots (`snapshots/<commit>`) or inside one: huggingface_hub writes a snapshot's files as links
+  into the repository's `blobs/`. Else None."""
+  at = directory
+  while os.path.dirname(at) != at:
+    parent = os.path.dirname(at)
+    root = os.path.dirname(parent)
+    if os.path.basename(parent) == 'snapshots' and os.path.basename(root).startswith(('models--', 'datasets--')):
+      return root
+    at = parent
+  return None
+
+
+def _link_in(base: str, name: str) -> str:
+  """' (a symlink)' when `name` itself is one, ' (through the symlink a/b)' when a directory on its way is."""
+  parts = os.path.normpath(name).split(os.sep)
+  for i in range(len(parts), 0, -1):
+    if os.path.islink(os.path.join(base, *parts[:i])):
+      return ' (a symlink)' if i == len(parts) else f" (through the symlink {shorten(os.path.join(*parts[:i]), 120)!r})"
+  return ''
+
+
+def check_tree(directory: str, root: str, what: str) -> None:
+  """UserError when a symlink under `directory` resolves outside `root` (which holds it): for a tree a
+  library reads by itself (orbax reads a checkpoint's files), the member check of every file in it."""
+  base = os.path.realpath(root)
+  for parent, dirs, names in os.walk(os.path.realpath(directory)):  # links to directories are not entered
+    for name in dirs + names:
+      path = os.path.join(parent, name)
+      if os.path.islink(path):
+        member(base, os.path.relpath(path, base), what)
 
 
 def copy_member(path: str, dest: str) -> None:
@@ -88,7 +176,6 @@ def copy_member(path: str, dest: str) -> None:
   st = os.stat(path)
   if not stat.S_ISREG(st.st_mode):
     raise UserError(f'{shorten(path, 200)} is not a regular file; not copied.')
-  import shutil
   tmp = f'{dest}.tmp-{os.getpid()}'
   shutil.copyfile(path, tmp)
   os.chmod(tmp, stat.S_IMODE(st.st_mode) & 0o644)
@@ -346,3 +433,18 @@ def _write_all(fd: int, data: bytes) -> None:
   view = memoryview(data)
   while view:
     view = view[os.write(fd, view):]
+
+
+@contextlib.contextmanager
+def held_stderr():
+  """File descriptor 2 sent to a temporary file for the block (what C++ libraries log there, which no
+  Python setting reaches); yields a function returning its text, for the caller to show if it matters."""
+  sys.stderr.flush()
+  saved = os.dup(2)
+  with tempfile.TemporaryFile(mode='w+b') as tmp:
+    os.dup2(tmp.fileno(), 2)
+    try:
+      yield lambda: (tmp.seek(0), tmp.read().decode('utf-8', 'replace'))[1]
+    finally:
+      os.dup2(saved, 2)
+      os.close(saved)

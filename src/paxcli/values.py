@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import math
 import types
 import typing
 from typing import Any, Literal, Union
@@ -46,8 +47,18 @@ def type_name(tp: Any) -> str:
   return getattr(tp, '__name__', str(tp))
 
 
+# No knob or config field holds an integer beyond a 64-bit one, nor a float that is not finite: NumPy and JAX
+# cannot, and no count, size, seed or rate needs it. Such a value (a typo, or a record someone edited) is one
+# line where it is parsed, before anything is built from it.
+MAX_INT = 2**63 - 1
+
+
 class _Mismatch(Exception):
   pass
+
+
+class _OutOfRange(_Mismatch):
+  """A value of the right type that no knob or field can hold; its message says why."""
 
 
 def _coerce(value: Any, tp: Any) -> Any:
@@ -67,14 +78,17 @@ def _coerce(value: Any, tp: Any) -> Any:
   if origin in (Union, types.UnionType):
     if value is None and _NONE in args:
       return None
+    out_of_range = None
     for arg in args:
       if arg is _NONE:
         continue
       try:
         return _coerce(value, arg)
+      except _OutOfRange as e:   # said as such when no other member of the union takes the value
+        out_of_range = out_of_range or e
       except _Mismatch:
         continue
-    raise _Mismatch()
+    raise out_of_range or _Mismatch()
   if tp is _NONE:
     if value is None:
       return None
@@ -103,14 +117,14 @@ def _coerce(value: Any, tp: Any) -> Any:
       return value.lower() in ('true', 'yes', 'on')
     raise _Mismatch()
   if tp is int:
-    if isinstance(value, int) and not isinstance(value, bool):
-      return value
     if isinstance(value, float) and value.is_integer():
-      return int(value)
+      value = int(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+      return _bounded_int(value)
     raise _Mismatch()
   if tp is float:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-      return float(value)
+      return _finite_float(value)
     raise _Mismatch()
   if tp is str:
     if isinstance(value, str):
@@ -123,12 +137,48 @@ def _coerce(value: Any, tp: Any) -> Any:
   return value  # an annotation we cannot check (a forward reference, a protocol)
 
 
+def _bounded_int(value: int) -> int:
+  if -MAX_INT - 1 <= value <= MAX_INT:
+    return value
+  digits = len(str(abs(value))) if value.bit_length() < 20_000 else f'over {value.bit_length() * 3 // 10:,}'
+  raise _OutOfRange(f'is an integer of {digits} digits; a knob holds at most a 64-bit integer ({MAX_INT:,})')
+
+
+def _finite_float(value) -> float:
+  try:
+    number = float(value)
+  except OverflowError:   # an integer too large for any float
+    number = float('inf')
+  if math.isfinite(number):
+    return number
+  raise _OutOfRange(f'is {shorten(repr(value), 40)}; it must be a finite number')
+
+
 def coerce(value: Any, tp: Any, name: str) -> Any:
   """Returns `value` converted to `tp` (int -> float, 'true' -> True, ...) or raises UserError."""
   try:
     return _coerce(value, tp)
+  except _OutOfRange as e:
+    raise UserError(f'{name} {e}.') from None
   except _Mismatch:
     hint = ''
     if typing.get_origin(tp) is Literal and isinstance(value, str):
       hint = did_you_mean(value, [a for a in typing.get_args(tp) if isinstance(a, str)])
     raise UserError(f'{name} must be {type_name(tp)}, got {shorten(repr(value))}.{hint}') from None
+
+
+def parse_size(text: str, option: str = '--max-shard-size') -> int:
+  """'5GB', '500MiB', '1024' -> bytes (at least 1); UserError for anything else (0, negative, inf, nan)."""
+  given, text = text, text.strip().upper().replace('IB', 'B')
+  number, mult = text, 1
+  for unit, size in (('TB', 1 << 40), ('GB', 1 << 30), ('MB', 1 << 20), ('KB', 1 << 10), ('B', 1)):
+    if text.endswith(unit):
+      number, mult = text[:-len(unit)], size
+      break
+  try:
+    value = float(number) * mult
+  except ValueError:
+    value = float('nan')
+  if not (value >= 1 and value < 1 << 60):  # NaN fails both
+    raise UserError(f'{option} {given!r}: give a positive size such as 5GB, 500MB or a number of bytes.')
+  return int(value)

@@ -9,14 +9,15 @@ import typer
 
 from paxcli.cli import common
 
-app = typer.Typer(help='Inspect and convert checkpoints (orbax, safetensors, Hugging Face Llama, paxml, MaxText).',
+app = typer.Typer(help='Inspect and convert checkpoints (orbax, safetensors, Hugging Face, paxml, MaxText).',
                   no_args_is_help=True)
 
 
 @app.command('inspect')
 def inspect_command(
     path: str = typer.Argument(..., help='Job directory, checkpoint step directory, .safetensors file or '
-                               'directory, Hugging Face directory, paxml checkpoint or MaxText run/checkpoint.'),
+                               'directory, Hugging Face directory or Hub id (Org/name: from the Hugging Face cache, '
+                               'downloaded if missing), paxml checkpoint or MaxText run/checkpoint.'),
     step: Optional[int] = typer.Option(None, '--step', help='Checkpoint step (default: the latest).'),
     fmt: Optional[str] = typer.Option(None, '--from', help='Format (default: detected).'),
     json_out: bool = typer.Option(False, '--json', help='Print JSON.'),
@@ -27,9 +28,8 @@ def inspect_command(
   if json_out:
     typer.echo(json.dumps(info, indent=1))
     return
-  from rich.table import Table
   console = common.console()
-  t = Table(title=f'{info["format"]} checkpoint {info["path"]}  step {info["step"]}'
+  t = common.table(title=f'{info["format"]} checkpoint {info["path"]}  step {info["step"]}'
             + (f'  experiment {info["experiment"]}' if info.get('experiment') else ''))
   for col, just in (('name', 'left'), ('shape', 'right'), ('dtype', 'left'), ('bytes', 'right'),
                     ('sharding', 'left')):
@@ -63,8 +63,11 @@ def convert_command(
                                       'maxtext (default: detected; maxtext needs --exp with the recipe '
                                       'pax import-maxtext wrote).'),
     to: str = typer.Option('orbax', '--to', help='Output format: orbax (a paxcli job directory), '
-                           'safetensors, hf (Hugging Face Llama; a LoRA run merged), peft (a LoRA run\'s '
-                           'adapters: adapter_config.json + adapter_model.safetensors).'),
+                           'safetensors, hf (the model family\'s Hugging Face layout; a LoRA run merged), peft (a '
+                           'LoRA run\'s adapters: adapter_config.json + adapter_model.safetensors).'),
+    family: Optional[str] = typer.Option(None, '--family', help='--to hf or peft: the model family to write '
+                                         '(llama, qwen3, ...) for a model that records none (MODEL_FAMILY) or '
+                                         'another; checked against what the model computes.'),
     merge_lora: bool = typer.Option(False, '--merge-lora', help='A LoRA run: write a plain checkpoint with the '
                                     'adapters merged into the base (W + alpha/r A B).'),
     exp: Optional[str] = common.exp_option(),
@@ -96,7 +99,7 @@ def convert_command(
   result = api.convert_checkpoint(source, output, fmt=fmt, to=to, exp=exp, overrides=overrides, step=step,
                                   params_only=params_only, dtype=dtype, force=force, verify=verify,
                                   kl_tolerance=kl_tolerance, max_shard_size=max_shard_size, recipe=recipe,
-                                  merge_lora=merge_lora, base_model=base_model, console=console)
+                                  merge_lora=merge_lora, base_model=base_model, family=family, console=console)
   v = result.get('verify')
   if json_out:
     typer.echo(json.dumps(result, indent=1))
@@ -107,6 +110,8 @@ def convert_command(
     if v:
       from paxcli.convert import certify
       console.print(certify.line(v), highlight=False, markup=False)
+    if result.get('next'):   # what to run after an import
+      console.print(result['next'], highlight=False, markup=False, soft_wrap=True)   # a command to copy: one line
 
 
 def _size(n: int) -> str:

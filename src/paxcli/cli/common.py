@@ -6,6 +6,7 @@ rich is imported where a line is printed, never at start-up: it would double `pa
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import shlex
 import sys
@@ -16,6 +17,7 @@ import typer.main
 
 from paxcli import compat
 from paxcli.errors import UserError, shorten
+from paxcli.runtime import distributed
 
 EXP_HELP = ('Experiment: a registered name (`pax experiments`), `module.Class`, or '
             '`path/file.py:Class`. Default: the built-in default.StdlibDocsLm.')
@@ -28,6 +30,9 @@ COORDINATOR_HELP = ('Several processes (one per host): HOST:PORT of process 0, w
                     'one process runs.')
 NUM_PROCESSES_HELP = 'Several processes: how many in all. 1 means one process, even on a cluster.'
 PROCESS_ID_HELP = 'Several processes: this process\'s index, 0 to N-1 (0 runs the coordinator).'
+HEARTBEAT_HELP = ('Several processes: when another process dies or its host drops off the network for this long, '
+                  'every process stops with one line naming it (exit code 124), for a scheduler or `pax launch '
+                  '--max-restarts` to restart the job. Default: 100.')
 
 
 def exp_option():
@@ -57,6 +62,11 @@ def process_id_option():
                       rich_help_panel='Several processes')
 
 
+def heartbeat_timeout_option():
+  return typer.Option(None, '--heartbeat-timeout', metavar='SECONDS', envvar='PAX_HEARTBEAT_TIMEOUT',
+                      help=HEARTBEAT_HELP, min=1.0, rich_help_panel='Several processes')
+
+
 def normalize_argv(argv: list[str]) -> list[str]:
   """Accepts Pax spellings: `--job_log_dir=x` becomes `--job-log-dir=x`; and renamed options
   (compat.RENAMED_OPTIONS), with a warning.
@@ -79,22 +89,51 @@ def normalize_argv(argv: list[str]) -> list[str]:
 def console(stderr: bool = False, wide: bool = False):
   """A rich Console; wide when the output is a file or pipe, so tables are not cut (160 columns, or
   with `wide` as wide as a table's rows need: one line per row)."""
-  from rich.console import Console
   stream = sys.stderr if stderr else sys.stdout
-  return Console(stderr=stderr, width=None if stream.isatty() else (100_000 if wide else 160))
+  return rich_console(stderr=stderr, width=None if stream.isatty() else (100_000 if wide else 160))
+
+
+# rich, loaded by the command that prints (`pax --help` loads none of it): one place for each part.
+
+def rich_console(**settings):
+  from rich.console import Console
+  return Console(**settings)
+
+
+def table(*args, **settings):
+  """A rich Table."""
+  from rich.table import Table
+  return Table(*args, **settings)
+
+
+def text(*args, **settings):
+  """A rich Text: printed as it is, never read as markup."""
+  from rich.text import Text
+  return Text(*args, **settings)
+
+
+def escape(value: str) -> str:
+  """`value` with rich's markup escaped, for printing text others wrote."""
+  from rich.markup import escape as rich_escape
+  return rich_escape(value)
+
+
+def progress(console, label: str):
+  """A transient rich bar labelled `label`, with its count and elapsed time."""
+  from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+  return Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console,
+                  transient=True)
 
 
 def counting_bar(console, label: str):
   """A context factory for the loops' `progress` argument: bar(total) yields advance(n), drawing a
   transient rich bar labelled `label` (decode's prompts, score's windows)."""
-  from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
   @contextlib.contextmanager
   def bar(total: int):
-    with Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console,
-                  transient=True) as progress:
-      task = progress.add_task(label, total=total)
-      yield lambda n: progress.advance(task, n)
+    with progress(console, label) as shown:
+      task = shown.add_task(label, total=total)
+      yield lambda n: shown.advance(task, n)
 
   return bar
 
@@ -105,9 +144,7 @@ def count(n: int, noun: str) -> str:
 
 
 def error(message: str) -> None:
-  from rich.console import Console
-  Console(stderr=True, highlight=False, soft_wrap=True).print(f'[bold red]error:[/] {message}',
-                                                              markup=True)
+  rich_console(stderr=True, highlight=False, soft_wrap=True).print(f'[bold red]error:[/] {message}', markup=True)
 
 
 def tidy_help(command) -> None:
@@ -130,8 +167,25 @@ def tidy_help(command) -> None:
     tidy_help(sub)
 
 
-def run_app(app: typer.Typer, argv: list[str]) -> None:
-  """Runs the app; a UserError becomes one red line and its exit code, never a traceback."""
+def run_app(app: typer.Typer, argv: list[str], whole_process: bool = False) -> None:
+  """Runs the app; a UserError becomes one red line and its exit code, never a traceback. In a multi-process
+  run the others are told how this process ends, and a failure ends it at once (distributed.end_command).
+
+  `whole_process`: the command is this process (`pax ...`), which may then end at once after a bucket
+  stopped answering (`_end_now`).
+  """
+  try:
+    _run_app(app, argv, whole_process)
+  except SystemExit as e:
+    distributed.end_command(e.code if isinstance(e.code, int) else (0 if e.code is None else 1))
+    raise
+  except Exception as e:  # noqa: BLE001 - shown by end_command in a multi-process run, else by Python
+    distributed.end_command(1, error=e)
+    raise
+  distributed.end_command(0)
+
+
+def _run_app(app: typer.Typer, argv: list[str], whole_process: bool) -> None:
   try:
     command = typer.main.get_command(app)
     tidy_help(command)
@@ -141,12 +195,19 @@ def run_app(app: typer.Typer, argv: list[str]) -> None:
     code = command.main(args=argv, prog_name='pax', standalone_mode=False)
   except UserError as e:
     # fiddle appends its build context to errors raised while building a config.
-    error(_escape(_cap_lines(str(e).split('\n\nFiddle context:')[0])))
+    message = _cap_lines(str(e).split('\n\nFiddle context:')[0])
+    distributed.say_exit(e.exit_code, message.splitlines()[0] if message else '')
+    error(escape(message))
+    if whole_process:
+      _end_now(e.exit_code)
     sys.exit(e.exit_code)
   except KeyboardInterrupt:
     error('interrupted.')
     sys.exit(130)
   except Exception as e:  # noqa: BLE001 - click's own (typer vendors click): a usage error, an abort
+    if _out_of_device_memory(e):
+      error(escape(_OUT_OF_MEMORY.format(shorten(str(e).strip().splitlines()[0], 300))))
+      sys.exit(UserError.exit_code)
     if not (hasattr(e, 'format_message') and isinstance(getattr(e, 'exit_code', None), int)):
       if type(e).__name__ != 'Abort':
         raise
@@ -161,6 +222,30 @@ def run_app(app: typer.Typer, argv: list[str]) -> None:
     sys.exit(code)
 
 
+_OUT_OF_MEMORY = ('The device ran out of memory ({}). The settings ask for more than it holds: lower '
+                  'PERCORE_BATCH_SIZE or MAX_SEQ_LEN, shard over more devices (ICI_MESH_SHAPE), or keep less for the '
+                  'backward pass (CHECKPOINT_POLICY); `pax bench mfu --compile-only` shows what a step needs.')
+
+
+def _out_of_device_memory(e: BaseException) -> bool:
+  """XLA's RESOURCE_EXHAUSTED (a step, an array or a compilation past the device's memory): a setting too
+  large for the machine, said in one line like every other, not a traceback."""
+  return type(e).__name__ in ('JaxRuntimeError', 'XlaRuntimeError') and 'RESOURCE_EXHAUSTED' in str(e)
+
+
+def _end_now(code: int) -> None:
+  """Ends the process at once when it gave up on a bucket that stopped answering (storage.give_up): the
+  libraries' own threads (orbax's writes of the abandoned save) would otherwise hold the interpreter's exit
+  for as long as each of their requests takes to time out, minutes after the one line was said."""
+  from paxcli.jobdir import storage   # no heavy import: storage is paxcli's own module
+  if not storage.gave_up():
+    return
+  for stream in (sys.stdout, sys.stderr):
+    with contextlib.suppress(Exception):
+      stream.flush()
+  os._exit(code)
+
+
 def _usage_error(e) -> None:
   """A usage error as every other error: the command's usage line, then one `error:` line."""
   ctx = getattr(e, 'ctx', None)
@@ -168,7 +253,7 @@ def _usage_error(e) -> None:
     hint = f"Try '{ctx.command_path} {ctx.help_option_names[0]}' for help." if ctx.help_option_names else ''
     sys.stderr.write(f'{ctx.get_usage()}\n{hint}\n\n')
     sys.stderr.flush()
-  error(_escape(e.format_message()))
+  error(escape(e.format_message()))
 
 
 _PAXML_MODES = {'train': 'train', 'eval': 'eval', 'decode': 'decode', 'decode_once': 'decode'}
@@ -236,11 +321,6 @@ def _paxml_hint(argv: list[str]) -> Optional[str]:
 def _cap_lines(text: str, limit: int = 500) -> str:
   """No line of an error longer than about `limit` characters (values the user typed are echoed)."""
   return '\n'.join(shorten(line, limit) for line in text.split('\n'))
-
-
-def _escape(text: str) -> str:
-  from rich.markup import escape
-  return escape(text)
 
 
 PROFILE_STEPS_HELP = 'Trace steps A-B (e.g. 10-15) with jax.profiler into <job>/profile (TensorBoard, XProf).'

@@ -33,6 +33,10 @@ def prepare_command(
                                     'or put every document in train.'),
     workers: Optional[int] = typer.Option(None, '--workers', metavar='N', min=1, help='Tokenizing processes '
                                           '(default: one per CPU); the output is the same for any number.'),
+    chat_template: str = typer.Option('', '--chat-template', metavar='NAME', help='Chat records: a named chat '
+                                      'template the tokenizer ships, or paxcli for paxcli\'s own format (default: '
+                                      'the tokenizer\'s own template; refused if it ships none, unless the '
+                                      'tokenizer is trained here), as the CHAT_TEMPLATE knob.'),
     json_out: bool = typer.Option(False, '--json', help='Print the summary as JSON.'),
 ) -> None:
   """Tokenize files into ArrayRecord shards with a manifest (prepared.json). Every bad line is
@@ -43,7 +47,7 @@ def prepare_command(
     raise typer.BadParameter('give at least one SRC and then OUT.', param_hint='SRC... OUT')
   result = api.data_prepare(paths[:-1], paths[-1], tokenizer=tokenizer, vocab_size=vocab_size,
                             text_field=text_field, num_shards=num_shards, eval_split=eval_split, workers=workers,
-                            console=common.console(stderr=True))
+                            chat_template=chat_template, console=common.console(stderr=True))
   if json_out:
     typer.echo(json.dumps(result, indent=1))
     return
@@ -69,20 +73,18 @@ def show_command(
   if json_out:
     typer.echo(json.dumps(info, indent=1))
     return
-  from rich.markup import escape
-  from rich.table import Table
   console = common.console()
   config = f' with {info["tokenizer_config"]}' if info.get('tokenizer_config') else ''
   console.print(f'{info["path"]}: tokenizer {info["tokenizer"]}{config} ({info["vocab_size"]:,} tokens, EOS '
                 f'{info["eos_id"]}), text field {info["text_field"]!r}', highlight=False, markup=False)
-  t = Table()
+  t = common.table()
   for col, just in (('split', 'left'), ('shard', 'left'), ('records', 'right'), ('tokens', 'right')):
     t.add_column(col, justify=just, overflow='fold')
   for split, shards in info['shards'].items():
     for shard in shards:
-      t.add_row(escape(split), escape(shard['name']), f'{shard["records"]:,}', f'{shard["tokens"]:,}')
+      t.add_row(common.escape(split), common.escape(shard['name']), f'{shard["records"]:,}', f'{shard["tokens"]:,}')
     total = info['totals'][split]
-    t.add_row(escape(split), f'[bold]{total["shards"]} shard(s)', f'[bold]{total["records"]:,}', f'[bold]{total["tokens"]:,}',
+    t.add_row(common.escape(split), f'[bold]{total["shards"]} shard(s)', f'[bold]{total["records"]:,}', f'[bold]{total["tokens"]:,}',
               end_section=True)
   console.print(t)
   sources = info['sources']

@@ -100,9 +100,7 @@ def speed_line(stats: dict) -> str:
 
 
 def results_table(records: Sequence[dict], step: int, has_text: bool):
-  from rich.table import Table  # rich's tables and bars: not at `pax --help`
-  from rich.text import Text
-  table = Table(title=f'Decoded at step {step}', show_lines=True)
+  table = common.table(title=f'Decoded at step {step}', show_lines=True)
   table.add_column('prompt #', justify='right')
   # several continuations of a prompt: their own column (beam rank, or sample index), one number each
   second = 'beam' if any('beam_rank' in r for r in records) else 'sample' if any(
@@ -118,7 +116,7 @@ def results_table(records: Sequence[dict], step: int, has_text: bool):
                                           if second else [])
     prompt = r['prompt'] if has_text and r['prompt'] is not None else ' '.join(map(str, r['prompt_ids']))
     cont = r['decoded'] if has_text else ' '.join(map(str, r['decoded_ids']))
-    table.add_row(*numbers, Text(prompt), Text(cont, style='bold'), f"{r['logprob']:.2f}", r['stop_reason'])
+    table.add_row(*numbers, common.text(prompt), common.text(cont, style='bold'), f"{r['logprob']:.2f}", r['stop_reason'])
   return table
 
 

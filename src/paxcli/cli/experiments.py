@@ -11,7 +11,6 @@ from paxcli.cli import common
 
 def experiments(json_out: bool = typer.Option(False, '--json', help='Print as JSON.')) -> None:
   """List registered experiments (recipes shipped with paxcli)."""
-  from rich.table import Table
 
   from paxcli.experiment import import_all_recipes
   registry = import_all_recipes()
@@ -22,7 +21,7 @@ def experiments(json_out: bool = typer.Option(False, '--json', help='Print as JS
   if json_out:
     typer.echo(json.dumps(rows, indent=1))
     return
-  table = Table(title='Experiments')
+  table = common.table(title='Experiments')
   table.add_column('name', style='bold')
   table.add_column('summary')
   for row in rows:

@@ -11,6 +11,7 @@ from typing import List, Optional
 
 import typer
 
+from paxcli.cli import common
 from paxcli.errors import UserError
 
 _ERA_HELP = ('MaxText scaling era: scale (until 2023-07-21), jul2023, aug2023 (to 2023-09-07) '
@@ -76,54 +77,50 @@ def import_maxtext(
 
 
 def _print(result, path: Optional[str], class_name: str) -> None:
-  from rich.console import Console
-  from rich.markup import escape
-  from rich.table import Table
-
   from paxcli.maxtext import defaults as mt
   from paxcli.maxtext import recipe as maxtext_recipe
 
-  console = Console(highlight=False, soft_wrap=True)
+  console = common.rich_console(highlight=False, soft_wrap=True)
   if not console.is_terminal:
-    console = Console(highlight=False, soft_wrap=True, width=150)  # logs and pipes: keep rows whole
+    console = common.rich_console(highlight=False, soft_wrap=True, width=150)  # logs and pipes: keep rows whole
   info = result.script
-  console.print(f'Read [bold]{escape(info.path)}[/] as text (not run); its trainer call, on line {info.line}: '
-                f'{escape(info.entry)} {escape(info.config_path or "")}')
-  console.print(f'era [bold]{result.era}[/]: {escape(mt.ERAS[result.era].rule)}')
-  console.print(f'  because {escape(result.era_reason)}', style='dim')
-  console.print(f'defaults: {escape(result.defaults)}', style='dim')
+  console.print(f'Read [bold]{common.escape(info.path)}[/] as text (not run); its trainer call, on line {info.line}: '
+                f'{common.escape(info.entry)} {common.escape(info.config_path or "")}')
+  console.print(f'era [bold]{result.era}[/]: {common.escape(mt.ERAS[result.era].rule)}')
+  console.print(f'  because {common.escape(result.era_reason)}', style='dim')
+  console.print(f'defaults: {common.escape(result.defaults)}', style='dim')
   if result.preset:
-    console.print(f'model preset: [bold]{escape(result.preset)}[/]')
-  table = Table(title='MaxText -> Pax', title_justify='left')
+    console.print(f'model preset: [bold]{common.escape(result.preset)}[/]')
+  table = common.table(title='MaxText -> Pax', title_justify='left')
   for column in ('Pax knob', 'value', 'MaxText key', 'raw value', 'after scale'):
     table.add_column(column, overflow='fold')
   for row in result.rows:
     style = None if row.source == 'script' else 'dim'
-    table.add_row(row.knob, escape(_short(row.value)), escape(row.key), escape(row.raw),
-                  escape(row.after), style=style)
+    table.add_row(row.knob, common.escape(_short(row.value)), common.escape(row.key), common.escape(row.raw),
+                  common.escape(row.after), style=style)
   console.print(table)
   if result.untranslated:
-    rest = Table(title='Not translated', title_justify='left')
+    rest = common.table(title='Not translated', title_justify='left')
     for column in ('MaxText key', 'value', 'reason'):
       rest.add_column(column, overflow='fold')
     for u in result.untranslated:
-      rest.add_row(escape(u.key), escape(u.value), escape(u.reason),
+      rest.add_row(common.escape(u.key), common.escape(u.value), common.escape(u.reason),
                    style='yellow' if u.kind == 'unknown' else None)
     console.print(rest)
   for warning in result.warnings:
-    console.print(f'[bold yellow]WARNING[/] {escape(warning)}')
+    console.print(f'[bold yellow]WARNING[/] {common.escape(warning)}')
   for note in result.notes:
-    console.print(f'note: {escape(note)}', style='dim')
+    console.print(f'note: {common.escape(note)}', style='dim')
   if info.skipped:
     console.print(f'note: {len(info.skipped)} other command(s) in the script were skipped, '
                   'not run.', style='dim')
   if path:
     exp = f'{path}:{class_name}'
     check = ' '.join(maxtext_recipe.cpu_check(exp, class_name, bool(result.unsupported), result.knobs))
-    console.print(f'wrote [bold]{escape(path)}[/] (class {class_name}). Check it on this CPU first (2 layers, 2 '
+    console.print(f'wrote [bold]{common.escape(path)}[/] (class {class_name}). Check it on this CPU first (2 layers, 2 '
                   f'steps: seconds; it builds and trains, its docstring says more):\n'
-                  f'  pax train --exp {escape(exp)} {escape(check)}\n'
-                  f'then the full run: pax train --exp {escape(exp)}')
+                  f'  pax train --exp {common.escape(exp)} {common.escape(check)}\n'
+                  f'then the full run: pax train --exp {common.escape(exp)}')
 
 
 def _short(value) -> str:

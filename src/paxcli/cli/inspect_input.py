@@ -61,33 +61,31 @@ def inspect_input(
 
 
 def _print_batch(console, name: str, record: dict) -> None:
-  from rich.table import Table
-  table = Table(title=f"{name}: batch {record['batch']} (host {record['host']} of {record['num_hosts']})")
-  for col in ('feature', 'shape', 'dtype', 'min', 'max', 'padding'):
+  table = common.table(title=f"{name}: batch {record['batch']} (host {record['host']} of {record['num_hosts']})")
+  for col in ('feature', 'shape', 'dtype', 'min', 'max', 'padding', 'weight 0'):
     table.add_column(col, justify='left' if col in ('feature', 'dtype') else 'right')
   for s in record['features']:
+    unweighted = '' if s.get('unweighted') is None else f"{100 * s['unweighted']:.1f}%"
     table.add_row(s['feature'], str(tuple(s['shape'])), s['dtype'], str(s['min']), str(s['max']),
-                  f"{100 * s['padding']:.1f}%")
+                  f"{100 * s['padding']:.1f}%", unweighted)
   console.print(table)
+  console.print('padding: after the documents of a row; weight 0: inside them but not trained on (prompts, chat '
+                'headers).', highlight=False)
   for ex in record['examples']:
     if 'text' in ex:
-      console.print(f"[bold]row {ex['row']}[/] ({ex['length']} tokens): {_escape(ex['text'])!s}")
+      console.print(f"[bold]row {ex['row']}[/] ({ex['length']} tokens): {common.escape(ex['text'])!s}")
       console.print(f"  ids: {ex['ids'][:48]}{' ...' if len(ex['ids']) > 48 else ''}", highlight=False)
+      if ex.get('trained'):   # the targets of weight 1: what the row teaches the model to say
+        console.print('  trained on: ' + ' | '.join(repr(t) for t in ex['trained']), highlight=False, markup=False)
     else:
       console.print(ex, highlight=False)
-
-
-def _escape(text: str) -> str:
-  from rich.markup import escape
-  return escape(text)
 
 
 def _emit_sharding(console, report, json_out) -> None:
   if json_out:
     typer.echo(json.dumps(report))
     return
-  from rich.table import Table
-  table = Table(title=f"{report['kind']} input over {report['num_hosts']} hosts")
+  table = common.table(title=f"{report['kind']} input over {report['num_hosts']} hosts")
   for col in ('host', 'batches', 'examples'):
     table.add_column(col, justify='right')
   for h in report['hosts']:
@@ -112,12 +110,11 @@ def _emit_file(console, report, json_out) -> None:
   if json_out:
     typer.echo(json.dumps(report, default=str))
     return
-  from rich.table import Table
   files = report['files']
   console.print(f"{len(files)} file(s): {', '.join(os.path.basename(f) for f in files[:5])}"
                 f"{' ...' if len(files) > 5 else ''}; {report['records_scanned']} records scanned "
                 f"({report['records_per_sec']:.0f} records/s)", highlight=False)
-  table = Table(title='Features')
+  table = common.table(title='Features')
   for col in ('feature', 'kind', 'lengths seen'):
     table.add_column(col)
   for f in report['features']:

@@ -1,4 +1,5 @@
-"""`pax launch`: N local processes of one pax command, joined by jax.distributed on 127.0.0.1.
+"""`pax launch`: N local processes of one pax command, joined by jax.distributed on 127.0.0.1; or, with
+--slurm, the sbatch script that runs it on N nodes of a SLURM cluster (cli/launch_slurm.py).
 
 For testing multi-process runs on one machine (and for CPU work): each child gets
 PAX_COORDINATOR / PAX_NUM_PROCESSES / PAX_PROCESS_ID, its own fake CPU devices (or its
@@ -13,13 +14,18 @@ With --max-restarts N (torchrun's idea), a failure stops every process and start
 again, up to N times; `pax train` resumes from the newest complete checkpoint of either tier.
 With --heartbeat-timeout S, a process that has done a step but then goes S seconds without
 another (a hang: a stopped process, a dead collective) is a failure too: each child touches
-PAX_HEARTBEAT_FILE after every step. Every start, failure and restart goes into the job's
+PAX_HEARTBEAT_FILE after every step; the children watch each other with the same timeout
+(PAX_HEARTBEAT_TIMEOUT: runtime/peers.py). Every start, failure and restart goes into the job's
 goodput ledger (goodput/launch.jsonl; the children say which job directory is theirs).
+
+A child that exits 143 or 138 stopped for a preemption after saving the step all of them agreed on
+(loops/train.py): the others get --exit-wait seconds to finish saving it before they are stopped. The
+launcher's own SIGTERM is passed to every child the same way, and is never followed by a restart.
 
 Exit codes (what a cluster's retry policy keys on): 0 every process finished; otherwise that
 of the last failure: its exit code (2: the command was refused, 3: training diverged; these two
 are never restarted, they would fail again), 128+N for a process killed by signal N, 124 for a
-hang, 130 when the launcher itself was interrupted.
+hang, 143 after a preemption, 130 when the launcher itself was interrupted.
 
 Nothing here imports JAX (runtime.distributed and runtime.platform do not either); the children do.
 """
@@ -32,6 +38,7 @@ import os
 import queue
 import re
 import secrets
+import shlex
 import shutil
 import signal
 import socket
@@ -44,6 +51,7 @@ from typing import Callable, List, Optional
 
 import typer
 
+from paxcli.cli import launch_slurm
 from paxcli.errors import UserError
 from paxcli.jobdir import layout
 from paxcli.jobdir import ledger
@@ -55,13 +63,14 @@ from paxcli.runtime.platform import detect_platform
 
 _PREFIX = '[launch]'
 HUNG = 124           # the launcher's exit code after a hang
+PREEMPTED = (143, 138)   # a process stopped by SIGTERM or SIGUSR1 after saving the step every process agreed on
 NOT_RESTARTED = (2, 3)  # a refused command (UserError) and a diverged run fail the same way again
 
 
 def launch(
     ctx: typer.Context,
     processes: Optional[int] = typer.Option(None, '--processes', '-n', metavar='N', min=1,
-                                            help='How many local processes to start.'),
+                                            help='How many local processes to start (not with --slurm or --k8s).'),
     devices_per_process: Optional[int] = typer.Option(
         None, '--devices-per-process', metavar='K', min=1,
         help='Devices per process. CPU: fake devices (--xla_force_host_platform_device_count); '
@@ -72,55 +81,110 @@ def launch(
     grace: float = typer.Option(5.0, '--grace', metavar='SECONDS', min=0.0,
                                 help='Seconds between SIGTERM and SIGKILL when stopping processes.'),
     exit_wait: float = typer.Option(120.0, '--exit-wait', metavar='SECONDS', min=0.0,
-                                    help='Seconds the others may run on after one process finished '
-                                         'cleanly before they are stopped as hung.'),
+                                    help='Seconds the others may run on after one process ended (finished, or '
+                                         'stopped for a preemption) before they are stopped as hung.'),
     verbose: bool = typer.Option(False, '--verbose', '-v',
                                  help="Also show gloo's `[Gloo] Rank N is connected` start-up lines."),
     max_restarts: int = typer.Option(0, '--max-restarts', metavar='N', min=0,
                                      help='When a process dies or hangs, stop them all and start them all again, '
-                                          'up to N times (train resumes from its newest checkpoint). Exit codes 2 '
-                                          '(refused) and 3 (diverged) are never restarted.'),
+                                          'up to N times (train resumes from its newest checkpoint); with --slurm, '
+                                          'requeue the job. Exit codes 2 (refused) and 3 (diverged) are never '
+                                          'restarted.'),
     heartbeat_timeout: Optional[float] = typer.Option(
         None, '--heartbeat-timeout', metavar='SECONDS', min=1.0,
-        help='A process that has done a train step but then goes this long without another is hung: stop all '
-             '(and restart, with --max-restarts). Above the longest pause between steps (an eval, a save, a '
-             'recompilation). Default: off.'),
-    k8s: bool = typer.Option(False, '--k8s', help='Start nothing: print a Kubernetes JobSet (GKE TPU slices) that runs '
-                             'the command on every host of --topology (--max-restarts: its restarts).'),
-    topology: Optional[str] = typer.Option(None, '--topology', metavar='TYPE', help='With --k8s: the TPU slice, '
-                                           'e.g. v5p-128, v4-64, v5litepod-16, v6e-256.'),
-    num_slices: int = typer.Option(1, '--num-slices', metavar='N', min=1, help='With --k8s: N slices over DCN.'),
-    image: Optional[str] = typer.Option(None, '--image', metavar='IMAGE', help='With --k8s: the container image, '
-                                        'with paxcli[tpu] installed.'),
-    name: Optional[str] = typer.Option(None, '--name', metavar='NAME', help='With --k8s: the JobSet name '
-                                       '(default pax-<experiment>).'),
-    env: List[str] = typer.Option([], '--env', metavar='KEY=VALUE', help='With --k8s: an environment variable of '
-                                  'every pod (repeat; e.g. LIBTPU_INIT_ARGS=...).'),
+        help='A process that has done a train step but then goes this long without another is hung, and so is a '
+             'process whose peer died or went off the network: stop all (and restart, with --max-restarts). Above '
+             'the longest pause between steps (an eval, a save, a recompilation). Default: off locally; the '
+             "processes' own 100 s."),
+    k8s: bool = typer.Option(False, '--k8s', rich_help_panel='Kubernetes',
+                             help='Start nothing: print a Kubernetes JobSet (GKE TPU slices) that runs the command on '
+                                  'every host of --topology (--max-restarts: its restarts).'),
+    topology: Optional[str] = typer.Option(None, '--topology', metavar='TYPE', rich_help_panel='Kubernetes',
+                                           help='With --k8s: the TPU slice, e.g. v5p-128, v4-64, v5litepod-16, v6e-256.'),
+    num_slices: int = typer.Option(1, '--num-slices', metavar='N', min=1, rich_help_panel='Kubernetes',
+                                   help='With --k8s: N slices over DCN.'),
+    image: Optional[str] = typer.Option(None, '--image', metavar='IMAGE', rich_help_panel='Kubernetes',
+                                        help='With --k8s: the container image, with paxcli[tpu] installed.'),
+    name: Optional[str] = typer.Option(None, '--name', metavar='NAME', rich_help_panel='Kubernetes',
+                                       help='With --k8s: the JobSet name (default pax-<experiment>).'),
+    slurm: bool = typer.Option(False, '--slurm', rich_help_panel='SLURM',
+                               help='Write an sbatch script running the command on --nodes nodes of a SLURM cluster '
+                                    '(into <job-log-dir>/slurm/) and show it; --submit submits it.'),
+    nodes: Optional[int] = typer.Option(None, '--nodes', metavar='N', min=1, rich_help_panel='SLURM',
+                                        help='Nodes of the SLURM job.'),
+    tasks_per_node: int = typer.Option(1, '--tasks-per-node', metavar='T', min=1, rich_help_panel='SLURM',
+                                       help='Processes per node: 1 (a process per node, driving all its devices) '
+                                            'or one per device.'),
+    gpus_per_node: Optional[int] = typer.Option(None, '--gpus-per-node', metavar='G', min=1,
+                                                rich_help_panel='SLURM', help='GPUs to allocate on each node.'),
+    time_limit: Optional[str] = typer.Option(None, '--time', metavar='LIMIT', rich_help_panel='SLURM',
+                                             help="SLURM's time limit (HH:MM:SS); the job saves and requeues "
+                                                  '--warn-before seconds ahead of it.'),
+    partition: Optional[str] = typer.Option(None, '--partition', metavar='NAME', rich_help_panel='SLURM',
+                                            help="SLURM partition. Default: the cluster's."),
+    account: Optional[str] = typer.Option(None, '--account', metavar='NAME', rich_help_panel='SLURM',
+                                          help='SLURM account to charge.'),
+    job_name: Optional[str] = typer.Option(None, '--job-name', metavar='NAME', rich_help_panel='SLURM',
+                                           help='Default: pax-<command>.'),
+    sbatch_options: List[str] = typer.Option([], '--sbatch-option', metavar='--OPT=VALUE', rich_help_panel='SLURM',
+                                             help='Another #SBATCH line, repeatable (e.g. --qos=high).'),
+    env: List[str] = typer.Option([], '--env', metavar='KEY=VALUE',
+                                  help='With --slurm or --k8s: a variable exported for every process (pod), '
+                                       'repeatable (e.g. LIBTPU_INIT_ARGS=...).'),
+    warn_before: int = typer.Option(120, '--warn-before', metavar='SECONDS', min=1, rich_help_panel='SLURM',
+                                    help='SLURM signals SIGUSR1 this long before the time limit: the processes save '
+                                         'the step they agree on and the job requeues.'),
+    submit: bool = typer.Option(False, '--submit', rich_help_panel='SLURM', help='Submit the script with sbatch.'),
+    dry_run: bool = typer.Option(False, '--dry-run', rich_help_panel='SLURM',
+                                 help='Print the script; write and submit nothing.'),
     command: Optional[List[str]] = typer.Argument(
         None, metavar='-- COMMAND', show_default=False,
         help='The pax command every process runs, after --: e.g. -- train --exp E --job-log-dir D.'),
 ) -> None:
   """Run one pax command as N local processes (jax.distributed on 127.0.0.1), e.g. to test multi-host runs;
-  with --k8s, print a JobSet that runs it on a TPU slice on Kubernetes instead.
+  or, with --slurm, on N nodes of a SLURM cluster; with --k8s, print a JobSet that runs it on a TPU slice on
+  Kubernetes instead.
 
-  \b
-  Examples:
-    pax launch --processes 2 --devices-per-process 4 -- train --exp E --job-log-dir /tmp/run
-    pax launch --k8s --topology v5p-128 --image IMAGE -- train --exp E --job-log-dir gs://B/run > jobset.yaml
+  Example: pax launch --processes 2 --devices-per-process 4 -- train --exp E --job-log-dir /tmp/run
+
+  Example: pax launch --slurm --nodes 4 --gpus-per-node 8 --time 4:00:00 --submit -- train --exp E --job-log-dir
+  /shared/runs/e
+
+  Example: pax launch --k8s --topology v5p-128 --image IMAGE -- train --exp E --job-log-dir gs://B/run > jobset.yaml
   """
+  local_only = {'--processes': processes is not None, '--port': port is not None, '--grace': grace != 5.0,
+                '--exit-wait': exit_wait != 120.0, '--verbose': verbose}
+  slurm_only = {'--nodes': nodes is not None, '--tasks-per-node': tasks_per_node != 1, '--gpus-per-node': gpus_per_node,
+                '--time': time_limit, '--partition': partition, '--account': account, '--job-name': job_name,
+                '--sbatch-option': sbatch_options, '--warn-before': warn_before != 120,
+                '--submit': submit, '--dry-run': dry_run}
+  k8s_only = {'--topology': topology, '--image': image, '--name': name, '--num-slices': num_slices != 1}
   runnable = _multiprocess_commands(ctx.parent.command)
   if k8s:
+    _refuse({**local_only, **slurm_only, '--slurm': slurm}, 'describe other launches than a Kubernetes JobSet')
     print_jobset(command or [], runnable, topology, num_slices, image, name, env, max_restarts)
     return
-  given = [o for o, v in (('--topology', topology), ('--image', image), ('--name', name), ('--env', env),
-                          ('--num-slices', num_slices != 1)) if v]
+  given = [o for o, v in k8s_only.items() if v]
   if given:
     raise UserError(f'{", ".join(given)} describe(s) a Kubernetes job: add --k8s (or leave them out to start '
                     'local processes).')
+  if slurm:
+    _refuse(local_only, 'run local processes; --slurm counts --nodes x --tasks-per-node')
+    if nodes is None:
+      raise UserError('--slurm needs --nodes N (and --tasks-per-node T for a process per device).')
+    if gpus_per_node and devices_per_process:
+      raise UserError('--devices-per-process sets fake CPU devices; with --gpus-per-node each process drives its '
+                      'share of the node\'s GPUs (--tasks-per-node).')
+    job = launch_slurm.Job(nodes, tasks_per_node, gpus_per_node, devices_per_process, time_limit, partition, account,
+                           job_name, tuple(sbatch_options), tuple(env), warn_before, max_restarts, heartbeat_timeout)
+    _slurm(job, _command(command or [], runnable), submit, dry_run)
+    return
+  _refuse({**slurm_only, '--env': env}, 'go with --slurm (--env with --k8s too)')
   if processes is None:
-    raise UserError('Give --processes N, the local processes to start (or --k8s to write a Kubernetes JobSet).')
-  argv = _child_argv(command or [], runnable)
-  make_envs = lambda: _child_envs(processes, devices_per_process, port or free_port())
+    raise UserError('Give --processes N (local processes), or --slurm --nodes N for a SLURM job (--k8s for a '
+                    'Kubernetes JobSet).')
+  argv = [sys.executable, '-m', 'paxcli.cli.app', *_command(command or [], runnable)]
+  make_envs = lambda: _child_envs(processes, devices_per_process, port or free_port(), heartbeat_timeout)
   code = run_job(argv, make_envs, grace=grace, exit_wait=exit_wait, max_restarts=max_restarts,
                  heartbeat_timeout=heartbeat_timeout, end_at_exit=True, verbose=verbose)
   if code:
@@ -130,7 +194,7 @@ def launch(
 def print_jobset(command: list[str], runnable: set[str], topology: Optional[str], num_slices: int,
                  image: Optional[str], name: Optional[str], env: list[str], max_restarts: int) -> None:
   """`pax launch --k8s`: the JobSet YAML on stdout (paxcli.runtime.jobset), notes on stderr."""
-  command = _child_argv(command, runnable)[3:]   # checked as a local launch checks it; the pax arguments
+  command = _command(command, runnable)   # checked as a local launch checks it
   if not topology or not image:
     raise UserError('--k8s needs --topology (the TPU slice, e.g. v5p-128) and --image (a container image with '
                     "paxcli[tpu] installed).")
@@ -157,6 +221,35 @@ def print_jobset(command: list[str], runnable: set[str], topology: Optional[str]
 
 def _child_argv(command: list[str], runnable: set[str]) -> list[str]:
   """`python -m paxcli.cli.app COMMAND...`, after checking that COMMAND is one of `runnable`."""
+def _refuse(given: dict, why: str) -> None:
+  names = [name for name, value in given.items() if value]
+  if names:
+    raise UserError(f'{", ".join(names)} {"does" if len(names) == 1 else "do"} not go with this launch: those options '
+                    f'{why}.')
+
+
+def _slurm(job: launch_slurm.Job, command: list[str], submit: bool, dry_run: bool) -> None:
+  """Writes (or with dry_run prints) the sbatch script, shows it, and submits it if asked."""
+  from paxcli import api   # the default job directory names the experiment: imported here, not for `pax --help`
+  command, job_dir = launch_slurm.with_job_dir(command, api.default_job_dir)
+  if dry_run:
+    sys.stdout.write(launch_slurm.script(job, command, job_dir))
+    return
+  path = launch_slurm.write(job, command, job_dir)
+  with open(path, encoding='utf-8') as f:
+    sys.stdout.write(f.read())
+  sys.stdout.write(f'\nWrote {path}\n')
+  if not submit:
+    sys.stdout.write(f'Submit it with: sbatch {shlex.quote(path)}   (or this command with --submit)\n')
+    return
+  job_id = launch_slurm.submit(path)
+  out = os.path.join(os.path.dirname(path), f'{os.path.basename(path)[:-len(".sbatch")]}-{job_id}.out')
+  sys.stdout.write(f'Submitted SLURM job {job_id}. Its output: {out}\n'
+                   f'  squeue -j {job_id}     pax goodput {shlex.quote(job_dir)}     scancel {job_id}\n')
+
+
+def _command(command: list[str], runnable: set[str]) -> list[str]:
+  """COMMAND... (after `--`, without a leading `pax`), after checking that it is one of `runnable`."""
   if command[:1] == ['pax']:
     command = command[1:]
   if not command:
@@ -165,7 +258,7 @@ def _child_argv(command: list[str], runnable: set[str]) -> list[str]:
   if command[0] not in runnable:
     raise UserError(f'`pax {command[0]}` cannot run as several processes; pax launch runs: '
                     f'{", ".join(sorted(runnable))}.')
-  return [sys.executable, '-m', 'paxcli.cli.app', *command]
+  return command
 
 
 def _multiprocess_commands(group) -> set[str]:
@@ -182,7 +275,8 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
-def _child_envs(n: int, devices_per_process: Optional[int], port: int) -> list[dict[str, str]]:
+def _child_envs(n: int, devices_per_process: Optional[int], port: int,
+                heartbeat_timeout: Optional[float] = None) -> list[dict[str, str]]:
   platform = detect_platform()
   cpu_devices, visible = devices_per_process, [None] * n
   if platform == 'tpu':
@@ -193,7 +287,8 @@ def _child_envs(n: int, devices_per_process: Optional[int], port: int) -> list[d
     cpu_devices, visible = None, [list(range(i * per, (i + 1) * per)) for i in range(n)]
   coordinator = f'127.0.0.1:{port}'
   return [distributed.child_environment(os.environ, coordinator, n, i, cpu_devices=cpu_devices,
-                                        visible_devices=visible[i]) for i in range(n)]
+                                        visible_devices=visible[i], heartbeat_timeout=heartbeat_timeout)
+          for i in range(n)]
 
 
 def _even_gpu_share(n: int) -> int:
@@ -239,8 +334,9 @@ def run_job(argv: list[str], make_envs: Callable[[], list[dict[str, str]]], grac
 
   end_at_exit: the ledger's `end` line is written when this process exits (`pax launch`: the job's
   wall time then ends where the launcher's does), else now. verbose: gloo's connection lines are shown."""
-  lock, record = threading.Lock(), _LaunchRecord()
+  lock, record = threading.RLock(), _LaunchRecord()   # re-entrant: the SIGTERM handler speaks too
   code = 0
+  _PREEMPTION.clear()
   for attempt in range(max_restarts + 1):
     beats = tempfile.mkdtemp(prefix='pax-launch-')
     try:
@@ -265,6 +361,9 @@ def run_job(argv: list[str], make_envs: Callable[[], list[dict[str, str]]], grac
       _say(lock, f'not restarting: exit code {failure.code} ({"refused" if failure.code == 2 else "diverged"}) '
                  'would come back the same.')
       break
+    if _PREEMPTION.is_set():
+      _say(lock, 'not restarting: the launcher itself was asked to stop (SIGTERM).')
+      break
     if attempt < max_restarts:
       _say(lock, f'restart {attempt + 1} of {max_restarts}: starting all {len(envs)} processes again.')
     elif max_restarts:
@@ -282,7 +381,7 @@ class _LaunchRecord:
   def __init__(self):
     self.id = secrets.token_hex(6)
     self.job_dir: Optional[str] = None
-    self._pending = [{'kind': 'launch', 'id': self.id, 't': ledger.command_started()}]
+    self._pending = [{'kind': 'launch', 'id': self.id, 't': ledger.command_started(), **ledger.whereabouts()}]
 
   def add(self, kind: str, **fields) -> None:
     self._pending.append({'kind': kind, 'id': self.id, 't': time.time(), **fields})
@@ -355,7 +454,7 @@ def _supervise(procs, readers, envs, lock: threading.Lock, grace: float, exit_wa
   _say(lock, f'{len(procs)} processes, coordinator {envs[0].get("PAX_COORDINATOR", "?")}: ' +
        ', '.join(f'p{i} pid {p.pid}' for i, p in enumerate(procs)))
   beats = _Heartbeats([env.get(distributed.ENV_HEARTBEAT) for env in envs], heartbeat_timeout)
-  previous = signal.signal(signal.SIGTERM, _raise_interrupt) if _main_thread() else None
+  previous = signal.signal(signal.SIGTERM, _forward(procs, lock)) if _main_thread() else None
   try:
     failure = _watch(procs, events, lock, exit_wait, beats)
   except KeyboardInterrupt:
@@ -485,10 +584,28 @@ def _watch(procs, events: queue.Queue, lock: threading.Lock, exit_wait: float,
                        f'{beats.timeout:g})', {})
       continue
     running.discard(index)
+    if code in PREEMPTED:   # they agreed on a step and save it: the others end by themselves
+      return _preempted(index, code, running, events, lock, exit_wait)
     if code != 0:
       return Failure(index, code, _describe_exit(code), {})
     first_clean = first_clean or time.monotonic()
   return None
+
+
+def _preempted(index: int, code: int, running: set, events: queue.Queue, lock: threading.Lock,
+               exit_wait: float) -> Failure:
+  """A process stopped for a preemption after saving: the others stopped at the same step and are saving
+  it too, so they get up to `exit_wait` seconds to end by themselves before they are stopped."""
+  _say(lock, f'p{index} stopped for preemption (exit code {code}); waiting for the other processes to save '
+             'the same step and end.')
+  deadline = time.monotonic() + exit_wait
+  while running and time.monotonic() < deadline:
+    try:
+      other, _ = events.get(timeout=0.25)
+    except queue.Empty:
+      continue
+    running.discard(other)
+  return Failure(index, code, f'stopped for preemption (exit code {code})', {})
 
 
 def _stop(procs, grace: float, lock: threading.Lock) -> None:
@@ -542,8 +659,22 @@ def _say(lock: threading.Lock, message: str) -> None:
     sys.stderr.flush()
 
 
-def _raise_interrupt(signum, frame):
-  raise KeyboardInterrupt
+# Set when the launcher got SIGTERM (a preemption of the machine it runs on): no restart after it.
+_PREEMPTION = threading.Event()
+
+
+def _forward(procs, lock: threading.Lock):
+  """The launcher's SIGTERM handler: a preemption of the job, handed to every process (they agree on a step,
+  save it and exit 143; the launcher waits for them as for any preemption, then exits the same)."""
+
+  def handle(signum, frame):
+    del frame
+    _PREEMPTION.set()
+    for p in procs:
+      if p.poll() is None:
+        _signal(p, signum)
+    _say(lock, 'SIGTERM: passed to every process, to save and stop.')
+  return handle
 
 
 def _main_thread() -> bool:

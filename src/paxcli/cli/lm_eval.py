@@ -12,15 +12,16 @@ from paxcli.cli import common
 
 
 def lm_eval_command(
-    tasks: List[str] = typer.Option(..., '--tasks', '-t', metavar='TASKS', help='lm-eval tasks, groups or tags, '
-                                    'comma-separated or repeated (hellaswag,arc_easy), glob patterns, or task YAML '
-                                    'files.'),
+    tasks: List[str] = typer.Option(..., '--tasks', '-t', metavar='TASKS', help='A task YAML file is code: it may '
+                                    'run Python functions of files beside it (!function): give only files you trust. '
+                                    'lm-eval tasks, groups or tags, comma-separated or repeated (hellaswag,arc_easy), '
+                                    'glob patterns, or task YAML files.'),
     exp: Optional[str] = common.exp_option(),
     overrides: List[str] = common.set_option(),
     job_log_dir: Optional[str] = common.job_dir_option(),
-    include_path: List[str] = typer.Option([], '--include-path', metavar='DIR', help='A directory of your own task '
-                                           'YAMLs (repeatable). Its YAMLs may name Python functions beside them: '
-                                           'only directories you trust.'),
+    include_path: List[str] = typer.Option([], '--include-path', metavar='DIR', help='A directory of task YAMLs is '
+                                           'code: its YAMLs may run Python functions beside them (!function): only '
+                                           'directories you trust. Your own task YAMLs (repeatable).'),
     num_fewshot: Optional[int] = typer.Option(None, '--num-fewshot', help='Few-shot examples per prompt (default: '
                                               'each task\'s own).'),
     limit: Optional[float] = typer.Option(None, '--limit', help='Documents per task (below 1: a fraction); for '
@@ -73,14 +74,12 @@ def lm_eval_command(
 
 def _bars(console):
   """progress(label, total) for the model's requests: a transient rich bar per kind."""
-  from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
   @contextlib.contextmanager
   def bar(label: str, total: int):
-    with Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console,
-                  transient=True) as progress:
-      task = progress.add_task(label, total=total)
-      yield lambda n: progress.advance(task, n)
+    with common.progress(console, label) as shown:
+      task = shown.add_task(label, total=total)
+      yield lambda n: shown.advance(task, n)
 
   return bar
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 from typing import List, Optional
 
@@ -48,7 +49,56 @@ def score_command(
     for r in scored.records:
       sys.stdout.write(json.dumps(r) + '\n')
     sys.stdout.flush()
+  (err if json_out else common.console()).print(summary_table(scored.records))   # stdout is the JSON's with --json
   err.print(summary_line(scored), highlight=False)
+
+
+SHOWN = 10        # requests listed in the table; the file has them all
+TEXT_CHARS = 40   # of a context or continuation in a cell
+
+
+def summary_table(records: list[dict]):
+  """A rich table of the first requests (context, continuation, log-likelihood, tokens, greedy) and a
+  total row: the summed log-likelihood, its mean per token with the perplexity it gives, the share of
+  greedy requests and the truncated ones. The JSONL keeps every field, token_logprobs included."""
+  table = common.table(title='pax score', title_justify='left')
+  for col, just in (('line', 'right'), ('context', 'left'), ('continuation', 'left'), ('logprob', 'right'),
+                    ('tokens', 'right'), ('greedy', 'center')):
+    table.add_column(col, justify=just, overflow='fold')
+  for r in records[:SHOWN]:
+    context, continuation = _cells(r)
+    table.add_row(str(r['line']), context, continuation, _logprob(r['logprob']), f'{r["num_tokens"]:,}',
+                  'yes' if r['is_greedy'] else 'no')
+  tokens = sum(r['num_tokens'] for r in records)
+  finite = [r['logprob'] for r in records if r['logprob'] is not None]
+  total = sum(finite) if len(finite) == len(records) else None
+  per_token = f'{total / tokens:.4f}/token, perplexity {math.exp(-total / tokens):,.3g}' if total is not None and \
+      tokens else ''
+  truncated = sum(1 for r in records if r.get('truncated'))
+  more = f'{len(records) - SHOWN:,} more in the file; ' if len(records) > SHOWN else ''
+  table.add_section()
+  table.add_row('', f'{more}{len(records):,} requests' + (f', {truncated} truncated' if truncated else ''),
+                per_token, _logprob(total), f'{tokens:,}',
+                f'{sum(r["is_greedy"] for r in records) / max(len(records), 1):.0%}')
+  return table
+
+
+def _cells(record: dict) -> tuple[str, str]:
+  """The request's context and continuation (a text's start, ids shown as such), shortened for a cell."""
+  if 'text' in record or 'text_ids' in record:
+    return _short(record.get('text', record.get('text_ids'))), '(whole text)'
+  return (_short(record.get('context', record.get('context_ids'))),
+          _short(record.get('continuation', record.get('continuation_ids'))))
+
+
+def _short(value) -> str:
+  text = value if isinstance(value, str) else json.dumps(value)
+  text = text.replace('\n', '\\n')
+  return text if len(text) <= TEXT_CHARS else text[:TEXT_CHARS - 3] + '...'
+
+
+def _logprob(value) -> str:
+  return 'n/a' if value is None else f'{value:.4f}'
 
 
 def summary_line(scored) -> str:

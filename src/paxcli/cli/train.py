@@ -18,6 +18,7 @@ def train(
     coordinator: Optional[str] = common.coordinator_option(),
     num_processes: Optional[int] = common.num_processes_option(),
     process_id: Optional[int] = common.process_id_option(),
+    heartbeat_timeout: Optional[float] = common.heartbeat_timeout_option(),
     profile_steps: Optional[str] = common.profile_steps_option(),
     pgle: Optional[str] = common.pgle_option(),
     pgle_profile: Optional[str] = common.pgle_profile_option(),
@@ -34,7 +35,8 @@ def train(
   from paxcli import api
   api.train(exp, overrides=overrides, job_dir=job_log_dir, verbose=verbose, profile_steps=profile_steps, pgle=pgle,
             pgle_profile=pgle_profile, force_resume=force_resume, coordinator=coordinator,
-            num_processes=num_processes, process_id=process_id, console=common.console())
+            num_processes=num_processes, process_id=process_id, heartbeat_timeout=heartbeat_timeout,
+            console=common.console())
 
 
 def describe(
@@ -78,8 +80,7 @@ def summary_lines(s: dict) -> list[str]:
     batch = s['global_batch_note']
   flops = (f"{count(s['flops_per_token'], 'FLOP')} (training: forward + backward, the model's train_flops)"
            if s['flops_per_token'] else s['flops_per_token_note'])
-  family = (f"{s['family']} (pax checkpoint convert --to hf writes its Hugging Face layout)" if s.get('family')
-            else f"none with a Hugging Face layout ({s.get('family_note')})")
+  family = _family_line(s)
   active = s.get('active_parameters')
   sparse = (f"; active per token: {count(active)} ({active:,}: the experts a token is routed to)"
             if active is not None and active != s['parameters'] else '')
@@ -88,6 +89,18 @@ def summary_lines(s: dict) -> list[str]:
           f'# global batch: {batch}',
           f'# devices needed: {devices}',
           f'# model family: {family}']
+
+
+def _family_line(s: dict) -> str:
+  """What `# model family:` says: the family and whether the model records it (MODEL_FAMILY) or is placed by
+  its function; why --to hf would refuse it, where it would."""
+  name, note = s.get('family'), s.get('family_note')
+  if name and not note:
+    how = '' if s.get('family_recorded') else ', by its function (MODEL_FAMILY is not set)'
+    return f'{name}{how} (pax checkpoint convert --to hf writes its Hugging Face layout)'
+  if name:
+    return f'{name} (MODEL_FAMILY); {note}'
+  return f'none with a Hugging Face layout ({note})'
 
 
 def _jsonable(v):

@@ -6,7 +6,7 @@ import json
 
 import typer
 
-from paxcli import __version__
+from paxcli import version as paxcli_version
 from paxcli.cli import common
 
 _PACKAGES = ('jax', 'jaxlib', 'flax', 'optax', 'orbax-checkpoint', 'fiddle', 'tensorflow', 'seqio')
@@ -15,19 +15,13 @@ _PACKAGES = ('jax', 'jaxlib', 'flax', 'optax', 'orbax-checkpoint', 'fiddle', 'te
 def version_callback(value: bool) -> None:
   """`pax --version`: one line, no JAX import (stays fast)."""
   if value:
-    typer.echo(f'paxcli {__version__}')
+    typer.echo(f'paxcli {paxcli_version.current()}')
     raise typer.Exit()
 
 
 def version(json_out: bool = typer.Option(False, '--json', help='Print as JSON.')) -> None:
   """Print the versions of paxcli, JAX and its libraries, and the devices JAX sees."""
-  from importlib import metadata  # 25 ms of imports (email, zipfile, csv): not for `pax --help`
-  versions = {'paxcli': __version__}
-  for name in _PACKAGES:
-    try:
-      versions[name] = metadata.version(name)
-    except metadata.PackageNotFoundError:
-      versions[name] = None
+  versions = {'paxcli': paxcli_version.current(), **{name: paxcli_version.of(name) for name in _PACKAGES}}
   import jax  # the devices JAX sees: only this command starts it
   devices = jax.devices()
   info = {'versions': versions, 'backend': jax.default_backend(), 'process_count': jax.process_count(),

@@ -24,13 +24,17 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib.util
+import warnings
 from typing import Callable, Optional
 
 import numpy as np
 
+from paxcli.convert import core
 from paxcli.errors import UserError
 from paxcli.layers import lora as lora_layer
 from paxcli.models import pattern
+from paxcli.models.weight_map import WeightMap
+from paxcli.runtime import platform
 
 PROMPT_ROWS, PROMPT_LEN, PROMPT_SEED = 2, 64, 0
 INSTALL_HINT = "pip install 'paxcli[hf]' to run transformers' own model"
@@ -96,7 +100,6 @@ def check(report: Optional[dict]) -> None:
 def fits(param_count: int, log) -> bool:
   """Whether this host holds what a certification runs (about three float32 copies of the parameters: the
   two models, one at a time, and the arrays read); a line saying why not when it does not."""
-  from paxcli.runtime import platform
   need, memory = 3 * 4 * param_count, platform.host_memory_bytes() or 0
   if memory and need > memory:
     log(f'Not certifying: running both models needs about {need / 2**30:.0f} GiB of host memory '
@@ -106,11 +109,17 @@ def fits(param_count: int, log) -> bool:
 
 
 def paxcli_side(what: str, module, params: dict) -> Side:
-  from paxcli.convert import core
   return Side(what, lambda ids: core.logits(module, params, ids))
 
 
 # ---- transformers and PEFT -----------------------------------------------------------------------
+
+
+def _hf():
+  """(torch, transformers), imported where transformers' side runs: optional (paxcli[hf]), and seconds to import."""
+  import torch
+  import transformers
+  return torch, transformers
 
 
 def have(*modules: str) -> bool:
@@ -130,9 +139,7 @@ def have_peft() -> bool:
 def _quiet_transformers():
   """transformers' and PEFT's own warnings (generation defaults, their deprecations, ...) and loading bars kept
   out of the command's output."""
-  import warnings
-
-  import transformers
+  _, transformers = _hf()
   before, bars = transformers.logging.get_verbosity(), transformers.utils.logging.is_progress_bar_enabled()
   transformers.logging.set_verbosity_error()
   transformers.utils.logging.disable_progress_bar()
@@ -147,7 +154,7 @@ def _quiet_transformers():
 
 
 def _torch_logits(model, ids: np.ndarray) -> np.ndarray:
-  import torch
+  torch, _ = _hf()
   model.eval()
   with torch.no_grad():
     return model(input_ids=torch.as_tensor(np.asarray(ids), dtype=torch.long)).logits.float().numpy()
@@ -158,8 +165,7 @@ def transformers_side(directory: str, architecture: str, label: str) -> Side:
   Gemma3ForConditionalGeneration for a multimodal Gemma 3, run on the text prompts); `label` says which side it
   is (the source, the written result). The report names the class that ran."""
   def run(ids):
-    import torch
-    import transformers
+    torch, transformers = _hf()
     with _quiet_transformers():
       model = transformers.AutoModelForCausalLM.from_pretrained(
           directory, dtype=torch.float32, use_safetensors=True, local_files_only=True, trust_remote_code=False,
@@ -173,16 +179,16 @@ def transformers_side(directory: str, architecture: str, label: str) -> Side:
 def hf_model(family, view, weights: dict):
   """transformers' model of a paxcli model: `family`'s config.json for `view` (a flat view) and its weights
   (paxcli unrolled names -> arrays) through the family's weight map."""
-  import torch
-  import transformers
+  torch, transformers = _hf()
   config = family.to_hf_config(view, 'float32', None)
   settings = dict(config)
   with _quiet_transformers():
     model = transformers.AutoModelForCausalLM.from_config(
         transformers.AutoConfig.for_model(settings.pop('model_type'), **settings), dtype=torch.float32,
         attn_implementation='eager')
-  state = {w.hf: torch.from_numpy(np.array(w.to_hf(np.asarray(weights[w.paxcli], np.float32)), order='C'))
-           for w in family.hf_weights(view)}
+  wmap = WeightMap(family.hf_weights(view))
+  state = {name: torch.from_numpy(np.array(wmap.to_hf(name, lambda p: np.asarray(weights[p], np.float32)), order='C'))
+           for name in wmap.hf_shapes}
   if set(state) - set(model.state_dict()):
     # The checkpoint's names are not the module's (transformers 5 fuses per-expert weights as it loads them).
     del model
@@ -197,8 +203,7 @@ def hf_model(family, view, weights: dict):
 def _converted_on_load(config: dict, state: dict):
   """transformers' model of config.json `config` from checkpoint arrays `state`, through from_pretrained's own
   renaming and fusing of checkpoint names (what it does to a directory's files, here to arrays in memory)."""
-  import torch
-  import transformers
+  torch, transformers = _hf()
   settings = dict(config)
   hf_config = transformers.AutoConfig.for_model(settings.pop('model_type'), **settings)
   with _quiet_transformers():

@@ -60,7 +60,8 @@ def saved_overrides(name: str, config: dict) -> list[str]:
 
 def carry_tokenizer(src, job: str) -> None:
   """The source's tokenizer (a regular file inside its directory, files.member) and the
-  tokenizer_config.json beside it (special tokens, chat template) copied into job directory `job`,
+  tokenizer_config.json beside it (special tokens; every chat template shipped with it, from
+  chat_template.jinja and additional_chat_templates/ too: tokenizers.folded_config) into job directory `job`,
   where every command reads them: converted and merged jobs decode text as the source did."""
   tok = src.extra_files().get('tokenizer')
   if not tok:
@@ -68,9 +69,9 @@ def carry_tokenizer(src, job: str) -> None:
   dest = layout.tokenizer(job, tokenizers.kind_of(tok))
   os.makedirs(os.path.dirname(dest), exist_ok=True)
   files.copy_member(tok, dest)
-  if tokenizers.config_beside(tok):
-    files.copy_member(files.member(os.path.dirname(tok), tokenizers.CONFIG_NAME, 'tokenizer config'),
-                      layout.tokenizer_config(job))
+  config = tokenizers.folded_config_bytes(tok)   # chat_template.jinja and the named templates folded in
+  if config is not None:
+    files.atomic_write(layout.tokenizer_config(job), config, 0o644)
 
 
 MAX_BASES = 8   # a fine-tune of a fine-tune of ...: followed this far back
@@ -229,10 +230,15 @@ class Model:
     return [n for n in self.abstract if not params_only or n == 'step' or n.startswith('params/')]
 
 
+def _jax():
+  """jax, where a model is built or run: reading checkpoints, recipes and metadata imports none."""
+  import jax
+  return jax
+
+
 def build_model(resolved) -> Model:
   """The model and the abstract train state of an experiment, without a mesh."""
-  import jax
-
+  jax = _jax()
   from paxcli import optim
   from paxcli.models.lm import flat_view
   from paxcli.runtime import engine
@@ -489,7 +495,7 @@ def load_params(src, names: list[str]) -> dict:
 
 
 def logits(module, params: dict, ids) -> np.ndarray:
-  import jax
-  import jax.numpy as jnp
+  jax = _jax()
+  jnp = jax.numpy
   params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
   return np.asarray(module.apply({'params': params}, jnp.asarray(ids)), np.float32)

@@ -47,9 +47,11 @@ import dataclasses
 import importlib
 from typing import Any, Callable, Iterable, Optional
 
+import ml_dtypes
 import numpy as np
 
 from paxcli.errors import UserError, did_you_mean
+from paxcli.jobdir import storage
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +73,6 @@ class ArrayInfo:
 def np_dtype(name: str) -> np.dtype:
   """numpy dtype of a name, bfloat16 included (ml_dtypes, which JAX brings)."""
   if name in ('bfloat16', 'bf16'):
-    import ml_dtypes
     return np.dtype(ml_dtypes.bfloat16)
   return np.dtype(name)
 
@@ -153,7 +154,6 @@ def reader_names() -> list[str]:
 def detect_format(path: str) -> str:
   """The registered format whose detect() accepts path, or a UserError."""
   _load()
-  from paxcli.jobdir import storage
   if not storage.exists(path):
     raise UserError(f'No such checkpoint: {path} does not exist.')
   for name, entry in READERS.items():

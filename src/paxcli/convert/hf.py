@@ -14,30 +14,22 @@ import re
 import types
 from typing import Optional
 
-import numpy as np
-
 from paxcli import files, gencode
 from paxcli.convert import formats, hf_tokenizer, safetensors_io
 from paxcli.convert.formats import ArrayInfo
 from paxcli.errors import UserError
 from paxcli.models import registry
 from paxcli.models.knobs import LM_KNOBS, effective
+from paxcli.models.weight_map import WeightMap
 
 # Bytes a token of the dummy batch paxcli's LM is traced on (ids and labels int32, weights float32).
 _LM_TOKEN_BYTES = 12
 
 
-def family_of(model):
-  """The family whose Hugging Face layout `model` (a flat view) fits; a UserError saying why it fits none."""
-  family, why = registry.fitting(model)
-  if family is None:
-    if len(why) == 1:
-      (name, reasons), = why.items()
-      raise UserError(f'This model does not fit the Hugging Face {registry.by_name(name).title} layout: '
-                      + '; '.join(reasons) + '.')
-    raise UserError('This model fits none of the Hugging Face layouts paxcli writes: '
-                    + '; '.join(f'{name}: {", ".join(reasons)}' for name, reasons in why.items()) + '.')
-  return family
+def family_of(model, chosen: Optional[str] = None):
+  """The family `model` (a flat view) is written as (registry.of_model: the one it records, checked; --family's,
+  `chosen`); a UserError saying why there is none."""
+  return registry.of_model(model, chosen)
 
 
 def knobs_from_config(config: dict, path: str) -> tuple[dict, list[str]]:
@@ -55,20 +47,25 @@ def shape_problems(have: dict, model, family) -> list[str]:
   layers = {int(m.group(1)) for m in map(_LAYER.match, have) if m}
   if layers and model.num_layers != len(layers):   # before listing 9 names for each of a million layers
     return [f'config.json says num_hidden_layers {model.num_layers}; the weights hold {len(layers)} layers']
+  experts = {int(m.group(1)) for m in map(_EXPERT.search, have) if m}
+  fused = any(n.endswith('.experts.gate_up_proj') for n in have)   # every expert of a layer in one array
+  if getattr(model, 'num_experts', 0) and not fused and model.num_experts != len(experts):  # before 3 names an expert
+    return [f'config.json says {model.num_experts:,} experts a layer; the weights hold {len(experts)}']
   problems = []
-  entries = family.hf_read_weights(model, have)
-  for w in entries:
-    if w.hf not in have:
-      problems.append(f'{w.hf}: missing (expected {list(w.hf_shape)})')
-    elif tuple(have[w.hf].shape) != w.hf_shape:
-      problems.append(f'{w.hf}: {list(have[w.hf].shape)}, expected {list(w.hf_shape)}')
-  known = {w.hf for w in entries} | {'lm_head.weight'}
+  expected = WeightMap(family.hf_read_weights(model, have)).hf_shapes
+  for name, shape in expected.items():
+    if name not in have:
+      problems.append(f'{name}: missing (expected {list(shape)})')
+    elif tuple(have[name].shape) != shape:
+      problems.append(f'{name}: {list(have[name].shape)}, expected {list(shape)}')
+  known = set(expected) | {'lm_head.weight'}
   problems += [f'{n}: not part of a {family.title} of this config' for n in have if n not in known
                and not n.endswith('rotary_emb.inv_freq')]
   return problems
 
 
 _LAYER = re.compile(r'model\.layers\.(\d+)\.')
+_EXPERT = re.compile(r'\.experts\.(\d+)\.')
 
 
 def is_hf(path: str) -> bool:
@@ -156,20 +153,14 @@ class PaxView(formats.SourceBase):
     problems = shape_problems(have, model, hf.family)
     if problems:
       raise UserError(f'{hf.path}: the weights do not match its config.json:\n  ' + '\n  '.join(problems[:20]))
-    self._map = {}   # paxcli name -> the weights it is read from (several: the rows of per-expert arrays)
-    for w in hf.family.hf_read_weights(model, have):
-      self._map.setdefault(w.paxcli, []).append(w)
-    self._dtypes = {name: have[ws[0].hf].dtype for name, ws in self._map.items()}
+    self._map = WeightMap(hf.family.hf_read_weights(model, have))
+    self._dtypes = {name: have[rows[0].hf].dtype for name, rows in self._map.by_paxcli.items()}
 
   def arrays(self):
-    return [ArrayInfo(p, ws[0].paxcli_shape, self._dtypes[p]) for p, ws in self._map.items()]
+    return [ArrayInfo(name, shape, self._dtypes[name]) for name, shape in self._map.paxcli_shapes.items()]
 
   def read(self, name, index=None):
-    ws = self._map[name]
-    if ws[0].part is None:
-      x = ws[0].from_hf(self.hf.read(ws[0].hf), ws[0].paxcli_shape)
-    else:
-      x = np.stack([w.from_hf(self.hf.read(w.hf), w.paxcli_shape) for w in ws])
+    x = self._map.from_hf(name, self.hf.read)
     return x[index] if index is not None else x
 
 
@@ -190,17 +181,11 @@ def export(directory: str, src, items_by_name: dict, model, read, dtype: str, ma
   run has a tokenizer, the tokenizer files transformers reads (hf_tokenizer) into directory.
   max_positions: a fine-tune's base's longest context (core.longest_context), when longer than its rows."""
   family = family_of(model)
-  entries = family.hf_weights(model)
-  fns = {w.hf: (w.paxcli, w.to_hf) for w in entries}
-  arrays = [(w.hf, w.hf_shape, items_by_name[w.paxcli].dtype) for w in entries]
-  last = {}   # the paxcli array read last: the per-expert rows of one array are written one after another
+  wmap = WeightMap(family.hf_weights(model))
+  arrays = [(name, shape, items_by_name[wmap.by_hf[name][0].paxcli].dtype) for name, shape in wmap.hf_shapes.items()]
 
   def fill(hf_name, put):
-    pax_name, to_hf = fns[hf_name]
-    if pax_name not in last:
-      last.clear()
-      last[pax_name] = read(items_by_name[pax_name])
-    put(to_hf(last[pax_name]))
+    put(wmap.to_hf(hf_name, lambda pax_name: read(items_by_name[pax_name])))
 
   tokenizer = src.extra_files().get('tokenizer')
   ids = hf_tokenizer.token_ids(tokenizer)   # the special ids of the tokenizer the model was trained with

@@ -19,6 +19,8 @@ corpus tokenizer has pad 0, eos 1, unk 2 and no bos.
 
 A run trained with a Hugging Face tokenizer.json (the TOKENIZER knob) exports that file as it
 is, beside a tokenizer_config.json and special_tokens_map.json naming its special tokens.
+Either kind takes along the chat templates its tokenizer was shipped with, where transformers 5's
+save_pretrained puts them (chat_template.jinja, additional_chat_templates/NAME.jinja).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import json
 import os
 from typing import Optional
 
+from paxcli import files
 from paxcli.errors import UserError
 from paxcli.files import member
 from paxcli.inputs import tokenizers
@@ -133,20 +136,38 @@ def tokenizer_config(proto, max_len: int) -> tuple[dict, dict]:
 
 
 def hf_tokenizer_config(path: str, max_len: int) -> tuple[dict, dict]:
-  """tokenizer_config.json and special_tokens_map.json of a tokenizer.json (exported as it is), with
-  the chat template it was shipped with, as text."""
+  """tokenizer_config.json and special_tokens_map.json of a tokenizer.json (exported as it is)."""
   tokens = tokenizers.HfTokenizer(path).special_tokens()
   config = {'tokenizer_class': 'PreTrainedTokenizerFast', **tokens, 'add_bos_token': False,
             'add_eos_token': False, 'clean_up_tokenization_spaces': False, 'model_max_length': max_len}
-  template = tokenizers.shipped_config(path).get('chat_template')
-  if template:
-    config['chat_template'] = template
   return config, {k: v for k, v in tokens.items() if v is not None}
+
+
+def write_templates(directory: str, path: str) -> list[str]:
+  """The chat templates the tokenizer at `path` was shipped with (tokenizers.chat_templates), written
+  as transformers 5's save_pretrained writes them: 'default' to chat_template.jinja, any other to
+  additional_chat_templates/NAME.jinja; the names of the files written."""
+  written = []
+  for name, template in tokenizers.chat_templates(path).items():
+    rel = tokenizers.TEMPLATE_FILE if name == 'default' else f'{tokenizers.TEMPLATE_DIR}/{name}.jinja'
+    os.makedirs(os.path.dirname(os.path.join(directory, rel)), exist_ok=True)
+    with open(os.path.join(directory, rel), 'w', encoding='utf-8') as f:
+      f.write(template.text)
+    written.append(rel)
+  return written
+
+
+def export(directory: str, path: str, max_len: int) -> None:
+  """The tokenizer at `path` under its Hugging Face name in `directory`, with the files `write` adds:
+  what AutoTokenizer.from_pretrained(directory) reads, chat templates included."""
+  files.copy_member(path, os.path.join(directory, EXPORT_NAMES[tokenizers.kind_of(path)]))
+  write(directory, path, max_len)
 
 
 def write(directory: str, path: str, max_len: int) -> None:
   """tokenizer_config.json, special_tokens_map.json and (Unigram models) tokenizer.json for the
-  sentencepiece model at `path`; the first two only for a tokenizer.json, which is copied as it is."""
+  sentencepiece model at `path`; the first two only for a tokenizer.json, which is copied as it is;
+  and the chat templates it was shipped with (write_templates), either kind."""
   if tokenizers.kind_of(path) == 'hf':
     written = list(zip(('tokenizer_config.json', 'special_tokens_map.json'), hf_tokenizer_config(path, max_len)))
   else:
@@ -158,3 +179,4 @@ def write(directory: str, path: str, max_len: int) -> None:
   for name, data in written:
     with open(os.path.join(directory, name), 'w', encoding='utf-8') as f:
       json.dump(data, f, indent=1 if name != 'tokenizer.json' else None, ensure_ascii=False)
+  write_templates(directory, path)

@@ -13,11 +13,19 @@ PEFT's layout (peft.tuners.lora, saved by `save_pretrained`): `adapter_config.js
 where each module is the Hugging Face module of the adapted kernel in the model's family's weight map
 (paxcli.models.registry: Llama's and Qwen's are self_attn.q/k/v/o_proj and mlp.gate/up/down_proj).
 Ours are A [in..., r] and B [r, out...], so lora_A = A.reshape(-1, r).T, lora_B = B.reshape(r, -1).T.
+
+A fused module (Phi-3's qkv_proj, gate_up_proj: several paxcli projections as pieces of one HF array) takes
+one PEFT adapter, as PEFT's own LoRA on it is. `--to peft` writes the k adapted projections' adapters side by
+side: lora_A their A's stacked [k r, in], lora_B [out, k r] writing each projection's rows from its own r
+columns and zeros elsewhere, with rank_pattern k r and alpha_pattern k alpha for that module: the same update,
+exactly, whatever the ranks. LORA_INIT reads such an adapter back, and PEFT's own of rank r (its one A shared
+by the projections); another rank that does not split exactly is one line.
 Both `--to peft` and `--merge-lora` certify what they write (paxcli.convert.certify).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -27,7 +35,7 @@ import jax
 import numpy as np
 
 from paxcli import files
-from paxcli.convert import certify, core, hf, safetensors_io
+from paxcli.convert import certify, core, hf, hf_tokenizer, safetensors_io
 from paxcli.errors import UserError, shorten
 from paxcli.jobdir import checkpoint as ckpt
 from paxcli.jobdir import format as job_format
@@ -42,22 +50,44 @@ PEFT_CONFIG, PEFT_WEIGHTS = 'adapter_config.json', 'adapter_model.safetensors'
 _KERNEL = re.compile(r'params/layer_(\d+)/(?:attention|mlp)/(\w+)/kernel')
 
 
-def peft_modules(model) -> dict[tuple[int, str], str]:
-  """(layer, projection) -> the name PEFT gives that projection's adapter module: its kernel's Hugging Face
-  module in the family's weight map (base_model.model.model.layers.3.self_attn.q_proj for the query of a Llama's
-  layer 3). A model of no family with a Hugging Face layout is a UserError saying why."""
+@dataclasses.dataclass(frozen=True)
+class Target:
+  """Where one projection's adapter goes in PEFT's layout: the module (base_model.model.model.layers.3.self_attn.
+  q_proj), its output features, and the rows of that output that are the projection's (None: all of them; a
+  piece of a fused module such as Phi-3's qkv_proj, whose query, key and value rows are three projections)."""
+  module: str
+  out: int
+  rows: Optional[tuple[int, int]] = None
+
+  @property
+  def name(self) -> str:
+    return self.module.rsplit('.', 1)[-1]
+
+
+def peft_modules(model, family: Optional[str] = None) -> dict[tuple[int, str], Target]:
+  """(layer, projection) -> where PEFT keeps that projection's adapter: its kernel's Hugging Face module in the
+  weight map of the model's family (base_model.model.model.layers.3.self_attn.q_proj for the query of a Llama's
+  layer 3; the qkv_proj rows of a Phi-3's; `family`: --family's). A model of no family with a Hugging Face layout
+  is a UserError saying why."""
   view = flat_view(model)
   out = {}
-  for w in hf.family_of(view).hf_weights(view):
+  for w in hf.family_of(view, family).hf_weights(view):
     m = _KERNEL.fullmatch(w.paxcli)
-    if m and w.hf.endswith('.weight'):
-      out[int(m.group(1)), m.group(2)] = PEFT_PREFIX + w.hf[:-len('.weight')]
+    if not m or not w.hf.endswith('.weight') or w.paxcli_piece is not None:   # stacked experts take no adapters
+      continue
+    rows = None
+    if w.hf_piece is not None:
+      if w.hf_piece.axis != 0:
+        raise UserError(f'{w.hf} joins {w.paxcli} with others along its input features; a PEFT LoRA on it would '
+                        'adapt their sum, which paxcli\'s adapters do not compute. Leave it out of LORA_TARGETS.')
+      rows = (w.hf_piece.start, w.hf_piece.end)
+    out[int(m.group(1)), m.group(2)] = Target(PEFT_PREFIX + w.hf[:-len('.weight')], w.hf_shape[0], rows)
   return out
 
 
 def _module_names(model) -> dict[str, str]:
-  """projection -> its module's own name (q_proj, ...), as PEFT's target_modules lists it."""
-  return {projection: name.rsplit('.', 1)[-1] for (_, projection), name in peft_modules(model).items()}
+  """projection -> its module's own name (q_proj, qkv_proj, ...), as PEFT's target_modules lists it."""
+  return {projection: target.name for (_, projection), target in peft_modules(model).items()}
 
 
 def is_lora_run(src) -> bool:
@@ -141,7 +171,8 @@ def _layer_adapters(params: dict):
 
 
 def export_peft(src, tmp: str, exp: Optional[str], overrides: list, log, verify: bool = True,
-                tolerance: Optional[float] = None, base_model: Optional[str] = None) -> dict:
+                tolerance: Optional[float] = None, base_model: Optional[str] = None,
+                family: Optional[str] = None) -> dict:
   """Writes the run's adapters into directory `tmp` as PEFT's adapter_config.json + adapter_model.safetensors,
   then certifies them (_certify_peft; 'verify' in the result); a UserError when they differ from the run.
 
@@ -151,20 +182,25 @@ def export_peft(src, tmp: str, exp: Optional[str], overrides: list, log, verify:
   setup, params = _restored(src, exp, overrides)
   model = setup.model
   s = model.lora
-  names = peft_modules(model)
-  tensors = {}
+  names = peft_modules(model, family)
+  by_module = {}   # module -> [(target, A, B)] of its projections, in their order in the module
   for i, projection, a, b in _layer_adapters(params):
-    key = names[i, projection]
-    tensors[f'{key}.lora_A.weight'] = np.ascontiguousarray(a.reshape(-1, s['rank']).T)
-    tensors[f'{key}.lora_B.weight'] = np.ascontiguousarray(b.reshape(s['rank'], -1).T)
+    target = names[i, projection]
+    by_module.setdefault(target.module, []).append((target, a, b))
+  tensors, ranks = {}, {}
+  for module, parts in by_module.items():
+    tensors[f'{module}.lora_A.weight'], tensors[f'{module}.lora_B.weight'] = _peft_pair(parts, s['rank'])
+    rank = tensors[f'{module}.lora_A.weight'].shape[0]
+    if rank != s['rank']:
+      ranks[module.rsplit('.', 1)[-1]] = rank
   modules = sorted({k.split('.')[-3] for k in tensors})
   base_model_path = _base_model(src.meta['base'], base_model, log)
   config = {
       'peft_type': 'LORA', 'task_type': 'CAUSAL_LM', 'r': s['rank'], 'lora_alpha': s['alpha'],
       'lora_dropout': s['dropout'], 'target_modules': modules, 'bias': 'none', 'fan_in_fan_out': False,
       'use_rslora': False, 'use_dora': False, 'init_lora_weights': True, 'inference_mode': True,
-      'modules_to_save': None, 'layers_to_transform': None, 'layers_pattern': None, 'rank_pattern': {},
-      'alpha_pattern': {}, 'revision': None,
+      'modules_to_save': None, 'layers_to_transform': None, 'layers_pattern': None, 'rank_pattern': ranks,
+      'alpha_pattern': {m: s['alpha'] * (r // s['rank']) for m, r in ranks.items()}, 'revision': None,
       'base_model_name_or_path': base_model_path,
   }
   arrays = [(name, x.shape, x.dtype.name) for name, x in sorted(tensors.items())]
@@ -173,22 +209,44 @@ def export_peft(src, tmp: str, exp: Optional[str], overrides: list, log, verify:
   os.rename(os.path.join(tmp, written[0]), os.path.join(tmp, PEFT_WEIGHTS))
   with open(os.path.join(tmp, PEFT_CONFIG), 'w', encoding='utf-8') as f:
     json.dump(config, f, indent=2)
-  log(f'Wrote {len(tensors)} adapter arrays ({", ".join(modules)}; r={s["rank"]}, alpha={s["alpha"]:g}).')
+  tok = src.extra_files().get('tokenizer')
+  if tok:   # beside the adapters, as TRL saves them: AutoTokenizer (its chat templates too) reads the directory
+    hf_tokenizer.export(tmp, tok, max(flat_view(model).max_seq_len, core.longest_context(src) or 0))
+  fused = ''.join(f'; {m}: r={r}, alpha={s["alpha"] * (r // s["rank"]):g} (its {r // s["rank"]} adapted projections\' '
+                  'adapters side by side: the same update)' for m, r in ranks.items())
+  log(f'Wrote {len(tensors)} adapter arrays ({", ".join(modules)}; r={s["rank"]}, alpha={s["alpha"]:g}{fused})'
+      f'{" and the tokenizer" if tok else ""}.')
   out = {'bytes_written': int(sum(x.nbytes for x in tensors.values())), 'arrays': len(tensors)}
   if verify and _fits(setup, log):
     out['verify'] = _certify_peft(setup, params, tmp, certify.default_tolerance(None) if tolerance is None
-                                  else tolerance)
+                                  else tolerance, family)
     certify.check(out['verify'])
   return out
 
 
-def _certify_peft(setup, params: dict, written: str, tolerance: float) -> dict:
+def _peft_pair(parts: list, rank: int) -> tuple[np.ndarray, np.ndarray]:
+  """PEFT's (lora_A [r', in], lora_B [out, r']) of one module from paxcli's adapters (A [in..., r], B [r, out...])
+  of the projections it holds. A fused module's projections (Phi-3's q, k and v in qkv_proj) are one PEFT adapter
+  of rank r' = k x r: their A's stacked, and a B that writes each projection's rows from its own r columns only,
+  zero elsewhere, which is exactly the sum of their updates (alpha scales alike: alpha_pattern is k x alpha)."""
+  parts = sorted(parts, key=lambda part: part[0].rows or (0, 0))
+  target, a, b = parts[0]
+  if target.rows is None:
+    return np.ascontiguousarray(a.reshape(-1, rank).T), np.ascontiguousarray(b.reshape(rank, -1).T)
+  lora_a = np.concatenate([a.reshape(-1, rank).T for _, a, _ in parts])
+  lora_b = np.zeros((target.out, len(parts) * rank), b.dtype)
+  for j, (t, _, b) in enumerate(parts):
+    lora_b[t.rows[0]:t.rows[1], j * rank:(j + 1) * rank] = b.reshape(rank, -1).T
+  return np.ascontiguousarray(lora_a), lora_b
+
+
+def _certify_peft(setup, params: dict, written: str, tolerance: float, family: Optional[str] = None) -> dict:
   """The LoRA run against the adapters in directory `written`: PEFT's LoRA on transformers' model of the base
   where both are installed, else paxcli's own reading of the adapters (read_peft) on the base."""
   model, view = setup.model, flat_view(setup.model)
   ids = certify.prompts(view.vocab_size, view.max_seq_len)
   if certify.have_peft():
-    result = certify.peft_side(hf.family_of(view), view, certify.base_weights(params, view.num_layers), written)
+    result = certify.peft_side(hf.family_of(view, family), view, certify.base_weights(params, view.num_layers), written)
   else:
     adapters = read_peft(written, model, setup.abstract_state['params'])
     result = certify.paxcli_side('paxcli on the base with the written adapters read back (PEFT or transformers is '
@@ -228,12 +286,14 @@ def _base_model(base: dict, given: Optional[str], log) -> str:
 PEFT_NEUTRAL = {
     'peft_type': ('LORA',), 'fan_in_fan_out': (False, None), 'bias': ('none', None), 'use_rslora': (False, None),
     'use_dora': (False, None), 'modules_to_save': (None, []), 'layers_to_transform': (None, []),
-    'rank_pattern': ({}, None), 'alpha_pattern': ({}, None), 'exclude_modules': (None, []),
+    'exclude_modules': (None, []),
     'megatron_config': (None,), 'trainable_token_indices': (None, [], {}), 'alora_invocation_tokens': (None, []),
     'use_qalora': (False, None), 'layer_replication': (None, []), 'lora_bias': (False, None),
     'target_parameters': (None, []), 'arrow_config': (None,), 'monteclora_config': (None,), 'kasa_config': (None,),
     'use_bdlora': (None, False),
 }
+# Read for a fused module only (an adapter of another rank there: --to peft writes k x r on Phi-3's qkv_proj).
+PEFT_PATTERNS = ('rank_pattern', 'alpha_pattern')
 # Keys that name, describe or initialise the adapter, or act only in training: the weights say the rest.
 PEFT_HARMLESS = {
     'task_type', 'auto_mapping', 'peft_version', 'base_model_name_or_path', 'revision', 'inference_mode',
@@ -247,14 +307,13 @@ MAX_PEFT_CONFIG_BYTES = 1 << 20
 def read_peft(directory: str, model, abstract_params: dict) -> dict:
   """The adapters of PEFT directory `directory` as this model's trainable params (nested, host
   arrays), checked against the model's LoRA settings; UserError naming what does not fit."""
-  check_peft(directory, model)
+  config = check_peft(directory, model)
   s = model.lora
   src = safetensors_io.SafetensorsSource(files.member(directory, PEFT_WEIGHTS, 'PEFT weights'))
-  have = {a.name: tuple(a.shape) for a in src.arrays()}
   trainable = train_state.split_trainable(model, abstract_params)[0]
-  out, used = {}, set()
+  out = {}
   period = pattern.period(getattr(getattr(model, 'lm_tpl', None), 'layer_pattern', ()))
-  names = peft_modules(model)
+  pairs = _PeftPairs(directory, src, peft_modules(model), s, config)
   for path_keys, leaf in _flat_paths(trainable):
     *scope, name = path_keys
     projection, part = (name[:-len(lora.SUFFIX_A)], 'A') if name.endswith(lora.SUFFIX_A) else \
@@ -266,16 +325,13 @@ def read_peft(directory: str, model, abstract_params: dict) -> dict:
             else (int(np.prod(per_layer[1:])), per_layer[0]))
     blocks = []
     for i in layers:
-      key = f'{names[i, projection]}.lora_{part}.weight'
-      if key not in have:
-        raise UserError(f'{directory}: {PEFT_WEIGHTS} has no {key} (LORA_TARGETS={list(s["targets"])} needs it).')
-      if have[key] != want:   # the same number of values in another shape is another adapter: never reshaped
-        raise UserError(f'{directory}: {PEFT_WEIGHTS}: {key} has shape {list(have[key])}, but this run needs '
+      key, x = pairs.of(i, projection, part)
+      if tuple(x.shape) != want:   # the same number of values in another shape is another adapter: never reshaped
+        raise UserError(f'{directory}: {PEFT_WEIGHTS}: {key} has shape {list(x.shape)}, but this run needs '
                         f'{list(want)} (LORA_RANK {s["rank"]}, the model\'s dimensions).')
-      blocks.append(src.read(key).astype(np.float32).T.reshape(per_layer))
-      used.add(key)
+      blocks.append(np.asarray(x, np.float32).T.reshape(per_layer))
     out[tuple(path_keys)] = np.stack(blocks) if scope[0] == 'layers' else blocks[0]
-  unread = sorted(set(have) - used)
+  unread = sorted(set(pairs.have) - pairs.used)
   if unread:
     raise UserError(f'{directory}: {PEFT_WEIGHTS} holds {len(unread)} array(s) this run would not apply, first '
                     f'{shorten(unread[0], 120)} (LORA_TARGETS={list(s["targets"])}); applying the rest would compute '
@@ -283,7 +339,58 @@ def read_peft(directory: str, model, abstract_params: dict) -> dict:
   return core.nest({'/'.join(k): v for k, v in out.items()})
 
 
-def check_peft(directory: str, model) -> None:
+class _PeftPairs:
+  """PEFT's arrays of a directory as each (layer, projection)'s own lora_A [r, in] and lora_B [out, r]: a plain
+  module's as they are; a fused module's (one adapter of rank R on Phi-3's qkv_proj) split exactly into the rank-r
+  adapters of the projections the run adapts, or one line saying why it cannot be."""
+
+  def __init__(self, directory: str, src, targets: dict, settings: dict, config: dict):
+    self.directory, self.src, self.targets, self.s = directory, src, targets, settings
+    self.have = {a.name: tuple(a.shape) for a in src.arrays()}
+    self.ranks, self.alphas = config.get('rank_pattern') or {}, config.get('alpha_pattern') or {}
+    self.used = set()
+
+  def _read(self, key: str) -> np.ndarray:
+    if key not in self.have:
+      raise UserError(f'{self.directory}: {PEFT_WEIGHTS} has no {key} (LORA_TARGETS={list(self.s["targets"])} '
+                      'needs it).')
+    self.used.add(key)
+    return self.src.read(key)
+
+  def of(self, layer: int, projection: str, part: str) -> tuple[str, np.ndarray]:
+    """(the PEFT array's name, lora_A or lora_B of the projection in PEFT's orientation)."""
+    target = self.targets[layer, projection]
+    key = f'{target.module}.lora_{part}.weight'
+    if target.rows is None:
+      return key, self._read(key)
+    a, b = self._read(f'{target.module}.lora_A.weight'), self._read(f'{target.module}.lora_B.weight')
+    return key, self._split(layer, projection, target, a, b)[0 if part == 'A' else 1]
+
+  def _split(self, layer: int, projection: str, target: Target, a: np.ndarray, b: np.ndarray):
+    r, name, where = self.s['rank'], target.name, f'{self.directory}: {PEFT_WEIGHTS}: {target.module}'
+    rank = a.shape[0]
+    if rank != self.ranks.get(name, r) or b.shape != (target.out, rank):
+      raise UserError(f'{where}: lora_A {list(a.shape)} and lora_B {list(b.shape)} are not one adapter of rank '
+                      f'{self.ranks.get(name, r)} on its {target.out} outputs.')
+    pieces = sorted((t.rows, p) for (i, p), t in self.targets.items() if i == layer and t.module == target.module)
+    adapted = [p for _, p in pieces if lora.targets_projection(self.s['targets'], p)]
+    stray = [p for rows, p in pieces if p not in adapted and np.any(b[rows[0]:rows[1]])]
+    if stray:
+      raise UserError(f'{where} also adapts {", ".join(stray)}, which LORA_TARGETS={list(self.s["targets"])} leaves '
+                      'alone; add it there.')
+    scale = (self.alphas.get(name, self.s['alpha']) / rank) / (self.s['alpha'] / r)
+    rows = b[target.rows[0]:target.rows[1]]
+    if rank == r:   # the projections share PEFT's A: each keeps a copy
+      return a, rows * scale
+    j = adapted.index(projection)
+    block = slice(j * r, (j + 1) * r)
+    if rank == len(adapted) * r and not np.any(np.delete(rows, np.arange(block.start, block.stop), axis=1)):
+      return a[block], rows[:, block] * scale   # side by side, as --to peft writes them
+    raise UserError(f'{where}: an adapter of rank {rank} on {name} does not split exactly into rank-{r} adapters of '
+                    f'{", ".join(adapted)} (LORA_RANK {r}): set LORA_RANK to {rank} to read it.')
+
+
+def check_peft(directory: str, model) -> dict:
   """Reads PEFT directory `directory`'s adapter_config.json (a regular file inside it, bounded JSON)
   and checks it against the model's LoRA settings (check_peft_config): one line, before any weight."""
   if not os.path.isdir(directory):
@@ -294,6 +401,7 @@ def check_peft(directory: str, model) -> None:
   if not isinstance(config, dict):
     raise UserError(f'{config_path}: a JSON {type(config).__name__}, not an object of LoraConfig fields.')
   check_peft_config(config, config_path, model.lora, _module_names(model))
+  return config
 
 
 def check_peft_config(config: dict, path: str, settings: dict, modules: dict) -> None:
@@ -311,7 +419,15 @@ def check_peft_config(config: dict, path: str, settings: dict, modules: dict) ->
     if field in config and not any(config[field] == v and type(config[field]) is type(v) for v in neutral):
       raise UserError(f'{path}: {field} is {shown(config[field])}; paxcli\'s LoRA computes only '
                       f'{shown(neutral[0])} there (it would compute another function). Not read.')
-  unknown = sorted(set(config) - set(PEFT_NEUTRAL) - PEFT_HARMLESS)
+  fused = {name for name in modules.values() if list(modules.values()).count(name) > 1}
+  for field in PEFT_PATTERNS:
+    value = config.get(field) or {}
+    bad = not isinstance(value, dict) or any(k not in fused or isinstance(v, bool) or not isinstance(v, (int, float))
+                                             or v <= 0 for k, v in value.items())
+    if bad:
+      raise UserError(f'{path}: {field} is {shown(config[field])}; paxcli reads one only for a fused module of the '
+                      f'model ({", ".join(sorted(fused)) or "it has none"}), a positive number each.')
+  unknown = sorted(set(config) - set(PEFT_NEUTRAL) - set(PEFT_PATTERNS) - PEFT_HARMLESS)
   if unknown:
     raise UserError(f'{path}: {shorten(", ".join(unknown), 120)}: unknown to paxcli, so it may change what the '
                     'adapter computes. Not read; remove from the file what you know does not.')

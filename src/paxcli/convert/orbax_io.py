@@ -23,13 +23,36 @@ from paxcli.errors import UserError
 from paxcli.jobdir import invocation, layout, storage
 
 
+# orbax, tensorstore and what reads and writes a job's checkpoints load JAX: only once an orbax checkpoint is read
+# or written, not when paxcli.convert.formats loads every reader to find one for a path.
+
+def _orbax():
+  import orbax.checkpoint as ocp
+  return ocp
+
+
+def _tensorstore():
+  import tensorstore as ts
+  return ts
+
+
+def _checkpointer():
+  from paxcli.jobdir import checkpoint
+  return checkpoint
+
+
+def _train_state():
+  from paxcli.runtime import train_state
+  return train_state
+
+
 def is_orbax(path: str) -> bool:
-  from paxcli.jobdir import checkpoint as ckpt
+  ckpt = _checkpointer()
   job_dir, step = layout.split(path)
   if step is not None:
     return True
   steps = ckpt.step_dirs(layout.checkpoints(job_dir)).values()
-  return bool(steps) and not all(storage.isdir(os.path.join(d, 'items')) for d in steps)   # items/: MaxText's
+  return bool(steps) and not all(storage.isdir(layout.entry(d, 'items')) for d in steps)   # items/: MaxText's
 
 
 def _sharding_words(meta) -> Optional[str]:
@@ -56,7 +79,7 @@ class PyTreeDir(formats.SourceBase):
 
   def _metadata(self):
     if self._tree is None:
-      import orbax.checkpoint as ocp
+      ocp = _orbax()
       try:
         m = ocp.PyTreeCheckpointer().metadata(self.state_dir)
       except (FileNotFoundError, ValueError, OSError) as e:
@@ -77,12 +100,12 @@ class PyTreeDir(formats.SourceBase):
 
   def _store(self, name: str):
     """The saved array `name` opened with tensorstore (no data read), or None where it cannot be."""
-    import orbax.checkpoint as ocp
-    import tensorstore as ts
+    ocp = _orbax()
+    ts = _tensorstore()
     from etils import epath
     if not hasattr(self, '_layout'):
       try:
-        saved = json.loads(storage.read_bytes(os.path.join(self.state_dir, '_METADATA')))
+        saved = json.loads(storage.read_bytes(layout.entry(self.state_dir, '_METADATA')))
         self._layout = (bool(saved.get('use_ocdbt')), bool(saved.get('use_zarr3')))
       except (OSError, ValueError):
         self._layout = None
@@ -122,7 +145,7 @@ class PyTreeDir(formats.SourceBase):
     return np.array(out[index])
 
   def _read_with_orbax(self, name: str) -> np.ndarray:
-    import orbax.checkpoint as ocp
+    ocp = _orbax()
     keys = name.split('/')
     item, args = {}, {}
     node_i, node_a = item, args
@@ -151,6 +174,7 @@ class OrbaxSource(PyTreeDir):
     if step_in_path is not None and step is not None and step != step_in_path:
       raise UserError(f'{path} is the checkpoint of step {step_in_path}, not --step {step}.')
     self.step = restore.choose_step(self.job_dir, step if step is not None else step_in_path, purpose='convert')
+    restore.check_links(self.job_dir, self.step)
     super().__init__(layout.state_dir(layout.step_dir(self.job_dir, self.step)),
                      f'The checkpoint at step {self.step} in {self.job_dir}')
     self.meta = restore.read_meta(self.job_dir, self.step)
@@ -221,7 +245,7 @@ class StateWriter:
   """
 
   def __init__(self, state_dir: str):
-    import tensorstore as ts
+    ts = _tensorstore()
     self._ts = ts
     self.dir = state_dir
     os.makedirs(state_dir, exist_ok=True)
@@ -231,7 +255,7 @@ class StateWriter:
     self._sums: dict = {}   # name -> checksum lanes, accumulated as the pieces are written
 
   def _sum(self, name: str, x: np.ndarray, offset: int) -> None:
-    from paxcli.runtime import train_state
+    train_state = _train_state()
     total = self._sums.get(name, np.zeros(2, np.uint32))
     start = offset
     for block in formats.blocks(x, 2 << 20):   # the checksum needs ~20 bytes per element: small blocks
@@ -241,7 +265,7 @@ class StateWriter:
 
   def checksums(self) -> dict[str, str]:
     """'name' -> checksum of every array written (train_state.checksums' format)."""
-    from paxcli.runtime import train_state
+    train_state = _train_state()
     return {name: train_state.checksum_hex(lanes) for name, lanes in self._sums.items()}
 
   @staticmethod
@@ -316,7 +340,7 @@ class StateWriter:
 
 def placeholder_names(source: OrbaxSource) -> list[str]:
   """Names of the saved tree's empty leaves (optax's EmptyState), from _METADATA."""
-  path = os.path.join(source.state_dir, '_METADATA')
+  path = layout.entry(source.state_dir, '_METADATA')
   try:
     with open(path, encoding='utf-8') as f:
       tree = json.load(f)['tree_metadata']
@@ -332,7 +356,7 @@ def write_step(job_dir: str, step: int, meta: dict, fill_state) -> str:
   fill_state may return the checksums of what it wrote; they go into the step's meta, so
   that every later restore verifies the converted arrays as it does a trained checkpoint's.
   """
-  from paxcli.jobdir import checkpoint as ckpt
+  ckpt = _checkpointer()
   checkpointer = ckpt.Checkpointer(layout.checkpoints(job_dir), max_to_keep=0, async_save=False)
   checkpointer.save(step, {'step': np.int32(step)}, meta)
   checkpointer.close()

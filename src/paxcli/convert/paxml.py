@@ -38,7 +38,8 @@ from paxcli import files, gencode
 from paxcli.convert import formats
 from paxcli.convert.formats import ArrayInfo
 from paxcli.errors import UserError, shorten
-from paxcli.models.knobs import LM_KNOB, LM_KNOBS, effective
+from paxcli.models import registry
+from paxcli.models.knobs import LM_KNOB, LM_KNOBS, MAX_COUNT, MAX_INT32, effective
 from paxcli.runtime import engine
 
 _STEP_RE = re.compile(r'^checkpoint_(\d+)$')
@@ -160,12 +161,12 @@ class PaxConfig:
     if kind == 'StackedTransformerRepeated':
       self.repeated, self.repeat_name = True, cfg.get(stack + 'repeat_layer_name', 'repeat')
       self.sub_name = cfg.get(stack + 'sublayer_name', 'sub')
-      self.x_times = self.int(stack + 'x_times')
+      self.x_times = self.int(stack + 'x_times', maximum=MAX_COUNT)
       self.block = stack + 'block.'
-      self.per_block = self.int(self.block + 'num_layers')
+      self.per_block = self.int(self.block + 'num_layers', maximum=MAX_COUNT // self.x_times)
     elif kind == 'StackedTransformer':
       self.repeated, self.x_times, self.block = False, 1, stack
-      self.per_block = self.int(stack + 'num_layers')
+      self.per_block = self.int(stack + 'num_layers', maximum=MAX_COUNT)
     else:
       raise UserError(f'{source}: {kind} layers cannot be converted (StackedTransformer and '
                       'StackedTransformerRepeated can; a pipelined model cannot yet).')
@@ -183,8 +184,9 @@ class PaxConfig:
     line = getattr(self.cfg, 'lines', {}).get(key)
     return f'{self.source}:{line}' if line else str(self.source)
 
-  def int(self, key: str, default=None, minimum: int = 1) -> int:
-    """The integer at `key` (`default` when missing or None), or UserError naming file:line."""
+  def int(self, key: str, default=None, minimum: int = 1, maximum: int = MAX_INT32) -> int:
+    """The integer at `key` (`default` when missing or None), or UserError naming file:line. A count of
+    layers or experts is at most MAX_COUNT, any other integer a 32-bit size (the knobs' bounds)."""
     value = self.cfg.get(key)
     if value is None:
       if default is None:
@@ -192,9 +194,9 @@ class PaxConfig:
       return default
     if isinstance(value, float) and value.is_integer():
       value = int(value)
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-      raise UserError(f'{self.where(key)}: {key} is {shorten(repr(value), 60)}; it must be an integer of at '
-                      f'least {minimum}.')
+    if not isinstance(value, int) or isinstance(value, bool) or not minimum <= value <= maximum:
+      raise UserError(f'{self.where(key)}: {key} is {shorten(repr(value), 60)}; it must be an integer from '
+                      f'{minimum} to {maximum:,}.')
     return value
 
   def float(self, key: str, default: float) -> float:
@@ -406,7 +408,7 @@ class PaxConfig:
     is a softmax over all experts, the best two renormalised to sum to 1 (praxis' legacy_mtf_behavior):
     ROUTER_SOFTMAX 'before_topk' with ROUTER_NORMALIZE_TOPK."""
     b, m = self.block, self.block + 'moe_layer_tpl.'
-    experts = self.int(b + 'num_experts', 0, minimum=0)
+    experts = self.int(b + 'num_experts', 0, minimum=0, maximum=MAX_COUNT)
     sparse = self._moe_layers()
     if not experts or not sparse:
       return
@@ -663,6 +665,9 @@ class PaxmlSource(formats.SourceBase):
     lengths = [n for n in (seq, pax.learned_rows) if n]   # the input's, within a learned table
     knobs['MAX_SEQ_LEN'] = min(lengths) if lengths else 2048
     knobs['FPROP_DTYPE'] = pax.fprop_dtype
+    family = registry.of_knobs(knobs)   # a Pax model computing one family's function is one of it
+    if family is not None and not pax.unsupported:
+      knobs['MODEL_FAMILY'] = family.name
     knobs['UNSUPPORTED_FEATURES'] = dict(pax.unsupported)
     return knobs
 
@@ -859,8 +864,7 @@ def _stacked(reads: list):
 def _param_shapes(model) -> dict[str, tuple]:
   """'params/...' -> shape of the model's parameters (jax.eval_shape: no memory)."""
   import jax   # only here: reading and inspecting checkpoints never starts jax
-  import jax.numpy as jnp
-  ids = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+  ids = jax.ShapeDtypeStruct((1, 1), jax.numpy.int32)
   model = getattr(model, 'model', model)   # models.flat_view(...) carries the module
   boxed = jax.eval_shape(lambda r, x: model.init({'params': r, 'dropout': r}, x)['params'],
                          jax.random.key(0), ids)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import tempfile
 import time
@@ -20,6 +21,7 @@ from paxcli.errors import UserError
 from paxcli.inputs import tokenizers
 from paxcli.jobdir import format as job_format
 from paxcli.jobdir import invocation, layout, storage
+from paxcli.models import registry
 from paxcli.runtime import platform
 
 TARGETS = ('orbax', 'safetensors', 'hf', 'peft')
@@ -55,7 +57,7 @@ def convert(source: str, output: str, *, fmt: Optional[str] = None, to: str = 'o
             step: Optional[int] = None, force: bool = False, verify: bool = True,
             kl_tolerance: Optional[float] = None, max_shard_bytes: int = 5 << 30,
             recipe: Optional[str] = None, merge_lora: bool = False, base_model: Optional[str] = None,
-            log=print) -> dict:
+            family: Optional[str] = None, log=print) -> dict:
   if to not in TARGETS:
     raise UserError(f'Unknown output format {to!r}; choose one of {", ".join(TARGETS)}.'
                     f'{formats.did_you_mean(to, TARGETS)}')
@@ -75,36 +77,62 @@ def convert(source: str, output: str, *, fmt: Optional[str] = None, to: str = 'o
   overrides = list(overrides)
   if base_model is not None and to != 'peft':
     raise UserError('--base-model names the model PEFT adapters apply to: it goes with --to peft.')
+  if family is not None:
+    if to not in ('hf', 'peft'):
+      raise UserError(f'--family names the Hugging Face layout written: it goes with --to hf or --to peft, not --to {to}.')
+    registry.by_name(family, '--family: ')   # a misspelt name is one line before any work
+    overrides.append(f'MODEL_FAMILY={family!r}')   # the written model is one of it (checked: registry.of_model)
   if merge_lora or to == 'peft' or lora.is_lora_run(src):
     return _convert_lora(src, out, to, exp, overrides, merge_lora, dtype, force, verify, kl_tolerance,
-                         max_shard_bytes, log, t0, base_model)
+                         max_shard_bytes, log, t0, base_model, family)
   if to == 'hf':
     overrides.append('USE_REPEATED_LAYER=False')   # HF layers are unrolled
   recipe_path = recipe_text = None
   recipe_created = False
   if (src.kind == 'hf' and not src.config) or (src.kind == 'paxml' and not exp):
-    # The imported model's experiment is the recipe written for it (as pax import-maxtext does),
-    # unless --exp names one; the converted job then resumes with --exp <recipe>:<class>.
-    recipe_path, recipe_text, recipe_created = _write_recipe(src, recipe, output, force, log)
+    # The imported model's experiment is the recipe written for it (as pax import-maxtext does), kept in
+    # the output (layout.RECIPE_COPY) and a file of its own only where --recipe asks; --exp names another.
+    recipe_path, recipe_text, recipe_created = _write_recipe(src, recipe, out.path, force, log)
     if not exp:
       exp = f'{recipe_path}:{_recipe_class(src)}'
     else:
       recipe_text = None   # the job's experiment is --exp's
+      recipe_path = recipe_path if recipe else None   # nothing kept in the output: nothing to say of it
   try:
     result = _convert(src, out, source, output, fmt, to, exp, overrides, params_only, dtype, step, verify,
-                      kl_tolerance, max_shard_bytes, log, t0, recipe_path, recipe_text)
+                      kl_tolerance, max_shard_bytes, log, t0, recipe_path, recipe_text, family)
   except BaseException:
     if recipe_created and os.path.isfile(recipe_path):
       os.remove(recipe_path)   # a failed import (or certification) leaves nothing behind
     raise
-  if recipe_path:
-    log(f'Wrote the recipe {recipe_path}; the converted job resumes with: pax train --exp {exp} '
-        f'--job-log-dir {output}')
+  if recipe_path:   # printed last, after what was written and its certification (the CLI's `next`)
+    kept = recipe_text is not None and to in ('orbax', 'safetensors')   # _carry_files wrote it into the output
+    result['next'] = next_step(src, out.path, to, recipe_path if recipe_created or recipe else None, exp, kept)
   return result
 
 
+def next_step(src, output: str, to: str, recipe_file: Optional[str], exp: str, kept: bool) -> str:
+  """What to run after an import, paths as typed from here: a fine-tune of an --from hf import goes to a
+  new job directory with the import as its BASE (which it only reads); a Pax run continues in place.
+  `kept`: the output holds the recipe (not so with --exp, whose experiment the job then is)."""
+  shown = lambda path: shlex.quote(path if os.path.relpath(path).startswith('..') else os.path.relpath(path))
+  exp = f'{shown(exp.rsplit(":", 1)[0])}:{_recipe_class(src)}'
+  said = [f'Wrote the recipe {shown(recipe_file)} (--exp {shown(recipe_file)}:{_recipe_class(src)}).'] \
+      if recipe_file else []
+  if kept:
+    said.append(f'The recipe (the model\'s knobs, read as data) is kept in {shown(layout.recipe_copy(output))}.')
+  if to != 'orbax' or not kept:
+    return ' '.join(said)
+  if src.kind == 'paxml':
+    return ' '.join(said + [f'The converted job continues the Pax run with: pax train --exp {exp} '
+                            f'--job-log-dir {shown(output)}'])
+  return ' '.join(said + [f'Fine-tune it into a new job directory (the import stays as it is): pax train --exp '
+                          f'finetune.Sft --set BASE={shown(output)} --set TRAIN_DATA=YOUR_DATA.jsonl '
+                          f'--job-log-dir {shown(output + "_sft")}'])
+
+
 def _convert(src, out, source, output, fmt, to, exp, overrides, params_only, dtype, step, verify, kl_tolerance,
-             max_shard_bytes, log, t0, recipe_path, recipe_text):
+             max_shard_bytes, log, t0, recipe_path, recipe_text, family=None):
   if hasattr(src, 'check_experiment'):   # paxml: the experiment must compute the Pax model's function
     src.check_experiment(cfg.resolve(exp, list(overrides)).experiment, log)
   source_res, target_res = core.resolve_pair(src, exp, overrides)
@@ -120,7 +148,10 @@ def _convert(src, out, source, output, fmt, to, exp, overrides, params_only, dty
     source_res = target_res
   target = core.build_model(target_res)
   if to == 'hf':
-    hf.family_of(target.spec)   # before any array is read: a UserError when no family's layout fits
+    written = hf.family_of(target.spec, family)   # before any array is read: one line when the model is of none
+    if not family and not target.spec.family:
+      log(f'The model records no family (MODEL_FAMILY): writing it as a {written.title} '
+          f'({written.hf_architectures[0]}), the family its function places it in; --family names another.')
   source_model = core.build_model(source_res)
   src_arrays = src.arrays()
   has_opt = any(a.name.startswith('opt_state/') for a in src_arrays)
@@ -159,7 +190,7 @@ def _convert(src, out, source, output, fmt, to, exp, overrides, params_only, dty
       _carry_files(src, tmp, to, recipe_text, own_experiment=exp is None)
     if verify:   # before the output takes its name: a failed check leaves nothing behind
       report = _certify(src, source_model, target, tmp, to,
-                        kl_tolerance if kl_tolerance is not None else certify.default_tolerance(dtype))
+                        kl_tolerance if kl_tolerance is not None else certify.default_tolerance(dtype), family)
       certify.check(report)
   stats['seconds'] = time.perf_counter() - t0
   result = {'source': storage.abspath(source), 'output': out.path, 'format': to, 'step': src.step,
@@ -172,7 +203,7 @@ def _convert(src, out, source, output, fmt, to, exp, overrides, params_only, dty
 
 
 def _convert_lora(src, out, to, exp, overrides, merge_lora, dtype, force, verify, kl_tolerance, max_shard_bytes,
-                  log, t0, base_model: Optional[str] = None) -> dict:
+                  log, t0, base_model: Optional[str] = None, family: Optional[str] = None) -> dict:
   """A LoRA run's checkpoint: its adapters in PEFT's format (--to peft), merged into a plain checkpoint
   (--merge-lora), or merged and then converted like any checkpoint (--to hf, safetensors, --dtype)."""
   lora.resolve_lora_target(to, merge_lora, src)
@@ -182,7 +213,7 @@ def _convert_lora(src, out, to, exp, overrides, merge_lora, dtype, force, verify
     with out as tmp:
       if to == 'peft':
         result.update(lora.export_peft(src, tmp, exp, overrides, log, verify, kl_tolerance,
-                                         base_model))
+                                       base_model, family))
       else:
         result['verify'] = lora.merge_run(src, tmp, exp, overrides, verify, log)
         result['bytes_written'] = _bytes_under(tmp)
@@ -192,7 +223,7 @@ def _convert_lora(src, out, to, exp, overrides, merge_lora, dtype, force, verify
   try:
     lora.merge_run(src, merged, exp, overrides, verify, log)
     return convert(merged, out.path, to=to, dtype=dtype, force=force, verify=verify, kl_tolerance=kl_tolerance,
-                   max_shard_bytes=max_shard_bytes, log=log)
+                   max_shard_bytes=max_shard_bytes, family=family, log=log)
   finally:
     shutil.rmtree(merged, ignore_errors=True)
 
@@ -285,6 +316,9 @@ def _carry_files(src, tmp: str, to: str, recipe_text: Optional[str], own_experim
     files.copy_member(tok, os.path.join(tmp, hf_tokenizer.EXPORT_NAMES[tokenizers.kind_of(tok)]))
   if to == 'hf':
     return
+  config = tokenizers.folded_config_bytes(tok) if tok and to != 'orbax' else None
+  if config is not None:   # special tokens and chat templates, beside the tokenizer as in a job
+    files.atomic_write(os.path.join(tmp, tokenizers.CONFIG_NAME), config, 0o644)
   if recipe_text is None and own_experiment and getattr(src, 'config', None):
     copy = files.member(core.source_dir(src), layout.RECIPE_COPY, 'recipe')
     if os.path.isfile(copy):
@@ -302,7 +336,9 @@ def _recipe_class(src) -> str:
 
 
 def _write_recipe(src, recipe: Optional[str], output: str, force: bool, log) -> tuple[str, str, bool]:
-  """Writes the recipe of an imported model (atomically); returns (path, text, whether it is a new file).
+  """The recipe of an imported model: its text, served in this process for its path (core.recipe_class);
+  written (atomically) only to `recipe` (--recipe), or beside an output in a bucket; else the path is the
+  output's own copy (layout.RECIPE_COPY). Returns (path, text, whether it is a new file).
 
   The text holds outside text (paths, config values) only as literals (gencode) and is checked
   for the generators' shape before it is written; the conversion reads it as data, never runs it.
@@ -310,13 +346,18 @@ def _write_recipe(src, recipe: Optional[str], output: str, force: bool, log) -> 
   interrupted run of the same import).
   """
   prefix, class_name = src.kind, _recipe_class(src)
-  path = os.path.abspath(recipe or os.path.join(storage.local_dir_beside(output),
-                                                f'{prefix}_{os.path.basename(output)}.py'.replace('-', '_')))
   if src.kind == 'paxml':
     text = src.recipe_text(class_name)
   else:
     hf_src = getattr(src, 'hf', src)
     text = hf.recipe_text(class_name, dict(src.knobs()), src.path, getattr(hf_src, 'notes', []), hf_src.family.title)
+  if recipe is None and storage.is_local(output):   # kept in the output only (_carry_files): no file beside it
+    path = layout.recipe_copy(output)
+    gencode.check_shape(text, path)
+    core.recipe_class(path, class_name, text)
+    return path, text, False
+  path = os.path.abspath(recipe or os.path.join(storage.local_dir_beside(output),
+                                                f'{prefix}_{os.path.basename(output)}.py'.replace('-', '_')))
   gencode.check_shape(text, path)   # a bug of ours, never outside text, could fail this
   # Read back as the job's experiment: a regular file, never a device, the source or a file in it.
   files.check_output(path, 'the recipe', force=True, inputs=[src.path], streams=False)
@@ -350,7 +391,7 @@ def files_text(path: str) -> str:
     return f.read(1 << 20)
 
 
-def _certify(src, source_model, target, written: str, to: str, tolerance: float) -> dict:
+def _certify(src, source_model, target, written: str, to: str, tolerance: float, family=None) -> dict:
   """The source and the written result (directory `written`) on the fixed prompts (paxcli.convert.certify):
   a Hugging Face side runs in transformers where it is installed, every other side in paxcli."""
   hf_source = src.hf if isinstance(src, hf.PaxView) else None   # --from hf: the directory, under paxcli's names
@@ -363,7 +404,8 @@ def _certify(src, source_model, target, written: str, to: str, tolerance: float)
                                      if hf_source is not None else '')
     reference = certify.paxcli_side(what, source_model.module, core.load_params(src, [a.name for a in src.arrays()]))
   if to == 'hf' and certify.have_transformers():
-    result = certify.transformers_side(written, hf.family_of(target.spec).hf_architectures[0], 'the written result')
+    result = certify.transformers_side(written, hf.family_of(target.spec, family).hf_architectures[0],
+                                       'the written result')
   else:
     got = formats.open_source(written, to)
     if not got.paxcli_names:

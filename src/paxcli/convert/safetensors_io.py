@@ -22,6 +22,7 @@ from paxcli import files
 from paxcli.convert import formats, hf_tokenizer
 from paxcli.convert.formats import ArrayInfo
 from paxcli.errors import UserError
+from paxcli.values import parse_size  # noqa: F401  (its old home)
 
 DTYPES = {'F64': 'float64', 'F32': 'float32', 'F16': 'float16', 'BF16': 'bfloat16', 'I64': 'int64',
           'I32': 'int32', 'I16': 'int16', 'I8': 'int8', 'U8': 'uint8', 'BOOL': 'bool'}
@@ -241,18 +242,3 @@ def write(directory: str, arrays: list[tuple[str, tuple, str]], fill, metadata: 
   return names
 
 
-def parse_size(text: str, option: str = '--max-shard-size') -> int:
-  """'5GB', '500MiB', '1024' -> bytes (at least 1); UserError for anything else (0, negative, inf, nan)."""
-  given, text = text, text.strip().upper().replace('IB', 'B')
-  number, mult = text, 1
-  for unit, size in (('TB', 1 << 40), ('GB', 1 << 30), ('MB', 1 << 20), ('KB', 1 << 10), ('B', 1)):
-    if text.endswith(unit):
-      number, mult = text[:-len(unit)], size
-      break
-  try:
-    value = float(number) * mult
-  except ValueError:
-    value = float('nan')
-  if not (value >= 1 and value < 1 << 60):  # NaN fails both
-    raise UserError(f'{option} {given!r}: give a positive size such as 5GB, 500MB or a number of bytes.')
-  return int(value)

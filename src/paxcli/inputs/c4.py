@@ -29,7 +29,7 @@ from paxcli.errors import UserError
 from paxcli.files import atomic_write
 from paxcli.inputs.corpus import cache_root
 from paxcli.inputs.seqio_input import SeqIOInput
-from paxcli.inputs.tfrecord import import_tf
+from paxcli.inputs.tfrecord import import_seqio, import_tf
 
 TFDS_NAME = 'c4/en:3.0.1'
 # Where Pax reads its vocabularies: T5's 32000-piece model (the default of t5.data and seqio),
@@ -146,8 +146,7 @@ def split_to_length(dataset, sequence_length: dict, output_features: dict):
 
 def register_task(tfds_name: str, data_dir: Optional[str], vocabulary: str, concat_batch: int = CONCAT_BATCH) -> str:
   """The seqio task of Pax's C4 LM input over these files and this vocabulary; returns its name."""
-  import_tf()  # before seqio, which imports tensorflow itself
-  import seqio
+  seqio = import_seqio()
   data_dir = resolve_data_dir(data_dir)
   key = '|'.join([tfds_name, data_dir, vocabulary, str(concat_batch)])
   name = 'paxcli_c4_' + hashlib.sha256(key.encode()).hexdigest()[:12]

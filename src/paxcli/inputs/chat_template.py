@@ -1,10 +1,15 @@
-"""A model's own chat template (tokenizer_config.json's `chat_template`) for chat JSONL.
+"""A model's own chat template (chat_template.jinja, additional_chat_templates/, tokenizer_config.json's
+`chat_template`: paxcli.inputs.tokenizers.chat_templates) for chat JSONL.
 
 A model released for chat ships the Jinja template its conversations were written in. A chat
 record ({"messages": [...]}) read with such a tokenizer becomes exactly the tokens transformers'
 `apply_chat_template(messages, tokenize=True)` gives: the template's text, tokenized once, its
 special tokens (BOS, headers, end-of-turn) as the template writes them and no BOS or EOS added
-besides. Without a shipped template paxcli's own applies (paxcli.inputs.sft).
+besides. CHAT_TEMPLATE names another of the templates the tokenizer ships, or OWN, paxcli's own
+format (paxcli.inputs.sft), which is also what a tokenizer paxcli trained reads chats with
+(tokenizers.SentencePieceTokenizer.trained_here: on the data at first use, `pax tokenizer train`, a
+job's copy of either). A chat met with any other tokenizer that ships no template stops with one line
+(`no_template`): training a released model on a format it never saw is no silent default.
 
 The template is code of the model's authors, so it is only ever compiled by jinja2's
 ImmutableSandboxedEnvironment (no attribute of Python objects, no mutation of the messages),
@@ -43,12 +48,15 @@ from typing import Optional, Sequence
 import numpy as np
 
 from paxcli import files
-from paxcli.errors import UserError, shorten
+from paxcli.errors import UserError, did_you_mean, shorten
 from paxcli.inputs import bounds, tokenizers
 from paxcli.inputs.packing import Example
 from paxcli.inputs.sft import TRAINED_ROLE
 
 # The special tokens a template may name, as transformers passes them (its special_tokens_map).
+OWN = 'paxcli'   # CHAT_TEMPLATE's name for paxcli's own format (paxcli.inputs.sft), which no tokenizer ships
+WHERE_SHIPPED = ('no chat_template.jinja, additional_chat_templates/ or chat_template in tokenizer_config.json '
+                 'beside it')
 SPECIAL_NAMES = ('bos_token', 'eos_token', 'unk_token', 'pad_token')
 
 
@@ -118,18 +126,35 @@ class ChatTemplate:
     return Example(tokens[:-1], tokens[1:], weights[1:])
 
 
-def of_tokenizer(tok: tokenizers.Tokenizer) -> Optional[ChatTemplate]:
-  """The chat template shipped beside `tok` (in its tokenizer_config.json), or None."""
-  config = tokenizers.shipped_config(tok.path)
-  text = config.get('chat_template')
-  if text is None:
+def of_tokenizer(tok: tokenizers.Tokenizer, name: str = '') -> Optional[ChatTemplate]:
+  """The chat template the tokenizer ships (tokenizers.chat_templates) under `name`: '' its default,
+  as transformers' apply_chat_template picks it; OWN (or a tokenizer that ships none): None, which
+  is paxcli's own format (paxcli.inputs.sft). A name it does not ship is a UserError."""
+  if name == OWN:
     return None
-  source = tokenizers.config_beside(tok.path)
-  if isinstance(text, list):  # several named templates: transformers' default is the one named so
-    text = next((t.get('template') for t in text if isinstance(t, dict) and t.get('name') == 'default'), None)
-  if not isinstance(text, str):
-    raise UserError(f'{source}: chat_template must be a string (or a list holding one named "default").')
-  return ChatTemplate(text, source, special_tokens(tok, config))
+  templates = tokenizers.chat_templates(tok.path)
+  if not templates:
+    if name:
+      raise UserError(f'CHAT_TEMPLATE={name!r}, but the tokenizer {tok.path} ships no chat template '
+                      f'({WHERE_SHIPPED}); set CHAT_TEMPLATE={OWN} for paxcli\'s own format.')
+    return None
+  chosen = templates.get(name or 'default')
+  if chosen is None:
+    names = ', '.join(sorted(templates))
+    if not name:   # transformers refuses the same: several templates and none named "default"
+      raise UserError(f'The tokenizer {tok.path} ships chat templates named {names} and none named "default"; set '
+                      'CHAT_TEMPLATE to the one to train with.')
+    raise UserError(f'CHAT_TEMPLATE={name!r}: the tokenizer {tok.path} ships the chat templates {names} ({OWN} '
+                    f'names paxcli\'s own format).{did_you_mean(name, [*templates, OWN])}')
+  return ChatTemplate(chosen.text, chosen.source, special_tokens(tok, tokenizers.shipped_config(tok.path)))
+
+
+def no_template(where: str, tok: tokenizers.Tokenizer, knob: str) -> UserError:
+  """The error of a chat record met with a tokenizer that ships no template: paxcli's own format
+  would train the model on a format it was never shown, silently; `knob` says how to choose it."""
+  return UserError(f'{where}: a chat record, but the tokenizer {tok.path} ships no chat template ({WHERE_SHIPPED}), '
+                   f'so the model\'s own chat format is unknown: set {knob} to train on paxcli\'s own '
+                   '<|user|>/<|assistant|> format, or use a tokenizer that ships its template.')
 
 
 def special_tokens(tok: tokenizers.Tokenizer, config: dict) -> dict[str, str]:

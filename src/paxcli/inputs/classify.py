@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 from typing import Optional, Sequence
 
 import numpy as np
+import sentencepiece as spm
 
 from paxcli.inputs.base import BaseInput, EndOfInput, decode_rows
+from paxcli.inputs.corpus import build_corpus, stdlib_docstrings
 
 PACKAGES = ('asyncio', 'email', 'importlib', 'logging', 'xml', 'multiprocessing', 'unittest', 'http')
 
@@ -30,7 +33,6 @@ def _is_eval(rel_path: str, text: str) -> bool:
 
 def labelled_docstrings(packages: Sequence[str], split: str) -> list[tuple[str, int]]:
   """(docstring, class index) of the split, for docstrings of the given top-level packages."""
-  from paxcli.inputs.corpus import stdlib_docstrings
   index = {p: i for i, p in enumerate(packages)}
   out = []
   for rel, text in stdlib_docstrings():
@@ -51,11 +53,6 @@ class StdlibDocsClassInput(BaseInput):
 
   def __post_init__(self):
     super().__post_init__()
-    import os
-
-    import sentencepiece as spm
-
-    from paxcli.inputs.corpus import build_corpus
     self._dir = build_corpus(self.vocab_size, self.cache_dir)
     self._sp = spm.SentencePieceProcessor(model_file=os.path.join(self._dir, 'spm.model'))
     examples = labelled_docstrings(self.packages, self.split)
@@ -98,7 +95,6 @@ class StdlibDocsClassInput(BaseInput):
             'labels': self._labels[rows], 'weights': valid.astype(np.float32)}
 
   def tokenizer_file(self) -> Optional[str]:
-    import os
     return os.path.join(self._dir, 'spm.model')
 
   def ids_to_strings(self, ids, lengths=None) -> list[str]:

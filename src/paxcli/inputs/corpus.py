@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import hashlib
 import io
 import json
@@ -26,9 +27,11 @@ import sysconfig
 from typing import Optional
 
 import numpy as np
+import sentencepiece as spm
 
 from paxcli.files import atomic_write
 from paxcli.inputs.base import BaseInput, EndOfInput, decode_rows
+from paxcli.inputs.tfrecord import import_seqio, import_tf
 
 CORPUS_VERSION = 1
 _SKIP_DIRS = {'site-packages', 'dist-packages', 'test', 'tests', 'idlelib', '__pycache__', 'lib2to3',
@@ -75,7 +78,6 @@ def build_corpus(vocab_size: int, directory: Optional[str] = None) -> str:
   done = os.path.join(directory, 'corpus.json')
   if os.path.exists(done):
     return directory
-  import sentencepiece as spm
   os.makedirs(directory, exist_ok=True)
   print(f'Building the stdlib-docstrings corpus and a {vocab_size}-piece sentencepiece model '
         f'(first use only; cached in {directory}).', file=sys.stderr)
@@ -151,7 +153,6 @@ class StdlibDocsInput(BaseInput):
 
   def ids_to_strings(self, ids, lengths=None) -> list[str]:
     if self._sp is None:
-      import sentencepiece as spm
       self._sp = spm.SentencePieceProcessor(model_file=os.path.join(self._dir, 'spm.model'))
     return decode_rows(self._sp.decode, ids, lengths)
 
@@ -161,7 +162,6 @@ def write_tfrecords(vocab_size: int) -> dict[str, str]:
 
   Returns {'train': path, 'eval': path, 'spm': path}; built once, in the corpus cache.
   """
-  from paxcli.inputs.tfrecord import import_tf
   directory = build_corpus(vocab_size)
   paths = {split: os.path.join(directory, f'{split}.tfrecord') for split in ('train', 'eval')}
   paths['spm'] = os.path.join(directory, 'spm.model')
@@ -182,11 +182,7 @@ def write_tfrecords(vocab_size: int) -> dict[str, str]:
 
 def register_seqio_task(vocab_size: int, name: str = 'stdlib_docs') -> str:
   """Registers a seqio task over the local corpus files and our own sentencepiece model."""
-  import functools
-
-  from paxcli.inputs.tfrecord import import_tf
-  tf = import_tf()  # before seqio, which imports tensorflow itself
-  import seqio
+  tf, seqio = import_tf(), import_seqio()
   if name in seqio.TaskRegistry.names():
     return name
   paths = write_tfrecords(vocab_size)

@@ -8,10 +8,19 @@ Formats, by file name (a trailing `.gz` is read through gzip for .txt and .jsonl
   .jsonl, .ndjson       one JSON object per line (paxcli.inputs.sft: TEXT_FIELD, prompt and
                         completion, or chat messages)
   .parquet              one row per record, the same fields as JSONL (pyarrow)
+  .arrow                one row per record, the same fields: Arrow IPC files as Hugging Face
+                        `datasets` writes them (save_to_disk, its cache), memory-mapped, each
+                        row checked against the document bound before it is read
   .tfrecord(s)          tf.train.Example records, the same fields as bytes features
   .array_record         tf.train.Example records in ArrayRecord files (local files only)
 Sharded names (`train.tfrecord-00001-of-00064`) count by the part before the dash. Paths
 with a scheme (`gs://bucket/x/*.jsonl`) are globbed and read through tf.io.gfile.
+
+Hugging Face datasets, beside these: a directory `datasets`' save_to_disk wrote is read as its
+state.json lists its .arrow files (a DatasetDict's: its train split); `hf://datasets/Org/name`
+is a dataset of the Hub, from the local Hugging Face cache (downloaded there when missing and
+online: paxcli.inputs.hub), its train split's files (`hf://datasets/Org/name/GLOB` picks others).
+Only the data files are read: a dataset's loading script is never fetched nor run.
 
 The eval split: when the experiment gives no EVAL_DATA, a document belongs to the eval side
 when the SHA-1 of its text falls in 1 bucket of EVAL_BUCKETS (1 in 20); the train side
@@ -29,6 +38,7 @@ import dataclasses
 import glob
 import gzip
 import hashlib
+import importlib.util
 import io
 import itertools
 import os
@@ -36,13 +46,15 @@ import re
 from typing import Iterator, Optional, Sequence
 
 from paxcli.errors import UserError, shorten
-from paxcli.files import check_regular_file, member, parse_json
-from paxcli.inputs import bounds, sft
+from paxcli.files import check_regular_file, member, parse_json, read_json, rest_of_line
+from paxcli.inputs import bounds, hub, sft
+from paxcli.inputs.prepared import array_records
 from paxcli.inputs.tfrecord import import_tf
 
 EVAL_BUCKETS = 20
-FORMATS = {'.txt': 'text', '.jsonl': 'jsonl', '.ndjson': 'jsonl', '.parquet': 'parquet',
+FORMATS = {'.txt': 'text', '.jsonl': 'jsonl', '.ndjson': 'jsonl', '.parquet': 'parquet', '.arrow': 'arrow',
            '.tfrecord': 'tfrecord', '.tfrecords': 'tfrecord', '.array_record': 'array_record'}
+_TRAIN_SPLIT = re.compile(r'(^|[/_.-])train([/_.-]|$)')   # datasets' names of a train split's files
 _SHARD_SUFFIX = re.compile(r'-\d+-of-\d+$')
 
 
@@ -96,12 +108,17 @@ def expand(pattern: str) -> list[str]:
   symlink among them that resolves outside it (`shadow.txt -> /etc/shadow`) is a UserError,
   never read. A file named whole (no wildcard) is read wherever it is.
   """
-  if is_remote(pattern):
+  cached = hub.dataset_pattern(pattern)   # hf://datasets/Org/name: its files in the Hugging Face cache
+  if cached is not None:
+    files, base = _hub_dataset_files(cached, pattern), cached if os.path.isdir(cached) else _glob_base(cached)
+  elif is_remote(pattern):
     gfile = import_tf().io.gfile
     files, base = [p for p in gfile.glob(pattern) if not gfile.isdir(p)], None
   elif os.path.isdir(os.path.expanduser(pattern)):
     base = os.path.expanduser(pattern)
-    files = [p for p in _walk(base) if os.path.isfile(p) and _readable_name(p)]
+    files = _saved_dataset(base)
+    if files is None:
+      files = [p for p in _walk(base) if os.path.isfile(p) and _readable_name(p)]
   else:
     path = os.path.expanduser(pattern)
     files = [p for p in glob.glob(path, recursive=True) if not os.path.isdir(p)]
@@ -114,6 +131,44 @@ def expand(pattern: str) -> list[str]:
     if base is not None:
       member(base, os.path.relpath(path, base), 'data file')
   return files
+
+
+def _saved_dataset(directory: str) -> Optional[list[str]]:
+  """The .arrow files of a directory `datasets`' save_to_disk wrote, in its state.json's order (a
+  DatasetDict's: its train split's); None for another directory."""
+  if os.path.isfile(os.path.join(directory, 'dataset_dict.json')):
+    splits = _json_file(directory, 'dataset_dict.json').get('splits')
+    if not isinstance(splits, list) or 'train' not in splits:
+      raise UserError(f'{directory} is a saved DatasetDict of the splits {shorten(repr(splits), 100)}; paxcli trains on '
+                      'its "train" split: name the split\'s directory (TRAIN_DATA=DIR/SPLIT).')
+    directory = member(directory, 'train', 'split')
+  if not os.path.isfile(os.path.join(directory, 'state.json')):
+    return None
+  listed = _json_file(directory, 'state.json').get('_data_files')
+  if not isinstance(listed, list) or not all(isinstance(f, dict) and isinstance(f.get('filename'), str) for f in listed):
+    raise UserError(f'{directory}/state.json: _data_files must list {{"filename": ...}} entries, as save_to_disk '
+                    'writes them.')
+  return [member(directory, f['filename'], 'data file') for f in listed]
+
+
+def _json_file(directory: str, name: str) -> dict:
+  value = read_json(member(directory, name, 'dataset file'), name, 16 << 20)
+  if not isinstance(value, dict):
+    raise UserError(f'{directory}/{name}: a JSON object is needed.')
+  return value
+
+
+def _hub_dataset_files(local: str, pattern: str) -> list[str]:
+  """The readable files of a Hub dataset's snapshot (`local`: the directory, or a glob in it): with no glob
+  given, its train split's when its files name splits (data/train-00000-of-00001.parquet), else all."""
+  if not os.path.isdir(local):
+    return [p for p in glob.glob(local, recursive=True) if not os.path.isdir(p)]
+  files = [p for p in _walk(local) if _readable_name(p)]
+  train = [p for p in files if _TRAIN_SPLIT.search(os.path.relpath(p, local))]
+  if not files:
+    raise UserError(f'{shorten(pattern, 200)}: the dataset holds no file paxcli reads ({", ".join(FORMATS)}); '
+                    'paxcli never runs a dataset\'s loading script.')
+  return train or files
 
 
 def _walk(directory: str) -> Iterator[str]:
@@ -257,7 +312,7 @@ def _lines(path: str, errors: Optional[list[str]] = None) -> Iterator[tuple[int,
         n += 1
         if len(line) > limit and not line.endswith(b'\n'):
           del line
-          _rest_of_line(f)
+          rest_of_line(f)
           _bad(errors, f'{path} line {n}: a line of more than {limit:,} bytes{" (after gunzip)" if f is not raw else ""}; '
                        f'paxcli reads lines of at most that (PAXCLI_MAX_LINE_BYTES raises the bound).')
           continue
@@ -272,14 +327,6 @@ def _lines(path: str, errors: Optional[list[str]] = None) -> Iterator[tuple[int,
         yield n, box
     except (OSError, EOFError) as e:  # a truncated or corrupt .gz
       raise UserError(f'{path}: cannot read it ({e}).') from None
-
-
-def _rest_of_line(f) -> None:
-  """Reads past the end of the current line, a bounded piece at a time."""
-  while True:
-    part = f.readline(1 << 20)
-    if not part or part.endswith(b'\n'):
-      return
 
 
 def _bad(errors: Optional[list[str]], message: str) -> None:
@@ -338,8 +385,14 @@ def _json_object(line: str, where: str, text_field: str) -> dict:
   return record
 
 
+def _pyarrow():
+  """pyarrow, with its ipc and parquet modules: slow to import (0.3 s), so only for Parquet and Arrow files."""
+  import pyarrow, pyarrow.ipc, pyarrow.parquet  # noqa: E401 - one import, three modules
+  return pyarrow
+
+
 def _read_parquet(path: str, text_field: str, errors: Optional[list[str]] = None) -> Iterator[Document]:
-  import pyarrow.parquet as pq  # slow to import (0.3 s): only for Parquet files
+  pq = _pyarrow().parquet
   with _open(path) as f:
     try:
       parquet = pq.ParquetFile(io.BytesIO(f.read()) if is_remote(path) else f)
@@ -391,11 +444,8 @@ def _read_array_record(path: str, text_field: str, errors: Optional[list[str]] =
   if is_remote(path):
     raise UserError(f'{path}: ArrayRecord files are read from local disks only; copy them first.')
   check_regular_file(path, 'data file')
-  try:  # optional: array-record has wheels for Linux and macOS only
-    import array_record.python.array_record_module  # noqa: F401
-  except ImportError:
-    raise UserError('Reading ArrayRecord files needs the array-record package (pip install array-record).') from None
-  from paxcli.inputs.prepared import array_records
+  if importlib.util.find_spec('array_record') is None:  # optional: array-record has wheels for Linux and macOS only
+    raise UserError('Reading ArrayRecord files needs the array-record package (pip install array-record).')
   with array_records(path) as reader:
     total = reader.num_records()
     for start in range(0, total, 1024):
@@ -406,5 +456,54 @@ def _read_array_record(path: str, text_field: str, errors: Optional[list[str]] =
           yield doc
 
 
-_READERS = {'text': _read_text, 'jsonl': _read_jsonl, 'parquet': _read_parquet, 'tfrecord': _read_tfrecord,
-            'array_record': _read_array_record}
+def _read_arrow(path: str, text_field: str, errors: Optional[list[str]] = None) -> Iterator[Document]:
+  """An Arrow IPC file (the stream format `datasets` writes, or the file format), memory-mapped: a row is
+  read into Python only once its bytes are known to be within the document bound."""
+  pa = _pyarrow()
+  if is_remote(path):
+    raise UserError(f'{path}: Arrow files are read from local disks only; copy them first.')
+  check_regular_file(path, 'data file')
+  limit = bounds.max_line_bytes()
+  with pa.memory_map(path) as source:
+    batches, names = _arrow_batches(pa, source, path)
+    wanted = [c for c in (text_field, 'prompt', 'completion', 'messages') if c in names]
+    if not wanted:
+      raise UserError(f'{path}: no column {text_field!r} (nor "prompt" and "completion", nor "messages"); its '
+                      f'columns are {shorten(", ".join(names), 160)}. Set TEXT_FIELD to the column of the text.')
+    row = 0
+    for batch in batches:
+      try:
+        batch = batch.select(wanted)
+        batch.validate(full=True)   # offsets inside their buffers, UTF-8 strings: before any value is read
+      except pa.ArrowException as e:
+        raise UserError(f'{path}: a damaged Arrow file ({shorten(str(e), 200)}).') from None
+      for i in range(batch.num_rows):
+        where, one = f'{path} row {row}', batch.slice(i, 1)
+        row += 1
+        if one.nbytes > limit:
+          _bad(errors, f'{where}: a row of {one.nbytes:,} bytes; paxcli reads documents of at most {limit:,} '
+                       '(PAXCLI_MAX_LINE_BYTES raises the bound).')
+          continue
+        record = one.to_pylist()[0]
+        doc = _document(lambda: record_document({k: v for k, v in record.items() if v is not None}, text_field,
+                                                where), errors)
+        if doc is not None:
+          yield doc
+
+
+def _arrow_batches(pa, source, path: str):
+  """(the record batches, the column names) of an Arrow IPC stream or file."""
+  try:
+    reader = pa.ipc.open_stream(source)
+    return iter(reader), reader.schema.names
+  except pa.ArrowInvalid:
+    source.seek(0)
+  try:
+    reader = pa.ipc.open_file(source)
+  except pa.ArrowInvalid as e:
+    raise UserError(f'{path}: not an Arrow file ({shorten(str(e), 160)}).') from None
+  return (reader.get_batch(i) for i in range(reader.num_record_batches)), reader.schema.names
+
+
+_READERS = {'text': _read_text, 'jsonl': _read_jsonl, 'parquet': _read_parquet, 'arrow': _read_arrow,
+            'tfrecord': _read_tfrecord, 'array_record': _read_array_record}

@@ -55,6 +55,9 @@ class FileLmInput(StreamInput):
   seq_len: int = 128
   text_field: str = 'text'
   tokenizer: Optional[str] = None  # a sentencepiece .model or a tokenizer.json; None: trained
+  # chat records: '' the tokenizer's own template (its default), refused when it ships none unless the
+  # tokenizer is trained here; a name of another it ships; 'paxcli' paxcli's own format (inputs.sft)
+  chat_template: str = ''
   tokenizer_data: Optional[Data] = None  # what a trained tokenizer learns from; None: `data`
   vocab_size: int = 0  # the model's: the tokenizer must fit in it; 0: no check
   shuffle_buffer: int = 1024  # rows, when training
@@ -69,11 +72,12 @@ class FileLmInput(StreamInput):
     self.sources = [(documents.expand(glob), weight) for glob, weight in sources(self.data, self.name)]
     self._tok = tokenizers.load_for_documents(self.tokenizer or auto_tokenizer(
         self.tokenizer_data or self.data, self.text_field, self.vocab_size or DEFAULT_VOCAB_SIZE))
-    self._chat = chat_template.of_tokenizer(self._tok)   # None: paxcli's own (inputs.sft)
+    self._chat = chat_template.of_tokenizer(self._tok, self.chat_template)   # None: paxcli's own (inputs.sft)
+    # a tokenizer paxcli trained has no format but paxcli's; any other shipping none is asked to choose
+    self._own_chat = self.chat_template == chat_template.OWN or (self._chat is None and self._tok.trained_here())
     self.eos_id = self._tok.eos_id
-    if self.vocab_size and self._tok.vocab_size > self.vocab_size:
-      raise UserError(f'The tokenizer {self._tok.path} has {self._tok.vocab_size} tokens, more than the model\'s '
-                      f'{self.vocab_size}: set VOCAB_SIZE={self._tok.vocab_size} (or more).')
+    note = tokenizers.check_fits(self._tok.vocab_size, self.vocab_size, self._tok.path)
+    self.notes = [note] if note else []   # what the command says once the run's checks pass (NOTES)
     for files, _ in self.sources:
       self._check_has_documents(files)
 
@@ -132,6 +136,8 @@ class FileLmInput(StreamInput):
     """A document's training pairs: a chat through the model's own template when it ships one."""
     if self._chat is not None and doc.messages is not None:
       return self._chat.example(doc.messages, self._tok, doc.where)
+    if doc.messages is not None and not self._own_chat:
+      raise chat_template.no_template(doc.where, self._tok, f'CHAT_TEMPLATE={chat_template.OWN}')
     return packing.tokenize(doc.chunks, self._tok.encode_many([c.text for c in doc.chunks]), self.eos_id,
                             self._tok.bos_id if self._tok.bos_first else None)
 
@@ -177,6 +183,30 @@ def sources(data: Data, name: str = 'data', what: tuple[str, str] = ('glob', 'gl
       out.append((key, float(weight)))
     return out
   raise UserError(f'Input {name!r}: give the data as a {what[0]} or as {{{what[0]}: weight}}; got {shorten(repr(data), 80)}.')
+
+
+def sample_prompts(data: Data, text_field: str, split: str, count: int = 4, most: int = 1000) -> list[str]:
+  """Up to `count` prompts from the first `most` documents of `data` on one side of the split, for decoding
+  while training on them: a prompt/completion record's prompt, else a text document's first words (a
+  chat, whose prompt needs the model's template, gives none). [] when the data cannot be read (its
+  input says why, in one line, when it is built)."""
+  prompts, seen = [], 0
+  try:
+    for glob, _ in sources(data):
+      for path in documents.expand(glob):
+        for doc in documents.read_split(path, text_field, split):
+          seen += 1
+          if len(prompts) == count or seen > most:
+            return prompts
+          if doc.messages is None:
+            prompts.append(doc.chunks[0].text if len(doc.chunks) > 1 else _first_words(doc.chunks[0].text))
+  except UserError:
+    return []
+  return [p for p in prompts if p.strip()]
+
+
+def _first_words(text: str, words: int = 6, chars: int = 48) -> str:
+  return ' '.join(text[:4 * chars].split()[:words])[:chars]
 
 
 def _mixed(streams: list[Iterator], weights: list[float], rng: np.random.Generator) -> Iterator:

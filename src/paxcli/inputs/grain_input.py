@@ -230,9 +230,8 @@ class GrainLmInput(BaseInput):
     if not self.num_docs:
       raise UserError(f'{self.data}: the prepared data has no {self.split} document.')
     self._tokenizer_path = prepared.member(self._sources[0][0], self.manifest.tokenizer, 'tokenizer')
-    if self.vocab_size and self.manifest.vocab_size > self.vocab_size:
-      raise UserError(f'{self.data}: its tokenizer has {self.manifest.vocab_size} tokens, more than the model\'s '
-                      f'{self.vocab_size}: set VOCAB_SIZE={self.manifest.vocab_size} (or more).')
+    note = tokenizers.check_fits(self.manifest.vocab_size, self.vocab_size, f'of {self.data}')
+    self.notes = [note] if note else []   # said by the command once its checks pass
     self._docs = self._documents()
     self._end = None if self.is_training and self.repeat else self.num_docs
     self._iterator = None

@@ -78,9 +78,8 @@ def write_shard(path: str, records) -> tuple[int, int]:
   """Writes encoded records (an iterable of bytes) to an ArrayRecord file through a temporary
   name renamed at the end (a killed writer leaves no half shard under the real name);
   returns (records, tokens). group_size:1 keeps random access cheap for a shuffling reader."""
-  from array_record.python.array_record_module import ArrayRecordWriter  # Linux/macOS wheels only
   tmp = path + '.partial'
-  writer = ArrayRecordWriter(tmp, 'group_size:1')
+  writer = _array_record().ArrayRecordWriter(tmp, 'group_size:1')
   count = tokens = 0
   try:
     for record in records:
@@ -271,13 +270,18 @@ def _tokenizer_bytes(directory: str, manifest: Manifest) -> bytes:
     return f.read(MAX_TOKENIZER_BYTES + 1)
 
 
+def _array_record():
+  """array_record's module: its wheels are Linux and macOS only, so it is imported where a shard is read or written."""
+  from array_record.python import array_record_module
+  return array_record_module
+
+
 @contextlib.contextmanager
 def array_records(path: str):
   """An open ArrayRecordReader of `path`; a file that is not one (random bytes, a truncated shard) is a
   UserError naming it. The reader's close() raises on such a file too, which must not hide that line."""
-  from array_record.python.array_record_module import ArrayRecordReader  # Linux/macOS wheels only
   try:
-    reader = ArrayRecordReader(path)
+    reader = _array_record().ArrayRecordReader(path)
   except (RuntimeError, OSError) as e:
     raise UserError(f'{shorten(path, 200)}: cannot read it as an ArrayRecord file ({shorten(e, 160)}).') from None
   try:

@@ -17,7 +17,7 @@ import numpy as np
 
 from paxcli.errors import UserError, did_you_mean
 from paxcli.inputs.base import decode_rows
-from paxcli.inputs.tfrecord import TfDataInput, import_tf
+from paxcli.inputs.tfrecord import TfDataInput, import_seqio
 
 _DECODER_KEYS = {'decoder_input_tokens': 'ids', 'decoder_target_tokens': 'labels',
                  'decoder_loss_weights': 'weights', 'decoder_segment_ids': 'segment_ids',
@@ -25,8 +25,7 @@ _DECODER_KEYS = {'decoder_input_tokens': 'ids', 'decoder_target_tokens': 'labels
 
 
 def get_mixture_or_task(name: str):
-  import_tf()  # first: hides GPUs from tensorflow and quiets its start-up logs
-  import seqio
+  seqio = import_seqio()
   try:
     return seqio.get_mixture_or_task(name)
   except ValueError:
@@ -59,7 +58,7 @@ class SeqIOInput(TfDataInput):
       raise UserError(f'SeqIOInput {self.name!r} needs task_feature_lengths, e.g. {{"targets": 128}}.')
 
   def _converter(self):
-    import seqio
+    seqio = import_seqio()
     if self.feature_converter == 'decoder':
       return seqio.DecoderFeatureConverter(pack=self.pack)
     if self.feature_converter == 'enc_dec':
@@ -67,8 +66,7 @@ class SeqIOInput(TfDataInput):
     raise UserError(f"SeqIOInput feature_converter must be 'decoder' or 'enc_dec', got {self.feature_converter!r}.")
 
   def dataset(self, skip_batches: int = 0):
-    import seqio
-    import_tf()
+    seqio = import_seqio()
     shuffle = self.is_training if self.shuffle is None else self.shuffle
     ds = seqio.get_dataset(
         self.task, task_feature_lengths=dict(self.task_feature_lengths),

@@ -12,26 +12,33 @@ padded to seq_len, or to the longest in the batch when seq_len is 0).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import glob
 import os
 import random
 import sys
-import tempfile
 from typing import Iterator, Optional
 
 import numpy as np
+import sentencepiece as spm
 
+from paxcli.files import held_stderr
 from paxcli.errors import UserError
+from paxcli.files import check_regular_file
 from paxcli.inputs.base import StreamInput, decode_rows
 
 KINDS = ('int64', 'float', 'bytes')
 _TF = None  # tensorflow, once imported quietly
 
 
+# TensorFlow and seqio are the `tf` extra: the default run and the file inputs (JSONL, Parquet, text, Grain,
+# prepared shards) do without them, and they are most of an install's size.
+TF_EXTRA = ("TFRecord files, SeqIO tasks, C4 and gs:// data files are read with TensorFlow{}, which this "
+            "install does not have: pip install 'paxcli[tf]' (make install has it).")
+
+
 def import_tf():
-  """tensorflow, for tf.data only: never allowed to take a GPU from jax.
+  """tensorflow, for tf.data only: never allowed to take a GPU from jax; without it, one line naming the extra.
 
   TensorFlow's C++ start-up logs (oneDNN, "no CUDA drivers", cuInit) go to stderr before
   any log level applies; they are held back during the import and shown only if the
@@ -40,32 +47,38 @@ def import_tf():
   global _TF
   if _TF is None:
     os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
-    with _quiet_stderr() as captured:
+    with held_stderr() as captured:
       try:
         import tensorflow as tf
         try:
           tf.config.set_visible_devices([], 'GPU')
         except RuntimeError:  # tensorflow already started its devices elsewhere
           pass
+      except ModuleNotFoundError as e:
+        if e.name != 'tensorflow':
+          sys.stderr.write(captured())
+          raise
+        tf = None
       except BaseException:
         sys.stderr.write(captured())
         raise
+    if tf is None:
+      raise UserError(TF_EXTRA.format(''))
     _TF = tf
   return _TF
 
 
-@contextlib.contextmanager
-def _quiet_stderr():
-  """Sends file descriptor 2 to a temporary file; yields a function returning its text."""
-  sys.stderr.flush()
-  saved = os.dup(2)
-  with tempfile.TemporaryFile(mode='w+b') as tmp:
-    os.dup2(tmp.fileno(), 2)
-    try:
-      yield lambda: (tmp.seek(0), tmp.read().decode('utf-8', 'replace'))[1]
-    finally:
-      os.dup2(saved, 2)
-      os.close(saved)
+def import_seqio():
+  """seqio, after tensorflow (which it imports itself: import_tf's quiet start goes first); without it, one
+  line naming the extra."""
+  import_tf()
+  try:
+    import seqio
+  except ModuleNotFoundError as e:
+    if e.name != 'seqio':
+      raise
+    raise UserError(TF_EXTRA.format(' and seqio')) from None
+  return seqio
 
 
 def expand_files(pattern: str) -> list[str]:
@@ -77,7 +90,6 @@ def expand_files(pattern: str) -> list[str]:
 
 def read_examples(path: str, limit: Optional[int] = None) -> Iterator[dict[str, tuple[str, list]]]:
   """Parsed tf.train.Examples of one file: {feature: (kind, values)}; UserError if not TFRecord."""
-  from paxcli.files import check_regular_file
   check_regular_file(path, 'TFRecord file')  # before tensorflow: a FIFO or /dev/zero is refused at once
   tf = import_tf()
   dataset = tf.data.TFRecordDataset(path)
@@ -209,7 +221,6 @@ class TFRecordInput(TfDataInput):
     if not self.spm_model:
       return super().ids_to_strings(ids, lengths)
     if self._sp is None:
-      import sentencepiece as spm
       self._sp = spm.SentencePieceProcessor(model_file=self.spm_model)
     return decode_rows(self._sp.decode, ids, lengths)
 

@@ -7,10 +7,13 @@ sentencepiece. Both give `encode`, `decode`, `vocab_size` and the special ids.
 
 A tokenizer as Hugging Face ships it has a `tokenizer_config.json` beside it (CONFIG_NAME): its
 bos/eos/pad tokens name the special ids, and `add_bos_token` (or, for a tokenizer.json, its own
-post-processor) says that every text starts with BOS, which `bos_first` reports. The file's
-`chat_template` is Jinja code of the model's authors: paxcli keeps it with the job and renders it
-only in jinja2's sandbox, for chat JSONL (paxcli.inputs.chat_template). `encode_rendered` reads
-such a rendering: special tokens written as text stand for themselves, as in transformers.
+post-processor) says that every text starts with BOS, which `bos_first` reports. Its chat templates
+are Jinja code of the model's authors, shipped where transformers reads them (`chat_templates`):
+`chat_template.jinja` and `additional_chat_templates/NAME.jinja` (what transformers 5's
+save_pretrained writes), else the config's `chat_template`. paxcli keeps them with the job, folded
+into the copy of the config (`folded_config`), and renders them only in jinja2's sandbox, for chat
+JSONL (paxcli.inputs.chat_template). `encode_rendered` reads such a rendering: special tokens
+written as text stand for themselves, as in transformers.
 
 `train_sentencepiece` is what `pax tokenizer train` and the file inputs' first-use training
 call: a Unigram model with byte fallback and the ids paxcli's corpus tokenizer has (pad 0,
@@ -24,14 +27,14 @@ import io
 import json
 import os
 import re
-from typing import Iterable, Iterator, Optional
+from typing import Iterable, Iterator, NamedTuple, Optional
 
 import numpy as np
 import sentencepiece as spm
 import tokenizers as hf_tokenizers
 
 from paxcli import files
-from paxcli.errors import UserError
+from paxcli.errors import UserError, shorten
 from paxcli.files import check_regular_file, read_text
 
 # The special tokens of common tokenizer.json files, most usual first: the first one present
@@ -40,6 +43,11 @@ HF_EOS = ('</s>', '<|endoftext|>', '<|end_of_text|>', '<eos>', '<|im_end|>', '[S
 HF_PAD = ('<pad>', '<|pad|>', '[PAD]')
 HF_BOS = ('<s>', '<|begin_of_text|>', '<bos>', '[CLS]')
 CONFIG_NAME = 'tokenizer_config.json'   # beside a shipped tokenizer: its special tokens, chat template
+TEMPLATE_FILE = 'chat_template.jinja'          # transformers 5 writes a tokenizer's chat template here,
+TEMPLATE_DIR = 'additional_chat_templates'     # and its other named templates here, as NAME.jinja
+MAX_TEMPLATE_BYTES = 1 << 20   # a released chat template is a few KB (Qwen 3's: 4 KB)
+MAX_TEMPLATES = 64             # named templates read beside one tokenizer
+_TEMPLATE_NAME = re.compile(r'^[A-Za-z0-9_.-]{1,64}$')
 # sentencepiece skips sentences longer than max_sentence_length bytes: longer lines are cut.
 _MAX_LINE_CHARS = 2000
 _MAX_LINE_BYTES = 4 * _MAX_LINE_CHARS
@@ -70,6 +78,80 @@ def shipped_config(path: str) -> dict:
   if not isinstance(config, dict):
     raise UserError(f'{beside} is a JSON {type(config).__name__}, not an object.')
   return config
+
+
+class Template(NamedTuple):
+  """A chat template as shipped: its Jinja text and the file it was read from (named in errors)."""
+  text: str
+  source: str
+
+
+def chat_templates(path: str) -> dict[str, Template]:
+  """The chat templates shipped beside the tokenizer at `path`, by name ('default': the one
+  transformers' apply_chat_template uses when asked for none), read as transformers 5 reads them:
+  chat_template.jinja ('default') and additional_chat_templates/NAME.jinja; only when neither is
+  there, tokenizer_config.json's `chat_template` (a string: 'default'; a list of {name, template}).
+  Each is read as text, bounded, from a regular file inside the tokenizer's directory; {} when none."""
+  directory = os.path.dirname(path)
+  found: dict[str, Template] = {}
+  default = files.member(directory, TEMPLATE_FILE, 'chat template')
+  if os.path.lexists(default):
+    found['default'] = Template(read_text(default, 'chat template', MAX_TEMPLATE_BYTES), default)
+  named = files.member(directory, TEMPLATE_DIR, 'chat templates')
+  if os.path.isdir(named):
+    names = sorted(n for n in os.listdir(named) if n.endswith('.jinja'))
+    if len(names) > MAX_TEMPLATES:
+      raise UserError(f'{named} holds {len(names)} chat templates; paxcli reads at most {MAX_TEMPLATES}.')
+    for name in names:
+      if not _TEMPLATE_NAME.match(name[:-len('.jinja')]):
+        raise UserError(f'{named}: {shorten(name, 80)!r} is no template name (letters, digits, _ . -).')
+      file = files.member(directory, f'{TEMPLATE_DIR}/{name}', 'chat template')
+      found[name[:-len('.jinja')]] = Template(read_text(file, 'chat template', MAX_TEMPLATE_BYTES), file)
+  if found:   # transformers: template files, where there are any, take the place of the config's
+    return found
+  config = shipped_config(path)
+  return _config_templates(config.get('chat_template'), config_beside(path) or path)
+
+
+def _config_templates(value, source: str) -> dict[str, Template]:
+  """tokenizer_config.json's `chat_template` by name: a string, or a list of {"name", "template"}."""
+  if value is None:
+    return {}
+  if isinstance(value, str):
+    return {'default': Template(value, source)}
+  shape = 'a string, or a list of {"name": ..., "template": ...}'
+  if not isinstance(value, list) or len(value) > MAX_TEMPLATES:
+    raise UserError(f'{source}: chat_template must be {shape} (at most {MAX_TEMPLATES}).')
+  out = {}
+  for entry in value:
+    if not (isinstance(entry, dict) and isinstance(entry.get('name'), str) and isinstance(entry.get('template'), str)):
+      raise UserError(f'{source}: chat_template must be {shape}; got an entry {shorten(repr(entry), 80)}.')
+    if not _TEMPLATE_NAME.match(entry['name']):   # it names a file when the template is written out (--to hf)
+      raise UserError(f'{source}: {shorten(entry["name"], 80)!r} is no chat template name (letters, digits, _ . -).')
+    out[entry['name']] = Template(entry['template'], source)
+  return out
+
+
+def folded_config(path: str) -> Optional[dict]:
+  """The tokenizer_config.json to keep beside a copy of the tokenizer at `path` (a job's, a prepared
+  directory's): the shipped one with every shipped chat template folded into its `chat_template`
+  (a string when 'default' is the only one, else transformers' list of {name, template}), so one
+  file carries them; None when the tokenizer ships neither config nor template."""
+  config, templates = shipped_config(path), chat_templates(path)
+  if not config and not templates:
+    return None
+  config = {k: v for k, v in config.items() if k != 'chat_template'}
+  if list(templates) == ['default']:
+    config['chat_template'] = templates['default'].text
+  elif templates:
+    config['chat_template'] = [{'name': name, 'template': t.text} for name, t in templates.items()]
+  return config
+
+
+def folded_config_bytes(path: str) -> Optional[bytes]:
+  """folded_config as the bytes paxcli writes (None: no config to write)."""
+  config = folded_config(path)
+  return None if config is None else json.dumps(config, indent=1, ensure_ascii=False).encode('utf-8')
 
 
 def token_text(value) -> Optional[str]:
@@ -112,6 +194,18 @@ class SentencePieceTokenizer:
     return {f'{k}_token': (self._sp.id_to_piece(i) if i is not None else None)
             for k, i in (('bos', self.bos_id), ('eos', self.eos_id), ('pad', self.pad_id),
                          ('unk', _id_or_none(self._sp.unk_id())))}
+
+  def trained_here(self) -> bool:
+    """Whether train_sentencepiece made this model (its trainer's settings are in the model: Unigram with
+    byte fallback, pad 0, eos 1, unk 2, no BOS, one thread, lines in order): a tokenizer whose only chat
+    format is paxcli's own, whoever names it (TOKENIZER, a job's kept copy)."""
+    from sentencepiece import sentencepiece_model_pb2   # protobuf's classes: only when a chat asks
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(self._sp.serialized_model_proto())
+    spec = proto.trainer_spec
+    return ((spec.model_type, spec.byte_fallback, spec.hard_vocab_limit, spec.num_threads, spec.shuffle_input_sentence,
+             spec.max_sentence_length, spec.pad_id, spec.eos_id, spec.unk_id, spec.bos_id)
+            == (1, True, False, 1, False, _MAX_LINE_BYTES, 0, 1, 2, -1))
 
   def encode(self, text: str) -> list[int]:
     return list(self._sp.encode(utf8_text(text)))
@@ -190,6 +284,10 @@ class HfTokenizer:
     return {f'{k}_token': (self._tok.id_to_token(i) if i is not None else None)
             for k, i in (('bos', self.bos_id), ('eos', self.eos_id), ('pad', self.pad_id))}
 
+  def trained_here(self) -> bool:
+    """paxcli trains sentencepiece models only."""
+    return False
+
   def encode(self, text: str) -> list[int]:
     return list(self._tok.encode(utf8_text(text), add_special_tokens=False).ids)
 
@@ -216,6 +314,30 @@ def load(path: str) -> Tokenizer:
   """The tokenizer at `path`: a tokenizer.json (by its name) or a sentencepiece model."""
   check_regular_file(path, 'tokenizer')
   return HfTokenizer(path) if kind_of(path) == 'hf' else SentencePieceTokenizer(path)
+
+
+# A model's vocabulary padded past its tokenizer (Qwen 2.5's 151,936 rows for 151,665 tokens, T5's 32,128 for
+# 32,100: a multiple of 64 or 128 runs faster) is deliberate; past this share unused it is a mismatch.
+UNUSED_SHARE_SAID = 0.1
+
+
+def check_fits(pieces: int, vocab_size: int, what: str) -> Optional[str]:
+  """UserError when a tokenizer of `pieces` tokens (`what`: its file) has more than the model's VOCAB_SIZE;
+  a note to print (one line) when a tenth or more of the model's ids are no token of it: the model keeps
+  VOCAB_SIZE (its shape is the knob's, as checkpoints and conversions read it), and the line says what it
+  costs and how to fit it. None when there is nothing to say."""
+  if not vocab_size:
+    return None
+  if pieces > vocab_size:
+    raise UserError(f'The tokenizer {what} has {pieces} tokens, more than the model\'s {vocab_size}: set '
+                    f'VOCAB_SIZE={pieces} (or more).')
+  unused = vocab_size - pieces
+  if unused < UNUSED_SHARE_SAID * vocab_size:
+    return None
+  fit = -(-pieces // 128) * 128
+  return (f'The tokenizer {what} has {pieces:,} tokens and VOCAB_SIZE is {vocab_size:,}: {unused:,} ids are no token '
+          f'(their embedding rows and logits only learn not to be chosen). Set VOCAB_SIZE={pieces} to fit it, or '
+          f'{fit} (a multiple of 128, faster on accelerators).')
 
 
 def load_for_documents(path: str) -> Tokenizer:

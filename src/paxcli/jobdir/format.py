@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 
-from paxcli import __version__
+from paxcli import version
 from paxcli import files
 from paxcli.errors import UserError
 from paxcli.jobdir import layout
@@ -27,7 +27,7 @@ KEY = 'format_version'
 
 def stamp(meta: dict) -> dict:
   """A checkpoint's metadata with the format and paxcli version that write it."""
-  return {**meta, KEY: FORMAT_VERSION, 'paxcli_version': __version__}
+  return {**meta, KEY: FORMAT_VERSION, 'paxcli_version': version.current()}
 
 
 def of(record: dict) -> int:
@@ -44,7 +44,7 @@ def check(record: dict, what: str) -> None:
   if found > FORMAT_VERSION:
     writer = record.get('paxcli_version')
     by = f' by paxcli {writer}' if isinstance(writer, str) else ''
-    raise UserError(f'{what} was written{by} in format {found}; this paxcli ({__version__}) reads formats up to '
+    raise UserError(f'{what} was written{by} in format {found}; this paxcli ({version.current()}) reads formats up to '
                     f'{FORMAT_VERSION}. Upgrade paxcli to read it.')
 
 
@@ -68,7 +68,7 @@ def check_job(job_dir: str) -> None:
 
 def write_job(job_dir: str) -> None:
   """Marks a job directory with this paxcli's format (never lowering a newer one: check_job refused that)."""
-  data = json.dumps({KEY: FORMAT_VERSION, 'paxcli_version': __version__}).encode() + b'\n'
+  data = json.dumps({KEY: FORMAT_VERSION, 'paxcli_version': version.current()}).encode() + b'\n'
   if storage.is_local(job_dir):
     files.atomic_write(layout.format_file(job_dir), data)
   else:

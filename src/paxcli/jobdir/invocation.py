@@ -20,9 +20,9 @@ import json
 import os
 import shlex
 import sys
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
-from paxcli import __version__, files, gencode
+from paxcli import files, gencode, version
 from paxcli.errors import UserError, shorten
 from paxcli.jobdir import layout, storage
 from paxcli.values import parse_value
@@ -47,7 +47,7 @@ def record(job_dir: str) -> None:
   """Appends `<UTC time>  paxcli <version>  <command line>` to job_dir/invocations.txt."""
   storage.makedirs(job_dir)
   now = datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%dT%H:%M:%SZ')
-  storage.append_text(layout.invocations(job_dir), f'{now}  paxcli {__version__}  {command_line()}\n')
+  storage.append_text(layout.invocations(job_dir), f'{now}  paxcli {version.current()}  {command_line()}\n')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +59,13 @@ class Made:
   def without_layout(self) -> Made:
     """The record without its mesh and pipeline settings (LAYOUT_KNOBS)."""
     return Made(self.experiment, tuple(o for o in self.overrides if key_of(o) not in LAYOUT_KNOBS))
+
+  def replayable(self, allowed: Callable[[str], bool]) -> tuple[Made, tuple[str, ...]]:
+    """(the record with only the overrides whose key `allowed` admits, the keys of those left out, once each):
+    a record read back sets model and data knobs only (Experiment.replayable)."""
+    kept = tuple(o for o in self.overrides if allowed(key_of(o)))
+    left = tuple(dict.fromkeys(key_of(o) for o in self.overrides if not allowed(key_of(o))))
+    return Made(self.experiment, kept), left
 
   def command(self) -> str:
     """`--exp E --set A=1 ...`: what to type to use them."""
@@ -82,7 +89,7 @@ def record_made(job_dir: str, made: Made) -> None:
   `pax import-maxtext`) is kept beside it (layout.RECIPE_COPY), which readers of the job read as data."""
   _keep_recipe(job_dir, made.experiment)
   now = datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%dT%H:%M:%SZ')
-  line = json.dumps({'time': now, 'paxcli': __version__, 'experiment': made.experiment,
+  line = json.dumps({'time': now, 'paxcli': version.current(), 'experiment': made.experiment,
                      'overrides': list(made.overrides)})
   storage.makedirs(job_dir)
   storage.append_text(layout.made(job_dir), line + '\n')   # one line, whole: a local append is one write

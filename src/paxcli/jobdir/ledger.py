@@ -51,6 +51,7 @@ from paxcli import files
 from paxcli.errors import UserError
 from paxcli.jobdir import layout
 from paxcli.jobdir import storage
+from paxcli.runtime import distributed  # no JAX: its module imports it inside functions only
 
 PROCESS_CATEGORIES = ('productive', 'recomputed', 'startup', 'compile', 'data', 'checkpoint', 'eval', 'shutdown')
 CATEGORIES = PROCESS_CATEGORIES + ('restart',)
@@ -107,26 +108,24 @@ class Ledger:
   """One process's append-only ledger: a line per event, flushed at once; `keep_flushing` adds a
   progress line every PROGRESS_SECONDS from a thread, so that a kill loses at most those seconds.
 
-  In a bucket, where an object cannot be appended to, the file is rewritten whole at each line
-  (storage.write_bytes), with only this run's last progress line kept: earlier lines are as read.
+  In a bucket, where an object cannot be appended to, this run (incarnation) writes an object of its own
+  (layout.goodput_ledger_part), rewritten at each line with its few lines (its start, resume and end, and
+  its last progress line only): a write costs this run's lines, never the job's history.
   """
 
-  def __init__(self, path: str):
-    self.path = path
+  def __init__(self, job_dir: str, process: int):
     self.inc = secrets.token_hex(6)
+    self._local = storage.is_local(job_dir)
+    self.path = (layout.goodput_ledger(job_dir, process) if self._local
+                 else layout.goodput_ledger_part(job_dir, process, self.inc))
     self._lock = threading.Lock()
     self._stop = threading.Event()
     self._thread: Optional[threading.Thread] = None
     self._closed, self._failed = False, False
-    self._local = storage.is_local(path)
     if self._local:
-      os.makedirs(os.path.dirname(path), exist_ok=True)
-      self._file = open(path, 'a', encoding='utf-8')
+      os.makedirs(os.path.dirname(self.path), exist_ok=True)
+      self._file = open(self.path, 'a', encoding='utf-8')
     else:
-      try:
-        self._before = storage.read_bytes(path, MAX_LEDGER_BYTES)
-      except FileNotFoundError:
-        self._before = b''
       self._lines, self._progress = [], ''
 
   def write(self, kind: str, **fields) -> None:
@@ -143,7 +142,7 @@ class Ledger:
       else:
         self._lines.append(line)
         self._progress = '' if kind == 'end' else self._progress
-      storage.write_bytes(self.path, self._before + ''.join(self._lines + [self._progress]).encode())
+      storage.write_bytes(self.path, ''.join(self._lines + [self._progress]).encode())
 
   def keep_flushing(self, snapshot: Callable[[], dict], every: float = PROGRESS_SECONDS) -> None:
     def run():
@@ -151,19 +150,25 @@ class Ledger:
         try:
           self.write('progress', **snapshot())
         except Exception as e:  # pylint: disable=broad-except
-          if not self._failed:  # a full disk or an unreachable bucket: said once, and training goes on
-            self._failed = True
-            print(f'WARNING: could not write the goodput ledger {self.path} ({type(e).__name__}: {e}); '
-                  'training goes on, its account may miss time.', file=sys.stderr, flush=True)
+          self._warn(e)   # a full disk or an unreachable bucket: said once, and training goes on
     self._thread = threading.Thread(target=run, name='paxcli-goodput-ledger', daemon=True)
     self._thread.start()
+
+  def _warn(self, e: BaseException) -> None:
+    if not self._failed:
+      self._failed = True
+      print(f'WARNING: could not write the goodput ledger {self.path} ({type(e).__name__}: {e}); '
+            'training goes on, its account may miss time.', file=sys.stderr, flush=True)
 
   def close(self, **end) -> None:
     """Stops the progress thread and writes the `end` line."""
     self._stop.set()
     if self._thread is not None:
       self._thread.join(timeout=5)
-    self.write('end', **end)
+    try:
+      self.write('end', **end)
+    except storage.BucketError as e:   # the bucket does not answer: said once, as for a progress line
+      self._warn(e)
     with self._lock:
       self._closed = True
       if self._local:
@@ -171,11 +176,19 @@ class Ledger:
 
 
 def start_fields(started: float, process: int, processes: int) -> dict:
-  """The `start` line of this incarnation, with the launch attempt it belongs to (from `pax launch`)."""
-  from paxcli.runtime import distributed  # no JAX: its module imports it inside functions only
+  """The `start` line of this incarnation, with the launch attempt it belongs to (from `pax launch`) and the
+  SLURM job and its requeue count (SLURM_RESTART_COUNT) where SLURM started it."""
   launch = distributed.launch_attempt()
-  return {'t': started, 'pid': os.getpid(), 'host': socket.gethostname(), 'process': process,
-          'processes': processes, **({'launch': launch[0], 'attempt': launch[1]} if launch else {})}
+  job, requeues = os.environ.get('SLURM_JOB_ID', ''), os.environ.get('SLURM_RESTART_COUNT', '0')
+  return {'t': started, **whereabouts(), 'process': process,
+          'processes': processes, **({'launch': launch[0], 'attempt': launch[1]} if launch else {}),
+          **({'slurm_job': job, 'requeue': int(requeues)} if job.isdigit() and requeues.isdigit() else {})}
+
+
+def whereabouts() -> dict:
+  """This process's host, pid and kernel start time, in a start line: what tells a process without an end
+  line that still runs from one that was killed (a pid alone may have been reused)."""
+  return {'pid': os.getpid(), 'host': socket.gethostname(), 'ticks': start_ticks(os.getpid())}
 
 
 def append(path: str, records: list[dict]) -> None:
@@ -214,8 +227,10 @@ class Incarnation:
   last: Optional[float] = None   # the end of what is accounted: its end, or its last progress (a kill)
   step: Optional[int] = None     # the last step done
   steps: dict = dataclasses.field(default_factory=dict)
-  status: Optional[int] = None   # exit status; None: it never wrote an end (killed)
+  status: Optional[int] = None   # exit status; None: it never wrote an end (killed, or running)
   resumed: Optional[dict] = None  # {'step', 'tier'}
+  where: Optional[tuple] = None   # (host, pid, kernel start ticks) of its process, to tell running from killed
+  slurm: Optional[tuple] = None  # (SLURM job id, its requeue count) where SLURM started it
 
 
 @dataclasses.dataclass
@@ -226,14 +241,18 @@ class Launch:
   end: Optional[float] = None
   code: Optional[int] = None
   failures: list = dataclasses.field(default_factory=list)
+  where: Optional[tuple] = None   # as Incarnation's
 
 
 def read(job_dir: str) -> tuple[dict[int, list[Incarnation]], dict[str, Launch], int]:
   """({process: incarnations in start order}, {launch id: launch}, lines skipped) of a job directory."""
-  processes, skipped = {}, [0]
+  by_process, skipped = {}, [0]
   for name in sorted(storage.listdir(layout.goodput(job_dir))):
-    if name.startswith('process_') and name.endswith('.jsonl') and name[8:-6].isdigit():
-      processes[int(name[8:-6])] = incarnations(_records(storage.join(layout.goodput(job_dir), name), skipped))
+    process = layout.goodput_process(name)
+    if process is not None:   # its ledger, and in a bucket each run's own part
+      by_process.setdefault(process, []).append(layout.entry(layout.goodput(job_dir), name))
+  processes = {p: incarnations(r for path in paths for r in _records(path, skipped))
+               for p, paths in by_process.items()}
   launches = {}
   if storage.isfile(layout.launch_ledger(job_dir)):
     launches = _launches(_records(layout.launch_ledger(job_dir), skipped))
@@ -241,37 +260,42 @@ def read(job_dir: str) -> tuple[dict[int, list[Incarnation]], dict[str, Launch],
 
 
 def _records(path: str, skipped: list[int]):
-  """The well-formed lines of one ledger file, one at a time; skipped[0] counts those that are not."""
+  """The well-formed lines of one ledger file, one at a time, read a bounded line at a time (a line over
+  MAX_LINE_BYTES is skipped without being held); skipped[0] counts those that are not well formed."""
   size = storage.regular_file_size(path)
   if size is None:
     raise UserError(f'{path} is not a file; a goodput ledger is one.')
   if size > MAX_LEDGER_BYTES:
     raise UserError(f'{path} is {size:,} bytes; paxcli reads goodput ledgers of at most {MAX_LEDGER_BYTES:,}.')
-  for raw in _lines(path):
-    if len(raw) > MAX_LINE_BYTES or not raw.endswith(b'\n'):
-      skipped[0] += 1
-      continue
-    try:
-      record = files.parse_json(raw, path, max_depth=4)
-    except UserError:
-      skipped[0] += 1
-      continue
-    if isinstance(record, dict) and isinstance(record.get('kind'), str) and _number(record.get('t')) is not None:
-      yield record
-    else:
-      skipped[0] += 1
+  with storage.open_binary(path) as f:
+    for raw in files.bounded_lines(f, MAX_LINE_BYTES):
+      record = _record(raw, path)
+      if record is None:
+        skipped[0] += 1
+      else:
+        yield record
 
 
-def _lines(path: str):
-  if storage.is_local(path):
-    with open(path, 'rb') as f:
-      yield from f
-  else:
-    yield from storage.read_bytes(path, MAX_LEDGER_BYTES).splitlines(keepends=True)
+def _record(raw: Optional[bytes], path: str) -> Optional[dict]:
+  """One ledger line as a record with a kind and a time, or None (cut short, too long, not one)."""
+  if raw is None or not raw.endswith(b'\n'):
+    return None
+  try:
+    record = files.parse_json(raw, path, max_depth=4)
+  except UserError:
+    return None
+  ok = isinstance(record, dict) and isinstance(record.get('kind'), str) and _number(record.get('t')) is not None
+  return record if ok else None
+
+
+# Every time and duration a ledger holds is seconds (since the epoch, or of a run): beyond this (three
+# centuries) a number is no time paxcli wrote, and sums of such numbers could overflow to infinity.
+MAX_SECONDS = 1e10
 
 
 def _number(value) -> Optional[float]:
-  ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+  ok = (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        and abs(value) <= MAX_SECONDS)
   return float(value) if ok else None
 
 
@@ -283,8 +307,11 @@ def _seconds(closed) -> dict:
           if k in PROCESS_CATEGORIES and v is not None}
 
 
+MAX_STEPS = 2**31 - 1   # a step or a count of steps (the train state's step is an int32)
+
+
 def _int(value) -> Optional[int]:
-  return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+  return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_STEPS else None
 
 
 def incarnations(records) -> list[Incarnation]:
@@ -296,7 +323,9 @@ def incarnations(records) -> list[Incarnation]:
       continue
     if r['kind'] == 'start':
       launch = r.get('launch') if isinstance(r.get('launch'), str) else None
-      found[inc] = Incarnation(inc, float(r['t']), launch, _int(r.get('attempt')), last=float(r['t']))
+      job = r.get('slurm_job') if isinstance(r.get('slurm_job'), str) and r['slurm_job'].isdigit() else None
+      found[inc] = Incarnation(inc, float(r['t']), launch, _int(r.get('attempt')), last=float(r['t']),
+                               where=_where(r), slurm=(job[:20], _int(r.get('requeue'))) if job else None)
       continue
     got = found.get(inc)
     if got is None or got.status is not None:  # nothing counts after an incarnation's end
@@ -304,7 +333,8 @@ def incarnations(records) -> list[Incarnation]:
     if r['kind'] in ('progress', 'end'):
       closed = _seconds(r.get('closed'))
       if r['kind'] == 'progress':  # the open interval was lost if nothing follows: account up to its start
-        since = _number((r.get('open') or [None, None])[1]) if isinstance(r.get('open'), list) else None
+        opened = r.get('open')
+        since = _number(opened[1]) if isinstance(opened, list) and len(opened) == 2 else None
         got.last = since if since is not None else float(r['t'])
       else:
         got.last, got.status = float(r['t']), _int(r.get('status')) if _int(r.get('status')) is not None else 1
@@ -318,6 +348,13 @@ def incarnations(records) -> list[Incarnation]:
   return sorted(found.values(), key=lambda i: i.start)
 
 
+def _where(record: dict) -> Optional[tuple]:
+  host, pid, ticks = record.get('host'), _int(record.get('pid')), record.get('ticks')
+  if not isinstance(host, str) or len(host) > 255 or pid is None:
+    return None
+  return host, pid, ticks if isinstance(ticks, str) and ticks.isdigit() and len(ticks) < 32 else None
+
+
 def _launches(records) -> dict[str, Launch]:
   out: dict[str, Launch] = {}
   for r in records:
@@ -325,11 +362,11 @@ def _launches(records) -> dict[str, Launch]:
     if not isinstance(lid, str):
       continue
     if r['kind'] == 'launch':
-      out[lid] = Launch(lid, float(r['t']))
+      out[lid] = Launch(lid, float(r['t']), where=_where(r))
     elif lid in out and r['kind'] == 'failure':
       beats = r.get('steps') if isinstance(r.get('steps'), dict) else {}
       out[lid].failures.append({'t': float(r['t']), 'attempt': _int(r.get('attempt')),
-                                'reason': str(r.get('reason', ''))[:300],
+                                'process': _int(r.get('process')), 'reason': str(r.get('reason', ''))[:300],
                                 'step': max((v for v in beats.values() if _int(v) is not None), default=None)})
     elif lid in out and r['kind'] == 'end':
       out[lid].end, out[lid].code = float(r['t']), _int(r.get('code'))
@@ -364,8 +401,8 @@ def summarize(job_dir: str, live: Optional[tuple[int, Incarnation]] = None, hist
   per_process = {p: account(incs, launches, lambda t: furthest_step(processes, launches, t))
                  for p, incs in sorted(processes.items())}
   job = per_process.get(0) or next(iter(per_process.values()))
-  return {'job_dir': job_dir, **job, 'processes': {str(p): {k: v for k, v in a.items() if k != 'restarts'}
-                                                   for p, a in per_process.items()},
+  return {'job_dir': job_dir, **job, 'ended': ending(processes, launches),
+          'processes': {str(p): {k: v for k, v in a.items() if k != 'restarts'} for p, a in per_process.items()},
           'lines_skipped': skipped}
 
 
@@ -403,12 +440,90 @@ def account(incs: list[Incarnation], launches: dict[str, Launch], furthest: Call
 
 def _restart(previous: Incarnation, inc: Incarnation, gap: float, launches: dict[str, Launch], reached: int) -> dict:
   """One restart: why (the launcher's record of it, if any), the gap, and the steps it cost."""
-  failure = next((f for lid in {previous.launch, inc.launch} if lid in launches
-                  for f in launches[lid].failures if previous.start <= f['t'] <= inc.start + 1), None)
+  failure = _failure_of(previous, launches, [inc.launch], inc.start + 1)
   resumed = inc.resumed or {}
   redone = reached - resumed['step'] if resumed.get('step') is not None else None
   reason = failure['reason'] if failure else ('killed (no end record)' if previous.status is None
                                               else f'exited with status {previous.status}')
-  return {'at': previous.last, 'gap_seconds': gap, 'reason': reason, 'reached_step': reached,
+  if inc.slurm and inc.slurm[1]:
+    reason = f'requeued by SLURM (job {inc.slurm[0]}, requeue {inc.slurm[1]}): {reason}'
+  return {'at': previous.last, 'gap_seconds': gap, 'process': failure['process'] if failure else None,
+          'reason': reason, 'reached_step': reached,
           'resumed_step': resumed.get('step'), 'tier': resumed.get('tier'),
           'redone_steps': max(redone, 0) if redone is not None else None}
+
+
+def _failure_of(inc: Incarnation, launches: dict[str, Launch], also: list, until: float) -> Optional[dict]:
+  """`pax launch`'s record of the failure that ended `inc`: the one of its launch and attempt; without
+  those, the last one recorded from its start to `until` by its launch or those in `also`. (By time
+  alone, the failure that ended the attempt before can read as this one's: the launcher records it and
+  starts the next attempt within the kernel's 10 ms resolution of a process start.)"""
+  launch = launches.get(inc.launch) if inc.launch else None
+  if launch is not None and inc.attempt is not None:
+    found = [f for f in launch.failures if f['attempt'] == inc.attempt]
+    if found:
+      return found[-1]
+  window = [f for lid in dict.fromkeys([inc.launch, *also]) if lid in launches for f in launches[lid].failures
+            if inc.start <= f['t'] <= until]
+  return window[-1] if window else None
+
+
+# How a job's last run ended, by the status its processes' `end` lines give (or `pax launch`'s exit code).
+ENDED_AS = {0: 'finished', 2: 'refused', 3: 'diverged', 130: 'interrupted'}
+
+
+def ending(processes: dict[int, list[Incarnation]], launches: dict[str, Launch]) -> dict:
+  """How the job's last run ended: {'state', 'process', 'reason', 'step'}.
+
+  state: finished, refused, diverged, interrupted; died (a process failed or was killed and nothing
+  restarted it: `process` and `reason` say which and how); running (no end yet). A process without
+  an end line is running if its pid is alive on this host with the same start time, killed if not;
+  one on another host cannot be told apart from here (`reason` says so).
+  """
+  last = {p: incs[-1] for p, incs in processes.items() if incs}
+  newest = max(last.values(), key=lambda i: i.start)
+  launch = launches.get(newest.launch) if newest.launch else None
+  if launch is not None:
+    return _launch_ending(launch, newest)
+  for p, inc in sorted(last.items()):
+    if inc.status is not None and inc.status not in ENDED_AS:
+      return _ended('died', p, f'exited with status {inc.status}', inc.step)
+  unended = [(p, i, _alive(i.where)) for p, i in sorted(last.items()) if i.status is None]
+  for p, inc, alive in unended:
+    if alive is False:
+      return _ended('died', p, 'was killed (its ledger has no end line)', inc.step)
+  if unended:
+    elsewhere = any(alive is None for _, _, alive in unended)
+    return _ended('running', None, 'no end line yet: running on another host, or killed there' if elsewhere
+                  else None, newest.step)
+  statuses = {i.status for i in last.values()}
+  return _ended(next((ENDED_AS[s] for s in (3, 2, 130) if s in statuses), 'finished'), None, None, newest.step)
+
+
+def _launch_ending(launch: Launch, newest: Incarnation) -> dict:
+  """The ending of a run under `pax launch`: its exit code, and the failure of its last attempt."""
+  if launch.end is None:
+    if _alive(launch.where) is False:
+      return _ended('died', None, 'pax launch was killed (its ledger has no end line)', newest.step)
+    return _ended('running', None, None, newest.step)
+  if launch.code == 0:
+    return _ended('finished', None, None, newest.step)
+  failure = _failure_of(newest, {launch.id: launch}, [], launch.end)
+  state = ENDED_AS.get(launch.code, 'died')
+  if failure is None:
+    return _ended(state, None, f'pax launch exited with code {launch.code}' if state == 'died' else None,
+                  newest.step)
+  reason = failure['reason'] + ('; pax launch did not restart it' if state == 'died' else '')
+  return _ended(state, failure['process'], reason, failure['step'] if failure['step'] is not None else newest.step)
+
+
+def _ended(state: str, process: Optional[int], reason: Optional[str], step: Optional[int]) -> dict:
+  return {'state': state, 'process': process, 'reason': reason, 'step': step}
+
+
+def _alive(where: Optional[tuple]) -> Optional[bool]:
+  """Whether the process a start line names still runs; None when it ran on another host (or is unknown)."""
+  if where is None or where[0] != socket.gethostname():
+    return None
+  ticks = start_ticks(where[1])
+  return ticks is not None and (where[2] is None or ticks == where[2])

@@ -29,8 +29,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
+from paxcli import files
 from paxcli.config import config_differences
-from paxcli.errors import UserError
+from paxcli.errors import UserError, shorten
 from paxcli.jobdir import checkpoint as ckpt
 from paxcli.jobdir import format as job_format
 from paxcli.jobdir import layout, storage
@@ -97,12 +98,17 @@ def state_metadata(path: str):
 
 
 def read_meta(job_dir: str, step: int) -> dict:
+  """A checkpoint's metadata, checked (meta_problem, without orbax's description); a UserError if it fails."""
   path = _meta_path(job_dir, step)
   try:
     meta = _load_meta(path)
   except (OSError, ValueError) as e:
     raise UserError(f'The metadata of the checkpoint at step {step} ({path}) cannot be read: {e}') from None
   job_format.check(meta if isinstance(meta, dict) else {}, f'The checkpoint at step {step} in {job_dir}')
+  problem = meta_problem(meta, step)
+  if problem:
+    raise UserError(f'The metadata of the checkpoint at step {step} ({path}) is not what paxcli writes: {problem}. '
+                    'Is the checkpoint damaged, or replaced?')
   return meta
 
 
@@ -110,8 +116,59 @@ def _meta_path(job_dir: str, step: int) -> str:
   return layout.meta_file(layout.step_dir(job_dir, step))
 
 
+# A checkpoint's metadata: its config, shapes and checksums, a few hundred bytes an array; a file of more
+# than this is no metadata paxcli wrote (it is read before anything else of the checkpoint).
+MAX_META_BYTES = 64 << 20
+
+
+class MetaError(ValueError):
+  """A checkpoint's metadata file that is not JSON paxcli could have written (too large, not strict JSON)."""
+
+
 def _load_meta(path: str) -> dict:
-  return json.loads(storage.read_bytes(path).decode('utf-8'))
+  data = storage.read_bytes(path, MAX_META_BYTES)
+  if len(data) > MAX_META_BYTES:
+    raise MetaError(f'it is over {MAX_META_BYTES:,} bytes')
+  try:
+    return files.parse_json(data, 'meta/metadata')
+  except UserError as e:
+    raise MetaError(str(e)) from None
+
+
+_CHECKSUM = re.compile(r'[0-9a-f]{1,128}')
+
+
+def meta_problem(meta, step: int, saved_tree=None) -> Optional[str]:
+  """Why `meta` is not the metadata paxcli wrote with checkpoint `step`, or None: it names its step, records
+  every array's shape (as orbax's own description of the arrays, `saved_tree`, has them) and, from format 1
+  on, checksums of arrays of that record. A file swapped in for it (another step's, an unrelated
+  JSON) fails here, before any array is read on its word."""
+  if not isinstance(meta, dict):
+    return 'it is not a JSON object'
+  if 'step' in meta and meta['step'] != step:
+    return f'it is the metadata of step {shorten(json.dumps(meta["step"]), 40)}'
+  shapes = meta.get('state_shapes')
+  if not (isinstance(shapes, dict) and shapes and all(_is_shape(v) for v in shapes.values())):
+    return 'it holds no record of the arrays\' shapes (state_shapes)'
+  sums = meta.get('checksums')
+  if sums is None and job_format.of(meta) >= 1 and 'converted_from' not in meta:
+    return 'it holds no checksums of the arrays'
+  if sums is not None and not (isinstance(sums, dict) and set(sums) & set(shapes) and all(
+      isinstance(v, str) and _CHECKSUM.fullmatch(v) for v in sums.values())):
+    return 'its checksums are not those of its arrays'
+  if saved_tree is not None:
+    described = {path_name(path): list(leaf.shape) for path, leaf in jax.tree_util.tree_flatten_with_path(
+        saved_tree, is_leaf=lambda x: hasattr(x, 'shape'))[0] if getattr(leaf, 'shape', None) is not None}
+    wrong = sorted(n for n, shape in shapes.items() if described.get(n, shape) != shape)
+    if wrong or not set(shapes) & set(described):
+      which = ', '.join(wrong[:3]) or 'no array in common'
+      return f'its record of the shapes differs from orbax\'s description of the arrays ({which})'
+  return None
+
+
+def _is_shape(value) -> bool:
+  return isinstance(value, list) and len(value) <= 16 and all(
+      isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**62 for d in value)
 
 
 def check_shapes(meta: dict, shapes_now: dict, flat_now: dict, step: int, params_only: bool,
@@ -201,7 +258,7 @@ def damage_evidence(error: BaseException) -> Optional[str]:
     seen.add(id(error))
     text = _first_line(error)
     if isinstance(error, (FileNotFoundError, NotADirectoryError, IsADirectoryError, EOFError,
-                          json.JSONDecodeError, UnicodeDecodeError)):
+                          json.JSONDecodeError, UnicodeDecodeError, MetaError)):
       return f'{type(error).__name__}: {text}'
     if isinstance(error, OSError) and error.errno == errno.EIO:
       return f'{type(error).__name__}: {text}'
@@ -218,7 +275,7 @@ def damage_evidence(error: BaseException) -> Optional[str]:
 
 def _gone(directory: str, step: int) -> bool:
   """True once checkpoint `step` is no longer a complete step of `directory` (deleted, or being deleted)."""
-  return not storage.isdir(os.path.join(directory, str(step))) or step not in ckpt.complete_steps(directory)
+  return not storage.isdir(layout.entry(directory, str(step))) or step not in ckpt.complete_steps(directory)
 
 
 def _failure(error: BaseException, step: int, directory: str, what: str, action: str) -> UserError:
@@ -283,7 +340,7 @@ def restore(setup, job_dir: str, step: int, params_only: bool = False, flat_now:
 
 def _set_aside_damaged(job_dir: str, step: int, log) -> Optional[str]:
   """Moves a damaged step to checkpoints_damaged/ (process 0), never deleting it; returns the target."""
-  target = os.path.join(layout.damaged(job_dir), f'{step}-{int(time.time())}')
+  target = layout.entry(layout.damaged(job_dir), f'{step}-{int(time.time())}')
   if jax.process_index() == 0:
     storage.makedirs(os.path.dirname(target))
     try:
@@ -312,11 +369,19 @@ def _agree(error: Optional[UserError], step: int, directory: str, action: str) -
          else CheckpointReadError(step, directory, action, other))
 
 
+def check_links(job_dir: str, step: int) -> None:
+  """Refuses a checkpoint holding a symlink that leads out of its job directory: orbax reads the files of
+  a step by itself, so they get the member check every file of a job gets (layout) here, all at once."""
+  if storage.is_local(job_dir):
+    files.check_tree(layout.step_dir(job_dir, step), job_dir, 'checkpoint file')
+
+
 def _restore_step(setup, job_dir: str, step: int, params_only: bool, flat_now: Optional[dict],
                   action: str, join_base: bool = True) -> Restored:
   directory = layout.checkpoints(job_dir)
+  check_links(job_dir, step)
   damaged = lambda reason: DamagedCheckpoint(step, directory, reason)
-  if not storage.isfile(os.path.join(layout.state_dir(layout.step_dir(job_dir, step)), '_METADATA')):
+  if not storage.isfile(layout.entry(layout.state_dir(layout.step_dir(job_dir, step)), '_METADATA')):
     if _gone(directory, step):
       raise CheckpointGone(step, directory)
     raise damaged("state/_METADATA (orbax's description of the arrays) is missing")
@@ -331,6 +396,9 @@ def _restore_step(setup, job_dir: str, step: int, params_only: bool, flat_now: O
     saved_tree = _saved_tree(job_dir, step)
   except Exception as e:
     raise _failure(e, step, directory, "orbax's description of its arrays", action) from None
+  problem = meta_problem(meta, step, saved_tree)
+  if problem:
+    raise damaged(f'its metadata (meta/metadata) is not what paxcli wrote with it: {problem}')
   keys = set(saved_tree.keys()) if saved_tree is not None else set()
   has_opt = 'opt_state' in keys
   with_base = join_base and train_state.has_frozen(setup)

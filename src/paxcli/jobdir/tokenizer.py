@@ -2,7 +2,8 @@
 
 `pax train` copies the train input's tokenizer to `<job dir>/tokenizer/spm.model` (a
 sentencepiece model) or `<job dir>/tokenizer/tokenizer.json` (a Hugging Face tokenizer), with
-the tokenizer_config.json shipped beside it (its special tokens and chat template), process 0,
+the tokenizer_config.json shipped beside it (its special tokens, and every chat template it ships,
+chat_template.jinja's too, folded in: keep_config), process 0,
 before the first step, so that `pax decode`, `pax inspect-input` and `pax
 checkpoint` turn text into ids and back exactly as training did, without rebuilding the
 input or its cache. Models trained on inputs without a vocabulary (the synthetic input) have
@@ -48,12 +49,23 @@ def save_to_job_dir(train_input, job_dir: str) -> Optional[str]:
     if other != kind and storage.isfile(layout.tokenizer(job_dir, other)):
       storage.remove(layout.tokenizer(job_dir, other))
   _copy(source, target)
-  config, config_target = tokenizers.config_beside(source), layout.tokenizer_config(job_dir)
-  if config:
-    _copy(config, config_target)
-  elif storage.isfile(config_target):
-    storage.remove(config_target)   # another tokenizer's
+  keep_config(source, layout.tokenizer_config(job_dir))
   return target
+
+
+def keep_config(source: str, target: str) -> None:
+  """Writes the tokenizer_config.json of the tokenizer at `source`, its chat templates folded in
+  (tokenizers.folded_config: chat_template.jinja and friends travel in it), to `target`; removes
+  another tokenizer's there when this one ships none."""
+  data = tokenizers.folded_config_bytes(source)
+  if data is None:
+    if storage.isfile(target):
+      storage.remove(target)   # another tokenizer's
+  elif not (storage.isfile(target) and storage.read_bytes(target) == data):
+    if storage.is_local(target):
+      files.atomic_write(target, data, 0o644)
+    else:
+      storage.write_bytes(target, data)
 
 
 def _copy(source: str, target: str) -> None:

@@ -10,9 +10,14 @@ never holds up a step: the failure is one warning line (and one more when it wor
 the scalars are still in TensorBoard and the metrics JSONL.
 
 A tracker's run is the job directory's: its id is kept in `<job>/trackers/<name>.json` (layout.py),
-and a resumed run continues it instead of starting another. Settings left unset (None) fall back to
-the library's own environment variable (WANDB_PROJECT, WANDB_ENTITY, MLFLOW_TRACKING_URI,
-MLFLOW_EXPERIMENT_NAME), then on a resume to the run's recorded ones, then to paxcli's defaults.
+and a resumed run continues it instead of starting another. Where a run goes (the W&B project and
+entity, the MLflow store and experiment) comes only from this invocation: the knobs, else the
+library's own environment variable (WANDB_PROJECT, WANDB_ENTITY, MLFLOW_TRACKING_URI,
+MLFLOW_EXPERIMENT_NAME), else paxcli's defaults. A job directory is received data (it is copied,
+synced, restored): its record holds the run id (checked: letters, digits, `-` and `_`, at most 64) and
+a digest of the destination it was logged to, never the destination itself, so a record can only
+make a resume continue a run at the place this invocation chose (the digests match), never send
+metrics or the config elsewhere.
 Neither library is a dependency of paxcli (`pip install 'paxcli[trackers]'`); one asked for but not
 installed is one line before any compile (`check_installed`).
 """
@@ -21,19 +26,21 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import hashlib
 import importlib.util
 import json
 import os
 import pathlib
 import queue
+import re
 import secrets
 import string
 import threading
 import time
 from typing import Any, Callable, Mapping, Optional
 
-from paxcli import __version__, files
-from paxcli.errors import UserError, shorten
+from paxcli import files, version
+from paxcli.errors import UserError, printable, shorten
 from paxcli.jobdir import layout, storage
 
 NAMES = ('wandb', 'mlflow')
@@ -121,9 +128,27 @@ def _record_path(job_dir: str, name: str) -> str:
   return layout.tracker_run(job_dir, name)
 
 
-def read_record(job_dir: str, name: str, log: Callable[[str], None]) -> Optional[dict]:
+# A run id as W&B and MLflow make them (W&B: 8 letters and digits; MLflow: 32 hex digits), and nothing that
+# could be a path, a URL or a query: a record's id is used only as an id.
+RUN_ID = re.compile(r'[A-Za-z0-9][A-Za-z0-9_-]{0,63}')
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+  """What a job keeps of a tracker's run: its id, and a digest of where it was logged (`place`)."""
+  run_id: str
+  place: Optional[str]
+
+
+def place(*parts: Optional[str]) -> str:
+  """A digest of a run's destination (tracker, project or store, ...): compared, never used to reach one."""
+  return hashlib.sha256('\0'.join(p or '' for p in parts).encode()).hexdigest()[:32]
+
+
+def read_record(job_dir: str, name: str, log: Callable[[str], None]) -> Optional[Record]:
   """The run a tracker recorded in the job directory, or None: none yet, or a record that cannot be read
-  (said in a line; a new run is started and recorded in its place)."""
+  or holds no valid run id (said in a line; a new run is started and recorded in its place). A record
+  written before digests were kept names its destination: that is only compared, as a digest."""
   path = _record_path(job_dir, name)
   if not storage.exists(path):
     return None
@@ -134,15 +159,22 @@ def read_record(job_dir: str, name: str, log: Callable[[str], None]) -> Optional
     record = files.parse_json(storage.read_bytes(path, MAX_RECORD_BYTES), f'the {_SHOWN[name]} run record')
   except (UserError, OSError) as e:
     record = str(e)
-  if not isinstance(record, dict) or not isinstance(record.get('run_id'), str):
-    why = record if isinstance(record, str) else 'it names no "run_id"'
-    log(f'{_SHOWN[name]}: cannot continue the run recorded in {path} ({shorten(why, 200)}); starting a new run.')
+  run_id = record.get('run_id') if isinstance(record, dict) else None
+  if not isinstance(run_id, str) or not RUN_ID.fullmatch(run_id):
+    why = record if isinstance(record, str) else ('it names no "run_id"' if run_id is None else
+                                                  f'its run_id {shorten(json.dumps(run_id), 80)} is not a run id')
+    log(f'{_SHOWN[name]}: cannot continue the run recorded in {path} ({printable(shorten(why, 200))}); starting a new '
+        'run.')
     return None
-  return record
+  digest = record.get('place')
+  if not isinstance(digest, str):
+    legacy = ('project', 'entity') if name == 'wandb' else ('tracking_uri', 'experiment')
+    digest = place(name, *(str(record[k]) if isinstance(record.get(k), str) else None for k in legacy))
+  return Record(run_id, digest)
 
 
-def _write_record(job_dir: str, name: str, record: dict) -> None:
-  storage.write_text(_record_path(job_dir, name), json.dumps(record, indent=2) + '\n')
+def _write_record(job_dir: str, name: str, run_id: str, digest: str) -> None:
+  storage.write_text(_record_path(job_dir, name), json.dumps({'run_id': run_id, 'place': digest}, indent=2) + '\n')
 
 
 def _new_run_id() -> str:
@@ -166,19 +198,21 @@ class _Wandb:
 
   def __init__(self, settings, identity: Identity, log):
     import wandb
-    record = read_record(identity.job_dir, self.name, log) or {}
-    project = settings.wandb_project or os.environ.get('WANDB_PROJECT') or record.get('project') or DEFAULT_PROJECT
-    entity = settings.wandb_entity or os.environ.get('WANDB_ENTITY') or record.get('entity')
-    run_id = record.get('run_id') if (record.get('project'), record.get('entity')) == (project, entity) else None
+    record = read_record(identity.job_dir, self.name, log)
+    project = settings.wandb_project or os.environ.get('WANDB_PROJECT') or DEFAULT_PROJECT
+    entity = settings.wandb_entity or os.environ.get('WANDB_ENTITY')
+    here = place(self.name, project, entity)
+    run_id = record.run_id if record and record.place == here else None
     if record and run_id is None:
-      log(f'W&B: the job\'s run {record["run_id"]} is in project {record.get("project")!r}; this invocation logs to '
-          f'{project!r}, so it starts a new run there.')
+      log(f'W&B: the job\'s run {record.run_id} was logged to another project or entity than this invocation\'s '
+          f'({project!r}), so it starts a new run there (the job keeps only run ids: WANDB_PROJECT and '
+          'WANDB_ENTITY, as knobs or environment variables, say where a run goes).')
     # W&B writes its files on this machine: in the job directory, or for a job in a bucket in ./wandb.
     directory = layout.tracker_dir(identity.job_dir) if storage.is_local(identity.job_dir) else None
     if directory:
       os.makedirs(directory, exist_ok=True)
     config = {k: _literal(v) for k, v in identity.config.items()}
-    config['paxcli'] = {'job_dir': identity.job_dir, 'experiment': identity.experiment, 'version': __version__,
+    config['paxcli'] = {'job_dir': identity.job_dir, 'experiment': identity.experiment, 'version': version.current(),
                         'command': identity.command}
     try:
       self.run = wandb.init(
@@ -194,8 +228,7 @@ class _Wandb:
     self.first_step = int(getattr(self.run, 'starting_step', 0) or 0)
     self.skipped = 0
     url = None if self.run.offline else self.run.url  # (asking an offline run prints a W&B warning)
-    _write_record(identity.job_dir, self.name, {'run_id': self.run.id, 'project': project, 'entity': entity,
-                                                'url': url, 'dir': self.run.dir})
+    _write_record(identity.job_dir, self.name, self.run.id, here)
     where = url or f'offline in {os.path.dirname(self.run.dir)} (`wandb sync` uploads it)'
     verb = 'continues' if run_id else 'started'
     log(f'W&B: {verb} run {self.run.id} ({self.run.name}), project {project}: {where}')
@@ -217,44 +250,47 @@ class _Mlflow:
   PARAMS_PER_BATCH = 100  # MLflow's limit for one log_batch
 
   def __init__(self, settings, identity: Identity, log):
-    from mlflow.tracking import MlflowClient
-    record = read_record(identity.job_dir, self.name, log) or {}
+    record = read_record(identity.job_dir, self.name, log)
     uri = _absolute_uri(settings.mlflow_tracking_uri or os.environ.get('MLFLOW_TRACKING_URI')
-                        or record.get('tracking_uri') or _mlflow_default_uri())
-    experiment = (settings.mlflow_experiment or os.environ.get('MLFLOW_EXPERIMENT_NAME') or record.get('experiment')
-                  or DEFAULT_PROJECT)
-    same_place = (record.get('tracking_uri'), record.get('experiment')) == (uri, experiment)
+                        or _mlflow_default_uri())
+    experiment = settings.mlflow_experiment or os.environ.get('MLFLOW_EXPERIMENT_NAME') or DEFAULT_PROJECT
+    here = place(self.name, uri, experiment)
+    same_place = record is not None and record.place == here
     if record and not same_place:
-      log(f'MLflow: the job\'s run {record["run_id"]} is in experiment {record.get("experiment")!r} at '
-          f'{record.get("tracking_uri")}; this invocation logs to {experiment!r} at {uri}, so it starts a new run.')
+      log(f'MLflow: the job\'s run {record.run_id} was logged to another store or experiment than this '
+          f'invocation\'s ({experiment!r} at {uri}), so it starts a new run there (the job keeps only run ids: '
+          'MLFLOW_TRACKING_URI and MLFLOW_EXPERIMENT_NAME, as knobs or environment variables, say where a run goes).')
     self.identity = identity
     try:
-      self.client = MlflowClient(tracking_uri=uri)
-      self.run_id, existing = self._run(record.get('run_id') if same_place else None, experiment, settings, log)
+      self.client = _mlflow().tracking.MlflowClient(tracking_uri=uri)
+      self.run_id, existing = self._run(record.run_id if same_place else None, experiment, settings, log)
     except Exception as e:  # MlflowException, and whatever its store raises (connection errors)
       raise UserError(f'MLflow could not start a run in experiment {experiment!r} at {uri}: '
                       f'{shorten(_first_line(e), 300)} (check the tracking URI: the MLFLOW_TRACKING_URI knob or '
                       "environment variable; or leave 'mlflow' out of TRACKERS).") from None
     self.params = existing
-    _write_record(identity.job_dir, self.name, {'run_id': self.run_id, 'tracking_uri': uri, 'experiment': experiment})
+    _write_record(identity.job_dir, self.name, self.run_id, here)
     log(f'MLflow: {"continues" if existing is not None else "started"} run {self.run_id} in experiment {experiment} '
         f'at {uri}')
 
   def _run(self, run_id: Optional[str], experiment: str, settings, log) -> tuple[str, Optional[dict]]:
     """(run id, the parameters it already holds: None for a new run)."""
     client = self.client
+    found = client.get_experiment_by_name(experiment)
+    experiment_id = found.experiment_id if found else client.create_experiment(experiment)
     if run_id:
       try:
         run = client.get_run(run_id)
       except Exception as e:
         log(f'MLflow: the job\'s run {run_id} is not in the store ({shorten(_first_line(e), 120)}); starting a new run.')
       else:
-        client.update_run(run_id, status='RUNNING')
-        return run_id, dict(run.data.params)
-    found = client.get_experiment_by_name(experiment)
-    experiment_id = found.experiment_id if found else client.create_experiment(experiment)
+        if run.info.experiment_id == experiment_id:
+          client.update_run(run_id, status='RUNNING')
+          return run_id, dict(run.data.params)
+        log(f'MLflow: the job\'s run {run_id} belongs to another experiment of the store than {experiment!r}; starting '
+            'a new run.')
     tags = {'paxcli.job_dir': self.identity.job_dir, 'paxcli.experiment': self.identity.experiment,
-            'paxcli.version': __version__, 'paxcli.command': self.identity.command[:5000]}
+            'paxcli.version': version.current(), 'paxcli.command': self.identity.command[:5000]}
     run = client.create_run(experiment_id, run_name=settings.run_name or storage.basename(self.identity.job_dir),
                             tags=tags)
     return run.info.run_id, None
@@ -262,10 +298,10 @@ class _Mlflow:
   def start(self) -> None:
     """The config: as parameters (a resumed run keeps its first values; a changed one becomes a
     `changed.<key>` tag, since MLflow refuses to change a parameter), and as the artifact config.txt."""
-    from mlflow.entities import Param, RunTag
+    entities = _mlflow().entities
     old = self.params or {}
-    new = [Param(k[:250], v[:6000]) for k, v in self.identity.config.items() if k[:250] not in old]
-    changed = [RunTag(f'changed.{k}'[:250], v[:5000]) for k, v in self.identity.config.items()
+    new = [entities.Param(k[:250], v[:6000]) for k, v in self.identity.config.items() if k[:250] not in old]
+    changed = [entities.RunTag(f'changed.{k}'[:250], v[:5000]) for k, v in self.identity.config.items()
                if k[:250] in old and old[k[:250]] != v[:6000]]
     for start in range(0, len(new), self.PARAMS_PER_BATCH):
       self.client.log_batch(self.run_id, params=new[start:start + self.PARAMS_PER_BATCH])
@@ -274,9 +310,8 @@ class _Mlflow:
     self.client.log_text(self.run_id, self.identity.config_text, storage.basename(layout.config(self.identity.job_dir)))
 
   def log(self, step: int, values: dict) -> None:
-    from mlflow.entities import Metric
     now = int(time.time() * 1000)
-    metrics = [Metric(_mlflow_key(k), v, now, step) for k, v in values.items()]
+    metrics = [_mlflow().entities.Metric(_mlflow_key(k), v, now, step) for k, v in values.items()]
     for start in range(0, len(metrics), 1000):  # MLflow's limit of metrics per log_batch
       self.client.log_batch(self.run_id, metrics=metrics[start:start + 1000])
 
@@ -287,9 +322,15 @@ class _Mlflow:
 _BACKENDS = {'wandb': _Wandb, 'mlflow': _Mlflow}
 
 
+def _mlflow():
+  """mlflow (its tracking client and entities), imported where an MLflow run is used: optional, and slow to import."""
+  import mlflow.entities
+  import mlflow.tracking
+  return mlflow
+
+
 def _mlflow_default_uri() -> str:
-  from mlflow.tracking import get_tracking_uri
-  return get_tracking_uri()
+  return _mlflow().tracking.get_tracking_uri()
 
 
 def _absolute_uri(uri: str) -> str:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import math
 import weakref
 from typing import Any, Callable, Optional, Sequence
@@ -207,7 +208,6 @@ def instantiate(config, memo: Optional[dict] = None):
     kwargs = {name: (value if name in templates else instantiate(value, memo))
               for name, value in config.__arguments__.items()}
     if isinstance(config, fdl.Partial):
-      import functools
       out = functools.partial(fn, **kwargs)
     elif isinstance(fn, type) and issubclass(fn, nn.Module):
       out = fn(**kwargs, parent=kwargs.pop('parent', None))

@@ -10,6 +10,7 @@ A configuration that runs out of memory is a row that says so; the sweep goes on
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import io
 import itertools
 import math
@@ -24,6 +25,8 @@ from typing import Callable, Optional
 import fiddle as fdl
 import jax
 
+from rich.table import Table
+
 from paxcli import config, files
 from paxcli.errors import UserError
 from paxcli.jobdir import storage
@@ -31,6 +34,7 @@ from paxcli.layers import fp8
 from paxcli.loops.train import make_train_step
 from paxcli.perf import flops
 from paxcli.perf import profiling
+from paxcli.perf import xla_log
 from paxcli.perf.profiling import pgle_compiler_options
 from paxcli.runtime import engine
 from paxcli.runtime import infeed
@@ -142,11 +146,12 @@ def measure(resolved, steps: int = 10, warmup: int = 2, compile_only: bool = Fal
   step = make_train_step(setup, batch_sharding, resolved.experiment.RANDOM_SEED + 1)
   start = time.perf_counter()
   try:
-    lowered = step.lower(setup.abstract_state, abstract_batch(setup, batch_sharding, host_batch))
-    options = None
-    if pgle_profile:
-      options = pgle_compiler_options(pgle_profile)
-    compiled = lowered.compile(options) if options else lowered.compile()
+    with xla_log.rematerialized(row):
+      lowered = step.lower(setup.abstract_state, abstract_batch(setup, batch_sharding, host_batch))
+      options = None
+      if pgle_profile:
+        options = pgle_compiler_options(pgle_profile)
+      compiled = lowered.compile(options) if options else lowered.compile()
   except Exception as e:  # XLA reports memory exhaustion at compile time on some backends
     if not is_out_of_memory(e):
       raise
@@ -351,7 +356,6 @@ def _pct(v) -> str:
 
 def table(rows: list[dict], compile_only: bool):
   """A rich Table with one row per configuration."""
-  from rich.table import Table
   keys = list(dict.fromkeys(k for r in rows for k in r.get('sweep', {})))
   title = f"{rows[0]['experiment']}: {rows[0]['devices']} x {rows[0]['device_kind']} ({rows[0]['platform']})"
   t = Table(title=title, caption=_caption(rows, compile_only), caption_justify='left')
@@ -395,6 +399,11 @@ def _caption(rows: list[dict], compile_only: bool) -> str:
            f"{r['compiler']}"]
   if r.get('pipeline'):
     lines.append(f"pipeline: {r['pipeline']} (MFU counts the model's FLOPs only: the bubble is lost time)")
+  for row in rows:
+    note = xla_log.remat_note(row)
+    if note:
+      label = ', '.join(f'{k}={v}' for k, v in row.get('sweep', {}).items())
+      lines.append(note if len(rows) == 1 else f'{label}: {note}')
   if not compile_only:
     lines.append(f"MFU = model FLOPs (paxcli.perf.flops, causal attention halved) / step time / devices / peak; "
                  f"HFU uses XLA's cost analysis. Peak: {r['peak_source']}")
@@ -433,10 +442,8 @@ def plot_axes(rows: list[dict]) -> tuple[Optional[str], list[str]]:
 
 def check_plot_path(path: str, force: bool = False) -> None:
   """Before any row runs: matplotlib is there and the PNG can be written (files.check_output)."""
-  try:
-    import matplotlib  # noqa: F401  (optional: only --plot needs it)
-  except ImportError:
-    raise UserError('--plot needs matplotlib: pip install matplotlib') from None
+  if importlib.util.find_spec('matplotlib') is None:   # optional: only --plot needs it
+    raise UserError('--plot needs matplotlib: pip install matplotlib')
   files.check_output(path, '--plot', force=force)
 
 

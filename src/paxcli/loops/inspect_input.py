@@ -10,6 +10,7 @@ import numpy as np
 
 from paxcli.errors import UserError, did_you_mean
 from paxcli.inputs.base import EndOfInput
+from paxcli.inputs.tfrecord import expand_files, read_examples
 
 MAX_EVAL_BATCHES = 100_000  # a guard for --check-sharding on an eval input that never ends
 
@@ -43,16 +44,21 @@ def build(cfg, batch_size: int, num_hosts: int, host_index: int):
 
 
 def feature_stats(batch: dict) -> list[dict[str, Any]]:
-  """Per feature: shape, dtype, min, max, and the share of padding (zero weight / zero id)."""
-  weights = batch.get('weights')
+  """Per feature: shape, dtype, min, max; `padding`, the share of positions after a row's documents
+  (segment id 0, else weight 0 for inputs without segments, else id 0); and for the token features
+  `unweighted`, the share of positions inside documents that the loss skips (weight 0: prompts, chat
+  headers), which is not padding."""
+  weights, segments = batch.get('weights'), batch.get('segment_ids')
   rows = []
   for name, value in batch.items():
     value = np.asarray(value)
     numeric = np.issubdtype(value.dtype, np.number)
-    if name == 'weights':
-      padding = float(np.mean(value == 0))
-    elif numeric and weights is not None and value.shape == np.shape(weights):
-      padding = float(np.mean(np.asarray(weights) == 0))
+    unweighted = None
+    if numeric and weights is not None and value.shape == np.shape(weights):
+      pad = np.asarray(segments) == 0 if segments is not None and np.shape(segments) == value.shape \
+          else np.asarray(weights) == 0
+      padding = float(np.mean(pad))
+      unweighted = float(np.mean((np.asarray(weights) == 0) & ~pad))
     elif numeric:
       padding = float(np.mean(value == 0))
     else:
@@ -60,7 +66,7 @@ def feature_stats(batch: dict) -> list[dict[str, Any]]:
     rows.append({'feature': name, 'shape': list(value.shape), 'dtype': str(value.dtype),
                  'min': _num(value.min()) if numeric and value.size else None,
                  'max': _num(value.max()) if numeric and value.size else None,
-                 'padding': padding})
+                 'padding': padding, 'unweighted': unweighted})
   return rows
 
 
@@ -78,8 +84,28 @@ def examples(inp, batch: dict, count: int) -> list[dict[str, Any]]:
   rows = min(count, ids.shape[0])
   lengths = [_length(batch, i, ids.shape[1]) for i in range(rows)]
   texts = inp.ids_to_strings(ids[:rows], lengths)
-  return [{'row': i, 'length': lengths[i], 'text': texts[i], 'ids': [int(t) for t in ids[i][:lengths[i]]]}
-          for i in range(rows)]
+  out = [{'row': i, 'length': lengths[i], 'text': texts[i], 'ids': [int(t) for t in ids[i][:lengths[i]]]}
+         for i in range(rows)]
+  if 'labels' in batch and 'weights' in batch:
+    for example in out:
+      example['trained'] = _trained(inp, np.asarray(batch['labels'][example['row']]),
+                                    np.asarray(batch['weights'][example['row']]))
+  return out
+
+
+def _trained(inp, labels: np.ndarray, weights: np.ndarray, most: int = 8) -> list[str]:
+  """The text of the first `most` runs of consecutive targets the loss weighs (weight > 0): what a
+  row trains the model to say (completions, assistant turns), the rest of its text being context."""
+  runs, start = [], None
+  for i, w in enumerate(list(weights > 0) + [False]):
+    if w and start is None:
+      start = i
+    elif not w and start is not None:
+      runs.append(labels[start:i])
+      start = None
+  runs = runs[:most]
+  return inp.ids_to_strings(np.array([np.pad(r, (0, max(map(len, runs)) - len(r))) for r in runs]),
+                            [len(r) for r in runs]) if runs else []
 
 
 def _length(batch: dict, row: int, width: int) -> int:
@@ -170,7 +196,6 @@ def check_sharding(cfg, batch_size: int, num_hosts: int, num_batches: int) -> di
 
 def inspect_file(pattern: str, num_examples: int, scan: int = 1000) -> dict[str, Any]:
   """A raw TFRecord file of tf.train.Example: feature kinds, lengths seen, first records."""
-  from paxcli.inputs.tfrecord import expand_files, read_examples
   files = expand_files(pattern)
   kinds: dict[str, str] = {}
   lengths: dict[str, list[int]] = {}

@@ -64,6 +64,7 @@ class Options:
   num_shards: Optional[int] = None  # train shards; None: one per SHARD_CHARS of text
   eval_split: bool = True
   workers: int = 1
+  chat_template: str = ''   # chat records: '' the tokenizer's own template; a name it ships; 'paxcli' (inputs.sft)
 
 
 @dataclasses.dataclass
@@ -184,7 +185,8 @@ def _settings(options: Options, paths: list[str]) -> dict:
       tokenizer = {'path': options.tokenizer, 'sha1': hashlib.sha1(f.read()).hexdigest()}
   return {'files': [[path, *documents.file_stamp(path)] for path in paths], 'text_field': options.text_field,
           'tokenizer': tokenizer, 'vocab_size': None if tokenizer else options.vocab_size,
-          'num_shards': options.num_shards, 'eval_split': options.eval_split}
+          'num_shards': options.num_shards, 'eval_split': options.eval_split,
+          **({'chat_template': options.chat_template} if options.chat_template else {})}
 
 
 def _existing_plan(output: str, settings: dict) -> Optional[dict]:
@@ -286,9 +288,10 @@ def _copy_tokenizer(source: str, output: str) -> str:
   rel = prepared.tokenizer_name(tokenizers.kind_of(source))
   target = os.path.join(output, rel)
   _copy_new(source, target)
-  config = tokenizers.config_beside(source)
-  if config:
-    _copy_new(config, os.path.join(os.path.dirname(target), tokenizers.CONFIG_NAME))
+  config, config_target = tokenizers.folded_config_bytes(source), os.path.join(os.path.dirname(target),
+                                                                                tokenizers.CONFIG_NAME)
+  if config is not None and not os.path.isfile(config_target):   # its chat templates folded in (a resume: kept)
+    files.atomic_write(config_target, config, 0o644)
   return rel
 
 
@@ -320,7 +323,7 @@ def write(paths: list[str], plan: dict, options: Options, tokenizer: str, progre
       advance(1, len(record) // 5 if record else 0)
       yield record
 
-  with _Tokenizers(tokenizer, options.workers) as encode:
+  with _Tokenizers(tokenizer, options.workers, options.chat_template) as encode:
     for split, ranges in todo.items():
       if not ranges:
         continue
@@ -360,13 +363,13 @@ class _Tokenizers:
   """Documents -> records, in order: in this process (1 worker) or in a pool of spawned processes,
   at most 2 batches per worker in flight (Pool.imap would read the whole input ahead)."""
 
-  def __init__(self, tokenizer: str, workers: int):
-    self.tokenizer, self.workers, self.pool = tokenizer, workers, None
+  def __init__(self, tokenizer: str, workers: int, chat: str):
+    self.tokenizer, self.workers, self.chat, self.pool = tokenizer, workers, chat, None
 
   def __enter__(self):
-    _init_worker(self.tokenizer)
+    _init_worker(self.tokenizer, self.chat)
     if self.workers > 1:
-      self.pool = multiprocessing.get_context('spawn').Pool(self.workers, _init_worker, (self.tokenizer,))
+      self.pool = multiprocessing.get_context('spawn').Pool(self.workers, _init_worker, (self.tokenizer, self.chat))
     return self.encode
 
   def __exit__(self, *exc):
@@ -416,12 +419,15 @@ def _batches(items, size: int):
 
 _worker_tokenizer = None
 _worker_chat = None  # the tokenizer's shipped chat template, if any (chat_template.of_tokenizer)
+_worker_own_chat = False  # chats without a template are read in paxcli's format (else refused)
 
 
-def _init_worker(path: str) -> None:
-  global _worker_tokenizer, _worker_chat
+def _init_worker(path: str, chat_name: str = '') -> None:
+  global _worker_tokenizer, _worker_chat, _worker_own_chat
   _worker_tokenizer = tokenizers.load(path)
-  _worker_chat = chat_template.of_tokenizer(_worker_tokenizer)
+  _worker_chat = chat_template.of_tokenizer(_worker_tokenizer, chat_name)
+  # a tokenizer paxcli trained (here, on the train side, or before) has no chat format but paxcli's
+  _worker_own_chat = chat_name == chat_template.OWN or (_worker_chat is None and _worker_tokenizer.trained_here())
 
 
 def _encode_batch(batch: list[tuple]) -> list[Optional[bytes]]:
@@ -435,6 +441,8 @@ def _encode_batch(batch: list[tuple]) -> list[Optional[bytes]]:
     if _templated(messages):
       out.append(_chat_record(_worker_chat.example(messages, tok, where)))
       continue
+    if messages is not None and not _worker_own_chat:
+      raise chat_template.no_template(where, tok, f'--chat-template {chat_template.OWN}')
     # Each document's ids, tokens and record held one after another, none longer than needed: a
     # 100 MB document costs a few times its size, not tens (benchmarks/prepare_memory.py).
     arrays = list(packing.token_weights(chunks, [encoded.popleft() for _ in chunks], tok.eos_id,

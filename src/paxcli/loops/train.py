@@ -2,7 +2,7 @@
 
 `_train` builds the run (mesh, model, state shapes), opens the job directory (its paths are
 named in paxcli/jobdir/layout.py), resumes from the latest good checkpoint or initialises,
-registers the hooks (paxcli/loops/hooks.py) and runs the steps. Everything a step leads to
+registers the hooks (`_begin`; paxcli/loops/hooks.py) and runs the steps. Everything a step leads to
 besides the next step is a hook: the loss check, summaries and progress, checkpoints, eval,
 decode, the profiler and the graceful stop.
 """
@@ -10,6 +10,7 @@ decode, the profiler and the graceful stop.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import math
@@ -25,6 +26,7 @@ from typing import Callable, Optional
 import jax
 import jax.numpy as jnp
 import optax
+from jax.experimental import multihost_utils
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
                            TimeRemainingColumn)
 from rich.table import Table
@@ -58,6 +60,7 @@ from paxcli.loops.router_watch import RouterWatch, load_note, totals
 from paxcli.models import pattern
 from paxcli.perf import flops
 from paxcli.perf import profiling
+from paxcli.perf import xla_log
 from paxcli.runtime import distributed
 from paxcli.runtime import engine
 from paxcli.runtime import infeed
@@ -201,13 +204,24 @@ class TrainStep:
   """The jitted step, and the profiler around it: `profiler.before(step)` starts a trace ahead of a
   step; the `profile` hook stops it, and recompiles the step with a PGLE profile once measured."""
 
-  def __init__(self, setup, batch_sharding, dropout_seed: int, profiler: profiling.StepProfiler):
+  def __init__(self, setup, batch_sharding, dropout_seed: int, profiler: profiling.StepProfiler,
+               log: Callable[[str], None] = print):
     self._make = functools.partial(make_train_step, setup, batch_sharding, dropout_seed)
     self._profiler = profiler
     self._fn = self._make(profiler.pgle_options)
+    self._log, self._compiled = log, False
 
   def __call__(self, state, batch):
-    return self._fn(state, batch)
+    if self._compiled:
+      return self._fn(state, batch)
+    found = {}   # the first call compiles: XLA's full-rematerialization warnings become one line
+    with xla_log.rematerialized(found):
+      out = self._fn(state, batch)
+    self._compiled = True
+    note = xla_log.remat_note(found, 'pax bench mfu --json lists them')
+    if note:
+      self._log(note)
+    return out
 
   def profile(self, info: StepInfo) -> None:
     """Hook, every step (a no-op outside the traced steps)."""
@@ -357,10 +371,14 @@ class Saver:
         'checksums': train_state.checksums(state), **({'base': spec.base} if spec.base else {})},
         input_state=self._input_state() if self._input_state else None)
 
-  def close(self) -> None:
-    """Waits for the last save (a stall at the end of the run) and closes the checkpointer."""
+  def exit(self, kind, error, traceback) -> None:
+    """The close of the hooks' exit stack: waits for the last save (a stall at the end of the run) and
+    closes the checkpointer. After a failure (a lost peer process, a divergence) the save in flight is still
+    waited for, but old checkpoints are left for the next start to remove: choosing them is a collective the
+    other processes may no longer join."""
+    del error, traceback
     with self._chrono.phase('checkpoint'):
-      self._checkpointer.close()
+      self._checkpointer.close(rotate=kind is None)
 
 
 def params_finite(params) -> bool:
@@ -394,47 +412,75 @@ def _decode_hook(decoder: TrainDecoder, reporter: Reporter, chrono: Chrono) -> C
 
 
 class GracefulStop:
-  """SIGTERM (preemption) or a first Ctrl-C asks the loop to save and stop after the step.
+  """A preemption signal (SIGTERM, or SIGUSR1: SLURM's warning before a time limit) or a first Ctrl-C asks
+  the loop to save and stop after a step; the run then exits with the signal's code (143, 138, 130).
 
-  Only with one process: several processes must agree on the step to save at, which a
-  signal to one of them cannot give. A second signal (Ctrl-C again) exits at once, in
-  one line, without waiting for a save in flight: orbax's temporary directory is left
-  behind and set aside (never used) at the next start. `hook` ends the run once the
-  step's checkpoint is saved (the Saver hook saves at a stop).
+  One process: the signal stops it after the step in flight. Several processes: a signal reaches each host
+  at its own moment, or only some of them, so they agree on the step through JAX's preemption sync point
+  (jax.experimental.multihost_utils.reached_preemption_sync_point): JAX's runtime catches SIGTERM itself and
+  tells every process; each reports its step and all stop after the same one, the step after the furthest
+  process's, and save it. SIGUSR1 is handed to that same path as a SIGTERM. A signal during start-up (before
+  every process set its counter to the step it resumes from) stops the first step
+  (distributed.preemption_counter_from). Ctrl-C on several processes is an interrupt without a save.
+
+  A second signal (Ctrl-C again, one process) exits at once, in one line, without waiting for a save in
+  flight: orbax's temporary directory is left behind and set aside (never used) at the next start. `hook`
+  ends the run once the step's checkpoint is saved (the Saver hook saves at a stop).
   """
 
-  SIGNALS = {'SIGTERM': 143, 'SIGINT': 130}
+  SIGNALS = {'SIGTERM': 143, 'SIGINT': 130, 'SIGUSR1': 138}
+  AGREED = 143   # several processes: the code of a stop they agreed on, whichever signal started it
 
-  def __init__(self, enabled: bool):
-    self.enabled = enabled and threading.current_thread() is threading.main_thread()
+  def __init__(self, processes: int, start_step: int = 0):
+    self.several = processes > 1
+    self.enabled = threading.current_thread() is threading.main_thread()
     self.signal_name: Optional[str] = None
+    # Several processes: JAX's counters start here; a notice during start-up stops the first step.
+    self._agreed = self.several and distributed.preemption_counter_from(start_step)
     self._previous = {}
 
   def __enter__(self):
     if self.enabled:
-      for name in self.SIGNALS:
+      names = ('SIGUSR1',) if self.several else tuple(self.SIGNALS)   # JAX's runtime keeps SIGTERM
+      for name in names:
         signum = getattr(signal, name)
         self._previous[signum] = signal.signal(signum, self._handle)
     return self
 
   def _handle(self, signum, frame):
     del frame
+    name = signal.Signals(signum).name
+    if self.several:   # JAX's preemption notifier listens for SIGTERM: the warning becomes a notice
+      self.signal_name = self.signal_name or name
+      sys.stderr.write(f'{name}: a preemption warning; every process saves the step they agree on and stops.\n')
+      sys.stderr.flush()
+      os.kill(os.getpid(), signal.SIGTERM)
+      return
     if self.signal_name is not None:  # the second one: no traceback from orbax's threads over the bar
-      sys.stderr.write(f'\nerror: {signal.Signals(signum).name} again: stopping without waiting for the save. '
+      sys.stderr.write(f'\nerror: {name} again: stopping without waiting for the save. '
                        'An unfinished checkpoint is set aside at the next start; run the same command to resume '
                        'from the last complete one.\n')
       sys.stderr.flush()
-      os._exit(self.SIGNALS.get(signal.Signals(signum).name, 130))
-    self.signal_name = signal.Signals(signum).name
+      os._exit(self.SIGNALS.get(name, 130))
+    self.signal_name = name
 
   def __exit__(self, *exc):
     for signum, handler in self._previous.items():
       signal.signal(signum, handler)
     return False
 
+  def requested(self, step: int) -> bool:
+    """Whether this invocation stops after `step`. Several processes: asked at every step, of every
+    process (JAX's sync point is a step: the furthest process's, plus one)."""
+    if not self.several:
+      return self.signal_name is not None
+    if not self._agreed:
+      self._agreed = multihost_utils.reached_preemption_sync_point(step)
+    return self._agreed
+
   @property
-  def requested(self) -> bool:
-    return self.signal_name is not None
+  def exit_code(self) -> int:
+    return self.AGREED if self.several else self.SIGNALS[self.signal_name]
 
   def hook(self, checkpointer: ckpt.Checkpointer, reporter: Reporter, log, directory: str):
     """Hook, at a stop: waits for the step's checkpoint, says so, and exits with the signal's code."""
@@ -442,9 +488,11 @@ class GracefulStop:
     def stop(info: StepInfo) -> None:
       checkpointer.wait()
       reporter.close()
-      log(f'Stopped by {self.signal_name} after step {info.step}; saved a checkpoint at step {info.step} in '
-          f'{directory}. Run the same command to resume.')
-      raise SystemExit(self.SIGNALS[self.signal_name])
+      why = (f'Stopped by {self.signal_name}' if not self.several else
+             'Stopped for preemption: a signal reached this or another process, and all agreed to stop')
+      log(f'{why} after step {info.step}; saved a checkpoint at step {info.step} in {directory}. '
+          'Run the same command to resume.')
+      raise SystemExit(self.exit_code)
     return stop
 
 
@@ -626,104 +674,41 @@ def _train(resolved, job_dir: str, console, accounting: goodput.Goodput, verbose
   log = _printer(console) if is_main else _silent
   distributed.log_topology(_printer(console))
 
-  # ---- Mesh, model, state shapes ------------------------------------------------------------------
+  # ---- Mesh, model, state shapes, input: every refusal before the job directory is written ---------------
   setup = engine.build(resolved)
-  engine.check_fits(setup)   # a state no device can hold is one line before any input is read
-  train_cfg, total = setup.train, setup.train.num_train_steps
-  track.check_installed(train_cfg.trackers.names)  # before anything is compiled
-  base = restore.base_ref(train_cfg.init_from) if train_cfg.init_from else None
-  if base is None and train_state.has_frozen(setup):
-    raise UserError('LORA_RANK > 0 trains adapters on frozen base weights: set INIT_FROM to the base checkpoint '
-                    '(a job directory or checkpoint step; `pax checkpoint convert HF_DIR OUT --from hf` makes one).')
-  spec = RunSpec.of(resolved, setup, base)
-  _check_same_run(job_dir, spec, resolved.train_dataset().name, force_resume)   # before any data is read
+  total = setup.train.num_train_steps
+  spec, base = _check_start(resolved, setup, job_dir, force_resume)
   _log_run(resolved, setup, job_dir, log)
   if verbose and is_main:
     _print_weights(console, setup)
-  train_input = infeed.build_input(resolved.train_dataset(), setup)  # before any state: missing data stops at once
-  tokenizer.check_kept(train_input, job_dir)
-  tokenizer.check_base(train_input, train_cfg.init_from)
+  train_input = _train_input(resolved, setup, job_dir)  # before any state: missing data stops at once
+  for note in getattr(train_input, 'notes', ()):   # what the input chose that the user should hear (VOCAB_SIZE)
+    log(note)
 
   # ---- Job directory: resume or start -------------------------------------------------------------
-  job_format.check_job(job_dir)   # a newer paxcli's job directory is refused before anything is written
-  if is_main:
-    invocation.record(job_dir)
-    job_format.write_job(job_dir)
-  ckpt.set_aside_unfinished(layout.checkpoints(job_dir), log=log)
-  distributed.barrier('paxcli:unfinished-checkpoints-set-aside')  # all processes then see the same steps
-  checkpointer = ckpt.Checkpointer(layout.checkpoints(job_dir), train_cfg.save_max_to_keep,
-                                  before_save=getattr(lock, 'check', None))  # a bucket lock may be lost
+  checkpointer = _open_job_dir(job_dir, setup.train, lock, log, is_main)
   latest = checkpointer.latest_step()
   if latest is not None and latest >= total:
     return _already_finished(job_dir, latest, spec, total, checkpointer, log)
-  fast = _open_fast_tier(train_cfg, job_dir, setup, log)
-  state, start = _resume_fast(fast, spec, latest, job_dir, log)
-  if state is None:
-    state, start = (_resume(setup, job_dir, latest, spec, checkpointer, log) if latest is not None
-                    else (_fresh_state(setup, base, resolved.experiment.RANDOM_SEED, log), Start(0)))
-  if fast is not None:
-    fast.discard_after(start.step)
+  fast = _open_fast_tier(setup.train, job_dir, setup, log)
+  state, start = _start_state(setup, job_dir, latest, spec, base, checkpointer, fast, resolved.experiment.RANDOM_SEED,
+                              log)
   accounting.resumed(start.step, start.tier)
   if is_main:
     storage.write_text(layout.config(job_dir), resolved.as_text())
     _trim_replayed_metrics(job_dir, start.step, log)
-
-  # ---- Input, step, evals ---------------------------------------------------------------------------
-  if is_main:
     tokenizer.save_to_job_dir(train_input, job_dir)
   _position_input(train_input, job_dir, start, fast, log)
+
+  # ---- The step, and the hooks that do the rest ---------------------------------------------------------
   batch_sharding = sharding.batch_sharding(setup.mesh)
   profiler = profiling.StepProfiler(job_dir, log, profile_steps, pgle_profile, start.step)
-  train_step = TrainStep(setup, batch_sharding, resolved.experiment.RANDOM_SEED + 1, profiler)
+  train_step = TrainStep(setup, batch_sharding, resolved.experiment.RANDOM_SEED + 1, profiler, log)
   if profiler.pgle_options:
     log(f'PGLE: compiling the train step with the profile {pgle_profile}.')
-  mfu_of = _mfu(setup, log)
-  evaluator = (Evaluator(resolved, setup, job_dir)
-               if train_cfg.eval_interval_steps and resolved.eval_datasets() else None)
-  decoder = (TrainDecoder(resolved, setup, job_dir, train_cfg)
-             if getattr(train_cfg, 'decode_interval_steps', 0) and train_cfg.decode_prompts else None)
-
-  if is_main and made is not None:  # the run starts: how it is made, for its readers (a follower waits for it)
-    invocation.record_made(job_dir, made)
-  accounting.begin()
-
-  # ---- Hooks --------------------------------------------------------------------------------------
-  tracked = _open_trackers(resolved, job_dir, train_cfg, spec, log) if is_main else track.Trackers()
-  if evaluator:
-    evaluator.trackers = tracked  # eval scalars go to the trackers too
-  writer = summaries.SummaryWriter(layout.summaries(job_dir, 'train'), layout.train_metrics(job_dir),
-                                   trackers=tracked) if is_main else None
-  reporter = Reporter(console, total, start.step, enabled=is_main)
-  guard = LossGuard(train_cfg.loss_spike_factor, train_cfg.loss_spike_window, start.recent_losses)
-  losses = LossCheck(guard, start.step, total, checkpointer)
-  chrono = Chrono(start.step, total, accounting.stopwatch)
-  summary = Summary(losses, chrono, reporter, writer, mfu_of, start.step,
-                    RouterWatch(train_cfg.router_collapse_fraction, train_cfg.router_collapse_steps, log))
-  stop = GracefulStop(enabled=jax.process_count() == 1)
-  saver = Saver(checkpointer, losses, spec, start, setup, train_input, chrono)
+  run = _Run(resolved, setup, job_dir, console, log, spec, start, train_input, checkpointer, fast, accounting)
   with Hooks() as hooks:
-    hooks.enter_context(tracked)  # entered first, so ended last: after the writers' final summaries
-    hooks.add_before(profiler.before)
-    hooks.add(train_step.profile, every=1, close=profiler.close)
-    hooks.add(losses, every=1)
-    hooks.add(summary, every=train_cfg.summary_interval_steps, at_end=True, close=summary.close)
-    hooks.add(accounting.summary_hook, every=train_cfg.summary_interval_steps, at_end=True)
-    hooks.add(saver, every=train_cfg.save_interval_steps, at_end=True, on_stop=True, close=saver.close)
-    if fast is not None:
-      hooks.add(Saver(fast, losses, spec, start, setup, train_input, chrono, skip=saver_due(train_cfg)),
-                every=fast.settings.every, close=fast.close)
-    if evaluator:  # and at the end: a run of 40 steps, evaluated every 100, still reports its held-out loss
-      hooks.add(_eval_hook(evaluator, reporter, chrono), every=train_cfg.eval_interval_steps, at_end=True,
-                close=evaluator.close)
-    if decoder:
-      hooks.add(_decode_hook(decoder, reporter, chrono), every=train_cfg.decode_interval_steps, at_end=True,
-                close=decoder.close)
-    hooks.add(reporter, every=1, close=reporter.close)
-    hooks.add(accounting.step_hook, every=1)
-    hooks.add(stop.hook(checkpointer, reporter, log, layout.checkpoints(job_dir)), on_stop=True)
-    hooks.enter_context(stop)
-    hooks.enter_context(chrono)
-    hooks.callback(accounting.heartbeat.close)  # the loop is over (closed first): no hang timeout for what follows
+    summary, chrono, stop = _begin(hooks, run, train_step, profiler, made)
 
     # ---- Loop -------------------------------------------------------------------------------------
     for step in range(start.step + 1, total + 1):
@@ -731,13 +716,138 @@ def _train(resolved, job_dir: str, console, accounting: goodput.Goodput, verbose
         batch = to_global(train_input.get_next(), batch_sharding, setup.global_batch)
       hooks.before(step)
       state, metrics = train_step(state, batch)
-      hooks.after(StepInfo(step, state, metrics, last=step == total, stopping=stop.requested))
-  if fast is not None:
-    fast.clear()  # the run finished: its last persistent checkpoint supersedes the fast tier
-  _log_done(job_dir, summary.last, train_cfg.save_max_to_keep, log)
-  if is_main:
-    log(accounting.line() + f' `pax goodput {job_dir}` has the table.')
+      with _naming_the_step(step, checkpointer):
+        hooks.after(StepInfo(step, state, metrics, last=step == total, stopping=stop.requested(step)))
+  _finish(run, summary.last)
   return summary.last
+
+
+@dataclasses.dataclass(frozen=True)
+class _Run:
+  """What one invocation's hooks are made of."""
+  resolved: object
+  setup: object
+  job_dir: str
+  console: object
+  log: Callable[[str], None]
+  spec: RunSpec
+  start: Start
+  train_input: object
+  checkpointer: ckpt.Checkpointer
+  fast: Optional[fast_tier.FastTier]
+  accounting: goodput.Goodput
+
+  @property
+  def is_main(self) -> bool:
+    return jax.process_index() == 0
+
+
+def _check_start(resolved, setup, job_dir: str, force_resume: bool) -> tuple[RunSpec, Optional[restore.BaseRef]]:
+  """What a start checks before it reads data or writes anything: the state fits a device, the trackers are
+  installed, LoRA has its base, and the job directory holds no other run. (The RunSpec, the LoRA base.)"""
+  engine.check_fits(setup)   # a state no device can hold is one line before any input is read
+  track.check_installed(setup.train.trackers.names)  # before anything is compiled
+  base = restore.base_ref(setup.train.init_from) if setup.train.init_from else None
+  if base is None and train_state.has_frozen(setup):
+    raise UserError('LORA_RANK > 0 trains adapters on frozen base weights: set INIT_FROM to the base checkpoint '
+                    '(a job directory or checkpoint step; `pax checkpoint convert HF_DIR OUT --from hf` makes one).')
+  spec = RunSpec.of(resolved, setup, base)
+  _check_same_run(job_dir, spec, resolved.train_dataset().name, force_resume)   # before any data is read
+  return spec, base
+
+
+def _train_input(resolved, setup, job_dir: str):
+  """The train input, its tokenizer checked against the one the job keeps and its base's."""
+  train_input = infeed.build_input(resolved.train_dataset(), setup)
+  tokenizer.check_kept(train_input, job_dir)
+  tokenizer.check_base(train_input, setup.train.init_from)
+  return train_input
+
+
+def _open_job_dir(job_dir: str, train_cfg, lock, log, is_main: bool) -> ckpt.Checkpointer:
+  """The job directory, checked (a newer paxcli's is refused before anything is written) and marked as this
+  run's, with unfinished checkpoints set aside: its checkpointer."""
+  job_format.check_job(job_dir)
+  if is_main:
+    invocation.record(job_dir)
+    job_format.write_job(job_dir)
+  ckpt.set_aside_unfinished(layout.checkpoints(job_dir), log=log)
+  distributed.barrier('paxcli:unfinished-checkpoints-set-aside')  # all processes then see the same steps
+  return ckpt.Checkpointer(layout.checkpoints(job_dir), train_cfg.save_max_to_keep,
+                           before_save=getattr(lock, 'check', None))  # a bucket lock may be lost
+
+
+def _start_state(setup, job_dir: str, latest: Optional[int], spec: RunSpec, base, checkpointer, fast, seed: int,
+                 log):
+  """(state, Start): the fast tier's newest step past the persistent tier's, else the latest good checkpoint,
+  else a fresh state (from the base's weights with INIT_FROM); the fast tier then holds nothing newer."""
+  state, start = _resume_fast(fast, spec, latest, job_dir, log)
+  if state is None:
+    state, start = (_resume(setup, job_dir, latest, spec, checkpointer, log) if latest is not None
+                    else (_fresh_state(setup, base, seed, log), Start(0)))
+  if fast is not None:
+    fast.discard_after(start.step)
+  return state, start
+
+
+def _begin(hooks: Hooks, run: _Run, train_step: TrainStep, profiler, made) -> tuple[Summary, Chrono, GracefulStop]:
+  """Builds what the hooks need (evals, decodes, MFU, trackers: refusals still leave no directory), says the run
+  has begun, and registers every hook in the order they run after a step (and close, the last first)."""
+  setup, train_cfg, start, log = run.setup, run.setup.train, run.start, run.log
+  mfu_of = _mfu(setup, log)
+  evaluator = (Evaluator(run.resolved, setup, run.job_dir)
+               if train_cfg.eval_interval_steps and run.resolved.eval_datasets() else None)
+  decoder = (TrainDecoder(run.resolved, setup, run.job_dir, train_cfg)
+             if getattr(train_cfg, 'decode_interval_steps', 0) and train_cfg.decode_prompts else None)
+  if run.is_main and made is not None:  # the run starts: how it is made, for its readers (a follower waits for it)
+    invocation.record_made(run.job_dir, made)
+  run.accounting.begin()
+  tracked = hooks.enter_context(  # entered first, so ended last: after the writers' final summaries
+      _open_trackers(run.resolved, run.job_dir, train_cfg, run.spec, log) if run.is_main else track.Trackers())
+  writer = summaries.SummaryWriter(layout.summaries(run.job_dir, 'train'), layout.train_metrics(run.job_dir),
+                                   trackers=tracked) if run.is_main else None
+  reporter = Reporter(run.console, train_cfg.num_train_steps, start.step, enabled=run.is_main)
+  losses = LossCheck(LossGuard(train_cfg.loss_spike_factor, train_cfg.loss_spike_window, start.recent_losses),
+                     start.step, train_cfg.num_train_steps, run.checkpointer)
+  chrono = Chrono(start.step, train_cfg.num_train_steps, run.accounting.stopwatch)
+  summary = Summary(losses, chrono, reporter, writer, mfu_of, start.step,
+                    RouterWatch(train_cfg.router_collapse_fraction, train_cfg.router_collapse_steps, log))
+  stop = GracefulStop(jax.process_count(), start.step)
+  saver = Saver(run.checkpointer, losses, run.spec, start, setup, run.train_input, chrono)
+  hooks.add_before(profiler.before)
+  hooks.add(train_step.profile, every=1, close=profiler.close)
+  hooks.add(losses, every=1)
+  hooks.add(summary, every=train_cfg.summary_interval_steps, at_end=True, close=summary.close)
+  hooks.add(run.accounting.summary_hook, every=train_cfg.summary_interval_steps, at_end=True)
+  hooks.add(saver, every=train_cfg.save_interval_steps, at_end=True, on_stop=True)
+  hooks.push(saver.exit)
+  if run.fast is not None:
+    hooks.add(Saver(run.fast, losses, run.spec, start, setup, run.train_input, chrono, skip=saver_due(train_cfg)),
+              every=run.fast.settings.every, close=run.fast.close)
+  if evaluator:  # and at the end: a run of 40 steps, evaluated every 100, still reports its held-out loss
+    evaluator.trackers = tracked  # eval scalars go to the trackers too
+    hooks.add(_eval_hook(evaluator, reporter, chrono), every=train_cfg.eval_interval_steps, at_end=True,
+              close=evaluator.close)
+  if decoder:
+    hooks.add(_decode_hook(decoder, reporter, chrono), every=train_cfg.decode_interval_steps, at_end=True,
+              close=decoder.close)
+  hooks.add(reporter, every=1, close=reporter.close)
+  hooks.add(run.accounting.step_hook, every=1)
+  hooks.add(stop.hook(run.checkpointer, reporter, log, layout.checkpoints(run.job_dir)), on_stop=True)
+  hooks.enter_context(stop)
+  hooks.enter_context(chrono)
+  hooks.callback(run.accounting.heartbeat.close)  # the loop is over (closed first): no hang timeout for what follows
+  return summary, chrono, stop
+
+
+def _finish(run: _Run, last: dict) -> None:
+  """The run reached its last step: the fast tier is superseded by its last persistent checkpoint; what was kept,
+  and the job's goodput, said."""
+  if run.fast is not None:
+    run.fast.clear()
+  _log_done(run.job_dir, last, run.setup.train.save_max_to_keep, run.log)
+  if run.is_main:
+    run.log(run.accounting.line() + f' `pax goodput {run.job_dir}` has the table.')
 
 
 def _open_trackers(resolved, job_dir: str, train_cfg, spec: RunSpec, log) -> track.Trackers:
@@ -946,6 +1056,22 @@ def _resume_fast(fast: Optional[fast_tier.FastTier], spec: RunSpec, persistent: 
     _note_changes(meta, spec, job_dir, log)
     return restored.state, Start(step, batches, tuple(meta.get('recent_losses') or ()), 'fast')
   return None, None
+
+
+@contextlib.contextmanager
+def _naming_the_step(step: int, checkpointer: ckpt.Checkpointer):
+  """A bucket that stops answering while step `step`'s hooks write there (metrics, summaries): one line
+  naming the step and the checkpoint the next start resumes from (a failed save names them itself)."""
+  try:
+    yield
+  except ckpt.BucketSaveError:
+    raise
+  except storage.BucketError as e:
+    storage.give_up(checkpointer.directory)
+    last = checkpointer.last_complete
+    raise storage.BucketError(f'{str(e).rstrip(".")}, at step {step}. The last complete checkpoint is '
+                              + (f'step {last}' if last is not None else 'none yet') + '; the trainer stops here. '
+                              'Run the same command to resume from it once the bucket answers.') from None
 
 
 def saver_due(train_cfg) -> Callable[[StepInfo], bool]:

@@ -420,6 +420,8 @@ class _Builder:
   def put(self, knob: str, value: Any, key: str = '', raw: Optional[str] = None,
           after: str = '', source: Optional[str] = None) -> None:
     self.knobs[knob] = value
+    if knob in LM_KNOB and key:   # a size or count the model would be built from: bounded here, naming the key
+      LM_KNOB[knob].check(value, f'{key.split(",")[0].strip()}: ')
     first = key.split(',')[0].strip() if key else ''
     self.rows.append(Row(knob, value, key, raw if raw is not None else (self.raw(first) if first else ''),
                          after, source or (self.src(first) if first else 'paxcli')))
@@ -529,6 +531,9 @@ def _activation_and_block(b: _Builder) -> None:
   elif block.unsupported:
     b.feature(f'decoder_block_{name}', block.unsupported)
   knobs = dict(block.knobs)
+  owner = registry.maxtext_block(name)
+  if owner and not block.unsupported:   # the model is one of the family whose block it is
+    b.put('MODEL_FAMILY', owner[0].name, 'decoder_block')
   if knobs.pop('PARALLEL_BLOCK', False):
     if b.snapshot.start < mt.DEFAULT_BLOCK_SINCE and not b.options.base_config:
       b.feature(f'decoder_block_{name}', mt.DEFAULT_BLOCK_2023)

@@ -6,14 +6,17 @@ What a family owns, each read by one consumer:
   hf_model_types        config.json model_type values it reads (`pax checkpoint convert --from hf`)
   from_hf_config        config.json -> (knobs, notes), refusing by name what the family cannot express
   to_hf_config          a model's settings -> config.json (`--to hf`)
-  hf_weights            the weight-name map both ways: (HF name, paxcli name, shapes, to_hf, from_hf)
-  misfit                why a model is not one of the family (empty: it is); `--to hf` and
-                        `pax describe` ask every family
+  hf_weights            the weight map both ways (paxcli.models.weight_map): one Weight row per array or
+                        piece of a fused or stacked one
+  misfit                why a model is not one of the family (empty: it is): the check of a model that
+                        records the family (MODEL_FAMILY), and how one that records none is placed
   maxtext_blocks        MaxText decoder_block names it computes, with the knobs each sets
                         (`pax import-maxtext`) and MaxText's weight names below a layer (`--from maxtext`)
 
 A family is a subclass with its data as class attributes and its own methods where it differs;
-one instance is listed in paxcli.models.registry.FAMILIES. Nothing here imports jax or flax: recipes
+one instance is listed in paxcli.models.registry.FAMILIES. A model names its family (the MODEL_FAMILY
+knob): the presets set it, and so do the recipes `--from hf`, `pax import-maxtext` and `--from paxml`
+write; `--to hf`, `--to peft`, `pax describe` and the certifications read it. Nothing here imports jax or flax: recipes
 and `pax experiments` read families. A model is given to a family as its flat view
 (paxcli.models.lm.flat_view, or the namespace of paxcli.models.knobs.effective): knob settings under
 their flat names (num_heads, norm_type, layer_pattern, ...).
@@ -29,6 +32,7 @@ import dataclasses
 from typing import Any, Callable, Mapping, Optional
 
 from paxcli.errors import UserError
+from paxcli.models.weight_map import Piece, Weight, fuse  # noqa: F401  (a family's map is written with these)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,23 +47,6 @@ class MaxTextBlock:
   from_config: Optional[Callable[[Callable, Mapping[str, Any]], list]] = None
 
 
-@dataclasses.dataclass(frozen=True)
-class Weight:
-  """One array of the HF weight map: names and shapes on both sides, and the two value transforms
-  (to_hf(paxcli array) -> HF array; from_hf(HF array, paxcli shape) -> paxcli array).
-
-  With `part` e, the HF array is row e of the paxcli array (HF's per-expert weights of paxcli's
-  [experts, ...] kernels): to_hf takes the whole paxcli array and gives row e's HF array, from_hf gives
-  row e (paxcli_shape is the whole array's), and the rows of one paxcli name are read in order and stacked."""
-  hf: str
-  paxcli: str
-  hf_shape: tuple
-  paxcli_shape: tuple
-  to_hf: Callable
-  from_hf: Callable
-  part: Optional[int] = None
-
-
 class Family:
   """An architecture (see the module docstring); subclasses fill in the data and methods."""
   name: str = ''
@@ -71,6 +58,10 @@ class Family:
   maxtext_blocks: Mapping[str, MaxTextBlock] = {}
   maxtext_layer_params: Mapping[str, tuple[str, int]] = {}
 
+  def __init__(self):
+    # The presets name the family too: a recipe that takes them, and every import, records what it is.
+    self.knobs = {**{k: v for k, v in type(self).knobs.items() if k != 'MODEL_FAMILY'}, 'MODEL_FAMILY': self.name}
+
   def preset(self, cls: type) -> type:
     """Class decorator: the family's knobs on an experiment class, under what the class sets itself."""
     for name, value in self.knobs.items():
@@ -79,8 +70,8 @@ class Family:
     return cls
 
   def misfit(self, model) -> list[str]:
-    """Why `model` (a flat view) is not one of this family, each in the user's terms (the knob to set);
-    [] when it is."""
+    """Why `model` (a flat view) does not compute this family's function, each in the user's terms (the knob
+    to set); [] when it does. What the model records (MODEL_FAMILY) is not read here."""
     raise NotImplementedError(f'{type(self).__name__} must define misfit().')
 
   # ---- Hugging Face (families without an HF layout leave hf_model_types empty) ----

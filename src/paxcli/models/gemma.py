@@ -140,6 +140,10 @@ class Gemma2(Family):
           ('pre_self_attention_norm', 'scale', 'attention_norm/scale', 1),
           ('post_self_attention_norm', 'scale', 'post_attention_norm/scale', 1),
           ('pre_ffw_norm', 'scale', 'mlp_norm/scale', 1), ('post_ffw_norm', 'scale', 'post_mlp_norm/scale', 1))}
+  # transformers' Gemma2Config defaults, for keys a config.json leaves out (tests/test_family_contract.py).
+  hf_defaults = {'num_key_value_heads': 4, 'head_dim': 256, 'max_position_embeddings': 8192, 'rms_norm_eps': 1e-6,
+                 'query_pre_attn_scalar': 256, 'attn_logit_softcapping': 50.0, 'final_logit_softcapping': 30.0,
+                 'sliding_window': 4096, 'rope_theta': 10000.0, 'tie_word_embeddings': True}
   qk_norm = False          # Gemma 3's layer normalises each head's query and key
   soft_caps = True         # Gemma 3 has none
   rope_per_kind = False    # Gemma 3: local and global layers have their own rotary base and scaling
@@ -204,23 +208,18 @@ class Gemma2(Family):
     if problems:
       raise UserError(f'{path}: this {self.title} config cannot be expressed in paxcli: ' + '; '.join(problems) + '.')
     get = hf_config.Reader(config, where, f'a {self.title} config')
-    heads, dims = get.int('num_attention_heads'), get.int('hidden_size')
-    defaults = {'num_key_value_heads': heads, 'head_dim': dims // heads, 'max_position_embeddings': 8192,
-                'rms_norm_eps': 1e-6, 'query_pre_attn_scalar': None}
-    knobs = dict(self.knobs)
+    knobs, defaults = dict(self.knobs), self.hf_defaults
     for key, knob in _HF_KNOBS.items():
       knobs[knob] = (get.int if key in _INTS else get.float)(key, defaults.get(key, hf_config.Reader.REQUIRED))
-    if knobs['QUERY_PRE_ATTN_SCALAR'] is None:
-      knobs['QUERY_PRE_ATTN_SCALAR'] = float(knobs['DIMS_PER_HEAD'])
-    knobs['SEPARATE_EMBEDDING'] = not get.bool('tie_word_embeddings', True)
-    if heads % knobs['NUM_KV_HEADS']:
-      raise UserError(f'{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads '
+    knobs['SEPARATE_EMBEDDING'] = not get.bool('tie_word_embeddings', defaults['tie_word_embeddings'])
+    if knobs['NUM_HEADS'] % knobs['NUM_KV_HEADS']:
+      raise UserError(f'{where}: num_attention_heads {knobs["NUM_HEADS"]} is not a multiple of num_key_value_heads '
                       f'{knobs["NUM_KV_HEADS"]}.')
     if self.soft_caps:
-      knobs['ATTEN_LOGIT_CAP'] = float(get.float('attn_logit_softcapping', 0.0) or 0.0)
-      knobs['SOFTMAX_CAP_LOGITS'] = float(get.float('final_logit_softcapping', 0.0) or 0.0)
+      knobs['ATTEN_LOGIT_CAP'] = _cap(get, 'attn_logit_softcapping', defaults)
+      knobs['SOFTMAX_CAP_LOGITS'] = _cap(get, 'final_logit_softcapping', defaults)
     pattern = shortest_period([KINDS[t] for t in types])
-    window = get.int('sliding_window', config.get('sliding_window_size') or 4096)
+    window = hf_config.sliding_window(config, path, defaults['sliding_window'], self.title)
     base = ropes.get('full_attention') or ropes['sliding_attention']
     kinds = {}
     if 'local' in pattern:
@@ -232,7 +231,8 @@ class Gemma2(Family):
   def _layer_types(self, config: dict, where: str) -> list[str]:
     """config.json's layer_types, or what the released configs' sliding_window_pattern (Gemma 3) or the
     alternation (Gemma 2) make of num_hidden_layers."""
-    n = hf_config.Reader(config, where).int('num_hidden_layers')
+    n = hf_config.Reader(config, where).int('num_hidden_layers', self.hf_defaults.get('num_hidden_layers',
+                                                                                      hf_config.Reader.REQUIRED))
     types = config.get('layer_types')
     if types is None:
       every = config.get('sliding_window_pattern') or config.get('_sliding_window_pattern') or self.global_every
@@ -255,9 +255,12 @@ class Gemma2(Family):
     elif params:
       rope = params
     elif layer_type == 'sliding_attention' and self.rope_per_kind:
-      rope = {'rope_type': 'default', 'rope_theta': config.get('rope_local_base_freq', 10000.0)}
+      rope = {'rope_type': 'default', 'rope_theta': config.get('rope_local_base_freq',
+                                                               self.hf_defaults['rope_local_base_freq'])}
     else:
-      rope = {**(config.get('rope_scaling') or {}), 'rope_theta': config.get('rope_theta', 10000.0)}
+      scaling = config.get('rope_scaling') or {}
+      rope = ({**scaling, 'rope_theta': config.get('rope_theta', self.hf_defaults['rope_theta'])}
+              if isinstance(scaling, dict) else scaling)
     rope = hf_config.rope_scaling({'rope_scaling': rope}, problems)
     if rope['rope_type'] == 'llama3':
       problems.append(f'rope_scaling {hf_config.shown(rope)} (paxcli\'s {self.title} scales rotary positions '
@@ -314,6 +317,12 @@ class Gemma2(Family):
       else:
         out.append(w)
     return out
+
+
+def _cap(get: hf_config.Reader, key: str, defaults: dict) -> float:
+  """A soft cap of config.json: the family's default where the key is missing, none (0) where it is null."""
+  value = get.config[key] if key in get.config else defaults[key]
+  return 0.0 if value is None else get.float(key, value)
 
 
 def _number(x):

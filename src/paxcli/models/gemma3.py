@@ -29,9 +29,9 @@ from paxcli.models.gemma import MAXTEXT_GEMMA, Gemma2, maxtext_gemma_knobs, patt
 _LOCAL = {'SLIDING_WINDOW': 1024, 'ROTARY_MAX_TIMESCALE': 10000.0, 'ROTARY_SCALING': 'none',
           'ROTARY_SCALING_FACTOR': 1.0}
 
-# transformers' Gemma3TextConfig defaults, for the keys a released Gemma3ForConditionalGeneration's text_config
-# leaves out (tests/test_hf_gemma3_multimodal.py holds them against transformers' own class). rope_theta and
-# rope_local_base_freq are its default rotary bases of the global and the local layers.
+# transformers' Gemma3TextConfig defaults, for the keys a config.json or a released Gemma3ForConditionalGeneration's
+# text_config leaves out (the family's hf_defaults: tests/test_family_contract.py holds them against transformers'
+# own class). rope_theta and rope_local_base_freq are its default rotary bases of the global and the local layers.
 TEXT_DEFAULTS = {
     'vocab_size': 262208, 'hidden_size': 2304, 'intermediate_size': 9216, 'num_hidden_layers': 26,
     'num_attention_heads': 8, 'num_key_value_heads': 4, 'head_dim': 256, 'hidden_activation': 'gelu_pytorch_tanh',
@@ -87,6 +87,7 @@ class Gemma3(Gemma2):
   hf_architectures = ('Gemma3ForCausalLM', MULTIMODAL_ARCHITECTURE)
   maxtext_blocks = {'gemma3': MaxTextBlock(MAXTEXT_GEMMA, from_config=_maxtext_gemma3)}
   maxtext_layer_params = {}   # --from maxtext reads no gemma3 checkpoints yet (import-maxtext does write recipes)
+  hf_defaults = TEXT_DEFAULTS
   qk_norm = True
   soft_caps = False
   rope_per_kind = True

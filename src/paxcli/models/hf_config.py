@@ -15,7 +15,7 @@ from typing import Optional
 import numpy as np
 
 from paxcli.errors import UserError, shorten
-from paxcli.models.knobs import LM_KNOB
+from paxcli.models.knobs import LM_KNOB, MAX_COUNT, MAX_INT32
 
 
 # config.json keys that do not change the function a model computes (bookkeeping, generation
@@ -38,6 +38,9 @@ HARMLESS_KEYS = frozenset({
     'begin_suppress_tokens'})
 # rope_scaling types (HF's rope_type, or type in older configs) -> paxcli's ROTARY_SCALING.
 ROPE_TYPES = {'default': 'none', 'linear': 'linear', 'llama3': 'llama3'}
+# Keys of transformers 5's rope_parameters that leave the rotation alone at one value: every dimension of a head
+# rotated (Phi-3's partial_rotary_factor; Phi-4-mini's 0.75 rotates a part of each head only, and is refused).
+ROPE_NEUTRAL = {'partial_rotary_factor': 1.0}
 LLAMA3_ROPE_KEYS = {'factor': 'ROTARY_SCALING_FACTOR', 'low_freq_factor': 'ROTARY_LOW_FREQ_FACTOR',
                     'high_freq_factor': 'ROTARY_HIGH_FREQ_FACTOR',
                     'original_max_position_embeddings': 'ROTARY_ORIGINAL_MAX_LEN'}
@@ -85,12 +88,12 @@ def rope_scaling(config: dict, problems: list) -> dict:
     problems.append(f'rope_scaling {shown(rope)} (an object with rope_type and factor was expected)')
     return {'rope_type': 'default'}
   kind = rope.get('rope_type', rope.get('type', 'default'))
-  if kind not in ROPE_TYPES:
+  if not isinstance(kind, str) or kind not in ROPE_TYPES:
     problems.append(f'rope_scaling {shown(rope)} (paxcli scales rotary positions as '
                     f'{", ".join(repr(k) for k in ROPE_TYPES)} only)')
     return {'rope_type': 'default'}
   known = {'rope_type', 'type', 'rope_theta', 'factor'} | (set(LLAMA3_ROPE_KEYS) if kind == 'llama3' else set())
-  unknown = sorted(set(rope) - known)
+  unknown = sorted(k for k in set(rope) - known if rope[k] != ROPE_NEUTRAL.get(k, object()))
   if unknown:
     problems.append(f'rope_scaling {shown(rope)} (paxcli does not read its {", ".join(unknown)})')
   return {**rope, 'rope_type': kind}
@@ -107,8 +110,27 @@ def rope_knobs(rope: dict, get: 'Reader') -> dict:
   return knobs
 
 
+def sliding_window(config: dict, path: str, default: Optional[int], title: str) -> int:
+  """SLIDING_WINDOW of config.json's sliding_window, the one reader of it: null is full attention (0), a missing
+  key the family's default (its transformers config class's; None: full attention); anything but a positive
+  whole number of tokens or null is one line."""
+  window = config['sliding_window'] if 'sliding_window' in config else default
+  if window is None:
+    return 0
+  if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+    raise UserError(f'{path}/config.json: sliding_window is {shown(window)}; a {title} config has a positive whole '
+                    'number of tokens or null (full attention).')
+  return window
+
+
 def shown(value) -> str:
   return shorten(json.dumps(value), 60)
+
+
+# config.json's counts of what a model is built from one by one (layers, experts, under each family's spelling):
+# read at most MAX_COUNT, before any list of layers or weight names is made from them. Every other integer is
+# a size, at most MAX_INT32 (the knobs' bounds, paxcli.models.knobs).
+COUNT_KEYS = frozenset({'num_hidden_layers', 'num_experts', 'num_local_experts', 'n_routed_experts'})
 
 
 class Reader:
@@ -131,7 +153,12 @@ class Reader:
     if value is None:
       return fallback
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-      raise UserError(f'{self.where}: {key} is {str(json.dumps(value))[:60]}; it must be a positive integer.')
+      raise UserError(f'{self.where}: {key} is {shorten(json.dumps(value), 60)}; it must be a positive integer.')
+    maximum = MAX_COUNT if key in COUNT_KEYS else MAX_INT32
+    if value > maximum:
+      raise UserError(f'{self.where}: {key} is {shorten(f"{value:,}", 60)}; paxcli reads at most {maximum:,} '
+                      f'({"a model of more cannot be built here" if key in COUNT_KEYS else "a 32-bit size"}). '
+                      'Is this the model\'s config.json?')
     return value
 
   def float(self, key: str, default=REQUIRED):
@@ -139,7 +166,7 @@ class Reader:
     if value is None:
       return fallback
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < float('inf'):
-      raise UserError(f'{self.where}: {key} is {str(json.dumps(value))[:60]}; it must be a positive number.')
+      raise UserError(f'{self.where}: {key} is {shorten(json.dumps(value), 60)}; it must be a positive number.')
     return float(value)
 
   def bool(self, key: str, default=REQUIRED):
@@ -147,7 +174,7 @@ class Reader:
     if value is None:
       return fallback
     if not isinstance(value, bool):
-      raise UserError(f'{self.where}: {key} is {str(json.dumps(value))[:60]}; it must be true or false.')
+      raise UserError(f'{self.where}: {key} is {shorten(json.dumps(value), 60)}; it must be true or false.')
     return value
 
 

@@ -33,6 +33,15 @@ from paxcli.values import coerce
 
 Settings = Mapping[str, Any]   # flat name -> value, every knob of a table present
 
+# The largest value a model knob may have (Knob.maximum), checked wherever settings become a model (`complete`),
+# whatever gave them: --set, a job's record, a recipe, a Hugging Face, paxml or MaxText config. An integer
+# knob is a size or a count, and JAX indexes arrays with 32-bit integers; a float knob is used in float32 (or
+# less), where a larger number is infinity. Layers and experts are counts a model is built from one by one:
+# more than MAX_COUNT cannot be built here, and a config that says so is refused before anything is listed.
+MAX_INT32 = 2**31 - 1
+MAX_FLOAT32 = 3.4028234663852886e38
+MAX_COUNT = 1 << 16
+
 
 @dataclasses.dataclass(frozen=True)
 class Knob:
@@ -52,6 +61,8 @@ class Knob:
   when: Optional[Callable[[Settings], bool]] = None
   # A whole template this knob swaps: (path, a Template from all settings), set before its fields.
   template: Optional[tuple[str, Callable[[Settings], 'Template']]] = None
+  # The largest value (see MAX_INT32); None: the bound of the knob's type (none for other types).
+  maximum: Optional[float] = None
 
   def __post_init__(self):
     if isinstance(self.fields, str):
@@ -65,6 +76,19 @@ class Knob:
   def applies(self, settings: Settings) -> bool:
     """Whether the fields are set at all with these settings (`when`)."""
     return self.when is None or bool(self.when(settings))
+
+  def check(self, value: Any, label: str = '') -> None:
+    """UserError when `value` is over the knob's bound (MAX_INT32, MAX_FLOAT32, or its own `maximum`)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+      return
+    limit = self.maximum if self.maximum is not None else MAX_INT32 if isinstance(value, int) else MAX_FLOAT32
+    if abs(value) <= limit:
+      return
+    why = ('more cannot be built here' if self.maximum is not None else 'JAX indexes arrays with 32-bit integers'
+           if isinstance(value, int) else 'the model computes in float32, where a larger number is infinity')
+    shown = (lambda x: f'{x:,}' if isinstance(x, int) else f'{x:.3g}')
+    raise UserError(f'{label}{self.name} is {shown(value)}; paxcli builds models with {self.name} of at most '
+                    f'{shown(limit)}{"" if isinstance(limit, int) else " in magnitude"} ({why}).')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +108,9 @@ def settable(value: Any) -> Any:
 
 
 def declare(table: tuple[Knob, ...]):
-  """Class decorator: declares the table's knobs (annotation and default) on an experiment class."""
+  """Class decorator: declares the table's knobs (annotation and default) on an experiment class. They are
+  model knobs (each sets fields of the model's config and nothing else), so a job's record may set them
+  (Experiment.replayed)."""
   def apply(cls):
     annotations = cls.__dict__.get('__annotations__')
     if annotations is None:
@@ -92,6 +118,7 @@ def declare(table: tuple[Knob, ...]):
     for knob in table:
       annotations[knob.name] = knob.type
       setattr(cls, knob.name, knob.default)
+    cls.replayed = frozenset(cls.__dict__.get('replayed', ())) | {knob.name for knob in table}
     return cls
   return apply
 
@@ -107,6 +134,9 @@ def complete(settings: Settings, table: tuple[Knob, ...]) -> dict[str, Any]:
   unknown = sorted(set(settings) - set(known))
   if unknown:
     raise TypeError(f'unexpected model settings {unknown}; the knob table has {sorted(known)}')
+  for knob in table:
+    if knob.flat in settings:
+      knob.check(settings[knob.flat])
   return {**known, **settings}
 
 
@@ -184,7 +214,7 @@ def _moe(settings: Settings) -> bool:
 MOE_KNOBS: tuple[Knob, ...] = (
     Knob('NUM_EXPERTS', int, 0, FFN + 'num_experts', '0: a dense MLP; E > 0: E expert MLPs of HIDDEN_DIMS each, '
          'EXPERTS_PER_TOKEN of them per token (per layer kind with LAYER_KINDS)', when=_moe,
-         template=(BLOCK + 'ffn_tpl', _feed_forward)),
+         template=(BLOCK + 'ffn_tpl', _feed_forward), maximum=MAX_COUNT),
     Knob('EXPERTS_PER_TOKEN', int, 2, FFN + 'experts_per_token', 'k of top-k routing', when=_moe),
     Knob('MOE_DISPATCH', MoeDispatchName, 'dropless', FFN + 'dispatch',
          "'dropless': tokens sorted by expert, grouped matmuls (ragged_dot); 'capacity': GShard's dispatch and "
@@ -220,21 +250,27 @@ MOE_KNOBS: tuple[Knob, ...] = (
 )
 
 LM_KNOBS: tuple[Knob, ...] = (
-    Knob('VOCAB_SIZE', int, 256, LM + 'vocab_size'),
-    Knob('NUM_LAYERS', int, 2, LM + 'num_layers'),
-    Knob('MODEL_DIMS', int, 64, LM + 'model_dims'),
+    Knob('VOCAB_SIZE', int, 256, LM + 'vocab_size',
+         "rows of the embedding and the output softmax: at least the tokenizer's pieces (a tokenizer trained on "
+         'TRAIN_DATA gets at most this many)'),
+    Knob('NUM_LAYERS', int, 2, LM + 'num_layers', 'Transformer layers (blocks) in the stack', maximum=MAX_COUNT),
+    Knob('MODEL_DIMS', int, 64, LM + 'model_dims', 'the width of the residual stream (embedding size)'),
     *MOE_KNOBS,
     Knob('HIDDEN_DIMS', int, 256, FFN + 'hidden_dims', 'the MLP hidden units; per expert with NUM_EXPERTS'),
-    Knob('NUM_HEADS', int, 4, ATTENTION + 'num_heads'),
+    Knob('NUM_HEADS', int, 4, ATTENTION + 'num_heads', 'attention (query) heads per layer'),
     Knob('NUM_KV_HEADS', Optional[int], None, ATTENTION + 'num_kv_heads',
          'None: same as NUM_HEADS; fewer: grouped-query attention',
          value=lambda s: s['num_kv_heads'] or s['num_heads']),
     Knob('DIMS_PER_HEAD', Optional[int], None, ATTENTION + 'dims_per_head', 'None: MODEL_DIMS // NUM_HEADS',
          value=lambda s: s['dims_per_head'] or s['model_dims'] // s['num_heads']),
-    Knob('MAX_SEQ_LEN', int, 64, LM + 'max_seq_len'),
-    Knob('ACTIVATION', ActivationName, 'gelu', FFN + 'activation'),
-    Knob('USE_GATED_ACTIVATION', bool, False, FFN + 'gated', flat='use_gated_activation'),
-    Knob('NORM_TYPE', NormName, 'layernorm', (NORM + 'kind', FINAL_NORM + 'kind'), flat='norm_type'),
+    Knob('MAX_SEQ_LEN', int, 64, LM + 'max_seq_len',
+         'tokens per training row (own data is packed into rows this long), and the longest decode'),
+    Knob('ACTIVATION', ActivationName, 'gelu', FFN + 'activation', "the MLP's nonlinearity ('gelu' is the tanh "
+         'approximation)'),
+    Knob('USE_GATED_ACTIVATION', bool, False, FFN + 'gated', 'act(x W0) * (x W1) in the MLP (SwiGLU with silu, '
+         'GeGLU with gelu)', flat='use_gated_activation'),
+    Knob('NORM_TYPE', NormName, 'layernorm', (NORM + 'kind', FINAL_NORM + 'kind'),
+         "every norm of the stack and the final one ('rmsnorm': Llama's and most released models')", flat='norm_type'),
     Knob('USE_BIAS', bool, True, (FFN + 'use_bias', NORM + 'use_bias', FINAL_NORM + 'use_bias'),
          'biases in the MLP and the norms, and in attention unless USE_ATTENTION_BIAS says otherwise'),
     Knob('USE_ATTENTION_BIAS', Optional[bool], None, ATTENTION + 'use_bias',
@@ -247,21 +283,24 @@ LM_KNOBS: tuple[Knob, ...] = (
     Knob('POSITION_EMBEDDING', PositionName, 'learned', LM + 'position_embedding',
          "'sinusoidal' is Pax's fixed PositionalEmbedding",
          derived=((ATTENTION + 'rotary', lambda s: s['position_embedding'] == 'rotary'),)),
-    Knob('ROTARY_MAX_TIMESCALE', float, 10000.0, ATTENTION + 'rotary_max_timescale'),
+    Knob('ROTARY_MAX_TIMESCALE', float, 10000.0, ATTENTION + 'rotary_max_timescale',
+         "rotary positions' base wavelength (Hugging Face's rope_theta)"),
     # Hugging Face's rope_scaling (layers.transformer.rotary_scale): Llama 3.1's 'llama3' or 'linear'.
     Knob('ROTARY_SCALING', RotaryScalingName, 'none', ATTENTION + 'rotary_scaling',
          "'linear': positions / factor; 'llama3': long wavelengths x factor, short ones kept"),
-    Knob('ROTARY_SCALING_FACTOR', float, 1.0, ATTENTION + 'rotary_scaling_factor'),
+    Knob('ROTARY_SCALING_FACTOR', float, 1.0, ATTENTION + 'rotary_scaling_factor',
+         "ROTARY_SCALING's factor (rope_scaling's factor); 1: none"),
     Knob('ROTARY_LOW_FREQ_FACTOR', float, 1.0, ATTENTION + 'rotary_low_freq_factor', "'llama3' only"),
     Knob('ROTARY_HIGH_FREQ_FACTOR', float, 4.0, ATTENTION + 'rotary_high_freq_factor', "'llama3' only"),
     Knob('ROTARY_ORIGINAL_MAX_LEN', int, 8192, ATTENTION + 'rotary_original_max_len',
          "'llama3' only: the context length the model was first trained for"),
     Knob('SEPARATE_EMBEDDING', bool, False, LM + 'separate_embedding',
          'False: output logits use the token embedding (tied)'),
-    Knob('DROPOUT_PROB', float, 0.0, LM + 'dropout_prob'),
+    Knob('DROPOUT_PROB', float, 0.0, LM + 'dropout_prob', 'dropout on the residual branches, in training only'),
     Knob('FPROP_DTYPE', DTypeName, 'float32', LM + 'fprop_dtype', 'activations; weights stay float32'),
     Knob('USE_REPEATED_LAYER', bool, False, LM + 'scan_layers', 'nn.scan over layers'),
-    Knob('CHECKPOINT_POLICY', CheckpointPolicyName, 'save_nothing', LM + 'checkpoint_policy'),
+    Knob('CHECKPOINT_POLICY', CheckpointPolicyName, 'save_nothing', LM + 'checkpoint_policy',
+         "what a layer keeps for the backward pass (jax.checkpoint's policies; 'none': everything, no recompute)"),
     # Options of Pax's lm_cloud/c4 models (what `pax checkpoint convert --from paxml` needs); all off.
     Knob('SCALE_EMBEDDING_SQRT_DEPTH', bool, False, LM + 'scale_embedding_sqrt_depth',
          'token embeddings x sqrt(MODEL_DIMS) (Pax scale_sqrt_depth)'),
@@ -280,7 +319,7 @@ LM_KNOBS: tuple[Knob, ...] = (
          "attention and MLP from one norm, added together (MaxText's default decoder_block); no mlp_norm",
          flat='parallel_block'),
     Knob('NORM_EPSILON', float, 1e-6, (NORM + 'epsilon', FINAL_NORM + 'epsilon', ATTENTION + 'norm_epsilon'),
-         flat='norm_epsilon'),
+         "added to the variance in every norm (Hugging Face's rms_norm_eps)", flat='norm_epsilon'),
     # Gemma 2 and 3's layer (paxcli.models.gemma); off by default.
     Knob('NORM_PLUS_ONE', bool, False, (NORM + 'plus_one', FINAL_NORM + 'plus_one', ATTENTION + 'norm_plus_one'),
          "norms (QK-norm too) multiply by (1 + scale), scale stored as it is and starting at 0 (Gemma's RMSNorm)",
@@ -303,7 +342,7 @@ LM_KNOBS: tuple[Knob, ...] = (
     # Pipeline parallelism (paxcli.layers.pipeline): NUM_STAGES > 1 needs USE_REPEATED_LAYER and a
     # four-entry ICI_MESH_SHAPE [stage, replica, data, mdl] whose stage entry (times DCN's) equals it.
     # Checkpoints are the same whatever the stage count.
-    Knob('NUM_STAGES', int, 1, LM + 'num_stages'),
+    Knob('NUM_STAGES', int, 1, LM + 'num_stages', 'pipeline stages the layers are split into; 1: no pipeline'),
     Knob('NUM_MICROBATCHES', Optional[int], None, LM + 'num_microbatches', 'None: from MICROBATCH_SIZE, else NUM_STAGES'),
     Knob('MICROBATCH_SIZE', Optional[int], None, LM + 'microbatch_size', 'rows of the global batch per microbatch'),
     Knob('PIPELINE_CIRCULAR_REPEAT', int, 1, LM + 'pipeline_repeats',
@@ -328,6 +367,10 @@ LM_KNOBS: tuple[Knob, ...] = (
     Knob('LOSS_CHUNK_TOKENS', int, 0, 'loss_chunk_tokens',
          'the loss makes the logits of at most this many tokens per device at a time (proportionally fewer above '
          'a 32k vocabulary; 2048 a good start); 0 (default): all at once'),
+    Knob('MODEL_FAMILY', Optional[str], None, 'family',
+         "the model family the model is (paxcli.models.registry: 'llama', 'qwen3', ...), which --to hf and --to "
+         'peft write and pax describe names; the family presets and every import set it. None: placed by its '
+         'function where exactly one family computes it', flat='family'),
     Knob('LORA_BASE_DTYPE', DTypeName, 'float32', 'lora_base_dtype',
          'dtype the frozen base weights are kept in with LORA_RANK > 0 (bfloat16 halves their memory)'),
     # Layer kinds (paxcli.models.pattern): the stack repeats a group of kinds, each kind the block with
@@ -385,6 +428,7 @@ def _kind_settings(kind: str, knob_values: Mapping[str, Any]) -> dict[str, Any]:
       raise UserError(f'LAYER_KINDS[{kind!r}] sets {name}, which is not a per-layer knob; a kind may set '
                       f'{", ".join(per_layer)}.')
     out[knob.flat] = coerce(raw, knob.type, f'LAYER_KINDS[{kind!r}][{name!r}]')
+    knob.check(out[knob.flat], f'LAYER_KINDS[{kind!r}]: ')
   return out
 
 

@@ -70,10 +70,11 @@ class Llama(Family):
            'POSITION_EMBEDDING': 'rotary'}
   hf_model_types = ('llama',)
   hf_architectures = ('LlamaForCausalLM',)
-  # config.json: keys read into knobs, keys harmless at one value, and what is taken where a key is missing.
+  # config.json: keys read into knobs, keys harmless at one value, and what is taken where a key is missing:
+  # transformers' config class's defaults (tests/test_family_contract.py holds each family's against it).
   hf_read_keys = READ_KEYS
   hf_neutral = NEUTRAL_VALUES
-  hf_defaults = {'max_position_embeddings': 2048, 'rope_theta': 10000.0}
+  hf_defaults = {'max_position_embeddings': 2048, 'rope_theta': 10000.0, 'rms_norm_eps': 1e-6}
   # Attention features (layers.transformer.Attention: qkv_bias, qk_norm) the family has (True) or lacks.
   attention_features = {'qkv_bias': False, 'qk_norm': False}
   # Whether the family's attention has a window (SLIDING_WINDOW > 0; paxcli.models.mistral); None: either.
@@ -157,7 +158,7 @@ class Llama(Family):
     heads = get.int('num_attention_heads')
     dims = get.int('hidden_size')
     defaults = {'num_key_value_heads': heads, 'head_dim': dims // heads if dims % heads == 0 else None,
-                'rms_norm_eps': RMS_EPS, **self.hf_defaults}
+                **self.hf_defaults}
     knobs = dict(self.knobs)   # the family's presets, under what config.json says
     for key, knob in _HF_KNOBS.items():
       read = get.float if LM_KNOB[knob].type is float else get.int

@@ -26,7 +26,7 @@ from paxcli.models import knobs, pattern
 from paxcli.models.base import DecodingModel, dtype_name
 from paxcli.models.flops import ModelFlops, stack_flops
 from paxcli.models.losses import Head, head_lm_loss, token_scores
-from paxcli.models.validation import validate_expert_axis, validate_lm
+from paxcli.models.validation import validate_expert_axis, validate_family, validate_lm
 
 REMAT_POLICIES = {
     'save_nothing': lambda: jax.checkpoint_policies.nothing_saveable,
@@ -309,6 +309,9 @@ class LanguageModel(DecodingModel):
   # (paxcli.models.losses.head_lm_loss); 0: whole. Off by default: the backward pass remakes each
   # chunk's logits, a third more of the output layer's FLOPs (docs/guides/performance-knobs.md).
   loss_chunk_tokens: int = 0
+  # MODEL_FAMILY: the family the model is (paxcli.models.registry), read by conversions and describe; None:
+  # placed by its function. It changes nothing the model computes.
+  family: Optional[str] = None
 
   def setup(self):
     self.create_child('lm', self.lm_tpl)
@@ -361,6 +364,7 @@ class LanguageModel(DecodingModel):
 
   def validate(self) -> None:
     validate_lm(self.lm_tpl)
+    validate_family(self.family)
 
   def validate_mesh(self, axis_sizes: dict) -> None:
     validate_expert_axis(self.lm_tpl, axis_sizes.get('expert', 1))

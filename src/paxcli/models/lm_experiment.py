@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import functools
-import os
 from typing import Optional, Union
 
 import fiddle as fdl
 
+from paxcli import files
 from paxcli.errors import UserError
-from paxcli.inputs import prepared
+from paxcli.inputs import file_input, prepared
 from paxcli.inputs.synthetic import SyntheticLmInput
 from paxcli.models.knobs import LM_KNOBS, declare, flat_settings
 from paxcli.models.training import TrainingExperiment
@@ -28,8 +28,10 @@ class LmExperiment(TrainingExperiment):
   """
 
   DECODE_INTERVAL_STEPS: int = 0  # 0: no decoding during training; else greedy on DECODE_PROMPTS
-  DECODE_PROMPTS: list = []       # texts, or lists of token ids for models without a tokenizer
-  DECODE_MAX_STEPS: int = 32
+  # texts, or lists of token ids for models without a tokenizer; with TRAIN_DATA and not set with --set, up to
+  # four prompts of the held-out data (a prompt/completion's prompt, a text's first words)
+  DECODE_PROMPTS: list = []
+  DECODE_MAX_STEPS: int = 32      # tokens decoded for each prompt during training
   # LoRA (LORA_RANK > 0): a PEFT adapter directory (`pax checkpoint convert --to peft` writes one) the adapters
   # start from; None: A random, B = 0.
   LORA_INIT: Optional[str] = None
@@ -40,11 +42,19 @@ class LmExperiment(TrainingExperiment):
   EVAL_DATA: Optional[Union[str, dict[str, float]]] = None  # None: 1 in 20 TRAIN_DATA documents (by text hash)
   TEXT_FIELD: str = 'text'        # the JSONL / Parquet / tf.train.Example field that holds the text
   TOKENIZER: Optional[str] = None  # a sentencepiece .model or a tokenizer.json; None: trained on TRAIN_DATA
+  # Chat records ({"messages": [...]}): '' the tokenizer's own chat template (its default), refused in one line
+  # when it ships none, unless paxcli trained the tokenizer; a name of another template it ships; 'paxcli' for
+  # paxcli's own <|user|>/<|assistant|> format
+  CHAT_TEMPLATE: str = ''
   # TRAIN_DATA naming a prepared directory (`pax data prepare`) is read with Grain (paxcli.inputs.grain_input):
   # Grain worker processes per process; 0: a prefetch thread, which keeps 39x ahead of one H100 on Llama1B
   # (benchmarks/input_resume.py) while each worker costs 1-6 s at every start: more for many GPUs per host
   DATA_WORKERS: int = 0
   DATA_STREAMS: int = 16  # fixed for a run; at least processes x DATA_WORKERS
+  # What a job's record may set (Experiment.replayed): decoding while training, the adapters' start and the
+  # data (read, never written). Not DATA_WORKERS: how many processes this machine runs is its user's choice.
+  replayed = frozenset({'DECODE_INTERVAL_STEPS', 'DECODE_PROMPTS', 'DECODE_MAX_STEPS', 'LORA_INIT', 'TRAIN_DATA',
+                        'EVAL_DATA', 'TEXT_FIELD', 'TOKENIZER', 'DATA_STREAMS'})
 
   def __init_subclass__(cls, **kwargs):
     """A subclass's own datasets() gives way to TRAIN_DATA when the knob is set: recipes, a user's
@@ -72,10 +82,24 @@ class LmExperiment(TrainingExperiment):
   def train_config(self) -> fdl.Config:
     train = super().train_config()
     train.decode_interval_steps = self.DECODE_INTERVAL_STEPS
-    train.decode_prompts = list(self.DECODE_PROMPTS)
+    train.decode_prompts = list(self.DECODE_PROMPTS) if not self._own_data_decodes() else self._own_data_prompts()
     train.decode_max_steps = self.DECODE_MAX_STEPS
-    train.lora_init = os.path.abspath(os.path.expanduser(self.LORA_INIT)) if self.LORA_INIT else None
+    train.lora_init = files.path_knob(self.LORA_INIT) if self.LORA_INIT else None
     return train
+
+  def _own_data_decodes(self) -> bool:
+    """Whether decoding while training takes its prompts from TRAIN_DATA: a recipe's own DECODE_PROMPTS belong
+    to its own data (the stdlib's, the default's), so a run on the user's files decodes the user's prompts
+    unless DECODE_PROMPTS is set for it (--set, or an instance's own)."""
+    return bool(self.TRAIN_DATA and self.DECODE_INTERVAL_STEPS and 'DECODE_PROMPTS' not in vars(self))
+
+  def _own_data_prompts(self) -> list:
+    """Prompts from the held-out side of the user's data (EVAL_DATA, else TRAIN_DATA's eval split); none for
+    prepared data, whose records are ids."""
+    if _prepared_data(file_input.anchored(self.TRAIN_DATA)):
+      return []
+    data = file_input.anchored(self.EVAL_DATA or self.TRAIN_DATA)
+    return file_input.sample_prompts(data, self.TEXT_FIELD, 'all' if self.EVAL_DATA else 'eval')
 
   def datasets(self) -> list:
     """The user's files when TRAIN_DATA is set, else synthetic LM data; override for real inputs
@@ -94,16 +118,16 @@ class LmExperiment(TrainingExperiment):
       return []
     if not self.TRAIN_DATA:
       raise UserError('EVAL_DATA and TOKENIZER need TRAIN_DATA (a glob of your training files).')
-    from paxcli.inputs.file_input import FileLmInput, anchored
-    train, evals = anchored(self.TRAIN_DATA), anchored(self.EVAL_DATA)
+    train, evals = file_input.anchored(self.TRAIN_DATA), file_input.anchored(self.EVAL_DATA)
     if _prepared_data(train):
       return self._prepared_datasets(train, evals)
-    common = dict(seq_len=self.MAX_SEQ_LEN, text_field=self.TEXT_FIELD, tokenizer=anchored(self.TOKENIZER),
-                  tokenizer_data=train, vocab_size=self.VOCAB_SIZE, seed=self.RANDOM_SEED)
+    common = dict(seq_len=self.MAX_SEQ_LEN, text_field=self.TEXT_FIELD, tokenizer=file_input.anchored(self.TOKENIZER),
+                  tokenizer_data=train, vocab_size=self.VOCAB_SIZE, seed=self.RANDOM_SEED,
+                  chat_template=self.CHAT_TEMPLATE)
     return [
-        fdl.Config(FileLmInput, name='train', is_training=True, data=train, split='all' if evals else 'train',
+        fdl.Config(file_input.FileLmInput, name='train', is_training=True, data=train, split='all' if evals else 'train',
                    **common),
-        fdl.Config(FileLmInput, name='eval', is_training=False, repeat=False, reset_for_eval=True,
+        fdl.Config(file_input.FileLmInput, name='eval', is_training=False, repeat=False, reset_for_eval=True,
                    data=evals or train, split='all' if evals else 'eval', **common),
     ]
 
@@ -111,11 +135,13 @@ class LmExperiment(TrainingExperiment):
     """Grain inputs over a prepared directory or a {directory: weight} mixture of them: the train
     split, and for eval EVAL_DATA (prepared too) or the directories' own eval splits; none when
     one of them has none."""
-    from paxcli.inputs import file_input
     from paxcli.inputs.grain_input import GrainLmInput  # grain: only for runs on prepared data
     if self.TOKENIZER:
       raise UserError(f'TOKENIZER is set, but {train} is prepared data: its ids come from its own tokenizer '
                       f'({prepared.MANIFEST} names it); leave TOKENIZER unset.')
+    if self.CHAT_TEMPLATE:
+      raise UserError(f'CHAT_TEMPLATE is set, but {train} is prepared data: its chats were rendered when it was '
+                      'prepared (pax data prepare --chat-template); leave CHAT_TEMPLATE unset.')
     if evals is not None and not _prepared_data(evals):
       raise UserError(f'TRAIN_DATA {train} is prepared data; EVAL_DATA must be a prepared directory too '
                       f'(`pax data prepare`), got {evals!r}.')

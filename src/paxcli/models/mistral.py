@@ -6,9 +6,11 @@ key j when i - w < j <= i): SLIDING_WINDOW, the same window in every layer. Trai
 blockwise window kernel and decoding a rolling KV cache of `sliding_window` slots
 (paxcli.layers.attention_ops, paxcli.layers.transformer; docs/guides/attention.md).
 
-config.json: sliding_window is read into SLIDING_WINDOW; a missing key is transformers' default,
-4096, and null is full attention (Mistral 7B v0.2/v0.3), which is a Llama: such a model converts in
-as Mistral and `--to hf` writes it back as LlamaForCausalLM, the same function. The other keys are
+config.json: sliding_window is read into SLIDING_WINDOW (hf_config.sliding_window); a missing key is
+transformers' default, 4096, and null is full attention (Mistral 7B v0.2/v0.3): such a model records
+the Mistral family and `--to hf` writes it back as MistralForCausalLM with sliding_window null. (It
+computes a Llama's function too: a model that records no family and has no window is placed as the
+Llama the Mistral family is built on.) The other keys are
 Llama's (rope_theta, rope scaling, GQA, tie_word_embeddings); a key that would change the function
 and that paxcli does not read (layer_types, for one: MistralForCausalLM ignores it, Ministral reads
 it) is refused by name.
@@ -18,7 +20,6 @@ from __future__ import annotations
 
 from typing import Optional
 
-from paxcli.errors import UserError
 from paxcli.models import hf_config
 from paxcli.models.llama import NEUTRAL_VALUES, READ_KEYS, Llama
 
@@ -38,35 +39,19 @@ class Mistral(Llama):
   # MistralConfig has no attention_bias/mlp_bias fields: an export does not write them.
   hf_neutral = {k: v for k, v in NEUTRAL_VALUES.items() if k not in ('attention_bias', 'mlp_bias')}
   # transformers' MistralConfig defaults, for keys a config.json leaves out.
-  hf_defaults = {'max_position_embeddings': 4096 * 32, 'rope_theta': 10000.0, 'num_key_value_heads': 8}
-  sliding_window = True
+  hf_defaults = {'max_position_embeddings': 4096 * 32, 'rope_theta': 10000.0, 'num_key_value_heads': 8,
+                 'rms_norm_eps': 1e-6, 'sliding_window': HF_DEFAULT_WINDOW}
+  sliding_window = None   # a window in every layer, or none (sliding_window null)
   maxtext_blocks = {}
   maxtext_layer_params = {}
 
-  def window_misfit(self, model) -> str:
-    if model.sliding_window:
-      return super().window_misfit(model)
-    return (f'attention is full ({self.title}\'s sees a sliding window: SLIDING_WINDOW={HF_DEFAULT_WINDOW}, say; '
-            'without one the model is a Llama)')
-
   def from_hf_config(self, config: dict, path: str) -> tuple[dict, list[str]]:
     knobs, notes = super().from_hf_config(config, path)
-    knobs['SLIDING_WINDOW'] = window_of(config, path)
+    knobs['SLIDING_WINDOW'] = hf_config.sliding_window(config, path, self.hf_defaults['sliding_window'], self.title)
     return knobs, notes
 
   def to_hf_config(self, model, dtype: str = 'float32', token_ids: Optional[dict] = None) -> dict:
-    return {**super().to_hf_config(model, dtype, token_ids), 'sliding_window': int(model.sliding_window)}
-
-
-def window_of(config: dict, path: str) -> int:
-  """SLIDING_WINDOW for config.json's sliding_window: null is full attention (0), a missing key 4096."""
-  window = config.get('sliding_window', HF_DEFAULT_WINDOW)
-  if window is None:
-    return 0
-  if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-    raise UserError(f'{path}/config.json: sliding_window is {hf_config.shown(window)}; a Mistral config has a '
-                    'positive whole number of tokens or null (full attention).')
-  return window
+    return {**super().to_hf_config(model, dtype, token_ids), 'sliding_window': int(model.sliding_window) or None}
 
 
 MISTRAL = Mistral()

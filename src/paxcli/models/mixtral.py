@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from typing import Optional
 
-from paxcli.errors import UserError
 from paxcli.models import hf_config
 from paxcli.models.family import MaxTextBlock
 from paxcli.models.llama import MAXTEXT_LAYER, Llama
@@ -39,7 +38,8 @@ class Mixtral(Experts, Mistral):
   hf_read_keys = Mistral.hf_read_keys | TRAINING_ONLY_KEYS | {'num_local_experts', 'num_experts_per_tok'}
   hf_neutral = {**Mistral.hf_neutral, 'router_jitter_noise': 0.0}
   # transformers' MixtralConfig defaults, for keys a config.json leaves out.
-  hf_defaults = {'max_position_embeddings': 4096 * 32, 'rope_theta': 1e6, 'num_key_value_heads': 8}
+  hf_defaults = {'max_position_embeddings': 4096 * 32, 'rope_theta': 1e6, 'num_key_value_heads': 8,
+                 'rms_norm_eps': 1e-5, 'sliding_window': None}
   sliding_window = None   # null (full attention) in the released models; a window converts too
   hf_moe_prefix = 'block_sparse_moe'
   hf_expert_names = ('w1', 'w3', 'w2')
@@ -58,11 +58,7 @@ class Mixtral(Experts, Mistral):
 
   def from_hf_config(self, config: dict, path: str) -> tuple[dict, list[str]]:
     knobs, notes = Llama.from_hf_config(self, config, path)
-    window = config.get('sliding_window')
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-      raise UserError(f'{path}/config.json: sliding_window is {hf_config.shown(window)}; a Mixtral config has a '
-                      'positive whole number of tokens or null (full attention).')
-    knobs['SLIDING_WINDOW'] = window or 0
+    knobs['SLIDING_WINDOW'] = hf_config.sliding_window(config, path, self.hf_defaults['sliding_window'], self.title)
     get = hf_config.Reader(config, f'{path}/config.json', 'a Mixtral config')
     knobs.update(self.moe_knobs_from_hf(get, config), ROUTER_SOFTMAX='after_topk')
     return knobs, notes

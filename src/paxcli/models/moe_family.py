@@ -3,7 +3,7 @@ MLP is NUM_EXPERTS gated SiLU experts behind a router (paxcli.layers.moe), every
 
 Weight map of one layer's feed-forward (paxcli unrolled names; HF's nn.Linear weights are [out, in]):
   params/layer_i/mlp/router [D, E]          {moe}.gate.weight [E, D]
-  params/layer_i/mlp/wi_0 [E, D, F], row e  {moe}.experts.e.{gate}.weight [F, D]
+  params/layer_i/mlp/wi_0 [E, D, F], row e  {moe}.experts.e.{gate}.weight [F, D]   (E arrays joined: Piece(0, e))
   params/layer_i/mlp/wi_1 [E, D, F], row e  {moe}.experts.e.{up}.weight [F, D]
   params/layer_i/mlp/wo [E, F, D], row e    {moe}.experts.e.{down}.weight [D, F]
 ({moe}: model.layers.i.block_sparse_moe for Mixtral, model.layers.i.mlp for Qwen3-MoE; {gate, up, down}:
@@ -12,7 +12,7 @@ released checkpoints hold and what transformers' save_pretrained writes (5.x too
 as it loads and splits them again as it saves), so `--to hf` writes it. Inside transformers 5 the
 experts are fused 3-D tensors, model.layers.i.mlp.experts.gate_up_proj [E, 2F, D] (the gate's F rows,
 then the up projection's) and mlp.experts.down_proj [E, D, F], beside mlp.gate.weight; a directory
-holding that spelling is read too (hf_read_weights).
+holding that spelling is read too (hf_read_weights; one array, two pieces: paxcli.models.weight_map.fuse).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import numpy as np
 
 from paxcli.errors import UserError
 from paxcli.models import hf_config
-from paxcli.models.family import Weight
+from paxcli.models.family import Piece, Weight, fuse
 
 # The fused spelling: the first array's name ends so.
 FUSED_SUFFIX = '.mlp.experts.gate_up_proj'
@@ -31,9 +31,11 @@ FUSED_SUFFIX = '.mlp.experts.gate_up_proj'
 TRAINING_ONLY_KEYS = frozenset({'output_router_logits', 'router_aux_loss_coef'})
 
 
-def _row(e: int):
-  """(to_hf, from_hf) of expert e's nn.Linear weight [out, in] and row e [in, out] of a kernel [E, in, out]."""
-  return (lambda x: np.ascontiguousarray(x[e].T), lambda w, shape: np.ascontiguousarray(w.T))
+# (to_hf, from_hf) of one expert's nn.Linear weight [out, in] and its row [in, out] of a kernel [E, in, out].
+_EXPERT_ROW = (lambda x: np.ascontiguousarray(x.T), lambda w, shape: np.ascontiguousarray(w.T))
+# The same for all experts at once: transformers 5's [E, out, in] and the kernel [E, in, out].
+_EXPERT_ROWS = (lambda x: np.ascontiguousarray(np.swapaxes(x, 1, 2)),
+                lambda w, shape: np.ascontiguousarray(np.swapaxes(w, 1, 2)))
 
 
 class Experts:
@@ -67,8 +69,8 @@ class Experts:
     shapes = {'wi_0': ((f, d), (e, d, f)), 'wi_1': ((f, d), (e, d, f)), 'wo': ((d, f), (e, f, d))}
     for pax, hf in zip(('wi_0', 'wi_1', 'wo'), self.hf_expert_names):
       hf_shape, pax_shape = shapes[pax]
-      out += [Weight(f'{mp}experts.{x}.{hf}.weight', f'{pp}mlp/{pax}', hf_shape, pax_shape, *_row(x), part=x)
-              for x in range(e)]
+      out += [Weight(f'{mp}experts.{x}.{hf}.weight', f'{pp}mlp/{pax}', hf_shape, pax_shape, *_EXPERT_ROW,
+                     paxcli_piece=Piece(0, x)) for x in range(e)]
     return out
 
   def hf_read_weights(self, model, names) -> list[Weight]:
@@ -80,17 +82,13 @@ class Experts:
     return [w for w in self.hf_weights(model) if not _in_mlp(w, fused)] + [w for ws in fused.values() for w in ws]
 
   def hf_fused_weights(self, model, mp: str, pp: str) -> list[Weight]:
-    """The fused spelling of one layer's experts (transformers 5's modules), read only."""
+    """The fused spelling of one layer's experts (transformers 5's modules): gate_up_proj holds the gate's F
+    rows, then the up projection's, of every expert."""
     d, f, e = model.model_dims, model.hidden_dims, model.num_experts
-    to_nowhere = _written_per_expert
-
-    def rows(lo, hi):
-      return lambda w, shape: np.ascontiguousarray(np.swapaxes(w[:, lo:hi], 1, 2))
     return [Weight(mp + 'gate.weight', pp + 'router', (e, d), (d, e), *hf_config.linear(d)),
-            Weight(mp + 'experts.gate_up_proj', pp + 'wi_0', (e, 2 * f, d), (e, d, f), to_nowhere, rows(0, f)),
-            Weight(mp + 'experts.gate_up_proj', pp + 'wi_1', (e, 2 * f, d), (e, d, f), to_nowhere, rows(f, 2 * f)),
-            Weight(mp + 'experts.down_proj', pp + 'wo', (e, d, f), (e, f, d), to_nowhere,
-                   lambda w, shape: np.ascontiguousarray(np.swapaxes(w, 1, 2)))]
+            *fuse(mp + 'experts.gate_up_proj', 1, [Weight('', pp + 'wi_0', (e, f, d), (e, d, f), *_EXPERT_ROWS),
+                                                   Weight('', pp + 'wi_1', (e, f, d), (e, d, f), *_EXPERT_ROWS)]),
+            Weight(mp + 'experts.down_proj', pp + 'wo', (e, d, f), (e, f, d), *_EXPERT_ROWS)]
 
   def moe_knobs_from_hf(self, get: hf_config.Reader, config: dict) -> dict:
     """NUM_EXPERTS and EXPERTS_PER_TOKEN of config.json (under any spelling of the expert count)."""
@@ -104,10 +102,6 @@ class Experts:
 
 def _in_mlp(w: Weight, fused: dict) -> bool:
   return any(w.paxcli.startswith(prefix) for prefix in fused)
-
-
-def _written_per_expert(x):
-  raise AssertionError('the fused expert spelling is read only; --to hf writes the per-expert one')
 
 
 # ---- MaxText's routed MoE (decoder_block=mixtral; MaxText layers/moe.py RoutedMoE) ------------------------
@@ -133,12 +127,17 @@ def maxtext_capacity(length: int, num_experts: int, k: int, factor: float) -> in
   return int(max(math.ceil(length * k / num_experts) * factor, factor))
 
 
+def _expert_capacity(length: int, num_experts: int, k: int, factor: float) -> int:
+  """paxcli's capacity rounding (paxcli.layers.moe: flax, imported only where a capacity run needs it)."""
+  from paxcli.layers.moe import expert_capacity
+  return expert_capacity(length, num_experts, k, factor)
+
+
 def capacity_factor_for(length: int, num_experts: int, k: int, capacity: int) -> float:
   """The EXPERT_CAPACITY_FACTOR that gives paxcli `capacity` slots at sequence length `length`: capacity x E / (L k)
   where that rounds back, else half a slot less (ceil then lands on `capacity` whatever the float rounding)."""
-  from paxcli.layers.moe import expert_capacity   # paxcli's rounding; flax only for capacity dispatch
   exact = capacity * num_experts / (length * k)
-  if expert_capacity(length, num_experts, k, exact) == capacity:
+  if _expert_capacity(length, num_experts, k, exact) == capacity:
     return exact
   return (capacity - 0.5) * num_experts / (length * k)
 
@@ -189,8 +188,7 @@ def maxtext_moe_knobs(get, knobs) -> list:
                     f'(MaxText: int(max(ceil({length} x {k} / {experts}) x {factor:g}, {factor:g}))): every token '
                     'would be dropped. Raise it, or set capacity_factor=-1 for dropless.')
   slots = min(capacity, length)   # an expert takes at most every token of a sequence
-  from paxcli.layers.moe import expert_capacity   # paxcli's rounding; flax only for capacity dispatch
-  ours = factor if expert_capacity(length, experts, k, factor) == slots else capacity_factor_for(length, experts, k,
+  ours = factor if _expert_capacity(length, experts, k, factor) == slots else capacity_factor_for(length, experts, k,
                                                                                                   slots)
   after = f'{slots} tokens per expert per {length}-token sequence, as MaxText'
   if ours != factor:

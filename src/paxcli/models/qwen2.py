@@ -10,8 +10,9 @@ and per layer
 
 config.json carries sliding-window keys: with use_sliding_window false (every released Qwen 2.5)
 transformers computes full attention whatever sliding_window and max_window_layers say, so they are
-read as moot; use_sliding_window true, or layer_types other than full attention, is refused by name:
-paxcli has no sliding-window attention yet. The tokenizer is Qwen's tokenizer.json, which adds no BOS,
+read as moot. use_sliding_window true, or layer_types other than full attention, is refused by name:
+transformers then windows only the layers from max_window_layers on, a stack of two kinds that no
+repeating LAYER_PATTERN group expresses (paxcli's window itself is SLIDING_WINDOW, as Mistral's). The tokenizer is Qwen's tokenizer.json, which adds no BOS,
 with its chat template in tokenizer_config.json; both stay with the job (paxcli.convert.hf_tokenizer).
 """
 
@@ -33,8 +34,8 @@ def window_problems(config: dict) -> list[str]:
   problems = []
   if config.get('use_sliding_window') not in (None, False):
     problems.append(f'use_sliding_window {hf_config.shown(config["use_sliding_window"])} with sliding_window '
-                    f'{hf_config.shown(config.get("sliding_window"))} (paxcli has no sliding-window attention yet; '
-                    'released Qwen models set it false)')
+                    f'{hf_config.shown(config.get("sliding_window"))} (windows on the layers from max_window_layers '
+                    'on only, which paxcli\'s Qwen layers do not compute; released Qwen models set it false)')
   types = config.get('layer_types')
   if types is not None and (not isinstance(types, list) or any(t != 'full_attention' for t in types)):
     problems.append(f'layer_types {hf_config.shown(types)} (paxcli\'s Qwen layers are all "full_attention")')
@@ -53,7 +54,8 @@ class Qwen2(Llama):
   hf_read_keys = READ_KEYS | WINDOW_KEYS
   hf_neutral = {**QWEN_NEUTRAL, 'use_sliding_window': False}
   # transformers' Qwen2Config defaults, for keys a config.json leaves out.
-  hf_defaults = {'max_position_embeddings': 32768, 'rope_theta': 10000.0, 'num_key_value_heads': 32}
+  hf_defaults = {'max_position_embeddings': 32768, 'rope_theta': 10000.0, 'num_key_value_heads': 32,
+                 'rms_norm_eps': 1e-6}
   attention_features = {'qkv_bias': True, 'qk_norm': False}
   maxtext_blocks = {}
   maxtext_layer_params = {}

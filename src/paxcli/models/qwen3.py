@@ -29,7 +29,8 @@ class Qwen3(Qwen2):
   hf_architectures = ('Qwen3ForCausalLM',)
   hf_neutral = {**QWEN_NEUTRAL, 'attention_bias': False, 'use_sliding_window': False}
   # transformers' Qwen3Config defaults, for keys a config.json leaves out.
-  hf_defaults = {'max_position_embeddings': 32768, 'rope_theta': 10000.0, 'num_key_value_heads': 32, 'head_dim': 128}
+  hf_defaults = {'max_position_embeddings': 32768, 'rope_theta': 10000.0, 'num_key_value_heads': 32, 'head_dim': 128,
+                 'rms_norm_eps': 1e-6}
   attention_features = {'qkv_bias': False, 'qk_norm': True}
 
   def hf_layer_weights(self, model, hp: str, pp: str) -> list[Weight]:

@@ -36,8 +36,10 @@ class Qwen3Moe(Experts, Qwen3):
   hf_read_keys = Qwen3.hf_read_keys | TRAINING_ONLY_KEYS | {
       'num_experts', 'num_local_experts', 'num_experts_per_tok', 'moe_intermediate_size', 'norm_topk_prob'}
   hf_neutral = {**Qwen3.hf_neutral, 'decoder_sparse_step': 1, 'mlp_only_layers': []}
-  # transformers' Qwen3MoeConfig defaults, for keys a config.json leaves out.
-  hf_defaults = {**Qwen3.hf_defaults, 'num_key_value_heads': 4}
+  # transformers' Qwen3MoeConfig defaults, for keys a config.json leaves out. It has no head_dim of its own (Qwen 3's
+  # 128 is not inherited): transformers takes hidden_size // num_attention_heads where config.json has none.
+  hf_defaults = {'max_position_embeddings': 32768, 'rope_theta': 10000.0, 'num_key_value_heads': 4,
+                 'rms_norm_eps': 1e-6}
   hf_experts_key = 'num_experts'
   hf_experts_aliases = ('num_local_experts',)   # what transformers 5 writes
 

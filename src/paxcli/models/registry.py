@@ -1,6 +1,7 @@
 """The model families paxcli has, one line each, and the lookups every consumer shares:
-`--from hf` (for_hf_config), `--to hf` and `pax describe` (fitting), `pax import-maxtext` and
-`--from maxtext` (maxtext_block, maxtext_family), recipes (by_name).
+`--from hf` (for_hf_config), `--to hf`, `--to peft` and the certifications (of_model: the family a model
+records, checked against its function), `pax describe` (summary), `pax import-maxtext` and `--from maxtext`
+(maxtext_block, maxtext_family), recipes and MODEL_FAMILY (by_name).
 
 Adding a family: its module under paxcli/models/ (a paxcli.models.family.Family subclass and one
 instance), one line in FAMILIES, and its tests (docs/development/adding-a-family.md).
@@ -8,15 +9,19 @@ instance), one line in FAMILIES, and its tests (docs/development/adding-a-family
 
 from __future__ import annotations
 
+import re
+import types
 from typing import Optional
 
 from paxcli.errors import UserError, did_you_mean, shorten
 from paxcli.models.family import Family, MaxTextBlock
 from paxcli.models.gemma import GEMMA2
 from paxcli.models.gemma3 import GEMMA3
+from paxcli.models.knobs import LM_KNOBS, effective
 from paxcli.models.llama import LLAMA
 from paxcli.models.mistral import MISTRAL
 from paxcli.models.mixtral import MIXTRAL
+from paxcli.models.phi3 import PHI3
 from paxcli.models.qwen2 import QWEN2
 from paxcli.models.qwen3 import QWEN3
 from paxcli.models.qwen3_moe import QWEN3_MOE
@@ -24,6 +29,7 @@ from paxcli.models.qwen3_moe import QWEN3_MOE
 FAMILIES: tuple[Family, ...] = (
     LLAMA,
     MISTRAL,
+    PHI3,
     QWEN2,
     QWEN3,
     GEMMA2,
@@ -33,11 +39,11 @@ FAMILIES: tuple[Family, ...] = (
 )
 
 
-def by_name(name: str) -> Family:
+def by_name(name: str, where: str = '') -> Family:
   for family in FAMILIES:
     if family.name == name:
       return family
-  raise UserError(f'No model family {shorten(repr(name))}; paxcli has {names()}.'
+  raise UserError(f'{where}No model family {shorten(repr(name))}; paxcli has {names()}.'
                   f'{did_you_mean(str(name), [f.name for f in FAMILIES])}')
 
 
@@ -59,18 +65,109 @@ def for_hf_config(config: dict, path: str) -> Family:
                   f'is not one paxcli reads; its model families are {names()}.')
 
 
-def fitting(model) -> tuple[Optional[Family], dict[str, list[str]]]:
-  """The first family with a Hugging Face layout that `model` (a flat view) is one of, and why each
-  family it is not refuses it (family name -> reasons)."""
-  why = {}
+def fits(model) -> tuple[list[Family], dict[str, list[str]]]:
+  """The families with a Hugging Face layout whose function `model` (a flat view) computes, and why each other
+  one refuses it (family name -> reasons). Several can fit one model (Phi-3 computes Mistral's function)."""
+  found, why = [], {}
   for family in FAMILIES:
     if not family.hf_model_types:
       continue
     reasons = family.misfit(model)
-    if not reasons:
-      return family, why
-    why[family.name] = reasons
-  return None, why
+    if reasons:
+      why[family.name] = reasons
+    else:
+      found.append(family)
+  return found, why
+
+
+def of_model(model, chosen: Optional[str] = None) -> Family:
+  """The family `model` (a flat view) is written as by --to hf and --to peft: `chosen` (--family), else the one it
+  records (MODEL_FAMILY), each checked against the model's function. A model that records none (a checkpoint
+  from before MODEL_FAMILY, a recipe without presets) is placed by its function: the family that computes it,
+  where a family built on another (Mistral on Llama, Phi-3 on Mistral: a subclass) yields to the one it is built
+  on, since what it adds is a layout only a record can tell. One line (UserError) saying why otherwise."""
+  name = chosen or getattr(model, 'family', None)
+  if name:
+    family = by_name(name, '--family: ' if chosen else 'MODEL_FAMILY: ')
+    reasons = family.misfit(model) if family.hf_model_types else ['the family has no Hugging Face layout']
+    if reasons:
+      said = f'--family {name}' if chosen else f'its MODEL_FAMILY {name!r}'
+      raise UserError(f'This model is a {family.title} ({said}) but does not compute a {family.title}\'s function, '
+                      'so the Hugging Face layout would hold another model: ' + '; '.join(reasons) + '.')
+    return family
+  found, why = fits(model)
+  general = _placed(found)
+  if len(general) == 1:
+    return general[0]
+  if found:
+    listed = ', '.join(f.name for f in general)
+    raise UserError(f'This model records no family (MODEL_FAMILY) and computes the function of several ({listed}): '
+                    f'pass --family with the one it is (--family {found[0].name}, say), or set MODEL_FAMILY in its '
+                    'recipe.')
+  if len(why) == 1:
+    (name, reasons), = why.items()
+    raise UserError(f'This model does not fit the Hugging Face {by_name(name).title} layout: ' + '; '.join(reasons)
+                    + '.')
+  raise UserError('This model fits none of the Hugging Face layouts paxcli writes: '
+                  + '; '.join(f'{name}: {", ".join(reasons)}' for name, reasons in why.items()) + '.')
+
+
+def _placed(found: list[Family]) -> list[Family]:
+  """The families of `found` that are built on none other of them (Llama, of Llama, Mistral and Phi-3)."""
+  return [f for f in found if not any(g is not f and isinstance(f, type(g)) for g in found)]
+
+
+def of_knobs(knob_values: dict) -> Optional[Family]:
+  """The family a model of these knobs (UPPERCASE names) is placed in by its function (as of_model places a model
+  that records none), or None (none, or unrelated ones): what an import from a format that names no family
+  (--from paxml) records."""
+  placed = _placed(fits(types.SimpleNamespace(**effective(knob_values, LM_KNOBS)))[0])
+  return placed[0] if len(placed) == 1 else None
+
+
+def summary(model) -> dict:
+  """What `pax describe` says of a model's family (a flat view): {'family': its name or None, 'family_recorded':
+  whether the model names it (MODEL_FAMILY) rather than being placed by its function, 'family_note': why --to hf
+  would refuse it, where it would}."""
+  recorded = getattr(model, 'family', None)
+  if recorded:
+    family = by_name(recorded, 'MODEL_FAMILY: ')
+    reasons = family.misfit(model)
+    if reasons:
+      return {'family': recorded, 'family_recorded': True, 'family_note': (
+          f'--to hf refuses it: it does not compute a {family.title}\'s function ({"; ".join(reasons)})')}
+    return {'family': recorded, 'family_recorded': True}
+  try:
+    family = of_model(model)
+  except UserError as e:
+    found, why = fits(model)
+    if found:
+      return {'family': None, 'family_recorded': False, 'family_note': str(e)}
+    return {'family': None, 'family_recorded': False, 'family_note': why_none(why)}
+  return {'family': family.name, 'family_recorded': bool(recorded)}
+
+
+_SETTING = re.compile(r"\b[A-Z][A-Z0-9_]*=(?:'[^']*'|[^\s);,]+)")
+
+
+def why_none(why: dict[str, list[str]]) -> str:
+  """`fitting`'s reasons in one short line: families refused for the same reason are named together, with
+  the setting they share ("not llama, mistral or qwen2: norm_type is 'layernorm' (each has NORM_TYPE='rmsnorm')"),
+  not the same words once per family."""
+  groups: dict[str, list[tuple[str, str]]] = {}
+  for name, reasons in why.items():
+    core, _, detail = reasons[0].partition(' (')
+    groups.setdefault(core, []).append((name, detail))
+  parts = []
+  for core, refused in groups.items():
+    names = [n for n, _ in refused]
+    listed = names[0] if len(names) == 1 else ', '.join(names[:-1]) + ' or ' + names[-1]
+    settings = {tuple(_SETTING.findall(d)) for _, d in refused}
+    (shared,) = settings if len(settings) == 1 else ((),)
+    detail = (f' ({refused[0][1]}' if len(names) == 1 and refused[0][1]
+              else f' (each has {", ".join(shared)})' if shared else '')
+    parts.append(f'not {listed}: {core}{detail}')
+  return '; '.join(parts)
 
 
 def maxtext_block(name: str) -> Optional[tuple[Family, MaxTextBlock]]:

@@ -8,7 +8,7 @@ import fiddle as fdl
 from paxcli.errors import UserError, at_least
 from paxcli.layers import lora, moe
 from paxcli.layers.transformer import Attention, Mlp
-from paxcli.models import pattern
+from paxcli.models import pattern, registry
 
 
 def validate_lm(lm) -> None:
@@ -29,6 +29,12 @@ def validate_lm(lm) -> None:
       continue
     _validate_window_target(block, fields, kind)
     _validate_block(pattern.kind_template(block, fields), f"the {kind!r} layers' block", f'LAYER_KINDS[{kind!r}]: ')
+
+
+def validate_family(name) -> None:
+  """MODEL_FAMILY names a family paxcli has (or is None)."""
+  if name is not None:
+    registry.by_name(name, 'MODEL_FAMILY: ')
 
 
 def _validate_window_target(block, fields, kind: str) -> None:
@@ -56,13 +62,25 @@ def _validate_block(block, where: str, label: str) -> None:
     raise UserError(f'{label}ATTEN_LOGIT_CAP must be 0 (off) or positive, got {attention.atten_logit_cap}.')
   if attention.rotary and attention.dims_per_head % 2:
     raise UserError(f'{label}Rotary positions need an even DIMS_PER_HEAD, got {attention.dims_per_head}.')
+  scalar = getattr(attention, 'query_pre_attn_scalar', None)
+  if scalar is not None and scalar < 0:
+    raise UserError(f'{label}QUERY_PRE_ATTN_SCALAR must be positive (queries x 1/sqrt of it), or None, got {scalar}.')
+  _validate_fp8(attention, label)
   _validate_rotary_scaling(attention)
   validate_lora(attention)
   ffn = block.ffn_tpl
+  _validate_fp8(ffn, label)
   if fdl.get_callable(ffn) is Mlp:
     at_least(1, f'{where}.ffn_tpl', ffn, 'hidden_dims')
   if fdl.get_callable(ffn) is moe.MoeFeedForward:
     moe.check_settings(ffn, label)
+
+
+def _validate_fp8(layer, label: str) -> None:
+  """FP8='delayed' scales from a history of at least one step."""
+  if getattr(layer, 'fp8', 'none') == 'delayed' and getattr(layer, 'fp8_amax_history', 1) < 1:
+    raise UserError(f'{label}FP8_AMAX_HISTORY must be at least 1 (the steps whose largest value sets a scale) with '
+                    f"FP8='delayed', got {layer.fp8_amax_history}.")
 
 
 def expert_counts(lm) -> list[tuple[str, int]]:

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+import os
+import platform as pyplatform
 import statistics
 import time
 from typing import Optional
@@ -18,6 +21,9 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+from paxcli import files
+from paxcli.errors import UserError
+from paxcli.inputs.corpus import cache_root
 from paxcli.models.flops import ModelFlops, for_model, unknown_flops  # noqa: F401  (train and bench read them here)
 from paxcli.runtime import platform
 from paxcli.runtime.platform import device_memory_bytes  # noqa: F401  (bench reads it here)
@@ -89,12 +95,27 @@ def measured_peak(dtype: str = 'float32', shared_by: int = 1, size: int = 1024,
                   seconds: float = 0.6, trials: int = 12) -> Peak:
   """Peak of this host measured with a size x size matmul in `dtype`, per device.
 
-  After a warm-up, `trials` short timings of a few matmuls each; the best is the peak
-  (the trials that other processes slowed are the low ones, so the best varies least
-  between runs) and the median is reported beside it as a measure of the noise.
-  Fake CPU devices share one host's cores, so the host's figure is divided among them.
+  After a warm-up, `trials` short timings of a few matmuls each; the best is this run's figure (the
+  trials that other processes slowed are the low ones) and their median its noise. A busy machine can
+  slow every trial of one run, so the peak is the best any run on this machine has measured
+  (PEAKS_FILE under the cache, keyed by the processor, its cores, the dtype and the size): MFU is then
+  a share of one figure for the machine, and a busy run's MFU is lower because the run was slower, not
+  because its peak was measured lower. Fake CPU devices share one host's cores, so the host's figure
+  is divided among them.
   """
   device = jax.local_devices()[0]
+  now, median = _matmul_rate(device, dtype, size, seconds, trials)
+  best, runs = _remembered_best(_machine_key(device, dtype, size), now)
+  per_device = best / max(shared_by, 1)
+  where = f'{device.device_kind} ({jax.default_backend()})'
+  share = f', shared by {shared_by} devices' if shared_by > 1 else ''
+  return Peak(per_device, f'measured: {size}x{size} {dtype} matmul on {where}, the best of {runs} run(s) on this '
+              f'machine {best:.3g} TFLOP/s (this run: best of {trials} trials {now:.3g}, median {median:.3g}; '
+              f'kept in {_peaks_file()}){share} -> {per_device:.3g} per device', measured=True)
+
+
+def _matmul_rate(device, dtype: str, size: int, seconds: float, trials: int) -> tuple[float, float]:
+  """(best, median) TFLOP/s of `trials` timings of a size x size matmul on `device`."""
   a = jax.device_put(jnp.ones((size, size), dtype), device)
   matmul = jax.jit(lambda x, y: x @ y)
   jax.block_until_ready([matmul(a, a) for _ in range(2)])  # compile, then warm caches and threads
@@ -108,12 +129,53 @@ def measured_peak(dtype: str = 'float32', shared_by: int = 1, size: int = 1024,
       if elapsed >= seconds / trials:
         break
     rates.append(2.0 * size ** 3 * count / elapsed / 1e12)
-  host, median = max(rates), statistics.median(rates)
-  per_device = host / max(shared_by, 1)
-  where = f'{device.device_kind} ({jax.default_backend()})'
-  share = f', shared by {shared_by} devices' if shared_by > 1 else ''
-  return Peak(per_device, f'measured: {size}x{size} {dtype} matmul on {where}, best of {trials} trials '
-              f'{host:.3g} TFLOP/s (median {median:.3g}){share} -> {per_device:.3g} per device', measured=True)
+  return max(rates), statistics.median(rates)
+
+
+PEAKS_FILE = 'measured_peaks.json'
+
+
+def _peaks_file() -> str:
+  return os.path.join(cache_root(), PEAKS_FILE)   # the cache paxcli's tokenizers and corpus live in too
+
+
+def _machine_key(device, dtype: str, size: int) -> str:
+  """What a measured peak is a peak of: the backend and device, the host's processor and the cores this
+  process may use, the dtype and the matrix size."""
+  cores = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()
+  return f'{jax.default_backend()}|{device.device_kind}|{_processor()}|{cores} cores|{dtype}|{size}'
+
+
+def _processor() -> str:
+  try:
+    with open('/proc/cpuinfo', encoding='utf-8', errors='replace') as f:
+      for line in f.read(1 << 20).splitlines():
+        if line.startswith('model name'):
+          return line.split(':', 1)[1].strip()
+  except OSError:
+    pass
+  return pyplatform.processor() or pyplatform.machine()
+
+
+def _remembered_best(key: str, now: float) -> tuple[float, int]:
+  """(the best TFLOP/s measured for `key` so far, this run's included; how many runs measured it), kept in
+  the peaks file. A cache that cannot be read or written costs the memory, never the run."""
+  path = _peaks_file()
+  try:
+    known = files.read_json(path, 'measured peaks', 1 << 20) if os.path.exists(path) else {}
+  except UserError:   # a damaged cache file: start it again
+    known = {}
+  entry = known.get(key) if isinstance(known, dict) else None
+  if not (isinstance(entry, dict) and isinstance(entry.get('tflops'), (int, float)) and entry['tflops'] > 0
+          and isinstance(entry.get('runs'), int)):
+    entry = {'tflops': 0.0, 'runs': 0}
+  entry = {'tflops': max(float(entry['tflops']), now), 'runs': entry['runs'] + 1}
+  known = {**(known if isinstance(known, dict) else {}), key: entry}
+  try:
+    files.atomic_write(path, json.dumps(known, indent=1).encode())
+  except OSError:
+    pass
+  return entry['tflops'], entry['runs']
 
 
 def xla_flops(compiled) -> Optional[float]:

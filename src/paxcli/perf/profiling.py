@@ -20,9 +20,12 @@ import shutil
 import tempfile
 from typing import Callable, Optional
 
+import jax
+
 from paxcli import files
 from paxcli.errors import UserError
 from paxcli.jobdir import layout, storage
+from paxcli.jobdir.summaries import tensorboard_command
 
 PGLE_OPTION = 'xla_gpu_pgle_profile_file_or_directory_path'
 PGLE_PROFILE_STEPS = 3   # steps traced for --pgle-profile (after PGLE_WARMUP_STEPS)
@@ -53,7 +56,6 @@ def check_pgle(pgle: Optional[str], pgle_profile: Optional[str]) -> None:
     return
   if pgle == 'auto' and pgle_profile:
     raise UserError('--pgle auto and --pgle-profile are two ways to the same thing; choose one.')
-  import jax
   backend = jax.default_backend()
   if backend != 'gpu':
     raise UserError(f'PGLE (profile-guided latency estimation) needs a GPU: it tunes XLA\'s GPU scheduler '
@@ -97,7 +99,6 @@ class StepProfiler:
     self._active = None
 
   def before(self, step: int) -> None:
-    import jax
     for first, last, directory, purpose in self.ranges:
       if step == first and self._active is None:
         self._local = storage.working_dir(directory)   # the profiler writes local files only
@@ -105,7 +106,6 @@ class StepProfiler:
         self._active = (first, last, directory, purpose)
 
   def after(self, step: int, outputs) -> Optional[dict]:
-    import jax
     if self._active is None or step != self._active[1]:
       return None
     first, last, directory, purpose = self._active
@@ -114,14 +114,12 @@ class StepProfiler:
     self._active = None
     if purpose == 'trace':
       storage.publish(self._local, directory)
-      from paxcli.jobdir.summaries import tensorboard_command
       self.log(f'Profile of steps {first}-{last} written to {directory} ({tensorboard_command()} --logdir '
                f'{directory}).')
       return None
     return self._extract_pgle(self._local, first, last)
 
   def close(self) -> None:
-    import jax
     if self._active is not None:
       jax.profiler.stop_trace()
       if self._active[3] == 'trace':

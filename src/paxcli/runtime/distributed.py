@@ -9,9 +9,15 @@ Where the settings come from, first match wins:
   1. `--coordinator`, `--num-processes`, `--process-id` (or PAX_COORDINATOR,
      PAX_NUM_PROCESSES, PAX_PROCESS_ID; `pax launch` sets these for its children);
   2. a cluster JAX recognises (Cloud TPU, SLURM, Open MPI, Kubernetes): JAX detects
-     the three values itself;
-  3. otherwise one process, and nothing is started.
+     the three values itself (in a SLURM job step paxcli picks the coordinator's port and each
+     task's devices: runtime/slurm.py);
+  3. otherwise one process, and nothing is started; a cluster's environment found only in part
+     (a shell of a SLURM allocation, an sbatch script without srun) says so in one line, or is
+     refused where it asked for several processes (PARTIAL_ENVIRONMENTS).
 `--num-processes 1` always means one process, even on a cluster.
+
+With several processes, each watches the others (runtime/peers.py): a process that dies or a host that
+drops off the network ends every other process with one line naming it, within --heartbeat-timeout.
 
 On CPU the processes exchange data with gloo collectives; without them a jitted step
 over devices of several CPU processes cannot run.
@@ -30,17 +36,23 @@ from here in a launcher that never starts JAX (its children do).
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import sys
+import traceback
 import warnings
 from typing import Callable, Mapping, Optional
 
 from paxcli.errors import UserError
 from paxcli.runtime import platform as platform_mod
+from paxcli.runtime import peers
+from paxcli.runtime import slurm
 from paxcli.runtime.platform import detect_platform
 
 ENV_COORDINATOR = 'PAX_COORDINATOR'
 ENV_NUM_PROCESSES = 'PAX_NUM_PROCESSES'
 ENV_PROCESS_ID = 'PAX_PROCESS_ID'
+ENV_HEARTBEAT_TIMEOUT = 'PAX_HEARTBEAT_TIMEOUT'
 # Set by `pax launch` for its children: which launch and attempt (0, then one per restart) a process
 # belongs to (its goodput ledger records them), and the file it touches after each step for the
 # launcher's hang detection (--heartbeat-timeout).
@@ -54,6 +66,7 @@ class Settings:
   coordinator: Optional[str] = None
   num_processes: Optional[int] = None
   process_id: Optional[int] = None
+  heartbeat_timeout: Optional[float] = None   # seconds (runtime/peers.py); None: peers.DEFAULT_TIMEOUT
 
   @property
   def given(self) -> bool:
@@ -66,10 +79,11 @@ class Settings:
 
 
 def settings_from(coordinator: Optional[str] = None, num_processes: Optional[int] = None,
-                  process_id: Optional[int] = None,
+                  process_id: Optional[int] = None, heartbeat_timeout: Optional[float] = None,
                   environ: Optional[Mapping[str, str]] = None) -> Settings:
   """Flags win over PAX_* environment variables; values are checked here, not deep in JAX."""
   environ = os.environ if environ is None else environ
+  heartbeat_timeout = _as_seconds(heartbeat_timeout, environ.get(ENV_HEARTBEAT_TIMEOUT))
   coordinator = coordinator or environ.get(ENV_COORDINATOR) or None
   num_processes = _as_int(num_processes, environ.get(ENV_NUM_PROCESSES), '--num-processes', ENV_NUM_PROCESSES)
   process_id = _as_int(process_id, environ.get(ENV_PROCESS_ID), '--process-id', ENV_PROCESS_ID)
@@ -83,7 +97,20 @@ def settings_from(coordinator: Optional[str] = None, num_processes: Optional[int
   if coordinator is not None and (':' not in coordinator or not coordinator.rsplit(':', 1)[1].isdigit()):
     raise UserError(f'--coordinator {coordinator!r} must be HOST:PORT, e.g. 10.0.0.1:1234 '
                     '(the address of process 0 and a free port there).')
-  return Settings(coordinator, num_processes, process_id)
+  return Settings(coordinator, num_processes, process_id, heartbeat_timeout)
+
+
+def _as_seconds(flag_value, env_value) -> Optional[float]:
+  value = flag_value
+  if value is None and env_value not in (None, ''):
+    try:
+      value = float(env_value)
+    except ValueError:
+      raise UserError(f'{ENV_HEARTBEAT_TIMEOUT}={env_value!r} is not a number of seconds '
+                      '(it sets --heartbeat-timeout).') from None
+  if value is not None and not 1 <= value < 1e6:
+    raise UserError(f'--heartbeat-timeout must be between 1 and 1e6 seconds, got {value:g}.')
+  return value
 
 
 def _as_int(flag_value, env_value, flag: str, env: str) -> Optional[int]:
@@ -95,6 +122,14 @@ def _as_int(flag_value, env_value, flag: str, env: str) -> Optional[int]:
     return int(env_value)
   except ValueError:
     raise UserError(f'{env}={env_value!r} is not a whole number (it sets {flag}).') from None
+
+
+def _jax():
+  """jax, imported where a function needs it: this module runs before JAX is configured (pax --help, the
+  platform's environment) and imports no JAX itself. With it, its multihost utilities and its distributed
+  client's state (jax._src.distributed: the key-value store, which no public module hands out)."""
+  import jax, jax._src.distributed, jax.experimental.multihost_utils  # noqa: E401 - one import, three modules
+  return jax
 
 
 def detected_cluster() -> Optional[str]:
@@ -190,29 +225,34 @@ def _check_index(environ: Mapping[str, str], key: str, count: int, because: str,
 
 
 def start(settings: Settings, log: Callable[[str], None] = print,
-          platform: Optional[str] = None) -> bool:
+          platform: Optional[str] = None, command: str = 'pax') -> bool:
   """Starts jax.distributed when several processes are asked for or a cluster is found.
 
   Must run before anything starts a JAX backend (jax.devices(), any computation).
-  Returns True when the distributed runtime is (now) running.
+  Returns True when the distributed runtime is (now) running. `command`: the command line, for the
+  srun line of a refused partial SLURM environment.
   """
-  import jax
+  jax = _jax()
   if jax.distributed.is_initialized():
     return True  # e.g. a second command in the same Python process
   if settings.single:
     return False
-  cluster = None
+  cluster, coordinator, local_ids = None, settings.coordinator, None
   if not settings.given:
     check_tpu_environment(log=log)
     cluster = detected_cluster()
     if cluster is None:
+      note_partial_environment(os.environ, command, log)
       return False
+    if cluster == 'SlurmCluster':   # a port of the step's own, and the devices each task should drive
+      coordinator, local_ids = slurm.coordinator(os.environ), slurm.local_device_ids(os.environ)
   _check_backend_not_started()
   if (platform or detect_platform()) == 'cpu':
     # Cross-process collectives on CPU need an implementation; gloo ships with jaxlib.
     jax.config.update('jax_cpu_collectives_implementation', 'gloo')
   try:
-    jax.distributed.initialize(settings.coordinator, settings.num_processes, settings.process_id)
+    jax.distributed.initialize(coordinator, settings.num_processes, settings.process_id, local_device_ids=local_ids,
+                               heartbeat_timeout_seconds=peers.jax_heartbeat_seconds(settings.heartbeat_timeout))
   except (ValueError, TypeError) as e:
     where = f'the {cluster} environment' if cluster else 'the flags/environment given'
     raise UserError(f'Cannot start {settings.num_processes or "several"} processes from {where}: {e}. '
@@ -220,12 +260,14 @@ def start(settings: Settings, log: Callable[[str], None] = print,
                     f'(or {ENV_COORDINATOR}, {ENV_NUM_PROCESSES}, {ENV_PROCESS_ID}), or --num-processes 1 '
                     'for a single process.') from None
   except Exception as e:  # XLA's runtime errors (timeouts, refused connections) have no common type
-    raise UserError(f'Connecting to the coordinator {settings.coordinator or "(detected)"} failed: '
+    raise UserError(f'Connecting to the coordinator {coordinator or "(detected)"} failed: '
                     f'{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}. '
                     'Check that every process was started with the same --coordinator and '
                     '--num-processes, and that process 0 is running.' + _pod_hint(cluster)) from None
   if cluster:
-    log(f'Detected a {cluster} cluster; started JAX distributed.')
+    log(f'Detected a {cluster} cluster; started JAX distributed'
+        + (f' (coordinator {coordinator}).' if coordinator else '.'))
+  _watch_peers(settings.heartbeat_timeout)
   return True
 
 
@@ -236,18 +278,83 @@ def _pod_hint(cluster: Optional[str]) -> str:
     return ''
   return (' On a TPU pod every host runs the same command at once: gcloud compute tpus tpu-vm ssh NAME '
           "--worker=all --command='pax train ...' (and for several slices, on every slice).")
+# Cluster environments found only in part: each check takes (environment, command line) and returns a line
+# saying why this runs as one process, or None; it raises UserError where it must refuse.
+PARTIAL_ENVIRONMENTS: tuple[Callable[[Mapping[str, str], str], Optional[str]], ...] = (slurm.partial_step,)
+
+
+def note_partial_environment(environ: Mapping[str, str], command: str, log: Callable[[str], None]) -> None:
+  """Where no cluster was detected: one line for each environment found in part (or its refusal)."""
+  for check in PARTIAL_ENVIRONMENTS:
+    line = check(environ, command)
+    if line:
+      log(line)
+
+
+_watch: Optional[peers.Watch] = None
+
+
+def _watch_peers(timeout: Optional[float]) -> None:
+  """Starts this process's watch of the others (runtime/peers.py) when there are others."""
+  global _watch
+  jax_distributed = _jax()._src.distributed   # its client: the key-value store
+  state = jax_distributed.global_state   # not jax.process_count(): that would start the backend here
+  if state.num_processes > 1 and _watch is None:
+    _watch = peers.Watch(state.client, state.process_id, state.num_processes, timeout or peers.DEFAULT_TIMEOUT,
+                         state.coordinator_address or '?').start()
+
+
+def watch() -> Optional[peers.Watch]:
+  """This process's watch of the others, if it runs one."""
+  return _watch
+
+
+def say_exit(code: int, reason: str = '') -> None:
+  """Tells the other processes how this one ends (the first call counts); a no-op without a watch."""
+  if _watch is not None:
+    _watch.exiting(code, reason)
+
+
+def end_command(code: int, error: Optional[BaseException] = None) -> None:
+  """The end of a command of a multi-process run (a no-op in one process): the others are told how it ends.
+  After a failure this process ends here and now (os._exit): JAX's shutdown at exit would wait at a barrier
+  for every process, and the others stop because of this one. `error`, an exception not yet shown: a
+  collective whose peer went away is said in one line naming it (exit code 124), anything else as its
+  traceback."""
+  if _watch is None:
+    return
+  if error is not None:
+    lost = _watch.collective_loss(error)
+    code = peers.LOST if lost else 1
+    if lost:
+      sys.stderr.write(f'error: {lost}\n')
+    else:
+      traceback.print_exception(type(error), error, error.__traceback__)
+    say_exit(code, lost or f'{type(error).__name__}: {_first_line(error)}')
+  say_exit(code)
+  if code not in peers.PEERS_STOP_TOO:
+    for stream in (sys.stdout, sys.stderr):
+      try:
+        stream.flush()
+      except (OSError, ValueError):
+        pass
+    os._exit(code)
+
+
+def _first_line(error: BaseException) -> str:
+  text = str(error).strip()
+  return text.splitlines()[0][:300] if text else ''
 
 
 def _check_backend_not_started() -> None:
-  from jax._src import xla_bridge
-  if xla_bridge.backends_are_initialized():
+  if _jax()._src.xla_bridge.backends_are_initialized():
     raise UserError('JAX already started its backend in this Python process, so it cannot join '
                     'several processes any more; run the command in a fresh process.')
 
 
 def topology_line() -> str:
   """'process i of n: L local of G devices (platform)': what each process logs once."""
-  import jax
+  jax = _jax()
   devices = jax.devices()
   return (f'Process {jax.process_index()} of {jax.process_count()}: {jax.local_device_count()} local '
           f'of {len(devices)} {jax.default_backend()} devices ({devices[0].device_kind}).')
@@ -255,17 +362,58 @@ def topology_line() -> str:
 
 def log_topology(log: Callable[[str], None]) -> None:
   """Logs the topology line from every process of a multi-process run (one line each)."""
-  import jax
+  jax = _jax()
   if jax.process_count() > 1:
     log(topology_line())
 
 
 def barrier(name: str) -> None:
   """Waits until every process gets here (no-op for one process)."""
-  import jax
+  jax = _jax()
   if jax.process_count() > 1:
-    from jax.experimental import multihost_utils
-    multihost_utils.sync_global_devices(name)
+    jax.experimental.multihost_utils.sync_global_devices(name)
+
+
+def agreed(value):
+  """Process 0's `value` (anything JSON holds), returned on every process: for a decision every process must
+  take alike, such as which checkpoint steps to delete, where each one looking for itself (listing a
+  directory process 0 is changing) could decide otherwise. A collective with several processes (all call
+  it; the others' `value` is ignored); `value` itself with one."""
+  jax = _jax()
+  if jax.process_count() == 1:
+    return value
+  import numpy as np
+  multihost_utils = jax.experimental.multihost_utils
+  data = np.frombuffer(json.dumps(value).encode(), np.uint8) if jax.process_index() == 0 else np.zeros(0, np.uint8)
+  size = int(multihost_utils.broadcast_one_to_all(np.array(data.size, np.int32)))
+  # Sent padded to a power of two: each size is its own compilation of the broadcast, so only a few are made.
+  padded = np.zeros(max(256, 1 << (size - 1).bit_length()), np.uint8)
+  padded[:data.size] = data
+  got = np.asarray(multihost_utils.broadcast_one_to_all(padded))
+  return json.loads(bytes(got[:size]).decode())
+
+
+# Where JAX's runtime posts a preemption notice (xla/tsl preemption_sync_manager.cc, kPreemptionNoticeKey).
+PREEMPTION_NOTICE_KEY = 'RECEIVED_PREEMPTION_NOTICE'
+
+
+def preemption_counter_from(step: int) -> bool:
+  """Several processes: sets JAX's preemption counter of every process to `step` (where this invocation
+  starts: JAX's sync point is the furthest counter plus one, and orbax counts global steps too), and says
+  whether a preemption notice came before that, while start-up ran: JAX then set its sync point from
+  counters below `step`, never reached. The same answer on every process (process 0 looks, after all set
+  their counters). False where JAX's preemption service is off."""
+  jax = _jax()
+  jax_distributed = jax._src.distributed
+  try:
+    jax.experimental.multihost_utils.reached_preemption_sync_point(step)
+  except RuntimeError:   # jax_enable_preemption_service is off
+    return False
+  barrier('paxcli:preemption-counter-set')
+  client, key = jax_distributed.global_state.client, 'paxcli/preempted-during-start'
+  if jax_distributed.global_state.process_id == 0:
+    client.key_value_set(key, '1' if peers.kv_get(client, PREEMPTION_NOTICE_KEY) is not None else '0')
+  return client.blocking_key_value_get(key, 300_000) == '1'
 
 
 def launch_attempt(environ: Optional[Mapping[str, str]] = None) -> Optional[tuple[str, int]]:
@@ -315,9 +463,10 @@ class Heartbeat:
 
 
 def child_environment(base: Mapping[str, str], coordinator: str, num_processes: int, process_id: int,
-                      cpu_devices: Optional[int] = None,
-                      visible_devices: Optional[list[int]] = None) -> dict[str, str]:
-  """The environment of one local process started by `pax launch`.
+                      cpu_devices: Optional[int] = None, visible_devices: Optional[list[int]] = None,
+                      heartbeat_timeout: Optional[float] = None) -> dict[str, str]:
+  """The environment of one local process started by `pax launch` (`heartbeat_timeout`: each watches the
+  others with it, as the launcher watches them).
 
   Proxy variables are dropped: processes talk over 127.0.0.1, and a proxy setting can
   make `jax.distributed.initialize` hang (JAX warns about any *_proxy variable).
@@ -333,4 +482,6 @@ def child_environment(base: Mapping[str, str], coordinator: str, num_processes: 
     env['XLA_FLAGS'] = ' '.join(flags + [f'--xla_force_host_platform_device_count={cpu_devices}'])
   if visible_devices is not None:
     env['JAX_LOCAL_DEVICE_IDS'] = ','.join(str(i) for i in visible_devices)  # read by initialize()
+  if heartbeat_timeout is not None:
+    env[ENV_HEARTBEAT_TIMEOUT] = f'{heartbeat_timeout:g}'
   return env

@@ -73,6 +73,7 @@ def build(resolved, mesh=None) -> Setup:
     model.validate_mesh(dict(mesh.shape))   # a -1 filled in: the sizes are now known
   gbs = global_batch_size(exp.PERCORE_BATCH_SIZE, mesh.size)
   infeed = plan_infeed(mesh, gbs)
+  check_host_batch(model, infeed.process_rows, _seq_len(resolved, model))
   accum = check_accumulation(train, infeed.rows, mesh)
   schedule = plan_pipeline(model, mesh, infeed.rows // accum)
   tx = optim.make_optimizer(train)
@@ -107,6 +108,8 @@ def validate(resolved):
   describe` run it first, so that both refuse the same settings in the same one line."""
   exp = resolved.experiment
   sharding.check_mesh_shapes(exp.ICI_MESH_SHAPE, exp.DCN_MESH_SHAPE)
+  if not 0 <= exp.RANDOM_SEED <= MAX_SEED:
+    raise UserError(f'RANDOM_SEED must be from 0 to {MAX_SEED:,} (a 64-bit seed), got {exp.RANDOM_SEED:,}.')
   task = build_task(resolved.task)
   validate_model(task.model)
   validate_mesh(task.model, exp.ICI_MESH_SHAPE, exp.DCN_MESH_SHAPE)
@@ -132,6 +135,7 @@ MAX_UNROLLED_LAYERS = 1024
 # Init traces the model on a dummy batch of one sequence, made on the host: one sequence longer than
 # fits this share of the host's memory is refused (an LM's takes 12 bytes a token).
 HOST_SHARE_FOR_ONE_SEQUENCE = 16
+HOST_SHARE_FOR_ONE_BATCH = 4      # the batch a process reads a step, on the host, against its memory
 
 
 def check_buildable(model, seq_len: Optional[int]) -> None:
@@ -150,6 +154,19 @@ def check_buildable(model, seq_len: Optional[int]) -> None:
     per_token = sum(np.asarray(x).nbytes for x in jax.tree.leaves(model.dummy_batch(1, 1)))
     check_sequence(seq_len, per_token, f'The sequence length {seq_len:,} (MAX_SEQ_LEN, or the train input\'s '
                    'seq_len)', 'Lower MAX_SEQ_LEN.')
+
+
+def check_host_batch(model, rows: int, seq_len: Optional[int]) -> None:
+  """UserError when the batch this process reads each step (`rows` sequences of `seq_len` tokens) would take
+  more than 1/HOST_SHARE_FOR_ONE_BATCH of the host's memory, before any input is read."""
+  if not seq_len or not hasattr(model, 'dummy_batch'):
+    return
+  per_token = sum(np.asarray(x).nbytes for x in jax.tree.leaves(model.dummy_batch(1, 1)))
+  host = platform.host_memory_bytes()
+  if host and rows * seq_len * per_token > host // HOST_SHARE_FOR_ONE_BATCH:
+    raise UserError(f'The batch this process reads each step ({rows:,} rows of {seq_len:,} tokens) takes '
+                    f'{_gib(rows * seq_len * per_token)}, more than 1/{HOST_SHARE_FOR_ONE_BATCH} of this machine\'s '
+                    f'{_gib(host)} of memory. Lower PERCORE_BATCH_SIZE (or MAX_SEQ_LEN).')
 
 
 def check_sequence(seq_len: int, per_token: int, what: str, fix: str) -> None:
@@ -277,6 +294,12 @@ def _layer_configs(model):
   return out
 
 
+MAX_STEP = 2**31 - 1   # the train state's step is an int32
+MAX_SEED = 2**63 - 1
+STEP_FIELDS = ('num_train_steps', 'save_interval_steps', 'summary_interval_steps', 'eval_interval_steps',
+               'local_checkpoint_interval_steps', 'grad_accum_steps', 'decode_interval_steps')
+
+
 def validate_train(train) -> None:
   """Settings of task.train that would divide by zero or train nothing."""
   at_least(1, 'task.train', train, 'num_train_steps', 'save_interval_steps', 'summary_interval_steps')
@@ -294,6 +317,12 @@ def validate_train(train) -> None:
     raise UserError(f'{given} turns on the fast checkpoint tier, which also needs {missing}.')
   at_least(0, 'task.train.lr_schedule', train.lr_schedule, 'warmup_steps', 'decay_start', 'decay_end',
             'min_ratio')
+  for node, prefix, fields in ((train, 'task.train', STEP_FIELDS), (train.lr_schedule, 'task.train.lr_schedule',
+                                                                    ('warmup_steps', 'decay_start', 'decay_end'))):
+    for field in fields:
+      if getattr(node, field, 0) > MAX_STEP:
+        raise UserError(f'{prefix}.{field} is {getattr(node, field):,}; paxcli counts steps in a 32-bit integer '
+                        f'(the train state\'s step), at most {MAX_STEP:,}.')
 
 
 def make_init(model, tx, seq_len: int):
@@ -438,14 +467,11 @@ def summary(resolved) -> dict:
 
 
 def family_of(model) -> dict:
-  """{'family': the name of the model family whose Hugging Face layout the model fits (paxcli.models.registry),
-  or None and 'family_note': why it fits none}."""
+  """registry.summary of a language model: {'family': the model family it records (MODEL_FAMILY), or the one
+  whose function it computes, or None; 'family_recorded'; 'family_note': why --to hf would refuse it}."""
   if not hasattr(model, 'lm_tpl'):
     return {'family': None, 'family_note': f'{type(model).__name__} is not a language model of a family'}
-  family, why = registry.fitting(flat_view(model))
-  if family:
-    return {'family': family.name}
-  return {'family': None, 'family_note': '; '.join(f'not {name}: {reasons[0]}' for name, reasons in why.items())}
+  return registry.summary(flat_view(model))
 
 
 def weights_table(setup: Setup) -> list[tuple[str, str, str, str, str]]:

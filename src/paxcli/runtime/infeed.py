@@ -48,8 +48,16 @@ class Infeed:
             'processes read data, the others feed zero-weight padding)')
 
 
+# The most examples a step paxcli feeds: far above any real global batch (thousands of sequences), and what
+# planning the infeed (a set of rows a process) and one host batch can afford. A knob beyond it is a typo.
+MAX_GLOBAL_BATCH = 1 << 20
+
+
 def global_batch_size(percore: float, num_devices: int) -> int:
   value = percore * num_devices
+  if value > MAX_GLOBAL_BATCH:
+    raise UserError(f'PERCORE_BATCH_SIZE {percore:g} x {num_devices} devices = {value:.6g} examples a step; paxcli '
+                    f'feeds at most {MAX_GLOBAL_BATCH:,} a step. Lower PERCORE_BATCH_SIZE.')
   if value < 1 or abs(value - round(value)) > 1e-9:
     raise UserError(f'PERCORE_BATCH_SIZE {percore} x {num_devices} devices = {value:g} is not a whole '
                     'number of examples per step; choose a PERCORE_BATCH_SIZE that makes it one.')

@@ -147,10 +147,9 @@ def fake_cpu_devices(n: int, option: str = '--num-devices') -> None:
   A backend already started with n CPU devices is accepted; any other refused. jax is looked
   at only when something imported it already: importing it here would cost its start-up.
   """
-  if 'jax' in sys.modules:
-    from jax._src import xla_bridge
-    if xla_bridge.backends_are_initialized():
-      import jax
+  jax = sys.modules.get('jax')
+  if jax is not None:
+    if jax._src.xla_bridge.backends_are_initialized():
       if len(jax.devices()) == n and jax.default_backend() == 'cpu':
         return
       raise UserError(f'{option} {n}: jax already started with {len(jax.devices())} devices in this process.')
