@@ -54,6 +54,7 @@ from paxcli.inputs import hub
 from paxcli.loops.decode.options import DecodeOptions, check_text  # no JAX: options fail before start-up
 from paxcli.loops.decode.output import check_output  # no JAX
 from paxcli.loops.score import requests  # no JAX: a bad file is one line before start-up
+from paxcli.loops.serve.options import ServeOptions  # no JAX: options fail before start-up
 from paxcli.values import parse_size, parse_value
 
 if TYPE_CHECKING:  # fiddle, for a type only
@@ -312,8 +313,6 @@ def evaluate(exp: Optional[str] = None, *, overrides: Sequence[str] = (), job_di
     raise UserError('--timeout goes with --follow.')
   if step is not None and no_checkpoint:
     raise UserError('--step N picks a checkpoint; --no-checkpoint evaluates fresh weights. Give one of them.')
-  import jax
-
   from paxcli.jobdir import restore
   from paxcli.loops import evaluate as eval_loop
   console = _console(console)
@@ -323,7 +322,7 @@ def evaluate(exp: Optional[str] = None, *, overrides: Sequence[str] = (), job_di
   run = open_run(exp, overrides, job_dir, coordinator=coordinator, num_processes=num_processes,
                  process_id=process_id, log=_printer(console))
   record = None
-  if jax.process_index() == 0 and not no_checkpoint:
+  if distributed.first_process() and not no_checkpoint:
     record = lambda: invocation.record(run.job_dir)
   if record and storage.isdir(run.job_dir):  # never made here: a follower records at its first evaluation
     record()
@@ -491,7 +490,6 @@ def serve(exp: Optional[str] = None, *, overrides: Sequence[str] = (), job_dir: 
     raise UserError("pax serve runs FastAPI on uvicorn, which are not installed: pip install 'paxcli[serve]'.")
   if dtype is not None and dtype not in DECODE_DTYPES:
     raise UserError(f'--dtype must be one of {", ".join(DECODE_DTYPES)}; got {dtype!r}.')
-  from paxcli.loops.serve.command import ServeOptions  # no JAX: the options fail before start-up
   opts = ServeOptions(host=host, port=port, slots=slots, max_queue=max_queue, max_n=max_n,
                       prefill_chunk=prefill_chunk, steps=steps, drain_timeout=drain_timeout, name=served_model_name,
                       loras=tuple(_lora_arg(a) for a in lora), step=step, dtype=dtype, access_log=access_log)

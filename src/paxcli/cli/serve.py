@@ -6,6 +6,7 @@ from typing import List, Optional
 
 import typer
 
+import paxcli  # its functions load on first use (paxcli.api): pax --help stays light
 from paxcli.cli import common
 
 _L = 'Limits'
@@ -37,11 +38,10 @@ def serve_command(
     access_log: bool = typer.Option(False, '--access-log', help="Print uvicorn's line for every request."),
 ) -> None:
   """Serve a job's model over OpenAI's API (completions, chat, streaming), batching requests continuously."""
-  from paxcli import api
-  api.serve(exp, overrides=overrides, job_dir=job_log_dir, host=host, port=port, served_model_name=served_model_name,
-            lora=lora, slots=slots, max_queue=max_queue, max_n=max_n, prefill_chunk=prefill_chunk, steps=steps,
-            drain_timeout=drain_timeout, step=step, dtype=dtype, access_log=access_log,
-            console=common.console(stderr=True))
+  paxcli.serve(exp, overrides=overrides, job_dir=job_log_dir, host=host, port=port,
+               served_model_name=served_model_name, lora=lora, slots=slots, max_queue=max_queue, max_n=max_n,
+               prefill_chunk=prefill_chunk, steps=steps, drain_timeout=drain_timeout, step=step, dtype=dtype,
+               access_log=access_log, console=common.console(stderr=True))
 
 
 def register(app: typer.Typer) -> None:
