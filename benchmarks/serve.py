@@ -222,6 +222,7 @@ def main() -> None:
   os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:args.threads])   # the servers inherit it
   os.environ.setdefault('OMP_NUM_THREADS', str(args.threads))
   os.makedirs(args.work, exist_ok=True)
+  import httpx
   from rich.console import Console
   from rich.table import Table
   console = Console()
@@ -233,6 +234,7 @@ def main() -> None:
   hf_proc, hf_url = start_transformers(hf, os.path.join(args.work, 'transformers_serve.log'))
   servers = {'pax serve': (pax_url, 'pax'), 'transformers serve': (hf_url, hf)}
   results = {(name, c): [] for name in list(servers) + ['pax decode'] for c in levels}
+  gone = {}   # server -> where it stopped answering
   try:
     for name, (url, model) in servers.items():   # warm-up: compilations and first-use costs, untimed
       for c in levels:   # as many clients as the level has: pax serve compiles each shape its cache takes
@@ -243,8 +245,15 @@ def main() -> None:
         order = list(servers) if r % 2 == 0 else list(servers)[::-1]
         for name in order:
           url, model = servers[name]
-          compiled = compile_seconds(url) if name == 'pax serve' else 0.0
-          got = asyncio.run(load(url, model, c, texts_c, args.max_tokens))
+          if name in gone:
+            continue
+          try:
+            compiled = compile_seconds(url) if name == 'pax serve' else 0.0
+            got = asyncio.run(load(url, model, c, texts_c, args.max_tokens))
+          except httpx.HTTPError as e:   # a server that died (e.g. killed for memory) leaves the others measured
+            gone[name] = f'{c} clients: {type(e).__name__}'
+            console.print(f'round {r + 1}, {c} clients, {name}: stopped answering ({type(e).__name__}); see its log')
+            continue
           results[name, c].append(got)
           more = f', {compile_seconds(url) - compiled:.1f} s compiling' if name == 'pax serve' else ''
           console.print(f'round {r + 1}, {c} clients, {name}: {got["tokens_per_s"]:,.1f} tokens/s, TTFT p50 '
@@ -277,9 +286,13 @@ def main() -> None:
         row += [f'{b["tokens_per_s"]:,.1f}', f'{b["ttft_p50"]:.2f} / {b["ttft_p99"]:.2f}']
       else:
         row += ['-', '-']
-    ratio = best(results['pax serve', c])['tokens_per_s'] / best(results['transformers serve', c])['tokens_per_s']
-    table.add_row(*row, f'{ratio:.2f}x')
+    both = results['pax serve', c] and results['transformers serve', c]
+    ratio = (f"{best(results['pax serve', c])['tokens_per_s'] / best(results['transformers serve', c])['tokens_per_s']:.2f}x"
+             if both else '-')
+    table.add_row(*row, ratio)
   console.print(table)
+  for name, where in gone.items():
+    console.print(f'{name} stopped answering at {where} (its log: {args.work}).')
   console.print(f'{os.cpu_count()} CPUs on the machine, load average {os.getloadavg()[0]:.1f} at the end.')
 
 
