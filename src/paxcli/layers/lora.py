@@ -55,15 +55,29 @@ def delta(module: nn.Module, x, projection: str, in_names: tuple, out_shape: tup
   """
   n_in = len(in_names)
   in_shape = x.shape[-n_in:]
-  a = module.param(projection + SUFFIX_A, nn.with_logical_partitioning(_kaiming_uniform_a_sqrt5(n_in),
-                                                                         in_names + (None,)),
+  name_a, name_b = projection + SUFFIX_A, projection + SUFFIX_B
+  if module.has_variable('params', name_a) and module.get_variable('params', name_a).ndim == n_in + 2:
+    return _per_row(x, module.get_variable('params', name_a), module.get_variable('params', name_b), n_in,
+                    alpha / rank)
+  a = module.param(name_a, nn.with_logical_partitioning(_kaiming_uniform_a_sqrt5(n_in), in_names + (None,)),
                    in_shape + (rank,))
-  b = module.param(projection + SUFFIX_B, nn.with_logical_partitioning(nn.initializers.zeros, (None,) + out_names),
+  b = module.param(name_b, nn.with_logical_partitioning(nn.initializers.zeros, (None,) + out_names),
                    (rank,) + tuple(out_shape))
   x = nn.Dropout(dropout, deterministic=deterministic)(x)
   h = jnp.tensordot(x, a.astype(x.dtype), axes=(tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in))))
   y = jnp.tensordot(h, b.astype(x.dtype), axes=((h.ndim - 1,), (0,)))
   return y * jnp.asarray(alpha / rank, x.dtype)
+
+
+def _per_row(x, a, b, n_in: int, scale: float):
+  """The adapter's term when each row of the batch has its own adapter (`pax serve` with several adapters of
+  one base): a [B, in..., r] and b [B, r, out...] hold row b's A and B (zeros: the base alone). Decoding only:
+  no dropout."""
+  rows, rank = x.shape[0], a.shape[-1]
+  x_BxTxI = x.reshape(rows, -1, math.prod(x.shape[x.ndim - n_in:]))
+  h_BxTxR = jnp.einsum('bti,bir->btr', x_BxTxI, a.reshape(rows, -1, rank).astype(x.dtype))
+  y_BxTxO = jnp.einsum('btr,bro->bto', h_BxTxR, b.reshape(rows, rank, -1).astype(x.dtype))
+  return (y_BxTxO * jnp.asarray(scale, x.dtype)).reshape(x.shape[:x.ndim - n_in] + b.shape[2:])
 
 
 def merged_kernel(kernel, a, b, scale: float) -> np.ndarray:

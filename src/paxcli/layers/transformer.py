@@ -265,8 +265,9 @@ class Attention(nn.Module):
     mutable), after writing their keys and values into it.
 
     The first call (the model's `init_cache`) only sizes the cache from its input: [B, S] ids
-    give S slots. Every later call writes its L new keys/values at slot `index` (the same
-    for all rows: prompts are left-padded), marks which slots hold real tokens (segment id
+    give S slots. Every later call writes each row's L new keys/values at that row's own slot
+    `index[b]` (all rows advance together in `pax decode`, whose prompts are left-padded; a server's
+    rows join and leave at their own times), marks which slots hold real tokens (segment id
     != 0) and attends over the whole cache: each query sees the real slots up to its own. Prefill is
     one call with the prompts; a decode step one with L=1. The cache is heads-major (keys
     [B, K, E, S], values [B, K, S, E]), which attention_ops.cached_attention reads in place.
@@ -282,22 +283,23 @@ class Attention(nn.Module):
     value = self.variable('cache', 'cached_value', boxed(('batch', 'kv_heads', 'length', 'head_dim')),
                           (b, kv_heads, l, e), v_BxLxKxE.dtype)
     valid = self.variable('cache', 'cached_valid', boxed(('batch', 'length')), segment_ids_BxL.shape, jnp.bool_)
-    index = self.variable('cache', 'cache_index', boxed(()), [], jnp.int32)
+    index = self.variable('cache', 'cache_index', boxed(('batch',)), (b,), jnp.int32)
     k_BxKxExL = k_BxLxKxE.transpose(0, 2, 3, 1).astype(key.value.dtype)
     v_BxKxLxE = v_BxLxKxE.transpose(0, 2, 1, 3).astype(value.value.dtype)
     if not initialized:   # init_cache: only the shapes of this call matter
       causal_LxS = attention_ops.visible(jnp.arange(l)[:, None], jnp.arange(l)[None, :], self.sliding_window)
       return attention_ops.cached_attention(q_BxLxHxE, k_BxKxExL, v_BxKxLxE, jnp.broadcast_to(causal_LxS, (b, l, l)),
                                             self.atten_logit_cap, self._scale())
-    i = index.value
-    key.value = jax.lax.dynamic_update_slice(key.value, k_BxKxExL, (0, 0, 0, i))
-    value.value = jax.lax.dynamic_update_slice(value.value, v_BxKxLxE, (0, 0, i, 0))
-    valid.value = jax.lax.dynamic_update_slice(valid.value, segment_ids_BxL != 0, (0, i))
-    index.value = i + l
+    i_B = index.value
+    key.value = _write_rows(key.value, k_BxKxExL, i_B, axis=3)
+    value.value = _write_rows(value.value, v_BxKxLxE, i_B, axis=2)
+    valid.value = _write_rows(valid.value, segment_ids_BxL != 0, i_B, axis=1)
+    index.value = i_B + l
     s = key.value.shape[-1]
     # Slots are time: a left-padded row's tokens are contiguous, so slot distance is position distance.
-    visible_LxS = attention_ops.visible((i + jnp.arange(l))[:, None], jnp.arange(s)[None, :], self.sliding_window)
-    mask_BxLxS = visible_LxS[None] & valid.value[:, None, :]
+    slot_BxL = i_B[:, None] + jnp.arange(l)[None, :]
+    visible_BxLxS = attention_ops.visible(slot_BxL[:, :, None], jnp.arange(s)[None, None, :], self.sliding_window)
+    mask_BxLxS = visible_BxLxS & valid.value[:, None, :]
     return attention_ops.cached_attention(q_BxLxHxE, key.value, value.value, mask_BxLxS, self.atten_logit_cap,
                                           self._scale())
 
@@ -330,10 +332,10 @@ class Attention(nn.Module):
     value = self.variable('cache', 'cached_value', boxed(kv_axes), kv_shape, v_BxLxKxE.dtype)
     valid = self.variable('cache', 'cached_valid', boxed(('batch', 'length')), (b, w), jnp.bool_)
     position = self.variable('cache', 'cached_position', boxed(('batch', 'length')), (b, w), jnp.int32)
-    index = self.variable('cache', 'cache_index', boxed(()), [], jnp.int32)
+    index = self.variable('cache', 'cache_index', boxed(('batch',)), (b,), jnp.int32)
     if not initialized:   # init_cache: only the shapes of this call matter
       return attention_ops.attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, segment_ids_BxL, 'einsum', 0.0, w)
-    i = index.value
+    i_B = index.value
     k_BxLxKxE, v_BxLxKxE = k_BxLxKxE.astype(key.value.dtype), v_BxLxKxE.astype(value.value.dtype)
     new_valid, new_position = segment_ids_BxL != 0, positions_BxL.astype(jnp.int32)
     if l <= w:
@@ -345,27 +347,33 @@ class Attention(nn.Module):
       out = attention_ops.masked_einsum_attention(q_BxLxHxE, keys, values, mask_BxLxS, self.atten_logit_cap,
                                                  self._scale())
     else:
-      oldest = -(i % w)   # ring slot i mod W holds the oldest token
-      timed = lambda ring, new: jnp.concatenate([jnp.roll(ring, oldest, axis=1), new], axis=1)
+      oldest_B = -(i_B % w)   # ring slot i mod W holds a row's oldest token
+      rolled = jax.vmap(lambda row, shift: jnp.roll(row, shift, axis=0))
+      timed = lambda ring, new: jnp.concatenate([rolled(ring, oldest_B), new], axis=1)
       segments = timed(valid.value, new_valid).astype(jnp.int32)
       queries = jnp.concatenate([jnp.zeros((b, w) + q_BxLxHxE.shape[2:], q_BxLxHxE.dtype), q_BxLxHxE], axis=1)
       out = attention_ops.attention(queries, timed(key.value, k_BxLxKxE), timed(value.value, v_BxLxKxE), segments,
                                     self.attention_impl, self.atten_logit_cap, w, self._scale())[:, w:]
     for var, new in ((key, k_BxLxKxE), (value, v_BxLxKxE), (valid, new_valid), (position, new_position)):
-      var.value = _ring_write(var.value, new, i)
-    index.value = i + l
+      var.value = jax.vmap(_ring_write)(var.value, new, i_B)
+    index.value = i_B + l
     return out
 
 
-def _ring_write(ring_BxW, new_BxL, i):
-  """The ring [B, W, ...] after writing the L new entries as the tokens i .. i + L - 1 (token n in slot n mod W);
-  of more than W only the last W stay."""
-  w, l = ring_BxW.shape[1], new_BxL.shape[1]
+def _write_rows(cache, new, i_B, axis: int):
+  """`cache` [B, ...] with each row's `new` entries written along `axis` from that row's own slot i_B[b]."""
+  return jax.vmap(lambda c, n, i: jax.lax.dynamic_update_slice_in_dim(c, n, i, axis - 1))(cache, new, i_B)
+
+
+def _ring_write(ring_W, new_L, i):
+  """One row's ring [W, ...] after writing the L new entries as the tokens i .. i + L - 1 (token n in slot n mod
+  W); of more than W only the last W stay."""
+  w, l = ring_W.shape[0], new_L.shape[0]
   if l == 1:
-    return jax.lax.dynamic_update_slice_in_dim(ring_BxW, new_BxL, i % w, axis=1)
+    return jax.lax.dynamic_update_slice_in_dim(ring_W, new_L, i % w, axis=0)
   if l < w:
-    return ring_BxW.at[:, (i + jnp.arange(l)) % w].set(new_BxL)
-  return jnp.roll(new_BxL[:, l - w:], (i + l - w) % w, axis=1)
+    return ring_W.at[(i + jnp.arange(l)) % w].set(new_L)
+  return jnp.roll(new_L[l - w:], (i + l - w) % w, axis=0)
 
 
 class Mlp(nn.Module):

@@ -132,6 +132,11 @@ def _jax():
   return jax
 
 
+def first_process() -> bool:
+  """Whether this is process 0 of the run (the one that writes the job's records)."""
+  return _jax().process_index() == 0
+
+
 def detected_cluster() -> Optional[str]:
   """The name of a cluster environment JAX can configure itself from, or None.
 
