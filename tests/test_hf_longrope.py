@@ -51,3 +51,19 @@ def test_decoding_across_the_original_context_gives_transformers_logits_at_every
     ids = jnp.asarray([[long[step]], [short[step - 6]]], jnp.int32)
     logits, cache = module.extend(params, cache, ids, jnp.asarray([[step], [step - 6]], jnp.int32))
   assert crossed and len(long) > threshold + 2 > len(short)
+
+
+def test_packed_texts_each_take_the_factors_of_their_own_length(phi3):
+  """Training and scoring pack texts into rows: a text past the original context takes the long factors, the one
+  packed beside it the short ones, each as transformers computes it alone."""
+  import jax
+  import jax.numpy as jnp
+  rng = np.random.default_rng(4)
+  first, second = rng.integers(0, 128, 15).tolist(), rng.integers(0, 128, 7).tolist()   # 15 > 12 > 7
+  ids = jnp.asarray([first + second], jnp.int32)
+  segments = jnp.asarray([[1] * len(first) + [2] * len(second)], jnp.int32)
+  positions = jnp.asarray([list(range(len(first))) + list(range(len(second)))], jnp.int32)
+  params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), phi3.params)
+  ours = np.asarray(phi3.module.apply({'params': params}, ids, segments, positions))[0]
+  theirs = np.concatenate([hf_models.logits(phi3.hf, [first])[0], hf_models.logits(phi3.hf, [second])[0]])
+  np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
