@@ -161,3 +161,14 @@ def test_what_sets_a_family_apart_keeps_the_others_from_writing_it(name, setting
   model = flat_view(_small_model(registry.by_name(name), **settings))
   assert any(says in reason for reason in registry.by_name(family).misfit(model)), registry.by_name(family).misfit(model)
   assert registry.by_name(name).misfit(model) == []
+
+
+def test_granite_reads_its_released_attention_dropout_with_a_note():
+  """Granite 3.0 and 3.1 ship attention_dropout 0.1: training-only, the same function; the recipe's NOTES say so."""
+  import hf_models
+  granite = registry.by_name('granite')
+  values, notes = granite.from_hf_config(hf_models.GRANITE31_2B, '/m')
+  assert values['EMBEDDING_MULTIPLIER'] == 12.0 and values['ATTENTION_MULTIPLIER'] == 0.015625
+  assert notes == ['attention_dropout 0.1 drops attention weights in training only; paxcli trains without it '
+                   '(DROPOUT_PROB is its residual dropout), and the model computes the same function.']
+  assert granite.from_hf_config({**hf_models.GRANITE31_2B, 'attention_dropout': 0.0}, '/m')[1] == []
