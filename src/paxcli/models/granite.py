@@ -9,7 +9,7 @@ for attention_multiplier that is a logit of q . k unscaled, which paxcli writes 
 
 config.json: Llama's keys and the four multipliers; head_dim is hidden_size / num_attention_heads (GraniteConfig
 has none). attention_dropout (0.1 in the released Granite 3.0 and 3.1 configs) drops attention weights in
-training only, which paxcli does not do: the function is the same, and the import says so in a note. Biases
+training only, which paxcli does not do: the function is the same, and the recipe's NOTES say so. Biases
 (attention_bias, mlp_bias true) are refused by name.
 """
 
