@@ -36,8 +36,15 @@ HARMLESS_KEYS = frozenset({
     'bad_words_ids', 'num_return_sequences', 'output_scores', 'return_dict_in_generate', 'forced_bos_token_id',
     'forced_eos_token_id', 'remove_invalid_values', 'exponential_decay_length_penalty', 'suppress_tokens',
     'begin_suppress_tokens'})
-# rope_scaling types (HF's rope_type, or type in older configs) -> paxcli's ROTARY_SCALING.
+# rope_scaling types (HF's rope_type, or type in older configs) -> paxcli's ROTARY_SCALING: what Llama-shaped
+# families read (a family reads its own set: Family.hf_rope_types).
 ROPE_TYPES = {'default': 'none', 'linear': 'linear', 'llama3': 'llama3'}
+# Phi-3's: LongRoPE, under its earlier names too (transformers' Phi3Config reads 'su' and 'yarn' as 'longrope').
+LONGROPE_TYPES = {'default': 'none', 'longrope': 'longrope', 'su': 'longrope', 'yarn': 'longrope'}
+# Keys of a longrope rope_scaling paxcli reads (rope_knobs; original_max_position_embeddings is there in transformers
+# 5's rope_parameters, beside config.json's own key).
+LONGROPE_KEYS = frozenset({'short_factor', 'long_factor', 'factor', 'attention_factor',
+                           'original_max_position_embeddings'})
 # Keys of transformers 5's rope_parameters that leave the rotation alone at one value: every dimension of a head
 # rotated (Phi-3's partial_rotary_factor; Phi-4-mini's 0.75 rotates a part of each head only, and is refused).
 ROPE_NEUTRAL = {'partial_rotary_factor': 1.0}
@@ -52,6 +59,11 @@ def rope_scaling_of(model) -> Optional[dict]:
   if kind == 'none':
     return None
   out = {'rope_type': kind, 'factor': float(model.rotary_scaling_factor)}
+  if kind == 'longrope':
+    out.update(short_factor=[float(x) for x in model.rotary_short_factors],
+               long_factor=[float(x) for x in model.rotary_long_factors])
+    if model.rotary_attention_factor is not None:
+      out['attention_factor'] = float(model.rotary_attention_factor)
   if kind == 'llama3':
     out.update({key: getattr(model, LM_KNOB[knob].flat) for key, knob in LLAMA3_ROPE_KEYS.items()})
   return out
@@ -80,19 +92,23 @@ def _same_activation(key: str, value, neutral) -> bool:
   return key == 'hidden_act' and {value, neutral} == {'silu', 'swish'}
 
 
-def rope_scaling(config: dict, problems: list) -> dict:
-  """config.json's rope scaling (rope_type 'default' for none): rope_scaling, or transformers 5's
-  rope_parameters (which also holds rope_theta). Unsupported kinds go into `problems`."""
+def rope_scaling(config: dict, problems: list, kinds: Optional[dict] = None, reads=frozenset()) -> dict:
+  """config.json's rope scaling (rope_type 'default' for none; its rope_type the HF name `kinds` maps to paxcli's,
+  ROPE_TYPES unless given): rope_scaling, or transformers 5's rope_parameters (which also holds rope_theta).
+  Unsupported kinds, and keys neither the kind nor the family (`reads`) reads, go into `problems`."""
+  kinds = ROPE_TYPES if kinds is None else kinds
   rope = config.get('rope_scaling') or config.get('rope_parameters') or {}
   if not isinstance(rope, dict):
     problems.append(f'rope_scaling {shown(rope)} (an object with rope_type and factor was expected)')
     return {'rope_type': 'default'}
   kind = rope.get('rope_type', rope.get('type', 'default'))
-  if not isinstance(kind, str) or kind not in ROPE_TYPES:
+  if not isinstance(kind, str) or kind not in kinds:
     problems.append(f'rope_scaling {shown(rope)} (paxcli scales rotary positions as '
-                    f'{", ".join(repr(k) for k in ROPE_TYPES)} only)')
+                    f'{", ".join(repr(k) for k in kinds)} only)')
     return {'rope_type': 'default'}
-  known = {'rope_type', 'type', 'rope_theta', 'factor'} | (set(LLAMA3_ROPE_KEYS) if kind == 'llama3' else set())
+  kind = kinds[kind] if kinds[kind] != 'none' else 'default'
+  known = {'rope_type', 'type', 'rope_theta', 'factor', *reads} | {'llama3': set(LLAMA3_ROPE_KEYS),
+                                                           'longrope': LONGROPE_KEYS}.get(kind, set())
   unknown = sorted(k for k in set(rope) - known if rope[k] != ROPE_NEUTRAL.get(k, object()))
   if unknown:
     problems.append(f'rope_scaling {shown(rope)} (paxcli does not read its {", ".join(unknown)})')
@@ -100,13 +116,31 @@ def rope_scaling(config: dict, problems: list) -> dict:
 
 
 def rope_knobs(rope: dict, get: 'Reader') -> dict:
-  """ROTARY_SCALING and its factors from a linear or llama3 rope_scaling ({} for the default)."""
+  """ROTARY_SCALING and its factors from a linear or llama3 rope_scaling ({} for the default; longrope's are the
+  family's to read: longrope_knobs)."""
   if rope['rope_type'] == 'default':
     return {}
-  knobs = {'ROTARY_SCALING': ROPE_TYPES[rope['rope_type']], 'ROTARY_SCALING_FACTOR': get.float('factor')}
+  knobs = {'ROTARY_SCALING': rope['rope_type'], 'ROTARY_SCALING_FACTOR': get.float('factor')}
   if rope['rope_type'] == 'llama3':
     for key, knob in LLAMA3_ROPE_KEYS.items():
       knobs[knob] = (get.int if LM_KNOB[knob].type is int else get.float)(key)
+  return knobs
+
+
+def longrope_knobs(rope: dict, get: 'Reader', pairs: int, original: int, max_len: int) -> dict:
+  """ROTARY_SCALING 'longrope' and its knobs, as transformers computes LongRoPE: a factor per rotated pair
+  (`pairs` of them) for texts within `original` positions and beyond; the scaling factor rope_scaling's `factor`,
+  else max_len / original (what sets the attention factor where attention_factor is not given)."""
+  knobs = {'ROTARY_SCALING': 'longrope', 'ROTARY_ORIGINAL_MAX_LEN': original,
+           'ROTARY_SCALING_FACTOR': get.float('factor', max_len / original),
+           'ROTARY_ATTENTION_FACTOR': get.float('attention_factor', None)}
+  for key, knob in (('short_factor', 'ROTARY_SHORT_FACTORS'), ('long_factor', 'ROTARY_LONG_FACTORS')):
+    values = get.config.get(key)
+    if (not isinstance(values, list) or len(values) != pairs
+        or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x < float('inf') for x in values)):
+      raise UserError(f'{get.where}: {key} is {shown(values)}; it must be a list of {pairs} positive numbers (one '
+                      'per rotated pair of a head).')
+    knobs[knob] = tuple(float(x) for x in values)
   return knobs
 
 
