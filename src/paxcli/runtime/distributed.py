@@ -305,8 +305,10 @@ def _watch_peers(timeout: Optional[float]) -> None:
   jax_distributed = _jax()._src.distributed   # its client: the key-value store
   state = jax_distributed.global_state   # not jax.process_count(): that would start the backend here
   if state.num_processes > 1 and _watch is None:
+    beat = os.environ.get(ENV_HEARTBEAT)   # started by `pax launch`: its note on a child it saw fail
+    note = os.path.join(os.path.dirname(beat), peers.LAUNCHER_NOTE) if beat else None
     _watch = peers.Watch(state.client, state.process_id, state.num_processes, timeout or peers.DEFAULT_TIMEOUT,
-                         state.coordinator_address or '?').start()
+                         state.coordinator_address or '?', launcher_note=note).start()
 
 
 def watch() -> Optional[peers.Watch]:
