@@ -6,9 +6,11 @@ PAX_COORDINATOR / PAX_NUM_PROCESSES / PAX_PROCESS_ID, its own fake CPU devices (
 share of the GPUs), and no proxy variables. Children's lines are streamed with a
 `[pN]` prefix, except gloo's `[Gloo] Rank N is connected to ...` start-up lines (one per process
 and collective group, most of a short run's output), which are counted and shown with --verbose.
-When a child fails, the others are stopped (SIGTERM, then SIGKILL after
---grace seconds) instead of waiting for JAX's heartbeat timeout (100 s), and the
-launcher exits non-zero naming the process that died first.
+When a child fails, the launcher notes it for the others (runtime/peers.py: their watch reads the note at
+its next beat and ends them in one line), gives them that long to end by themselves, and stops those still
+running (SIGTERM, then SIGKILL after --grace seconds) instead of waiting for JAX's heartbeat timeout (100 s);
+it exits non-zero naming the process that died first. Not SIGTERM at once: JAX's runtime takes it for a
+preemption notice, whose agreement would wait, frozen, for the process that is gone.
 
 With --max-restarts N (torchrun's idea), a failure stops every process and starts them all
 again, up to N times; `pax train` resumes from the newest complete checkpoint of either tier.
