@@ -25,8 +25,10 @@ import numpy as np
 TARGETS = ('query', 'key', 'value', 'output', 'mlp')
 SUFFIX_A, SUFFIX_B = '_lora_a', '_lora_b'
 # A target -> the projections (flax module names) it adapts.
-PROJECTIONS = {'query': ('query',), 'key': ('key',), 'value': ('value',), 'output': ('out',),
-               'mlp': ('wi_0', 'wi_1', 'wo')}
+# Latent attention (paxcli.layers.mla): the query's projections (query, or query_down and query_up); key and
+# value come from the same ones (kv_down, kv_up), which 'key' and 'value' adapt together.
+PROJECTIONS = {'query': ('query', 'query_down', 'query_up'), 'key': ('key', 'kv_down', 'kv_up'),
+               'value': ('value', 'kv_down', 'kv_up'), 'output': ('out',), 'mlp': ('wi_0', 'wi_1', 'wo')}
 
 
 def targets_projection(targets: Sequence[str], projection: str) -> bool:
@@ -53,13 +55,25 @@ def delta(module: nn.Module, x, projection: str, in_names: tuple, out_shape: tup
 
   x [..., in...] with len(in_names) input axes last; returns [..., out_shape...] in x's dtype.
   """
-  n_in = len(in_names)
-  in_shape = x.shape[-n_in:]
-  a = module.param(projection + SUFFIX_A, nn.with_logical_partitioning(_kaiming_uniform_a_sqrt5(n_in),
-                                                                         in_names + (None,)),
-                   in_shape + (rank,))
-  b = module.param(projection + SUFFIX_B, nn.with_logical_partitioning(nn.initializers.zeros, (None,) + out_names),
+  a, b = adapter(module, projection, tuple(x.shape[-len(in_names):]), in_names, out_shape, out_names, rank)
+  return applied(x, a, b, alpha, dropout, deterministic)
+
+
+def adapter(module: nn.Module, projection: str, in_shape: tuple, in_names: tuple, out_shape: tuple,
+            out_names: tuple, rank: int):
+  """(A [in..., r], B [r, out...]) of `projection`, declared in `module` (A as PEFT's lora_A starts, B at 0)."""
+  a = module.param(projection + SUFFIX_A, nn.with_logical_partitioning(_kaiming_uniform_a_sqrt5(len(in_shape)),
+                                                                         tuple(in_names) + (None,)),
+                   tuple(in_shape) + (rank,))
+  b = module.param(projection + SUFFIX_B, nn.with_logical_partitioning(nn.initializers.zeros, (None,) + tuple(out_names)),
                    (rank,) + tuple(out_shape))
+  return a, b
+
+
+def applied(x, a, b, alpha: float, dropout: float, deterministic: bool):
+  """(dropout(x) A B) * alpha / rank, inside the module that declared the adapter (its dropout is one of its
+  children)."""
+  n_in, rank = a.ndim - 1, a.shape[-1]
   x = nn.Dropout(dropout, deterministic=deterministic)(x)
   h = jnp.tensordot(x, a.astype(x.dtype), axes=(tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in))))
   y = jnp.tensordot(h, b.astype(x.dtype), axes=((h.ndim - 1,), (0,)))

@@ -79,25 +79,33 @@ class Norm(nn.Module):
     return y.astype(self.dtype)
 
 
-def rotary(x_BxLxHxE, positions_BxL, max_timescale: float, scaling: tuple = ()):
-  """Rotary position embedding (split-half form) applied to queries or keys; `scaling` as
-  rotary_scale gives it (empty: none)."""
+def rotary(x_BxLxHxE, positions_BxL, max_timescale: float, scaling: Optional[dict] = None,
+           interleave: bool = False, attention_factor: float = 1.0):
+  """Rotary position embedding (split-half form) applied to queries or keys (the last axis rotated).
+
+  `scaling`: rotary_scale's keyword arguments (None: none). `interleave`: the rotated pairs are (x0, x1),
+  (x2, x3), ... (DeepSeek's rope_interleave) rather than the two halves; they come out as halves, which
+  queries and keys share, so their products are those of the interleaved rotation. `attention_factor`
+  multiplies the rotated vectors (Hugging Face's attention_scaling of cos and sin: YaRN's)."""
   dims = x_BxLxHxE.shape[-1]
   half = dims // 2
   fraction = jnp.arange(half, dtype=jnp.float32) * 2.0 / dims
   timescale = max_timescale ** fraction
   if scaling:
-    timescale = timescale * jnp.asarray(rotary_scale(dims, max_timescale, *scaling), jnp.float32)
+    timescale = timescale * jnp.asarray(rotary_scale(dims, max_timescale, **scaling), jnp.float32)
   angles_BxLx1xE2 = positions_BxL[:, :, None, None].astype(jnp.float32) / timescale[None, None, None, :]
   sin, cos = jnp.sin(angles_BxLx1xE2), jnp.cos(angles_BxLx1xE2)
+  if attention_factor != 1.0:
+    sin, cos = sin * attention_factor, cos * attention_factor
   x = x_BxLxHxE.astype(jnp.float32)
-  x1, x2 = x[..., :half], x[..., half:]
+  x1, x2 = (x[..., 0::2], x[..., 1::2]) if interleave else (x[..., :half], x[..., half:])
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
   return out.astype(x_BxLxHxE.dtype)
 
 
-def rotary_scale(dims: int, max_timescale: float, kind: str, factor: float, low_freq_factor: float,
-                 high_freq_factor: float, original_max_len: int) -> np.ndarray:
+def rotary_scale(dims: int, max_timescale: float, kind: str, factor: float, low_freq_factor: float = 1.0,
+                 high_freq_factor: float = 4.0, original_max_len: int = 8192, beta_fast: float = 32.0,
+                 beta_slow: float = 1.0) -> np.ndarray:
   """How much longer each rotated pair's timescale gets [dims // 2], for a model trained on
   original_max_len positions to read longer texts (Hugging Face's rope_scaling):
 
@@ -106,12 +114,18 @@ def rotary_scale(dims: int, max_timescale: float, kind: str, factor: float, low_
               low_freq_factor by `factor`, those below original_max_len / high_freq_factor not
               at all, those between by 1 / ((1 - s) / factor + s) with s = (original_max_len /
               wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    'yarn'    YaRN's (Peng et al. 2023; DeepSeek-V3, long Qwen): pairs that turn more than beta_fast
+              times over original_max_len positions kept, those turning less than beta_slow times by
+              `factor`, a linear ramp over the pair index between (the bounds floored and ceiled, as
+              transformers' truncate); its attention factor is rotation_factor's
 
   Computed once, in float64, from the settings alone (no traced values).
   """
   timescale = max_timescale ** (np.arange(dims // 2, dtype=np.float64) * 2.0 / dims)
   if kind == 'linear':
     return np.full_like(timescale, factor)
+  if kind == 'yarn':
+    return 1 / _yarn_inverse(dims, max_timescale, factor, original_max_len, beta_fast, beta_slow)
   if kind != 'llama3':
     raise ValueError(f'unknown rotary scaling {kind!r}')
   wavelength = 2 * np.pi * timescale
@@ -119,6 +133,36 @@ def rotary_scale(dims: int, max_timescale: float, kind: str, factor: float, low_
   inverse = np.where(wavelength > original_max_len / low_freq_factor, 1 / factor,
                      np.where(wavelength < original_max_len / high_freq_factor, 1.0, (1 - smooth) / factor + smooth))
   return 1 / inverse
+
+
+def _yarn_inverse(dims: int, base: float, factor: float, original_max_len: int, beta_fast: float,
+                  beta_slow: float) -> np.ndarray:
+  """YaRN's frequency of each pair over the unscaled one [dims // 2]: 1 for the fast pairs, 1 / factor for the
+  slow ones, the ramp between."""
+  def pair_of(rotations):   # the (fractional) pair index that turns `rotations` times over original_max_len
+    return dims * math.log(original_max_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+  low, high = max(math.floor(pair_of(beta_fast)), 0), min(math.ceil(pair_of(beta_slow)), dims - 1)
+  ramp = np.clip((np.arange(dims // 2, dtype=np.float64) - low) / ((high - low) or 0.001), 0, 1)
+  return ramp / factor + (1 - ramp)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+  """YaRN's magnitude correction 0.1 mscale ln(factor) + 1 (1 for factor <= 1)."""
+  return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rotation_factor(kind: str, factor: float, attention_factor: Optional[float], mscale: Optional[float],
+                    mscale_all_dim: Optional[float]) -> float:
+  """What multiplies the rotated queries and keys (transformers' attention_scaling of cos and sin): 1 but for
+  'yarn', whose factor is `attention_factor` where set, else yarn_mscale(factor, mscale) / yarn_mscale(factor,
+  mscale_all_dim) where both are set (DeepSeek's), else yarn_mscale(factor)."""
+  if kind != 'yarn':
+    return 1.0
+  if attention_factor is not None:
+    return float(attention_factor)
+  if mscale and mscale_all_dim:
+    return yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+  return yarn_mscale(factor)
 
 
 def sinusoidal(positions_BxL, dims: int, min_timescale: float = 1.0, max_timescale: float = 10000.0):
@@ -167,6 +211,13 @@ class Attention(nn.Module):
   rotary_low_freq_factor: float = 1.0
   rotary_high_freq_factor: float = 4.0
   rotary_original_max_len: int = 8192
+  # 'yarn' (rotary_scale, rotation_factor); rotary_interleave: pairs (x0, x1), ... (DeepSeek's layout).
+  rotary_beta_fast: float = 32.0
+  rotary_beta_slow: float = 1.0
+  rotary_mscale: Optional[float] = None
+  rotary_mscale_all_dim: Optional[float] = None
+  rotary_attention_factor: Optional[float] = None
+  rotary_interleave: bool = False
   dtype: jnp.dtype = jnp.float32
   per_dim_scale: bool = False
   query_pre_attn_scalar: Optional[float] = None
@@ -206,6 +257,18 @@ class Attention(nn.Module):
     y = constrain(y, ('batch', 'length', head_axis, 'head_dim'))
     return checkpoint_name(y, f'{name}_proj')
 
+  def _rotate(self, x_BxLxNxE, positions_BxL):
+    """Rotary positions on the last axis of x as the rotary_* fields say."""
+    if self.rotary_scaling == 'none':
+      return rotary(x_BxLxNxE, positions_BxL, self.rotary_max_timescale, None, self.rotary_interleave)
+    scaling = dict(kind=self.rotary_scaling, factor=self.rotary_scaling_factor,
+                   low_freq_factor=self.rotary_low_freq_factor, high_freq_factor=self.rotary_high_freq_factor,
+                   original_max_len=self.rotary_original_max_len, beta_fast=self.rotary_beta_fast,
+                   beta_slow=self.rotary_beta_slow)
+    factor = rotation_factor(self.rotary_scaling, self.rotary_scaling_factor, self.rotary_attention_factor,
+                             self.rotary_mscale, self.rotary_mscale_all_dim)
+    return rotary(x_BxLxNxE, positions_BxL, self.rotary_max_timescale, scaling, self.rotary_interleave, factor)
+
   def _scale(self) -> float:
     """The logits' factor: 1/sqrt(query_pre_attn_scalar), or 1/sqrt(E) when that is unset."""
     return float(self.query_pre_attn_scalar or self.dims_per_head) ** -0.5
@@ -229,11 +292,7 @@ class Attention(nn.Module):
     if self.qk_norm and not self.qk_norm_after_rotary:
       q_BxLxHxE, k_BxSxKxE = self._qk_norm(q_BxLxHxE, k_BxSxKxE)
     if self.rotary:
-      scaling = () if self.rotary_scaling == 'none' else (
-          self.rotary_scaling, self.rotary_scaling_factor, self.rotary_low_freq_factor,
-          self.rotary_high_freq_factor, self.rotary_original_max_len)
-      q_BxLxHxE = rotary(q_BxLxHxE, positions_BxL, self.rotary_max_timescale, scaling)
-      k_BxSxKxE = rotary(k_BxSxKxE, positions_BxL, self.rotary_max_timescale, scaling)
+      q_BxLxHxE, k_BxSxKxE = self._rotate(q_BxLxHxE, positions_BxL), self._rotate(k_BxSxKxE, positions_BxL)
     if self.qk_norm and self.qk_norm_after_rotary:
       q_BxLxHxE, k_BxSxKxE = self._qk_norm(q_BxLxHxE, k_BxSxKxE)
     if self.per_dim_scale:

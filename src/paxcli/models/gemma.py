@@ -167,7 +167,9 @@ class Gemma2(Family):
              ('tied_logits_bfloat16', False, 'TIED_LOGITS_BFLOAT16=False'),
              ('parallel_block', False, 'PARALLEL_BLOCK=False'),
              ('qk_norm', self.qk_norm, f'USE_QK_NORM={self.qk_norm}'),
-             ('pre_norms', True, 'PRE_NORMS=True'), ('qk_norm_after_rotary', False, 'QK_NORM_AFTER_ROTARY=False')]
+             ('pre_norms', True, 'PRE_NORMS=True'), ('qk_norm_after_rotary', False, 'QK_NORM_AFTER_ROTARY=False'),
+             ('kv_lora_rank', False, 'KV_LORA_RANK=0'), ('rotary_interleave', False, 'ROTARY_INTERLEAVE=False'),
+             ('layer_prefix', False, 'LAYER_PREFIX=()')]
     for flat, value, knob in wants:
       have = getattr(model, flat, None)
       if (bool(have) if isinstance(value, bool) else have) != value:
@@ -262,7 +264,7 @@ class Gemma2(Family):
       rope = ({**scaling, 'rope_theta': config.get('rope_theta', self.hf_defaults['rope_theta'])}
               if isinstance(scaling, dict) else scaling)
     rope = hf_config.rope_scaling({'rope_scaling': rope}, problems)
-    if rope['rope_type'] == 'llama3':
+    if rope['rope_type'] in ('llama3', 'yarn'):
       problems.append(f'rope_scaling {hf_config.shown(rope)} (paxcli\'s {self.title} scales rotary positions '
                       'linearly or not at all)')
       return {}

@@ -37,13 +37,23 @@ HARMLESS_KEYS = frozenset({
     'forced_eos_token_id', 'remove_invalid_values', 'exponential_decay_length_penalty', 'suppress_tokens',
     'begin_suppress_tokens'})
 # rope_scaling types (HF's rope_type, or type in older configs) -> paxcli's ROTARY_SCALING.
-ROPE_TYPES = {'default': 'none', 'linear': 'linear', 'llama3': 'llama3'}
+ROPE_TYPES = {'default': 'none', 'linear': 'linear', 'llama3': 'llama3', 'yarn': 'yarn'}
 # Keys of transformers 5's rope_parameters that leave the rotation alone at one value: every dimension of a head
-# rotated (Phi-3's partial_rotary_factor; Phi-4-mini's 0.75 rotates a part of each head only, and is refused).
-ROPE_NEUTRAL = {'partial_rotary_factor': 1.0}
+# rotated (Phi-3's partial_rotary_factor; Phi-4-mini's 0.75 rotates a part of each head only, and is refused), and
+# YaRN's ramp bounds floored and ceiled (truncate; gpt-oss' false is refused).
+ROPE_NEUTRAL = {'partial_rotary_factor': 1.0, 'truncate': True}
 LLAMA3_ROPE_KEYS = {'factor': 'ROTARY_SCALING_FACTOR', 'low_freq_factor': 'ROTARY_LOW_FREQ_FACTOR',
                     'high_freq_factor': 'ROTARY_HIGH_FREQ_FACTOR',
                     'original_max_position_embeddings': 'ROTARY_ORIGINAL_MAX_LEN'}
+YARN_ROPE_KEYS = {'factor': 'ROTARY_SCALING_FACTOR', 'original_max_position_embeddings': 'ROTARY_ORIGINAL_MAX_LEN',
+                  'beta_fast': 'ROTARY_BETA_FAST', 'beta_slow': 'ROTARY_BETA_SLOW', 'mscale': 'ROTARY_MSCALE',
+                  'mscale_all_dim': 'ROTARY_MSCALE_ALL_DIM', 'attention_factor': 'ROTARY_ATTENTION_FACTOR'}
+# The one table of rope scalings: rope_type -> the rope_scaling keys it reads, each into its knob (both ways).
+ROPE_KEYS = {'linear': {'factor': 'ROTARY_SCALING_FACTOR'}, 'llama3': LLAMA3_ROPE_KEYS, 'yarn': YARN_ROPE_KEYS}
+# What transformers takes where a rope_scaling leaves a key out (None: not set; yarn's missing
+# original_max_position_embeddings is the config's max_position_embeddings: rope_knobs' `max_positions`).
+ROPE_DEFAULTS = {'yarn': {'beta_fast': 32.0, 'beta_slow': 1.0, 'mscale': None, 'mscale_all_dim': None,
+                          'attention_factor': None}}
 
 
 def rope_scaling_of(model) -> Optional[dict]:
@@ -51,9 +61,11 @@ def rope_scaling_of(model) -> Optional[dict]:
   kind = getattr(model, 'rotary_scaling', 'none')
   if kind == 'none':
     return None
-  out = {'rope_type': kind, 'factor': float(model.rotary_scaling_factor)}
-  if kind == 'llama3':
-    out.update({key: getattr(model, LM_KNOB[knob].flat) for key, knob in LLAMA3_ROPE_KEYS.items()})
+  out = {'rope_type': kind}
+  for key, knob in ROPE_KEYS[kind].items():
+    value = getattr(model, LM_KNOB[knob].flat)
+    if value is not None:
+      out[key] = value
   return out
 
 
@@ -92,21 +104,25 @@ def rope_scaling(config: dict, problems: list) -> dict:
     problems.append(f'rope_scaling {shown(rope)} (paxcli scales rotary positions as '
                     f'{", ".join(repr(k) for k in ROPE_TYPES)} only)')
     return {'rope_type': 'default'}
-  known = {'rope_type', 'type', 'rope_theta', 'factor'} | (set(LLAMA3_ROPE_KEYS) if kind == 'llama3' else set())
+  known = {'rope_type', 'type', 'rope_theta'} | set(ROPE_KEYS.get(kind, {}))
   unknown = sorted(k for k in set(rope) - known if rope[k] != ROPE_NEUTRAL.get(k, object()))
   if unknown:
     problems.append(f'rope_scaling {shown(rope)} (paxcli does not read its {", ".join(unknown)})')
   return {**rope, 'rope_type': kind}
 
 
-def rope_knobs(rope: dict, get: 'Reader') -> dict:
-  """ROTARY_SCALING and its factors from a linear or llama3 rope_scaling ({} for the default)."""
-  if rope['rope_type'] == 'default':
+def rope_knobs(rope: dict, get: 'Reader', max_positions: Optional[int] = None) -> dict:
+  """ROTARY_SCALING and its settings from a rope_scaling ({} for the default), each key of its kind (ROPE_KEYS)
+  read into its knob, transformers' value where it is left out (ROPE_DEFAULTS; `max_positions`: the config's
+  max_position_embeddings, yarn's original_max_position_embeddings where that is missing)."""
+  kind = rope['rope_type']
+  if kind == 'default':
     return {}
-  knobs = {'ROTARY_SCALING': ROPE_TYPES[rope['rope_type']], 'ROTARY_SCALING_FACTOR': get.float('factor')}
-  if rope['rope_type'] == 'llama3':
-    for key, knob in LLAMA3_ROPE_KEYS.items():
-      knobs[knob] = (get.int if LM_KNOB[knob].type is int else get.float)(key)
+  defaults = {**ROPE_DEFAULTS.get(kind, {}), 'original_max_position_embeddings': max_positions or Reader.REQUIRED}
+  knobs = {'ROTARY_SCALING': ROPE_TYPES[kind]}
+  for key, knob in ROPE_KEYS[kind].items():
+    default = defaults.get(key, Reader.REQUIRED) if kind == 'yarn' else Reader.REQUIRED
+    knobs[knob] = (get.int if LM_KNOB[knob].type is int else get.float)(key, default)
   return knobs
 
 
