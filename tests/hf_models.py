@@ -266,14 +266,18 @@ def load(directory: str):
 
 
 def parameter_count(config: dict) -> int:
-  """transformers' count of a config.json's parameters (built on the meta device: no memory, no weights)."""
+  """transformers' count of a config.json's parameters (built on the meta device: no memory, no weights): its
+  parameters() (tied weights once), and the buffers its checkpoints hold beside them (DeepSeek-V3's router bias,
+  e_score_correction_bias: a weight paxcli keeps as a parameter no gradient reaches)."""
   import torch
   import transformers
   settings = dict(config)
   with torch.device('meta'):
     model = transformers.AutoModelForCausalLM.from_config(
         transformers.AutoConfig.for_model(settings.pop('model_type'), **settings))
-  return sum(p.numel() for p in model.parameters())   # tied weights once, as parameters() yields them
+  saved = set(model.state_dict())
+  buffers = sum(b.numel() for name, b in model.named_buffers() if name in saved)
+  return sum(p.numel() for p in model.parameters()) + buffers
 
 
 def logits(model, ids) -> np.ndarray:

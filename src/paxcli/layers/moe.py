@@ -198,7 +198,7 @@ def route(logits_BxLxE, k: int, softmax: str, normalize: bool, bias_E=None, grou
   loss reads)."""
   if softmax == 'sigmoid':
     scores_BxLxE = jax.nn.sigmoid(logits_BxLxE)
-    choice_BxLxE = scores_BxLxE if bias_E is None else scores_BxLxE + bias_E
+    choice_BxLxE = scores_BxLxE if bias_E is None else scores_BxLxE + bias_E[None, None, :]
     experts_BxLxK = jax.lax.top_k(_within_groups(choice_BxLxE, groups, group_k), k)[1]
     weights_BxLxK = jnp.take_along_axis(scores_BxLxE, experts_BxLxK, axis=-1)
     if normalize:

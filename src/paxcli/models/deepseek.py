@@ -82,12 +82,13 @@ class DeepseekV3(Experts, Llama):
   description = ('DeepSeek-V3: multi-head latent attention, YaRN, DeepSeekMoE (a sigmoid router with its '
                  'load-balancing bias, group-limited top-k, shared experts), the first layers dense '
                  '(HF DeepseekV3ForCausalLM)')
-  # DeepSeek-V3's shape: what every member shares, at the released sizes where a size is meant.
+  # DeepSeek-V3's shape: what every member shares, at the released sizes where a size is meant (its shared expert,
+  # n_shared_experts x HIDDEN_DIMS wide, and its dense first layers are a recipe's: recipes/deepseek.py).
   knobs = {**Llama.knobs, 'KV_LORA_RANK': 512, 'Q_LORA_RANK': 1536, 'QK_NOPE_HEAD_DIMS': 128, 'QK_ROPE_HEAD_DIMS': 64,
            'V_HEAD_DIMS': 128, 'ROTARY_INTERLEAVE': True, 'NUM_EXPERTS': 256, 'EXPERTS_PER_TOKEN': 8,
            'ROUTER_SOFTMAX': 'sigmoid', 'ROUTER_NORMALIZE_TOPK': True, 'ROUTER_BIAS': True, 'ROUTER_GROUPS': 8,
-           'ROUTER_TOPK_GROUPS': 4, 'ROUTED_SCALING_FACTOR': 2.5, 'SHARED_EXPERT_HIDDEN_DIMS': 2048,
-           'MOE_DISPATCH': 'dropless', 'LOAD_BALANCE_LOSS_WEIGHT': 0.0}
+           'ROUTER_TOPK_GROUPS': 4, 'ROUTED_SCALING_FACTOR': 2.5, 'MOE_DISPATCH': 'dropless',
+           'LOAD_BALANCE_LOSS_WEIGHT': 0.0}
   hf_model_types = ('deepseek_v3',)
   hf_architectures = ('DeepseekV3ForCausalLM',)
   hf_read_keys = READ_KEYS
@@ -99,7 +100,7 @@ class DeepseekV3(Experts, Llama):
                  'n_group': 8, 'topk_group': 4, 'routed_scaling_factor': 2.5, 'n_shared_experts': 1,
                  'first_k_dense_replace': 3, 'norm_topk_prob': True, 'rope_interleave': True,
                  'intermediate_size': 18432, 'vocab_size': 129280, 'hidden_size': 7168, 'num_hidden_layers': 61,
-                 'num_attention_heads': 128}
+                 'num_attention_heads': 128, 'num_key_value_heads': 128}
   attention_features = {'qkv_bias': False, 'qk_norm': False}
   hf_moe_prefix = 'mlp'
   hf_expert_names = ('gate_proj', 'up_proj', 'down_proj')
@@ -165,8 +166,9 @@ class DeepseekV3(Experts, Llama):
         isinstance(v, str) and v.split('--')[-1] in _OWN_CLASSES for v in auto_map.values())):
       problems.append(f'auto_map {hf_config.shown(auto_map)} (custom code other than DeepSeek-V3\'s own classes: it '
                       'may compute another function)')
-    heads, kv_heads = config.get('num_attention_heads'), config.get('num_key_value_heads')
-    if kv_heads is not None and heads is not None and kv_heads != heads:
+    heads = config.get('num_attention_heads', self.hf_defaults['num_attention_heads'])
+    kv_heads = config.get('num_key_value_heads', self.hf_defaults['num_key_value_heads'])   # null: as many
+    if kv_heads is not None and kv_heads != heads:
       problems.append(f'num_key_value_heads {hf_config.shown(kv_heads)} (latent attention makes a key and value for '
                       f'each of the {hf_config.shown(heads)} heads: num_attention_heads)')
     return problems
@@ -190,8 +192,8 @@ class DeepseekV3(Experts, Llama):
         SEPARATE_EMBEDDING=not get.bool('tie_word_embeddings', False),
         ROUTER_NORMALIZE_TOPK=get.bool('norm_topk_prob', defaults['norm_topk_prob']),
         ROTARY_INTERLEAVE=get.bool('rope_interleave', defaults['rope_interleave']),
-        SHARED_EXPERT_HIDDEN_DIMS=knobs['HIDDEN_DIMS'] * _count(get, 'n_shared_experts', defaults),
-        **self._dense_first(get, knobs['NUM_LAYERS'], defaults))
+        SHARED_EXPERT_HIDDEN_DIMS=knobs['HIDDEN_DIMS'] * _count(get, 'n_shared_experts', defaults))
+    knobs.update(self._dense_first(get, knobs['NUM_LAYERS'], defaults))
     knobs.update(hf_config.rope_knobs(rope, hf_config.Reader(rope, f'{path}/config.json rope_scaling'),
                                       knobs['MAX_SEQ_LEN']))
     experts, groups, k = knobs['NUM_EXPERTS'], knobs['ROUTER_GROUPS'], knobs['EXPERTS_PER_TOKEN']
