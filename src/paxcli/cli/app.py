@@ -61,12 +61,13 @@ _register_all()
 
 def main(argv: list[str] | None = None) -> None:
   """Console entry point: runs the app, turning UserError into one red line and exit 2."""
-  ledger.mark_command_start(whole_process=argv is None)  # goodput: the wall time starts here (or at the process start)
+  whole_process = argv is None
+  ledger.mark_command_start(whole_process=whole_process)  # goodput: the wall time starts here (or at the process start)
   argv = list(sys.argv[1:] if argv is None else argv)
   invocation.set_argv(argv)  # as the user typed it, for the job directory's invocations.txt
   argv = common.normalize_argv(argv)
   platform.cpu_without_tpu()  # libtpu installed to plan for TPUs, on a machine without one
-  common.run_app(app, argv)
+  common.run_app(app, argv, whole_process=whole_process)
 
 
 if __name__ == '__main__':

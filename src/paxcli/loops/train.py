@@ -10,6 +10,7 @@ decode, the profiler and the graceful stop.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import math
@@ -716,7 +717,8 @@ def _train(resolved, job_dir: str, console, accounting: goodput.Goodput, verbose
         batch = to_global(train_input.get_next(), batch_sharding, setup.global_batch)
       hooks.before(step)
       state, metrics = train_step(state, batch)
-      hooks.after(StepInfo(step, state, metrics, last=step == total, stopping=stop.requested(step)))
+      with _naming_the_step(step, checkpointer):
+        hooks.after(StepInfo(step, state, metrics, last=step == total, stopping=stop.requested(step)))
   _finish(run, summary.last)
   return summary.last
 
@@ -1055,6 +1057,22 @@ def _resume_fast(fast: Optional[fast_tier.FastTier], spec: RunSpec, persistent: 
     _note_changes(meta, spec, job_dir, log)
     return restored.state, Start(step, batches, tuple(meta.get('recent_losses') or ()), 'fast')
   return None, None
+
+
+@contextlib.contextmanager
+def _naming_the_step(step: int, checkpointer: ckpt.Checkpointer):
+  """A bucket that stops answering while step `step`'s hooks write there (metrics, summaries): one line
+  naming the step and the checkpoint the next start resumes from (a failed save names them itself)."""
+  try:
+    yield
+  except ckpt.BucketSaveError:
+    raise
+  except storage.BucketError as e:
+    storage.give_up(checkpointer.directory)
+    last = checkpointer.last_complete
+    raise storage.BucketError(f'{str(e).rstrip(".")}, at step {step}. The last complete checkpoint is '
+                              + (f'step {last}' if last is not None else 'none yet') + '; the trainer stops here. '
+                              'Run the same command to resume from it once the bucket answers.') from None
 
 
 def saver_due(train_cfg) -> Callable[[StepInfo], bool]:

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import functools
-import os
 from typing import Optional, Union
 
 import fiddle as fdl
 
+from paxcli import files
 from paxcli.errors import UserError
 from paxcli.inputs import file_input, prepared
 from paxcli.inputs.synthetic import SyntheticLmInput
@@ -84,7 +84,7 @@ class LmExperiment(TrainingExperiment):
     train.decode_interval_steps = self.DECODE_INTERVAL_STEPS
     train.decode_prompts = list(self.DECODE_PROMPTS) if not self._own_data_decodes() else self._own_data_prompts()
     train.decode_max_steps = self.DECODE_MAX_STEPS
-    train.lora_init = os.path.abspath(os.path.expanduser(self.LORA_INIT)) if self.LORA_INIT else None
+    train.lora_init = files.path_knob(self.LORA_INIT) if self.LORA_INIT else None
     return train
 
   def _own_data_decodes(self) -> bool:
