@@ -48,7 +48,7 @@ from typing import Optional
 from paxcli.errors import UserError
 from paxcli.models import hf_config
 from paxcli.models.family import Piece, Weight, fuse
-from paxcli.models.knobs import LM_KNOB
+from paxcli.models.knobs import BLOCK, LM_KNOB, LM_KNOBS
 from paxcli.models.llama import NEUTRAL_VALUES, Llama
 from paxcli.models.moe_family import _EXPERT_ROWS, FUSED_SUFFIX, Experts
 
@@ -148,9 +148,10 @@ class DeepseekV3(Experts, Llama):
               '...}})']
     fields = dict(kinds.get(DENSE, ()))
     swapped = getattr(fields.get('ffn_tpl'), 'cls', None)
-    if prefix and (getattr(swapped, '__name__', '') != 'Mlp' or set(fields) - {'ffn_tpl', 'ffn_tpl.hidden_dims'}):
-      return [f'LAYER_KINDS[{DENSE!r}] changes {sorted(fields)} (a {self.title}\'s first layers differ only in a '
-              "dense MLP: {'NUM_EXPERTS': 0, 'HIDDEN_DIMS': intermediate_size})"]
+    changed = sorted(_differing(model, fields))
+    if prefix and (getattr(swapped, '__name__', '') != 'Mlp' or changed):
+      return [f'LAYER_KINDS[{DENSE!r}] changes {changed or ["ffn_tpl"]} (a {self.title}\'s first layers differ only '
+              "in a dense MLP: {'NUM_EXPERTS': 0, 'HIDDEN_DIMS': intermediate_size})"]
     return []
 
   # ---- config.json ----
@@ -305,6 +306,20 @@ class DeepseekV3(Experts, Llama):
                                                        Weight('', pp + 'wi_1', (e, f, d), (e, d, f), *_EXPERT_ROWS)]),
                 Weight(mp + 'experts.down_proj', pp + 'wo', (e, d, f), (e, f, d), *_EXPERT_ROWS)]
     return out
+
+
+def _differing(model, fields: dict) -> list[str]:
+  """The block fields of a kind that differ from the model's own settings, other than the dense MLP and its width.
+  Swapping the MLP in repeats every field of its template (activation, LoRA, fp8...): those equal to the knob
+  they come from are the other layers' settings, not a change."""
+  out = []
+  for field, value in fields.items():
+    if field in ('ffn_tpl', 'ffn_tpl.hidden_dims'):
+      continue
+    sources = [k for k in LM_KNOBS if BLOCK + field in k.fields]
+    if not sources or any(getattr(model, k.flat, None) != value for k in sources):
+      out.append(field)
+  return out
 
 
 def _count(get: hf_config.Reader, key: str, defaults: dict) -> int:
