@@ -321,6 +321,7 @@ def test_saves_are_chunked_so_a_layer_is_read_alone(tmp_path):
 
   from paxcli.jobdir import checkpoint as ckpt
   from paxcli.convert.orbax_io import OrbaxSource
+  from paxcli.runtime import train_state
   rng = np.random.default_rng(0)
   stacked = rng.standard_normal((3, 16, 8)).astype(np.float32)
   embedding = rng.standard_normal((4096, 96)).astype(np.float32)   # 1.5 MiB: two chunks of 1 MiB
@@ -330,7 +331,8 @@ def test_saves_are_chunked_so_a_layer_is_read_alone(tmp_path):
   old, ckpt.CHUNK_BYTES = ckpt.CHUNK_BYTES, 1 << 20
   try:
     w = ckpt.Checkpointer(os.path.join(job, 'checkpoints'), max_to_keep=0, async_save=False)
-    w.save(5, state, {'step': 5})
+    w.save(5, state, {'step': 5, 'state_shapes': train_state.shape_signature(state),
+                      'checksums': train_state.checksums(state)})
     w.close()
   finally:
     ckpt.CHUNK_BYTES = old
