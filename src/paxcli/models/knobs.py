@@ -199,9 +199,15 @@ FFN = BLOCK + 'ffn_tpl.'
 NORM = BLOCK + 'norm_tpl.'
 FINAL_NORM = LM + 'final_norm_tpl.'
 
+def _layers():
+  """paxcli.layers' mla, moe and transformer modules (flax: imported only where a model config is filled)."""
+  from paxcli.layers import mla, moe, transformer
+  return mla, moe, transformer
+
+
 def _feed_forward(settings: Settings) -> Template:
   """The feed-forward layer NUM_EXPERTS picks: the dense Mlp, or the mixture of experts."""
-  from paxcli.layers import moe, transformer  # flax: only where a model config is filled
+  _, moe, transformer = _layers()
   return Template(moe.MoeFeedForward if settings['num_experts'] else transformer.Mlp)
 
 
@@ -264,7 +270,7 @@ MOE_KNOBS: tuple[Knob, ...] = (
 
 def _attention(settings: Settings) -> Template:
   """The attention layer KV_LORA_RANK picks: paxcli's Attention, or multi-head latent attention."""
-  from paxcli.layers import mla, transformer  # flax: only where a model config is filled
+  mla, _, transformer = _layers()
   return Template(mla.LatentAttention if settings['kv_lora_rank'] else transformer.Attention)
 
 
