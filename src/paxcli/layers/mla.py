@@ -18,7 +18,7 @@ the cache reads it in one of two forms, which compute the same function:
             attention: cheaper for a long prompt (prefill), where many queries share that cost.
 `decode` 'auto' picks by the products' multiply-adds for the call's L new tokens over S cached ones
 (absorbed for decoding steps, expanded for prefills of more than a few hundred tokens at DeepSeek-V3's
-sizes; benchmarks/mla.py measures both).
+sizes; benchmarks/mla.py measures both against GQA).
 
 The layer is paxcli's Attention with these fields more (it takes every knob Attention does; what latent
 attention has no use for is refused by paxcli.models.validation: a sliding window, QK-norm, biases, fp8).
