@@ -15,7 +15,7 @@ from paxcli.errors import UserError, did_you_mean
 ActivationName = Literal['gelu', 'relu', 'silu', 'swish']
 NormName = Literal['layernorm', 'rmsnorm']
 PositionName = Literal['learned', 'rotary', 'sinusoidal', 'none']
-RotaryScalingName = Literal['none', 'linear', 'llama3', 'yarn']  # paxcli.layers.transformer.rotary_scale
+RotaryScalingName = Literal['none', 'linear', 'llama3', 'longrope', 'yarn']  # paxcli.layers.transformer.ROTARY_SCALINGS
 DTypeName = Literal['float32', 'bfloat16', 'float16']
 CheckpointPolicyName = Literal['none', 'save_nothing', 'save_dot_only', 'save_dot_with_no_batch_dim',
                                'save_qkv_out_proj', 'save_everything']

@@ -58,6 +58,7 @@ from paxcli.jobdir import ledger
 from paxcli.jobdir import storage
 from paxcli.runtime import distributed
 from paxcli.runtime import jobset
+from paxcli.runtime import peers
 from paxcli.runtime import topology as tpu_topology
 from paxcli.runtime.platform import detect_platform
 
@@ -469,6 +470,9 @@ def _supervise(procs, readers, envs, lock: threading.Lock, grace: float, exit_wa
     _drain(readers)
     return None
   failure = dataclasses.replace(failure, steps=beats.steps())
+  if failure.code is not None:   # an exit, not a hang: the others are told, and end in their own words
+    _note_failure(envs, failure)
+    _let_end(procs, _others_end(heartbeat_timeout))
   _stop(procs, grace, lock)
   _drain(readers)
   pid = procs[failure.index].pid
@@ -606,6 +610,40 @@ def _preempted(index: int, code: int, running: set, events: queue.Queue, lock: t
       continue
     running.discard(other)
   return Failure(index, code, f'stopped for preemption (exit code {code})', {})
+
+
+def _note_failure(envs, failure: Failure) -> None:
+  """Writes the failed child's line where the others' watch reads it (peers.LAUNCHER_NOTE): a child killed
+  outright could not say it itself."""
+  beat = envs[0].get(distributed.ENV_HEARTBEAT)
+  if not beat:
+    return
+  path = os.path.join(os.path.dirname(beat), peers.LAUNCHER_NOTE)
+  line = f'lost process {failure.index} on {socket.gethostname()}: pax launch saw it {failure.reason}'
+  try:
+    with open(path + '.tmp', 'w', encoding='utf-8') as f:
+      f.write(line[:peers.MAX_NOTE_BYTES])
+    os.replace(path + '.tmp', path)
+  except OSError:
+    pass   # the others still find out by their own watch, within its timeout
+
+
+def _others_end(heartbeat_timeout: Optional[float]) -> float:
+  """How long the others get to end by themselves after a child failed, before SIGTERM: their watch reads the
+  launcher's note at its next beat, and ends them in one line. A SIGTERM first would be taken by JAX's runtime as
+  a preemption notice, whose agreement waits (holding Python's lock: nothing else in that process runs) for the
+  process that is gone."""
+  return peers.beat_every(heartbeat_timeout or peers.DEFAULT_TIMEOUT) + 10.0
+
+
+def _let_end(procs, seconds: float) -> None:
+  """Waits up to `seconds` for the running children to end by themselves."""
+  deadline = time.monotonic() + seconds
+  for p in procs:
+    try:
+      p.wait(timeout=max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+      return
 
 
 def _stop(procs, grace: float, lock: threading.Lock) -> None:

@@ -90,7 +90,7 @@ class LatentAttention(Attention):
     axes = (tuple(range(x.ndim - inputs, x.ndim)), tuple(range(inputs)))
     y = jnp.tensordot(x, kernel.astype(self.dtype), axes=axes)
     if pair is not None:
-      y = y + lora.applied(x, *pair, self.lora_alpha, self.lora_dropout, self.deterministic)
+      y = y + lora.applied(x, *pair, inputs, self.lora_alpha, self.lora_dropout, self.deterministic)
     return y
 
   def _effective(self, weights):
@@ -128,10 +128,11 @@ class LatentAttention(Attention):
     dn, dr, dv, r = self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim, self.kv_lora_rank
     q_BxLxHxE = constrain(self._queries(x_BxLxD), ('batch', 'length', 'heads', 'head_dim'))
     q_nope_BxLxHxN = q_BxLxHxE[..., :dn]
-    q_rope_BxLxHxR = self._rotate(q_BxLxHxE[..., dn:], positions_BxL)
+    turn = self._rotator(positions_BxL, segment_ids_BxL)
+    q_rope_BxLxHxR = turn(q_BxLxHxE[..., dn:])
     kv_BxLxC = self._project(x_BxLxD, self._weights('kv_down', (d,), (r + dr,), ('embed',), (LATENT,)))
     latent_BxLxR = self._norm('kv_norm')(kv_BxLxC[..., :r])
-    k_rope_BxLxE = self._rotate(kv_BxLxC[..., None, r:], positions_BxL)[:, :, 0]
+    k_rope_BxLxE = turn(kv_BxLxC[..., None, r:])[:, :, 0]
     up = self._weights('kv_up', (r,), (h, dn + dv), (LATENT,), ('heads', 'head_dim'))
     if self.is_mutable_collection('cache') and not self.is_initializing():
       if segment_ids_BxL is None:
@@ -161,7 +162,8 @@ class LatentAttention(Attention):
     """Decoding over the KV cache of latents (flax collection 'cache'): the first call (init_cache) only sizes
     it from its input; later calls write their L latents and rotary keys at slot `index` (the same for every
     row: prompts are left-padded), mark which slots hold real tokens, and attend over the whole cache, each
-    query seeing the real slots up to its own, in the form `decode` picks (module docstring)."""
+    query seeing the real slots up to its own, in the form `decode` picks (module docstring); expanded where every
+    row has its own LoRA adapter of kv_up (`pax serve`'s), which no one merged kernel holds."""
     initialized = self.has_variable('cache', 'cached_latent')
     b, l, r = latent_BxLxR.shape
     boxed = lambda axes: nn.with_logical_partitioning(jnp.zeros, axes)
@@ -185,7 +187,7 @@ class LatentAttention(Attention):
       cached_latent, cached_rope = latent_BxLxR, k_rope_BxLxE
     form = self.decode if self.decode != 'auto' else decode_form(
         l, cached_latent.shape[1], self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim, r)
-    if form == 'expanded':
+    if form == 'expanded' or (up[1] is not None and lora.per_row(up[1][0], 1)):   # rows' own adapters: expanded
       k_BxSxHxE, v_BxSxHxV = self._expand(cached_latent, cached_rope, up)
       q = jnp.concatenate([q_nope_BxLxHxN, q_rope_BxLxHxR], axis=-1)
       return attention_ops.masked_einsum_attention(q, k_BxSxHxE, v_BxSxHxV, mask_BxLxS, self.atten_logit_cap,

@@ -333,21 +333,40 @@ LM_KNOBS: tuple[Knob, ...] = (
          "a bias on the query, key and value projections only, whatever USE_ATTENTION_BIAS says (Qwen 2's)"),
     Knob('USE_QK_NORM', bool, False, ATTENTION + 'qk_norm',
          "RMSNorm over each head's query and key before rotary (Qwen 3's QK-norm; epsilon NORM_EPSILON)"),
+    Knob('QK_NORM_PER_HEAD', bool, True, ATTENTION + 'qk_norm_per_head',
+         "USE_QK_NORM over each head apart (Qwen 3's, Gemma 3's: scales of DIMS_PER_HEAD); False: over the whole "
+         "query projection and the whole key projection (OLMo 2's: scales of NUM_HEADS x DIMS_PER_HEAD and "
+         'NUM_KV_HEADS x DIMS_PER_HEAD)'),
     Knob('POSITION_EMBEDDING', PositionName, 'learned', LM + 'position_embedding',
          "'sinusoidal' is Pax's fixed PositionalEmbedding",
          derived=((ATTENTION + 'rotary', lambda s: s['position_embedding'] == 'rotary'),)),
     Knob('ROTARY_MAX_TIMESCALE', float, 10000.0, ATTENTION + 'rotary_max_timescale',
          "rotary positions' base wavelength (Hugging Face's rope_theta)"),
-    # Hugging Face's rope_scaling (layers.transformer.rotary_scale): 'linear', Llama 3.1's 'llama3' or 'yarn'.
+    Knob('ROTARY_FRACTION', float, 1.0, ATTENTION + 'rotary_fraction',
+         "the share of each head's dimensions rotary positions rotate: the first int(DIMS_PER_HEAD x this), the "
+         "rest pass unrotated (Hugging Face's partial_rotary_factor: 0.75 in Phi-4-mini)"),
+    # Hugging Face's rope_scaling (one row per rope type: layers.transformer.ROTARY_SCALINGS, read and written by
+    # models.hf_config.ROPE_KEYS): 'linear', Llama 3.1's 'llama3', Phi-3's 'longrope', 'yarn'.
     Knob('ROTARY_SCALING', RotaryScalingName, 'none', ATTENTION + 'rotary_scaling',
-         "'linear': positions / factor; 'llama3': long wavelengths x factor, short ones kept; 'yarn': YaRN's ramp "
-         'between kept and x factor, rotated vectors x its attention factor (DeepSeek-V3, long Qwen)'),
+         "'linear': positions / factor; 'llama3': long wavelengths x factor, short ones kept; 'longrope': "
+         'wavelengths x a factor per rotated pair, ROTARY_SHORT_FACTORS or ROTARY_LONG_FACTORS by the length of '
+         "the text; 'yarn': YaRN's ramp between kept and x factor (DeepSeek-V3, long Qwen)"),
     Knob('ROTARY_SCALING_FACTOR', float, 1.0, ATTENTION + 'rotary_scaling_factor',
-         "ROTARY_SCALING's factor (rope_scaling's factor); 1: none"),
+         "ROTARY_SCALING's factor (rope_scaling's factor; 'longrope': the context it reaches over "
+         'ROTARY_ORIGINAL_MAX_LEN, which sets the attention factor); 1: none'),
     Knob('ROTARY_LOW_FREQ_FACTOR', float, 1.0, ATTENTION + 'rotary_low_freq_factor', "'llama3' only"),
     Knob('ROTARY_HIGH_FREQ_FACTOR', float, 4.0, ATTENTION + 'rotary_high_freq_factor', "'llama3' only"),
     Knob('ROTARY_ORIGINAL_MAX_LEN', int, 8192, ATTENTION + 'rotary_original_max_len',
-         "'llama3' and 'yarn': the context length the model was first trained for"),
+         "'llama3', 'longrope' and 'yarn': the context length the model was first trained for ('longrope': a "
+         'text longer than this rotates with ROTARY_LONG_FACTORS)'),
+    Knob('ROTARY_SHORT_FACTORS', tuple[float, ...], (), ATTENTION + 'rotary_short_factors',
+         "'longrope' (Hugging Face's short_factor): per rotated pair of a head, the factor its wavelength is "
+         'stretched by in a text of at most ROTARY_ORIGINAL_MAX_LEN tokens',
+         value=lambda s: tuple(s['rotary_short_factors'])),
+    Knob('ROTARY_LONG_FACTORS', tuple[float, ...], (), ATTENTION + 'rotary_long_factors',
+         "'longrope' (long_factor): the same for a longer text, every position of it (decoding turns the cached "
+         'keys over to these when a text grows past ROTARY_ORIGINAL_MAX_LEN)',
+         value=lambda s: tuple(s['rotary_long_factors'])),
     Knob('ROTARY_BETA_FAST', float, 32.0, ATTENTION + 'rotary_beta_fast',
          "'yarn' only: pairs turning more often than this over ROTARY_ORIGINAL_MAX_LEN keep their wavelength"),
     Knob('ROTARY_BETA_SLOW', float, 1.0, ATTENTION + 'rotary_beta_slow',
@@ -359,8 +378,9 @@ LM_KNOBS: tuple[Knob, ...] = (
          "'yarn' only (rope_scaling's mscale_all_dim); latent attention (KV_LORA_RANK) also multiplies its logits "
          "by (0.1 mscale_all_dim ln(factor) + 1)^2, as DeepSeek's"),
     Knob('ROTARY_ATTENTION_FACTOR', Optional[float], None, ATTENTION + 'rotary_attention_factor',
-         "'yarn' only: the rotated queries and keys x this (rope_scaling's attention_factor); None: from "
-         'ROTARY_MSCALE'),
+         "rotated queries and keys x this (Hugging Face's attention_factor); None: the scaling's own rule "
+         "('longrope': sqrt(1 + ln(ROTARY_SCALING_FACTOR) / ln(ROTARY_ORIGINAL_MAX_LEN)), 1 at factor 1; 'yarn': "
+         'from ROTARY_MSCALE and ROTARY_MSCALE_ALL_DIM; else 1)'),
     Knob('ROTARY_INTERLEAVE', bool, False, ATTENTION + 'rotary_interleave',
          "rotary pairs are neighbours (x0, x1), (x2, x3), ... (DeepSeek's rope_interleave) rather than the two "
          'halves of a head'),
@@ -405,6 +425,17 @@ LM_KNOBS: tuple[Knob, ...] = (
          "USE_QK_NORM after rotary positions rather than before (praxis' ln_tpl on attention)"),
     Knob('QUERY_PRE_ATTN_SCALAR', Optional[float], None, ATTENTION + 'query_pre_attn_scalar',
          "queries x 1/sqrt(this) instead of 1/sqrt(DIMS_PER_HEAD) (Gemma's query_pre_attn_scalar); None: off"),
+    # Granite's multipliers (paxcli.models.granite); 1 (None) is off.
+    Knob('EMBEDDING_MULTIPLIER', float, 1.0, LM + 'embedding_multiplier',
+         "token embeddings x this (Granite's embedding_multiplier)"),
+    Knob('RESIDUAL_MULTIPLIER', float, 1.0, BLOCK + 'residual_multiplier',
+         "attention's and the MLP's outputs x this where they join the residual stream (Granite's "
+         'residual_multiplier)'),
+    Knob('ATTENTION_MULTIPLIER', Optional[float], None, ATTENTION + 'attention_multiplier',
+         "attention logits are queries . keys x this (Granite's attention_multiplier); None: "
+         '1/sqrt(QUERY_PRE_ATTN_SCALAR or DIMS_PER_HEAD)'),
+    Knob('LOGITS_SCALING', float, 1.0, LM + 'logits_scaling',
+         "output logits divided by this, before SOFTMAX_CAP_LOGITS (Granite's logits_scaling)"),
     Knob('ATTENTION_IMPL', AttentionImplName, 'auto', ATTENTION + 'attention_impl',
          'auto: jax.nn.dot_product_attention (cuDNN flash attention on GPUs in bf16/fp16, XLA elsewhere), the '
          'blockwise kernel for capped logits; blockwise: a block of queries at a time, logits never whole; '

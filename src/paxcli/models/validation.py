@@ -90,7 +90,8 @@ _NOT_LATENT = (('sliding_window', 0, 'SLIDING_WINDOW', 'a sliding window'), ('qk
                ('qkv_bias', False, 'USE_QKV_BIAS', 'biases'), ('use_bias', False, 'USE_ATTENTION_BIAS', 'biases'),
                ('per_dim_scale', False, 'USE_PER_DIM_SCALE', 'a per-dimension scale'),
                ('query_pre_attn_scalar', None, 'QUERY_PRE_ATTN_SCALAR', 'another query scale'),
-               ('norm_plus_one', False, 'NORM_PLUS_ONE', "Gemma's norms"), ('fp8', 'none', 'FP8', 'fp8 projections'))
+               ('norm_plus_one', False, 'NORM_PLUS_ONE', "Gemma's norms"), ('fp8', 'none', 'FP8', 'fp8 projections'),
+               ('rotary_fraction', 1.0, 'ROTARY_FRACTION', 'a part of QK_ROPE_HEAD_DIMS unrotated'))
 
 
 def _validate_latent(attention, where: str, label: str) -> None:
@@ -104,6 +105,8 @@ def _validate_latent(attention, where: str, label: str) -> None:
                     f"POSITION_EMBEDDING='rotary' and an even QK_ROPE_HEAD_DIMS (got {attention.qk_rope_head_dim}).")
   used = [f'{knob}={getattr(attention, field)!r} ({why})' for field, neutral, knob, why in _NOT_LATENT
           if getattr(attention, field, neutral) != neutral]
+  if getattr(attention, 'rotary_scaling', 'none') == 'longrope':   # its cache of latents is not computed again
+    used.append("ROTARY_SCALING='longrope' (LongRoPE's two sets of factors)")
   if used:
     raise UserError(f'{label}Latent attention (KV_LORA_RANK {attention.kv_lora_rank}) computes none of: '
                     + ', '.join(used) + '.')
