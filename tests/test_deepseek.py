@@ -1,7 +1,8 @@
 """DeepSeek-V3's own parts (paxcli.layers.mla, the DeepSeekMoE router, the dense first layers) on a tiny model with
 every one of them on: decoding through the cache of latents (absorbed, expanded and the form 'auto' picks per call)
 equals the full forward pass, left-padded rows and a LoRA adapter included; the cache holds the latent and the
-rotary key only; and a model whose dense first layers differ in more than their MLP is not a DeepSeek-V3.
+rotary key only; rows with their own LoRA adapters (pax serve's) decode as each alone; and a model whose dense first
+layers differ in more than their MLP is not a DeepSeek-V3.
 Against transformers' own DeepseekV3ForCausalLM: tests/test_hf_families.py (its reference entry)."""
 
 import flax.linen as nn
@@ -11,10 +12,12 @@ import numpy as np
 import pytest
 
 from paxcli.layers.base import instantiate
-from paxcli.layers.mla import decode_form
+from paxcli.layers.mla import LatentAttention, decode_form
+from paxcli.errors import UserError
 from paxcli.models import knobs, lm_config
 from paxcli.models.deepseek import DEEPSEEK_V3
 from paxcli.models.lm import flat_view
+from paxcli.models.validation import validate_lm
 
 # 2 layers, the first dense; 8 experts in 4 groups, 3 per token from the best 2 groups, a shared expert; latents of
 # 16 (kv) and 12 (queries); YaRN from 8 positions (the texts here pass it) with DeepSeek's mscale_all_dim.
@@ -94,3 +97,42 @@ def test_dense_first_layers_fit_with_lora_and_differ_in_their_mlp_only():
   assert DEEPSEEK_V3.misfit(flat_view(_model(LORA_RANK=4))) == []   # LoRA reaches the swapped-in MLP too
   gelu = flat_view(_model(LAYER_KINDS={'dense': {'NUM_EXPERTS': 0, 'HIDDEN_DIMS': 32, 'ACTIVATION': 'gelu'}}))
   assert any("changes ['ffn_tpl.activation']" in r for r in DEEPSEEK_V3.misfit(gelu))
+
+
+def test_rows_with_their_own_lora_adapters_decode_as_each_alone():
+  """`pax serve`'s per-row adapters ([B, ...] stacks of A and B) through the cache of latents: the absorbed form
+  has no one merged kernel for them, so the step is expanded; each row equals a forward pass with its adapter."""
+  layer = LatentAttention(num_heads=4, num_kv_heads=4, dims_per_head=12, use_bias=False, rotary=True,
+                          rotary_scaling='yarn', rotary_scaling_factor=4.0, rotary_original_max_len=8,
+                          rotary_mscale=1.0, rotary_mscale_all_dim=1.0, rotary_interleave=True, kv_lora_rank=16,
+                          qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, decode='absorbed', lora_rank=2,
+                          lora_targets=('query', 'key', 'value', 'output'))
+  rng = np.random.default_rng(5)
+  x = jnp.asarray(rng.normal(size=(2, 12, 24)), jnp.float32)
+  positions = jnp.broadcast_to(jnp.arange(12), (2, 12))
+  base = nn.meta.unbox(layer.init(jax.random.key(0), x, None, positions)['params'])
+  own = [jax.tree.map(lambda w: 0.3 * jax.random.normal(jax.random.key(i + 1), w.shape), base) for i in range(2)]
+  rows = [{k: own[i][k] if k.endswith(('_lora_a', '_lora_b')) else base[k] for k in base} for i in range(2)]
+  stacked = {k: jnp.stack([rows[0][k], rows[1][k]]) if k.endswith(('_lora_a', '_lora_b')) else base[k]
+             for k in base}
+  cache = layer.apply({'params': stacked}, jnp.zeros_like(x), None, positions, mutable=['cache'])[1]['cache']
+  got = []
+  for start, size in ((0, 7), (7, 1), (8, 4)):
+    out, mutated = layer.apply({'params': stacked, 'cache': cache}, x[:, start:start + size], None,
+                               positions[:, start:start + size], mutable=['cache'])
+    cache = mutated['cache']
+    got.append(out)
+  got = np.asarray(jnp.concatenate(got, axis=1))
+  for i in range(2):
+    alone = np.asarray(layer.apply({'params': rows[i]}, x[i:i + 1], None, positions[i:i + 1]))
+    np.testing.assert_allclose(got[i], alone[0], atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize('more, named', [({'ROTARY_FRACTION': 0.5}, 'ROTARY_FRACTION=0.5'),
+                                         ({'ROTARY_SCALING': 'longrope'}, "ROTARY_SCALING='longrope'")])
+def test_latent_attention_refuses_what_it_does_not_rotate_as_named(more, named):
+  """A part of QK_ROPE_HEAD_DIMS left unrotated, and LongRoPE (whose decoding computes the cache again when a text
+  crosses the original context: the cache of latents is not), are refused in one line."""
+  config = lm_config(**knobs.flat_settings({**DEEPSEEK_V3.knobs, **TINY, **more}, knobs.LM_KNOBS))
+  with pytest.raises(UserError, match=named.replace('(', r'\(')):
+    validate_lm(config.lm_tpl)
