@@ -166,14 +166,37 @@ GRANITE31_2B = {
     'tie_word_embeddings': True, 'torch_dtype': 'bfloat16', 'transformers_version': '4.47.0', 'use_cache': True,
     'vocab_size': 49155}
 
+# huggingface.co/deepseek-ai/DeepSeek-V3/config.json less its quantization_config (the released weights are FP8
+# blocks, which paxcli refuses by name: the bfloat16 copies' config.json is this): multi-head latent attention,
+# YaRN, 256 experts in 8 groups behind a sigmoid router with its bias, a shared expert, the first 3 layers dense.
+DEEPSEEK_V3 = {
+    'architectures': ['DeepseekV3ForCausalLM'], 'attention_bias': False, 'attention_dropout': 0.0,
+    'auto_map': {'AutoConfig': 'configuration_deepseek.DeepseekV3Config',
+                 'AutoModel': 'modeling_deepseek.DeepseekV3Model',
+                 'AutoModelForCausalLM': 'modeling_deepseek.DeepseekV3ForCausalLM'},
+    'aux_loss_alpha': 0.001, 'bos_token_id': 0, 'eos_token_id': 1, 'ep_size': 1, 'first_k_dense_replace': 3,
+    'hidden_act': 'silu', 'hidden_size': 7168, 'initializer_range': 0.02, 'intermediate_size': 18432,
+    'kv_lora_rank': 512, 'max_position_embeddings': 163840, 'model_type': 'deepseek_v3', 'moe_intermediate_size': 2048,
+    'moe_layer_freq': 1, 'n_group': 8, 'n_routed_experts': 256, 'n_shared_experts': 1, 'norm_topk_prob': True,
+    'num_attention_heads': 128, 'num_experts_per_tok': 8, 'num_hidden_layers': 61, 'num_key_value_heads': 128,
+    'num_nextn_predict_layers': 1, 'q_lora_rank': 1536, 'qk_nope_head_dim': 128, 'qk_rope_head_dim': 64,
+    'rms_norm_eps': 1e-06, 'rope_scaling': {'beta_fast': 32, 'beta_slow': 1, 'factor': 40, 'mscale': 1.0,
+                                            'mscale_all_dim': 1.0, 'original_max_position_embeddings': 4096,
+                                            'type': 'yarn'},
+    'rope_theta': 10000, 'routed_scaling_factor': 2.5, 'scoring_func': 'sigmoid', 'seq_aux': True,
+    'tie_word_embeddings': False, 'topk_group': 4, 'topk_method': 'noaux_tc', 'torch_dtype': 'bfloat16',
+    'transformers_version': '4.33.1', 'use_cache': True, 'v_head_dim': 128, 'vocab_size': 129280}
+# The released FP8 checkpoints' quantization_config.
+DEEPSEEK_V3_FP8 = {'activation_scheme': 'dynamic', 'fmt': 'e4m3', 'quant_method': 'fp8', 'weight_block_size': [128, 128]}
+
 TINY = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=128)
 REFERENCES = {r.family: r for r in (
     Reference('llama', 'LlamaForCausalLM', LLAMA32_1B, dict(TINY, head_dim=8),
               ("ROTARY_SCALING = 'llama3'", 'ROTARY_MAX_TIMESCALE = 500000.0', 'SEPARATE_EMBEDDING = False',
                "MODEL_FAMILY = 'llama'"), 'HfLlama',
-              refusals=(({'mlp_bias': True, 'rope_scaling': {'rope_type': 'yarn', 'factor': 4.0}},
-                         ('mlp_bias true (paxcli\'s Llama: false)', 'rope_scaling {"rope_type": "yarn"')),)),
+              refusals=(({'mlp_bias': True, 'rope_scaling': {'rope_type': 'dynamic', 'factor': 4.0}},
+                         ('mlp_bias true (paxcli\'s Llama: false)', 'rope_scaling {"rope_type": "dynamic"')),)),
     Reference('qwen2', 'Qwen2ForCausalLM', QWEN25_05B, TINY,
               ('USE_QKV_BIAS = True', 'ROTARY_MAX_TIMESCALE = 1000000.0', 'SEPARATE_EMBEDDING = False'), 'HfQwen2',
               refusals=(({'use_sliding_window': True}, ('use_sliding_window true with sliding_window',)),)),
@@ -235,6 +258,21 @@ REFERENCES = {r.family: r for r in (
               ('NUM_EXPERTS = 8', 'EXPERTS_PER_TOKEN = 4', 'HIDDEN_DIMS = 24', "ROUTER_SOFTMAX = 'before_topk'",
                'ROUTER_NORMALIZE_TOPK = True', 'USE_QK_NORM = True'), 'HfQwen3MoE', experts=True,
               refusals=(({'decoder_sparse_step': 2}, ('decoder_sparse_step 2 (paxcli\'s Qwen3-MoE: 1)',)),)),
+    # DeepSeek-V3 cut down with its parts kept: 3 layers, the first dense; 8 experts in 4 groups, 3 per token from
+    # the best 2 groups; latents of 16 (kv) and 12 (queries); YaRN from 16 positions, which the tests' texts pass.
+    Reference('deepseek_v3', 'DeepseekV3ForCausalLM', DEEPSEEK_V3,
+              dict(TINY, num_key_value_heads=4, num_hidden_layers=3, first_k_dense_replace=1, moe_intermediate_size=16,
+                   kv_lora_rank=16, q_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
+                   n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2, max_position_embeddings=64,
+                   rope_scaling=dict(DEEPSEEK_V3['rope_scaling'], factor=4, original_max_position_embeddings=16)),
+              ('KV_LORA_RANK = 16', 'Q_LORA_RANK = 12', "ROTARY_SCALING = 'yarn'", 'ROTARY_INTERLEAVE = True',
+               "ROUTER_SOFTMAX = 'sigmoid'", 'ROUTER_GROUPS = 4', 'ROUTER_TOPK_GROUPS = 2', "LAYER_PREFIX = ('dense',)",
+               'ROUTED_SCALING_FACTOR = 2.5', 'ROTARY_MSCALE_ALL_DIM = 1.0', "MODEL_FAMILY = 'deepseek_v3'"),
+              'HfDeepSeekV3', experts=True,
+              refusals=(({'quantization_config': DEEPSEEK_V3_FP8}, ('quantization_config {"activation_scheme"',
+                                                                     'dequantize the checkpoint first')),
+                        ({'scoring_func': 'softmax', 'num_key_value_heads': 16},
+                         ('scoring_func "softmax" (paxcli\'s DeepSeek-V3: "sigmoid")', 'num_key_value_heads 16')))),
 )}
 
 
@@ -253,6 +291,10 @@ def build(config: dict, seed: int = 0):
         p.copy_(1 + 0.3 * torch.randn_like(p))
       else:
         p.copy_((0.3 if name.endswith('bias') else 0.2) * torch.randn_like(p))
+    saved = model.state_dict()
+    for name, b in model.named_buffers():   # saved buffers are weights too (DeepSeek's router bias)
+      if name in saved and b.is_floating_point() and not name.endswith('inv_freq'):
+        b.copy_(0.2 * torch.randn_like(b))
   return model.eval()
 
 
@@ -286,14 +328,18 @@ def load(directory: str):
 
 
 def parameter_count(config: dict) -> int:
-  """transformers' count of a config.json's parameters (built on the meta device: no memory, no weights)."""
+  """transformers' count of a config.json's parameters (built on the meta device: no memory, no weights): its
+  parameters() (tied weights once), and the buffers its checkpoints hold beside them (DeepSeek-V3's router bias,
+  e_score_correction_bias: a weight paxcli keeps as a parameter no gradient reaches)."""
   import torch
   import transformers
   settings = dict(config)
   with torch.device('meta'):
     model = transformers.AutoModelForCausalLM.from_config(
         transformers.AutoConfig.for_model(settings.pop('model_type'), **settings))
-  return sum(p.numel() for p in model.parameters())   # tied weights once, as parameters() yields them
+  saved = set(model.state_dict())
+  buffers = sum(b.numel() for name, b in model.named_buffers() if name in saved)
+  return sum(p.numel() for p in model.parameters()) + buffers
 
 
 def logits(model, ids) -> np.ndarray:

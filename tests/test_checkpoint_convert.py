@@ -284,7 +284,7 @@ def test_errors_are_one_line(job, tmp_path, capsys):
   (hf_dir / 'config.json').write_text(json.dumps({'model_type': 'llama', 'vocab_size': 64, 'hidden_size': 32,
                                                   'intermediate_size': 64, 'num_hidden_layers': 2,
                                                   'num_attention_heads': 4,
-                                                  'rope_scaling': {'type': 'yarn', 'factor': 4}}))
+                                                  'rope_scaling': {'type': 'dynamic', 'factor': 4}}))
   (hf_dir / 'model.safetensors').write_bytes(struct.pack('<Q', 2) + b'{}')
   assert 'cannot be expressed in paxcli: rope_scaling' in err_of('convert', str(hf_dir), str(tmp_path / 'o4'))
   assert not (tmp_path / 'o2').exists() and not (tmp_path / 'o4').exists()

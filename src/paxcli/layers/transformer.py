@@ -128,6 +128,45 @@ def _longrope_scaling(timescale, layer) -> RotaryScaling:
                        np.asarray(layer.rotary_long_factors, np.float64), original, float(attention))
 
 
+def _yarn_scaling(timescale, layer) -> RotaryScaling:
+  """'yarn' (YaRN, Peng et al. 2023; DeepSeek-V3, long Qwen): pairs that turn more than ROTARY_BETA_FAST times
+  over ROTARY_ORIGINAL_MAX_LEN positions kept, those turning less than ROTARY_BETA_SLOW times by `factor`, a
+  linear ramp over the pair index between (the bounds floored and ceiled, as transformers' truncate); rotated
+  queries and keys x ROTARY_ATTENTION_FACTOR, else yarn_attention_factor's."""
+  factor = layer.rotary_scaling_factor
+  inverse = _yarn_inverse(2 * len(timescale), layer.rotary_max_timescale, factor, layer.rotary_original_max_len,
+                          layer.rotary_beta_fast, layer.rotary_beta_slow)
+  attention = layer.rotary_attention_factor
+  if attention is None:
+    attention = yarn_attention_factor(factor, layer.rotary_mscale, layer.rotary_mscale_all_dim)
+  return RotaryScaling(1 / inverse, attention_factor=float(attention))
+
+
+def _yarn_inverse(dims: int, base: float, factor: float, original_max_len: int, beta_fast: float,
+                  beta_slow: float) -> np.ndarray:
+  """YaRN's frequency of each pair over the unscaled one [dims // 2]: 1 for the fast pairs, 1 / factor for the
+  slow ones, the ramp between."""
+  def pair_of(rotations):   # the (fractional) pair index that turns `rotations` times over original_max_len
+    return dims * math.log(original_max_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+  low, high = max(math.floor(pair_of(beta_fast)), 0), min(math.ceil(pair_of(beta_slow)), dims - 1)
+  ramp = np.clip((np.arange(dims // 2, dtype=np.float64) - low) / ((high - low) or 0.001), 0, 1)
+  return ramp / factor + (1 - ramp)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+  """YaRN's magnitude correction 0.1 mscale ln(factor) + 1 (1 for factor <= 1)."""
+  return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_attention_factor(factor: float, mscale: Optional[float], mscale_all_dim: Optional[float]) -> float:
+  """YaRN's own factor on the rotated queries and keys (transformers' attention_scaling of cos and sin):
+  yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim) where both are set (DeepSeek's), else
+  yarn_mscale(factor)."""
+  if mscale and mscale_all_dim:
+    return yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+  return yarn_mscale(factor)
+
+
 # Hugging Face's rope scalings, by ROTARY_SCALING (paxcli.options.RotaryScalingName; models.hf_config.ROPE_TYPES
 # reads and writes their config.json keys): (the head's timescales [pairs], float64; the attention layer) ->
 # RotaryScaling. A new rope type is one entry here and one there, and its knobs.
@@ -135,6 +174,7 @@ ROTARY_SCALINGS: dict[str, Callable] = {
     'linear': _linear_scaling,
     'llama3': _llama3_scaling,
     'longrope': _longrope_scaling,
+    'yarn': _yarn_scaling,
 }
 
 
@@ -156,11 +196,14 @@ def _timescales(dims: int, max_timescale: float, factors) -> jax.Array:
 
 
 def rotary(x_BxLxHxE, positions_BxL, max_timescale: float, scaling: Optional[RotaryScaling] = None, long_BxL=None,
-           fraction: float = 1.0):
+           fraction: float = 1.0, interleave: bool = False):
   """Rotary position embedding (split-half form, Hugging Face Llama's rotate_half) of queries or keys: the first
   rotary_dims(E, fraction) dimensions of each head rotate, the rest pass as they are. `scaling` (rotary_scaling
   gives it; None: none) stretches each pair's timescale and multiplies the rotated part by its attention
-  factor; with two sets of factors (LongRoPE), the tokens where `long_BxL` holds take the long ones."""
+  factor; with two sets of factors (LongRoPE), the tokens where `long_BxL` holds take the long ones.
+  `interleave`: the rotated pairs are (x0, x1), (x2, x3), ... (DeepSeek's rope_interleave) rather than the two
+  halves; they come out as halves, which queries and keys share, so their products are those of the
+  interleaved rotation."""
   dims = rotary_dims(x_BxLxHxE.shape[-1], fraction)
   if scaling is None:
     timescale = _timescales(dims, max_timescale, None)[None, None, None, :]
@@ -170,18 +213,19 @@ def rotary(x_BxLxHxE, positions_BxL, max_timescale: float, scaling: Optional[Rot
   else:
     timescale = _timescales(dims, max_timescale, scaling.short)[None, None, None, :]
   angles_BxLx1xR = positions_BxL[:, :, None, None].astype(jnp.float32) / timescale
-  return _rotate(x_BxLxHxE, angles_BxLx1xR, dims, scaling.attention_factor if scaling else 1.0)
+  return _rotate(x_BxLxHxE, angles_BxLx1xR, dims, scaling.attention_factor if scaling else 1.0, interleave)
 
 
-def _rotate(x_BxLxHxE, angles_BxLx1xR, dims: int, factor: float = 1.0):
+def _rotate(x_BxLxHxE, angles_BxLx1xR, dims: int, factor: float = 1.0, interleave: bool = False):
   """The first `dims` dimensions of each head turned by the angles of their pairs (x1, x2) -> (x1 cos - x2 sin,
-  x2 cos + x1 sin), times `factor`; the rest as they are."""
+  x2 cos + x1 sin), times `factor`; the rest as they are. Pairs: the two halves of the `dims`, or neighbours
+  with `interleave`."""
   sin, cos = jnp.sin(angles_BxLx1xR), jnp.cos(angles_BxLx1xR)
   if factor != 1.0:
     sin, cos = sin * factor, cos * factor
   x = x_BxLxHxE.astype(jnp.float32)
   half = dims // 2
-  x1, x2 = x[..., :half], x[..., half:dims]
+  x1, x2 = (x[..., 0:dims:2], x[..., 1:dims:2]) if interleave else (x[..., :half], x[..., half:dims])
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., dims:]], axis=-1)
   return out.astype(x_BxLxHxE.dtype)
 
@@ -201,7 +245,6 @@ def beyond(positions_BxL, segment_ids_BxL, original_max_len: int):
   def row(reached_L, runs_L):
     return jax.ops.segment_max(reached_L.astype(jnp.int32), runs_L, num_segments=length)[runs_L] > 0
   return jax.vmap(row)(reached, runs_BxL)
-
 
 def sinusoidal(positions_BxL, dims: int, min_timescale: float = 1.0, max_timescale: float = 10000.0):
   """Fixed sinusoidal position embedding, Pax's PositionalEmbedding: [sin | cos] halves with
@@ -249,7 +292,7 @@ class Attention(nn.Module):
   use_bias: bool = True
   rotary: bool = False
   rotary_max_timescale: float = 10000.0
-  # Longer texts than trained on (layers.transformer.rotary_scale): 'none', 'linear' or 'llama3'.
+  # Longer texts than trained on (ROTARY_SCALINGS): 'none', 'linear', 'llama3', 'longrope' or 'yarn'.
   rotary_scaling: str = 'none'
   rotary_scaling_factor: float = 1.0
   rotary_low_freq_factor: float = 1.0
@@ -258,8 +301,14 @@ class Attention(nn.Module):
   # 'longrope': a factor per rotated pair for texts within rotary_original_max_len and beyond it.
   rotary_short_factors: tuple = ()
   rotary_long_factors: tuple = ()
-  rotary_attention_factor: Optional[float] = None   # None: the scaling's own rule
+  # 'yarn': the ramp's bounds (_yarn_scaling) and its magnitude correction (yarn_attention_factor).
+  rotary_beta_fast: float = 32.0
+  rotary_beta_slow: float = 1.0
+  rotary_mscale: Optional[float] = None
+  rotary_mscale_all_dim: Optional[float] = None
+  rotary_attention_factor: Optional[float] = None   # 'longrope' and 'yarn'; None: the scaling's own rule
   rotary_fraction: float = 1.0   # the share of a head's dimensions rotated (partial_rotary_factor)
+  rotary_interleave: bool = False   # rotated pairs (x0, x1), (x2, x3), ... (DeepSeek's rope_interleave)
   dtype: jnp.dtype = jnp.float32
   per_dim_scale: bool = False
   query_pre_attn_scalar: Optional[float] = None
@@ -301,6 +350,18 @@ class Attention(nn.Module):
     y = constrain(y, ('batch', 'length', head_axis, 'head_dim'))
     return checkpoint_name(y, f'{name}_proj')
 
+  def _rotator(self, positions_BxL, segment_ids_BxL):
+    """x [B, L, N, E] -> x with rotary positions on its last axis as the rotary_* fields say (the scaling
+    computed for that axis: latent attention rotates a part of its heads' dimensions only)."""
+    def turn(x_BxLxNxE):
+      scaling = rotary_scaling(self, rotary_dims(x_BxLxNxE.shape[-1], self.rotary_fraction))
+      long_BxL = None
+      if scaling is not None and scaling.long is not None:
+        long_BxL = beyond(positions_BxL, segment_ids_BxL, scaling.original_max_len)
+      return rotary(x_BxLxNxE, positions_BxL, self.rotary_max_timescale, scaling, long_BxL, self.rotary_fraction,
+                    self.rotary_interleave)
+    return turn
+
   def _scale(self) -> float:
     """The logits' factor: attention_multiplier, else 1/sqrt(query_pre_attn_scalar), or 1/sqrt(E) when neither
     is set."""
@@ -320,9 +381,6 @@ class Attention(nn.Module):
     whole = lambda name, x: norm(name)(x.reshape(x.shape[:2] + (-1,))).reshape(x.shape)   # over heads x E
     return whole('query_norm', q_BxLxHxE), whole('key_norm', k_BxSxKxE)
 
-  def _rotary_scaling(self) -> Optional[RotaryScaling]:
-    return rotary_scaling(self, rotary_dims(self.dims_per_head, self.rotary_fraction)) if self.rotary else None
-
   @nn.compact
   def __call__(self, x_BxLxD, segment_ids_BxL, positions_BxL):
     if self.num_heads % self.num_kv_heads:
@@ -332,11 +390,8 @@ class Attention(nn.Module):
     v_BxSxKxE = self._proj(x_BxLxD, self.num_kv_heads, 'kv_heads', 'value')
     if self.qk_norm and not self.qk_norm_after_rotary:
       q_BxLxHxE, k_BxSxKxE = self._qk_norm(q_BxLxHxE, k_BxSxKxE)
-    scaling, long_BxL = self._rotary_scaling(), None
     if self.rotary:
-      if scaling is not None and scaling.long is not None:
-        long_BxL = beyond(positions_BxL, segment_ids_BxL, scaling.original_max_len)
-      turn = lambda x: rotary(x, positions_BxL, self.rotary_max_timescale, scaling, long_BxL, self.rotary_fraction)
+      turn = self._rotator(positions_BxL, segment_ids_BxL)
       q_BxLxHxE, k_BxSxKxE = turn(q_BxLxHxE), turn(k_BxSxKxE)
     if self.qk_norm and self.qk_norm_after_rotary:
       q_BxLxHxE, k_BxSxKxE = self._qk_norm(q_BxLxHxE, k_BxSxKxE)

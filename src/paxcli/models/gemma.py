@@ -168,7 +168,8 @@ class Gemma2(Family):
              ('parallel_block', False, 'PARALLEL_BLOCK=False'),
              ('qk_norm', self.qk_norm, f'USE_QK_NORM={self.qk_norm}'),
              ('pre_norms', True, 'PRE_NORMS=True'), ('qk_norm_after_rotary', False, 'QK_NORM_AFTER_ROTARY=False'),
-             ('rotary_fraction', 1.0, 'ROTARY_FRACTION=1.0'),
+             ('kv_lora_rank', False, 'KV_LORA_RANK=0'), ('rotary_interleave', False, 'ROTARY_INTERLEAVE=False'),
+             ('layer_prefix', False, 'LAYER_PREFIX=()'), ('rotary_fraction', 1.0, 'ROTARY_FRACTION=1.0'),
              *((LM_KNOB[knob].flat, neutral, f'{knob}={neutral}') for knob, neutral, _ in MULTIPLIERS)]
     for flat, value, knob in wants:
       have = getattr(model, flat, None)
@@ -264,7 +265,7 @@ class Gemma2(Family):
       rope = ({**scaling, 'rope_theta': config.get('rope_theta', self.hf_defaults['rope_theta'])}
               if isinstance(scaling, dict) else scaling)
     rope = hf_config.rope_scaling({'rope_scaling': rope}, problems)
-    if rope['rope_type'] == 'llama3':
+    if rope['rope_type'] in ('llama3', 'yarn'):
       problems.append(f'rope_scaling {hf_config.shown(rope)} (paxcli\'s {self.title} scales rotary positions '
                       'linearly or not at all)')
       return {}

@@ -159,11 +159,28 @@ class Llama(Family):
     if not model.use_gated_activation or model.activation not in ('silu', 'swish'):
       reasons.append(f'the MLP is {"gated " if model.use_gated_activation else ""}{model.activation} '
                      f'({title} uses gated SiLU: USE_GATED_ACTIVATION=True, ACTIVATION=\'silu\')')
+    reasons += self.attention_misfit(model)
     reasons += self.mlp_misfit(model)
-    if any(fields for _, fields in getattr(model, 'layer_kinds', None) or ()):
-      reasons.append(f'the layers are of several kinds (LAYER_PATTERN {tuple(model.layer_pattern)} with '
-                     f'LAYER_KINDS; a {title}\'s layers are all alike)')
+    reasons += self.kinds_misfit(model)
     return reasons
+
+  def attention_misfit(self, model) -> list[str]:
+    """Why the model's attention is not the family's (a Llama's: key and value heads, rotary halves)."""
+    reasons = []
+    if getattr(model, 'kv_lora_rank', None):
+      reasons.append(f'attention is multi-head latent attention (KV_LORA_RANK {model.kv_lora_rank}; a {self.title}\'s '
+                     'has key and value heads: KV_LORA_RANK=0)')
+    if getattr(model, 'rotary_interleave', False):
+      reasons.append(f'rotary pairs are neighbours (ROTARY_INTERLEAVE; {self.title} rotates the halves of a head)')
+    return reasons
+
+  def kinds_misfit(self, model) -> list[str]:
+    """Why the model's layers are not the family's (a Llama's are all alike)."""
+    if any(fields for _, fields in getattr(model, 'layer_kinds', None) or ()) or getattr(model, 'layer_prefix', ()):
+      return [f'the layers are of several kinds (LAYER_PATTERN {tuple(model.layer_pattern or ())}, LAYER_PREFIX '
+              f'{tuple(getattr(model, "layer_prefix", ()) or ())} with LAYER_KINDS; a {self.title}\'s layers are all '
+              'alike)']
+    return []
 
   def rotary_misfit(self, model) -> list[str]:
     """Why the model's rotary positions are not the family's: a scaling it does not read, a part of each head
@@ -217,7 +234,8 @@ class Llama(Family):
 
   def rope_knobs(self, config: dict, rope: dict, knobs: dict, path: str) -> dict:
     """The rotary knobs of config.json's rope scaling `rope` (hf_config.rope_scaling's), given the knobs read so far."""
-    return hf_config.rope_knobs(rope, hf_config.Reader(rope, f'{path}/config.json rope_scaling'))
+    return hf_config.rope_knobs(rope, hf_config.Reader(rope, f'{path}/config.json rope_scaling'),
+                                knobs['MAX_SEQ_LEN'])
 
   def hf_problems(self, config: dict) -> list[str]:
     """What else in config.json the family cannot express (keys it reads itself), each naming the key."""

@@ -102,9 +102,11 @@ class TransformerLm(BaseLayer):
   num_microbatches: Optional[int] = None
   microbatch_size: Optional[int] = None
   pipeline_repeats: int = 1
-  # Layer kinds (paxcli.models.pattern): () is a uniform stack of block_tpl.
+  # Layer kinds (paxcli.models.pattern): () is a uniform stack of block_tpl; layer_prefix, the kinds of the first
+  # layers, before the repeating groups (never scanned: layer_<i> in either layout).
   layer_pattern: tuple = ()
   layer_kinds: tuple = ()
+  layer_prefix: tuple = ()
   block_tpl: LayerTpl = template_field(Block)
   final_norm_tpl: LayerTpl = template_field(Norm)
 
@@ -135,16 +137,19 @@ class TransformerLm(BaseLayer):
         self.put_variable(collection, 'layers', tree)
     return x_BxLxD
 
-  def _kind_tpls(self, dtype, deterministic: bool) -> list:
-    """One filled block template per position of a group (one for a uniform stack)."""
+  def _kind_tpls(self, dtype, deterministic: bool, prefix: bool = False) -> list:
+    """One filled block template per position of a group (one for a uniform stack), or per layer of the prefix."""
+    kinds = (pattern.prefix_kinds(self.layer_prefix, self.layer_kinds) if prefix
+             else pattern.kinds_in_order(self.layer_pattern, self.layer_kinds))
     return [fill_template(pattern.kind_template(self.block_tpl, fields) if fields else self.block_tpl, dtype,
                           model_dims=self.model_dims, dropout_prob=self.dropout_prob, deterministic=deterministic)
-            for _, fields in pattern.kinds_in_order(self.layer_pattern, self.layer_kinds)]
+            for _, fields in kinds]
 
-  def _block_kwargs(self, dtype, deterministic: bool, remat: bool = True) -> list[tuple[type, dict]]:
-    """Per position of a group, the block class (remat-wrapped per checkpoint_policy) and its arguments."""
+  def _block_kwargs(self, dtype, deterministic: bool, remat: bool = True, prefix: bool = False) -> list[tuple[type, dict]]:
+    """Per position of a group (or layer of the prefix), the block class (remat-wrapped per checkpoint_policy)
+    and its arguments."""
     out = []
-    for tpl in self._kind_tpls(dtype, deterministic):
+    for tpl in self._kind_tpls(dtype, deterministic, prefix):
       cls = fdl.get_callable(tpl)
       if remat and self.checkpoint_policy != 'none':
         cls = nn.remat(cls, policy=REMAT_POLICIES[self.checkpoint_policy](), prevent_cse=not self.scan_layers)
@@ -164,7 +169,7 @@ class TransformerLm(BaseLayer):
   def __call__(self, ids_BxL, segment_ids_BxL=None, positions_BxL=None, deterministic: bool = True,
                features: bool = False):
     dtype = dtype_of(self.fprop_dtype) if isinstance(self.fprop_dtype, str) else self.fprop_dtype
-    pattern.check(self.num_layers, self.layer_pattern)   # also where no validation ran (describe, notebooks)
+    pattern.check(self.num_layers, self.layer_pattern, self.layer_prefix)   # also where no validation ran
     b, l = ids_BxL.shape
     if positions_BxL is None:
       positions_BxL = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32)[None], (b, l))
@@ -196,13 +201,17 @@ class TransformerLm(BaseLayer):
     if (self.scan_layers and not decoding and not self.is_initializing()
         and active_axis_size(pipeline.STAGE_AXIS) > 1 and pipeline_schedule(self, b)):
       x_BxLxD = self._pipelined(x_BxLxD, segment_ids_BxL, positions_BxL, dtype, deterministic)
-    elif self.scan_layers:
-      x_BxLxD = self._scanned(x_BxLxD, segment_ids_BxL, positions_BxL, dtype, deterministic, remat=not decoding)
     else:
-      blocks = self._block_kwargs(dtype, deterministic, remat=not decoding)
-      for i in range(self.num_layers):
-        block, block_kwargs = blocks[i % len(blocks)]
+      first = self._block_kwargs(dtype, deterministic, remat=not decoding, prefix=True)
+      for i, (block, block_kwargs) in enumerate(first):   # LAYER_PREFIX: by their index in either layout
         x_BxLxD, _ = block(**block_kwargs, name=f'layer_{i}')(x_BxLxD, segment_ids_BxL, positions_BxL)
+      if self.scan_layers:
+        x_BxLxD = self._scanned(x_BxLxD, segment_ids_BxL, positions_BxL, dtype, deterministic, remat=not decoding)
+      else:
+        blocks = self._block_kwargs(dtype, deterministic, remat=not decoding)
+        for i in range(len(first), self.num_layers):
+          block, block_kwargs = blocks[(i - len(first)) % len(blocks)]
+          x_BxLxD, _ = block(**block_kwargs, name=f'layer_{i}')(x_BxLxD, segment_ids_BxL, positions_BxL)
 
     final_norm = fill_template(self.final_norm_tpl, dtype)
     x_BxLxD = fdl.get_callable(final_norm)(**build_arguments(final_norm, self), name='final_norm')(x_BxLxD)
@@ -260,12 +269,13 @@ class TransformerLm(BaseLayer):
   def _scanned(self, x_BxLxD, segment_ids_BxL, positions_BxL, dtype, deterministic: bool, remat: bool):
     """One nn.scan over the stack (`layers`): over layers of a uniform stack, over groups of a pattern."""
     blocks = self._block_kwargs(dtype, deterministic, remat)
+    layers = self.num_layers - pattern.prefix_of(self)
     if len(blocks) == 1:
-      unit, kwargs, length = blocks[0][0], blocks[0][1], self.num_layers
+      unit, kwargs, length = blocks[0][0], blocks[0][1], layers
     else:
       policy = self.checkpoint_policy if remat else 'none'
       unit, kwargs = LayerGroup, {'block_tpls': tuple(self._kind_tpls(dtype, deterministic)), 'policy': policy}
-      length = self.num_layers // len(blocks)
+      length = layers // len(blocks)
     stack = nn.scan(unit, variable_axes={'params': 0, NON_TRAINABLE: 0, SUMMARIES: 0, AUX_LOSS: 0, 'cache': 0,
                                          FP8_STATE: 0},
                     split_rngs={'params': True, 'dropout': True, RANDOM: True},
@@ -438,12 +448,12 @@ class LanguageModel(DecodingModel):
     s = knobs.read(self, knobs.LM_KNOBS)
     if s['model_dims'] is None or s['vocab_size'] is None:
       return None
-    kinds = kind_settings(self)   # one per position of a group: each kind's layers counted with its settings
     total, head = None, s['model_dims'] * s['vocab_size']
-    for k in kinds:
-      count = stack_flops(s['num_layers'] // len(kinds), s['model_dims'], k['num_heads'], k['num_kv_heads'],
-                          k['dims_per_head'], k['hidden_dims'], k['use_gated_activation'], seq_len,
-                          head_params_per_token=head if total is None else 0.0, **_expert_settings(k))
+    for k, layers in layer_settings(self):   # each kind's layers counted with its settings
+      count = stack_flops(layers, s['model_dims'], k['num_heads'], k['num_kv_heads'], k['dims_per_head'],
+                          k['hidden_dims'], k['use_gated_activation'], seq_len,
+                          head_params_per_token=head if total is None else 0.0, latent=_latent_settings(k),
+                          **_expert_settings(k))
       if count is None:
         return None
       total = count if total is None else total + count
@@ -453,16 +463,15 @@ class LanguageModel(DecodingModel):
     """Parameters a token's forward pass uses, of `total`: all but the experts it is not routed to
     (each mixture-of-experts layer uses EXPERTS_PER_TOKEN of NUM_EXPERTS); None when not countable."""
     s = knobs.read(self, knobs.LM_KNOBS)
-    kinds = kind_settings(self)
     unused = 0
-    for k in kinds:
+    for k, layers in layer_settings(self):
       if not k.get('num_experts'):
         continue
       if k['hidden_dims'] is None or s['model_dims'] is None:
         return None
       d, f, gated = s['model_dims'], k['hidden_dims'], k['use_gated_activation']
       per_expert = d * f * (3 if gated else 2) + ((f * (2 if gated else 1) + d) if k['use_bias'] else 0)
-      unused += (s['num_layers'] // len(kinds)) * (k['num_experts'] - k['experts_per_token']) * per_expert
+      unused += layers * (k['num_experts'] - k['experts_per_token']) * per_expert
     return total - unused
 
   # Decoding (see DecodingModel): the network's attention layers keep keys and values in the
@@ -560,18 +569,28 @@ def _expert_settings(settings: dict) -> dict:
           'shared_hidden_dims': settings['shared_hidden_dims'] or 0}
 
 
-def kind_settings(model) -> list[dict]:
-  """The flat settings (knobs.read) of each position of a group: the model's, with each kind's block
-  fields; one entry for a uniform stack."""
+def _latent_settings(settings: dict) -> Optional[tuple]:
+  """stack_flops' latent argument from one kind's flat settings (None for attention with key and value heads)."""
+  if not settings.get('kv_lora_rank'):
+    return None
+  return (settings['q_lora_rank'] or 0, settings['kv_lora_rank'], settings['qk_nope_head_dim'],
+          settings['qk_rope_head_dim'], settings['v_head_dim'])
+
+
+def layer_settings(model) -> list[tuple[dict, int]]:
+  """(flat settings (knobs.read), how many layers have them) for each layer of the prefix and each position of a
+  group: the model's, with each kind's block fields; one entry for a uniform stack."""
   lm = model.lm_tpl
   kinds = pattern.kinds_in_order(getattr(lm, 'layer_pattern', ()), getattr(lm, 'layer_kinds', ()))
+  first = pattern.prefix_kinds(getattr(lm, 'layer_prefix', ()), getattr(lm, 'layer_kinds', ()))
   base = knobs.read(model, knobs.LM_KNOBS)
   block = [k for k in knobs.LM_KNOBS if k.fields[0].startswith(knobs.BLOCK)]
-  out = []
-  for _, fields in kinds:
+  per_kind = (base['num_layers'] - len(first)) // len(kinds)
+
+  def settings(fields):
     view = types.SimpleNamespace(lm_tpl=types.SimpleNamespace(block_tpl=pattern.kind_template(lm.block_tpl, fields)))
-    out.append({**base, **knobs.read(view, block)} if fields else base)
-  return out
+    return {**base, **knobs.read(view, block)} if fields else base
+  return [(settings(fields), 1) for _, fields in first] + [(settings(fields), per_kind) for _, fields in kinds]
 
 
 def flat_view(model):

@@ -14,6 +14,7 @@ import types
 from typing import Optional
 
 from paxcli.errors import UserError, did_you_mean, shorten
+from paxcli.models.deepseek import DEEPSEEK_V3
 from paxcli.models.family import Family, MaxTextBlock
 from paxcli.models.gemma import GEMMA2
 from paxcli.models.gemma3 import GEMMA3
@@ -40,6 +41,7 @@ FAMILIES: tuple[Family, ...] = (
     GEMMA3,
     MIXTRAL,
     QWEN3_MOE,
+    DEEPSEEK_V3,
 )
 
 
