@@ -1,8 +1,8 @@
 """The mixture-of-experts families (Mixtral, Qwen3-MoE) beyond what tests/test_hf_families.py holds for every
 family: the recipes at released sizes (DeepSeek-V3's too) count transformers' parameters of the released
-config.json; the expert weights as transformers 5 holds them in memory (fused 3-D tensors) read as well as the per-expert spelling
-that releases and save_pretrained write; config.json settings paxcli cannot express are refused by name; a
-paxcli MoE model that is not one of the families says why."""
+config.json; the expert weights as transformers 5 holds them in memory (fused 3-D tensors) read as well as the
+per-expert spelling that releases and save_pretrained write; config.json settings paxcli cannot express are
+refused by name; a paxcli MoE model that is not one of the families says why."""
 
 import json
 import os
