@@ -43,7 +43,7 @@ from paxcli.layers.transformer import Attention, Norm, yarn_mscale
 
 # transformers' DeepseekV3RMSNorm default: the latents' norms keep it whatever rms_norm_eps says.
 LATENT_NORM_EPSILON = 1e-6
-LATENT = 'latent'   # the logical axis of a latent (replicated: paxcli.runtime.sharding has no rule for it)
+LATENT = 'latent'   # the logical axis of a latent: FSDP over `data` where nothing else took it (runtime.sharding)
 
 
 class Kernel(nn.Module):
