@@ -136,3 +136,18 @@ def test_latent_attention_refuses_what_it_does_not_rotate_as_named(more, named):
   config = lm_config(**knobs.flat_settings({**DEEPSEEK_V3.knobs, **TINY, **more}, knobs.LM_KNOBS))
   with pytest.raises(UserError, match=named.replace('(', r'\(')):
     validate_lm(config.lm_tpl)
+
+
+def test_the_latents_are_sharded_fsdp_style():
+  """The up-projections [latent, heads, head_dim] (DeepSeek-V3's largest attention weights) are sharded over
+  `data` on their latent axis, as the other weights' model dimension is, not replicated on every data shard."""
+  from paxcli.runtime import sharding
+  model = _model(USE_REPEATED_LAYER=True)
+  boxed = jax.eval_shape(lambda r: model.init(r, jnp.zeros((2, 8), jnp.int32)), jax.random.key(0))['params']
+  mesh = sharding.make_mesh([1, 1, 4, 1, 2], None, jax.devices()[:8])
+  specs = jax.tree.map(lambda s: s.spec, sharding.logical_to_sharding(nn.get_partition_spec(boxed),
+                                                                      nn.unbox(boxed), mesh))
+  attention = specs['layers']['attention']
+  assert attention['query_up']['kernel'] == jax.sharding.PartitionSpec(None, 'data', 'mdl', None)
+  assert attention['kv_up']['kernel'] == jax.sharding.PartitionSpec(None, 'data', 'mdl', None)
+  assert attention['query_down']['kernel'] == jax.sharding.PartitionSpec(None, 'data', None)   # embed took data
