@@ -3,7 +3,7 @@ knob, so `pax describe` counts exactly the parameters transformers' DeepseekV3Fo
 converted from its Hugging Face directory (dequantized to bfloat16) restores into it.
 
   pax describe --exp deepseek.DeepSeekV3                   # 671,026,419,200 parameters, 37.6B active
-  pax bench mfu --exp deepseek.DeepSeekV3 --compile-only --topology v5p-512   # the plan below
+  pax bench mfu --exp deepseek.DeepSeekV3 --compile-only --topology v5p-1024  # the plan below, XLA:TPU
 
 DeepSeekV3: 61 x 7168, 128 heads of multi-head latent attention (q latent 1536, kv latent 512, per head 128
 without and 64 with rotary positions, values 128), YaRN x40 from 4096 positions; the first 3 layers dense (FFN
@@ -12,10 +12,12 @@ groups by a sigmoid score plus the load-balancing bias, times 2.5, and one share
 untied (the family's presets, paxcli.models.deepseek). The multi-token-prediction layer of the release
 (num_nextn_predict_layers) is not part of the model, as in transformers.
 
-The mesh is a plan for a v5p-512 slice (256 chips of 95 GiB), as MaxText shards DeepSeek-V3: experts over
-`expert` 8 (32 experts a chip), every weight's model dimension over `data` 16 (FSDP) and heads and FFN over
-`mdl` 2 (tensor parallel); the batch over data x expert. Another slice: set ICI_MESH_SHAPE for it. Sequence
-4096 (the length YaRN scales from); training is the long context's, not this recipe's.
+The mesh is a plan for a v5p-1024 slice (512 chips of 95 GiB), sharded as MaxText shards DeepSeek-V3: experts
+over `expert` 8 (32 experts a chip), every weight's model dimension and the latents over `data` 32 (FSDP),
+heads and FFN over `mdl` 2 (tensor parallel); the batch over data x expert, one sequence of 4096 a pair of
+`mdl` chips (PERCORE_BATCH_SIZE 0.5: 256 sequences, 1M tokens a step). XLA:TPU plans 88.4 GiB a chip
+(17.6 state, 70.7 temporaries); on a v5p-512 the same per-chip batch needs 111.9 (docs/guides/model-families.md).
+Another slice: set ICI_MESH_SHAPE for it. Sequence 4096 (the length YaRN scales from).
 """
 
 from paxcli.experiment import register
@@ -48,4 +50,5 @@ class DeepSeekV3(ReleasedLm):
   ROTARY_MSCALE = 1.0
   ROTARY_MSCALE_ALL_DIM = 1.0
   MAX_SEQ_LEN = 4096
-  ICI_MESH_SHAPE = [1, 1, 16, 8, 2]   # [stage, replica, data, expert, mdl]: 256 devices, a v5p-512
+  PERCORE_BATCH_SIZE = 0.5            # one sequence a data x expert shard (the mdl pair shares it)
+  ICI_MESH_SHAPE = [1, 1, 32, 8, 2]   # [stage, replica, data, expert, mdl]: 512 devices, a v5p-1024
