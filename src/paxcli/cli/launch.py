@@ -653,12 +653,7 @@ def _stop(procs, grace: float, lock: threading.Lock) -> None:
   alive = [p for p in procs if p.poll() is None]
   for p in alive:
     _signal(p, signal.SIGTERM)
-  deadline = time.monotonic() + grace
-  for p in alive:
-    try:
-      p.wait(timeout=max(0.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-      pass
+  _let_end(alive, grace)
   for p in alive:
     if p.poll() is None:
       _signal(p, signal.SIGKILL)
