@@ -620,7 +620,7 @@ def _note_failure(envs, failure: Failure) -> None:
   beat = envs[0].get(distributed.ENV_HEARTBEAT)
   if not beat:
     return
-  path = os.path.join(os.path.dirname(beat), peers.LAUNCHER_NOTE)
+  path = peers.launcher_note(beat)
   line = f'lost process {failure.index} on {socket.gethostname()}: pax launch saw it {failure.reason}'
   try:
     with open(path + '.tmp', 'w', encoding='utf-8') as f:

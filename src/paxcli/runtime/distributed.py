@@ -306,7 +306,7 @@ def _watch_peers(timeout: Optional[float]) -> None:
   state = jax_distributed.global_state   # not jax.process_count(): that would start the backend here
   if state.num_processes > 1 and _watch is None:
     beat = os.environ.get(ENV_HEARTBEAT)   # started by `pax launch`: its note on a child it saw fail
-    note = os.path.join(os.path.dirname(beat), peers.LAUNCHER_NOTE) if beat else None
+    note = peers.launcher_note(beat) if beat else None
     _watch = peers.Watch(state.client, state.process_id, state.num_processes, timeout or peers.DEFAULT_TIMEOUT,
                          state.coordinator_address or '?', launcher_note=note).start()
 

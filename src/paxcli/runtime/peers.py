@@ -83,6 +83,11 @@ def _exit_record(value: str) -> tuple[int, str]:
   return (int(code) if code.lstrip('-').isdigit() else 1), reason[:300]
 
 
+def launcher_note(heartbeat_file: str) -> str:
+  """Where `pax launch` notes a child it saw fail: beside that child's heartbeat file (LAUNCHER_NOTE)."""
+  return os.path.join(os.path.dirname(heartbeat_file), LAUNCHER_NOTE)
+
+
 def jax_heartbeat_seconds(timeout: Optional[float]) -> int:
   """JAX's heartbeat timeout for a run watched with `timeout`: late enough that this watch speaks first."""
   return int(max(DEFAULT_TIMEOUT, 2 * (timeout or DEFAULT_TIMEOUT)) + 10)
