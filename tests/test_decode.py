@@ -439,16 +439,18 @@ def _greedy_logits(model, params, prompt, steps):
 
 
 def test_the_transposed_logits_table_decodes_as_the_tied_table(plain, monkeypatch):
-  """On a CPU a cache of one row holds the tied embedding table transposed (made once by init_cache); decoding
-  with it gives the logits of the product with the table itself (what accelerators and batches run)."""
+  """On a CPU a cache holds the tied embedding table transposed (made once by init_cache, in the same form whatever
+  its rows); decoding one row with it gives the logits of the product with the table itself (what accelerators
+  and batches run)."""
   import jax
   from paxcli.models import lm
   cache = plain.model.init_cache(plain.params, 1, 8)
   table = np.asarray(jax.tree.leaves(plain.params['embedding'])[0])
   np.testing.assert_array_equal(np.asarray(cache[lm.LOGITS_TABLE].value), table.T)
-  assert lm.LOGITS_TABLE not in plain.model.init_cache(plain.params, 2, 8)
+  two_rows = plain.model.init_cache(plain.params, 2, 8)
+  assert jax.tree.structure(two_rows) == jax.tree.structure(cache)   # a server's rows change; its cache's form not
   transposed = _greedy_logits(plain.model, plain.params, PROMPTS[0].ids, 12)
-  monkeypatch.setattr(lm, 'logits_table_for_decoding', lambda rows: False)
+  monkeypatch.setattr(lm, 'logits_table_for_decoding', lambda: False)
   assert lm.LOGITS_TABLE not in plain.model.init_cache(plain.params, 1, 8)
   tied = _greedy_logits(plain.model, plain.params, PROMPTS[0].ids, 12)
   np.testing.assert_array_equal(transposed.argmax(-1), tied.argmax(-1))
@@ -486,14 +488,18 @@ def test_decoding_joins_products_and_decodes_the_tokens_of_the_separate_ones(lla
 
 @pytest.mark.parametrize('transposed', [False, True], ids=['DxN', 'NxD'])
 def test_joined_products_give_the_logits_of_the_separate_ones(llama_like, transposed):
-  """Both layouts of the joined kernels (AVX2's [N, D], AVX-512's [D, N]) decode the logits of the separate
-  kernels, step by step with the cache, within float32 rounding; the checkpoint's params are left as they were."""
+  """Both layouts of the joined kernels (AVX2's [N, D], AVX-512's [D, N]; with [N, D] the attention's `out`
+  and the MLP's `wo` after them are laid out so too) decode the logits of the separate kernels, step by step
+  with the cache, within float32 rounding; the checkpoint's params are left as they were."""
   import jax
-  from paxcli.layers.transformer import fuse_for_decoding
+  from paxcli.layers.transformer import KERNEL_T, fuse_for_decoding
   params = llama_like.params
   before = jax.tree.map(np.asarray, params)
   fused, shardings = fuse_for_decoding(params, llama_like.setup.state_shardings['params'], transposed)
   assert jax.tree.structure(fused) == jax.tree.structure(shardings)
+  leaves = {str(getattr(path[-1], 'key', path[-1])) for path, _ in jax.tree_util.tree_flatten_with_path(fused)[0]}
+  alone = leaves & {'out' + KERNEL_T, 'wo' + KERNEL_T}
+  assert alone == ({'out' + KERNEL_T, 'wo' + KERNEL_T} if transposed else set())
   separate = _greedy_logits(llama_like.model, params, PROMPTS[2].ids, 8)
   joined = _greedy_logits(llama_like.model, fused, PROMPTS[2].ids, 8)
   np.testing.assert_array_equal(separate.argmax(-1), joined.argmax(-1))

@@ -23,6 +23,7 @@ from paxcli.cli import inspect_input as inspect_input_cmd
 from paxcli.cli import launch as launch_cmd
 from paxcli.cli import lm_eval as lm_eval_cmd
 from paxcli.cli import score as score_cmd
+from paxcli.cli import serve as serve_cmd
 from paxcli.cli import tokenizer as tokenizer_cmd
 from paxcli.cli import train as train_cmd
 from paxcli.cli import version as version_cmd
@@ -46,7 +47,7 @@ app = typer.Typer(
 def _register_all() -> None:
   for module in (train_cmd, eval_cmd, decode_cmd, inspect_input_cmd, launch_cmd, experiments_cmd,
                  import_maxtext_cmd, checkpoint_cmd, version_cmd, bench_cmd, tokenizer_cmd, data_cmd,
-                 score_cmd, lm_eval_cmd, goodput_cmd):
+                 score_cmd, lm_eval_cmd, serve_cmd, goodput_cmd):
     module.register(app)
 
 

@@ -201,7 +201,8 @@ def _read_by_chunks(store) -> np.ndarray:
   rows = max(1, int(store.chunk_layout.read_chunk.shape[0] or store.shape[0]))
   out = np.empty(store.shape, store.dtype.numpy_dtype)
   for start in range(0, store.shape[0], rows):
-    out[start:start + rows] = store[start:start + rows].read().result()
+    end = min(start + rows, store.shape[0])   # tensorstore refuses a slice past the end (numpy would cut it)
+    out[start:end] = store[start:end].read().result()
   return out
 
 

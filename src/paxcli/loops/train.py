@@ -125,7 +125,8 @@ def step_gradients(setup, dropout_seed: int) -> Callable[[dict, dict], accumulat
   batch (GRAD_ACCUM_STEPS microbatches of it), the loss and metrics, and the state collections carried
   on (non_trainable, fp8)."""
   model = setup.model
-  layers_per_group = pattern.period(getattr(getattr(model, 'lm_tpl', None), 'layer_pattern', None))
+  lm = getattr(model, 'lm_tpl', None)
+  layers_per_group, prefix = pattern.period(getattr(lm, 'layer_pattern', None)), pattern.prefix_of(lm)
   deterministic = not model.has_dropout
   has_non_trainable = 'non_trainable' in setup.state_shardings
   accum_steps = getattr(setup.train, 'grad_accum_steps', 1)
@@ -154,7 +155,7 @@ def step_gradients(setup, dropout_seed: int) -> Callable[[dict, dict], accumulat
       # fp8 delayed scaling's state comes back as its own "gradient": its next value (paxcli.layers.fp8)
       (total, (loss, model_metrics, aux, updates)), (grads, fp8_next) = jax.value_and_grad(
           loss_fn, argnums=(0, 1), has_aux=True)(trainable, carried.get('fp8'))
-      summaries = flatten_collection(pattern.per_layer(updates.get(SUMMARIES, {}), layers_per_group))
+      summaries = flatten_collection(pattern.per_layer(updates.get(SUMMARIES, {}), layers_per_group, prefix))
       nxt = {'fp8': fp8_next} if fp8_next is not None else {}
       if has_non_trainable:
         nxt['non_trainable'] = train_state.unbox(updates[NON_TRAINABLE])

@@ -52,9 +52,10 @@ class LmExperiment(TrainingExperiment):
   DATA_WORKERS: int = 0
   DATA_STREAMS: int = 16  # fixed for a run; at least processes x DATA_WORKERS
   # What a job's record may set (Experiment.replayed): decoding while training, the adapters' start and the
-  # data (read, never written). Not DATA_WORKERS: how many processes this machine runs is its user's choice.
+  # data (read, never written) and how chat records were rendered (a template's name, checked against the
+  # tokenizer's own). Not DATA_WORKERS: how many processes this machine runs is its user's choice.
   replayed = frozenset({'DECODE_INTERVAL_STEPS', 'DECODE_PROMPTS', 'DECODE_MAX_STEPS', 'LORA_INIT', 'TRAIN_DATA',
-                        'EVAL_DATA', 'TEXT_FIELD', 'TOKENIZER', 'DATA_STREAMS'})
+                        'EVAL_DATA', 'TEXT_FIELD', 'TOKENIZER', 'DATA_STREAMS', 'CHAT_TEMPLATE'})
 
   def __init_subclass__(cls, **kwargs):
     """A subclass's own datasets() gives way to TRAIN_DATA when the knob is set: recipes, a user's
