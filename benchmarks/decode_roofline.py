@@ -98,19 +98,8 @@ def weight_bytes(args) -> int:
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument('--batch-sizes', default='1,16,64')
-  parser.add_argument('--prompt-len', type=int, default=64)
-  parser.add_argument('--new-tokens', type=int, default=64)
-  parser.add_argument('--threads', type=int, default=2)
+  decode_vs_hf.add_arguments(parser, new_tokens=64)
   parser.add_argument('--repeats', type=int, default=5, help='timed runs of the products (best kept)')
-  parser.add_argument('--layers', type=int, default=12)
-  parser.add_argument('--dims', type=int, default=768)
-  parser.add_argument('--heads', type=int, default=12)
-  parser.add_argument('--kv-heads', type=int, default=4)
-  parser.add_argument('--hidden', type=int, default=2048)
-  parser.add_argument('--vocab', type=int, default=32000)
-  parser.add_argument('--untied', action='store_true', help='a separate output projection (lm_head)')
-  machine.add_isa_argument(parser)
   args = parser.parse_args()
   machine.restrict(args.isa)
   os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:args.threads])   # before XLA sizes its pool

@@ -101,13 +101,12 @@ def agreement(a: list, b: list) -> tuple[float, int]:
   return same, first
 
 
-def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser, new_tokens: int) -> None:
+  """The model's, the prompts' and the machine's flags (shared with decode_roofline.py)."""
   parser.add_argument('--batch-sizes', default='1,16,64')
   parser.add_argument('--prompt-len', type=int, default=64)
-  parser.add_argument('--new-tokens', type=int, default=256)
+  parser.add_argument('--new-tokens', type=int, default=new_tokens)
   parser.add_argument('--threads', type=int, default=2)
-  parser.add_argument('--repeats', type=int, default=2)
   parser.add_argument('--layers', type=int, default=12)
   parser.add_argument('--dims', type=int, default=768)
   parser.add_argument('--heads', type=int, default=12)
@@ -116,6 +115,12 @@ def main() -> None:
   parser.add_argument('--vocab', type=int, default=32000)
   parser.add_argument('--untied', action='store_true', help='a separate output projection (lm_head)')
   machine.add_isa_argument(parser)
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  add_arguments(parser, new_tokens=256)
+  parser.add_argument('--repeats', type=int, default=2)
   args = parser.parse_args()
   machine.restrict(args.isa)
   os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:args.threads])   # before XLA sizes its pool

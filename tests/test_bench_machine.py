@@ -52,3 +52,22 @@ def test_isa_avx2_hides_avx512_and_amx_from_every_library_of_the_process(tmp_pat
   assert out.startswith('avx2 ') and '--xla_cpu_max_isa=AVX2' in out
   assert 'AVX2 yes; AVX-512 none; AMX none (restricted to avx2' in out
   assert (tmp_path / '.cache' / 'paxcli-bench' / 'cpuid_avx2.so').exists()
+
+
+@pytest.mark.slow
+def test_decode_roofline_sets_each_step_beside_its_products_and_names_the_processor():
+  """benchmarks/decode_roofline.py on a tiny Llama: a row per batch size with both steps and both products,
+  the processor under the table."""
+  out = _run('--layers', '1', '--dims', '32', '--heads', '2', '--kv-heads', '1', '--hidden', '64', '--vocab', '128',
+             '--prompt-len', '4', '--new-tokens', '3', '--batch-sizes', '1,2', '--repeats', '1',
+             script=REPO / 'benchmarks' / 'decode_roofline.py', env={'COLUMNS': '250'})
+  rows = [line for line in out.splitlines() if line.startswith('batch ')]
+  assert [r.split(':')[0] for r in rows] == ['batch 1', 'batch 2']
+  assert all('paxcli' in r and 'products' in r and 'transformers' in r for r in rows)
+  assert machine_line(out)
+
+
+def machine_line(out: str) -> bool:
+  with open('/proc/cpuinfo', encoding='utf-8') as f:
+    name = next(line.split(':', 1)[1].strip() for line in f if line.startswith('model name'))
+  return any(line.startswith(name + ',') for line in out.splitlines())
