@@ -497,8 +497,8 @@ def test_joined_products_give_the_logits_of_the_separate_ones(llama_like, transp
   before = jax.tree.map(np.asarray, params)
   fused, shardings = fuse_for_decoding(params, llama_like.setup.state_shardings['params'], transposed)
   assert jax.tree.structure(fused) == jax.tree.structure(shardings)
-  leaves = {str(getattr(path[-1], 'key', path[-1])) for path, _ in jax.tree_util.tree_flatten_with_path(fused)[0]}
-  alone = leaves & {'out' + KERNEL_T, 'wo' + KERNEL_T}
+  keys = {str(getattr(k, 'key', k)) for path, _ in jax.tree_util.tree_flatten_with_path(fused)[0] for k in path}
+  alone = keys & {'out' + KERNEL_T, 'wo' + KERNEL_T}
   assert alone == ({'out' + KERNEL_T, 'wo' + KERNEL_T} if transposed else set())
   separate = _greedy_logits(llama_like.model, params, PROMPTS[2].ids, 8)
   joined = _greedy_logits(llama_like.model, fused, PROMPTS[2].ids, 8)

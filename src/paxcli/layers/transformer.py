@@ -350,16 +350,17 @@ def _join(params: dict, shardings: dict, group: str, names: tuple, tail: int, tr
 
 def _transpose_alone(params: dict, shardings: dict, name: str, inputs: int) -> None:
   """The projection `name` ({'kernel'[, 'bias']}, its last `inputs` + 1 axes its own: inputs, then output) as
-  one [N, D] kernel under name + KERNEL_T, where its own axes are whole on each device."""
+  one [N, D] kernel under name + KERNEL_T, split as before (its input axes flattened into one, so only the
+  first of them may be split)."""
   part = params.get(name)
   if not (isinstance(part, dict) and 'kernel' in part and set(part) <= {'kernel', 'bias'}):
     return
   kernel, sharding = part['kernel'], shardings[name]['kernel']
   own = kernel.ndim - inputs - 1
   spec = _spec(sharding, kernel.ndim)
-  if own < 0 or spec is None or not all(_whole(sharding, axis) for axis in spec[own:]):
+  if own < 0 or spec is None or not all(_whole(sharding, axis) for axis in spec[own + 1:-1]):
     return
-  target = NamedSharding(sharding.mesh, PartitionSpec(*spec[:own], None, None))
+  target = NamedSharding(sharding.mesh, PartitionSpec(*spec[:own], spec[-1], spec[own]))
   flat = kernel.reshape(kernel.shape[:own] + (-1, kernel.shape[-1]))
   params[name + KERNEL_T], shardings[name + KERNEL_T] = jax.device_put(jnp.swapaxes(flat, -1, -2), target), target
   if 'bias' in part:
