@@ -21,6 +21,9 @@ CheckpointPolicyName = Literal['none', 'save_nothing', 'save_dot_only', 'save_do
                                'save_qkv_out_proj', 'save_everything']
 AttentionImplName = Literal['auto', 'dot_product', 'blockwise', 'einsum']  # paxcli.layers.attention_ops
 Fp8Name = Literal['none', 'delayed', 'current']                # paxcli.layers.fp8
+WeightQuantName = Literal['none', 'nf4', 'int8']               # paxcli.layers.quant
+KvCacheQuantName = Literal['none', 'int8']                     # paxcli.layers.quant (the decoding cache)
+AqtName = Literal['none', 'int8']                              # paxcli.layers.aqt
 MoeDispatchName = Literal['dropless', 'capacity']               # paxcli.layers.moe
 RouterSoftmaxName = Literal['before_topk', 'after_topk']        # paxcli.layers.moe.route
 CapacityRuleName = Literal['paxcli', 'praxis']                   # paxcli.layers.moe.expert_capacity
@@ -39,6 +42,9 @@ MOE_DISPATCHES: tuple[str, ...] = typing.get_args(MoeDispatchName)
 ROUTER_SOFTMAXES: tuple[str, ...] = typing.get_args(RouterSoftmaxName)
 CAPACITY_RULES: tuple[str, ...] = typing.get_args(CapacityRuleName)
 FP8_MODES: tuple[str, ...] = typing.get_args(Fp8Name)
+WEIGHT_QUANTS: tuple[str, ...] = typing.get_args(WeightQuantName)
+KV_CACHE_QUANTS: tuple[str, ...] = typing.get_args(KvCacheQuantName)
+AQT_MODES: tuple[str, ...] = typing.get_args(AqtName)
 OPTIMIZERS: tuple[str, ...] = typing.get_args(OptimizerName)
 SCHEDULES: tuple[str, ...] = typing.get_args(ScheduleName)
 
@@ -57,6 +63,9 @@ MODEL_FIELDS: dict[str, tuple[str, ...]] = {
     'router_softmax': ROUTER_SOFTMAXES,
     'capacity_rule': CAPACITY_RULES,
     'fp8': FP8_MODES,
+    'weight_quant': WEIGHT_QUANTS,
+    'kv_cache_quant': KV_CACHE_QUANTS,
+    'aqt': AQT_MODES,
 }
 
 

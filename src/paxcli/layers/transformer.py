@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from paxcli.layers import attention_ops, fp8, lora
+from paxcli.layers import aqt, attention_ops, fp8, lora, quant
 from paxcli.layers.activation_sharding import constrain
 from paxcli.layers.base import BaseLayer, LayerTpl, template_field
 from paxcli.options import ACTIVATIONS
@@ -43,6 +43,35 @@ def _init(names):
   kernel flattened to 2-D, so fan-in is the product of the input axes)."""
   return nn.with_logical_partitioning(
       nn.initializers.variance_scaling(1.0, 'fan_in', 'truncated_normal'), names)
+
+
+def _fan_in_init(names, in_ndim: int):
+  """_init for a kernel given whole ([*in, *out]): fan-in over its input axes, as DenseGeneral's flattened one."""
+  return nn.with_logical_partitioning(nn.initializers.variance_scaling(
+      1.0, 'fan_in', 'truncated_normal', in_axis=tuple(range(in_ndim)), out_axis=tuple(range(in_ndim, len(names)))),
+      names)
+
+
+def projection(layer, x, features: tuple, in_ndim: int, kernel_names: tuple, use_bias: bool, name: str):
+  """One projection of `layer` (an Attention or Mlp: its dtype and its FP8, AQT and WEIGHT_QUANT fields): the
+  last `in_ndim` axes of x times a kernel [*in, *features] named `kernel_names`, plus a bias. Float kernels are
+  flax's Dense (one input and one output axis: the MLP's) or DenseGeneral, their products in fp8 or int8 (AQT)
+  where those are on; quantized ones (paxcli.layers.quant) sit under the same name."""
+  bias_names = tuple(kernel_names[in_ndim:])
+  if layer.weight_quant != 'none':
+    return quant.QuantizedDense(tuple(features), in_ndim, layer.weight_quant, layer.quant_block_size, use_bias,
+                                layer.dtype, _fan_in_init(kernel_names, in_ndim), tuple(kernel_names), bias_names,
+                                name=name)(x)
+  dot = (fp8.dot_general_cls(layer.fp8, layer.fp8_amax_history)
+         or aqt.dot_general_cls(layer.aqt, layer.aqt_stochastic_rounding))
+  bias_init = nn.with_logical_partitioning(nn.initializers.zeros, bias_names)
+  if in_ndim == 1 and len(features) == 1:   # the MLP's (as it always was: its checkpoints and init values)
+    return nn.Dense(features[0], use_bias=use_bias, dtype=layer.dtype, kernel_init=_init(kernel_names),
+                    dot_general_cls=dot, bias_init=bias_init, name=name)(x)
+  axis = -1 if in_ndim == 1 else tuple(range(-in_ndim, 0))
+  return nn.DenseGeneral(features=features if len(features) > 1 else features[0], axis=axis, use_bias=use_bias,
+                         dtype=layer.dtype, dot_general_cls=dot, kernel_init=_init(kernel_names),
+                         bias_init=bias_init, name=name)(x)
 
 
 class Norm(nn.Module):
@@ -187,6 +216,13 @@ class Attention(nn.Module):
   # fp8 projections (paxcli.layers.fp8): 'none', 'delayed' or 'current' scaling.
   fp8: str = 'none'
   fp8_amax_history: int = 1024
+  # Quantization (paxcli.layers.quant, paxcli.layers.aqt): the projections' kernels held as NF4 or int8 codes
+  # ('none': float), int8 products in training (AQT), and the decoding cache's keys and values as int8.
+  weight_quant: str = 'none'
+  quant_block_size: int = 64
+  aqt: str = 'none'
+  aqt_stochastic_rounding: bool = False
+  kv_cache_quant: str = 'none'
 
   def _lora(self, x, projection, in_names, out_shape, out_names):
     """The LoRA term of `projection`, or 0 when it is not adapted."""
@@ -196,12 +232,8 @@ class Attention(nn.Module):
                       self.lora_dropout, self.deterministic)
 
   def _proj(self, x, heads, head_axis, name):
-    y = nn.DenseGeneral(
-        features=(heads, self.dims_per_head), axis=-1, use_bias=self.use_bias or self.qkv_bias, dtype=self.dtype,
-        dot_general_cls=fp8.dot_general_cls(self.fp8, self.fp8_amax_history),
-        kernel_init=_init(('embed', head_axis, 'head_dim')),
-        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, (head_axis, 'head_dim')),
-        name=name)(x)
+    y = projection(self, x, (heads, self.dims_per_head), 1, ('embed', head_axis, 'head_dim'),
+                   self.use_bias or self.qkv_bias, name)
     y = y + self._lora(x, name, ('embed',), (heads, self.dims_per_head), (head_axis, 'head_dim'))
     y = constrain(y, ('batch', 'length', head_axis, 'head_dim'))
     return checkpoint_name(y, f'{name}_proj')
@@ -251,12 +283,8 @@ class Attention(nn.Module):
                                             self.attention_impl, self.atten_logit_cap, self.sliding_window,
                                             scale=self._scale())
     out_BxLxHxE = constrain(out_BxLxHxE, ('batch', 'length', 'heads', 'head_dim'))
-    out = nn.DenseGeneral(
-        features=x_BxLxD.shape[-1], axis=(-2, -1), use_bias=self.use_bias, dtype=self.dtype,
-        dot_general_cls=fp8.dot_general_cls(self.fp8, self.fp8_amax_history),
-        kernel_init=_init(('heads', 'head_dim', 'embed')),
-        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ('embed',)),
-        name='out')(out_BxLxHxE)
+    out = projection(self, out_BxLxHxE, (x_BxLxD.shape[-1],), 2, ('heads', 'head_dim', 'embed'), self.use_bias,
+                     'out')
     out = out + self._lora(out_BxLxHxE, 'out', ('heads', 'head_dim'), (x_BxLxD.shape[-1],), ('embed',))
     return checkpoint_name(constrain(out, ('batch', 'length', 'embed')), 'out_proj')
 
@@ -383,12 +411,13 @@ class Mlp(nn.Module):
   deterministic: bool = True  # the LoRA dropout's; the block fills it in
   fp8: str = 'none'           # fp8 products (paxcli.layers.fp8), as Attention's
   fp8_amax_history: int = 1024
+  weight_quant: str = 'none'  # quantized kernels and int8 training (paxcli.layers.quant, aqt), as Attention's
+  quant_block_size: int = 64
+  aqt: str = 'none'
+  aqt_stochastic_rounding: bool = False
 
   def _dense(self, x, features, names, name):
-    y = nn.Dense(features, use_bias=self.use_bias, dtype=self.dtype, kernel_init=_init(names),
-                 dot_general_cls=fp8.dot_general_cls(self.fp8, self.fp8_amax_history),
-                 bias_init=nn.with_logical_partitioning(nn.initializers.zeros, names[-1:]),
-                 name=name)(x)
+    y = projection(self, x, (features,), 1, names, self.use_bias, name)
     if self.lora_rank and lora.targets_projection(self.lora_targets, name):
       y = y + lora.delta(self, x, name, names[:1], (features,), names[1:], self.lora_rank, self.lora_alpha,
                          self.lora_dropout, self.deterministic)

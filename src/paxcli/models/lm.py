@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from paxcli.errors import UserError
-from paxcli.layers import lora, pipeline
+from paxcli.layers import lora, pipeline, quant
 from paxcli.layers.fp8 import FP8_STATE
 from paxcli.layers.activation_sharding import active_axis_size, constrain
 from paxcli.layers.base import (AUX_LOSS, NON_TRAINABLE, RANDOM, SUMMARIES, BaseLayer, LayerTpl, build_arguments,
@@ -381,7 +381,9 @@ class LanguageModel(DecodingModel):
     return self.dropout_prob > 0 or (self.lora['rank'] > 0 and self.lora['dropout'] > 0)
 
   def is_trainable(self, path: tuple) -> bool:
-    """With LoRA only the adapters train; otherwise everything."""
+    """With LoRA only the adapters train; otherwise everything but quantized kernels (WEIGHT_QUANT: frozen codes)."""
+    if quant.is_quantized_path(path):
+      return False
     return not self.lora['rank'] or lora.is_adapter(str(path[-1]))
 
   @property
