@@ -304,22 +304,34 @@ class Attention(nn.Module):
     """
     initialized = self.has_variable('cache', 'cached_key')
     b, l, kv_heads, e = k_BxLxKxE.shape
+    int8 = self.kv_cache_quant == 'int8'
     boxed = lambda axes: nn.with_logical_partitioning(jnp.zeros, axes)
     key = self.variable('cache', 'cached_key', boxed(('batch', 'kv_heads', 'head_dim', 'length')),
-                        (b, kv_heads, e, l), k_BxLxKxE.dtype)
+                        (b, kv_heads, e, l), jnp.int8 if int8 else k_BxLxKxE.dtype)
     value = self.variable('cache', 'cached_value', boxed(('batch', 'kv_heads', 'length', 'head_dim')),
-                          (b, kv_heads, l, e), v_BxLxKxE.dtype)
+                          (b, kv_heads, l, e), jnp.int8 if int8 else v_BxLxKxE.dtype)
     valid = self.variable('cache', 'cached_valid', boxed(('batch', 'length')), segment_ids_BxL.shape, jnp.bool_)
     index = self.variable('cache', 'cache_index', boxed(()), [], jnp.int32)
-    k_BxKxExL = k_BxLxKxE.transpose(0, 2, 3, 1).astype(key.value.dtype)
-    v_BxKxLxE = v_BxLxKxE.transpose(0, 2, 1, 3).astype(value.value.dtype)
+    k_BxKxExL = k_BxLxKxE.transpose(0, 2, 3, 1)
+    v_BxKxLxE = v_BxLxKxE.transpose(0, 2, 1, 3)
+    scales = {}
+    if int8:   # KV_CACHE_QUANT: int8 codes, a float32 scale per head and token (paxcli.layers.quant)
+      (k_BxKxExL, k_scale), (v_BxKxLxE, v_scale) = quant.quantize_heads(k_BxKxExL, 2), quant.quantize_heads(v_BxKxLxE, 3)
+      scales = {'key': self.variable('cache', 'cached_key_scale', boxed(('batch', 'kv_heads', 'length')),
+                                     (b, kv_heads, l), jnp.float32),
+                'value': self.variable('cache', 'cached_value_scale', boxed(('batch', 'kv_heads', 'length')),
+                                       (b, kv_heads, l), jnp.float32)}
+    k_BxKxExL, v_BxKxLxE = k_BxKxExL.astype(key.value.dtype), v_BxKxLxE.astype(value.value.dtype)
     if not initialized:   # init_cache: only the shapes of this call matter
       causal_LxS = attention_ops.visible(jnp.arange(l)[:, None], jnp.arange(l)[None, :], self.sliding_window)
       return attention_ops.cached_attention(q_BxLxHxE, k_BxKxExL, v_BxKxLxE, jnp.broadcast_to(causal_LxS, (b, l, l)),
-                                            self.atten_logit_cap, self._scale())
+                                            self.atten_logit_cap, self._scale(), *((k_scale, v_scale) if int8 else ()))
     i = index.value
     key.value = jax.lax.dynamic_update_slice(key.value, k_BxKxExL, (0, 0, 0, i))
     value.value = jax.lax.dynamic_update_slice(value.value, v_BxKxLxE, (0, 0, i, 0))
+    if int8:
+      scales['key'].value = jax.lax.dynamic_update_slice(scales['key'].value, k_scale, (0, 0, i))
+      scales['value'].value = jax.lax.dynamic_update_slice(scales['value'].value, v_scale, (0, 0, i))
     valid.value = jax.lax.dynamic_update_slice(valid.value, segment_ids_BxL != 0, (0, i))
     index.value = i + l
     s = key.value.shape[-1]
@@ -327,7 +339,7 @@ class Attention(nn.Module):
     visible_LxS = attention_ops.visible((i + jnp.arange(l))[:, None], jnp.arange(s)[None, :], self.sliding_window)
     mask_BxLxS = visible_LxS[None] & valid.value[:, None, :]
     return attention_ops.cached_attention(q_BxLxHxE, key.value, value.value, mask_BxLxS, self.atten_logit_cap,
-                                          self._scale())
+                                          self._scale(), *((scales['key'].value, scales['value'].value) if int8 else ()))
 
   def _rolling(self, length: int) -> bool:
     """Whether this layer's KV cache is the rolling one: a window shorter than the cache's length (the
@@ -353,20 +365,35 @@ class Attention(nn.Module):
     b, l = segment_ids_BxL.shape
     kv_shape = (b, w) + k_BxLxKxE.shape[2:]
     kv_axes = ('batch', 'length', 'kv_heads', 'head_dim')
+    int8 = self.kv_cache_quant == 'int8'
+    stored = jnp.int8 if int8 else k_BxLxKxE.dtype
     boxed = lambda axes: nn.with_logical_partitioning(jnp.zeros, axes)
-    key = self.variable('cache', 'cached_key', boxed(kv_axes), kv_shape, k_BxLxKxE.dtype)
-    value = self.variable('cache', 'cached_value', boxed(kv_axes), kv_shape, v_BxLxKxE.dtype)
+    key = self.variable('cache', 'cached_key', boxed(kv_axes), kv_shape, stored)
+    value = self.variable('cache', 'cached_value', boxed(kv_axes), kv_shape, stored)
     valid = self.variable('cache', 'cached_valid', boxed(('batch', 'length')), (b, w), jnp.bool_)
     position = self.variable('cache', 'cached_position', boxed(('batch', 'length')), (b, w), jnp.int32)
     index = self.variable('cache', 'cache_index', boxed(()), [], jnp.int32)
+    rings = [(key, k_BxLxKxE), (value, v_BxLxKxE)]
+    if int8:   # KV_CACHE_QUANT: the ring holds int8 codes and a scale per token and head; new keys and values are
+      # coded too and read back as the ring will hold them
+      scale_axes, dtype = ('batch', 'length', 'kv_heads'), k_BxLxKxE.dtype
+      (kq, ks), (vq, vs) = quant.quantize_heads(k_BxLxKxE, 3), quant.quantize_heads(v_BxLxKxE, 3)
+      key_scale = self.variable('cache', 'cached_key_scale', boxed(scale_axes), kv_shape[:3], jnp.float32)
+      value_scale = self.variable('cache', 'cached_value_scale', boxed(scale_axes), kv_shape[:3], jnp.float32)
+      rings = [(key, kq), (value, vq), (key_scale, ks), (value_scale, vs)]
+      k_BxLxKxE, v_BxLxKxE = quant.dequantize_heads(kq, ks, 3, dtype), quant.dequantize_heads(vq, vs, 3, dtype)
     if not initialized:   # init_cache: only the shapes of this call matter
       return attention_ops.attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, segment_ids_BxL, 'einsum', 0.0, w)
     i = index.value
-    k_BxLxKxE, v_BxLxKxE = k_BxLxKxE.astype(key.value.dtype), v_BxLxKxE.astype(value.value.dtype)
+    ring_k, ring_v = key.value, value.value
+    if int8:
+      ring_k = quant.dequantize_heads(ring_k, key_scale.value, 3, k_BxLxKxE.dtype)
+      ring_v = quant.dequantize_heads(ring_v, value_scale.value, 3, v_BxLxKxE.dtype)
+    k_BxLxKxE, v_BxLxKxE = k_BxLxKxE.astype(ring_k.dtype), v_BxLxKxE.astype(ring_v.dtype)
     new_valid, new_position = segment_ids_BxL != 0, positions_BxL.astype(jnp.int32)
     if l <= w:
-      keys = jnp.concatenate([key.value, k_BxLxKxE], axis=1)
-      values = jnp.concatenate([value.value, v_BxLxKxE], axis=1)
+      keys = jnp.concatenate([ring_k, k_BxLxKxE], axis=1)
+      values = jnp.concatenate([ring_v, v_BxLxKxE], axis=1)
       seen_BxS = jnp.concatenate([valid.value, new_valid], axis=1)
       at_BxS = jnp.concatenate([position.value, new_position], axis=1)
       mask_BxLxS = seen_BxS[:, None, :] & attention_ops.visible(new_position[:, :, None], at_BxS[:, None, :], w)
@@ -377,10 +404,10 @@ class Attention(nn.Module):
       timed = lambda ring, new: jnp.concatenate([jnp.roll(ring, oldest, axis=1), new], axis=1)
       segments = timed(valid.value, new_valid).astype(jnp.int32)
       queries = jnp.concatenate([jnp.zeros((b, w) + q_BxLxHxE.shape[2:], q_BxLxHxE.dtype), q_BxLxHxE], axis=1)
-      out = attention_ops.attention(queries, timed(key.value, k_BxLxKxE), timed(value.value, v_BxLxKxE), segments,
+      out = attention_ops.attention(queries, timed(ring_k, k_BxLxKxE), timed(ring_v, v_BxLxKxE), segments,
                                     self.attention_impl, self.atten_logit_cap, w, self._scale())[:, w:]
-    for var, new in ((key, k_BxLxKxE), (value, v_BxLxKxE), (valid, new_valid), (position, new_position)):
-      var.value = _ring_write(var.value, new, i)
+    for var, new in rings + [(valid, new_valid), (position, new_position)]:
+      var.value = _ring_write(var.value, new.astype(var.value.dtype), i)
     index.value = i + l
     return out
 

@@ -71,6 +71,11 @@ def has_frozen(setup) -> bool:
   return any(not quant.is_quantized_path(path) for path in _flat(frozen))
 
 
+def quantized(setup) -> bool:
+  """True when the params hold quantized kernels (WEIGHT_QUANT)."""
+  return any(quant.is_quantized_path(path) for path in _flat(setup.abstract_state['params']))
+
+
 def cast_frozen(model, params):
   """Boxed or plain params with the frozen floating-point ones cast to the model's frozen_dtype."""
   dtype = getattr(model, 'frozen_dtype', None)
