@@ -419,6 +419,32 @@ def quantize_like(float_params: dict, plan: dict) -> dict:
   return out
 
 
+def dequantize_like(params: dict, plan: dict) -> dict:
+  """params (nested) with each planned quantized group replaced by the float32 kernel it codes, under the float
+  model's name (quantize_like's inverse, up to the codes' rounding): what a float model, PEFT's base or a merge
+  reads."""
+  out = {}
+  for key, value in params.items():
+    fmt = group_format(str(key))
+    name = str(key)[:-len(fmt) - 1] if fmt else key
+    if fmt and (name,) in plan:
+      fn = functools.partial(dequantize, fmt)
+      for _ in range(plan[(name,)][1]):
+        fn = jax.vmap(fn)
+      out[name] = np.asarray(fn(value))
+    elif isinstance(value, dict):
+      out[key] = dequantize_like(value, {p[1:]: e for p, e in plan.items() if p[0] == key})
+    else:
+      out[key] = value
+  return out
+
+
+def float_params(params: dict, logical: dict) -> dict:
+  """params with every quantized group dequantised (dequantize_like); params themselves when none is."""
+  plan = float_twin(params, logical)[2]
+  return dequantize_like(params, plan) if plan else params
+
+
 def represented_elements(path: Sequence, shape: Sequence[int]) -> int:
   """How many weights a params leaf stands for: a quantized group's codes the kernel's (NF4: two a byte), its
   scales none; any other leaf its own size."""

@@ -102,9 +102,7 @@ def _validate_quant(attention, ffn, model_dims: int, label: str) -> None:
   if block < 16 or block > 4096 or block & (block - 1):
     raise UserError(f'{label}QUANT_BLOCK_SIZE must be a power of two from 16 to 4096 (bitsandbytes takes 32 to '
                     f'4096), got {block}.')
-  e = attention.dims_per_head
-  kernels = [('the query, key and value kernels', (model_dims,)), ('the attention output kernel',
-                                                                   (attention.num_heads, e))]
+  kernels = _attention_inputs(attention, model_dims)
   hidden = getattr(ffn, 'hidden_dims', None)
   if hidden:
     kernels += [("the MLP's wi_0 and wi_1", (model_dims,)), ("the MLP's wo", (hidden,))]
@@ -118,13 +116,25 @@ def _validate_quant(attention, ffn, model_dims: int, label: str) -> None:
                       "or WEIGHT_QUANT='int8'.")
 
 
+def _attention_inputs(attention, model_dims: int) -> list:
+  """(which kernels, their input axes) of an attention layer's projections."""
+  if isinstance(attention, fdl.Config) and issubclass(fdl.get_callable(attention), LatentAttention):
+    out = [('the query and kv_down kernels', (model_dims,)), ('kv_up', (attention.kv_lora_rank,)),
+           ('the attention output kernel', (attention.num_heads, attention.v_head_dim))]
+    return out + ([('query_up', (attention.q_lora_rank,))] if attention.q_lora_rank else [])
+  return [('the query, key and value kernels', (model_dims,)),
+          ('the attention output kernel', (attention.num_heads, attention.dims_per_head))]
+
+
 # Attention options latent attention has no use for: (field, its neutral value, the knob, why).
 _NOT_LATENT = (('sliding_window', 0, 'SLIDING_WINDOW', 'a sliding window'), ('qk_norm', False, 'USE_QK_NORM', 'QK-norm'),
                ('qkv_bias', False, 'USE_QKV_BIAS', 'biases'), ('use_bias', False, 'USE_ATTENTION_BIAS', 'biases'),
                ('per_dim_scale', False, 'USE_PER_DIM_SCALE', 'a per-dimension scale'),
                ('query_pre_attn_scalar', None, 'QUERY_PRE_ATTN_SCALAR', 'another query scale'),
                ('norm_plus_one', False, 'NORM_PLUS_ONE', "Gemma's norms"), ('fp8', 'none', 'FP8', 'fp8 projections'),
-               ('rotary_fraction', 1.0, 'ROTARY_FRACTION', 'a part of QK_ROPE_HEAD_DIMS unrotated'))
+               ('rotary_fraction', 1.0, 'ROTARY_FRACTION', 'a part of QK_ROPE_HEAD_DIMS unrotated'),
+               ('aqt', 'none', 'AQT', 'int8 products'),
+               ('kv_cache_quant', 'none', 'KV_CACHE_QUANT', 'an int8 cache (its cache holds the latents)'))
 
 
 def _validate_latent(attention, where: str, label: str) -> None:
