@@ -32,7 +32,8 @@ TRAIN = [('LoRA r=8, float32 base', ['LORA_RANK=8', TARGETS]),
          ('QLoRA r=8, NF4 base', ['LORA_RANK=8', TARGETS, 'WEIGHT_QUANT="nf4"']),
          ('QLoRA r=8, int8 base', ['LORA_RANK=8', TARGETS, 'WEIGHT_QUANT="int8"'])]
 BIG = [('LoRA r=16, bfloat16 base', ['LORA_RANK=16', TARGETS, 'LORA_BASE_DTYPE="bfloat16"']),
-       ('QLoRA r=16, NF4 base', ['LORA_RANK=16', TARGETS, 'WEIGHT_QUANT="nf4"'])]
+       ('QLoRA r=16, NF4 base (embeddings, norms bfloat16)', ['LORA_RANK=16', TARGETS, 'WEIGHT_QUANT="nf4"',
+                                                               'LORA_BASE_DTYPE="bfloat16"'])]
 
 
 def processor() -> str:

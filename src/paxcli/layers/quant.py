@@ -149,7 +149,9 @@ def quantize_nf4(kernel, in_ndim: int, block: int = 64, offset=None) -> dict:
   n_in, n_out = w.shape
   blocks = w.reshape(n_in // block, block, n_out)
   absmax = jnp.max(jnp.abs(blocks), axis=1)                                    # [n_in / block, n_out]
-  scaled = jnp.clip(blocks * (1.0 / jnp.maximum(absmax, 1e-38))[:, None, :], -1.0, 1.0)
+  # 1 / absmax as bitsandbytes' (1 / max(absmax, 1e-38)); an all-zero block 0, since XLA flushes 1e-38 (subnormal)
+  inverse = jnp.where(absmax > 0, 1.0 / jnp.where(absmax > 0, absmax, 1.0), 0.0)
+  scaled = jnp.clip(blocks * inverse[:, None, :], -1.0, 1.0)
   q = jnp.searchsorted(jnp.asarray(NF4_BOUNDS), scaled, side='left').astype(jnp.uint8).reshape(n_in // 2, 2, n_out)
   codes = (q[:, 0] << 4) | q[:, 1]
   absmax_codes, scales, offset = _double_quantize(_omajor(absmax), offset)
@@ -202,12 +204,14 @@ def quantize_int8(kernel, in_ndim: int) -> dict:
   axes = tuple(range(in_ndim))
   absmax = jnp.max(jnp.abs(x), axis=axes)
   factor = jnp.where(absmax > 0, 127.0 / jnp.where(absmax > 0, absmax, 1.0), 0.0)
-  return {'codes': jnp.round(x * factor).astype(jnp.int8), 'scale': absmax}
+  return {'codes': jnp.round(x * factor[(None,) * in_ndim]).astype(jnp.int8), 'scale': absmax}
 
 
 def dequantize_int8(group: dict, dtype=jnp.float32):
   """codes x absmax x (1 / 127), in that order (int8_vectorwise_dequant), then `dtype`."""
-  return ((group['codes'].astype(jnp.float32) * group['scale']) * _INV_127).astype(dtype)
+  codes, scale = group['codes'], group['scale']
+  scale = scale[(None,) * (codes.ndim - scale.ndim)]
+  return ((codes.astype(jnp.float32) * scale) * _INV_127).astype(dtype)
 
 
 QUANTIZE = {'nf4': lambda k, n, block: quantize_nf4(k, n, block), 'int8': lambda k, n, block: quantize_int8(k, n)}

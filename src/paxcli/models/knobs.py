@@ -472,7 +472,7 @@ LM_KNOBS: tuple[Knob, ...] = (
          "bitsandbytes' formats); frozen, so training needs LORA_RANK > 0 (QLoRA); decode and score quantize a "
          'float checkpoint as they read it'),
     Knob('QUANT_BLOCK_SIZE', int, 64, (ATTENTION + 'quant_block_size', FFN + 'quant_block_size'),
-         "WEIGHT_QUANT='nf4': inputs of one output that share an absmax (bitsandbytes' blocksize; a power of two)"),
+         "WEIGHT_QUANT='nf4': inputs of one output that share an absmax (bitsandbytes' blocksize: a power of two from 32 to 4096)"),
     Knob('KV_CACHE_QUANT', KvCacheQuantName, 'none', ATTENTION + 'kv_cache_quant',
          "'int8': decoding keeps keys and values as int8 with a float32 scale per head and token (decode, score, "
          'decoding while training); the cache the model computes in otherwise'),

@@ -99,9 +99,9 @@ def _validate_quant(attention, ffn, model_dims: int, label: str) -> None:
   if getattr(attention, 'weight_quant', 'none') != 'nf4':
     return
   block = attention.quant_block_size
-  if block < 16 or block > 4096 or block & (block - 1):
-    raise UserError(f'{label}QUANT_BLOCK_SIZE must be a power of two from 16 to 4096 (bitsandbytes takes 32 to '
-                    f'4096), got {block}.')
+  if block < 32 or block > 4096 or block & (block - 1):
+    raise UserError(f'{label}QUANT_BLOCK_SIZE must be a power of two from 32 to 4096 (the block sizes bitsandbytes '
+                    f'codes NF4 with), got {block}.')
   kernels = _attention_inputs(attention, model_dims)
   hidden = getattr(ffn, 'hidden_dims', None)
   if hidden:
