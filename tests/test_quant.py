@@ -301,3 +301,37 @@ def test_each_kind_of_layer_codes_every_projection_and_computes_its_dequantised_
   assert floats is not coded
   logits = lambda m, p: jax.jit(lambda p: m.apply({'params': p}, ids))(p)
   np.testing.assert_allclose(logits(coded_model, coded), logits(model(), floats), rtol=1e-5, atol=1e-5)
+
+
+# ---- pax serve's engine on int8 weights and an int8 cache ----------------------------------------------------
+
+
+@pytest.mark.slow
+def test_serve_engine_decodes_int8_rows_beside_each_other_as_a_plain_greedy_loop():
+  """`pax serve`'s continuous batching with WEIGHT_QUANT and KV_CACHE_QUANT int8 (the cache's scales move with
+  its rows): two requests beside each other, the first ending first, each the tokens of a plain greedy loop over
+  model.extend with the same quantized weights."""
+  import jax
+  import jax.numpy as jnp
+  from paxcli import config
+  from paxcli.loops.serve.slots import Slots
+  from paxcli.runtime import engine
+  from test_serve_engine import Asked, _engine, _turn_until
+  from tiny_lm import EXP as TINY, KNOBS
+  setup = engine.build(config.resolve(TINY, KNOBS + ['WEIGHT_QUANT="int8"', 'KV_CACHE_QUANT="int8"']))
+  params = engine.init_state(setup, 0)['params']
+  slots = Slots(setup, params, max_rows=4, chunk=16, max_steps=4)
+  served = _engine(slots)
+  asked = [Asked([5, 6, 7, 8], 3), Asked([9, 10, 11], 12)]
+  for a in asked:
+    served.submit(a.request)
+  _turn_until(served, lambda: all(a.done for a in asked))
+  extend = jax.jit(setup.model.extend)
+  for a, prompt, n in zip(asked, ([5, 6, 7, 8], [9, 10, 11]), (3, 12)):
+    cache = setup.model.init_cache(params, 1, 32)
+    logits, cache = extend(params, cache, jnp.asarray([prompt]), jnp.arange(len(prompt))[None])
+    want = []
+    for t in range(n):
+      want.append(int(jnp.argmax(logits[0, -1])))
+      logits, cache = extend(params, cache, jnp.asarray([[want[-1]]]), jnp.asarray([[len(prompt) + t]]))
+    assert a.tokens[0] == want
