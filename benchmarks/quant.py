@@ -1,16 +1,19 @@
 """Quantized weights and KV cache against float32: decode speed and memory, agreement, QLoRA against LoRA.
 
-  .venv/bin/python benchmarks/quant.py [--repeats 20] [--length 512] [--skip-decode] [--skip-train] [--skip-8b]
+  .venv/bin/python benchmarks/quant.py [--repeats 20] [--length 512] [--skip-decode] [--skip-trained] [--skip-train]
+                                       [--skip-8b]
 
 1. Decoding (a CPU-size Llama: 4 layers x 512, 8 heads, 2 KV heads of 64, FFN 1408, vocab 8192, random weights):
    tokens/s of one decode step at batch 1 and 16 after --length tokens (median of --repeats), for float32, int8
    weights (WEIGHT_QUANT='int8'), an int8 KV cache (KV_CACHE_QUANT='int8') and both; the bytes of the weights and
    of the cache; and top-1 agreement and mean KL against float32 over the certification's fixed prompts through
    the decoding path (prefill, then a token at a time), as `pax checkpoint convert` reports them.
+   The same agreement for a model trained here (the built-in docstrings corpus, 300 steps).
 2. QLoRA against LoRA on that model: train-step time (LoRA r=8 on every projection; NF4 base, int8 base, float32
    and bfloat16 bases), batch 4 x 256, after one compile.
 3. Qwen3-8B's train step compiled for one device without running it (`pax bench mfu --compile-only`'s compile):
-   params + optimizer state of QLoRA (NF4 base, blocks of 64) against LoRA on a bfloat16 base, r=16.
+   params + optimizer state of QLoRA (NF4 base, blocks of 64) against LoRA on a bfloat16 base, r=16, with float32
+   and with bfloat16 compute.
 
 The machine may be shared: compare rows of one run, not runs.
 """
@@ -31,9 +34,11 @@ TRAIN = [('LoRA r=8, float32 base', ['LORA_RANK=8', TARGETS]),
          ('LoRA r=8, bfloat16 base', ['LORA_RANK=8', TARGETS, 'LORA_BASE_DTYPE="bfloat16"']),
          ('QLoRA r=8, NF4 base', ['LORA_RANK=8', TARGETS, 'WEIGHT_QUANT="nf4"']),
          ('QLoRA r=8, int8 base', ['LORA_RANK=8', TARGETS, 'WEIGHT_QUANT="int8"'])]
-BIG = [('LoRA r=16, bfloat16 base', ['LORA_RANK=16', TARGETS, 'LORA_BASE_DTYPE="bfloat16"']),
-       ('QLoRA r=16, NF4 base (embeddings, norms bfloat16)', ['LORA_RANK=16', TARGETS, 'WEIGHT_QUANT="nf4"',
-                                                               'LORA_BASE_DTYPE="bfloat16"'])]
+BIG = [(f'LoRA r=16, bfloat16 base, {c} compute', ['LORA_RANK=16', TARGETS, 'LORA_BASE_DTYPE="bfloat16"',
+                                                   f'FPROP_DTYPE="{c}"']) for c in ('float32', 'bfloat16')] + [
+    (f'QLoRA r=16, NF4 base (embeddings, norms bfloat16), {c} compute',
+     ['LORA_RANK=16', TARGETS, 'WEIGHT_QUANT="nf4"', 'LORA_BASE_DTYPE="bfloat16"', f'FPROP_DTYPE="{c}"'])
+    for c in ('float32', 'bfloat16')]
 
 
 def processor() -> str:
@@ -122,6 +127,37 @@ def decode_rows(length: int, repeats: int) -> list[dict]:
   return rows
 
 
+TRAINED_KNOBS = ['NUM_LAYERS=2', 'MODEL_DIMS=64', 'HIDDEN_DIMS=128', 'NUM_HEADS=4', 'VOCAB_SIZE=512', 'MAX_SEQ_LEN=64',
+                 'PERCORE_BATCH_SIZE=4', 'NUM_TRAIN_STEPS=300', 'SAVE_INTERVAL_STEPS=300', 'EVAL_INTERVAL_STEPS=0',
+                 'DECODE_INTERVAL_STEPS=0', 'LEARNING_RATE=0.01', 'LR_WARMUP_STEPS=5']
+
+
+def trained_rows() -> list[dict]:
+  """Top-1 agreement and KL against float32 of a model trained here (the built-in docstrings corpus, 300 steps),
+  read with each knob set as `pax decode` reads a checkpoint, through the decoding path."""
+  import tempfile
+
+  import jax
+  from rich.console import Console
+
+  import paxcli
+  from paxcli import config
+  from paxcli.convert import certify
+  from paxcli.jobdir import restore
+  from paxcli.runtime import engine
+  job = tempfile.mkdtemp(prefix='quant-bench-')
+  paxcli.train('default.StdlibDocsLm', job_dir=job, overrides=TRAINED_KNOBS, console=Console(quiet=True))
+  ids = certify.prompts(512, 64)
+  rows, want = [], None
+  for name, knobs in DECODE:
+    setup = engine.build(config.resolve('default.StdlibDocsLm', TRAINED_KNOBS + knobs))
+    params = restore.restore(setup, job, restore.choose_step(job), params_only=True).state['params']
+    logits = teacher_forced(setup, jax.device_get(params), ids)
+    want = logits if want is None else want
+    rows.append({'name': name, **certify.compare(want, logits)})
+  return rows
+
+
 def train_rows(steps: int) -> list[dict]:
   import jax
   from paxcli import config
@@ -177,13 +213,14 @@ def main() -> None:
   parser.add_argument('--length', type=int, default=512)
   parser.add_argument('--steps', type=int, default=5)
   parser.add_argument('--skip-decode', action='store_true')
+  parser.add_argument('--skip-trained', action='store_true')
   parser.add_argument('--skip-train', action='store_true')
   parser.add_argument('--skip-8b', action='store_true')
   args = parser.parse_args()
   import jax
   from rich.console import Console
   from rich.table import Table
-  console = Console()
+  console = Console(width=170)
   console.print(f'{processor()}; {jax.devices()[0].device_kind}, {jax.device_count()} device(s); jax {jax.__version__}')
   if not args.skip_decode:
     rows = decode_rows(args.length, args.repeats)
@@ -197,6 +234,16 @@ def main() -> None:
       table.add_row(r['name'], f"{r['tps_1']:,.0f}", f"{r['tps_1'] / f32['tps_1']:.2f}x", f"{r['tps_16']:,.0f}",
                     f"{r['tps_16'] / f32['tps_16']:.2f}x", _mib(r['weights']), _mib(r['cache_16']),
                     f"{100 * r['top1_agreement']:.1f}%", f"{r['kl']:.2e}")
+    console.print(table)
+  if not args.skip_trained:
+    rows = trained_rows()
+    table = Table(title='A model trained here (2 layers x 64, vocab 512, 300 steps on the built-in corpus) against '
+                        'float32, through the decoding path on 2 fixed prompts x 64 tokens')
+    for col in ('model', 'top-1 agreement', 'mean KL', 'largest KL', 'max |Δ logit|'):
+      table.add_column(col, justify='left' if col == 'model' else 'right')
+    for r in rows:
+      table.add_row(r['name'], f"{100 * r['top1_agreement']:.1f}%", f"{r['kl']:.2e}", f"{r['kl_max']:.2e}",
+                    f"{r['max_abs_diff']:.3g}")
     console.print(table)
   if not args.skip_train:
     rows = train_rows(args.steps)

@@ -159,11 +159,15 @@ def _decode_logits(setup, params, ids):
   return np.concatenate(out, axis=1)
 
 
-@pytest.mark.slow
-def test_int8_weights_and_cache_decode_as_float32_within_the_stated_bound():
-  """One random model read three ways through the decoding path on the certification's fixed prompts: float32,
-  int8 weights (its float kernels coded as decode reads a checkpoint: quantize_like), int8 weights + int8 cache.
-  Reported as certifications report (compare): top-1 agreement and mean KL, held to INT8_TOP1 and INT8_KL."""
+@pytest.mark.parametrize('knobs', [
+    pytest.param(('WEIGHT_QUANT="int8"', 'KV_CACHE_QUANT="int8"'), id='weights+cache'),
+    pytest.param(('WEIGHT_QUANT="int8"',), id='weights', marks=pytest.mark.slow),
+    pytest.param(('KV_CACHE_QUANT="int8"',), id='cache', marks=pytest.mark.slow)])
+def test_int8_weights_and_cache_decode_as_float32_within_the_stated_bound(knobs):
+  """One random model through the decoding path on the certification's fixed prompts: float32 against int8
+  weights (its float kernels coded as decode reads a checkpoint: quantize_like) and/or an int8 cache, compared as
+  certifications report (compare): top-1 agreement and mean KL, held to INT8_TOP1 and INT8_KL. (A trained model
+  agrees far more closely: benchmarks/quant.py measured 100% and a mean KL of 3e-5 for both.)"""
   import jax
   from paxcli.convert import certify
   from paxcli.layers import quant
@@ -172,13 +176,12 @@ def test_int8_weights_and_cache_decode_as_float32_within_the_stated_bound():
   params = jax.device_get(engine.init_state(float_setup, 0)['params'])
   ids = certify.prompts(64, 32)
   want = _decode_logits(float_setup, params, ids)
-  for knobs in (['WEIGHT_QUANT="int8"'], ['WEIGHT_QUANT="int8"', 'KV_CACHE_QUANT="int8"'], ['KV_CACHE_QUANT="int8"']):
-    setup = _setup(*knobs)
-    plan = quant.float_twin(setup.abstract_state['params'], setup.logical)[2]
-    coded = quant.quantize_like(params, plan) if plan else params
-    report = certify.compare(want, _decode_logits(setup, coded, ids))
-    assert report['top1_agreement'] >= INT8_TOP1 and report['kl'] <= INT8_KL, (knobs, report)
-    assert report['max_abs_diff'] > 0   # it is quantized
+  setup = _setup(*knobs)
+  plan = quant.float_twin(setup.abstract_state['params'], setup.logical)[2]
+  coded = quant.quantize_like(params, plan) if plan else params
+  report = certify.compare(want, _decode_logits(setup, coded, ids))
+  assert report['top1_agreement'] >= INT8_TOP1 and report['kl'] <= INT8_KL, report
+  assert report['max_abs_diff'] > 0   # it is quantized
 
 
 # ---- AQT: int8 products in training ------------------------------------------------------------------------
