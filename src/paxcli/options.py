@@ -21,6 +21,9 @@ CheckpointPolicyName = Literal['none', 'save_nothing', 'save_dot_only', 'save_do
                                'save_qkv_out_proj', 'save_everything']
 AttentionImplName = Literal['auto', 'dot_product', 'blockwise', 'einsum']  # paxcli.layers.attention_ops
 Fp8Name = Literal['none', 'delayed', 'current']                # paxcli.layers.fp8
+WeightQuantName = Literal['none', 'nf4', 'int8']               # paxcli.layers.quant
+KvCacheQuantName = Literal['none', 'int8']                     # paxcli.layers.quant (the decoding cache)
+AqtName = Literal['none', 'int8']                              # paxcli.layers.aqt
 MoeDispatchName = Literal['dropless', 'capacity']               # paxcli.layers.moe
 RouterSoftmaxName = Literal['before_topk', 'after_topk', 'sigmoid']        # paxcli.layers.moe.route
 CapacityRuleName = Literal['paxcli', 'praxis']                   # paxcli.layers.moe.expert_capacity
@@ -41,6 +44,9 @@ ROUTER_SOFTMAXES: tuple[str, ...] = typing.get_args(RouterSoftmaxName)
 CAPACITY_RULES: tuple[str, ...] = typing.get_args(CapacityRuleName)
 MLA_DECODES: tuple[str, ...] = typing.get_args(MlaDecodeName)
 FP8_MODES: tuple[str, ...] = typing.get_args(Fp8Name)
+WEIGHT_QUANTS: tuple[str, ...] = typing.get_args(WeightQuantName)
+KV_CACHE_QUANTS: tuple[str, ...] = typing.get_args(KvCacheQuantName)
+AQT_MODES: tuple[str, ...] = typing.get_args(AqtName)
 OPTIMIZERS: tuple[str, ...] = typing.get_args(OptimizerName)
 SCHEDULES: tuple[str, ...] = typing.get_args(ScheduleName)
 
@@ -60,6 +66,9 @@ MODEL_FIELDS: dict[str, tuple[str, ...]] = {
     'capacity_rule': CAPACITY_RULES,
     'decode': MLA_DECODES,               # LatentAttention.decode
     'fp8': FP8_MODES,
+    'weight_quant': WEIGHT_QUANTS,
+    'kv_cache_quant': KV_CACHE_QUANTS,
+    'aqt': AQT_MODES,
 }
 
 

@@ -503,5 +503,7 @@ def load_params(src, names: list[str]) -> dict:
 def logits(module, params: dict, ids) -> np.ndarray:
   jax = _jax()
   jnp = jax.numpy
-  params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
+  # float32 compute; integer leaves (WEIGHT_QUANT's codes) stay codes
+  params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32 if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype),
+                        params)
   return np.asarray(module.apply({'params': params}, jnp.asarray(ids)), np.float32)

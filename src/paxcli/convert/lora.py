@@ -40,7 +40,7 @@ from paxcli.errors import UserError, shorten
 from paxcli.jobdir import checkpoint as ckpt
 from paxcli.jobdir import format as job_format
 from paxcli.jobdir import layout, restore
-from paxcli.layers import lora
+from paxcli.layers import lora, quant
 from paxcli.models import pattern
 from paxcli.models.lm import flat_view
 from paxcli.runtime import engine, train_state
@@ -103,6 +103,16 @@ def _restored(src, exp: Optional[str], overrides: list):
   return setup, jax.tree.map(np.asarray, jax.device_get(got.state['params']))
 
 
+def _float_base(setup, params: dict, log) -> dict:
+  """params with a quantized base (WEIGHT_QUANT: QLoRA) dequantised to the float32 kernels its codes stand for,
+  said in a line; params themselves otherwise."""
+  floats = quant.float_params(params, setup.logical)
+  if floats is not params:
+    log('The run\'s base is quantized (WEIGHT_QUANT): the adapters are certified on its dequantised kernels, which '
+        'is what the run computed; on the full-precision base they differ by the quantization error.')
+  return floats
+
+
 def _lora_side(model, params) -> certify.Side:
   return certify.paxcli_side('paxcli on the LoRA run (base + adapters)', model, params)
 
@@ -124,8 +134,8 @@ def merge_run(src, tmp: str, exp: Optional[str], overrides: list, verify: bool, 
   written when they differ."""
   lora_setup, params = _restored(src, exp, overrides)
   model = lora_setup.model
-  merged = lora.merge(params, _scale(model))
-  _, plain = core.resolve_pair(src, exp, list(overrides) + ['LORA_RANK=0'])
+  merged = lora.merge(_float_base(lora_setup, params, log), _scale(model))
+  _, plain = core.resolve_pair(src, exp, list(overrides) + ['LORA_RANK=0', "WEIGHT_QUANT='none'"])
   setup = engine.build(plain)
   abstract = {'step': setup.abstract_state['step'], 'params': setup.abstract_state['params']}
   state = jax.tree.map(lambda x, a: jax.device_put(np.asarray(x, a.dtype), a.sharding),
@@ -218,7 +228,7 @@ def export_peft(src, tmp: str, exp: Optional[str], overrides: list, log, verify:
   out = {'bytes_written': int(sum(x.nbytes for x in tensors.values())), 'arrays': len(tensors)}
   if verify and _fits(setup, log):
     out['verify'] = _certify_peft(setup, params, tmp, certify.default_tolerance(None) if tolerance is None
-                                  else tolerance, family)
+                                  else tolerance, family, _float_base(setup, params, log))
     certify.check(out['verify'])
   return out
 
@@ -239,13 +249,16 @@ def _peft_pair(parts: list, rank: int) -> tuple[np.ndarray, np.ndarray]:
   return np.ascontiguousarray(lora_a), lora_b
 
 
-def _certify_peft(setup, params: dict, written: str, tolerance: float, family: Optional[str] = None) -> dict:
+def _certify_peft(setup, params: dict, written: str, tolerance: float, family: Optional[str] = None,
+                  floats: Optional[dict] = None) -> dict:
   """The LoRA run against the adapters in directory `written`: PEFT's LoRA on transformers' model of the base
-  where both are installed, else paxcli's own reading of the adapters (read_peft) on the base."""
+  (`floats`: the base's float kernels, where the run's are quantized) where both are installed, else paxcli's own
+  reading of the adapters (read_peft) on the base."""
   model, view = setup.model, flat_view(setup.model)
   ids = certify.prompts(view.vocab_size, view.max_seq_len)
   if certify.have_peft():
-    result = certify.peft_side(hf.family_of(view, family), view, certify.base_weights(params, view.num_layers, pattern.prefix_of(view)), written)
+    base = certify.base_weights(params if floats is None else floats, view.num_layers, pattern.prefix_of(view))
+    result = certify.peft_side(hf.family_of(view, family), view, base, written)
   else:
     adapters = read_peft(written, model, setup.abstract_state['params'])
     result = certify.paxcli_side('paxcli on the base with the written adapters read back (PEFT or transformers is '

@@ -230,6 +230,7 @@ class PaxConfig:
     self._softmax()
     self._training_only()
     self._moe()
+    self._quantization()
     dtype = str(g('model.fprop_dtype') or '')
     self.fprop_dtype = 'bfloat16' if dtype.endswith('bfloat16') else 'float32'
 
@@ -401,6 +402,24 @@ class PaxConfig:
     if probs:
       self.unsupported['dropout'] = (f'Pax drops out {", ".join(k.rsplit(".", 1)[-1] for k in probs)}; '
                                      'paxcli one DROPOUT_PROB on embeddings and residuals')
+
+  def _quantization(self) -> None:
+    """praxis' quantized layers (praxis.layers.quantization, set by quantize.for_transformer): in training mode
+    with int8 weights and activations (AQT or fake quant) they keep float weights under the float layers' names,
+    which paxcli reads, and train as AQT='int8' does; anything else (weights only, other precisions, an inference
+    model's int8 weights, a quantized softmax) is named in UNSUPPORTED_FEATURES."""
+    prefixes = sorted(k[:-len('quantization_type')] for k in self.cfg if k.endswith('quantization.quantization_type'))
+    if not prefixes:
+      return
+    seen = {(self.get(p + 'mode'), self.get(p + 'weight_params.precision'), self.get(p + 'act_params.precision'))
+            for p in prefixes}
+    if seen == {('training', 8, 8)} and all(p.startswith(self.layer) for p in prefixes):
+      self.knobs['AQT'] = 'int8'
+      return
+    self.unsupported['quantization'] = (
+        f'praxis quantizes {len(prefixes)} layers as (mode, weight bits, activation bits) {sorted(map(str, seen))}; '
+        "paxcli reads float weights and trains int8 weights and activations (AQT='int8') only "
+        f'({prefixes[0]}quantization_type)')
 
   def _moe(self) -> None:
     """praxis' GShard MoE (the stack's num_experts and moe_layers: TransformerFeedForwardMoe in those layers of

@@ -24,7 +24,9 @@ import re
 import time
 from typing import Any, Optional
 
+import flax.traverse_util
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
@@ -35,8 +37,10 @@ from paxcli.errors import UserError, shorten
 from paxcli.jobdir import checkpoint as ckpt
 from paxcli.jobdir import format as job_format
 from paxcli.jobdir import layout, storage
+from paxcli.layers import quant
 from paxcli.runtime import distributed
 from paxcli.runtime import engine, train_state
+from paxcli.runtime import sharding as sharding_lib
 from paxcli.runtime.train_state import checksum_hex, checksum_part, checksums, path_name  # noqa: F401
 
 
@@ -403,30 +407,115 @@ def _restore_step(setup, job_dir: str, step: int, params_only: bool, flat_now: O
   has_opt = 'opt_state' in keys
   with_base = join_base and train_state.has_frozen(setup)
   abstract = train_state.saved_state(setup, setup.abstract_state) if with_base else setup.abstract_state
+  twin = _float_twin(setup, abstract, saved_tree)   # WEIGHT_QUANT: the float kernels a checkpoint holds, to code
+  if twin is not None:
+    abstract = dict(abstract, params=twin.params)
   check_shapes(meta, train_state.shape_signature(abstract), flat_now or {}, step, params_only or not has_opt, action)
   base = checked_base(setup, meta) if with_base else None   # a wrong base refuses before any array is read
   engine.check_fits(setup, params_only=params_only or not has_opt)
   wanted = {k: v for k, v in abstract.items() if k != 'opt_state' or (has_opt and not params_only)}
-  restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding, global_shape=a.shape,
-                                                             dtype=a.dtype), wanted)
-  path = layout.state_dir(layout.step_dir(job_dir, step))
-  state, error = None, None
-  try:
-    with _no_missing_metadata_warning():
-      state = ocp.PyTreeCheckpointer().restore(path, args=ocp.args.PyTreeRestore(
-          item=wanted, restore_args=restore_args, partial_restore=set(wanted) != keys))
-  except Exception as e:
-    error = _failure(e, step, directory, 'its arrays', action)
-  _agree(error, step, directory, action)  # every process goes on, falls back or stops together
-  state = dict(state)
-  bad = checksum_mismatches(state, meta, saved_tree)
-  if bad:
-    raise damaged(bad)
+  read = _Reader(layout.state_dir(layout.step_dir(job_dir, step)), keys, meta, saved_tree, step, directory, action)
+  state = read(wanted) if twin is None else _read_quantizing(read, wanted, twin, setup)
   if base is not None:
     state['params'] = train_state.join_params(state['params'], base_params(setup, base, frozen_only=True))
   if not params_only and not has_opt:
     state['opt_state'] = init_opt_state(setup, state['params'])
   return Restored(step, state, meta, params_only_checkpoint=not has_opt)
+
+
+@dataclasses.dataclass
+class _Reader:
+  """Reads (part of) one checkpoint's state onto the shardings of an abstract tree, verified against its
+  checksums; every process goes on, falls back or stops together."""
+  path: str
+  keys: set
+  meta: dict
+  saved_tree: Any
+  step: int
+  directory: str
+  action: str
+
+  def __call__(self, wanted: dict, partial: bool = False) -> dict:
+    restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding, global_shape=a.shape,
+                                                               dtype=a.dtype), wanted)
+    state, error = None, None
+    try:
+      with _no_missing_metadata_warning():
+        state = ocp.PyTreeCheckpointer().restore(self.path, args=ocp.args.PyTreeRestore(
+            item=wanted, restore_args=restore_args, partial_restore=partial or set(wanted) != self.keys))
+    except Exception as e:
+      error = _failure(e, self.step, self.directory, 'its arrays', self.action)
+    _agree(error, self.step, self.directory, self.action)
+    state = dict(state)
+    bad = checksum_mismatches(state, self.meta, self.saved_tree)
+    if bad:
+      raise DamagedCheckpoint(self.step, self.directory, bad)
+    return state
+
+
+# ---- quantized models (WEIGHT_QUANT) read float checkpoints, coding the kernels as they arrive ---------------
+
+QUANTIZE_CHUNK_BYTES = 1 << 30   # float kernels read (and coded) at a time: the float model is never whole
+
+
+@dataclasses.dataclass
+class _Twin:
+  params: dict        # the abstract params with each quantized group as the float kernel it codes (sharded)
+  plan: dict          # kernel path -> how to code it (paxcli.layers.quant.float_twin)
+
+
+def _float_twin(setup, abstract: dict, saved_tree) -> Optional[_Twin]:
+  """The float kernels to read for a quantized model from a checkpoint holding float ones (a plain run's, a
+  LoRA base's); None when the model quantizes nothing or the checkpoint holds the codes themselves."""
+  params = abstract.get('params') or {}
+  if not any(quant.is_quantized_path(train_state.keys(p)) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]):
+    return None
+  twin, logical, plan = quant.float_twin(params, setup.logical)
+  saved = saved_dtypes(saved_tree) if saved_tree is not None else {}
+  name = lambda p: '/'.join(('params',) + tuple(str(k) for k in p))
+  if not all(name(p) in saved for p in plan) and saved:
+    return None   # the checkpoint has no float kernels where the codes go: read what it holds
+  shardings = sharding_lib.logical_to_sharding(logical, twin, setup.mesh, setup.rules)
+
+  def stored(path, leaf, sh):   # each kernel read in the dtype it was saved in (a bfloat16 base stays half size)
+    dtype = saved.get(name(train_state.keys(path)), leaf.dtype)
+    dtype = dtype if jnp.issubdtype(dtype, jnp.floating) and train_state.keys(path) in plan else leaf.dtype
+    return jax.ShapeDtypeStruct(leaf.shape, dtype, sharding=sh)
+  return _Twin(jax.tree_util.tree_map_with_path(stored, twin, shardings), plan)
+
+
+def _read_quantizing(read: '_Reader', wanted: dict, twin: '_Twin', setup) -> dict:
+  """The state with the planned float kernels read QUANTIZE_CHUNK_BYTES at a time and coded on their devices
+  (paxcli.layers.quant.quantize_like) before the next ones are read; the rest read as it is."""
+  flat = flax.traverse_util.flatten_dict(wanted['params'])
+  rest = {k: v for k, v in flat.items() if k not in twin.plan}
+  state = read(dict(wanted, params=flax.traverse_util.unflatten_dict(rest)), partial=True)
+  coded = flax.traverse_util.flatten_dict(state['params'])
+  targets = flax.traverse_util.flatten_dict(setup.state_shardings['params'])
+  for chunk in _chunks([k for k in flat if k in twin.plan], flat):
+    part = read({'params': flax.traverse_util.unflatten_dict({k: flat[k] for k in chunk})}, partial=True)['params']
+    plan = {k: twin.plan[k] for k in chunk}
+    groups = {k[:-1] + (quant.group_name(k[-1], plan[k][0]),) for k in chunk}
+    out_sh = flax.traverse_util.unflatten_dict({k: v for k, v in targets.items()
+                                                if any(k[:len(g)] == g for g in groups)})
+    made = jax.jit(lambda p: quant.quantize_like(p, plan), out_shardings=out_sh)(part)
+    del part
+    coded.update(flax.traverse_util.flatten_dict(made))
+  state['params'] = flax.traverse_util.unflatten_dict(coded)
+  return state
+
+
+def _chunks(paths: list, flat: dict) -> list[list]:
+  """The kernels in consecutive runs of at most QUANTIZE_CHUNK_BYTES (a larger kernel alone)."""
+  out, size = [], 0
+  for p in paths:
+    nbytes = int(np.prod(flat[p].shape, dtype=np.int64)) * np.dtype(flat[p].dtype).itemsize
+    if not out or size + nbytes > QUANTIZE_CHUNK_BYTES:
+      out.append([])
+      size = 0
+    out[-1].append(p)
+    size += nbytes
+  return out
 
 
 def checksum_mismatches(state: dict, meta: dict, saved_tree) -> Optional[str]:

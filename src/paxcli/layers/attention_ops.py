@@ -229,25 +229,34 @@ def masked_einsum_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, mask_BxLxS, logit_c
 
 
 def cached_attention(q_BxLxHxE, k_BxKxExS, v_BxKxSxE, mask_BxLxS, logit_cap: float = 0.0,
-                     scale: Optional[float] = None):
+                     scale: Optional[float] = None, k_scale_BxKxS=None, v_scale_BxKxS=None):
   """masked_einsum_attention over a KV cache kept heads-major: keys [B, K, E, S], values [B, K, S, E].
 
   In that layout both products are batched matrix products over (b, k), [G L, E] x [E, S] and [G L, S] x
   [S, E], whose operands XLA reads in place (the queries, small, are moved instead), and on a CPU XNNPACK
   runs them (a product with a separate length-1 axis went to a slower kernel). A decoding step reads the
   cache once; on a CPU this ran several times as fast as products summed over a [B, S, K, E] cache.
+  An int8 cache (KV_CACHE_QUANT) passes its codes with their scales per head and token: a key's scale
+  multiplies its logits, a value's the probability it is weighted with.
   """
   b, l, h, e = q_BxLxHxE.shape
   kv_heads, s = k_BxKxExS.shape[1], k_BxKxExS.shape[-1]
   g = h // kv_heads
   scale = e ** -0.5 if scale is None else scale
   q_BxKxMxE = (q_BxLxHxE.reshape(b, l, kv_heads, g, e) * scale).transpose(0, 2, 3, 1, 4).reshape(b, kv_heads, g * l, e)
-  logits = jnp.einsum('bkme,bkes->bkms', q_BxKxMxE, k_BxKxExS).astype(jnp.float32).reshape(b, kv_heads, g, l, s)
+  logits = jnp.einsum('bkme,bkes->bkms', q_BxKxMxE, k_BxKxExS.astype(q_BxKxMxE.dtype)).astype(jnp.float32)
+  if k_scale_BxKxS is not None:
+    logits = logits * k_scale_BxKxS[:, :, None, :]
+  logits = logits.reshape(b, kv_heads, g, l, s)
   if logit_cap:   # before the mask: the cap would lift the masked logits too
     logits = logit_cap * jnp.tanh(logits / logit_cap)
   logits = jnp.where(mask_BxLxS[:, None, None], logits, jnp.finfo(jnp.float32).min)
-  probs_BxKxMxS = jax.nn.softmax(logits, axis=-1).astype(q_BxLxHxE.dtype).reshape(b, kv_heads, g * l, s)
-  out_BxKxGxLxE = jnp.einsum('bkms,bkse->bkme', probs_BxKxMxS, v_BxKxSxE).reshape(b, kv_heads, g, l, e)
+  probs_BxKxMxS = jax.nn.softmax(logits, axis=-1).reshape(b, kv_heads, g * l, s)
+  if v_scale_BxKxS is not None:
+    probs_BxKxMxS = probs_BxKxMxS * v_scale_BxKxS[:, :, None, :]
+  probs_BxKxMxS = probs_BxKxMxS.astype(q_BxLxHxE.dtype)
+  out_BxKxGxLxE = jnp.einsum('bkms,bkse->bkme', probs_BxKxMxS,
+                             v_BxKxSxE.astype(probs_BxKxMxS.dtype)).reshape(b, kv_heads, g, l, e)
   return out_BxKxGxLxE.transpose(0, 3, 1, 2, 4).reshape(b, l, h, e)
 
 

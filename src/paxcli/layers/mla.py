@@ -21,7 +21,8 @@ the cache reads it in one of two forms, which compute the same function:
 sizes; benchmarks/mla.py measures both against GQA).
 
 The layer is paxcli's Attention with these fields more (it takes every knob Attention does; what latent
-attention has no use for is refused by paxcli.models.validation: a sliding window, QK-norm, biases, fp8).
+attention has no use for is refused by paxcli.models.validation: a sliding window, QK-norm, biases, fp8, AQT,
+an int8 cache). WEIGHT_QUANT holds its kernels as codes (Kernel).
 LoRA adapts query (query, or query_down and query_up), key and value together (kv_down, kv_up) and output.
 
 Weights (logical axes): query [embed, heads, head_dim] or query_down [embed, latent], query_norm [latent],
@@ -37,7 +38,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from paxcli.layers import attention_ops, lora
+from paxcli.layers import attention_ops, lora, quant
 from paxcli.layers.activation_sharding import constrain
 from paxcli.layers.transformer import Attention, Norm, yarn_mscale
 
@@ -47,16 +48,27 @@ LATENT = 'latent'   # the logical axis of a latent: FSDP over `data` where nothi
 
 
 class Kernel(nn.Module):
-  """One projection's kernel [in..., out...] (fan-in scaled truncated normal over the input axes), returned."""
+  """One projection's kernel [in..., out...] (fan-in scaled truncated normal over the input axes), returned.
+  Under WEIGHT_QUANT (`fmt`) it is held as codes (paxcli.layers.quant: the group `kernel_<fmt>`) and returned
+  dequantised: the absorbed form multiplies kernels with each other, so this layer dequantises the kernel
+  rather than the product."""
   shape: tuple
   names: tuple
   inputs: int = 1
+  fmt: str = 'none'
+  block: int = 64
 
   @nn.compact
   def __call__(self):
     init = nn.initializers.variance_scaling(1.0, 'fan_in', 'truncated_normal', in_axis=tuple(range(self.inputs)),
                                             out_axis=tuple(range(self.inputs, len(self.shape))))
-    return self.param('kernel', nn.with_logical_partitioning(init, self.names), self.shape)
+    if self.fmt == 'none':
+      return self.param('kernel', nn.with_logical_partitioning(init, self.names), self.shape)
+
+    def coded(key):
+      kernel = quant.quantize(self.fmt, init(key, self.shape, jnp.float32), self.inputs, self.block)
+      return quant.boxed_group(self.fmt, kernel, self.names, self.inputs)
+    return quant.dequantize(self.fmt, self.param(quant.group_name('kernel', self.fmt), coded))
 
 
 def decode_form(length: int, slots: int, heads: int, nope: int, rope: int, value: int, rank: int) -> str:
@@ -78,7 +90,8 @@ class LatentAttention(Attention):
 
   def _weights(self, name: str, in_shape: tuple, out_shape: tuple, in_names: tuple, out_names: tuple):
     """(kernel, its LoRA adapter (A, B) or None) of projection `name`."""
-    kernel = Kernel(in_shape + out_shape, in_names + out_names, len(in_shape), name=name)()
+    kernel = Kernel(in_shape + out_shape, in_names + out_names, len(in_shape), self.weight_quant,
+                    self.quant_block_size, name=name)()
     adapted = self.lora_rank and lora.targets_projection(self.lora_targets, name)
     pair = lora.adapter(self, name, in_shape, in_names, out_shape, out_names, self.lora_rank) if adapted else None
     return kernel, pair

@@ -60,7 +60,7 @@ import jax
 import jax.numpy as jnp
 
 from paxcli.errors import UserError
-from paxcli.layers import activation_sharding
+from paxcli.layers import activation_sharding, quant
 from paxcli.layers.activation_sharding import constrain, spec_for
 from paxcli.layers.base import BaseLayer, SUMMARIES
 from paxcli.layers.transformer import _ACTIVATIONS, Mlp
@@ -110,13 +110,21 @@ class MoeFeedForward(BaseLayer):
   # products stay in the compute dtype.
   fp8: str = 'none'
   fp8_amax_history: int = 1024
+  # The dense Mlp's quantization fields (paxcli.layers.quant, aqt): WEIGHT_QUANT holds the experts' kernels as
+  # codes too (each expert's kernel quantized on its own, as bitsandbytes codes each expert's Linear); AQT takes
+  # the shared expert only.
+  weight_quant: str = 'none'
+  quant_block_size: int = 64
+  aqt: str = 'none'
+  aqt_stochastic_rounding: bool = False
 
   def _kernels(self, d: int) -> dict:
     e, f = self.num_experts, self.hidden_dims
-    out = {'wi_0': self.param('wi_0', _expert_init(-2, ('exp', 'embed', 'mlp')), (e, d, f), self.dtype)}
+    kernel = self._quantized_kernel if self.weight_quant != 'none' else self._kernel
+    out = {'wi_0': kernel('wi_0', ('exp', 'embed', 'mlp'), (e, d, f))}
     if self.gated:
-      out['wi_1'] = self.param('wi_1', _expert_init(-2, ('exp', 'embed', 'mlp')), (e, d, f), self.dtype)
-    out['wo'] = self.param('wo', _expert_init(-2, ('exp', 'mlp', 'embed')), (e, f, d), self.dtype)
+      out['wi_1'] = kernel('wi_1', ('exp', 'embed', 'mlp'), (e, d, f))
+    out['wo'] = kernel('wo', ('exp', 'mlp', 'embed'), (e, f, d))
     if self.use_bias:
       zeros = nn.initializers.zeros
       out['bi_0'] = self.param('bi_0', nn.with_logical_partitioning(zeros, ('exp', 'mlp')), (e, f), self.dtype)
@@ -124,6 +132,24 @@ class MoeFeedForward(BaseLayer):
         out['bi_1'] = self.param('bi_1', nn.with_logical_partitioning(zeros, ('exp', 'mlp')), (e, f), self.dtype)
       out['bo'] = self.param('bo', nn.with_logical_partitioning(zeros, ('exp', 'embed')), (e, d), self.dtype)
     return out
+
+  def _kernel(self, name: str, names: tuple, shape: tuple):
+    return self.param(name, _expert_init(-2, names), shape, self.dtype)
+
+  def _quantized_kernel(self, name: str, names: tuple, shape: tuple):
+    """An expert stack [E, in, out] held as WEIGHT_QUANT codes (a group per expert, stacked), dequantised here."""
+    problem = quant.check_shape(shape[1:2], self.quant_block_size, f'{name} of the experts')
+    if self.weight_quant == 'nf4' and problem:
+      raise ValueError(f'WEIGHT_QUANT=nf4: {problem}.')
+    float_init = _expert_init(-2, names)
+    code = jax.vmap(lambda w: quant.quantize(self.weight_quant, w, 1, self.quant_block_size))
+
+    def init(key):
+      group = code(nn.meta.unbox(float_init(key, shape, jnp.float32)))
+      return quant.boxed_group(self.weight_quant, group, names, 1, stacked=1)
+
+    group = self.param(quant.group_name(name, self.weight_quant), init)
+    return jax.vmap(lambda g: quant.dequantize(self.weight_quant, g, self.dtype))(group)
 
   @nn.compact
   def __call__(self, x_BxLxD):
@@ -166,7 +192,9 @@ class MoeFeedForward(BaseLayer):
   def _shared(self, x_BxLxD, compute):
     """The shared expert every token goes through, sigmoid-gated per token with shared_gate."""
     out = Mlp(self.shared_hidden_dims, self.activation, self.gated, self.use_bias, compute, fp8=self.fp8,
-              fp8_amax_history=self.fp8_amax_history, name='shared')(x_BxLxD)
+              fp8_amax_history=self.fp8_amax_history, weight_quant=self.weight_quant,
+              quant_block_size=self.quant_block_size, aqt=self.aqt,
+              aqt_stochastic_rounding=self.aqt_stochastic_rounding, name='shared')(x_BxLxD)
     if self.shared_gate:
       w = self.param('shared_gate', nn.with_logical_partitioning(
           nn.initializers.variance_scaling(1.0, 'fan_in', 'truncated_normal'), ('embed', None)),

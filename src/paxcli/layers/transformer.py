@@ -21,7 +21,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec
 
-from paxcli.layers import attention_ops, fp8, lora
+from paxcli.layers import aqt, attention_ops, fp8, lora, quant
 from paxcli.layers.activation_sharding import constrain
 from paxcli.layers.base import BaseLayer, LayerTpl, template_field
 from paxcli.options import ACTIVATIONS
@@ -45,6 +45,35 @@ def _init(names):
   kernel flattened to 2-D, so fan-in is the product of the input axes)."""
   return nn.with_logical_partitioning(
       nn.initializers.variance_scaling(1.0, 'fan_in', 'truncated_normal'), names)
+
+
+def _fan_in_init(names, in_ndim: int):
+  """_init for a kernel given whole ([*in, *out]): fan-in over its input axes, as DenseGeneral's flattened one."""
+  return nn.with_logical_partitioning(nn.initializers.variance_scaling(
+      1.0, 'fan_in', 'truncated_normal', in_axis=tuple(range(in_ndim)), out_axis=tuple(range(in_ndim, len(names)))),
+      names)
+
+
+def projection(layer, x, features: tuple, in_ndim: int, kernel_names: tuple, use_bias: bool, name: str):
+  """One projection of `layer` (an Attention or Mlp: its dtype and its FP8, AQT and WEIGHT_QUANT fields): the
+  last `in_ndim` axes of x times a kernel [*in, *features] named `kernel_names`, plus a bias. Float kernels are
+  flax's Dense (one input and one output axis: the MLP's) or DenseGeneral, their products in fp8 or int8 (AQT)
+  where those are on; quantized ones (paxcli.layers.quant) sit under the same name."""
+  bias_names = tuple(kernel_names[in_ndim:])
+  if layer.weight_quant != 'none':
+    return quant.QuantizedDense(tuple(features), in_ndim, layer.weight_quant, layer.quant_block_size, use_bias,
+                                layer.dtype, _fan_in_init(kernel_names, in_ndim), tuple(kernel_names), bias_names,
+                                name=name)(x)
+  dot = (fp8.dot_general_cls(layer.fp8, layer.fp8_amax_history)
+         or aqt.dot_general_cls(layer.aqt, layer.aqt_stochastic_rounding))
+  bias_init = nn.with_logical_partitioning(nn.initializers.zeros, bias_names)
+  if in_ndim == 1 and len(features) == 1:   # the MLP's (as it always was: its checkpoints and init values)
+    return nn.Dense(features[0], use_bias=use_bias, dtype=layer.dtype, kernel_init=_init(kernel_names),
+                    dot_general_cls=dot, bias_init=bias_init, name=name)(x)
+  axis = -1 if in_ndim == 1 else tuple(range(-in_ndim, 0))
+  return nn.DenseGeneral(features=features if len(features) > 1 else features[0], axis=axis, use_bias=use_bias,
+                         dtype=layer.dtype, dot_general_cls=dot, kernel_init=_init(kernel_names),
+                         bias_init=bias_init, name=name)(x)
 
 
 class Norm(nn.Module):
@@ -444,6 +473,13 @@ class Attention(nn.Module):
   # fp8 projections (paxcli.layers.fp8): 'none', 'delayed' or 'current' scaling.
   fp8: str = 'none'
   fp8_amax_history: int = 1024
+  # Quantization (paxcli.layers.quant, paxcli.layers.aqt): the projections' kernels held as NF4 or int8 codes
+  # ('none': float), int8 products in training (AQT), and the decoding cache's keys and values as int8.
+  weight_quant: str = 'none'
+  quant_block_size: int = 64
+  aqt: str = 'none'
+  aqt_stochastic_rounding: bool = False
+  kv_cache_quant: str = 'none'
 
   def _lora(self, x, projection, in_names, out_shape, out_names):
     """The LoRA term of `projection`, or 0 when it is not adapted."""
@@ -453,12 +489,8 @@ class Attention(nn.Module):
                       self.lora_dropout, self.deterministic)
 
   def _proj(self, x, heads, head_axis, name):
-    y = nn.DenseGeneral(
-        features=(heads, self.dims_per_head), axis=-1, use_bias=self.use_bias or self.qkv_bias, dtype=self.dtype,
-        dot_general_cls=fp8.dot_general_cls(self.fp8, self.fp8_amax_history),
-        kernel_init=_init(('embed', head_axis, 'head_dim')),
-        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, (head_axis, 'head_dim')),
-        name=name)(x)
+    y = projection(self, x, (heads, self.dims_per_head), 1, ('embed', head_axis, 'head_dim'),
+                   self.use_bias or self.qkv_bias, name)
     y = y + self._lora(x, name, ('embed',), (heads, self.dims_per_head), (head_axis, 'head_dim'))
     y = constrain(y, ('batch', 'length', head_axis, 'head_dim'))
     return checkpoint_name(y, f'{name}_proj')
@@ -542,12 +574,8 @@ class Attention(nn.Module):
     if has_fused(self, 'out'):   # laid out [D, H E] for decoding (fuse_for_decoding)
       out = fused_product(self, 'out', out_BxLxHxE.reshape(out_BxLxHxE.shape[:2] + (-1,)), self.dtype)
     else:
-      out = nn.DenseGeneral(
-        features=x_BxLxD.shape[-1], axis=(-2, -1), use_bias=self.use_bias, dtype=self.dtype,
-          dot_general_cls=fp8.dot_general_cls(self.fp8, self.fp8_amax_history),
-          kernel_init=_init(('heads', 'head_dim', 'embed')),
-          bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ('embed',)),
-          name='out')(out_BxLxHxE)
+      out = projection(self, out_BxLxHxE, (x_BxLxD.shape[-1],), 2, ('heads', 'head_dim', 'embed'), self.use_bias,
+                       'out')
     out = out + self._lora(out_BxLxHxE, 'out', ('heads', 'head_dim'), (x_BxLxD.shape[-1],), ('embed',))
     return checkpoint_name(constrain(out, ('batch', 'length', 'embed')), 'out_proj')
 
@@ -568,22 +596,34 @@ class Attention(nn.Module):
     """
     initialized = self.has_variable('cache', 'cached_key')
     b, l, kv_heads, e = k_BxLxKxE.shape
+    int8 = self.kv_cache_quant == 'int8'
     boxed = lambda axes: nn.with_logical_partitioning(jnp.zeros, axes)
     key = self.variable('cache', 'cached_key', boxed(('batch', 'kv_heads', 'head_dim', 'length')),
-                        (b, kv_heads, e, l), k_BxLxKxE.dtype)
+                        (b, kv_heads, e, l), jnp.int8 if int8 else k_BxLxKxE.dtype)
     value = self.variable('cache', 'cached_value', boxed(('batch', 'kv_heads', 'length', 'head_dim')),
-                          (b, kv_heads, l, e), v_BxLxKxE.dtype)
+                          (b, kv_heads, l, e), jnp.int8 if int8 else v_BxLxKxE.dtype)
     valid = self.variable('cache', 'cached_valid', boxed(('batch', 'length')), segment_ids_BxL.shape, jnp.bool_)
     index = self.variable('cache', 'cache_index', boxed(('batch',)), (b,), jnp.int32)
-    k_BxKxExL = k_BxLxKxE.transpose(0, 2, 3, 1).astype(key.value.dtype)
-    v_BxKxLxE = v_BxLxKxE.transpose(0, 2, 1, 3).astype(value.value.dtype)
+    k_BxKxExL = k_BxLxKxE.transpose(0, 2, 3, 1)
+    v_BxKxLxE = v_BxLxKxE.transpose(0, 2, 1, 3)
+    scales = {}
+    if int8:   # KV_CACHE_QUANT: int8 codes, a float32 scale per head and token (paxcli.layers.quant)
+      (k_BxKxExL, k_scale), (v_BxKxLxE, v_scale) = quant.quantize_heads(k_BxKxExL, 2), quant.quantize_heads(v_BxKxLxE, 3)
+      scales = {'key': self.variable('cache', 'cached_key_scale', boxed(('batch', 'kv_heads', 'length')),
+                                     (b, kv_heads, l), jnp.float32),
+                'value': self.variable('cache', 'cached_value_scale', boxed(('batch', 'kv_heads', 'length')),
+                                       (b, kv_heads, l), jnp.float32)}
+    k_BxKxExL, v_BxKxLxE = k_BxKxExL.astype(key.value.dtype), v_BxKxLxE.astype(value.value.dtype)
     if not initialized:   # init_cache: only the shapes of this call matter
       causal_LxS = attention_ops.visible(jnp.arange(l)[:, None], jnp.arange(l)[None, :], self.sliding_window)
       return attention_ops.cached_attention(q_BxLxHxE, k_BxKxExL, v_BxKxLxE, jnp.broadcast_to(causal_LxS, (b, l, l)),
-                                            self.atten_logit_cap, self._scale())
+                                            self.atten_logit_cap, self._scale(), *((k_scale, v_scale) if int8 else ()))
     i_B = index.value
     key.value = _write_rows(key.value, k_BxKxExL, i_B, axis=3)
     value.value = _write_rows(value.value, v_BxKxLxE, i_B, axis=2)
+    if int8:
+      scales['key'].value = _write_rows(scales['key'].value, k_scale, i_B, axis=2)
+      scales['value'].value = _write_rows(scales['value'].value, v_scale, i_B, axis=2)
     valid.value = _write_rows(valid.value, segment_ids_BxL != 0, i_B, axis=1)
     index.value = i_B + l
     s = key.value.shape[-1]
@@ -592,7 +632,7 @@ class Attention(nn.Module):
     visible_BxLxS = attention_ops.visible(slot_BxL[:, :, None], jnp.arange(s)[None, None, :], self.sliding_window)
     mask_BxLxS = visible_BxLxS & valid.value[:, None, :]
     return attention_ops.cached_attention(q_BxLxHxE, key.value, value.value, mask_BxLxS, self.atten_logit_cap,
-                                          self._scale())
+                                          self._scale(), *((scales['key'].value, scales['value'].value) if int8 else ()))
 
   def _rolling(self, length: int) -> bool:
     """Whether this layer's KV cache is the rolling one: a window shorter than the cache's length (the
@@ -618,20 +658,35 @@ class Attention(nn.Module):
     b, l = segment_ids_BxL.shape
     kv_shape = (b, w) + k_BxLxKxE.shape[2:]
     kv_axes = ('batch', 'length', 'kv_heads', 'head_dim')
+    int8 = self.kv_cache_quant == 'int8'
+    stored = jnp.int8 if int8 else k_BxLxKxE.dtype
     boxed = lambda axes: nn.with_logical_partitioning(jnp.zeros, axes)
-    key = self.variable('cache', 'cached_key', boxed(kv_axes), kv_shape, k_BxLxKxE.dtype)
-    value = self.variable('cache', 'cached_value', boxed(kv_axes), kv_shape, v_BxLxKxE.dtype)
+    key = self.variable('cache', 'cached_key', boxed(kv_axes), kv_shape, stored)
+    value = self.variable('cache', 'cached_value', boxed(kv_axes), kv_shape, stored)
     valid = self.variable('cache', 'cached_valid', boxed(('batch', 'length')), (b, w), jnp.bool_)
     position = self.variable('cache', 'cached_position', boxed(('batch', 'length')), (b, w), jnp.int32)
     index = self.variable('cache', 'cache_index', boxed(('batch',)), (b,), jnp.int32)
+    rings = [(key, k_BxLxKxE), (value, v_BxLxKxE)]
+    if int8:   # KV_CACHE_QUANT: the ring holds int8 codes and a scale per token and head; new keys and values are
+      # coded too and read back as the ring will hold them
+      scale_axes, dtype = ('batch', 'length', 'kv_heads'), k_BxLxKxE.dtype
+      (kq, ks), (vq, vs) = quant.quantize_heads(k_BxLxKxE, 3), quant.quantize_heads(v_BxLxKxE, 3)
+      key_scale = self.variable('cache', 'cached_key_scale', boxed(scale_axes), kv_shape[:3], jnp.float32)
+      value_scale = self.variable('cache', 'cached_value_scale', boxed(scale_axes), kv_shape[:3], jnp.float32)
+      rings = [(key, kq), (value, vq), (key_scale, ks), (value_scale, vs)]
+      k_BxLxKxE, v_BxLxKxE = quant.dequantize_heads(kq, ks, 3, dtype), quant.dequantize_heads(vq, vs, 3, dtype)
     if not initialized:   # init_cache: only the shapes of this call matter
       return attention_ops.attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, segment_ids_BxL, 'einsum', 0.0, w)
     i_B = index.value
-    k_BxLxKxE, v_BxLxKxE = k_BxLxKxE.astype(key.value.dtype), v_BxLxKxE.astype(value.value.dtype)
+    ring_k, ring_v = key.value, value.value
+    if int8:
+      ring_k = quant.dequantize_heads(ring_k, key_scale.value, 3, k_BxLxKxE.dtype)
+      ring_v = quant.dequantize_heads(ring_v, value_scale.value, 3, v_BxLxKxE.dtype)
+    k_BxLxKxE, v_BxLxKxE = k_BxLxKxE.astype(ring_k.dtype), v_BxLxKxE.astype(ring_v.dtype)
     new_valid, new_position = segment_ids_BxL != 0, positions_BxL.astype(jnp.int32)
     if l <= w:
-      keys = jnp.concatenate([key.value, k_BxLxKxE], axis=1)
-      values = jnp.concatenate([value.value, v_BxLxKxE], axis=1)
+      keys = jnp.concatenate([ring_k, k_BxLxKxE], axis=1)
+      values = jnp.concatenate([ring_v, v_BxLxKxE], axis=1)
       seen_BxS = jnp.concatenate([valid.value, new_valid], axis=1)
       at_BxS = jnp.concatenate([position.value, new_position], axis=1)
       mask_BxLxS = seen_BxS[:, None, :] & attention_ops.visible(new_position[:, :, None], at_BxS[:, None, :], w)
@@ -643,10 +698,10 @@ class Attention(nn.Module):
       timed = lambda ring, new: jnp.concatenate([rolled(ring, oldest_B), new], axis=1)
       segments = timed(valid.value, new_valid).astype(jnp.int32)
       queries = jnp.concatenate([jnp.zeros((b, w) + q_BxLxHxE.shape[2:], q_BxLxHxE.dtype), q_BxLxHxE], axis=1)
-      out = attention_ops.attention(queries, timed(key.value, k_BxLxKxE), timed(value.value, v_BxLxKxE), segments,
+      out = attention_ops.attention(queries, timed(ring_k, k_BxLxKxE), timed(ring_v, v_BxLxKxE), segments,
                                     self.attention_impl, self.atten_logit_cap, w, self._scale())[:, w:]
-    for var, new in ((key, k_BxLxKxE), (value, v_BxLxKxE), (valid, new_valid), (position, new_position)):
-      var.value = jax.vmap(_ring_write)(var.value, new, i_B)
+    for var, new in rings + [(valid, new_valid), (position, new_position)]:
+      var.value = jax.vmap(_ring_write)(var.value, new.astype(var.value.dtype), i_B)
     index.value = i_B + l
     return out
 
@@ -682,12 +737,13 @@ class Mlp(nn.Module):
   deterministic: bool = True  # the LoRA dropout's; the block fills it in
   fp8: str = 'none'           # fp8 products (paxcli.layers.fp8), as Attention's
   fp8_amax_history: int = 1024
+  weight_quant: str = 'none'  # quantized kernels and int8 training (paxcli.layers.quant, aqt), as Attention's
+  quant_block_size: int = 64
+  aqt: str = 'none'
+  aqt_stochastic_rounding: bool = False
 
   def _dense(self, x, features, names, name):
-    y = nn.Dense(features, use_bias=self.use_bias, dtype=self.dtype, kernel_init=_init(names),
-                 dot_general_cls=fp8.dot_general_cls(self.fp8, self.fp8_amax_history),
-                 bias_init=nn.with_logical_partitioning(nn.initializers.zeros, names[-1:]),
-                 name=name)(x)
+    y = projection(self, x, (features,), 1, names, self.use_bias, name)
     if self.lora_rank and lora.targets_projection(self.lora_targets, name):
       y = y + lora.delta(self, x, name, names[:1], (features,), names[1:], self.lora_rank, self.lora_alpha,
                          self.lora_dropout, self.deterministic)

@@ -748,6 +748,10 @@ def _check_start(resolved, setup, job_dir: str, force_resume: bool) -> tuple[Run
   installed, LoRA has its base, and the job directory holds no other run. (The RunSpec, the LoRA base.)"""
   engine.check_fits(setup)   # a state no device can hold is one line before any input is read
   track.check_installed(setup.train.trackers.names)  # before anything is compiled
+  if train_state.quantized(setup) and not train_state.has_frozen(setup):
+    raise UserError('WEIGHT_QUANT holds the projections as frozen codes: train adapters on them with LORA_RANK > 0 '
+                    "and INIT_FROM the base (QLoRA), or multiply float weights in int8 with AQT='int8'. Decode and "
+                    'score read any checkpoint with WEIGHT_QUANT.')
   base = restore.base_ref(setup.train.init_from) if setup.train.init_from else None
   if base is None and train_state.has_frozen(setup):
     raise UserError('LORA_RANK > 0 trains adapters on frozen base weights: set INIT_FROM to the base checkpoint '

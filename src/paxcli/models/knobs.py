@@ -27,9 +27,9 @@ import dataclasses
 from typing import Any, Callable, Mapping, Optional
 
 from paxcli.errors import UserError, did_you_mean
-from paxcli.options import (ActivationName, AttentionImplName, CapacityRuleName, CheckpointPolicyName, DTypeName,
-                            Fp8Name, MlaDecodeName, MoeDispatchName, NormName, PositionName, RotaryScalingName,
-                            RouterSoftmaxName)
+from paxcli.options import (ActivationName, AqtName, AttentionImplName, CapacityRuleName, CheckpointPolicyName,
+                            DTypeName, Fp8Name, KvCacheQuantName, MlaDecodeName, MoeDispatchName, NormName,
+                            PositionName, RotaryScalingName, RouterSoftmaxName, WeightQuantName)
 from paxcli.values import coerce
 
 Settings = Mapping[str, Any]   # flat name -> value, every knob of a table present
@@ -465,6 +465,23 @@ LM_KNOBS: tuple[Knob, ...] = (
     Knob('FP8', Fp8Name, 'none', (ATTENTION + 'fp8', FFN + 'fp8'), "'none', 'delayed' or 'current' scaling"),
     Knob('FP8_AMAX_HISTORY', int, 1024, (ATTENTION + 'fp8_amax_history', FFN + 'fp8_amax_history'),
          "FP8='delayed': the steps whose largest |value| sets each tensor's scale"),
+    # Quantization (paxcli.layers.quant, paxcli.layers.aqt; docs/guides/quantization.md).
+    Knob('WEIGHT_QUANT', WeightQuantName, 'none', (ATTENTION + 'weight_quant', FFN + 'weight_quant'),
+         "the projections' and MLP's kernels (experts' too) held as codes and dequantised inside each product: "
+         "'nf4' QLoRA's 4-bit NormalFloat with double-quantised block scales, 'int8' per output channel (both "
+         "bitsandbytes' formats); frozen, so training needs LORA_RANK > 0 (QLoRA); decode and score quantize a "
+         'float checkpoint as they read it'),
+    Knob('QUANT_BLOCK_SIZE', int, 64, (ATTENTION + 'quant_block_size', FFN + 'quant_block_size'),
+         "WEIGHT_QUANT='nf4': inputs of one output that share an absmax (bitsandbytes' blocksize: a power of two from 32 to 4096)"),
+    Knob('KV_CACHE_QUANT', KvCacheQuantName, 'none', ATTENTION + 'kv_cache_quant',
+         "'int8': decoding keeps keys and values as int8 with a float32 scale per head and token (decode, score, "
+         'decoding while training); the cache the model computes in otherwise'),
+    Knob('AQT', AqtName, 'none', (ATTENTION + 'aqt', FFN + 'aqt'),
+         "'int8': the projections and MLP multiply int8 codes, forward and backward (Pax's AQT: per-token and "
+         'per-channel scales, int32 sums); weights and checkpoints stay float'),
+    Knob('AQT_STOCHASTIC_ROUNDING', bool, False, (ATTENTION + 'aqt_stochastic_rounding',
+                                                  FFN + 'aqt_stochastic_rounding'),
+         "AQT='int8': the gradients round stochastically in the backward products (unbiased)"),
     Knob('LOSS_CHUNK_TOKENS', int, 0, 'loss_chunk_tokens',
          'the loss makes the logits of at most this many tokens per device at a time (proportionally fewer above '
          'a 32k vocabulary; 2048 a good start); 0 (default): all at once'),

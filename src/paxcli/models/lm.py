@@ -17,7 +17,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from paxcli.errors import UserError
-from paxcli.layers import cpu_isa, lora, pipeline
+from paxcli.layers import cpu_isa, lora, pipeline, quant
 from paxcli.layers.fp8 import FP8_STATE
 from paxcli.layers.activation_sharding import active_axis_size, constrain
 from paxcli.layers.base import (AUX_LOSS, NON_TRAINABLE, RANDOM, SUMMARIES, BaseLayer, LayerTpl, build_arguments,
@@ -450,7 +450,9 @@ class LanguageModel(DecodingModel):
     return self.dropout_prob > 0 or (self.lora['rank'] > 0 and self.lora['dropout'] > 0)
 
   def is_trainable(self, path: tuple) -> bool:
-    """With LoRA only the adapters train; otherwise everything."""
+    """With LoRA only the adapters train; otherwise everything but quantized kernels (WEIGHT_QUANT: frozen codes)."""
+    if quant.is_quantized_path(path):
+      return False
     return not self.lora['rank'] or lora.is_adapter(str(path[-1]))
 
   @property
@@ -515,10 +517,11 @@ class LanguageModel(DecodingModel):
     wi_0/wi_1 (paxcli.layers.transformer.fuse_for_decoding; about a quarter faster on those products),
     [N, D] where the matrix kernels are AVX2's (their 16-column tiles read [D, N] with a stride that
     halves their speed at 16 rows), and an untied output projection as [V, D] (logits_table_for_decoding).
-    fp8 products keep their own kernels (each has its scales). Accelerators decode the params as they are."""
+    fp8 and AQT products keep their own kernels (each has its scales or its int8 product; quantized kernels are
+    not float ones to join). Accelerators decode the params as they are."""
     if jax.default_backend() != 'cpu':
       return params, shardings
-    if all(k.get('fp8') in (None, 'none') for k, _ in layer_settings(self)):
+    if all(k.get(name) in (None, 'none') for k, _ in layer_settings(self) for name in ('fp8', 'aqt')):
       params, shardings = fuse_for_decoding(params, shardings, transposed=cpu_isa.vector_isa() == 'avx2')
     logits = params.get('logits')
     if getattr(self.lm_tpl, 'separate_embedding', False) and isinstance(logits, dict) and 'kernel' in logits:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import fiddle as fdl
 
 from paxcli.errors import UserError, at_least
-from paxcli.layers import lora, moe
+from paxcli.layers import lora, moe, quant
 from paxcli.layers.mla import LatentAttention
 from paxcli.layers.transformer import Attention, Mlp
 from paxcli.models import pattern, registry
@@ -29,12 +29,13 @@ def validate_lm(lm) -> None:
   block = getattr(lm, 'block_tpl', None)
   kinds = dict(pattern.kinds_in_order(getattr(lm, 'layer_pattern', ()), getattr(lm, 'layer_kinds', ()))
                + pattern.prefix_kinds(prefix, getattr(lm, 'layer_kinds', ())))
-  _validate_block(block, 'task.model.lm_tpl.block_tpl', '')
+  _validate_block(block, 'task.model.lm_tpl.block_tpl', '', lm.model_dims)
   for kind, fields in kinds.items():   # each kind's own block, where its knobs changed something
     if not fields:
       continue
     _validate_window_target(block, fields, kind)
-    _validate_block(pattern.kind_template(block, fields), f"the {kind!r} layers' block", f'LAYER_KINDS[{kind!r}]: ')
+    _validate_block(pattern.kind_template(block, fields), f"the {kind!r} layers' block", f'LAYER_KINDS[{kind!r}]: ',
+                    lm.model_dims)
 
 
 def validate_family(name) -> None:
@@ -53,7 +54,7 @@ def _validate_window_target(block, fields, kind: str) -> None:
                     "paxcli's causal Attention: a sliding window needs causal attention.")
 
 
-def _validate_block(block, where: str, label: str) -> None:
+def _validate_block(block, where: str, label: str, model_dims: int) -> None:
   """Checks of one block template's attention and feed-forward (label: which kind, in front of each message)."""
   attention = getattr(block, 'attention_tpl', None)
   if attention is None or not issubclass(fdl.get_callable(attention), Attention):
@@ -83,6 +84,46 @@ def _validate_block(block, where: str, label: str) -> None:
     at_least(1, f'{where}.ffn_tpl', ffn, 'hidden_dims')
   if fdl.get_callable(ffn) is moe.MoeFeedForward:
     moe.check_settings(ffn, label)
+  _validate_quant(attention, ffn, model_dims, label)
+
+
+def _validate_quant(attention, ffn, model_dims: int, label: str) -> None:
+  """WEIGHT_QUANT, AQT and FP8 are one product each; NF4 blocks fit every kernel's inputs."""
+  for layer in (attention, ffn):
+    chosen = [f'{knob}={value!r}' for knob, value in (('WEIGHT_QUANT', getattr(layer, 'weight_quant', 'none')),
+                                                       ('AQT', getattr(layer, 'aqt', 'none')),
+                                                       ('FP8', getattr(layer, 'fp8', 'none'))) if value != 'none']
+    if len(chosen) > 1:
+      raise UserError(f'{label}{" and ".join(chosen)}: each sets how the projections multiply (codes of a frozen '
+                      'kernel, int8 or fp8 products of float ones); choose one.')
+  if getattr(attention, 'weight_quant', 'none') != 'nf4':
+    return
+  block = attention.quant_block_size
+  if block < 32 or block > 4096 or block & (block - 1):
+    raise UserError(f'{label}QUANT_BLOCK_SIZE must be a power of two from 32 to 4096 (the block sizes bitsandbytes '
+                    f'codes NF4 with), got {block}.')
+  kernels = _attention_inputs(attention, model_dims)
+  hidden = getattr(ffn, 'hidden_dims', None)
+  if hidden:
+    kernels += [("the MLP's wi_0 and wi_1", (model_dims,)), ("the MLP's wo", (hidden,))]
+  shared = getattr(ffn, 'shared_hidden_dims', 0)
+  if shared:
+    kernels += [("the shared expert's wo", (shared,))]
+  for where, in_shape in kernels:
+    problem = quant.check_shape(in_shape, block, where)
+    if problem:
+      raise UserError(f'{label}WEIGHT_QUANT=nf4: {problem}; set QUANT_BLOCK_SIZE to a power of two that divides it, '
+                      "or WEIGHT_QUANT='int8'.")
+
+
+def _attention_inputs(attention, model_dims: int) -> list:
+  """(which kernels, their input axes) of an attention layer's projections."""
+  if isinstance(attention, fdl.Config) and issubclass(fdl.get_callable(attention), LatentAttention):
+    out = [('the query and kv_down kernels', (model_dims,)), ('kv_up', (attention.kv_lora_rank,)),
+           ('the attention output kernel', (attention.num_heads, attention.v_head_dim))]
+    return out + ([('query_up', (attention.q_lora_rank,))] if attention.q_lora_rank else [])
+  return [('the query, key and value kernels', (model_dims,)),
+          ('the attention output kernel', (attention.num_heads, attention.dims_per_head))]
 
 
 # Attention options latent attention has no use for: (field, its neutral value, the knob, why).
@@ -91,7 +132,9 @@ _NOT_LATENT = (('sliding_window', 0, 'SLIDING_WINDOW', 'a sliding window'), ('qk
                ('per_dim_scale', False, 'USE_PER_DIM_SCALE', 'a per-dimension scale'),
                ('query_pre_attn_scalar', None, 'QUERY_PRE_ATTN_SCALAR', 'another query scale'),
                ('norm_plus_one', False, 'NORM_PLUS_ONE', "Gemma's norms"), ('fp8', 'none', 'FP8', 'fp8 projections'),
-               ('rotary_fraction', 1.0, 'ROTARY_FRACTION', 'a part of QK_ROPE_HEAD_DIMS unrotated'))
+               ('rotary_fraction', 1.0, 'ROTARY_FRACTION', 'a part of QK_ROPE_HEAD_DIMS unrotated'),
+               ('aqt', 'none', 'AQT', 'int8 products'),
+               ('kv_cache_quant', 'none', 'KV_CACHE_QUANT', 'an int8 cache (its cache holds the latents)'))
 
 
 def _validate_latent(attention, where: str, label: str) -> None:

@@ -18,6 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
+from paxcli.layers import quant
+
 
 def unbox(tree):
   return nn.meta.unbox(tree)
@@ -62,8 +64,16 @@ def join_params(*parts) -> dict:
 
 
 def has_frozen(setup) -> bool:
-  """True when some params are frozen: checkpoints then hold the trainable ones and name the base."""
-  return bool(split_trainable(setup.model, setup.abstract_state['params'])[1])
+  """True when some params are frozen (a LoRA base): checkpoints then hold the trainable ones and name the base.
+  Quantized kernels alone (WEIGHT_QUANT without LoRA: decode, score) are no base: they are read from the
+  checkpoint's own float kernels."""
+  frozen = split_trainable(setup.model, setup.abstract_state['params'])[1]
+  return any(not quant.is_quantized_path(path) for path in _flat(frozen))
+
+
+def quantized(setup) -> bool:
+  """True when the params hold quantized kernels (WEIGHT_QUANT)."""
+  return any(quant.is_quantized_path(path) for path in _flat(setup.abstract_state['params']))
 
 
 def cast_frozen(model, params):
@@ -75,8 +85,9 @@ def cast_frozen(model, params):
 
   def one(path, leaf):
     value = leaf.unbox() if is_box(leaf) else leaf
-    if model.is_trainable(tuple(keys(path))) or not jnp.issubdtype(value.dtype, jnp.floating):
-      return leaf
+    names = tuple(keys(path))
+    if model.is_trainable(names) or not jnp.issubdtype(value.dtype, jnp.floating) or quant.is_quantized_path(names):
+      return leaf   # a quantized kernel's scales keep float32: its codes are read against them
     cast = value.astype(dtype)
     return leaf.replace_boxed(cast) if is_box(leaf) else cast
   return jax.tree_util.tree_map_with_path(one, params, is_leaf=is_box)
@@ -91,7 +102,9 @@ def saved_state(setup, state: dict) -> dict:
 
 
 def param_count(abstract_state) -> int:
-  return int(sum(np.prod(x.shape) for x in jax.tree.leaves(abstract_state['params'])))
+  """The weights the params stand for: a quantized kernel counts as the kernel it codes (layers.quant)."""
+  flat = jax.tree_util.tree_flatten_with_path(abstract_state['params'])[0]
+  return int(sum(quant.represented_elements(keys(path), x.shape) for path, x in flat))
 
 
 def shape_signature(abstract_state) -> dict[str, list[int]]:
