@@ -12,13 +12,19 @@ Three implementations of one function, `attention(q, k, v, segment_ids, impl, wi
                memory holds one block's logits, not L x S. Soft-capped attention (Gemma 2,
                Pax's atten_logit_cap) runs here: neither jax.nn.dot_product_attention nor
                cuDNN's kernel in JAX 0.10 can cap logits, and the cap is applied per block.
+  flash        queries and keys in blocks with an online softmax and a custom backward pass that
+               makes each block's logits again from the log-sum-exp: one block's float32 logits
+               ([B, H, 512, 512] at most) exist at a time, in either pass, so memory is linear in L;
+               key blocks wholly after a query block (or out of its window) are skipped. Soft caps,
+               windows and segments as the others. Context parallelism (paxcli.layers.context_parallel)
+               runs its pieces on each device's share of a sequence, whatever the choice here.
   auto         blockwise for capped logits; else dot_product with cuDNN where it applies,
                else XLA's dot_product.
   local        (not a choice: what auto, dot_product and blockwise run for a window where cuDNN does not)
                blockwise sliding-window attention, queries in blocks against the key blocks their window
                reaches: time and memory O(L x window), not O(L x L); it also soft-caps.
 
-Tests hold `dot_product`, `blockwise` and `local` to the `einsum` reference, values and gradients.
+Tests hold `dot_product`, `blockwise`, `flash` and `local` to the `einsum` reference, values and gradients.
 
 Sliding window (`window` w > 0, Hugging Face's sliding_window): query i attends key j when
 i - w < j <= i (and both are in one segment): the w most recent tokens, itself included. A window
@@ -66,6 +72,8 @@ def attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL: Optional[jax.Arr
   self_attention = q_BxLxHxE.shape[1] == k_BxSxKxE.shape[1]
   if impl == 'einsum' or (logit_cap and not self_attention):
     return einsum_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL, logit_cap, window, scale)
+  if impl == 'flash' and self_attention:
+    return flash_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL, window, logit_cap, scale)
   kernel = kernel_for(q_BxLxHxE.dtype, q_BxLxHxE.shape[-1])
   if window and self_attention and (kernel != 'cudnn' or logit_cap or impl == 'blockwise'):
     # XLA's local_window_size only masks [L, L] logits; the local kernel computes [L, ~w].

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from paxcli.layers import attention_ops, fp8, lora
+from paxcli.layers import attention_ops, context_parallel, fp8, lora
 from paxcli.layers.activation_sharding import constrain
 from paxcli.layers.base import BaseLayer, LayerTpl, template_field
 from paxcli.options import ACTIVATIONS
@@ -142,7 +142,8 @@ class Attention(nn.Module):
 
   `segment_ids_BxL` None: one segment per row (no packing). The kernel is
   `attention_ops.attention`; attention_impl: auto (cuDNN flash attention on GPUs), dot_product
-  (jax.nn.dot_product_attention) or einsum (the reference).
+  (jax.nn.dot_product_attention), blockwise, flash or einsum (the reference). In a step that splits
+  sequences over the mesh's context axis, paxcli.layers.context_parallel's attention runs instead.
   Queries: 1/sqrt(E), or 1/sqrt(query_pre_attn_scalar) when that is set (Gemma's), times Pax's
   learned PerDimScale with `per_dim_scale` (softplus(w) / softplus(0) per dimension, w starting
   at 0). `atten_logit_cap` > 0 soft-caps the logits with tanh before the mask, as Pax's
@@ -246,10 +247,13 @@ class Attention(nn.Module):
         out_BxLxHxE = self._rolling_cache(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL, positions_BxL)
       else:
         out_BxLxHxE = self._decode_cache(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL)
-    else:
-      out_BxLxHxE = attention_ops.attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL,
-                                            self.attention_impl, self.atten_logit_cap, self.sliding_window,
-                                            scale=self._scale())
+    else:   # a sequence split over the context axis (a train or eval step) has its own attention
+      out_BxLxHxE = context_parallel.attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL, self.sliding_window,
+                                               self.atten_logit_cap, self._scale())
+      if out_BxLxHxE is None:
+        out_BxLxHxE = attention_ops.attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL,
+                                              self.attention_impl, self.atten_logit_cap, self.sliding_window,
+                                              scale=self._scale())
     out_BxLxHxE = constrain(out_BxLxHxE, ('batch', 'length', 'heads', 'head_dim'))
     out = nn.DenseGeneral(
         features=x_BxLxD.shape[-1], axis=(-2, -1), use_bias=self.use_bias, dtype=self.dtype,

@@ -338,6 +338,7 @@ LM_KNOBS: tuple[Knob, ...] = (
     Knob('ATTENTION_IMPL', AttentionImplName, 'auto', ATTENTION + 'attention_impl',
          'auto: jax.nn.dot_product_attention (cuDNN flash attention on GPUs in bf16/fp16, XLA elsewhere), the '
          'blockwise kernel for capped logits; blockwise: a block of queries at a time, logits never whole; '
+         'flash: blocks of queries and keys, memory linear in the length (long sequences); '
          'einsum: the plain reference with explicit float32 logits'),
     # Pipeline parallelism (paxcli.layers.pipeline): NUM_STAGES > 1 needs USE_REPEATED_LAYER and a
     # four-entry ICI_MESH_SHAPE [stage, replica, data, mdl] whose stage entry (times DCN's) equals it.

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from paxcli.errors import UserError
-from paxcli.layers import lora, pipeline
+from paxcli.layers import context_parallel, lora, pipeline
 from paxcli.layers.fp8 import FP8_STATE
 from paxcli.layers.activation_sharding import active_axis_size, constrain
 from paxcli.layers.base import (AUX_LOSS, NON_TRAINABLE, RANDOM, SUMMARIES, BaseLayer, LayerTpl, build_arguments,
@@ -26,7 +26,7 @@ from paxcli.models import knobs, pattern
 from paxcli.models.base import DecodingModel, dtype_name
 from paxcli.models.flops import ModelFlops, stack_flops
 from paxcli.models.losses import Head, head_lm_loss, token_scores
-from paxcli.models.validation import validate_expert_axis, validate_family, validate_lm
+from paxcli.models.validation import validate_context, validate_expert_axis, validate_family, validate_lm
 
 REMAT_POLICIES = {
     'save_nothing': lambda: jax.checkpoint_policies.nothing_saveable,
@@ -321,6 +321,11 @@ class LanguageModel(DecodingModel):
                features: bool = False):
     return self.lm(ids_BxL, segment_ids_BxL, positions_BxL, deterministic=deterministic, features=features)
 
+  def fprop(self, input_batch: dict, deterministic: bool = True):
+    """(loss, metrics) of a batch; in a step that splits sequences over the context axis with load
+    balancing, every per-token array is first put in the devices' order, once (paxcli.layers.context_parallel)."""
+    return super().fprop(context_parallel.to_device_order(input_batch), deterministic)
+
   def compute_predictions(self, input_batch: dict, deterministic: bool = True):
     """(final features [B, L, D], the output projection): the loss makes the logits from them."""
     return self(input_batch['ids'], input_batch.get('segment_ids'), input_batch.get('positions'),
@@ -368,6 +373,11 @@ class LanguageModel(DecodingModel):
 
   def validate_mesh(self, axis_sizes: dict) -> None:
     validate_expert_axis(self.lm_tpl, axis_sizes.get('expert', 1))
+
+  def validate_context(self, size: int, settings) -> None:
+    """Layers that cannot follow sequences split over a context axis of `size` devices (paxcli.layers.
+    context_parallel), as `settings` (activation_sharding.ContextParallel) split them: one line each."""
+    validate_context(self.lm_tpl, size, settings)
 
   @property
   def lora(self) -> dict:

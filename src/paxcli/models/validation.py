@@ -128,3 +128,32 @@ def validate_lora(attention) -> None:
     raise UserError(f'LORA_ALPHA must be positive, got {attention.lora_alpha}.')
   if not 0 <= attention.lora_dropout < 1:
     raise UserError(f'LORA_DROPOUT must be in [0, 1), got {attention.lora_dropout}.')
+
+
+def validate_context(lm, size: int, settings) -> None:
+  """One line for a layer of a TransformerLm config (its block, or a LAYER_PATTERN kind's) that cannot follow
+  sequences split over a context axis of `size` devices in load-balanced order (settings.load_balance: each
+  device holds an early and a late chunk, paxcli.layers.context_parallel): an attention layer other than
+  paxcli's causal Attention (it would read the array's order as the text's), and GShard's capacity dispatch
+  (it fills each expert's buffer in the order of the text)."""
+  if not settings.load_balance:
+    return
+  block = getattr(lm, 'block_tpl', None)
+  if block is None:
+    return
+  blocks = [('The ', block)] + [(f"The {kind!r} layers' ", pattern.kind_template(block, fields))
+                            for kind, fields in pattern.kinds_in_order(getattr(lm, 'layer_pattern', ()),
+                                                                       getattr(lm, 'layer_kinds', ())) if fields]
+  fix = f'set CONTEXT_LOAD_BALANCE=False (each of the {size} devices then holds one contiguous share), or no context axis.'
+  for label, b in blocks:
+    attention = getattr(b, 'attention_tpl', None)
+    if attention is not None and fdl.get_callable(attention) is not Attention:
+      name = getattr(fdl.get_callable(attention), '__name__', 'a swapped-in layer')
+      raise UserError(f"{label}attention layer is {name}, which cannot follow the load-balanced order of a "
+                      f'sequence split over the context axis (it would take the order of the array for the order '
+                      f"of the text, which only paxcli's causal Attention knows apart): {fix}")
+    ffn = getattr(b, 'ffn_tpl', None)
+    if ffn is not None and fdl.get_callable(ffn) is moe.MoeFeedForward and ffn.dispatch == 'capacity':
+      raise UserError(f"{label}mixture of experts has MOE_DISPATCH='capacity', which fills each expert's "
+                      'buffer in the order of the text; a sequence split over the context axis with load balancing is '
+                      f"in another order on each device: use MOE_DISPATCH='dropless', or {fix}")
