@@ -39,12 +39,10 @@ class Experiment:
   # Mesh: axes ('replica', 'data', 'mdl'). None means every device on `data`.
   ICI_MESH_SHAPE: Optional[list[int]] = None
   DCN_MESH_SHAPE: Optional[list[int]] = None  # the mesh across slices or hosts (times ICI_MESH_SHAPE); None: one
-  # Context parallelism (a six-entry mesh [stage, replica, data, expert, context, mdl] with context > 1; see
-  # paxcli.layers.context_parallel): attention over the devices sharing a sequence by 'all_gather' of the keys
-  # and values or by passing them round a 'ring'; CONTEXT_LOAD_BALANCE gives each device an early and a late
-  # chunk of every sequence, so that causal attention's work is even.
-  CONTEXT_PARALLEL_STRATEGY: ContextStrategyName = 'all_gather'
-  CONTEXT_LOAD_BALANCE: bool = True
+  # Context parallelism: a six-entry mesh [stage, replica, data, expert, context, mdl] with context > 1 splits
+  # each sequence over that axis (paxcli.layers.context_parallel, docs/guides/long-context.md).
+  CONTEXT_PARALLEL_STRATEGY: ContextStrategyName = 'all_gather'  # attention: keys, values gathered, or a 'ring'
+  CONTEXT_LOAD_BALANCE: bool = True  # each device holds an early and a late chunk of a sequence: causal work evened out
   # Examples per device per step; below 1 means fewer infeed hosts than processes.
   PERCORE_BATCH_SIZE: float = 4
   RANDOM_SEED: int = 1234  # seeds initialisation, dropout and the data order: the same seed, the same run

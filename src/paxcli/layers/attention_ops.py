@@ -352,11 +352,14 @@ def _grouped(q_BxLxHxE, kv_heads: int):
   return q_BxLxHxE.reshape(b, l, kv_heads, h // kv_heads, e)
 
 
-def flash_state(spec: FlashSpec, q_BxLxHxE, kv_heads: int):
-  """The online softmax before any key: running max m, sum l [nq, B, K, G, bq] and output sum acc [..., E]."""
-  b, l, h, e = q_BxLxHxE.shape
+def flash_state(spec: FlashSpec, q_BxLxHxE, v_BxSxKxV):
+  """The online softmax before any key: running max m, sum l [nq, B, K, G, bq] and output sum acc [..., V]
+  (V the values' head size: latent attention's differs from the queries')."""
+  b, l, h, _ = q_BxLxHxE.shape
+  kv_heads, v_dims = v_BxSxKxV.shape[2:]
   shape = (l // spec.block_q, b, kv_heads, h // kv_heads, spec.block_q)
-  return (jnp.full(shape, _NEG, jnp.float32), jnp.zeros(shape, jnp.float32), jnp.zeros(shape + (e,), jnp.float32))
+  return (jnp.full(shape, _NEG, jnp.float32), jnp.zeros(shape, jnp.float32),
+          jnp.zeros(shape + (v_dims,), jnp.float32))
 
 
 def _block_mask(spec, qi_Q, ki_S, sq_BxQ, sk_BxS):
@@ -391,7 +394,7 @@ def _key_blocks(spec, k_BxSxKxE, v_BxSxKxE, ki_S, sk_BxS):
 def flash_forward(spec: FlashSpec, q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, qi_L, ki_S, sq_BxL, sk_BxS, state=None):
   """The online softmax `state` (flash_state) after the keys k, v as well: what a ring step adds."""
   kv_heads = k_BxSxKxE.shape[2]
-  state = flash_state(spec, q_BxLxHxE, kv_heads) if state is None else state
+  state = flash_state(spec, q_BxLxHxE, v_BxSxKxE) if state is None else state
   q_blocks = _q_blocks(_grouped(q_BxLxHxE * jnp.asarray(spec.scale, q_BxLxHxE.dtype), kv_heads), spec.block_q)
   keys = _key_blocks(spec, k_BxSxKxE, v_BxSxKxE, ki_S, sk_BxS)
 

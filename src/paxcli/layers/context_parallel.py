@@ -24,7 +24,10 @@ d holds chunks d and 2N-1-d (one early, one late), which evens the work out. The
 once, at the model's input (`to_device_order`: ids, labels, weights, segment ids and positions alike), so
 that every per-token layer and the loss, a sum over tokens, are unchanged; attention knows each token's
 place in the text from the layout (`Layout.indices`), which the causal mask, sliding windows and the
-kernel's block skipping read. Soft caps and segment ids (packed documents) are kept.
+kernel's block skipping read. Soft caps and segment ids (packed documents) are kept; a function of whole texts
+(LongRoPE's choice of factors) reads them in the text's order (`in_text_order`). paxcli's Attention and latent
+attention (paxcli.layers.mla) call `attention` here first; paxcli.models.validation refuses, in one line, layers
+that could not follow the load-balanced order.
 """
 
 from __future__ import annotations
@@ -121,6 +124,18 @@ def to_device_order(batch: dict, length_key: str = 'ids') -> dict:
   order = jnp.asarray(layout.order())
   per_token = lambda x: getattr(x, 'ndim', 0) >= 2 and x.shape[:2] == (b, length)
   return {k: jnp.take(v, order, axis=1) if per_token(v) else v for k, v in out.items()}
+
+
+def in_text_order(fn, *arrays_BxL):
+  """fn(*arrays_BxL) -> [B, L] for a function of whole texts (a run of one segment read in order, as LongRoPE's
+  `beyond`): applied to the arrays in the text's order and its result put back in the devices' order. fn as it is
+  where the step splits no sequence or in contiguous shares. An array may be None."""
+  layout = active_layout(arrays_BxL[0].shape[1])
+  if layout is None or not layout.balanced:
+    return fn(*arrays_BxL)
+  order = layout.order()
+  to_text = lambda x: None if x is None else jnp.take(x, jnp.asarray(np.argsort(order)), axis=1)
+  return jnp.take(fn(*map(to_text, arrays_BxL)), jnp.asarray(order), axis=1)
 
 
 def attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, segment_ids_BxL=None, window: int = 0, logit_cap: float = 0.0,

@@ -358,7 +358,9 @@ class Attention(nn.Module):
       scaling = rotary_scaling(self, rotary_dims(x_BxLxNxE.shape[-1], self.rotary_fraction))
       long_BxL = None
       if scaling is not None and scaling.long is not None:
-        long_BxL = beyond(positions_BxL, segment_ids_BxL, scaling.original_max_len)
+        # a text's runs of one segment read in the text's order, wherever a context axis put its tokens
+        long_BxL = context_parallel.in_text_order(lambda p, s: beyond(p, s, scaling.original_max_len),
+                                                  positions_BxL, segment_ids_BxL)
       return rotary(x_BxLxNxE, positions_BxL, self.rotary_max_timescale, scaling, long_BxL, self.rotary_fraction,
                     self.rotary_interleave)
     return turn

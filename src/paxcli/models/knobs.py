@@ -468,7 +468,8 @@ LM_KNOBS: tuple[Knob, ...] = (
          "FP8='delayed': the steps whose largest |value| sets each tensor's scale"),
     Knob('LOSS_CHUNK_TOKENS', int, 0, 'loss_chunk_tokens',
          'the loss makes the logits of at most this many tokens per device at a time (proportionally fewer above '
-         'a 32k vocabulary; 2048 a good start); 0 (default): all at once'),
+         'a 32k vocabulary; 2048 a good start); 0 (default): 2048 where a device\'s whole float32 logits would pass '
+         '2 GiB (long sequences, large vocabularies), else all at once; -1: always all at once'),
     Knob('MODEL_FAMILY', Optional[str], None, 'family',
          "the model family the model is (paxcli.models.registry: 'llama', 'qwen3', ...), which --to hf and --to "
          'peft write and pax describe names; the family presets and every import set it. None: placed by its '

@@ -357,8 +357,9 @@ class LanguageModel(DecodingModel):
   # LORA_BASE_DTYPE: the frozen base weights' dtype under LoRA (models.BaseModel.frozen_dtype).
   lora_base_dtype: str = 'float32'
   # LOSS_CHUNK_TOKENS: the loss makes the logits at most this many tokens (per device) at a time
-  # (paxcli.models.losses.head_lm_loss); 0: whole. Off by default: the backward pass remakes each
-  # chunk's logits, a third more of the output layer's FLOPs (docs/guides/performance-knobs.md).
+  # (paxcli.models.losses.head_lm_loss); 0: so only where a device's whole logits would pass 2 GiB (the backward
+  # pass remakes each chunk's logits, a third more of the output layer's FLOPs: docs/guides/performance-knobs.md);
+  # -1: whole.
   loss_chunk_tokens: int = 0
   # MODEL_FAMILY: the family the model is (paxcli.models.registry), read by conversions and describe; None:
   # placed by its function. It changes nothing the model computes.
@@ -420,15 +421,19 @@ class LanguageModel(DecodingModel):
 
   def validate(self) -> None:
     validate_lm(self.lm_tpl)
+    if self.loss_chunk_tokens < -1:
+      raise UserError(f'LOSS_CHUNK_TOKENS must be a number of tokens, 0 (chunks where memory binds) or -1 (the '
+                      f'logits whole), got {self.loss_chunk_tokens}.')
     validate_family(self.family)
 
   def validate_mesh(self, axis_sizes: dict) -> None:
     validate_expert_axis(self.lm_tpl, axis_sizes.get('expert', 1))
 
-  def validate_context(self, size: int, settings) -> None:
-    """Layers that cannot follow sequences split over a context axis of `size` devices (paxcli.layers.
-    context_parallel), as `settings` (activation_sharding.ContextParallel) split them: one line each."""
-    validate_context(self.lm_tpl, size, settings)
+  def validate_context(self, size: int, settings, lengths=()) -> None:
+    """What cannot follow sequences split over a context axis of `size` devices (paxcli.layers.context_parallel)
+    as `settings` (activation_sharding.ContextParallel) split them, at the inputs' `lengths` ((what, tokens)):
+    one line each (paxcli.models.validation.validate_context)."""
+    validate_context(self.lm_tpl, size, settings, lengths)
 
   @property
   def lora(self) -> dict:

@@ -137,26 +137,38 @@ def context_settings(exp) -> activation_sharding.ContextParallel:
 
 def validate_context(resolved, model, size: Optional[int]) -> None:
   """One line, before anything compiles, where the sequences cannot be split over a context axis of `size`
-  devices (None: a -1 the devices fill, checked again once they have): the model's own checks
-  (model.validate_context; a model that does not say it can refuses), then every input's sequence length
-  against the chunks each device holds (2 a device with CONTEXT_LOAD_BALANCE)."""
+  devices (None: a -1 the devices fill, checked again once they have): every input's sequence length against the
+  chunks each device holds (2 a device with CONTEXT_LOAD_BALANCE), then the model's own checks
+  (model.validate_context: its layers, the kernel's blocks of a chunk; a model that does not say it can refuses)."""
   if not size or size == 1:
     return
   settings = context_settings(resolved.experiment)
   if not hasattr(model, 'validate_context'):
     raise UserError(f'{type(model).__name__} does not split its sequences over a context axis; make the context '
                     'entry of ICI_MESH_SHAPE (and DCN_MESH_SHAPE) 1.')
-  model.validate_context(size, settings)
   chunks = size * (2 if settings.load_balance else 1)
-  lengths = [('the train input', _seq_len(resolved, model))]
-  lengths += [('an eval input', getattr(c, 'seq_len', None)) for c in resolved.eval_datasets()]
+  lengths = [('a sequence of the train input', _seq_len(resolved, model))]
+  lengths += [('a sequence of an eval input', getattr(c, 'seq_len', None)) for c in resolved.eval_datasets()]
   for what, length in lengths:
     if length and length % chunks:
       each = (f'each device holds 2 of {chunks} equal chunks (CONTEXT_LOAD_BALANCE)' if settings.load_balance
               else f'each device holds 1 of {chunks} equal shares')
-      raise UserError(f'The context axis of {size} devices does not divide the {length:,} tokens of a sequence of '
-                      f'{what} (MAX_SEQ_LEN, or its seq_len): {each}, so the length must be a multiple of {chunks}. '
+      raise UserError(f'The context axis of {size} devices does not divide the {length:,} tokens of {what} '
+                      f'(MAX_SEQ_LEN, or its seq_len): {each}, so the length must be a multiple of {chunks}. '
                       f'Choose a multiple of {chunks}, or another context size.')
+  model.validate_context(size, settings, lengths)
+
+
+def context_note(exp, size: int, seq_len: Optional[int]) -> str:
+  """'each sequence over 4 devices (context), attention by ring; load-balanced: 2 chunks of 4,096 tokens a
+  device' for `pax describe`."""
+  settings = context_settings(exp)
+  note = f'each sequence over {size} devices (context), attention by {settings.strategy}'
+  if not seq_len:
+    return note
+  if settings.load_balance:
+    return f'{note}; load-balanced: 2 chunks of {seq_len // (2 * size):,} tokens a device'
+  return f'{note}; {seq_len // size:,} consecutive tokens a device'
 
 
 def _seq_len(resolved, model) -> Optional[int]:
@@ -481,6 +493,9 @@ def summary(resolved) -> dict:
     out['devices'] = math.prod(ici) * dcn_size
   seq_len = getattr(resolved.train_dataset(), 'seq_len', None) or getattr(model, 'max_seq_len', None)
   out['seq_len'] = seq_len
+  context = sharding.context_axis_size(ici, dcn)
+  if context and context > 1:
+    out['context_parallel'] = context_note(exp, context, seq_len)
   percore = exp.PERCORE_BATCH_SIZE
   out['global_batch'] = None
   if out['devices']:
