@@ -31,6 +31,7 @@ TINY = ['NUM_LAYERS=2', 'MODEL_DIMS=16', 'HIDDEN_DIMS=32', 'NUM_HEADS=4', 'NUM_K
 # Models, each with its reference on [1, 8, 1]; a case adds its mesh and layout knobs.
 MODELS = {
     'dense': [],
+    'deep': ['NUM_LAYERS=4'],   # a circular pipeline: 2 stages x 2 repeats of a layer
     # windows shorter than a chunk of 4 and longer, both with soft-capped logits (the cap small enough to bend)
     'window': ['SLIDING_WINDOW=5', 'ATTEN_LOGIT_CAP=1.0'],
     'pattern': ["LAYER_PATTERN=('local', 'global')", "LAYER_KINDS={'local': {'SLIDING_WINDOW': 3}}",
@@ -50,6 +51,7 @@ SLOW_CASES = [  # (model, mesh, strategy, load balance, more knobs)
     ('dense', 'tp', 'ring', True, []),
     ('dense', 'pipeline', 'ring', True, PIPELINE),
     ('dense', 'pipeline', 'ring', False, PIPELINE),
+    ('deep', 'pipeline', 'ring', True, PIPELINE + ['PIPELINE_CIRCULAR_REPEAT=2']),
     ('window', 'context 8', 'ring', True, []),
     ('window', 'context 8', 'all_gather', False, []),
     ('window', 'fsdp', 'ring', False, []),
@@ -160,6 +162,31 @@ def _kv_gathers(hlo: str, rows: int) -> list[str]:
   """The all-gathers whose result is a whole sequence of keys or values, [rows, L, kv heads, head dims]."""
   return [line for line in hlo.splitlines()
           if re.search(r' all-gather(-start)?\(', line) and f'[{rows},{L},2,8]' in line.split('=', 1)[1]]
+
+
+@pytest.mark.parametrize('window,cap,block,value_dims', [(5, 0.0, 4, 8), (9, 1.5, 16, 6)])
+def test_the_flash_kernel_equals_the_einsum_reference(window, cap, block, value_dims):
+  """Values and gradients of attention_ops.flash_attention (blocks of `block`, skipped where no query sees a key)
+  against the einsum reference: GQA 4/2 heads, two packed documents, windows, soft caps, and value heads of
+  another size than the queries' (latent attention's)."""
+  import jax.numpy as jnp
+  from paxcli.layers import attention_ops
+  keys = jax.random.split(jax.random.key(0), 4)
+  q, k = (jax.random.normal(key, (2, 48, n, 8)) for key, n in zip(keys, (4, 2)))
+  v = jax.random.normal(keys[2], (2, 48, 2, value_dims))
+  segments = jnp.asarray(np.repeat([[1] * 20 + [2] * 28], 2, 0))
+  cotangent = jax.random.normal(keys[3], (2, 48, 4, value_dims))
+
+  def loss(fn):
+    return lambda q, k, v: jnp.sum(fn(q, k, v) * cotangent)
+
+  flash = lambda q, k, v: attention_ops.flash_attention(q, k, v, segments, window, cap, block=block)
+  reference = lambda q, k, v: attention_ops.einsum_attention(q, k, v, segments, cap, window)
+  np.testing.assert_allclose(jax.jit(flash)(q, k, v), reference(q, k, v), rtol=1e-5, atol=1e-6)
+  got = jax.jit(jax.grad(loss(flash), argnums=(0, 1, 2)))(q, k, v)
+  want = jax.grad(loss(reference), argnums=(0, 1, 2))(q, k, v)
+  for a, b in zip(got, want):
+    assert _relative(a, b) <= 1e-6
 
 
 def test_the_loss_is_chunked_by_default_where_a_device_s_logits_would_pass_2_gib():
