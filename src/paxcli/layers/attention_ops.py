@@ -391,8 +391,17 @@ def _key_blocks(spec, k_BxSxKxE, v_BxSxKxE, ki_S, sk_BxS):
   return (_q_blocks(k_BxSxKxE, bk), _q_blocks(v_BxSxKxE, bk), ki_S.reshape(-1, bk), _q_blocks(sk_BxS, bk))
 
 
+def _tied(q_BxLxHxE, qi_L, ki_S):
+  """The text indices tied to the queries by an optimization barrier, so that whether a block is skipped is not
+  known before the queries are. Inside a scan (the layer stack) JAX's partial evaluation hoists what depends on
+  constants alone out of the loop: it would precompute every pair of blocks' masks, [L / b, S / b, b, b], the
+  L x S the kernel exists to avoid (benchmarks/context_parallel.py measured it growing with L squared)."""
+  return jax.lax.optimization_barrier((q_BxLxHxE, qi_L, ki_S))
+
+
 def flash_forward(spec: FlashSpec, q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, qi_L, ki_S, sq_BxL, sk_BxS, state=None):
   """The online softmax `state` (flash_state) after the keys k, v as well: what a ring step adds."""
+  q_BxLxHxE, qi_L, ki_S = _tied(q_BxLxHxE, qi_L, ki_S)
   kv_heads = k_BxSxKxE.shape[2]
   state = flash_state(spec, q_BxLxHxE, v_BxSxKxE) if state is None else state
   q_blocks = _q_blocks(_grouped(q_BxLxHxE * jnp.asarray(spec.scale, q_BxLxHxE.dtype), kv_heads), spec.block_q)
@@ -445,6 +454,7 @@ def flash_backward(spec: FlashSpec, q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, qi_L, ki_S,
                    d_out_BxLxHxE):
   """(dq [B, L, H, E], dk, dv [B, S, K, E]) float32 of the queries' attention over these keys, given the
   log-sum-exp over all the keys they attend to (a ring step's share of the gradients)."""
+  q_BxLxHxE, qi_L, ki_S = _tied(q_BxLxHxE, qi_L, ki_S)
   kv_heads = k_BxSxKxE.shape[2]
   bq = spec.block_q
   dtype = q_BxLxHxE.dtype
