@@ -8,7 +8,7 @@
          and 256k for bench.Llama1B's 8 x 2,048 tokens per device: XLA's temporary memory for the loss's
          value and gradients (compile only), and the step time of both at a size this CPU runs
          (2 x 512 tokens); then the whole bench.Llama1B step and a 256k-vocabulary one, compile only,
-         with LOSS_CHUNK_TOKENS=0 (before, the default) and 2048 (after).
+         with LOSS_CHUNK_TOKENS=-1 (the logits whole) and 2048.
   fp8    FP8 none / current / delayed: step time and memory plan. On a device without fp8 units the fp8
          rows are emulated (XLA converts to fp8 and back around float32 products): the column says so,
          and the ratio is the emulation's cost, not fp8's speed; on an H100 it is the real figure.
@@ -30,7 +30,7 @@ import machine   # benchmarks/machine.py: the processor beside the table
 
 LLAMA1B_TOKENS = (8, 2048)   # bench.Llama1B's rows x length per device
 VOCABS = (32768, 262144)
-CHUNK_TOKENS = 2048   # LOSS_CHUNK_TOKENS measured (the knob is off, 0, by default)
+CHUNK_TOKENS = 2048   # LOSS_CHUNK_TOKENS measured (-1: the logits whole; 0, the default, chunks past 2 GiB)
 
 
 def _gib(n) -> str:
@@ -116,9 +116,9 @@ def loss_memory(steps: int, models: bool) -> tuple[list[Table], list[dict]]:
     table.add_column(col, justify='right')
   rows = []
   for vocab in VOCABS:
-    whole, chunked = (_loss_temp(vocab, *LLAMA1B_TOKENS, c) for c in (0, default))
+    whole, chunked = (_loss_temp(vocab, *LLAMA1B_TOKENS, c) for c in (-1, default))
     small = min(default, 256)   # at 2 x 512 tokens the default would make one chunk: chunk as at full size
-    t_whole, t_chunked = (_loss_seconds(vocab, 2, 512, c, steps) for c in (0, small))
+    t_whole, t_chunked = (_loss_seconds(vocab, 2, 512, c, steps) for c in (-1, small))
     rows.append({'vocab': vocab, 'temp_whole_bytes': whole, 'temp_chunked_bytes': chunked,
                  'seconds_whole': t_whole, 'seconds_chunked': t_chunked})
     table.add_row(f'{vocab:,}', _gib(whole), _gib(chunked), f'{chunked / whole:.3f}', _ms(t_whole), _ms(t_chunked),
@@ -126,12 +126,12 @@ def loss_memory(steps: int, models: bool) -> tuple[list[Table], list[dict]]:
   tables = [table]
   if models:
     model_table = Table(title='The whole train step, --compile-only on this host (1 device)', caption_justify='left',
-                        caption='before: LOSS_CHUNK_TOKENS=0 (the logits whole, the default); after: 2048')
+                        caption='before: LOSS_CHUNK_TOKENS=-1 (the logits whole); after: 2048')
     for col in ('experiment', 'temp before', 'temp after', 'total before', 'total after'):
       model_table.add_column(col, justify='right')
     for name, extra in (('bench.Llama1B', []), ('bench.Llama1B, vocab 256k', ['VOCAB_SIZE=262144'])):
       before, after = (_row('bench.Llama1B', extra + [f'LOSS_CHUNK_TOKENS={c}'], 0, compile_only=True)
-                       for c in (0, default))
+                       for c in (-1, default))
       rows.append({'experiment': name, 'before': before, 'after': after})
       model_table.add_row(name, _gib(before.get('memory_temp_bytes')), _gib(after.get('memory_temp_bytes')),
                           _gib(before.get('memory_total_bytes')), _gib(after.get('memory_total_bytes')))

@@ -136,3 +136,35 @@ class Qwen3Moe30BA3B(_MoeShape):
   MOE_DISPATCH = 'capacity'
   EXPERT_CAPACITY_FACTOR = 1.25
   ICI_MESH_SHAPE = [1, 1, 4, 4, 1]
+
+
+# ---- long context at its real size, for planning (paxcli.layers.context_parallel) -------------------
+# `pax bench mfu --exp bench.Llama3_8B_128k --compile-only --topology v5p-16` plans one 128k-token sequence a
+# step on 8 chips (docs/guides/long-context.md).
+
+@register
+class Llama3_8B_128k(_LlamaStyle):
+  """Llama 3.1 8B's shape at 131,072 tokens: 32 x 4096, FFN 14336, GQA 32/8 heads of 128, vocab 128256, Llama 3's
+  rope scaling (x8 from 8192); 8.03B parameters. One sequence a step on 8 devices, split over a context axis of 8
+  (ring, load-balanced), weights FSDP over it; scanned layers, full rematerialisation, the flash kernel."""
+
+  NUM_LAYERS = 32
+  MODEL_DIMS = 4096
+  HIDDEN_DIMS = 14336
+  NUM_HEADS = 32
+  NUM_KV_HEADS = 8
+  DIMS_PER_HEAD = 128
+  VOCAB_SIZE = 128256
+  MAX_SEQ_LEN = 131072
+  ROTARY_MAX_TIMESCALE = 500_000.0
+  ROTARY_SCALING = 'llama3'
+  ROTARY_SCALING_FACTOR = 8.0
+  ROTARY_LOW_FREQ_FACTOR = 1.0
+  ROTARY_HIGH_FREQ_FACTOR = 4.0
+  ROTARY_ORIGINAL_MAX_LEN = 8192
+  USE_REPEATED_LAYER = True
+  CHECKPOINT_POLICY = 'save_nothing'
+  ATTENTION_IMPL = 'flash'
+  PERCORE_BATCH_SIZE = 0.125
+  ICI_MESH_SHAPE = [1, 1, 1, 1, 8, 1]
+  CONTEXT_PARALLEL_STRATEGY = 'ring'

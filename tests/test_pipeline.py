@@ -118,7 +118,7 @@ def test_bubble_formula():
     (['NUM_STAGES=2', 'ICI_MESH_SHAPE=[1,4,2]'], r'NUM_STAGES is 2 but the mesh has 1 on its stage axis'),
     (['ICI_MESH_SHAPE=[2,1,4,1]'], r'NUM_STAGES is 1 but the mesh has 2 on its stage axis'),
     (['NUM_STAGES=2', 'USE_REPEATED_LAYER=False', 'ICI_MESH_SHAPE=[2,1,4,1]'], r'needs USE_REPEATED_LAYER=True'),
-    (['ICI_MESH_SHAPE=[1,1,2,2,2,1]'], r'must have 3 entries .* 4 .* or 5'),
+    (['ICI_MESH_SHAPE=[1,1,1,2,2,2,1]'], r'must have 3 entries .* 4 .* 5 .* or 6'),
 ])
 def test_bad_pipeline_knobs_are_one_line_errors(knobs, message):
   with pytest.raises(UserError, match=message) as info:

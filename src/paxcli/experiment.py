@@ -24,6 +24,7 @@ from typing import Any, Optional
 from paxcli import compat
 from paxcli import values as ptypes
 from paxcli.errors import UserError, did_you_mean, shorten
+from paxcli.options import ContextStrategyName
 
 _KNOB_RE = re.compile(r'^[A-Z][A-Z0-9_]*$')
 _REGISTRY: dict[str, type['Experiment']] = {}
@@ -38,6 +39,10 @@ class Experiment:
   # Mesh: axes ('replica', 'data', 'mdl'). None means every device on `data`.
   ICI_MESH_SHAPE: Optional[list[int]] = None
   DCN_MESH_SHAPE: Optional[list[int]] = None  # the mesh across slices or hosts (times ICI_MESH_SHAPE); None: one
+  # Context parallelism: a six-entry mesh [stage, replica, data, expert, context, mdl] with context > 1 splits
+  # each sequence over that axis (paxcli.layers.context_parallel, docs/guides/long-context.md).
+  CONTEXT_PARALLEL_STRATEGY: ContextStrategyName = 'all_gather'  # attention: keys, values gathered, or a 'ring'
+  CONTEXT_LOAD_BALANCE: bool = True  # each device holds an early and a late chunk of a sequence: causal work evened out
   # Examples per device per step; below 1 means fewer infeed hosts than processes.
   PERCORE_BATCH_SIZE: float = 4
   RANDOM_SEED: int = 1234  # seeds initialisation, dropout and the data order: the same seed, the same run
@@ -56,7 +61,8 @@ class Experiment:
   # variables, XLA flags, dump and cache paths, endpoints), tracker destinations, paths written outside the
   # job, and any knob nobody classified (deny by default). A class that declares knobs lists its model and
   # data ones here (a knob table's are listed by paxcli.models.knobs.declare).
-  replayed = frozenset({'ICI_MESH_SHAPE', 'DCN_MESH_SHAPE', 'PERCORE_BATCH_SIZE', 'RANDOM_SEED', 'UNSUPPORTED_FEATURES'})
+  replayed = frozenset({'ICI_MESH_SHAPE', 'DCN_MESH_SHAPE', 'CONTEXT_PARALLEL_STRATEGY', 'CONTEXT_LOAD_BALANCE',
+                        'PERCORE_BATCH_SIZE', 'RANDOM_SEED', 'UNSUPPORTED_FEATURES'})
 
   def task(self):
     """Returns a fiddle config of `paxcli.tasks.Task`."""

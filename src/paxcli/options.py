@@ -19,7 +19,8 @@ RotaryScalingName = Literal['none', 'linear', 'llama3', 'longrope', 'yarn']  # p
 DTypeName = Literal['float32', 'bfloat16', 'float16']
 CheckpointPolicyName = Literal['none', 'save_nothing', 'save_dot_only', 'save_dot_with_no_batch_dim',
                                'save_qkv_out_proj', 'save_everything']
-AttentionImplName = Literal['auto', 'dot_product', 'blockwise', 'einsum']  # paxcli.layers.attention_ops
+AttentionImplName = Literal['auto', 'dot_product', 'blockwise', 'flash', 'einsum']  # paxcli.layers.attention_ops
+ContextStrategyName = Literal['all_gather', 'ring']            # paxcli.layers.context_parallel
 Fp8Name = Literal['none', 'delayed', 'current']                # paxcli.layers.fp8
 WeightQuantName = Literal['none', 'nf4', 'int8']               # paxcli.layers.quant
 KvCacheQuantName = Literal['none', 'int8']                     # paxcli.layers.quant (the decoding cache)
@@ -39,6 +40,7 @@ ROTARY_SCALINGS: tuple[str, ...] = typing.get_args(RotaryScalingName)
 DTYPES: tuple[str, ...] = typing.get_args(DTypeName)
 CHECKPOINT_POLICIES: tuple[str, ...] = typing.get_args(CheckpointPolicyName)
 ATTENTION_IMPLS: tuple[str, ...] = typing.get_args(AttentionImplName)
+CONTEXT_STRATEGIES: tuple[str, ...] = typing.get_args(ContextStrategyName)
 MOE_DISPATCHES: tuple[str, ...] = typing.get_args(MoeDispatchName)
 ROUTER_SOFTMAXES: tuple[str, ...] = typing.get_args(RouterSoftmaxName)
 CAPACITY_RULES: tuple[str, ...] = typing.get_args(CapacityRuleName)

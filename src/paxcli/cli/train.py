@@ -88,7 +88,8 @@ def summary_lines(s: dict) -> list[str]:
           f'# FLOPs per token: {flops}',
           f'# global batch: {batch}',
           f'# devices needed: {devices}',
-          f'# model family: {family}']
+          f'# model family: {family}'] + ([f"# context parallelism: {s['context_parallel']}"]
+                                          if s.get('context_parallel') else [])
 
 
 def _family_line(s: dict) -> str:

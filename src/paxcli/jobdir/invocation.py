@@ -75,7 +75,7 @@ class Made:
 # How a run is laid out on its devices, not what it computes: a checkpoint restores onto any mesh. A
 # command reading a job that gives one of these lays its own run out: the job's are left out, all of them.
 LAYOUT_KNOBS = ('ICI_MESH_SHAPE', 'DCN_MESH_SHAPE', 'NUM_STAGES', 'NUM_MICROBATCHES', 'MICROBATCH_SIZE',
-                'PIPELINE_CIRCULAR_REPEAT')
+                'PIPELINE_CIRCULAR_REPEAT', 'CONTEXT_PARALLEL_STRATEGY', 'CONTEXT_LOAD_BALANCE')
 
 
 def key_of(override: str) -> str:

@@ -11,8 +11,9 @@ trace the model inside `rules(mesh, overrides)`, which turns those calls into
 plain `model.apply` in a notebook) `constrain` returns its input unchanged.
 
 The default table (as MaxText's `logical_axis_rules`, flax's `nn.with_logical_constraint`):
-batch over (replica, data), heads/kv_heads/mlp/vocab over mdl, embed, length and head_dim
-unsharded, a pipeline's stage dimension over `stage`. A mesh axis is used for a dimension only if it divides it and no earlier
+batch over (replica, data), heads/kv_heads/mlp/vocab over mdl, length over `context` (context
+parallelism, paxcli.layers.context_parallel: a mesh without that axis leaves it whole), embed and
+head_dim unsharded, a pipeline's stage dimension over `stage`. A mesh axis is used for a dimension only if it divides it and no earlier
 dimension of the same array took it; otherwise that dimension stays unsharded. An
 experiment overrides entries with `task.activation_sharding_rules` (see tasks.Task).
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import math
 from typing import Any, Callable, Optional, Sequence
 
@@ -29,7 +31,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 ACTIVATION_RULES: dict[str, tuple[str, ...]] = {
     'batch': ('replica', 'data', 'expert'),   # expert: the batch outside the experts (paxcli.layers.moe)
-    'length': (),
+    'length': ('context',),   # context parallelism (paxcli.layers.context_parallel)
     'embed': (),
     'heads': ('mdl',),
     'kv_heads': ('mdl',),
@@ -41,6 +43,15 @@ ACTIVATION_RULES: dict[str, tuple[str, ...]] = {
 }
 
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar('paxcli_activation_sharding', default=None)
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextParallel:
+  """How a step splits each sequence over the `context` axis (paxcli.layers.context_parallel):
+  attention by 'all_gather' of keys and values or by 'ring'; load_balance: each device holds
+  chunks d and 2N-1-d of the 2N chunks of a sequence (the causal work evened out)."""
+  strategy: str = 'all_gather'
+  load_balance: bool = True
 
 
 def spec_for(names: Sequence[Optional[str]], shape: Sequence[int], mesh_shape: dict,
@@ -67,10 +78,11 @@ def spec_for(names: Sequence[Optional[str]], shape: Sequence[int], mesh_shape: d
 
 
 @contextlib.contextmanager
-def rules(mesh, overrides: Optional[dict] = None):
-  """Within this context (while a step is traced), `constrain` applies the rules on `mesh`."""
+def rules(mesh, overrides: Optional[dict] = None, context: Optional[ContextParallel] = None):
+  """Within this context (while a step is traced), `constrain` applies the rules on `mesh`, and
+  sequences split over its context axis as `context` says."""
   table = {**ACTIVATION_RULES, **{k: tuple(v) if v else () for k, v in (overrides or {}).items()}}
-  token = _ACTIVE.set((mesh, table))
+  token = _ACTIVE.set((mesh, table, context or ContextParallel()))
   try:
     yield
   finally:
@@ -79,7 +91,14 @@ def rules(mesh, overrides: Optional[dict] = None):
 
 def active() -> Optional[tuple[Any, dict]]:
   """(mesh, table) of the active `rules` context; None outside one."""
-  return _ACTIVE.get()
+  active = _ACTIVE.get()
+  return None if active is None else active[:2]
+
+
+def context_parallel() -> ContextParallel:
+  """The active context's ContextParallel settings (the defaults outside one)."""
+  active = _ACTIVE.get()
+  return ContextParallel() if active is None else active[2]
 
 
 def active_axis_size(axis: str) -> int:
@@ -122,7 +141,7 @@ def constrain(x, names: Sequence[Optional[str]]):
   active = _ACTIVE.get()
   if active is None:
     return x
-  mesh, table = active
+  mesh, table = active[:2]
   if len(names) != x.ndim:
     raise ValueError(f'constrain: {len(names)} axis names {tuple(names)} for an array of shape {x.shape}.')
   spec = spec_for(names, x.shape, dict(mesh.shape), table)

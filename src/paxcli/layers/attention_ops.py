@@ -12,13 +12,19 @@ Three implementations of one function, `attention(q, k, v, segment_ids, impl, wi
                memory holds one block's logits, not L x S. Soft-capped attention (Gemma 2,
                Pax's atten_logit_cap) runs here: neither jax.nn.dot_product_attention nor
                cuDNN's kernel in JAX 0.10 can cap logits, and the cap is applied per block.
+  flash        queries and keys in blocks with an online softmax and a custom backward pass that
+               makes each block's logits again from the log-sum-exp: one block's float32 logits
+               ([B, H, 512, 512] at most) exist at a time, in either pass, so memory is linear in L;
+               key blocks wholly after a query block (or out of its window) are skipped. Soft caps,
+               windows and segments as the others. Context parallelism (paxcli.layers.context_parallel)
+               runs its pieces on each device's share of a sequence, whatever the choice here.
   auto         blockwise for capped logits; else dot_product with cuDNN where it applies,
                else XLA's dot_product.
   local        (not a choice: what auto, dot_product and blockwise run for a window where cuDNN does not)
                blockwise sliding-window attention, queries in blocks against the key blocks their window
                reaches: time and memory O(L x window), not O(L x L); it also soft-caps.
 
-Tests hold `dot_product`, `blockwise` and `local` to the `einsum` reference, values and gradients.
+Tests hold `dot_product`, `blockwise`, `flash` and `local` to the `einsum` reference, values and gradients.
 
 Sliding window (`window` w > 0, Hugging Face's sliding_window): query i attends key j when
 i - w < j <= i (and both are in one segment): the w most recent tokens, itself included. A window
@@ -31,7 +37,8 @@ keys (latent attention's, paxcli.layers.mla): the output's heads are the values'
 
 from __future__ import annotations
 
-from typing import Optional
+import functools
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -66,6 +73,8 @@ def attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL: Optional[jax.Arr
   self_attention = q_BxLxHxE.shape[1] == k_BxSxKxE.shape[1]
   if impl == 'einsum' or (logit_cap and not self_attention):
     return einsum_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL, logit_cap, window, scale)
+  if impl == 'flash' and self_attention:
+    return flash_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL, window, logit_cap, scale)
   kernel = kernel_for(q_BxLxHxE.dtype, q_BxLxHxE.shape[-1])
   if window and self_attention and (kernel != 'cudnn' or logit_cap or impl == 'blockwise'):
     # XLA's local_window_size only masks [L, L] logits; the local kernel computes [L, ~w].
@@ -273,3 +282,225 @@ def _one_query_attention(q_Bx1xHxE, k_BxSxKxE, v_BxSxKxE, mask_Bx1xS, logit_cap:
   probs = jax.nn.softmax(logits_BxSxKxG, axis=1).astype(q_Bx1xHxE.dtype)
   out_BxKxGxE = jnp.sum(probs[..., None] * v_BxSxKxE[:, :, :, None], axis=1, dtype=jnp.float32)
   return out_BxKxGxE.astype(q_Bx1xHxE.dtype).reshape(b, 1, h, v_BxSxKxE.shape[-1])
+
+
+# ---- flash: blocks of queries against blocks of keys, an online softmax, a custom backward ----------------
+#
+# Every query and key carries its index in the text (`qi`, `ki`), not its place in the array, so that the
+# same pieces serve one device's whole sequence (`flash_attention`) and context parallelism's shares of it in
+# load-balanced order (paxcli.layers.context_parallel). A block is FLASH_BLOCK rows or fewer (a divisor of the
+# contiguous runs of indices the caller names); its float32 logits [B, K, G, bq, bk] are all that exists of
+# the L x S logits at any time, in the forward pass and in the backward pass, which makes them again from the
+# log-sum-exp the forward pass kept. A key block entirely after a query block's last query, or entirely out
+# of its window, is skipped (lax.cond): causal attention computes about half of the blocks.
+
+FLASH_BLOCK = 512
+_NEG = -1e30   # a masked logit: finite, so that a row with no visible key gives 0, not NaN
+
+
+def flash_block(run: int, target: int = 0) -> int:
+  """Rows of a flash block: the largest divisor of `run` (a contiguous run of indices) at most `target`
+  (0: FLASH_BLOCK)."""
+  return next(b for b in range(min(run, target or FLASH_BLOCK), 0, -1) if run % b == 0)
+
+
+def flash_attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, segment_ids_BxL=None, window: int = 0,
+                    logit_cap: float = 0.0, scale: Optional[float] = None, block: int = 0):
+  """Causal self-attention by the flash kernel: einsum_attention's function (causal, same segment, window,
+  soft cap), values and gradients, in memory linear in L."""
+  b, l = q_BxLxHxE.shape[:2]
+  segment_ids_BxL = jnp.zeros((b, l), jnp.int32) if segment_ids_BxL is None else segment_ids_BxL
+  index_L = jnp.arange(l, dtype=jnp.int32)
+  block = flash_block(l, block)
+  spec = FlashSpec(effective_window(window, l), float(logit_cap), _scale(q_BxLxHxE, scale), block, block)
+  return flash(spec, q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, index_L, index_L, segment_ids_BxL, segment_ids_BxL)
+
+
+def _scale(q, scale: Optional[float]) -> float:
+  return float(q.shape[-1] ** -0.5 if scale is None else scale)
+
+
+class FlashSpec(NamedTuple):
+  """The static settings of a flash call (hashable: the custom VJP's non-differentiable argument)."""
+  window: int
+  logit_cap: float
+  scale: float
+  block_q: int
+  block_k: int
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def flash(spec: FlashSpec, q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, qi_L, ki_S, segment_q_BxL, segment_k_BxS):
+  """Attention of queries q (text indices qi) over keys k, v (indices ki): [B, L, H, E] in q's dtype."""
+  return flash_output(flash_forward(spec, q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, qi_L, ki_S, segment_q_BxL,
+                                    segment_k_BxS), q_BxLxHxE)[0]
+
+
+def _flash_fwd(spec, q, k, v, qi, ki, sq, sk):
+  out, lse = flash_output(flash_forward(spec, q, k, v, qi, ki, sq, sk), q)
+  return out, (q, k, v, qi, ki, sq, sk, out, lse)
+
+
+def _flash_bwd(spec, residuals, d_out):
+  q, k, v, qi, ki, sq, sk, out, lse = residuals
+  dq, dk, dv = flash_backward(spec, q, k, v, qi, ki, sq, sk, lse, flash_delta(out, d_out, k.shape[2]), d_out)
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None
+
+
+flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def _q_blocks(x_BxLx, block: int):
+  """[B, L, ...] -> [L / block, B, block, ...]."""
+  b, l = x_BxLx.shape[:2]
+  return jnp.moveaxis(x_BxLx.reshape(b, l // block, block, *x_BxLx.shape[2:]), 1, 0)
+
+
+def _grouped(q_BxLxHxE, kv_heads: int):
+  b, l, h, e = q_BxLxHxE.shape
+  return q_BxLxHxE.reshape(b, l, kv_heads, h // kv_heads, e)
+
+
+def flash_state(spec: FlashSpec, q_BxLxHxE, v_BxSxKxV):
+  """The online softmax before any key: running max m, sum l [nq, B, K, G, bq] and output sum acc [..., V]
+  (V the values' head size: latent attention's differs from the queries')."""
+  b, l, h, _ = q_BxLxHxE.shape
+  kv_heads, v_dims = v_BxSxKxV.shape[2:]
+  shape = (l // spec.block_q, b, kv_heads, h // kv_heads, spec.block_q)
+  return (jnp.full(shape, _NEG, jnp.float32), jnp.zeros(shape, jnp.float32),
+          jnp.zeros(shape + (v_dims,), jnp.float32))
+
+
+def _block_mask(spec, qi_Q, ki_S, sq_BxQ, sk_BxS):
+  """[B, 1, 1, bq, bk]: visible (causal, window) and of one segment."""
+  mask = visible(qi_Q[:, None], ki_S[None, :], spec.window)[None] & (sq_BxQ[:, :, None] == sk_BxS[:, None, :])
+  return mask[:, None, None]
+
+
+def _block_logits(spec, q_BxQxKxGxE, k_BxSxKxE):
+  """(logits [B, K, G, bq, bk] float32 after the cap, tanh of the capped ones for the backward pass or None)."""
+  s = jnp.einsum('bqkge,bske->bkgqs', q_BxQxKxGxE, k_BxSxKxE, preferred_element_type=jnp.float32)
+  if not spec.logit_cap:
+    return s, None
+  t = jnp.tanh(s / spec.logit_cap)
+  return spec.logit_cap * t, t
+
+
+def _skipped(spec, qi_Q, ki_S):
+  """Whether no query of the block sees any key of the block: all keys after the last query, or out of
+  the window of the first."""
+  far = jnp.min(ki_S) > jnp.max(qi_Q)
+  if spec.window:
+    far = far | (jnp.max(ki_S) <= jnp.min(qi_Q) - spec.window)
+  return far
+
+
+def _key_blocks(spec, k_BxSxKxE, v_BxSxKxE, ki_S, sk_BxS):
+  bk = spec.block_k
+  return (_q_blocks(k_BxSxKxE, bk), _q_blocks(v_BxSxKxE, bk), ki_S.reshape(-1, bk), _q_blocks(sk_BxS, bk))
+
+
+def _tied(q_BxLxHxE, qi_L, ki_S):
+  """The text indices tied to the queries by an optimization barrier, so that whether a block is skipped is not
+  known before the queries are. Inside a scan (the layer stack) JAX's partial evaluation hoists what depends on
+  constants alone out of the loop: it would precompute every pair of blocks' masks, [L / b, S / b, b, b], the
+  L x S the kernel exists to avoid (benchmarks/context_parallel.py measured it growing with L squared)."""
+  return jax.lax.optimization_barrier((q_BxLxHxE, qi_L, ki_S))
+
+
+def flash_forward(spec: FlashSpec, q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, qi_L, ki_S, sq_BxL, sk_BxS, state=None):
+  """The online softmax `state` (flash_state) after the keys k, v as well: what a ring step adds."""
+  q_BxLxHxE, qi_L, ki_S = _tied(q_BxLxHxE, qi_L, ki_S)
+  kv_heads = k_BxSxKxE.shape[2]
+  state = flash_state(spec, q_BxLxHxE, v_BxSxKxE) if state is None else state
+  q_blocks = _q_blocks(_grouped(q_BxLxHxE * jnp.asarray(spec.scale, q_BxLxHxE.dtype), kv_heads), spec.block_q)
+  keys = _key_blocks(spec, k_BxSxKxE, v_BxSxKxE, ki_S, sk_BxS)
+
+  def query_block(xs):
+    q, qi, sq, m, l, acc = xs
+
+    def key_block(carry, ks):
+      k, v, ki, sk = ks
+
+      def attend(carry):
+        m, l, acc = carry
+        mask = _block_mask(spec, qi, ki, sq, sk)
+        s = jnp.where(mask, _block_logits(spec, q, k)[0], _NEG)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+        rescale = jnp.exp(m - m_new)
+        pv = jnp.einsum('bkgqs,bske->bkgqe', p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        return m_new, l * rescale + jnp.sum(p, axis=-1), acc * rescale[..., None] + pv
+
+      return jax.lax.cond(_skipped(spec, qi, ki), lambda c: c, attend, carry), None
+
+    return jax.lax.scan(key_block, (m, l, acc), keys)[0]
+
+  return jax.lax.map(query_block, (q_blocks, qi_L.reshape(-1, spec.block_q), _q_blocks(sq_BxL, spec.block_q))
+                     + tuple(state))
+
+
+def flash_output(state, q_BxLxHxE):
+  """(output [B, L, H, E] in q's dtype, log-sum-exp [nq, B, K, G, bq] float32) of a finished state; a query
+  that saw no key gets 0."""
+  m, l, acc = state
+  seen = l > 0
+  lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), _NEG)
+  out = jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None], 0.0)
+  nq, b, k, g, bq, e = out.shape
+  out_BxLxHxE = out.transpose(1, 0, 4, 2, 3, 5).reshape(b, nq * bq, k * g, e)
+  return out_BxLxHxE.astype(q_BxLxHxE.dtype), lse
+
+
+def flash_delta(out_BxLxHxE, d_out_BxLxHxE, kv_heads: int):
+  """sum over E of dO x O per query and head, [B, L, K, G] float32: the softmax's backward term."""
+  delta = jnp.sum(d_out_BxLxHxE.astype(jnp.float32) * out_BxLxHxE.astype(jnp.float32), axis=-1)
+  b, l, h = delta.shape
+  return delta.reshape(b, l, kv_heads, h // kv_heads)
+
+
+def flash_backward(spec: FlashSpec, q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, qi_L, ki_S, sq_BxL, sk_BxS, lse, delta_BxLxKxG,
+                   d_out_BxLxHxE):
+  """(dq [B, L, H, E], dk, dv [B, S, K, E]) float32 of the queries' attention over these keys, given the
+  log-sum-exp over all the keys they attend to (a ring step's share of the gradients)."""
+  q_BxLxHxE, qi_L, ki_S = _tied(q_BxLxHxE, qi_L, ki_S)
+  kv_heads = k_BxSxKxE.shape[2]
+  bq = spec.block_q
+  dtype = q_BxLxHxE.dtype
+  q_blocks = _q_blocks(_grouped(q_BxLxHxE * jnp.asarray(spec.scale, dtype), kv_heads), bq)
+  do_blocks = _q_blocks(_grouped(d_out_BxLxHxE.astype(dtype), kv_heads), bq)
+  delta_blocks = jnp.moveaxis(_q_blocks(delta_BxLxKxG, bq), 2, -1)   # [nq, B, K, G, bq]
+  keys = _key_blocks(spec, k_BxSxKxE, v_BxSxKxE, ki_S, sk_BxS)
+
+  def query_block(d_keys, xs):
+    q, qi, sq, do, lse_q, delta = xs
+
+    def key_block(dq, ks):
+      k, v, ki, sk = ks
+
+      def grads(dq):
+        mask = _block_mask(spec, qi, ki, sq, sk)
+        s, t = _block_logits(spec, q, k)
+        p = jnp.where(mask, jnp.exp(s - lse_q[..., None]), 0.0)
+        dv = jnp.einsum('bkgqs,bqkge->bske', p.astype(dtype), do, preferred_element_type=jnp.float32)
+        dp = jnp.einsum('bqkge,bske->bkgqs', do, v, preferred_element_type=jnp.float32)
+        ds = p * (dp - delta[..., None])
+        if t is not None:   # through cap * tanh(s / cap)
+          ds = ds * (1.0 - t * t)
+        dq = dq + jnp.einsum('bkgqs,bske->bqkge', ds.astype(dtype), k, preferred_element_type=jnp.float32)
+        dk = jnp.einsum('bkgqs,bqkge->bske', ds.astype(dtype), q, preferred_element_type=jnp.float32)
+        return dq, (dk, dv)
+
+      zeros = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+      return jax.lax.cond(_skipped(spec, qi, ki), lambda dq: (dq, zeros), grads, dq)
+
+    dq, (dk, dv) = jax.lax.scan(key_block, jnp.zeros(q.shape, jnp.float32), keys)
+    return (d_keys[0] + dk, d_keys[1] + dv), dq
+
+  zero_keys = (jnp.zeros(keys[0].shape, jnp.float32), jnp.zeros(keys[1].shape, jnp.float32))
+  (dk, dv), dq = jax.lax.scan(query_block, zero_keys, (q_blocks, qi_L.reshape(-1, bq), _q_blocks(sq_BxL, bq),
+                                                       do_blocks, lse, delta_blocks))
+  unblock = lambda x: jnp.moveaxis(x, 0, 1).reshape((x.shape[1], x.shape[0] * x.shape[2]) + x.shape[3:])
+  b, l, h, e = q_BxLxHxE.shape
+  dq = unblock(dq).reshape(b, l, h, e) * spec.scale
+  return dq, unblock(dk), unblock(dv)

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from paxcli.layers import attention_ops, lora, quant
+from paxcli.layers import attention_ops, context_parallel, lora, quant
 from paxcli.layers.activation_sharding import constrain
 from paxcli.layers.transformer import Attention, Norm, yarn_mscale
 
@@ -155,9 +155,13 @@ class LatentAttention(Attention):
     else:
       k_BxLxHxE, v_BxLxHxV = self._expand(latent_BxLxR, k_rope_BxLxE, up)
       q = jnp.concatenate([q_nope_BxLxHxN, q_rope_BxLxHxR], axis=-1)
-      out_BxLxHxV = attention_ops.attention(q, checkpoint_name(k_BxLxHxE, 'key_proj'),
-                                            checkpoint_name(v_BxLxHxV, 'value_proj'), segment_ids_BxL,
-                                            self.attention_impl, self.atten_logit_cap, 0, scale=self._scale())
+      k_BxLxHxE, v_BxLxHxV = checkpoint_name(k_BxLxHxE, 'key_proj'), checkpoint_name(v_BxLxHxV, 'value_proj')
+      # a sequence split over the context axis has its own attention (paxcli.layers.context_parallel)
+      out_BxLxHxV = context_parallel.attention(q, k_BxLxHxE, v_BxLxHxV, segment_ids_BxL, 0, self.atten_logit_cap,
+                                               self._scale())
+      if out_BxLxHxV is None:
+        out_BxLxHxV = attention_ops.attention(q, k_BxLxHxE, v_BxLxHxV, segment_ids_BxL, self.attention_impl,
+                                              self.atten_logit_cap, 0, scale=self._scale())
     out_BxLxHxV = constrain(out_BxLxHxV, ('batch', 'length', 'heads', 'head_dim'))
     out = self._project(out_BxLxHxV, self._weights('out', (h, dv), (d,), ('heads', 'head_dim'), ('embed',)), 2)
     return checkpoint_name(constrain(out, ('batch', 'length', 'embed')), 'out_proj')

@@ -348,17 +348,17 @@ def dropless(x_BxLxD, experts_BxLxK, weights_BxLxK, kernels: dict, act, gated: b
 
 
 def _dropless_sharded(x_BxLxD, experts_BxLxK, weights_BxLxK, kernels: dict, act, gated: bool, mesh, table):
-  """`_dropless_local` as a shard_map: tokens where the batch is sharded, experts over the expert axis,
-  hidden units over mdl (where those axes divide them)."""
+  """`_dropless_local` as a shard_map: tokens where the batch (and, with context parallelism, the sequence)
+  is sharded, experts over the expert axis, hidden units over mdl (where those axes divide them)."""
   shape = dict(mesh.shape)
-  batch = spec_for(('batch',), (x_BxLxD.shape[0],), shape, table)[0]
+  batch, length = spec_for(('batch', 'length'), x_BxLxD.shape[:2], shape, table)
   e, f = kernels['wo'].shape[:2]
   expert = EXPERT_AXIS if shape.get(EXPERT_AXIS, 1) > 1 and e % shape[EXPERT_AXIS] == 0 else None
   model = MODEL_AXIS if shape.get(MODEL_AXIS, 1) > 1 and f % shape[MODEL_AXIS] == 0 else None
   P = jax.sharding.PartitionSpec
   specs = {'wi_0': P(expert, None, model), 'wi_1': P(expert, None, model), 'wo': P(expert, model, None),
            'bi_0': P(expert, model), 'bi_1': P(expert, model)}
-  token = P(batch, None, None)
+  token = P(batch, length, None)
 
   def body(x, experts, weights, local):
     return _dropless_local(x, experts, weights, local, act, gated, expert, model)

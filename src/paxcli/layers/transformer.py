@@ -21,7 +21,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec
 
-from paxcli.layers import aqt, attention_ops, fp8, lora, quant
+from paxcli.layers import aqt, attention_ops, context_parallel, fp8, lora, quant
 from paxcli.layers.activation_sharding import constrain
 from paxcli.layers.base import BaseLayer, LayerTpl, template_field
 from paxcli.options import ACTIVATIONS
@@ -409,7 +409,8 @@ class Attention(nn.Module):
 
   `segment_ids_BxL` None: one segment per row (no packing). The kernel is
   `attention_ops.attention`; attention_impl: auto (cuDNN flash attention on GPUs), dot_product
-  (jax.nn.dot_product_attention) or einsum (the reference).
+  (jax.nn.dot_product_attention), blockwise, flash or einsum (the reference). In a step that splits
+  sequences over the mesh's context axis, paxcli.layers.context_parallel's attention runs instead.
   Queries: 1/sqrt(E), or 1/sqrt(query_pre_attn_scalar) when that is set (Gemma's), times Pax's
   learned PerDimScale with `per_dim_scale` (softplus(w) / softplus(0) per dimension, w starting
   at 0). `atten_logit_cap` > 0 soft-caps the logits with tanh before the mask, as Pax's
@@ -515,7 +516,9 @@ class Attention(nn.Module):
       scaling = rotary_scaling(self, rotary_dims(x_BxLxNxE.shape[-1], self.rotary_fraction))
       long_BxL = None
       if scaling is not None and scaling.long is not None:
-        long_BxL = beyond(positions_BxL, segment_ids_BxL, scaling.original_max_len)
+        # a text's runs of one segment read in the text's order, wherever a context axis put its tokens
+        long_BxL = context_parallel.in_text_order(lambda p, s: beyond(p, s, scaling.original_max_len),
+                                                  positions_BxL, segment_ids_BxL)
       return rotary(x_BxLxNxE, positions_BxL, self.rotary_max_timescale, scaling, long_BxL, self.rotary_fraction,
                     self.rotary_interleave)
     return turn
@@ -566,10 +569,13 @@ class Attention(nn.Module):
         out_BxLxHxE = self._rolling_cache(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL, positions_BxL)
       else:
         out_BxLxHxE = self._decode_cache(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL)
-    else:
-      out_BxLxHxE = attention_ops.attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL,
-                                            self.attention_impl, self.atten_logit_cap, self.sliding_window,
-                                            scale=self._scale())
+    else:   # a sequence split over the context axis (a train or eval step) has its own attention
+      out_BxLxHxE = context_parallel.attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL, self.sliding_window,
+                                               self.atten_logit_cap, self._scale())
+      if out_BxLxHxE is None:
+        out_BxLxHxE = attention_ops.attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL,
+                                              self.attention_impl, self.atten_logit_cap, self.sliding_window,
+                                              scale=self._scale())
     out_BxLxHxE = constrain(out_BxLxHxE, ('batch', 'length', 'heads', 'head_dim'))
     if has_fused(self, 'out'):   # laid out [D, H E] for decoding (fuse_for_decoding)
       out = fused_product(self, 'out', out_BxLxHxE.reshape(out_BxLxHxE.shape[:2] + (-1,)), self.dtype)

@@ -439,6 +439,7 @@ LM_KNOBS: tuple[Knob, ...] = (
     Knob('ATTENTION_IMPL', AttentionImplName, 'auto', ATTENTION + 'attention_impl',
          'auto: jax.nn.dot_product_attention (cuDNN flash attention on GPUs in bf16/fp16, XLA elsewhere), the '
          'blockwise kernel for capped logits; blockwise: a block of queries at a time, logits never whole; '
+         'flash: blocks of queries and keys, memory linear in the length (long sequences); '
          'einsum: the plain reference with explicit float32 logits'),
     # Pipeline parallelism (paxcli.layers.pipeline): NUM_STAGES > 1 needs USE_REPEATED_LAYER and a
     # four-entry ICI_MESH_SHAPE [stage, replica, data, mdl] whose stage entry (times DCN's) equals it.
@@ -484,7 +485,8 @@ LM_KNOBS: tuple[Knob, ...] = (
          "AQT='int8': the gradients round stochastically in the backward products (unbiased)"),
     Knob('LOSS_CHUNK_TOKENS', int, 0, 'loss_chunk_tokens',
          'the loss makes the logits of at most this many tokens per device at a time (proportionally fewer above '
-         'a 32k vocabulary; 2048 a good start); 0 (default): all at once'),
+         'a 32k vocabulary; 2048 a good start); 0 (default): 2048 where a device\'s whole float32 logits would pass '
+         '2 GiB (long sequences, large vocabularies), else all at once; -1: always all at once'),
     Knob('MODEL_FAMILY', Optional[str], None, 'family',
          "the model family the model is (paxcli.models.registry: 'llama', 'qwen3', ...), which --to hf and --to "
          'peft write and pax describe names; the family presets and every import set it. None: placed by its '

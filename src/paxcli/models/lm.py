@@ -17,7 +17,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from paxcli.errors import UserError
-from paxcli.layers import cpu_isa, lora, pipeline, quant
+from paxcli.layers import context_parallel, cpu_isa, lora, pipeline, quant
 from paxcli.layers.fp8 import FP8_STATE
 from paxcli.layers.activation_sharding import active_axis_size, constrain
 from paxcli.layers.base import (AUX_LOSS, NON_TRAINABLE, RANDOM, SUMMARIES, BaseLayer, LayerTpl, build_arguments,
@@ -28,7 +28,7 @@ from paxcli.models import knobs, pattern
 from paxcli.models.base import DecodingModel, dtype_name
 from paxcli.models.flops import ModelFlops, stack_flops
 from paxcli.models.losses import Head, head_lm_loss, token_scores
-from paxcli.models.validation import validate_expert_axis, validate_family, validate_lm
+from paxcli.models.validation import validate_context, validate_expert_axis, validate_family, validate_lm
 
 REMAT_POLICIES = {
     'save_nothing': lambda: jax.checkpoint_policies.nothing_saveable,
@@ -375,8 +375,9 @@ class LanguageModel(DecodingModel):
   # LORA_BASE_DTYPE: the frozen base weights' dtype under LoRA (models.BaseModel.frozen_dtype).
   lora_base_dtype: str = 'float32'
   # LOSS_CHUNK_TOKENS: the loss makes the logits at most this many tokens (per device) at a time
-  # (paxcli.models.losses.head_lm_loss); 0: whole. Off by default: the backward pass remakes each
-  # chunk's logits, a third more of the output layer's FLOPs (docs/guides/performance-knobs.md).
+  # (paxcli.models.losses.head_lm_loss); 0: so only where a device's whole logits would pass 2 GiB (the backward
+  # pass remakes each chunk's logits, a third more of the output layer's FLOPs: docs/guides/performance-knobs.md);
+  # -1: whole.
   loss_chunk_tokens: int = 0
   # MODEL_FAMILY: the family the model is (paxcli.models.registry), read by conversions and describe; None:
   # placed by its function. It changes nothing the model computes.
@@ -389,6 +390,11 @@ class LanguageModel(DecodingModel):
   def __call__(self, ids_BxL, segment_ids_BxL=None, positions_BxL=None, deterministic: bool = True,
                features: bool = False):
     return self.lm(ids_BxL, segment_ids_BxL, positions_BxL, deterministic=deterministic, features=features)
+
+  def fprop(self, input_batch: dict, deterministic: bool = True):
+    """(loss, metrics) of a batch; in a step that splits sequences over the context axis with load
+    balancing, every per-token array is first put in the devices' order, once (paxcli.layers.context_parallel)."""
+    return super().fprop(context_parallel.to_device_order(input_batch), deterministic)
 
   def compute_predictions(self, input_batch: dict, deterministic: bool = True):
     """(final features [B, L, D], the output projection): the loss makes the logits from them."""
@@ -433,10 +439,19 @@ class LanguageModel(DecodingModel):
 
   def validate(self) -> None:
     validate_lm(self.lm_tpl)
+    if self.loss_chunk_tokens < -1:
+      raise UserError(f'LOSS_CHUNK_TOKENS must be a number of tokens, 0 (chunks where memory binds) or -1 (the '
+                      f'logits whole), got {self.loss_chunk_tokens}.')
     validate_family(self.family)
 
   def validate_mesh(self, axis_sizes: dict) -> None:
     validate_expert_axis(self.lm_tpl, axis_sizes.get('expert', 1))
+
+  def validate_context(self, size: int, settings, lengths=()) -> None:
+    """What cannot follow sequences split over a context axis of `size` devices (paxcli.layers.context_parallel)
+    as `settings` (activation_sharding.ContextParallel) split them, at the inputs' `lengths` ((what, tokens)):
+    one line each (paxcli.models.validation.validate_context)."""
+    validate_context(self.lm_tpl, size, settings, lengths)
 
   @property
   def lora(self) -> dict:

@@ -117,21 +117,36 @@ class Head:
 # LOSS_CHUNK_TOKENS counts tokens at this vocabulary or below; a larger vocabulary gets proportionally fewer
 # tokens a chunk, so that a chunk's logits stay as large (2,048 x 32,768 float32: 256 MiB) whatever the vocabulary.
 CHUNK_VOCAB = 32768
+# LOSS_CHUNK_TOKENS 0 (the default) chunks where memory binds: the logits whole unless a device's float32 logits
+# would take more than AUTO_CHUNK_BYTES (8B's 128k vocabulary at 4k tokens a device), then chunks of
+# AUTO_CHUNK_TOKENS; -1 never chunks.
+AUTO_CHUNK_BYTES = 2 << 30
+AUTO_CHUNK_TOKENS = 2048
 
 
 def chunk_length(batch: int, length: int, chunk_tokens: int, vocab: int = CHUNK_VOCAB) -> int:
-  """Positions per chunk of the loss: the longest divisor of `length` whose chunk of the batch as one
-  device holds it (its share under the active activation sharding) is at most `chunk_tokens` tokens
-  (x CHUNK_VOCAB / `vocab` above that vocabulary; at least 1 position); `length` itself (one chunk: the
-  logits made whole) when that fits or chunk_tokens is 0."""
-  if not chunk_tokens:
+  """Positions per chunk of the loss: the longest whose chunk of the batch as one device holds it (its share
+  under the active activation sharding: rows over the batch axes, and, with context parallelism, positions
+  over the context axis, each device's share cut alike) is at most `chunk_tokens` tokens (x CHUNK_VOCAB /
+  `vocab` above that vocabulary; at least 1 position a device); `length` itself (one chunk: the logits made
+  whole) when that fits or chunk_tokens is -1. chunk_tokens 0: AUTO_CHUNK_TOKENS where a device's whole
+  float32 logits would pass AUTO_CHUNK_BYTES, else whole."""
+  row_shards, shares = activation_sharding.active_shards(('batch', 'length'), (batch, length))
+  rows, share = max(1, batch // row_shards), length // shares
+  if chunk_tokens == 0:
+    chunk_tokens = AUTO_CHUNK_TOKENS if rows * share * vocab * 4 > AUTO_CHUNK_BYTES else -1
+  if chunk_tokens < 0:
     return length
   budget = max(1, chunk_tokens * CHUNK_VOCAB // vocab) if vocab > CHUNK_VOCAB else chunk_tokens
-  rows = max(1, batch // activation_sharding.active_shards(('batch',), (batch,))[0])
-  if rows * length <= budget:
+  if rows * share <= budget:
     return length
-  fits = [c for c in range(1, length + 1) if length % c == 0 and rows * c <= budget]
-  return max(fits) if fits else 1
+  fits = [c for c in range(1, share + 1) if share % c == 0 and rows * c <= budget]
+  return (max(fits) if fits else 1) * shares
+
+
+def _shares(batch: int, length: int) -> int:
+  """Over how many devices the active activation sharding splits a row's positions (context parallelism)."""
+  return activation_sharding.active_shards(('batch', 'length'), (batch, length))[1]
 
 
 def head_lm_loss(x_BxLxD, head: Head, labels_BxL, weights_BxL, chunk_tokens: int):
@@ -142,22 +157,23 @@ def head_lm_loss(x_BxLxD, head: Head, labels_BxL, weights_BxL, chunk_tokens: int
   c = chunk_length(b, l, chunk_tokens, head.vocab)
   if c == l:
     return fused_lm_loss(head.logits(x_BxLxD), labels_BxL, weights_BxL)
-  nll_BxL, correct_BxL = _chunked_nll(l // c, activation_sharding.snapshot())(x_BxLxD, head, labels_BxL)
+  nll_BxL, correct_BxL = _chunked_nll(l // c, _shares(b, l), activation_sharding.snapshot())(x_BxLxD, head,
+                                                                                            labels_BxL)
   return _weighted(nll_BxL, correct_BxL, weights_BxL)
 
 
 def token_scores(x_BxLxD, head: Head, targets_BxL, chunk_tokens: int):
   """(log-probability of each target [B, L] float32, whether it is the argmax [B, L]) with the logits made
   a chunk of positions at a time as in head_lm_loss: for scoring, no gradient."""
-  n = l = targets_BxL.shape[1]
-  n //= chunk_length(targets_BxL.shape[0], l, chunk_tokens, head.vocab)
+  b, l = targets_BxL.shape
+  n, shares = l // chunk_length(b, l, chunk_tokens, head.vocab), _shares(b, l)
 
   def one(x_c, y_c):
     logits = head.logits(x_c)
     return _label_logit_BxL(logits, y_c) - _logsumexp_BxL(logits), jnp.argmax(logits, axis=-1) == y_c
 
-  logp, greedy = jax.lax.map(lambda xs: one(*xs), (_chunks(x_BxLxD, n), _chunks(targets_BxL, n)))
-  return _unchunk(logp), _unchunk(greedy)
+  logp, greedy = jax.lax.map(lambda xs: one(*xs), (_chunks(x_BxLxD, n, shares), _chunks(targets_BxL, n, shares)))
+  return _unchunk(logp, shares), _unchunk(greedy, shares)
 
 
 def _weighted(nll_BxL, correct_BxL, weights_BxL):
@@ -169,18 +185,25 @@ def _weighted(nll_BxL, correct_BxL, weights_BxL):
   return loss, {'loss_sum': loss_sum, 'correct_sum': correct, 'weight_sum': total_weight}
 
 
-def _chunks(a_BxL, n: int):
-  """[B, L, ...] -> [n, B, L / n, ...]: chunk i holds positions i L/n .. (i + 1) L/n - 1 of every row."""
+def _chunks(a_BxL, n: int, shares: int = 1):
+  """[B, L, ...] -> [n, B, L / n, ...]: chunk i holds the i-th n-th of each of a row's `shares` (the devices its
+  positions are split over, each cut alike so that a chunk is made where its tokens are); with 1 share,
+  positions i L/n .. (i + 1) L/n - 1."""
   b, l = a_BxL.shape[:2]
-  return jnp.moveaxis(a_BxL.reshape(b, n, l // n, *a_BxL.shape[2:]), 1, 0)
+  rest = a_BxL.shape[2:]
+  split = a_BxL.reshape(b, shares, n, l // (shares * n), *rest)
+  return jnp.moveaxis(split, 2, 0).reshape(n, b, l // n, *rest)
 
 
-def _unchunk(a_NxBxC):
+def _unchunk(a_NxBxC, shares: int = 1):
+  """The inverse of _chunks."""
   n, b, c = a_NxBxC.shape[:3]
-  return jnp.moveaxis(a_NxBxC, 0, 1).reshape(b, n * c, *a_NxBxC.shape[3:])
+  rest = a_NxBxC.shape[3:]
+  split = a_NxBxC.reshape(n, b, shares, c // shares, *rest)
+  return jnp.moveaxis(split, 0, 2).reshape(b, n * c, *rest)
 
 
-def _chunked_nll(n: int, sharding_rules):
+def _chunked_nll(n: int, shares: int, sharding_rules):
   """(x, head, labels) -> (nll [B, L], correct [B, L] float32), a chunk at a time both ways.
 
   The forward pass keeps the log-sum-exp per token; the backward pass makes each chunk's logits again
@@ -196,8 +219,8 @@ def _chunked_nll(n: int, sharding_rules):
 
   def forward(x_BxLxD, head, labels_BxL):
     _, (nll, lse, correct) = jax.lax.scan(lambda carry, xs: (carry, per_chunk(head, *xs)), None,
-                                          (_chunks(x_BxLxD, n), _chunks(labels_BxL, n)))
-    return (_unchunk(nll), _unchunk(correct)), lse
+                                          (_chunks(x_BxLxD, n, shares), _chunks(labels_BxL, n, shares)))
+    return (_unchunk(nll, shares), _unchunk(correct, shares)), lse
 
   @jax.custom_vjp
   def nll(x_BxLxD, head, labels_BxL):
@@ -222,9 +245,9 @@ def _chunked_nll(n: int, sharding_rules):
 
     with sharding_rules():
       zero = jax.tree.map(jnp.zeros_like, head)
-      d_head, dx_NxBxCxD = jax.lax.scan(back, zero, (_chunks(x_BxLxD, n), _chunks(labels_BxL, n), lse_NxBxC,
-                                                     _chunks(g_BxL, n)))
-    return _unchunk(dx_NxBxCxD), d_head, None
+      d_head, dx_NxBxCxD = jax.lax.scan(back, zero, (_chunks(x_BxLxD, n, shares), _chunks(labels_BxL, n, shares),
+                                                     lse_NxBxC, _chunks(g_BxL, n, shares)))
+    return _unchunk(dx_NxBxCxD, shares), d_head, None
 
   nll.defvjp(fwd, bwd)
   return nll

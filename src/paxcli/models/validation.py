@@ -6,10 +6,14 @@ from __future__ import annotations
 import fiddle as fdl
 
 from paxcli.errors import UserError, at_least
-from paxcli.layers import lora, moe, quant
+from paxcli.layers import attention_ops, lora, moe, quant
 from paxcli.layers.mla import LatentAttention
 from paxcli.layers.transformer import Attention, Mlp
 from paxcli.models import pattern, registry
+
+# The smallest block of the attention kernel a chunk of a context-parallel sequence may be cut into (a
+# shorter chunk is one block): below it the kernel's loop of blocks costs more than the blocks' products.
+MIN_CONTEXT_BLOCK = 64
 
 
 def validate_lm(lm) -> None:
@@ -223,3 +227,55 @@ def validate_lora(attention) -> None:
     raise UserError(f'LORA_ALPHA must be positive, got {attention.lora_alpha}.')
   if not 0 <= attention.lora_dropout < 1:
     raise UserError(f'LORA_DROPOUT must be in [0, 1), got {attention.lora_dropout}.')
+
+
+def validate_context(lm, size: int, settings, lengths=()) -> None:
+  """One line for what cannot follow sequences split over a context axis of `size` devices
+  (paxcli.layers.context_parallel) as `settings` (activation_sharding.ContextParallel) split them. In load-balanced
+  order (each device holds an early and a late chunk) a layer of any kind (the block, a LAYER_PATTERN or
+  LAYER_PREFIX kind's) whose attention is not paxcli's (it would take the order of the array for the order of the
+  text) or whose experts fill their buffers by GShard's capacity (in the order of the text). For each of `lengths`
+  ((what, tokens) of the inputs), a chunk the attention kernel cannot cut into blocks (context_chunk_blocks)."""
+  block = getattr(lm, 'block_tpl', None)
+  if block is None:
+    return
+  for what, length in lengths:
+    if length:
+      _validate_chunk_blocks(what, length, size, settings.load_balance)
+  if not settings.load_balance:
+    return
+  prefix = tuple(getattr(lm, 'layer_prefix', ()) or ())
+  kinds = (pattern.kinds_in_order(getattr(lm, 'layer_pattern', ()), getattr(lm, 'layer_kinds', ()))
+           + pattern.prefix_kinds(prefix, getattr(lm, 'layer_kinds', ())))
+  blocks = [('The ', block)] + [(f"The {kind!r} layers' ", pattern.kind_template(block, fields))
+                                for kind, fields in kinds if fields]
+  fix = f'set CONTEXT_LOAD_BALANCE=False (each of the {size} devices then holds one contiguous share), or no context axis.'
+  for label, b in blocks:
+    attention = getattr(b, 'attention_tpl', None)
+    if attention is not None and fdl.get_callable(attention) not in (Attention, LatentAttention):
+      name = getattr(fdl.get_callable(attention), '__name__', 'a swapped-in layer')
+      raise UserError(f"{label}attention layer is {name}, which cannot follow the load-balanced order of a "
+                      f'sequence split over the context axis (it would take the order of the array for the order '
+                      f"of the text, which only paxcli's attention layers know apart): {fix}")
+    ffn = getattr(b, 'ffn_tpl', None)
+    if ffn is not None and fdl.get_callable(ffn) is moe.MoeFeedForward and ffn.dispatch == 'capacity':
+      raise UserError(f"{label}mixture of experts has MOE_DISPATCH='capacity', which fills each expert's "
+                      'buffer in the order of the text; a sequence split over the context axis with load balancing is '
+                      f"in another order on each device: use MOE_DISPATCH='dropless', or {fix}")
+
+
+def _validate_chunk_blocks(what: str, length: int, size: int, balanced: bool) -> None:
+  """The chunks of a sequence (length / size, or / 2 size with load balancing) cut into blocks of the attention
+  kernel (at most FLASH_BLOCK, dividing a chunk) no smaller than MIN_CONTEXT_BLOCK, or one block a chunk: a chunk
+  of a prime 521 tokens would be cut in blocks of one token, a loop of 521 x 521 steps a pair of chunks."""
+  chunks = size * (2 if balanced else 1)
+  if length % chunks:
+    return   # the caller's divisibility line says it
+  chunk = length // chunks
+  block = attention_ops.flash_block(chunk)
+  if block < min(chunk, MIN_CONTEXT_BLOCK):
+    good = -(-length // (chunks * MIN_CONTEXT_BLOCK)) * chunks * MIN_CONTEXT_BLOCK
+    raise UserError(f'The {length:,} tokens of {what} make {chunks} chunks of {chunk:,} over the context axis, which '
+                    f'the attention kernel cuts only into blocks of {block} (the largest divisor of a chunk up to '
+                    f'{attention_ops.FLASH_BLOCK}): choose a length whose chunks are a multiple of {MIN_CONTEXT_BLOCK} '
+                    f'tokens (a multiple of {chunks * MIN_CONTEXT_BLOCK:,}, such as {good:,}), or another context size.')

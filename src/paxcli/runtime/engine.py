@@ -56,11 +56,14 @@ class Setup:
   mean_sync: Any = None     # per non-trainable variable: tagged REQUIRES_MEAN_SYNC (None: none)
   activation_rules: Optional[dict] = None  # overrides of layers.activation_sharding.ACTIVATION_RULES
   pipeline: Any = None      # layers.pipeline.Schedule of a pipelined model (None: not pipelined)
+  # How sequences split over the mesh's context axis (paxcli.layers.context_parallel)
+  context: activation_sharding.ContextParallel = dataclasses.field(default_factory=activation_sharding.ContextParallel)
 
   def activation_sharding(self):
     """The context to trace a train or eval step in: layers' `constrain` calls apply the
-    activation rules on this mesh (see paxcli.layers.activation_sharding)."""
-    return activation_sharding.rules(self.mesh, self.activation_rules)
+    activation rules on this mesh (see paxcli.layers.activation_sharding), and sequences split
+    over its context axis as CONTEXT_PARALLEL_STRATEGY and CONTEXT_LOAD_BALANCE say."""
+    return activation_sharding.rules(self.mesh, self.activation_rules, self.context)
 
 
 def build(resolved, mesh=None) -> Setup:
@@ -71,6 +74,7 @@ def build(resolved, mesh=None) -> Setup:
   model, train = task.model, task.train
   if hasattr(model, 'validate_mesh'):
     model.validate_mesh(dict(mesh.shape))   # a -1 filled in: the sizes are now known
+  validate_context(resolved, model, sharding.context_size(mesh))
   gbs = global_batch_size(exp.PERCORE_BATCH_SIZE, mesh.size)
   infeed = plan_infeed(mesh, gbs)
   check_host_batch(model, infeed.process_rows, _seq_len(resolved, model))
@@ -99,7 +103,8 @@ def build(resolved, mesh=None) -> Setup:
   abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                           abstract_unboxed, state_shardings)
   return Setup(mesh, model, train, tx, rules, abstract, state_shardings, logical, seq_len, infeed.rows,
-               infeed.process_rows, infeed, mean_sync, dict(task.activation_sharding_rules or {}), schedule)
+               infeed.process_rows, infeed, mean_sync, dict(task.activation_sharding_rules or {}), schedule,
+               context_settings(exp))
 
 
 def validate(resolved):
@@ -113,6 +118,7 @@ def validate(resolved):
   task = build_task(resolved.task)
   validate_model(task.model)
   validate_mesh(task.model, exp.ICI_MESH_SHAPE, exp.DCN_MESH_SHAPE)
+  validate_context(resolved, task.model, sharding.context_axis_size(exp.ICI_MESH_SHAPE, exp.DCN_MESH_SHAPE))
   validate_train(task.train)
   check_buildable(task.model, _seq_len(resolved, task.model))
   return task
@@ -122,6 +128,47 @@ def validate_mesh(model, ici, dcn) -> None:
   """The model's checks against the mesh the shapes make (model.validate_mesh), before any device is used."""
   if hasattr(model, 'validate_mesh'):
     model.validate_mesh({sharding.EXPERT_AXIS: sharding.expert_axis_size(ici, dcn)})
+
+
+def context_settings(exp) -> activation_sharding.ContextParallel:
+  """CONTEXT_PARALLEL_STRATEGY and CONTEXT_LOAD_BALANCE of an experiment."""
+  return activation_sharding.ContextParallel(exp.CONTEXT_PARALLEL_STRATEGY, exp.CONTEXT_LOAD_BALANCE)
+
+
+def validate_context(resolved, model, size: Optional[int]) -> None:
+  """One line, before anything compiles, where the sequences cannot be split over a context axis of `size`
+  devices (None: a -1 the devices fill, checked again once they have): every input's sequence length against the
+  chunks each device holds (2 a device with CONTEXT_LOAD_BALANCE), then the model's own checks
+  (model.validate_context: its layers, the kernel's blocks of a chunk; a model that does not say it can refuses)."""
+  if not size or size == 1:
+    return
+  settings = context_settings(resolved.experiment)
+  if not hasattr(model, 'validate_context'):
+    raise UserError(f'{type(model).__name__} does not split its sequences over a context axis; make the context '
+                    'entry of ICI_MESH_SHAPE (and DCN_MESH_SHAPE) 1.')
+  chunks = size * (2 if settings.load_balance else 1)
+  lengths = [('a sequence of the train input', _seq_len(resolved, model))]
+  lengths += [('a sequence of an eval input', getattr(c, 'seq_len', None)) for c in resolved.eval_datasets()]
+  for what, length in lengths:
+    if length and length % chunks:
+      each = (f'each device holds 2 of {chunks} equal chunks (CONTEXT_LOAD_BALANCE)' if settings.load_balance
+              else f'each device holds 1 of {chunks} equal shares')
+      raise UserError(f'The context axis of {size} devices does not divide the {length:,} tokens of {what} '
+                      f'(MAX_SEQ_LEN, or its seq_len): {each}, so the length must be a multiple of {chunks}. '
+                      f'Choose a multiple of {chunks}, or another context size.')
+  model.validate_context(size, settings, lengths)
+
+
+def context_note(exp, size: int, seq_len: Optional[int]) -> str:
+  """'each sequence over 4 devices (context), attention by ring; load-balanced: 2 chunks of 4,096 tokens a
+  device' for `pax describe`."""
+  settings = context_settings(exp)
+  note = f'each sequence over {size} devices (context), attention by {settings.strategy}'
+  if not seq_len:
+    return note
+  if settings.load_balance:
+    return f'{note}; load-balanced: 2 chunks of {seq_len // (2 * size):,} tokens a device'
+  return f'{note}; {seq_len // size:,} consecutive tokens a device'
 
 
 def _seq_len(resolved, model) -> Optional[int]:
@@ -446,6 +493,9 @@ def summary(resolved) -> dict:
     out['devices'] = math.prod(ici) * dcn_size
   seq_len = getattr(resolved.train_dataset(), 'seq_len', None) or getattr(model, 'max_seq_len', None)
   out['seq_len'] = seq_len
+  context = sharding.context_axis_size(ici, dcn)
+  if context and context > 1:
+    out['context_parallel'] = context_note(exp, context, seq_len)
   percore = exp.PERCORE_BATCH_SIZE
   out['global_batch'] = None
   if out['devices']:

@@ -7,9 +7,12 @@ A four-entry shape, Pax's pipeline form `[stage, replica, data, mdl]`, adds a le
 A five-entry shape `[stage, replica, data, expert, mdl]` adds an `expert` axis for expert
 parallelism (paxcli.layers.moe): expert weights are sharded over it, and so is the batch
 outside the experts, so that it is data parallelism for every other layer.
+A six-entry shape `[stage, replica, data, expert, context, mdl]` adds a `context` axis for
+context parallelism (paxcli.layers.context_parallel): each sequence is split over it, through
+the whole model, and weights are sharded over it as over `data` (FSDP style); rows are not.
 ICI_MESH_SHAPE gives the mesh within a slice; DCN_MESH_SHAPE, when set, is an outer
 factor across slices (processes or groups of processes), so the global mesh is their
-element-wise product (a shorter shape beside a longer one has stage 1 and expert 1).
+element-wise product (a shorter shape beside a longer one has stage 1, expert 1 and context 1).
 """
 
 from __future__ import annotations
@@ -28,9 +31,11 @@ from paxcli.layers.activation_sharding import spec_for
 MESH_AXES = ('replica', 'data', 'mdl')
 STAGE_AXIS = 'stage'
 EXPERT_AXIS = 'expert'
+CONTEXT_AXIS = 'context'
 PIPELINE_MESH_AXES = (STAGE_AXIS,) + MESH_AXES
 EXPERT_MESH_AXES = (STAGE_AXIS, 'replica', 'data', EXPERT_AXIS, 'mdl')
-AXES_BY_LENGTH = {3: MESH_AXES, 4: PIPELINE_MESH_AXES, 5: EXPERT_MESH_AXES}
+CONTEXT_MESH_AXES = (STAGE_AXIS, 'replica', 'data', EXPERT_AXIS, CONTEXT_AXIS, 'mdl')
+AXES_BY_LENGTH = {3: MESH_AXES, 4: PIPELINE_MESH_AXES, 5: EXPERT_MESH_AXES, 6: CONTEXT_MESH_AXES}
 BATCH_AXES = ('replica', 'data', EXPERT_AXIS)   # a mesh without an expert axis: (replica, data)
 
 # logical axis -> mesh axes, tried in order. A mesh axis is used only if it divides
@@ -38,16 +43,16 @@ BATCH_AXES = ('replica', 'data', EXPERT_AXIS)   # a mesh without an expert axis:
 DEFAULT_RULES: dict[str, tuple[str, ...]] = {
     'batch': BATCH_AXES,
     'vocab': ('mdl',),
-    'embed': ('data',),
+    'embed': ('data', CONTEXT_AXIS),   # context devices hold other tokens: they shard weights as data does
     'mlp': ('mdl',),
     'heads': ('mdl',),
     'kv_heads': ('mdl',),
     'head_dim': (),
     'layers': (STAGE_AXIS,),   # the scanned layer stack: stages hold consecutive layers
     'exp': (EXPERT_AXIS,),     # the experts of a mixture-of-experts layer
-  # A latent of multi-head latent attention (paxcli.layers.mla): its up-projections [latent, heads, head_dim]
-  # are the attention's largest weights (2.2B of DeepSeek-V3's 11B), replicated 256 times on a v5p-512 without it.
-  'latent': ('data',),
+    # A latent of multi-head latent attention (paxcli.layers.mla): its up-projections [latent, heads, head_dim]
+    # are the attention's largest weights (2.2B of DeepSeek-V3's 11B), replicated 256 times on a v5p-512 without it.
+    'latent': ('data', CONTEXT_AXIS),
     'norm': (),
 }
 
@@ -56,13 +61,13 @@ def mesh_shape(ici: Optional[Sequence[int]], dcn: Optional[Sequence[int]], num_d
   """Resolves ICI/DCN shapes (None: all devices on `data`; one -1: fill) or raises UserError.
 
   Both come back with the same number of entries: 3, 4 when either has a stage entry, 5 when
-  either has an expert entry.
+  either has an expert entry, 6 when either has a context entry.
   """
   check_mesh_shapes(ici, dcn)
   dcn = list(dcn) if dcn is not None else None
   ici = list(ici) if ici is not None else [1, -1, 1]
   dcn = dcn if dcn is not None else [1] * len(ici)
-  length = max(len(ici), len(dcn))   # a shorter shape has stage 1 (and expert 1) there
+  length = max(len(ici), len(dcn))   # a shorter shape has stage 1 (expert 1, context 1) there
   ici, dcn = _lengthen(ici, length), _lengthen(dcn, length)
   if -1 in dcn:
     raise UserError('DCN_MESH_SHAPE may not contain -1.')
@@ -91,18 +96,32 @@ def mesh_shape(ici: Optional[Sequence[int]], dcn: Optional[Sequence[int]], num_d
 
 
 def _lengthen(shape: list[int], length: int) -> list[int]:
-  """A 3- or 4-entry shape written with `length` entries: stage 1 in front, expert 1 before mdl."""
+  """A 3-, 4- or 5-entry shape written with `length` entries: stage 1 in front, expert 1 and context 1
+  before mdl."""
   if len(shape) == 3 and length > 3:
     shape = [1] + shape
-  if len(shape) == 4 and length == 5:
+  if len(shape) == 4 and length > 4:
     shape = shape[:3] + [1] + shape[3:]
+  if len(shape) == 5 and length == 6:
+    shape = shape[:4] + [1] + shape[4:]
   return shape
+
+
+def _axis_size(ici, dcn, axis: str) -> Optional[int]:
+  """`axis` of the mesh these shapes make: 1 where neither has it, None while it is a -1 (devices fill it)."""
+  entries = [list(s)[AXES_BY_LENGTH[len(s)].index(axis)] for s in (ici, dcn)
+             if s is not None and len(s) in AXES_BY_LENGTH and axis in AXES_BY_LENGTH[len(s)]]
+  return None if -1 in entries else math.prod(entries)
 
 
 def expert_axis_size(ici: Optional[Sequence[int]], dcn: Optional[Sequence[int]]) -> Optional[int]:
   """The expert axis of the mesh these shapes make: 1 without one, None while it is a -1 (devices fill it)."""
-  entries = [list(s)[3] for s in (ici, dcn) if s is not None and len(s) == 5]
-  return None if -1 in entries else math.prod(entries)
+  return _axis_size(ici, dcn, EXPERT_AXIS)
+
+
+def context_axis_size(ici: Optional[Sequence[int]], dcn: Optional[Sequence[int]]) -> Optional[int]:
+  """The context axis of the mesh these shapes make: 1 without one, None while it is a -1 (devices fill it)."""
+  return _axis_size(ici, dcn, CONTEXT_AXIS)
 
 
 def check_mesh_shapes(ici: Optional[Sequence[int]], dcn: Optional[Sequence[int]]) -> None:
@@ -113,8 +132,8 @@ def check_mesh_shapes(ici: Optional[Sequence[int]], dcn: Optional[Sequence[int]]
     shape = list(shape)
     if len(shape) not in AXES_BY_LENGTH:
       raise UserError(f'{name} must have 3 entries for the axes {MESH_AXES}, 4 for '
-                      f'{PIPELINE_MESH_AXES} (pipeline parallelism) or 5 for {EXPERT_MESH_AXES} (expert '
-                      f'parallelism), got {shape}.')
+                      f'{PIPELINE_MESH_AXES} (pipeline parallelism), 5 for {EXPERT_MESH_AXES} (expert '
+                      f'parallelism) or 6 for {CONTEXT_MESH_AXES} (context parallelism), got {shape}.')
     if any(s == 0 or s < -1 for s in shape) or shape.count(-1) > 1:
       raise UserError(f'{name} {shape}: entries must be positive, with at most one -1 (fill).')
   if dcn is not None and -1 in list(dcn):
@@ -212,6 +231,11 @@ def data_parallel_size(mesh: Mesh) -> int:
 def num_stages(mesh: Mesh) -> int:
   """The size of the mesh's `stage` axis (1 for a three-axis mesh)."""
   return dict(mesh.shape).get(STAGE_AXIS, 1)
+
+
+def context_size(mesh: Mesh) -> int:
+  """The size of the mesh's `context` axis: how many devices share each sequence (1 without one)."""
+  return dict(mesh.shape).get(CONTEXT_AXIS, 1)
 
 
 def describe_mesh(mesh: Mesh) -> str:
