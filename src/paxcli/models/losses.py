@@ -85,7 +85,8 @@ class Head:
 
   `w` is the embedding table [V, D] (tied logits) or the logits kernel [D, V]; `bias` [V] or None.
   `logits(x)` is the one place logits are made from the final features, whole (TransformerLm's output)
-  or in chunks (chunked_lm_loss, token_scores): float32, soft-capped by `cap` (0: not capped).
+  or in chunks (chunked_lm_loss, token_scores): float32, soft-capped by `cap` (0: not capped), then divided by
+  `temperature` (GRPO scores its samples at the temperature they were drawn at, as TRL does).
   """
   w: jax.Array
   bias: Optional[jax.Array]
@@ -93,6 +94,7 @@ class Head:
   dtype: Any = flax.struct.field(pytree_node=False)        # the compute dtype the product runs in
   table_dtype: Any = flax.struct.field(pytree_node=False)  # tied: the table's dtype in the product
   cap: float = flax.struct.field(pytree_node=False, default=0.0)
+  temperature: float = flax.struct.field(pytree_node=False, default=1.0)
 
   @property
   def vocab(self) -> int:
@@ -107,7 +109,8 @@ class Head:
     if self.bias is not None:
       out = out + self.bias.astype(out.dtype).reshape(1, 1, -1)
     out = constrain(out, ('batch', 'length', 'vocab'))
-    return soft_cap(out.astype(jnp.float32), self.cap)
+    out = soft_cap(out.astype(jnp.float32), self.cap)
+    return out if self.temperature == 1.0 else out / jnp.float32(self.temperature)
 
 
 # LOSS_CHUNK_TOKENS counts tokens at this vocabulary or below; a larger vocabulary gets proportionally fewer
@@ -134,12 +137,19 @@ def head_lm_loss(x_BxLxD, head: Head, labels_BxL, weights_BxL, chunk_tokens: int
   """`fused_lm_loss` of `head.logits(x)` (same value, gradients and metrics), with the logits made a
   chunk of positions at a time (chunk_length) when they would be more than `chunk_tokens` tokens on a
   device: the [B, L, V] logits never exist whole, in the forward pass or the backward."""
+  return _weighted(*token_nll(x_BxLxD, head, labels_BxL, chunk_tokens), weights_BxL)
+
+
+def token_nll(x_BxLxD, head: Head, labels_BxL, chunk_tokens: int):
+  """(negative log-likelihood of each label [B, L] float32, whether it is the argmax [B, L]) under
+  `head.logits(x)`, differentiable (the fused backward of fused_lm_loss), the logits made a chunk of positions at a
+  time as head_lm_loss makes them: what per-sequence log-probabilities (preference tuning, GRPO) are sums of."""
   b, l = labels_BxL.shape
   c = chunk_length(b, l, chunk_tokens, head.vocab)
   if c == l:
-    return fused_lm_loss(head.logits(x_BxLxD), labels_BxL, weights_BxL)
-  nll_BxL, correct_BxL = _chunked_nll(l // c, activation_sharding.snapshot())(x_BxLxD, head, labels_BxL)
-  return _weighted(nll_BxL, correct_BxL, weights_BxL)
+    logits = head.logits(x_BxLxD)
+    return _token_nll(logits, labels_BxL), jnp.argmax(logits, axis=-1) == labels_BxL
+  return _chunked_nll(l // c, activation_sharding.snapshot())(x_BxLxD, head, labels_BxL)
 
 
 def token_scores(x_BxLxD, head: Head, targets_BxL, chunk_tokens: int):
