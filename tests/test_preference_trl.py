@@ -1,0 +1,202 @@
+"""Preference tuning certified against TRL (issue 41, part 1): for a Llama built by transformers (tiny, CPU,
+float32) imported with `pax checkpoint convert --from hf`, and the same batch of pairs, paxcli's train step
+(its loss, the reward metrics TRL logs and the gradients) equals TRL's own trainers on the same weights:
+DPOTrainer._compute_loss (sigmoid, robust with label smoothing, hinge, IPO) with a reference model of other
+weights, CPOTrainer.get_batch_loss_metrics (SimPO) and ORPOTrainer.get_batch_loss_metrics (ORPO), within 1e-5
+relative. Conservative DPO (sigmoid with label smoothing), which TRL 1.16's DPOTrainer no longer has, is held
+to CPOTrainer.cpo_loss on the log-ratios TRL's DPOTrainer.compute_ref_log_probs gives."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+import hf_models
+from paxcli import api
+from paxcli.jobdir import restore
+from paxcli.layers.base import NON_TRAINABLE
+from paxcli.loops.train import step_gradients
+from paxcli.models import registry
+from paxcli.models.lm import flat_view
+from paxcli.models.preference import COPY, READY
+from paxcli.models.weight_map import WeightMap
+from paxcli.recipes import finetune, posttrain
+from paxcli.runtime import engine, infeed, sharding
+from paxcli.runtime.sharding import to_global
+from paxcli.convert.certify import base_weights
+
+torch = pytest.importorskip('torch')
+trl = pytest.importorskip('trl')
+
+PAIRS = 8   # one a device: PERCORE_BATCH_SIZE=1 on the 8 fake devices
+SEQ = 32
+RTOL = 1e-5
+
+
+@pytest.fixture(scope='module')
+def made(tmp_path_factory):
+  """Two tiny Llamas by transformers (the policy, and the reference of other weights), their tokenizer, both
+  imported into paxcli job directories, and 8 preference pairs."""
+  root = tmp_path_factory.mktemp('preference_trl')
+  config = dict(finetune.TINY_CONFIG)
+  out = {'root': root, 'config': config}
+  for name, seed in (('policy', 0), ('reference', 1)):
+    model = hf_models.build(config, seed=seed)
+    hf = hf_models.save(model, str(root / f'{name}_hf'))
+    finetune.write_tokenizer(hf, [p['prompt'] + p['chosen'] for p in posttrain.example_pairs(100, 0)],
+                             config['vocab_size'])
+    api.convert_checkpoint(hf, str(root / name), fmt='hf', verify=False)
+    out[name], out[f'{name}_hf'] = model, hf
+  prefs = root / 'prefs.jsonl'
+  prefs.write_text(''.join(json.dumps(p) + '\n' for p in posttrain.example_pairs(PAIRS, 3)))
+  out['prefs'] = str(prefs)
+  return out
+
+
+def _ours(made, *sets):
+  """(loss, metrics, HF-named gradients, the batch) of paxcli's train step on the first batch of the pairs,
+  the reference's params in the train state's copy."""
+  resolved = api.resolve('posttrain.Dpo', [f'BASE={made["root"] / "policy"}', f'TRAIN_DATA={made["prefs"]}',
+                                           f'MAX_SEQ_LEN={SEQ}', 'PERCORE_BATCH_SIZE=1', *sets])
+  setup = engine.build(resolved)
+  state = engine.init_state(setup, 0)
+  state = restore.start_from_base(setup, state, restore.base_ref(str(made['root'] / 'policy')))
+  if NON_TRAINABLE in state:   # the reference: the other model's weights, as a stored copy
+    ref = restore.start_from_base(setup, state, restore.base_ref(str(made['root'] / 'reference')))['params']
+    state[NON_TRAINABLE] = {COPY: ref, READY: jax.numpy.ones([], jax.numpy.int32)}
+  batch = infeed.build_input(resolved.train_dataset(), setup).get_next()
+  done = jax.jit(step_gradients(setup, 0))(state, to_global(batch, sharding.batch_sharding(setup.mesh),
+                                                                 setup.global_batch))
+  metrics = {k: float(v) for k, (v, _) in done.metrics.items()}
+  return float(done.loss), metrics, _hf_names(setup.model, done.grads), batch
+
+
+def _hf_names(model, grads) -> dict:
+  view = flat_view(model)
+  wmap = WeightMap(registry.by_name('llama').hf_weights(view))
+  flat = base_weights(jax.device_get(grads), view.num_layers)
+  return {name: wmap.to_hf(name, lambda p: np.asarray(flat[p], np.float32)) for name in wmap.hf_shapes}
+
+
+def _trl_inputs(batch) -> dict:
+  """TRL's DPO batch of ours: [chosen rows; rejected rows], each the full token sequence (the first id, then
+  the labels), its attention mask and completion mask (1 on the tokens our weights train)."""
+  rows = {'input_ids': [], 'attention_mask': [], 'completion_mask': []}
+  for side in ('chosen', 'rejected'):
+    ids, labels, weights, segments = (batch[f'{side}_{k}'] for k in ('ids', 'labels', 'weights', 'segment_ids'))
+    rows['input_ids'].append(np.concatenate([ids[:, :1], labels], 1))
+    rows['attention_mask'].append(np.concatenate([segments[:, :1], segments], 1))
+    rows['completion_mask'].append(np.concatenate([np.zeros_like(segments[:, :1]), weights > 0], 1))
+  return {k: torch.as_tensor(np.concatenate(v, 0).astype(np.int64)) for k, v in rows.items()}
+
+
+def _cpo_inputs(batch) -> dict:
+  """TRL's CPO/ORPO batch of ours: per side input_ids, attention_mask and labels (-100 off the completion)."""
+  out = {}
+  for side in ('chosen', 'rejected'):
+    ids, labels, weights, segments = (batch[f'{side}_{k}'] for k in ('ids', 'labels', 'weights', 'segment_ids'))
+    full = np.concatenate([ids[:, :1], labels], 1)
+    trained = np.concatenate([np.zeros_like(weights[:, :1]), weights], 1) > 0
+    out[f'{side}_input_ids'] = torch.as_tensor(full.astype(np.int64))
+    out[f'{side}_attention_mask'] = torch.as_tensor(np.concatenate([segments[:, :1], segments], 1).astype(np.int64))
+    out[f'{side}_labels'] = torch.as_tensor(np.where(trained, full, -100).astype(np.int64))
+  return out
+
+
+def _fresh(made, name: str):
+  model = hf_models.load(made[f'{name}_hf'])
+  model.train()
+  return model
+
+
+def _dataset(made):
+  import datasets
+  return datasets.Dataset.from_list([json.loads(line) for line in open(made['prefs'])])
+
+
+def _tokenizer(made):
+  import transformers
+  return transformers.AutoTokenizer.from_pretrained(made['policy_hf'])
+
+
+def _args(cls, tmp_path, **settings):
+  return cls(output_dir=str(tmp_path), report_to=[], use_cpu=True, bf16=False, max_length=None, **settings)
+
+
+def _grads(model) -> dict:
+  return {n: p.grad.detach().numpy() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _close(got, want, what):
+  want = np.asarray(want, np.float64)
+  np.testing.assert_allclose(got, want, rtol=RTOL, atol=RTOL * max(np.max(np.abs(want)), 1e-12), err_msg=what)
+
+
+def _check_grads(ours: dict, theirs: dict):
+  assert set(theirs) <= set(ours), sorted(set(theirs) - set(ours))
+  for name, g in theirs.items():
+    _close(ours[name], g, name)
+  assert any(np.max(np.abs(g)) > 1e-6 for g in theirs.values())   # a loss whose gradient vanished certifies nothing
+
+
+@pytest.mark.parametrize('loss_type, smoothing', [('sigmoid', 0.0), ('robust', 0.2), ('hinge', 0.0), ('ipo', 0.0)])
+def test_dpo_losses_equal_trls_dpo_trainer(made, tmp_path, loss_type, smoothing):
+  beta = 0.1
+  loss, metrics, grads, batch = _ours(made, f'LOSS_TYPE={loss_type!r}', f'BETA={beta}',
+                                      f'LABEL_SMOOTHING={smoothing}')
+  policy = _fresh(made, 'policy')
+  trainer = trl.DPOTrainer(model=policy, ref_model=_fresh(made, 'reference'), train_dataset=_dataset(made),
+                           processing_class=_tokenizer(made),
+                           args=_args(trl.DPOConfig, tmp_path, beta=beta, loss_type=[loss_type],
+                                      label_smoothing=smoothing))
+  trainer.model.train()
+  theirs = trainer._compute_loss(trainer.model, _trl_inputs(batch), return_outputs=False)
+  theirs.backward()
+  logged = {k: v[-1] for k, v in trainer._metrics['train'].items()}
+  _close(loss, theirs.item(), 'loss')
+  for name in ('rewards/chosen', 'rewards/rejected', 'rewards/margins', 'rewards/accuracies', 'logps/chosen',
+               'logps/rejected', 'mean_token_accuracy'):
+    _close(metrics[name], logged[name], name)
+  _check_grads(grads, _grads(trainer.model))
+
+
+def test_conservative_dpo_equals_trls_cpo_loss_on_trls_log_ratios(made, tmp_path):
+  beta, smoothing = 0.1, 0.2
+  loss, metrics, _, batch = _ours(made, f'BETA={beta}', f'LABEL_SMOOTHING={smoothing}')
+  dpo = trl.DPOTrainer(model=_fresh(made, 'policy'), ref_model=_fresh(made, 'reference'),
+                       train_dataset=_dataset(made), processing_class=_tokenizer(made),
+                       args=_args(trl.DPOConfig, tmp_path / 'dpo', beta=beta))
+  inputs = _trl_inputs(batch)
+  policy_c, policy_r = dpo.compute_ref_log_probs(dpo.model, inputs)
+  ref_c, ref_r = dpo.compute_ref_log_probs(dpo.ref_model, inputs)   # it reads the model it is given
+  from trl.experimental.cpo import CPOConfig, CPOTrainer
+  cpo = CPOTrainer(model=_fresh(made, 'policy'), train_dataset=_dataset(made), processing_class=_tokenizer(made),
+                   args=_args(CPOConfig, tmp_path / 'cpo', beta=beta, label_smoothing=smoothing, loss_type='sigmoid'))
+  losses, chosen, rejected = cpo.cpo_loss(policy_c - ref_c, policy_r - ref_r)
+  _close(loss, losses.mean().item(), 'loss')
+  _close(metrics['rewards/chosen'], chosen.mean().item(), 'rewards/chosen')
+  _close(metrics['rewards/margins'], (chosen - rejected).mean().item(), 'rewards/margins')
+
+
+@pytest.mark.parametrize('loss_type', ['simpo', 'orpo'])
+def test_reference_free_losses_equal_trls_cpo_and_orpo_trainers(made, tmp_path, loss_type):
+  beta, gamma, alpha = (2.0, 1.0, 0.5) if loss_type == 'simpo' else (0.1, 0.0, 0.0)
+  loss, metrics, grads, batch = _ours(made, f'LOSS_TYPE={loss_type!r}', f'BETA={beta}', f'SIMPO_GAMMA={gamma}',
+                                      f'CPO_ALPHA={alpha}')
+  if loss_type == 'simpo':
+    from trl.experimental.cpo import CPOConfig as Config, CPOTrainer as Trainer
+    settings = dict(loss_type='simpo', simpo_gamma=gamma, cpo_alpha=alpha)
+  else:
+    from trl.experimental.orpo import ORPOConfig as Config, ORPOTrainer as Trainer
+    settings = {}
+  trainer = Trainer(model=_fresh(made, 'policy'), train_dataset=_dataset(made), processing_class=_tokenizer(made),
+                    args=_args(Config, tmp_path, beta=beta, **settings))
+  trainer.model.train()
+  theirs, logged = trainer.get_batch_loss_metrics(trainer.model, _cpo_inputs(batch), 'train')
+  theirs.backward()
+  _close(loss, theirs.item(), 'loss')
+  for name in ('rewards/chosen', 'rewards/rejected', 'rewards/margins', 'rewards/accuracies', 'logps/chosen',
+               'logps/rejected', 'nll_loss') + (('log_odds_ratio', 'log_odds_chosen') if loss_type == 'orpo' else ()):
+    _close(metrics[name], float(logged[name]), name)
+  _check_grads(grads, _grads(trainer.model))
