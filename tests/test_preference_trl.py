@@ -19,7 +19,7 @@ from paxcli.layers.base import NON_TRAINABLE
 from paxcli.loops.train import step_gradients
 from paxcli.models import registry
 from paxcli.models.lm import flat_view
-from paxcli.models.preference import COPY, READY
+from paxcli.models.preference import COPY
 from paxcli.models.weight_map import WeightMap
 from paxcli.recipes import finetune, posttrain
 from paxcli.runtime import engine, infeed, sharding
@@ -64,7 +64,7 @@ def _ours(made, *sets):
   state = restore.start_from_base(setup, state, restore.base_ref(str(made['root'] / 'policy')))
   if NON_TRAINABLE in state:   # the reference: the other model's weights, as a stored copy
     ref = restore.start_from_base(setup, state, restore.base_ref(str(made['root'] / 'reference')))['params']
-    state[NON_TRAINABLE] = {COPY: ref, READY: jax.numpy.ones([], jax.numpy.int32)}
+    state[NON_TRAINABLE] = {COPY: {'params': ref, 'ready': jax.numpy.ones([], jax.numpy.int32)}}
   batch = infeed.build_input(resolved.train_dataset(), setup).get_next()
   done = jax.jit(step_gradients(setup, 0))(state, to_global(batch, sharding.batch_sharding(setup.mesh),
                                                                  setup.global_batch))

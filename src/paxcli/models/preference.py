@@ -42,7 +42,7 @@ SIDES = ('chosen', 'rejected')
 ROW_FEATURES = ('ids', 'labels', 'weights', 'segment_ids')
 # The metrics the log line shows after the loss (all go to TensorBoard, train_metrics.jsonl and the trackers).
 LINE_METRICS = ('rewards/margins', 'rewards/accuracies')
-COPY, READY = 'reference', 'reference_ready'   # the non-trainable variables of REFERENCE='copy'
+COPY = 'reference_copy'   # REFERENCE='copy': the non-trainable variables non_trainable/reference_copy/{params, ready}
 
 
 class PreferenceLm(LanguageModel):
@@ -89,6 +89,11 @@ class PreferenceLm(LanguageModel):
       raise UserError("REFERENCE='copy' with LORA_RANK > 0 would copy the frozen base: the base is the reference "
                       "already. Use REFERENCE='adapters_off' (the default under LoRA).")
 
+  def setup(self):
+    super().setup()
+    if self.reference_kind == 'copy':
+      self.reference_copy = ReferenceCopy()   # its variables: non_trainable/reference_copy/...
+
   # ---- the forward pass ---------------------------------------------------------------------------
 
   def compute_predictions(self, input_batch: dict, deterministic: bool = True) -> dict:
@@ -97,31 +102,14 @@ class PreferenceLm(LanguageModel):
     rows = pair_rows(input_batch)
     x, head = self(rows['ids'], rows['segment_ids'], None, deterministic=deterministic, features=True)
     nll, correct = token_nll(x, head, rows['labels'], self.loss_chunk_tokens)
-    ref = None
-    kind = self.reference_kind
+    ref, kind = None, self.reference_kind
     if kind == 'copy':
-      params = self._reference_copy()
-      ref = None if params is None else -reference_nll(self, params, rows)
-    elif kind == 'adapters_off' and not self.is_initializing():
-      ref = -reference_nll(self, without_adapters(nn.meta.unbox(self.variables['params'])), rows)
+      params = self.reference_copy(self.variables['params'])
+      ref = jnp.zeros_like(nll) if params is None else -reference_nll(self, params, rows)
+    elif kind == 'adapters_off':
+      ref = (jnp.zeros_like(nll) if self.is_initializing() else
+             -reference_nll(self, without_adapters(nn.meta.unbox(self.variables['params'])), rows))
     return {'logp': -nll, 'correct': correct, 'ref_logp': ref}
-
-  def _reference_copy(self):
-    """REFERENCE='copy': the starting params, kept as non-trainable variables (module docstring). Until the first
-    step has run they are the params themselves (which are then the starting ones) and that step stores them;
-    None while the model is initialised (the variables are declared then, as a copy of the initial params)."""
-    params = self.variables['params']
-    copy = self.variable(NON_TRAINABLE, COPY, lambda: params)
-    ready = self.variable(NON_TRAINABLE, READY, lambda: nn.LogicallyPartitioned(jnp.zeros([], jnp.int32), ()))
-    if self.is_initializing():
-      return None
-    current = jax.lax.stop_gradient(nn.meta.unbox(params))
-    stored = nn.meta.unbox(copy.value)
-    reference = jax.lax.cond(nn.meta.unbox(ready.value) > 0, lambda: stored, lambda: current)
-    if self.is_mutable_collection(NON_TRAINABLE):   # a train step: the copy is kept from the first one on
-      copy.value = _like(copy.value, reference)
-      ready.value = _like(ready.value, jnp.ones([], jnp.int32))
-    return reference
 
   def compute_loss(self, predictions: dict, input_batch: dict):
     return preference_loss(self, predictions, input_batch)
@@ -144,6 +132,29 @@ class PreferenceLm(LanguageModel):
 
   def eval_summary(self, means: dict, weights: dict) -> dict:
     return dict(means)
+
+
+class ReferenceCopy(nn.Module):
+  """REFERENCE='copy': the starting params, kept as non-trainable variables (`params`, and `ready` once stored).
+
+  Until the first train step has run they are the params themselves, which are then the starting ones (the
+  base's), and that step stores them; every later step, eval and resumed run reads the stored copy. While the
+  model is initialised the variables are declared (a copy of the initial params, with their logical axes, so the
+  copy is sharded as the params are) and None is returned."""
+
+  @nn.compact
+  def __call__(self, params):
+    copy = self.variable(NON_TRAINABLE, 'params', lambda: params)
+    ready = self.variable(NON_TRAINABLE, 'ready', lambda: nn.LogicallyPartitioned(jnp.zeros([], jnp.int32), ()))
+    if self.is_initializing():
+      return None
+    current = jax.lax.stop_gradient(nn.meta.unbox(params))
+    stored = nn.meta.unbox(copy.value)
+    reference = jax.lax.cond(nn.meta.unbox(ready.value) > 0, lambda: stored, lambda: current)
+    if self.is_mutable_collection(NON_TRAINABLE):   # a train step: the copy is kept from the first one on
+      copy.value = _like(copy.value, reference)
+      ready.value = _like(ready.value, jnp.ones([], jnp.int32))
+    return reference
 
 
 def _like(old, value):
