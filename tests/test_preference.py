@@ -25,9 +25,9 @@ def tok(tmp_path_factory):
 
 
 def _input(tok, path, **settings):
-  settings = {'seq_len': 48, 'batch_size': 2, **settings}
-  return PreferenceInput(name='train', is_training=True, data=str(path), tokenizer=tok, num_infeed_hosts=1,
-                         infeed_host_index=0, **settings)
+  settings = {'seq_len': 48, 'batch_size': 2, 'is_training': True, **settings}
+  return PreferenceInput(name='train', data=str(path), tokenizer=tok, num_infeed_hosts=1, infeed_host_index=0,
+                         **settings)
 
 
 def _write(path, rows):
