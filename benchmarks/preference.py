@@ -62,8 +62,7 @@ def memory(overrides: list[str]) -> dict:
   from paxcli import config
   from paxcli.loops.train import make_train_step
   from paxcli.runtime import engine, sharding
-  setup = engine.build(config.resolve('posttrain.Dpo', llama1b_knobs() + overrides), mesh=sharding.make_mesh(
-      [1, 1, 1], None) if jax.device_count() > 1 else None)
+  setup = engine.build(config.resolve('posttrain.Dpo', llama1b_knobs() + overrides))
   batch_sharding = sharding.batch_sharding(setup.mesh)
   batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=batch_sharding)
            for k, v in setup.model.dummy_batch(setup.global_batch, setup.seq_len).items()}

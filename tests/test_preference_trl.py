@@ -16,7 +16,7 @@ import hf_models
 from paxcli import api
 from paxcli.jobdir import restore
 from paxcli.layers.base import NON_TRAINABLE
-from paxcli.loops.train import step_gradients
+from paxcli.loops.train import _fresh_state, step_gradients
 from paxcli.models import registry
 from paxcli.models.lm import flat_view
 from paxcli.models.preference import COPY
@@ -60,8 +60,7 @@ def _ours(made, *sets):
   resolved = api.resolve('posttrain.Dpo', [f'BASE={made["root"] / "policy"}', f'TRAIN_DATA={made["prefs"]}',
                                            f'MAX_SEQ_LEN={SEQ}', 'PERCORE_BATCH_SIZE=1', *sets])
   setup = engine.build(resolved)
-  state = engine.init_state(setup, 0)
-  state = restore.start_from_base(setup, state, restore.base_ref(str(made['root'] / 'policy')))
+  state = _fresh_state(setup, restore.base_ref(str(made['root'] / 'policy')), 0, lambda _: None)   # LORA_INIT too
   if NON_TRAINABLE in state:   # the reference: the other model's weights, as a stored copy
     ref = restore.start_from_base(setup, state, restore.base_ref(str(made['root'] / 'reference')))['params']
     state[NON_TRAINABLE] = {COPY: {'params': ref, 'ready': jax.numpy.ones([], jax.numpy.int32)}}
@@ -69,7 +68,9 @@ def _ours(made, *sets):
   done = jax.jit(step_gradients(setup, 0))(state, to_global(batch, sharding.batch_sharding(setup.mesh),
                                                                  setup.global_batch))
   metrics = {k: float(v) for k, (v, _) in done.metrics.items()}
-  return float(done.loss), metrics, _hf_names(setup.model, done.grads), batch
+  _ours.last_grads, _ours.last_setup = jax.device_get(done.grads), setup
+  hf = None if setup.model.lora['rank'] else _hf_names(setup.model, done.grads)
+  return float(done.loss), metrics, hf, batch
 
 
 def _hf_names(model, grads) -> dict:
@@ -200,3 +201,44 @@ def test_reference_free_losses_equal_trls_cpo_and_orpo_trainers(made, tmp_path, 
                'logps/rejected', 'nll_loss') + (('log_odds_ratio', 'log_odds_chosen') if loss_type == 'orpo' else ()):
     _close(metrics[name], float(logged[name]), name)
   _check_grads(grads, _grads(trainer.model))
+
+
+def test_lora_dpo_with_adapters_off_equals_trls_dpo_trainer_on_a_peft_model(made, tmp_path):
+  """TRL's reference for a new PEFT adapter is the model with its adapters disabled; ours is the same weights with
+  every adapter's B at zero. PEFT's adapters (B made non-zero, so that the policy is not its reference) start both:
+  ours through LORA_INIT. Our adapter gradients are compared in PEFT's layout by writing PEFT's gradients as an
+  adapter and reading it the way LORA_INIT reads one."""
+  import peft
+
+  from paxcli.convert import lora as convert_lora
+  beta = 0.1
+  trainer = trl.DPOTrainer(model=_fresh(made, 'policy'), train_dataset=_dataset(made),
+                           processing_class=_tokenizer(made), args=_args(trl.DPOConfig, tmp_path / 'trl', beta=beta),
+                           peft_config=peft.LoraConfig(r=4, lora_alpha=16, target_modules=['q_proj', 'v_proj'],
+                                                       lora_dropout=0.0, bias='none', task_type='CAUSAL_LM'))
+  with torch.no_grad():
+    for name, p in trainer.model.named_parameters():
+      if 'lora_B' in name:
+        p.copy_(0.5 * torch.randn_like(p))
+  trainer.model.save_pretrained(str(tmp_path / 'adapter'))
+  loss, metrics, _, batch = _ours(made, f'BETA={beta}', 'LORA_RANK=4', 'LORA_ALPHA=16.0',
+                                  f'LORA_INIT={tmp_path / "adapter"}')
+  trainer.model.train()
+  theirs = trainer._compute_loss(trainer.model, _trl_inputs(batch), return_outputs=False)
+  theirs.backward()
+  logged = {k: v[-1] for k, v in trainer._metrics['train'].items()}
+  _close(loss, theirs.item(), 'loss')
+  for name in ('rewards/chosen', 'rewards/rejected', 'rewards/margins', 'rewards/accuracies'):
+    _close(metrics[name], logged[name], name)
+  with torch.no_grad():
+    for _, p in trainer.model.named_parameters():
+      if p.grad is not None:
+        p.copy_(p.grad)
+  trainer.model.save_pretrained(str(tmp_path / 'grads'))
+  ours = _ours.last_grads
+  setup = _ours.last_setup
+  want = convert_lora.read_peft(str(tmp_path / 'grads'), setup.model, setup.abstract_state['params'])
+  flat_want, flat_ours = (dict(jax.tree_util.tree_flatten_with_path(t)[0]) for t in (want, ours))
+  assert flat_want and set(flat_want) == set(flat_ours)
+  for path, g in flat_want.items():
+    _close(np.asarray(flat_ours[path]), g, jax.tree_util.keystr(path))
