@@ -33,7 +33,8 @@ def example(tmp_path_factory):
   printed = subprocess.run([sys.executable, '-m', 'paxcli.recipes.posttrain', 'ex'], cwd=cwd, capture_output=True,
                            text=True, timeout=300)
   assert printed.returncode == 0, printed.stderr
-  commands = [shlex.split(line, comments=True) for line in printed.stdout.splitlines() if line.strip().startswith('pax ')]
+  commands = [shlex.split(line, comments=True) for line in printed.stdout.splitlines()
+              if line.strip().startswith('pax ')]
   _pax(cwd, *commands[0][1:], '--no-verify')   # pax checkpoint convert --from hf ...
   trained = _pax(cwd, *commands[1][1:])        # pax train --exp posttrain.TinyDpo ...
   return cwd, commands, trained.stdout + trained.stderr

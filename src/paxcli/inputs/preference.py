@@ -153,8 +153,8 @@ class PreferenceInput(FileLmInput):
     if len(example) <= self.seq_len:
       return example
     if trained[0] >= self.seq_len:
-      raise BadPair(where, 'prompt too long', f'the prompt takes {trained[0] + 1:,} tokens, leaving no room in a row of '
-                    f'{self.seq_len:,} (MAX_SEQ_LEN) for the {side} completion.')
+      raise BadPair(where, 'prompt too long', f'the prompt takes {trained[0] + 1:,} tokens, leaving no room in a '
+                    f'row of {self.seq_len:,} (MAX_SEQ_LEN) for the {side} completion.')
     if self.truncation == 'none':
       raise BadPair(where, 'too long', f'the {side} side is {len(example) + 1:,} tokens, more than a row of '
                     f'{self.seq_len + 1:,} holds (MAX_SEQ_LEN + 1); TRUNCATION=completion cuts its completion to fit.')
