@@ -55,12 +55,14 @@ def test_chat_pairs_go_through_the_models_template_and_train_on_the_last_reply_o
   chat = {'prompt': [{'role': 'user', 'content': 'Name a colour.'}, {'role': 'assistant', 'content': 'Green.'},
                      {'role': 'user', 'content': 'What colour is the sky?'}],
           'chosen': [{'role': 'assistant', 'content': 'Blue.'}], 'rejected': 'Red.'}
-  inp = _input(tok, _write(tmp_path / 'chat.jsonl', [chat, chat]), seq_len=64)
+  inp = _input(tok, _write(tmp_path / 'chat.jsonl', [chat, chat]), seq_len=128)
   batch = inp.get_next()
-  assert _trained_text(inp, batch, 'chosen') == 'Blue.<|eot_id|>'   # the prompt's assistant turn weighs 0
-  assert _trained_text(inp, batch, 'rejected') == 'Red.<|eot_id|>'
+  # what the template adds for the reply (this one writes no generation prompt: its marker is the reply's); the
+  # prompt's assistant turn weighs 0
+  assert _trained_text(inp, batch, 'chosen') == '<|assistant|>\nBlue.<|eot_id|>'
+  assert _trained_text(inp, batch, 'rejected') == '<|assistant|>\nRed.<|eot_id|>'
   whole = inp._tok.decode([int(t) for t in batch['chosen_ids'][0][batch['chosen_segment_ids'][0] > 0]], specials=True)
-  assert whole.startswith('<|begin_of_text|><|user|>\nName a colour.\n<|assistant|>\nGreen.<|eot_id|>')
+  assert whole.startswith('<|begin_of_text|><|user|>\nName a colour.<|assistant|>\nGreen.<|eot_id|><|user|>')
 
 
 def test_truncation_cuts_the_completion_or_refuses_the_pair(tok, tmp_path):
