@@ -67,7 +67,8 @@ class Dpo(finetune.Sft):
 
   def model(self) -> fdl.Config:
     """The LM of the base's knobs as a PreferenceLm (paxcli.models.preference), with the loss's settings."""
-    cfg = fdl.cast(models.PreferenceLm, super().model())
+    cfg = super().model()
+    fdl.update_callable(cfg, models.PreferenceLm)
     cfg.loss_type, cfg.beta, cfg.label_smoothing = self.LOSS_TYPE, self.BETA, self.LABEL_SMOOTHING
     cfg.simpo_gamma, cfg.cpo_alpha, cfg.reference = self.SIMPO_GAMMA, self.CPO_ALPHA, self.REFERENCE
     return cfg
