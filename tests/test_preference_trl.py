@@ -29,7 +29,7 @@ from paxcli.convert.certify import base_weights
 torch = pytest.importorskip('torch')
 trl = pytest.importorskip('trl')
 
-PAIRS = 8   # one a device: PERCORE_BATCH_SIZE=1 on the 8 fake devices
+PAIRS = 8
 SEQ = 32
 RTOL = 1e-5
 
@@ -58,11 +58,15 @@ def _ours(made, *sets):
   """(loss, metrics, HF-named gradients, the batch) of paxcli's train step on the first batch of the pairs,
   the reference's params in the train state's copy."""
   resolved = api.resolve('posttrain.Dpo', [f'BASE={made["root"] / "policy"}', f'TRAIN_DATA={made["prefs"]}',
-                                           f'MAX_SEQ_LEN={SEQ}', 'PERCORE_BATCH_SIZE=1', *sets])
-  setup = engine.build(resolved)
-  state = _fresh_state(setup, restore.base_ref(str(made['root'] / 'policy')), 0, lambda _: None)   # LORA_INIT too
-  if NON_TRAINABLE in state:   # the reference: the other model's weights, as a stored copy
-    ref = restore.start_from_base(setup, state, restore.base_ref(str(made['root'] / 'reference')))['params']
+                                           f'MAX_SEQ_LEN={SEQ}', f'PERCORE_BATCH_SIZE={PAIRS}', *sets])
+  setup = engine.build(resolved, mesh=sharding.make_mesh([1, 1, 1], devices=jax.devices()[:1]))   # compiles fastest
+  base = restore.base_ref(str(made['root'] / 'policy'))
+  if setup.model.lora['rank']:   # the frozen base, and the adapters LORA_INIT names
+    state = _fresh_state(setup, base, 0, lambda _: None)
+  else:                          # the base's params alone: what the step reads (no optimizer state, no init)
+    state = {'step': jax.numpy.zeros([], jax.numpy.int32), 'params': restore.base_params(setup, base, False)}
+  if NON_TRAINABLE in setup.state_shardings:   # the reference: the other model's weights, as the stored copy
+    ref = restore.base_params(setup, restore.base_ref(str(made['root'] / 'reference')), False)
     state[NON_TRAINABLE] = {COPY: {'params': ref, 'ready': jax.numpy.ones([], jax.numpy.int32)}}
   batch = infeed.build_input(resolved.train_dataset(), setup).get_next()
   done = jax.jit(step_gradients(setup, 0))(state, to_global(batch, sharding.batch_sharding(setup.mesh),
@@ -141,7 +145,9 @@ def _check_grads(ours: dict, theirs: dict):
   assert any(np.max(np.abs(g)) > 1e-6 for g in theirs.values())   # a loss whose gradient vanished certifies nothing
 
 
-@pytest.mark.parametrize('loss_type, smoothing', [('sigmoid', 0.0), ('robust', 0.2), ('hinge', 0.0), ('ipo', 0.0)])
+# Each case compiles a train step (10-20 s on a shared CPU): DPO's sigmoid is the default suite's, the rest slow.
+@pytest.mark.parametrize('loss_type, smoothing', [('sigmoid', 0.0)] + [
+    pytest.param(kind, eps, marks=pytest.mark.slow) for kind, eps in (('robust', 0.2), ('hinge', 0.0), ('ipo', 0.0))])
 def test_dpo_losses_equal_trls_dpo_trainer(made, tmp_path, loss_type, smoothing):
   beta = 0.1
   loss, metrics, grads, batch = _ours(made, f'LOSS_TYPE={loss_type!r}', f'BETA={beta}',
@@ -162,6 +168,7 @@ def test_dpo_losses_equal_trls_dpo_trainer(made, tmp_path, loss_type, smoothing)
   _check_grads(grads, _grads(trainer.model))
 
 
+@pytest.mark.slow
 def test_conservative_dpo_equals_trls_cpo_loss_on_trls_log_ratios(made, tmp_path):
   beta, smoothing = 0.1, 0.2
   loss, metrics, _, batch = _ours(made, f'BETA={beta}', f'LABEL_SMOOTHING={smoothing}')
@@ -180,6 +187,7 @@ def test_conservative_dpo_equals_trls_cpo_loss_on_trls_log_ratios(made, tmp_path
   _close(metrics['rewards/margins'], (chosen - rejected).mean().item(), 'rewards/margins')
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('loss_type', ['simpo', 'orpo'])
 def test_reference_free_losses_equal_trls_cpo_and_orpo_trainers(made, tmp_path, loss_type):
   beta, gamma, alpha = (2.0, 1.0, 0.5) if loss_type == 'simpo' else (0.1, 0.0, 0.0)
@@ -203,6 +211,7 @@ def test_reference_free_losses_equal_trls_cpo_and_orpo_trainers(made, tmp_path, 
   _check_grads(grads, _grads(trainer.model))
 
 
+@pytest.mark.slow
 def test_lora_dpo_with_adapters_off_equals_trls_dpo_trainer_on_a_peft_model(made, tmp_path):
   """TRL's reference for a new PEFT adapter is the model with its adapters disabled; ours is the same weights with
   every adapter's B at zero. PEFT's adapters (B made non-zero, so that the policy is not its reference) start both:
