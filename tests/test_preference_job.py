@@ -109,3 +109,20 @@ def test_a_bad_pair_stops_pax_train_before_anything_compiles(example):
       'bad.jsonl line 18: chosen and rejected are identical: the pair prefers nothing. (BAD_PAIRS=skip leaves such '
       'pairs out, counted.)')
   assert not (cwd / 'bad_job').exists()
+
+
+def test_a_resumed_run_compares_with_the_same_reference(example):
+  """The reference copy is saved with the state: 20 steps, then a resume to 40, give the losses and rewards of 40
+  uninterrupted steps (a reference taken again from the resumed weights would not)."""
+  cwd, _, _ = example
+  common = ['train', '--exp', 'posttrain.TinyDpo', '--set', 'BASE=ex/llama', '--set', 'TRAIN_DATA=ex/prefs.jsonl',
+            '--set', 'EVAL_INTERVAL_STEPS=0', '--set', 'SUMMARY_INTERVAL_STEPS=5', '--set', 'SAVE_INTERVAL_STEPS=20',
+            '--set', "LR_SCHEDULE='constant'", '--set', 'LR_WARMUP_STEPS=0', '--set', 'LEARNING_RATE=3e-4']
+  _pax(cwd, *common, '--set', 'NUM_TRAIN_STEPS=20', '--job-log-dir', 'ex/resumed')
+  assert 'Resumed from step 20' in _pax(cwd, *common, '--job-log-dir', 'ex/resumed').stdout
+  _pax(cwd, *common, '--job-log-dir', 'ex/whole')
+  resumed, whole = (_rows(cwd / 'ex' / name / 'train_metrics.jsonl') for name in ('resumed', 'whole'))
+  assert [r['step'] for r in resumed] == [r['step'] for r in whole] == list(range(5, 45, 5))
+  for a, b in zip(resumed, whole):
+    assert a['loss'] == pytest.approx(b['loss'], rel=1e-6) and a['rewards/margins'] == pytest.approx(
+        b['rewards/margins'], rel=1e-6, abs=1e-7), (a, b)
