@@ -87,8 +87,10 @@ def test_lora_dpo_keeps_no_copy_and_its_peft_adapter_loads(example):
   assert 'trainable (LoRA adapters)' in out.stdout + out.stderr
   first = _rows(cwd / 'ex' / 'lora' / 'train_metrics.jsonl')[0]
   assert first['rewards/accuracies'] >= 0 and first['loss'] < 0.6932   # from log 2: the adapters start off
-  shapes = json.loads(_pax(cwd, 'checkpoint', 'inspect', 'ex/lora', '--json').stdout)
-  assert not any('non_trainable' in json.dumps(k) for k in shapes.get('arrays', shapes))   # no reference copy
+  names = [a['name'] for a in json.loads(_pax(cwd, 'checkpoint', 'inspect', 'ex/lora', '--json').stdout)['arrays']]
+  assert names and not any(n.startswith('non_trainable/') for n in names)   # no reference copy: the base is it
+  full = [a['name'] for a in json.loads(_pax(cwd, 'checkpoint', 'inspect', 'ex/dpo', '--json').stdout)['arrays']]
+  assert any(n.startswith('non_trainable/reference_copy/params/') for n in full), full[:20]   # full DPO keeps one
   _pax(cwd, 'checkpoint', 'convert', 'ex/lora', 'ex/adapter', '--to', 'peft', '--base-model', 'ex/hf')
   load = subprocess.run([sys.executable, '-c', 'from peft import AutoPeftModelForCausalLM as M; '
                          'M.from_pretrained("ex/adapter"); print("ok")'], cwd=cwd, capture_output=True, text=True,
