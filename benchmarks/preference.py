@@ -162,7 +162,7 @@ def main() -> None:
   args = parser.parse_args()
   from rich.console import Console
   from rich.table import Table
-  console = Console()
+  console = Console(width=200)   # the tables whole in a log file too
   console.print(f'Processor: {processor()}')
   if not args.skip_time:
     with tempfile.TemporaryDirectory() as d:
