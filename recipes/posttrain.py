@@ -77,6 +77,15 @@ class Dpo(finetune.Sft):
     """None from the pairs (decoding while training decodes DECODE_PROMPTS, when set)."""
     return []
 
+  def datasets(self) -> list:
+    """Synthetic pairs when no TRAIN_DATA is given (plans, benchmarks: the run says so in a line); TRAIN_DATA's
+    pairs replace them (LmExperiment puts own_data_datasets() first)."""
+    common = dict(seq_len=self.MAX_SEQ_LEN, vocab_size=self.VOCAB_SIZE)
+    return [fdl.Config(preference.SyntheticPreferenceInput, name='train', is_training=True, seed=self.RANDOM_SEED,
+                       **common),
+            fdl.Config(preference.SyntheticPreferenceInput, name='eval', is_training=False, seed=self.RANDOM_SEED + 1,
+                       num_batches=2, repeat=False, reset_for_eval=True, **common)]
+
   def own_data_datasets(self) -> list:
     """Preference inputs over TRAIN_DATA and EVAL_DATA (paxcli.inputs.preference), or [] when neither is set."""
     if not (self.TRAIN_DATA or self.EVAL_DATA):

@@ -99,3 +99,17 @@ def test_bad_pairs_skip_counts_them_by_reason(tok, tmp_path):
   assert inp.notes[-1] == ("Input 'train': skipped 6 bad preference pair(s) (BAD_PAIRS=skip): 2 identical, "
                            '1 missing field, 1 empty completion, 1 prompt too long, 1 malformed field.')
   assert inp.get_next()['chosen_weights'].shape == (2, 48)
+
+
+def test_without_train_data_the_recipe_reads_synthetic_pairs_and_says_so():
+  """For plans and benchmarks (`pax bench mfu --exp posttrain.Dpo --compile-only`): pairs of a shared prompt."""
+  import fiddle as fdl
+  exp = posttrain.TinyDpo()
+  train = fdl.build(exp.datasets()[0])
+  train.batch_size, train.num_infeed_hosts, train.infeed_host_index = 2, 1, 0
+  batch = train.get_next()
+  assert 'synthetic preference pairs (no TRAIN_DATA given' in train.notes[0]
+  half = exp.MAX_SEQ_LEN // 2
+  assert np.array_equal(batch['chosen_ids'][:, :half], batch['rejected_ids'][:, :half])
+  assert not np.array_equal(batch['chosen_labels'][:, half:], batch['rejected_labels'][:, half:])
+  assert batch['chosen_weights'][:, :half - 1].sum() == 0 and batch['chosen_weights'][:, half:].all()

@@ -38,6 +38,7 @@ import numpy as np
 from paxcli.errors import UserError, shorten
 from paxcli.inputs import chat_template, documents, packing, sft
 from paxcli.inputs.file_input import FileLmInput
+from paxcli.inputs.synthetic import SyntheticLmInput
 from paxcli.options import BAD_PAIRS, TRUNCATIONS
 
 SIDES = ('chosen', 'rejected')
@@ -234,3 +235,28 @@ def pair_texts(record: dict, where: str) -> documents.Document:
 
 def _message(m) -> bool:
   return isinstance(m, dict) and isinstance(m.get('role'), str) and isinstance(m.get('content'), str)
+
+
+@dataclasses.dataclass
+class SyntheticPreferenceInput(SyntheticLmInput):
+  """Pairs from SyntheticLmInput's rows, for plans and benchmarks (a posttrain recipe given no TRAIN_DATA): the
+  row's first half is the prompt, the chosen completion goes on counting, the rejected one is random tokens."""
+
+  def __post_init__(self):
+    super().__post_init__()
+    self.notes = [f"Input {self.name!r}: synthetic preference pairs (no TRAIN_DATA given: set TRAIN_DATA to your "
+                  'JSONL pairs to tune on them).']
+
+  def _next_batch(self, index: int) -> dict[str, np.ndarray]:
+    chosen = super()._next_batch(index)
+    prompt = self.seq_len // 2
+    weights = chosen['weights'].copy()
+    weights[:, :max(prompt - 1, 0)] = 0
+    rng = np.random.default_rng([self.seed, index, 1])
+    tokens = np.concatenate([chosen['ids'][:, :1], chosen['labels']], 1)
+    rejected = tokens.copy()
+    rejected[:, prompt:] = rng.integers(0, self.vocab_size, size=rejected[:, prompt:].shape)
+    segments = np.ones(weights.shape, np.int32)
+    return {'chosen_ids': tokens[:, :-1], 'chosen_labels': tokens[:, 1:], 'chosen_weights': weights,
+            'chosen_segment_ids': segments, 'rejected_ids': rejected[:, :-1], 'rejected_labels': rejected[:, 1:],
+            'rejected_weights': weights.copy(), 'rejected_segment_ids': segments.copy()}
