@@ -50,7 +50,8 @@ class Dpo(finetune.Sft):
   SIMPO_GAMMA: float = 0.5         # SimPO's target reward margin
   CPO_ALPHA: float = 0.0           # SimPO: weight of an NLL term on the chosen completions (TRL's cpo_alpha)
   # The reference model of every loss but SimPO and ORPO: 'auto' is 'adapters_off' with LoRA (the same weights,
-  # adapters off: no second copy) and 'copy' without (a frozen copy of the starting weights in the train state)
+  # adapters off: no second copy) and 'copy' without (a frozen copy of the starting weights in the train state);
+  # 'precomputed': each pair's reference log-probabilities, computed once before the first step, kept in the job
   REFERENCE: PreferenceReferenceName = 'auto'
   # A side longer than MAX_SEQ_LEN + 1 tokens: 'completion' cuts the completion's end (TRL's keep_start); 'none'
   # makes it a bad pair. A prompt that leaves no room for the completion is a bad pair either way.
@@ -80,7 +81,8 @@ class Dpo(finetune.Sft):
   def datasets(self) -> list:
     """Synthetic pairs when no TRAIN_DATA is given (plans, benchmarks: the run says so in a line); TRAIN_DATA's
     pairs replace them (LmExperiment puts own_data_datasets() first)."""
-    common = dict(seq_len=self.MAX_SEQ_LEN, vocab_size=self.VOCAB_SIZE)
+    common = dict(seq_len=self.MAX_SEQ_LEN, vocab_size=self.VOCAB_SIZE,
+                  precomputed_reference=self.REFERENCE == 'precomputed')
     return [fdl.Config(preference.SyntheticPreferenceInput, name='train', is_training=True, seed=self.RANDOM_SEED,
                        **common),
             fdl.Config(preference.SyntheticPreferenceInput, name='eval', is_training=False, seed=self.RANDOM_SEED + 1,
@@ -98,7 +100,7 @@ class Dpo(finetune.Sft):
                       '({"prompt", "chosen", "rejected"} a line).')
     common = dict(seq_len=self.MAX_SEQ_LEN, tokenizer=file_input.anchored(self.TOKENIZER), vocab_size=self.VOCAB_SIZE,
                   seed=self.RANDOM_SEED, chat_template=self.CHAT_TEMPLATE, truncation=self.TRUNCATION,
-                  bad_pairs=self.BAD_PAIRS)
+                  bad_pairs=self.BAD_PAIRS, precomputed_reference=self.REFERENCE == 'precomputed')
     return [
         fdl.Config(preference.PreferenceInput, name='train', is_training=True, data=train,
                    split='all' if evals else 'train', **common),

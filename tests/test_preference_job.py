@@ -128,3 +128,20 @@ def test_a_resumed_run_compares_with_the_same_reference(example):
   for a, b in zip(resumed, whole):
     assert a['loss'] == pytest.approx(b['loss'], rel=1e-6) and a['rewards/margins'] == pytest.approx(
         b['rewards/margins'], rel=1e-6, abs=1e-7), (a, b)
+
+
+def test_precomputed_reference_log_probabilities_train_as_the_copy_does(example):
+  """REFERENCE='precomputed': the reference's log-probabilities computed once before the first step and kept in
+  the job; the run's losses and rewards are the reference copy's (the example's DPO run), `pax eval` reads them."""
+  cwd, commands, _ = example
+  out = _pax(cwd, *commands[1][1:-1], 'ex/precomputed', '--set', "REFERENCE='precomputed'").stdout
+  assert "Reference log-probabilities (REFERENCE='precomputed') of the" in out
+  assert sorted(os.listdir(cwd / 'ex' / 'precomputed' / 'reference_logps')) == ['eval.json', 'train.json']
+  for name in ('train_metrics.jsonl', 'eval_metrics.jsonl'):
+    copy, pre = (_rows(cwd / 'ex' / job / name) for job in ('dpo', 'precomputed'))
+    assert [r['step'] for r in copy] == [r['step'] for r in pre]
+    for a, b in zip(copy, pre):
+      for key in ('loss', 'rewards/margins', 'rewards/chosen'):
+        assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), (name, key, a, b)
+  evaluated = json.loads(_pax(cwd, 'eval', '--job-log-dir', 'ex/precomputed', '--json').stdout)
+  assert evaluated['results']['eval']['loss'] == pytest.approx(pre[-1]['loss'], rel=1e-5)

@@ -16,6 +16,7 @@ import hf_models
 from paxcli import api
 from paxcli.jobdir import restore
 from paxcli.layers.base import NON_TRAINABLE
+from paxcli.loops import reference
 from paxcli.loops.train import _fresh_state, step_gradients
 from paxcli.models import registry
 from paxcli.models.lm import flat_view
@@ -65,10 +66,14 @@ def _ours(made, *sets):
     state = _fresh_state(setup, base, 0, lambda _: None)
   else:                          # the base's params alone: what the step reads (no optimizer state, no init)
     state = {'step': jax.numpy.zeros([], jax.numpy.int32), 'params': restore.base_params(setup, base, False)}
-  if NON_TRAINABLE in setup.state_shardings:   # the reference: the other model's weights, as the stored copy
+  inp = infeed.build_input(resolved.train_dataset(), setup)
+  if NON_TRAINABLE in setup.state_shardings or reference.asking([inp]):   # the reference: the other model's weights
     ref = restore.base_params(setup, restore.base_ref(str(made['root'] / 'reference')), False)
-    state[NON_TRAINABLE] = {COPY: {'params': ref, 'ready': jax.numpy.ones([], jax.numpy.int32)}}
-  batch = infeed.build_input(resolved.train_dataset(), setup).get_next()
+    if reference.asking([inp]):   # REFERENCE='precomputed': its log-probabilities, as pax train computes them
+      inp.set_reference(reference.compute(setup, ref, inp), 'the test')
+    else:                         # the stored copy
+      state[NON_TRAINABLE] = {COPY: {'params': ref, 'ready': jax.numpy.ones([], jax.numpy.int32)}}
+  batch = inp.get_next()
   done = jax.jit(step_gradients(setup, 0))(state, to_global(batch, sharding.batch_sharding(setup.mesh),
                                                                  setup.global_batch))
   metrics = {k: float(v) for k, (v, _) in done.metrics.items()}
@@ -146,12 +151,15 @@ def _check_grads(ours: dict, theirs: dict):
 
 
 # Each case compiles a train step (10-20 s on a shared CPU): DPO's sigmoid is the default suite's, the rest slow.
-@pytest.mark.parametrize('loss_type, smoothing', [('sigmoid', 0.0)] + [
-    pytest.param(kind, eps, marks=pytest.mark.slow) for kind, eps in (('robust', 0.2), ('hinge', 0.0), ('ipo', 0.0))])
-def test_dpo_losses_equal_trls_dpo_trainer(made, tmp_path, loss_type, smoothing):
+# 'precomputed': the reference's log-probabilities computed before the steps (paxcli.loops.reference), not a copy.
+@pytest.mark.parametrize('loss_type, smoothing, ref', [('sigmoid', 0.0, 'copy')] + [
+    pytest.param(kind, eps, ref, marks=pytest.mark.slow) for kind, eps, ref in (
+        ('robust', 0.2, 'copy'), ('hinge', 0.0, 'copy'), ('ipo', 0.0, 'copy'), ('sigmoid', 0.0, 'precomputed'),
+        ('ipo', 0.0, 'precomputed'))])
+def test_dpo_losses_equal_trls_dpo_trainer(made, tmp_path, loss_type, smoothing, ref):
   beta = 0.1
   loss, metrics, grads, batch = _ours(made, f'LOSS_TYPE={loss_type!r}', f'BETA={beta}',
-                                      f'LABEL_SMOOTHING={smoothing}')
+                                      f'LABEL_SMOOTHING={smoothing}', f'REFERENCE={ref!r}')
   policy = _fresh(made, 'policy')
   trainer = trl.DPOTrainer(model=policy, ref_model=_fresh(made, 'reference'), train_dataset=_dataset(made),
                            processing_class=_tokenizer(made),

@@ -29,7 +29,7 @@ OptimizerName = Literal['adam', 'adamw', 'adafactor', 'sgd']
 TrackerName = Literal['wandb', 'mlflow']  # paxcli.jobdir.trackers.NAMES
 ScheduleName = Literal['constant', 'linear_rampup_cosine_decay', 'linear_rampup_exponential_decay']
 PreferenceLossName = Literal['sigmoid', 'robust', 'hinge', 'ipo', 'simpo', 'orpo']   # paxcli.models.preference
-PreferenceReferenceName = Literal['auto', 'copy', 'adapters_off']                    # paxcli.models.preference
+PreferenceReferenceName = Literal['auto', 'copy', 'adapters_off', 'precomputed']     # paxcli.models.preference
 TruncationName = Literal['completion', 'none']                  # paxcli.inputs.preference
 BadPairsName = Literal['error', 'skip']                         # paxcli.inputs.preference
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
 import itertools
 from typing import Iterator, Optional
 
@@ -59,12 +60,27 @@ class Pair:
   chosen: packing.Example
   rejected: packing.Example
 
+  @property
+  def key(self) -> str:
+    """What identifies the pair as it is trained (its tokens and weights): REFERENCE='precomputed' keeps each
+    pair's reference log-probabilities under it."""
+    h = hashlib.sha1()
+    for ex in (self.chosen, self.rejected):
+      for a in (ex.ids, ex.labels, ex.weights):
+        h.update(np.ascontiguousarray(a).tobytes())
+        h.update(b'|')
+    return h.hexdigest()
 
-def pair_batch(pairs: list[Optional[Pair]], seq_len: int) -> dict[str, np.ndarray]:
+
+def pair_batch(pairs: list[Optional[Pair]], seq_len: int, reference: Optional[dict] = None) -> dict[str, np.ndarray]:
   """The batch of `pairs` (None: a padding pair, every weight 0): per side ids, labels, weights and
-  segment_ids [pairs, seq_len]."""
+  segment_ids [pairs, seq_len]; with `reference` (pair key -> its (chosen, rejected) reference log-probabilities)
+  also ref_chosen_logps and ref_rejected_logps [pairs]."""
   n = len(pairs)
   out = {}
+  if reference is not None:
+    values = np.array([reference[p.key] if p is not None else (0.0, 0.0) for p in pairs], np.float32).reshape(n, 2)
+    out['ref_chosen_logps'], out['ref_rejected_logps'] = values[:, 0], values[:, 1]
   for side in SIDES:
     ids, labels = np.zeros((n, seq_len), np.int32), np.zeros((n, seq_len), np.int32)
     weights, segments = np.zeros((n, seq_len), np.float32), np.zeros((n, seq_len), np.int32)
@@ -84,6 +100,9 @@ class PreferenceInput(FileLmInput):
   """Batches of preference pairs from JSONL files (module docstring); `tokenizer` is required (the model's)."""
   truncation: str = 'completion'
   bad_pairs: str = 'error'
+  # REFERENCE='precomputed': batches carry each pair's reference log-probabilities, which the train loop computes
+  # once and hands over (set_reference; paxcli.loops.reference) before the first batch
+  precomputed_reference: bool = False
 
   def __post_init__(self):
     if self.truncation not in TRUNCATIONS:
@@ -94,6 +113,7 @@ class PreferenceInput(FileLmInput):
       raise UserError('Preference pairs are read with the model\'s own tokenizer: set TOKENIZER (BASE sets it to the '
                       'tokenizer its import kept).')
     self._pairs: dict[tuple, list[Pair]] = {}
+    self._reference: Optional[dict] = None
     self.skipped: collections.Counter = collections.Counter()
     super().__post_init__()   # tokenizer and chat template; reads and checks every pair (_check_has_documents)
     if self.skipped:
@@ -180,19 +200,42 @@ class PreferenceInput(FileLmInput):
         example.weights[:] = 0
     return example
 
+  # ---- the reference's log-probabilities (REFERENCE='precomputed') -------------------------------
+
+  def reference_batches(self) -> Iterator[tuple[list[Optional[str]], dict]]:
+    """(the pairs' keys, None for padding; their batch) over this process's pairs once, in order: what the
+    reference's log-probabilities are computed on."""
+    mine = self._my_pairs()
+    for start in range(0, len(mine), self.batch_size):
+      chunk = mine[start:start + self.batch_size]
+      chunk = chunk + [None] * (self.batch_size - len(chunk))
+      yield [p.key if p is not None else None for p in chunk], pair_batch(chunk, self.seq_len)
+
+  def set_reference(self, values: dict, where: str) -> None:
+    """Each pair's (chosen, rejected) reference log-probabilities by pair key, read from `where`; UserError when
+    one of this process's pairs has none (the data changed since they were computed)."""
+    missing = sum(p.key not in values for p in self._my_pairs())
+    if missing:
+      raise UserError(f'{where} holds no reference log-probabilities for {missing} of input {self.name!r}\'s pairs: '
+                      'the data or MAX_SEQ_LEN changed since they were computed. Train it in a new --job-log-dir.')
+    self._reference = values
+
   # ---- batches --------------------------------------------------------------------------------
 
   def _batches(self) -> Iterator[dict]:
-    mine = self._my_pairs()
+    if self.precomputed_reference and self._reference is None:
+      raise UserError(f'Input {self.name!r} needs its pairs\' reference log-probabilities (REFERENCE=\'precomputed\'), '
+                      'which pax train and pax eval compute or read from the job directory first.')
+    mine, ref = self._my_pairs(), self._reference
     if not self.is_training:
       for start in range(0, len(mine), self.batch_size):
         chunk = mine[start:start + self.batch_size]
-        yield pair_batch(chunk + [None] * (self.batch_size - len(chunk)), self.seq_len)
+        yield pair_batch(chunk + [None] * (self.batch_size - len(chunk)), self.seq_len, ref)
       return
     order = (mine[i] for epoch in itertools.count()
              for i in np.random.default_rng([self.seed, _PAIR_ORDER, epoch]).permutation(len(mine)))
     while True:
-      yield pair_batch(list(itertools.islice(order, self.batch_size)), self.seq_len)
+      yield pair_batch(list(itertools.islice(order, self.batch_size)), self.seq_len, ref)
 
   def _my_pairs(self) -> list[Pair]:
     """This process's share of the pairs: every n-th, from its index (the same order on every process)."""
@@ -240,7 +283,9 @@ def _message(m) -> bool:
 @dataclasses.dataclass
 class SyntheticPreferenceInput(SyntheticLmInput):
   """Pairs from SyntheticLmInput's rows, for plans and benchmarks (a posttrain recipe given no TRAIN_DATA): the
-  row's first half is the prompt, the chosen completion goes on counting, the rejected one is random tokens."""
+  row's first half is the prompt, the chosen completion goes on counting, the rejected one is random tokens (with
+  precomputed_reference, reference log-probabilities of 0)."""
+  precomputed_reference: bool = False
 
   def __post_init__(self):
     super().__post_init__()
@@ -257,6 +302,9 @@ class SyntheticPreferenceInput(SyntheticLmInput):
     rejected = tokens.copy()
     rejected[:, prompt:] = rng.integers(0, self.vocab_size, size=rejected[:, prompt:].shape)
     segments = np.ones(weights.shape, np.int32)
-    return {'chosen_ids': tokens[:, :-1], 'chosen_labels': tokens[:, 1:], 'chosen_weights': weights,
-            'chosen_segment_ids': segments, 'rejected_ids': rejected[:, :-1], 'rejected_labels': rejected[:, 1:],
-            'rejected_weights': weights.copy(), 'rejected_segment_ids': segments.copy()}
+    out = {'chosen_ids': tokens[:, :-1], 'chosen_labels': tokens[:, 1:], 'chosen_weights': weights,
+           'chosen_segment_ids': segments, 'rejected_ids': rejected[:, :-1], 'rejected_labels': rejected[:, 1:],
+           'rejected_weights': weights.copy(), 'rejected_segment_ids': segments.copy()}
+    if self.precomputed_reference:   # no reference pass for made-up pairs: the shapes are what plans need
+      out['ref_chosen_logps'] = out['ref_rejected_logps'] = np.zeros((self.batch_size,), np.float32)
+    return out

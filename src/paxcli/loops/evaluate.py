@@ -34,6 +34,7 @@ from paxcli.jobdir import lock as joblock
 from paxcli.jobdir import restore
 from paxcli.jobdir import storage
 from paxcli.jobdir.summaries import SummaryWriter
+from paxcli.loops import reference
 from paxcli.runtime import engine, infeed
 from paxcli.runtime import sharding
 from paxcli.runtime.sharding import to_global
@@ -202,6 +203,7 @@ class Evaluator:
     for cfg in resolved.eval_datasets():
       check_semantics(cfg)
       self.inputs[cfg.name] = infeed.build_input(cfg, setup)
+    reference.attach_saved(self.inputs.values(), job_dir)   # inputs that feed values kept in the job
     self.job_dir = job_dir if jax.process_index() == 0 else None
     self.writers = {}
 

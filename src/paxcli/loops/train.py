@@ -54,6 +54,7 @@ from paxcli.layers.fp8 import FP8_STATE
 from paxcli.loops import accumulate
 from paxcli.loops.decode.training import TrainDecoder
 from paxcli.loops import goodput
+from paxcli.loops import reference
 from paxcli.loops.evaluate import DATA_FIELDS, Evaluator, line_note, metrics_line
 from paxcli.loops.hooks import Chrono, Hooks, StepInfo, Window
 from paxcli.loops.router_watch import RouterWatch, load_note, totals
@@ -701,6 +702,7 @@ def _train(resolved, job_dir: str, console, accounting: goodput.Goodput, verbose
     storage.write_text(layout.config(job_dir), resolved.as_text())
     _trim_replayed_metrics(job_dir, start.step, log)
     tokenizer.save_to_job_dir(train_input, job_dir)
+  reference.prepare(resolved, setup, state['params'], train_input, job_dir, start.step == 0, log)  # when asked
   _position_input(train_input, job_dir, start, fast, log)
 
   # ---- The step, and the hooks that do the rest ---------------------------------------------------------

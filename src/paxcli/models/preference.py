@@ -21,6 +21,9 @@ A sequence's log-probability is the sum of its completion tokens' (SimPO and ORP
                 the same reference. A second copy of the weights on the devices (and on disk).
   adapters_off  LoRA: the same params with every adapter's B set to zero, which is the base exactly: no copy
                 (TRL's reference for a PEFT model whose adapter is new)
+  precomputed   each pair's reference log-probabilities, computed once with the starting params before the first
+                step and kept in the job (paxcli.loops.reference), fed in the batch as ref_chosen_logps and
+                ref_rejected_logps [B]: no copy on the devices, no reference forward pass in the steps
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ class PreferenceLm(LanguageModel):
   label_smoothing: float = 0.0   # sigmoid: conservative DPO's; robust: the chance a label is flipped; SimPO too
   simpo_gamma: float = 0.5       # SimPO's target margin (TRL's simpo_gamma)
   cpo_alpha: float = 0.0         # SimPO: weight of the chosen completions' NLL (TRL's CPOConfig.cpo_alpha)
-  reference: str = 'auto'        # 'auto': adapters_off under LoRA, else copy
+  reference: str = 'auto'        # 'auto': adapters_off under LoRA, else copy; or 'precomputed'
   line_metrics = LINE_METRICS
 
   @property
@@ -111,6 +114,15 @@ class PreferenceLm(LanguageModel):
              -reference_nll(self, without_adapters(nn.meta.unbox(self.variables['params'])), rows))
     return {'logp': -nll, 'correct': correct, 'ref_logp': ref}
 
+  def sequence_logps(self, input_batch: dict):
+    """Each pair's (chosen, rejected) completion log-probabilities [B, 2] under these params, summed over the
+    completion's tokens: what REFERENCE='precomputed' keeps of the starting model (paxcli.loops.reference)."""
+    rows = pair_rows(input_batch)
+    x, head = self(rows['ids'], rows['segment_ids'], None, deterministic=True, features=True)
+    logp_c, logp_r = _sides(-token_nll(x, head, rows['labels'], self.loss_chunk_tokens)[0])
+    w_c, w_r = input_batch['chosen_weights'].astype(jnp.float32), input_batch['rejected_weights'].astype(jnp.float32)
+    return jnp.stack([jnp.sum(logp_c * w_c, -1), jnp.sum(logp_r * w_r, -1)], axis=-1)
+
   def compute_loss(self, predictions: dict, input_batch: dict):
     return preference_loss(self, predictions, input_batch)
 
@@ -120,6 +132,8 @@ class PreferenceLm(LanguageModel):
     for side in SIDES:
       out.update({f'{side}_ids': np.zeros(shape, np.int32), f'{side}_labels': np.zeros(shape, np.int32),
                   f'{side}_weights': np.zeros(shape, np.float32), f'{side}_segment_ids': np.zeros(shape, np.int32)})
+      if self.reference_kind == 'precomputed':
+        out[f'ref_{side}_logps'] = np.zeros((batch_size,), np.float32)
     return out
 
   def examples_in(self, input_batch: dict):
@@ -204,8 +218,11 @@ def preference_loss(model: PreferenceLm, predictions: dict, batch: dict):
     loss, extra = _reference_free(model, logps_c, logps_r, logp_c, w_c, batch, mean)
     rewards_c, rewards_r = beta * logps_c, beta * logps_r
   else:
-    ref_c, ref_r = _sides(predictions['ref_logp'])
-    ratio_c, ratio_r = sum_c - jnp.sum(ref_c * w_c, -1), sum_r - jnp.sum(ref_r * w_r, -1)
+    if predictions['ref_logp'] is None:   # precomputed: in the batch
+      ref_c, ref_r = batch['ref_chosen_logps'].astype(jnp.float32), batch['ref_rejected_logps'].astype(jnp.float32)
+    else:
+      ref_c, ref_r = (jnp.sum(r * w, -1) for r, w in zip(_sides(predictions['ref_logp']), (w_c, w_r)))
+    ratio_c, ratio_r = sum_c - ref_c, sum_r - ref_r
     loss = mean(_with_reference(model.loss_type, beta, model.label_smoothing, ratio_c, ratio_r, n_c, n_r))
     logps_c, logps_r, extra = sum_c, sum_r, {}
     rewards_c, rewards_r = beta * ratio_c, beta * ratio_r
