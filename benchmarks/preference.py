@@ -10,8 +10,8 @@ after a warm-up step each.
 
 Memory: bench.Llama1B's structure (16 layers x 2048, vocab 32768, rows of 2048) as posttrain.Dpo, its train
 step compiled for one device without running it (`jit(step).lower(...).compile().memory_analysis()`, what
-`--compile-only` reads): full DPO with its reference copy (non-trainable variables) against LoRA-DPO, whose
-reference is its base with the adapters off. One pair a device (two rows). The machine is shared: compare rows of
+`pax bench mfu --compile-only` reads): full DPO with its reference copy (non-trainable variables) against LoRA-DPO,
+whose reference is its base with the adapters off, and full DPO with precomputed reference log-probabilities. One pair a device (two rows). The machine is shared: compare rows of
 one run, not runs.
 """
 
@@ -32,6 +32,7 @@ MEMORY_VARIANTS = [
     ('full DPO, reference copy', []),
     ('LoRA-DPO r=8, adapters off', ['LORA_RANK=8', TARGETS]),
     ('LoRA-DPO r=8, bf16 base', ['LORA_RANK=8', TARGETS, 'LORA_BASE_DTYPE="bfloat16"']),
+    ('full DPO, precomputed reference', ["REFERENCE='precomputed'"]),
     ('SimPO (no reference)', ["LOSS_TYPE='simpo'"]),
 ]
 
