@@ -11,7 +11,8 @@ each line of prefs.jsonl being {"prompt": ..., "chosen": ..., "rejected": ...}: 
 read through the model's own chat template (paxcli.inputs.preference). The loss counts the completions' tokens
 only. LOSS_TYPE picks the loss (Ipo, SimPo and Orpo are Dpo with theirs), BETA its strength; the reference
 of the losses that have one is the starting model: a copy of its weights kept in the train state, or with
-LORA_RANK > 0 the same weights with the adapters off (REFERENCE; paxcli.models.preference). The log line
+LORA_RANK > 0 the same weights with the adapters off, or its log-probabilities of every pair computed once before
+the first step and kept in the job (REFERENCE; paxcli.models.preference). The log line
 shows loss, rewards/margins and rewards/accuracies; TensorBoard, train_metrics.jsonl and the trackers get
 every metric under TRL's names (rewards/chosen, rewards/rejected, logps/chosen, ...).
 
