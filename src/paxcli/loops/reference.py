@@ -42,16 +42,13 @@ def prepare(resolved, setup, params, train_input, job_dir: str, fresh: bool, log
   if jax.process_count() > 1:
     raise UserError("REFERENCE='precomputed' computes the reference log-probabilities on one process; with several, "
                     "use REFERENCE='copy' (or LoRA, whose reference is its base).")
-  for inp in wanting:
-    path = layout.reference_logps(job_dir, inp.name)
-    if fresh:
-      t0 = time.perf_counter()
-      values = compute(setup, params, inp)
-      storage.write_text(path, json.dumps(values))
-      log(f"Reference log-probabilities (REFERENCE='precomputed') of the {len(values):,} distinct pairs of input "
-          f'{inp.name!r}, computed with the starting weights in {time.perf_counter() - t0:.1f} s: {path}')
-    if inp is train_input:
-      inp.set_reference(read(path), path)
+  for inp in wanting if fresh else ():
+    path, t0 = layout.reference_logps(job_dir, inp.name), time.perf_counter()
+    values = compute(setup, params, inp)
+    storage.write_text(path, json.dumps(values))
+    log(f"Reference log-probabilities (REFERENCE='precomputed') of the {len(values):,} distinct pairs of input "
+        f'{inp.name!r}, computed with the starting weights in {time.perf_counter() - t0:.1f} s: {path}')
+  attach_saved([train_input], job_dir)
 
 
 def attach_saved(inputs, job_dir: str) -> None:
