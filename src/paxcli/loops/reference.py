@@ -35,10 +35,11 @@ def prepare(resolved, setup, params, train_input, job_dir: str, fresh: bool, log
   """The train input's and the eval inputs' reference log-probabilities: computed with `params` (the starting
   ones) and saved when `fresh`, else read from the job; the train input gets its values here, the eval inputs
   (built again by the Evaluator) read theirs with `attach_saved`."""
-  evals = [infeed.build_input(cfg, setup) for cfg in resolved.eval_datasets()] if fresh else []
-  wanting = asking([train_input] + evals)
-  if not wanting:
+  if not asking([train_input]):
     return
+  evaluated = fresh and setup.train.eval_interval_steps   # the Evaluator's inputs, as it builds them
+  evals = [infeed.build_input(cfg, setup) for cfg in resolved.eval_datasets()] if evaluated else []
+  wanting = asking([train_input] + evals)
   if jax.process_count() > 1:
     raise UserError("REFERENCE='precomputed' computes the reference log-probabilities on one process; with several, "
                     "use REFERENCE='copy' (or LoRA, whose reference is its base).")
