@@ -98,6 +98,7 @@ def test_bad_pairs_skip_counts_them_by_reason(tok, tmp_path):
   inp = _input(tok, _write(tmp_path / 'bad.jsonl', rows), bad_pairs='skip')
   assert inp.notes[-1] == ("Input 'train': skipped 6 bad preference pair(s) (BAD_PAIRS=skip): 2 identical, "
                            '1 missing field, 1 empty completion, 1 prompt too long, 1 malformed field.')
+  assert inp.notes[-2].startswith("Input 'train': 1 preference pair(s) read and checked (")
   assert inp.get_next()['chosen_weights'].shape == (2, 48)
 
 

@@ -32,6 +32,7 @@ import collections
 import dataclasses
 import hashlib
 import itertools
+import time
 from typing import Iterator, Optional
 
 import numpy as np
@@ -115,7 +116,11 @@ class PreferenceInput(FileLmInput):
     self._pairs: dict[tuple, list[Pair]] = {}
     self._reference: Optional[dict] = None
     self.skipped: collections.Counter = collections.Counter()
+    t0 = time.perf_counter()
     super().__post_init__()   # tokenizer and chat template; reads and checks every pair (_check_has_documents)
+    count = sum(len(pairs) for pairs in self._pairs.values())
+    self.notes.append(f'Input {self.name!r}: {count:,} preference pair(s) read and checked '
+                      f'({time.perf_counter() - t0:.1f} s, {self.split} split).')
     if self.skipped:
       self.notes.append(self.skip_note())
 
