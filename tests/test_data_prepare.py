@@ -229,7 +229,7 @@ def test_train_data_replaces_the_inputs_of_every_lm_experiment(data):
     exp = cls()
     exp.TRAIN_DATA, exp.TOKENIZER = glob, spm
     inputs = exp.datasets()
-    assert [fdl.get_callable(c) for c in inputs] == [FileLmInput, FileLmInput], name
+    assert all(issubclass(fdl.get_callable(c), FileLmInput) for c in inputs) and len(inputs) == 2, name
     assert [(c.data, c.split) for c in inputs] == [(glob, 'train'), (glob, 'eval')], name
   assert Mine().datasets() == ['never reached when TRAIN_DATA is set']
 

@@ -373,6 +373,18 @@ def _read_jsonl(path: str, text_field: str, errors: Optional[list[str]] = None) 
       yield doc
 
 
+def json_records(path: str) -> Iterator[tuple[str, dict]]:
+  """('file line N', the JSON object) of each non-blank line of a .jsonl file (gzipped by name), with the
+  bounds and messages documents get: for readers of records that are not documents (preference pairs)."""
+  if format_of(path) != 'jsonl':
+    raise UserError(f'{path}: preference pairs are read from JSONL files (.jsonl, .jsonl.gz), one JSON object a '
+                    'line.')
+  for n, box in _lines(path):
+    if box[0] and not box[0].isspace():
+      where = f'{path} line {n}'
+      yield where, _json_object(box.pop(), where, 'prompt')
+
+
 def _json_object(line: str, where: str, text_field: str) -> dict:
   """The JSON object of a line (files.parse_json: bounded depth and numbers, no NaN)."""
   try:

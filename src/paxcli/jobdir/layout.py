@@ -228,6 +228,11 @@ def metrics_files(job_dir: str) -> list[str]:
   return [_at(job_dir, n) for n in sorted(names)]
 
 
+def reference_logps(job_dir: str, input_name: str) -> str:
+  """An input's pairs' reference log-probabilities (REFERENCE='precomputed'; paxcli.loops.reference)."""
+  return _at(job_dir, 'reference_logps', f'{input_name}.json')
+
+
 def eval_done(job_dir: str) -> str:
   return _at(job_dir, 'eval_done.jsonl')
 

@@ -34,6 +34,7 @@ from paxcli.jobdir import lock as joblock
 from paxcli.jobdir import restore
 from paxcli.jobdir import storage
 from paxcli.jobdir.summaries import SummaryWriter
+from paxcli.loops import reference
 from paxcli.runtime import engine, infeed
 from paxcli.runtime import sharding
 from paxcli.runtime.sharding import to_global
@@ -176,9 +177,17 @@ def eval_label(name: str) -> str:
   return 'eval' if name == 'eval' else f'eval on {name}'
 
 
-def metrics_line(step: int, name: str, m: dict) -> str:
+def metrics_line(step: int, name: str, m: dict, model=None) -> str:
   accuracy = f"  accuracy {m['accuracy']:.4f}" if 'accuracy' in m else ''
-  return f"step {step}: {eval_label(name)}: loss {m['loss']:.4f}{accuracy}  ({m['num_examples']:.0f} examples)"
+  return (f"step {step}: {eval_label(name)}: loss {m['loss']:.4f}{accuracy}{line_note(m, model)}  "
+          f"({m['num_examples']:.0f} examples)")
+
+
+def line_note(record: dict, model) -> str:
+  """'  rewards/margins 0.1234 ...' for the metrics a model names in `line_metrics` (the log lines show the loss
+  and accuracy of every model, and these after them; every metric goes to TensorBoard and the trackers)."""
+  names = getattr(model, 'line_metrics', ())
+  return ''.join(f'  {k} {record[k]:.4g}' for k in names if k in record)
 
 
 class Evaluator:
@@ -194,6 +203,7 @@ class Evaluator:
     for cfg in resolved.eval_datasets():
       check_semantics(cfg)
       self.inputs[cfg.name] = infeed.build_input(cfg, setup)
+    reference.attach_saved(self.inputs.values(), job_dir)   # inputs that feed values kept in the job
     self.job_dir = job_dir if jax.process_index() == 0 else None
     self.writers = {}
 
@@ -399,7 +409,7 @@ def follow(resolved, job_dir: str, console, timeout: Optional[float] = None, pol
           claim.release()
       done.add(step)
       for name, m in results.items():
-        log(metrics_line(step, name, m))
+        log(metrics_line(step, name, m, setup.model))
       record = {'step': step, 'results': results}
       out.append(record)
       if on_result:

@@ -9,6 +9,7 @@ the knob tables, the experiment bases recipes derive from, and one family object
   losses.py                lm_loss, fused_lm_loss (a custom VJP)
   validation.py            checks of an LM config (one line each, before anything compiles)
   classifier.py            ClassificationModel
+  preference.py            PreferenceLm: DPO, IPO, SimPO, ORPO on preference pairs
   flops.py                 ModelFlops, stack_flops: training FLOPs per token
   knobs.py                 the knob tables (LM_KNOBS): each knob once, with the config fields it sets
   training.py, lm_experiment.py, classifier_experiment.py
@@ -33,7 +34,7 @@ _PUBLIC = {
     'pipeline_schedule': 'lm', 'REMAT_POLICIES': 'lm',
     'lm_loss': 'losses', 'fused_lm_loss': 'losses',
     'validate_lm': 'validation', 'validate_lora': 'validation',
-    'ClassificationModel': 'classifier',
+    'ClassificationModel': 'classifier', 'PreferenceLm': 'preference',
     'ModelFlops': 'flops', 'stack_flops': 'flops',
     'TrainingExperiment': 'training', 'LmExperiment': 'lm_experiment',
     'ClassifierExperiment': 'classifier_experiment', 'CLASSIFIER_KNOBS': 'classifier_experiment',

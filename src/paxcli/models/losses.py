@@ -154,12 +154,21 @@ def head_lm_loss(x_BxLxD, head: Head, labels_BxL, weights_BxL, chunk_tokens: int
   chunk of positions at a time (chunk_length) when they would be more than `chunk_tokens` tokens on a
   device: the [B, L, V] logits never exist whole, in the forward pass or the backward."""
   b, l = labels_BxL.shape
+  if chunk_length(b, l, chunk_tokens, head.vocab) == l:
+    return fused_lm_loss(head.logits(x_BxLxD), labels_BxL, weights_BxL)
+  return _weighted(*token_nll(x_BxLxD, head, labels_BxL, chunk_tokens), weights_BxL)
+
+
+def token_nll(x_BxLxD, head: Head, labels_BxL, chunk_tokens: int):
+  """(negative log-likelihood of each label [B, L] float32, whether it is the argmax [B, L]) under
+  `head.logits(x)`, differentiable (the fused backward of fused_lm_loss), the logits made a chunk of positions at a
+  time as head_lm_loss makes them: what per-sequence log-probabilities (preference tuning, GRPO) are sums of."""
+  b, l = labels_BxL.shape
   c = chunk_length(b, l, chunk_tokens, head.vocab)
   if c == l:
-    return fused_lm_loss(head.logits(x_BxLxD), labels_BxL, weights_BxL)
-  nll_BxL, correct_BxL = _chunked_nll(l // c, _shares(b, l), activation_sharding.snapshot())(x_BxLxD, head,
-                                                                                            labels_BxL)
-  return _weighted(nll_BxL, correct_BxL, weights_BxL)
+    logits = head.logits(x_BxLxD)
+    return _token_nll(logits, labels_BxL), jnp.argmax(logits, axis=-1) == labels_BxL
+  return _chunked_nll(l // c, _shares(b, l), activation_sharding.snapshot())(x_BxLxD, head, labels_BxL)
 
 
 def token_scores(x_BxLxD, head: Head, targets_BxL, chunk_tokens: int):
