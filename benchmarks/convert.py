@@ -48,7 +48,9 @@ def make_checkpoint(job_dir: str, overrides: list[str], exp: str = EXP) -> dict:
   meta = {'step': 0, 'batches_consumed': 0, 'state_shapes': shapes, 'experiment': resolved.name,
           'config': {k: repr(v) for k, v in resolved.flat().items()}}
   writer = ckpt.Checkpointer(os.path.join(job_dir, 'checkpoints'), max_to_keep=0, async_save=False)
-  writer.save(0, {'step': np.int32(0), 'params': params}, meta)
+  state = {'step': np.int32(0), 'params': params}
+  from paxcli.runtime import train_state
+  writer.save(0, state, {**meta, 'checksums': train_state.checksums(state)})
   writer.close()
   with open(os.path.join(job_dir, 'config.txt'), 'w', encoding='utf-8') as f:
     f.write(resolved.as_text())

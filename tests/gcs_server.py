@@ -50,7 +50,12 @@ class Server:
   def __init__(self, root: str | None = None):
     self.port = _free_port()
     self.url = f'http://127.0.0.1:{self.port}'
-    backend = ['-backend', 'filesystem', '-filesystem-root', root] if root else ['-backend', 'memory']
+    self.root = root
+    self.start()
+
+  def start(self) -> None:
+    """Starts the server (again, after `stop`: on the same port, with the objects of `root` if it has one)."""
+    backend = ['-backend', 'filesystem', '-filesystem-root', self.root] if self.root else ['-backend', 'memory']
     self.proc = subprocess.Popen([_binary(), '-scheme', 'http', *backend, '-host', '127.0.0.1',
                                   '-port', str(self.port), '-external-url', self.url, '-log-level', 'error'],
                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -83,7 +88,7 @@ class Server:
 @contextlib.contextmanager
 def running(root: str | None = None):
   """A started server with this process's environment pointing at it (restored after)."""
-  server = Server(root)
+  server = Server(str(root) if root else None)
   saved = {k: os.environ.get(k) for k in client_env(server.url)}
   os.environ.update(client_env(server.url))
   from paxcli.jobdir import storage

@@ -284,7 +284,7 @@ def test_errors_are_one_line(job, tmp_path, capsys):
   (hf_dir / 'config.json').write_text(json.dumps({'model_type': 'llama', 'vocab_size': 64, 'hidden_size': 32,
                                                   'intermediate_size': 64, 'num_hidden_layers': 2,
                                                   'num_attention_heads': 4,
-                                                  'rope_scaling': {'type': 'yarn', 'factor': 4}}))
+                                                  'rope_scaling': {'type': 'dynamic', 'factor': 4}}))
   (hf_dir / 'model.safetensors').write_bytes(struct.pack('<Q', 2) + b'{}')
   assert 'cannot be expressed in paxcli: rope_scaling' in err_of('convert', str(hf_dir), str(tmp_path / 'o4'))
   assert not (tmp_path / 'o2').exists() and not (tmp_path / 'o4').exists()
@@ -321,6 +321,7 @@ def test_saves_are_chunked_so_a_layer_is_read_alone(tmp_path):
 
   from paxcli.jobdir import checkpoint as ckpt
   from paxcli.convert.orbax_io import OrbaxSource
+  from paxcli.runtime import train_state
   rng = np.random.default_rng(0)
   stacked = rng.standard_normal((3, 16, 8)).astype(np.float32)
   embedding = rng.standard_normal((4096, 96)).astype(np.float32)   # 1.5 MiB: two chunks of 1 MiB
@@ -330,7 +331,8 @@ def test_saves_are_chunked_so_a_layer_is_read_alone(tmp_path):
   old, ckpt.CHUNK_BYTES = ckpt.CHUNK_BYTES, 1 << 20
   try:
     w = ckpt.Checkpointer(os.path.join(job, 'checkpoints'), max_to_keep=0, async_save=False)
-    w.save(5, state, {'step': 5})
+    w.save(5, state, {'step': 5, 'state_shapes': train_state.shape_signature(state),
+                      'checksums': train_state.checksums(state)})
     w.close()
   finally:
     ckpt.CHUNK_BYTES = old

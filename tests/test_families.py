@@ -53,7 +53,9 @@ def test_the_hf_weight_map_covers_the_model_exactly(family, tied):
   config = family.to_hf_config(flat_view(model), 'float32', {})
   assert config['model_type'] in family.hf_model_types
   back, _ = family.from_hf_config(config, 'exported')   # config.json read back gives the model's knobs
-  assert {k: back[k] for k in SMALL if k != 'NUM_LAYERS'} == {k: v for k, v in SMALL.items() if k != 'NUM_LAYERS'}
+  heads = ('NUM_KV_HEADS', 'DIMS_PER_HEAD') if flat_view(model).kv_lora_rank else ()   # latent attention: neither
+  keys = [k for k in SMALL if k != 'NUM_LAYERS' and k not in heads]
+  assert {k: back[k] for k in keys} == {k: SMALL[k] for k in keys}
   assert back['NUM_LAYERS'] == flat_view(model).num_layers and back['SEPARATE_EMBEDDING'] == (not tied)
 
 
@@ -141,3 +143,34 @@ def test_recipes_written_before_the_move_still_read(tmp_path):
           'from paxcli.models import LmExperiment\n\n\n@register\nclass HfLlama(LmExperiment):\n'
           '  NUM_LAYERS = 2\n')
   assert gencode.knobs_of(text, 'HfLlama', 'old.py') == {'NUM_LAYERS': 2}
+
+
+@pytest.mark.parametrize('name, settings, family, says', [
+    ('granite', {'EMBEDDING_MULTIPLIER': 12.0, 'LOGITS_SCALING': 8.0}, 'llama',
+     'token embeddings are multiplied (Llama has none: EMBEDDING_MULTIPLIER=1.0)'),
+    ('granite', {'RESIDUAL_MULTIPLIER': 0.22}, 'gemma2', 'residual_multiplier is 0.22'),
+    ('olmo2', {}, 'llama', "the norms are placed otherwise (PRE_NORMS=False, POST_NORMS=True; Llama's: PRE_NORMS=True"),
+    ('olmo2', {'POST_NORMS': True, 'PRE_NORMS': False}, 'qwen3', 'QK-norm is over each head in Qwen3'),
+    ('qwen3', {}, 'olmo2', 'QK-norm is over the whole projection in OLMo 2 (QK_NORM_PER_HEAD=False)'),
+    ('phi3', {'ROTARY_SCALING': 'longrope', 'ROTARY_SHORT_FACTORS': (1.0,) * 4, 'ROTARY_LONG_FACTORS': (2.0,) * 4},
+     'mistral', "rotary positions are scaled as 'longrope'"),
+    ('phi3', {'ROTARY_FRACTION': 0.5}, 'llama', 'rotary positions turn 0.5 of each head (Llama turns all of it'),
+    ('llama', {'ROTARY_SCALING': 'llama3'}, 'phi3', "rotary positions are scaled as 'llama3' (Phi-3's are scaled as"),
+])
+def test_what_sets_a_family_apart_keeps_the_others_from_writing_it(name, settings, family, says):
+  """A model with one family's layer options is not written as another family, which would drop them: misfit names
+  the knob, and the family built for them fits."""
+  model = flat_view(_small_model(registry.by_name(name), **settings))
+  assert any(says in reason for reason in registry.by_name(family).misfit(model)), registry.by_name(family).misfit(model)
+  assert registry.by_name(name).misfit(model) == []
+
+
+def test_granite_reads_its_released_attention_dropout_with_a_note():
+  """Granite 3.0 and 3.1 ship attention_dropout 0.1: training-only, the same function; the recipe's NOTES say so."""
+  import hf_models
+  granite = registry.by_name('granite')
+  values, notes = granite.from_hf_config(hf_models.GRANITE31_2B, '/m')
+  assert values['EMBEDDING_MULTIPLIER'] == 12.0 and values['ATTENTION_MULTIPLIER'] == 0.015625
+  assert notes == ['attention_dropout 0.1 drops attention weights in training only; paxcli trains without it '
+                   '(DROPOUT_PROB is its residual dropout), and the model computes the same function.']
+  assert granite.from_hf_config({**hf_models.GRANITE31_2B, 'attention_dropout': 0.0}, '/m')[1] == []

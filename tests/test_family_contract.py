@@ -135,10 +135,11 @@ def test_an_unknown_model_type_names_the_families_paxcli_has():
 
 def test_a_model_that_records_no_family_is_placed_by_its_function_or_asked_for_one(monkeypatch):
   """Unrecorded (a checkpoint from before MODEL_FAMILY): the family its function places it in, a family built on
-  another yielding to it (Phi-3 and Mistral to Llama); two unrelated families computing it: one line asking."""
+  another yielding to it (Phi-3, Mistral and Granite to Llama); two unrelated families computing it: one line asking."""
   llama, mistral, phi3 = (registry.by_name(n) for n in ('llama', 'mistral', 'phi3'))
   plain = _view({**llama.knobs, 'MODEL_FAMILY': None})
-  assert registry.fits(plain)[0] == [llama, mistral, phi3] and registry.of_model(plain) is llama
+  granite = registry.by_name('granite')   # its multipliers at 1 (and attention at 1/sqrt(E)): a Llama's function
+  assert registry.fits(plain)[0] == [llama, mistral, phi3, granite] and registry.of_model(plain) is llama
   assert registry.of_model(_view({**llama.knobs, 'MODEL_FAMILY': 'phi3'})) is phi3   # recorded: what it records
   assert registry.summary(plain) == {'family': 'llama', 'family_recorded': False}
   assert registry.of_knobs({**llama.knobs, 'MODEL_FAMILY': None}) is llama   # what --from paxml records

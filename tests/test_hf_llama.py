@@ -115,13 +115,13 @@ def test_linear_rope_scaling_and_the_hf_export_writes_it_back(tmp_path, capsys):
 
 
 def test_function_changing_keys_are_refused_by_name(tmp_path, capsys):
-  cfg = dict(LLAMA3, rope_scaling={'rope_type': 'yarn', 'factor': 4.0}, attention_dropout=0.1,
+  cfg = dict(LLAMA3, rope_scaling={'rope_type': 'dynamic', 'factor': 4.0}, attention_dropout=0.1,
              quantization_config={'quant_method': 'gptq'}, auto_map={'AutoModel': 'x.Y'},
              pretraining_tp=2, transformers_version='4.45.0', use_cache=True)
   write_hf(tmp_path / 'hf', cfg)
   code, _, err = pax_main(['checkpoint', 'convert', '--from', 'hf', str(tmp_path / 'hf'), str(tmp_path / 'o')], capsys)
   assert code == 2 and 'Traceback' not in err and len(err.strip().splitlines()) == 1, err
-  for name in ('rope_scaling {"rope_type": "yarn"', 'attention_dropout 0.1', 'quantization_config', 'auto_map'):
+  for name in ('rope_scaling {"rope_type": "dynamic"', 'attention_dropout 0.1', 'quantization_config', 'auto_map'):
     assert name in err, (name, err)
   for harmless in ('pretraining_tp', 'transformers_version', 'use_cache'):
     assert harmless not in err

@@ -98,8 +98,8 @@ def test_config_keys_paxcli_cannot_express_are_refused_by_name(tmp_path, capsys)
   assert family is registry.by_name('mistral')
   with pytest.raises(UserError) as e:
     family.from_hf_config(dict(REF.config, layer_types=['sliding_attention', 'full_attention'],
-                               attention_dropout=0.1, rope_scaling={'rope_type': 'yarn', 'factor': 4.0}), '/m')
-  for name in ('layer_types', 'attention_dropout 0.1', 'rope_scaling {"rope_type": "yarn"'):
+                               attention_dropout=0.1, rope_scaling={'rope_type': 'dynamic', 'factor': 4.0}), '/m')
+  for name in ('layer_types', 'attention_dropout 0.1', 'rope_scaling {"rope_type": "dynamic"'):
     assert name in str(e.value), (name, str(e.value))
   for bad in (0, -4, 2.5, 'long', True):
     with pytest.raises(UserError, match=r'/m/config.json: sliding_window is .*positive whole number'):

@@ -1,8 +1,8 @@
 """The mixture-of-experts families (Mixtral, Qwen3-MoE) beyond what tests/test_hf_families.py holds for every
-family: the recipes at released sizes count transformers' parameters of the released config.json; the expert
-weights as transformers 5 holds them in memory (fused 3-D tensors) read as well as the per-expert spelling
-that releases and save_pretrained write; config.json settings paxcli cannot express are refused by name; a
-paxcli MoE model that is not one of the families says why."""
+family: the recipes at released sizes (DeepSeek-V3's too) count transformers' parameters of the released
+config.json; the expert weights as transformers 5 holds them in memory (fused 3-D tensors) read as well as the
+per-expert spelling that releases and save_pretrained write; config.json settings paxcli cannot express are
+refused by name; a paxcli MoE model that is not one of the families says why."""
 
 import json
 import os
@@ -17,8 +17,10 @@ from conftest import pax_main
 
 pytest.importorskip('transformers')
 
-# huggingface.co/Qwen/Qwen3-30B-A3B and mistralai/Mixtral-8x7B-v0.1, as transformers counts them (meta device).
+# huggingface.co/Qwen/Qwen3-30B-A3B, mistralai/Mixtral-8x7B-v0.1 and deepseek-ai/DeepSeek-V3 (its router biases,
+# e_score_correction_bias, counted: weights of the checkpoint), as transformers counts them (meta device).
 COUNTS = {'mixtral.Mixtral8x7B': (hf_models.MIXTRAL_8X7B, 46_702_792_704),
+          'deepseek.DeepSeekV3': (hf_models.DEEPSEEK_V3, 671_026_419_200),
           'qwen.Qwen3Moe30BA3B': (hf_models.QWEN3_30B_A3B, 30_532_122_624)}
 
 

@@ -74,9 +74,11 @@ def _clean(result):
   assert 'Traceback' not in text and 'damaged' not in text, text[-3000:]
 
 
-def _popen(cwd, *args):
-  """A `pax` subprocess whose stdout lines arrive in a queue (to act on a follower's progress)."""
-  proc = subprocess.Popen([sys.executable, '-m', 'paxcli.cli.app', *args], cwd=cwd, stdout=subprocess.PIPE,
+def _popen(cwd, *args, code=None):
+  """A `pax` subprocess whose stdout lines arrive in a queue (to act on a follower's progress); `code`: Python
+  run in its place, the arguments in sys.argv[1:]."""
+  command = ['-c', code] if code else ['-m', 'paxcli.cli.app']
+  proc = subprocess.Popen([sys.executable, *command, *args], cwd=cwd, stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True)
   lines: queue.Queue = queue.Queue()
   proc.lines, proc.seen, proc.err = lines, [], []
@@ -315,29 +317,42 @@ def test_two_followers_evaluate_each_step_once(trained, tmp_path):
   _untouched(cwd)
 
 
+# The follower, its read of step 6's metadata held until the test says go: the deletion lands mid-restore
+# at the same point every run (paxcli refuses a FIFO in a job directory, so one cannot be the gate).
+_HELD_READ = (
+    'import os, sys, time\n'
+    'from paxcli.jobdir import storage\n'
+    'read = storage.read_bytes\n'
+    'def held(path, *args, **kwargs):\n'
+    '  if path.endswith(os.path.join("checkpoints", "6", "meta", "metadata")):\n'
+    '    open(os.environ["HELD"] + ".waiting", "w").close()\n'
+    '    deadline = time.monotonic() + 300\n'
+    '    while not os.path.exists(os.environ["HELD"] + ".go") and time.monotonic() < deadline:\n'
+    '      time.sleep(0.05)\n'
+    '  return read(path, *args, **kwargs)\n'
+    'storage.read_bytes = held\n'
+    'from paxcli.cli.app import main\n'
+    'main(sys.argv[1:])\n')
+
+
 @pytest.mark.slow  # the default suite keeps the main path; CI runs this in make test-slow
-def test_a_checkpoint_deleted_while_it_is_evaluated_is_skipped_not_damaged(trained, tmp_path):
+def test_a_checkpoint_deleted_while_it_is_evaluated_is_skipped_not_damaged(trained, tmp_path, monkeypatch):
   """The trainer deletes old checkpoints (save_max_to_keep) whenever it saves. Here the deletion is
-  made to land mid-restore: step 6's metadata is a FIFO, so the follower's read of it waits until the
-  test has deleted the step directory, then gets nothing."""
+  made to land mid-restore: the follower's read of step 6's metadata waits until the test has deleted
+  the step directory, then finds nothing."""
   cwd = _copy(trained, tmp_path)
   ckpts = cwd / JOB / 'checkpoints'
   shutil.copytree(ckpts / '4', ckpts / '6')
-  fifo = ckpts / '6' / 'meta' / 'metadata'
-  os.remove(fifo)
-  os.mkfifo(fifo)
-  follower = _popen(cwd, 'eval', *SMALL, *steps(6), '--follow', '--poll', '0.1', '--json')
+  held = tmp_path / 'held'
+  monkeypatch.setenv('HELD', str(held))
+  follower = _popen(cwd, 'eval', *SMALL, *steps(6), '--follow', '--poll', '0.1', '--json', code=_HELD_READ)
   try:
     deadline = time.monotonic() + 300
-    while True:  # opening the FIFO for writing succeeds once the follower is reading it
-      try:
-        fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
-        break
-      except OSError:
-        assert time.monotonic() < deadline and follower.poll() is None, ''.join(follower.err)[-3000:]
-        time.sleep(0.05)
+    while not (tmp_path / 'held.waiting').exists():
+      assert time.monotonic() < deadline and follower.poll() is None, ''.join(follower.err)[-3000:]
+      time.sleep(0.05)
     shutil.rmtree(ckpts / '6')
-    os.close(fd)
+    (tmp_path / 'held.go').touch()
     out, err = _finish(follower)
   finally:
     follower.kill()

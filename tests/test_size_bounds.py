@@ -33,8 +33,10 @@ def _one_line(code, err, *phrases) -> str:
     (['NUM_HEADS=3', 'MODEL_DIMS=64'], 'DIMS_PER_HEAD'),
     (['VOCAB_SIZE=-1'], 'vocab_size must be at least 1, got -1'),
     (['ICI_MESH_SHAPE=[0,1,1]'], 'ICI_MESH_SHAPE [0, 1, 1]: entries must be positive'),
-    (['NUM_LAYERS=1000000000'], 'num_layers (NUM_LAYERS) is 1,000,000,000 unrolled layers'),
-    (['MAX_SEQ_LEN=10000000000'], 'The sequence length 10,000,000,000'),
+    (['NUM_LAYERS=1000000000'], 'NUM_LAYERS is 1,000,000,000; paxcli builds models with NUM_LAYERS of at most 65,536'),
+    (['NUM_LAYERS=50000'], 'num_layers (NUM_LAYERS) is 50,000 unrolled layers'),
+    (['MAX_SEQ_LEN=10000000000'], 'MAX_SEQ_LEN is 10,000,000,000; paxcli builds models with MAX_SEQ_LEN of at most'),
+    (['MAX_SEQ_LEN=2000000000'], 'The sequence length 2,000,000,000'),
 ])
 def test_describe_refuses_what_train_refuses_in_the_same_line(sets, phrase, tmp_path, capsys):
   code, _, err = pax_main(['describe', *_sets(sets)], capsys)
@@ -44,8 +46,8 @@ def test_describe_refuses_what_train_refuses_in_the_same_line(sets, phrase, tmp_
   assert not (tmp_path / 'job').exists()   # refused before the job directory is made
 
 
-def test_a_scanned_billion_layers_is_described_and_refused_before_allocating(tmp_path, capsys):
-  sets = ['--exp', 'lm_cloud.LmCloudSpmdTest', *_sets(['NUM_LAYERS=1000000000', 'USE_REPEATED_LAYER=True'])]
+def test_a_scanned_65536_layers_is_described_and_refused_before_allocating(tmp_path, capsys):
+  sets = ['--exp', 'lm_cloud.LmCloudSpmdTest', *_sets(['NUM_LAYERS=65536', 'USE_REPEATED_LAYER=True'])]
   code, out, err = pax_main(['describe', *sets], capsys)
   assert code == 0, err[-3000:]
   count = next(line for line in out.splitlines() if line.startswith('# parameters')).split('(')[1].rstrip(')')
@@ -75,11 +77,14 @@ def test_a_non_integer_in_model_params_is_one_line_with_file_and_line(tmp_path, 
   assert sorted(os.listdir(tmp_path)) == ['job']
 
 
-def test_an_hf_config_claiming_a_trillion_positions_is_one_line(tmp_path, capsys):
-  src = make_hf(tmp_path / 'hf', {**CONFIG, 'max_position_embeddings': 10 ** 12})
+@pytest.mark.parametrize('positions,phrases', [
+    (10 ** 12, ('config.json: max_position_embeddings is 1,000,000,000,000; paxcli reads at most 2,147,483,647',)),
+    (2 * 10 ** 9, ('config.json: max_position_embeddings 2,000,000,000 cannot be built here', "of this machine's")),
+])
+def test_an_hf_config_claiming_too_many_positions_is_one_line(positions, phrases, tmp_path, capsys):
+  src = make_hf(tmp_path / 'hf', {**CONFIG, 'max_position_embeddings': positions})
   code, _, err = pax_main(['checkpoint', 'convert', src, str(tmp_path / 'out'), '--from', 'hf'], capsys)
-  _one_line(code, err, 'config.json: max_position_embeddings 1,000,000,000,000 cannot be built here',
-            "of this machine's")
+  _one_line(code, err, *phrases)
   assert sorted(os.listdir(tmp_path)) == ['hf']
 
 

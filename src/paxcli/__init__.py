@@ -1,7 +1,7 @@
 """paxcli: Pax-style machine-learning experiments on JAX.
 
 Every `pax` command is a function here too (paxcli.api): paxcli.train, evaluate, decode,
-score, lm_eval, describe, bench_mfu, inspect_input, inspect_checkpoint, convert_checkpoint, import_maxtext.
+score, lm_eval, serve, describe, bench_mfu, inspect_input, inspect_checkpoint, convert_checkpoint, import_maxtext.
 They are looked up on first use, so `import paxcli` (and `pax --help`) loads none of them.
 """
 
@@ -9,7 +9,7 @@ import importlib
 
 from paxcli import compat, version
 
-_API = ('train', 'evaluate', 'decode', 'score', 'lm_eval', 'describe', 'bench_mfu', 'inspect_input', 'inspect_checkpoint',
+_API = ('train', 'evaluate', 'decode', 'score', 'lm_eval', 'serve', 'describe', 'bench_mfu', 'inspect_input', 'inspect_checkpoint',
         'convert_checkpoint', 'import_maxtext')
 
 

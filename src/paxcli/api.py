@@ -6,6 +6,7 @@
     records = paxcli.decode('default.StdlibDocsLm', job_dir='runs/docs', prompt=['def parse('])
     scores = paxcli.score('requests.jsonl', 'default.StdlibDocsLm', job_dir='runs/docs')
     results = paxcli.lm_eval(['hellaswag'], 'default.StdlibDocsLm', job_dir='runs/docs')
+    paxcli.serve('default.StdlibDocsLm', job_dir='runs/docs', port=8000)   # until SIGTERM
 
 Arguments are named as the command-line options, in snake_case (`--max-decode-steps` is
 `max_decode_steps`; `--set` is `overrides`, a list of KEY=VALUE strings), with two names
@@ -53,6 +54,7 @@ from paxcli.inputs import hub
 from paxcli.loops.decode.options import DecodeOptions, check_text  # no JAX: options fail before start-up
 from paxcli.loops.decode.output import check_output  # no JAX
 from paxcli.loops.score import requests  # no JAX: a bad file is one line before start-up
+from paxcli.loops.serve.options import ServeOptions  # no JAX: options fail before start-up
 from paxcli.values import parse_size, parse_value
 
 if TYPE_CHECKING:  # fiddle, for a type only
@@ -311,8 +313,6 @@ def evaluate(exp: Optional[str] = None, *, overrides: Sequence[str] = (), job_di
     raise UserError('--timeout goes with --follow.')
   if step is not None and no_checkpoint:
     raise UserError('--step N picks a checkpoint; --no-checkpoint evaluates fresh weights. Give one of them.')
-  import jax
-
   from paxcli.jobdir import restore
   from paxcli.loops import evaluate as eval_loop
   console = _console(console)
@@ -322,7 +322,7 @@ def evaluate(exp: Optional[str] = None, *, overrides: Sequence[str] = (), job_di
   run = open_run(exp, overrides, job_dir, coordinator=coordinator, num_processes=num_processes,
                  process_id=process_id, log=_printer(console))
   record = None
-  if jax.process_index() == 0 and not no_checkpoint:
+  if distributed.first_process() and not no_checkpoint:
     record = lambda: invocation.record(run.job_dir)
   if record and storage.isdir(run.job_dir):  # never made here: a follower records at its first evaluation
     record()
@@ -474,6 +474,43 @@ def lm_eval(tasks: Sequence[str], exp: Optional[str] = None, *, overrides: Seque
                                num_fewshot=num_fewshot, limit=limit, batch_size=batch_size, step=step, dtype=dtype,
                                gen_kwargs=gen_kwargs, log_samples=log_samples, seed=seed, output=output, log=log,
                                progress=progress)
+
+
+def serve(exp: Optional[str] = None, *, overrides: Sequence[str] = (), job_dir: Optional[str] = None,
+          host: str = '127.0.0.1', port: int = 8000, served_model_name: Optional[str] = None,
+          lora: Sequence[str] = (), slots: int = 16, max_queue: int = 256, max_n: int = 16,
+          prefill_chunk: int = 256, steps: int = 8, drain_timeout: float = 60.0, step: Optional[int] = None,
+          dtype: Optional[str] = None, access_log: bool = False, console=None,
+          ready: Optional[Callable[[str], None]] = None) -> None:
+  """`pax serve`: an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/models, /health,
+  /metrics) of the job's latest checkpoint (or `step`), with continuous batching, until SIGTERM or Ctrl-C (which
+  drain the running requests first). lora: more LoRA runs of the same base, 'NAME=DIR' or 'DIR', each served under
+  its name. `ready(url)` is called once the server answers (default: a line on `console`)."""
+  if importlib.util.find_spec('fastapi') is None or importlib.util.find_spec('uvicorn') is None:
+    raise UserError("pax serve runs FastAPI on uvicorn, which are not installed: pip install 'paxcli[serve]'.")
+  if dtype is not None and dtype not in DECODE_DTYPES:
+    raise UserError(f'--dtype must be one of {", ".join(DECODE_DTYPES)}; got {dtype!r}.')
+  opts = ServeOptions(host=host, port=port, slots=slots, max_queue=max_queue, max_n=max_n,
+                      prefill_chunk=prefill_chunk, steps=steps, drain_timeout=drain_timeout, name=served_model_name,
+                      loras=tuple(_lora_arg(a) for a in lora), step=step, dtype=dtype, access_log=access_log)
+  opts.check()
+  log = _printer(_console(console))
+  run = open_run(exp, overrides, job_dir, processes=False, log=log)
+  used_exp, used_overrides, _ = as_made(run.job_dir, exp, overrides, lambda _: None)
+  from paxcli.loops.serve import command  # JAX, FastAPI
+  with _naming_the_job(run):
+    command.serve(run.resolved, run.job_dir, opts, lambda more: resolve(used_exp, [*used_overrides, *more]),
+                  log=log, ready=ready)
+
+
+def _lora_arg(text: str) -> tuple[Optional[str], str]:
+  """--lora NAME=DIR or DIR -> (NAME or None, DIR made absolute)."""
+  name, eq, directory = text.partition('=')
+  if not eq or os.sep in name or not name:
+    name, directory = None, text
+  if not directory:
+    raise UserError(f'--lora takes NAME=DIR or DIR (a LoRA run\'s job directory), got {text!r}.')
+  return name, path_arg(directory, '--lora')
 
 
 # ---- describe, bench, inputs -----------------------------------------------------------------

@@ -23,6 +23,16 @@ _KINDS = ((stat.S_ISDIR, 'a directory'), (stat.S_ISFIFO, 'a FIFO (named pipe)'),
           (stat.S_ISSOCK, 'a socket'))
 
 
+_URL_LIKE = re.compile(r'^(?:[A-Za-z][A-Za-z0-9+.-]*:|gs//)', re.IGNORECASE)
+
+
+def path_knob(value: str) -> str:
+  """A path knob's value as a config holds it (INIT_FROM, LOCAL_CHECKPOINT_DIR...): a local path made
+  absolute (`~` expanded); a URL, or what may be one misspelt (`gs:/bucket/x`, `gs//bucket/x`), as written,
+  for the job directory's storage to read or refuse in one line (never a local `gs:` directory)."""
+  return value if _URL_LIKE.match(value) else os.path.abspath(os.path.expanduser(value))
+
+
 def kind_of(mode: int) -> str:
   """'a directory', 'a FIFO (named pipe)', ... for an os.stat st_mode; 'a regular file' for one."""
   if stat.S_ISREG(mode):
@@ -45,6 +55,21 @@ def check_regular_file(path: str, what: str, max_bytes: int | None = None) -> in
     raise UserError(f'{what} {shown} is {st.st_size:,} bytes; paxcli reads at most {max_bytes:,} bytes '
                     'of such a file. Is it the right file?')
   return st.st_size
+
+
+def open_regular(path: str, what: str = 'file'):
+  """`path` opened for reading in binary when it is a regular file (FileNotFoundError when missing; a
+  UserError for a FIFO, a device, a directory): opened without waiting (a FIFO would wait for a writer
+  forever), then checked on the descriptor, so that what is read is what was checked."""
+  fd = os.open(path, os.O_RDONLY | getattr(os, 'O_NONBLOCK', 0) | getattr(os, 'O_CLOEXEC', 0))
+  try:
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+      raise UserError(f'{what} {shorten(path, 200)} is {kind_of(mode)}, not a regular file.')
+  except BaseException:
+    os.close(fd)
+    raise
+  return os.fdopen(fd, 'rb')
 
 
 def read_text(path: str, what: str, max_bytes: int) -> str:
@@ -106,9 +131,8 @@ def member(directory: str, name: str, what: str = 'file') -> str:
   hub = _hub_repository(base)   # a Hub cache snapshot's files link into its repository's blobs/
   inside, named = hub or base, os.path.normpath(os.path.join(base, name))
   if os.path.commonpath([inside, path]) != inside or path == base or os.path.commonpath([base, named]) != base:
-    link = ' (a symlink)' if os.path.islink(os.path.join(base, name)) else ''
-    raise UserError(f'{shorten(directory, 200)}: {what} {shown!r}{link} resolves to {shorten(path, 200)}, outside '
-                    'the directory; paxcli reads only files inside it.')
+    raise UserError(f'{shorten(directory, 200)}: {what} {shown!r}{_link_in(base, name)} resolves to '
+                    f'{shorten(path, 200)}, outside the directory; paxcli reads and writes only files inside it.')
   return named if hub else path   # a blob's name says nothing (tokenizer.json's kind, what lies beside it)
 
 
@@ -124,6 +148,26 @@ def _hub_repository(directory: str) -> Optional[str]:
       return root
     at = parent
   return None
+
+
+def _link_in(base: str, name: str) -> str:
+  """' (a symlink)' when `name` itself is one, ' (through the symlink a/b)' when a directory on its way is."""
+  parts = os.path.normpath(name).split(os.sep)
+  for i in range(len(parts), 0, -1):
+    if os.path.islink(os.path.join(base, *parts[:i])):
+      return ' (a symlink)' if i == len(parts) else f" (through the symlink {shorten(os.path.join(*parts[:i]), 120)!r})"
+  return ''
+
+
+def check_tree(directory: str, root: str, what: str) -> None:
+  """UserError when a symlink under `directory` resolves outside `root` (which holds it): for a tree a
+  library reads by itself (orbax reads a checkpoint's files), the member check of every file in it."""
+  base = os.path.realpath(root)
+  for parent, dirs, names in os.walk(os.path.realpath(directory)):  # links to directories are not entered
+    for name in dirs + names:
+      path = os.path.join(parent, name)
+      if os.path.islink(path):
+        member(base, os.path.relpath(path, base), what)
 
 
 def copy_member(path: str, dest: str) -> None:

@@ -15,15 +15,16 @@ from paxcli.errors import UserError, did_you_mean
 ActivationName = Literal['gelu', 'relu', 'silu', 'swish']
 NormName = Literal['layernorm', 'rmsnorm']
 PositionName = Literal['learned', 'rotary', 'sinusoidal', 'none']
-RotaryScalingName = Literal['none', 'linear', 'llama3']  # paxcli.layers.transformer.rotary_scale
+RotaryScalingName = Literal['none', 'linear', 'llama3', 'longrope', 'yarn']  # paxcli.layers.transformer.ROTARY_SCALINGS
 DTypeName = Literal['float32', 'bfloat16', 'float16']
 CheckpointPolicyName = Literal['none', 'save_nothing', 'save_dot_only', 'save_dot_with_no_batch_dim',
                                'save_qkv_out_proj', 'save_everything']
 AttentionImplName = Literal['auto', 'dot_product', 'blockwise', 'einsum']  # paxcli.layers.attention_ops
 Fp8Name = Literal['none', 'delayed', 'current']                # paxcli.layers.fp8
 MoeDispatchName = Literal['dropless', 'capacity']               # paxcli.layers.moe
-RouterSoftmaxName = Literal['before_topk', 'after_topk']        # paxcli.layers.moe.route
+RouterSoftmaxName = Literal['before_topk', 'after_topk', 'sigmoid']        # paxcli.layers.moe.route
 CapacityRuleName = Literal['paxcli', 'praxis']                   # paxcli.layers.moe.expert_capacity
+MlaDecodeName = Literal['auto', 'absorbed', 'expanded']          # paxcli.layers.mla
 OptimizerName = Literal['adam', 'adamw', 'adafactor', 'sgd']
 TrackerName = Literal['wandb', 'mlflow']  # paxcli.jobdir.trackers.NAMES
 ScheduleName = Literal['constant', 'linear_rampup_cosine_decay', 'linear_rampup_exponential_decay']
@@ -38,6 +39,7 @@ ATTENTION_IMPLS: tuple[str, ...] = typing.get_args(AttentionImplName)
 MOE_DISPATCHES: tuple[str, ...] = typing.get_args(MoeDispatchName)
 ROUTER_SOFTMAXES: tuple[str, ...] = typing.get_args(RouterSoftmaxName)
 CAPACITY_RULES: tuple[str, ...] = typing.get_args(CapacityRuleName)
+MLA_DECODES: tuple[str, ...] = typing.get_args(MlaDecodeName)
 FP8_MODES: tuple[str, ...] = typing.get_args(Fp8Name)
 OPTIMIZERS: tuple[str, ...] = typing.get_args(OptimizerName)
 SCHEDULES: tuple[str, ...] = typing.get_args(ScheduleName)
@@ -56,6 +58,7 @@ MODEL_FIELDS: dict[str, tuple[str, ...]] = {
     'dispatch': MOE_DISPATCHES,          # MoeFeedForward.dispatch
     'router_softmax': ROUTER_SOFTMAXES,
     'capacity_rule': CAPACITY_RULES,
+    'decode': MLA_DECODES,               # LatentAttention.decode
     'fp8': FP8_MODES,
 }
 

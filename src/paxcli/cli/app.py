@@ -23,6 +23,7 @@ from paxcli.cli import inspect_input as inspect_input_cmd
 from paxcli.cli import launch as launch_cmd
 from paxcli.cli import lm_eval as lm_eval_cmd
 from paxcli.cli import score as score_cmd
+from paxcli.cli import serve as serve_cmd
 from paxcli.cli import tokenizer as tokenizer_cmd
 from paxcli.cli import train as train_cmd
 from paxcli.cli import version as version_cmd
@@ -46,7 +47,7 @@ app = typer.Typer(
 def _register_all() -> None:
   for module in (train_cmd, eval_cmd, decode_cmd, inspect_input_cmd, launch_cmd, experiments_cmd,
                  import_maxtext_cmd, checkpoint_cmd, version_cmd, bench_cmd, tokenizer_cmd, data_cmd,
-                 score_cmd, lm_eval_cmd, goodput_cmd):
+                 score_cmd, lm_eval_cmd, serve_cmd, goodput_cmd):
     module.register(app)
 
 
@@ -61,12 +62,13 @@ _register_all()
 
 def main(argv: list[str] | None = None) -> None:
   """Console entry point: runs the app, turning UserError into one red line and exit 2."""
-  ledger.mark_command_start(whole_process=argv is None)  # goodput: the wall time starts here (or at the process start)
+  whole_process = argv is None
+  ledger.mark_command_start(whole_process=whole_process)  # goodput: the wall time starts here (or at the process start)
   argv = list(sys.argv[1:] if argv is None else argv)
   invocation.set_argv(argv)  # as the user typed it, for the job directory's invocations.txt
   argv = common.normalize_argv(argv)
   platform.cpu_without_tpu()  # libtpu installed to plan for TPUs, on a machine without one
-  common.run_app(app, argv)
+  common.run_app(app, argv, whole_process=whole_process)
 
 
 if __name__ == '__main__':

@@ -6,6 +6,7 @@ rich is imported where a line is printed, never at start-up: it would double `pa
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import shlex
 import sys
@@ -166,11 +167,15 @@ def tidy_help(command) -> None:
     tidy_help(sub)
 
 
-def run_app(app: typer.Typer, argv: list[str]) -> None:
+def run_app(app: typer.Typer, argv: list[str], whole_process: bool = False) -> None:
   """Runs the app; a UserError becomes one red line and its exit code, never a traceback. In a multi-process
-  run the others are told how this process ends, and a failure ends it at once (distributed.end_command)."""
+  run the others are told how this process ends, and a failure ends it at once (distributed.end_command).
+
+  `whole_process`: the command is this process (`pax ...`), which may then end at once after a bucket
+  stopped answering (`_end_now`).
+  """
   try:
-    _run_app(app, argv)
+    _run_app(app, argv, whole_process)
   except SystemExit as e:
     distributed.end_command(e.code if isinstance(e.code, int) else (0 if e.code is None else 1))
     raise
@@ -180,7 +185,7 @@ def run_app(app: typer.Typer, argv: list[str]) -> None:
   distributed.end_command(0)
 
 
-def _run_app(app: typer.Typer, argv: list[str]) -> None:
+def _run_app(app: typer.Typer, argv: list[str], whole_process: bool) -> None:
   try:
     command = typer.main.get_command(app)
     tidy_help(command)
@@ -193,6 +198,8 @@ def _run_app(app: typer.Typer, argv: list[str]) -> None:
     message = _cap_lines(str(e).split('\n\nFiddle context:')[0])
     distributed.say_exit(e.exit_code, message.splitlines()[0] if message else '')
     error(escape(message))
+    if whole_process:
+      _end_now(e.exit_code)
     sys.exit(e.exit_code)
   except KeyboardInterrupt:
     error('interrupted.')
@@ -224,6 +231,19 @@ def _out_of_device_memory(e: BaseException) -> bool:
   """XLA's RESOURCE_EXHAUSTED (a step, an array or a compilation past the device's memory): a setting too
   large for the machine, said in one line like every other, not a traceback."""
   return type(e).__name__ in ('JaxRuntimeError', 'XlaRuntimeError') and 'RESOURCE_EXHAUSTED' in str(e)
+
+
+def _end_now(code: int) -> None:
+  """Ends the process at once when it gave up on a bucket that stopped answering (storage.give_up): the
+  libraries' own threads (orbax's writes of the abandoned save) would otherwise hold the interpreter's exit
+  for as long as each of their requests takes to time out, minutes after the one line was said."""
+  from paxcli.jobdir import storage   # no heavy import: storage is paxcli's own module
+  if not storage.gave_up():
+    return
+  for stream in (sys.stdout, sys.stderr):
+    with contextlib.suppress(Exception):
+      stream.flush()
+  os._exit(code)
 
 
 def _usage_error(e) -> None:

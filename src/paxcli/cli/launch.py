@@ -6,9 +6,11 @@ PAX_COORDINATOR / PAX_NUM_PROCESSES / PAX_PROCESS_ID, its own fake CPU devices (
 share of the GPUs), and no proxy variables. Children's lines are streamed with a
 `[pN]` prefix, except gloo's `[Gloo] Rank N is connected to ...` start-up lines (one per process
 and collective group, most of a short run's output), which are counted and shown with --verbose.
-When a child fails, the others are stopped (SIGTERM, then SIGKILL after
---grace seconds) instead of waiting for JAX's heartbeat timeout (100 s), and the
-launcher exits non-zero naming the process that died first.
+When a child fails, the launcher notes it for the others (runtime/peers.py: their watch reads the note at
+its next beat and ends them in one line), gives them that long to end by themselves, and stops those still
+running (SIGTERM, then SIGKILL after --grace seconds) instead of waiting for JAX's heartbeat timeout (100 s);
+it exits non-zero naming the process that died first. Not SIGTERM at once: JAX's runtime takes it for a
+preemption notice, whose agreement would wait, frozen, for the process that is gone.
 
 With --max-restarts N (torchrun's idea), a failure stops every process and starts them all
 again, up to N times; `pax train` resumes from the newest complete checkpoint of either tier.
@@ -58,6 +60,7 @@ from paxcli.jobdir import ledger
 from paxcli.jobdir import storage
 from paxcli.runtime import distributed
 from paxcli.runtime import jobset
+from paxcli.runtime import peers
 from paxcli.runtime import topology as tpu_topology
 from paxcli.runtime.platform import detect_platform
 
@@ -469,6 +472,9 @@ def _supervise(procs, readers, envs, lock: threading.Lock, grace: float, exit_wa
     _drain(readers)
     return None
   failure = dataclasses.replace(failure, steps=beats.steps())
+  if failure.code is not None:   # an exit, not a hang: the others are told, and end in their own words
+    _note_failure(envs, failure)
+    _let_end(procs, _others_end(heartbeat_timeout))
   _stop(procs, grace, lock)
   _drain(readers)
   pid = procs[failure.index].pid
@@ -608,17 +614,46 @@ def _preempted(index: int, code: int, running: set, events: queue.Queue, lock: t
   return Failure(index, code, f'stopped for preemption (exit code {code})', {})
 
 
+def _note_failure(envs, failure: Failure) -> None:
+  """Writes the failed child's line where the others' watch reads it (peers.LAUNCHER_NOTE): a child killed
+  outright could not say it itself."""
+  beat = envs[0].get(distributed.ENV_HEARTBEAT)
+  if not beat:
+    return
+  path = peers.launcher_note(beat)
+  line = f'lost process {failure.index} on {socket.gethostname()}: pax launch saw it {failure.reason}'
+  try:
+    with open(path + '.tmp', 'w', encoding='utf-8') as f:
+      f.write(line[:peers.MAX_NOTE_BYTES])
+    os.replace(path + '.tmp', path)
+  except OSError:
+    pass   # the others still find out by their own watch, within its timeout
+
+
+def _others_end(heartbeat_timeout: Optional[float]) -> float:
+  """How long the others get to end by themselves after a child failed, before SIGTERM: their watch reads the
+  launcher's note at its next beat, and ends them in one line. A SIGTERM first would be taken by JAX's runtime as
+  a preemption notice, whose agreement waits (holding Python's lock: nothing else in that process runs) for the
+  process that is gone."""
+  return peers.beat_every(heartbeat_timeout or peers.DEFAULT_TIMEOUT) + 10.0
+
+
+def _let_end(procs, seconds: float) -> None:
+  """Waits up to `seconds` for the running children to end by themselves."""
+  deadline = time.monotonic() + seconds
+  for p in procs:
+    try:
+      p.wait(timeout=max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+      return
+
+
 def _stop(procs, grace: float, lock: threading.Lock) -> None:
   """SIGTERM to every running child, SIGKILL to those still running after `grace` seconds."""
   alive = [p for p in procs if p.poll() is None]
   for p in alive:
     _signal(p, signal.SIGTERM)
-  deadline = time.monotonic() + grace
-  for p in alive:
-    try:
-      p.wait(timeout=max(0.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-      pass
+  _let_end(alive, grace)
   for p in alive:
     if p.poll() is None:
       _signal(p, signal.SIGKILL)

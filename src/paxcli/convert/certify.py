@@ -222,11 +222,12 @@ def peft_side(family, view, base: dict, adapters: str) -> Side:
               'of the base', run)
 
 
-def base_weights(params: dict, num_layers: int) -> dict:
-  """A run's parameters (nested, scanned or not) as paxcli unrolled names -> arrays, adapters left out."""
+def base_weights(params: dict, num_layers: int, prefix: int = 0) -> dict:
+  """A run's parameters (nested, scanned or not) as paxcli unrolled names -> arrays, adapters left out (prefix: the
+  layers before the scanned stack, LAYER_PREFIX's)."""
   tree = dict(params)
   if 'layers' in tree:
-    tree.update(pattern.unstack(tree.pop('layers'), num_layers, lambda x, row: x[row]))
+    tree.update(pattern.unstack(tree.pop('layers'), num_layers, lambda x, row: x[row], prefix))
   out = {}
 
   def walk(node, prefix):

@@ -226,6 +226,11 @@ class Model:
     """Layers per group of the stack (paxcli.models.pattern; 1: uniform)."""
     return pattern.period(getattr(self.module, 'layer_pattern', ()))
 
+  @property
+  def prefix(self) -> int:
+    """Layers before the stack's groups (LAYER_PREFIX: by their index in either layout)."""
+    return pattern.prefix_of(self.module)
+
   def names(self, params_only: bool) -> list[str]:
     return [n for n in self.abstract if not params_only or n == 'step' or n.startswith('params/')]
 
@@ -268,12 +273,13 @@ class Item:
   index: Optional[int] = None  # one layer of a stacked source
 
 
-def _canonical(name: str, period: int = 1) -> tuple[str, Optional[int]]:
-  """A per-layer name (`.../layer_<i>/rest`) as its scanned name and row (pattern.stacked_path), else (name, None)."""
+def _canonical(name: str, period: int = 1, prefix: int = 0) -> tuple[str, Optional[int]]:
+  """A per-layer name (`.../layer_<i>/rest`) as its scanned name and row (pattern.stacked_path), else (name, None)
+  (a layer of a prefix of `prefix` layers is never stacked)."""
   m = _LAYER_RE.search(name)
   if not m:
     return name, None
-  stacked, row = pattern.stacked_path(int(m.group(2)), name[m.end():], period)
+  stacked, row = pattern.stacked_path(int(m.group(2)), name[m.end():], period, prefix)
   return name[:m.start()] + m.group(1) + stacked, row
 
 
@@ -282,7 +288,7 @@ def plan(src_arrays: list, target: Model, params_only: bool, dtype: Optional[str
   have = {a.name: a for a in src_arrays}
   by_canon: dict[str, dict[int, str]] = {}
   for a in src_arrays:
-    c, i = _canonical(a.name, target.period)
+    c, i = _canonical(a.name, target.period, target.prefix)
     if i is not None:
       by_canon.setdefault(c, {})[i] = a.name
   items, problems, used = [], [], set()
@@ -301,7 +307,7 @@ def plan(src_arrays: list, target: Model, params_only: bool, dtype: Optional[str
       items.append(Item(name, want, out_dtype, name))
       used.add(name)
       continue
-    c, i = _canonical(name, target.period)
+    c, i = _canonical(name, target.period, target.prefix)
     if i is not None and c in have and _LAYERS_RE.search(c):   # unstack: one layer of a scanned array
       got = tuple(have[c].shape)
       if got[1:] != want or i >= got[0]:

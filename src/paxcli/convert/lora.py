@@ -155,12 +155,11 @@ def merge_run(src, tmp: str, exp: Optional[str], overrides: list, verify: bool, 
 def _layer_adapters(params: dict):
   """(layer index, projection, A, B) for every adapter, unrolled or scanned ([layers, ...], or [groups, ...]
   per position of a patterned stack's group: paxcli.models.pattern)."""
-  if 'layers' in params:
-    stack = params['layers']
-    n = len(next(iter(jax.tree.leaves(stack)))) * pattern.period_of(stack)
-    layers = [(int(k.split('_')[1]), v) for k, v in pattern.unstack(stack, n, lambda x, row: x[row]).items()]
-  else:
-    layers = sorted((int(k.split('_')[1]), v) for k, v in params.items() if k.startswith('layer_'))
+  layers = sorted((int(k.split('_')[1]), v) for k, v in params.items() if k.startswith('layer_'))
+  if 'layers' in params:   # beside the scanned stack, layer_<i> entries are LAYER_PREFIX's layers
+    stack, prefix = params['layers'], len(layers)
+    n = prefix + len(next(iter(jax.tree.leaves(stack)))) * pattern.period_of(stack)
+    layers += [(int(k.split('_')[1]), v) for k, v in pattern.unstack(stack, n, lambda x, row: x[row], prefix).items()]
   for i, layer in layers:
     for block in ('attention', 'mlp'):
       weights = layer.get(block, {})
@@ -246,7 +245,7 @@ def _certify_peft(setup, params: dict, written: str, tolerance: float, family: O
   model, view = setup.model, flat_view(setup.model)
   ids = certify.prompts(view.vocab_size, view.max_seq_len)
   if certify.have_peft():
-    result = certify.peft_side(hf.family_of(view, family), view, certify.base_weights(params, view.num_layers), written)
+    result = certify.peft_side(hf.family_of(view, family), view, certify.base_weights(params, view.num_layers, pattern.prefix_of(view)), written)
   else:
     adapters = read_peft(written, model, setup.abstract_state['params'])
     result = certify.paxcli_side('paxcli on the base with the written adapters read back (PEFT or transformers is '
@@ -312,13 +311,14 @@ def read_peft(directory: str, model, abstract_params: dict) -> dict:
   src = safetensors_io.SafetensorsSource(files.member(directory, PEFT_WEIGHTS, 'PEFT weights'))
   trainable = train_state.split_trainable(model, abstract_params)[0]
   out = {}
-  period = pattern.period(getattr(getattr(model, 'lm_tpl', None), 'layer_pattern', ()))
+  lm = getattr(model, 'lm_tpl', None)
+  period, prefix = pattern.period(getattr(lm, 'layer_pattern', ())), pattern.prefix_of(lm)
   pairs = _PeftPairs(directory, src, peft_modules(model), s, config)
   for path_keys, leaf in _flat_paths(trainable):
     *scope, name = path_keys
     projection, part = (name[:-len(lora.SUFFIX_A)], 'A') if name.endswith(lora.SUFFIX_A) else \
         (name[:-len(lora.SUFFIX_B)], 'B')
-    layers = _layers_of(scope, leaf.shape[0] if scope[0] == 'layers' else 0, period)
+    layers = _layers_of(scope, leaf.shape[0] if scope[0] == 'layers' else 0, period, prefix)
     per_layer = tuple(leaf.shape[1:] if scope[0] == 'layers' else leaf.shape)
     # PEFT's torch Linear layout: lora_A [r, in], lora_B [out, r]; ours A [in..., r], B [r, out...]
     want = ((per_layer[-1], int(np.prod(per_layer[:-1]))) if part == 'A'
@@ -450,15 +450,16 @@ def _check_targets(targets, path: str, lora_targets, modules: dict) -> None:
                     f'{sorted(ours)}; set LORA_TARGETS to the adapter\'s modules.')
 
 
-def _layers_of(scope: list, rows: int, period: int) -> list[int]:
+def _layers_of(scope: list, rows: int, period: int, prefix: int = 0) -> list[int]:
   """The layer indices of a trainable leaf's rows: layer_<i>/...: [i]; layers/...: every row; layers/block_<j>/...
-  of a patterned stack (`period` layers per group): row g is layer g * period + j."""
+  of a patterned stack (`period` layers per group): row g is layer g * period + j; counted after the `prefix`
+  layers of LAYER_PREFIX."""
   if scope[0] != 'layers':
     return [int(scope[0].split('_')[1])]
   if not (len(scope) > 1 and scope[1].startswith('block_')):
-    return list(range(rows))
+    return [prefix + g for g in range(rows)]
   j = int(scope[1].split('_')[1])
-  return [g * period + j for g in range(rows)]
+  return [prefix + g * period + j for g in range(rows)]
 
 
 def _flat_paths(tree: dict):

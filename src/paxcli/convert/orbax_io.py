@@ -52,7 +52,7 @@ def is_orbax(path: str) -> bool:
   if step is not None:
     return True
   steps = ckpt.step_dirs(layout.checkpoints(job_dir)).values()
-  return bool(steps) and not all(storage.isdir(os.path.join(d, 'items')) for d in steps)   # items/: MaxText's
+  return bool(steps) and not all(storage.isdir(layout.entry(d, 'items')) for d in steps)   # items/: MaxText's
 
 
 def _sharding_words(meta) -> Optional[str]:
@@ -105,7 +105,7 @@ class PyTreeDir(formats.SourceBase):
     from etils import epath
     if not hasattr(self, '_layout'):
       try:
-        saved = json.loads(storage.read_bytes(os.path.join(self.state_dir, '_METADATA')))
+        saved = json.loads(storage.read_bytes(layout.entry(self.state_dir, '_METADATA')))
         self._layout = (bool(saved.get('use_ocdbt')), bool(saved.get('use_zarr3')))
       except (OSError, ValueError):
         self._layout = None
@@ -174,6 +174,7 @@ class OrbaxSource(PyTreeDir):
     if step_in_path is not None and step is not None and step != step_in_path:
       raise UserError(f'{path} is the checkpoint of step {step_in_path}, not --step {step}.')
     self.step = restore.choose_step(self.job_dir, step if step is not None else step_in_path, purpose='convert')
+    restore.check_links(self.job_dir, self.step)
     super().__init__(layout.state_dir(layout.step_dir(self.job_dir, self.step)),
                      f'The checkpoint at step {self.step} in {self.job_dir}')
     self.meta = restore.read_meta(self.job_dir, self.step)
@@ -200,7 +201,8 @@ def _read_by_chunks(store) -> np.ndarray:
   rows = max(1, int(store.chunk_layout.read_chunk.shape[0] or store.shape[0]))
   out = np.empty(store.shape, store.dtype.numpy_dtype)
   for start in range(0, store.shape[0], rows):
-    out[start:start + rows] = store[start:start + rows].read().result()
+    end = min(start + rows, store.shape[0])   # tensorstore refuses a slice past the end (numpy would cut it)
+    out[start:end] = store[start:end].read().result()
   return out
 
 
@@ -338,7 +340,7 @@ class StateWriter:
 
 def placeholder_names(source: OrbaxSource) -> list[str]:
   """Names of the saved tree's empty leaves (optax's EmptyState), from _METADATA."""
-  path = os.path.join(source.state_dir, '_METADATA')
+  path = layout.entry(source.state_dir, '_METADATA')
   try:
     with open(path, encoding='utf-8') as f:
       tree = json.load(f)['tree_metadata']

@@ -22,6 +22,12 @@ TEMPLATE_MAX_CHARS = 16_000_000
 TEMPLATE_MEMORY_MB = 1024
 
 
+def positive_env(name: str, default, kind):
+  """The value of environment variable `name` (a positive finite `kind`), `default` when unset; one line
+  when it is no such number."""
+  return _value(name, default, kind)
+
+
 def _value(name: str, default, kind):
   text = os.environ.get(name)
   if text is None or not text.strip():

@@ -56,7 +56,8 @@ def read_states(directory: str) -> list[dict]:
   """The input states every process saved in a checkpoint's input item ([] when it has none), each
   a JSON object (its file's name kept under FILE for messages); `check` does the rest."""
   out = []
-  for path in sorted(glob.glob(os.path.join(directory, 'process_*-of-*.json'))):
+  for path in sorted(glob.glob(os.path.join(glob.escape(directory), 'process_*-of-*.json'))):
+    files.member(directory, os.path.basename(path), 'input state')   # a link out of the checkpoint is refused
     state = files.read_json(path, 'input state', MAX_STATE_BYTES)
     if not isinstance(state, dict):
       raise UserError(f'input state {shorten(path, 200)}: a JSON object is needed, got a {type(state).__name__}; '

@@ -88,6 +88,15 @@ def chat(messages, where: str) -> tuple[Chunk, ...]:
   return tuple(chunks)
 
 
+def generation_prompt(messages, where: str) -> tuple[Chunk, ...]:
+  """The chat template's chunks of a conversation (as `chat`, without an EOS after a last turn that is not the
+  assistant's), then the assistant's marker line: what a model trained on the template answers (`pax serve`)."""
+  chunks = list(chat(messages, where))
+  if messages[-1].get('role') != TRAINED_ROLE:
+    chunks[-1] = chunks[-1]._replace(eos=False)
+  return tuple(chunks) + (Chunk(f'<|{TRAINED_ROLE}|>\n', False),)
+
+
 def _string(record: dict, field: str, where: str) -> str:
   value = record[field]
   if isinstance(value, bytes):

@@ -25,13 +25,14 @@ import os
 import re
 import sys
 import time
+import warnings
 from typing import Any, Optional
 
 import grain.checkpoint
 import jax
 import orbax.checkpoint as ocp
 
-from paxcli.errors import UserError
+from paxcli.errors import UserError, shorten
 from paxcli.jobdir import format as job_format
 from paxcli.jobdir import layout, storage
 from paxcli.runtime import distributed
@@ -45,7 +46,7 @@ def _is_complete(step_dir: str) -> bool:
   names = set(storage.listdir(step_dir))
   if not all(m in names for m in _MARKERS) or not all(item in names for item in ITEMS):
     return False
-  if not all(storage.isdir(os.path.join(step_dir, item)) for item in ITEMS):
+  if not all(storage.isdir(layout.entry(step_dir, item)) for item in ITEMS):
     return False
   if not storage.is_local(step_dir):
     return True   # in a bucket the commit marker is what finalises a step (orbax writes it last)
@@ -54,7 +55,7 @@ def _is_complete(step_dir: str) -> bool:
 
 def step_dirs(directory: str) -> dict[int, str]:
   """Step number -> directory for every numeric entry (complete or not)."""
-  return {int(name): os.path.join(directory, name) for name in storage.listdir(directory) if name.isdigit()}
+  return {int(name): layout.entry(directory, name) for name in storage.listdir(directory) if name.isdigit()}
 
 
 def complete_steps(directory: str) -> list[int]:
@@ -67,7 +68,7 @@ def _unfinished(directory: str) -> list[tuple[int, str]]:
   for name in storage.listdir(directory):
     match = _TMP_RE.match(name)
     if match:
-      found.append((int(match.group(1)), os.path.join(directory, name)))
+      found.append((int(match.group(1)), layout.entry(directory, name)))
   return sorted(found)
 
 
@@ -90,7 +91,7 @@ def set_aside_unfinished(directory: str, log=print) -> list[int]:
   complete = complete_steps(directory)
   for step, path in _unfinished(directory):
     storage.makedirs(aside)
-    target = os.path.join(aside, f'{os.path.basename(path)}-{int(time.time())}')
+    target = layout.entry(aside, f'{os.path.basename(path)}-{int(time.time())}')
     try:
       storage.move_tree(path, target)
     except FileNotFoundError:  # gone meanwhile (orbax finished or removed it)
@@ -108,16 +109,35 @@ def set_aside_unfinished(directory: str, log=print) -> list[int]:
 
 
 def _prune_set_aside(aside: str, log) -> None:
-  entries = sorted((storage.mtime(os.path.join(aside, n)), n) for n in storage.listdir(aside))
+  entries = sorted((storage.mtime(layout.entry(aside, n)), n) for n in storage.listdir(aside))
   for _, name in entries[:-KEEP_SET_ASIDE]:
-    storage.rmtree(os.path.join(aside, name))
-    log(f'Removed {os.path.join(aside, name)}: only the {KEEP_SET_ASIDE} most recent unfinished checkpoints '
+    storage.rmtree(layout.entry(aside, name))
+    log(f'Removed {layout.entry(aside, name)}: only the {KEEP_SET_ASIDE} most recent unfinished checkpoints '
         'are kept.')
 
 
 class CheckpointWriteError(UserError):
   """A save that could not be written (the disk is full): one line, the complete ones intact."""
   exit_code = 1
+
+
+class BucketSaveError(storage.BucketError):
+  """A save to a bucket that could not be reached (or did not finish in time): one line naming the step
+  and the bucket; the trainer stops, and the next start resumes from the last complete checkpoint."""
+
+
+def _bound_bucket_saves() -> None:
+  """A save to a bucket ends within storage.save_timeout(): tensorstore's retries of one request bounded
+  (its context's `gcs_request_retries`, which orbax builds every context from) and orbax's gcsfs requests
+  given up when they stall. orbax keeps those defaults in module dicts; where they moved, the async
+  timeout (Checkpointer) still bounds the save."""
+  storage.bound_gcsfs()
+  _quiet_bucket_failure_logs()
+  from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
+  for name in ('_BASE_TS_CONTEXT', '_DEFAULT_OCDBT_TS_CONTEXT'):
+    base = getattr(ts_utils, name, None)
+    if isinstance(base, dict):
+      base['gcs_request_retries'] = storage.request_retries()
 
 
 def _no_space(e: BaseException) -> bool:
@@ -156,6 +176,27 @@ class _NoSpaceFilter:
   def filter(record) -> bool:
     exc = record.exc_info[1] if record.exc_info else None
     return not ('No space left on device' in record.getMessage() or (exc is not None and _no_space(exc)))
+
+
+class _BucketFailureFilter:
+  """Drops orbax's own log records (with tracebacks) of a save to a bucket that failed in its background
+  threads: the failure reaches the trainer through wait_until_finished, which says it in one line."""
+  _SAID = ('raised an exception', 'Handler Commit operations', 'Save Finalize thread', 'retry attempts failed',
+           'Cannot connect to host', 'Timed out while waiting')
+
+  @classmethod
+  def filter(cls, record) -> bool:
+    return not (record.levelno >= logging.ERROR and any(s in record.getMessage() for s in cls._SAID))
+
+
+def _quiet_bucket_failure_logs() -> None:
+  for logger in (logging.getLogger('absl'), logging.getLogger('asyncio')):
+    if not any(isinstance(f, _BucketFailureFilter) for f in logger.filters):
+      logger.addFilter(_BucketFailureFilter())
+  for name in ('gcsfs', 'fsspec'):   # gcsfs logs each request it gives up on, with its traceback
+    logging.getLogger(name).setLevel(logging.CRITICAL)
+  # The coroutines of a save abandoned when its bucket stopped answering, collected at exit.
+  warnings.filterwarnings('ignore', message=r"coroutine '.*' was never awaited", category=RuntimeWarning)
 
 
 def _quiet_no_space_logs() -> None:
@@ -262,8 +303,12 @@ class Checkpointer:
     self.directory = directory if not storage.is_local(directory) else os.path.abspath(directory)
     self._before_save = before_save   # raises to stop a save (a trainer that lost its bucket lock)
     self.max_to_keep = max_to_keep or None
+    bounded = {}
+    if not storage.is_local(self.directory):
+      _bound_bucket_saves()
+      bounded = dict(async_options=ocp.AsyncOptions(timeout_secs=max(int(math.ceil(storage.save_timeout())), 1)))
     options = ocp.CheckpointManagerOptions(max_to_keep=None, create=True, enable_async_checkpointing=async_save,
-                                           single_host_load_and_broadcast=True)
+                                           single_host_load_and_broadcast=True, **bounded)
     self._manager = Manager(self.directory, options=options, item_names=ITEMS + (layout.INPUT,))
     _quiet_no_space_logs()
     _quiet_closed_loop_callbacks()
@@ -271,6 +316,7 @@ class Checkpointer:
     self._in_flight: Optional[int] = None
     self._failed = False
     self.latest_saved = self.latest_step()  # the newest step saved (complete, or being written)
+    self._complete = self.latest_saved      # the newest step known complete (said when a save fails)
 
   def latest_step(self) -> Optional[int]:
     """The newest complete step, as process 0 sees it (a collective with several processes)."""
@@ -282,7 +328,8 @@ class Checkpointer:
     self._finish()  # the previous save: its errors surface here
     if self._before_save is not None:
       self._before_save()
-    self._rotate()
+    with self._write_faults(step):
+      self._rotate()
     self._in_flight = self.latest_saved = step
     meta = job_format.stamp(meta)
     items = dict(state=ocp.args.StandardSave(state, save_args=save_args(state)), meta=ocp.args.JsonSave(meta))
@@ -296,14 +343,21 @@ class Checkpointer:
   def _finish(self) -> None:
     with self._write_faults(self._in_flight):
       self._manager.wait_until_finished()
+    if self._in_flight is not None:
+      self._complete = self._in_flight
     self._in_flight = None
 
   @contextlib.contextmanager
   def _write_faults(self, step: Optional[int]):
-    """A full disk while saving `step` becomes one line; the unfinished save is set aside."""
+    """A full disk while saving `step` becomes one line; the unfinished save is set aside. A bucket that
+    cannot be reached (or does not finish the save in time) becomes one line too (BucketSaveError)."""
     try:
       yield
     except Exception as e:
+      if not storage.is_local(self.directory) and not _no_space(e) and (
+          isinstance(e, storage.BucketError) or not isinstance(e, UserError)):
+        self._failed = True
+        raise self._bucket_failure(step, e) from None
       if not _no_space(e):
         raise
       self._failed = True
@@ -314,10 +368,35 @@ class Checkpointer:
           f'No space left on {_device_of(self.directory)} while saving step {step}; the last complete '
           f'checkpoint is {last}. Free space and run the same command to resume.') from None
 
+  @property
+  def last_complete(self) -> Optional[int]:
+    """The newest step known complete (without asking the storage: it may not answer)."""
+    return self._complete
+
+  def _bucket_failure(self, step: Optional[int], e: BaseException) -> BucketSaveError:
+    """The one line of a save the bucket did not take: the step, the bucket, why, the step to resume from.
+    Nothing is asked of the bucket here (it does not answer): the last complete step is the one known."""
+    storage.give_up(self.directory)
+    if isinstance(e, BucketSaveError):
+      return e
+    if isinstance(e, TimeoutError) or 'DEADLINE_EXCEEDED' in str(e):
+      why = (f'it did not finish within {storage.save_timeout():.0f} s (PAXCLI_BUCKET_SAVE_TIMEOUT_S raises the '
+             'bound)')
+    elif isinstance(e, storage.BucketError):
+      why = str(e).split(': ', 1)[-1].rstrip('.')
+    else:
+      text = str(e).strip().splitlines()[0] if str(e).strip() else ''
+      why = f'the bucket did not take it ({type(e).__name__}: {shorten(text, 200)})'
+    what = f'the checkpoint of step {step}' if step is not None else 'a checkpoint'
+    last = f'step {self._complete}' if self._complete is not None else 'none yet'
+    return BucketSaveError(f'Could not save {what} to {storage.bucket_of(self.directory)}: {why}. The last complete '
+                           f'checkpoint is {last}; the trainer stops here. Run the same command to resume from it '
+                           'once the bucket answers.')
+
   def _loss_of(self, step: int) -> Optional[float]:
     if step not in self._losses:
       try:
-        loss = json.loads(storage.read_bytes(layout.meta_file(os.path.join(self.directory, str(step))))).get('loss')
+        loss = json.loads(storage.read_bytes(layout.meta_file(layout.entry(self.directory, str(step))))).get('loss')
       except (OSError, ValueError, AttributeError, UserError):  # unreadable: no loss known, so never the "best"
         loss = None
       self._losses[step] = float(loss) if isinstance(loss, (int, float)) and math.isfinite(loss) else None
@@ -364,5 +443,6 @@ class Checkpointer:
       return
     self._finish()
     if rotate:
-      self._rotate()
+      with self._write_faults(None):
+        self._rotate()
     self._manager.close()

@@ -27,6 +27,15 @@ persistent tier instead, and so do the others, since every process must restore 
 
 The tier is local only, whatever the job directory is (a bucket, for one): it is written and read
 with local file calls here, while the persistent tier goes through the job directory's functions.
+
+The tier deletes (old steps, unfinished saves, all of it once a run finishes), so it is careful with
+what it finds, which is received data like a job directory (`claim`): it works only in a
+directory it made and marked (`paxcli-tier.json`, naming the job), or in an empty one it then marks;
+the mark lists every step it writes there, before it writes it, and a directory holding anything
+else is refused before training, so that it deletes only entries it wrote. It follows no symlink:
+one at the tier's root (`process_0-of-1 -> ~/data`) or anywhere under it is refused. And a tier that
+is, holds or lies inside the job directory (or its checkpoints) is refused before training: clearing
+it would delete the job.
 """
 
 from __future__ import annotations
@@ -37,8 +46,10 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import socket
+import stat
 import sys
 from typing import Callable, Optional
 
@@ -55,9 +66,13 @@ from paxcli.jobdir import checkpoint as ckpt
 from paxcli.jobdir import format as job_format
 from paxcli.jobdir import layout
 from paxcli.jobdir import restore as restore_lib
+from paxcli.jobdir import storage
 from paxcli.runtime import train_state
 
 OWNER_MAX_BYTES = 1 << 16
+MARK_MAX_BYTES = 1 << 20
+MAX_MARKED_STEPS = 100_000   # steps a mark lists (those on disk and the one being written): far above any KEEP
+_TMP_RE = re.compile(r'^(\d+)\.orbax-checkpoint-tmp')   # orbax's directory of a step being written
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +87,10 @@ class Settings:
     every = getattr(train_cfg, 'local_checkpoint_interval_steps', 0)
     if not directory or not every:
       return None
+    storage.check_scheme_typo(directory, 'LOCAL_CHECKPOINT_DIR')
+    if not storage.is_local(directory):
+      raise UserError(f'{_shown(directory)}: the fast checkpoint tier is a directory on each host\'s own disk '
+                      '(the persistent checkpoints go to the job directory, a bucket included); give a local path.')
     return cls(os.path.realpath(os.path.expanduser(directory)), int(every),
                max(int(getattr(train_cfg, 'local_checkpoint_max_to_keep', 2)), 1))
 
@@ -79,15 +98,50 @@ class Settings:
 def open_tier(settings: Settings, job_dir: str, job_id: str, setup, log: Callable[[str], None]) -> FastTier:
   """The fast tier of this process, after the checks every process agrees on: the directory is
   writable, belongs to this job, and has room for its saves (refused before training otherwise)."""
-  refusal = None
+  refusal, mark = None, None
   try:
+    check_placement(settings.directory, job_dir)
     _check_writable(settings.directory)
-    _claim(settings.directory, job_dir, job_id)
+    mark = claim(settings.directory, job_dir, job_id)
   except UserError as e:
     refusal = str(e)
   _agree(refusal)
   _check_room(settings, _bytes_per_save(setup))
-  return FastTier(settings, setup, log)
+  return FastTier(settings, setup, log, mark)
+
+
+def _shown(directory: str) -> str:
+  return f'LOCAL_CHECKPOINT_DIR={shorten(directory, 160)}'
+
+
+def check_placement(directory: str, job_dir: str) -> None:
+  """Refuses a tier that is, holds or lies inside the job directory or its checkpoints (both resolved):
+  the tier deletes what it wrote, and at the end of a run clears itself."""
+  if not storage.is_local(job_dir):
+    return   # a bucket job: the tier is on this machine's disk
+  tier = os.path.realpath(directory)
+  for place, what in ((job_dir, 'the job directory'), (layout.checkpoints(job_dir), "the job's checkpoints")):
+    real = os.path.realpath(place)
+    if not storage.inside(tier, real):
+      continue
+    how = 'is' if tier == real else 'lies inside' if os.path.commonpath([tier, real]) == real else 'holds'
+    raise UserError(f'{_shown(directory)} {how} {what} ({shorten(real, 160)}); the fast tier writes, deletes '
+                    'and at the end clears its directory, so it must be one of its own outside the job. Give '
+                    'another LOCAL_CHECKPOINT_DIR.')
+
+
+def _lstat(path: str) -> Optional[os.stat_result]:
+  try:
+    return os.lstat(path)
+  except FileNotFoundError:
+    return None
+
+
+def _refuse_link(path: str, st: Optional[os.stat_result]) -> None:
+  if st is not None and stat.S_ISLNK(st.st_mode):
+    raise UserError(f'{shorten(path, 200)} in the fast checkpoint tier is a symlink (to '
+                    f'{shorten(os.readlink(path), 160)}); the tier follows no link, it writes and deletes only '
+                    'what it made. Remove the link, or give another LOCAL_CHECKPOINT_DIR.')
 
 
 def _check_writable(directory: str) -> None:
@@ -99,22 +153,106 @@ def _check_writable(directory: str) -> None:
                     'Give a writable local directory, or turn the tier off with LOCAL_CHECKPOINT_EVERY=0.') from None
 
 
-def _claim(directory: str, job_dir: str, job_id: str) -> None:
-  """Makes the tier this job's (owner.json), or refuses one that holds another job's checkpoints."""
-  path = layout.local_tier_owner(directory)
+def claim(directory: str, job_dir: str, job_id: str) -> dict:
+  """Makes the tier this job's (owner.json at its root; this process's directory, made and marked), after
+  checking both (nothing is written when either is refused: another job's tier, files the tier did not
+  write). Returns this process's mark."""
+  owner_path = layout.local_tier_owner(directory)
   mine = {'job_dir': job_dir, 'job_id': job_id}
-  if os.path.exists(path):
-    owner = files.read_json(path, 'the fast tier owner file', OWNER_MAX_BYTES)
-    if not isinstance(owner, dict) or {k: owner.get(k) for k in mine} != mine:
-      other = owner.get('job_dir') if isinstance(owner, dict) else None
-      same_path = other == job_dir
-      whose = (f'an earlier job of the same directory {shorten(job_dir, 160)} (since made anew)' if same_path
-               else f'another job ({shorten(str(other), 160)})')
-      raise UserError(f'LOCAL_CHECKPOINT_DIR={shorten(directory, 160)} holds the fast checkpoint tier of {whose}; '
-                      'two jobs cannot share one. Give this job its own directory, or remove that one if its job '
-                      'is gone.')
+  st = _lstat(owner_path)
+  _refuse_link(owner_path, st)
+  if st is not None:
+    _check_mine(files.read_json(owner_path, 'the fast tier owner file', OWNER_MAX_BYTES), mine, directory)
+  path = layout.local_tier_process(directory, jax.process_index(), jax.process_count())
+  mark = checked_process_dir(path, mine, directory)
+  if st is None:
+    files.atomic_write(owner_path, json.dumps(mine).encode())
+  if mark is None:   # made (or an empty one taken) and marked before anything is written in it
+    made = not os.path.lexists(path)
+    if made:
+      os.mkdir(path)
+    mark = {**mine, 'made': made, 'steps': []}
+    files.atomic_write(layout.local_tier_marker(path), json.dumps(mark).encode())
+  return mark
+
+
+def _check_mine(owner, mine: dict, directory: str) -> None:
+  """Refuses a record (owner.json, a mark) naming another job than `mine`, naming that job."""
+  if isinstance(owner, dict) and {k: owner.get(k) for k in mine} == mine:
     return
-  files.atomic_write(path, json.dumps(mine).encode())
+  other = owner.get('job_dir') if isinstance(owner, dict) else None
+  whose = (f'an earlier job of the same directory {shorten(mine["job_dir"], 160)} (since made anew)'
+           if other == mine['job_dir'] else f'another job ({shorten(str(other), 160)})')
+  raise UserError(f'{_shown(directory)} holds the fast checkpoint tier of {whose}; two jobs cannot share one. '
+                  'Give this job its own directory, or remove that one if its job is gone.')
+
+
+def checked_process_dir(path: str, mine: dict, directory: str) -> Optional[dict]:
+  """The mark of this process's directory of the tier when it is this job's own (marked for it, holding
+  only the steps its mark lists, no symlink anywhere); None when it is missing or empty (to be made and
+  marked). UserError for anything else: nothing of it is ever deleted then."""
+  mark_path = layout.local_tier_marker(path)
+  st = _lstat(path)
+  _refuse_link(path, st)
+  if st is None or (stat.S_ISDIR(st.st_mode) and not os.listdir(path)):
+    return None
+  if not stat.S_ISDIR(st.st_mode):
+    raise UserError(f'{shorten(path, 200)} is {files.kind_of(st.st_mode)}, where the fast checkpoint tier keeps '
+                    'this process\'s saves; move it, or give another LOCAL_CHECKPOINT_DIR.')
+  mark_st = _lstat(mark_path)
+  _refuse_link(mark_path, mark_st)
+  if mark_st is None:
+    raise UserError(f'{shorten(path, 200)} holds files the fast checkpoint tier did not make (it has no '
+                    f'{os.path.basename(mark_path)}); the tier deletes only what it wrote. Move them, or give '
+                    'another LOCAL_CHECKPOINT_DIR.')
+  mark = _read_mark(mark_path)
+  _check_mine(mark, mine, directory)
+  _check_entries(path, mark)
+  return mark
+
+
+def _read_mark(path: str) -> dict:
+  mark = files.read_json(path, 'the fast tier mark', MARK_MAX_BYTES)
+  steps = mark.get('steps') if isinstance(mark, dict) else None
+  if not (isinstance(steps, list) and len(steps) <= MAX_MARKED_STEPS and isinstance(mark.get('made'), bool)
+          and all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s < 1 << 62 for s in steps)):
+    raise UserError(f'{shorten(path, 200)} is not a fast tier mark paxcli wrote (a JSON object with the job, '
+                    '`made` and the list of `steps`); remove its directory if its job is gone.')
+  return mark
+
+
+def _marked(root: str, name: str) -> bool:
+  """Whether `name` at the tier's root is a process's directory still holding the tier's mark."""
+  try:
+    return os.path.lexists(layout.local_tier_marker(layout.entry(root, name)))
+  except UserError:   # a link out: no directory of the tier's
+    return False
+
+
+def _entry_step(name: str) -> Optional[int]:
+  """The step of a name the tier writes in its directory: `<step>` or orbax's `<step>.orbax-checkpoint-tmp...`."""
+  match = _TMP_RE.match(name)
+  return int(name) if name.isdigit() else int(match.group(1)) if match else None
+
+
+def _check_entries(path: str, mark: dict) -> None:
+  """Every entry of a marked directory is a step its mark lists (a real directory, links nowhere under it)."""
+  listed = set(mark['steps'])
+  for name in sorted(os.listdir(path)):
+    entry = os.path.join(path, name)
+    if name == os.path.basename(layout.local_tier_marker(path)):
+      continue
+    st = os.lstat(entry)
+    _refuse_link(entry, st)
+    if name.startswith('.tmp-') and stat.S_ISREG(st.st_mode):
+      continue   # a rewrite of the mark a kill cut short (files.atomic_write): left alone, never read
+    if _entry_step(name) not in listed or not stat.S_ISDIR(st.st_mode):
+      raise UserError(f'{shorten(entry, 200)} is in the fast checkpoint tier, but the tier did not write it '
+                      '(its mark lists no such step); the tier deletes only what it wrote. Move it out, or give '
+                      'another LOCAL_CHECKPOINT_DIR.')
+    for parent, dirs, names in os.walk(entry):
+      for inner in dirs + names:
+        _refuse_link(os.path.join(parent, inner), os.lstat(os.path.join(parent, inner)))
 
 
 def _agree(refusal: Optional[str]) -> None:
@@ -203,17 +341,16 @@ class _NoPrimaryHostNote:
 class FastTier:
   """One process's fast checkpoints: orbax, this process alone (no barrier with the others)."""
 
-  def __init__(self, settings: Settings, setup, log: Callable[[str], None]):
+  def __init__(self, settings: Settings, setup, log: Callable[[str], None], mark: dict):
     self.settings = settings
     self.directory = layout.local_tier_process(settings.directory, jax.process_index(), jax.process_count())
-    self._setup, self._log = setup, log
+    self._setup, self._log, self._mark = setup, log, mark
     self._signature = signature(setup)
     ckpt._quiet_no_space_logs()  # pylint: disable=protected-access
     ckpt._quiet_closed_loop_callbacks()  # pylint: disable=protected-access
     absl_logger = logging.getLogger('absl')
     if not any(isinstance(f, _NoPrimaryHostNote) for f in absl_logger.filters):
       absl_logger.addFilter(_NoPrimaryHostNote())
-    os.makedirs(self.directory, exist_ok=True)
     self._discard_unfinished()
     me = jax.process_index()
     self._mp = ocp.options.MultiprocessingOptions(primary_host=None, active_processes={me},
@@ -236,17 +373,40 @@ class FastTier:
     return ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True, multiprocessing_options=self._mp,
                                        type_handler_registry=registry)
 
+  def _written(self) -> dict[str, int]:
+    """{name: step} of the entries of this process's directory that the tier wrote (its mark lists them)."""
+    listed = set(self._mark['steps'])
+    try:
+      names = os.listdir(self.directory)
+    except FileNotFoundError:
+      return {}
+    return {name: step for name in names if (step := _entry_step(name)) is not None and step in listed}
+
+  def _remove(self, name: str) -> None:
+    """Removes an entry the tier wrote; a link there (put after the start) is left alone, never followed."""
+    path = os.path.join(self.directory, name)
+    st = _lstat(path)
+    if st is not None and stat.S_ISDIR(st.st_mode):
+      shutil.rmtree(path, ignore_errors=True)   # removes links inside as links
+
+  def _mark_steps(self, new: Optional[int] = None) -> None:
+    """Rewrites the mark: the steps on disk, and `new` before it is written (so a kill mid-save leaves an
+    entry the next start knows as the tier's own)."""
+    steps = set(self._written().values()) | ({new} if new is not None else set())
+    self._mark = {**self._mark, 'steps': sorted(steps)}
+    files.atomic_write(layout.local_tier_marker(self.directory), json.dumps(self._mark).encode())
+
   def _discard_unfinished(self) -> None:
     """Saves a kill interrupted are removed: never restorable, and the tier is a copy of our own making."""
-    for name in os.listdir(self.directory):
-      path = os.path.join(self.directory, name)
-      if ckpt._TMP_RE.match(name) or (name.isdigit() and not ckpt._is_complete(path)):  # pylint: disable=protected-access
-        shutil.rmtree(path, ignore_errors=True)
+    for name in self._written():
+      if _TMP_RE.match(name) or not ckpt._is_complete(os.path.join(self.directory, name)):  # pylint: disable=protected-access
+        self._remove(name)
+    self._mark_steps()
 
   def steps(self) -> list[int]:
     """This process's complete fast steps that were saved under this run's layout (signature)."""
     out = []
-    for step in ckpt.complete_steps(self.directory):
+    for step in [s for s in ckpt.complete_steps(self.directory) if s in self._mark['steps']]:
       try:
         if self.meta(step).get('fast_tier') == self._signature:
           out.append(step)
@@ -265,7 +425,7 @@ class FastTier:
     return meta
 
   def step_dir(self, step: int) -> str:
-    return os.path.join(self.directory, str(step))
+    return layout.local_tier_step(self.directory, step)
 
   def save(self, step: int, state, meta: dict, input_state: Optional[bytes] = None) -> None:
     """Starts writing step `step` (after the previous write has finished). A write that fails (a full or
@@ -276,6 +436,7 @@ class FastTier:
       items[layout.INPUT] = grain.checkpoint.CheckpointSave(ckpt._Saved(input_state))  # pylint: disable=protected-access
     if self.wait():
       with self._failures(step):
+        self._mark_steps(step)
         self._manager.save(step, args=ocp.args.Composite(**items), force=True)
 
   def wait(self) -> bool:
@@ -302,8 +463,10 @@ class FastTier:
   def discard_after(self, step: int) -> None:
     """Removes this process's fast steps after `step`, where a run goes on from: they would collide with
     the saves to come (each process alike, so the tiers stay consistent)."""
-    for newer in [s for s in ckpt.step_dirs(self.directory) if s > step]:
-      shutil.rmtree(self.step_dir(newer), ignore_errors=True)
+    for name, newer in self._written().items():
+      if newer > step:
+        self._remove(name)
+    self._mark_steps()
     self._manager.reload()
 
   def restore(self, step: int, flat_now: dict) -> restore_lib.Restored:
@@ -344,15 +507,20 @@ class FastTier:
 
   def clear(self) -> None:
     """After a finished run (its last persistent checkpoint saved): the tier is left empty, and the
-    directory free for another job once every process of this host has cleared its part."""
+    directory free for another job once every process of this host has cleared its part. Only what the
+    tier wrote is removed: its steps, its mark, its directory if it made it (and nothing else is in it)."""
     self.close()
-    shutil.rmtree(self.directory, ignore_errors=True)
+    for name in self._written():
+      self._remove(name)
+    with contextlib.suppress(FileNotFoundError):
+      os.remove(layout.local_tier_marker(self.directory))
+    if self._mark.get('made'):
+      with contextlib.suppress(OSError):   # not empty: something else was put there; it stays
+        os.rmdir(self.directory)
     root = self.settings.directory
-    if not any(n.startswith('process_') for n in os.listdir(root)):
-      try:
+    if not any(_marked(root, n) for n in os.listdir(root) if n.startswith('process_')):
+      with contextlib.suppress(FileNotFoundError):
         os.remove(layout.local_tier_owner(root))
-      except FileNotFoundError:
-        pass
 
   def close(self) -> None:
     if self._manager is not None:

@@ -37,14 +37,22 @@ Outside the job directory, on each host: the fast checkpoint tier (LOCAL_CHECKPO
 jobdir/fast_tier.py), named here too:
   <local>/owner.json              the job that owns it (its path and identity)
   <local>/process_<i>-of-<n>/<step>/  one process's own shards of a step (orbax, per process)
+  <local>/process_<i>-of-<n>/paxcli-tier.json  the mark of a directory the tier made: the job, the steps written
 
 Every function takes the job directory as a command holds it: made absolute, symlinks resolved,
 by `absolute` once where the command starts (orbax refuses relative paths, and a path resolved
 once means the same thing in every process and after any change of directory). A job directory
 in a bucket (`gs://bucket/run1`) is kept as that URL, never resolved as a local path; storage.py
-reads and writes both kinds. The functions only join names: they neither resolve nor touch the
-file system, except `tokenizer`, `split`, `metrics_files`, `eval_paths` and `first_unused`, which
-look at what the directory already holds.
+reads and writes both kinds.
+
+A job directory, a tier, a bucket prefix is received data (copied, synced, restored by others):
+every path made here is checked to stay inside the directory it names a file of (`_at`, the
+member check of files.member that data and model directories go through): a part of the job
+that is a symlink leading out (`goodput -> <another job>/goodput`, `train.lock -> ~/.bashrc`)
+is one line naming it, before anything reads or writes there. A symlink to a place inside is
+followed. A bucket has no links: its paths are only joined. Beyond that check the functions
+only join names, except `tokenizer`, `split`, `metrics_files`, `eval_paths` and `first_unused`,
+which look at what the directory already holds.
 
 Plain functions of a `str`, not a `JobDir` object: the job directory travels through every
 command, loop and test as a string, and a path made here is the same string whoever asks.
@@ -56,6 +64,7 @@ import os
 import re
 from typing import Callable, Optional
 
+from paxcli import files
 from paxcli.jobdir import storage
 
 # orbax's names of a checkpoint's two items (CheckpointManager item_names): directories of a step.
@@ -73,31 +82,46 @@ def absolute(path: str, option: str = 'path') -> str:
   return storage.absolute(path, option)
 
 
+def _at(root: str, *names: str, what: str = 'job file') -> str:
+  """`root`/`names`, after checking (on this machine) that it stays inside `root`: no name climbs out
+  and no symlink on the way leads out (files.member). The joined path is returned, as named."""
+  path = os.path.join(root, *names)
+  if storage.is_local(root):
+    files.member(root, os.path.join(*names), what)
+  return path
+
+
+def entry(directory: str, name: str) -> str:
+  """`directory`/`name` for a name found by listing a directory of a job or tier (a step, a set-aside save,
+  an item of a checkpoint), checked as every path made here (`_at`)."""
+  return _at(directory, name, what='entry')
+
+
 def config(job_dir: str) -> str:
-  return os.path.join(job_dir, 'config.txt')
+  return _at(job_dir, 'config.txt')
 
 
 def format_file(job_dir: str) -> str:
-  return os.path.join(job_dir, 'format.json')
+  return _at(job_dir, 'format.json')
 
 
 def invocations(job_dir: str) -> str:
-  return os.path.join(job_dir, 'invocations.txt')
+  return _at(job_dir, 'invocations.txt')
 
 
 def made(job_dir: str) -> str:
   """How the job was made: experiment.jsonl (paxcli.jobdir.invocation.record_made)."""
-  return os.path.join(job_dir, 'experiment.jsonl')
+  return _at(job_dir, 'experiment.jsonl')
 
 
 def recipe_copy(job_dir: str) -> str:
   """The recipe the job's experiment was read from, kept as data (RECIPE_COPY): a conversion's, or a
   generated recipe a run trained with (jobdir.invocation.record_made)."""
-  return os.path.join(job_dir, RECIPE_COPY)
+  return _at(job_dir, RECIPE_COPY)
 
 
 def lock(job_dir: str) -> str:
-  return os.path.join(job_dir, 'train.lock')
+  return _at(job_dir, 'train.lock')
 
 
 TOKENIZER_FILES = {'sentencepiece': 'spm.model', 'hf': 'tokenizer.json'}  # by paxcli.inputs.tokenizers.kind_of
@@ -107,46 +131,46 @@ def tokenizer(job_dir: str, kind: Optional[str] = None) -> str:
   """The run's tokenizer file: of `kind`, else the one present (spm.model when neither is)."""
   if kind is None:
     kind = next((k for k, name in TOKENIZER_FILES.items()
-                 if storage.isfile(os.path.join(job_dir, 'tokenizer', name))), 'sentencepiece')
-  return os.path.join(job_dir, 'tokenizer', TOKENIZER_FILES[kind])
+                 if storage.isfile(_at(job_dir, 'tokenizer', name))), 'sentencepiece')
+  return _at(job_dir, 'tokenizer', TOKENIZER_FILES[kind])
 
 
 def tokenizer_config(job_dir: str) -> str:
   """The tokenizer_config.json shipped with the run's tokenizer (paxcli.inputs.tokenizers.config_beside
   finds it beside the tokenizer file, by this name)."""
-  return os.path.join(job_dir, 'tokenizer', 'tokenizer_config.json')
+  return _at(job_dir, 'tokenizer', 'tokenizer_config.json')
 
 
 def checkpoints(job_dir: str) -> str:
-  return os.path.join(job_dir, 'checkpoints')
+  return _at(job_dir, 'checkpoints')
 
 
 def step_dir(job_dir: str, step: int) -> str:
   """One checkpoint's directory: checkpoints/<step>, the name orbax's CheckpointManager gives it."""
-  return os.path.join(checkpoints(job_dir), str(step))
+  return _at(job_dir, 'checkpoints', str(int(step)))
 
 
 def state_dir(checkpoint: str) -> str:
   """The arrays of the checkpoint in directory `checkpoint` (an orbax PyTree directory)."""
-  return os.path.join(checkpoint, STATE)
+  return _at(checkpoint, STATE, what='checkpoint file')
 
 
 def meta_file(checkpoint: str) -> str:
   """The JSON metadata of the checkpoint in directory `checkpoint`."""
-  return os.path.join(checkpoint, META, 'metadata')
+  return _at(checkpoint, META, 'metadata', what='checkpoint file')
 
 
 def input_dir(checkpoint: str) -> str:
   """The input item of the checkpoint in directory `checkpoint`: process_<i>-of-<n>.json files."""
-  return os.path.join(checkpoint, INPUT)
+  return _at(checkpoint, INPUT, what='checkpoint file')
 
 
 def unfinished(job_dir: str) -> str:
-  return os.path.join(job_dir, 'checkpoints_unfinished')
+  return _at(job_dir, 'checkpoints_unfinished')
 
 
 def damaged(job_dir: str) -> str:
-  return os.path.join(job_dir, 'checkpoints_damaged')
+  return _at(job_dir, 'checkpoints_damaged')
 
 
 def split(path: str) -> tuple[str, Optional[int]]:
@@ -155,6 +179,7 @@ def split(path: str) -> tuple[str, Optional[int]]:
   A step directory is a numeric one holding a state/ item; a checkpoints/ directory is taken as
   such unless it holds a checkpoints/ of its own (then it is a job directory named so).
   """
+  storage.check_scheme_typo(path)
   path = storage.absolute(path) if not storage.is_local(path) else os.path.abspath(path)
   if os.path.basename(path).isdigit() and storage.isdir(state_dir(path)):
     return os.path.dirname(os.path.dirname(path)), int(os.path.basename(path))
@@ -176,11 +201,11 @@ def job_dir_of(path: str) -> str:
 
 def summaries(job_dir: str, name: Optional[str] = None) -> str:
   """The TensorBoard directory of one writer (train, decode, eval...), or the parent of them all."""
-  return os.path.join(job_dir, 'summaries', name) if name else os.path.join(job_dir, 'summaries')
+  return _at(job_dir, 'summaries', name) if name else _at(job_dir, 'summaries')
 
 
 def train_metrics(job_dir: str) -> str:
-  return os.path.join(job_dir, 'train' + METRICS_SUFFIX)
+  return _at(job_dir, 'train' + METRICS_SUFFIX)
 
 
 def eval_paths(job_dir: str, name: str) -> tuple[str, str]:
@@ -191,35 +216,35 @@ def eval_paths(job_dir: str, name: str) -> tuple[str, str]:
   `eval_N_metrics.jsonl`. A job directory that already holds the older
   `eval_eval...` files keeps writing them, so its history stays in one place.
   """
-  legacy = (summaries(job_dir, f'eval_{name}'), os.path.join(job_dir, f'eval_{name}{METRICS_SUFFIX}'))
+  legacy = (summaries(job_dir, f'eval_{name}'), _at(job_dir, f'eval_{name}{METRICS_SUFFIX}'))
   if name != 'eval' or storage.exists(legacy[1]) or storage.isdir(legacy[0]):
     return legacy
-  return summaries(job_dir, 'eval'), os.path.join(job_dir, 'eval' + METRICS_SUFFIX)
+  return summaries(job_dir, 'eval'), _at(job_dir, 'eval' + METRICS_SUFFIX)
 
 
 def metrics_files(job_dir: str) -> list[str]:
   """Every `*_metrics.jsonl` the job directory holds (train and eval), sorted by name."""
   names = [n for n in storage.listdir(job_dir) if n.endswith(METRICS_SUFFIX)]
-  return [os.path.join(job_dir, n) for n in sorted(names)]
+  return [_at(job_dir, n) for n in sorted(names)]
 
 
 def eval_done(job_dir: str) -> str:
-  return os.path.join(job_dir, 'eval_done.jsonl')
+  return _at(job_dir, 'eval_done.jsonl')
 
 
 def decoder_out(job_dir: str, dataset: Optional[str] = None) -> str:
   """The decodes of one input (`prompts`: the prompts given on the command line or to the trainer)."""
-  return os.path.join(job_dir, 'decoder_out', dataset or 'prompts')
+  return _at(job_dir, 'decoder_out', dataset or 'prompts')
 
 
 def train_decodes(job_dir: str, dataset: Optional[str], step: int) -> str:
   """The trainer's decodes at `step` (task.train.decode_interval_steps)."""
-  return os.path.join(decoder_out(job_dir, dataset), f'decode_step{step}.jsonl')
+  return _at(decoder_out(job_dir, dataset), f'decode_step{int(step)}.jsonl')
 
 
 def cli_decodes(job_dir: str, dataset: Optional[str], step: int, n: int) -> str:
   """The n-th `pax decode` of checkpoint `step`, beside the trainer's decodes of that step."""
-  return os.path.join(decoder_out(job_dir, dataset), f'pax_decode_step{step}_{n}.jsonl')
+  return _at(decoder_out(job_dir, dataset), f'pax_decode_step{int(step)}_{int(n)}.jsonl')
 
 
 def first_unused(path_of: Callable[[int], str]) -> str:
@@ -233,36 +258,36 @@ def first_unused(path_of: Callable[[int], str]) -> str:
 
 def scores(job_dir: str, step: int, n: int) -> str:
   """The n-th `pax score` of checkpoint `step`."""
-  return os.path.join(job_dir, 'scores', f'pax_score_step{step}_{n}.jsonl')
+  return _at(job_dir, 'scores', f'pax_score_step{int(step)}_{int(n)}.jsonl')
 
 
 def profile(job_dir: str) -> str:
-  return os.path.join(job_dir, 'profile')
+  return _at(job_dir, 'profile')
 
 
 def tracker_dir(job_dir: str) -> str:
   """Where trackers keep their run records and W&B its local files."""
-  return os.path.join(job_dir, 'trackers')
+  return _at(job_dir, 'trackers')
 
 
 def tracker_run(job_dir: str, name: str) -> str:
   """The run tracker `name` (wandb, mlflow) logs this job to: its id, project or store."""
-  return os.path.join(tracker_dir(job_dir), f'{name}.json')
+  return _at(job_dir, 'trackers', f'{name}.json')
 
 
 def lm_eval_results(job_dir: str, step: int, n: int) -> str:
   """The n-th `pax lm-eval` of checkpoint `step`: the harness's results as JSON."""
-  return os.path.join(job_dir, 'lm_eval', f'results_step{step}_{n}.json')
+  return _at(job_dir, 'lm_eval', f'results_step{int(step)}_{int(n)}.json')
 
 
 def lm_eval_samples(results: str, task: str) -> str:
   """The per-document records of one task, beside its results file (--log-samples)."""
-  return f'{results[:-len(".json")]}_samples_{task}.jsonl'
+  return _at(os.path.dirname(results), f'{os.path.basename(results)[:-len(".json")]}_samples_{task}.jsonl')
 
 
 def eval_claim(job_dir: str, step: int) -> str:
   """In a bucket, the claim of the follower evaluating `step` (a local job directory flocks the step instead)."""
-  return os.path.join(job_dir, 'eval_claims', str(step))
+  return _at(job_dir, 'eval_claims', str(int(step)))
 
 
 def slurm(job_dir: str) -> str:
@@ -271,12 +296,12 @@ def slurm(job_dir: str) -> str:
 
 def goodput(job_dir: str) -> str:
   """The goodput ledgers' directory (jobdir/ledger.py)."""
-  return os.path.join(job_dir, 'goodput')
+  return _at(job_dir, 'goodput')
 
 
 def goodput_ledger(job_dir: str, process: int) -> str:
   """Process `process`'s append-only ledger of where its wall time went."""
-  return os.path.join(goodput(job_dir), f'process_{int(process)}.jsonl')
+  return _at(job_dir, 'goodput', f'process_{int(process)}.jsonl')
 
 
 def goodput_ledger_part(job_dir: str, process: int, incarnation: str) -> str:
@@ -296,19 +321,30 @@ def goodput_process(name: str) -> Optional[int]:
 
 def launch_ledger(job_dir: str) -> str:
   """`pax launch`'s ledger of this job: its start and end, each failure it saw and each restart."""
-  return os.path.join(goodput(job_dir), 'launch.jsonl')
+  return _at(job_dir, 'goodput', 'launch.jsonl')
 
 
 def job_identity(job_dir: str) -> str:
   """The job's identity (a random id made at its first start), which its fast tier records."""
-  return os.path.join(goodput(job_dir), 'job.json')
+  return _at(job_dir, 'goodput', 'job.json')
 
 
 def local_tier_owner(local_dir: str) -> str:
   """The fast tier's record of the job it belongs to."""
-  return os.path.join(local_dir, 'owner.json')
+  return _at(local_dir, 'owner.json', what='fast tier file')
 
 
 def local_tier_process(local_dir: str, process: int, count: int) -> str:
   """One process's fast-tier checkpoints (orbax step directories) under LOCAL_CHECKPOINT_DIR."""
-  return os.path.join(local_dir, f'process_{int(process)}-of-{int(count)}')
+  return _at(local_dir, f'process_{int(process)}-of-{int(count)}', what='fast tier directory')
+
+
+def local_tier_marker(process_dir: str) -> str:
+  """The mark that makes a process's fast-tier directory the tier's own: the job it was made for, and
+  every step the tier wrote there (what it may delete; jobdir/fast_tier.py)."""
+  return _at(process_dir, 'paxcli-tier.json', what='fast tier file')
+
+
+def local_tier_step(process_dir: str, step: int) -> str:
+  """One fast step of one process (an orbax step directory)."""
+  return _at(process_dir, str(int(step)), what='fast tier directory')

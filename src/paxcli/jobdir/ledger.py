@@ -150,19 +150,25 @@ class Ledger:
         try:
           self.write('progress', **snapshot())
         except Exception as e:  # pylint: disable=broad-except
-          if not self._failed:  # a full disk or an unreachable bucket: said once, and training goes on
-            self._failed = True
-            print(f'WARNING: could not write the goodput ledger {self.path} ({type(e).__name__}: {e}); '
-                  'training goes on, its account may miss time.', file=sys.stderr, flush=True)
+          self._warn(e)   # a full disk or an unreachable bucket: said once, and training goes on
     self._thread = threading.Thread(target=run, name='paxcli-goodput-ledger', daemon=True)
     self._thread.start()
+
+  def _warn(self, e: BaseException) -> None:
+    if not self._failed:
+      self._failed = True
+      print(f'WARNING: could not write the goodput ledger {self.path} ({type(e).__name__}: {e}); '
+            'training goes on, its account may miss time.', file=sys.stderr, flush=True)
 
   def close(self, **end) -> None:
     """Stops the progress thread and writes the `end` line."""
     self._stop.set()
     if self._thread is not None:
       self._thread.join(timeout=5)
-    self.write('end', **end)
+    try:
+      self.write('end', **end)
+    except storage.BucketError as e:   # the bucket does not answer: said once, as for a progress line
+      self._warn(e)
     with self._lock:
       self._closed = True
       if self._local:
@@ -244,7 +250,7 @@ def read(job_dir: str) -> tuple[dict[int, list[Incarnation]], dict[str, Launch],
   for name in sorted(storage.listdir(layout.goodput(job_dir))):
     process = layout.goodput_process(name)
     if process is not None:   # its ledger, and in a bucket each run's own part
-      by_process.setdefault(process, []).append(storage.join(layout.goodput(job_dir), name))
+      by_process.setdefault(process, []).append(layout.entry(layout.goodput(job_dir), name))
   processes = {p: incarnations(r for path in paths for r in _records(path, skipped))
                for p, paths in by_process.items()}
   launches = {}

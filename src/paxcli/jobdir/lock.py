@@ -1,13 +1,19 @@
 """The job directory of `pax train`: checked before any work, locked while a trainer writes it.
 
 The lock is `<job>/train.lock`, held with `flock` by one process of the run (process 0)
-and holding the owner's host, pid, start time and command as JSON. A second trainer is
-refused with one line naming the owner. The kernel drops an flock when its process dies;
-if the file still names a process (it was killed before removing the file):
-  - on this host, a dead pid (or a pid reused by another process) is a stale lock: it is
-    taken over with a note;
-  - on another host, paxcli cannot tell, and refuses (on file systems where flock spans
-    hosts, a live owner is refused by the flock itself); remove the file if that run is gone.
+and holding the owner's host, pid, start time, boot id, PID namespace and command as JSON; the
+trainer renews it (touches the file) every LEASE_S / 4 seconds. A second trainer is refused with
+one line naming the owner. The kernel drops an flock when its process dies; if the file still
+names a process (it was killed before removing the file, or flock is not honoured there):
+  - where the owner's pid means a process of this machine's PID namespace, which paxcli knows
+    only when the record's boot id and PID namespace are this process's own (a container with
+    host networking has the host's name but its own pids), a dead pid (or a pid reused by
+    another process) is a stale lock: it is taken over with a note, and a live one refuses;
+  - anywhere else (another host, another PID namespace, another boot) a pid says nothing: the
+    lock is live while it is renewed, and taken over LEASE_S seconds after its last renewal;
+  - a record of an older paxcli (no boot id, no renewals) is judged by its pid on this host,
+    and refused on another (remove the file if that run is gone).
+The file is never followed as a link nor opened if it is not a regular file (a FIFO, a device).
 `pax eval`, `pax decode` and `pax inspect-input` only read, and take no lock.
 
 A job directory in a bucket has no flock and no pids of this host to ask: there the lock is an
@@ -15,8 +21,9 @@ object created only if absent (a precondition on its generation, ifGenerationMat
 the same owner record and a lease: the trainer rewrites it every LEASE_S / 4 seconds, each
 rewrite conditional on the generation it last wrote (`BucketLease`). A second trainer finds a
 live lease and is refused; a lease not renewed for LEASE_S seconds (by the bucket's clock of the
-last write), or one naming a dead process of this host, is taken over by a rewrite conditional
-on the generation it read, so that of two successors only one wins. A trainer that finds its
+last write), or one naming a dead process of this PID namespace (boot id and namespace recorded
+and this process's own, as above), is taken over by a rewrite conditional on the generation it
+read, so that of two successors only one wins. A trainer that finds its
 lease taken over stops before its next save, never writing over its successor's checkpoints.
 
 Evaluation (`pax eval`, `--follow`, the trainer's eval) writes one row per step into each
@@ -33,9 +40,11 @@ import contextlib
 import datetime
 import errno
 import fcntl
+import functools
 import json
 import os
 import socket
+import stat
 import sys
 import threading
 import time
@@ -89,6 +98,64 @@ def _start_time(pid: int) -> Optional[str]:
   return ledger.start_ticks(pid)
 
 
+@functools.lru_cache(maxsize=1)
+def boot_id() -> Optional[str]:
+  """This machine's boot id (Linux: a random UUID made at each boot), or None where there is none."""
+  try:
+    with open('/proc/sys/kernel/random/boot_id', 'rb') as f:
+      text = f.read(64).decode('ascii').strip()
+  except (OSError, UnicodeDecodeError):
+    return None
+  return text or None
+
+
+@functools.lru_cache(maxsize=1)
+def pid_namespace() -> Optional[str]:
+  """This process's PID namespace (the device and inode of /proc/self/ns/pid), or None where unknown."""
+  try:
+    st = os.stat('/proc/self/ns/pid')
+  except OSError:
+    return None
+  return f'{st.st_dev}:{st.st_ino}'
+
+
+def same_namespace(owner: dict) -> bool:
+  """Whether the pid a lock record names is a pid of this process's PID namespace on this boot of this
+  machine: only then does asking the kernel about it say anything (another container on this host, with
+  host networking, has the same host name and its own pids)."""
+  return (isinstance(owner.get('pid'), int) and owner.get('host') == socket.gethostname()
+          and boot_id() is not None and owner.get('boot_id') == boot_id()
+          and pid_namespace() is not None and owner.get('pid_ns') == pid_namespace())
+
+
+def _legacy(owner: dict) -> bool:
+  """A record of a paxcli before boot ids and renewals (0.1): judged by its pid on this host, as then."""
+  return 'boot_id' not in owner and 'lease_s' not in owner
+
+
+def lease_of(owner: dict) -> Optional[float]:
+  """The seconds a record's holder has between renewals (None: it does not renew)."""
+  lease = owner.get('lease_s')
+  ok = isinstance(lease, (int, float)) and not isinstance(lease, bool) and 0 < lease < 86400
+  return float(lease) if ok else None
+
+
+def holder_live(owner: dict, renewed: Optional[float], local: bool) -> Optional[bool]:
+  """Whether the holder a lock record names may still run: by its pid where that is provably a pid of
+  this namespace (or the record is an older paxcli's on this host, locally); else by its renewals
+  (`renewed`: the time of the last one, by the clock of the file system or bucket; live while less than
+  its lease ago). None: paxcli cannot tell (a record that does not renew, of another host)."""
+  pid = owner.get('pid')
+  if same_namespace(owner) or (local and _legacy(owner) and isinstance(pid, int)
+                               and owner.get('host') == socket.gethostname()):
+    if pid != os.getpid() or local:
+      return pid != os.getpid() and pid_alive(pid, owner.get('start_time'))
+  lease = lease_of(owner)
+  if lease is None or renewed is None:
+    return None
+  return time.time() < renewed + lease
+
+
 def pid_alive(pid: int, start_time: Optional[str] = None) -> bool:
   """Whether process `pid` runs on this host (and is the one that started at `start_time`, if given)."""
   try:
@@ -112,10 +179,29 @@ class JobLock:
   def __init__(self, job_dir: str):
     self.path = layout.lock(os.path.abspath(job_dir))
     self._fd: Optional[int] = None
+    self._stop = threading.Event()
+    self._thread: Optional[threading.Thread] = None
+
+  def _open(self) -> int:
+    """The lock file, made if missing: never through a symlink, and only a regular file (a FIFO or a device
+    put there would be written into, or waited on)."""
+    try:
+      fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+      if e.errno != errno.ELOOP:
+        raise
+      raise UserError(f'{self.path} is a symlink; a job\'s lock file is a file of its own, never followed. Remove '
+                      'it and run again.') from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+      os.close(fd)
+      raise UserError(f'{self.path} is {files.kind_of(mode)}, not the lock file paxcli writes; remove it and run '
+                      'again.')
+    return fd
 
   def acquire(self, log: Callable[[str], None] = print) -> None:
     for _ in range(5):  # the file may be replaced between open and flock: retry on a new inode
-      fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+      fd = self._open()
       try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
       except OSError as e:
@@ -136,39 +222,52 @@ class JobLock:
         self._check_stale(owner, fd, log)
       self._write_owner(fd)
       self._fd = fd
+      self._thread = threading.Thread(target=self._renew, name='paxcli-lock', daemon=True)
+      self._thread.start()
       return
     raise UserError(f'Could not lock {self.path}: another process keeps replacing it.')
 
-  def _refusal(self, owner: dict) -> str:
+  def _refusal(self, owner: dict, renewed: Optional[float] = None) -> str:
+    when = ''
+    if renewed is not None and not same_namespace(owner):
+      when = (f', renewed {max(time.time() - renewed, 0):.0f} s ago from another host or PID namespace (a trainer '
+              f'that is gone loses it {lease_of(owner):.0f} s after its last renewal)')
     return (f'Another trainer is using this job directory ({_describe(owner) if owner else "owner unknown"}); '
-            f'it holds {self.path}. Wait for it to finish, stop it, or use another --job-log-dir.')
+            f'it holds {self.path}{when}. Wait for it to finish, stop it, or use another --job-log-dir.')
 
   def _check_stale(self, owner: dict, fd: int, log) -> None:
-    host, pid = owner.get('host'), owner.get('pid')
-    if host == socket.gethostname() and isinstance(pid, int):
-      if pid_alive(pid, owner.get('start_time')) and pid != os.getpid():
-        os.close(fd)  # flock not honoured here (some network file systems), but the owner runs
-        raise UserError(self._refusal(owner))
-      log(f'Note: taking over the lock of a trainer that is gone ({_describe(owner)}); '
-          'it was stopped without releasing the job directory.')
-      return
-    os.close(fd)
-    raise UserError(f'The job directory is locked by a trainer on another host ({_describe(owner)}). '
-                    f'If that run is gone, remove {self.path} and run again.')
+    renewed = os.fstat(fd).st_mtime
+    live = holder_live(owner, renewed, local=True)
+    if live is None:
+      os.close(fd)
+      raise UserError(f'The job directory is locked by a trainer on another host ({_describe(owner)}). '
+                      f'If that run is gone, remove {self.path} and run again.')
+    if live:
+      os.close(fd)  # flock not honoured here (some network file systems), but the owner runs (or renews)
+      raise UserError(self._refusal(owner, renewed))
+    log(f'Note: taking over the lock of a trainer that is gone ({_describe(owner)}); '
+        'it was stopped without releasing the job directory.')
 
   def _write_owner(self, fd: int) -> None:
-    pid = os.getpid()
-    owner = {'host': socket.gethostname(), 'pid': pid, 'start_time': _start_time(pid),
-             'started': datetime.datetime.now().astimezone().isoformat(timespec='seconds'),
-             'command': ' '.join(['pax'] + sys.argv[1:])[:1000]}
-    data = (json.dumps(owner) + '\n').encode()
+    data = (json.dumps({**_owner_record(), 'lease_s': LEASE_S}) + '\n').encode()
     os.ftruncate(fd, 0)
     os.pwrite(fd, data, 0)
     os.fsync(fd)
 
+  def _renew(self) -> None:
+    """Touches the file every LEASE_S / 4 s: where the flock may not reach (another host on a network file
+    system) or the pid says nothing (another PID namespace), the renewals say the trainer runs."""
+    while not self._stop.wait(LEASE_S / 4):
+      with contextlib.suppress(OSError, TypeError):
+        os.utime(self._fd)
+
   def release(self) -> None:
     if self._fd is None:
       return
+    self._stop.set()
+    if self._thread is not None:
+      self._thread.join()
+      self._thread = None
     try:
       os.remove(self.path)  # while still holding the flock: a waiter re-checks the inode
     except OSError:
@@ -187,8 +286,8 @@ class JobLock:
 
 def _owner_record() -> dict:
   pid = os.getpid()
-  return {'host': socket.gethostname(), 'pid': pid, 'start_time': _start_time(pid),
-          'started': datetime.datetime.now().astimezone().isoformat(timespec='seconds'),
+  return {'host': socket.gethostname(), 'pid': pid, 'start_time': _start_time(pid), 'boot_id': boot_id(),
+          'pid_ns': pid_namespace(), 'started': datetime.datetime.now().astimezone().isoformat(timespec='seconds'),
           'command': ' '.join(['pax'] + sys.argv[1:])[:1000]}
 
 
@@ -202,12 +301,8 @@ def _parse_owner(data: Optional[bytes]) -> dict:
 
 def _lease_live(owner: dict, written: float) -> bool:
   """Whether the holder of a bucket lease last written at `written` (the bucket's clock) may still run."""
-  host, pid = owner.get('host'), owner.get('pid')
-  if host == socket.gethostname() and isinstance(pid, int) and pid != os.getpid():
-    return pid_alive(pid, owner.get('start_time'))
-  lease = owner.get('lease_s')
-  lease = float(lease) if isinstance(lease, (int, float)) and 0 < lease < 86400 else LEASE_S
-  return time.time() < written + lease
+  live = holder_live({**owner, 'lease_s': LEASE_S} if lease_of(owner) is None else owner, written, local=False)
+  return bool(live)
 
 
 class BucketLease:
@@ -258,13 +353,16 @@ class BucketLease:
       self._generation = generation
 
   def release(self) -> None:
+    """Stops renewing and deletes the lease; a bucket that does not answer keeps the object, whose lease then
+    lapses LEASE_S after its last renewal (or at once for a successor that sees this process gone)."""
     if self._thread is None:
       return
     self._stop.set()
-    self._thread.join()
+    self._thread.join(timeout=self.lease_s / 4)   # a renewal stuck on an unreachable bucket is not waited for
     self._thread = None
     if not self.lost:
-      storage.delete_if_generation(self.path, self._generation)
+      with contextlib.suppress(storage.BucketError):
+        storage.delete_if_generation(self.path, self._generation)
 
 
 class BucketJobLock:
@@ -381,31 +479,31 @@ def read_owner(job_dir: str) -> Optional[dict]:
       return None
     owner = _parse_owner(data)
     return {**owner, 'lease_live': _lease_live(owner, written)}
-  try:
-    fd = os.open(layout.lock(job_dir), os.O_RDONLY)
+  try:   # never through a link, never waiting on a FIFO
+    fd = os.open(layout.lock(job_dir), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
   except FileNotFoundError:
     return None
   except OSError:
     return {}
   try:
-    return _read(fd)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+      return {}
+    owner = _read(fd)
+    return {**owner, 'lease_live': holder_live(owner, st.st_mtime, local=True)} if owner else owner
   finally:
     os.close(fd)
 
 
 def trainer_state(owner: Optional[dict]) -> str:
-  """'absent' (no train.lock), 'dead' (it names a process of this host that is gone), else 'running'.
+  """'absent' (no train.lock), 'dead' (it names a trainer that is gone: a dead process of this PID
+  namespace, or a lease not renewed in time), else 'running'.
 
-  A lock of another host, or one being written, counts as running: paxcli cannot tell.
+  A lock paxcli cannot judge (an older paxcli's of another host, or one being written) counts as running.
   """
   if owner is None:
     return 'absent'
-  if 'lease_live' in owner:
-    return 'running' if owner['lease_live'] else 'dead'
-  pid = owner.get('pid')
-  if owner.get('host') == socket.gethostname() and isinstance(pid, int):
-    return 'running' if pid_alive(pid, owner.get('start_time')) else 'dead'
-  return 'running'
+  return 'dead' if owner.get('lease_live') is False else 'running'
 
 
 @contextlib.contextmanager

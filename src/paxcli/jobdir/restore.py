@@ -29,8 +29,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
-from paxcli.config import config_differences
 from paxcli import files
+from paxcli.config import config_differences
 from paxcli.errors import UserError, shorten
 from paxcli.jobdir import checkpoint as ckpt
 from paxcli.jobdir import format as job_format
@@ -275,7 +275,7 @@ def damage_evidence(error: BaseException) -> Optional[str]:
 
 def _gone(directory: str, step: int) -> bool:
   """True once checkpoint `step` is no longer a complete step of `directory` (deleted, or being deleted)."""
-  return not storage.isdir(os.path.join(directory, str(step))) or step not in ckpt.complete_steps(directory)
+  return not storage.isdir(layout.entry(directory, str(step))) or step not in ckpt.complete_steps(directory)
 
 
 def _failure(error: BaseException, step: int, directory: str, what: str, action: str) -> UserError:
@@ -340,7 +340,7 @@ def restore(setup, job_dir: str, step: int, params_only: bool = False, flat_now:
 
 def _set_aside_damaged(job_dir: str, step: int, log) -> Optional[str]:
   """Moves a damaged step to checkpoints_damaged/ (process 0), never deleting it; returns the target."""
-  target = os.path.join(layout.damaged(job_dir), f'{step}-{int(time.time())}')
+  target = layout.entry(layout.damaged(job_dir), f'{step}-{int(time.time())}')
   if jax.process_index() == 0:
     storage.makedirs(os.path.dirname(target))
     try:
@@ -369,11 +369,19 @@ def _agree(error: Optional[UserError], step: int, directory: str, action: str) -
          else CheckpointReadError(step, directory, action, other))
 
 
+def check_links(job_dir: str, step: int) -> None:
+  """Refuses a checkpoint holding a symlink that leads out of its job directory: orbax reads the files of
+  a step by itself, so they get the member check every file of a job gets (layout) here, all at once."""
+  if storage.is_local(job_dir):
+    files.check_tree(layout.step_dir(job_dir, step), job_dir, 'checkpoint file')
+
+
 def _restore_step(setup, job_dir: str, step: int, params_only: bool, flat_now: Optional[dict],
                   action: str, join_base: bool = True) -> Restored:
   directory = layout.checkpoints(job_dir)
+  check_links(job_dir, step)
   damaged = lambda reason: DamagedCheckpoint(step, directory, reason)
-  if not storage.isfile(os.path.join(layout.state_dir(layout.step_dir(job_dir, step)), '_METADATA')):
+  if not storage.isfile(layout.entry(layout.state_dir(layout.step_dir(job_dir, step)), '_METADATA')):
     if _gone(directory, step):
       raise CheckpointGone(step, directory)
     raise damaged("state/_METADATA (orbax's description of the arrays) is missing")

@@ -9,6 +9,12 @@ gcs driver. Both find credentials the usual way (application default credentials
 GOOGLE_APPLICATION_CREDENTIALS, the metadata server of a Cloud VM) and honour an emulator
 (STORAGE_EMULATOR_HOST for gcsfs, TENSORSTORE_GCS_HTTP_URL for tensorstore).
 
+A bucket that stops answering costs bounded time (`save_timeout`, PAXCLI_BUCKET_SAVE_TIMEOUT_S, 600 s
+by default): a checkpoint's save ends by then (orbax's async timeout, and tensorstore's retries of
+one request bounded to about half of it), a stalled connection is dropped after a minute without a
+byte (tensorstore's curl settings, gcsfs's request timeout), and a request gcsfs gives up on is one
+line naming the bucket (BucketError). The user's own settings of those variables win.
+
 What a local file system gives for free is made explicit for a bucket:
   - atomic replacement: an object upload is all or nothing (`write_bytes`);
   - create-if-absent: a precondition on the object's generation (`create_new`, ifGenerationMatch=0);
@@ -26,6 +32,7 @@ import hashlib
 import io
 import json
 import logging
+import math
 import os
 import posixpath
 import re
@@ -39,9 +46,22 @@ from typing import Callable, Optional
 
 from paxcli import files
 from paxcli.errors import UserError, shorten
+from paxcli.inputs import bounds
 
 SCHEMES = {'gs': 'Google Cloud Storage'}
 _SCHEME_RE = re.compile(r'^([A-Za-z][A-Za-z0-9+.-]*)://')
+# A known scheme misspelt (`gs:/b/run`, `gs:b/run`, `gs//b/run`, `gs:\\b`): never a local path.
+_SCHEME_TYPO_RE = re.compile(r'^(?P<scheme>' + '|'.join(SCHEMES) + r')(?::/?(?!/)|//|:\\)', re.IGNORECASE)
+# Other schemes meant as a bucket: said with a did-you-mean.
+_LIKE = {'gcs': 'gs', 'gc': 'gs', 'g': 'gs', 'google': 'gs'}
+# Characters a bucket path may not hold: a URL gives them meaning (`?` a query, `#` a fragment, `%` an
+# escape tensorstore decodes, `|` tensorstore's URL pipeline), fsspec expands them as a glob in a
+# recursive delete (`*`, `?`, `[`, `]`), or no object name holds them (control characters). With any of
+# them, tensorstore (the arrays) and gcsfs (every other file) would put one job under two prefixes.
+_URL_MEANING = '?#%|*[]'
+# GCS bucket names: lowercase letters, digits, '-', '_' and '.', 3 to 222 characters, starting and ending
+# with a letter or a digit.
+_BUCKET_RE = re.compile(r'^[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]$')
 
 # etils.epath (orbax's paths) picks TensorFlow's gfile for gs:// when TensorFlow is installed;
 # paxcli's own reads and writes, its lock's preconditions and its tests' emulator need gcsfs: one
@@ -57,6 +77,36 @@ def _reset_epath_backend_choice() -> None:
 
 _reset_epath_backend_choice()
 
+BUCKET_SAVE_TIMEOUT_S = 600.0   # PAXCLI_BUCKET_SAVE_TIMEOUT_S: a checkpoint's save to a bucket ends by then
+STALL_S = 60.0                  # a bucket connection without a byte for this long is dropped (and retried)
+
+
+def save_timeout() -> float:
+  """Seconds a checkpoint's save to a bucket may take before the trainer stops (PAXCLI_BUCKET_SAVE_TIMEOUT_S)."""
+  return float(bounds.positive_env('PAXCLI_BUCKET_SAVE_TIMEOUT_S', BUCKET_SAVE_TIMEOUT_S, float))
+
+
+def request_retries() -> dict:
+  """tensorstore's retries of one bucket request (its `gcs_request_retries` context), bounded to about half
+  of the save timeout: its default (32 retries, up to 32 s apart) keeps an unreachable bucket's save going
+  for a quarter of an hour."""
+  budget, total, retries = save_timeout() / 2, 0.0, 0
+  while retries < 32 and total + min(2.0 ** retries, 32.0) <= budget:
+    total += min(2.0 ** retries, 32.0)
+    retries += 1
+  return {'max_retries': max(retries, 1), 'initial_delay': '1s', 'max_delay': '32s'}
+
+
+def _bound_stalls() -> None:
+  """tensorstore's HTTP transport drops a connection that has sent no byte for STALL_S (curl's low-speed
+  limit; read once, when tensorstore first makes a request), and gives up a connect after 30 s."""
+  os.environ.setdefault('TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS', str(int(STALL_S)))
+  os.environ.setdefault('TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES', '1')
+  os.environ.setdefault('TENSORSTORE_CURL_CONNECT_TIMEOUT_SECONDS', '30')
+
+
+_bound_stalls()
+
 
 def emulator_defaults() -> bool:
   """With STORAGE_EMULATOR_HOST set: an emulator serves no storage-control API (gcsfs's zonal-bucket
@@ -68,6 +118,13 @@ def emulator_defaults() -> bool:
   import fsspec
   fsspec.config.conf.setdefault('gcs', {}).setdefault('token', 'anon')
   return True
+
+
+def bound_gcsfs() -> None:
+  """orbax's gcsfs instance (a checkpoint's small files) gives up a request that has not answered in
+  STALL_S, as paxcli's own does (fsspec's defaults for 'gcs'; called before orbax opens a bucket path)."""
+  import fsspec
+  fsspec.config.conf.setdefault('gcs', {}).setdefault('requests_timeout', STALL_S)
 
 
 emulator_defaults()
@@ -88,21 +145,62 @@ def is_local(path: str) -> bool:
 
 def absolute(path: str, option: str = 'path') -> str:
   """`path` as every command holds it: a local one absolute with symlinks resolved; a bucket one
-  normalised (`gs://bucket/a/b`, no trailing slash, no empty or `..` parts); another scheme refused."""
+  normalised (`gs://bucket/a/b`, no trailing slash, no empty or `..` parts) and checked (`check_bucket_path`);
+  another scheme, or a known one misspelt (`gs:/bucket`), refused in one line."""
   kind = scheme(path)
   if kind is None:
+    check_scheme_typo(path, option)
     return os.path.realpath(path)
   if kind not in SCHEMES:
     known = ', '.join(f'{k}:// ({v})' for k, v in SCHEMES.items())
+    like = f' Did you mean {_LIKE[kind]}://{path[len(kind) + 3:]}?' if kind in _LIKE else ''
     raise UserError(f'{option} {shorten(path, 200)}: paxcli cannot read or write {kind}:// paths; it reads and '
-                    f'writes local paths and {known}.')
+                    f'writes local paths and {known}.{like}')
   rest = path[len(kind) + 3:]
   parts = [p for p in rest.split('/') if p not in ('', '.')]
   if not parts:
     raise UserError(f'{option} {shorten(path, 200)} names no bucket; give {kind}://BUCKET/PATH.')
-  if '..' in parts or any('\0' in p or '\n' in p for p in parts):
-    raise UserError(f'{option} {shorten(path, 200)}: a bucket path has no `..` (or control characters) in it.')
-  return f'{kind}://' + '/'.join(parts)
+  normal = f'{kind}://' + '/'.join(parts)
+  check_bucket_path(normal, path, option)
+  return normal
+
+
+def _named(option: str, path: str) -> str:
+  """How a message names the path it is about: `--job-log-dir gs://b/x`, or a knob's `INIT_FROM=gs://b/x`."""
+  shown = shorten(''.join(c if c.isprintable() else c.encode('unicode_escape').decode() for c in path), 200)
+  return f'{option}={shown}' if option[:1].isalpha() and option.isupper() else f'{option} {shown}'
+
+
+def check_scheme_typo(path: str, option: str = 'path') -> None:
+  """One line for a local-looking path that is a bucket path misspelt (`gs:/bucket/run`: one slash),
+  before any work: it would otherwise become a directory named `gs:` under the current one."""
+  match = _SCHEME_TYPO_RE.match(path)
+  if match:
+    kind = match.group('scheme').lower()
+    rest = path[match.end():].lstrip('/\\')
+    raise UserError(f'{_named(option, path)} is a misspelt bucket path (a bucket path is '
+                    f'{kind}://BUCKET/PATH, two slashes); did you mean {shorten(f"{kind}://{rest}", 200)}? '
+                    f'(A local directory of that name: write ./{shorten(path, 160)}.)')
+
+
+def check_bucket_path(normal: str, given: str, option: str) -> None:
+  """A bucket path's name and characters: every object of a job must live under its one prefix, for
+  tensorstore (which parses a gs:// path as a URL) and gcsfs alike, so the characters a URL gives meaning
+  to are refused, as are `..` and control characters; the bucket's name follows GCS's rules."""
+  shown = _named(option, given)
+  bucket, _, key = normal.split('://', 1)[1].partition('/')
+  if not _BUCKET_RE.match(bucket) or '..' in bucket:
+    raise UserError(f'{shown}: {shorten(bucket, 80)!r} is not a bucket name (3 to 222 lowercase letters, '
+                    "digits, '-', '_' and '.', starting and ending with a letter or a digit).")
+  parts = key.split('/') if key else []
+  if '..' in parts:
+    raise UserError(f'{shown}: a bucket path has no `..` in it.')
+  bad = sorted({c for c in key if c in _URL_MEANING or ord(c) < 0x20 or ord(c) == 0x7f})
+  if bad:
+    said = ' '.join(repr(c) for c in bad)
+    raise UserError(f'{shown}: a bucket path cannot hold {said}: a URL gives them meaning (or no object '
+                    'name holds them), and the arrays (tensorstore) and the other files (gcsfs) of the job would '
+                    'land under different prefixes. Use letters, digits and - _ . = + , @ : ~ in its name.')
 
 
 def abspath(path: str) -> str:
@@ -172,7 +270,8 @@ def _fs():
       for name in ('gcsfs', 'fsspec'):   # paxcli reports a failed request in one line, not gcsfs's traceback
         logging.getLogger(name).setLevel(logging.CRITICAL)
       token = 'anon' if emulator_defaults() else None
-      _FS = gcsfs.GCSFileSystem(token=token, use_listings_cache=False, skip_instance_cache=True)
+      _FS = gcsfs.GCSFileSystem(token=token, use_listings_cache=False, skip_instance_cache=True,
+                                requests_timeout=STALL_S)
   return _FS
 
 
@@ -191,6 +290,8 @@ def _explain(path: str, e: BaseException) -> str:
     return (f'The bucket {where} refuses access ({shorten(text, 160)}): the credentials paxcli found (application '
             'default credentials, GOOGLE_APPLICATION_CREDENTIALS or the VM\'s service account) may not read and '
             'write it.')
+  if isinstance(e, TimeoutError) and text == type(e).__name__:   # fsspec's and asyncio's timeouts say nothing more
+    text = f'no answer within {STALL_S:.0f} s'
   return f'Cannot reach the bucket {where} ({type(e).__name__}: {shorten(text, 160)}).'
 
 
@@ -243,9 +344,31 @@ def _start_tensorstore_auth(bucket: str) -> None:
   sys.stderr.write(said)
 
 
+_GIVEN_UP: dict[str, float] = {}   # bucket -> when this process gave up on it (time.monotonic)
+
+
+def give_up(path: str) -> None:
+  """The command ends because the bucket of `path` stopped answering (said in one line): its requests for the
+  next STALL_S (the last metrics, the ledger's end, the lease's release) fail at once instead of each waiting
+  out its retries and timeouts, so that the end takes seconds, not minutes."""
+  if not is_local(path):
+    _GIVEN_UP[bucket_of(path)] = time.monotonic()
+
+
+def gave_up() -> bool:
+  """Whether this process gave up on a bucket (the command ends: cli.common ends the process at once)."""
+  return bool(_GIVEN_UP)
+
+
+def _given_up(path: str) -> bool:
+  return not is_local(path) and time.monotonic() - _GIVEN_UP.get(bucket_of(path), -math.inf) < STALL_S
+
+
 @contextlib.contextmanager
 def _reporting(path: str):
   """A failed bucket request as one line naming the bucket; local errors pass unchanged."""
+  if _given_up(path):
+    raise BucketError(f'{shorten(path, 200)}: not written; the bucket {bucket_of(path)} stopped answering.')
   try:
     yield
   except (FileNotFoundError, FileExistsError, UserError):
@@ -345,7 +468,7 @@ def _timestamp(text: str) -> float:
 def read_bytes(path: str, max_bytes: Optional[int] = None) -> bytes:
   """The bytes of a file (FileNotFoundError when missing); at most max_bytes + 1 are read."""
   if is_local(path):
-    with open(path, 'rb') as f:
+    with files.open_regular(path) as f:   # a FIFO or a device in a job directory is refused, never waited on
       return f.read(-1 if max_bytes is None else max_bytes + 1)
   with _reporting(path):
     fs = _fs()

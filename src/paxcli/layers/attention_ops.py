@@ -25,7 +25,8 @@ i - w < j <= i (and both are in one segment): the w most recent tokens, itself i
 as long as the sequence or longer is full causal attention.
 
 Shapes: B batch, L query length, S key length, H query heads, K kv heads,
-G = H // K query heads per kv head, E dims per head.
+G = H // K query heads per kv head, E dims per head. Values may have heads of another size than queries and
+keys (latent attention's, paxcli.layers.mla): the output's heads are the values'.
 """
 
 from __future__ import annotations
@@ -71,8 +72,14 @@ def attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL: Optional[jax.Arr
     return local_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL, window, logit_cap, scale=scale)
   if logit_cap or impl == 'blockwise':
     return blockwise_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL, logit_cap, scale)
-  return dot_product_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL, implementation=kernel,
-                               window=window, scale=scale)
+  e, ev = q_BxLxHxE.shape[-1], v_BxSxKxE.shape[-1]
+  if ev > e:   # wider values than keys: no family has them; the reference kernel
+    return einsum_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL, 0.0, window, scale)
+  # jax.nn.dot_product_attention takes one head size: narrower values padded with zeros, the output cut back.
+  v_BxSxKxE = jnp.pad(v_BxSxKxE, [(0, 0)] * 3 + [(0, e - ev)])
+  out = dot_product_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxL, implementation=kernel,
+                              window=window, scale=scale)
+  return out[..., :ev]
 
 
 def effective_window(window: int, length: int) -> int:
@@ -153,7 +160,7 @@ def local_attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, segment_ids_BxL=None, windo
     logits = logit_cap * jnp.tanh(logits / logit_cap)
   logits = jnp.where(mask_BxNxCxS[:, :, None, None], logits, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(logits, axis=-1).astype(q_BxLxHxE.dtype)
-  out = jnp.einsum('bnkgcs,bnske->bnckge', probs, v_BxNxSxKxE).reshape(b, blocks * c, h, e)
+  out = jnp.einsum('bnkgcs,bnske->bnckge', probs, v_BxNxSxKxE).reshape(b, blocks * c, h, v_BxLxKxE.shape[-1])
   return out[:, :l]
 
 
@@ -218,7 +225,7 @@ def masked_einsum_attention(q_BxLxHxE, k_BxSxKxE, v_BxSxKxE, mask_BxLxS, logit_c
   logits_BxKxGxLxS = jnp.where(mask_BxLxS[:, None, None], logits_BxKxGxLxS, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(logits_BxKxGxLxS, axis=-1).astype(q_BxLxHxE.dtype)
   out_BxLxKxGxE = jnp.einsum('bkgls,bske->blkge', probs, v_BxSxKxE)
-  return out_BxLxKxGxE.reshape(b, l, h, e)
+  return out_BxLxKxGxE.reshape(b, l, h, v_BxSxKxE.shape[-1])
 
 
 def cached_attention(q_BxLxHxE, k_BxKxExS, v_BxKxSxE, mask_BxLxS, logit_cap: float = 0.0,
@@ -256,4 +263,4 @@ def _one_query_attention(q_Bx1xHxE, k_BxSxKxE, v_BxSxKxE, mask_Bx1xS, logit_cap:
   logits_BxSxKxG = jnp.where(mask_Bx1xS[:, 0, :, None, None], logits_BxSxKxG, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(logits_BxSxKxG, axis=1).astype(q_Bx1xHxE.dtype)
   out_BxKxGxE = jnp.sum(probs[..., None] * v_BxSxKxE[:, :, :, None], axis=1, dtype=jnp.float32)
-  return out_BxKxGxE.astype(q_Bx1xHxE.dtype).reshape(b, 1, h, e)
+  return out_BxKxGxE.astype(q_Bx1xHxE.dtype).reshape(b, 1, h, v_BxSxKxE.shape[-1])

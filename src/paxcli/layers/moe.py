@@ -9,7 +9,14 @@ Their weights are, by `router_softmax`:
   'after_topk'   softmax over the k chosen logits (Mixtral)
   'before_topk'  softmax over all E experts, then the k largest probabilities (Qwen3-MoE, GShard,
                  Switch), rescaled to sum to 1 when `normalize_topk` (Qwen3's norm_topk_prob; GShard's top-2)
-('after_topk' is 'before_topk' with normalize_topk, up to rounding.)
+  'sigmoid'      DeepSeek-V3's: a score sigmoid(logit) per expert; the k experts are chosen by score +
+                 router_bias (the load-balancing bias, e_score_correction_bias: it steers the choice only),
+                 their weights are their scores, rescaled to sum to 1 when `normalize_topk`
+('after_topk' is 'before_topk' with normalize_topk, up to rounding.) Group-limited routing (`router_groups`
+G > 1, DeepSeek's n_group): the experts are G groups of E / G; a group's score is the sum of its two best
+choice scores, and only the `router_group_k` best groups' experts can be chosen (topk_group). The weights are
+then multiplied by `routed_scale` (routed_scaling_factor). `router_bias` is a weight [E] no gradient reaches
+(it enters the choice only) and the optimizer leaves alone (LanguageModel.decays): it stays as imported.
 
 Dispatch, by `dispatch`:
   'dropless'  every choice is computed: the token copies are sorted by expert and each expert's
@@ -88,6 +95,10 @@ class MoeFeedForward(BaseLayer):
   z_loss_weight: float = 0.0
   shared_hidden_dims: int = 0
   shared_gate: bool = False
+  router_bias: bool = False       # the load-balancing bias of the choice (router_softmax 'sigmoid')
+  router_groups: int = 1          # group-limited routing: G groups of experts (1: off)
+  router_group_k: int = 1         # ... of which a token's experts come from this many
+  routed_scale: float = 1.0       # the routed experts' weights x this
   # The dense Mlp's LoRA fields, so that the LORA_* knobs fill either; experts take no adapters
   # (paxcli.models.validation refuses LORA_TARGETS 'mlp' with experts).
   lora_rank: int = 0
@@ -122,8 +133,15 @@ class MoeFeedForward(BaseLayer):
         nn.initializers.variance_scaling(1.0, 'fan_in', 'truncated_normal'), ('embed', None)),
         (d, self.num_experts), self.dtype)
     logits_BxLxE = jnp.einsum('bld,de->ble', x_BxLxD.astype(jnp.float32), router.astype(jnp.float32))
+    bias_E = None
+    if self.router_bias:
+      bias_E = self.param('router_bias', nn.with_logical_partitioning(nn.initializers.zeros, (None,)),
+                          (self.num_experts,), jnp.float32).astype(jnp.float32)
     weights_BxLxK, experts_BxLxK, probs_BxLxE = route(logits_BxLxE, self.experts_per_token, self.router_softmax,
-                                                      self.normalize_topk)
+                                                      self.normalize_topk, bias_E, self.router_groups,
+                                                      self.router_group_k)
+    if self.routed_scale != 1.0:
+      weights_BxLxK = weights_BxLxK * self.routed_scale
     self._report(logits_BxLxE, probs_BxLxE, experts_BxLxK)
     kernels = {k: v.astype(compute) for k, v in self._kernels(d).items()}
     act = _ACTIVATIONS[self.activation]
@@ -174,16 +192,42 @@ class MoeFeedForward(BaseLayer):
       self.add_summary('expert_load_max', jnp.max(load_E))
 
 
-def route(logits_BxLxE, k: int, softmax: str, normalize: bool):
-  """(weights [B, L, k] float32, experts [B, L, k] int32, probabilities [B, L, E]) of a router's logits."""
+def route(logits_BxLxE, k: int, softmax: str, normalize: bool, bias_E=None, groups: int = 1, group_k: int = 1):
+  """(weights [B, L, k] float32, experts [B, L, k] int32, probabilities [B, L, E]) of a router's logits (the
+  module docstring; for 'sigmoid' the probabilities are the scores scaled to sum to 1, what the load-balancing
+  loss reads)."""
+  if softmax == 'sigmoid':
+    scores_BxLxE = jax.nn.sigmoid(logits_BxLxE)
+    choice_BxLxE = scores_BxLxE if bias_E is None else scores_BxLxE + bias_E[None, None, :]
+    experts_BxLxK = jax.lax.top_k(_within_groups(choice_BxLxE, groups, group_k), k)[1]
+    weights_BxLxK = jnp.take_along_axis(scores_BxLxE, experts_BxLxK, axis=-1)
+    if normalize:
+      weights_BxLxK = weights_BxLxK / (jnp.sum(weights_BxLxK, axis=-1, keepdims=True) + 1e-20)
+    return weights_BxLxK, experts_BxLxK, scores_BxLxE / jnp.sum(scores_BxLxE, axis=-1, keepdims=True)
   probs_BxLxE = jax.nn.softmax(logits_BxLxE, axis=-1)
+  choice_BxLxE = _within_groups(logits_BxLxE if softmax == 'after_topk' else probs_BxLxE, groups, group_k)
   if softmax == 'after_topk':
-    top_BxLxK, experts_BxLxK = jax.lax.top_k(logits_BxLxE, k)
+    experts_BxLxK = jax.lax.top_k(choice_BxLxE, k)[1]
+    top_BxLxK = jnp.take_along_axis(logits_BxLxE, experts_BxLxK, axis=-1)
     return jax.nn.softmax(top_BxLxK, axis=-1), experts_BxLxK, probs_BxLxE
-  weights_BxLxK, experts_BxLxK = jax.lax.top_k(probs_BxLxE, k)
+  experts_BxLxK = jax.lax.top_k(choice_BxLxE, k)[1]
+  weights_BxLxK = jnp.take_along_axis(probs_BxLxE, experts_BxLxK, axis=-1)
   if normalize:
     weights_BxLxK = weights_BxLxK / jnp.sum(weights_BxLxK, axis=-1, keepdims=True)
   return weights_BxLxK, experts_BxLxK, probs_BxLxE
+
+
+def _within_groups(choice_BxLxE, groups: int, group_k: int):
+  """The choice scores with every expert outside a token's `group_k` best groups at -inf (a group's score: the
+  sum of its two best); as they are with one group."""
+  if groups <= 1:
+    return choice_BxLxE
+  b, l, e = choice_BxLxE.shape
+  grouped_BxLxGxM = choice_BxLxE.reshape(b, l, groups, e // groups)
+  group_scores_BxLxG = jnp.sum(jax.lax.top_k(grouped_BxLxGxM, min(2, e // groups))[0], axis=-1)
+  best_BxLxJ = jax.lax.top_k(group_scores_BxLxG, group_k)[1]
+  kept_BxLxG = jnp.sum(jax.nn.one_hot(best_BxLxJ, groups, dtype=jnp.int32), axis=-2) > 0
+  return jnp.where(kept_BxLxG[..., None], grouped_BxLxGxM, -jnp.inf).reshape(b, l, e)
 
 
 def _ffn(h_in, kernels: dict, act, gated: bool, matmul, bias):
@@ -388,6 +432,16 @@ def check_settings(ffn, label: str = '') -> None:
   if ffn.load_balance_weight < 0 or ffn.z_loss_weight < 0:
     raise UserError(f'{label}LOAD_BALANCE_LOSS_WEIGHT and ROUTER_Z_LOSS_WEIGHT must be 0 (off) or positive, got '
                     f'{ffn.load_balance_weight} and {ffn.z_loss_weight}.')
+  groups, group_k = getattr(ffn, 'router_groups', 1), getattr(ffn, 'router_group_k', 1)
+  if groups < 1 or e % groups or not 1 <= group_k <= groups or group_k * (e // groups) < k:
+    raise UserError(f'{label}ROUTER_GROUPS {groups} must divide NUM_EXPERTS {e} into equal groups, and '
+                    f'ROUTER_TOPK_GROUPS {group_k} (1 to the groups) of them must hold at least EXPERTS_PER_TOKEN {k} '
+                    'experts.')
+  if not getattr(ffn, 'routed_scale', 1.0) > 0:
+    raise UserError(f'{label}ROUTED_SCALING_FACTOR must be positive, got {ffn.routed_scale}.')
+  if getattr(ffn, 'router_bias', False) and ffn.router_softmax != 'sigmoid':
+    raise UserError(f"{label}ROUTER_BIAS steers the choice of a sigmoid router: set ROUTER_SOFTMAX='sigmoid', or "
+                    'ROUTER_BIAS=False.')
   if ffn.lora_rank and 'mlp' in tuple(ffn.lora_targets):
     raise UserError(f"{label}LORA_TARGETS 'mlp' adapts dense MLPs; a mixture-of-experts layer's experts take no "
                     "adapters (they stay frozen). Adapt attention only, e.g. LORA_TARGETS=('query', 'value').")

@@ -79,47 +79,172 @@ class Norm(nn.Module):
     return y.astype(self.dtype)
 
 
-def rotary(x_BxLxHxE, positions_BxL, max_timescale: float, scaling: tuple = ()):
-  """Rotary position embedding (split-half form) applied to queries or keys; `scaling` as
-  rotary_scale gives it (empty: none)."""
-  dims = x_BxLxHxE.shape[-1]
-  half = dims // 2
-  fraction = jnp.arange(half, dtype=jnp.float32) * 2.0 / dims
-  timescale = max_timescale ** fraction
-  if scaling:
-    timescale = timescale * jnp.asarray(rotary_scale(dims, max_timescale, *scaling), jnp.float32)
-  angles_BxLx1xE2 = positions_BxL[:, :, None, None].astype(jnp.float32) / timescale[None, None, None, :]
-  sin, cos = jnp.sin(angles_BxLx1xE2), jnp.cos(angles_BxLx1xE2)
+def rotary_dims(dims_per_head: int, fraction: float) -> int:
+  """The dimensions of a head that rotary positions rotate, the first ones (Hugging Face's int(head_dim x
+  partial_rotary_factor)); the rest pass unrotated."""
+  return int(dims_per_head * fraction)
+
+
+@dataclasses.dataclass(frozen=True)
+class RotaryScaling:
+  """What a rope scaling does to the rotated part of a head (ROTARY_SCALINGS makes one from a layer's settings):
+  per rotated pair, the factor its timescale is stretched by (`short`; with LongRoPE's two sets, `long` for a
+  text reaching past `original_max_len` positions, every position of it), and the factor on the rotated part
+  of queries and keys (`attention_factor`: Hugging Face's attention scaling of cos and sin)."""
+  short: np.ndarray
+  long: Optional[np.ndarray] = None
+  original_max_len: int = 0
+  attention_factor: float = 1.0
+
+
+def _linear_scaling(timescale, layer) -> RotaryScaling:
+  """'linear': every pair by ROTARY_SCALING_FACTOR (positions / factor)."""
+  return RotaryScaling(np.full_like(timescale, layer.rotary_scaling_factor))
+
+
+def _llama3_scaling(timescale, layer) -> RotaryScaling:
+  """'llama3' (Llama 3.1's): pairs whose wavelength 2 pi timescale is above original_max_len / low_freq_factor
+  by `factor`, those below original_max_len / high_freq_factor not at all, those between by
+  1 / ((1 - s) / factor + s) with s = (original_max_len / wavelength - low_freq_factor) / (high_freq_factor -
+  low_freq_factor)."""
+  factor, low, high = layer.rotary_scaling_factor, layer.rotary_low_freq_factor, layer.rotary_high_freq_factor
+  original = layer.rotary_original_max_len
+  wavelength = 2 * np.pi * timescale
+  smooth = (original / wavelength - low) / (high - low)
+  inverse = np.where(wavelength > original / low, 1 / factor,
+                     np.where(wavelength < original / high, 1.0, (1 - smooth) / factor + smooth))
+  return RotaryScaling(1 / inverse)
+
+
+def _longrope_scaling(timescale, layer) -> RotaryScaling:
+  """'longrope' (Phi-3's LongRoPE): a factor per pair, ROTARY_SHORT_FACTORS for a text of at most
+  ROTARY_ORIGINAL_MAX_LEN positions and ROTARY_LONG_FACTORS for a longer one; rotated queries and keys x
+  ROTARY_ATTENTION_FACTOR, else sqrt(1 + ln(factor) / ln(original_max_len)) (1 at factor 1), as transformers."""
+  factor, original = layer.rotary_scaling_factor, layer.rotary_original_max_len
+  attention = layer.rotary_attention_factor
+  if attention is None:
+    attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+  return RotaryScaling(np.asarray(layer.rotary_short_factors, np.float64),
+                       np.asarray(layer.rotary_long_factors, np.float64), original, float(attention))
+
+
+def _yarn_scaling(timescale, layer) -> RotaryScaling:
+  """'yarn' (YaRN, Peng et al. 2023; DeepSeek-V3, long Qwen): pairs that turn more than ROTARY_BETA_FAST times
+  over ROTARY_ORIGINAL_MAX_LEN positions kept, those turning less than ROTARY_BETA_SLOW times by `factor`, a
+  linear ramp over the pair index between (the bounds floored and ceiled, as transformers' truncate); rotated
+  queries and keys x ROTARY_ATTENTION_FACTOR, else yarn_attention_factor's."""
+  factor = layer.rotary_scaling_factor
+  inverse = _yarn_inverse(2 * len(timescale), layer.rotary_max_timescale, factor, layer.rotary_original_max_len,
+                          layer.rotary_beta_fast, layer.rotary_beta_slow)
+  attention = layer.rotary_attention_factor
+  if attention is None:
+    attention = yarn_attention_factor(factor, layer.rotary_mscale, layer.rotary_mscale_all_dim)
+  return RotaryScaling(1 / inverse, attention_factor=float(attention))
+
+
+def _yarn_inverse(dims: int, base: float, factor: float, original_max_len: int, beta_fast: float,
+                  beta_slow: float) -> np.ndarray:
+  """YaRN's frequency of each pair over the unscaled one [dims // 2]: 1 for the fast pairs, 1 / factor for the
+  slow ones, the ramp between."""
+  def pair_of(rotations):   # the (fractional) pair index that turns `rotations` times over original_max_len
+    return dims * math.log(original_max_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+  low, high = max(math.floor(pair_of(beta_fast)), 0), min(math.ceil(pair_of(beta_slow)), dims - 1)
+  ramp = np.clip((np.arange(dims // 2, dtype=np.float64) - low) / ((high - low) or 0.001), 0, 1)
+  return ramp / factor + (1 - ramp)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+  """YaRN's magnitude correction 0.1 mscale ln(factor) + 1 (1 for factor <= 1)."""
+  return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_attention_factor(factor: float, mscale: Optional[float], mscale_all_dim: Optional[float]) -> float:
+  """YaRN's own factor on the rotated queries and keys (transformers' attention_scaling of cos and sin):
+  yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim) where both are set (DeepSeek's), else
+  yarn_mscale(factor)."""
+  if mscale and mscale_all_dim:
+    return yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+  return yarn_mscale(factor)
+
+
+# Hugging Face's rope scalings, by ROTARY_SCALING (paxcli.options.RotaryScalingName; models.hf_config.ROPE_TYPES
+# reads and writes their config.json keys): (the head's timescales [pairs], float64; the attention layer) ->
+# RotaryScaling. A new rope type is one entry here and one there, and its knobs.
+ROTARY_SCALINGS: dict[str, Callable] = {
+    'linear': _linear_scaling,
+    'llama3': _llama3_scaling,
+    'longrope': _longrope_scaling,
+    'yarn': _yarn_scaling,
+}
+
+
+def rotary_scaling(layer, dims: int) -> Optional[RotaryScaling]:
+  """The scaling of `layer`'s (an Attention's) rotary positions over `dims` rotated dimensions; None for none.
+  Computed once, in float64, from the settings alone (no traced values)."""
+  if layer.rotary_scaling == 'none':
+    return None
+  if layer.rotary_scaling not in ROTARY_SCALINGS:
+    raise ValueError(f'unknown rotary scaling {layer.rotary_scaling!r}')
+  timescale = layer.rotary_max_timescale ** (np.arange(dims // 2, dtype=np.float64) * 2.0 / dims)
+  return ROTARY_SCALINGS[layer.rotary_scaling](timescale, layer)
+
+
+def _timescales(dims: int, max_timescale: float, factors) -> jax.Array:
+  """[dims // 2] float32 timescales of the rotated pairs, stretched by `factors` (None: not)."""
+  timescale = max_timescale ** (jnp.arange(dims // 2, dtype=jnp.float32) * 2.0 / dims)
+  return timescale if factors is None else timescale * jnp.asarray(factors, jnp.float32)
+
+
+def rotary(x_BxLxHxE, positions_BxL, max_timescale: float, scaling: Optional[RotaryScaling] = None, long_BxL=None,
+           fraction: float = 1.0, interleave: bool = False):
+  """Rotary position embedding (split-half form, Hugging Face Llama's rotate_half) of queries or keys: the first
+  rotary_dims(E, fraction) dimensions of each head rotate, the rest pass as they are. `scaling` (rotary_scaling
+  gives it; None: none) stretches each pair's timescale and multiplies the rotated part by its attention
+  factor; with two sets of factors (LongRoPE), the tokens where `long_BxL` holds take the long ones.
+  `interleave`: the rotated pairs are (x0, x1), (x2, x3), ... (DeepSeek's rope_interleave) rather than the two
+  halves; they come out as halves, which queries and keys share, so their products are those of the
+  interleaved rotation."""
+  dims = rotary_dims(x_BxLxHxE.shape[-1], fraction)
+  if scaling is None:
+    timescale = _timescales(dims, max_timescale, None)[None, None, None, :]
+  elif scaling.long is not None and long_BxL is not None:
+    short, long = _timescales(dims, max_timescale, scaling.short), _timescales(dims, max_timescale, scaling.long)
+    timescale = jnp.where(long_BxL[:, :, None, None], long[None, None, None, :], short[None, None, None, :])
+  else:
+    timescale = _timescales(dims, max_timescale, scaling.short)[None, None, None, :]
+  angles_BxLx1xR = positions_BxL[:, :, None, None].astype(jnp.float32) / timescale
+  return _rotate(x_BxLxHxE, angles_BxLx1xR, dims, scaling.attention_factor if scaling else 1.0, interleave)
+
+
+def _rotate(x_BxLxHxE, angles_BxLx1xR, dims: int, factor: float = 1.0, interleave: bool = False):
+  """The first `dims` dimensions of each head turned by the angles of their pairs (x1, x2) -> (x1 cos - x2 sin,
+  x2 cos + x1 sin), times `factor`; the rest as they are. Pairs: the two halves of the `dims`, or neighbours
+  with `interleave`."""
+  sin, cos = jnp.sin(angles_BxLx1xR), jnp.cos(angles_BxLx1xR)
+  if factor != 1.0:
+    sin, cos = sin * factor, cos * factor
   x = x_BxLxHxE.astype(jnp.float32)
-  x1, x2 = x[..., :half], x[..., half:]
-  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  half = dims // 2
+  x1, x2 = (x[..., 0:dims:2], x[..., 1:dims:2]) if interleave else (x[..., :half], x[..., half:dims])
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., dims:]], axis=-1)
   return out.astype(x_BxLxHxE.dtype)
 
 
-def rotary_scale(dims: int, max_timescale: float, kind: str, factor: float, low_freq_factor: float,
-                 high_freq_factor: float, original_max_len: int) -> np.ndarray:
-  """How much longer each rotated pair's timescale gets [dims // 2], for a model trained on
-  original_max_len positions to read longer texts (Hugging Face's rope_scaling):
+def beyond(positions_BxL, segment_ids_BxL, original_max_len: int):
+  """Per token, whether its text reaches past `original_max_len` positions (some position of it is at least
+  that): the whole row, or with `segment_ids_BxL` the token's segment (a run of one id; packed texts each on
+  their own, as transformers sees them one by one)."""
+  reached = positions_BxL >= original_max_len
+  if segment_ids_BxL is None:
+    return jnp.broadcast_to(jnp.any(reached, axis=1, keepdims=True), reached.shape)
+  length = reached.shape[1]
+  starts = jnp.concatenate([jnp.ones_like(segment_ids_BxL[:, :1], jnp.int32),
+                            (segment_ids_BxL[:, 1:] != segment_ids_BxL[:, :-1]).astype(jnp.int32)], axis=1)
+  runs_BxL = jnp.cumsum(starts, axis=1) - 1
 
-    'linear'  every pair by `factor` (positions / factor)
-    'llama3'  Llama 3.1's: pairs whose wavelength 2 pi timescale is above original_max_len /
-              low_freq_factor by `factor`, those below original_max_len / high_freq_factor not
-              at all, those between by 1 / ((1 - s) / factor + s) with s = (original_max_len /
-              wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)
-
-  Computed once, in float64, from the settings alone (no traced values).
-  """
-  timescale = max_timescale ** (np.arange(dims // 2, dtype=np.float64) * 2.0 / dims)
-  if kind == 'linear':
-    return np.full_like(timescale, factor)
-  if kind != 'llama3':
-    raise ValueError(f'unknown rotary scaling {kind!r}')
-  wavelength = 2 * np.pi * timescale
-  smooth = (original_max_len / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)
-  inverse = np.where(wavelength > original_max_len / low_freq_factor, 1 / factor,
-                     np.where(wavelength < original_max_len / high_freq_factor, 1.0, (1 - smooth) / factor + smooth))
-  return 1 / inverse
-
+  def row(reached_L, runs_L):
+    return jax.ops.segment_max(reached_L.astype(jnp.int32), runs_L, num_segments=length)[runs_L] > 0
+  return jax.vmap(row)(reached, runs_BxL)
 
 def sinusoidal(positions_BxL, dims: int, min_timescale: float = 1.0, max_timescale: float = 10000.0):
   """Fixed sinusoidal position embedding, Pax's PositionalEmbedding: [sin | cos] halves with
@@ -153,7 +278,13 @@ class Attention(nn.Module):
   (Qwen 2's layer: the output projection has none). `qk_norm`: each head's query and key go
   through an RMSNorm over E (`query_norm`, `key_norm`, epsilon `norm_epsilon`, x (1 + w) with
   `norm_plus_one` as Gemma 3's) before rotary (Qwen 3's layer), or after it with
-  `qk_norm_after_rotary` (praxis' attention ln_tpl: the two differ where the scale does).
+  `qk_norm_after_rotary` (praxis' attention ln_tpl: the two differ where the scale does); with
+  `qk_norm_per_head` off, one RMSNorm over the whole query projection [H x E] and one over the key's
+  [K x E] (OLMo 2's). Rotary positions rotate the first rotary_dims(E, rotary_fraction) dimensions of a
+  head, scaled by `rotary_scaling` (ROTARY_SCALINGS); with LongRoPE's two sets of factors, a text (a row, or a
+  segment of a packed one) takes the long ones at every position once it reaches past
+  rotary_original_max_len (`beyond`; decoding recomputes its cache there: paxcli.models.lm).
+  `attention_multiplier` set: the logits are q . k times it (Granite's), whatever E.
   """
   num_heads: int
   num_kv_heads: int
@@ -161,12 +292,23 @@ class Attention(nn.Module):
   use_bias: bool = True
   rotary: bool = False
   rotary_max_timescale: float = 10000.0
-  # Longer texts than trained on (layers.transformer.rotary_scale): 'none', 'linear' or 'llama3'.
+  # Longer texts than trained on (ROTARY_SCALINGS): 'none', 'linear', 'llama3', 'longrope' or 'yarn'.
   rotary_scaling: str = 'none'
   rotary_scaling_factor: float = 1.0
   rotary_low_freq_factor: float = 1.0
   rotary_high_freq_factor: float = 4.0
   rotary_original_max_len: int = 8192
+  # 'longrope': a factor per rotated pair for texts within rotary_original_max_len and beyond it.
+  rotary_short_factors: tuple = ()
+  rotary_long_factors: tuple = ()
+  # 'yarn': the ramp's bounds (_yarn_scaling) and its magnitude correction (yarn_attention_factor).
+  rotary_beta_fast: float = 32.0
+  rotary_beta_slow: float = 1.0
+  rotary_mscale: Optional[float] = None
+  rotary_mscale_all_dim: Optional[float] = None
+  rotary_attention_factor: Optional[float] = None   # 'longrope' and 'yarn'; None: the scaling's own rule
+  rotary_fraction: float = 1.0   # the share of a head's dimensions rotated (partial_rotary_factor)
+  rotary_interleave: bool = False   # rotated pairs (x0, x1), (x2, x3), ... (DeepSeek's rope_interleave)
   dtype: jnp.dtype = jnp.float32
   per_dim_scale: bool = False
   query_pre_attn_scalar: Optional[float] = None
@@ -178,6 +320,8 @@ class Attention(nn.Module):
   norm_epsilon: float = 1e-6
   norm_plus_one: bool = False
   qk_norm_after_rotary: bool = False
+  qk_norm_per_head: bool = True
+  attention_multiplier: Optional[float] = None
   # LoRA (paxcli.layers.lora): rank 0 is off; targets among query, key, value, output.
   lora_rank: int = 0
   lora_alpha: float = 16.0
@@ -206,8 +350,23 @@ class Attention(nn.Module):
     y = constrain(y, ('batch', 'length', head_axis, 'head_dim'))
     return checkpoint_name(y, f'{name}_proj')
 
+  def _rotator(self, positions_BxL, segment_ids_BxL):
+    """x [B, L, N, E] -> x with rotary positions on its last axis as the rotary_* fields say (the scaling
+    computed for that axis: latent attention rotates a part of its heads' dimensions only)."""
+    def turn(x_BxLxNxE):
+      scaling = rotary_scaling(self, rotary_dims(x_BxLxNxE.shape[-1], self.rotary_fraction))
+      long_BxL = None
+      if scaling is not None and scaling.long is not None:
+        long_BxL = beyond(positions_BxL, segment_ids_BxL, scaling.original_max_len)
+      return rotary(x_BxLxNxE, positions_BxL, self.rotary_max_timescale, scaling, long_BxL, self.rotary_fraction,
+                    self.rotary_interleave)
+    return turn
+
   def _scale(self) -> float:
-    """The logits' factor: 1/sqrt(query_pre_attn_scalar), or 1/sqrt(E) when that is unset."""
+    """The logits' factor: attention_multiplier, else 1/sqrt(query_pre_attn_scalar), or 1/sqrt(E) when neither
+    is set."""
+    if self.attention_multiplier is not None:
+      return float(self.attention_multiplier)
     return float(self.query_pre_attn_scalar or self.dims_per_head) ** -0.5
 
   def _per_dim_factor(self, e: int):
@@ -217,7 +376,10 @@ class Attention(nn.Module):
 
   def _qk_norm(self, q_BxLxHxE, k_BxSxKxE):
     norm = lambda name: Norm('rmsnorm', False, self.dtype, self.norm_epsilon, self.norm_plus_one, name=name)
-    return norm('query_norm')(q_BxLxHxE), norm('key_norm')(k_BxSxKxE)
+    if self.qk_norm_per_head:
+      return norm('query_norm')(q_BxLxHxE), norm('key_norm')(k_BxSxKxE)
+    whole = lambda name, x: norm(name)(x.reshape(x.shape[:2] + (-1,))).reshape(x.shape)   # over heads x E
+    return whole('query_norm', q_BxLxHxE), whole('key_norm', k_BxSxKxE)
 
   @nn.compact
   def __call__(self, x_BxLxD, segment_ids_BxL, positions_BxL):
@@ -229,11 +391,8 @@ class Attention(nn.Module):
     if self.qk_norm and not self.qk_norm_after_rotary:
       q_BxLxHxE, k_BxSxKxE = self._qk_norm(q_BxLxHxE, k_BxSxKxE)
     if self.rotary:
-      scaling = () if self.rotary_scaling == 'none' else (
-          self.rotary_scaling, self.rotary_scaling_factor, self.rotary_low_freq_factor,
-          self.rotary_high_freq_factor, self.rotary_original_max_len)
-      q_BxLxHxE = rotary(q_BxLxHxE, positions_BxL, self.rotary_max_timescale, scaling)
-      k_BxSxKxE = rotary(k_BxSxKxE, positions_BxL, self.rotary_max_timescale, scaling)
+      turn = self._rotator(positions_BxL, segment_ids_BxL)
+      q_BxLxHxE, k_BxSxKxE = turn(q_BxLxHxE), turn(k_BxSxKxE)
     if self.qk_norm and self.qk_norm_after_rotary:
       q_BxLxHxE, k_BxSxKxE = self._qk_norm(q_BxLxHxE, k_BxSxKxE)
     if self.per_dim_scale:
@@ -265,8 +424,9 @@ class Attention(nn.Module):
     mutable), after writing their keys and values into it.
 
     The first call (the model's `init_cache`) only sizes the cache from its input: [B, S] ids
-    give S slots. Every later call writes its L new keys/values at slot `index` (the same
-    for all rows: prompts are left-padded), marks which slots hold real tokens (segment id
+    give S slots. Every later call writes each row's L new keys/values at that row's own slot
+    `index[b]` (all rows advance together in `pax decode`, whose prompts are left-padded; a server's
+    rows join and leave at their own times), marks which slots hold real tokens (segment id
     != 0) and attends over the whole cache: each query sees the real slots up to its own. Prefill is
     one call with the prompts; a decode step one with L=1. The cache is heads-major (keys
     [B, K, E, S], values [B, K, S, E]), which attention_ops.cached_attention reads in place.
@@ -282,22 +442,23 @@ class Attention(nn.Module):
     value = self.variable('cache', 'cached_value', boxed(('batch', 'kv_heads', 'length', 'head_dim')),
                           (b, kv_heads, l, e), v_BxLxKxE.dtype)
     valid = self.variable('cache', 'cached_valid', boxed(('batch', 'length')), segment_ids_BxL.shape, jnp.bool_)
-    index = self.variable('cache', 'cache_index', boxed(()), [], jnp.int32)
+    index = self.variable('cache', 'cache_index', boxed(('batch',)), (b,), jnp.int32)
     k_BxKxExL = k_BxLxKxE.transpose(0, 2, 3, 1).astype(key.value.dtype)
     v_BxKxLxE = v_BxLxKxE.transpose(0, 2, 1, 3).astype(value.value.dtype)
     if not initialized:   # init_cache: only the shapes of this call matter
       causal_LxS = attention_ops.visible(jnp.arange(l)[:, None], jnp.arange(l)[None, :], self.sliding_window)
       return attention_ops.cached_attention(q_BxLxHxE, k_BxKxExL, v_BxKxLxE, jnp.broadcast_to(causal_LxS, (b, l, l)),
                                             self.atten_logit_cap, self._scale())
-    i = index.value
-    key.value = jax.lax.dynamic_update_slice(key.value, k_BxKxExL, (0, 0, 0, i))
-    value.value = jax.lax.dynamic_update_slice(value.value, v_BxKxLxE, (0, 0, i, 0))
-    valid.value = jax.lax.dynamic_update_slice(valid.value, segment_ids_BxL != 0, (0, i))
-    index.value = i + l
+    i_B = index.value
+    key.value = _write_rows(key.value, k_BxKxExL, i_B, axis=3)
+    value.value = _write_rows(value.value, v_BxKxLxE, i_B, axis=2)
+    valid.value = _write_rows(valid.value, segment_ids_BxL != 0, i_B, axis=1)
+    index.value = i_B + l
     s = key.value.shape[-1]
     # Slots are time: a left-padded row's tokens are contiguous, so slot distance is position distance.
-    visible_LxS = attention_ops.visible((i + jnp.arange(l))[:, None], jnp.arange(s)[None, :], self.sliding_window)
-    mask_BxLxS = visible_LxS[None] & valid.value[:, None, :]
+    slot_BxL = i_B[:, None] + jnp.arange(l)[None, :]
+    visible_BxLxS = attention_ops.visible(slot_BxL[:, :, None], jnp.arange(s)[None, None, :], self.sliding_window)
+    mask_BxLxS = visible_BxLxS & valid.value[:, None, :]
     return attention_ops.cached_attention(q_BxLxHxE, key.value, value.value, mask_BxLxS, self.atten_logit_cap,
                                           self._scale())
 
@@ -330,10 +491,10 @@ class Attention(nn.Module):
     value = self.variable('cache', 'cached_value', boxed(kv_axes), kv_shape, v_BxLxKxE.dtype)
     valid = self.variable('cache', 'cached_valid', boxed(('batch', 'length')), (b, w), jnp.bool_)
     position = self.variable('cache', 'cached_position', boxed(('batch', 'length')), (b, w), jnp.int32)
-    index = self.variable('cache', 'cache_index', boxed(()), [], jnp.int32)
+    index = self.variable('cache', 'cache_index', boxed(('batch',)), (b,), jnp.int32)
     if not initialized:   # init_cache: only the shapes of this call matter
       return attention_ops.attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, segment_ids_BxL, 'einsum', 0.0, w)
-    i = index.value
+    i_B = index.value
     k_BxLxKxE, v_BxLxKxE = k_BxLxKxE.astype(key.value.dtype), v_BxLxKxE.astype(value.value.dtype)
     new_valid, new_position = segment_ids_BxL != 0, positions_BxL.astype(jnp.int32)
     if l <= w:
@@ -345,27 +506,33 @@ class Attention(nn.Module):
       out = attention_ops.masked_einsum_attention(q_BxLxHxE, keys, values, mask_BxLxS, self.atten_logit_cap,
                                                  self._scale())
     else:
-      oldest = -(i % w)   # ring slot i mod W holds the oldest token
-      timed = lambda ring, new: jnp.concatenate([jnp.roll(ring, oldest, axis=1), new], axis=1)
+      oldest_B = -(i_B % w)   # ring slot i mod W holds a row's oldest token
+      rolled = jax.vmap(lambda row, shift: jnp.roll(row, shift, axis=0))
+      timed = lambda ring, new: jnp.concatenate([rolled(ring, oldest_B), new], axis=1)
       segments = timed(valid.value, new_valid).astype(jnp.int32)
       queries = jnp.concatenate([jnp.zeros((b, w) + q_BxLxHxE.shape[2:], q_BxLxHxE.dtype), q_BxLxHxE], axis=1)
       out = attention_ops.attention(queries, timed(key.value, k_BxLxKxE), timed(value.value, v_BxLxKxE), segments,
                                     self.attention_impl, self.atten_logit_cap, w, self._scale())[:, w:]
     for var, new in ((key, k_BxLxKxE), (value, v_BxLxKxE), (valid, new_valid), (position, new_position)):
-      var.value = _ring_write(var.value, new, i)
-    index.value = i + l
+      var.value = jax.vmap(_ring_write)(var.value, new, i_B)
+    index.value = i_B + l
     return out
 
 
-def _ring_write(ring_BxW, new_BxL, i):
-  """The ring [B, W, ...] after writing the L new entries as the tokens i .. i + L - 1 (token n in slot n mod W);
-  of more than W only the last W stay."""
-  w, l = ring_BxW.shape[1], new_BxL.shape[1]
+def _write_rows(cache, new, i_B, axis: int):
+  """`cache` [B, ...] with each row's `new` entries written along `axis` from that row's own slot i_B[b]."""
+  return jax.vmap(lambda c, n, i: jax.lax.dynamic_update_slice_in_dim(c, n, i, axis - 1))(cache, new, i_B)
+
+
+def _ring_write(ring_W, new_L, i):
+  """One row's ring [W, ...] after writing the L new entries as the tokens i .. i + L - 1 (token n in slot n mod
+  W); of more than W only the last W stay."""
+  w, l = ring_W.shape[0], new_L.shape[0]
   if l == 1:
-    return jax.lax.dynamic_update_slice_in_dim(ring_BxW, new_BxL, i % w, axis=1)
+    return jax.lax.dynamic_update_slice_in_dim(ring_W, new_L, i % w, axis=0)
   if l < w:
-    return ring_BxW.at[:, (i + jnp.arange(l)) % w].set(new_BxL)
-  return jnp.roll(new_BxL[:, l - w:], (i + l - w) % w, axis=1)
+    return ring_W.at[(i + jnp.arange(l)) % w].set(new_L)
+  return jnp.roll(new_L[l - w:], (i + l - w) % w, axis=0)
 
 
 class Mlp(nn.Module):
@@ -414,7 +581,8 @@ class Block(BaseLayer):
   MLP are normalised too before they join the residual (post_attention_norm, post_mlp_norm: Gemma 2
   and 3's four norms per layer, praxis' norm_policy 'primer_hybrid'). `pre_norms` False: attention
   and MLP read the residual stream as it is (no attention_norm, mlp_norm; with post_norms, praxis'
-  norm_policy 'post'). The block fills the
+  norm_policy 'post'; with post_norms, OLMo 2's). `residual_multiplier`: attention's and the MLP's outputs
+  join the residual stream times it (Granite's). The block fills the
   compute dtype into each template (field `dtype` of a plain flax module, `fprop_dtype`
   of a BaseLayer) and model_dims into a feed-forward template's input_dims/output_dims,
   unless the template sets them itself.
@@ -425,6 +593,7 @@ class Block(BaseLayer):
   parallel: bool = False
   post_norms: bool = False
   pre_norms: bool = True
+  residual_multiplier: float = 1.0
   attention_tpl: LayerTpl = template_field(Attention)
   ffn_tpl: LayerTpl = template_field(Mlp)
   norm_tpl: LayerTpl = template_field(Norm)
@@ -447,17 +616,23 @@ class Block(BaseLayer):
     if self.parallel:
       n_BxLxD = self.attention_norm(x_BxLxD)
       h = self.attention(n_BxLxD, segment_ids_BxL, positions_BxL) + self.mlp(n_BxLxD)
-      return constrain(x_BxLxD + self.dropout(h), ('batch', 'length', 'embed')), None
+      return constrain(x_BxLxD + self._branch(h), ('batch', 'length', 'embed')), None
     pre = (lambda norm, x: norm(x)) if self.pre_norms else (lambda norm, x: x)
     h = self.attention(pre(getattr(self, 'attention_norm', None), x_BxLxD), segment_ids_BxL, positions_BxL)
     if self.post_norms:
       h = self.post_attention_norm(h)
-    x_BxLxD = x_BxLxD + self.dropout(h)
+    x_BxLxD = x_BxLxD + self._branch(h)
     h = self.mlp(pre(getattr(self, 'mlp_norm', None), x_BxLxD))
     if self.post_norms:
       h = self.post_mlp_norm(h)
-    x_BxLxD = x_BxLxD + self.dropout(h)
+    x_BxLxD = x_BxLxD + self._branch(h)
     return constrain(x_BxLxD, ('batch', 'length', 'embed')), None
+
+  def _branch(self, h_BxLxD):
+    """A branch's output as it joins the residual stream: dropped out, times residual_multiplier."""
+    h_BxLxD = self.dropout(h_BxLxD)
+    return h_BxLxD if self.residual_multiplier == 1.0 else h_BxLxD * jnp.asarray(self.residual_multiplier,
+                                                                                  h_BxLxD.dtype)
 
 
 def fill_template(tpl, compute_dtype, **fields):

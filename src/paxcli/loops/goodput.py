@@ -17,7 +17,7 @@ from typing import Optional
 
 import jax
 
-from paxcli.jobdir import layout
+from paxcli.jobdir import layout, storage
 from paxcli.jobdir import ledger
 from paxcli.jobdir import summaries
 from paxcli.loops.hooks import StepInfo, Stopwatch
@@ -80,12 +80,17 @@ class Goodput:
     return describe(self.account())
 
   def close(self, status: int) -> None:
+    """Ends the ledger and its TensorBoard record; a bucket that no longer answers is a warning (the ledger
+    says it once), never an error that would hide why the run ended."""
     snap = self.stopwatch.finish()
     self.stopwatch.__exit__(None, None, None)
     self.ledger.close(t=snap['t'], closed=snap['closed'], step=snap['step'], steps=snap['steps'], status=status)
     self.heartbeat.close()
     if self._writer is not None:
-      self._writer.close()
+      try:
+        self._writer.close()
+      except storage.BucketError:
+        pass   # the ledger, in the same bucket, has said it cannot write there
 
 
 def _launch() -> tuple:

@@ -42,6 +42,19 @@ class _Hook:
         self.on_stop and info.stopping)
 
 
+def _closer(close: Callable[[], None]):
+  """A hook's close for the ExitStack: when the loop is already failing (a bucket that stopped answering),
+  a close that fails too is dropped, so that the first failure is the one line the user reads."""
+  def exit_(kind, value, tb) -> bool:
+    if kind is None:
+      close()
+    else:
+      with contextlib.suppress(Exception):
+        close()
+    return False
+  return exit_
+
+
 class Hooks(contextlib.ExitStack):
   """Functions run after each step they are due at, in the order they were added.
 
@@ -60,7 +73,7 @@ class Hooks(contextlib.ExitStack):
           close: Optional[Callable[[], None]] = None) -> None:
     self._hooks.append(_Hook(fn, every, at_end, on_stop))
     if close is not None:
-      self.callback(close)
+      self.push(_closer(close))
 
   def add_before(self, fn: Callable[[int], None]) -> None:
     self._before.append(fn)

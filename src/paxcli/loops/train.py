@@ -10,6 +10,7 @@ decode, the profiler and the graceful stop.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import math
@@ -124,7 +125,8 @@ def step_gradients(setup, dropout_seed: int) -> Callable[[dict, dict], accumulat
   batch (GRAD_ACCUM_STEPS microbatches of it), the loss and metrics, and the state collections carried
   on (non_trainable, fp8)."""
   model = setup.model
-  layers_per_group = pattern.period(getattr(getattr(model, 'lm_tpl', None), 'layer_pattern', None))
+  lm = getattr(model, 'lm_tpl', None)
+  layers_per_group, prefix = pattern.period(getattr(lm, 'layer_pattern', None)), pattern.prefix_of(lm)
   deterministic = not model.has_dropout
   has_non_trainable = 'non_trainable' in setup.state_shardings
   accum_steps = getattr(setup.train, 'grad_accum_steps', 1)
@@ -153,7 +155,7 @@ def step_gradients(setup, dropout_seed: int) -> Callable[[dict, dict], accumulat
       # fp8 delayed scaling's state comes back as its own "gradient": its next value (paxcli.layers.fp8)
       (total, (loss, model_metrics, aux, updates)), (grads, fp8_next) = jax.value_and_grad(
           loss_fn, argnums=(0, 1), has_aux=True)(trainable, carried.get('fp8'))
-      summaries = flatten_collection(pattern.per_layer(updates.get(SUMMARIES, {}), layers_per_group))
+      summaries = flatten_collection(pattern.per_layer(updates.get(SUMMARIES, {}), layers_per_group, prefix))
       nxt = {'fp8': fp8_next} if fp8_next is not None else {}
       if has_non_trainable:
         nxt['non_trainable'] = train_state.unbox(updates[NON_TRAINABLE])
@@ -715,7 +717,8 @@ def _train(resolved, job_dir: str, console, accounting: goodput.Goodput, verbose
         batch = to_global(train_input.get_next(), batch_sharding, setup.global_batch)
       hooks.before(step)
       state, metrics = train_step(state, batch)
-      hooks.after(StepInfo(step, state, metrics, last=step == total, stopping=stop.requested(step)))
+      with _naming_the_step(step, checkpointer):
+        hooks.after(StepInfo(step, state, metrics, last=step == total, stopping=stop.requested(step)))
   _finish(run, summary.last)
   return summary.last
 
@@ -1054,6 +1057,22 @@ def _resume_fast(fast: Optional[fast_tier.FastTier], spec: RunSpec, persistent: 
     _note_changes(meta, spec, job_dir, log)
     return restored.state, Start(step, batches, tuple(meta.get('recent_losses') or ()), 'fast')
   return None, None
+
+
+@contextlib.contextmanager
+def _naming_the_step(step: int, checkpointer: ckpt.Checkpointer):
+  """A bucket that stops answering while step `step`'s hooks write there (metrics, summaries): one line
+  naming the step and the checkpoint the next start resumes from (a failed save names them itself)."""
+  try:
+    yield
+  except ckpt.BucketSaveError:
+    raise
+  except storage.BucketError as e:
+    storage.give_up(checkpointer.directory)
+    last = checkpointer.last_complete
+    raise storage.BucketError(f'{str(e).rstrip(".")}, at step {step}. The last complete checkpoint is '
+                              + (f'step {last}' if last is not None else 'none yet') + '; the trainer stops here. '
+                              'Run the same command to resume from it once the bucket answers.') from None
 
 
 def saver_due(train_cfg) -> Callable[[StepInfo], bool]:

@@ -54,10 +54,14 @@ class ModelFlops:
 
 def stack_flops(layers, model_dims, heads, kv_heads, dims_per_head, hidden_dims, gated, seq_len: int,
                 head_params_per_token: float = 0.0, causal: bool = True, num_experts: int = 0,
-                experts_per_token: int = 1, shared_hidden_dims: int = 0) -> Optional[ModelFlops]:
+                experts_per_token: int = 1, shared_hidden_dims: int = 0,
+                latent: Optional[tuple] = None) -> Optional[ModelFlops]:
   """The FLOPs of a stack of causal attention + MLP blocks and an output head; None when a
   setting is unknown (None: a swapped-in layer without it). num_experts > 0: each MLP is a mixture
-  of experts of hidden_dims each, experts_per_token of them active (and a shared one of shared_hidden_dims)."""
+  of experts of hidden_dims each, experts_per_token of them active (and a shared one of shared_hidden_dims).
+  latent: multi-head latent attention's (q_lora_rank, kv_lora_rank, qk_nope, qk_rope, v head dims), counted as
+  trained (keys and values expanded from the latent: its projections, then Q.K^T over nope + rope dims and
+  probs.V over the value dims)."""
   if any(v is None for v in (layers, model_dims, heads, kv_heads, dims_per_head, hidden_dims, gated)):
     return None
   d, e = model_dims, dims_per_head
@@ -67,6 +71,12 @@ def stack_flops(layers, model_dims, heads, kv_heads, dims_per_head, hidden_dims,
   if num_experts:
     mlp = mlp * experts_per_token + d * num_experts + d * shared_hidden_dims * (3 if gated else 2)
   attention = 12.0 * layers * heads * e * seq_len
+  if latent:
+    q_rank, kv_rank, nope, rope, value = latent
+    qkv = ((d * q_rank + q_rank * heads * (nope + rope)) if q_rank else d * heads * (nope + rope)) + \
+        d * (kv_rank + rope) + kv_rank * heads * (nope + value)
+    out = heads * value * d
+    attention = 6.0 * layers * heads * (nope + rope + value) * seq_len
   return ModelFlops(matmul_params=layers * (qkv + out + mlp) + head_params_per_token,
                     attention_per_token=attention / 2 if causal else attention,
                     palm_attention_per_token=attention)

@@ -35,7 +35,7 @@ from paxcli.errors import UserError
 from paxcli.models import hf_config
 from paxcli.models.family import Family, MaxTextBlock, Weight
 from paxcli.models.knobs import LM_KNOB
-from paxcli.models.llama import LLAMA, NEUTRAL_VALUES as LLAMA_NEUTRAL
+from paxcli.models.llama import LLAMA, MULTIPLIERS, NEUTRAL_VALUES as LLAMA_NEUTRAL
 
 # config.json keys that are one LM knob each, both ways.
 _HF_KNOBS = {'vocab_size': 'VOCAB_SIZE', 'hidden_size': 'MODEL_DIMS', 'intermediate_size': 'HIDDEN_DIMS',
@@ -167,7 +167,10 @@ class Gemma2(Family):
              ('tied_logits_bfloat16', False, 'TIED_LOGITS_BFLOAT16=False'),
              ('parallel_block', False, 'PARALLEL_BLOCK=False'),
              ('qk_norm', self.qk_norm, f'USE_QK_NORM={self.qk_norm}'),
-             ('pre_norms', True, 'PRE_NORMS=True'), ('qk_norm_after_rotary', False, 'QK_NORM_AFTER_ROTARY=False')]
+             ('pre_norms', True, 'PRE_NORMS=True'), ('qk_norm_after_rotary', False, 'QK_NORM_AFTER_ROTARY=False'),
+             ('kv_lora_rank', False, 'KV_LORA_RANK=0'), ('rotary_interleave', False, 'ROTARY_INTERLEAVE=False'),
+             ('layer_prefix', False, 'LAYER_PREFIX=()'), ('rotary_fraction', 1.0, 'ROTARY_FRACTION=1.0'),
+             *((LM_KNOB[knob].flat, neutral, f'{knob}={neutral}') for knob, neutral, _ in MULTIPLIERS)]
     for flat, value, knob in wants:
       have = getattr(model, flat, None)
       if (bool(have) if isinstance(value, bool) else have) != value:
@@ -262,7 +265,7 @@ class Gemma2(Family):
       rope = ({**scaling, 'rope_theta': config.get('rope_theta', self.hf_defaults['rope_theta'])}
               if isinstance(scaling, dict) else scaling)
     rope = hf_config.rope_scaling({'rope_scaling': rope}, problems)
-    if rope['rope_type'] == 'llama3':
+    if rope['rope_type'] in ('llama3', 'yarn'):
       problems.append(f'rope_scaling {hf_config.shown(rope)} (paxcli\'s {self.title} scales rotary positions '
                       'linearly or not at all)')
       return {}

@@ -36,14 +36,36 @@ HARMLESS_KEYS = frozenset({
     'bad_words_ids', 'num_return_sequences', 'output_scores', 'return_dict_in_generate', 'forced_bos_token_id',
     'forced_eos_token_id', 'remove_invalid_values', 'exponential_decay_length_penalty', 'suppress_tokens',
     'begin_suppress_tokens'})
-# rope_scaling types (HF's rope_type, or type in older configs) -> paxcli's ROTARY_SCALING.
-ROPE_TYPES = {'default': 'none', 'linear': 'linear', 'llama3': 'llama3'}
+# rope_scaling types (HF's rope_type, or type in older configs) -> paxcli's ROTARY_SCALING: what Llama-shaped
+# families read (a family reads its own set: Family.hf_rope_types).
+ROPE_TYPES = {'default': 'none', 'linear': 'linear', 'llama3': 'llama3', 'yarn': 'yarn'}
+# Phi-3's: LongRoPE, under its earlier names too (transformers' Phi3Config reads 'su' and 'yarn' as 'longrope').
+LONGROPE_TYPES = {'default': 'none', 'longrope': 'longrope', 'su': 'longrope', 'yarn': 'longrope'}
 # Keys of transformers 5's rope_parameters that leave the rotation alone at one value: every dimension of a head
-# rotated (Phi-3's partial_rotary_factor; Phi-4-mini's 0.75 rotates a part of each head only, and is refused).
-ROPE_NEUTRAL = {'partial_rotary_factor': 1.0}
+# rotated (Phi-3's partial_rotary_factor; Phi-4-mini's 0.75 rotates a part of each head only, and is refused), and
+# YaRN's ramp bounds floored and ceiled (truncate; gpt-oss' false is refused).
+ROPE_NEUTRAL = {'partial_rotary_factor': 1.0, 'truncate': True}
 LLAMA3_ROPE_KEYS = {'factor': 'ROTARY_SCALING_FACTOR', 'low_freq_factor': 'ROTARY_LOW_FREQ_FACTOR',
                     'high_freq_factor': 'ROTARY_HIGH_FREQ_FACTOR',
                     'original_max_position_embeddings': 'ROTARY_ORIGINAL_MAX_LEN'}
+YARN_ROPE_KEYS = {'factor': 'ROTARY_SCALING_FACTOR', 'original_max_position_embeddings': 'ROTARY_ORIGINAL_MAX_LEN',
+                  'beta_fast': 'ROTARY_BETA_FAST', 'beta_slow': 'ROTARY_BETA_SLOW', 'mscale': 'ROTARY_MSCALE',
+                  'mscale_all_dim': 'ROTARY_MSCALE_ALL_DIM', 'attention_factor': 'ROTARY_ATTENTION_FACTOR'}
+# longrope's (its factors: one per rotated pair of a head, read by the family, which knows the pairs:
+# longrope_knobs); its original_max_position_embeddings is the family's own key (Phi-3's config.json), which
+# transformers 5 also writes into rope_parameters (so it is accepted there, and not written there).
+LONGROPE_ROPE_KEYS = {'factor': 'ROTARY_SCALING_FACTOR', 'short_factor': 'ROTARY_SHORT_FACTORS',
+                      'long_factor': 'ROTARY_LONG_FACTORS', 'attention_factor': 'ROTARY_ATTENTION_FACTOR'}
+# The one table of rope scalings (paxcli's ROTARY_SCALING, layers.transformer.ROTARY_SCALINGS' rows) -> the
+# rope_scaling keys it reads, each into its knob (both ways).
+ROPE_KEYS = {'linear': {'factor': 'ROTARY_SCALING_FACTOR'}, 'llama3': LLAMA3_ROPE_KEYS, 'yarn': YARN_ROPE_KEYS,
+             'longrope': LONGROPE_ROPE_KEYS}
+# Keys a rope_scaling of a kind may hold beyond ROPE_KEYS' (read elsewhere).
+ROPE_ALSO = {'longrope': frozenset({'original_max_position_embeddings'})}
+# What transformers takes where a rope_scaling leaves a key out (None: not set; yarn's missing
+# original_max_position_embeddings is the config's max_position_embeddings: rope_knobs' `max_positions`).
+ROPE_DEFAULTS = {'yarn': {'beta_fast': 32.0, 'beta_slow': 1.0, 'mscale': None, 'mscale_all_dim': None,
+                          'attention_factor': None}}
 
 
 def rope_scaling_of(model) -> Optional[dict]:
@@ -51,9 +73,11 @@ def rope_scaling_of(model) -> Optional[dict]:
   kind = getattr(model, 'rotary_scaling', 'none')
   if kind == 'none':
     return None
-  out = {'rope_type': kind, 'factor': float(model.rotary_scaling_factor)}
-  if kind == 'llama3':
-    out.update({key: getattr(model, LM_KNOB[knob].flat) for key, knob in LLAMA3_ROPE_KEYS.items()})
+  out = {'rope_type': kind}
+  for key, knob in ROPE_KEYS[kind].items():
+    value = getattr(model, LM_KNOB[knob].flat)
+    if value is not None:
+      out[key] = [float(x) for x in value] if isinstance(value, (tuple, list)) else value
   return out
 
 
@@ -80,33 +104,61 @@ def _same_activation(key: str, value, neutral) -> bool:
   return key == 'hidden_act' and {value, neutral} == {'silu', 'swish'}
 
 
-def rope_scaling(config: dict, problems: list) -> dict:
-  """config.json's rope scaling (rope_type 'default' for none): rope_scaling, or transformers 5's
-  rope_parameters (which also holds rope_theta). Unsupported kinds go into `problems`."""
+def rope_scaling(config: dict, problems: list, kinds: Optional[dict] = None, reads=frozenset()) -> dict:
+  """config.json's rope scaling (rope_type 'default' for none; its rope_type the HF name `kinds` maps to paxcli's,
+  ROPE_TYPES unless given): rope_scaling, or transformers 5's rope_parameters (which also holds rope_theta).
+  Unsupported kinds, and keys neither the kind nor the family (`reads`) reads, go into `problems`."""
+  kinds = ROPE_TYPES if kinds is None else kinds
   rope = config.get('rope_scaling') or config.get('rope_parameters') or {}
   if not isinstance(rope, dict):
     problems.append(f'rope_scaling {shown(rope)} (an object with rope_type and factor was expected)')
     return {'rope_type': 'default'}
   kind = rope.get('rope_type', rope.get('type', 'default'))
-  if not isinstance(kind, str) or kind not in ROPE_TYPES:
+  if not isinstance(kind, str) or kind not in kinds:
     problems.append(f'rope_scaling {shown(rope)} (paxcli scales rotary positions as '
-                    f'{", ".join(repr(k) for k in ROPE_TYPES)} only)')
+                    f'{", ".join(repr(k) for k in kinds)} only)')
     return {'rope_type': 'default'}
-  known = {'rope_type', 'type', 'rope_theta', 'factor'} | (set(LLAMA3_ROPE_KEYS) if kind == 'llama3' else set())
+  kind = kinds[kind] if kinds[kind] != 'none' else 'default'
+  known = {'rope_type', 'type', 'rope_theta', 'factor', *reads} | set(ROPE_KEYS.get(kind, {})) | ROPE_ALSO.get(
+      kind, frozenset())
   unknown = sorted(k for k in set(rope) - known if rope[k] != ROPE_NEUTRAL.get(k, object()))
   if unknown:
     problems.append(f'rope_scaling {shown(rope)} (paxcli does not read its {", ".join(unknown)})')
   return {**rope, 'rope_type': kind}
 
 
-def rope_knobs(rope: dict, get: 'Reader') -> dict:
-  """ROTARY_SCALING and its factors from a linear or llama3 rope_scaling ({} for the default)."""
-  if rope['rope_type'] == 'default':
+def rope_knobs(rope: dict, get: 'Reader', max_positions: Optional[int] = None) -> dict:
+  """ROTARY_SCALING and its settings from a rope_scaling ({} for the default), each key of its kind (ROPE_KEYS)
+  read into its knob, transformers' value where it is left out (ROPE_DEFAULTS; `max_positions`: the config's
+  max_position_embeddings, yarn's original_max_position_embeddings where that is missing). longrope's are the
+  family's to read (longrope_knobs: its factors are one per rotated pair)."""
+  kind = rope['rope_type']
+  if kind == 'default':
     return {}
-  knobs = {'ROTARY_SCALING': ROPE_TYPES[rope['rope_type']], 'ROTARY_SCALING_FACTOR': get.float('factor')}
-  if rope['rope_type'] == 'llama3':
-    for key, knob in LLAMA3_ROPE_KEYS.items():
-      knobs[knob] = (get.int if LM_KNOB[knob].type is int else get.float)(key)
+  if kind == 'longrope':
+    raise ValueError('longrope is read by longrope_knobs')
+  defaults = {**ROPE_DEFAULTS.get(kind, {}), 'original_max_position_embeddings': max_positions or Reader.REQUIRED}
+  knobs = {'ROTARY_SCALING': kind}
+  for key, knob in ROPE_KEYS[kind].items():
+    default = defaults.get(key, Reader.REQUIRED) if kind == 'yarn' else Reader.REQUIRED
+    knobs[knob] = (get.int if LM_KNOB[knob].type is int else get.float)(key, default)
+  return knobs
+
+
+def longrope_knobs(rope: dict, get: 'Reader', pairs: int, original: int, max_len: int) -> dict:
+  """ROTARY_SCALING 'longrope' and its knobs, as transformers computes LongRoPE: a factor per rotated pair
+  (`pairs` of them) for texts within `original` positions and beyond; the scaling factor rope_scaling's `factor`,
+  else max_len / original (what sets the attention factor where attention_factor is not given)."""
+  knobs = {'ROTARY_SCALING': 'longrope', 'ROTARY_ORIGINAL_MAX_LEN': original,
+           'ROTARY_SCALING_FACTOR': get.float('factor', max_len / original),
+           'ROTARY_ATTENTION_FACTOR': get.float('attention_factor', None)}
+  for key, knob in (('short_factor', 'ROTARY_SHORT_FACTORS'), ('long_factor', 'ROTARY_LONG_FACTORS')):
+    values = get.config.get(key)
+    if (not isinstance(values, list) or len(values) != pairs
+        or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x < float('inf') for x in values)):
+      raise UserError(f'{get.where}: {key} is {shown(values)}; it must be a list of {pairs} positive numbers (one '
+                      'per rotated pair of a head).')
+    knobs[knob] = tuple(float(x) for x in values)
   return knobs
 
 

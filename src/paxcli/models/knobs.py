@@ -28,7 +28,8 @@ from typing import Any, Callable, Mapping, Optional
 
 from paxcli.errors import UserError, did_you_mean
 from paxcli.options import (ActivationName, AttentionImplName, CapacityRuleName, CheckpointPolicyName, DTypeName,
-                            Fp8Name, MoeDispatchName, NormName, PositionName, RotaryScalingName, RouterSoftmaxName)
+                            Fp8Name, MlaDecodeName, MoeDispatchName, NormName, PositionName, RotaryScalingName,
+                            RouterSoftmaxName)
 from paxcli.values import coerce
 
 Settings = Mapping[str, Any]   # flat name -> value, every knob of a table present
@@ -198,9 +199,15 @@ FFN = BLOCK + 'ffn_tpl.'
 NORM = BLOCK + 'norm_tpl.'
 FINAL_NORM = LM + 'final_norm_tpl.'
 
+def _layers():
+  """paxcli.layers' mla, moe and transformer modules (flax: imported only where a model config is filled)."""
+  from paxcli.layers import mla, moe, transformer
+  return mla, moe, transformer
+
+
 def _feed_forward(settings: Settings) -> Template:
   """The feed-forward layer NUM_EXPERTS picks: the dense Mlp, or the mixture of experts."""
-  from paxcli.layers import moe, transformer  # flax: only where a model config is filled
+  _, moe, transformer = _layers()
   return Template(moe.MoeFeedForward if settings['num_experts'] else transformer.Mlp)
 
 
@@ -232,10 +239,22 @@ MOE_KNOBS: tuple[Knob, ...] = (
          when=_moe),
     Knob('ROUTER_SOFTMAX', RouterSoftmaxName, 'before_topk', FFN + 'router_softmax',
          "'after_topk': softmax over the k chosen logits (Mixtral); 'before_topk': over all experts, then the "
-         'k largest (Qwen3-MoE, GShard)', when=_moe),
+         "k largest (Qwen3-MoE, GShard); 'sigmoid': a sigmoid score per expert, the k of largest score + "
+         'ROUTER_BIAS chosen, weighted by their scores (DeepSeek-V3)', when=_moe),
     Knob('ROUTER_NORMALIZE_TOPK', bool, True, FFN + 'normalize_topk',
-         "'before_topk': rescale the k weights to sum to 1 (Qwen3's norm_topk_prob)", flat='normalize_topk',
+         "'before_topk' and 'sigmoid': rescale the k weights to sum to 1 (norm_topk_prob)", flat='normalize_topk',
          when=_moe),
+    Knob('ROUTER_BIAS', bool, False, FFN + 'router_bias',
+         "'sigmoid': a load-balancing bias per expert added to the scores for the choice only (DeepSeek-V3's "
+         'e_score_correction_bias); no gradient or optimizer changes it', when=_moe),
+    Knob('ROUTER_GROUPS', int, 1, FFN + 'router_groups',
+         "group-limited routing: the experts in this many equal groups, a token's experts from its "
+         "ROUTER_TOPK_GROUPS best (a group's score: its two best); 1: off (DeepSeek's n_group)", when=_moe),
+    Knob('ROUTER_TOPK_GROUPS', int, 1, FFN + 'router_group_k',
+         'group-limited routing: how many groups a token may take experts from (DeepSeek\'s topk_group)',
+         flat='router_group_k', when=_moe),
+    Knob('ROUTED_SCALING_FACTOR', float, 1.0, FFN + 'routed_scale',
+         "the routed experts' weights x this (DeepSeek's routed_scaling_factor)", flat='routed_scale', when=_moe),
     Knob('LOAD_BALANCE_LOSS_WEIGHT', float, 0.01, FFN + 'load_balance_weight',
          'weight of the Switch/GShard load-balancing loss (1 when balanced); 0: off', flat='load_balance_weight',
          when=_moe),
@@ -249,6 +268,39 @@ MOE_KNOBS: tuple[Knob, ...] = (
          when=_moe),
 )
 
+def _attention(settings: Settings) -> Template:
+  """The attention layer KV_LORA_RANK picks: paxcli's Attention, or multi-head latent attention."""
+  mla, _, transformer = _layers()
+  return Template(mla.LatentAttention if settings['kv_lora_rank'] else transformer.Attention)
+
+
+def _mla(settings: Settings) -> bool:
+  return bool(settings['kv_lora_rank'])
+
+
+# Multi-head latent attention (paxcli.layers.mla; DeepSeek-V2/V3). KV_LORA_RANK swaps the attention template, so
+# it comes before every knob that sets an attention field (NUM_HEADS, ROTARY_*, LORA_*), which latent attention
+# has too; the rest exist only there (`when`).
+MLA_KNOBS: tuple[Knob, ...] = (
+    Knob('KV_LORA_RANK', int, 0, ATTENTION + 'kv_lora_rank',
+         '0: attention with key and value heads; R > 0: multi-head latent attention, keys and values made from '
+         'a latent of R numbers a token, which the KV cache holds (DeepSeek\'s kv_lora_rank)', when=_mla,
+         template=(BLOCK + 'attention_tpl', _attention)),
+    Knob('Q_LORA_RANK', int, 0, ATTENTION + 'q_lora_rank',
+         'latent attention: queries through a latent of this many numbers (with its RMSNorm); 0: projected '
+         'directly', when=_mla),
+    Knob('QK_NOPE_HEAD_DIMS', int, 128, ATTENTION + 'qk_nope_head_dim',
+         "latent attention: each head's query and key dims without rotary positions", when=_mla),
+    Knob('QK_ROPE_HEAD_DIMS', int, 64, ATTENTION + 'qk_rope_head_dim',
+         "latent attention: each head's rotated query dims, and the rotary key every head shares", when=_mla),
+    Knob('V_HEAD_DIMS', int, 128, ATTENTION + 'v_head_dim', "latent attention: each head's value dims",
+         when=_mla),
+    Knob('MLA_DECODE', MlaDecodeName, 'auto', ATTENTION + 'decode',
+         "latent attention's decoding over its cache: 'absorbed' (queries into the latent space), 'expanded' "
+         "(keys and values made from it), 'auto' the one of fewer multiply-adds per call", flat='mla_decode',
+         when=_mla),
+)
+
 LM_KNOBS: tuple[Knob, ...] = (
     Knob('VOCAB_SIZE', int, 256, LM + 'vocab_size',
          "rows of the embedding and the output softmax: at least the tokenizer's pieces (a tokenizer trained on "
@@ -256,6 +308,7 @@ LM_KNOBS: tuple[Knob, ...] = (
     Knob('NUM_LAYERS', int, 2, LM + 'num_layers', 'Transformer layers (blocks) in the stack', maximum=MAX_COUNT),
     Knob('MODEL_DIMS', int, 64, LM + 'model_dims', 'the width of the residual stream (embedding size)'),
     *MOE_KNOBS,
+    *MLA_KNOBS,
     Knob('HIDDEN_DIMS', int, 256, FFN + 'hidden_dims', 'the MLP hidden units; per expert with NUM_EXPERTS'),
     Knob('NUM_HEADS', int, 4, ATTENTION + 'num_heads', 'attention (query) heads per layer'),
     Knob('NUM_KV_HEADS', Optional[int], None, ATTENTION + 'num_kv_heads',
@@ -280,20 +333,57 @@ LM_KNOBS: tuple[Knob, ...] = (
          "a bias on the query, key and value projections only, whatever USE_ATTENTION_BIAS says (Qwen 2's)"),
     Knob('USE_QK_NORM', bool, False, ATTENTION + 'qk_norm',
          "RMSNorm over each head's query and key before rotary (Qwen 3's QK-norm; epsilon NORM_EPSILON)"),
+    Knob('QK_NORM_PER_HEAD', bool, True, ATTENTION + 'qk_norm_per_head',
+         "USE_QK_NORM over each head apart (Qwen 3's, Gemma 3's: scales of DIMS_PER_HEAD); False: over the whole "
+         "query projection and the whole key projection (OLMo 2's: scales of NUM_HEADS x DIMS_PER_HEAD and "
+         'NUM_KV_HEADS x DIMS_PER_HEAD)'),
     Knob('POSITION_EMBEDDING', PositionName, 'learned', LM + 'position_embedding',
          "'sinusoidal' is Pax's fixed PositionalEmbedding",
          derived=((ATTENTION + 'rotary', lambda s: s['position_embedding'] == 'rotary'),)),
     Knob('ROTARY_MAX_TIMESCALE', float, 10000.0, ATTENTION + 'rotary_max_timescale',
          "rotary positions' base wavelength (Hugging Face's rope_theta)"),
-    # Hugging Face's rope_scaling (layers.transformer.rotary_scale): Llama 3.1's 'llama3' or 'linear'.
+    Knob('ROTARY_FRACTION', float, 1.0, ATTENTION + 'rotary_fraction',
+         "the share of each head's dimensions rotary positions rotate: the first int(DIMS_PER_HEAD x this), the "
+         "rest pass unrotated (Hugging Face's partial_rotary_factor: 0.75 in Phi-4-mini)"),
+    # Hugging Face's rope_scaling (one row per rope type: layers.transformer.ROTARY_SCALINGS, read and written by
+    # models.hf_config.ROPE_KEYS): 'linear', Llama 3.1's 'llama3', Phi-3's 'longrope', 'yarn'.
     Knob('ROTARY_SCALING', RotaryScalingName, 'none', ATTENTION + 'rotary_scaling',
-         "'linear': positions / factor; 'llama3': long wavelengths x factor, short ones kept"),
+         "'linear': positions / factor; 'llama3': long wavelengths x factor, short ones kept; 'longrope': "
+         'wavelengths x a factor per rotated pair, ROTARY_SHORT_FACTORS or ROTARY_LONG_FACTORS by the length of '
+         "the text; 'yarn': YaRN's ramp between kept and x factor (DeepSeek-V3, long Qwen)"),
     Knob('ROTARY_SCALING_FACTOR', float, 1.0, ATTENTION + 'rotary_scaling_factor',
-         "ROTARY_SCALING's factor (rope_scaling's factor); 1: none"),
+         "ROTARY_SCALING's factor (rope_scaling's factor; 'longrope': the context it reaches over "
+         'ROTARY_ORIGINAL_MAX_LEN, which sets the attention factor); 1: none'),
     Knob('ROTARY_LOW_FREQ_FACTOR', float, 1.0, ATTENTION + 'rotary_low_freq_factor', "'llama3' only"),
     Knob('ROTARY_HIGH_FREQ_FACTOR', float, 4.0, ATTENTION + 'rotary_high_freq_factor', "'llama3' only"),
     Knob('ROTARY_ORIGINAL_MAX_LEN', int, 8192, ATTENTION + 'rotary_original_max_len',
-         "'llama3' only: the context length the model was first trained for"),
+         "'llama3', 'longrope' and 'yarn': the context length the model was first trained for ('longrope': a "
+         'text longer than this rotates with ROTARY_LONG_FACTORS)'),
+    Knob('ROTARY_SHORT_FACTORS', tuple[float, ...], (), ATTENTION + 'rotary_short_factors',
+         "'longrope' (Hugging Face's short_factor): per rotated pair of a head, the factor its wavelength is "
+         'stretched by in a text of at most ROTARY_ORIGINAL_MAX_LEN tokens',
+         value=lambda s: tuple(s['rotary_short_factors'])),
+    Knob('ROTARY_LONG_FACTORS', tuple[float, ...], (), ATTENTION + 'rotary_long_factors',
+         "'longrope' (long_factor): the same for a longer text, every position of it (decoding turns the cached "
+         'keys over to these when a text grows past ROTARY_ORIGINAL_MAX_LEN)',
+         value=lambda s: tuple(s['rotary_long_factors'])),
+    Knob('ROTARY_BETA_FAST', float, 32.0, ATTENTION + 'rotary_beta_fast',
+         "'yarn' only: pairs turning more often than this over ROTARY_ORIGINAL_MAX_LEN keep their wavelength"),
+    Knob('ROTARY_BETA_SLOW', float, 1.0, ATTENTION + 'rotary_beta_slow',
+         "'yarn' only: pairs turning less often than this get the whole factor"),
+    Knob('ROTARY_MSCALE', Optional[float], None, ATTENTION + 'rotary_mscale',
+         "'yarn' only (rope_scaling's mscale): with ROTARY_MSCALE_ALL_DIM, the attention factor is "
+         '(0.1 mscale ln(factor) + 1) / (0.1 mscale_all_dim ln(factor) + 1); None: 0.1 ln(factor) + 1'),
+    Knob('ROTARY_MSCALE_ALL_DIM', Optional[float], None, ATTENTION + 'rotary_mscale_all_dim',
+         "'yarn' only (rope_scaling's mscale_all_dim); latent attention (KV_LORA_RANK) also multiplies its logits "
+         "by (0.1 mscale_all_dim ln(factor) + 1)^2, as DeepSeek's"),
+    Knob('ROTARY_ATTENTION_FACTOR', Optional[float], None, ATTENTION + 'rotary_attention_factor',
+         "rotated queries and keys x this (Hugging Face's attention_factor); None: the scaling's own rule "
+         "('longrope': sqrt(1 + ln(ROTARY_SCALING_FACTOR) / ln(ROTARY_ORIGINAL_MAX_LEN)), 1 at factor 1; 'yarn': "
+         'from ROTARY_MSCALE and ROTARY_MSCALE_ALL_DIM; else 1)'),
+    Knob('ROTARY_INTERLEAVE', bool, False, ATTENTION + 'rotary_interleave',
+         "rotary pairs are neighbours (x0, x1), (x2, x3), ... (DeepSeek's rope_interleave) rather than the two "
+         'halves of a head'),
     Knob('SEPARATE_EMBEDDING', bool, False, LM + 'separate_embedding',
          'False: output logits use the token embedding (tied)'),
     Knob('DROPOUT_PROB', float, 0.0, LM + 'dropout_prob', 'dropout on the residual branches, in training only'),
@@ -335,6 +425,17 @@ LM_KNOBS: tuple[Knob, ...] = (
          "USE_QK_NORM after rotary positions rather than before (praxis' ln_tpl on attention)"),
     Knob('QUERY_PRE_ATTN_SCALAR', Optional[float], None, ATTENTION + 'query_pre_attn_scalar',
          "queries x 1/sqrt(this) instead of 1/sqrt(DIMS_PER_HEAD) (Gemma's query_pre_attn_scalar); None: off"),
+    # Granite's multipliers (paxcli.models.granite); 1 (None) is off.
+    Knob('EMBEDDING_MULTIPLIER', float, 1.0, LM + 'embedding_multiplier',
+         "token embeddings x this (Granite's embedding_multiplier)"),
+    Knob('RESIDUAL_MULTIPLIER', float, 1.0, BLOCK + 'residual_multiplier',
+         "attention's and the MLP's outputs x this where they join the residual stream (Granite's "
+         'residual_multiplier)'),
+    Knob('ATTENTION_MULTIPLIER', Optional[float], None, ATTENTION + 'attention_multiplier',
+         "attention logits are queries . keys x this (Granite's attention_multiplier); None: "
+         '1/sqrt(QUERY_PRE_ATTN_SCALAR or DIMS_PER_HEAD)'),
+    Knob('LOGITS_SCALING', float, 1.0, LM + 'logits_scaling',
+         "output logits divided by this, before SOFTMAX_CAP_LOGITS (Granite's logits_scaling)"),
     Knob('ATTENTION_IMPL', AttentionImplName, 'auto', ATTENTION + 'attention_impl',
          'auto: jax.nn.dot_product_attention (cuDNN flash attention on GPUs in bf16/fp16, XLA elsewhere), the '
          'blockwise kernel for capped logits; blockwise: a block of queries at a time, logits never whole; '
@@ -378,6 +479,9 @@ LM_KNOBS: tuple[Knob, ...] = (
     Knob('LAYER_PATTERN', tuple[str, ...], (), LM + 'layer_pattern',
          "the kinds of one group of layers in order, e.g. ('local', 'global'); NUM_LAYERS is a multiple of its "
          'length; (): every layer alike', value=lambda s: tuple(s['layer_pattern'])),
+    Knob('LAYER_PREFIX', tuple[str, ...], (), LM + 'layer_prefix',
+         "the kinds of the first layers, before LAYER_PATTERN's groups, e.g. ('dense',) * 3 (DeepSeek's "
+         'first_k_dense_replace); NUM_LAYERS counts them; (): none', value=lambda s: tuple(s['layer_prefix'])),
     Knob('LAYER_KINDS', dict[str, dict[str, Any]], {}, LM + 'layer_kinds',
          "per kind, the knobs of its layers that differ, e.g. {'local': {'ROTARY_MAX_TIMESCALE': 1e4}}; a kind "
          'not listed is the plain layer', value=lambda s: kind_fields(s)),
@@ -387,17 +491,19 @@ LM_KNOB = {k.name: k for k in LM_KNOBS}
 
 def kind_fields(settings: Settings) -> tuple[tuple[str, tuple[tuple[str, Any], ...]], ...]:
   """LAYER_KINDS as TransformerLm.layer_kinds: (kind, ((field below block_tpl, value), ...)) for every kind of
-  LAYER_PATTERN, in order of first appearance: the block fields whose value the kind's knobs change (NUM_HEADS
-  also moves DIMS_PER_HEAD when that follows it). A kind's knob that is unknown, sets no block field or has a
-  wrong type, and a kind the pattern does not name, are one-line UserErrors."""
+  LAYER_PATTERN (and LAYER_PREFIX), in order of first appearance: the block fields whose value the kind's knobs
+  change (NUM_HEADS also moves DIMS_PER_HEAD when that follows it). A kind's knob that is unknown, sets no block
+  field or has a wrong type, and a kind neither names, are one-line UserErrors."""
   pattern, kinds = tuple(settings['layer_pattern']), dict(settings['layer_kinds'] or {})
-  stray = [k for k in kinds if k not in pattern]
+  used = pattern + tuple(settings.get('layer_prefix') or ())
+  stray = [k for k in kinds if k not in used]
   if stray:
-    raise UserError(f'LAYER_KINDS names {stray[0]!r}, which LAYER_PATTERN {pattern} does not use.'
-                    f'{did_you_mean(str(stray[0]), pattern)}')
+    prefix = f' or LAYER_PREFIX {tuple(settings["layer_prefix"])}' if settings.get('layer_prefix') else ''
+    raise UserError(f'LAYER_KINDS names {stray[0]!r}, which LAYER_PATTERN {pattern}{prefix} does not use.'
+                    f'{did_you_mean(str(stray[0]), used)}')
   base = dict(_block_assignments(settings))
   out = []
-  for kind in dict.fromkeys(pattern):
+  for kind in dict.fromkeys(used):
     own = {**settings, **_kind_settings(kind, kinds.get(kind) or {})}
     out.append((kind, _changed(_block_assignments(own), base)))
   return tuple(out)

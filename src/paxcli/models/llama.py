@@ -55,6 +55,11 @@ _FEATURES = {
     'qk_norm': {False: 'queries and keys are RMS-normalised per head ({title} has no QK-norm: USE_QK_NORM=False)',
                 True: '{title} RMS-normalises each head\'s query and key (USE_QK_NORM=True)'},
 }
+# Granite's multipliers (paxcli.models.granite): knob, its neutral value, what it does; other families have none.
+MULTIPLIERS = (('EMBEDDING_MULTIPLIER', 1.0, 'token embeddings are multiplied'),
+               ('RESIDUAL_MULTIPLIER', 1.0, 'attention and MLP outputs are multiplied'),
+               ('ATTENTION_MULTIPLIER', None, 'attention logits have their own multiplier'),
+               ('LOGITS_SCALING', 1.0, 'output logits are divided'))
 # What every MaxText decoder block of the family sets the same way.
 MAXTEXT_LAYER = {'NORM_TYPE': 'rmsnorm', 'USE_BIAS': False, 'POSITION_EMBEDDING': 'rotary'}
 
@@ -79,6 +84,18 @@ class Llama(Family):
   attention_features = {'qkv_bias': False, 'qk_norm': False}
   # Whether the family's attention has a window (SLIDING_WINDOW > 0; paxcli.models.mistral); None: either.
   sliding_window: Optional[bool] = False
+  # QK-norm (attention_features' qk_norm) over each head apart, or over the whole query and key projections (OLMo 2).
+  qk_norm_per_head = True
+  # Where the layer's norms are (the block's pre_norms, post_norms): before attention and MLP (Llama's), or after
+  # them, on their outputs (OLMo 2's).
+  pre_norms, post_norms = True, False
+  # config.json's rope_scaling types the family reads (HF name -> ROTARY_SCALING), the keys of it the family reads
+  # itself (rope_knobs), and whether a part of each head may pass unrotated (ROTARY_FRACTION; Phi-3's).
+  hf_rope_types = hf_config.ROPE_TYPES
+  hf_rope_reads = frozenset()
+  partial_rotary = False
+  # Whether the family has Granite's multipliers (EMBEDDING_MULTIPLIER, ...; paxcli.models.granite).
+  multipliers = False
   maxtext_blocks = {
       'llama2': MaxTextBlock(MAXTEXT_LAYER),
       'mistral': MaxTextBlock(MAXTEXT_LAYER),
@@ -125,15 +142,57 @@ class Llama(Family):
       reasons.append(self.window_misfit(model))
     if getattr(model, 'parallel_block', False):
       reasons.append(f'attention and MLP run in parallel from one norm (PARALLEL_BLOCK; a {title} layer is sequential)')
-    if not getattr(model, 'pre_norms', True) or getattr(model, 'qk_norm_after_rotary', False):
-      reasons.append(f'praxis\' norm placement (PRE_NORMS=False or QK_NORM_AFTER_ROTARY=True; {title} has neither)')
+    if (bool(getattr(model, 'pre_norms', True)), bool(getattr(model, 'post_norms', False))) != (self.pre_norms,
+                                                                                                self.post_norms):
+      reasons.append(f'the norms are placed otherwise (PRE_NORMS={getattr(model, "pre_norms", True)}, POST_NORMS='
+                     f'{getattr(model, "post_norms", False)}; {title}\'s: PRE_NORMS={self.pre_norms}, '
+                     f'POST_NORMS={self.post_norms})')
+    if getattr(model, 'qk_norm_after_rotary', False):
+      reasons.append(f'queries and keys are normalised after rotary (QK_NORM_AFTER_ROTARY=True; {title}\'s are not)')
+    if getattr(model, 'qk_norm', False) and bool(getattr(model, 'qk_norm_per_head', True)) != self.qk_norm_per_head:
+      reasons.append(f'QK-norm is over {"each head" if self.qk_norm_per_head else "the whole projection"} in '
+                     f'{title} (QK_NORM_PER_HEAD={self.qk_norm_per_head})')
+    reasons += self.rotary_misfit(model)
+    if not self.multipliers:
+      reasons += [f'{why} ({title} has none: {knob}={neutral})' for knob, neutral, why in MULTIPLIERS
+                  if getattr(model, LM_KNOB[knob].flat, neutral) != neutral]
     if not model.use_gated_activation or model.activation not in ('silu', 'swish'):
       reasons.append(f'the MLP is {"gated " if model.use_gated_activation else ""}{model.activation} '
                      f'({title} uses gated SiLU: USE_GATED_ACTIVATION=True, ACTIVATION=\'silu\')')
+    reasons += self.attention_misfit(model)
     reasons += self.mlp_misfit(model)
-    if any(fields for _, fields in getattr(model, 'layer_kinds', None) or ()):
-      reasons.append(f'the layers are of several kinds (LAYER_PATTERN {tuple(model.layer_pattern)} with '
-                     f'LAYER_KINDS; a {title}\'s layers are all alike)')
+    reasons += self.kinds_misfit(model)
+    return reasons
+
+  def attention_misfit(self, model) -> list[str]:
+    """Why the model's attention is not the family's (a Llama's: key and value heads, rotary halves)."""
+    reasons = []
+    if getattr(model, 'kv_lora_rank', None):
+      reasons.append(f'attention is multi-head latent attention (KV_LORA_RANK {model.kv_lora_rank}; a {self.title}\'s '
+                     'has key and value heads: KV_LORA_RANK=0)')
+    if getattr(model, 'rotary_interleave', False):
+      reasons.append(f'rotary pairs are neighbours (ROTARY_INTERLEAVE; {self.title} rotates the halves of a head)')
+    return reasons
+
+  def kinds_misfit(self, model) -> list[str]:
+    """Why the model's layers are not the family's (a Llama's are all alike)."""
+    if any(fields for _, fields in getattr(model, 'layer_kinds', None) or ()) or getattr(model, 'layer_prefix', ()):
+      return [f'the layers are of several kinds (LAYER_PATTERN {tuple(model.layer_pattern or ())}, LAYER_PREFIX '
+              f'{tuple(getattr(model, "layer_prefix", ()) or ())} with LAYER_KINDS; a {self.title}\'s layers are all '
+              'alike)']
+    return []
+
+  def rotary_misfit(self, model) -> list[str]:
+    """Why the model's rotary positions are not the family's: a scaling it does not read, a part of each head
+    unrotated."""
+    reasons, kinds = [], set(self.hf_rope_types.values())
+    scaling = getattr(model, 'rotary_scaling', 'none')
+    if scaling not in kinds:
+      reasons.append(f'rotary positions are scaled as {scaling!r} ({self.title}\'s are scaled as '
+                     f'{" or ".join(repr(k) for k in sorted(kinds))}: ROTARY_SCALING)')
+    if not self.partial_rotary and getattr(model, 'rotary_fraction', 1.0) != 1.0:
+      reasons.append(f'rotary positions turn {model.rotary_fraction} of each head ({self.title} turns all of it: '
+                     'ROTARY_FRACTION=1.0)')
     return reasons
 
   def mlp_misfit(self, model) -> list[str]:
@@ -150,7 +209,7 @@ class Llama(Family):
     """paxcli knobs for a Llama config.json, and notes; a UserError naming every key paxcli cannot express."""
     problems = hf_config.function_changing(config, self.hf_read_keys, self.hf_neutral, self.title)
     problems += self.hf_problems(config)
-    rope = hf_config.rope_scaling(config, problems)
+    rope = hf_config.rope_scaling(config, problems, self.hf_rope_types, self.hf_rope_reads)
     if problems:
       raise UserError(f'{path}: this {self.title} config cannot be expressed in paxcli: ' + '; '.join(problems) + '.')
     get = hf_config.Reader({**config, 'rope_theta': config.get('rope_theta', rope.pop('rope_theta', None))},
@@ -164,14 +223,19 @@ class Llama(Family):
       read = get.float if LM_KNOB[knob].type is float else get.int
       knobs[knob] = read(key, defaults.get(key, hf_config.Reader.REQUIRED))
     knobs.update(USE_REPEATED_LAYER=False, SEPARATE_EMBEDDING=not get.bool('tie_word_embeddings', False))
-    knobs.update(hf_config.rope_knobs(rope, hf_config.Reader(rope, f'{path}/config.json rope_scaling')))
     if knobs['DIMS_PER_HEAD'] is None:
       raise UserError(f'{path}/config.json: hidden_size {dims} is not a multiple of num_attention_heads {heads} '
                       'and there is no head_dim.')
+    knobs.update(self.rope_knobs(config, rope, knobs, path))
     if heads % knobs['NUM_KV_HEADS']:
       raise UserError(f'{path}/config.json: num_attention_heads {heads} is not a multiple of num_key_value_heads '
                       f'{knobs["NUM_KV_HEADS"]}.')
     return knobs, []
+
+  def rope_knobs(self, config: dict, rope: dict, knobs: dict, path: str) -> dict:
+    """The rotary knobs of config.json's rope scaling `rope` (hf_config.rope_scaling's), given the knobs read so far."""
+    return hf_config.rope_knobs(rope, hf_config.Reader(rope, f'{path}/config.json rope_scaling'),
+                                knobs['MAX_SEQ_LEN'])
 
   def hf_problems(self, config: dict) -> list[str]:
     """What else in config.json the family cannot express (keys it reads itself), each naming the key."""
@@ -200,12 +264,11 @@ class Llama(Family):
     for i in range(model.num_layers):
       hp, pp = f'model.layers.{i}.', f'params/layer_{i}/'
       out += [
-          Weight(hp + 'input_layernorm.weight', pp + 'attention_norm/scale', (d,), (d,), *same),
+          *self.hf_norm_weights(model, hp, pp),
           Weight(hp + 'self_attn.q_proj.weight', pp + 'attention/query/kernel', (h * e, d), (d, h, e), *linear(d)),
           Weight(hp + 'self_attn.k_proj.weight', pp + 'attention/key/kernel', (k * e, d), (d, k, e), *linear(d)),
           Weight(hp + 'self_attn.v_proj.weight', pp + 'attention/value/kernel', (k * e, d), (d, k, e), *linear(d)),
           Weight(hp + 'self_attn.o_proj.weight', pp + 'attention/out/kernel', (d, h * e), (h, e, d), *out_proj(d)),
-          Weight(hp + 'post_attention_layernorm.weight', pp + 'mlp_norm/scale', (d,), (d,), *same),
           *self.hf_mlp_weights(model, i, hp, pp),
           *self.hf_layer_weights(model, hp, pp),
       ]
@@ -213,6 +276,12 @@ class Llama(Family):
     if model.separate_embedding:
       out.append(Weight('lm_head.weight', 'params/logits/kernel', (v, d), (d, v), *linear(d)))
     return out
+
+  def hf_norm_weights(self, model, hp: str, pp: str) -> list[Weight]:
+    """A layer's norms: RMSNorm before attention (input_layernorm) and before the MLP (post_attention_layernorm)."""
+    d = model.model_dims
+    return [Weight(hp + 'input_layernorm.weight', pp + 'attention_norm/scale', (d,), (d,), *hf_config.SAME),
+            Weight(hp + 'post_attention_layernorm.weight', pp + 'mlp_norm/scale', (d,), (d,), *hf_config.SAME)]
 
   def hf_mlp_weights(self, model, layer: int, hp: str, pp: str) -> list[Weight]:
     """Layer `layer`'s feed-forward weights: the gated MLP (a mixture of experts in paxcli.models.moe_families)."""

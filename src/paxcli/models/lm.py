@@ -43,6 +43,20 @@ REMAT_POLICIES = {
 # thirds of the speed (XNNPACK's product at batch 1 and 16, benchmarks/decode_vs_hf.py). Accelerators read
 # either layout at the same speed, so they keep no copy of the table.
 LOGITS_TABLE = 'logits_table'
+# The cache entries of a LongRoPE model's text, [B, S] each: its ids, their positions + 1 (0: an empty slot), and
+# how many slots are written. A text that grows past ROTARY_ORIGINAL_MAX_LEN while decoding rotates with the long
+# factors at every position, so the cache of every layer is computed again from it (LanguageModel._extend), as
+# transformers' Phi-3 does in generate().
+TEXT_IDS, TEXT_POSITIONS, TEXT_INDEX = 'text_ids', 'text_positions', 'text_index'
+
+
+def longrope_threshold(lm) -> Optional[int]:
+  """ROTARY_ORIGINAL_MAX_LEN of a TransformerLm (config or layer) whose attention rotates with LongRoPE's two sets
+  of factors, where a decoded text turns over to the long set; None for any other model."""
+  attention = getattr(getattr(lm, 'block_tpl', None), 'attention_tpl', None)
+  if getattr(attention, 'rotary_scaling', 'none') != 'longrope' or not getattr(attention, 'rotary', False):
+    return None
+  return int(attention.rotary_original_max_len)
 
 
 def transposed_table_for_decoding() -> bool:
@@ -54,7 +68,8 @@ class TransformerLm(BaseLayer):
 
   Options Pax's lm_cloud models use, off by default: token embeddings scaled by
   sqrt(model_dims) (`scale_embedding_sqrt_depth`), a bias on the output logits
-  (`softmax_bias`), output logits soft-capped by tanh (`softmax_cap_logits`).
+  (`softmax_bias`), output logits soft-capped by tanh (`softmax_cap_logits`). Granite's, 1 (off) by
+  default: token embeddings times `embedding_multiplier`, output logits divided by `logits_scaling`.
 
   The blocks come from `block_tpl` (attention, feed-forward and norm templates inside it)
   and the final norm from `final_norm_tpl`; the LM fills model_dims, dropout and the compute
@@ -78,6 +93,8 @@ class TransformerLm(BaseLayer):
   softmax_bias: bool = False
   softmax_cap_logits: float = 0.0
   tied_logits_bfloat16: bool = False
+  embedding_multiplier: float = 1.0
+  logits_scaling: float = 1.0
   # Pipeline parallelism (paxcli.layers.pipeline; needs scan_layers): the stacked layers run as
   # num_stages stages over num_microbatches microbatches (or microbatches of microbatch_size
   # rows; neither: as many as stages), pipeline_repeats times round (circular). 1 stage: off.
@@ -85,9 +102,11 @@ class TransformerLm(BaseLayer):
   num_microbatches: Optional[int] = None
   microbatch_size: Optional[int] = None
   pipeline_repeats: int = 1
-  # Layer kinds (paxcli.models.pattern): () is a uniform stack of block_tpl.
+  # Layer kinds (paxcli.models.pattern): () is a uniform stack of block_tpl; layer_prefix, the kinds of the first
+  # layers, before the repeating groups (never scanned: layer_<i> in either layout).
   layer_pattern: tuple = ()
   layer_kinds: tuple = ()
+  layer_prefix: tuple = ()
   block_tpl: LayerTpl = template_field(Block)
   final_norm_tpl: LayerTpl = template_field(Norm)
 
@@ -118,16 +137,19 @@ class TransformerLm(BaseLayer):
         self.put_variable(collection, 'layers', tree)
     return x_BxLxD
 
-  def _kind_tpls(self, dtype, deterministic: bool) -> list:
-    """One filled block template per position of a group (one for a uniform stack)."""
+  def _kind_tpls(self, dtype, deterministic: bool, prefix: bool = False) -> list:
+    """One filled block template per position of a group (one for a uniform stack), or per layer of the prefix."""
+    kinds = (pattern.prefix_kinds(self.layer_prefix, self.layer_kinds) if prefix
+             else pattern.kinds_in_order(self.layer_pattern, self.layer_kinds))
     return [fill_template(pattern.kind_template(self.block_tpl, fields) if fields else self.block_tpl, dtype,
                           model_dims=self.model_dims, dropout_prob=self.dropout_prob, deterministic=deterministic)
-            for _, fields in pattern.kinds_in_order(self.layer_pattern, self.layer_kinds)]
+            for _, fields in kinds]
 
-  def _block_kwargs(self, dtype, deterministic: bool, remat: bool = True) -> list[tuple[type, dict]]:
-    """Per position of a group, the block class (remat-wrapped per checkpoint_policy) and its arguments."""
+  def _block_kwargs(self, dtype, deterministic: bool, remat: bool = True, prefix: bool = False) -> list[tuple[type, dict]]:
+    """Per position of a group (or layer of the prefix), the block class (remat-wrapped per checkpoint_policy)
+    and its arguments."""
     out = []
-    for tpl in self._kind_tpls(dtype, deterministic):
+    for tpl in self._kind_tpls(dtype, deterministic, prefix):
       cls = fdl.get_callable(tpl)
       if remat and self.checkpoint_policy != 'none':
         cls = nn.remat(cls, policy=REMAT_POLICIES[self.checkpoint_policy](), prevent_cse=not self.scan_layers)
@@ -147,7 +169,7 @@ class TransformerLm(BaseLayer):
   def __call__(self, ids_BxL, segment_ids_BxL=None, positions_BxL=None, deterministic: bool = True,
                features: bool = False):
     dtype = dtype_of(self.fprop_dtype) if isinstance(self.fprop_dtype, str) else self.fprop_dtype
-    pattern.check(self.num_layers, self.layer_pattern)   # also where no validation ran (describe, notebooks)
+    pattern.check(self.num_layers, self.layer_pattern, self.layer_prefix)   # also where no validation ran
     b, l = ids_BxL.shape
     if positions_BxL is None:
       positions_BxL = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32)[None], (b, l))
@@ -159,6 +181,8 @@ class TransformerLm(BaseLayer):
     x_BxLxD = embed(ids_BxL)
     if self.scale_embedding_sqrt_depth:
       x_BxLxD = x_BxLxD * jnp.asarray(self.model_dims ** 0.5, dtype)
+    if self.embedding_multiplier != 1.0:
+      x_BxLxD = x_BxLxD * jnp.asarray(self.embedding_multiplier, dtype)
     if self.position_embedding == 'sinusoidal':
       x_BxLxD = x_BxLxD + sinusoidal(positions_BxL, self.model_dims).astype(dtype)
     if self.position_embedding == 'learned':
@@ -170,30 +194,54 @@ class TransformerLm(BaseLayer):
     x_BxLxD = constrain(x_BxLxD, ('batch', 'length', 'embed'))
 
     decoding = self.is_mutable_collection('cache') and not self.is_initializing()  # KV cache: no remat
+    if self.is_mutable_collection('cache') and longrope_threshold(self) is not None:
+      self._remember_text(ids_BxL, segment_ids_BxL, positions_BxL)
     # The pipeline runs in train and eval steps on a mesh with stages; init, decoding (KV cache) and
     # plain `apply` (conversions, notebooks) run the stack unpipelined, on the same [L, ...] weights.
     if (self.scan_layers and not decoding and not self.is_initializing()
         and active_axis_size(pipeline.STAGE_AXIS) > 1 and pipeline_schedule(self, b)):
       x_BxLxD = self._pipelined(x_BxLxD, segment_ids_BxL, positions_BxL, dtype, deterministic)
-    elif self.scan_layers:
-      x_BxLxD = self._scanned(x_BxLxD, segment_ids_BxL, positions_BxL, dtype, deterministic, remat=not decoding)
     else:
-      blocks = self._block_kwargs(dtype, deterministic, remat=not decoding)
-      for i in range(self.num_layers):
-        block, block_kwargs = blocks[i % len(blocks)]
+      first = self._block_kwargs(dtype, deterministic, remat=not decoding, prefix=True)
+      for i, (block, block_kwargs) in enumerate(first):   # LAYER_PREFIX: by their index in either layout
         x_BxLxD, _ = block(**block_kwargs, name=f'layer_{i}')(x_BxLxD, segment_ids_BxL, positions_BxL)
+      if self.scan_layers:
+        x_BxLxD = self._scanned(x_BxLxD, segment_ids_BxL, positions_BxL, dtype, deterministic, remat=not decoding)
+      else:
+        blocks = self._block_kwargs(dtype, deterministic, remat=not decoding)
+        for i in range(len(first), self.num_layers):
+          block, block_kwargs = blocks[(i - len(first)) % len(blocks)]
+          x_BxLxD, _ = block(**block_kwargs, name=f'layer_{i}')(x_BxLxD, segment_ids_BxL, positions_BxL)
 
     final_norm = fill_template(self.final_norm_tpl, dtype)
     x_BxLxD = fdl.get_callable(final_norm)(**build_arguments(final_norm, self), name='final_norm')(x_BxLxD)
     head = self._head(embed, dtype)
     return (x_BxLxD, head) if features else head.logits(x_BxLxD)
 
+  def _remember_text(self, ids_BxL, segment_ids_BxL, positions_BxL):
+    """Decoding with LongRoPE: the text's ids and positions into the cache (TEXT_IDS), after what it holds. The
+    first call (init_cache) only sizes the entries."""
+    initialized = self.has_variable('cache', TEXT_IDS)
+    boxed = lambda axes: nn.with_logical_partitioning(jnp.zeros, axes)
+    shape = ids_BxL.shape
+    ids = self.variable('cache', TEXT_IDS, boxed(('batch', 'length')), shape, jnp.int32)
+    at = self.variable('cache', TEXT_POSITIONS, boxed(('batch', 'length')), shape, jnp.int32)
+    index = self.variable('cache', TEXT_INDEX, boxed(()), [], jnp.int32)
+    if not initialized or self.is_initializing():
+      return
+    real = jnp.ones(shape, bool) if segment_ids_BxL is None else segment_ids_BxL != 0
+    ids.value = jax.lax.dynamic_update_slice(ids.value, ids_BxL.astype(jnp.int32), (0, index.value))
+    at.value = jax.lax.dynamic_update_slice(at.value, jnp.where(real, positions_BxL + 1, 0).astype(jnp.int32),
+                                            (0, index.value))
+    index.value = index.value + shape[1]
+
   def _head(self, embed, dtype) -> Head:
     """The output projection (paxcli.models.losses.Head): the tied embedding table, or the `logits`
-    kernel [D, V] (SEPARATE_EMBEDDING), with its bias (USE_SOFTMAX_BIAS) and the final soft cap."""
+    kernel [D, V] (SEPARATE_EMBEDDING), with its bias (USE_SOFTMAX_BIAS), LOGITS_SCALING and the final soft cap."""
     if self.separate_embedding:
       w, bias = LogitsProjection(self.vocab_size, self.model_dims, self.softmax_bias, name='logits')()
-      return Head(w, bias, tied=False, dtype=dtype, table_dtype=dtype, cap=self.softmax_cap_logits)
+      return Head(w, bias, tied=False, dtype=dtype, table_dtype=dtype, cap=self.softmax_cap_logits,
+                  divisor=self.logits_scaling)
     bias = None
     if self.softmax_bias:
       bias = self.param('logits_bias', nn.with_logical_partitioning(nn.initializers.zeros, ('vocab',)),
@@ -202,8 +250,10 @@ class TransformerLm(BaseLayer):
     if self.is_mutable_collection('cache') and transposed_table_for_decoding():
       table = self.variable('cache', LOGITS_TABLE, nn.with_logical_partitioning(jnp.zeros, ('embed', 'vocab')),
                             (self.model_dims, self.vocab_size), table_dtype)
-      return Head(table.value, bias, tied=False, dtype=dtype, table_dtype=table_dtype, cap=self.softmax_cap_logits)
-    return Head(embed.embedding, bias, tied=True, dtype=dtype, table_dtype=table_dtype, cap=self.softmax_cap_logits)
+      return Head(table.value, bias, tied=False, dtype=dtype, table_dtype=table_dtype, cap=self.softmax_cap_logits,
+                  divisor=self.logits_scaling)
+    return Head(embed.embedding, bias, tied=True, dtype=dtype, table_dtype=table_dtype, cap=self.softmax_cap_logits,
+                divisor=self.logits_scaling)
 
   def _table_dtype(self, dtype):
     """The tied table's dtype in the logits' product. TIED_LOGITS_BFLOAT16: rounded to bfloat16 (MaxText's
@@ -219,12 +269,13 @@ class TransformerLm(BaseLayer):
   def _scanned(self, x_BxLxD, segment_ids_BxL, positions_BxL, dtype, deterministic: bool, remat: bool):
     """One nn.scan over the stack (`layers`): over layers of a uniform stack, over groups of a pattern."""
     blocks = self._block_kwargs(dtype, deterministic, remat)
+    layers = self.num_layers - pattern.prefix_of(self)
     if len(blocks) == 1:
-      unit, kwargs, length = blocks[0][0], blocks[0][1], self.num_layers
+      unit, kwargs, length = blocks[0][0], blocks[0][1], layers
     else:
       policy = self.checkpoint_policy if remat else 'none'
       unit, kwargs = LayerGroup, {'block_tpls': tuple(self._kind_tpls(dtype, deterministic)), 'policy': policy}
-      length = self.num_layers // len(blocks)
+      length = layers // len(blocks)
     stack = nn.scan(unit, variable_axes={'params': 0, NON_TRAINABLE: 0, SUMMARIES: 0, AUX_LOSS: 0, 'cache': 0,
                                          FP8_STATE: 0},
                     split_rngs={'params': True, 'dropout': True, RANDOM: True},
@@ -397,12 +448,12 @@ class LanguageModel(DecodingModel):
     s = knobs.read(self, knobs.LM_KNOBS)
     if s['model_dims'] is None or s['vocab_size'] is None:
       return None
-    kinds = kind_settings(self)   # one per position of a group: each kind's layers counted with its settings
     total, head = None, s['model_dims'] * s['vocab_size']
-    for k in kinds:
-      count = stack_flops(s['num_layers'] // len(kinds), s['model_dims'], k['num_heads'], k['num_kv_heads'],
-                          k['dims_per_head'], k['hidden_dims'], k['use_gated_activation'], seq_len,
-                          head_params_per_token=head if total is None else 0.0, **_expert_settings(k))
+    for k, layers in layer_settings(self):   # each kind's layers counted with its settings
+      count = stack_flops(layers, s['model_dims'], k['num_heads'], k['num_kv_heads'], k['dims_per_head'],
+                          k['hidden_dims'], k['use_gated_activation'], seq_len,
+                          head_params_per_token=head if total is None else 0.0, latent=_latent_settings(k),
+                          **_expert_settings(k))
       if count is None:
         return None
       total = count if total is None else total + count
@@ -412,16 +463,15 @@ class LanguageModel(DecodingModel):
     """Parameters a token's forward pass uses, of `total`: all but the experts it is not routed to
     (each mixture-of-experts layer uses EXPERTS_PER_TOKEN of NUM_EXPERTS); None when not countable."""
     s = knobs.read(self, knobs.LM_KNOBS)
-    kinds = kind_settings(self)
     unused = 0
-    for k in kinds:
+    for k, layers in layer_settings(self):
       if not k.get('num_experts'):
         continue
       if k['hidden_dims'] is None or s['model_dims'] is None:
         return None
       d, f, gated = s['model_dims'], k['hidden_dims'], k['use_gated_activation']
       per_expert = d * f * (3 if gated else 2) + ((f * (2 if gated else 1) + d) if k['use_bias'] else 0)
-      unused += (s['num_layers'] // len(kinds)) * (k['num_experts'] - k['experts_per_token']) * per_expert
+      unused += layers * (k['num_experts'] - k['experts_per_token']) * per_expert
     return total - unused
 
   # Decoding (see DecodingModel): the network's attention layers keep keys and values in the
@@ -437,19 +487,54 @@ class LanguageModel(DecodingModel):
     return cache
 
   def extend(self, params, cache, ids_BxL, positions_BxL):
-    segment_ids_BxL = (positions_BxL >= 0).astype(jnp.int32)  # segment 0: padding, never attended to
-    logits_BxLxV, mutated = self.apply({'params': params, 'cache': cache}, ids_BxL, segment_ids_BxL,
-                                       jnp.maximum(positions_BxL, 0), mutable=['cache'])
-    return logits_BxLxV, mutated['cache']
+    return self._extend(params, cache, ids_BxL, positions_BxL, lambda x_BxLxD, head: head.logits(x_BxLxD))
 
   def extend_scores(self, params, cache, ids_BxL, positions_BxL, targets_BxL):
     """`extend`, returning per token the log-probability of `targets_BxL` and whether it is the argmax
     (paxcli.models.losses.token_scores: the logits made a chunk at a time) instead of the logits."""
-    segment_ids_BxL = (positions_BxL >= 0).astype(jnp.int32)
-    (x_BxLxD, head), mutated = self.apply({'params': params, 'cache': cache}, ids_BxL, segment_ids_BxL,
-                                          jnp.maximum(positions_BxL, 0), features=True, mutable=['cache'])
-    logp_BxL, greedy_BxL = token_scores(x_BxLxD, head, targets_BxL, self.loss_chunk_tokens)
-    return logp_BxL, greedy_BxL, mutated['cache']
+    scores = lambda x_BxLxD, head: token_scores(x_BxLxD, head, targets_BxL, self.loss_chunk_tokens)
+    (logp_BxL, greedy_BxL), cache = self._extend(params, cache, ids_BxL, positions_BxL, scores)
+    return logp_BxL, greedy_BxL, cache
+
+  def _extend(self, params, cache, ids_BxL, positions_BxL, finish):
+    """The L new tokens through the network with the cache: (finish(their final features, the output
+    projection), the cache). A LongRoPE model whose text a row's new tokens take past ROTARY_ORIGINAL_MAX_LEN
+    computes its cache again from the text it holds (_again)."""
+    def run(cache, ids_BxL, positions_BxL):
+      segment_ids_BxL = (positions_BxL >= 0).astype(jnp.int32)  # segment 0: padding, never attended to
+      (x_BxLxD, head), mutated = self.apply({'params': params, 'cache': cache}, ids_BxL, segment_ids_BxL,
+                                            jnp.maximum(positions_BxL, 0), features=True, mutable=['cache'])
+      return x_BxLxD, head, mutated['cache']
+
+    def plain(cache):
+      x_BxLxD, head, cache = run(cache, ids_BxL, positions_BxL)
+      return finish(x_BxLxD, head), cache
+
+    threshold = longrope_threshold(self.lm_tpl)
+    if threshold is None or TEXT_IDS not in cache:
+      return plain(cache)
+    real_BxL = positions_BxL >= 0
+    last_B = positions_BxL[:, -1]
+    first_B = last_B - jnp.sum(real_BxL, axis=1) + 1
+    # Rows whose cache holds tokens rotated with the short factors while these reach past the threshold.
+    crossing_B = (last_B >= threshold) & (first_B > 0) & (first_B <= threshold)
+    again = lambda cache: self._again(run, finish, cache, ids_BxL, positions_BxL)
+    return jax.lax.cond(jnp.any(crossing_B), again, plain, cache)
+
+  def _again(self, run, finish, cache, ids_BxL, positions_BxL):
+    """The cache computed again from its text and the L new tokens (as transformers' Phi-3 does when a text grows
+    past original_max_position_embeddings): the text, rotated so that every row's tokens end at the last slot,
+    prefilled into an empty cache; then the full-length caches rotated back into their slots (_in_slots)."""
+    n, slots, l = cache[TEXT_INDEX], cache[TEXT_IDS].shape[1], ids_BxL.shape[1]
+    ids_BxS = jax.lax.dynamic_update_slice(cache[TEXT_IDS], ids_BxL.astype(jnp.int32), (0, n))
+    at_BxS = jax.lax.dynamic_update_slice(cache[TEXT_POSITIONS], jnp.where(positions_BxL >= 0, positions_BxL + 1,
+                                                                           0).astype(jnp.int32), (0, n))
+    shift = slots - (n + l)
+    empty = {k: v if k == LOGITS_TABLE else jax.tree.map(jnp.zeros_like, v) for k, v in cache.items()}
+    x_BxSxD, head, cache = run(empty, jnp.roll(ids_BxS, shift, axis=1), jnp.roll(at_BxS, shift, axis=1) - 1)
+    cache = _in_slots(cache, shift, n + l)
+    cache.update({TEXT_IDS: ids_BxS, TEXT_POSITIONS: at_BxS, TEXT_INDEX: n + l})
+    return finish(x_BxSxD[:, slots - l:], head), cache
 
   def with_fprop_dtype(self, dtype: str) -> 'LanguageModel':
     if dtype == self.lm_tpl.fprop_dtype:
@@ -457,6 +542,23 @@ class LanguageModel(DecodingModel):
     lm = copy.deepcopy(self.lm_tpl)
     lm.fprop_dtype = dtype
     return self.clone(lm_tpl=lm)
+
+
+def _in_slots(cache: dict, shift, index) -> dict:
+  """A cache prefilled with its text `shift` slots late (LanguageModel._again) with every full-length attention
+  cache (paxcli.layers.transformer.Attention._decode_cache: slot = time) rotated back by `shift` slots and its
+  index at `index`; rolling window caches (cached_position), whose slots their positions place, stay as they are."""
+  out = {}
+  for name, entry in cache.items():
+    if isinstance(entry, dict) and 'cached_key' in entry and 'cached_position' not in entry:
+      entry = dict(entry, cached_key=jnp.roll(entry['cached_key'], -shift, axis=-1),
+                   cached_value=jnp.roll(entry['cached_value'], -shift, axis=-2),
+                   cached_valid=jnp.roll(entry['cached_valid'], -shift, axis=-1),
+                   cache_index=jnp.full_like(entry['cache_index'], index))
+    elif isinstance(entry, dict):
+      entry = _in_slots(entry, shift, index)
+    out[name] = entry
+  return out
 
 
 def _expert_settings(settings: dict) -> dict:
@@ -467,18 +569,28 @@ def _expert_settings(settings: dict) -> dict:
           'shared_hidden_dims': settings['shared_hidden_dims'] or 0}
 
 
-def kind_settings(model) -> list[dict]:
-  """The flat settings (knobs.read) of each position of a group: the model's, with each kind's block
-  fields; one entry for a uniform stack."""
+def _latent_settings(settings: dict) -> Optional[tuple]:
+  """stack_flops' latent argument from one kind's flat settings (None for attention with key and value heads)."""
+  if not settings.get('kv_lora_rank'):
+    return None
+  return (settings['q_lora_rank'] or 0, settings['kv_lora_rank'], settings['qk_nope_head_dim'],
+          settings['qk_rope_head_dim'], settings['v_head_dim'])
+
+
+def layer_settings(model) -> list[tuple[dict, int]]:
+  """(flat settings (knobs.read), how many layers have them) for each layer of the prefix and each position of a
+  group: the model's, with each kind's block fields; one entry for a uniform stack."""
   lm = model.lm_tpl
   kinds = pattern.kinds_in_order(getattr(lm, 'layer_pattern', ()), getattr(lm, 'layer_kinds', ()))
+  first = pattern.prefix_kinds(getattr(lm, 'layer_prefix', ()), getattr(lm, 'layer_kinds', ()))
   base = knobs.read(model, knobs.LM_KNOBS)
   block = [k for k in knobs.LM_KNOBS if k.fields[0].startswith(knobs.BLOCK)]
-  out = []
-  for _, fields in kinds:
+  per_kind = (base['num_layers'] - len(first)) // len(kinds)
+
+  def settings(fields):
     view = types.SimpleNamespace(lm_tpl=types.SimpleNamespace(block_tpl=pattern.kind_template(lm.block_tpl, fields)))
-    out.append({**base, **knobs.read(view, block)} if fields else base)
-  return out
+    return {**base, **knobs.read(view, block)} if fields else base
+  return [(settings(fields), 1) for _, fields in first] + [(settings(fields), per_kind) for _, fields in kinds]
 
 
 def flat_view(model):

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import functools
-import os
 from typing import Optional, Union
 
 import fiddle as fdl
 
+from paxcli import files
 from paxcli.errors import UserError
 from paxcli.inputs import file_input, prepared
 from paxcli.inputs.synthetic import SyntheticLmInput
@@ -52,9 +52,10 @@ class LmExperiment(TrainingExperiment):
   DATA_WORKERS: int = 0
   DATA_STREAMS: int = 16  # fixed for a run; at least processes x DATA_WORKERS
   # What a job's record may set (Experiment.replayed): decoding while training, the adapters' start and the
-  # data (read, never written). Not DATA_WORKERS: how many processes this machine runs is its user's choice.
+  # data (read, never written) and how chat records were rendered (a template's name, checked against the
+  # tokenizer's own). Not DATA_WORKERS: how many processes this machine runs is its user's choice.
   replayed = frozenset({'DECODE_INTERVAL_STEPS', 'DECODE_PROMPTS', 'DECODE_MAX_STEPS', 'LORA_INIT', 'TRAIN_DATA',
-                        'EVAL_DATA', 'TEXT_FIELD', 'TOKENIZER', 'DATA_STREAMS'})
+                        'EVAL_DATA', 'TEXT_FIELD', 'TOKENIZER', 'DATA_STREAMS', 'CHAT_TEMPLATE'})
 
   def __init_subclass__(cls, **kwargs):
     """A subclass's own datasets() gives way to TRAIN_DATA when the knob is set: recipes, a user's
@@ -84,7 +85,7 @@ class LmExperiment(TrainingExperiment):
     train.decode_interval_steps = self.DECODE_INTERVAL_STEPS
     train.decode_prompts = list(self.DECODE_PROMPTS) if not self._own_data_decodes() else self._own_data_prompts()
     train.decode_max_steps = self.DECODE_MAX_STEPS
-    train.lora_init = os.path.abspath(os.path.expanduser(self.LORA_INIT)) if self.LORA_INIT else None
+    train.lora_init = files.path_knob(self.LORA_INIT) if self.LORA_INIT else None
     return train
 
   def _own_data_decodes(self) -> bool:

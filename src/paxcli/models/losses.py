@@ -85,8 +85,9 @@ class Head:
 
   `w` is the embedding table [V, D] (tied logits) or the logits kernel [D, V]; `bias` [V] or None.
   `logits(x)` is the one place logits are made from the final features, whole (TransformerLm's output)
-  or in chunks (chunked_lm_loss, token_scores): float32, soft-capped by `cap` (0: not capped), then divided by
-  `temperature` (GRPO scores its samples at the temperature they were drawn at, as TRL does).
+  or in chunks (chunked_lm_loss, token_scores): float32, divided by `divisor` (Granite's logits_scaling),
+  soft-capped by `cap` (0: not capped), then divided by `temperature` (GRPO scores its samples at the
+  temperature they were drawn at, as TRL does).
   """
   w: jax.Array
   bias: Optional[jax.Array]
@@ -94,6 +95,7 @@ class Head:
   dtype: Any = flax.struct.field(pytree_node=False)        # the compute dtype the product runs in
   table_dtype: Any = flax.struct.field(pytree_node=False)  # tied: the table's dtype in the product
   cap: float = flax.struct.field(pytree_node=False, default=0.0)
+  divisor: float = flax.struct.field(pytree_node=False, default=1.0)
   temperature: float = flax.struct.field(pytree_node=False, default=1.0)
 
   @property
@@ -108,8 +110,10 @@ class Head:
       out = jax.lax.dot_general(x, self.w.astype(self.dtype), (((x.ndim - 1,), (0,)), ((), ())))
     if self.bias is not None:
       out = out + self.bias.astype(out.dtype).reshape(1, 1, -1)
-    out = constrain(out, ('batch', 'length', 'vocab'))
-    out = soft_cap(out.astype(jnp.float32), self.cap)
+    out = constrain(out, ('batch', 'length', 'vocab')).astype(jnp.float32)
+    if self.divisor != 1.0:
+      out = out / self.divisor
+    out = soft_cap(out, self.cap)
     return out if self.temperature == 1.0 else out / jnp.float32(self.temperature)
 
 

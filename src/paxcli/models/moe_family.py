@@ -51,6 +51,12 @@ class Experts:
       return [f'the MLP is dense (a {title} MLP is a mixture of experts: NUM_EXPERTS={self.knobs["NUM_EXPERTS"]}, '
               f'EXPERTS_PER_TOKEN={self.knobs["EXPERTS_PER_TOKEN"]})']
     reasons = self.router_misfit(model)
+    if getattr(model, 'router_softmax', None) == 'sigmoid':
+      reasons.append(f'the router scores experts by a sigmoid (ROUTER_SOFTMAX=\'sigmoid\'; {title}\'s takes a softmax)')
+    if (getattr(model, 'router_groups', 1) or 1) > 1:
+      reasons.append(f'routing is group-limited (ROUTER_GROUPS {model.router_groups}; {title}\'s is not: 1)')
+    if (getattr(model, 'routed_scale', 1.0) or 1.0) != 1.0:
+      reasons.append(f'the routed weights are scaled (ROUTED_SCALING_FACTOR {model.routed_scale}; {title}: 1.0)')
     if getattr(model, 'shared_hidden_dims', 0):
       reasons.append(f'a shared expert of {model.shared_hidden_dims} units (SHARED_EXPERT_HIDDEN_DIMS; {title} has '
                      'none: 0)')

@@ -14,13 +14,16 @@ import types
 from typing import Optional
 
 from paxcli.errors import UserError, did_you_mean, shorten
+from paxcli.models.deepseek import DEEPSEEK_V3
 from paxcli.models.family import Family, MaxTextBlock
 from paxcli.models.gemma import GEMMA2
 from paxcli.models.gemma3 import GEMMA3
+from paxcli.models.granite import GRANITE
 from paxcli.models.knobs import LM_KNOBS, effective
 from paxcli.models.llama import LLAMA
 from paxcli.models.mistral import MISTRAL
 from paxcli.models.mixtral import MIXTRAL
+from paxcli.models.olmo2 import OLMO2
 from paxcli.models.phi3 import PHI3
 from paxcli.models.qwen2 import QWEN2
 from paxcli.models.qwen3 import QWEN3
@@ -32,10 +35,13 @@ FAMILIES: tuple[Family, ...] = (
     PHI3,
     QWEN2,
     QWEN3,
+    OLMO2,
+    GRANITE,
     GEMMA2,
     GEMMA3,
     MIXTRAL,
     QWEN3_MOE,
+    DEEPSEEK_V3,
 )
 
 

@@ -9,11 +9,11 @@ TrainConfig these knobs fill. A base adds loop settings of its own by extending
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import fiddle as fdl
 
+from paxcli import files
 from paxcli.experiment import Experiment
 from paxcli.options import OptimizerName, ScheduleName, TrackerName
 from paxcli.tasks import OptimizerConfig, ScheduleConfig, Task, TrackersConfig, TrainConfig
@@ -81,9 +81,8 @@ class TrainingExperiment(Experiment):
         save_interval_steps=self.SAVE_INTERVAL_STEPS,
         summary_interval_steps=self.SUMMARY_INTERVAL_STEPS,
         eval_interval_steps=self.EVAL_INTERVAL_STEPS,
-        init_from=os.path.abspath(os.path.expanduser(self.INIT_FROM)) if self.INIT_FROM else None,
-        local_checkpoint_dir=(os.path.abspath(os.path.expanduser(self.LOCAL_CHECKPOINT_DIR))
-                              if self.LOCAL_CHECKPOINT_DIR else None),
+        init_from=files.path_knob(self.INIT_FROM) if self.INIT_FROM else None,
+        local_checkpoint_dir=files.path_knob(self.LOCAL_CHECKPOINT_DIR) if self.LOCAL_CHECKPOINT_DIR else None,
         local_checkpoint_interval_steps=self.LOCAL_CHECKPOINT_EVERY,
         local_checkpoint_max_to_keep=self.LOCAL_CHECKPOINT_KEEP,
         learning_rate=self.LEARNING_RATE,

@@ -132,6 +132,11 @@ def _jax():
   return jax
 
 
+def first_process() -> bool:
+  """Whether this is process 0 of the run (the one that writes the job's records)."""
+  return _jax().process_index() == 0
+
+
 def detected_cluster() -> Optional[str]:
   """The name of a cluster environment JAX can configure itself from, or None.
 
@@ -300,8 +305,10 @@ def _watch_peers(timeout: Optional[float]) -> None:
   jax_distributed = _jax()._src.distributed   # its client: the key-value store
   state = jax_distributed.global_state   # not jax.process_count(): that would start the backend here
   if state.num_processes > 1 and _watch is None:
+    beat = os.environ.get(ENV_HEARTBEAT)   # started by `pax launch`: its note on a child it saw fail
+    note = peers.launcher_note(beat) if beat else None
     _watch = peers.Watch(state.client, state.process_id, state.num_processes, timeout or peers.DEFAULT_TIMEOUT,
-                         state.coordinator_address or '?').start()
+                         state.coordinator_address or '?', launcher_note=note).start()
 
 
 def watch() -> Optional[peers.Watch]:

@@ -404,7 +404,7 @@ def _init_through_scan(setup: Setup):
     tree = dict(tree)
     stacked = tree.pop('layers', None)
     if stacked is not None:   # [L, ...], or [groups, ...] per position of a patterned stack's group
-      tree.update(pattern.unstack(stacked, n, lambda x, row: x[row]))
+      tree.update(pattern.unstack(stacked, n, lambda x, row: x[row], pattern.prefix_of(lm)))
     return tree
 
   def init(rng):

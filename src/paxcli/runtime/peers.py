@@ -10,6 +10,9 @@ main thread is doing (a step, a compilation, a save):
 - a process whose own beats cannot reach the coordinator for `timeout` seconds names the coordinator;
 - a process that ends in failure says so on its way out (`exiting`), and the others stop at once with
   its reason instead of waiting out the timeout;
+- a process killed outright (SIGKILL, the kernel's OOM killer) says nothing: where `pax launch` started it,
+  the launcher writes what it saw into a note beside the heartbeat files (LAUNCHER_NOTE), and the others
+  stop on it at their next beat;
 - a collective that fails because its peer went away (gloo: `Connection reset by peer`) is said in one
   line naming that process and host (`collective_loss`), not a traceback.
 
@@ -40,6 +43,9 @@ FAILED_PEER_GRACE = 10.0
 EXIT_SAY_SECONDS = 5.0
 START_BARRIER_MS = 300_000
 _PREFIX = 'paxcli/peers/'
+# Beside `pax launch`'s heartbeat files (distributed.ENV_HEARTBEAT): its line on a child it saw fail.
+LAUNCHER_NOTE = 'failed'
+MAX_NOTE_BYTES = 500
 # A collective that failed because the process at the other end went away: gloo's read or write errors
 # name its address ('Gloo AllGather failed: [...pair.cc:538] Read error [10.0.0.2]:57476: Connection reset by
 # peer').
@@ -77,6 +83,11 @@ def _exit_record(value: str) -> tuple[int, str]:
   return (int(code) if code.lstrip('-').isdigit() else 1), reason[:300]
 
 
+def launcher_note(heartbeat_file: str) -> str:
+  """Where `pax launch` notes a child it saw fail: beside that child's heartbeat file (LAUNCHER_NOTE)."""
+  return os.path.join(os.path.dirname(heartbeat_file), LAUNCHER_NOTE)
+
+
 def jax_heartbeat_seconds(timeout: Optional[float]) -> int:
   """JAX's heartbeat timeout for a run watched with `timeout`: late enough that this watch speaks first."""
   return int(max(DEFAULT_TIMEOUT, 2 * (timeout or DEFAULT_TIMEOUT)) + 10)
@@ -89,9 +100,10 @@ def beat_every(timeout: float) -> float:
 class Watch:
   """See the module docstring. `client`: jax.distributed's client (its key-value store)."""
 
-  def __init__(self, client, process: int, count: int, timeout: float, coordinator: str):
+  def __init__(self, client, process: int, count: int, timeout: float, coordinator: str,
+               launcher_note: Optional[str] = None):
     self.client, self.process, self.count, self.timeout = client, process, count, timeout
-    self.coordinator = coordinator
+    self.coordinator, self.launcher_note = coordinator, launcher_note
     self.every = beat_every(timeout)
     self._stop = threading.Event()
     self._reached = time.monotonic()   # when this process last reached the coordinator
@@ -195,6 +207,9 @@ class Watch:
       return Verdict(f'process {peer} on {self._host(peer)} failed (exit code {code}'
                      f'{": " + reason if reason else ""}); stopping.', code if code in SAME_AGAIN else LOST,
                      grace=min(self.timeout, FAILED_PEER_GRACE))
+    noted = self._noted()
+    if noted:
+      return Verdict(f'{noted}; stopping.')
     if self.process != 0:
       found = self._get('lost')
       return Verdict(f'{found}; stopping.') if found else None
@@ -212,6 +227,17 @@ class Watch:
         time.sleep(2 * self.every)   # the others read it before the coordinator goes
         return Verdict(f'{found}; stopping.')
     return None
+
+  def _noted(self) -> Optional[str]:
+    """The launcher's line on a process it saw fail (LAUNCHER_NOTE), printable and bounded, or None."""
+    if not self.launcher_note:
+      return None
+    try:
+      with open(self.launcher_note, 'rb') as f:
+        text = f.read(MAX_NOTE_BYTES).decode('utf-8', errors='replace')
+    except OSError:
+      return None
+    return ''.join(c for c in text.strip() if c.isprintable()) or None
 
   def _lost(self, verdict: Verdict) -> None:
     try:

@@ -45,6 +45,9 @@ DEFAULT_RULES: dict[str, tuple[str, ...]] = {
     'head_dim': (),
     'layers': (STAGE_AXIS,),   # the scanned layer stack: stages hold consecutive layers
     'exp': (EXPERT_AXIS,),     # the experts of a mixture-of-experts layer
+  # A latent of multi-head latent attention (paxcli.layers.mla): its up-projections [latent, heads, head_dim]
+  # are the attention's largest weights (2.2B of DeepSeek-V3's 11B), replicated 256 times on a v5p-512 without it.
+  'latent': ('data',),
     'norm': (),
 }
 

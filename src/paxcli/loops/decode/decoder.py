@@ -90,28 +90,39 @@ def rows_reorder(row_axes: Sequence[Optional[int]]) -> Callable:
   return reorder
 
 
-def select_tokens(logits_BxV, keys_Bx2, t, temperature, top_k: int, top_p, sampling: bool):
-  """Next token per row and its model logprob. top_k is static (0: off); top_p, temperature traced."""
+def select_tokens(logits_BxV, keys_Bx2, t, temperature, top_k, top_p, sampling: bool):
+  """Next token per row and its model logprob. top_k is static (0: off) or one per row (`pax serve`: 0 off);
+  top_p, temperature and t traced, one for all rows or one per row."""
   logp_BxV = jax.nn.log_softmax(logits_BxV, axis=-1)
   if not sampling:
     tok_B = first_argmax(logits_BxV)
   else:
-    x = logits_BxV / jnp.maximum(temperature, 1e-6)
+    rows = logits_BxV.shape[0]
+    per_row = lambda v: jnp.broadcast_to(jnp.asarray(v), (rows,))
+    x = logits_BxV / jnp.maximum(per_row(temperature), 1e-6)[:, None]
     neg = jnp.finfo(jnp.float32).min
-    if top_k:
-      kth_B = jax.lax.top_k(x, top_k)[0][:, -1]
+    if isinstance(top_k, int):
+      if top_k:
+        kth_B = jax.lax.top_k(x, top_k)[0][:, -1]
+        x = jnp.where(x >= kth_B[:, None], x, neg)
+      sorted_BxV = jnp.sort(x, axis=-1)[:, ::-1]
+    else:   # the k-th largest from the sort itself (the same cut as top_k's)
+      sorted_BxV = jnp.sort(x, axis=-1)[:, ::-1]
+      k_B = per_row(top_k)
+      kth_B = jnp.take_along_axis(sorted_BxV, jnp.clip(k_B - 1, 0, x.shape[-1] - 1)[:, None], axis=-1)[:, 0]
+      kth_B = jnp.where(k_B > 0, kth_B, -jnp.inf)
       x = jnp.where(x >= kth_B[:, None], x, neg)
-    sorted_BxV = jnp.sort(x, axis=-1)[:, ::-1]
+      sorted_BxV = jnp.where(sorted_BxV >= kth_B[:, None], sorted_BxV, neg)
     probs = jax.nn.softmax(sorted_BxV, axis=-1)
     before = jnp.cumsum(probs, axis=-1) - probs     # mass of the tokens ranked above each token
-    keep = before < top_p
+    keep = before < per_row(top_p)[:, None]
     cutoff_B = jnp.min(jnp.where(keep, sorted_BxV, jnp.inf), axis=-1)
     x = jnp.where(x >= cutoff_B[:, None], x, neg)
 
-    def draw(key, row):
-      return jax.random.categorical(jax.random.fold_in(key, t), row)
+    def draw(key, row, t_row):
+      return jax.random.categorical(jax.random.fold_in(key, t_row), row)
 
-    tok_B = jax.vmap(draw)(keys_Bx2, x)
+    tok_B = jax.vmap(draw)(keys_Bx2, x, per_row(t))
   tok_B = tok_B.astype(jnp.int32)
   return tok_B, jnp.take_along_axis(logp_BxV, tok_B[:, None], axis=-1)[:, 0]
 
