@@ -54,6 +54,7 @@ from paxcli.layers.fp8 import FP8_STATE
 from paxcli.loops import accumulate
 from paxcli.loops.decode.training import TrainDecoder
 from paxcli.loops import goodput
+from paxcli.loops import rollout
 from paxcli.loops.evaluate import DATA_FIELDS, Evaluator, metrics_line
 from paxcli.loops.hooks import Chrono, Hooks, StepInfo, Window
 from paxcli.loops.router_watch import RouterWatch, load_note, totals
@@ -500,10 +501,11 @@ class GracefulStop:
 class Reporter:
   """Hook, every step: a rich progress bar on a terminal; plain log lines otherwise (CI, files, pipes)."""
 
-  def __init__(self, console, total: int, start: int, enabled: bool = True):
+  def __init__(self, console, total: int, start: int, enabled: bool = True, line_metrics: tuple = ()):
     self.console = console
     self.total = total
     self.enabled = enabled
+    self.line_metrics = tuple(line_metrics)   # the model's metrics the log line shows after the loss
     self.interactive = enabled and console.is_terminal
     self._progress = None
     self._last: dict = {}
@@ -532,7 +534,8 @@ class Reporter:
     self._last = record
     if self.enabled and not self.interactive:
       accuracy = f"  accuracy {record['accuracy']:.4f}" if 'accuracy' in record else ''
-      self.log(f"step {record['step']}: loss {record['loss']:.4f}{accuracy}{aux_note(record)}{load_note(record)}  "
+      own = ''.join(f'  {k} {record[k]:.4g}' for k in self.line_metrics if k in record)
+      self.log(f"step {record['step']}: loss {record['loss']:.4f}{accuracy}{own}{aux_note(record)}{load_note(record)}  "
                f"lr {record['learning_rate']:.3g}  grad_norm {record['grad_norm']:.3f}  "
                f"{record['steps_per_sec']:.2f} steps/s  {record['tokens_per_sec']:,.0f} tokens/s"
                f"{mfu_note(record)}{eta_note(eta_seconds)}{window_note(record)}")
@@ -714,7 +717,7 @@ def _train(resolved, job_dir: str, console, accounting: goodput.Goodput, verbose
     # ---- Loop -------------------------------------------------------------------------------------
     for step in range(start.step + 1, total + 1):
       with chrono.phase('data'):
-        batch = to_global(train_input.get_next(), batch_sharding, setup.global_batch)
+        batch = to_global(_next_batch(train_input, state), batch_sharding, setup.global_batch)
       hooks.before(step)
       state, metrics = train_step(state, batch)
       with _naming_the_step(step, checkpointer):
@@ -758,11 +761,19 @@ def _check_start(resolved, setup, job_dir: str, force_resume: bool) -> tuple[Run
 
 
 def _train_input(resolved, setup, job_dir: str):
-  """The train input, its tokenizer checked against the one the job keeps and its base's."""
+  """The train input, its tokenizer checked against the one the job keeps and its base's; for a model that samples
+  its own batches (GRPO), its rollouts over that input's prompts (paxcli.loops.rollout)."""
   train_input = infeed.build_input(resolved.train_dataset(), setup)
+  if getattr(setup.model, 'samples_own_batches', False):
+    train_input = rollout.Rollouts(resolved, setup, job_dir, train_input)
   tokenizer.check_kept(train_input, job_dir)
   tokenizer.check_base(train_input, setup.train.init_from)
   return train_input
+
+
+def _next_batch(train_input, state: dict) -> dict:
+  """The next batch; an input that samples from the model being trained (GRPO's rollouts) reads the state."""
+  return train_input.get_next(state) if getattr(train_input, 'reads_state', False) else train_input.get_next()
 
 
 def _open_job_dir(job_dir: str, train_cfg, lock, log, is_main: bool) -> ckpt.Checkpointer:
@@ -807,7 +818,8 @@ def _begin(hooks: Hooks, run: _Run, train_step: TrainStep, profiler, made) -> tu
       _open_trackers(run.resolved, run.job_dir, train_cfg, run.spec, log) if run.is_main else track.Trackers())
   writer = summaries.SummaryWriter(layout.summaries(run.job_dir, 'train'), layout.train_metrics(run.job_dir),
                                    trackers=tracked) if run.is_main else None
-  reporter = Reporter(run.console, train_cfg.num_train_steps, start.step, enabled=run.is_main)
+  reporter = Reporter(run.console, train_cfg.num_train_steps, start.step, enabled=run.is_main,
+                      line_metrics=getattr(setup.model, 'line_metrics', ()))
   losses = LossCheck(LossGuard(train_cfg.loss_spike_factor, train_cfg.loss_spike_window, start.recent_losses),
                      start.step, train_cfg.num_train_steps, run.checkpointer)
   chrono = Chrono(start.step, train_cfg.num_train_steps, run.accounting.stopwatch)

@@ -1,0 +1,244 @@
+"""GRPO (group relative policy optimisation, as TRL's GRPOTrainer computes it) on an imported model or from
+scratch: the model samples NUM_GENERATIONS completions of each prompt with paxcli's own decoder, Python reward
+functions score them, and the loss moves it towards the completions that beat their group's mean.
+
+  pax checkpoint convert --from hf Qwen/Qwen2.5-0.5B-Instruct ./qwen
+  pax train --exp grpo.Grpo --set BASE=./qwen --set TRAIN_DATA=prompts.jsonl --job-log-dir ./qwen_grpo
+
+each line of prompts.jsonl a prompt and the fields its rewards read: {"prompt": "...", "answer": "..."} (or
+{"prompt": [{"role": "user", "content": "..."}], ...}, through the model's chat template). The built-in reward
+is exact_match: the completion's answer between ANSWER_START and ANSWER_END (or from the completion's start
+when the prompt ends with ANSWER_START) against the record's ANSWER_FIELD. Your own rewards are Python (an
+experiment is code): subclass and return them from `reward_functions()`, each called as TRL calls one,
+`f(prompts, completions, completion_ids, **fields) -> [float | None, ...]` (paxcli.models.rewards):
+
+  class MyGrpo(grpo.Grpo):
+    def reward_functions(self):
+      return [rewards.exact_match(), my_format_reward]
+
+The knobs are TRL's GRPOConfig's (NUM_GENERATIONS, MAX_COMPLETION_LENGTH, TEMPERATURE, TOP_P, TOP_K, BETA,
+EPSILON, EPSILON_HIGH, NUM_ITERATIONS, LOSS_TYPE, SCALE_REWARDS, REWARD_WEIGHTS) and STOP, stop strings;
+each step's global batch (PERCORE_BATCH_SIZE x devices) is one rollout batch of (global batch /
+NUM_GENERATIONS) prompts. docs/guides/grpo.md has the whole story.
+
+A CPU example that learns: `python -m paxcli.recipes.grpo DIR` writes a task with a verifiable answer (adding
+two numbers written in words: "three plus four is" -> "seven"), its word-level tokenizer and prompts into DIR
+and prints the command that trains GrpoAddition on them (a model of the default recipe's size, from scratch);
+the run writes its reward curve to DIR's job directory (reward_curve.csv and .png: `plot_reward`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import shlex
+import sys
+from typing import Literal, Optional
+
+import fiddle as fdl
+import numpy as np
+
+from paxcli import files
+from paxcli.errors import UserError
+from paxcli.experiment import register
+from paxcli.inputs import file_input
+from paxcli.inputs.rollout_prompts import RolloutPromptsInput
+from paxcli.models import rewards
+from paxcli.models.llama import LLAMA
+from paxcli.recipes.finetune import Sft
+
+
+@register
+class Grpo(Sft):
+  """GRPO on the model imported into BASE (or, without BASE, from scratch) over TRAIN_DATA's prompts."""
+
+  MAX_SEQ_LEN = 256
+  PERCORE_BATCH_SIZE = 1
+  LEARNING_RATE = 1e-6          # TRL's GRPOConfig default
+  LR_SCHEDULE = 'constant'
+  LR_WARMUP_STEPS = 0
+  NUM_TRAIN_STEPS = 200
+  SAVE_INTERVAL_STEPS = 50
+  EVAL_INTERVAL_STEPS = 0
+  NUM_GENERATIONS: int = 8           # completions sampled per prompt (G)
+  MAX_COMPLETION_LENGTH: int = 64    # new tokens per completion at most
+  TEMPERATURE: float = 1.0           # sampling temperature; the loss scores the samples at it too
+  TOP_P: float = 1.0
+  TOP_K: int = 0                     # 0: off
+  STOP: list[str] = []               # a completion ends at the first of these strings (or EOS)
+  LOSS_TYPE: Literal['grpo', 'bnpo', 'dr_grpo', 'dapo'] = 'dapo'   # TRL's normalisations (paxcli.models.grpo)
+  BETA: float = 0.0                  # KL to the reference; 0: no reference kept
+  EPSILON: float = 0.2               # the ratio's clip below
+  EPSILON_HIGH: Optional[float] = None   # and above (None: EPSILON)
+  NUM_ITERATIONS: int = 1            # optimisation steps per rollout batch (TRL's mu)
+  SCALE_REWARDS: Literal['group', 'batch', 'none'] = 'group'   # advantages over the group's std, the batch's, none
+  REWARD_WEIGHTS: list[float] = []   # one per reward function; []: 1 each
+  ANSWER_FIELD: str = 'answer'       # exact_match: the record's field holding the right answer
+  ANSWER_START: str = '<answer>'     # exact_match: the marks around the answer in a completion
+  ANSWER_END: str = '</answer>'
+  replayed = frozenset({'NUM_GENERATIONS', 'MAX_COMPLETION_LENGTH', 'TEMPERATURE', 'TOP_P', 'TOP_K', 'STOP',
+                        'LOSS_TYPE', 'BETA', 'EPSILON', 'EPSILON_HIGH', 'NUM_ITERATIONS', 'SCALE_REWARDS',
+                        'REWARD_WEIGHTS', 'ANSWER_FIELD', 'ANSWER_START', 'ANSWER_END'})
+
+  def reward_functions(self) -> list:
+    """The reward functions (paxcli.models.rewards' convention); override to add your own."""
+    return [rewards.exact_match(self.ANSWER_FIELD, self.ANSWER_START, self.ANSWER_END)]
+
+  def model(self) -> fdl.Config:
+    from paxcli.models.grpo import GrpoLm   # jax: recipes import this module, `pax experiments` stays quick
+    cfg = super().model()
+    fdl.update_callable(cfg, GrpoLm)
+    for field, knob in (('loss_type', 'LOSS_TYPE'), ('beta', 'BETA'), ('epsilon', 'EPSILON'),
+                        ('epsilon_high', 'EPSILON_HIGH'), ('temperature', 'TEMPERATURE'), ('top_p', 'TOP_P'),
+                        ('top_k', 'TOP_K'), ('max_completion_length', 'MAX_COMPLETION_LENGTH'),
+                        ('num_generations', 'NUM_GENERATIONS'), ('num_iterations', 'NUM_ITERATIONS'),
+                        ('scale_rewards', 'SCALE_REWARDS')):
+      setattr(cfg, field, getattr(self, knob))
+    cfg.stop = tuple(self.STOP)
+    return cfg
+
+  def train_config(self) -> fdl.Config:
+    train = super().train_config()
+    # GRPO's loss sits around 0 with either sign (advantages are centred): a spike over its median means nothing.
+    train.loss_spike_factor = 0.0
+    return train
+
+  def own_data_datasets(self) -> list:
+    """The prompts of TRAIN_DATA (paxcli.inputs.rollout_prompts); none while it is not given."""
+    if not self.TRAIN_DATA:
+      return []
+    if not isinstance(self.TRAIN_DATA, str):
+      raise UserError('GRPO reads TRAIN_DATA as a glob of JSONL prompt files; a mixture is not supported.')
+    required = sorted({f for fn in self.reward_functions() for f in getattr(fn, 'required_fields', ())})
+    return [fdl.Config(RolloutPromptsInput, name='train', is_training=True, data=file_input.anchored(self.TRAIN_DATA),
+                       tokenizer=file_input.anchored(self.TOKENIZER), chat_template=self.CHAT_TEMPLATE,
+                       seq_len=self.MAX_SEQ_LEN, completion_room=self.MAX_COMPLETION_LENGTH,
+                       required_fields=tuple(required), vocab_size=self.VOCAB_SIZE, seed=self.RANDOM_SEED)]
+
+  def datasets(self) -> list:
+    own = self.own_data_datasets()
+    if not own:
+      raise UserError('GRPO samples completions of prompts: set TRAIN_DATA to a JSONL file of '
+                      '{"prompt": ..., "answer": ...} records.')
+    return own
+
+
+# ---- the CPU example ------------------------------------------------------------------------------
+
+WORDS = ('zero', 'one', 'two', 'three', 'four', 'five', 'six', 'seven', 'eight', 'nine', 'ten', 'eleven', 'twelve',
+         'thirteen', 'fourteen', 'fifteen', 'sixteen', 'seventeen', 'eighteen')
+EXAMPLE_SPECIAL = ('<pad>', '<eos>', '<bos>')
+EXAMPLE_WORDS = WORDS + ('plus', 'is', '<answer>', '</answer>')
+
+
+@register
+@LLAMA.preset
+class GrpoAddition(Grpo):
+  """The CPU example: the default recipe's model size (4 layers, 256 wide), from scratch, learning to add two
+  numbers written in words by GRPO alone. Each step samples 8 completions of 16 prompts; the answer is the
+  completion, one word (the prompt opens <answer>). The mean reward starts near 1/26 (a random word) and rises."""
+
+  NUM_LAYERS = 4
+  MODEL_DIMS = 256
+  HIDDEN_DIMS = 704
+  NUM_HEADS = 4
+  VOCAB_SIZE = 26   # the example tokenizer's words
+  MAX_SEQ_LEN = 16
+  PERCORE_BATCH_SIZE = 128
+  ICI_MESH_SHAPE = None
+  CHECKPOINT_POLICY = 'none'
+  LEARNING_RATE = 1e-3
+  WEIGHT_DECAY = 0.0
+  NUM_TRAIN_STEPS = 60
+  SAVE_INTERVAL_STEPS = 30
+  SUMMARY_INTERVAL_STEPS = 5
+  NUM_GENERATIONS = 8
+  MAX_COMPLETION_LENGTH = 1
+  LOSS_TYPE = 'dapo'
+
+
+def example_records(n: int, seed: int) -> list[dict]:
+  """Additions of two numbers 0-9 written in words, the prompt opening the answer span."""
+  rng = np.random.default_rng(seed)
+  pairs = rng.integers(0, 10, size=(n, 2))
+  return [{'prompt': f'{WORDS[a]} plus {WORDS[b]} is <answer>', 'answer': WORDS[a + b]} for a, b in pairs]
+
+
+def write_word_tokenizer(directory: str) -> str:
+  """A word-level tokenizer.json (the tokenizers library) over the example's words, <eos> its end-of-text
+  token and <bos> put before each text; its tokenizer_config.json names them."""
+  import tokenizers as hf   # the tokenizers library: paxcli reads tokenizer.json files with it
+  vocab = {w: i for i, w in enumerate(EXAMPLE_SPECIAL + EXAMPLE_WORDS)}
+  tok = hf.Tokenizer(hf.models.WordLevel(vocab, unk_token='<pad>'))
+  tok.pre_tokenizer = hf.pre_tokenizers.WhitespaceSplit()
+  tok.decoder = hf.decoders.WordPiece(prefix='##')   # joins words with spaces
+  tok.add_special_tokens(list(EXAMPLE_SPECIAL))
+  tok.post_processor = hf.processors.TemplateProcessing(single='<bos> $A', special_tokens=[('<bos>', 2)])
+  path = os.path.join(directory, 'tokenizer.json')
+  tok.save(path)
+  with open(os.path.join(directory, 'tokenizer_config.json'), 'w', encoding='utf-8') as f:
+    json.dump({'bos_token': '<bos>', 'eos_token': '<eos>', 'pad_token': '<pad>'}, f)
+  return path
+
+
+def write_example(directory: str, n: int = 512, seed: int = 0) -> dict:
+  """The example's files in `directory`: prompts.jsonl and tokenizer.json. Returns their paths."""
+  os.makedirs(directory, exist_ok=True)
+  prompts = os.path.join(directory, 'prompts.jsonl')
+  with open(prompts, 'w', encoding='utf-8') as f:
+    for record in example_records(n, seed):
+      f.write(json.dumps(record) + '\n')
+  return {'prompts': prompts, 'tokenizer': write_word_tokenizer(directory)}
+
+
+def plot_reward(job_dir: str) -> tuple[str, str]:
+  """reward_curve.csv (step, reward, reward_std) and reward_curve.png from a run's train_metrics.jsonl, written
+  into the job directory: the curve the docs show."""
+  from paxcli.jobdir import layout
+  rows = []
+  for line in files.read_text(layout.train_metrics(job_dir), 'train metrics', 64 << 20).splitlines():
+    record = json.loads(line)
+    if 'reward' in record:
+      rows.append((int(record['step']), float(record['reward']), float(record.get('reward_std', 0.0))))
+  csv_path, png_path = os.path.join(job_dir, 'reward_curve.csv'), os.path.join(job_dir, 'reward_curve.png')
+  with open(csv_path, 'w', newline='', encoding='utf-8') as f:
+    writer = csv.writer(f)
+    writer.writerow(['step', 'reward', 'reward_std'])
+    writer.writerows(rows)
+  import matplotlib
+  matplotlib.use('Agg')
+  from matplotlib import pyplot as plt
+  fig, ax = plt.subplots(figsize=(6, 3.2))
+  ax.plot([r[0] for r in rows], [r[1] for r in rows], marker='o')
+  ax.set_xlabel('step')
+  ax.set_ylabel('mean reward (exact match)')
+  ax.set_title('GRPO on the addition example (GrpoAddition)')
+  ax.set_ylim(0, 1)
+  ax.grid(alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(png_path, dpi=100)
+  plt.close(fig)
+  return csv_path, png_path
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description='Write the GRPO addition example into DIR and print how to run it.')
+  parser.add_argument('directory')
+  parser.add_argument('--plot', metavar='JOB_DIR', help='write reward_curve.csv and .png of a finished run instead')
+  args = parser.parse_args(argv)
+  if args.plot:
+    for path in plot_reward(args.plot):
+      print(path)
+    return
+  paths = write_example(args.directory)
+  job = os.path.join(args.directory, 'job')
+  print('Train (reward rises from about 0.05):\n  pax train --exp grpo.GrpoAddition '
+        f'--set TRAIN_DATA={shlex.quote(paths["prompts"])} --set TOKENIZER={shlex.quote(paths["tokenizer"])} '
+        f'--job-log-dir {shlex.quote(job)}\nThen the curve:\n  python -m paxcli.recipes.grpo {shlex.quote(args.directory)} '
+        f'--plot {shlex.quote(job)}')
+
+
+if __name__ == '__main__':
+  main(sys.argv[1:])
