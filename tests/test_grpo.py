@@ -1,0 +1,147 @@
+"""GRPO end to end from the command line: a run's rollouts and reward metrics, the same rollouts from the seed, a
+resume inside a rollout batch giving the uninterrupted run's losses, bad prompts refused before anything compiles,
+a failing reward function stopping in one line with the last checkpoint kept, and (slow) the addition example
+learning on the default-size model. The loss itself is held to TRL's in tests/test_grpo_trl.py."""
+
+import json
+import os
+import textwrap
+
+import numpy as np
+import pytest
+
+from conftest import pax_main
+from paxcli.models import rewards
+from paxcli.recipes import grpo as grpo_recipe
+
+TINY = ['NUM_LAYERS=1', 'MODEL_DIMS=32', 'HIDDEN_DIMS=64', 'NUM_HEADS=2', 'PERCORE_BATCH_SIZE=2',
+        'NUM_GENERATIONS=4', 'LEARNING_RATE=0.01', 'SUMMARY_INTERVAL_STEPS=1']
+
+
+def _sets(knobs) -> list[str]:
+  return [a for k in knobs for a in ('--set', k)]
+
+
+@pytest.fixture(scope='module')
+def example(tmp_path_factory):
+  return grpo_recipe.write_example(str(tmp_path_factory.mktemp('grpo_example')), n=64)
+
+
+def _train(example, job, capsys, *knobs, exp='grpo.GrpoAddition'):
+  argv = ['train', '--exp', exp, *_sets(TINY + [f'TRAIN_DATA={example["prompts"]}',
+                                                f'TOKENIZER={example["tokenizer"]}', *knobs]),
+          '--job-log-dir', str(job)]
+  return pax_main(argv, capsys)
+
+
+def _rows(job) -> list[dict]:
+  with open(os.path.join(job, 'train_metrics.jsonl'), encoding='utf-8') as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def test_a_run_samples_scores_and_reports_trls_metrics(example, tmp_path, capsys):
+  code, out, err = _train(example, tmp_path / 'job', capsys, 'NUM_TRAIN_STEPS=2', 'MAX_COMPLETION_LENGTH=2',
+                          'BETA=0.04', 'STOP=["</answer>"]')
+  assert code == 0, err
+  rows = _rows(tmp_path / 'job')
+  assert [r['step'] for r in rows] == [1, 2]
+  for key in ('loss', 'reward', 'reward_std', 'rewards/exact_match/mean', 'frac_reward_zero_std', 'kl',
+              'clip_ratio/region_mean', 'completions/mean_length', 'completions/clipped_ratio'):
+    assert key in rows[-1], key
+  assert 0 <= rows[-1]['reward'] <= 1
+  assert 1 <= rows[-1]['completions/mean_length'] <= 2
+  assert 'reward ' in out and 'kl ' in out   # the log line shows the rollout's numbers
+
+
+def test_the_same_seed_samples_the_same_rollouts_and_a_resume_inside_a_rollout_batch_goes_on_exactly(
+    example, tmp_path, capsys):
+  common = ('MAX_COMPLETION_LENGTH=2', 'NUM_ITERATIONS=2', 'BETA=0.04', 'SAVE_INTERVAL_STEPS=100')
+  assert _train(example, tmp_path / 'whole', capsys, 'NUM_TRAIN_STEPS=5', *common)[0] == 0
+  assert _train(example, tmp_path / 'again', capsys, 'NUM_TRAIN_STEPS=3', *common)[0] == 0   # stops inside a batch
+  code, out, err = _train(example, tmp_path / 'again', capsys, 'NUM_TRAIN_STEPS=5', *common)
+  assert code == 0, err
+  assert 'Resumed from step 3' in out
+  whole, again = _rows(tmp_path / 'whole'), _rows(tmp_path / 'again')
+  assert [r['step'] for r in again] == [1, 2, 3, 4, 5]
+  for a, b in zip(whole, again):
+    for key in ('loss', 'reward', 'kl', 'grad_norm', 'completions/mean_length'):
+      assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-7), (a['step'], key)
+  assert _train(example, tmp_path / 'other', capsys, 'NUM_TRAIN_STEPS=1', 'RANDOM_SEED=5', *common)[0] == 0
+  assert _rows(tmp_path / 'other')[0]['loss'] != whole[0]['loss']   # another seed samples other completions
+
+
+@pytest.mark.parametrize('record,phrase', [
+    ({'prompt': 'one plus two is <answer>'}, "no 'answer' field"),
+    ({'prompt': '', 'answer': 'three'}, '"prompt" must be a non-empty string'),
+    ({'prompt': ' '.join(['one plus'] * 20) + ' is <answer>', 'answer': 'x'}, 'leave room'),
+])
+def test_a_bad_prompt_record_is_one_line_naming_its_file_and_line(example, tmp_path, capsys, record, phrase):
+  bad = tmp_path / 'bad.jsonl'
+  bad.write_text(json.dumps({'prompt': 'one plus one is <answer>', 'answer': 'two'}) + '\n' + json.dumps(record) + '\n')
+  code, _, err = _train({**example, 'prompts': str(bad)}, tmp_path / 'job', capsys, 'NUM_TRAIN_STEPS=1')
+  assert code == 2
+  assert f'{bad}:2' in err and phrase in err
+  assert 'Traceback' not in err
+  assert not os.path.exists(tmp_path / 'job')   # refused before the job directory was made
+
+
+BAD_REWARDS = '''
+from paxcli.recipes import grpo
+
+def picky(prompts, completions, step, **columns):
+  if step >= 3:
+    {failure}
+  return [1.0 for _ in completions]
+
+class PickyGrpo(grpo.GrpoAddition):
+  def reward_functions(self):
+    return [picky]
+'''
+
+
+@pytest.mark.parametrize('failure,said', [
+    ("raise ValueError('cannot score this')", "raised ValueError: cannot score this (picky.py:6)"),
+    ("return [float('nan') for _ in prompts]", "returned nan, not a finite number"),
+])
+def test_a_failing_reward_function_stops_in_one_line_and_keeps_the_last_checkpoint(
+    example, tmp_path, capsys, failure, said):
+  exp = tmp_path / 'picky.py'
+  exp.write_text(textwrap.dedent(BAD_REWARDS).format(failure=failure))
+  job = tmp_path / 'job'
+  code, _, err = _train(example, job, capsys, 'NUM_TRAIN_STEPS=6', 'SAVE_INTERVAL_STEPS=2',
+                        'MAX_COMPLETION_LENGTH=1', exp=f'{exp}:PickyGrpo')
+  assert code == 2
+  line = [l for l in err.splitlines() if 'picky' in l]
+  assert len(line) == 1 and 'Traceback' not in err, err
+  # 4 prompts a rollout: steps 1 and 2 took prompts 0-7
+  assert "The reward function 'picky', on prompt 8 (" in line[0] and 'prompts.jsonl:' in line[0] and said in line[0]
+  assert 'of the rollout of step 3' in line[0] and 'the last checkpoint is step 2, kept as it was' in line[0]
+  assert sorted(os.listdir(job / 'checkpoints')) == ['2']
+  exp.write_text(textwrap.dedent(BAD_REWARDS).format(failure='pass'))   # fixed: the same command resumes
+  code, out, err = _train(example, job, capsys, 'NUM_TRAIN_STEPS=4', 'SAVE_INTERVAL_STEPS=2',
+                          'MAX_COMPLETION_LENGTH=1', exp=f'{exp}:PickyGrpo')
+  assert code == 0, err
+  assert 'Resumed from step 2' in out
+
+
+def test_exact_match_reads_the_marked_span():
+  match = rewards.exact_match()
+  prompts = ['two plus two is', 'two plus two is <answer>', 'q', 'q']
+  completions = [' <answer> four </answer> more', 'four', 'four', '<answer>five</answer>']
+  assert match(prompts, completions, answer=['four', 'four', 'four', 'four']) == [1.0, 1.0, 0.0, 0.0]
+
+
+@pytest.mark.slow
+def test_the_addition_example_learns_on_the_default_size_model(tmp_path, capsys):
+  """The docs' example as printed: reward rising over the run, and the curve written."""
+  files = grpo_recipe.write_example(str(tmp_path))
+  job = tmp_path / 'job'
+  code, out, err = pax_main(['train', '--exp', 'grpo.GrpoAddition', '--set', f'TRAIN_DATA={files["prompts"]}',
+                             '--set', f'TOKENIZER={files["tokenizer"]}', '--job-log-dir', str(job)], capsys)
+  assert code == 0, err
+  rewards_by_step = [(r['step'], r['reward']) for r in _rows(job)]
+  first, last = rewards_by_step[0][1], np.mean([r for _, r in rewards_by_step[-2:]])
+  assert first < 0.2 and last > first + 0.3, rewards_by_step
+  csv_path, png_path = grpo_recipe.plot_reward(str(job))
+  assert os.path.getsize(png_path) > 1000
+  assert open(csv_path).read().startswith('step,reward,reward_std')
