@@ -52,6 +52,7 @@ from paxcli.runtime import sharding
 from paxcli.runtime import train_state
 
 STATE_KIND = 'paxcli_grpo_rollouts'
+CALL_ARGUMENTS = ('prompts', 'completions', 'completion_ids', 'step')
 STATE_VERSION = 1
 _DTYPES = ('int32', 'float32')
 
@@ -67,6 +68,9 @@ class Rollouts:
 
   def __init__(self, resolved, setup, job_dir: str, prompts):
     self.setup, self.model, self.job_dir, self.prompts = setup, setup.model, job_dir, prompts
+    if not hasattr(prompts, 'take'):
+      raise UserError(f'GRPO samples completions of prompts, but the train input is a {type(prompts).__name__}: give '
+                      'TRAIN_DATA, JSONL prompt records (paxcli.inputs.rollout_prompts).')
     self.notes = getattr(prompts, 'notes', [])
     model, exp = self.model, resolved.experiment
     if setup.global_batch % model.num_generations:
@@ -177,7 +181,8 @@ class Rollouts:
     columns: dict = {}
     for _, row in rows:
       for key in row.record:
-        columns.setdefault(key, None)
+        if key not in CALL_ARGUMENTS:   # a record's own 'step' or 'completions' cannot shadow ours
+          columns.setdefault(key, None)
     columns = {k: [row.record.get(k) for _, row in rows] for k in columns}
     columns['step'] = step
     table = np.full((len(records), len(self.functions)), np.nan, np.float32)
@@ -302,7 +307,7 @@ def _scorer(setup):
 
   def logps(params, batch):
     with setup.activation_sharding():
-      return model.apply({'params': params}, batch, method=model.compute_predictions)['logp']
+      return model.apply({'params': params}, batch, method='compute_predictions')['logp']
 
   fn = jax.jit(logps, in_shardings=(setup.state_shardings['params'], batch_sh), out_shardings=replicated)
 
