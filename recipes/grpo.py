@@ -24,7 +24,7 @@ NUM_GENERATIONS) prompts. docs/guides/grpo.md has the whole story.
 A CPU example that learns: `python -m paxcli.recipes.grpo DIR` writes a task with a verifiable answer (adding
 two numbers written in words: "three plus four is" -> "seven"), its word-level tokenizer and prompts into DIR
 and prints the command that trains GrpoAddition on them (a model of the default recipe's size, from scratch);
-the run writes its reward curve to DIR's job directory (reward_curve.csv and .png: `plot_reward`).
+the run writes its reward curve to DIR's job directory (reward_curve.csv and .svg: `plot_reward`).
 """
 
 from __future__ import annotations
@@ -39,12 +39,15 @@ from typing import Literal, Optional
 
 import fiddle as fdl
 import numpy as np
+import tokenizers as hf   # the tokenizers library (paxcli reads tokenizer.json with it): the example's tokenizer
 
 from paxcli import files
 from paxcli.errors import UserError
 from paxcli.experiment import register
 from paxcli.inputs import file_input
 from paxcli.inputs.rollout_prompts import RolloutPromptsInput
+from paxcli import models
+from paxcli.jobdir import layout
 from paxcli.models import rewards
 from paxcli.models.llama import LLAMA
 from paxcli.recipes.finetune import Sft
@@ -87,9 +90,8 @@ class Grpo(Sft):
     return [rewards.exact_match(self.ANSWER_FIELD, self.ANSWER_START, self.ANSWER_END)]
 
   def model(self) -> fdl.Config:
-    from paxcli.models.grpo import GrpoLm   # jax: recipes import this module, `pax experiments` stays quick
     cfg = super().model()
-    fdl.update_callable(cfg, GrpoLm)
+    fdl.update_callable(cfg, models.GrpoLm)   # loaded on first use (jax): `pax experiments` stays quick
     for field, knob in (('loss_type', 'LOSS_TYPE'), ('beta', 'BETA'), ('epsilon', 'EPSILON'),
                         ('epsilon_high', 'EPSILON_HIGH'), ('temperature', 'TEMPERATURE'), ('top_p', 'TOP_P'),
                         ('top_k', 'TOP_K'), ('max_completion_length', 'MAX_COMPLETION_LENGTH'),
@@ -169,7 +171,6 @@ def example_records(n: int, seed: int) -> list[dict]:
 def write_word_tokenizer(directory: str) -> str:
   """A word-level tokenizer.json (the tokenizers library) over the example's words, <eos> its end-of-text
   token and <bos> put before each text; its tokenizer_config.json names them."""
-  import tokenizers as hf   # the tokenizers library: paxcli reads tokenizer.json files with it
   vocab = {w: i for i, w in enumerate(EXAMPLE_SPECIAL + EXAMPLE_WORDS)}
   tok = hf.Tokenizer(hf.models.WordLevel(vocab, unk_token='<pad>'))
   tok.pre_tokenizer = hf.pre_tokenizers.WhitespaceSplit()
@@ -194,39 +195,48 @@ def write_example(directory: str, n: int = 512, seed: int = 0) -> dict:
 
 
 def plot_reward(job_dir: str) -> tuple[str, str]:
-  """reward_curve.csv (step, reward, reward_std) and reward_curve.png from a run's train_metrics.jsonl, written
-  into the job directory: the curve the docs show."""
-  from paxcli.jobdir import layout
+  """reward_curve.csv (step, reward, reward_std) and reward_curve.svg (the mean reward by step) from a run's
+  train_metrics.jsonl, written into the job directory: the curve the docs show."""
   rows = []
   for line in files.read_text(layout.train_metrics(job_dir), 'train metrics', 64 << 20).splitlines():
     record = json.loads(line)
     if 'reward' in record:
       rows.append((int(record['step']), float(record['reward']), float(record.get('reward_std', 0.0))))
-  csv_path, png_path = os.path.join(job_dir, 'reward_curve.csv'), os.path.join(job_dir, 'reward_curve.png')
+  if not rows:
+    raise UserError(f'{layout.train_metrics(job_dir)} holds no reward: is {job_dir} a GRPO run?')
+  csv_path, svg_path = os.path.join(job_dir, 'reward_curve.csv'), os.path.join(job_dir, 'reward_curve.svg')
   with open(csv_path, 'w', newline='', encoding='utf-8') as f:
     writer = csv.writer(f)
     writer.writerow(['step', 'reward', 'reward_std'])
     writer.writerows(rows)
-  import matplotlib
-  matplotlib.use('Agg')
-  from matplotlib import pyplot as plt
-  fig, ax = plt.subplots(figsize=(6, 3.2))
-  ax.plot([r[0] for r in rows], [r[1] for r in rows], marker='o')
-  ax.set_xlabel('step')
-  ax.set_ylabel('mean reward (exact match)')
-  ax.set_title('GRPO on the addition example (GrpoAddition)')
-  ax.set_ylim(0, 1)
-  ax.grid(alpha=0.3)
-  fig.tight_layout()
-  fig.savefig(png_path, dpi=100)
-  plt.close(fig)
-  return csv_path, png_path
+  with open(svg_path, 'w', encoding='utf-8') as f:
+    f.write(reward_svg([(s, r) for s, r, _ in rows]))
+  return csv_path, svg_path
+
+
+def reward_svg(points: list[tuple[int, float]], width: int = 560, height: int = 280) -> str:
+  """A line chart of (step, mean reward in [0, 1]) as SVG text: axes, ticks at 0, 0.5 and 1, the curve."""
+  left, right, top, bottom = 50, 20, 20, 40
+  last = max(s for s, _ in points) or 1
+  x = lambda s: left + (width - left - right) * s / last
+  y = lambda r: top + (height - top - bottom) * (1 - min(max(r, 0.0), 1.0))
+  line = ' '.join(f'{x(s):.1f},{y(r):.1f}' for s, r in points)
+  ticks = ''.join(f'<line x1="{left}" x2="{width - right}" y1="{y(v):.1f}" y2="{y(v):.1f}" stroke="#ddd"/>'
+                  f'<text x="{left - 6}" y="{y(v) + 4:.1f}" text-anchor="end">{v:g}</text>' for v in (0, 0.5, 1))
+  steps = ''.join(f'<text x="{x(s):.1f}" y="{height - bottom + 16}" text-anchor="middle">{s}</text>'
+                  for s in sorted({points[0][0], points[len(points) // 2][0], last}))
+  return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
+          f'font-size="12">{ticks}{steps}'
+          f'<polyline fill="none" stroke="#1f77b4" stroke-width="2" points="{line}"/>'
+          f'<text x="{(left + width - right) / 2}" y="{height - 6}" text-anchor="middle">step</text>'
+          f'<text x="14" y="{(top + height - bottom) / 2}" text-anchor="middle" '
+          f'transform="rotate(-90 14 {(top + height - bottom) / 2})">mean reward</text></svg>\n')
 
 
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description='Write the GRPO addition example into DIR and print how to run it.')
   parser.add_argument('directory')
-  parser.add_argument('--plot', metavar='JOB_DIR', help='write reward_curve.csv and .png of a finished run instead')
+  parser.add_argument('--plot', metavar='JOB_DIR', help='write reward_curve.csv and .svg of a finished run instead')
   args = parser.parse_args(argv)
   if args.plot:
     for path in plot_reward(args.plot):

@@ -142,6 +142,6 @@ def test_the_addition_example_learns_on_the_default_size_model(tmp_path, capsys)
   rewards_by_step = [(r['step'], r['reward']) for r in _rows(job)]
   first, last = rewards_by_step[0][1], np.mean([r for _, r in rewards_by_step[-2:]])
   assert first < 0.2 and last > first + 0.3, rewards_by_step
-  csv_path, png_path = grpo_recipe.plot_reward(str(job))
-  assert os.path.getsize(png_path) > 1000
+  csv_path, svg_path = grpo_recipe.plot_reward(str(job))
+  assert open(svg_path).read().startswith("<svg") and "polyline" in open(svg_path).read()
   assert open(csv_path).read().startswith('step,reward,reward_std')

@@ -10,8 +10,6 @@ that very batch through its rollout layout (loops.rollout.layout_rows) and its t
 """
 
 import dataclasses
-import json
-import os
 
 import jax
 import numpy as np
