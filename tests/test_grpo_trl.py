@@ -33,7 +33,7 @@ from paxcli.runtime import engine, sharding
 
 G, PROMPTS, COMPLETION, TEMPERATURE = 4, 2, 8, 0.7
 KNOBS = ['NUM_LAYERS=2', 'MODEL_DIMS=32', 'HIDDEN_DIMS=64', 'NUM_HEADS=4', 'NUM_KV_HEADS=2', 'DIMS_PER_HEAD=8',
-         'VOCAB_SIZE=64', 'MAX_SEQ_LEN=32', 'PERCORE_BATCH_SIZE=1', f'NUM_GENERATIONS={G}',
+         'VOCAB_SIZE=26', 'MAX_SEQ_LEN=32', 'PERCORE_BATCH_SIZE=1', f'NUM_GENERATIONS={G}',
          f'MAX_COMPLETION_LENGTH={COMPLETION}', f'TEMPERATURE={TEMPERATURE}', 'EPSILON_HIGH=0.28']
 PROMPT_TEXTS = ['three plus four is <answer>', 'one plus one plus two plus nine is <answer>']
 
@@ -56,8 +56,10 @@ def made(tmp_path_factory):
   view = flat_view(setup.model)
   family = convert_hf.family_of(view)
   weights = certify.base_weights(jax.device_get(state['params']), view.num_layers)
-  torch.manual_seed(0)
-  hf_model = certify.hf_model(family, view, weights)
+  # Saved and loaded back, so that TRL finds the reference model (BETA > 0) where config.json says the model is.
+  certify.hf_model(family, view, weights).save_pretrained(str(tmp / 'hf'))
+  hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp / 'hf'), dtype=torch.float32,
+                                                               attn_implementation='eager')
   tok = transformers.PreTrainedTokenizerFast(tokenizer_file=files['tokenizer'], bos_token='<bos>', eos_token='<eos>',
                                              pad_token='<pad>')
   trainer = _trainer(hf_model, tok, tmp, 'dapo', beta=0.04, iterations=2)
@@ -95,7 +97,6 @@ def _spread(per_completion: np.ndarray, prompts: list, completions: list, length
 def test_advantages_equal_trls_on_its_own_rollout(made):
   out = made['out']
   completions = _unpadded(out['completion_ids'], out['completion_mask'])
-  assert any(len(c) < COMPLETION for c in completions) or True   # EOS may or may not come at this size
   rewards = np.array([np.nan if r is None else r for r in length_reward([], completions)], np.float32)
   mine, _ = grpo.group_advantages(rewards, G, 'group')
   np.testing.assert_allclose(mine, out['advantages'].numpy(), rtol=1e-6, atol=1e-6)

@@ -66,6 +66,7 @@ class RolloutPromptsInput(BaseInput):
     self._chat = None
     self.rows = self._read_all()
     self.position = 0
+    self._epoch = None   # (epoch, its permutation of the rows)
 
   # ---- the contract -------------------------------------------------------------------------
 
@@ -90,7 +91,9 @@ class RolloutPromptsInput(BaseInput):
 
   def _order(self, k: int) -> int:
     epoch, at = divmod(k, len(self.rows))
-    return int(np.random.default_rng([self.seed, _ORDER, epoch]).permutation(len(self.rows))[at])
+    if self._epoch is None or self._epoch[0] != epoch:
+      self._epoch = (epoch, np.random.default_rng([self.seed, _ORDER, epoch]).permutation(len(self.rows)))
+    return int(self._epoch[1][at])
 
   def _read_all(self) -> list[PromptRow]:
     rows = []
