@@ -77,13 +77,14 @@ class Grpo(Sft):
   EPSILON_HIGH: Optional[float] = None   # and above (None: EPSILON)
   NUM_ITERATIONS: int = 1            # optimisation steps per rollout batch (TRL's mu)
   SCALE_REWARDS: Literal['group', 'batch', 'none'] = 'group'   # advantages over the group's std, the batch's, none
+  KL_BIAS_CORRECTION: bool = True   # the KL term times the ratio (TRL's use_bias_correction_kl)
   REWARD_WEIGHTS: list[float] = []   # one per reward function; []: 1 each
   ANSWER_FIELD: str = 'answer'       # exact_match: the record's field holding the right answer
   ANSWER_START: str = '<answer>'     # exact_match: the marks around the answer in a completion
   ANSWER_END: str = '</answer>'
   replayed = frozenset({'NUM_GENERATIONS', 'MAX_COMPLETION_LENGTH', 'TEMPERATURE', 'TOP_P', 'TOP_K', 'STOP',
                         'LOSS_TYPE', 'BETA', 'EPSILON', 'EPSILON_HIGH', 'NUM_ITERATIONS', 'SCALE_REWARDS',
-                        'REWARD_WEIGHTS', 'ANSWER_FIELD', 'ANSWER_START', 'ANSWER_END'})
+                        'KL_BIAS_CORRECTION', 'REWARD_WEIGHTS', 'ANSWER_FIELD', 'ANSWER_START', 'ANSWER_END'})
 
   def reward_functions(self) -> list:
     """The reward functions (paxcli.models.rewards' convention); override to add your own."""
@@ -96,7 +97,7 @@ class Grpo(Sft):
                         ('epsilon_high', 'EPSILON_HIGH'), ('temperature', 'TEMPERATURE'), ('top_p', 'TOP_P'),
                         ('top_k', 'TOP_K'), ('max_completion_length', 'MAX_COMPLETION_LENGTH'),
                         ('num_generations', 'NUM_GENERATIONS'), ('num_iterations', 'NUM_ITERATIONS'),
-                        ('scale_rewards', 'SCALE_REWARDS')):
+                        ('scale_rewards', 'SCALE_REWARDS'), ('kl_bias_correction', 'KL_BIAS_CORRECTION')):
       setattr(cfg, field, getattr(self, knob))
     cfg.stop = tuple(self.STOP)
     return cfg

@@ -70,8 +70,9 @@ def made(tmp_path_factory):
               trainer=trainer)
 
 
-def _trainer(model, tok, tmp, loss_type: str, beta: float, iterations: int):
-  args = trl.GRPOConfig(output_dir=str(tmp / f'trl-{loss_type}-{beta}-{iterations}'), per_device_train_batch_size=G * PROMPTS,
+def _trainer(model, tok, tmp, loss_type: str, beta: float, iterations: int, kl_correction: bool = True):
+  args = trl.GRPOConfig(output_dir=str(tmp / f'trl-{loss_type}-{beta}-{iterations}-{kl_correction}'),
+                        per_device_train_batch_size=G * PROMPTS, use_bias_correction_kl=kl_correction,
                         num_generations=G, max_completion_length=COMPLETION, temperature=TEMPERATURE,
                         loss_type=loss_type, beta=beta, epsilon=0.2, epsilon_high=0.28, num_iterations=iterations,
                         report_to='none', use_cpu=True, bf16=False, seed=0, logging_steps=1)
@@ -103,18 +104,20 @@ def test_advantages_equal_trls_on_its_own_rollout(made):
   assert np.abs(mine).max() > 0.1   # the groups differ: the advantages are not all zero
 
 
-CASES = [('grpo', 0.04, 2), ('bnpo', 0.04, 2), ('dr_grpo', 0.04, 2), ('dapo', 0.04, 2), ('dapo', 0.0, 1),
-         ('grpo', 0.0, 1)]
+# (LOSS_TYPE, BETA, NUM_ITERATIONS, KL_BIAS_CORRECTION): every normalisation with the KL term and the ratio to old
+# log-probabilities; TRL's default (dapo, no KL, one step a batch); the KL without its bias correction, on-policy.
+CASES = [('grpo', 0.04, 2, True), ('bnpo', 0.04, 2, True), ('dr_grpo', 0.04, 2, True), ('dapo', 0.04, 2, True),
+         ('dapo', 0.0, 1, True), ('grpo', 0.04, 1, False)]
 
 
-@pytest.mark.parametrize('loss_type,beta,iterations', CASES)
-def test_loss_metrics_and_gradients_equal_trls(made, loss_type, beta, iterations):
+@pytest.mark.parametrize('loss_type,beta,iterations,kl_correction', CASES)
+def test_loss_metrics_and_gradients_equal_trls(made, loss_type, beta, iterations, kl_correction):
   out = dict(made['out'])
   rng = np.random.default_rng(7)
   mask = out['completion_mask'].numpy().astype(np.float32)
   prompts = _unpadded(out['prompt_ids'], out['prompt_mask'])
   completions = _unpadded(out['completion_ids'], out['completion_mask'])
-  trainer = _trainer(made['hf_model'], made['tok'], made['tmp'], loss_type, beta, iterations)
+  trainer = _trainer(made['hf_model'], made['tok'], made['tmp'], loss_type, beta, iterations, kl_correction)
   with torch.no_grad():
     ids = torch.cat([out['prompt_ids'], out['completion_ids']], 1)
     att = torch.cat([out['prompt_mask'], out['completion_mask']], 1)
@@ -136,7 +139,8 @@ def test_loss_metrics_and_gradients_equal_trls(made, loss_type, beta, iterations
   trl_metrics = {k: v[-1] for k, v in trainer._metrics['train'].items()}
 
   setup = made['setup']
-  model = setup.model.clone(loss_type=loss_type, beta=beta, num_iterations=iterations)
+  model = setup.model.clone(loss_type=loss_type, beta=beta, num_iterations=iterations,
+                            kl_bias_correction=kl_correction)
   setup = dataclasses.replace(setup, model=model)
   batch = rollout.layout_rows(prompts, completions, setup.seq_len)
   batch['advantages'] = out['advantages'].numpy().astype(np.float32)

@@ -12,7 +12,9 @@ A batch is one rollout batch (paxcli.loops.rollout makes it), one sampled comple
   stat/<name>                         [B]     rollout metrics (reward, reward_std, ...), reported as <name>
 
 Per token, with the ratio r = exp(logp - old_logp) and the advantage A:
-  loss_t = -min(r A, clip(r, 1 - EPSILON, 1 + EPSILON_HIGH) A) + BETA (exp(ref - logp) - (ref - logp) - 1)
+  loss_t = -min(r A, clip(r, 1 - EPSILON, 1 + EPSILON_HIGH) A) + BETA r (exp(ref - logp) - (ref - logp) - 1)
+(the KL term times r, with r's gradient: TRL's use_bias_correction_kl, on by default, which makes the KL's
+gradient the unbiased reverse KL's; KL_BIAS_CORRECTION=False leaves r out)
 and the batch's loss by LOSS_TYPE:
   grpo      the mean over sequences of each one's token mean
   bnpo      the mean over the batch's completion tokens
@@ -64,6 +66,7 @@ class GrpoLm(LanguageModel):
   num_generations: int = 8
   num_iterations: int = 1                # optimisation steps per rollout batch
   scale_rewards: str = 'group'
+  kl_bias_correction: bool = True        # TRL's use_bias_correction_kl: the KL term times the ratio
   stop: tuple = ()                       # stop strings: a completion ends with the first
   line_metrics = LINE_METRICS
 
@@ -149,6 +152,8 @@ def grpo_loss(model: GrpoLm, logp, batch: dict):
   if model.beta:
     d = batch['ref_logps'] - logp
     kl = jnp.exp(d) - d - 1
+    if model.kl_bias_correction:   # the ratio (with its gradient, 1 in value on-policy) makes it unbiased
+      kl = kl * ratio
     per_token = per_token + model.beta * kl
   seq_tokens = jnp.sum(mask, -1)
   tokens = jnp.sum(seq_tokens)
