@@ -53,21 +53,39 @@ def test_a_run_samples_scores_and_reports_trls_metrics(example, tmp_path, capsys
   assert 'reward ' in out and 'kl ' in out   # the log line shows the rollout's numbers
 
 
+SAMPLE_REWARD = '''
+from paxcli.recipes import grpo
+
+def ids_mod_7(prompts, completions, completion_ids, **columns):
+  """A reward of the sampled ids themselves: every sample moves the loss and its gradient."""
+  return [float(sum(ids) % 7) for ids in completion_ids]
+
+class SampleGrpo(grpo.GrpoAddition):
+  def reward_functions(self):
+    return [ids_mod_7]
+'''
+
+
+@pytest.mark.slow
 def test_the_same_seed_samples_the_same_rollouts_and_a_resume_inside_a_rollout_batch_goes_on_exactly(
     example, tmp_path, capsys):
-  common = ('MAX_COMPLETION_LENGTH=2', 'NUM_ITERATIONS=2', 'BETA=0.04', 'SAVE_INTERVAL_STEPS=100')
-  assert _train(example, tmp_path / 'whole', capsys, 'NUM_TRAIN_STEPS=5', *common)[0] == 0
-  assert _train(example, tmp_path / 'again', capsys, 'NUM_TRAIN_STEPS=3', *common)[0] == 0   # stops inside a batch
-  code, out, err = _train(example, tmp_path / 'again', capsys, 'NUM_TRAIN_STEPS=5', *common)
+  exp = tmp_path / 'sample_grpo.py'
+  exp.write_text(SAMPLE_REWARD)
+  common = ('MAX_COMPLETION_LENGTH=3', 'NUM_ITERATIONS=2', 'BETA=0.04', 'SAVE_INTERVAL_STEPS=100')
+  run = lambda job, *knobs: _train(example, tmp_path / job, capsys, *common, *knobs, exp=f'{exp}:SampleGrpo')
+  assert run('whole', 'NUM_TRAIN_STEPS=5')[0] == 0
+  assert run('again', 'NUM_TRAIN_STEPS=3')[0] == 0   # stops inside the second rollout batch (steps 3-4)
+  code, out, err = run('again', 'NUM_TRAIN_STEPS=5')
   assert code == 0, err
   assert 'Resumed from step 3' in out
   whole, again = _rows(tmp_path / 'whole'), _rows(tmp_path / 'again')
   assert [r['step'] for r in again] == [1, 2, 3, 4, 5]
+  assert all(r['grad_norm'] > 0 and r['reward_std'] > 0 for r in whole)   # the samples move the model
   for a, b in zip(whole, again):
-    for key in ('loss', 'reward', 'kl', 'grad_norm', 'completions/mean_length'):
+    for key in ('loss', 'reward', 'reward_std', 'kl', 'grad_norm', 'clip_ratio/region_mean', 'completions/mean_length'):
       assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-7), (a['step'], key)
-  assert _train(example, tmp_path / 'other', capsys, 'NUM_TRAIN_STEPS=1', 'RANDOM_SEED=5', *common)[0] == 0
-  assert _rows(tmp_path / 'other')[0]['loss'] != whole[0]['loss']   # another seed samples other completions
+  assert run('other', 'NUM_TRAIN_STEPS=1', 'RANDOM_SEED=5')[0] == 0
+  assert _rows(tmp_path / 'other')[0]['reward'] != whole[0]['reward']   # another seed samples other completions
 
 
 @pytest.mark.parametrize('record,phrase', [
