@@ -10,7 +10,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from conftest import pax_main
+from conftest import pax_main, run_pax
 from paxcli.models import rewards
 from paxcli.recipes import grpo as grpo_recipe
 
@@ -117,6 +117,7 @@ class PickyGrpo(grpo.GrpoAddition):
 '''
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('failure,said', [
     ("raise ValueError('cannot score this')", "raised ValueError: cannot score this (picky.py:6)"),
     ("return [float('nan') for _ in prompts]", "returned nan, not a finite number"),
@@ -135,11 +136,12 @@ def test_a_failing_reward_function_stops_in_one_line_and_keeps_the_last_checkpoi
   assert "The reward function 'picky', on prompt 8 (" in line[0] and 'prompts.jsonl:' in line[0] and said in line[0]
   assert 'of the rollout of step 3' in line[0] and 'the last checkpoint is step 2, kept as it was' in line[0]
   assert sorted(os.listdir(job / 'checkpoints')) == ['2']
-  exp.write_text(textwrap.dedent(BAD_REWARDS).format(failure='pass'))   # fixed: the same command resumes
-  code, out, err = _train(example, job, capsys, 'NUM_TRAIN_STEPS=4', 'SAVE_INTERVAL_STEPS=2',
-                          'MAX_COMPLETION_LENGTH=1', exp=f'{exp}:PickyGrpo')
-  assert code == 0, err
-  assert 'Resumed from step 2' in out
+  exp.write_text(textwrap.dedent(BAD_REWARDS).format(failure='pass'))   # fixed: the same command, a fresh shell
+  done = run_pax('train', '--exp', f'{exp}:PickyGrpo', *_sets(TINY + [
+      f'TRAIN_DATA={example["prompts"]}', f'TOKENIZER={example["tokenizer"]}', 'NUM_TRAIN_STEPS=4',
+      'SAVE_INTERVAL_STEPS=2', 'MAX_COMPLETION_LENGTH=1']), '--job-log-dir', str(job))
+  assert done.returncode == 0, done.stderr
+  assert 'Resumed from step 2' in done.stdout
 
 
 def test_exact_match_reads_the_marked_span():

@@ -95,7 +95,7 @@ class Rollouts:
     self.decoder = Decoder(setup, None)
     self._logps = _scorer(setup)
     self._reference = None
-    self._steps = 0
+    self._steps = self._started_at = 0
     self._buffer: Optional[dict] = None
     self.last_stats: dict = {}
 
@@ -119,7 +119,7 @@ class Rollouts:
     self._at(steps)
 
   def _at(self, steps: int) -> None:
-    self._steps = steps
+    self._steps = self._started_at = steps
     self.prompts.position = -(-steps // self.model.num_iterations) * self.per_rollout
 
   def get_state(self) -> bytes:
@@ -237,8 +237,13 @@ class Rollouts:
             f'{r % self.model.num_generations} of the rollout of step {step},')
 
   def _kept(self) -> str:
-    steps = ckpt.complete_steps(layout.checkpoints(self.job_dir))
-    last = f'step {steps[-1]}, kept as it was' if steps else 'none yet'
+    """Which checkpoint a stop now leaves: the newest on disk, or the one the loop is still writing (its save
+    interval's; the loop waits for that save before it exits)."""
+    every = self.setup.train.save_interval_steps
+    saving = (self._steps // every) * every if every else 0
+    steps = ckpt.complete_steps(layout.checkpoints(self.job_dir)) + [self._started_at, saving]
+    last = max(steps)
+    last = f'step {last}, kept as it was' if last else 'none yet'
     return f'Stopping; the last checkpoint is {last}. Fix the function and run the same command to resume.'
 
   def _stat_names(self) -> list[str]:
