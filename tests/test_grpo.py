@@ -156,8 +156,10 @@ def test_the_addition_example_learns_on_the_default_size_model(tmp_path, capsys)
   """The docs' example as printed: reward rising over the run, and the curve written."""
   files = grpo_recipe.write_example(str(tmp_path))
   job = tmp_path / 'job'
+  # The docs' run is on one device: PERCORE_BATCH_SIZE 128 there is 16 on each of the tests' 8, the same 128 rows.
   code, out, err = pax_main(['train', '--exp', 'grpo.GrpoAddition', '--set', f'TRAIN_DATA={files["prompts"]}',
-                             '--set', f'TOKENIZER={files["tokenizer"]}', '--job-log-dir', str(job)], capsys)
+                             '--set', f'TOKENIZER={files["tokenizer"]}', '--set', 'PERCORE_BATCH_SIZE=16',
+                             '--job-log-dir', str(job)], capsys)
   assert code == 0, err
   rewards_by_step = [(r['step'], r['reward']) for r in _rows(job)]
   first, last = rewards_by_step[0][1], np.mean([r for _, r in rewards_by_step[-2:]])
