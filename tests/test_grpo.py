@@ -167,3 +167,37 @@ def test_the_addition_example_learns_on_the_default_size_model(tmp_path, capsys)
   csv_path, svg_path = grpo_recipe.plot_reward(str(job))
   assert open(svg_path).read().startswith("<svg") and "polyline" in open(svg_path).read()
   assert open(csv_path).read().startswith('step,reward,reward_std')
+
+
+LORA_GRPO = '''
+from paxcli.recipes import grpo
+
+def ids_mod_7(prompts, completions, completion_ids, **columns):
+  return [float(sum(ids) % 7) for ids in completion_ids]
+
+class LoraGrpo(grpo.Grpo):
+  def reward_functions(self):
+    return [ids_mod_7]
+'''
+
+
+@pytest.mark.slow
+def test_lora_grpo_takes_the_base_with_adapters_off_as_its_reference(tmp_path, capsys):
+  """An imported model, chat prompts through its template, LoRA: the reference is the same weights with the
+  adapters off, so the KL is exactly 0 at the first step (B = 0) and not once the adapters moved."""
+  from paxcli.recipes import finetune
+  paths = finetune.write_example(str(tmp_path / 'ex'))
+  assert pax_main(['checkpoint', 'convert', '--from', 'hf', paths['hf'], str(tmp_path / 'base')], capsys)[0] == 0
+  prompts = tmp_path / 'prompts.jsonl'
+  prompts.write_text(''.join(json.dumps({'prompt': [{'role': 'user', 'content': f'What colour is the {t}?'}]}) + '\n'
+                             for t in ('sky', 'grass', 'snow', 'coal')))
+  exp = tmp_path / 'lora_grpo.py'
+  exp.write_text(LORA_GRPO)
+  code, out, err = pax_main(['train', '--exp', f'{exp}:LoraGrpo', *_sets([
+      f'BASE={tmp_path / "base"}', f'TRAIN_DATA={prompts}', 'LORA_RANK=4', 'BETA=0.04', 'NUM_GENERATIONS=4',
+      'PERCORE_BATCH_SIZE=1', 'MAX_SEQ_LEN=64', 'MAX_COMPLETION_LENGTH=6', 'NUM_TRAIN_STEPS=2',
+      'SUMMARY_INTERVAL_STEPS=1', 'LEARNING_RATE=0.01']), '--job-log-dir', str(tmp_path / 'job')], capsys)
+  assert code == 0, err
+  assert 'trainable (LoRA adapters)' in out
+  rows = _rows(tmp_path / 'job')
+  assert rows[0]['kl'] == 0.0 and rows[1]['kl'] > 0, rows
