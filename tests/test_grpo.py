@@ -5,6 +5,7 @@ learning on the default-size model. The loss itself is held to TRL's in tests/te
 
 import json
 import os
+import shutil
 import textwrap
 
 import numpy as np
@@ -75,6 +76,14 @@ def test_the_same_seed_samples_the_same_rollouts_and_a_resume_inside_a_rollout_b
   run = lambda job, *knobs: _train(example, tmp_path / job, capsys, *common, *knobs, exp=f'{exp}:SampleGrpo')
   assert run('whole', 'NUM_TRAIN_STEPS=5')[0] == 0
   assert run('again', 'NUM_TRAIN_STEPS=3')[0] == 0   # stops inside the second rollout batch (steps 3-4)
+  shutil.copytree(tmp_path / 'again', tmp_path / 'edited')
+  saved = tmp_path / 'edited' / 'checkpoints' / '3' / 'input' / 'process_0-of-1.json'
+  state = json.loads(saved.read_text())
+  assert state['steps'] == 3 and state['buffer'] is not None   # the batch of steps 3-4 is kept with step 3
+  state['buffer']['advantages']['data'][0] += 1.0   # an edited rollout batch is refused, never trained on
+  saved.write_text(json.dumps(state))
+  code, _, err = run('edited', 'NUM_TRAIN_STEPS=5')
+  assert code == 2 and 'not a GRPO rollout state this paxcli wrote' in err and str(saved) in err, err
   code, out, err = run('again', 'NUM_TRAIN_STEPS=5')
   assert code == 0, err
   assert 'Resumed from step 3' in out
