@@ -210,3 +210,27 @@ def test_lora_grpo_takes_the_base_with_adapters_off_as_its_reference(tmp_path, c
   assert 'trainable (LoRA adapters)' in out
   rows = _rows(tmp_path / 'job')
   assert rows[0]['kl'] == 0.0 and rows[1]['kl'] > 0, rows
+
+
+@pytest.mark.slow
+def test_two_processes_sample_and_train_as_one(example, tmp_path, capsys):
+  """pax launch, 2 processes x 4 devices: each decodes the whole rollout batch on the global mesh and feeds its
+  rows; rollouts, rewards and losses are the 1-process x 8-device run's."""
+  exp = tmp_path / 'sample_grpo.py'
+  exp.write_text(SAMPLE_REWARD)
+  knobs = _sets(TINY + [f'TRAIN_DATA={example["prompts"]}', f'TOKENIZER={example["tokenizer"]}', 'NUM_TRAIN_STEPS=4',
+                        'MAX_COMPLETION_LENGTH=3', 'NUM_ITERATIONS=2', 'BETA=0.04'])
+  two = run_pax('launch', '--processes', '2', '--devices-per-process', '4', '--grace', '2', '--', 'train', '--exp',
+                f'{exp}:SampleGrpo', *knobs, '--set', 'ICI_MESH_SHAPE=[1,4,1]', '--set', 'DCN_MESH_SHAPE=[2,1,1]',
+                '--job-log-dir', str(tmp_path / 'two'), timeout=600)
+  assert two.returncode == 0, two.stdout[-2000:] + two.stderr[-4000:]
+  one = run_pax('train', '--exp', f'{exp}:SampleGrpo', *knobs, '--set', 'ICI_MESH_SHAPE=[1,8,1]',
+                '--job-log-dir', str(tmp_path / 'one'), timeout=600)
+  assert one.returncode == 0, one.stderr[-4000:]
+  rows_two, rows_one = _rows(tmp_path / 'two'), _rows(tmp_path / 'one')
+  assert [r['step'] for r in rows_two] == [1, 2, 3, 4]
+  for a, b in zip(rows_two, rows_one):
+    for key in ('reward', 'reward_std', 'completions/mean_length'):
+      assert a[key] == b[key], (a['step'], key)
+    for key in ('loss', 'kl', 'grad_norm'):
+      assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (a['step'], key)
