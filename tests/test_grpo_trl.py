@@ -70,9 +70,11 @@ def made(tmp_path_factory):
               trainer=trainer)
 
 
-def _trainer(model, tok, tmp, loss_type: str, beta: float, iterations: int, kl_correction: bool = True):
-  args = trl.GRPOConfig(output_dir=str(tmp / f'trl-{loss_type}-{beta}-{iterations}-{kl_correction}'),
+def _trainer(model, tok, tmp, loss_type: str, beta: float, iterations: int, kl_correction: bool = True,
+             scale_rewards: str = 'group'):
+  args = trl.GRPOConfig(output_dir=str(tmp / f'trl-{loss_type}-{beta}-{iterations}-{kl_correction}-{scale_rewards}'),
                         per_device_train_batch_size=G * PROMPTS, use_bias_correction_kl=kl_correction,
+                        scale_rewards=scale_rewards,
                         num_generations=G, max_completion_length=COMPLETION, temperature=TEMPERATURE,
                         loss_type=loss_type, beta=beta, epsilon=0.2, epsilon_high=0.28, num_iterations=iterations,
                         report_to='none', use_cpu=True, bf16=False, seed=0, logging_steps=1)
@@ -95,11 +97,16 @@ def _spread(per_completion: np.ndarray, prompts: list, completions: list, length
   return out
 
 
-def test_advantages_equal_trls_on_its_own_rollout(made):
+@pytest.mark.parametrize('scale', grpo.SCALE_REWARDS)
+def test_advantages_equal_trls_on_its_own_rollout(made, scale):
   out = made['out']
+  if scale != 'group':   # TRL's trainer with that scaling samples and scores its own rollout batch
+    trainer = _trainer(made['hf_model'], made['tok'], made['tmp'], 'dapo', 0.0, 1, scale_rewards=scale)
+    torch.manual_seed(2)
+    out = trainer._generate_and_score_completions([{'prompt': p} for p in PROMPT_TEXTS for _ in range(G)])
   completions = _unpadded(out['completion_ids'], out['completion_mask'])
   rewards = np.array([np.nan if r is None else r for r in length_reward([], completions)], np.float32)
-  mine, _ = grpo.group_advantages(rewards, G, 'group')
+  mine, _ = grpo.group_advantages(rewards, G, scale)
   np.testing.assert_allclose(mine, out['advantages'].numpy(), rtol=1e-6, atol=1e-6)
   assert np.abs(mine).max() > 0.1   # the groups differ: the advantages are not all zero
 

@@ -256,13 +256,13 @@ class Rollouts:
   def _stats(self, records, rewards, per_function, zero_std) -> dict:
     """TRL's rollout metrics, each a constant row feature (the loss reports its mean)."""
     lengths = np.array([len(r['decoded_ids']) for r in records], np.float32)
-    values = {'reward': grpo._nanmean(rewards), 'reward_std': grpo._nanstd(rewards),
+    values = {'reward': grpo.nanmean(rewards), 'reward_std': grpo.nanstd(rewards),
               'frac_reward_zero_std': float(np.mean(zero_std)), 'completions/mean_length': float(lengths.mean()),
               'completions/min_length': float(lengths.min()), 'completions/max_length': float(lengths.max()),
               'completions/clipped_ratio': float(np.mean([r['stop_reason'] == 'max_steps' for r in records]))}
     for f, name in enumerate(self.names):
-      values[f'rewards/{name}/mean'] = grpo._nanmean(per_function[:, f])
-      values[f'rewards/{name}/std'] = grpo._nanstd(per_function[:, f])
+      values[f'rewards/{name}/mean'] = grpo.nanmean(per_function[:, f])
+      values[f'rewards/{name}/std'] = grpo.nanstd(per_function[:, f])
     n = len(records)
     return {grpo.STAT + k: np.full((n,), np.nan_to_num(float(v)), np.float32) for k, v in values.items()}
 

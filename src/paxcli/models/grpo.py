@@ -199,25 +199,25 @@ def group_advantages(rewards: np.ndarray, group: int, scale: str) -> tuple[np.nd
   batch ('batch'), or only reported ('none')."""
   r = np.asarray(rewards, np.float32)
   grouped = r.reshape(-1, group)
-  mean = np.repeat(_nanmean(grouped, axis=1), group)
+  mean = np.repeat(nanmean(grouped, axis=1), group)
   if scale == 'batch':
-    std = np.full_like(r, _nanstd(r))
+    std = np.full_like(r, nanstd(r))
   else:
-    std = np.repeat(_nanstd(grouped, axis=1), group).astype(np.float32)
+    std = np.repeat(nanstd(grouped, axis=1), group).astype(np.float32)
   adv = r - mean
   if scale != 'none':
     adv = adv / (std + np.float32(STD_EPSILON))
   return np.nan_to_num(adv, nan=0.0).astype(np.float32), np.isclose(std, 0.0)
 
 
-def _nanmean(x: np.ndarray, axis=None):
+def nanmean(x: np.ndarray, axis=None):
   count = np.sum(~np.isnan(x), axis=axis)
   return (np.nansum(x, axis=axis) / np.maximum(count, 1)).astype(np.float32)
 
 
-def _nanstd(x: np.ndarray, axis=None):
+def nanstd(x: np.ndarray, axis=None):
   """TRL's nanstd: sqrt(nanmean((x - nanmean(x))^2) * n / (n - 1)) over the non-NaN values."""
-  mean = _nanmean(x, axis=axis)
+  mean = nanmean(x, axis=axis)
   centred = x - (np.expand_dims(mean, axis) if axis is not None else mean)
   count = np.sum(~np.isnan(x), axis=axis)
   var = np.nansum(centred * centred, axis=axis) / np.maximum(count, 1)
