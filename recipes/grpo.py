@@ -79,12 +79,16 @@ class Grpo(Sft):
   SCALE_REWARDS: Literal['group', 'batch', 'none'] = 'group'   # advantages over the group's std, the batch's, none
   KL_BIAS_CORRECTION: bool = True   # the KL term times the ratio (TRL's use_bias_correction_kl)
   REWARD_WEIGHTS: list[float] = []   # one per reward function; []: 1 each
+  # TRL's log_completions: each rollout batch (prompt, completion, rewards, advantage a line) into
+  # decoder_out/rollouts/decode_step<k>.jsonl of the job directory
+  LOG_COMPLETIONS: bool = False
   ANSWER_FIELD: str = 'answer'       # exact_match: the record's field holding the right answer
   ANSWER_START: str = '<answer>'     # exact_match: the marks around the answer in a completion
   ANSWER_END: str = '</answer>'
   replayed = frozenset({'NUM_GENERATIONS', 'MAX_COMPLETION_LENGTH', 'TEMPERATURE', 'TOP_P', 'TOP_K', 'STOP',
                         'LOSS_TYPE', 'BETA', 'EPSILON', 'EPSILON_HIGH', 'NUM_ITERATIONS', 'SCALE_REWARDS',
-                        'KL_BIAS_CORRECTION', 'REWARD_WEIGHTS', 'ANSWER_FIELD', 'ANSWER_START', 'ANSWER_END'})
+                        'KL_BIAS_CORRECTION', 'REWARD_WEIGHTS', 'LOG_COMPLETIONS', 'ANSWER_FIELD', 'ANSWER_START',
+                        'ANSWER_END'})
 
   def reward_functions(self) -> list:
     """The reward functions (paxcli.models.rewards' convention); override to add your own."""

@@ -42,7 +42,7 @@ def _rows(job) -> list[dict]:
 
 def test_a_run_samples_scores_and_reports_trls_metrics(example, tmp_path, capsys):
   code, out, err = _train(example, tmp_path / 'job', capsys, 'NUM_TRAIN_STEPS=1', 'MAX_COMPLETION_LENGTH=2',
-                          'STOP=["</answer>"]')
+                          'STOP=["</answer>"]', 'LOG_COMPLETIONS=True')
   assert code == 0, err
   rows = _rows(tmp_path / 'job')
   assert [r['step'] for r in rows] == [1]
@@ -52,6 +52,12 @@ def test_a_run_samples_scores_and_reports_trls_metrics(example, tmp_path, capsys
   assert 0 <= rows[-1]['reward'] <= 1
   assert 1 <= rows[-1]['completions/mean_length'] <= 2
   assert 'reward ' in out and 'completions/mean_length ' in out   # the log line shows the rollout's numbers
+  with open(tmp_path / 'job' / 'decoder_out' / 'rollouts' / 'decode_step1.jsonl') as f:
+    logged = [json.loads(line) for line in f]
+  assert len(logged) == 16 and [r['sample_index'] for r in logged[:4]] == [0, 1, 2, 3]   # 4 prompts x 4
+  assert all(r['prompt'].endswith('<answer>') and '</answer>' not in r['completion'] for r in logged)
+  assert [r['rewards']['exact_match'] for r in logged] == [r['reward'] for r in logged]
+  assert np.mean([r['reward'] for r in logged]) == pytest.approx(rows[0]['reward'])
 
 
 SAMPLE_REWARD = '''

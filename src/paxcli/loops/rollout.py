@@ -44,6 +44,7 @@ from paxcli.jobdir import restore
 from paxcli.layers import lora
 from paxcli.loops.decode.decoder import Decoder
 from paxcli.loops.decode.options import DecodeOptions
+from paxcli.loops.decode.output import write_jsonl
 from paxcli.loops.decode.prompts import Prompt
 from paxcli.models import grpo
 from paxcli.models import rewards as reward_lib
@@ -53,6 +54,7 @@ from paxcli.runtime import train_state
 
 STATE_KIND = 'paxcli_grpo_rollouts'
 CALL_ARGUMENTS = ('prompts', 'completions', 'completion_ids', 'step')
+ROLLOUTS = 'rollouts'   # LOG_COMPLETIONS: the rollout batches' records, under decoder_out/rollouts/
 STATE_VERSION = 1
 _DTYPES = ('int32', 'float32')
 
@@ -85,6 +87,7 @@ class Rollouts:
     self.names = [reward_lib.name_of(f) for f in self.functions]
     self.weights = _weights(getattr(exp, 'REWARD_WEIGHTS', None), len(self.functions))
     self.seed = int(exp.RANDOM_SEED)
+    self.log_completions = bool(getattr(exp, 'LOG_COMPLETIONS', False)) and jax.process_index() == 0
     self.base = restore.base_ref(setup.train.init_from) if setup.train.init_from else None
     tok = prompts.tok
     self.opts = DecodeOptions(max_decode_steps=model.max_completion_length, temperature=model.temperature,
@@ -168,7 +171,18 @@ class Rollouts:
     if self.model.beta:
       batch['ref_logps'] = self._logps(self._reference_params(params), batch)
     batch.update(self._stats(records, rewards, per_function, zero_std))
+    if self.log_completions:
+      self._write(step, taken, records, per_function, rewards, advantages)
     return self._mine(batch)
+
+  def _write(self, step: int, taken, records, per_function, rewards, advantages) -> None:
+    """LOG_COMPLETIONS: the rollout batch, a completion a line, into decoder_out/rollouts/decode_step<k>.jsonl."""
+    g = self.model.num_generations
+    write_jsonl(layout.train_decodes(self.job_dir, ROLLOUTS, step), [
+        {'step': step, 'prompt_index': taken[r // g][0], 'sample_index': r % g, 'prompt': rec['prompt'],
+         'completion': rec['decoded'], 'completion_ids': rec['decoded_ids'], 'stop_reason': rec['stop_reason'],
+         'rewards': {name: float(per_function[r, f]) for f, name in enumerate(self.names)},
+         'reward': float(rewards[r]), 'advantage': float(advantages[r])} for r, rec in enumerate(records)])
 
   def _rewards(self, taken, records: list[dict], step: int) -> tuple[np.ndarray, np.ndarray]:
     """(the weighted sum of the functions' rewards per completion, NaN where none scored it; each function's
