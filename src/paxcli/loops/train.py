@@ -55,6 +55,7 @@ from paxcli.loops import accumulate
 from paxcli.loops.decode.training import TrainDecoder
 from paxcli.loops import goodput
 from paxcli.loops import reference
+from paxcli.loops import rollout
 from paxcli.loops.evaluate import DATA_FIELDS, Evaluator, line_note, metrics_line
 from paxcli.loops.hooks import Chrono, Hooks, StepInfo, Window
 from paxcli.loops.router_watch import RouterWatch, load_note, totals
@@ -718,7 +719,7 @@ def _train(resolved, job_dir: str, console, accounting: goodput.Goodput, verbose
     # ---- Loop -------------------------------------------------------------------------------------
     for step in range(start.step + 1, total + 1):
       with chrono.phase('data'):
-        batch = to_global(train_input.get_next(), batch_sharding, setup.global_batch)
+        batch = to_global(_next_batch(train_input, state), batch_sharding, setup.global_batch)
       hooks.before(step)
       state, metrics = train_step(state, batch)
       with _naming_the_step(step, checkpointer):
@@ -766,11 +767,19 @@ def _check_start(resolved, setup, job_dir: str, force_resume: bool) -> tuple[Run
 
 
 def _train_input(resolved, setup, job_dir: str):
-  """The train input, its tokenizer checked against the one the job keeps and its base's."""
+  """The train input, its tokenizer checked against the one the job keeps and its base's; for a model that samples
+  its own batches (GRPO), its rollouts over that input's prompts (paxcli.loops.rollout)."""
   train_input = infeed.build_input(resolved.train_dataset(), setup)
+  if getattr(setup.model, 'samples_own_batches', False):
+    train_input = rollout.Rollouts(resolved, setup, job_dir, train_input)
   tokenizer.check_kept(train_input, job_dir)
   tokenizer.check_base(train_input, setup.train.init_from)
   return train_input
+
+
+def _next_batch(train_input, state: dict) -> dict:
+  """The next batch; an input that samples from the model being trained (GRPO's rollouts) reads the state."""
+  return train_input.get_next(state) if getattr(train_input, 'reads_state', False) else train_input.get_next()
 
 
 def _open_job_dir(job_dir: str, train_cfg, lock, log, is_main: bool) -> ckpt.Checkpointer:

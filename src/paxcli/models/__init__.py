@@ -40,6 +40,7 @@ _PUBLIC = {
     'ClassifierExperiment': 'classifier_experiment', 'CLASSIFIER_KNOBS': 'classifier_experiment',
     'LM_KNOBS': 'knobs', 'LM_KNOB': 'knobs',
     'Family': 'family', 'FAMILIES': 'registry', 'LLAMA': 'llama',
+    'GrpoLm': 'grpo',
 }
 # Names paxcli/models.py used to import from paxcli.layers (and so served as paxcli.models.X):
 # still served, with a DeprecationWarning naming their home.

@@ -86,7 +86,8 @@ class Head:
   `w` is the embedding table [V, D] (tied logits) or the logits kernel [D, V]; `bias` [V] or None.
   `logits(x)` is the one place logits are made from the final features, whole (TransformerLm's output)
   or in chunks (chunked_lm_loss, token_scores): float32, divided by `divisor` (Granite's logits_scaling),
-  soft-capped by `cap` (0: not capped).
+  soft-capped by `cap` (0: not capped), then divided by `temperature` (GRPO scores its samples at the
+  temperature they were drawn at, as TRL does).
   """
   w: jax.Array
   bias: Optional[jax.Array]
@@ -95,6 +96,7 @@ class Head:
   table_dtype: Any = flax.struct.field(pytree_node=False)  # tied: the table's dtype in the product
   cap: float = flax.struct.field(pytree_node=False, default=0.0)
   divisor: float = flax.struct.field(pytree_node=False, default=1.0)
+  temperature: float = flax.struct.field(pytree_node=False, default=1.0)
 
   @property
   def vocab(self) -> int:
@@ -111,7 +113,8 @@ class Head:
     out = constrain(out, ('batch', 'length', 'vocab')).astype(jnp.float32)
     if self.divisor != 1.0:
       out = out / self.divisor
-    return soft_cap(out, self.cap)
+    out = soft_cap(out, self.cap)
+    return out if self.temperature == 1.0 else out / jnp.float32(self.temperature)
 
 
 # LOSS_CHUNK_TOKENS counts tokens at this vocabulary or below; a larger vocabulary gets proportionally fewer
