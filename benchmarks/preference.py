@@ -1,6 +1,7 @@
 """Preference tuning: DPO step time against TRL's DPOTrainer, and the memory of LoRA-DPO against full DPO.
 
   .venv/bin/python benchmarks/preference.py [--steps 10] [--pairs 8] [--seq 64] [--skip-memory] [--skip-time]
+      [--isa avx2]
 
 Time: the fine-tuning example's Llama (recipes/finetune.py TINY_CONFIG: 2 layers x 64, vocab 384), float32, the
 same batch of pairs (PAIRS x 2 rows of SEQ tokens) on both sides: paxcli's whole train step (forward of policy
@@ -10,9 +11,10 @@ after a warm-up step each.
 
 Memory: bench.Llama1B's structure (16 layers x 2048, vocab 32768, rows of 2048) as posttrain.Dpo, its train
 step compiled for one device without running it (`jit(step).lower(...).compile().memory_analysis()`, what
-`pax bench mfu --compile-only` reads): full DPO with its reference copy (non-trainable variables) against LoRA-DPO,
-whose reference is its base with the adapters off, and full DPO with precomputed reference log-probabilities. One pair a device (two rows). The machine is shared: compare rows of
-one run, not runs.
+`pax bench mfu --compile-only` reads): full DPO with its reference copy (non-trainable variables) against
+LoRA-DPO, whose reference is its base with the adapters off, and full DPO with precomputed reference
+log-probabilities. One pair a device (two rows). The machine is shared: compare rows of one run, not runs.
+--isa avx2 runs it as on a processor without AVX-512 or AMX (benchmarks/machine.py).
 """
 
 from __future__ import annotations
@@ -21,9 +23,10 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import tempfile
 import time
+
+import machine   # benchmarks/machine.py: the processor and its instruction sets
 
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 
@@ -35,11 +38,6 @@ MEMORY_VARIANTS = [
     ('full DPO, precomputed reference', ["REFERENCE='precomputed'"]),
     ('SimPO (no reference)', ["LOSS_TYPE='simpo'"]),
 ]
-
-
-def processor() -> str:
-  out = subprocess.run(['lscpu'], capture_output=True, text=True).stdout
-  return next((line.split(':', 1)[1].strip() for line in out.splitlines() if line.startswith('Model name')), '?')
 
 
 def _bytes(tree) -> int:
@@ -160,11 +158,13 @@ def main() -> None:
   parser.add_argument('--seq', type=int, default=64)
   parser.add_argument('--skip-memory', action='store_true')
   parser.add_argument('--skip-time', action='store_true')
+  machine.add_isa_argument(parser)
   args = parser.parse_args()
+  machine.restrict(args.isa)
   from rich.console import Console
   from rich.table import Table
   console = Console(width=200)   # the tables whole in a log file too
-  console.print(f'Processor: {processor()}')
+  console.print(machine.describe())
   if not args.skip_time:
     with tempfile.TemporaryDirectory() as d:
       made = _example(d, args.pairs * 4)
