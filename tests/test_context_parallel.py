@@ -271,3 +271,18 @@ def test_a_job_trained_with_context_parallelism_decodes_and_scores_as_one_traine
 def _quiet():
   from rich.console import Console
   return Console(quiet=True)
+
+
+def test_a_batch_of_another_form_is_refused_where_the_step_would_split_its_sequences():
+  """A model reading its own batch (preference pairs, GRPO rollouts: no `ids`) under a context axis over 1 is
+  refused in one line, naming what it reads; unsplit, its batch passes as it is."""
+  from paxcli.layers import activation_sharding
+  import jax.numpy as jnp
+  batch = {'chosen_ids': jnp.zeros((2, 16), jnp.int32), 'rejected_ids': jnp.zeros((2, 16), jnp.int32)}
+  assert context_parallel.to_device_order(batch) is batch
+  split = sharding.make_mesh([1, 1, 1, 1, 2, 1], devices=jax.devices()[:2])
+  with activation_sharding.rules(split):
+    with pytest.raises(UserError, match='this model reads chosen_ids, rejected_ids: set the context axis to 1'):
+      context_parallel.to_device_order(batch)
+  with activation_sharding.rules(sharding.make_mesh([1, 1, 1], devices=jax.devices()[:1])):
+    assert context_parallel.to_device_order(batch) is batch

@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from paxcli.errors import UserError
 from paxcli.layers import activation_sharding
 from paxcli.layers.activation_sharding import spec_for
 from paxcli.layers.attention_ops import (FlashSpec, effective_window, flash, flash_backward, flash_block, flash_delta,
@@ -113,7 +114,15 @@ def active_layout(length: int) -> Optional[Layout]:
 def to_device_order(batch: dict, length_key: str = 'ids') -> dict:
   """The batch with every per-token array ([B, L, ...], L the length of `length_key`) in device order, and
   positions made explicit first (0 .. L-1 when the batch has none): what the step's model reads under load
-  balancing. Unchanged where the step splits no sequence, or in contiguous shares (already in order)."""
+  balancing. Unchanged where the step splits no sequence, or in contiguous shares (already in order). A batch of
+  another form (preference pairs, GRPO rollouts: no `length_key`) is the model's own to order: refused in one
+  line where the step would split its sequences."""
+  if length_key not in batch:
+    lengths = {v.shape[1] for v in batch.values() if getattr(v, 'ndim', 0) >= 2}
+    if any(active_layout(n) is not None for n in lengths):
+      raise UserError('context parallelism (a context mesh axis over 1) splits the language model\'s own batch '
+                      f'(ids, labels, ...); this model reads {", ".join(sorted(batch))}: set the context axis to 1')
+    return batch
   b, length = batch[length_key].shape[:2]
   layout = active_layout(length)
   if layout is None or not layout.balanced:
