@@ -176,9 +176,17 @@ def eval_label(name: str) -> str:
   return 'eval' if name == 'eval' else f'eval on {name}'
 
 
-def metrics_line(step: int, name: str, m: dict) -> str:
+def metrics_line(step: int, name: str, m: dict, model=None) -> str:
   accuracy = f"  accuracy {m['accuracy']:.4f}" if 'accuracy' in m else ''
-  return f"step {step}: {eval_label(name)}: loss {m['loss']:.4f}{accuracy}  ({m['num_examples']:.0f} examples)"
+  return (f"step {step}: {eval_label(name)}: loss {m['loss']:.4f}{accuracy}{line_note(m, model)}  "
+          f"({m['num_examples']:.0f} examples)")
+
+
+def line_note(record: dict, model) -> str:
+  """'  rewards/margins 0.1234 ...' for the metrics a model names in `line_metrics` (the log lines show the loss
+  and accuracy of every model, and these after them; every metric goes to TensorBoard and the trackers)."""
+  names = getattr(model, 'line_metrics', ())
+  return ''.join(f'  {k} {record[k]:.4g}' for k in names if k in record)
 
 
 class Evaluator:
@@ -399,7 +407,7 @@ def follow(resolved, job_dir: str, console, timeout: Optional[float] = None, pol
           claim.release()
       done.add(step)
       for name, m in results.items():
-        log(metrics_line(step, name, m))
+        log(metrics_line(step, name, m, setup.model))
       record = {'step': step, 'results': results}
       out.append(record)
       if on_result:

@@ -55,7 +55,7 @@ from paxcli.loops import accumulate
 from paxcli.loops.decode.training import TrainDecoder
 from paxcli.loops import goodput
 from paxcli.loops import rollout
-from paxcli.loops.evaluate import DATA_FIELDS, Evaluator, metrics_line
+from paxcli.loops.evaluate import DATA_FIELDS, Evaluator, line_note, metrics_line
 from paxcli.loops.hooks import Chrono, Hooks, StepInfo, Window
 from paxcli.loops.router_watch import RouterWatch, load_note, totals
 from paxcli.models import pattern
@@ -399,7 +399,7 @@ def _eval_hook(evaluator: Evaluator, reporter: Reporter, chrono: Chrono) -> Call
   def run(info: StepInfo) -> None:
     with chrono.paused():
       for name, m in evaluator.run(info.step, info.state).items():
-        reporter.log(metrics_line(info.step, name, m))
+        reporter.log(metrics_line(info.step, name, m, evaluator.setup.model))
   return run
 
 
@@ -501,11 +501,11 @@ class GracefulStop:
 class Reporter:
   """Hook, every step: a rich progress bar on a terminal; plain log lines otherwise (CI, files, pipes)."""
 
-  def __init__(self, console, total: int, start: int, enabled: bool = True, line_metrics: tuple = ()):
+  def __init__(self, console, total: int, start: int, enabled: bool = True, model=None):
     self.console = console
+    self.model = model   # its line_metrics follow the loss in the log line
     self.total = total
     self.enabled = enabled
-    self.line_metrics = tuple(line_metrics)   # the model's metrics the log line shows after the loss
     self.interactive = enabled and console.is_terminal
     self._progress = None
     self._last: dict = {}
@@ -534,8 +534,8 @@ class Reporter:
     self._last = record
     if self.enabled and not self.interactive:
       accuracy = f"  accuracy {record['accuracy']:.4f}" if 'accuracy' in record else ''
-      own = ''.join(f'  {k} {record[k]:.4g}' for k in self.line_metrics if k in record)
-      self.log(f"step {record['step']}: loss {record['loss']:.4f}{accuracy}{own}{aux_note(record)}{load_note(record)}  "
+      self.log(f"step {record['step']}: loss {record['loss']:.4f}{accuracy}{line_note(record, self.model)}"
+               f"{aux_note(record)}{load_note(record)}  "
                f"lr {record['learning_rate']:.3g}  grad_norm {record['grad_norm']:.3f}  "
                f"{record['steps_per_sec']:.2f} steps/s  {record['tokens_per_sec']:,.0f} tokens/s"
                f"{mfu_note(record)}{eta_note(eta_seconds)}{window_note(record)}")
@@ -818,8 +818,7 @@ def _begin(hooks: Hooks, run: _Run, train_step: TrainStep, profiler, made) -> tu
       _open_trackers(run.resolved, run.job_dir, train_cfg, run.spec, log) if run.is_main else track.Trackers())
   writer = summaries.SummaryWriter(layout.summaries(run.job_dir, 'train'), layout.train_metrics(run.job_dir),
                                    trackers=tracked) if run.is_main else None
-  reporter = Reporter(run.console, train_cfg.num_train_steps, start.step, enabled=run.is_main,
-                      line_metrics=getattr(setup.model, 'line_metrics', ()))
+  reporter = Reporter(run.console, train_cfg.num_train_steps, start.step, enabled=run.is_main, model=setup.model)
   losses = LossCheck(LossGuard(train_cfg.loss_spike_factor, train_cfg.loss_spike_window, start.recent_losses),
                      start.step, train_cfg.num_train_steps, run.checkpointer)
   chrono = Chrono(start.step, train_cfg.num_train_steps, run.accounting.stopwatch)
