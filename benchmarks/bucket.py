@@ -22,6 +22,8 @@ import sys
 import tempfile
 import time
 
+import machine   # benchmarks/machine.py: the processor beside the table
+
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), '..', 'tests'))
 
 
@@ -98,6 +100,7 @@ def main() -> None:
     table.add_row(name, f'{stall:.2f}', f'{write:.2f}', f'{gib / (stall + write):.2f}', f'{restore:.2f}',
                   f'{gib / restore:.2f}', f'{stall / base[0]:.2f}x', f'{restore / base[2]:.2f}x')
   Console(width=200).print(table)
+  Console(width=200).print(machine.describe())
 
 
 if __name__ == '__main__':

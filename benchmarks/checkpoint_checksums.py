@@ -16,6 +16,8 @@ import shutil
 import tempfile
 import time
 
+import machine   # benchmarks/machine.py: the processor beside the table
+
 
 def main() -> None:
   parser = argparse.ArgumentParser()
@@ -75,6 +77,7 @@ def main() -> None:
                 f'+{100 * t_sum / t_save:.0f}%')
   table.add_row('orbax restore', f'{t_restore:.3f}', f'{gib / t_restore:.2f}', f'+{100 * t_sum / t_restore:.0f}%')
   Console().print(table)
+  Console().print(machine.describe())
 
 
 if __name__ == '__main__':

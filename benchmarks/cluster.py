@@ -33,17 +33,12 @@ sys.path.insert(0, TESTS)
 
 import cluster_net  # noqa: E402  (the tests' helpers: the same cluster the tests run)
 import slurm_cluster  # noqa: E402
+import machine   # benchmarks/machine.py: the processor beside the table
 
 PAX = [sys.executable, '-m', 'paxcli.cli.app']
 TINY = ['--exp', 'lm_cloud.LmCloudSpmdTest', '--set', 'NUM_LAYERS=2', '--set', 'MODEL_DIMS=32',
         '--set', 'HIDDEN_DIMS=64', '--set', 'NUM_HEADS=4', '--set', 'DIMS_PER_HEAD=8', '--set', 'MAX_SEQ_LEN=16',
         '--set', 'VOCAB_SIZE=64', '--set', 'task.train.summary_interval_steps=1', '--set', 'PERCORE_BATCH_SIZE=1']
-
-
-def processor() -> str:
-  with open('/proc/cpuinfo', encoding='utf-8') as f:
-    names = [line.split(':', 1)[1].strip() for line in f if line.startswith('model name')]
-  return f'{names[0]} x {len(names)}' if names else 'unknown processor'
 
 
 class Job:
@@ -186,15 +181,16 @@ def main() -> None:
   cuts = {int(t): cut_link(work, int(t)) for t in args.timeouts.split(',')} if 'cut' in parts else {}
   console = Console()
   if 'cold' in rows:
-    t = Table(title=f'SLURM 22.05, 2 nodes x 1 process x 4 CPU devices, a tiny LM, on {processor()}')
+    t = Table(title=f'SLURM 22.05, 2 nodes x 1 process x 4 CPU devices, a tiny LM, on {machine.processor()}')
     for col in ('', 'job running s', 'JAX distributed s', 'first step s'):
       t.add_column(col, justify='right' if col else 'left')
     for name, row in (('sbatch to first step, cold XLA cache', rows['cold']),
                       ('sbatch to first step, warm', rows['warm'])):
       t.add_row(name, f"{row['running']:.1f}", f"{row['distributed']:.1f}", f"{row['first step']:.1f}")
     console.print(t)
+    console.print(machine.describe())
   if 'preempted' in rows or 'killed' in rows:
-    t = Table(title=f'What a fault costs, on {processor()}')
+    t = Table(title=f'What a fault costs, on {machine.processor()}')
     for col in ('fault', 'furthest step', 'resumed from', 'steps lost', 'others stopped s', 'to first new step s'):
       t.add_column(col, justify='left' if col == 'fault' else 'right')
     if 'preempted' in rows:
@@ -206,13 +202,15 @@ def main() -> None:
       t.add_row("kill -9 of node2's process at step 12 (fast tier every 5)", str(row['reached']), str(row['resumed']),
                 str(row['lost']), f"{row['stopped']:.1f}", f"{row['to first new step']:.1f}")
     console.print(t)
+    console.print(machine.describe())
   if cuts:
-    t = Table(title=f'A cut link: seconds to every process stopped, on {processor()}')
+    t = Table(title=f'A cut link: seconds to every process stopped, on {machine.processor()}')
     t.add_column('--heartbeat-timeout', justify='right')
     t.add_column('cut to all stopped s', justify='right')
     for timeout, seconds in cuts.items():
       t.add_row(str(timeout), f'{seconds:.1f}')
     console.print(t)
+    console.print(machine.describe())
 
 
 if __name__ == '__main__':

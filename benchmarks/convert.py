@@ -95,6 +95,7 @@ def disk_write_speed(directory: str, nbytes: int = 1 << 30) -> float:
 
 
 def main() -> None:
+  import machine   # benchmarks/machine.py (this file is also loaded by tests, from elsewhere)
   p = argparse.ArgumentParser()
   p.add_argument('--layers', type=int, default=20)
   p.add_argument('--dims', type=int, default=2048)
@@ -139,6 +140,7 @@ def main() -> None:
     print('  '.join(row), flush=True)
     shutil.rmtree(os.path.join(args.dir, out), ignore_errors=True)
   Console(width=160).print(table)
+  Console(width=160).print(machine.describe())
 
 
 if __name__ == '__main__':

@@ -19,6 +19,7 @@ import argparse
 import time
 
 import numpy as np
+import machine   # benchmarks/machine.py: the processor beside the table
 
 
 def cached(decoder, prompts, new_tokens: int) -> dict:
@@ -93,6 +94,7 @@ def main() -> None:
       table.add_row(str(b), name, f"{m['tokens_per_sec']:,.1f}", f"{m['first_ms']:.1f}", f"{m['last_ms']:.1f}",
                     f"{m['tokens_per_sec'] / r['tokens_per_sec']:.1f}x")
   Console().print(table)
+  Console().print(machine.describe())
 
 
 if __name__ == '__main__':

@@ -3,19 +3,25 @@
   .venv/bin/python benchmarks/decode_vs_hf.py [--batch-sizes 1,16,64] [--prompt-len 64] [--new-tokens 256]
                                               [--threads 2] [--repeats 2] [--layers 12] [--dims 768]
                                               [--heads 12] [--kv-heads 4] [--hidden 2048] [--vocab 32000]
+                                              [--untied] [--isa native|avx2]
 
 One Llama (by default 12 layers, d768, GQA 12/4, MLP 2048, vocabulary 32,000, tied embeddings: 110M
-parameters) with random weights, built once in transformers (LlamaForCausalLM, float32) and
+parameters; `--untied`: a separate output projection, as Llama 3 8B, Qwen 7B and Mistral have) with random
+weights, built once in transformers (LlamaForCausalLM, float32) and
 converted into paxcli by the Llama family's weight map, so that both decode the same function.
 Each batch size decodes the same random prompts (no padding) with paxcli's Decoder (greedy,
 `--new-tokens` each, EOS ignored) and with `model.generate(do_sample=False, min_new_tokens=
 max_new_tokens)`; after a warm-up run of each (compiles excluded), the best of `--repeats` timed
 runs is reported. Both get the same threads: the process is pinned to `--threads` CPUs, torch
 gets `torch.set_num_threads`, XLA sizes its pool from the pinned CPUs. "same tokens" is the
-share of rows whose 256 greedy tokens agree exactly (float32 rounding may flip a near-tie late in
+share of rows whose greedy tokens agree exactly (float32 rounding may flip a near-tie late in
 a row; the first difference is reported). The last column divides the CPU seconds (all threads) each
 side spent: on a machine other work loads, it shows the work done apart from waiting for a core
 (torch's and XLA's idle threads spin a little, so it is not exact either).
+
+`--isa avx2` runs both sides as on a processor without AVX-512 and AMX (benchmarks/machine.py: CPUID masked
+for the whole process, XLA_FLAGS=--xla_cpu_max_isa=AVX2, ONEDNN_MAX_CPU_ISA=AVX2). The processor and the
+instruction sets the process saw are printed under the table.
 
 Machines are shared and noisy: only the ratio within one run means anything.
 """
@@ -26,13 +32,15 @@ import argparse
 import os
 import time
 
+import machine
+
 
 def hf_config(args) -> dict:
   return {'architectures': ['LlamaForCausalLM'], 'model_type': 'llama', 'vocab_size': args.vocab,
           'hidden_size': args.dims, 'intermediate_size': args.hidden, 'num_hidden_layers': args.layers,
           'num_attention_heads': args.heads, 'num_key_value_heads': args.kv_heads,
           'head_dim': args.dims // args.heads, 'max_position_embeddings': args.prompt_len + args.new_tokens,
-          'rms_norm_eps': 1e-6, 'rope_theta': 10000.0, 'hidden_act': 'silu', 'tie_word_embeddings': True,
+          'rms_norm_eps': 1e-6, 'rope_theta': 10000.0, 'hidden_act': 'silu', 'tie_word_embeddings': not args.untied,
           'attention_bias': False, 'mlp_bias': False, 'attention_dropout': 0.0}
 
 
@@ -93,20 +101,28 @@ def agreement(a: list, b: list) -> tuple[float, int]:
   return same, first
 
 
-def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser, new_tokens: int) -> None:
+  """The model's, the prompts' and the machine's flags (shared with decode_roofline.py)."""
   parser.add_argument('--batch-sizes', default='1,16,64')
   parser.add_argument('--prompt-len', type=int, default=64)
-  parser.add_argument('--new-tokens', type=int, default=256)
+  parser.add_argument('--new-tokens', type=int, default=new_tokens)
   parser.add_argument('--threads', type=int, default=2)
-  parser.add_argument('--repeats', type=int, default=2)
   parser.add_argument('--layers', type=int, default=12)
   parser.add_argument('--dims', type=int, default=768)
   parser.add_argument('--heads', type=int, default=12)
   parser.add_argument('--kv-heads', type=int, default=4)
   parser.add_argument('--hidden', type=int, default=2048)
   parser.add_argument('--vocab', type=int, default=32000)
+  parser.add_argument('--untied', action='store_true', help='a separate output projection (lm_head)')
+  machine.add_isa_argument(parser)
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  add_arguments(parser, new_tokens=256)
+  parser.add_argument('--repeats', type=int, default=2)
   args = parser.parse_args()
+  machine.restrict(args.isa)
   os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:args.threads])   # before XLA sizes its pool
   import jax
   import numpy as np
@@ -123,9 +139,10 @@ def main() -> None:
   hf_model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).eval()
   params = sum(p.numel() for p in hf_model.parameters())
   decoder = paxcli_decoder(config, hf_model.state_dict())
+  embeddings = 'untied' if args.untied else 'tied'
   table = Table(title=f'Greedy decoding, Llama {params / 1e6:.0f}M ({args.layers} layers, d{args.dims}, GQA '
-                      f'{args.heads}/{args.kv_heads}, vocab {args.vocab}), {args.prompt_len}-token prompts, '
-                      f'{args.new_tokens} new tokens, {args.threads} threads each, float32; best of {args.repeats}')
+                      f'{args.heads}/{args.kv_heads}, vocab {args.vocab}, {embeddings}), {args.prompt_len}-token '
+                      f'prompts, {args.new_tokens} new tokens, {args.threads} threads each, float32; best of {args.repeats}')
   for col in ('batch', 'paxcli tokens/s', 'transformers tokens/s', 'paxcli / transformers', 'same tokens',
               'first difference', 'tokens per CPU-s: paxcli / transformers'):
     table.add_column(col, justify='right')
@@ -140,9 +157,13 @@ def main() -> None:
     table.add_row(str(b), f'{pax_tps:,.1f}', f'{hf_tps:,.1f}', f'{pax_tps / hf_tps:.2f}x', f'{same:.0%}',
                   '-' if first < 0 else f'token {first}', f'{hf_cpu / pax_cpu:.2f}x')
     Console().print(f'batch {b}: paxcli {pax_tps:,.1f} tokens/s, transformers {hf_tps:,.1f} tokens/s')
-  Console().print(table)
-  Console().print(f'{jax.devices()[0].device_kind}, {os.cpu_count()} CPUs on the machine, load average '
-                  f'{os.getloadavg()[0]:.1f} at the end (a loaded machine lowers both sides).')
+  console = Console()
+  console.print(table)
+  console.print(f'{machine.describe()} (at the end: a loaded machine lowers both sides)')
+  flags = os.environ.get('XLA_FLAGS', '')
+  console.print(f'jax {jax.__version__} on {jax.devices()[0].device_kind} (XLA_FLAGS={flags!r}); '
+                f'torch {torch.__version__} (ATen {torch.backends.cpu.get_cpu_capability()}), '
+                f'transformers {transformers.__version__}')
 
 
 if __name__ == '__main__':

@@ -33,6 +33,8 @@ import tempfile
 import threading
 import time
 
+import machine   # benchmarks/machine.py: the processor beside the table
+
 
 def restart_row(exp: str, fast: bool, args, work: str) -> dict:
   """One `pax launch --max-restarts 1` run with a kill at --kill-at; the figures of its restart."""
@@ -170,6 +172,7 @@ def main() -> None:
       t.add_row(r['tier'], str(r['reached']), r['resumed'], str(r['lost']), _s(r['to_restart']), _s(r['to_resumed']),
                 _s(r['to_first_step']), _s(r['gap']), _s(r['startup']), _s(r['compile']), f"{r['goodput']:.1%}")
     console.print(t)
+    console.print(machine.describe())
     tiers, size = tier_rows(args.state_gib, work)
     t = Table(title=f'Save stall and restore, {size["bytes"] / (1 << 30):.2f} GiB state (LM of {size["layers"]} '
                     'layers x 1024, Adam), one CPU process, both tiers on this disk')
@@ -180,6 +183,7 @@ def main() -> None:
       t.add_row(r['tier'], *(' '.join(f'{x:.3f}' for x in r[k]) for k in ('stall', 'checks', 'save_call')),
                 _s(r['last_write']), _s(r['restore']), f"{r['restore_gib_s']:.2f}")
     console.print(t)
+    console.print(machine.describe())
     if not args.no_llama:
       llama = llama_figures()
       gib = llama['bytes'] / (1 << 30)
@@ -197,6 +201,7 @@ def main() -> None:
         t.add_row('persistent only' if r['tier'] == 'persistent' else 'fast + persistent', lost, f'{restore_s:.1f}',
                   f'{base + restore_s:.1f}')
       console.print(t)
+      console.print(machine.describe())
     print(json.dumps({'restarts': restarts, 'tiers': tiers, 'state': size}, default=str))
   finally:
     shutil.rmtree(work, ignore_errors=True)

@@ -16,28 +16,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
 
+import machine   # benchmarks/machine.py: the processor beside the table
+
 TINY = ['--set', 'NUM_LAYERS=1', '--set', 'MODEL_DIMS=32', '--set', 'HIDDEN_DIMS=64', '--set', 'NUM_HEADS=2',
         '--set', 'DIMS_PER_HEAD=16', '--set', 'VOCAB_SIZE=64', '--set', 'MAX_SEQ_LEN=16',
         '--set', 'PERCORE_BATCH_SIZE=1']
-
-
-def processor() -> str:
-  """The CPU's model name (Linux), else what Python's platform module says."""
-  try:
-    with open('/proc/cpuinfo', encoding='utf-8', errors='replace') as f:
-      for line in f:
-        if line.startswith('model name'):
-          return line.split(':', 1)[1].strip()
-  except OSError:
-    pass
-  return platform.processor() or platform.machine()
 
 
 def one_run(exp: str, steps: int, work: str, index: int) -> dict:
@@ -73,7 +62,7 @@ def main() -> None:
     shutil.rmtree(work, ignore_errors=True)
   load = os.getloadavg()[0] if hasattr(os, 'getloadavg') else float('nan')
   t = Table(title=f'Goodput ledger against an outside clock: pax launch -n 1 -- train {args.exp}, {args.steps} steps; '
-                  f'{processor()}, {os.cpu_count()} cores, load {load:.1f}')
+                  f'{machine.processor()}, {os.cpu_count()} cores, load {load:.1f}')
   for col in ('run', 'outside s', 'ledger s', 'missed s', 'missed share', 'start-up s', 'shut-down s'):
     t.add_column(col, justify='right')
   for i, r in enumerate(rows, 1):
@@ -81,6 +70,7 @@ def main() -> None:
     t.add_row(str(i), f"{r['outside']:.2f}", f"{r['ledger']:.2f}", f'{missed:.2f}', f"{missed / r['outside']:.1%}",
               f"{r['startup']:.2f}", f"{r['shutdown']:.2f}")
   Console(width=160).print(t)
+  Console(width=160).print(machine.describe())
 
 
 if __name__ == '__main__':

@@ -209,6 +209,7 @@ def table(result: dict, kind: str) -> Table:
 
 
 def main(argv=None) -> None:
+  import machine   # benchmarks/machine.py (this file is also loaded by tests, from elsewhere)
   argv = sys.argv[1:] if argv is None else argv
   if argv[:1] == ['--decode']:   # one decode_rate in this process: decode_part's child
     exp, batch, prompt_len, new_tokens, *knobs = argv[1:]
@@ -222,6 +223,7 @@ def main(argv=None) -> None:
   result = run_all()
   result.update(device=kind, total_seconds=time.perf_counter() - start)
   Console(width=170).print(table(result, kind))
+  Console(width=170).print(machine.describe())
   with open(args.out, 'w') as f:
     json.dump(result, f, indent=1, default=str)
   print(f'Every figure: {os.path.abspath(args.out)} ({result["total_seconds"]:.0f} s in all).')

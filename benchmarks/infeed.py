@@ -18,6 +18,8 @@ from __future__ import annotations
 import argparse
 import time
 
+import machine   # benchmarks/machine.py: the processor beside the table
+
 
 def input_rate(cfg, rows: int, hosts: int, seconds: float) -> float:
   """Batches/s of host 0 of `hosts` reading `rows` rows a batch (after 2 warm-up batches)."""
@@ -107,12 +109,14 @@ def main() -> None:
       table.add_row(name, str(hosts), str(rows * hosts), f'{rate:,.1f}', f'{train["compute"]:.2f}',
                     f'{rate / train["compute"]:,.0f}x')
   console.print(table)
+  console.print(machine.describe())
   fed = Table(title='Train loop with the input in it (this process, all its devices)')
   for col in ('step on one pre-made batch', 'step fed by the input', 'fed / pre-made'):
     fed.add_column(col, justify='right')
   fed.add_row(f'{train["compute"]:.2f} steps/s', f'{train["fed"]:.2f} steps/s',
               f'{train["fed"] / train["compute"]:.2f}')
   console.print(fed)
+  console.print(machine.describe())
 
 
 if __name__ == '__main__':

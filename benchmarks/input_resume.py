@@ -34,6 +34,7 @@ import prepared_data  # noqa: E402  (the tests' prepared-directory writer)
 from paxcli.inputs import prepared  # noqa: E402
 from paxcli.inputs.file_input import FileLmInput  # noqa: E402
 from paxcli.inputs.grain_input import GrainLmInput, stream_states  # noqa: E402
+import machine   # benchmarks/machine.py: the processor beside the table
 
 VOCAB = 2048
 H100_TOKENS_PER_SEC = 56_800
@@ -144,6 +145,7 @@ def main() -> None:
                     f'{grain_resume(directory, states[step], 1):.2f}',
                     f'{grain_resume(directory, states[step], 0):.3f}', f'{len(json.dumps(states[step])):,}')
     console.print(table)
+    console.print(machine.describe())
     rates = Table(title='Grain tokens/s in one process at bench.Llama1B\'s batch (8 x 2048)')
     for col in ('workers', 'tokens/s', 'x one H100 (56.8k tokens/s)'):
       rates.add_column(col, justify='right')
@@ -151,6 +153,7 @@ def main() -> None:
       rate = grain_rate(directory, workers)
       rates.add_row(str(workers), f'{rate:,.0f}', f'{rate / H100_TOKENS_PER_SEC:.1f}x')
     console.print(rates)
+    console.print(machine.describe())
 
 
 if __name__ == '__main__':

@@ -26,6 +26,8 @@ import sys
 import tempfile
 import time
 
+import machine   # benchmarks/machine.py: the processor beside the table
+
 # Run as a script, this file's directory comes first on sys.path, and this file is named lm_eval.py:
 # `import lm_eval` would import it instead of the harness.
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or '.') != os.path.dirname(os.path.abspath(__file__))]
@@ -136,6 +138,7 @@ def main() -> None:
                   f'{theirs_s / ours_s:.2f}x', f'{compile_s:.1f}', f'{_metric(ours, task):.4g}',
                   f'{_metric(theirs, task):.4g}')
   Console(width=200).print(table)
+  Console(width=200).print(machine.describe())
 
 
 if __name__ == '__main__':

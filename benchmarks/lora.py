@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import time
 
+import machine   # benchmarks/machine.py: the processor beside the table
+
 TARGETS = 'LORA_TARGETS=("query","key","value","output","mlp")'
 VARIANTS = [
     ('full fine-tune', []),
@@ -92,6 +94,7 @@ def main() -> None:
       table.add_row(name, f"{r['trainable']:,}", gib(r['params']), gib(r['opt_state']),
                     gib(r['params'] + r['opt_state']), gib(r['arguments']), gib(r['temp']), f"{r['compile_s']:.0f}")
     console.print(table)
+    console.print(machine.describe())
   if not args.skip_time:
     table = Table(title=f'Step time at a CPU size ({" ".join(CPU_SIZE)}), mean of {args.steps} steps')
     for col in ('variant', 'params MiB', 'opt state MiB', 's/step', 'tokens/s', 'vs full'):
@@ -103,6 +106,7 @@ def main() -> None:
       table.add_row(name, f"{r['params'] / 2**20:.1f}", f"{r['opt_state'] / 2**20:.1f}", f"{r['step_s']:.3f}",
                     f"{r['tokens_per_s']:,.0f}", f"{first / r['step_s']:.2f}x")
     console.print(table)
+    console.print(machine.describe())
 
 
 if __name__ == '__main__':

@@ -27,6 +27,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train_step import measure  # noqa: E402  (the same step timing as benchmarks/train_step.py)
+import machine   # benchmarks/machine.py: the processor beside the table
 
 SIZES = {
     # (experiment, overrides, dense hidden dims)
@@ -118,8 +119,10 @@ def main() -> None:
     return
   console = Console(width=None if sys.stdout.isatty() else 160)
   console.print(steps)
+  console.print(machine.describe())
   if plans:
     console.print(memory)
+    console.print(machine.describe())
 
 
 if __name__ == '__main__':

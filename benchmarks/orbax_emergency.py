@@ -33,6 +33,7 @@ import numpy as np, jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import orbax.checkpoint as ocp
 from orbax.checkpoint.experimental.emergency import checkpoint_manager as ecm
+import machine   # benchmarks/machine.py: the processor beside the table
 if setup_calls == '1':
   from absl import flags
   from orbax.checkpoint._src.multihost import multihost
@@ -105,6 +106,7 @@ def main() -> None:
                 r.get('manager', '-'), str(r.get('saved', '-')), str(r.get('local', '-')),
                 str(r.get('persistent', '-')), r.get('restored') or r.get('error', '-'))
   Console(width=220).print(t)
+  Console(width=220).print(machine.describe())
 
 
 if __name__ == '__main__':

@@ -26,6 +26,8 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
+import machine   # benchmarks/machine.py: the processor beside the table
+
 LLAMA1B_TOKENS = (8, 2048)   # bench.Llama1B's rows x length per device
 VOCABS = (32768, 262144)
 CHUNK_TOKENS = 2048   # LOSS_CHUNK_TOKENS measured (the knob is off, 0, by default)
@@ -178,13 +180,16 @@ def main(argv=None) -> None:
   if 'accum' in parts:
     table, out['accum'] = accumulation(args.exp, args.overrides, args.steps)
     console.print(table)
+    console.print(machine.describe())
   if 'loss' in parts:
     tables, out['loss'] = loss_memory(args.steps, not args.no_models)
     for table in tables:
       console.print(table)
+      console.print(machine.describe())
   if 'fp8' in parts:
     table, out['fp8'] = fp8_speed(args.exp, args.overrides, args.steps)
     console.print(table)
+    console.print(machine.describe())
   if args.json:
     json.dump(out, sys.stdout, default=str)
     print()

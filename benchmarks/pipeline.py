@@ -32,6 +32,8 @@ import os
 import subprocess
 import sys
 
+import machine   # benchmarks/machine.py: the processor beside the table
+
 ENVIRON = dict(os.environ)  # for the plans' own processes, before the 8 fake devices below
 os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=8').strip()
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
@@ -104,6 +106,7 @@ def plans(device_memory: str, compilers: list[str]) -> None:
       print(f'{name} by {r["compiler"]}: {r["status"]}, {bench._bytes(r.get("memory_total_bytes"))}',
             file=sys.stderr, flush=True)
   Console(width=220).print(table)
+  Console(width=220).print(machine.describe())
 
 
 def main() -> None:
@@ -152,6 +155,7 @@ def main() -> None:
                   f"{r['pipeline_bubble']:.1%}", memory(r))
     print(f'{stages}x{micro}x{repeats}: {t * 1e3:.0f} ms, with 2M {t2 * 1e3:.0f} ms', file=sys.stderr, flush=True)
   Console(width=160).print(table)
+  Console(width=160).print(machine.describe())
 
 
 if __name__ == '__main__':

@@ -34,6 +34,8 @@ import time
 from rich.console import Console
 from rich.table import Table
 
+import machine   # benchmarks/machine.py: the processor beside the table
+
 PAX = [sys.executable, '-m', 'paxcli.cli.app']
 
 
@@ -144,6 +146,7 @@ def main() -> None:
           if code:
             console.print(f'{name}, {tok}, {workers} worker(s): {last}', style='red', markup=False)
     console.print(table)
+    console.print(machine.describe())
 
 
 if __name__ == '__main__':

@@ -21,6 +21,8 @@ import statistics
 import tempfile
 import time
 
+import machine   # benchmarks/machine.py: the processor beside the table
+
 
 def main() -> None:
   parser = argparse.ArgumentParser()
@@ -108,6 +110,7 @@ def main() -> None:
                     f'{parts["save"]:.3f}', f'{parts["wait"]:.3f}', f'{stall:.2f}', f'{stall / g:.2f}', tail)
     del state
   Console(width=200).print(table)
+  Console(width=200).print(machine.describe())
 
 
 if __name__ == '__main__':

@@ -17,6 +17,7 @@ import argparse
 import time
 
 import numpy as np
+import machine   # benchmarks/machine.py: the processor beside the table
 
 
 def main() -> None:
@@ -59,6 +60,7 @@ def main() -> None:
     table.add_row(str(b) if b else '0 (default)', f'{args.requests / elapsed:,.1f}',
                   f"{stats['tokens'] / elapsed:,.0f}", f"{first['compile_s']:.1f}")
   Console().print(table)
+  Console().print(machine.describe())
 
 
 if __name__ == '__main__':

@@ -28,6 +28,8 @@ import json
 import statistics
 import time
 
+import machine   # benchmarks/machine.py: the processor beside the table
+
 VARIANTS = [
     ('no caps', ['ATTEN_LOGIT_CAP=0.0', 'SOFTMAX_CAP_LOGITS=0.0']),
     ('no caps, blockwise attention', ['ATTEN_LOGIT_CAP=0.0', 'SOFTMAX_CAP_LOGITS=0.0', 'ATTENTION_IMPL=blockwise']),
@@ -100,6 +102,7 @@ def main() -> None:
     print(json.dumps(rows, indent=1))
   else:
     Console(width=140).print(table)
+    Console(width=140).print(machine.describe())
 
 
 if __name__ == '__main__':

@@ -14,6 +14,8 @@ import argparse
 import json
 import time
 
+import machine   # benchmarks/machine.py: the processor beside the table
+
 VARIANTS = [
     ('baseline (loop, no remat, float32)', []),
     ('scan layers', ['USE_REPEATED_LAYER=True']),
@@ -73,6 +75,7 @@ def main() -> None:
     print(json.dumps(rows, indent=1))
   else:
     Console().print(table)
+    Console().print(machine.describe())
 
 
 if __name__ == '__main__':

@@ -33,6 +33,8 @@ _WRAPPER = '''
 from paxml import experiment_registry
 import pax_bench_exp
 
+import machine   # benchmarks/machine.py: the processor beside the table
+
 @experiment_registry.register
 class Timed(pax_bench_exp.{exp}):
   NUM_TRAIN_STEPS = {steps}
@@ -107,6 +109,7 @@ def main() -> None:
   finally:
     shutil.rmtree(work, ignore_errors=True)
   Console().print(table)
+  Console().print(machine.describe())
 
 
 if __name__ == '__main__':

@@ -21,6 +21,8 @@ from __future__ import annotations
 import argparse
 import time
 
+import machine   # benchmarks/machine.py: the processor beside the table
+
 
 def _timed(fn, args, repeats: int) -> float:
   import jax
@@ -127,6 +129,7 @@ def main() -> None:
       table.add_row(r['kernel'], f"{r['fwd_s']:.3f}", mib(r['fwd_temp']), f"{r['fwd_bwd_s']:.3f}",
                     mib(r['fwd_bwd_temp']), f"{rows[0]['fwd_bwd_s'] / r['fwd_bwd_s']:.2f}x")
     console.print(table)
+    console.print(machine.describe())
   if not args.skip_decode:
     table = Table(title='KV cache of mistral.Mistral7B, bfloat16, batch 1 (MiB; shapes only)')
     for col in ('tokens', 'full cache', 'rolling, window 4096', 'ratio'):
@@ -135,6 +138,7 @@ def main() -> None:
       full, rolling = cache_bytes(0, length), cache_bytes(4096, length)
       table.add_row(f'{length:,}', mib(full), mib(rolling), f'{full / rolling:.0f}x')
     console.print(table)
+    console.print(machine.describe())
     table = Table(title=f'One decode step after {args.length:,} tokens: 2 layers x 256, 8 heads x 64, float32, '
                         f'batch 1 (median of {max(args.repeats, 20)})')
     for col in ('cache', 'cache MiB', 'ms/step', 'vs full'):
@@ -145,6 +149,7 @@ def main() -> None:
     table.add_row(f'rolling, window {args.window}', mib(rolling['bytes']), f"{rolling['s'] * 1e3:.2f}",
                   f"{full['s'] / rolling['s']:.2f}x")
     console.print(table)
+    console.print(machine.describe())
 
 
 if __name__ == '__main__':

@@ -423,20 +423,85 @@ def test_stop_strings_end_rows_across_a_growing_cache():
     assert any(g['stop_reason'] == 'stop_string' and g['num_decoded_tokens'] > start for g in got)
 
 
+def _greedy_logits(model, params, prompt, steps):
+  """Logits [steps, V] of greedy decoding one row with the model's cache (init_cache and extend, no Decoder)."""
+  import jax
+  import jax.numpy as jnp
+  extend = jax.jit(model.extend, static_argnames='last_only')
+  cache = model.init_cache(params, 1, len(prompt) + steps)
+  logits, cache = extend(params, cache, jnp.asarray([prompt]), jnp.arange(len(prompt))[None], last_only=True)
+  out = [np.asarray(logits[0, -1])]
+  for t in range(steps - 1):
+    tok = jnp.argmax(out[-1])[None, None]
+    logits, cache = extend(params, cache, tok, jnp.asarray([[len(prompt) + t]]))
+    out.append(np.asarray(logits[0, -1]))
+  return np.stack(out)
+
+
 def test_the_transposed_logits_table_decodes_as_the_tied_table(plain, monkeypatch):
-  """On a CPU the cache holds the tied embedding table transposed (made once by init_cache); decoding with it
-  gives the tokens and log-probabilities of the product with the table itself (what accelerators run)."""
+  """On a CPU a cache holds the tied embedding table transposed (made once by init_cache, in the same form whatever
+  its rows); decoding one row with it gives the logits of the product with the table itself (what accelerators
+  and batches run)."""
   import jax
   from paxcli.models import lm
-  cache = plain.model.init_cache(plain.params, 2, 8)
+  cache = plain.model.init_cache(plain.params, 1, 8)
   table = np.asarray(jax.tree.leaves(plain.params['embedding'])[0])
   np.testing.assert_array_equal(np.asarray(cache[lm.LOGITS_TABLE].value), table.T)
-  opts = DecodeOptions(max_decode_steps=12)
-  transposed, _ = plain.run(PROMPTS, opts)
-  monkeypatch.setattr(lm, 'transposed_table_for_decoding', lambda: False)
-  tied = Decoder(plain.setup, plain.params)
-  assert lm.LOGITS_TABLE not in tied.model.init_cache(plain.params, 2, 8)
-  got, _ = tied.run(PROMPTS, opts)
-  for t, g in zip(transposed, got):
-    assert t['decoded_ids'] == g['decoded_ids']
-    np.testing.assert_allclose(t['token_logprobs'], g['token_logprobs'], atol=1e-6)
+  two_rows = plain.model.init_cache(plain.params, 2, 8)
+  assert jax.tree.structure(two_rows) == jax.tree.structure(cache)   # a server's rows change; its cache's form not
+  transposed = _greedy_logits(plain.model, plain.params, PROMPTS[0].ids, 12)
+  monkeypatch.setattr(lm, 'logits_table_for_decoding', lambda: False)
+  assert lm.LOGITS_TABLE not in plain.model.init_cache(plain.params, 1, 8)
+  tied = _greedy_logits(plain.model, plain.params, PROMPTS[0].ids, 12)
+  np.testing.assert_array_equal(transposed.argmax(-1), tied.argmax(-1))
+  np.testing.assert_allclose(transposed, tied, atol=1e-5)
+
+
+LLAMA_LIKE = ['NUM_KV_HEADS=2', 'POSITION_EMBEDDING="rotary"', 'NORM_TYPE="rmsnorm"', 'USE_GATED_ACTIVATION=True',
+              'ACTIVATION="silu"', 'USE_BIAS=False']
+
+
+@pytest.fixture(scope='module', params=['tied', 'untied'])
+def llama_like(request):
+  return _decoder(LLAMA_LIKE + (['SEPARATE_EMBEDDING=True'] if request.param == 'untied' else []))
+
+
+def test_decoding_joins_products_and_decodes_the_tokens_of_the_separate_ones(llama_like):
+  """On a CPU the decoder joins query/key/value and wi_0/wi_1 into one product each (fuse_for_decoding),
+  and lays an untied output projection out as [V, D]; its tokens are those of recomputation with the
+  checkpoint's separate kernels, its log-probabilities the teacher-forced ones."""
+  import jax
+  from paxcli.layers import transformer
+  from paxcli.models import lm
+  run = jax.tree_util.tree_flatten_with_path(llama_like._run_params)[0]
+  names = {'/'.join(str(getattr(k, 'key', k)) for k in path) for path, _ in run}
+  joined = [n for n in names if n.split('/')[-1].startswith((transformer.FUSED_QKV, transformer.FUSED_WI))]
+  assert joined and not any(n.split('/')[-2] in ('query', 'key', 'value', 'wi_0', 'wi_1') for n in names)
+  if llama_like.model.lm_tpl.separate_embedding:
+    assert any(n.endswith('logits/' + lm.LOGITS_KERNEL_T) for n in names)
+  records, _ = llama_like.run(PROMPTS, DecodeOptions(max_decode_steps=10))
+  for prompt, r in zip(PROMPTS, records):
+    assert r['decoded_ids'] == full_recompute_greedy(llama_like.model, llama_like.params, prompt.ids, 10)
+    tf = teacher_forced_logprob(llama_like.model, llama_like.params, prompt.ids, r['decoded_ids'])
+    assert r['logprob'] == pytest.approx(tf, abs=1e-4)
+
+
+@pytest.mark.parametrize('transposed', [False, True], ids=['DxN', 'NxD'])
+def test_joined_products_give_the_logits_of_the_separate_ones(llama_like, transposed):
+  """Both layouts of the joined kernels (AVX2's [N, D], AVX-512's [D, N]; with [N, D] the attention's `out`
+  and the MLP's `wo` after them are laid out so too) decode the logits of the separate kernels, step by step
+  with the cache, within float32 rounding; the checkpoint's params are left as they were."""
+  import jax
+  from paxcli.layers.transformer import KERNEL_T, fuse_for_decoding
+  params = llama_like.params
+  before = jax.tree.map(np.asarray, params)
+  fused, shardings = fuse_for_decoding(params, llama_like.setup.state_shardings['params'], transposed)
+  assert jax.tree.structure(fused) == jax.tree.structure(shardings)
+  keys = {str(getattr(k, 'key', k)) for path, _ in jax.tree_util.tree_flatten_with_path(fused)[0] for k in path}
+  alone = keys & {'out' + KERNEL_T, 'wo' + KERNEL_T}
+  assert alone == ({'out' + KERNEL_T, 'wo' + KERNEL_T} if transposed else set())
+  separate = _greedy_logits(llama_like.model, params, PROMPTS[2].ids, 8)
+  joined = _greedy_logits(llama_like.model, fused, PROMPTS[2].ids, 8)
+  np.testing.assert_array_equal(separate.argmax(-1), joined.argmax(-1))
+  np.testing.assert_allclose(separate, joined, atol=1e-5, rtol=1e-5)
+  jax.tree.map(np.testing.assert_array_equal, before, jax.tree.map(np.asarray, params))

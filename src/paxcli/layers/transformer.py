@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import math
 from typing import Callable, Optional
 
@@ -18,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import NamedSharding, PartitionSpec
 
 from paxcli.layers import attention_ops, fp8, lora
 from paxcli.layers.activation_sharding import constrain
@@ -262,6 +264,117 @@ def soft_cap(logits, cap: float):
   return cap * jnp.tanh(logits / cap) if cap else logits
 
 
+# Decoding's fused products (paxcli.models.lm: LanguageModel.decoding_params): an attention's query, key and
+# value kernels joined into one [D, N] kernel, a gated MLP's wi_0 and wi_1 into one, so that a step reads its
+# input once and runs one product where it ran three (two). The decoder prepares them from the checkpoint's
+# weights once per set of params; checkpoints and weight maps keep the separate kernels. `_kernel_t` holds the
+# joined kernel transposed ([N, D]), the layout AVX2's matrix kernels run faster (fuse_for_decoding); there the
+# products after them, the attention's `out` and the MLP's `wo`, are laid out so too (`out_kernel_t`, `wo_kernel_t`).
+FUSED_QKV, FUSED_WI = 'qkv', 'wi'
+KERNEL, KERNEL_T, BIAS = '_kernel', '_kernel_t', '_bias'
+
+
+def has_fused(module: nn.Module, name: str) -> bool:
+  return module.has_variable('params', name + KERNEL) or module.has_variable('params', name + KERNEL_T)
+
+
+def fused_product(module: nn.Module, name: str, x_BxLxD, dtype):
+  """x times the fused kernel `name` ([D, N], or [N, D] when transposed) plus its bias: [B, L, N] in `dtype`,
+  the product nn.Dense would make of the same kernel."""
+  transposed = module.has_variable('params', name + KERNEL_T)
+  w = module.get_variable('params', name + (KERNEL_T if transposed else KERNEL))
+  bias = module.get_variable('params', name + BIAS) if module.has_variable('params', name + BIAS) else None
+  x, w, bias = nn.dtypes.promote_dtype(x_BxLxD, w, bias, dtype=dtype)
+  y = jax.lax.dot_general(x, w, (((x.ndim - 1,), (1 if transposed else 0,)), ((), ())))
+  return y if bias is None else y + bias.reshape((1,) * (y.ndim - 1) + (-1,))
+
+
+def fuse_for_decoding(params: dict, shardings: dict, transposed: bool) -> tuple[dict, dict]:
+  """(params, their shardings) with every attention's query/key/value and every gated MLP's wi_0/wi_1 joined
+  (FUSED_QKV, FUSED_WI; [N, D] when `transposed`), where the joined axes are whole on each device (a
+  product split over devices by heads or hidden units keeps its own kernels); other weights are the same
+  arrays. A scanned stack's [layers, ...] weights join layer by layer."""
+  if not isinstance(params, dict):
+    return params, shardings
+  params, shardings = dict(params), dict(shardings)
+  for group, names, tail, after in ((FUSED_QKV, ('query', 'key', 'value'), 2, ('out', 2)),
+                                    (FUSED_WI, ('wi_0', 'wi_1'), 1, ('wo', 1))):
+    if _joinable(params, shardings, names, tail):
+      _join(params, shardings, group, names, tail, transposed)
+      if transposed:   # the product after the joined one, [N, D] too: AVX2 ran wo 1.8x as fast so at 16 rows
+        _transpose_alone(params, shardings, *after)
+  for key in params:
+    params[key], shardings[key] = fuse_for_decoding(params[key], shardings[key], transposed)
+  return params, shardings
+
+
+def _joinable(params: dict, shardings: dict, names: tuple, tail: int) -> bool:
+  """Whether `names` are dense projections ({'kernel'[, 'bias']}) of one input, their output axes (the last
+  `tail` of each kernel) unsplit and the rest split alike."""
+  parts = [params.get(n) for n in names]
+  if not all(isinstance(p, dict) and 'kernel' in p and set(p) <= {'kernel', 'bias'} for p in parts):
+    return False
+  if len({'bias' in p for p in parts}) > 1 or len({p['kernel'].shape[:-tail] for p in parts}) > 1:
+    return False
+  specs = [_spec(shardings[n]['kernel'], p['kernel'].ndim) for n, p in zip(names, parts)]
+  if None in specs or len({s[:-tail] for s in specs}) > 1:
+    return False
+  return all(_whole(shardings[n]['kernel'], axis) for n, s in zip(names, specs) for axis in s[-tail:])
+
+
+def _spec(sharding, ndim: int) -> Optional[tuple]:
+  """A NamedSharding's spec padded to `ndim` entries; None for another kind of sharding (not joined)."""
+  spec = getattr(sharding, 'spec', None)
+  return None if spec is None else tuple(spec) + (None,) * (ndim - len(spec))
+
+
+def _whole(sharding, axis) -> bool:
+  """Whether a spec entry (None, a mesh axis or a tuple of them) leaves its array axis unsplit."""
+  names = () if axis is None else (axis if isinstance(axis, tuple) else (axis,))
+  return all(sharding.mesh.shape[n] == 1 for n in names)
+
+
+def _join(params: dict, shardings: dict, group: str, names: tuple, tail: int, transposed: bool) -> None:
+  mesh = shardings[names[0]]['kernel'].mesh
+  lead = _spec(shardings[names[0]]['kernel'], params[names[0]]['kernel'].ndim)[:-tail]   # [..., D]'s split
+  name = group + (KERNEL_T if transposed else KERNEL)
+  shardings[name] = NamedSharding(mesh, PartitionSpec(*lead[:-1], *((None, lead[-1]) if transposed else lead[-1:])))
+  params[name] = jax.device_put(_joined([params[n]['kernel'] for n in names], tail, transposed), shardings[name])
+  if 'bias' in params[names[0]]:
+    shardings[group + BIAS] = NamedSharding(mesh, PartitionSpec(*lead[:-1], None))
+    params[group + BIAS] = jax.device_put(_joined([params[n]['bias'] for n in names], tail, False),
+                                          shardings[group + BIAS])
+  for n in names:
+    del params[n], shardings[n]
+
+
+def _transpose_alone(params: dict, shardings: dict, name: str, inputs: int) -> None:
+  """The projection `name` ({'kernel'[, 'bias']}, its last `inputs` + 1 axes its own: inputs, then output) as
+  one [N, D] kernel under name + KERNEL_T, split as before (its input axes flattened into one, so only the
+  first of them may be split)."""
+  part = params.get(name)
+  if not (isinstance(part, dict) and 'kernel' in part and set(part) <= {'kernel', 'bias'}):
+    return
+  kernel, sharding = part['kernel'], shardings[name]['kernel']
+  own = kernel.ndim - inputs - 1
+  spec = _spec(sharding, kernel.ndim)
+  if own < 0 or spec is None or not all(_whole(sharding, axis) for axis in spec[own + 1:-1]):
+    return
+  target = NamedSharding(sharding.mesh, PartitionSpec(*spec[:own], spec[-1], spec[own]))
+  flat = kernel.reshape(kernel.shape[:own] + (-1, kernel.shape[-1]))
+  params[name + KERNEL_T], shardings[name + KERNEL_T] = jax.device_put(jnp.swapaxes(flat, -1, -2), target), target
+  if 'bias' in part:
+    params[name + BIAS], shardings[name + BIAS] = part['bias'], shardings[name]['bias']
+  del params[name], shardings[name]
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _joined(arrays: list, tail: int, transposed: bool):
+  """The arrays' last `tail` axes flattened and joined end to end; the last two axes swapped if `transposed`."""
+  joined = jnp.concatenate([a.reshape(a.shape[:a.ndim - tail] + (-1,)) for a in arrays], axis=-1)
+  return jnp.swapaxes(joined, -1, -2) if transposed else joined
+
+
 class Attention(nn.Module):
   """Causal multi-head attention with grouped-query support (num_kv_heads <= num_heads).
 
@@ -350,6 +463,19 @@ class Attention(nn.Module):
     y = constrain(y, ('batch', 'length', head_axis, 'head_dim'))
     return checkpoint_name(y, f'{name}_proj')
 
+  def _fused_qkv(self, x_BxLxD):
+    """Queries, keys and values from one product with the kernel decoding prepared (`fuse_for_decoding`):
+    the same products as `_proj`'s three, one pass over x."""
+    e, h, k = self.dims_per_head, self.num_heads, self.num_kv_heads
+    y_BxLxN = fused_product(self, FUSED_QKV, x_BxLxD, self.dtype)
+    y_BxLxNxE = y_BxLxN.reshape(y_BxLxN.shape[:-1] + (h + 2 * k, e))
+    out = []
+    for name, part, axis in zip(('query', 'key', 'value'), jnp.split(y_BxLxNxE, [h, h + k], axis=2),
+                                ('heads', 'kv_heads', 'kv_heads')):
+      part = part + self._lora(x_BxLxD, name, ('embed',), part.shape[2:], (axis, 'head_dim'))
+      out.append(checkpoint_name(constrain(part, ('batch', 'length', axis, 'head_dim')), f'{name}_proj'))
+    return out
+
   def _rotator(self, positions_BxL, segment_ids_BxL):
     """x [B, L, N, E] -> x with rotary positions on its last axis as the rotary_* fields say (the scaling
     computed for that axis: latent attention rotates a part of its heads' dimensions only)."""
@@ -385,9 +511,12 @@ class Attention(nn.Module):
   def __call__(self, x_BxLxD, segment_ids_BxL, positions_BxL):
     if self.num_heads % self.num_kv_heads:
       raise ValueError(f'num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}')
-    q_BxLxHxE = self._proj(x_BxLxD, self.num_heads, 'heads', 'query')
-    k_BxSxKxE = self._proj(x_BxLxD, self.num_kv_heads, 'kv_heads', 'key')
-    v_BxSxKxE = self._proj(x_BxLxD, self.num_kv_heads, 'kv_heads', 'value')
+    if has_fused(self, FUSED_QKV):
+      q_BxLxHxE, k_BxSxKxE, v_BxSxKxE = self._fused_qkv(x_BxLxD)
+    else:
+      q_BxLxHxE = self._proj(x_BxLxD, self.num_heads, 'heads', 'query')
+      k_BxSxKxE = self._proj(x_BxLxD, self.num_kv_heads, 'kv_heads', 'key')
+      v_BxSxKxE = self._proj(x_BxLxD, self.num_kv_heads, 'kv_heads', 'value')
     if self.qk_norm and not self.qk_norm_after_rotary:
       q_BxLxHxE, k_BxSxKxE = self._qk_norm(q_BxLxHxE, k_BxSxKxE)
     if self.rotary:
@@ -410,12 +539,15 @@ class Attention(nn.Module):
                                             self.attention_impl, self.atten_logit_cap, self.sliding_window,
                                             scale=self._scale())
     out_BxLxHxE = constrain(out_BxLxHxE, ('batch', 'length', 'heads', 'head_dim'))
-    out = nn.DenseGeneral(
+    if has_fused(self, 'out'):   # laid out [D, H E] for decoding (fuse_for_decoding)
+      out = fused_product(self, 'out', out_BxLxHxE.reshape(out_BxLxHxE.shape[:2] + (-1,)), self.dtype)
+    else:
+      out = nn.DenseGeneral(
         features=x_BxLxD.shape[-1], axis=(-2, -1), use_bias=self.use_bias, dtype=self.dtype,
-        dot_general_cls=fp8.dot_general_cls(self.fp8, self.fp8_amax_history),
-        kernel_init=_init(('heads', 'head_dim', 'embed')),
-        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ('embed',)),
-        name='out')(out_BxLxHxE)
+          dot_general_cls=fp8.dot_general_cls(self.fp8, self.fp8_amax_history),
+          kernel_init=_init(('heads', 'head_dim', 'embed')),
+          bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ('embed',)),
+          name='out')(out_BxLxHxE)
     out = out + self._lora(out_BxLxHxE, 'out', ('heads', 'head_dim'), (x_BxLxD.shape[-1],), ('embed',))
     return checkpoint_name(constrain(out, ('batch', 'length', 'embed')), 'out_proj')
 
@@ -561,14 +693,39 @@ class Mlp(nn.Module):
                          self.lora_dropout, self.deterministic)
     return y
 
+  def _lora_term(self, h_BxLxF, features: int, name: str):
+    if not (self.lora_rank and lora.targets_projection(self.lora_targets, name)):
+      return 0
+    return lora.delta(self, h_BxLxF, name, ('mlp',), (features,), ('embed',), self.lora_rank, self.lora_alpha,
+                      self.lora_dropout, self.deterministic)
+
   @nn.compact
   def __call__(self, x_BxLxD):
     act = _ACTIVATIONS[self.activation]
     hidden = ('batch', 'length', 'mlp')
-    h_BxLxF = act(constrain(self._dense(x_BxLxD, self.hidden_dims, ('embed', 'mlp'), 'wi_0'), hidden))
-    if self.gated:
+    if self.gated and has_fused(self, FUSED_WI):
+      h_BxLxF = self._fused_wi(x_BxLxD, act, hidden)
+    else:
+      h_BxLxF = act(constrain(self._dense(x_BxLxD, self.hidden_dims, ('embed', 'mlp'), 'wi_0'), hidden))
+    if self.gated and not has_fused(self, FUSED_WI):
       h_BxLxF = h_BxLxF * constrain(self._dense(x_BxLxD, self.hidden_dims, ('embed', 'mlp'), 'wi_1'), hidden)
-    return constrain(self._dense(h_BxLxF, x_BxLxD.shape[-1], ('mlp', 'embed'), 'wo'), ('batch', 'length', 'embed'))
+    if has_fused(self, 'wo'):   # laid out [D, F] for decoding (fuse_for_decoding)
+      y_BxLxD = fused_product(self, 'wo', h_BxLxF, self.dtype) + self._lora_term(h_BxLxF, x_BxLxD.shape[-1], 'wo')
+    else:
+      y_BxLxD = self._dense(h_BxLxF, x_BxLxD.shape[-1], ('mlp', 'embed'), 'wo')
+    return constrain(y_BxLxD, ('batch', 'length', 'embed'))
+
+
+  def _fused_wi(self, x_BxLxD, act, hidden):
+    """act(x wi_0) * (x wi_1) from one product with the kernel decoding prepared (`fuse_for_decoding`)."""
+    y_BxLx2F = fused_product(self, FUSED_WI, x_BxLxD, self.dtype)
+    parts = []
+    for name, part in zip(('wi_0', 'wi_1'), jnp.split(y_BxLx2F, 2, axis=-1)):
+      if self.lora_rank and lora.targets_projection(self.lora_targets, name):
+        part = part + lora.delta(self, x_BxLxD, name, ('embed',), (self.hidden_dims,), ('mlp',), self.lora_rank,
+                                 self.lora_alpha, self.lora_dropout, self.deterministic)
+      parts.append(constrain(part, hidden))
+    return act(parts[0]) * parts[1]
 
 
 class Block(BaseLayer):

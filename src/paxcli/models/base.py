@@ -105,10 +105,16 @@ class DecodingModel(BaseModel):
         with it (the others the same): the decoder starts short and grows a cache so as a
         batch fills it (paxcli.loops.decode.decoder.grown). A leaf may hold what the steps
         read of the params in another form (the LM's transposed logits table on a CPU).
-    extend(params, cache, ids_BxL, positions_BxL) -> (logits_BxLxV float32, cache)
+    extend(params, cache, ids_BxL, positions_BxL, last_only=False) -> (logits_BxLxV float32, cache)
         Feeds L more tokens per row into the next L cache slots, the same slots for every
         row. positions_BxL is each token's position in its own row, -1 for padding: a
         padding slot is never attended to, so that a left-padded prompt reads as alone.
+        `last_only`: the logits of the last position alone ([B, 1, V]), all a prefill needs.
+    decoding_params(params, shardings) -> (params, shardings)
+        The params as decoding reads them, and their shardings: what `init_cache` and
+        `extend` get from a decoder, made once per set of params (the LM joins products
+        and lays out weights for the device's kernels there). By default the params as
+        they are; checkpoints and weight maps never see the prepared ones.
     with_fprop_dtype(dtype) -> model
         This model computing its activations in `dtype` ('float32', 'bfloat16', ...).
 
@@ -118,8 +124,11 @@ class DecodingModel(BaseModel):
   def init_cache(self, params, batch: int, length: int):
     raise NotImplementedError(f'{type(self).__name__} must define init_cache().')
 
-  def extend(self, params, cache, ids_BxL, positions_BxL):
+  def extend(self, params, cache, ids_BxL, positions_BxL, last_only: bool = False):
     raise NotImplementedError(f'{type(self).__name__} must define extend().')
+
+  def decoding_params(self, params, shardings):
+    return params, shardings
 
   def with_fprop_dtype(self, dtype: str) -> 'DecodingModel':
     raise NotImplementedError(f'{type(self).__name__} must define with_fprop_dtype().')

@@ -14,14 +14,16 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from paxcli.errors import UserError
-from paxcli.layers import lora, pipeline
+from paxcli.layers import cpu_isa, lora, pipeline
 from paxcli.layers.fp8 import FP8_STATE
 from paxcli.layers.activation_sharding import active_axis_size, constrain
 from paxcli.layers.base import (AUX_LOSS, NON_TRAINABLE, RANDOM, SUMMARIES, BaseLayer, LayerTpl, build_arguments,
                                 template_field)
-from paxcli.layers.transformer import Attention, Block, Mlp, Norm, dtype_of, fill_template, sinusoidal
+from paxcli.layers.transformer import (Attention, Block, Mlp, Norm, dtype_of, fill_template, fuse_for_decoding,
+                                       sinusoidal)
 from paxcli.models import knobs, pattern
 from paxcli.models.base import DecodingModel, dtype_name
 from paxcli.models.flops import ModelFlops, stack_flops
@@ -38,10 +40,13 @@ REMAT_POLICIES = {
 }
 
 
-# The cache entry holding the tied embedding table transposed ([D, V]) while decoding on a CPU: made once per
-# cache (init_cache) rather than read transposed by every step's logits, which on a CPU ran at about two
-# thirds of the speed (XNNPACK's product at batch 1 and 16, benchmarks/decode_vs_hf.py). Accelerators read
-# either layout at the same speed, so they keep no copy of the table.
+# The cache entry holding the output projection as [D, V] on a CPU: made once per cache (init_cache) from the tied
+# embedding table (or an untied kernel decoding_params laid out [V, D]), and read when a step decodes one row.
+# XLA:CPU's product of one row runs about 1.3x (AVX2) to 1.8x (AVX-512) faster against [D, V] than against
+# [V, D], and of 2 rows or more about as much faster against [V, D] (benchmarks/decode_vs_hf.py), so steps of
+# several rows read the [V, D] weights themselves. Every CPU cache holds the entry whatever its rows, so that a
+# cache keeps one form when its rows change (the server's staging row and its rows share it). Accelerators read
+# either layout at the same speed: no copy there.
 LOGITS_TABLE = 'logits_table'
 # The cache entries of a LongRoPE model's text, [B, S] each: its ids, their positions + 1 (0: an empty slot), and
 # how many slots are written. A text that grows past ROTARY_ORIGINAL_MAX_LEN while decoding rotates with the long
@@ -59,8 +64,12 @@ def longrope_threshold(lm) -> Optional[int]:
   return int(attention.rotary_original_max_len)
 
 
-def transposed_table_for_decoding() -> bool:
+def logits_table_for_decoding() -> bool:
   return jax.default_backend() == 'cpu'
+
+
+# decoding_params: the untied output projection's kernel transposed ([V, D]) on a CPU, under this name.
+LOGITS_KERNEL_T = 'kernel_t'
 
 
 class TransformerLm(BaseLayer):
@@ -215,7 +224,7 @@ class TransformerLm(BaseLayer):
 
     final_norm = fill_template(self.final_norm_tpl, dtype)
     x_BxLxD = fdl.get_callable(final_norm)(**build_arguments(final_norm, self), name='final_norm')(x_BxLxD)
-    head = self._head(embed, dtype)
+    head = self._head(embed, dtype, b)
     return (x_BxLxD, head) if features else head.logits(x_BxLxD)
 
   def _remember_text(self, ids_BxL, segment_ids_BxL, positions_BxL):
@@ -235,24 +244,26 @@ class TransformerLm(BaseLayer):
                                             (0, index.value))
     index.value = index.value + shape[1]
 
-  def _head(self, embed, dtype) -> Head:
+  def _head(self, embed, dtype, rows: int) -> Head:
     """The output projection (paxcli.models.losses.Head): the tied embedding table, or the `logits`
-    kernel [D, V] (SEPARATE_EMBEDDING), with its bias (USE_SOFTMAX_BIAS), LOGITS_SCALING and the final soft cap."""
+    kernel [D, V] (SEPARATE_EMBEDDING; [V, D] as decoding_params lays it out on a CPU), with its bias
+    (USE_SOFTMAX_BIAS), LOGITS_SCALING and the final soft cap; while a CPU decodes one row, the cache's
+    LOGITS_TABLE."""
     if self.separate_embedding:
-      w, bias = LogitsProjection(self.vocab_size, self.model_dims, self.softmax_bias, name='logits')()
-      return Head(w, bias, tied=False, dtype=dtype, table_dtype=dtype, cap=self.softmax_cap_logits,
-                  divisor=self.logits_scaling)
-    bias = None
-    if self.softmax_bias:
-      bias = self.param('logits_bias', nn.with_logical_partitioning(nn.initializers.zeros, ('vocab',)),
-                        (self.vocab_size,))
-    table_dtype = self._table_dtype(dtype)
-    if self.is_mutable_collection('cache') and transposed_table_for_decoding():
+      w, bias, transposed = LogitsProjection(self.vocab_size, self.model_dims, self.softmax_bias, name='logits')()
+      table_dtype = dtype
+    else:
+      w, transposed, bias = embed.embedding, True, None
+      if self.softmax_bias:
+        bias = self.param('logits_bias', nn.with_logical_partitioning(nn.initializers.zeros, ('vocab',)),
+                          (self.vocab_size,))
+      table_dtype = self._table_dtype(dtype)
+    if self.is_mutable_collection('cache') and logits_table_for_decoding():
       table = self.variable('cache', LOGITS_TABLE, nn.with_logical_partitioning(jnp.zeros, ('embed', 'vocab')),
                             (self.model_dims, self.vocab_size), table_dtype)
-      return Head(table.value, bias, tied=False, dtype=dtype, table_dtype=table_dtype, cap=self.softmax_cap_logits,
-                  divisor=self.logits_scaling)
-    return Head(embed.embedding, bias, tied=True, dtype=dtype, table_dtype=table_dtype, cap=self.softmax_cap_logits,
+      if rows == 1:
+        w, transposed = table.value, False
+    return Head(w, bias, tied=transposed, dtype=dtype, table_dtype=table_dtype, cap=self.softmax_cap_logits,
                 divisor=self.logits_scaling)
 
   def _table_dtype(self, dtype):
@@ -261,8 +272,12 @@ class TransformerLm(BaseLayer):
     return jnp.bfloat16 if self.tied_logits_bfloat16 else dtype
 
   def decoding_logits_table(self):
-    """The tied table [D, V] as decoding reads it (LOGITS_TABLE): transposed, in its product's dtype."""
+    """The output projection [D, V] as LOGITS_TABLE holds it: the tied table transposed, or the untied
+    kernel, in its product's dtype."""
     dtype = dtype_of(self.fprop_dtype) if isinstance(self.fprop_dtype, str) else self.fprop_dtype
+    if self.separate_embedding:
+      kernel = nn.meta.unbox(self.get_variable('params', 'logits'))
+      return (kernel[LOGITS_KERNEL_T].T if LOGITS_KERNEL_T in kernel else kernel['kernel']).astype(dtype)
     table = nn.meta.unbox(self.get_variable('params', 'embedding')['embedding'])
     return table.astype(self._table_dtype(dtype)).T
 
@@ -286,19 +301,22 @@ class TransformerLm(BaseLayer):
 
 class LogitsProjection(nn.Module):
   """The untied output projection's weights under the names nn.Dense gave them (kernel [D, V], bias [V]),
-  returned as arrays for paxcli.models.losses.Head."""
+  returned as arrays for paxcli.models.losses.Head: (kernel, bias, False), or (kernel [V, D], bias, True)
+  from params decoding_params laid out so (LOGITS_KERNEL_T)."""
   vocab_size: int
   model_dims: int
   use_bias: bool
 
   @nn.compact
   def __call__(self):
+    bias = self.param('bias', nn.with_logical_partitioning(nn.initializers.zeros, ('vocab',)),
+                      (self.vocab_size,)) if self.use_bias else None
+    if self.has_variable('params', LOGITS_KERNEL_T):
+      return self.get_variable('params', LOGITS_KERNEL_T), bias, True
     kernel = self.param('kernel', nn.with_logical_partitioning(
         nn.initializers.variance_scaling(1.0, 'fan_in', 'truncated_normal'), ('embed', 'vocab')),
         (self.model_dims, self.vocab_size))
-    bias = self.param('bias', nn.with_logical_partitioning(nn.initializers.zeros, ('vocab',)),
-                      (self.vocab_size,)) if self.use_bias else None
-    return kernel, bias
+    return kernel, bias, False
 
 
 class LayerGroup(nn.Module):
@@ -486,8 +504,32 @@ class LanguageModel(DecodingModel):
       cache[LOGITS_TABLE] = cache[LOGITS_TABLE].replace_boxed(table)
     return cache
 
-  def extend(self, params, cache, ids_BxL, positions_BxL):
-    return self._extend(params, cache, ids_BxL, positions_BxL, lambda x_BxLxD, head: head.logits(x_BxLxD))
+  def extend(self, params, cache, ids_BxL, positions_BxL, last_only: bool = False):
+    """The logits of the L new tokens (of the last one only with `last_only`: a prefill needs no more), and the
+    cache."""
+    return self._extend(params, cache, ids_BxL, positions_BxL,
+                        lambda x_BxLxD, head: head.logits(x_BxLxD[:, -1:] if last_only else x_BxLxD))
+
+  def decoding_params(self, params, shardings):
+    """On a CPU: every attention's query/key/value kernels joined into one product, and every gated MLP's
+    wi_0/wi_1 (paxcli.layers.transformer.fuse_for_decoding; about a quarter faster on those products),
+    [N, D] where the matrix kernels are AVX2's (their 16-column tiles read [D, N] with a stride that
+    halves their speed at 16 rows), and an untied output projection as [V, D] (logits_table_for_decoding).
+    fp8 products keep their own kernels (each has its scales). Accelerators decode the params as they are."""
+    if jax.default_backend() != 'cpu':
+      return params, shardings
+    if all(k.get('fp8') in (None, 'none') for k, _ in layer_settings(self)):
+      params, shardings = fuse_for_decoding(params, shardings, transposed=cpu_isa.vector_isa() == 'avx2')
+    logits = params.get('logits')
+    if getattr(self.lm_tpl, 'separate_embedding', False) and isinstance(logits, dict) and 'kernel' in logits:
+      sharding = shardings['logits']['kernel']
+      spec = tuple(sharding.spec) + (None,) * (2 - len(sharding.spec))
+      transposed = NamedSharding(sharding.mesh, PartitionSpec(spec[1], spec[0]))
+      rest = {k: v for k, v in logits.items() if k != 'kernel'}
+      params = {**params, 'logits': {**rest, LOGITS_KERNEL_T: jax.device_put(jnp.transpose(logits['kernel']),
+                                                                             transposed)}}
+      shardings = {**shardings, 'logits': {**{k: shardings['logits'][k] for k in rest}, LOGITS_KERNEL_T: transposed}}
+    return params, shardings
 
   def extend_scores(self, params, cache, ids_BxL, positions_BxL, targets_BxL):
     """`extend`, returning per token the log-probability of `targets_BxL` and whether it is the argmax

@@ -196,6 +196,19 @@ class Decoder:
     self.compile_seconds = 0.0  # all compilations so far (each shape and strategy compiles once)
     self.first_cache = first_cache   # the shortest cache greedy and sampled batches start with (cache_length)
 
+  @property
+  def params(self):
+    """The params as given (a checkpoint's layout). The decoder runs `_run_params`: these prepared once by
+    the model's `decoding_params` (the LM's joined products on a CPU), so that references computed from
+    `params` check the prepared products."""
+    return self._params
+
+  @params.setter
+  def params(self, params):
+    self._params, self._run_params, self._params_sh = params, None, self.setup.state_shardings['params']
+    if params is not None:
+      self._run_params, self._params_sh = self.model.decoding_params(params, self._params_sh)
+
   def _lazy(self, fns, what: str, *args):
     """fns[what][args]: a piece compiled on first use (the device loop for a cache length, a cache's growth),
     its compile timed apart."""
@@ -211,7 +224,7 @@ class Decoder:
     if key in self._fns:
       return self._fns[key]
     sds = jax.ShapeDtypeStruct
-    params_abs = jax.tree.map(lambda x: sds(x.shape, x.dtype), self.params)
+    params_abs = jax.tree.map(lambda x: sds(x.shape, x.dtype), self._run_params)
     model, rep = self.model, self.replicated
     layouts = {}
 
@@ -222,7 +235,7 @@ class Decoder:
       return layouts[slots]
 
     batch_sh = sharding.batch_sharding(self.mesh)
-    params_sh = self.setup.state_shardings['params']
+    params_sh = self._params_sh
     top_k, sampling, beam = opts.top_k or 0, opts.sampling, opts.beam_size
     steps = length - prompt_len
     # Greedy and sampled rows start with the cache their first steps need and grow it (cache_length); beam
@@ -240,8 +253,8 @@ class Decoder:
       return select_tokens(logits_BxV, keys, t, temperature, top_k, top_p, sampling)
 
     def prefill(params, cache, ids_BxP, pos_BxP, keys, temperature, top_p):
-      logits_BxPxV, cache = model.extend(params, cache, ids_BxP, pos_BxP)  # position -1: left padding
-      return finish(logits_BxPxV[:, -1], keys, 0, temperature, top_p), cache
+      logits_Bx1xV, cache = model.extend(params, cache, ids_BxP, pos_BxP, last_only=True)  # position -1: padding
+      return finish(logits_Bx1xV[:, -1], keys, 0, temperature, top_p), cache
 
     def step(params, cache, tok_B, pos_B, keys, t, temperature, top_p):
       logits_Bx1xV, cache = model.extend(params, cache, tok_B[:, None], pos_B[:, None])
@@ -373,8 +386,8 @@ class Decoder:
              'eos': np.asarray(_eos(opts), np.int32)}
     batch_sh = sharding.batch_sharding(self.mesh)
     t0 = time.perf_counter()
-    cache = fns['zeros'](self.params)
-    state, cache = fns['start'](self.params, cache, sharding.from_host(ids, batch_sh),
+    cache = fns['zeros'](self._run_params)
+    state, cache = fns['start'](self._run_params, cache, sharding.from_host(ids, batch_sh),
                                 sharding.from_host(pos, batch_sh), keys, temperature, top_p, stops)
     jax.block_until_ready(state)
     t1 = time.perf_counter()
@@ -389,8 +402,8 @@ class Decoder:
         more = cache_length(plen + t + 1, plen + steps, self.first_cache)
         cache, slots = self._lazy(fns, 'grow', slots, more)(cache), more
       until = min(steps - 1, t + every, slots - plen)   # step t fills slot plen + t - 1
-      state, cache = self._lazy(fns, 'run_on', slots)(self.params, cache, state, keys, temperature, top_p, stops,
-                                                      np.int32(until))
+      state, cache = self._lazy(fns, 'run_on', slots)(self._run_params, cache, state, keys, temperature, top_p,
+                                                      stops, np.int32(until))
       host = {k: np.array(sharding.to_host(v)) for k, v in state.items()}   # writable: stop strings
       t = int(host['t'])
       if check_text and self._stop_strings(host, checked, n, prompts, row_prompt, tokenizer, opts):
@@ -428,8 +441,8 @@ class Decoder:
     batch_sh = sharding.batch_sharding(self.mesh)
     dummy = (np.zeros((rows, 2), np.uint32), np.float32(1), np.float32(1))
     t0 = time.perf_counter()
-    cache = fns['zeros'](self.params)
-    (vals, toks), cache = fns['prefill'](self.params, cache, sharding.from_host(ids, batch_sh),
+    cache = fns['zeros'](self._run_params)
+    (vals, toks), cache = fns['prefill'](self._run_params, cache, sharding.from_host(ids, batch_sh),
                                          sharding.from_host(pos, batch_sh), *dummy)
     vals, toks = sharding.to_host(vals), sharding.to_host(toks)
     t1 = time.perf_counter()
@@ -484,8 +497,8 @@ class Decoder:
         break
       t += 1
       cache = fns['reorder'](cache, np.asarray(parents, np.int32))
-      (vals, toks), cache = fns['step'](self.params, cache, np.asarray(new_tok), np.asarray(lengths + t - 1, np.int32),
-                                        *dummy[:1], np.int32(t), *dummy[1:])
+      (vals, toks), cache = fns['step'](self._run_params, cache, np.asarray(new_tok),
+                                        np.asarray(lengths + t - 1, np.int32), *dummy[:1], np.int32(t), *dummy[1:])
       vals, toks = sharding.to_host(vals), sharding.to_host(toks)
     stats['decode_tokens'] += decoded
     stats['decode_s'] += time.perf_counter() - t1
