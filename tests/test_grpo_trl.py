@@ -97,7 +97,8 @@ def _spread(per_completion: np.ndarray, prompts: list, completions: list, length
   return out
 
 
-@pytest.mark.parametrize('scale', grpo.SCALE_REWARDS)
+@pytest.mark.parametrize('scale', ['group'] + [pytest.param(s, marks=pytest.mark.slow) for s in grpo.SCALE_REWARDS
+                                                if s != 'group'])
 def test_advantages_equal_trls_on_its_own_rollout(made, scale):
   out = made['out']
   if scale != 'group':   # TRL's trainer with that scaling samples and scores its own rollout batch
@@ -113,8 +114,9 @@ def test_advantages_equal_trls_on_its_own_rollout(made, scale):
 
 # (LOSS_TYPE, BETA, NUM_ITERATIONS, KL_BIAS_CORRECTION): every normalisation with the KL term and the ratio to old
 # log-probabilities; TRL's default (dapo, no KL, one step a batch); the KL without its bias correction, on-policy.
+# The default suite takes every normalisation and TRL's default; the rest run in the slow suite.
 CASES = [('grpo', 0.04, 2, True), ('bnpo', 0.04, 2, True), ('dr_grpo', 0.04, 2, True), ('dapo', 0.04, 2, True),
-         ('dapo', 0.0, 1, True), ('grpo', 0.04, 1, False)]
+         ('dapo', 0.0, 1, True), pytest.param('grpo', 0.04, 1, False, marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize('loss_type,beta,iterations,kl_correction', CASES)
@@ -122,6 +124,7 @@ def test_loss_metrics_and_gradients_equal_trls(made, loss_type, beta, iterations
   _check_against_trl(made, loss_type, beta, iterations, kl_correction, accumulate=1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('loss_type', ['grpo', 'bnpo', 'dr_grpo'])
 def test_gradient_accumulation_gives_trls_whole_batch(made, loss_type):
   """GRAD_ACCUM_STEPS=2: each microbatch's loss is a mean over its weight (rows or tokens), so the step is still
