@@ -26,19 +26,10 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import tempfile
 import time
 
-
-def processor() -> str:
-  """The CPU's model name as lscpu gives it."""
-  try:
-    out = subprocess.run(['lscpu'], capture_output=True, text=True, timeout=10).stdout
-  except (OSError, subprocess.SubprocessError):
-    return 'unknown processor'
-  return next((line.split(':', 1)[1].strip() for line in out.splitlines() if line.startswith('Model name')),
-              'unknown processor')
+import machine   # benchmarks/machine.py: the processor beside the table
 
 
 def knobs(args, files: dict) -> list[str]:
@@ -158,7 +149,7 @@ def main() -> None:
     pax_times, pax_tokens = time_paxcli(setup, state, step, rollouts, batch_sharding, args.repeats)
     trl_times, trl_tokens = time_trl(trainer, optimizer, batch, args.repeats)
   rows = args.prompts * args.generations
-  table = Table(title=f'GRPO step on {processor()}: Llama {args.layers} layers d{args.dims} (MLP {args.hidden}), '
+  table = Table(title=f'GRPO step on {machine.processor()}: Llama {args.layers} layers d{args.dims} (MLP {args.hidden}), '
                       f'{args.prompts} prompts x {args.generations} completions x {args.new_tokens} tokens, float32, '
                       f'{args.threads} threads each; median of {args.repeats}')
   for col in ('side', 'rollout tokens/s', 'rollout s', 'loss + backward + update s', 'step s'):
@@ -172,8 +163,8 @@ def main() -> None:
   (pax_tps, pax_step), (trl_tps, trl_step) = results.values()
   Console().print(table)
   Console().print(f'paxcli / TRL: rollout tokens/s {pax_tps / trl_tps:.2f}x, step time {trl_step / pax_step:.2f}x '
-                  f'faster; {rows} completions of {args.new_tokens} tokens a step; load average '
-                  f'{os.getloadavg()[0]:.1f} at the end.')
+                  f'faster; {rows} completions of {args.new_tokens} tokens a step.')
+  Console().print(machine.describe())
 
 
 if __name__ == '__main__':

@@ -146,7 +146,7 @@ class GrpoAddition(Grpo):
   """The CPU example: the default recipe's model size (4 layers, 256 wide), from scratch, learning to add two
   numbers 0-4 written in words by GRPO alone. Each step samples 16 completions of 8 prompts; the answer is the
   completion, one word (the prompt opens <answer>). The mean reward starts near 1/26 (a random word) and rises
-  above 0.8 in 60 steps (docs/guides/grpo.md has the curve; about 2.5 minutes on 2 shared CPU cores)."""
+  above 0.8 in 60 steps (docs/guides/grpo.md has the curve; 2-3 minutes on 2 shared CPU cores)."""
 
   NUM_LAYERS = 4
   MODEL_DIMS = 256

@@ -132,21 +132,25 @@ class Rollouts:
                              'buffer': _encode(self._buffer) if inside else None})
 
   def restore(self, saved: list[dict], batches: Optional[int] = None) -> None:
-    """Goes on from the states the processes saved (checked: sealed, this kind, the meta's step count, and a
-    rollout batch of the shapes this run feeds)."""
-    mine = saved[jax.process_index()] if len(saved) == jax.process_count() else None
-    where = (mine or saved[0]).get(grain_state.FILE, 'the input state')
-    state = mine or {}
-    if state.get(grain_state.CHECKSUM) != grain_state.checksum(state) or state.get('kind') != STATE_KIND:
-      raise UserError(f'{where}: not a GRPO rollout state this paxcli wrote (edited, or another input\'s); resume '
-                      'from another checkpoint or start a new job directory.')
-    steps = state.get('steps')
-    if not isinstance(steps, int) or (batches is not None and steps != batches):
-      raise UserError(f'{where}: the rollout state is at step {shorten(repr(steps), 40)}, the checkpoint at '
-                      f'{batches}; resume from another checkpoint.')
+    """Goes on from the states the processes saved, each checked (sealed, this kind, the meta's step count); inside
+    a rollout batch, this process's rows of it (the shapes this run feeds; as many processes as saved them)."""
+    for state in saved:
+      where = state.get(grain_state.FILE, 'the input state')
+      if state.get(grain_state.CHECKSUM) != grain_state.checksum(state) or state.get('kind') != STATE_KIND:
+        raise UserError(f'{where}: not a GRPO rollout state this paxcli wrote (edited, or another input\'s); resume '
+                        'from another checkpoint or start a new job directory.')
+      if not isinstance(state.get('steps'), int) or (batches is not None and state['steps'] != batches):
+        raise UserError(f'{where}: the rollout state is at step {shorten(repr(state.get("steps")), 40)}, the '
+                        f'checkpoint at {batches}; resume from another checkpoint.')
+    steps = saved[0]['steps']
     self._at(steps)
     if steps % self.model.num_iterations:
-      self._buffer = _decode(state.get('buffer'), self._feature_shapes(), where)
+      if len(saved) != jax.process_count():
+        raise UserError(f'The checkpoint at step {steps} falls inside a rollout batch, which {len(saved)} process(es) '
+                        f'fed: resume on {len(saved)}, or from a checkpoint where a rollout batch starts (a multiple '
+                        f'of NUM_ITERATIONS={self.model.num_iterations}).')
+      mine = _own_state(saved)
+      self._buffer = _decode(mine.get('buffer'), self._feature_shapes(), mine.get(grain_state.FILE, 'the input state'))
 
   def _feature_shapes(self) -> dict:
     rows, length = self.setup.process_batch, self.setup.seq_len
@@ -334,6 +338,13 @@ def _scorer(setup):
     feats = {k: sharding.from_host(host[k], batch_sh) for k in ('ids', 'labels', 'segment_ids')}
     return np.asarray(sharding.to_host(fn(params, feats)), np.float32)
   return run
+
+
+def _own_state(saved: list[dict]) -> dict:
+  """This process's saved state: the one its file names (process_<i>-of-<n>.json), else the i-th."""
+  name = f'process_{jax.process_index()}-of-{jax.process_count()}.json'
+  named = [s for s in saved if str(s.get(grain_state.FILE, '')).endswith('/' + name)]
+  return named[0] if named else saved[jax.process_index()]
 
 
 def _weights(weights, count: int) -> np.ndarray:
