@@ -115,7 +115,8 @@ def _steady_mean(x):
   grid = float(2 ** 24 - 1)
   q = jnp.round(x * (grid / safe)).astype(jnp.int32)   # one product a value: nothing for XLA to reassociate
   total = sum(jnp.sum((q >> shift) & 63).astype(jnp.float32) * float(2 ** shift) for shift in (18, 12, 6, 0))
-  return total * (safe / (grid * x.shape[0]))
+  # products only, and kept from a multiply-add with the subtraction after it: eager and compiled round alike
+  return _rounded((total * safe) * (1.0 / (grid * x.shape[0])))
 
 
 def _double_quantize(absmax_flat, offset=None):
