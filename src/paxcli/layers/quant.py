@@ -8,7 +8,8 @@ codes, each projection one flax param group beside its bias (`query/kernel_nf4/.
           compress_statistics=True). The kernel read as Hugging Face's Linear weight [out, in] (row-major, so a
           row is one output's inputs) is cut into blocks of QUANT_BLOCK_SIZE inputs; each block keeps its
           absmax, and each weight the nearest of NF4's 16 values to weight / absmax (bitsandbytes' midpoint
-          rule). The block absmaxes are themselves quantized (double quantisation): their mean is the offset,
+          rule). The block absmaxes are themselves quantized (double quantisation): their mean is the offset
+          (summed exactly, so that the codes do not depend on the mesh or the compiled function),
           and (absmax - offset) in blocks of 256 is coded in bitsandbytes' 8-bit dynamic map, each block with a
           float32 scale. 4.127 bits a weight at blocks of 64.
             codes          uint8 [*in[:-1], in[-1] / 2, *out]  two codes a byte along the last input axis,
@@ -104,10 +105,24 @@ def _dynamic_codes(normed):
   return jnp.asarray(_DYNAMIC_LUT)[jnp.clip(step.astype(jnp.int32), 0, LUT_STEPS - 1)]
 
 
+def _steady_mean(x):
+  """The mean of x >= 0 (float32), the same however XLA orders or splits the sum (a float32 sum's rounding
+  follows its order, which fusion and sharding choose): each value on a grid of max(x) / (2^24 - 1), summed
+  exactly as four int32 limbs of 6 bits (up to 2^25 values). Within a few ulp of torch's mean, as bitsandbytes
+  takes it; it makes a kernel's codes a function of the kernel alone."""
+  top = jnp.max(x)
+  safe = jnp.where(top > 0, top, 1.0)
+  grid = float(2 ** 24 - 1)
+  q = jnp.round(x * (grid / safe)).astype(jnp.int32)   # one product a value: nothing for XLA to reassociate
+  total = sum(jnp.sum((q >> shift) & 63).astype(jnp.float32) * float(2 ** shift) for shift in (18, 12, 6, 0))
+  # products only, and kept from a multiply-add with the subtraction after it: eager and compiled round alike
+  return _rounded((total * safe) * (1.0 / (grid * x.shape[0])))
+
+
 def _double_quantize(absmax_flat, offset=None):
   """(codes uint8 [n], scales float32 [ceil(n / 256)], offset float32 []): quantize_4bit's compress_statistics
   on the blocks' absmax in bitsandbytes' order. The offset is their mean (given: that one)."""
-  offset = jnp.mean(absmax_flat) if offset is None else jnp.asarray(offset, jnp.float32)
+  offset = _steady_mean(absmax_flat) if offset is None else jnp.asarray(offset, jnp.float32)
   centred = absmax_flat - offset
   n = centred.shape[0]
   blocks = -(-n // DOUBLE_BLOCK)
