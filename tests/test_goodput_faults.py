@@ -174,7 +174,7 @@ def test_a_stopped_process_is_a_hang_detected_and_restarted(tmp_path, capsys):
   steps, job, timeout = 14, str(tmp_path / 'job'), 45
   launch = Launch(job, steps, '--max-restarts', '1', '--heartbeat-timeout', str(timeout))
   deadline = time.monotonic() + 1200
-  launch.wait_for_step(7, deadline)
+  reached = launch.wait_for_step(7, deadline)
   stopped = list(launch.pids.values())
   for pid in stopped:
     os.kill(pid, signal.SIGSTOP)
@@ -193,10 +193,13 @@ def test_a_stopped_process_is_a_hang_detected_and_restarted(tmp_path, capsys):
   assert f'(--heartbeat-timeout {timeout})' in line and 'restart 1 of 1' in out
   # Detected by the launcher's heartbeat, once the timeout had passed: never sooner (the silence it reports
   # is past the timeout, and so is the time since the stop, give or take the last beat's lead).
-  assert float(re.search(r'no heartbeat for ([\d.]+) s', line).group(1)) > timeout, line
+  assert float(re.search(r'no heartbeat for ([\d.]+) s', line).group(1)) >= timeout, line
   assert detected - stopped_at >= timeout - 2, (detected - stopped_at, line)
   resumed = int(re.search(r'\[p0\] Resumed from step (\d+) of the fast checkpoint tier', out).group(1))
-  assert resumed % EVERY == 0 and resumed >= 6, out[-3000:]
+  # The newest fast step before the stop, or the one before it where that save was still being written when
+  # the processes stopped (the save is asynchronous: at a few steps a second it is often still in flight).
+  newest = reached // EVERY * EVERY
+  assert resumed in (newest, newest - EVERY), (reached, out[-3000:])
   account = _account(job, capsys)
   (restart,) = account['restarts']
   assert restart['reason'].startswith('hung: no heartbeat') and restart['resumed_step'] == resumed

@@ -1049,7 +1049,8 @@ def _open_fast_tier(train_cfg, job_dir: str, setup, log) -> Optional[fast_tier.F
   settings = fast_tier.Settings.of(train_cfg)
   if settings is None:
     return None
-  ledger.job_id(job_dir, create=jax.process_index() == 0)
+  if jax.process_index() == 0:   # the others read it only past the barrier: never while it is being written
+    ledger.job_id(job_dir, create=True)
   distributed.barrier('paxcli:job-identity')
   tier = fast_tier.open_tier(settings, job_dir, ledger.job_id(job_dir, create=False), setup, log)
   log(f'Fast checkpoint tier: every {settings.every} steps to {tier.directory} on each host '
