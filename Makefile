@@ -52,10 +52,11 @@ test: $(TESTS)
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile $(ARGS) $(NONE_COLLECTED_OK)
 
 # The tests marked slow, two workers the same way; then, one at a time, those also marked
-# `alone` (several jax.distributed processes that miss heartbeats when another worker starves them).
+# `alone` (several jax.distributed processes that miss heartbeats when another worker starves them),
+# each named as it starts (-v): a log cut short still says which test was running.
 test-slow: $(TESTS)
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m 'slow and not alone' $(ARGS) $(NONE_COLLECTED_OK)
-	$(BIN)/python -m pytest -q -m 'slow and alone' $(ARGS) $(NONE_COLLECTED_OK)
+	$(BIN)/python -m pytest -v -m 'slow and alone' $(ARGS) $(NONE_COLLECTED_OK)
 
 # The docs site into site/ (mkdocs.yml; the knob and command pages are written from the code).
 docs: $(DOCS)

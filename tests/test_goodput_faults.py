@@ -113,7 +113,7 @@ def _account(job, capsys) -> dict:
 @pytest.mark.slow
 @pytest.mark.alone
 def test_kill9_at_random_steps_finishes_with_the_uninterrupted_losses(tmp_path, capsys):
-  steps, job = 22, str(tmp_path / 'job')
+  steps, job = 30, str(tmp_path / 'job')   # 10 steps past the last kill: the run is still going when it lands
   rng = random.Random(int(os.environ.get('PAXCLI_FAULT_SEED', time.time())))
   kills = [rng.randint(4, 7), rng.randint(10, 14), 20]   # the last two steps after fast step 18
   victims = [rng.randint(0, 1) for _ in kills]
@@ -171,7 +171,7 @@ def test_a_stopped_process_is_a_hang_detected_and_restarted(tmp_path, capsys):
   # Every process stopped (a job wedged as a whole): no peer is left running to give up inside a gloo
   # collective first (one stopped process of two was seen to make the other abort before a 60 s timeout on a
   # loaded machine), so the launcher's heartbeat is what detects it, at any load.
-  steps, job, timeout = 14, str(tmp_path / 'job'), 45
+  steps, job, timeout = 30, str(tmp_path / 'job'), 45   # the stop at step 7 lands well before the end
   launch = Launch(job, steps, '--max-restarts', '1', '--heartbeat-timeout', str(timeout))
   deadline = time.monotonic() + 1200
   reached = launch.wait_for_step(7, deadline)
@@ -180,7 +180,7 @@ def test_a_stopped_process_is_a_hang_detected_and_restarted(tmp_path, capsys):
     os.kill(pid, signal.SIGSTOP)
   stopped_at = time.monotonic()
   try:
-    detected = launch.wait_for('hung: no heartbeat for', deadline)
+    detected = launch.wait_for('hung: no heartbeat for', min(deadline, stopped_at + timeout + 300))
   finally:
     for pid in stopped:   # the launcher SIGKILLs them; never leave a stopped process behind
       try:
