@@ -52,6 +52,23 @@ def run_pax(*args, env=None, cwd=None, timeout=600):
                         env=full_env, cwd=cwd, timeout=timeout)
 
 
+def pax_ok(cwd, *args, **kwargs):
+  """run_pax from `cwd`, which must succeed (its stderr's tail in the failure otherwise)."""
+  done = run_pax(*args, cwd=cwd, **kwargs)
+  assert done.returncode == 0, (args, done.stderr[-3000:])
+  return done
+
+
+def printed_commands(recipe: str, cwd, *flags: str) -> list[list[str]]:
+  """The `pax ...` lines that `python -m paxcli.recipes.<recipe> ex [flags]` writes its example for and prints,
+  run in `cwd`, each split as a shell would (comments dropped)."""
+  import shlex
+  printed = subprocess.run([sys.executable, '-m', f'paxcli.recipes.{recipe}', 'ex', *flags], cwd=cwd,
+                           capture_output=True, text=True, timeout=300)
+  assert printed.returncode == 0, printed.stderr
+  return [shlex.split(line, comments=True) for line in printed.stdout.splitlines() if line.strip().startswith('pax ')]
+
+
 def pax_main(argv, capsys):
   """Runs `pax` in this process; returns (exit code, stdout, stderr)."""
   from paxcli.cli.app import main

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import run_pax
+from conftest import pax_ok, printed_commands
 from paxcli.recipes import finetune
 
 pytestmark = pytest.mark.slow   # an import, a short fine-tune and an export per family: about a minute each
@@ -26,12 +26,6 @@ print(json.dumps([tok.apply_chat_template(messages, tokenize=False),
 '''
 
 
-def _pax(cwd, *args):
-  done = run_pax(*args, cwd=cwd)
-  assert done.returncode == 0, (args, done.stderr[-3000:])
-  return done
-
-
 def _transformers(cwd, directory):
   done = subprocess.run([sys.executable, '-c', RENDER, directory, json.dumps(MESSAGES)], cwd=cwd, capture_output=True,
                         text=True, timeout=600)
@@ -41,26 +35,23 @@ def _transformers(cwd, directory):
 
 @pytest.mark.parametrize('family', list(finetune.FAMILY_STYLE))
 def test_the_same_commands_fine_tune_every_family_on_its_own_chat_template(family, tmp_path):
-  printed = subprocess.run([sys.executable, '-m', 'paxcli.recipes.finetune', 'ex', '--family', family], cwd=tmp_path,
-                           capture_output=True, text=True, timeout=300)
-  assert printed.returncode == 0, printed.stderr
-  commands = [line.split() for line in printed.stdout.splitlines() if line.strip().startswith('pax ')]
+  commands = printed_commands('finetune', tmp_path, '--family', family)
   assert commands[0] == ['pax', 'checkpoint', 'convert', '--from', 'hf', 'ex/hf', f'ex/{family}']
-  imported = _pax(tmp_path, *commands[0][1:])   # certified against transformers' own class of the family
+  imported = pax_ok(tmp_path, *commands[0][1:])   # certified against transformers' own class of the family
   said = imported.stdout + imported.stderr
   assert ': ok' in said and f'pax train --exp finetune.Sft --set BASE=ex/{family} ' in said.splitlines()[-1]
   assert (tmp_path / 'ex' / family / 'recipe.py').is_file() and not list((tmp_path / 'ex').glob('*.py'))
   chat = ['--exp', 'finetune.TinySft', '--set', f'BASE=ex/{family}', '--set', 'TRAIN_DATA=ex/chat.jsonl']
   (tmp_path / 'one.jsonl').write_text(json.dumps({'messages': MESSAGES}) + '\n')   # a row that starts with it
   one = [*chat[:-1], 'TRAIN_DATA=one.jsonl', '--set', 'EVAL_DATA=one.jsonl']
-  shown = json.loads(_pax(tmp_path, 'inspect-input', *one, '--num-batches', '1', '--json').stdout.splitlines()[0])
+  shown = json.loads(pax_ok(tmp_path, 'inspect-input', *one, '--num-batches', '1', '--json').stdout.splitlines()[0])
   text, ids = _transformers(tmp_path, 'ex/hf')
   first = shown['examples'][0]
   assert first['ids'][:len(ids) - 1] == ids[:-1]   # the first chat's tokens: transformers' (its last is a label)
   assert first['text'].startswith(text[:len(text) // 2])
-  _pax(tmp_path, 'train', *chat, '--set', 'NUM_TRAIN_STEPS=4', '--set', 'EVAL_INTERVAL_STEPS=0', '--set',
+  pax_ok(tmp_path, 'train', *chat, '--set', 'NUM_TRAIN_STEPS=4', '--set', 'EVAL_INTERVAL_STEPS=0', '--set',
        'SAVE_INTERVAL_STEPS=4', '--job-log-dir', 'ex/sft')
-  _pax(tmp_path, 'checkpoint', 'convert', 'ex/sft', 'ex/sft_hf', '--to', 'hf', '--no-verify')
+  pax_ok(tmp_path, 'checkpoint', 'convert', 'ex/sft', 'ex/sft_hf', '--to', 'hf', '--no-verify')
   assert _transformers(tmp_path, 'ex/sft_hf') == [text, ids]
   config = json.load(open(tmp_path / 'ex' / 'sft_hf' / 'config.json'))
   assert config['architectures'] == json.load(open(tmp_path / 'ex' / 'hf' / 'config.json'))['architectures']

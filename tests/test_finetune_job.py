@@ -5,36 +5,26 @@ directory; a LoRA run on the imported model keeps the model's tokenizer, and its
 
 import json
 import os
-import shlex
 import subprocess
 import sys
 
 import pytest
 
 import prepared_data
-from conftest import run_pax
+from conftest import pax_ok, printed_commands, run_pax
 
 pytestmark = pytest.mark.slow   # a conversion, two fine-tunes and torch: minutes on a shared machine
 
 REQUEST = {'context': 'Q: What colour is the snow?\nA:', 'continuation': ' The snow is white.'}
 
 
-def _pax(cwd, *args):
-  r = run_pax(*args, cwd=cwd)
-  assert r.returncode == 0, (args, r.stderr[-3000:])
-  return r
-
-
 @pytest.fixture(scope='module')
 def example(tmp_path_factory):
   """The example's printed commands run from a fresh shell: the import, then the fine-tune (30 steps)."""
   cwd = tmp_path_factory.mktemp('finetune_job')
-  printed = subprocess.run([sys.executable, '-m', 'paxcli.recipes.finetune', 'ex'], cwd=cwd, capture_output=True,
-                           text=True, timeout=300)
-  assert printed.returncode == 0, printed.stderr
-  commands = [shlex.split(line, comments=True) for line in printed.stdout.splitlines() if line.strip().startswith('pax ')]
-  _pax(cwd, *commands[0][1:], '--no-verify')                       # pax checkpoint convert --from hf ...
-  trained = _pax(cwd, *commands[1][1:], '--set', 'NUM_TRAIN_STEPS=30')   # pax train --exp finetune.TinyLlamaSft ...
+  commands = printed_commands('finetune', cwd)
+  pax_ok(cwd, *commands[0][1:], '--no-verify')                       # pax checkpoint convert --from hf ...
+  trained = pax_ok(cwd, *commands[1][1:], '--set', 'NUM_TRAIN_STEPS=30')   # pax train --exp finetune.TinyLlamaSft ...
   (cwd / 'requests.jsonl').write_text(json.dumps(REQUEST) + '\n')
   return cwd, commands, trained.stdout + trained.stderr
 
@@ -43,13 +33,13 @@ def test_the_fine_tune_is_evaluated_decoded_and_scored_by_its_directory_alone(ex
   cwd, commands, _ = example
   assert ['pax', 'eval', '--job-log-dir', 'ex/sft'] in commands
   trainer = json.loads(open(cwd / 'ex' / 'sft' / 'eval_metrics.jsonl').read().splitlines()[-1])
-  evaluated = json.loads(_pax(cwd, 'eval', '--job-log-dir', 'ex/sft', '--json').stdout)
+  evaluated = json.loads(pax_ok(cwd, 'eval', '--job-log-dir', 'ex/sft', '--json').stdout)
   assert trainer['step'] == evaluated['step'] == 30
   assert evaluated['results']['eval']['loss'] == pytest.approx(trainer['loss'], rel=1e-5)
-  decoded = json.loads(_pax(cwd, 'decode', '--job-log-dir', 'ex/sft', '--prompt', REQUEST['context'],
+  decoded = json.loads(pax_ok(cwd, 'decode', '--job-log-dir', 'ex/sft', '--prompt', REQUEST['context'],
                             '--max-decode-steps', '6', '--json').stdout.splitlines()[-1])
   assert decoded['decoded'].strip()
-  scored = _pax(cwd, 'score', 'requests.jsonl', '--job-log-dir', 'ex/sft', '--output', 'scores.jsonl')
+  scored = pax_ok(cwd, 'score', 'requests.jsonl', '--job-log-dir', 'ex/sft', '--output', 'scores.jsonl')
   assert 'Wrote 1 result to' in scored.stderr
   assert json.loads((cwd / 'scores.jsonl').read_text())['logprob'] < 0
 
@@ -57,7 +47,7 @@ def test_the_fine_tune_is_evaluated_decoded_and_scored_by_its_directory_alone(ex
 def test_the_hf_export_keeps_the_bases_context_and_transformers_loads_it_without_warnings(example):
   cwd, commands, _ = example
   export = next(c for c in commands if '--to' in c and 'hf' in c)
-  _pax(cwd, *export[1:])
+  pax_ok(cwd, *export[1:])
   config = json.load(open(cwd / 'ex' / 'sft_hf' / 'config.json'))
   assert config['max_position_embeddings'] == 256   # the base's, not the fine-tune's rows of 64
   load = subprocess.run([sys.executable, '-c', 'import transformers as t; t.AutoModelForCausalLM.from_pretrained('
@@ -96,15 +86,15 @@ def test_lora_on_the_imported_model_keeps_its_tokenizer_and_its_peft_adapter_loa
   refused = run_pax(*lora, '--set', f'TOKENIZER={other}', '--job-log-dir', 'ex/refused', cwd=cwd)
   assert refused.returncode == 2 and f'INIT_FROM={cwd}/ex/llama carries the tokenizer' in refused.stderr, refused.stderr
   assert len(refused.stderr.strip().splitlines()) == 1 and not os.path.exists(cwd / 'ex' / 'refused')
-  out = _pax(cwd, *lora, '--job-log-dir', 'ex/lora')
+  out = pax_ok(cwd, *lora, '--job-log-dir', 'ex/lora')
   text = out.stdout + out.stderr
   assert 'sentencepiece' not in text and 'trainable (LoRA adapters)' in text
   kept = (cwd / 'ex' / 'lora' / 'tokenizer' / 'tokenizer.json').read_bytes()
   assert kept == (cwd / 'ex' / 'llama' / 'tokenizer' / 'tokenizer.json').read_bytes()
-  _pax(cwd, 'checkpoint', 'convert', 'ex/lora', 'ex/adapter', '--to', 'peft', '--base-model', 'ex/hf')
+  pax_ok(cwd, 'checkpoint', 'convert', 'ex/lora', 'ex/adapter', '--to', 'peft', '--base-model', 'ex/hf')
   config = json.load(open(cwd / 'ex' / 'adapter' / 'adapter_config.json'))
   assert config['base_model_name_or_path'] == str(cwd / 'ex' / 'hf')
-  _pax(cwd, 'score', 'requests.jsonl', '--job-log-dir', 'ex/lora', '--output', 'lora_scores.jsonl')
+  pax_ok(cwd, 'score', 'requests.jsonl', '--job-log-dir', 'ex/lora', '--output', 'lora_scores.jsonl')
   ours = json.loads((cwd / 'lora_scores.jsonl').read_text())['logprob']
   peft = subprocess.run([sys.executable, '-c', PEFT_SCORE, json.dumps(REQUEST)], cwd=cwd, capture_output=True,
                         text=True, timeout=600)

@@ -6,13 +6,12 @@ line before anything compiles. Real transformers and PEFT."""
 
 import json
 import os
-import shlex
 import subprocess
 import sys
 
 import pytest
 
-from conftest import run_pax
+from conftest import pax_ok, printed_commands, run_pax
 
 pytestmark = pytest.mark.slow   # a conversion, two short tunes and torch: minutes on a shared machine
 
@@ -20,23 +19,13 @@ METRICS = ('rewards/chosen', 'rewards/rejected', 'rewards/margins', 'rewards/acc
            'logps/rejected', 'loss')
 
 
-def _pax(cwd, *args):
-  r = run_pax(*args, cwd=cwd)
-  assert r.returncode == 0, (args, r.stderr[-3000:])
-  return r
-
-
 @pytest.fixture(scope='module')
 def example(tmp_path_factory):
   """The example's printed commands: the import, then DPO (its 40 steps)."""
   cwd = tmp_path_factory.mktemp('preference_job')
-  printed = subprocess.run([sys.executable, '-m', 'paxcli.recipes.posttrain', 'ex'], cwd=cwd, capture_output=True,
-                           text=True, timeout=300)
-  assert printed.returncode == 0, printed.stderr
-  commands = [shlex.split(line, comments=True) for line in printed.stdout.splitlines()
-              if line.strip().startswith('pax ')]
-  _pax(cwd, *commands[0][1:], '--no-verify')   # pax checkpoint convert --from hf ...
-  trained = _pax(cwd, *commands[1][1:])        # pax train --exp posttrain.TinyDpo ...
+  commands = printed_commands('posttrain', cwd)
+  pax_ok(cwd, *commands[0][1:], '--no-verify')   # pax checkpoint convert --from hf ...
+  trained = pax_ok(cwd, *commands[1][1:])        # pax train --exp posttrain.TinyDpo ...
   return cwd, commands, trained.stdout + trained.stderr
 
 
@@ -61,7 +50,7 @@ def test_dpo_learns_the_pairs_and_reports_trls_metrics(example):
 def test_the_export_loads_in_transformers_and_prefers_the_chosen_answer(example):
   cwd, commands, _ = example
   export = next(c for c in commands if '--to' in c and 'hf' in c)
-  _pax(cwd, *export[1:])
+  pax_ok(cwd, *export[1:])
   script = r'''
 import json, sys, torch, transformers as t
 model = t.AutoModelForCausalLM.from_pretrained('ex/dpo_hf').eval()
@@ -81,17 +70,17 @@ print(sum(logp(p['prompt'], p['chosen']) > logp(p['prompt'], p['rejected']) for 
 
 def test_lora_dpo_keeps_no_copy_and_its_peft_adapter_loads(example):
   cwd, _, _ = example
-  out = _pax(cwd, 'train', '--exp', 'posttrain.TinyDpo', '--set', 'BASE=ex/llama', '--set', 'TRAIN_DATA=ex/prefs.jsonl',
+  out = pax_ok(cwd, 'train', '--exp', 'posttrain.TinyDpo', '--set', 'BASE=ex/llama', '--set', 'TRAIN_DATA=ex/prefs.jsonl',
              '--set', 'LORA_RANK=4', '--set', 'NUM_TRAIN_STEPS=10', '--set', 'EVAL_INTERVAL_STEPS=0',
              '--job-log-dir', 'ex/lora')
   assert 'trainable (LoRA adapters)' in out.stdout + out.stderr
   first = _rows(cwd / 'ex' / 'lora' / 'train_metrics.jsonl')[0]
   assert first['rewards/accuracies'] >= 0 and first['loss'] < 0.6932   # from log 2: the adapters start off
-  names = [a['name'] for a in json.loads(_pax(cwd, 'checkpoint', 'inspect', 'ex/lora', '--json').stdout)['arrays']]
+  names = [a['name'] for a in json.loads(pax_ok(cwd, 'checkpoint', 'inspect', 'ex/lora', '--json').stdout)['arrays']]
   assert names and not any(n.startswith('non_trainable/') for n in names)   # no reference copy: the base is it
-  full = [a['name'] for a in json.loads(_pax(cwd, 'checkpoint', 'inspect', 'ex/dpo', '--json').stdout)['arrays']]
+  full = [a['name'] for a in json.loads(pax_ok(cwd, 'checkpoint', 'inspect', 'ex/dpo', '--json').stdout)['arrays']]
   assert any(n.startswith('non_trainable/reference_copy/params/') for n in full), full[:20]   # full DPO keeps one
-  _pax(cwd, 'checkpoint', 'convert', 'ex/lora', 'ex/adapter', '--to', 'peft', '--base-model', 'ex/hf')
+  pax_ok(cwd, 'checkpoint', 'convert', 'ex/lora', 'ex/adapter', '--to', 'peft', '--base-model', 'ex/hf')
   load = subprocess.run([sys.executable, '-c', 'from peft import AutoPeftModelForCausalLM as M; '
                          'M.from_pretrained("ex/adapter"); print("ok")'], cwd=cwd, capture_output=True, text=True,
                         timeout=600)
@@ -120,9 +109,9 @@ def test_a_resumed_run_compares_with_the_same_reference(example):
   common = ['train', '--exp', 'posttrain.TinyDpo', '--set', 'BASE=ex/llama', '--set', 'TRAIN_DATA=ex/prefs.jsonl',
             '--set', 'EVAL_INTERVAL_STEPS=0', '--set', 'SUMMARY_INTERVAL_STEPS=5', '--set', 'SAVE_INTERVAL_STEPS=20',
             '--set', "LR_SCHEDULE='constant'", '--set', 'LR_WARMUP_STEPS=0', '--set', 'LEARNING_RATE=3e-4']
-  _pax(cwd, *common, '--set', 'NUM_TRAIN_STEPS=20', '--job-log-dir', 'ex/resumed')
-  assert 'Resumed from step 20' in _pax(cwd, *common, '--job-log-dir', 'ex/resumed').stdout
-  _pax(cwd, *common, '--job-log-dir', 'ex/whole')
+  pax_ok(cwd, *common, '--set', 'NUM_TRAIN_STEPS=20', '--job-log-dir', 'ex/resumed')
+  assert 'Resumed from step 20' in pax_ok(cwd, *common, '--job-log-dir', 'ex/resumed').stdout
+  pax_ok(cwd, *common, '--job-log-dir', 'ex/whole')
   resumed, whole = (_rows(cwd / 'ex' / name / 'train_metrics.jsonl') for name in ('resumed', 'whole'))
   assert [r['step'] for r in resumed] == [r['step'] for r in whole] == list(range(5, 45, 5))
   for a, b in zip(resumed, whole):
@@ -134,7 +123,7 @@ def test_precomputed_reference_log_probabilities_train_as_the_copy_does(example)
   """REFERENCE='precomputed': the reference's log-probabilities computed once before the first step and kept in
   the job; the run's losses and rewards are the reference copy's (the example's DPO run), `pax eval` reads them."""
   cwd, commands, _ = example
-  out = _pax(cwd, *commands[1][1:-1], 'ex/precomputed', '--set', "REFERENCE='precomputed'").stdout
+  out = pax_ok(cwd, *commands[1][1:-1], 'ex/precomputed', '--set', "REFERENCE='precomputed'").stdout
   assert "Reference log-probabilities (REFERENCE='precomputed') of the" in out
   assert sorted(os.listdir(cwd / 'ex' / 'precomputed' / 'reference_logps')) == ['eval.json', 'train.json']
   for name in ('train_metrics.jsonl', 'eval_metrics.jsonl'):
@@ -143,5 +132,5 @@ def test_precomputed_reference_log_probabilities_train_as_the_copy_does(example)
     for a, b in zip(copy, pre):
       for key in ('loss', 'rewards/margins', 'rewards/chosen'):
         assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), (name, key, a, b)
-  evaluated = json.loads(_pax(cwd, 'eval', '--job-log-dir', 'ex/precomputed', '--json').stdout)
+  evaluated = json.loads(pax_ok(cwd, 'eval', '--job-log-dir', 'ex/precomputed', '--json').stdout)
   assert evaluated['results']['eval']['loss'] == pytest.approx(pre[-1]['loss'], rel=1e-5)
