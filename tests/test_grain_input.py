@@ -94,6 +94,38 @@ def test_state_round_trip_gives_the_same_batches(data, tmp_path, monkeypatch):
   assert resumed.batches_read == 27
 
 
+@pytest.mark.parametrize('seq', [32768, 131072])
+def test_long_rows_pack_documents_and_resume_exactly(seq, tmp_path):
+  """Rows of 32k and 128k tokens: documents longer than a row go on in the next, shorter ones share a row as
+  segments with their own positions, and a saved state gives the same batches again (issue 43)."""
+  directory = tmp_path / 'long'
+  prepared_data.make(directory, num_docs=10, max_len=seq * 3 // 2, seed=1)
+  long_input = lambda: _input(str(directory), batch_size=2, seq_len=seq, num_streams=2)
+  first = long_input()
+  for _ in range(2):
+    first.get_next()
+  saved = json.loads(first.get_state())
+  assert len(json.dumps(saved)) < 4000   # a count and a few pieces per stream, whatever the row's length
+  straight = [first.get_next() for _ in range(4)]
+  resumed = long_input()
+  resumed.restore([saved])
+  for a, b in zip(straight, (resumed.get_next() for _ in range(4))):
+    for key in ('ids', 'labels', 'weights', 'segment_ids', 'positions'):
+      np.testing.assert_array_equal(a[key], b[key])
+  packed = 0
+  for batch in straight:
+    assert batch['ids'].shape == (2, seq)
+    for ids, labels, segments, positions in zip(batch['ids'], batch['labels'], batch['segment_ids'],
+                                                batch['positions']):
+      starts = np.flatnonzero(np.diff(segments) != 0) + 1
+      for part in np.split(np.arange(seq), starts):
+        if segments[part[0]]:   # a document's piece: positions count on by one, labels are the next ids
+          assert (np.diff(positions[part]) == 1).all()
+          assert (labels[part][:-1] == ids[part][1:]).all()
+      packed += len(set(segments[segments > 0].tolist())) > 1
+  assert packed   # some row holds more than one document
+
+
 def test_every_token_once_across_two_processes_then_one(data, tmp_path, monkeypatch):
   """2 processes read some batches, save, and 1 process goes on from both states: no token of a
   document read is given twice or lost, in batches or in the rows still open."""
