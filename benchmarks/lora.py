@@ -12,9 +12,9 @@ machine is shared: compare rows of one run, not runs.
 from __future__ import annotations
 
 import argparse
-import time
 
 import machine   # benchmarks/machine.py: the processor beside the table
+import steps     # benchmarks/steps.py: a step's plan and time
 
 TARGETS = 'LORA_TARGETS=("query","key","value","output","mlp")'
 VARIANTS = [
@@ -28,50 +28,24 @@ CPU_SIZE = ['NUM_LAYERS=4', 'MODEL_DIMS=512', 'HIDDEN_DIMS=1408', 'NUM_HEADS=8',
             'VOCAB_SIZE=8192', 'MAX_SEQ_LEN=256', 'PERCORE_BATCH_SIZE=4']
 
 
-def _bytes(tree) -> int:
-  import jax
-  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
-
-
 def memory(overrides: list[str]) -> dict:
   """Bytes of params, optimizer state and the compiled step's buffers, nothing run."""
   import jax
   import numpy as np
 
-  from paxcli import config
-  from paxcli.loops.train import make_train_step
-  from paxcli.runtime import engine, sharding
-  setup = engine.build(config.resolve('bench.Llama1B', overrides))
-  batch_sharding = sharding.batch_sharding(setup.mesh)
-  batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=batch_sharding)
-           for k, v in setup.model.dummy_batch(setup.global_batch, setup.seq_len).items()}
-  t0 = time.perf_counter()
-  compiled = make_train_step(setup, batch_sharding, 0).lower(setup.abstract_state, batch).compile()
-  m = compiled.memory_analysis()
+  from paxcli.runtime import engine
+  setup, m, compile_s = steps.plan('bench.Llama1B', overrides)
   trainable = engine.split_trainable(setup.model, setup.abstract_state['params'])[0]
-  return {'params': _bytes(setup.abstract_state['params']), 'trainable': int(sum(np.prod(x.shape) for x in
-                                                                                  jax.tree.leaves(trainable))),
-          'opt_state': _bytes(setup.abstract_state['opt_state']), 'arguments': m.argument_size_in_bytes,
-          'temp': m.temp_size_in_bytes, 'compile_s': time.perf_counter() - t0}
+  return {'params': steps.nbytes(setup.abstract_state['params']),
+          'trainable': int(sum(np.prod(x.shape) for x in jax.tree.leaves(trainable))),
+          'opt_state': steps.nbytes(setup.abstract_state['opt_state']), 'arguments': m.argument_size_in_bytes,
+          'temp': m.temp_size_in_bytes, 'compile_s': compile_s}
 
 
-def step_time(overrides: list[str], steps: int) -> dict:
-  import jax
-
-  from paxcli import config
-  from paxcli.loops.train import ready_step
-  from paxcli.runtime.sharding import to_global
-  setup, state, step, batch_sharding, data = ready_step(config.resolve('bench.Llama1B', CPU_SIZE + overrides))
-  batch = to_global(data.get_next(), batch_sharding, setup.global_batch)
-  state, metrics = step(state, batch)
-  jax.block_until_ready(metrics)
-  t0 = time.perf_counter()
-  for _ in range(steps):
-    state, metrics = step(state, batch)
-  jax.block_until_ready(metrics)
-  seconds = (time.perf_counter() - t0) / steps
+def step_time(overrides: list[str], count: int) -> dict:
+  setup, state, seconds = steps.timed('bench.Llama1B', CPU_SIZE + overrides, count)
   return {'step_s': seconds, 'tokens_per_s': setup.global_batch * setup.seq_len / seconds,
-          'params': _bytes(state['params']), 'opt_state': _bytes(state['opt_state'])}
+          'params': steps.nbytes(state['params']), 'opt_state': steps.nbytes(state['opt_state'])}
 
 
 def main() -> None:

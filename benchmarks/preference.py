@@ -27,6 +27,7 @@ import tempfile
 import time
 
 import machine   # benchmarks/machine.py: the processor and its instruction sets
+import steps     # benchmarks/steps.py: a step's plan and time
 
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 
@@ -40,11 +41,6 @@ MEMORY_VARIANTS = [
 ]
 
 
-def _bytes(tree) -> int:
-  import jax
-  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
-
-
 def llama1b_knobs() -> list[str]:
   """bench.Llama1B's model knobs as --set lines for posttrain.Dpo (which has no BASE here)."""
   from paxcli import config
@@ -56,22 +52,11 @@ def llama1b_knobs() -> list[str]:
 
 def memory(overrides: list[str]) -> dict:
   """Bytes of params, optimizer state, non-trainable state and the compiled step's buffers, nothing run."""
-  import jax
-
-  from paxcli import config
-  from paxcli.loops.train import make_train_step
-  from paxcli.runtime import engine, sharding
-  setup = engine.build(config.resolve('posttrain.Dpo', llama1b_knobs() + overrides))
-  batch_sharding = sharding.batch_sharding(setup.mesh)
-  batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=batch_sharding)
-           for k, v in setup.model.dummy_batch(setup.global_batch, setup.seq_len).items()}
-  t0 = time.perf_counter()
-  compiled = make_train_step(setup, batch_sharding, 0).lower(setup.abstract_state, batch).compile()
-  m = compiled.memory_analysis()
+  setup, m, compile_s = steps.plan('posttrain.Dpo', llama1b_knobs() + overrides)
   state = setup.abstract_state
-  return {'params': _bytes(state['params']), 'opt_state': _bytes(state['opt_state']),
-          'reference': _bytes(state.get('non_trainable', {})), 'arguments': m.argument_size_in_bytes,
-          'temp': m.temp_size_in_bytes, 'compile_s': time.perf_counter() - t0, 'seq': setup.seq_len}
+  return {'params': steps.nbytes(state['params']), 'opt_state': steps.nbytes(state['opt_state']),
+          'reference': steps.nbytes(state.get('non_trainable', {})), 'arguments': m.argument_size_in_bytes,
+          'temp': m.temp_size_in_bytes, 'compile_s': compile_s, 'seq': setup.seq_len}
 
 
 def _example(directory: str, pairs: int) -> dict:

@@ -21,8 +21,10 @@ The machine may be shared: compare rows of one run, not runs.
 from __future__ import annotations
 
 import argparse
-import subprocess
 import time
+
+import machine   # benchmarks/machine.py: the processor beside the table
+import steps     # benchmarks/steps.py: a step's plan and time
 
 EXP = 'bench.Llama1B'
 CPU_SIZE = ['NUM_LAYERS=4', 'MODEL_DIMS=512', 'HIDDEN_DIMS=1408', 'NUM_HEADS=8', 'NUM_KV_HEADS=2', 'DIMS_PER_HEAD=64',
@@ -39,21 +41,6 @@ BIG = [(f'LoRA r=16, bfloat16 base, {c} compute', ['LORA_RANK=16', TARGETS, 'LOR
     (f'QLoRA r=16, NF4 base (embeddings, norms bfloat16), {c} compute',
      ['LORA_RANK=16', TARGETS, 'WEIGHT_QUANT="nf4"', 'LORA_BASE_DTYPE="bfloat16"', f'FPROP_DTYPE="{c}"'])
     for c in ('float32', 'bfloat16')]
-
-
-def processor() -> str:
-  try:
-    for line in subprocess.run(['lscpu'], capture_output=True, text=True).stdout.splitlines():
-      if line.startswith('Model name'):
-        return line.split(':', 1)[1].strip()
-  except OSError:
-    pass
-  return 'unknown processor'
-
-
-def _bytes(tree) -> int:
-  import jax
-  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
 def _setup(overrides: list[str], length: int):
@@ -77,7 +64,7 @@ def decode_speed(setup, params, batch: int, length: int, repeats: int) -> dict:
   ids = jax.random.randint(jax.random.key(1), (batch, length), 0, 8192)
   _, cache = step(params, cache, ids, jnp.broadcast_to(jnp.arange(length), (batch, length)))
   one, at = ids[:, :1], jnp.full((batch, 1), length)
-  cache_bytes = _bytes(cache)
+  cache_bytes = steps.nbytes(cache)
   times = []
   for _ in range(repeats + 1):
     t0 = time.perf_counter()
@@ -119,7 +106,7 @@ def decode_rows(length: int, repeats: int) -> list[dict]:
     params = _params(setup, float_params)
     logits = teacher_forced(setup, params, ids)
     want = logits if want is None else want
-    row = {'name': name, 'weights': _bytes(params), **certify.compare(want, logits)}
+    row = {'name': name, 'weights': steps.nbytes(params), **certify.compare(want, logits)}
     for batch in (1, 16):
       r = decode_speed(setup, params, batch, length, repeats)
       row[f'tps_{batch}'], row[f'cache_{batch}'] = r['tokens_per_s'], r['cache_bytes']
@@ -158,23 +145,12 @@ def trained_rows() -> list[dict]:
   return rows
 
 
-def train_rows(steps: int) -> list[dict]:
-  import jax
-  from paxcli import config
-  from paxcli.loops.train import ready_step
-  from paxcli.runtime.sharding import to_global
+def train_rows(count: int) -> list[dict]:
   rows = []
   for name, knobs in TRAIN:
-    setup, state, step, batch_sharding, data = ready_step(config.resolve(EXP, CPU_SIZE + ['MAX_SEQ_LEN=256'] + knobs))
-    batch = to_global(data.get_next(), batch_sharding, setup.global_batch)
-    state, metrics = step(state, batch)
-    jax.block_until_ready(metrics)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-      state, metrics = step(state, batch)
-    jax.block_until_ready(metrics)
-    rows.append({'name': name, 'step_s': (time.perf_counter() - t0) / steps, 'params': _bytes(state['params']),
-                 'opt_state': _bytes(state['opt_state'])})
+    _, state, seconds = steps.timed(EXP, CPU_SIZE + ['MAX_SEQ_LEN=256'] + knobs, count)
+    rows.append({'name': name, 'step_s': seconds, 'params': steps.nbytes(state['params']),
+                 'opt_state': steps.nbytes(state['opt_state'])})
   return rows
 
 
@@ -193,8 +169,8 @@ def big_rows() -> list[dict]:
              for k, v in setup.model.dummy_batch(setup.global_batch, setup.seq_len).items()}
     t0 = time.perf_counter()
     m = make_train_step(setup, batch_sharding, 0).lower(setup.abstract_state, batch).compile().memory_analysis()
-    rows.append({'name': name, 'params': _bytes(setup.abstract_state['params']),
-                 'opt_state': _bytes(setup.abstract_state['opt_state']), 'arguments': m.argument_size_in_bytes,
+    rows.append({'name': name, 'params': steps.nbytes(setup.abstract_state['params']),
+                 'opt_state': steps.nbytes(setup.abstract_state['opt_state']), 'arguments': m.argument_size_in_bytes,
                  'temp': m.temp_size_in_bytes, 'compile_s': time.perf_counter() - t0})
   return rows
 
@@ -221,7 +197,7 @@ def main() -> None:
   from rich.console import Console
   from rich.table import Table
   console = Console(width=170)
-  console.print(f'{processor()}; {jax.devices()[0].device_kind}, {jax.device_count()} device(s); jax {jax.__version__}')
+  console.print(f'{machine.processor()}; {jax.devices()[0].device_kind}, {jax.device_count()} device(s); jax {jax.__version__}')
   if not args.skip_decode:
     rows = decode_rows(args.length, args.repeats)
     table = Table(title=f'Decode step after {args.length} tokens: 4 layers x 512, 8 heads (2 KV of 64), vocab 8192, '

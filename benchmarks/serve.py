@@ -30,12 +30,13 @@ import os
 import re
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import time
 
 import numpy as np
+
+import machine   # benchmarks/machine.py: the processor beside the table
 
 CONFIG = {'architectures': ['LlamaForCausalLM'], 'model_type': 'llama', 'vocab_size': 24576, 'hidden_size': 768,
           'intermediate_size': 2048, 'num_hidden_layers': 12, 'num_attention_heads': 12, 'num_key_value_heads': 4,
@@ -193,16 +194,6 @@ def pax_decode(job: str, texts: list[str], batch: int, max_tokens: int, work: st
           'ttft_p50': percentile(ttft, 50), 'ttft_p99': percentile(ttft, 99), 'tokens': stats['decode_tokens']}
 
 
-def processor() -> str:
-  try:
-    for line in subprocess.run(['lscpu'], capture_output=True, text=True).stdout.splitlines():
-      if line.startswith('Model name'):
-        return line.split(':', 1)[1].strip()
-  except OSError:
-    pass
-  return 'unknown processor'
-
-
 def best(runs: list[dict]) -> dict:
   return max(runs, key=lambda r: r['tokens_per_s'])
 
@@ -271,7 +262,7 @@ def main() -> None:
       except subprocess.TimeoutExpired:
         proc.kill()
   table = Table(title=f'Serving a {CONFIG["num_hidden_layers"]}-layer d{CONFIG["hidden_size"]} Llama (float32, random '
-                      f'weights) on {args.threads} CPUs of a {processor()}: ~{args.prompt_tokens}-token prompts, '
+                      f'weights) on {args.threads} CPUs of a {machine.processor()}: ~{args.prompt_tokens}-token prompts, '
                       f'{args.max_tokens} new tokens, greedy; best of {args.rounds} rounds')
   table.add_column('clients', justify='right')
   for name in ('pax serve', 'transformers serve', 'pax decode'):
