@@ -25,8 +25,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import time
+
+import machine   # benchmarks/machine.py: the processor beside the table
 
 os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
 
@@ -40,13 +41,6 @@ MODEL_TEXT = ('2 layers x 64, 8 heads x 8 (8 KV), gated SiLU FFN 128, vocab 256,
 # --wide (with --compile-only): activations, not the kernel's blocks, take the memory, as in a real model
 WIDE = ['MODEL_DIMS=1024', 'HIDDEN_DIMS=2816', 'DIMS_PER_HEAD=128']
 WIDE_TEXT = '2 layers x 1024, 8 heads x 128 (8 KV), gated SiLU FFN 2816, vocab 256, float32, save_nothing, AdamW'
-
-
-def processor() -> str:
-  """lscpu's model name and the host's CPU count."""
-  out = subprocess.run(['lscpu'], capture_output=True, text=True, check=False).stdout
-  names = [line.split(':', 1)[1].strip() for line in out.splitlines() if line.startswith('Model name')]
-  return f'{names[0] if names else "unknown processor"}, {os.cpu_count()} CPU(s)'
 
 
 def one(length: int, context: int, strategy: str, repeats: int, warmup: int = 1, wide: bool = False,
@@ -101,7 +95,8 @@ def main() -> None:
   from rich.console import Console
   from rich.table import Table
   console = Console()
-  console.print(f'{processor()}; {jax.device_count()} fake {jax.devices()[0].platform} devices; jax {jax.__version__}')
+  console.print(f'{machine.describe()}; {jax.device_count()} fake {jax.devices()[0].platform} devices; '
+                f'jax {jax.__version__}')
   rows = []
   for length in (int(x) for x in args.lengths.split(',')):
     for context in (int(x) for x in args.contexts.split(',')):

@@ -156,22 +156,13 @@ def train_rows(count: int) -> list[dict]:
 
 def big_rows() -> list[dict]:
   """Qwen3-8B: params + optimizer state bytes and the compiled step's buffers, one device, nothing run."""
-  import jax
-  from paxcli import config
-  from paxcli.loops.train import make_train_step
-  from paxcli.runtime import engine, sharding
   rows = []
   for name, knobs in BIG:
-    setup = engine.build(config.resolve('qwen.Qwen3_8B', knobs + ['PERCORE_BATCH_SIZE=1', 'MAX_SEQ_LEN=2048',
-                                                                 'ICI_MESH_SHAPE=[1,1,1]']))
-    batch_sharding = sharding.batch_sharding(setup.mesh)
-    batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=batch_sharding)
-             for k, v in setup.model.dummy_batch(setup.global_batch, setup.seq_len).items()}
-    t0 = time.perf_counter()
-    m = make_train_step(setup, batch_sharding, 0).lower(setup.abstract_state, batch).compile().memory_analysis()
+    setup, m, compile_s = steps.plan('qwen.Qwen3_8B', knobs + ['PERCORE_BATCH_SIZE=1', 'MAX_SEQ_LEN=2048',
+                                                               'ICI_MESH_SHAPE=[1,1,1]'])
     rows.append({'name': name, 'params': steps.nbytes(setup.abstract_state['params']),
                  'opt_state': steps.nbytes(setup.abstract_state['opt_state']), 'arguments': m.argument_size_in_bytes,
-                 'temp': m.temp_size_in_bytes, 'compile_s': time.perf_counter() - t0})
+                 'temp': m.temp_size_in_bytes, 'compile_s': compile_s})
   return rows
 
 
@@ -197,7 +188,8 @@ def main() -> None:
   from rich.console import Console
   from rich.table import Table
   console = Console(width=170)
-  console.print(f'{machine.processor()}; {jax.devices()[0].device_kind}, {jax.device_count()} device(s); jax {jax.__version__}')
+  console.print(f'{machine.processor()}; {jax.devices()[0].device_kind}, {jax.device_count()} device(s); '
+                f'jax {jax.__version__}')
   if not args.skip_decode:
     rows = decode_rows(args.length, args.repeats)
     table = Table(title=f'Decode step after {args.length} tokens: 4 layers x 512, 8 heads (2 KV of 64), vocab 8192, '

@@ -10,6 +10,7 @@ os.environ.setdefault('JAX_NUMPY_RANK_PROMOTION', 'raise')
 
 import atexit
 import pathlib
+import shlex
 import shutil
 import subprocess
 import sys
@@ -62,7 +63,6 @@ def pax_ok(cwd, *args, **kwargs):
 def printed_commands(recipe: str, cwd, *flags: str) -> list[list[str]]:
   """The `pax ...` lines that `python -m paxcli.recipes.<recipe> ex [flags]` writes its example for and prints,
   run in `cwd`, each split as a shell would (comments dropped)."""
-  import shlex
   printed = subprocess.run([sys.executable, '-m', f'paxcli.recipes.{recipe}', 'ex', *flags], cwd=cwd,
                            capture_output=True, text=True, timeout=300)
   assert printed.returncode == 0, printed.stderr

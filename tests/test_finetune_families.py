@@ -50,7 +50,7 @@ def test_the_same_commands_fine_tune_every_family_on_its_own_chat_template(famil
   assert first['ids'][:len(ids) - 1] == ids[:-1]   # the first chat's tokens: transformers' (its last is a label)
   assert first['text'].startswith(text[:len(text) // 2])
   pax_ok(tmp_path, 'train', *chat, '--set', 'NUM_TRAIN_STEPS=4', '--set', 'EVAL_INTERVAL_STEPS=0', '--set',
-       'SAVE_INTERVAL_STEPS=4', '--job-log-dir', 'ex/sft')
+         'SAVE_INTERVAL_STEPS=4', '--job-log-dir', 'ex/sft')
   pax_ok(tmp_path, 'checkpoint', 'convert', 'ex/sft', 'ex/sft_hf', '--to', 'hf', '--no-verify')
   assert _transformers(tmp_path, 'ex/sft_hf') == [text, ids]
   config = json.load(open(tmp_path / 'ex' / 'sft_hf' / 'config.json'))

@@ -37,7 +37,7 @@ def test_the_fine_tune_is_evaluated_decoded_and_scored_by_its_directory_alone(ex
   assert trainer['step'] == evaluated['step'] == 30
   assert evaluated['results']['eval']['loss'] == pytest.approx(trainer['loss'], rel=1e-5)
   decoded = json.loads(pax_ok(cwd, 'decode', '--job-log-dir', 'ex/sft', '--prompt', REQUEST['context'],
-                            '--max-decode-steps', '6', '--json').stdout.splitlines()[-1])
+                              '--max-decode-steps', '6', '--json').stdout.splitlines()[-1])
   assert decoded['decoded'].strip()
   scored = pax_ok(cwd, 'score', 'requests.jsonl', '--job-log-dir', 'ex/sft', '--output', 'scores.jsonl')
   assert 'Wrote 1 result to' in scored.stderr

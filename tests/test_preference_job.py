@@ -71,8 +71,8 @@ print(sum(logp(p['prompt'], p['chosen']) > logp(p['prompt'], p['rejected']) for 
 def test_lora_dpo_keeps_no_copy_and_its_peft_adapter_loads(example):
   cwd, _, _ = example
   out = pax_ok(cwd, 'train', '--exp', 'posttrain.TinyDpo', '--set', 'BASE=ex/llama', '--set', 'TRAIN_DATA=ex/prefs.jsonl',
-             '--set', 'LORA_RANK=4', '--set', 'NUM_TRAIN_STEPS=10', '--set', 'EVAL_INTERVAL_STEPS=0',
-             '--job-log-dir', 'ex/lora')
+               '--set', 'LORA_RANK=4', '--set', 'NUM_TRAIN_STEPS=10', '--set', 'EVAL_INTERVAL_STEPS=0',
+               '--job-log-dir', 'ex/lora')
   assert 'trainable (LoRA adapters)' in out.stdout + out.stderr
   first = _rows(cwd / 'ex' / 'lora' / 'train_metrics.jsonl')[0]
   assert first['rewards/accuracies'] >= 0 and first['loss'] < 0.6932   # from log 2: the adapters start off
