@@ -53,10 +53,14 @@ test: $(TESTS)
 
 # The tests marked slow, two workers the same way; then, one at a time, those also marked
 # `alone` (several jax.distributed processes that miss heartbeats when another worker starves them),
-# each named as it starts (-v): a log cut short still says which test was running.
+# each named as it starts and timed as it ends (-v): a log cut short still says where the time went.
+# Both share one XLA compilation cache (the tiny models they train are the same), made here unless the
+# caller gives one (.ci/run gives one to both suites), removed after.
 test-slow: $(TESTS)
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m 'slow and not alone' $(ARGS) $(NONE_COLLECTED_OK)
-	$(BIN)/python -m pytest -v -m 'slow and alone' $(ARGS) $(NONE_COLLECTED_OK)
+	@own=; if [ -z "$$JAX_COMPILATION_CACHE_DIR" ]; then own=$$(mktemp -d); export JAX_COMPILATION_CACHE_DIR=$$own; fi; \
+	  $(BIN)/python -m pytest -q -n 2 --dist loadfile -m 'slow and not alone' $(ARGS) $(NONE_COLLECTED_OK) \
+	  && $(BIN)/python -m pytest -v -m 'slow and alone' $(ARGS) $(NONE_COLLECTED_OK); \
+	  status=$$?; [ -z "$$own" ] || rm -rf "$$own"; exit $$status
 
 # The docs site into site/ (mkdocs.yml; the knob and command pages are written from the code).
 docs: $(DOCS)

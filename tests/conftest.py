@@ -98,3 +98,25 @@ def hf_reference(tmp_path_factory):
                                            hf=hf_models.save(model, str(tmp_path_factory.mktemp(f'hf-{family}'))))
     return made[family]
   return get
+
+
+_TIMED: dict = {'config': None, 'seconds': 0.0}
+
+
+def pytest_configure(config):
+  _TIMED['config'] = config
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_logreport(report):
+  """With -v (the alone tests in `make test-slow`), each test's time (set-up, call and teardown) follows its
+  result as it ends, so that a log cut short still shows where the time went."""
+  config = _TIMED['config']
+  if config is None or config.option.verbose < 1 or hasattr(config, 'workerinput'):
+    return
+  _TIMED['seconds'] += report.duration
+  if report.when == 'teardown':
+    reporter = config.pluginmanager.get_plugin('terminalreporter')
+    if reporter is not None:
+      reporter.write(f' ({_TIMED["seconds"]:.0f} s)')
+    _TIMED['seconds'] = 0.0
