@@ -50,7 +50,7 @@ def full_recompute_greedy(model, params, prompt_ids: Sequence[int], steps: int) 
   ids = list(prompt_ids)
   out = []
   for _ in range(steps):
-    tok = int(fwd(params, _padded(model, ids))[0][len(ids) - 1])
+    tok = int(np.asarray(fwd(params, _padded(model, ids))[0])[len(ids) - 1])   # read on the host: no device slice
     out.append(tok)
     ids.append(tok)
   return out
