@@ -126,8 +126,8 @@ def test_dot_product_gradients_equal_the_einsum_reference():
   segments = jnp.asarray([[1] * 5 + [2] * 7, [3] * 12], jnp.int32)
 
   def loss(impl):   # jitted, as training runs it
-    return jax.jit(jax.grad(lambda q, k, v: jnp.sum(jnp.sin(attention_ops.attention(q, k, v, segments, impl, window=4))),
-                            argnums=(0, 1, 2)))(q, k, v)
+    total = lambda q, k, v: jnp.sum(jnp.sin(attention_ops.attention(q, k, v, segments, impl, window=4)))
+    return jax.jit(jax.grad(total, argnums=(0, 1, 2)))(q, k, v)
 
   for ours, ref in zip(loss('dot_product'), loss('einsum')):
     np.testing.assert_allclose(ours, ref, atol=2e-5)
