@@ -14,7 +14,7 @@ from paxcli import config
 from paxcli.loops.decode.decoder import Decoder
 from paxcli.loops.decode.options import DecodeOptions
 from paxcli.loops.decode.prompts import Prompt
-from paxcli.loops.decode.reference import full_recompute_greedy, teacher_forced_logprob
+from paxcli.loops.decode.reference import full_recompute_greedy, teacher_forced_logprob, teacher_forced_logprobs
 from paxcli.runtime import engine
 
 TINY = ['VOCAB_SIZE=64', 'MODEL_DIMS=32', 'HIDDEN_DIMS=64', 'NUM_HEADS=4', 'MAX_SEQ_LEN=32',
@@ -60,8 +60,6 @@ def test_bfloat16_cached_decoding_matches_recomputation_within_tolerance():
   """bfloat16 activations: the cache holds bf16 keys/values, recomputation rounds differently, so
   the stated tolerance is per token: each generated token's cached log-probability is within
   0.05 nats of the teacher-forced one for the same tokens, and greedy tokens agree on >= 90%."""
-  import jax
-  import jax.numpy as jnp
   dec = _decoder(VARIANTS['gqa_rotary_rmsnorm_unrolled'] + ['FPROP_DTYPE="bfloat16"'], seed=2)
   records, _ = dec.run(PROMPTS, DecodeOptions(max_decode_steps=6))
   same = total = 0
@@ -69,11 +67,7 @@ def test_bfloat16_cached_decoding_matches_recomputation_within_tolerance():
     full = full_recompute_greedy(dec.model, dec.params, prompt.ids, 6)
     same += sum(a == b for a, b in zip(full, r['decoded_ids']))
     total += len(full)
-    ids = list(prompt.ids) + r['decoded_ids']
-    logits = dec.model.apply({'params': dec.params}, jnp.asarray([ids[:-1]], jnp.int32))[0]
-    logp = np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1))
-    p = len(prompt.ids)
-    tf = [logp[p - 1 + i, t] for i, t in enumerate(r['decoded_ids'])]
+    tf = teacher_forced_logprobs(dec.model, dec.params, prompt.ids, r['decoded_ids'])   # float32 logits
     np.testing.assert_allclose(r['token_logprobs'], tf, atol=0.05)
   assert same / total >= 0.9
 
@@ -204,14 +198,15 @@ def test_cli_writes_jsonl_and_prints_json(tmp_path, capsys):
   assert (out_dir / 'pax_decode_step0_1.jsonl').read_text() == 'an earlier run\n'
 
 
-def test_one_device_gives_the_tokens_of_eight(tmp_path):
+def test_one_device_gives_the_tokens_of_eight(tmp_path, capsys):
   args = CLI + ['--no-checkpoint', '--prompt-ids', '3,4,5,6', '--max-decode-steps', '6', '--json',
                 '--set', 'NUM_KV_HEADS=2', '--set', 'ICI_MESH_SHAPE=None']
+  # one device needs a process of its own; the eight are this process's (conftest)
   one = run_pax(*args, '--output', str(tmp_path / 'one.jsonl'),
                 env={'XLA_FLAGS': '--xla_force_host_platform_device_count=1'})
   assert one.returncode == 0, one.stderr[-2000:]
-  eight = run_pax(*args, '--output', str(tmp_path / 'eight.jsonl'))
-  assert eight.returncode == 0, eight.stderr[-2000:]
+  code, _, err = pax_main(args + ['--output', str(tmp_path / 'eight.jsonl')], capsys)
+  assert code == 0, err[-2000:]
   ids = lambda p: [json.loads(x)['decoded_ids'] for x in open(p)]
   assert ids(tmp_path / 'one.jsonl') == ids(tmp_path / 'eight.jsonl')
 

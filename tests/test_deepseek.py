@@ -5,6 +5,8 @@ rotary key only; rows with their own LoRA adapters (pax serve's) decode as each 
 layers differ in more than their MLP is not a DeepSeek-V3.
 Against transformers' own DeepseekV3ForCausalLM: tests/test_hf_families.py (its reference entry)."""
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -79,7 +81,7 @@ def test_decoding_through_the_latent_cache_equals_the_full_forward_pass(form, te
 
 def test_the_cache_holds_the_latent_and_the_rotary_key_only():
   model = _model()
-  params = _params(model)
+  params = jax.eval_shape(lambda: _params(model))   # the cache's shapes need the params' only
   cache = nn.meta.unbox(jax.eval_shape(lambda p: model.init_cache(p, 2, 64), params))
   attention = cache['layer_1']['attention']
   assert attention['cached_latent'].shape == (2, 64, 16) and attention['cached_rope_key'].shape == (2, 64, 4)
@@ -110,21 +112,26 @@ def test_rows_with_their_own_lora_adapters_decode_as_each_alone():
   rng = np.random.default_rng(5)
   x = jnp.asarray(rng.normal(size=(2, 12, 24)), jnp.float32)
   positions = jnp.broadcast_to(jnp.arange(12), (2, 12))
-  base = nn.meta.unbox(layer.init(jax.random.key(0), x, None, positions)['params'])
-  own = [jax.tree.map(lambda w: 0.3 * jax.random.normal(jax.random.key(i + 1), w.shape), base) for i in range(2)]
+  # Each apply jitted: one compile per shape instead of the layer's ops dispatched one by one.
+  base = nn.meta.unbox(jax.jit(layer.init)(jax.random.key(0), x, None, positions)['params'])
+  # drawn by numpy: jax.random.normal would compile once for each weight's shape
+  own = [jax.tree.map(lambda w: (0.3 * np.random.default_rng(i + 1).standard_normal(w.shape)).astype(np.float32), base)
+         for i in range(2)]
   rows = [{k: own[i][k] if k.endswith(('_lora_a', '_lora_b')) else base[k] for k in base} for i in range(2)]
   stacked = {k: jnp.stack([rows[0][k], rows[1][k]]) if k.endswith(('_lora_a', '_lora_b')) else base[k]
              for k in base}
-  cache = layer.apply({'params': stacked}, jnp.zeros_like(x), None, positions, mutable=['cache'])[1]['cache']
+  apply = jax.jit(functools.partial(layer.apply, mutable=['cache']))
+  cache = apply({'params': stacked}, jnp.zeros_like(x), None, positions)[1]['cache']
   got = []
   for start, size in ((0, 7), (7, 1), (8, 4)):
-    out, mutated = layer.apply({'params': stacked, 'cache': cache}, x[:, start:start + size], None,
-                               positions[:, start:start + size], mutable=['cache'])
+    out, mutated = apply({'params': stacked, 'cache': cache}, x[:, start:start + size], None,
+                         positions[:, start:start + size])
     cache = mutated['cache']
     got.append(out)
   got = np.asarray(jnp.concatenate(got, axis=1))
+  forward = jax.jit(layer.apply)
   for i in range(2):
-    alone = np.asarray(layer.apply({'params': rows[i]}, x[i:i + 1], None, positions[i:i + 1]))
+    alone = np.asarray(forward({'params': rows[i]}, x[i:i + 1], None, positions[i:i + 1]))
     np.testing.assert_allclose(got[i], alone[0], atol=2e-4, rtol=1e-4)
 
 

@@ -88,10 +88,11 @@ def test_the_blockwise_kernel_equals_the_reference_values_and_gradients(length, 
   segments = jnp.asarray([[1] * (length // 2) + [2] * (length - length // 2), [1] * length], jnp.int32)
 
   def grads(fn):
-    return jax.grad(lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v))), argnums=(0, 1, 2))(q, k, v)
+    return jax.jit(jax.grad(lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v))), argnums=(0, 1, 2)))(q, k, v)
 
-  local = lambda q, k, v: attention_ops.local_attention(q, k, v, segments, window, cap, block)
-  ref = lambda q, k, v: attention_ops.einsum_attention(q, k, v, segments, cap, window)
+  # jitted, as training runs them: one compile each instead of their ops dispatched one by one
+  local = jax.jit(lambda q, k, v: attention_ops.local_attention(q, k, v, segments, window, cap, block))
+  ref = jax.jit(lambda q, k, v: attention_ops.einsum_attention(q, k, v, segments, cap, window))
   np.testing.assert_allclose(local(q, k, v), ref(q, k, v), atol=2e-6)
   for ours, theirs in zip(grads(local), grads(ref)):
     np.testing.assert_allclose(ours, theirs, atol=1e-5)
@@ -124,9 +125,9 @@ def test_dot_product_gradients_equal_the_einsum_reference():
   q, k, v = _qkv(seed=1)
   segments = jnp.asarray([[1] * 5 + [2] * 7, [3] * 12], jnp.int32)
 
-  def loss(impl):
-    return jax.grad(lambda q, k, v: jnp.sum(jnp.sin(attention_ops.attention(q, k, v, segments, impl, window=4))),
-                    argnums=(0, 1, 2))(q, k, v)
+  def loss(impl):   # jitted, as training runs it
+    total = lambda q, k, v: jnp.sum(jnp.sin(attention_ops.attention(q, k, v, segments, impl, window=4)))
+    return jax.jit(jax.grad(total, argnums=(0, 1, 2)))(q, k, v)
 
   for ours, ref in zip(loss('dot_product'), loss('einsum')):
     np.testing.assert_allclose(ours, ref, atol=2e-5)
@@ -142,7 +143,7 @@ def _reach(**settings):
   """Which positions' logits change when token 0 changes, for a model of SETTINGS with `settings`."""
   model = instantiate(lm_config(**{**SETTINGS, **settings}))
   ids = jnp.asarray(np.random.default_rng(0).integers(1, 32, (1, 12)), jnp.int32)
-  params = model.init(jax.random.key(0), ids)['params']
+  params = jax.jit(model.init)(jax.random.key(0), ids)['params']   # one compile, not the model op by op
   fwd = jax.jit(lambda x: model.apply({'params': params}, x))
   moved = np.abs(np.asarray(fwd(ids) - fwd(ids.at[0, 0].set(0)))).max(axis=-1)[0]
   return [t for t in range(12) if moved[t] > 1e-6]
@@ -187,10 +188,11 @@ def test_cached_decoding_equals_full_recomputation_with_a_window(sets):
     assert r['logprob'] == pytest.approx(tf, abs=1e-4)
 
 
-def _model(**settings):
+def _model(abstract=False, **settings):
+  """(model, params): params initialised in one compile (not op by op), or only their shapes when `abstract`."""
   model = instantiate(lm_config(**{**SETTINGS, 'max_seq_len': 48, **settings}))
-  ids = jnp.zeros((1, 8), jnp.int32)
-  return model, model.init(jax.random.key(1), ids)['params']
+  init = lambda: model.init(jax.random.key(1), jnp.zeros((1, 8), jnp.int32))['params']
+  return model, (jax.eval_shape(init) if abstract else jax.jit(init)())
 
 
 @pytest.mark.parametrize('settings', [pytest.param(dict(sliding_window=6), marks=pytest.mark.slow),
@@ -203,14 +205,17 @@ def test_extend_in_chunks_of_every_size_gives_the_full_forward_logits(settings):
   rng = np.random.default_rng(2)
   ids = rng.integers(1, 32, (2, 40)).astype(np.int32)
   positions = np.stack([np.arange(40), np.arange(40) - 3]).astype(np.int32)   # row 1: 3 padding tokens, then 0..36
-  full = np.asarray(model.apply({'params': params}, jnp.asarray(ids)))
-  alone = np.asarray(model.apply({'params': params}, jnp.asarray(ids[1:, 3:])))
+  # row 1 without its padding, right-padded instead (causal: its first 37 logits are its own), in the same batch
+  both = np.concatenate([ids, np.pad(ids[1:, 3:], ((0, 0), (0, 3)))])
+  full = np.asarray(jax.jit(lambda x: model.apply({'params': params}, x))(jnp.asarray(both)))
+  full, alone = full[:2], full[2:, :37]
   extend = jax.jit(model.extend)
   cache = jax.tree.map(jnp.asarray, nn.meta.unbox(model.init_cache(params, 2, 40)))
   start = 0
   for size in (5, 1, 1, 13, 5, 1, 13, 1):   # three sizes: three compiles
     logits, cache = extend(params, cache, jnp.asarray(ids[:, start:start + size]),
                            jnp.asarray(np.where(positions[:, start:start + size] >= 0, positions[:, start:start + size], -1)))
+    logits = np.asarray(logits)   # sliced on the host: each slice of a device array would compile
     np.testing.assert_allclose(logits[0], full[0, start:start + size], atol=2e-5)
     real = slice(max(start, 3), start + size)
     np.testing.assert_allclose(logits[1, real.start - start:], alone[0, real.start - 3:real.stop - 3], atol=2e-5)
@@ -219,14 +224,15 @@ def test_extend_in_chunks_of_every_size_gives_the_full_forward_logits(settings):
 
 
 def test_the_rolling_cache_holds_a_window_of_tokens_and_a_global_layer_all():
-  model, params = _model(layer_pattern=('local', 'global'), scan_layers=True, layer_kinds={'local': {'SLIDING_WINDOW': 6}})
+  model, params = _model(abstract=True, layer_pattern=('local', 'global'), scan_layers=True,
+                         layer_kinds={'local': {'SLIDING_WINDOW': 6}})
   cache = nn.meta.unbox(jax.eval_shape(lambda p: model.init_cache(p, 2, 4096), params))
   local, full = cache['layers']['block_0']['attention'], cache['layers']['block_1']['attention']
   # the full cache is heads-major: keys [layers, B, K, E, S]
   assert local['cached_key'].shape == (1, 2, 6, 2, 4) and full['cached_key'].shape == (1, 2, 2, 4, 4096)
   assert 'cached_position' in local and 'cached_position' not in full
   # a window at least as long as the text keeps the plain cache
-  short, params = _model(sliding_window=64)
+  short, params = _model(abstract=True, sliding_window=64)
   plain = nn.meta.unbox(jax.eval_shape(lambda p: short.init_cache(p, 2, 48), params))
   assert plain['layer_0']['attention']['cached_key'].shape == (2, 2, 4, 48)
 
