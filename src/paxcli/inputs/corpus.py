@@ -24,7 +24,7 @@ import json
 import os
 import sys
 import sysconfig
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 import sentencepiece as spm
@@ -43,14 +43,16 @@ def cache_root() -> str:
       os.environ.get('XDG_CACHE_HOME') or os.path.expanduser('~/.cache'), 'paxcli')
 
 
-def stdlib_docstrings() -> list[tuple[str, str]]:
-  """(relative path, docstring) for every module, class and function docstring."""
+def stdlib_docstrings(packages: Optional[Sequence[str]] = None) -> list[tuple[str, str]]:
+  """(relative path, docstring) for every module, class and function docstring; of the top-level packages
+  and modules named in `packages` only, when given (the same pairs in the same order as a filter of all)."""
   root = sysconfig.get_paths()['stdlib']
   docs = []
   for directory, dirs, files in os.walk(root):
-    dirs[:] = sorted(d for d in dirs if d not in _SKIP_DIRS)
+    top = directory == root and packages is not None
+    dirs[:] = sorted(d for d in dirs if d not in _SKIP_DIRS and (not top or d in packages))
     for name in sorted(files):
-      if not name.endswith('.py'):
+      if not name.endswith('.py') or (top and name.removesuffix('.py') not in packages):
         continue
       path = os.path.join(directory, name)
       try:
