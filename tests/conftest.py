@@ -100,6 +100,28 @@ def hf_reference(tmp_path_factory):
   return get
 
 
+@pytest.fixture(scope='session')
+def tiny_trained(tmp_path_factory):
+  """tests/tiny_lm.py's trained model and its HF export, (job, hf), for the modules that only read it (they
+  write their own runs elsewhere): trained once per run (a minute on 2 cores), by the first pytest-xdist worker
+  that asks, in the temp directory the workers share; the others wait for it and read the same."""
+  import filelock
+
+  import tiny_lm
+  shared = tmp_path_factory.getbasetemp()
+  if os.environ.get('PYTEST_XDIST_WORKER'):
+    shared = shared.parent   # the workers' basetemps are gw0, gw1... under one run directory
+  base, done = shared / 'tiny_lm', shared / 'tiny_lm.done'
+  with filelock.FileLock(str(shared / 'tiny_lm.lock'), timeout=1800):
+    if not done.exists():
+      shutil.rmtree(base, ignore_errors=True)   # a worker that died half-way leaves no half-trained job
+      base.mkdir()
+      paths = tiny_lm.train_and_export(str(base))
+      done.write_text('\n'.join(paths))
+  job, hf = done.read_text().split('\n')
+  return job, hf
+
+
 _TIMED: dict = {'config': None, 'seconds': 0.0}
 
 

@@ -178,10 +178,10 @@ TRAINED_BOUND = 0.05
 
 
 @pytest.fixture(scope='module')
-def trained(tmp_path_factory):
+def trained(tmp_path_factory, tiny_trained):
   import tiny_lm
   work = tmp_path_factory.mktemp('qlora-trained')
-  job, hf = tiny_lm.train_and_export(str(work))
+  job, hf = tiny_trained   # read only: the QLoRA run and the exports go under `work`
   sft = str(work / 'sft')
   sets = [f'INIT_FROM={job!r}', 'WEIGHT_QUANT="nf4"', f'QUANT_BLOCK_SIZE={BLOCK}', 'LORA_RANK=4', 'LORA_ALPHA=8.0',
           'LORA_TARGETS=("query","key","value","output","mlp")', 'NUM_TRAIN_STEPS=20', 'SAVE_INTERVAL_STEPS=20',

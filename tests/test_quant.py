@@ -159,23 +159,31 @@ def _decode_logits(setup, params, ids):
   return np.concatenate(out, axis=1)
 
 
-@pytest.mark.parametrize('knobs', [
-    pytest.param(('WEIGHT_QUANT="int8"', 'KV_CACHE_QUANT="int8"'), id='weights+cache'),
-    pytest.param(('WEIGHT_QUANT="int8"',), id='weights', marks=pytest.mark.slow),
-    pytest.param(('KV_CACHE_QUANT="int8"',), id='cache', marks=pytest.mark.slow)])
-def test_int8_weights_and_cache_decode_as_float32_within_the_stated_bound(knobs):
-  """One random model through the decoding path on the certification's fixed prompts: float32 against int8
-  weights (its float kernels coded as decode reads a checkpoint: quantize_like) and/or an int8 cache, compared as
-  certifications report (compare): top-1 agreement and mean KL, held to INT8_TOP1 and INT8_KL. (A trained model
-  agrees far more closely: benchmarks/quant.py measured 100% and a mean KL of 3e-5 for both.)"""
+@pytest.fixture(scope='module')
+def float_decode():
+  """(params, prompts, logits) of the random float32 model through the decoding path: the reference every int8
+  case below is compared to, computed once for them."""
   import jax
   from paxcli.convert import certify
-  from paxcli.layers import quant
   from paxcli.runtime import engine
   float_setup = _setup()
   params = jax.device_get(engine.init_state(float_setup, 0)['params'])
   ids = certify.prompts(64, 32)
-  want = _decode_logits(float_setup, params, ids)
+  return params, ids, _decode_logits(float_setup, params, ids)
+
+
+@pytest.mark.parametrize('knobs', [
+    pytest.param(('WEIGHT_QUANT="int8"', 'KV_CACHE_QUANT="int8"'), id='weights+cache'),
+    pytest.param(('WEIGHT_QUANT="int8"',), id='weights', marks=pytest.mark.slow),
+    pytest.param(('KV_CACHE_QUANT="int8"',), id='cache', marks=pytest.mark.slow)])
+def test_int8_weights_and_cache_decode_as_float32_within_the_stated_bound(knobs, float_decode):
+  """One random model through the decoding path on the certification's fixed prompts: float32 against int8
+  weights (its float kernels coded as decode reads a checkpoint: quantize_like) and/or an int8 cache, compared as
+  certifications report (compare): top-1 agreement and mean KL, held to INT8_TOP1 and INT8_KL. (A trained model
+  agrees far more closely: benchmarks/quant.py measured 100% and a mean KL of 3e-5 for both.)"""
+  from paxcli.convert import certify
+  from paxcli.layers import quant
+  params, ids, want = float_decode
   setup = _setup(*knobs)
   plan = quant.float_twin(setup.abstract_state['params'], setup.logical)[2]
   coded = quant.quantize_like(params, plan) if plan else params

@@ -16,7 +16,7 @@ from rich.console import Console
 
 from test_lm_eval import OFFLINE, TASKS, write_tasks
 from test_serve import Server
-from tiny_lm import EXP, KNOBS, train_and_export
+from tiny_lm import EXP, KNOBS
 
 pytest.importorskip('fastapi')
 pytest.importorskip('lm_eval')
@@ -26,9 +26,10 @@ QUIET = Console(quiet=True)
 
 
 @pytest.fixture(scope='module')
-def trained(tmp_path_factory):
+def trained(tmp_path_factory, tiny_trained):
+  """(this module's work directory, the session's tiny trained job, its HF export): the job is only read."""
   base = tmp_path_factory.mktemp('serve_clients')
-  job, hf = train_and_export(str(base))
+  job, hf = tiny_trained
   return base, job, hf
 
 
