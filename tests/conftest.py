@@ -81,6 +81,13 @@ def pax_main(argv, capsys):
   return code, out.out, out.err
 
 
+def pax_main_ok(argv, capsys):
+  """pax_main, which must succeed (its stderr in the failure otherwise); returns (stdout, stderr)."""
+  code, out, err = pax_main(argv, capsys)
+  assert code == 0, err
+  return out, err
+
+
 @pytest.fixture(scope='session')
 def hf_reference(tmp_path_factory):
   """family name -> (transformers' tiny model of it, the directory save_pretrained wrote), built once per

@@ -8,7 +8,7 @@ import struct
 import numpy as np
 import pytest
 
-from conftest import pax_main, run_pax
+from conftest import pax_main, pax_main_ok as _ok, run_pax
 
 EXP = 'lm_cloud.LmCloudSpmdTest'
 # A small Llama: RMSNorm, gated SiLU, rotary, no bias, tied embeddings, GQA (4 heads, 2 kv heads).
@@ -21,12 +21,6 @@ LLAMA = ['--set', 'MODEL_DIMS=32', '--set', 'HIDDEN_DIMS=64', '--set', 'NUM_HEAD
 
 def _sets(args):
   return [args[i + 1] for i, a in enumerate(args) if a == '--set']
-
-
-def _ok(argv, capsys):
-  code, out, err = pax_main(argv, capsys)
-  assert code == 0, err
-  return out, err
 
 
 @pytest.fixture(scope='module')

@@ -16,17 +16,11 @@ import shutil
 import numpy as np
 import pytest
 
-from conftest import pax_main
+from conftest import pax_main, pax_main_ok as _ok
 
 FIXTURES = os.path.join(os.path.dirname(__file__), 'fixtures', 'maxtext_ckpt')
 NAMES = sorted(n for n in os.listdir(FIXTURES) if os.path.isfile(os.path.join(FIXTURES, n, 'logits.npy')))
 TOLERANCE = 1e-4
-
-
-def _ok(argv, capsys):
-  code, out, err = pax_main(argv, capsys)
-  assert code == 0, err
-  return out, err
 
 
 def _recipe(name, tmp_path, capsys, *extra) -> str:

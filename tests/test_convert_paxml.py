@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import pax_main
+from conftest import pax_main, pax_main_ok as _ok
 
 FIXTURES = os.path.join(os.path.dirname(__file__), 'fixtures', 'paxml')
 STEP_DIR = 'checkpoints/checkpoint_00000004'
@@ -70,12 +70,6 @@ def _logits_of_output(out, exp):
   model = core.build_model(config.resolve(exp, [])).module
   ids, _ = _paxml_logits('repeated')
   return core.logits(model, params, ids), params
-
-
-def _ok(argv, capsys):
-  code, out, err = pax_main(argv, capsys)
-  assert code == 0, err
-  return out, err
 
 
 def test_repeated_lm_cloud_checkpoint_converts_to_the_same_function(tmp_path, capsys):

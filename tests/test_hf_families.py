@@ -16,15 +16,9 @@ import numpy as np
 import pytest
 
 import hf_models
-from conftest import pax_main
+from conftest import pax_main, pax_main_ok as _ok
 
 pytest.importorskip('transformers')
-
-
-def _ok(argv, capsys):
-  code, out, err = pax_main(argv, capsys)
-  assert code == 0, err
-  return out, err
 
 
 def _failed(argv, capsys):

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import hf_models
-from conftest import pax_main
+from conftest import pax_main, pax_main_ok as _ok
 
 pytest.importorskip('transformers')
 
@@ -75,12 +75,6 @@ def mm(tmp_path_factory):
   result = api.convert_checkpoint(old, job, fmt='hf', recipe=recipe, console=Console(file=printed, width=400))
   return types.SimpleNamespace(model=model, old=old, new=new, new_names=new_names, job=job, recipe=recipe,
                                exp=f'{recipe}:HfGemma3', result=result, printed=printed.getvalue(), work=work)
-
-
-def _ok(argv, capsys):
-  code, out, err = pax_main(argv, capsys)
-  assert code == 0, err
-  return out, err
 
 
 def _paxcli_logits(exp, job, ids):

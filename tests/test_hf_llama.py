@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from conftest import pax_main
+from conftest import pax_main, pax_main_ok
 from paxcli.recipes import finetune
 
 # A Llama-3-style config small enough for a test; original_max_position_embeddings 64 with head_dim 16
@@ -75,9 +75,7 @@ def write_hf(directory, cfg, seed=0):
 
 
 def _ok(argv, capsys):
-  code, out, err = pax_main(argv, capsys)
-  assert code == 0, err
-  return out
+  return pax_main_ok(argv, capsys)[0]
 
 
 @pytest.mark.parametrize('tied', [True, False])
