@@ -5,12 +5,13 @@ defined in local YAMLs over local JSONL data: no download); bad input is one lin
 
 import json
 import os
+import shutil
 import sys
 
 import pytest
 
 from conftest import pax_main, run_pax
-from tiny_lm import EXP, KNOBS, sets, train_and_export
+from tiny_lm import EXP, KNOBS, sets
 
 pytest.importorskip('lm_eval')
 OFFLINE = {'HF_DATASETS_OFFLINE': '1', 'HF_HUB_OFFLINE': '1'}
@@ -59,9 +60,12 @@ def write_tasks(directory):
 
 
 @pytest.fixture(scope='module')
-def trained(tmp_path_factory):
+def trained(tiny_trained, tmp_path_factory):
+  """conftest's tiny trained model; a copy of its job directory, which `pax lm-eval` writes its results into."""
   base = tmp_path_factory.mktemp('lmeval')
-  job, hf = train_and_export(str(base))
+  shared_job, hf = tiny_trained
+  job = str(base / 'job')
+  shutil.copytree(shared_job, job, symlinks=True)
   return base, job, hf, write_tasks(str(base / 'tasks'))
 
 
