@@ -63,7 +63,7 @@ def test_layout_changes_with_the_recipe(tmp_path, capsys):
   out_dir = str(tmp_path / 'px')
   _ok(['checkpoint', 'convert', os.path.join(FIXTURES, name, 'run', 'checkpoints', '1'), out_dir, '--from',
        'maxtext', '--exp', exp, '--set', 'USE_REPEATED_LAYER=False'], capsys)
-  from paxcli.convert import core, formats
+  from paxcli.convert import formats
   src = formats.open_source(out_dir)
   assert 'params/layer_1/attention/query/kernel' in {a.name for a in src.arrays()}
 

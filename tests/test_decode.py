@@ -4,7 +4,6 @@ Models are tiny and float32; each decoder is built once per module (compiles dom
 """
 
 import json
-import os
 
 import numpy as np
 import pytest

@@ -14,7 +14,6 @@ import json
 import os
 import types
 
-import numpy as np
 import pytest
 
 import hf_models
