@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from conftest import pax_main, pax_ok, printed_commands
+from conftest import pax_main_ok, pax_ok, printed_commands
 from paxcli.recipes import finetune
 
 pytestmark = pytest.mark.slow   # an import, a short fine-tune and an export per family: about a minute each
@@ -36,9 +36,7 @@ def test_the_same_commands_fine_tune_every_family_on_its_own_chat_template(famil
   (tmp_path / 'one.jsonl').write_text(json.dumps({'messages': MESSAGES}) + '\n')   # a row that starts with it
   one = [*chat[:-1], 'TRAIN_DATA=one.jsonl', '--set', 'EVAL_DATA=one.jsonl']
   monkeypatch.chdir(tmp_path)   # the check of the input in this process; the tutorial's commands in fresh ones
-  code, out, err = pax_main(['inspect-input', *one, '--num-batches', '1', '--json'], capsys)
-  assert code == 0, err
-  shown = json.loads(out.splitlines()[0])
+  shown = json.loads(pax_main_ok(['inspect-input', *one, '--num-batches', '1', '--json'], capsys)[0].splitlines()[0])
   text, ids = _transformers(tmp_path / 'ex' / 'hf')
   first = shown['examples'][0]
   assert first['ids'][:len(ids) - 1] == ids[:-1]   # the first chat's tokens: transformers' (its last is a label)

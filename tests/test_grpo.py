@@ -11,7 +11,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from conftest import pax_main, run_pax
+from conftest import pax_main, pax_main_ok, run_pax
 from paxcli.models import rewards
 from paxcli.recipes import grpo as grpo_recipe
 
@@ -231,9 +231,8 @@ def test_two_processes_sample_and_train_as_one(example, tmp_path, capsys):
                 '--job-log-dir', str(tmp_path / 'two'), timeout=600)
   assert two.returncode == 0, two.stdout[-2000:] + two.stderr[-4000:]
   # The 1-process reference in this process (its 8 fake devices): the 2-process run above is the fresh shells.
-  code, _, err = pax_main(['train', '--exp', f'{exp}:SampleGrpo', *knobs, '--set', 'ICI_MESH_SHAPE=[1,8,1]',
-                           '--job-log-dir', str(tmp_path / 'one')], capsys)
-  assert code == 0, err[-4000:]
+  pax_main_ok(['train', '--exp', f'{exp}:SampleGrpo', *knobs, '--set', 'ICI_MESH_SHAPE=[1,8,1]',
+               '--job-log-dir', str(tmp_path / 'one')], capsys)
   rows_two, rows_one = _rows(tmp_path / 'two'), _rows(tmp_path / 'one')
   assert [r['step'] for r in rows_two] == [1, 2, 3, 4]
   for a, b in zip(rows_two, rows_one):

@@ -59,8 +59,8 @@ def test_import_is_certified_by_transformers_and_gives_its_logits(imported):
   heads = () if 'kv_lora_rank' in imported.ref.config else ('NUM_KV_HEADS = 2',)   # latent attention has none
   for line in imported.ref.recipe_lines + heads:
     assert f'  {line}\n' in text, line
-  # Other ids than the certificate's, of its shape (2 x 64): paxcli's eager forward pass then reuses the op
-  # compilations the import's certification made instead of compiling each op again for another shape.
+  # Other ids than the certificate's, of its shape (2 x 64): paxcli's forward pass is then the program the
+  # import's certification compiled, which the persistent compilation cache gives back.
   ids = np.random.default_rng(7).integers(0, 128, (2, 64)).astype(np.int32)
   np.testing.assert_allclose(_paxcli_logits(imported, ids), hf_models.logits(imported.model, ids), atol=1e-4, rtol=0)
 

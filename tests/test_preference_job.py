@@ -12,7 +12,7 @@ import types
 
 import pytest
 
-from conftest import pax_main, pax_ok, printed_commands, run_pax
+from conftest import pax_main_ok, pax_ok, printed_commands, run_pax
 
 pytestmark = pytest.mark.slow   # a conversion, two short tunes and torch: minutes on a shared machine
 
@@ -43,8 +43,7 @@ def in_example(example, monkeypatch, capsys):
   monkeypatch.chdir(example[0])
 
   def ok(*argv):
-    code, out, err = pax_main(argv, capsys)
-    assert code == 0, (argv, err[-3000:])
+    out, err = pax_main_ok(argv, capsys)
     return types.SimpleNamespace(stdout=out, stderr=err)
   return ok
 
